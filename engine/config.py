@@ -1,0 +1,33 @@
+"""Engine configuration: what to load, on which backend, and how large the KV pool is."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str                           # a local directory or a Hugging Face hub id
+    dtype: str = "auto"                  # auto (the checkpoint's) | f32 | bf16 | f16
+    backend: str = "cpu"
+    block_size: int = 16                 # tokens per KV block, a power of two in [8, 128]
+    num_kv_blocks: int | None = None     # explicit pool size; else from kv_cache_memory_mb
+    kv_cache_memory_mb: int = 1024
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048   # per-step token budget
+    prefill_chunk_size: int = 0          # max prompt tokens per sequence per step; 0 = budget only
+    enable_prefix_caching: bool = True
+    max_model_len: int | None = None     # default: the model's max_position_embeddings
+    yarn_scaling_factor: float | None = None
+    tokenizer: str | None = None         # default: the model directory
+    seed: int = 0                        # seeds per-request seeds when a request gives none
+
+    def __post_init__(self):
+        if self.block_size < 8 or self.block_size > 128 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two in [8, 128], got {self.block_size}")
+        if self.dtype not in ("auto", "f32", "bf16", "f16", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be auto, f32, bf16 or f16, got {self.dtype!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1")
+        if self.prefill_chunk_size < 0:
+            raise ValueError("prefill_chunk_size must be >= 0 (0 = off)")

@@ -1,0 +1,57 @@
+"""Per-request sampling parameters, with vLLM's names and meanings (DESIGN.md section 5)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0                  # 0 or -1: off
+    min_p: float = 0.0
+    presence_penalty: float = 0.0   # OpenAI formula, over generated tokens only
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # prompt and output: positive logits / p, negative * p
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    max_tokens: int | None = 16      # None: up to the model length
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        self._check("n", self.n >= 1, "must be at least 1")
+        self._check("temperature", 0.0 <= self.temperature <= 100.0, "must be in [0, 100]")
+        self._check("top_p", 0.0 < self.top_p <= 1.0, "must be in (0, 1]")
+        self._check("top_k", self.top_k >= 0, "must be -1, 0 (off) or positive")
+        self._check("min_p", 0.0 <= self.min_p <= 1.0, "must be in [0, 1]")
+        self._check("presence_penalty", -2.0 <= self.presence_penalty <= 2.0, "must be in [-2, 2]")
+        self._check("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0, "must be in [-2, 2]")
+        self._check("repetition_penalty", 0.0 < self.repetition_penalty <= 10.0, "must be in (0, 10]")
+        self._check("max_tokens", self.max_tokens is None or self.max_tokens >= 1, "must be at least 1")
+        self._check("min_tokens", self.min_tokens >= 0, "must be non-negative")
+        self._check("min_tokens", self.max_tokens is None or self.min_tokens <= self.max_tokens,
+                    "must not exceed max_tokens")
+        self._check("seed", self.seed is None or 0 <= self.seed < 2**64, "must be in [0, 2^64)")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5 or self.top_k == 1
+
+    @staticmethod
+    def _check(param: str, ok: bool, message: str):
+        if not ok:
+            raise ValueError(f"{param} {message}")

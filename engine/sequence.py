@@ -1,0 +1,69 @@
+"""One request's token stream and its place in the paged KV cache."""
+from __future__ import annotations
+
+import enum
+import itertools
+import random
+
+from engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    FINISHED = enum.auto()
+
+
+_ids = itertools.count()
+
+
+class Sequence:
+    """Tokens so far (prompt + output) and how many of them have K/V in the cache.
+
+    The engine's single rule: `num_computed_tokens` catches up to `num_tokens`. A prompt, a
+    prefill chunk and a decode step are all "compute the next few uncomputed tokens"; when a step
+    computes the last token, its logits sample the next one.
+    """
+
+    def __init__(self, token_ids: list[int], sampling_params: SamplingParams | None = None,
+                 request_id: str | None = None, arrival_time: float = 0.0):
+        self.seq_id = next(_ids)
+        self.request_id = request_id if request_id is not None else str(self.seq_id)
+        self.token_ids = list(token_ids)
+        self.num_prompt_tokens = len(token_ids)
+        self.sampling_params = sampling_params or SamplingParams()
+        self.status = SequenceStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0      # prompt tokens served from the prefix cache (first hit)
+        self.block_table: list[int] = []
+        self.block_hashes: list[int] = []  # hash chain of this sequence's full blocks
+        self.finish_reason: str | None = None
+        self.arrival_time = arrival_time
+        seed = self.sampling_params.seed
+        self.seed = seed if seed is not None else random.getrandbits(64)
+
+    def __len__(self):
+        return len(self.token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int):
+        self.token_ids.append(token_id)
+
+    def __repr__(self):
+        return (f"Sequence(id={self.seq_id}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens}, status={self.status.name})")

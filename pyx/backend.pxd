@@ -1,0 +1,2 @@
+cdef class Backend:
+    cdef readonly str name
