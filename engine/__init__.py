@@ -1,0 +1,18 @@
+"""Taper's engine: `LLM` for offline generation, `AsyncEngine` for serving."""
+from __future__ import annotations
+
+from engine.config import EngineConfig
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+__all__ = ["LLM", "AsyncEngine", "EngineConfig", "RequestOutput", "SamplingParams"]
+
+
+def __getattr__(name):  # keep `import engine` light: the model stack loads on first use
+    if name == "LLM":
+        from engine.llm import LLM
+        return LLM
+    if name == "AsyncEngine":
+        from engine.async_engine import AsyncEngine
+        return AsyncEngine
+    raise AttributeError(name)

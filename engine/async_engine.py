@@ -1,0 +1,119 @@
+"""AsyncEngine: the LLMEngine on its own thread, fed and drained from an asyncio event loop.
+
+The engine thread owns all engine state. The event loop talks to it through a command queue
+(add, abort) and receives RequestOutputs through per-request asyncio queues, handed over with
+call_soon_threadsafe. Kernels release the GIL, so the event loop keeps serving while a step runs.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from typing import AsyncIterator
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+log = logging.getLogger("taper.engine")
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig):
+        self.engine = LLMEngine(config)
+        self.tokenizer = self.engine.tokenizer
+        self.model_config = self.engine.model_config
+        self.max_model_len = self.engine.max_model_len
+        self.model_name = config.model
+        self._commands: queue.Queue = queue.Queue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stopping = False
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="taper-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int],
+                    params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """Queues the request and returns the stream of its outputs. Raises ValueError at once
+        for a request the engine cannot take (checked again on the engine thread)."""
+        if not self.is_running:
+            raise RuntimeError("the engine is not running")
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        loop = asyncio.get_running_loop()
+        stream: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = (loop, stream)
+        self._commands.put(("add", request_id, list(prompt_token_ids), params))
+        return self._iterate(request_id, stream)
+
+    async def _iterate(self, request_id: str, stream: asyncio.Queue):
+        done = False
+        try:
+            while True:
+                item = await stream.get()
+                done = isinstance(item, BaseException) or item.finished
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if done:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not done:
+                self.abort(request_id)  # the consumer left early: free the request's blocks
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
+
+    def shutdown(self) -> None:
+        self._stopping = True
+        self._commands.put(("stop",))
+        self._thread.join(timeout=30)
+
+    # ---- engine thread
+
+    def _deliver(self, request_id: str, item) -> None:
+        entry = self._streams.get(request_id)
+        if entry is not None:
+            loop, stream = entry
+            loop.call_soon_threadsafe(stream.put_nowait, item)
+
+    def _handle(self, command) -> None:
+        if command[0] == "add":
+            _, request_id, prompt, params = command
+            try:
+                self.engine.add_request(request_id, prompt, params)
+            except ValueError as e:
+                self._deliver(request_id, e)
+        elif command[0] == "abort":
+            if self.engine.abort(command[1]):
+                self._deliver(command[1], RequestOutput(command[1], finished=True,
+                                                        finish_reason="abort"))
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                # Block for work when idle; otherwise take what has arrived and step.
+                block = not self.engine.has_unfinished()
+                try:
+                    command = self._commands.get(block=block, timeout=None)
+                    while True:
+                        if command[0] == "stop":
+                            return
+                        self._handle(command)
+                        command = self._commands.get_nowait()
+                except queue.Empty:
+                    pass
+                for out in self.engine.step():
+                    self._deliver(out.request_id, out)
+        except BaseException as e:  # the loop died: fail every open request, report unhealthy
+            log.exception("engine loop failed")
+            self.error = e
+            for request_id in list(self._streams):
+                self._deliver(request_id, RuntimeError(f"engine loop failed: {e}"))

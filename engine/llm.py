@@ -1,0 +1,37 @@
+"""Offline generation: `LLM(model).generate(prompts, params)`."""
+from __future__ import annotations
+
+import itertools
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str, **config):
+        self.engine = LLMEngine(EngineConfig(model=model, **config))
+        self._request_ids = itertools.count()
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None
+                 ) -> list[RequestOutput]:
+        """prompts: strings or lists of token ids. Returns each request's final output, in order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if not isinstance(sampling_params, list):
+            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        tokenizer = self.engine.tokenizer
+        order = {}
+        for i, (prompt, params) in enumerate(zip(prompts, sampling_params)):
+            if isinstance(prompt, str):
+                if tokenizer is None:
+                    raise ValueError("this model has no tokenizer: pass token ids")
+                prompt = tokenizer.encode(prompt)
+            order[self.engine.add_request(f"offline-{next(self._request_ids)}", prompt, params).request_id] = i
+        results: list[RequestOutput | None] = [None] * len(prompts)
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                if out.finished:
+                    results[order[out.request_id]] = out
+        return results

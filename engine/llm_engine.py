@@ -1,0 +1,142 @@
+"""The synchronous engine: add requests, call step() until done. One step = schedule, one forward
+call for every scheduled sequence, sample the ones that reached their last token, check stops."""
+from __future__ import annotations
+
+import logging
+import time
+
+from engine.block_pool import BlockPool
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.loader.hub import resolve_model
+from engine.model_runner import ModelRunner
+from engine.models.registry import load_model
+from engine.outputs import RequestOutput
+from engine.sampler import Sampler
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence
+from engine.tokenizer import Tokenizer
+
+log = logging.getLogger("taper.engine")
+
+
+def make_backend(name: str):
+    if name == "cpu":
+        from pyx.cpu_backend import CpuBackend
+        return CpuBackend()
+    raise ValueError(f"unknown backend {name!r}; this build supports: cpu")
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.model_dir = resolve_model(config.model)
+        self.backend = make_backend(config.backend)
+        self.model, self.model_config = load_model(
+            self.model_dir, self.backend, dtype=config.dtype,
+            yarn_scaling_factor=config.yarn_scaling_factor)
+        self.tokenizer = Tokenizer.try_from_pretrained(config.tokenizer or self.model_dir)
+        self.eos_token_ids = set(self.model_config.eos_token_ids)
+        if self.tokenizer is not None:
+            self.eos_token_ids |= self.tokenizer.eos_token_ids
+
+        num_blocks = config.num_kv_blocks or (
+            config.kv_cache_memory_mb * 2**20
+            // ModelRunner.kv_bytes_per_block(self.model_config, config.block_size))
+        if num_blocks < 1:
+            raise ValueError(f"the KV cache budget ({config.kv_cache_memory_mb} MB) holds no block")
+        self.block_pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.max_model_len = self._max_model_len(num_blocks * config.block_size)
+        self.scheduler = Scheduler(config, self.block_pool)
+        self.runner = ModelRunner(self.model, self.model_config, self.backend, config.block_size,
+                                  num_blocks)
+        self.sampler = Sampler(self.backend)
+        self.detokenizers: dict[int, IncrementalDetokenizer] = {}
+        log.info("KV cache: %d blocks of %d tokens; max model length %d", num_blocks,
+                 config.block_size, self.max_model_len)
+
+    def _max_model_len(self, pool_tokens: int) -> int:
+        model_max = self.model_config.max_position_embeddings
+        if self.config.max_model_len is not None:
+            if self.config.max_model_len > pool_tokens:
+                raise ValueError(
+                    f"--max-model-len {self.config.max_model_len} is larger than the KV cache can "
+                    f"ever hold ({pool_tokens} tokens); raise the KV cache memory or lower it")
+            return self.config.max_model_len
+        if model_max > pool_tokens:
+            log.warning("max model length limited to %d tokens by the KV cache (model allows %d)",
+                        pool_tokens, model_max)
+        return min(model_max, pool_tokens)
+
+    # ---- requests
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int],
+                    params: SamplingParams) -> Sequence:
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens; the maximum model "
+                             f"length is {self.max_model_len}, which leaves no room to generate")
+        vocab = self.model_config.vocab_size
+        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        seq = Sequence(prompt_token_ids, params, request_id, arrival_time=time.monotonic())
+        if self.tokenizer is not None:
+            self.detokenizers[seq.seq_id] = IncrementalDetokenizer(
+                self.tokenizer, prompt_token_ids, params.skip_special_tokens, params.stop,
+                params.include_stop_str_in_output)
+        self.scheduler.add(seq)
+        return seq
+
+    def abort(self, request_id: str) -> bool:
+        seq = self.scheduler.abort(request_id)
+        if seq is None:
+            return False
+        self.detokenizers.pop(seq.seq_id, None)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- one step
+
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if not sched.seqs:
+            return []
+        logits = self.runner.execute(sched.seqs, sched.num_new_tokens)
+        self.scheduler.update(sched)
+        sampled = [seq for seq in sched.seqs if seq.num_computed_tokens == seq.num_tokens]
+        tokens = self.sampler.sample(logits, sampled, self.eos_token_ids) if sampled else []
+        return [self._append(seq, int(token)) for seq, token in zip(sampled, tokens)]
+
+    def _append(self, seq: Sequence, token: int) -> RequestOutput:
+        seq.append_token(token)
+        params = seq.sampling_params
+        text_delta, stop_string = "", None
+        detok = self.detokenizers.get(seq.seq_id)
+        if detok is not None:
+            text_delta, stopped = detok.add_token(token)
+            if stopped:
+                stop_string = detok.stop_reason
+        reason = stop_reason = None
+        if stop_string is not None:
+            reason, stop_reason = "stop", stop_string
+        elif token in params.stop_token_ids:
+            reason, stop_reason = "stop", token
+        elif token in self.eos_token_ids and not params.ignore_eos:
+            reason = "stop"
+        elif seq.num_output_tokens == params.max_tokens or seq.num_tokens >= self.max_model_len:
+            reason = "length"
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+            self.detokenizers.pop(seq.seq_id, None)
+            if detok is not None:
+                text_delta += detok.flush() if stop_string is None else ""
+        return RequestOutput(
+            request_id=seq.request_id, new_token_ids=[token], text_delta=text_delta,
+            token_ids=seq.output_token_ids, text=detok.text if detok else "",
+            finished=reason is not None, finish_reason=reason, stop_reason=stop_reason,
+            num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=seq.num_output_tokens,
+            num_cached_tokens=seq.num_cached_tokens)

@@ -1,0 +1,62 @@
+"""Turns a scheduler step into the flat batch arrays and runs one forward call for all of it."""
+from __future__ import annotations
+
+import numpy as np
+
+from engine.forward_batch import ForwardBatch
+from engine.sequence import Sequence
+
+
+class ModelRunner:
+    def __init__(self, model, model_config, backend, block_size: int, num_blocks: int):
+        self.model = model
+        self.backend = backend
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        shape = (num_blocks, block_size, model_config.num_key_value_heads, model_config.head_dim)
+        self.kv_caches = [(np.zeros(shape, np.float32), np.zeros(shape, np.float32))
+                          for _ in range(model_config.num_hidden_layers)]
+        self.num_forward_calls = 0    # counted for tests and metrics
+        self.num_forward_tokens = 0
+
+    @staticmethod
+    def kv_bytes_per_block(model_config, block_size: int) -> int:
+        per_token = 2 * model_config.num_key_value_heads * model_config.head_dim * 4  # K+V, f32
+        return per_token * block_size * model_config.num_hidden_layers
+
+    def prepare(self, seqs: list[Sequence], num_new_tokens: list[int]) -> ForwardBatch:
+        """Each sequence computes tokens [num_computed, num_computed + n); it is sampled when that
+        reaches its last token."""
+        bs = self.block_size
+        total = sum(num_new_tokens)
+        token_ids = np.empty(total, np.int32)
+        positions = np.empty(total, np.int32)
+        slot_mapping = np.empty(total, np.int32)
+        query_start_loc = np.zeros(len(seqs) + 1, np.int32)
+        seq_lens = np.empty(len(seqs), np.int32)
+        max_blocks = max(len(seq.block_table) for seq in seqs)
+        block_tables = np.zeros((len(seqs), max_blocks), np.int32)
+        logits_indices = []
+        row = 0
+        for i, (seq, n) in enumerate(zip(seqs, num_new_tokens)):
+            start = seq.num_computed_tokens
+            pos = np.arange(start, start + n, dtype=np.int32)
+            table = np.asarray(seq.block_table, np.int32)
+            token_ids[row:row + n] = seq.token_ids[start:start + n]
+            positions[row:row + n] = pos
+            slot_mapping[row:row + n] = table[pos // bs] * bs + pos % bs
+            block_tables[i, :len(table)] = table
+            seq_lens[i] = start + n
+            row += n
+            query_start_loc[i + 1] = row
+            if start + n == seq.num_tokens:
+                logits_indices.append(row - 1)
+        return ForwardBatch(token_ids, positions, slot_mapping, query_start_loc, seq_lens,
+                            block_tables, np.asarray(logits_indices, np.int32))
+
+    def execute(self, seqs: list[Sequence], num_new_tokens: list[int]):
+        """One forward call; returns the logits (S, V) of the sequences that reach their end."""
+        batch = self.prepare(seqs, num_new_tokens)
+        self.num_forward_calls += 1
+        self.num_forward_tokens += batch.num_tokens
+        return self.model.forward(batch, self.kv_caches)

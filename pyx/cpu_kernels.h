@@ -1,0 +1,101 @@
+/* Taper CPU kernels: the C ABI behind pyx/cpu_backend.pyx (DESIGN.md section 2).
+ *
+ * Every kernel takes raw pointers, sizes and a thread count, allocates at most small per-thread
+ * scratch, and returns an int status (TAPER_OK or one of the TAPER_ERR_* codes below). Shapes are
+ * validated in Cython before the call; the kernels still check what only they can see cheaply
+ * (indices inside the data: token ids, positions, slots, block ids).
+ * All kernels are reentrant: no global mutable state. The ISA used by `linear` is an argument.
+ */
+#ifndef TAPER_CPU_KERNELS_H
+#define TAPER_CPU_KERNELS_H
+
+#include <stdint.h>
+
+#define TAPER_OK 0
+#define TAPER_ERR_ARG 1     /* bad index inside the data (token id, position, slot, block id) */
+#define TAPER_ERR_ISA 2     /* the requested ISA is unknown or not supported by this CPU */
+#define TAPER_ERR_NOMEM 3   /* per-thread scratch allocation failed */
+
+/* weight dtypes */
+#define TAPER_F32 0
+#define TAPER_BF16 1
+#define TAPER_F16 2
+
+/* ISA paths of `linear` */
+#define TAPER_ISA_SCALAR 0
+#define TAPER_ISA_AVX2 1    /* AVX2 + FMA + F16C */
+#define TAPER_ISA_AVX512 2  /* AVX-512F + BW */
+
+int taper_cpu_isa_supported(int isa);
+int taper_cpu_best_isa(void);
+int taper_cpu_max_threads(void);
+
+int taper_embedding(const int32_t* token_ids,  // (T,)
+                    const void* table,         // (V, H) f32|bf16|f16
+                    int dtype, int64_t T, int64_t V, int64_t H,
+                    float* out,                // (T, H)
+                    int nthreads);
+
+int taper_linear(int isa,
+                 const float* x,       // (T, K)
+                 const void* weight,   // (N, K) f32|bf16|f16
+                 int dtype,
+                 const float* bias,    // (N,) or NULL
+                 float* out,           // (T, N)
+                 int64_t T, int64_t K, int64_t N, int nthreads);
+
+int taper_rms_norm(const float* x,       // (T, H)
+                   const float* weight,  // (H,)
+                   float eps,
+                   float* out,           // (T, H)
+                   int64_t T, int64_t H, int nthreads);
+
+int taper_fused_add_rms_norm(float* x,             // (T, H) in: x, out: rms_norm(residual + x)
+                             float* residual,      // (T, H) in place += x
+                             const float* weight,  // (H,)
+                             float eps, int64_t T, int64_t H, int nthreads);
+
+int taper_rotary_embedding(const int32_t* positions,     // (T,)
+                           float* q,                     // (T, Hq, D)
+                           float* k,                     // (T, Hkv, D)
+                           const float* cos_sin_cache,   // (max_pos, rot_dim)
+                           int64_t T, int64_t Hq, int64_t Hkv, int64_t D, int64_t rot_dim,
+                           int64_t max_pos, int is_neox, int nthreads);
+
+int taper_silu_and_mul(const float* x,  // (T, 2I)
+                       float* out,      // (T, I)
+                       int64_t T, int64_t I, int nthreads);
+
+int taper_reshape_and_cache(const float* k,              // (T, Hkv, D)
+                            const float* v,              // (T, Hkv, D)
+                            float* k_cache,              // (NB, BS, Hkv, D)
+                            float* v_cache,              // (NB, BS, Hkv, D)
+                            const int32_t* slot_mapping, // (T,)
+                            int64_t T, int64_t Hkv, int64_t D, int64_t NB, int64_t BS,
+                            int nthreads);
+
+int taper_paged_attention(float* out,                    // (T, Hq, D)
+                          const float* q,                // (T, Hq, D)
+                          const float* k_cache,          // (NB, BS, Hkv, D)
+                          const float* v_cache,          // (NB, BS, Hkv, D)
+                          const int32_t* block_tables,   // (B, MB)
+                          const int32_t* seq_lens,       // (B,)
+                          const int32_t* query_start_loc,// (B+1,)
+                          int64_t T, int64_t B, int64_t Hq, int64_t Hkv, int64_t D,
+                          int64_t NB, int64_t BS, int64_t MB, float scale, int64_t sliding_window,
+                          int nthreads);
+
+int taper_argmax(const float* logits,  // (B, V)
+                 int64_t* out,         // (B,)
+                 int64_t B, int64_t V, int nthreads);
+
+int taper_gumbel_sample(const float* logits,     // (B, V)
+                        const uint64_t* seeds,   // (B,)
+                        const int64_t* positions,// (B,)
+                        int64_t* out,            // (B,)
+                        int64_t B, int64_t V, int nthreads);
+
+/* Philox4x32-10 block (exposed for known-answer tests). ctr (4,) in place; key (2,). */
+void taper_philox4x32_10(uint32_t* ctr, const uint32_t* key);
+
+#endif
