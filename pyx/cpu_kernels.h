@@ -24,7 +24,7 @@
 /* ISA paths of `linear` */
 #define TAPER_ISA_SCALAR 0
 #define TAPER_ISA_AVX2 1    /* AVX2 + FMA + F16C */
-#define TAPER_ISA_AVX512 2  /* AVX-512F + BW */
+#define TAPER_ISA_AVX512 2  /* AVX-512F + BW + VL */
 
 int taper_cpu_isa_supported(int isa);
 int taper_cpu_best_isa(void);
@@ -64,7 +64,7 @@ int taper_rotary_embedding(const int32_t* positions,     // (T,)
 
 int taper_silu_and_mul(const float* x,  // (T, 2I)
                        float* out,      // (T, I)
-                       int64_t T, int64_t I, int nthreads);
+                       int64_t T, int64_t inter, int nthreads);
 
 int taper_reshape_and_cache(const float* k,              // (T, Hkv, D)
                             const float* v,              // (T, Hkv, D)

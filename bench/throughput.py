@@ -1,0 +1,313 @@
+"""Offline throughput: Taper's CPU engine vs llama.cpp on the same random Qwen2.5-0.5B weights.
+
+    python -m bench.throughput [--dtype f32 bf16] [--llama | --no-llama] [--prompt-len 128]
+                               [--gen-len 64] [--batch 1 16] [--json out.json]
+
+For each dtype, Taper (engine.LLM on the safetensors checkpoint of bench/make_checkpoint.py):
+  prefill tokens/s = B * prompt_len / time of the step(s) that compute the prompts (the first
+                     token of each request is sampled in that step, as in time-to-first-token);
+  decode tokens/s  = tokens generated after the first / time of the remaining steps,
+at batch 1 and batch 16, greedy, ignore_eos, max_num_batched_tokens >= B * prompt_len so a
+batch's prefill is one step (the steps are reported).
+
+With --llama (default when llama_cpp imports), llama.cpp via llama-cpp-python on the GGUF that
+llama.cpp's own converter made from the SAME weights, batch 1: prefill = one eval of the prompt
+(n_batch = n_ubatch >= prompt_len), decode = one token per eval, greedy argmax, n_threads = cores.
+Ratios Taper / llama.cpp are printed per dtype.
+
+Roofline: a batch-1 decode step reads every weight once (tied embeddings: the LM head is the
+embedding matrix), so weight bytes x steps/s is the memory bandwidth a decode achieves; it is
+printed next to a STREAM-like NumPy copy bandwidth measured in the same run.
+
+Random prompts come from a fixed seed. Each measurement is preceded by a warm-up. The machine may
+be shared: the load average is printed before and after, and --reps N keeps the best of N.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import threading
+import time
+
+import numpy as np
+
+from bench.make_checkpoint import CONFIG, make_checkpoints, make_gguf, tensor_shapes
+
+SEED = 1234
+
+
+# ---- machine
+
+def machine_info() -> dict:
+    model, flags = platform.processor() or "?", set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name") and model in ("?", "x86_64", ""):
+                    model = line.split(":", 1)[1].strip()
+                elif line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    break
+    except OSError:
+        pass
+    isa = [f for f in ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
+                       "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile") if f in flags]
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    try:
+        from pyx.cpu_backend import CpuBackend
+        taper_isa = str(getattr(CpuBackend(), "isa", "?"))
+    except Exception as e:  # noqa: BLE001 - report, do not fail the bench
+        taper_isa = f"unavailable ({type(e).__name__}: {e})"
+    llama_info = None
+    try:
+        import llama_cpp
+        llama_info = (f"llama-cpp-python {llama_cpp.__version__}: "
+                      + llama_cpp.llama_print_system_info().decode().strip())
+    except Exception:  # noqa: BLE001
+        pass
+    return {"cpu": model, "cores": cores, "isa_flags": isa, "taper_isa": taper_isa,
+            "llama_cpp": llama_info, "numpy": np.__version__, "python": platform.python_version(),
+            "loadavg_start": os.getloadavg()}
+
+
+def stream_copy_bandwidth(mb: int = 512, reps: int = 5, threads: int | None = None) -> dict:
+    """STREAM 'copy' with NumPy: GB/s counting read + write bytes; best of reps. NumPy releases
+    the GIL in large copies, so the threaded variant splits the array over the cores."""
+    threads = threads or len(os.sched_getaffinity(0))
+    n = mb * 2**20 // 4
+    a = np.ones(n, np.float32)
+    b = np.empty_like(a)
+    out = {}
+    for nt in sorted({1, threads}):
+        bounds = np.linspace(0, n, nt + 1).astype(int)
+
+        def part(i):
+            np.copyto(b[bounds[i]:bounds[i + 1]], a[bounds[i]:bounds[i + 1]])
+
+        best = float("inf")
+        for _ in range(reps):
+            t = time.perf_counter()
+            if nt == 1:
+                np.copyto(b, a)
+            else:
+                ts = [threading.Thread(target=part, args=(i,)) for i in range(nt)]
+                for th in ts:
+                    th.start()
+                for th in ts:
+                    th.join()
+            best = min(best, time.perf_counter() - t)
+        out[f"copy_{nt}t_GBps"] = 2 * a.nbytes / best / 1e9
+    return out
+
+
+def weight_bytes(dtype: str) -> int:
+    """Bytes read from weights by one decode step: every parameter once (norms are tiny)."""
+    size = {"f32": 4, "bf16": 2}[dtype]
+    return sum(int(np.prod(s)) for _, s in tensor_shapes()) * size
+
+
+def random_prompts(n: int, length: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, CONFIG["vocab_size"], size=(n, length)).tolist()
+
+
+def keep_best(best: dict | None, cur: dict) -> dict:
+    """Best of several runs, prefill and decode figures chosen independently."""
+    if best is None:
+        return dict(cur)
+    for phase in ("prefill", "decode"):
+        if cur[f"{phase}_tok_s"] > best[f"{phase}_tok_s"]:
+            best.update({k: v for k, v in cur.items() if k.startswith(phase)})
+    return best
+
+
+# ---- Taper
+
+def taper_run(llm, prompts: list[list[int]], gen_len: int) -> dict:
+    """Add all requests, then step: the steps until every prompt is computed are the prefill."""
+    from engine import SamplingParams
+    eng = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=gen_len, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        eng.add_request(f"bench-{time.monotonic_ns()}-{i}", p, params)
+    prompt_tokens = sum(len(p) for p in prompts)
+    start_fwd = eng.runner.num_forward_tokens
+    prefill_s = decode_s = 0.0
+    prefill_steps = decode_steps = generated = decode_tokens = 0
+    finished = {}
+    while eng.has_unfinished():
+        in_prefill = eng.runner.num_forward_tokens - start_fwd < prompt_tokens
+        t = time.perf_counter()
+        outs = eng.step()
+        dt = time.perf_counter() - t
+        n_new = sum(len(o.new_token_ids) for o in outs)
+        generated += n_new
+        if in_prefill:
+            prefill_s += dt
+            prefill_steps += 1
+        else:
+            decode_s += dt
+            decode_steps += 1
+            decode_tokens += n_new
+        for o in outs:
+            if o.finished:
+                finished[o.request_id] = o
+    assert len(finished) == len(prompts), "not every request finished"
+    assert all(o.num_output_tokens == gen_len for o in finished.values()), "short outputs"
+    # Tokens sampled in prefill steps beyond the first per request (only if a prefill step also
+    # carried decodes) are moved to the decode count so decode = tokens after the first.
+    extra = generated - decode_tokens - len(prompts)
+    return {"prefill_tok_s": prompt_tokens / prefill_s, "prefill_s": prefill_s,
+            "prefill_steps": prefill_steps,
+            "decode_tok_s": (decode_tokens + extra) / decode_s if decode_s else float("nan"),
+            "decode_s": decode_s, "decode_steps": decode_steps,
+            "decode_step_ms": 1e3 * decode_s / max(decode_steps, 1)}
+
+
+def bench_taper(dtype: str, model_dir, batches, prompt_len, gen_len, reps) -> dict:
+    from engine import LLM
+    max_b = max(batches)
+    t = time.perf_counter()
+    llm = LLM(str(model_dir), dtype=dtype, max_num_seqs=max_b,
+              max_num_batched_tokens=max(max_b * prompt_len, 2048),
+              kv_cache_memory_mb=max(64, max_b * (prompt_len + gen_len) * 24576 * 2 // 2**20),
+              enable_prefix_caching=False)
+    load_s = time.perf_counter() - t
+    taper_run(llm, random_prompts(2, 16, SEED + 99), 4)                  # warm-up
+    res = {"load_s": load_s}
+    for b in batches:
+        best = None
+        for r in range(reps):
+            prompts = random_prompts(b, prompt_len, SEED + 1000 * b + r)
+            best = keep_best(best, taper_run(llm, prompts, gen_len))
+        res[f"b{b}"] = best
+        print(f"  taper {dtype} batch {b:>2}: prefill {best['prefill_tok_s']:8.1f} tok/s "
+              f"({best['prefill_steps']} step, {best['prefill_s']:.2f}s)  decode "
+              f"{best['decode_tok_s']:8.2f} tok/s ({best['decode_step_ms']:.1f} ms/step)",
+              flush=True)
+    del llm
+    gc.collect()
+    return res
+
+
+# ---- llama.cpp
+
+def bench_llama(dtype: str, prompt_len, gen_len, reps, threads) -> dict:
+    from llama_cpp import Llama
+    path = make_gguf(dtype)
+    n_ctx = 64 * ((prompt_len + gen_len + 16 + 63) // 64)
+    t = time.perf_counter()
+    llm = Llama(str(path), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, n_threads=threads,
+                n_threads_batch=threads, verbose=False)
+    load_s = time.perf_counter() - t
+
+    def run(prompt, n_gen):
+        llm.reset()
+        t0 = time.perf_counter()
+        llm.eval(prompt)
+        tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        t1 = time.perf_counter()
+        for _ in range(n_gen - 1):
+            llm.eval([tok])
+            tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        t2 = time.perf_counter()
+        return {"prefill_tok_s": len(prompt) / (t1 - t0), "prefill_s": t1 - t0,
+                "decode_tok_s": (n_gen - 1) / (t2 - t1), "decode_s": t2 - t1,
+                "decode_step_ms": 1e3 * (t2 - t1) / (n_gen - 1)}
+
+    run(random_prompts(1, 16, SEED + 99)[0], 4)                          # warm-up
+    best = None
+    for r in range(reps):
+        best = keep_best(best, run(random_prompts(1, prompt_len, SEED + 1000 + r)[0], gen_len))
+    print(f"  llama.cpp {dtype} batch  1, {threads} threads: prefill {best['prefill_tok_s']:8.1f} tok/s "
+          f"({best['prefill_s']:.2f}s)  decode {best['decode_tok_s']:8.2f} tok/s "
+          f"({best['decode_step_ms']:.1f} ms/step)", flush=True)
+    del llm
+    gc.collect()
+    return {"load_s": load_s, "b1": best}
+
+
+# ---- report
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dtype", nargs="+", default=["f32", "bf16"], choices=["f32", "bf16"])
+    ap.add_argument("--batch", nargs="+", type=int, default=[1, 16])
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--gen-len", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=1, help="keep the best of N runs per figure")
+    g = ap.add_mutually_exclusive_group()
+    g.add_argument("--llama", dest="llama", action="store_true", default=None)
+    g.add_argument("--no-llama", dest="llama", action="store_false")
+    ap.add_argument("--no-taper", action="store_true", help="only the llama.cpp side")
+    ap.add_argument("--llama-threads", nargs="+", type=int, default=None,
+                    help="llama.cpp n_threads to try (default: the number of cores); the summary "
+                         "keeps the fastest, and every setting is printed")
+    ap.add_argument("--json", help="also write the results to this file")
+    args = ap.parse_args(argv)
+    if args.llama is None:
+        try:
+            import llama_cpp  # noqa: F401
+            args.llama = True
+        except ImportError:
+            args.llama = False
+
+    info = machine_info()
+    print(f"machine: {info['cpu']}, {info['cores']} cores, ISA: {' '.join(info['isa_flags'])}")
+    print(f"taper CPU backend ISA: {info['taper_isa']}")
+    if args.llama:
+        print(info["llama_cpp"])
+    print("load average at start: %.2f %.2f %.2f" % info["loadavg_start"])
+    bw = stream_copy_bandwidth()
+    print("STREAM-like NumPy copy: " + ", ".join(f"{k} {v:.1f}" for k, v in bw.items()))
+    print(f"prompt {args.prompt_len} tokens, {args.gen_len} generated, greedy; batches {args.batch}")
+    dirs = make_checkpoints()
+    results = {"machine": info, "bandwidth": bw, "args": vars(args), "taper": {}, "llama": {}}
+    for dt in args.dtype:
+        if not args.no_taper:
+            results["taper"][dt] = bench_taper(dt, dirs[dt], args.batch, args.prompt_len,
+                                               args.gen_len, args.reps)
+        if args.llama:
+            runs = [bench_llama(dt, args.prompt_len, args.gen_len, args.reps, th)
+                    for th in args.llama_threads or [info["cores"]]]
+            best = {"b1": None, "threads": {}}
+            for th, r in zip(args.llama_threads or [info["cores"]], runs):
+                best["threads"][th] = r["b1"]
+                best["b1"] = keep_best(best["b1"], dict(r["b1"], threads=th))
+            results["llama"][dt] = best
+
+    peak_bw = max(bw.values())
+    print("\nsummary (tokens/s; roofline = weight bytes x batch-1 decode steps/s vs "
+          f"{peak_bw:.1f} GB/s copy)")
+    print(f"{'engine':<10}{'dtype':<6}{'batch':>6}{'prefill':>10}{'decode':>9}{'GB/s':>7}"
+          f"{'%copy':>7}")
+    for eng in ("taper", "llama"):
+        for dt, r in results[eng].items():
+            for key in sorted((k for k in r if k.startswith("b")), key=lambda k: int(k[1:])):
+                m = r[key]
+                line = f"{eng:<10}{dt:<6}{key[1:]:>6}{m['prefill_tok_s']:>10.1f}" \
+                       f"{m['decode_tok_s']:>9.2f}"
+                if key == "b1":
+                    gbs = weight_bytes(dt) / (m["decode_step_ms"] / 1e3) / 1e9
+                    m["weight_GBps"] = gbs
+                    line += f"{gbs:>7.1f}{100 * gbs / peak_bw:>6.0f}%"
+                print(line)
+    for dt in args.dtype:
+        if dt in results["taper"] and dt in results["llama"] and "b1" in results["taper"][dt]:
+            t, l = results["taper"][dt]["b1"], results["llama"][dt]["b1"]
+            pr = t["prefill_tok_s"] / l["prefill_tok_s"]
+            dr = t["decode_tok_s"] / l["decode_tok_s"]
+            results.setdefault("ratios", {})[dt] = {"prefill": pr, "decode": dr}
+            print(f"taper/llama.cpp {dt} batch 1: prefill {pr:.2f}x, decode {dr:.2f}x")
+    results["machine"]["loadavg_end"] = os.getloadavg()
+    print("load average at end: %.2f %.2f %.2f" % results["machine"]["loadavg_end"])
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2, default=str)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,177 @@
+"""Memory-mapped safetensors loading without torch, single file or sharded.
+
+We parse the format ourselves (8-byte little-endian header length, a JSON header of
+{name: {dtype, shape, data_offsets}}, then the data) and hand out np.memmap views, so bf16 comes out
+as ml_dtypes.bfloat16 with no copy. Tensors that keep their stored dtype stay file-backed.
+
+dtype policy: 1-D tensors (norm weights, biases, scales) become float32; matrices keep the
+checkpoint's dtype under "auto" and are converted when f32/bf16/f16 is asked for.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import struct
+
+import ml_dtypes
+import numpy as np
+from tqdm import tqdm
+
+logger = logging.getLogger("taper.loader")
+
+_DTYPES = {
+    "F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
+    "BF16": np.dtype(ml_dtypes.bfloat16), "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
+    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
+    "I64": np.dtype(np.int64), "I32": np.dtype(np.int32), "I16": np.dtype(np.int16),
+    "I8": np.dtype(np.int8), "U64": np.dtype(np.uint64), "U32": np.dtype(np.uint32),
+    "U16": np.dtype(np.uint16), "U8": np.dtype(np.uint8), "BOOL": np.dtype(np.bool_),
+}
+
+_DTYPE_ALIASES = {
+    "auto": None, "f32": np.float32, "float32": np.float32, "bf16": ml_dtypes.bfloat16,
+    "bfloat16": ml_dtypes.bfloat16, "f16": np.float16, "float16": np.float16,
+}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file is missing, truncated or inconsistent."""
+
+
+def resolve_dtype(dtype) -> np.dtype | None:
+    """None for "auto", else the numpy dtype for big matrices."""
+    if isinstance(dtype, str):
+        if dtype not in _DTYPE_ALIASES:
+            raise ValueError(f"dtype must be auto, f32, bf16 or f16, got {dtype!r}")
+        dtype = _DTYPE_ALIASES[dtype]
+    return None if dtype is None else np.dtype(dtype)
+
+
+def target_dtype(array: np.ndarray, dtype: np.dtype | None) -> np.dtype:
+    """The dtype a tensor is loaded as (module docstring: dtype policy)."""
+    if array.dtype.kind in "iub":
+        return array.dtype
+    if array.ndim <= 1:
+        return np.dtype(np.float32)
+    return array.dtype if dtype is None else dtype
+
+
+def read_header(path: str) -> tuple[dict, int]:
+    """(header without __metadata__, byte offset where the data starts)."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise CheckpointError(f"{path}: not a safetensors file (shorter than 8 bytes)")
+        (n,) = struct.unpack("<Q", head)
+        raw = f.read(n)
+    if len(raw) < n:
+        raise CheckpointError(f"{path}: truncated header ({len(raw)} of {n} bytes)")
+    try:
+        header = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}: unreadable safetensors header ({e})") from None
+    header.pop("__metadata__", None)
+    return header, 8 + n
+
+
+def checkpoint_files(model_dir: str) -> tuple[list[str], dict[str, str] | None]:
+    """(safetensors files, weight_map from the index or None for a single file)."""
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        files = sorted(set(weight_map.values()))
+        for name in files:
+            if not os.path.isfile(os.path.join(model_dir, name)):
+                raise CheckpointError(f"{model_dir}: shard {name} listed in "
+                                      "model.safetensors.index.json is missing")
+        return [os.path.join(model_dir, n) for n in files], weight_map
+    single = os.path.join(model_dir, "model.safetensors")
+    if os.path.isfile(single):
+        return [single], None
+    files = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
+    if not files:
+        raise CheckpointError(f"{model_dir}: no .safetensors files found")
+    return [os.path.join(model_dir, n) for n in files], None
+
+
+def open_file(path: str) -> dict[str, np.ndarray]:
+    """Every tensor of one file as a read-only memory-mapped array in its stored dtype."""
+    header, data_start = read_header(path)
+    data_size = os.path.getsize(path) - data_start
+    mm = np.memmap(path, dtype=np.uint8, mode="r") if data_size > 0 else np.zeros(0, np.uint8)
+    tensors = {}
+    for name, info in header.items():
+        if info["dtype"] not in _DTYPES:
+            raise CheckpointError(f"{path}: tensor {name} has unsupported dtype {info['dtype']}")
+        dt = _DTYPES[info["dtype"]]
+        shape = tuple(info["shape"])
+        begin, end = info["data_offsets"]
+        expected = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+        if end - begin != expected:
+            raise CheckpointError(f"{path}: tensor {name} has shape {list(shape)} {info['dtype']} "
+                                  f"({expected} bytes) but its data_offsets span {end - begin} bytes")
+        if end > data_size:
+            raise CheckpointError(f"{path}: file is truncated: tensor {name} needs data bytes "
+                                  f"[{begin}, {end}) but the file holds only {data_size}")
+        offset = data_start + begin
+        if offset % dt.itemsize:
+            arr = np.frombuffer(mm[offset:offset + expected].tobytes(), dtype=dt).reshape(shape)
+        else:
+            arr = np.ndarray(shape, dtype=dt, buffer=mm, offset=offset)
+        tensors[name] = arr
+    return tensors
+
+
+def mem_available_bytes() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def load_safetensors(model_dir: str, dtype="auto", progress: bool = True,
+                     check_memory: bool = True) -> dict[str, np.ndarray]:
+    """Every tensor of the checkpoint in model_dir, converted by the dtype policy."""
+    want = resolve_dtype(dtype)
+    files, weight_map = checkpoint_files(model_dir)
+    opened = {path: open_file(path) for path in files}
+
+    if weight_map is not None:
+        for name, shard in weight_map.items():
+            if name not in opened[os.path.join(model_dir, shard)]:
+                raise CheckpointError(f"{os.path.join(model_dir, shard)}: tensor {name} is listed in "
+                                      "model.safetensors.index.json but missing from the file")
+    owner = {}
+    for path, tensors in opened.items():
+        for name in tensors:
+            if name in owner:
+                raise CheckpointError(f"tensor {name} appears in both {owner[name]} and {path}")
+            owner[name] = path
+
+    needed = sum(a.size * target_dtype(a, want).itemsize
+                 for tensors in opened.values() for a in tensors.values())
+    available = mem_available_bytes()
+    message = f"loading {model_dir}: needs {needed / 1e9:.2f} GB"
+    if available is not None:
+        message += f", {available / 1e9:.2f} GB available"
+    logger.info(message)
+    if check_memory and available is not None and needed > available:
+        raise MemoryError(f"{message}: the weights do not fit in memory "
+                          "(try a smaller dtype or a machine with more RAM)")
+
+    weights = {}
+    total = sum(len(t) for t in opened.values())
+    with tqdm(total=total, desc="Loading weights", unit="tensor", disable=not progress or None,
+              leave=False) as bar:
+        for path in files:
+            for name, arr in opened.pop(path).items():
+                target = target_dtype(arr, want)
+                weights[name] = arr if arr.dtype == target else arr.astype(target)
+                bar.update(1)
+    return weights

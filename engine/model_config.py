@@ -1,0 +1,211 @@
+"""What a checkpoint's config.json says about the model graph, normalised for the Llama family.
+
+Reads both config styles transformers has used: legacy `rope_theta` + `rope_scaling` and the v5
+nested `rope_parameters`; the architecture-specific rules (Qwen2's fixed qkv bias, Qwen sliding
+window layers, Qwen3 q/k norm) follow transformers 5.x's own configuration and modeling code.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+
+# Architectures whose attention applies RMSNorm to each q/k head before RoPE.
+_QK_NORM_ARCHS = ("Qwen3ForCausalLM",)
+
+
+@dataclass(slots=True)
+class RopeConfig:
+    rope_type: str = "default"          # default | linear | dynamic | llama3 | yarn
+    theta: float = 10000.0
+    rot_dim: int = 0                    # rotated dims per head (head_dim * partial_rotary_factor)
+    factor: float = 1.0
+    original_max_position_embeddings: int | None = None
+    low_freq_factor: float = 1.0        # llama3
+    high_freq_factor: float = 4.0       # llama3
+    beta_fast: float = 32.0             # yarn
+    beta_slow: float = 1.0              # yarn
+    mscale: float | None = None         # yarn
+    mscale_all_dim: float | None = None  # yarn
+    attention_factor: float | None = None  # yarn: explicit cos/sin multiplier
+    truncate: bool = True               # yarn: floor/ceil the correction range
+    is_neox: bool = True                # rotate halves (HF rotate_half), not interleaved pairs
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    architecture: str
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    sliding_windows: list[int]          # per layer; 0 = full attention
+    max_position_embeddings: int
+    max_model_len: int                  # positions the RoPE cache covers (vLLM's derived length)
+    rope: RopeConfig
+    dtype: str = "float32"              # the checkpoint's dtype name
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str, yarn_scaling_factor: float | None = None) -> "ModelConfig":
+        path = os.path.join(model_dir, "config.json")
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"no config.json in {model_dir}")
+        with open(path) as f:
+            config = cls.from_dict(json.load(f), yarn_scaling_factor=yarn_scaling_factor)
+        gen_path = os.path.join(model_dir, "generation_config.json")
+        if os.path.isfile(gen_path):
+            with open(gen_path) as f:
+                for eos in _as_list(json.load(f).get("eos_token_id")):
+                    if eos not in config.eos_token_ids:
+                        config.eos_token_ids.append(eos)
+        return config
+
+    @classmethod
+    def from_dict(cls, cfg: dict, yarn_scaling_factor: float | None = None) -> "ModelConfig":
+        from engine.models.registry import ARCHITECTURES
+
+        archs = cfg.get("architectures") or []
+        arch = next((a for a in archs if a in ARCHITECTURES), None)
+        if arch is None:
+            raise ValueError(f"unsupported architecture {', '.join(archs) or '(none given)'}; "
+                             f"supported: {', '.join(sorted(ARCHITECTURES))}")
+        hidden = cfg["hidden_size"]
+        num_heads = cfg["num_attention_heads"]
+        num_layers = cfg["num_hidden_layers"]
+        num_kv_heads = cfg.get("num_key_value_heads") or num_heads
+        # Qwen3Config's class default head_dim is 128, which its modeling code uses when absent.
+        default_head_dim = 128 if arch == "Qwen3ForCausalLM" else hidden // num_heads
+        head_dim = cfg.get("head_dim") or default_head_dim
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_attention_heads {num_heads} is not a multiple of "
+                             f"num_key_value_heads {num_kv_heads}")
+        max_pos = cfg.get("max_position_embeddings", 2048)
+
+        if arch == "Qwen2ForCausalLM":
+            qkv_bias, o_bias = True, False
+        elif arch == "MistralForCausalLM":
+            qkv_bias = o_bias = False
+        else:
+            qkv_bias = o_bias = bool(cfg.get("attention_bias", False))
+        mlp_bias = arch == "LlamaForCausalLM" and bool(cfg.get("mlp_bias", False))
+
+        rope = parse_rope(cfg, head_dim, max_pos, yarn_scaling_factor)
+        eos = _as_list(cfg.get("eos_token_id"))
+        return cls(
+            architecture=arch, hidden_size=hidden, num_hidden_layers=num_layers,
+            num_attention_heads=num_heads, num_key_value_heads=num_kv_heads, head_dim=head_dim,
+            intermediate_size=cfg["intermediate_size"], vocab_size=cfg["vocab_size"],
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=qkv_bias, o_bias=o_bias, mlp_bias=mlp_bias,
+            qk_norm=arch in _QK_NORM_ARCHS,
+            sliding_windows=_sliding_windows(arch, cfg, num_layers),
+            max_position_embeddings=max_pos, max_model_len=_rope_max_len(rope, max_pos), rope=rope,
+            dtype=_dtype_name(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"),
+            bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos)
+
+
+def _as_list(value) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
+
+
+def _dtype_name(value) -> str:
+    name = str(value).removeprefix("torch.")
+    return {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32",
+            "fp32": "float32"}.get(name, name)
+
+
+def _sliding_windows(arch: str, cfg: dict, num_layers: int) -> list[int]:
+    """Per-layer attention window, as transformers' modeling code applies it (0 = full)."""
+    if arch == "MistralForCausalLM":
+        # MistralModel builds one mask from config.sliding_window for every layer (layer_types is
+        # ignored by Mistral; transformers warns to use Ministral for alternating patterns).
+        return [int(cfg.get("sliding_window") or 0)] * num_layers
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        # Qwen2Config/Qwen3Config.__post_init__: sliding_window is nulled unless use_sliding_window;
+        # layer_types, when absent, marks layers i >= max_window_layers as sliding.
+        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", False) else None
+        layer_types = cfg.get("layer_types") or [
+            "sliding_attention" if window is not None and i >= cfg.get("max_window_layers", 28)
+            else "full_attention" for i in range(num_layers)]
+        if len(layer_types) != num_layers:
+            raise ValueError(f"layer_types has {len(layer_types)} entries for {num_layers} layers")
+        return [int(window) if t == "sliding_attention" and window else 0 for t in layer_types]
+    return [0] * num_layers
+
+
+def parse_rope(cfg: dict, head_dim: int, max_pos: int,
+               yarn_scaling_factor: float | None = None) -> RopeConfig:
+    """RoPE settings from either config form; `rope_scaling` wins over `rope_parameters` as in
+    transformers' convert_rope_params_to_dict."""
+    params = dict(cfg.get("rope_scaling") or cfg.get("rope_parameters") or {})
+    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    partial = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) or 1.0
+    rope = RopeConfig(rope_type=rope_type, theta=theta, rot_dim=int(head_dim * partial))
+    if rope_type in ("llama3", "yarn", "longrope"):
+        # A top-level original_max_position_embeddings takes priority (transformers, Phi3 case).
+        rope.original_max_position_embeddings = int(
+            cfg.get("original_max_position_embeddings")
+            or params.get("original_max_position_embeddings") or max_pos)
+
+    if yarn_scaling_factor is not None:
+        if rope_type != "yarn":
+            params = {}
+            rope.original_max_position_embeddings = max_pos
+        rope.rope_type = rope_type = "yarn"
+        params["factor"] = float(yarn_scaling_factor)
+
+    if rope_type == "default":
+        return rope
+    if rope_type in ("linear", "dynamic"):
+        rope.factor = float(params["factor"])
+    elif rope_type == "llama3":
+        rope.factor = float(params["factor"])
+        rope.low_freq_factor = float(params["low_freq_factor"])
+        rope.high_freq_factor = float(params["high_freq_factor"])
+    elif rope_type == "yarn":
+        factor = params.get("factor")
+        rope.factor = float(factor if factor is not None
+                            else max_pos / rope.original_max_position_embeddings)
+        rope.beta_fast = float(params.get("beta_fast") or 32)
+        rope.beta_slow = float(params.get("beta_slow") or 1)
+        rope.mscale = params.get("mscale")
+        rope.mscale_all_dim = params.get("mscale_all_dim")
+        rope.attention_factor = params.get("attention_factor")
+        rope.truncate = bool(params.get("truncate", True))
+    else:
+        raise ValueError(f"unsupported rope type {rope_type!r}; "
+                         "supported: default, linear, dynamic, llama3, yarn")
+    return rope
+
+
+def _rope_max_len(rope: RopeConfig, max_pos: int) -> int:
+    """The context the scaled RoPE is meant for, as vLLM derives it: linear/dynamic stretch
+    max_position_embeddings by factor, yarn stretches the original context, llama3 keeps it."""
+    if rope.rope_type in ("linear", "dynamic"):
+        return int(max_pos * rope.factor)
+    if rope.rope_type == "yarn":
+        return max(max_pos, int(rope.original_max_position_embeddings * rope.factor))
+    return max_pos

@@ -1,0 +1,143 @@
+"""One graph for Llama, Yi, Mistral, Qwen2 and Qwen3 (config flags cover the differences:
+attention biases, per-head q/k RMSNorm, per-layer sliding windows, RoPE variants).
+
+Weights use Hugging Face names. At load q/k/v are fused into one matrix and gate/up into another,
+popping the parts from the weight dict as each layer is built so two copies never coexist.
+"""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from engine.forward_batch import ForwardBatch
+from engine.model_config import ModelConfig
+from engine.rotary import build_cos_sin_cache
+from pyx.layers import MLP, Attention, DecoderLayer, Workspace, run_layers
+
+logger = logging.getLogger("taper.models")
+
+
+def expected_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor the graph reads, by its Hugging Face name."""
+    H, I, D = c.hidden_size, c.intermediate_size, c.head_dim
+    shapes = {"model.embed_tokens.weight": (c.vocab_size, H), "model.norm.weight": (H,)}
+    if not c.tie_word_embeddings:
+        shapes["lm_head.weight"] = (c.vocab_size, H)
+    for i in range(c.num_hidden_layers):
+        p = f"model.layers.{i}."
+        proj = {"q_proj": (c.q_size, H), "k_proj": (c.kv_size, H), "v_proj": (c.kv_size, H)}
+        for name, shape in proj.items():
+            shapes[f"{p}self_attn.{name}.weight"] = shape
+            if c.qkv_bias:
+                shapes[f"{p}self_attn.{name}.bias"] = shape[:1]
+        shapes[f"{p}self_attn.o_proj.weight"] = (H, c.q_size)
+        if c.o_bias:
+            shapes[f"{p}self_attn.o_proj.bias"] = (H,)
+        if c.qk_norm:
+            shapes[f"{p}self_attn.q_norm.weight"] = (D,)
+            shapes[f"{p}self_attn.k_norm.weight"] = (D,)
+        mlp = {"gate_proj": (I, H), "up_proj": (I, H), "down_proj": (H, I)}
+        for name, shape in mlp.items():
+            shapes[f"{p}mlp.{name}.weight"] = shape
+            if c.mlp_bias:
+                shapes[f"{p}mlp.{name}.bias"] = shape[:1]
+        shapes[f"{p}input_layernorm.weight"] = (H,)
+        shapes[f"{p}post_attention_layernorm.weight"] = (H,)
+    return shapes
+
+
+def check_weights(c: ModelConfig, weights: dict) -> None:
+    problems = []
+    for name, shape in expected_shapes(c).items():
+        if name not in weights:
+            problems.append(f"missing tensor {name} (expected shape {list(shape)})")
+        elif tuple(weights[name].shape) != shape:
+            problems.append(f"tensor {name} has shape {list(weights[name].shape)}, "
+                            f"expected {list(shape)}")
+    if problems:
+        more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
+        raise ValueError(f"{c.architecture} checkpoint does not match its config: "
+                         + "; ".join(problems[:5]) + more)
+
+
+class LlamaForCausalLM:
+    def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray], backend):
+        """Takes ownership of `weights` (tensors are popped as they are placed)."""
+        check_weights(config, weights)
+        self.config = config
+        self.backend = backend
+        self.xp = getattr(backend, "xp", np)
+        self._to_device = getattr(backend, "asarray", None) or (lambda a: a)
+        c = config
+        cache = build_cos_sin_cache(c.rope, c.max_position_embeddings, c.max_model_len)
+        self.cos_sin_cache = self._to_device(cache)
+        self.workspace = Workspace(self.xp)
+
+        self.layers = []
+        for i in range(c.num_hidden_layers):
+            p = f"model.layers.{i}."
+            attn = Attention(
+                backend,
+                self._fuse(weights, [f"{p}self_attn.{n}_proj.weight" for n in "qkv"]),
+                self._fuse(weights, [f"{p}self_attn.{n}_proj.bias" for n in "qkv"])
+                if c.qkv_bias else None,
+                self._take(weights, f"{p}self_attn.o_proj.weight"),
+                self._take(weights, f"{p}self_attn.o_proj.bias") if c.o_bias else None,
+                self._take(weights, f"{p}self_attn.q_norm.weight") if c.qk_norm else None,
+                self._take(weights, f"{p}self_attn.k_norm.weight") if c.qk_norm else None,
+                self.cos_sin_cache, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+                c.rms_norm_eps, c.sliding_windows[i], c.rope.is_neox)
+            mlp = MLP(
+                backend,
+                self._fuse(weights, [f"{p}mlp.gate_proj.weight", f"{p}mlp.up_proj.weight"]),
+                self._fuse(weights, [f"{p}mlp.gate_proj.bias", f"{p}mlp.up_proj.bias"])
+                if c.mlp_bias else None,
+                self._take(weights, f"{p}mlp.down_proj.weight"),
+                self._take(weights, f"{p}mlp.down_proj.bias") if c.mlp_bias else None)
+            self.layers.append(DecoderLayer(
+                backend, attn, mlp, self._take(weights, f"{p}input_layernorm.weight"),
+                self._take(weights, f"{p}post_attention_layernorm.weight"), c.rms_norm_eps, i == 0))
+        self.embed_tokens = self._take(weights, "model.embed_tokens.weight")
+        self.norm = self._take(weights, "model.norm.weight")
+        if c.tie_word_embeddings:
+            weights.pop("lm_head.weight", None)
+            self.lm_head = self.embed_tokens
+        else:
+            self.lm_head = self._take(weights, "lm_head.weight")
+        unused = [n for n in weights if not n.endswith("rotary_emb.inv_freq")]
+        if unused:
+            logger.warning("ignoring %d unused checkpoint tensors, e.g. %s", len(unused), unused[0])
+        weights.clear()
+
+    def _take(self, weights: dict, name: str):
+        return self._to_device(np.ascontiguousarray(weights.pop(name)))
+
+    def _fuse(self, weights: dict, names: list[str]):
+        fused = np.concatenate([weights.pop(n) for n in names], axis=0)
+        return self._to_device(fused)
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_hidden_layers
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int]:
+        """Shape of each layer's K (and V) cache, float32."""
+        return (num_blocks, block_size, self.config.num_key_value_heads, self.config.head_dim)
+
+    def forward(self, batch: ForwardBatch, kv_caches: list) -> np.ndarray:
+        """Logits (len(batch.logits_indices), vocab) float32, a new array each call."""
+        c, b, ws = self.config, self.backend, self.workspace
+        T = batch.num_tokens
+        residual = ws.get("residual", T, c.hidden_size)
+        hidden = ws.get("hidden", T, c.hidden_size)
+        b.embedding(batch.token_ids, self.embed_tokens, residual)
+        run_layers(self.layers, batch, hidden, residual, kv_caches, ws)
+        # Only the sampled rows go through the final norm and the lm_head.
+        idx = batch.logits_indices
+        rows_hidden = self.xp.ascontiguousarray(hidden[idx])
+        rows_residual = self.xp.ascontiguousarray(residual[idx])
+        b.fused_add_rms_norm(rows_hidden, rows_residual, self.norm, c.rms_norm_eps)
+        logits = self.xp.empty((len(idx), c.vocab_size), dtype=np.float32)
+        b.linear(rows_hidden, self.lm_head, None, logits)
+        return logits

@@ -1,0 +1,33 @@
+"""Architecture name (config.json `architectures`) -> model class, and the one-call loader."""
+from __future__ import annotations
+
+import importlib
+
+# name -> (module under engine.models, class). Config differences between these (bias, q/k norm,
+# sliding window, RoPE) are ModelConfig flags; Yi checkpoints say LlamaForCausalLM.
+ARCHITECTURES: dict[str, tuple[str, str]] = {
+    "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("llama", "LlamaForCausalLM"),
+    "Qwen2ForCausalLM": ("llama", "LlamaForCausalLM"),
+    "Qwen3ForCausalLM": ("llama", "LlamaForCausalLM"),
+}
+
+
+def get_model_class(name: str):
+    if name not in ARCHITECTURES:
+        raise ValueError(f"unsupported architecture {name}; supported: {', '.join(sorted(ARCHITECTURES))}")
+    module, cls = ARCHITECTURES[name]
+    return getattr(importlib.import_module(f"engine.models.{module}"), cls)
+
+
+def load_model(model_dir: str, backend, dtype: str = "auto", yarn_scaling_factor: float | None = None,
+               progress: bool = True):
+    """(model, model_config) for a local checkpoint directory."""
+    from engine.loader.safetensors import load_safetensors
+    from engine.model_config import ModelConfig
+
+    model_config = ModelConfig.from_pretrained(model_dir, yarn_scaling_factor=yarn_scaling_factor)
+    model_class = get_model_class(model_config.architecture)
+    weights = load_safetensors(model_dir, dtype=dtype, progress=progress)
+    model = model_class(model_config, weights, backend)
+    return model, model_config

@@ -1,0 +1,169 @@
+"""Which sequences run this step, and how many tokens each computes.
+
+The single rule: every sequence has `num_computed_tokens` catching up to `num_tokens`. Each step,
+the running sequences (oldest first), then the waiting ones (FIFO), each get
+    min(num_tokens - num_computed_tokens, remaining token budget, prefill_chunk_size if > 0)
+new tokens while budget remains (max_num_batched_tokens per step) and at most max_num_seqs run.
+A decode is just a sequence with one uncomputed token, so prefill chunks and decodes share a step.
+
+Memory: a running sequence that cannot get blocks preempts the NEWEST running sequence (it may be
+itself) by recompute: its blocks are freed, num_computed_tokens drops to 0 and it goes to the
+front of the waiting queue, keeping its output tokens. A waiting sequence is admitted only if its
+blocks fit (after a prefix-cache lookup); the first that does not fit stops admission, and no
+admission happens in a step that had to preempt.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.block_pool import BlockPool
+from engine.config import EngineConfig
+from engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)   # same order as seqs
+    # taken at schedule time (update() moves num_computed_tokens on):
+    is_decode: list[bool] = field(default_factory=list)  # one token, past the prompt
+    sample: list[bool] = field(default_factory=list)     # this step computes the last token
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seqs)
+
+    @property
+    def total_num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    @property
+    def num_preempted(self) -> int:
+        return len(self.preempted)
+
+    @property
+    def num_decodes(self) -> int:
+        return sum(self.is_decode)
+
+    @property
+    def num_prefills(self) -> int:
+        return len(self.seqs) - sum(self.is_decode)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+    def _add(self, seq: Sequence, n: int):
+        self.seqs.append(seq)
+        self.num_new_tokens.append(n)
+        self.is_decode.append(n == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens)
+        self.sample.append(seq.num_computed_tokens + n == seq.num_tokens)
+
+
+class Scheduler:
+
+    def __init__(self, config: EngineConfig, block_pool: BlockPool):
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.prefill_chunk_size = config.prefill_chunk_size
+        self.block_pool = block_pool
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def add(self, seq: Sequence):
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def _num_new_tokens(self, seq: Sequence, num_computed: int, budget: int) -> int:
+        n = min(seq.num_tokens - num_computed, budget)
+        if self.prefill_chunk_size > 0:
+            n = min(n, self.prefill_chunk_size)
+        return n
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        pool = self.block_pool
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = self._num_new_tokens(seq, seq.num_computed_tokens, budget)
+            if n <= 0:
+                i += 1
+                continue
+            while not pool.allocate_slots(seq, n):
+                victim = self.running.pop()     # newest; always at or after index i
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                out._add(seq, n)
+                budget -= n
+                i += 1
+
+        if out.preempted:
+            return out
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            computed_blocks, num_cached = pool.get_computed_blocks(seq)
+            n = self._num_new_tokens(seq, seq.num_computed_tokens + num_cached, budget)
+            if n <= 0 or not pool.allocate_slots(seq, n, computed_blocks):
+                continue
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out._add(seq, n)
+            budget -= n
+        return out
+
+    def _preempt(self, seq: Sequence):
+        self.block_pool.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def update(self, out: SchedulerOutput):
+        """After the forward: the scheduled tokens are computed and full blocks are cacheable.
+        Sequences finished or aborted meanwhile are skipped."""
+        for seq, n in zip(out.seqs, out.num_new_tokens):
+            if seq.status != SequenceStatus.RUNNING:
+                continue
+            seq.num_computed_tokens += n
+            self.block_pool.cache_full_blocks(seq)
+
+    def finish(self, seq: Sequence, reason: str):
+        if seq.status == SequenceStatus.FINISHED:
+            return
+        if seq.status == SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        self.block_pool.free(seq)
+
+    def abort(self, request_id: str) -> bool:
+        """Finish every sequence of the request, wherever it is; False if none was found."""
+        seqs = [s for s in self.running if s.request_id == request_id]
+        seqs += [s for s in self.waiting if s.request_id == request_id]
+        for seq in seqs:
+            self.finish(seq, "abort")
+        return bool(seqs)

@@ -1,0 +1,418 @@
+"""CPU backend: the op table of pyx/backend.pyx on NumPy arrays, backed by pyx/cpu_kernels.c.
+
+Every op validates dtypes, shapes and contiguity here (ValueError naming the op and the shapes),
+then calls one C kernel inside `with nogil:` and turns a nonzero status into an exception.
+`linear` has three ISA paths (scalar, avx2, avx512) picked at construction: the `isa` argument,
+else the TAPER_CPU_ISA environment variable, else the best the CPU supports.
+"""
+import os
+
+import numpy as np
+cimport numpy as cnp
+from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t
+
+from pyx.backend cimport Backend
+
+cnp.import_array()
+
+
+# ---- C kernels (pyx/cpu_kernels.h)
+
+cdef extern from "cpu_kernels.h" nogil:
+    int TAPER_OK, TAPER_ERR_ARG, TAPER_ERR_ISA, TAPER_ERR_NOMEM
+    int TAPER_F32, TAPER_BF16, TAPER_F16
+    int TAPER_ISA_SCALAR, TAPER_ISA_AVX2, TAPER_ISA_AVX512
+    int taper_cpu_isa_supported(int isa)
+    int taper_cpu_best_isa()
+    int taper_cpu_max_threads()
+    int taper_embedding(const int32_t* token_ids, const void* table, int dtype, int64_t T,
+                        int64_t V, int64_t H, float* out, int nthreads)
+    int taper_linear(int isa, const float* x, const void* weight, int dtype, const float* bias,
+                     float* out, int64_t T, int64_t K, int64_t N, int nthreads)
+    int taper_rms_norm(const float* x, const float* weight, float eps, float* out, int64_t T,
+                       int64_t H, int nthreads)
+    int taper_fused_add_rms_norm(float* x, float* residual, const float* weight, float eps,
+                                 int64_t T, int64_t H, int nthreads)
+    int taper_rotary_embedding(const int32_t* positions, float* q, float* k,
+                               const float* cos_sin_cache, int64_t T, int64_t Hq, int64_t Hkv,
+                               int64_t D, int64_t rot_dim, int64_t max_pos, int is_neox,
+                               int nthreads)
+    int taper_silu_and_mul(const float* x, float* out, int64_t T, int64_t inter, int nthreads)
+    int taper_reshape_and_cache(const float* k, const float* v, float* k_cache, float* v_cache,
+                                const int32_t* slot_mapping, int64_t T, int64_t Hkv, int64_t D,
+                                int64_t NB, int64_t BS, int nthreads)
+    int taper_paged_attention(float* out, const float* q, const float* k_cache,
+                              const float* v_cache, const int32_t* block_tables,
+                              const int32_t* seq_lens, const int32_t* query_start_loc, int64_t T,
+                              int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t NB,
+                              int64_t BS, int64_t MB, float scale, int64_t sliding_window,
+                              int nthreads)
+    int taper_argmax(const float* logits, int64_t* out, int64_t B, int64_t V, int nthreads)
+    int taper_gumbel_sample(const float* logits, const uint64_t* seeds, const int64_t* positions,
+                            int64_t* out, int64_t B, int64_t V, int nthreads)
+    void taper_philox4x32_10(uint32_t* ctr, const uint32_t* key)
+
+
+# ---- validation helpers
+
+ISA_NAMES = {"scalar": TAPER_ISA_SCALAR, "avx2": TAPER_ISA_AVX2, "avx512": TAPER_ISA_AVX512}
+_ISA_BY_CODE = {v: k for k, v in ISA_NAMES.items()}
+_F32 = np.dtype(np.float32)
+_I32 = np.dtype(np.int32)
+_I64 = np.dtype(np.int64)
+_U64 = np.dtype(np.uint64)
+
+
+def isa_supported(str isa):
+    """Whether this CPU can run the given `linear` ISA path ("scalar", "avx2", "avx512")."""
+    return isa in ISA_NAMES and bool(taper_cpu_isa_supported(ISA_NAMES[isa]))
+
+
+def philox4x32_10(counter, key):
+    """One Philox4x32-10 block (the generator behind gumbel_sample), for known-answer tests.
+    counter: 4 uint32 words; key: 2 uint32 words. Returns a tuple of 4 ints."""
+    cdef uint32_t c[4]
+    cdef uint32_t k[2]
+    for i in range(4):
+        c[i] = <uint32_t>int(counter[i])
+    for i in range(2):
+        k[i] = <uint32_t>int(key[i])
+    taper_philox4x32_10(c, k)
+    return (c[0], c[1], c[2], c[3])
+
+
+cdef str _desc(dict arrays):
+    parts = []
+    for name, a in arrays.items():
+        if isinstance(a, np.ndarray):
+            parts.append(f"{name} {tuple(a.shape)} {a.dtype}")
+        else:
+            parts.append(f"{name} {a!r}")
+    return ", ".join(parts)
+
+
+cdef _fail(str op, str msg, dict arrays):
+    raise ValueError(f"{op}: {msg} [{_desc(arrays)}]")
+
+
+cdef _check(str op, dict arrays, str name, object dtypes, int ndim, bint writable=False):
+    """Checks arrays[name] is a C-contiguous ndarray of one of `dtypes` with `ndim` dims."""
+    a = arrays[name]
+    if not isinstance(a, np.ndarray):
+        _fail(op, f"{name} must be a numpy array, got {type(a).__name__}", arrays)
+    if a.ndim != ndim:
+        _fail(op, f"{name} must have {ndim} dims", arrays)
+    if a.dtype not in dtypes:
+        _fail(op, f"{name} has dtype {a.dtype}, expected one of {[str(d) for d in dtypes]}",
+              arrays)
+    if not a.flags.c_contiguous:
+        _fail(op, f"{name} must be C-contiguous", arrays)
+    if writable and not a.flags.writeable:
+        _fail(op, f"{name} must be writable", arrays)
+
+
+cdef int _wdtype(a):
+    dt = a.dtype
+    if dt == _F32:
+        return TAPER_F32
+    if dt.itemsize == 2 and dt.name == "bfloat16":
+        return TAPER_BF16
+    if dt == np.float16:
+        return TAPER_F16
+    return -1
+
+
+def _weight_dtypes():
+    out = [_F32, np.dtype(np.float16)]
+    try:
+        import ml_dtypes
+        out.append(np.dtype(ml_dtypes.bfloat16))
+    except ImportError:
+        pass
+    return out
+
+
+_WDT = _weight_dtypes()
+
+
+cdef inline void* _ptr(cnp.ndarray a):
+    return cnp.PyArray_DATA(a)
+
+
+cdef _status(int st, str op, dict arrays):
+    if st == TAPER_OK:
+        return
+    if st == TAPER_ERR_ARG:
+        raise ValueError(f"{op}: index out of range in the data [{_desc(arrays)}]")
+    if st == TAPER_ERR_ISA:
+        raise RuntimeError(f"{op}: ISA path not supported by this CPU [{_desc(arrays)}]")
+    if st == TAPER_ERR_NOMEM:
+        raise MemoryError(f"{op}: scratch allocation failed [{_desc(arrays)}]")
+    raise RuntimeError(f"{op}: kernel failed with status {st} [{_desc(arrays)}]")
+
+
+# ---- the backend
+
+cdef class CpuBackend(Backend):
+    """Backend on NumPy arrays with OpenMP C kernels.
+
+    isa: "scalar" | "avx2" | "avx512" for `linear` (default: $TAPER_CPU_ISA, else the best the
+    CPU supports). num_threads: OpenMP threads per op (default: OpenMP's, i.e. all cores or
+    $OMP_NUM_THREADS).
+    """
+    cdef int _isa
+    cdef int _nthreads
+
+    def __init__(self, isa=None, num_threads=None):
+        Backend.__init__(self, "cpu")
+        if isa is None:
+            isa = os.environ.get("TAPER_CPU_ISA") or None
+        if isa is None:
+            self._isa = taper_cpu_best_isa()
+        else:
+            if isa not in ISA_NAMES:
+                raise ValueError(f"CpuBackend: unknown isa {isa!r}, expected one of {list(ISA_NAMES)}")
+            if not taper_cpu_isa_supported(ISA_NAMES[isa]):
+                raise ValueError(f"CpuBackend: isa {isa!r} is not supported by this CPU")
+            self._isa = ISA_NAMES[isa]
+        self.num_threads = num_threads if num_threads is not None else taper_cpu_max_threads()
+
+    @property
+    def isa(self):
+        """The ISA path `linear` uses: "scalar", "avx2" or "avx512"."""
+        return _ISA_BY_CODE[self._isa]
+
+    @property
+    def num_threads(self):
+        """OpenMP threads each op uses."""
+        return self._nthreads
+
+    @num_threads.setter
+    def num_threads(self, n):
+        n = int(n)
+        if n < 1:
+            raise ValueError(f"CpuBackend: num_threads must be >= 1, got {n}")
+        self._nthreads = n
+
+    def __repr__(self):
+        return f"CpuBackend(isa={self.isa!r}, num_threads={self._nthreads})"
+
+    def embedding(self, token_ids, table, out):
+        op = "embedding"
+        arrays = {"token_ids": token_ids, "table": table, "out": out}
+        _check(op, arrays, "token_ids", (_I32,), 1)
+        _check(op, arrays, "table", _WDT, 2)
+        _check(op, arrays, "out", (_F32,), 2, True)
+        cdef int64_t T = token_ids.shape[0], V = table.shape[0], H = table.shape[1]
+        if out.shape[0] != T or out.shape[1] != H:
+            _fail(op, "out must be (T, H)", arrays)
+        cdef int dt = _wdtype(table)
+        cdef const int32_t* ids = <const int32_t*>_ptr(token_ids)
+        cdef const void* tp = _ptr(table)
+        cdef float* op_ = <float*>_ptr(out)
+        cdef int nt = self._nthreads, st
+        with nogil:
+            st = taper_embedding(ids, tp, dt, T, V, H, op_, nt)
+        _status(st, op, arrays)
+
+    def linear(self, x, weight, bias, out):
+        op = "linear"
+        arrays = {"x": x, "weight": weight, "bias": bias, "out": out}
+        _check(op, arrays, "x", (_F32,), 2)
+        _check(op, arrays, "weight", _WDT, 2)
+        _check(op, arrays, "out", (_F32,), 2, True)
+        cdef int64_t T = x.shape[0], K = x.shape[1], N = weight.shape[0]
+        if weight.shape[1] != K:
+            _fail(op, "weight must be (N, K) with K = x.shape[1]", arrays)
+        if out.shape[0] != T or out.shape[1] != N:
+            _fail(op, "out must be (T, N)", arrays)
+        cdef const float* bp = NULL
+        if bias is not None:
+            _check(op, arrays, "bias", (_F32,), 1)
+            if bias.shape[0] != N:
+                _fail(op, "bias must be (N,)", arrays)
+            bp = <const float*>_ptr(bias)
+        cdef int dt = _wdtype(weight), isa = self._isa, nt = self._nthreads, st
+        cdef const float* xp = <const float*>_ptr(x)
+        cdef const void* wp = _ptr(weight)
+        cdef float* outp = <float*>_ptr(out)
+        with nogil:
+            st = taper_linear(isa, xp, wp, dt, bp, outp, T, K, N, nt)
+        _status(st, op, arrays)
+
+    def rms_norm(self, x, weight, eps, out):
+        op = "rms_norm"
+        arrays = {"x": x, "weight": weight, "out": out}
+        _check(op, arrays, "x", (_F32,), 2)
+        _check(op, arrays, "weight", (_F32,), 1)
+        _check(op, arrays, "out", (_F32,), 2, True)
+        cdef int64_t T = x.shape[0], H = x.shape[1]
+        if weight.shape[0] != H or out.shape[0] != T or out.shape[1] != H:
+            _fail(op, "need x, out (T, H) and weight (H,)", arrays)
+        cdef float e = eps
+        cdef const float* xp = <const float*>_ptr(x)
+        cdef const float* wp = <const float*>_ptr(weight)
+        cdef float* outp = <float*>_ptr(out)
+        cdef int nt = self._nthreads, st
+        with nogil:
+            st = taper_rms_norm(xp, wp, e, outp, T, H, nt)
+        _status(st, op, arrays)
+
+    def fused_add_rms_norm(self, x, residual, weight, eps):
+        op = "fused_add_rms_norm"
+        arrays = {"x": x, "residual": residual, "weight": weight}
+        _check(op, arrays, "x", (_F32,), 2, True)
+        _check(op, arrays, "residual", (_F32,), 2, True)
+        _check(op, arrays, "weight", (_F32,), 1)
+        cdef int64_t T = x.shape[0], H = x.shape[1]
+        if weight.shape[0] != H or residual.shape[0] != T or residual.shape[1] != H:
+            _fail(op, "need x, residual (T, H) and weight (H,)", arrays)
+        cdef float e = eps
+        cdef float* xp = <float*>_ptr(x)
+        cdef float* rp = <float*>_ptr(residual)
+        cdef const float* wp = <const float*>_ptr(weight)
+        cdef int nt = self._nthreads, st
+        with nogil:
+            st = taper_fused_add_rms_norm(xp, rp, wp, e, T, H, nt)
+        _status(st, op, arrays)
+
+    def rotary_embedding(self, positions, q, k, cos_sin_cache, head_dim, is_neox):
+        op = "rotary_embedding"
+        arrays = {"positions": positions, "q": q, "k": k, "cos_sin_cache": cos_sin_cache,
+                  "head_dim": head_dim}
+        _check(op, arrays, "positions", (_I32,), 1)
+        _check(op, arrays, "q", (_F32,), 2, True)
+        _check(op, arrays, "k", (_F32,), 2, True)
+        _check(op, arrays, "cos_sin_cache", (_F32,), 2)
+        cdef int64_t T = positions.shape[0], D = head_dim, R = cos_sin_cache.shape[1]
+        cdef int64_t max_pos = cos_sin_cache.shape[0]
+        if D <= 0 or q.shape[0] != T or k.shape[0] != T or q.shape[1] % D or k.shape[1] % D:
+            _fail(op, "need q (T, Hq*D), k (T, Hkv*D)", arrays)
+        if R <= 0 or R % 2 or R > D:
+            _fail(op, "rot_dim = cos_sin_cache.shape[1] must be even and <= head_dim", arrays)
+        cdef int64_t Hq = q.shape[1] // D, Hkv = k.shape[1] // D
+        cdef int neox = bool(is_neox), nt = self._nthreads, st
+        cdef const int32_t* pp = <const int32_t*>_ptr(positions)
+        cdef float* qp = <float*>_ptr(q)
+        cdef float* kp = <float*>_ptr(k)
+        cdef const float* cp = <const float*>_ptr(cos_sin_cache)
+        with nogil:
+            st = taper_rotary_embedding(pp, qp, kp, cp, T, Hq, Hkv, D, R, max_pos, neox, nt)
+        _status(st, op, arrays)
+
+    def silu_and_mul(self, x, out):
+        op = "silu_and_mul"
+        arrays = {"x": x, "out": out}
+        _check(op, arrays, "x", (_F32,), 2)
+        _check(op, arrays, "out", (_F32,), 2, True)
+        cdef int64_t T = x.shape[0], inter = out.shape[1]
+        if x.shape[1] != 2 * inter or out.shape[0] != T:
+            _fail(op, "need x (T, 2I), out (T, I)", arrays)
+        cdef const float* xp = <const float*>_ptr(x)
+        cdef float* outp = <float*>_ptr(out)
+        cdef int nt = self._nthreads, st
+        with nogil:
+            st = taper_silu_and_mul(xp, outp, T, inter, nt)
+        _status(st, op, arrays)
+
+    def reshape_and_cache(self, k, v, k_cache, v_cache, slot_mapping):
+        op = "reshape_and_cache"
+        arrays = {"k": k, "v": v, "k_cache": k_cache, "v_cache": v_cache,
+                  "slot_mapping": slot_mapping}
+        _check(op, arrays, "k", (_F32,), 3)
+        _check(op, arrays, "v", (_F32,), 3)
+        _check(op, arrays, "k_cache", (_F32,), 4, True)
+        _check(op, arrays, "v_cache", (_F32,), 4, True)
+        _check(op, arrays, "slot_mapping", (_I32,), 1)
+        cdef int64_t T = k.shape[0], Hkv = k.shape[1], D = k.shape[2]
+        cdef int64_t NB = k_cache.shape[0], BS = k_cache.shape[1]
+        if v.shape != k.shape or slot_mapping.shape[0] != T:
+            _fail(op, "need k, v (T, Hkv, D) and slot_mapping (T,)", arrays)
+        if k_cache.shape != v_cache.shape or k_cache.shape[2] != Hkv or k_cache.shape[3] != D:
+            _fail(op, "need k_cache, v_cache (NB, BS, Hkv, D)", arrays)
+        cdef const float* kp = <const float*>_ptr(k)
+        cdef const float* vp = <const float*>_ptr(v)
+        cdef float* kcp = <float*>_ptr(k_cache)
+        cdef float* vcp = <float*>_ptr(v_cache)
+        cdef const int32_t* sp = <const int32_t*>_ptr(slot_mapping)
+        cdef int nt = self._nthreads, st
+        with nogil:
+            st = taper_reshape_and_cache(kp, vp, kcp, vcp, sp, T, Hkv, D, NB, BS, nt)
+        _status(st, op, arrays)
+
+    def paged_attention(self, out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                        scale, sliding_window):
+        op = "paged_attention"
+        arrays = {"out": out, "q": q, "k_cache": k_cache, "v_cache": v_cache,
+                  "block_tables": block_tables, "seq_lens": seq_lens,
+                  "query_start_loc": query_start_loc}
+        _check(op, arrays, "out", (_F32,), 3, True)
+        _check(op, arrays, "q", (_F32,), 3)
+        _check(op, arrays, "k_cache", (_F32,), 4)
+        _check(op, arrays, "v_cache", (_F32,), 4)
+        _check(op, arrays, "block_tables", (_I32,), 2)
+        _check(op, arrays, "seq_lens", (_I32,), 1)
+        _check(op, arrays, "query_start_loc", (_I32,), 1)
+        cdef int64_t T = q.shape[0], Hq = q.shape[1], D = q.shape[2]
+        cdef int64_t NB = k_cache.shape[0], BS = k_cache.shape[1], Hkv = k_cache.shape[2]
+        cdef int64_t B = seq_lens.shape[0], MB = block_tables.shape[1]
+        if out.shape != q.shape:
+            _fail(op, "out must have q's shape (T, Hq, D)", arrays)
+        if v_cache.shape != k_cache.shape or k_cache.shape[3] != D:
+            _fail(op, "need k_cache, v_cache (NB, BS, Hkv, D) with q's D", arrays)
+        if Hkv <= 0 or Hq % Hkv:
+            _fail(op, "Hq must be a multiple of Hkv", arrays)
+        if block_tables.shape[0] != B or query_start_loc.shape[0] != B + 1:
+            _fail(op, "need block_tables (B, MB), seq_lens (B,), query_start_loc (B+1,)", arrays)
+        if sliding_window is None:
+            sliding_window = 0
+        if sliding_window < 0:
+            _fail(op, f"sliding_window must be >= 0, got {sliding_window}", arrays)
+        cdef float sc = scale
+        cdef int64_t sw = sliding_window
+        cdef float* outp = <float*>_ptr(out)
+        cdef const float* qp = <const float*>_ptr(q)
+        cdef const float* kcp = <const float*>_ptr(k_cache)
+        cdef const float* vcp = <const float*>_ptr(v_cache)
+        cdef const int32_t* btp = <const int32_t*>_ptr(block_tables)
+        cdef const int32_t* slp = <const int32_t*>_ptr(seq_lens)
+        cdef const int32_t* qsp = <const int32_t*>_ptr(query_start_loc)
+        cdef int nt = self._nthreads, st
+        with nogil:
+            st = taper_paged_attention(outp, qp, kcp, vcp, btp, slp, qsp, T, B, Hq, Hkv, D, NB,
+                                       BS, MB, sc, sw, nt)
+        _status(st, op, arrays)
+
+    def argmax(self, logits, out):
+        op = "argmax"
+        arrays = {"logits": logits, "out": out}
+        _check(op, arrays, "logits", (_F32,), 2)
+        _check(op, arrays, "out", (_I64,), 1, True)
+        cdef int64_t B = logits.shape[0], V = logits.shape[1]
+        if out.shape[0] != B or V == 0:
+            _fail(op, "need logits (B, V) with V > 0 and out (B,)", arrays)
+        cdef const float* lp = <const float*>_ptr(logits)
+        cdef int64_t* outp = <int64_t*>_ptr(out)
+        cdef int nt = self._nthreads, st
+        with nogil:
+            st = taper_argmax(lp, outp, B, V, nt)
+        _status(st, op, arrays)
+
+    def gumbel_sample(self, logits, seeds, positions, out):
+        op = "gumbel_sample"
+        arrays = {"logits": logits, "seeds": seeds, "positions": positions, "out": out}
+        _check(op, arrays, "logits", (_F32,), 2)
+        _check(op, arrays, "seeds", (_U64,), 1)
+        _check(op, arrays, "positions", (_I64,), 1)
+        _check(op, arrays, "out", (_I64,), 1, True)
+        cdef int64_t B = logits.shape[0], V = logits.shape[1]
+        if seeds.shape[0] != B or positions.shape[0] != B or out.shape[0] != B or V == 0:
+            _fail(op, "need logits (B, V) with V > 0 and seeds, positions, out (B,)", arrays)
+        cdef const float* lp = <const float*>_ptr(logits)
+        cdef const uint64_t* sp = <const uint64_t*>_ptr(seeds)
+        cdef const int64_t* pp = <const int64_t*>_ptr(positions)
+        cdef int64_t* outp = <int64_t*>_ptr(out)
+        cdef int nt = self._nthreads, st
+        with nogil:
+            st = taper_gumbel_sample(lp, sp, pp, outp, B, V, nt)
+        _status(st, op, arrays)

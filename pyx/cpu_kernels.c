@@ -1,0 +1,856 @@
+/* Taper CPU kernels (C11 + OpenMP). See cpu_kernels.h for the ABI.
+ *
+ * The performance-critical op is `linear` (decode = memory-bound GEMV, prefill = GEMM). It has
+ * three ISA paths compiled side by side with __attribute__((target(...))) — no -march=native in
+ * the build — and chosen at run time by the caller (CpuBackend reads __builtin_cpu_supports and
+ * TAPER_CPU_ISA). 16-bit weights (bf16, f16) stay 16-bit in memory and are widened to f32 in
+ * registers; accumulation is always f32. AMX and AVX512-BF16 are deliberately not used.
+ * The other ops are plain C loops with `omp simd` hints, parallel over rows with OpenMP.
+ */
+#include "cpu_kernels.h"
+
+#include <float.h>
+#include <immintrin.h>
+#include <math.h>
+#include <omp.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MIN(a, b) ((a) < (b) ? (a) : (b))
+#define MAX(a, b) ((a) > (b) ? (a) : (b))
+#define INLINE static inline __attribute__((always_inline))
+
+// ----------------------------------------------------------------------------
+// ---- helpers: dtype conversion, ISA detection
+
+INLINE float bf16_to_f32(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+// IEEE half -> float by bit manipulation (portable; the SIMD paths use vcvtph2ps instead).
+INLINE float f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, bits;
+    if (exp == 0) {
+        float f = (float)man * 5.9604644775390625e-08f;  // subnormal: man * 2^-24
+        memcpy(&bits, &f, 4);
+        bits |= sign;
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000u | (man << 13);
+    } else {
+        bits = sign | ((exp + 112u) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+// Widens n elements of a row of dtype `dtype` to f32.
+static void row_to_f32(const void* src, int dtype, int64_t n, float* dst) {
+    if (dtype == TAPER_F32) {
+        memcpy(dst, src, (size_t)n * sizeof(float));
+    } else if (dtype == TAPER_BF16) {
+        const uint16_t* s = (const uint16_t*)src;
+#pragma omp simd
+        for (int64_t i = 0; i < n; i++) dst[i] = bf16_to_f32(s[i]);
+    } else {
+        const uint16_t* s = (const uint16_t*)src;
+        for (int64_t i = 0; i < n; i++) dst[i] = f16_to_f32(s[i]);
+    }
+}
+
+static size_t dtype_size(int dtype) { return dtype == TAPER_F32 ? 4 : 2; }
+
+int taper_cpu_isa_supported(int isa) {
+    __builtin_cpu_init();
+    switch (isa) {
+        case TAPER_ISA_SCALAR: return 1;
+        case TAPER_ISA_AVX2:
+            return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                   __builtin_cpu_supports("f16c");
+        case TAPER_ISA_AVX512:
+            return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                   __builtin_cpu_supports("avx512vl") &&
+                   taper_cpu_isa_supported(TAPER_ISA_AVX2);
+        default: return 0;
+    }
+}
+
+int taper_cpu_best_isa(void) {
+    if (taper_cpu_isa_supported(TAPER_ISA_AVX512)) return TAPER_ISA_AVX512;
+    if (taper_cpu_isa_supported(TAPER_ISA_AVX2)) return TAPER_ISA_AVX2;
+    return TAPER_ISA_SCALAR;
+}
+
+int taper_cpu_max_threads(void) { return omp_get_max_threads(); }
+
+// ----------------------------------------------------------------------------
+// ---- kernels: embedding
+
+/* Embedding gather: out[t] = f32(table[token_ids[t]]). Parallel over tokens. */
+int taper_embedding(const int32_t* token_ids,  // (T,)
+                    const void* table,         // (V, H)
+                    int dtype, int64_t T, int64_t V, int64_t H,
+                    float* out,                // (T, H)
+                    int nthreads) {
+    for (int64_t t = 0; t < T; t++)
+        if (token_ids[t] < 0 || token_ids[t] >= V) return TAPER_ERR_ARG;
+    size_t es = dtype_size(dtype);
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (T * H > 16384)
+    for (int64_t t = 0; t < T; t++)
+        row_to_f32((const char*)table + (size_t)token_ids[t] * H * es, dtype, H, out + t * H);
+    return TAPER_OK;
+}
+
+// ----------------------------------------------------------------------------
+// ---- kernels: linear, scalar path
+
+/* Scalar linear: for each output column n (parallel), widen weight row n into a per-thread f32
+ * buffer once, then dot it with every token row using 8 independent partial sums (lets the
+ * compiler use SSE lanes without reassociating a single chain). Portable fallback and reference
+ * for the SIMD paths. */
+static int linear_scalar(const float* x,      // (T, K)
+                         const void* w,       // (N, K)
+                         int dtype,
+                         const float* bias,   // (N,) or NULL
+                         float* out,          // (T, N)
+                         int64_t T, int64_t K, int64_t N, int nthreads) {
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads)
+    {
+        float* buf = dtype == TAPER_F32 ? NULL : (float*)malloc((size_t)K * sizeof(float));
+        if (dtype != TAPER_F32 && !buf) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t n = 0; n < N; n++) {
+            if (dtype != TAPER_F32 && !buf) continue;
+            const float* wr;
+            if (dtype == TAPER_F32) {
+                wr = (const float*)w + n * K;
+            } else {
+                row_to_f32((const char*)w + (size_t)n * K * 2, dtype, K, buf);
+                wr = buf;
+            }
+            float b = bias ? bias[n] : 0.0f;
+            for (int64_t t = 0; t < T; t++) {
+                const float* xr = x + t * K;
+                float s[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+                int64_t k = 0;
+                for (; k + 8 <= K; k += 8)
+                    for (int u = 0; u < 8; u++) s[u] += xr[k + u] * wr[k + u];
+                for (; k < K; k++) s[0] += xr[k] * wr[k];
+                out[t * N + n] = ((s[0] + s[4]) + (s[1] + s[5])) + ((s[2] + s[6]) + (s[3] + s[7])) + b;
+            }
+        }
+        free(buf);
+    }
+    return failed ? TAPER_ERR_NOMEM : TAPER_OK;
+}
+
+// ----------------------------------------------------------------------------
+// ---- kernels: linear, AVX2 + FMA + F16C path
+
+#define AVX2_TARGET __attribute__((target("avx2,fma,f16c")))
+
+AVX2_TARGET INLINE __m256 avx2_load_w(const void* w, int dtype, int64_t off) {
+    if (dtype == TAPER_F32) return _mm256_loadu_ps((const float*)w + off);
+    __m128i h = _mm_loadu_si128((const __m128i*)((const uint16_t*)w + off));
+    if (dtype == TAPER_BF16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    return _mm256_cvtph_ps(h);
+}
+
+AVX2_TARGET INLINE float avx2_hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+INLINE float w_at(const void* w, int dtype, int64_t off) {
+    if (dtype == TAPER_F32) return ((const float*)w)[off];
+    if (dtype == TAPER_BF16) return bf16_to_f32(((const uint16_t*)w)[off]);
+    return f16_to_f32(((const uint16_t*)w)[off]);
+}
+
+/* GEMV tile: 4 weight rows x NT (1..4) token rows, one vector accumulator per (row, token) pair,
+ * streaming the 4 weight rows once: four independent row streams keep enough loads in flight to
+ * approach memory bandwidth, and each widened weight vector feeds NT FMAs. */
+AVX2_TARGET INLINE void avx2_gemv_tile(const float* x,    // (T, K), rows t0..t0+NT
+                                        const void* w,     // (N, K), rows n0..n0+nr
+                                        int dtype, const float* bias,
+                                        float* out,        // (T, N)
+                                        int64_t K, int64_t N, int64_t t0, int64_t n0, int nr,
+                                        const int NT) {
+    __m256 acc[4][4];
+    for (int r = 0; r < 4; r++)
+        for (int j = 0; j < NT; j++) acc[r][j] = _mm256_setzero_ps();
+    int64_t rr[4];
+    for (int r = 0; r < 4; r++) rr[r] = (n0 + MIN(r, nr - 1)) * K;  // duplicate last row if short
+    int64_t k = 0;
+    for (; k + 8 <= K; k += 8) {
+        __m256 xv[4];
+        for (int j = 0; j < NT; j++) xv[j] = _mm256_loadu_ps(x + (t0 + j) * K + k);
+        for (int r = 0; r < 4; r++) {
+            __m256 wv = avx2_load_w(w, dtype, rr[r] + k);
+            for (int j = 0; j < NT; j++) acc[r][j] = _mm256_fmadd_ps(wv, xv[j], acc[r][j]);
+        }
+    }
+    for (int r = 0; r < nr; r++)
+        for (int j = 0; j < NT; j++) {
+            float s = avx2_hsum(acc[r][j]);
+            for (int64_t kk = k; kk < K; kk++) s += w_at(w, dtype, rr[r] + kk) * x[(t0 + j) * K + kk];
+            out[(t0 + j) * N + n0 + r] = s + (bias ? bias[n0 + r] : 0.0f);
+        }
+}
+
+AVX2_TARGET static void avx2_gemv(const float* x, const void* w, int dtype, const float* bias,
+                                  float* out, int64_t T, int64_t K, int64_t N, int nthreads) {
+    int64_t ngroups = (N + 3) / 4;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t g = 0; g < ngroups; g++) {
+        int64_t n0 = g * 4;
+        int nr = (int)MIN(4, N - n0);
+        for (int64_t t0 = 0; t0 < T; t0 += 4) {
+            switch (MIN(4, T - t0)) {
+                case 1: avx2_gemv_tile(x, w, dtype, bias, out, K, N, t0, n0, nr, 1); break;
+                case 2: avx2_gemv_tile(x, w, dtype, bias, out, K, N, t0, n0, nr, 2); break;
+                case 3: avx2_gemv_tile(x, w, dtype, bias, out, K, N, t0, n0, nr, 3); break;
+                default: avx2_gemv_tile(x, w, dtype, bias, out, K, N, t0, n0, nr, 4); break;
+            }
+        }
+    }
+}
+
+// ---- GEMM (shared structure for AVX2 and AVX-512)
+//
+// Classic packed outer-product GEMM (BLIS-style). A work item is a panel of NR weight rows and a
+// range of token rows. For each K block of KC, the panel is widened to f32 and transposed into a
+// per-thread buffer packed[kk][j] (KC*NR floats; 256*32*4 = 32 KiB fits L1), then the micro-kernel
+// sweeps MR token rows at a time: per k it loads NR/W vectors of the panel, broadcasts MR x values
+// and does MR*NR/W FMAs into register accumulators. The panel stays in L1 across the whole token
+// range, x rows stream from L2, and out tiles are read/written once per K block.
+
+#define GEMM_KC 256
+
+#define AVX2_MR 6
+#define AVX2_NR 16
+
+/* AVX2 micro-kernel: 6 token rows x 16 weight rows = 12 ymm accumulators + 2 panel vectors +
+ * 1 broadcast = 15 of 16 ymm registers. */
+AVX2_TARGET static void avx2_micro(const float* x,        // (T, K), mr rows from x, at col k0
+                                   int64_t K, int mr,
+                                   const float* packed,  // (kc, 16)
+                                   int64_t kc,
+                                   float* out,           // (T, N), at (t, n0)
+                                   int64_t N, int nr, int first, const float* bias_or_null) {
+    const float* xr[AVX2_MR];
+    for (int i = 0; i < AVX2_MR; i++) xr[i] = x + MIN(i, mr - 1) * K;
+    // Named accumulators: with an array GCC keeps a memory copy updated inside the k loop.
+    __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
+    __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
+    const float *x0 = xr[0], *x1 = xr[1], *x2 = xr[2], *x3 = xr[3], *x4 = xr[4], *x5 = xr[5];
+    for (int64_t kk = 0; kk < kc; kk++) {
+        __m256 b0 = _mm256_load_ps(packed + kk * AVX2_NR);
+        __m256 b1 = _mm256_load_ps(packed + kk * AVX2_NR + 8);
+        __m256 a;
+#define AVX2_ROW(i)                              \
+        a = _mm256_broadcast_ss(x##i + kk);      \
+        c##i##0 = _mm256_fmadd_ps(a, b0, c##i##0); \
+        c##i##1 = _mm256_fmadd_ps(a, b1, c##i##1);
+        AVX2_ROW(0) AVX2_ROW(1) AVX2_ROW(2) AVX2_ROW(3) AVX2_ROW(4) AVX2_ROW(5)
+#undef AVX2_ROW
+    }
+    __m256 c[AVX2_MR][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31}, {c40, c41}, {c50, c51}};
+    // Spill the tile once through a constant-indexed buffer: indexing c[][] with the runtime row
+    // count below would make GCC keep the accumulators in memory inside the k loop.
+    float res[AVX2_MR][AVX2_NR] __attribute__((aligned(32)));
+    for (int i = 0; i < AVX2_MR; i++) {
+        _mm256_store_ps(res[i], c[i][0]);
+        _mm256_store_ps(res[i] + 8, c[i][1]);
+    }
+    for (int i = 0; i < mr; i++) {
+        float* o = out + i * N;
+        if (nr == AVX2_NR) {
+            __m256 o0 = first ? _mm256_setzero_ps() : _mm256_loadu_ps(o);
+            __m256 o1 = first ? _mm256_setzero_ps() : _mm256_loadu_ps(o + 8);
+            o0 = _mm256_add_ps(o0, _mm256_load_ps(res[i]));
+            o1 = _mm256_add_ps(o1, _mm256_load_ps(res[i] + 8));
+            if (bias_or_null) {
+                o0 = _mm256_add_ps(o0, _mm256_loadu_ps(bias_or_null));
+                o1 = _mm256_add_ps(o1, _mm256_loadu_ps(bias_or_null + 8));
+            }
+            _mm256_storeu_ps(o, o0);
+            _mm256_storeu_ps(o + 8, o1);
+        } else {
+            for (int j = 0; j < nr; j++)
+                o[j] = (first ? 0.0f : o[j]) + res[i][j] + (bias_or_null ? bias_or_null[j] : 0.0f);
+        }
+    }
+}
+
+/* AVX2 panel packing: widen 8 rows x 8 k-values into 8 ymm registers and transpose them in
+ * registers (unpack / shuffle / permute2f128, 24 shuffles per 64 values), instead of 64 scalar
+ * strided stores; conversion of bf16/f16 happens on the way in. */
+AVX2_TARGET static void avx2_pack(const void* w, int dtype, int64_t K, int64_t n0, int nr,
+                                  int64_t k0, int64_t kc,
+                                  float* dst) {  // (kc, 16)
+    for (int j0 = 0; j0 < AVX2_NR; j0 += 8) {
+        int64_t kk = 0;
+        for (; kk + 8 <= kc; kk += 8) {
+            __m256 r[8], t[8], s8[8];
+            for (int j = 0; j < 8; j++)
+                r[j] = j0 + j < nr ? avx2_load_w(w, dtype, (n0 + j0 + j) * K + k0 + kk) : _mm256_setzero_ps();
+            for (int j = 0; j < 8; j += 2) {
+                t[j] = _mm256_unpacklo_ps(r[j], r[j + 1]);
+                t[j + 1] = _mm256_unpackhi_ps(r[j], r[j + 1]);
+            }
+            for (int j = 0; j < 8; j += 4) {
+                s8[j] = _mm256_shuffle_ps(t[j], t[j + 2], 0x44);
+                s8[j + 1] = _mm256_shuffle_ps(t[j], t[j + 2], 0xEE);
+                s8[j + 2] = _mm256_shuffle_ps(t[j + 1], t[j + 3], 0x44);
+                s8[j + 3] = _mm256_shuffle_ps(t[j + 1], t[j + 3], 0xEE);
+            }
+            for (int m = 0; m < 4; m++) {
+                _mm256_store_ps(dst + (kk + m) * AVX2_NR + j0, _mm256_permute2f128_ps(s8[m], s8[m + 4], 0x20));
+                _mm256_store_ps(dst + (kk + m + 4) * AVX2_NR + j0, _mm256_permute2f128_ps(s8[m], s8[m + 4], 0x31));
+            }
+        }
+        for (; kk < kc; kk++)
+            for (int j = 0; j < 8; j++)
+                dst[kk * AVX2_NR + j0 + j] = j0 + j < nr ? w_at(w, dtype, (n0 + j0 + j) * K + k0 + kk) : 0.0f;
+    }
+}
+
+#define AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
+#define AVX512_MR 8
+#define AVX512_NR 32
+
+/* AVX-512 micro-kernel: 8 token rows x 32 weight rows = 16 zmm accumulators; per k two 64-byte
+ * panel loads from L1 and 8 broadcasts feed 16 FMAs, so the FMA ports, not loads, are the limit. */
+AVX512_TARGET static void avx512_micro(const float* x,        // (T, K), mr rows, at col k0
+                                       int64_t K, int mr,
+                                       const float* packed,  // (kc, 32)
+                                       int64_t kc,
+                                       float* out,           // (T, N), at (t, n0)
+                                       int64_t N, int nr, int first, const float* bias_or_null) {
+    const float* xr[AVX512_MR];
+    for (int i = 0; i < AVX512_MR; i++) xr[i] = x + MIN(i, mr - 1) * K;
+    __m512 c[AVX512_MR][2];
+    for (int i = 0; i < AVX512_MR; i++) c[i][0] = c[i][1] = _mm512_setzero_ps();
+    for (int64_t kk = 0; kk < kc; kk++) {
+        __m512 b0 = _mm512_load_ps(packed + kk * AVX512_NR);
+        __m512 b1 = _mm512_load_ps(packed + kk * AVX512_NR + 16);
+        for (int i = 0; i < AVX512_MR; i++) {
+            __m512 a = _mm512_set1_ps(xr[i][kk]);
+            c[i][0] = _mm512_fmadd_ps(a, b0, c[i][0]);
+            c[i][1] = _mm512_fmadd_ps(a, b1, c[i][1]);
+        }
+    }
+    __mmask16 m0 = (__mmask16)(nr >= 16 ? 0xffff : ((1u << nr) - 1));
+    __mmask16 m1 = (__mmask16)(nr >= 32 ? 0xffff : nr <= 16 ? 0 : ((1u << (nr - 16)) - 1));
+    __m512 bv0 = bias_or_null ? _mm512_maskz_loadu_ps(m0, bias_or_null) : _mm512_setzero_ps();
+    __m512 bv1 = bias_or_null ? _mm512_maskz_loadu_ps(m1, bias_or_null + 16) : _mm512_setzero_ps();
+    for (int i = 0; i < mr; i++) {
+        float* o = out + i * N;
+        __m512 o0 = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(m0, o);
+        __m512 o1 = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(m1, o + 16);
+        o0 = _mm512_add_ps(_mm512_add_ps(o0, c[i][0]), bv0);
+        o1 = _mm512_add_ps(_mm512_add_ps(o1, c[i][1]), bv1);
+        _mm512_mask_storeu_ps(o, m0, o0);
+        _mm512_mask_storeu_ps(o + 16, m1, o1);
+    }
+}
+
+typedef void (*micro_fn)(const float*, int64_t, int, const float*, int64_t, float*, int64_t, int,
+                         int, const float*);
+typedef void (*pack_fn)(const void*, int, int64_t, int64_t, int, int64_t, int64_t, float*);
+
+// Splits the (N panels x token range) work and runs the packed GEMM with the given micro-kernel.
+static int gemm_packed(micro_fn micro, pack_fn pack, int MR, int NR, const float* x, const void* w, int dtype,
+                       const float* bias, float* out, int64_t T, int64_t K, int64_t N,
+                       int nthreads) {
+    int64_t npanels = (N + NR - 1) / NR;
+    // Split tokens too when there are too few panels to keep every thread busy; each split
+    // repacks its panels, so keep token chunks at >= 8 micro-tiles.
+    int64_t tchunks = 1;
+    while (npanels * tchunks < 4 * (int64_t)nthreads && T / (tchunks * 2) >= 8 * MR) tchunks *= 2;
+    int64_t tstep = ((T + tchunks - 1) / tchunks + MR - 1) / MR * MR;
+    tchunks = (T + tstep - 1) / tstep;
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads)
+    {
+        float* packed = (float*)aligned_alloc(64, (size_t)GEMM_KC * NR * sizeof(float));
+        if (!packed) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < npanels * tchunks; item++) {
+            if (!packed) continue;
+            int64_t p = item / tchunks, tc = item % tchunks;
+            int64_t n0 = p * NR, t0 = tc * tstep, t1 = MIN(T, t0 + tstep);
+            int nr = (int)MIN(NR, N - n0);
+            for (int64_t k0 = 0; k0 < K; k0 += GEMM_KC) {
+                int64_t kc = MIN(GEMM_KC, K - k0);
+                pack(w, dtype, K, n0, nr, k0, kc, packed);
+                int last = k0 + kc >= K;
+                for (int64_t t = t0; t < t1; t += MR)
+                    micro(x + t * K + k0, K, (int)MIN(MR, t1 - t), packed, kc, out + t * N + n0, N, nr,
+                          k0 == 0, last && bias ? bias + n0 : NULL);
+            }
+        }
+        free(packed);
+    }
+    return failed ? TAPER_ERR_NOMEM : TAPER_OK;
+}
+
+// ----------------------------------------------------------------------------
+// ---- kernels: linear, AVX-512 path
+
+AVX512_TARGET INLINE __m512 avx512_load_w(const void* w, int dtype, int64_t off, __mmask16 m) {
+    if (dtype == TAPER_F32) return _mm512_maskz_loadu_ps(m, (const float*)w + off);
+    __m256i h = _mm256_maskz_loadu_epi16(m, (const uint16_t*)w + off);
+    if (dtype == TAPER_BF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    return _mm512_cvtph_ps(h);
+}
+
+/* AVX-512 panel packing: widen 16 rows x 16 k-values (masked at the K tail) into 16 zmm
+ * registers and transpose in registers (unpack, shuffle_ps, two shuffle_f32x4 stages: 64
+ * shuffles per 256 values), so packing costs a small fraction of the micro-kernel's FMAs. */
+AVX512_TARGET static void avx512_pack(const void* w, int dtype, int64_t K, int64_t n0, int nr,
+                                      int64_t k0, int64_t kc,
+                                      float* dst) {  // (kc, 32)
+    for (int j0 = 0; j0 < AVX512_NR; j0 += 16) {
+        for (int64_t kk = 0; kk < kc; kk += 16) {
+            int nk = (int)MIN(16, kc - kk);
+            __mmask16 m = (__mmask16)(nk == 16 ? 0xffff : (1u << nk) - 1);
+            __m512 r[16], t[16];
+            for (int j = 0; j < 16; j++)
+                r[j] = j0 + j < nr ? avx512_load_w(w, dtype, (n0 + j0 + j) * K + k0 + kk, m) : _mm512_setzero_ps();
+            for (int j = 0; j < 16; j += 2) {
+                t[j] = _mm512_unpacklo_ps(r[j], r[j + 1]);
+                t[j + 1] = _mm512_unpackhi_ps(r[j], r[j + 1]);
+            }
+            for (int j = 0; j < 16; j += 4) {  // r[j + c] = column c of rows j..j+3, per 128-bit lane
+                r[j] = _mm512_shuffle_ps(t[j], t[j + 2], 0x44);
+                r[j + 1] = _mm512_shuffle_ps(t[j], t[j + 2], 0xEE);
+                r[j + 2] = _mm512_shuffle_ps(t[j + 1], t[j + 3], 0x44);
+                r[j + 3] = _mm512_shuffle_ps(t[j + 1], t[j + 3], 0xEE);
+            }
+            for (int c = 0; c < 4; c++) {
+                t[c] = _mm512_shuffle_f32x4(r[c], r[c + 4], 0x88);
+                t[c + 4] = _mm512_shuffle_f32x4(r[c], r[c + 4], 0xdd);
+                t[c + 8] = _mm512_shuffle_f32x4(r[c + 8], r[c + 12], 0x88);
+                t[c + 12] = _mm512_shuffle_f32x4(r[c + 8], r[c + 12], 0xdd);
+            }
+            for (int c = 0; c < 4; c++) {  // column (4 * lane + c) of all 16 rows
+                r[c] = _mm512_shuffle_f32x4(t[c], t[c + 8], 0x88);
+                r[c + 4] = _mm512_shuffle_f32x4(t[c + 4], t[c + 12], 0x88);
+                r[c + 8] = _mm512_shuffle_f32x4(t[c], t[c + 8], 0xdd);
+                r[c + 12] = _mm512_shuffle_f32x4(t[c + 4], t[c + 12], 0xdd);
+            }
+            for (int i = 0; i < nk; i++) _mm512_store_ps(dst + (kk + i) * AVX512_NR + j0, r[i]);
+        }
+    }
+}
+
+/* AVX-512 GEMV tile: 4 weight rows x NT token rows, like the AVX2 one but 16 lanes wide and with
+ * a masked final K step instead of a scalar tail. */
+AVX512_TARGET INLINE void avx512_gemv_tile(const float* x,  // (T, K)
+                                            const void* w,   // (N, K)
+                                            int dtype, const float* bias,
+                                            float* out,      // (T, N)
+                                            int64_t K, int64_t N, int64_t t0, int64_t n0, int nr,
+                                            const int NT) {
+    __m512 acc[4][4];
+    for (int r = 0; r < 4; r++)
+        for (int j = 0; j < NT; j++) acc[r][j] = _mm512_setzero_ps();
+    int64_t rr[4];
+    for (int r = 0; r < 4; r++) rr[r] = (n0 + MIN(r, nr - 1)) * K;
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) {
+        __m512 xv[4];
+        for (int j = 0; j < NT; j++) xv[j] = _mm512_loadu_ps(x + (t0 + j) * K + k);
+        for (int r = 0; r < 4; r++) {
+            __m512 wv = avx512_load_w(w, dtype, rr[r] + k, 0xffff);
+            for (int j = 0; j < NT; j++) acc[r][j] = _mm512_fmadd_ps(wv, xv[j], acc[r][j]);
+        }
+    }
+    if (k < K) {
+        __mmask16 m = (__mmask16)((1u << (K - k)) - 1);
+        __m512 xv[4];
+        for (int j = 0; j < NT; j++) xv[j] = _mm512_maskz_loadu_ps(m, x + (t0 + j) * K + k);
+        for (int r = 0; r < 4; r++) {
+            __m512 wv = avx512_load_w(w, dtype, rr[r] + k, m);
+            for (int j = 0; j < NT; j++) acc[r][j] = _mm512_fmadd_ps(wv, xv[j], acc[r][j]);
+        }
+    }
+    for (int r = 0; r < nr; r++)
+        for (int j = 0; j < NT; j++)
+            out[(t0 + j) * N + n0 + r] = _mm512_reduce_add_ps(acc[r][j]) + (bias ? bias[n0 + r] : 0.0f);
+}
+
+AVX512_TARGET static void avx512_gemv(const float* x, const void* w, int dtype, const float* bias,
+                                      float* out, int64_t T, int64_t K, int64_t N, int nthreads) {
+    int64_t ngroups = (N + 3) / 4;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t g = 0; g < ngroups; g++) {
+        int64_t n0 = g * 4;
+        int nr = (int)MIN(4, N - n0);
+        for (int64_t t0 = 0; t0 < T; t0 += 4) {
+            switch (MIN(4, T - t0)) {
+                case 1: avx512_gemv_tile(x, w, dtype, bias, out, K, N, t0, n0, nr, 1); break;
+                case 2: avx512_gemv_tile(x, w, dtype, bias, out, K, N, t0, n0, nr, 2); break;
+                case 3: avx512_gemv_tile(x, w, dtype, bias, out, K, N, t0, n0, nr, 3); break;
+                default: avx512_gemv_tile(x, w, dtype, bias, out, K, N, t0, n0, nr, 4); break;
+            }
+        }
+    }
+}
+
+// ----------------------------------------------------------------------------
+// ---- launcher: linear
+
+// Up to this many token rows the GEMV tiles (4 weight rows x 4 tokens, weights streamed once and
+// reused from L1 for the next 4 tokens) beat packing; measured crossover ~8-12 on AVX2 and AVX-512.
+#define GEMV_MAX_T 8
+
+int taper_linear(int isa,
+                 const float* x,      // (T, K)
+                 const void* weight,  // (N, K)
+                 int dtype,
+                 const float* bias,   // (N,) or NULL
+                 float* out,          // (T, N)
+                 int64_t T, int64_t K, int64_t N, int nthreads) {
+    if (!taper_cpu_isa_supported(isa)) return TAPER_ERR_ISA;
+    if (T == 0 || N == 0) return TAPER_OK;
+    if (K == 0) {
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t n = 0; n < N; n++) out[t * N + n] = bias ? bias[n] : 0.0f;
+        return TAPER_OK;
+    }
+    switch (isa) {
+        case TAPER_ISA_AVX512:
+            if (T <= GEMV_MAX_T) { avx512_gemv(x, weight, dtype, bias, out, T, K, N, nthreads); return TAPER_OK; }
+            return gemm_packed(avx512_micro, avx512_pack, AVX512_MR, AVX512_NR, x, weight, dtype, bias, out, T, K, N, nthreads);
+        case TAPER_ISA_AVX2:
+            if (T <= GEMV_MAX_T) { avx2_gemv(x, weight, dtype, bias, out, T, K, N, nthreads); return TAPER_OK; }
+            return gemm_packed(avx2_micro, avx2_pack, AVX2_MR, AVX2_NR, x, weight, dtype, bias, out, T, K, N, nthreads);
+        default:
+            return linear_scalar(x, weight, dtype, bias, out, T, K, N, nthreads);
+    }
+}
+
+// ----------------------------------------------------------------------------
+// ---- kernels: norms and activation
+
+/* RMSNorm: one row per iteration; sum of squares with an `omp simd` reduction (several lanes of
+ * partial sums, which is also more accurate than one serial chain). */
+INLINE float inv_rms(const float* x, int64_t H, float eps) {
+    float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t i = 0; i < H; i++) ss += x[i] * x[i];
+    return 1.0f / sqrtf(ss / (float)H + eps);
+}
+
+int taper_rms_norm(const float* x,       // (T, H)
+                   const float* weight,  // (H,)
+                   float eps,
+                   float* out,           // (T, H)
+                   int64_t T, int64_t H, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (T * H > 16384)
+    for (int64_t t = 0; t < T; t++) {
+        const float* xr = x + t * H;
+        float* o = out + t * H;
+        float r = inv_rms(xr, H, eps);
+#pragma omp simd
+        for (int64_t i = 0; i < H; i++) o[i] = xr[i] * r * weight[i];
+    }
+    return TAPER_OK;
+}
+
+int taper_fused_add_rms_norm(float* x,             // (T, H)
+                             float* residual,      // (T, H)
+                             const float* weight,  // (H,)
+                             float eps, int64_t T, int64_t H, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (T * H > 16384)
+    for (int64_t t = 0; t < T; t++) {
+        float* xr = x + t * H;
+        float* rr = residual + t * H;
+#pragma omp simd
+        for (int64_t i = 0; i < H; i++) rr[i] += xr[i];
+        float r = inv_rms(rr, H, eps);
+#pragma omp simd
+        for (int64_t i = 0; i < H; i++) xr[i] = rr[i] * r * weight[i];
+    }
+    return TAPER_OK;
+}
+
+/* SwiGLU gate: out = silu(gate) * up with gate = x[:, :I], up = x[:, I:]. */
+int taper_silu_and_mul(const float* x,  // (T, 2I)
+                       float* out,      // (T, I)
+                       int64_t T, int64_t inter, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (T * inter > 16384)
+    for (int64_t t = 0; t < T; t++) {
+        const float* g = x + t * 2 * inter;
+        const float* u = g + inter;
+        float* o = out + t * inter;
+        for (int64_t i = 0; i < inter; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
+    return TAPER_OK;
+}
+
+// ----------------------------------------------------------------------------
+// ---- kernels: rotary embedding
+
+/* RoPE on the first rot_dim dims of each head. neox pairs (i, i + rot_dim/2); GPT-J pairs
+ * (2i, 2i+1). cos/sin for pair i are cache[pos][i] and cache[pos][rot_dim/2 + i]. */
+static void rope_head(float* h, const float* cs, int64_t half, int is_neox) {
+    const float* c = cs;
+    const float* s = cs + half;
+    if (is_neox) {
+#pragma omp simd
+        for (int64_t i = 0; i < half; i++) {
+            float a = h[i], b = h[i + half];
+            h[i] = a * c[i] - b * s[i];
+            h[i + half] = b * c[i] + a * s[i];
+        }
+    } else {
+        for (int64_t i = 0; i < half; i++) {
+            float a = h[2 * i], b = h[2 * i + 1];
+            h[2 * i] = a * c[i] - b * s[i];
+            h[2 * i + 1] = b * c[i] + a * s[i];
+        }
+    }
+}
+
+int taper_rotary_embedding(const int32_t* positions,    // (T,)
+                           float* q,                    // (T, Hq, D)
+                           float* k,                    // (T, Hkv, D)
+                           const float* cos_sin_cache,  // (max_pos, rot_dim)
+                           int64_t T, int64_t Hq, int64_t Hkv, int64_t D, int64_t rot_dim,
+                           int64_t max_pos, int is_neox, int nthreads) {
+    for (int64_t t = 0; t < T; t++)
+        if (positions[t] < 0 || positions[t] >= max_pos) return TAPER_ERR_ARG;
+    int64_t half = rot_dim / 2;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (T * (Hq + Hkv) * D > 16384)
+    for (int64_t t = 0; t < T; t++) {
+        const float* cs = cos_sin_cache + (int64_t)positions[t] * rot_dim;
+        for (int64_t h = 0; h < Hq; h++) rope_head(q + (t * Hq + h) * D, cs, half, is_neox);
+        for (int64_t h = 0; h < Hkv; h++) rope_head(k + (t * Hkv + h) * D, cs, half, is_neox);
+    }
+    return TAPER_OK;
+}
+
+// ----------------------------------------------------------------------------
+// ---- kernels: KV cache write and paged attention
+
+/* Scatter each token's K and V rows to its cache slot; slot -1 (padding) is skipped. */
+int taper_reshape_and_cache(const float* k,               // (T, Hkv, D)
+                            const float* v,               // (T, Hkv, D)
+                            float* k_cache,               // (NB, BS, Hkv, D)
+                            float* v_cache,               // (NB, BS, Hkv, D)
+                            const int32_t* slot_mapping,  // (T,)
+                            int64_t T, int64_t Hkv, int64_t D, int64_t NB, int64_t BS,
+                            int nthreads) {
+    for (int64_t t = 0; t < T; t++)
+        if (slot_mapping[t] < -1 || slot_mapping[t] >= NB * BS) return TAPER_ERR_ARG;
+    int64_t row = Hkv * D;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (T * row > 65536)
+    for (int64_t t = 0; t < T; t++) {
+        int64_t s = slot_mapping[t];
+        if (s < 0) continue;
+        memcpy(k_cache + s * row, k + t * row, (size_t)row * sizeof(float));
+        memcpy(v_cache + s * row, v + t * row, (size_t)row * sizeof(float));
+    }
+    return TAPER_OK;
+}
+
+#define ATTN_BLK 32
+
+/* Paged attention, one work item per (query row, query head), parallel over all items.
+ * The trick: online softmax in blocks of 32 keys — scores for the block first, then one rescale
+ * of the running output when the block raises the running max — so the context is read once and
+ * no T x S score matrix exists. Keys are located through the block table one at a time, so
+ * blocks need not be contiguous or ordered, and unused cache blocks are never touched. */
+int taper_paged_attention(float* out,                      // (T, Hq, D)
+                          const float* q,                  // (T, Hq, D)
+                          const float* k_cache,            // (NB, BS, Hkv, D)
+                          const float* v_cache,            // (NB, BS, Hkv, D)
+                          const int32_t* block_tables,     // (B, MB)
+                          const int32_t* seq_lens,         // (B,)
+                          const int32_t* query_start_loc,  // (B+1,)
+                          int64_t T, int64_t B, int64_t Hq, int64_t Hkv, int64_t D,
+                          int64_t NB, int64_t BS, int64_t MB, float scale, int64_t sliding_window,
+                          int nthreads) {
+    if (query_start_loc[0] != 0 || query_start_loc[B] != T) return TAPER_ERR_ARG;
+    for (int64_t b = 0; b < B; b++) {
+        int64_t ql = (int64_t)query_start_loc[b + 1] - query_start_loc[b];
+        int64_t sl = seq_lens[b];
+        if (ql < 0 || sl < ql || sl > MB * BS) return TAPER_ERR_ARG;
+        if (ql == 0) continue;
+        int64_t first = sliding_window > 0 ? MAX(0, sl - ql - sliding_window + 1) : 0;
+        for (int64_t j = first / BS; j < (sl + BS - 1) / BS; j++) {
+            int32_t blk = block_tables[b * MB + j];
+            if (blk < 0 || blk >= NB) return TAPER_ERR_ARG;
+        }
+    }
+    int32_t* row_seq = (int32_t*)malloc((size_t)MAX(T, 1) * sizeof(int32_t));
+    if (!row_seq) return TAPER_ERR_NOMEM;
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t i = query_start_loc[b]; i < query_start_loc[b + 1]; i++) row_seq[i] = (int32_t)b;
+    int64_t group = Hq / Hkv, kv_stride = Hkv * D;
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads)
+    {
+        float* acc = (float*)malloc((size_t)D * sizeof(float));
+        if (!acc) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 4)
+        for (int64_t item = 0; item < T * Hq; item++) {
+            if (!acc) continue;
+            int64_t i = item / Hq, h = item % Hq, b = row_seq[i], g = h / group;
+            int64_t p = (int64_t)seq_lens[b] - ((int64_t)query_start_loc[b + 1] - i);
+            int64_t lo = sliding_window > 0 ? MAX(0, p - sliding_window + 1) : 0;
+            const float* qh = q + (i * Hq + h) * D;
+            const int32_t* bt = block_tables + b * MB;
+            float m = -INFINITY, l = 0.0f, s[ATTN_BLK];
+            const float* vrow[ATTN_BLK];
+            for (int64_t d = 0; d < D; d++) acc[d] = 0.0f;
+            for (int64_t j0 = lo; j0 <= p; j0 += ATTN_BLK) {
+                int n = (int)MIN(ATTN_BLK, p + 1 - j0);
+                float mb = -INFINITY;
+                for (int jj = 0; jj < n; jj++) {
+                    int64_t j = j0 + jj;
+                    int64_t off = ((int64_t)bt[j / BS] * BS + j % BS) * kv_stride + g * D;
+                    const float* kr = k_cache + off;
+                    vrow[jj] = v_cache + off;
+                    float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+                    for (int64_t d = 0; d < D; d++) dot += qh[d] * kr[d];
+                    s[jj] = dot * scale;
+                    mb = MAX(mb, s[jj]);
+                }
+                if (mb > m) {
+                    float alpha = expf(m - mb);  // m = -inf on the first block: alpha = 0
+                    l *= alpha;
+#pragma omp simd
+                    for (int64_t d = 0; d < D; d++) acc[d] *= alpha;
+                    m = mb;
+                }
+                for (int jj = 0; jj < n; jj++) {
+                    float pj = expf(s[jj] - m);
+                    const float* vr = vrow[jj];
+                    l += pj;
+#pragma omp simd
+                    for (int64_t d = 0; d < D; d++) acc[d] += pj * vr[d];
+                }
+            }
+            float* o = out + (i * Hq + h) * D;
+            float inv = 1.0f / l;
+            for (int64_t d = 0; d < D; d++) o[d] = acc[d] * inv;
+        }
+        free(acc);
+    }
+    free(row_seq);
+    return failed ? TAPER_ERR_NOMEM : TAPER_OK;
+}
+
+// ----------------------------------------------------------------------------
+// ---- kernels: argmax and Gumbel-max sampling
+
+#define PHILOX_M0 0xD2511F53u
+#define PHILOX_M1 0xCD9E8D57u
+#define PHILOX_W0 0x9E3779B9u
+#define PHILOX_W1 0xBB67AE85u
+
+/* Philox4x32-10 (Salmon et al. 2011, as in Random123 and cuRAND): 10 rounds of two 32x32->64
+ * multiplies and a key-bumped xor mix. */
+INLINE void philox10(uint32_t c[4], uint32_t k0, uint32_t k1) {
+    for (int r = 0; r < 10; r++) {
+        if (r) { k0 += PHILOX_W0; k1 += PHILOX_W1; }
+        uint64_t p0 = (uint64_t)PHILOX_M0 * c[0];
+        uint64_t p1 = (uint64_t)PHILOX_M1 * c[2];
+        uint32_t n0 = (uint32_t)(p1 >> 32) ^ c[1] ^ k0;
+        uint32_t n2 = (uint32_t)(p0 >> 32) ^ c[3] ^ k1;
+        c[0] = n0; c[1] = (uint32_t)p1; c[2] = n2; c[3] = (uint32_t)p0;
+    }
+}
+
+void taper_philox4x32_10(uint32_t* ctr, const uint32_t* key) { philox10(ctr, key[0], key[1]); }
+
+// Best (value, index) of one chunk of a row; strict > keeps the lowest index on ties.
+typedef struct { double val; int64_t idx; } best_t;
+
+#define ROW_CHUNK 8192
+
+/* Shared driver for argmax and Gumbel-max: rows are cut into chunks of 8192 so one long row
+ * (B=1, V=150k) still spreads over all threads; each chunk writes its best (value, index) to a
+ * slot, and a serial pass per row reduces the chunks in order (lowest index wins ties). */
+static int row_argmax(const float* logits, const uint64_t* seeds, const int64_t* positions,
+                      int64_t* out, int64_t B, int64_t V, int nthreads, int gumbel) {
+    int64_t nch = (V + ROW_CHUNK - 1) / ROW_CHUNK;
+    if (nch == 0) nch = 1;
+    best_t* part = (best_t*)malloc((size_t)(B * nch) * sizeof(best_t));
+    if (!part) return TAPER_ERR_NOMEM;
+#pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1) if (B * V > 32768)
+    for (int64_t item = 0; item < B * nch; item++) {
+        int64_t b = item / nch, c = item % nch;
+        int64_t v0 = c * ROW_CHUNK, v1 = MIN(V, v0 + ROW_CHUNK);
+        const float* row = logits + b * V;
+        double best = -INFINITY;
+        int64_t bi = -1;
+        if (!gumbel) {
+            for (int64_t v = v0; v < v1; v++)
+                if (row[v] > best || bi < 0) { best = row[v]; bi = v; }
+        } else {
+            uint64_t pos = (uint64_t)positions[b], seed = seeds[b];
+            uint32_t k0 = (uint32_t)seed, k1 = (uint32_t)(seed >> 32);
+            for (int64_t v = v0; v < v1; v++) {
+                if (row[v] == -INFINITY) continue;
+                uint32_t ctr[4] = {(uint32_t)v, (uint32_t)pos, (uint32_t)(pos >> 32), 0};
+                philox10(ctr, k0, k1);
+                double u = ((double)ctr[0] + 0.5) * (1.0 / 4294967296.0);
+                double val = (double)row[v] - log(-log(u));
+                if (val > best || bi < 0) { best = val; bi = v; }
+            }
+        }
+        part[item].val = best;
+        part[item].idx = bi;
+    }
+    for (int64_t b = 0; b < B; b++) {
+        double best = -INFINITY;
+        int64_t bi = -1;
+        for (int64_t c = 0; c < nch; c++) {
+            best_t p = part[b * nch + c];
+            if (p.idx >= 0 && (bi < 0 || p.val > best)) { best = p.val; bi = p.idx; }
+        }
+        out[b] = bi < 0 ? 0 : bi;
+    }
+    free(part);
+    return TAPER_OK;
+}
+
+/* Greedy: out[b] = argmax(logits[b]), lowest index on ties. */
+int taper_argmax(const float* logits,  // (B, V)
+                 int64_t* out,         // (B,)
+                 int64_t B, int64_t V, int nthreads) {
+    return row_argmax(logits, NULL, NULL, out, B, V, nthreads, 0);
+}
+
+/* Gumbel-max: out[b] = argmax_v(logits[b, v] - log(-log(u_bv))), u from Philox counted by
+ * (v, position) under key seed (DESIGN.md section 5); -inf logits are skipped. */
+int taper_gumbel_sample(const float* logits,       // (B, V)
+                        const uint64_t* seeds,     // (B,)
+                        const int64_t* positions,  // (B,)
+                        int64_t* out,              // (B,)
+                        int64_t B, int64_t V, int nthreads) {
+    return row_argmax(logits, seeds, positions, out, B, V, nthreads, 1);
+}

@@ -1,0 +1,153 @@
+# cython: language_level=3
+"""Per-layer code of the Llama-family graph, written once against the op table (backend.pyx).
+
+No device code here: every bit of math is a backend op, and the only array calls are the NumPy /
+CuPy API the two share (slices, reshape, copyto), taken from `backend.xp` (NumPy when absent).
+Activations live in a Workspace whose buffers are shared by all layers and grow on demand, so a
+step allocates nothing once warmed up at its largest token count.
+
+Shapes: T tokens, H hidden, Hq/Hkv heads, D head dim, I intermediate size.
+"""
+import numpy as np
+
+
+cdef class Workspace:
+    """Named float32 scratch buffers (rows, cols); a view of the first `rows` rows is handed out."""
+    cdef object xp
+    cdef dict buffers
+
+    def __init__(self, xp):
+        self.xp = xp
+        self.buffers = {}
+
+    cpdef object get(self, str name, Py_ssize_t rows, Py_ssize_t cols):
+        buf = self.buffers.get(name)
+        if buf is None or buf.shape[0] < rows or buf.shape[1] != cols:
+            capacity = rows if buf is None else max(rows, buf.shape[0])
+            buf = self.xp.empty((max(capacity, 1), cols), dtype=np.float32)
+            self.buffers[name] = buf
+        return buf[:rows]
+
+
+cdef class Attention:
+    """Fused qkv projection, optional per-head q/k RMSNorm, RoPE, KV cache write, paged attention,
+    output projection."""
+    cdef object backend, xp
+    cdef object qkv_weight, qkv_bias, o_weight, o_bias, q_norm, k_norm, cos_sin_cache
+    cdef readonly int num_heads, num_kv_heads, head_dim, sliding_window
+    cdef int q_size, kv_size
+    cdef double scale, eps
+    cdef bint is_neox
+
+    def __init__(self, backend, qkv_weight, qkv_bias, o_weight, o_bias, q_norm, k_norm,
+                 cos_sin_cache, int num_heads, int num_kv_heads, int head_dim, double eps,
+                 int sliding_window, bint is_neox=True):
+        self.backend = backend
+        self.xp = getattr(backend, "xp", np)
+        self.qkv_weight, self.qkv_bias = qkv_weight, qkv_bias
+        self.o_weight, self.o_bias = o_weight, o_bias
+        self.q_norm, self.k_norm = q_norm, k_norm
+        self.cos_sin_cache = cos_sin_cache
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        self.scale = head_dim ** -0.5
+        self.eps = eps
+        self.sliding_window = sliding_window
+        self.is_neox = is_neox
+
+    def forward(self, batch, x, out, k_cache, v_cache, Workspace ws):
+        """x (T, H) -> out (T, H)."""
+        cdef Py_ssize_t T = x.shape[0]
+        cdef int qs = self.q_size, kvs = self.kv_size, D = self.head_dim
+        b, xp = self.backend, self.xp
+        qkv = ws.get("qkv", T, qs + 2 * kvs)
+        b.linear(x, self.qkv_weight, self.qkv_bias, qkv)
+        q = ws.get("q", T, qs)
+        k = ws.get("k", T, kvs)
+        v = ws.get("v", T, kvs)
+        # The ops take C-contiguous tensors, so the fused output is split by copies (cheap next to
+        # the GEMM that made it).
+        if self.q_norm is not None:
+            raw_q = ws.get("raw_q", T, qs)
+            raw_k = ws.get("raw_k", T, kvs)
+            xp.copyto(raw_q, qkv[:, :qs])
+            xp.copyto(raw_k, qkv[:, qs:qs + kvs])
+            b.rms_norm(raw_q.reshape(T * self.num_heads, D), self.q_norm, self.eps,
+                       q.reshape(T * self.num_heads, D))
+            b.rms_norm(raw_k.reshape(T * self.num_kv_heads, D), self.k_norm, self.eps,
+                       k.reshape(T * self.num_kv_heads, D))
+        else:
+            xp.copyto(q, qkv[:, :qs])
+            xp.copyto(k, qkv[:, qs:qs + kvs])
+        xp.copyto(v, qkv[:, qs + kvs:])
+        b.rotary_embedding(batch.positions, q, k, self.cos_sin_cache, D, self.is_neox)
+        k3 = k.reshape(T, self.num_kv_heads, D)
+        v3 = v.reshape(T, self.num_kv_heads, D)
+        b.reshape_and_cache(k3, v3, k_cache, v_cache, batch.slot_mapping)
+        attn = ws.get("attn", T, qs)
+        b.paged_attention(attn.reshape(T, self.num_heads, D), q.reshape(T, self.num_heads, D),
+                          k_cache, v_cache, batch.block_tables, batch.seq_lens,
+                          batch.query_start_loc, self.scale, self.sliding_window)
+        b.linear(attn, self.o_weight, self.o_bias, out)
+
+
+cdef class MLP:
+    """SwiGLU: down(silu(gate(x)) * up(x)) with gate and up fused into one (2I, H) matrix."""
+    cdef object backend, gate_up_weight, gate_up_bias, down_weight, down_bias
+    cdef int intermediate_size
+
+    def __init__(self, backend, gate_up_weight, gate_up_bias, down_weight, down_bias):
+        self.backend = backend
+        self.gate_up_weight, self.gate_up_bias = gate_up_weight, gate_up_bias
+        self.down_weight, self.down_bias = down_weight, down_bias
+        self.intermediate_size = gate_up_weight.shape[0] // 2
+
+    def forward(self, x, out, Workspace ws):
+        """x (T, H) -> out (T, H)."""
+        cdef Py_ssize_t T = x.shape[0]
+        b = self.backend
+        gate_up = ws.get("gate_up", T, 2 * self.intermediate_size)
+        b.linear(x, self.gate_up_weight, self.gate_up_bias, gate_up)
+        act = ws.get("act", T, self.intermediate_size)
+        b.silu_and_mul(gate_up, act)
+        b.linear(act, self.down_weight, self.down_bias, out)
+
+
+cdef class DecoderLayer:
+    """Pre-norm block. Residual convention (vLLM's): `hidden` enters holding the previous block's
+    MLP output (or nothing, for the first layer) and leaves holding this block's MLP output;
+    `residual` holds the running sum of everything before."""
+    cdef object backend, input_norm, post_norm
+    cdef readonly Attention attention
+    cdef readonly MLP mlp
+    cdef double eps
+    cdef bint first
+
+    def __init__(self, backend, Attention attention, MLP mlp, input_norm, post_norm, double eps,
+                 bint first):
+        self.backend = backend
+        self.attention, self.mlp = attention, mlp
+        self.input_norm, self.post_norm = input_norm, post_norm
+        self.eps = eps
+        self.first = first
+
+    def forward(self, batch, hidden, residual, k_cache, v_cache, Workspace ws):
+        b = self.backend
+        if self.first:
+            b.rms_norm(residual, self.input_norm, self.eps, hidden)
+        else:
+            b.fused_add_rms_norm(hidden, residual, self.input_norm, self.eps)
+        attn_out = ws.get("attn_out", hidden.shape[0], hidden.shape[1])
+        self.attention.forward(batch, hidden, attn_out, k_cache, v_cache, ws)
+        b.fused_add_rms_norm(attn_out, residual, self.post_norm, self.eps)
+        self.mlp.forward(attn_out, hidden, ws)
+
+
+def run_layers(list layers, batch, hidden, residual, list kv_caches, Workspace ws):
+    """Every decoder layer in order; one Python-visible call per step for the whole stack."""
+    cdef Py_ssize_t i
+    cdef DecoderLayer layer
+    for i in range(len(layers)):
+        layer = layers[i]
+        k_cache, v_cache = kv_caches[i]
+        layer.forward(batch, hidden, residual, k_cache, v_cache, ws)

@@ -1,0 +1,289 @@
+"""OpenAI wire protocol: request models, validation, and the error shape.
+
+Requests are parsed with pydantic; every failure becomes an `APIError` that the app renders as
+OpenAI's error body `{"error": {"message", "type", "param", "code"}}` with HTTP 400 (never 422),
+naming the offending parameter. Features that later issues add are refused with a clear
+"not yet supported" message rather than silently ignored.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from engine.sampling_params import SamplingParams
+
+
+class APIError(Exception):
+    """An error answered to the client as `{"error": {...}}` with HTTP `status`."""
+
+    def __init__(self, message: str, *, status: int = 400, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message, self.status, self.type, self.param, self.code = message, status, type, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+def not_supported(param: str) -> APIError:
+    return APIError(f"'{param}' is not yet supported by this server", param=param,
+                    code="unsupported_parameter")
+
+
+def _param_path(loc: tuple) -> str:
+    """pydantic's error location as OpenAI writes params: messages[0].content."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif not _is_union_tag(part):
+            out += ("." if out else "") + str(part)
+    return out
+
+
+def _is_union_tag(part: str) -> bool:
+    # pydantic adds the union member's type to the location (e.g. "str", "list[int]",
+    # "function-after[...]"); those are not parameter names.
+    return any(c in part for c in "[]-") or part in ("str", "int", "list", "float", "bool")
+
+
+_UNION_HINTS = {
+    "prompt": "must be a string, an array of strings, an array of token ids "
+              "or an array of arrays of token ids",
+    "stop": "must be a string or an array of strings",
+    "content": "must be a string or an array of content parts",
+}
+
+
+def validation_error(err: ValidationError) -> APIError:
+    first = err.errors(include_url=False)[0]
+    loc = first["loc"]
+    param = _param_path(loc) or None
+    msg = first["msg"].removeprefix("Value error, ")
+    union = next((i for i, part in enumerate(loc)
+                  if isinstance(part, str) and _is_union_tag(part)), None)
+    if union is not None and first["type"] != "value_error":
+        # A failed union reports one error per member; say what the parameter accepts instead.
+        param = _param_path(loc[:union])
+        msg = _UNION_HINTS.get(str(loc[union - 1]), "has an invalid type")
+    code = "missing_required_parameter" if first["type"] == "missing" else "invalid_value"
+    text = f"{param}: {msg}" if param else msg
+    return APIError(text, param=param, code=code if param else None)
+
+
+def parse_json_body(raw: bytes) -> dict:
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise APIError(f"Request body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise APIError("Request body must be a JSON object", code="invalid_json")
+    return body
+
+
+# ---- shared sampling fields
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    include_usage: bool = False
+
+
+class _SamplingRequest(BaseModel):
+    # Unknown fields are accepted and ignored, as OpenAI-compatible servers commonly do.
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=-1)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0)
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    min_tokens: int = Field(default=0, ge=0)
+    skip_special_tokens: bool = True
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = Field(default=1, ge=1)
+    user: str | None = None
+    # Accepted by the protocol, refused until a later issue implements them.
+    logprobs: Any = None
+    logit_bias: dict[str, float] | None = None
+    response_format: Any = None
+    use_beam_search: bool = False
+    best_of: int | None = None
+
+    def check_supported(self):
+        if self.n != 1:
+            raise not_supported("n")
+        if self.logit_bias:
+            raise not_supported("logit_bias")
+        if self.response_format is not None and not (
+                isinstance(self.response_format, dict) and self.response_format.get("type") == "text"):
+            raise not_supported("response_format")
+        if self.use_beam_search:
+            raise not_supported("use_beam_search")
+        if self.best_of not in (None, 1):
+            raise not_supported("best_of")
+        if self.stream_options is not None and not self.stream:
+            raise APIError("stream_options is only allowed when stream is true",
+                           param="stream_options")
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        """Engine parameters; `default_max_tokens` is the room left in the context window."""
+        max_tokens = self.requested_max_tokens()
+        kwargs: dict[str, Any] = dict(
+            n=self.n,
+            max_tokens=default_max_tokens if max_tokens is None else max_tokens,
+            stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
+            stop_token_ids=list(self.stop_token_ids or []),
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            ignore_eos=self.ignore_eos, min_tokens=self.min_tokens,
+            skip_special_tokens=self.skip_special_tokens,
+            # OpenAI's seed is a signed 64-bit int; the engine keys its generator by an unsigned one.
+            seed=None if self.seed is None else self.seed % 2**64,
+        )
+        for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
+                     "frequency_penalty", "repetition_penalty"):
+            value = getattr(self, name)
+            if value is not None:
+                kwargs[name] = value
+        try:
+            return SamplingParams(**kwargs)
+        except ValueError as e:       # SamplingParams names the parameter first
+            text = str(e)
+            raise APIError(text, param=text.split(" ", 1)[0], code="invalid_value") from None
+
+
+# ---- /v1/chat/completions
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_call_id: str | None = None
+    tool_calls: list[dict] | None = None
+
+    def text(self, where: str) -> str | None:
+        """The content as one string; array parts must all be text."""
+        if self.content is None or isinstance(self.content, str):
+            return self.content
+        texts = []
+        for j, part in enumerate(self.content):
+            if part.type != "text" or part.text is None:
+                raise APIError(f"content part type '{part.type}' is not yet supported "
+                               "(only 'text' parts are)", param=f"{where}.content[{j}].type",
+                               code="unsupported_parameter")
+            texts.append(part.text)
+        return "\n".join(texts)
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    top_logprobs: int | None = None
+    tools: list[dict] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    # vLLM-style extensions
+    add_generation_prompt: bool = True
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def check_supported(self):
+        super().check_supported()
+        if self.logprobs:
+            raise not_supported("logprobs")
+        if self.top_logprobs is not None:
+            raise not_supported("top_logprobs")
+        if self.tools:
+            raise not_supported("tools")
+        if self.tool_choice not in (None, "none"):
+            raise not_supported("tool_choice")
+        for i, m in enumerate(self.messages):
+            if m.tool_calls:
+                raise not_supported(f"messages[{i}].tool_calls")
+
+    def requested_max_tokens(self) -> int | None:
+        # max_completion_tokens replaces the deprecated max_tokens; it wins when both are given.
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def template_messages(self) -> list[dict]:
+        out = []
+        for i, m in enumerate(self.messages):
+            msg: dict[str, Any] = {"role": m.role, "content": m.text(f"messages[{i}]") or ""}
+            if m.name is not None:
+                msg["name"] = m.name
+            if m.tool_call_id is not None:
+                msg["tool_call_id"] = m.tool_call_id
+            out.append(msg)
+        return out
+
+    def enable_thinking(self) -> bool | None:
+        value = (self.chat_template_kwargs or {}).get("enable_thinking")
+        return None if value is None else bool(value)
+
+
+# ---- /v1/completions
+
+class CompletionRequest(_SamplingRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool = False
+    suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_not_empty(cls, v):
+        if isinstance(v, list):
+            if not v:
+                raise ValueError("must not be empty")
+            if isinstance(v[0], list) and any(not ids for ids in v):
+                raise ValueError("token id lists must not be empty")
+            flat = [t for ids in v for t in ids] if isinstance(v[0], list) else v
+            if flat and isinstance(flat[0], int) and min(flat) < 0:
+                raise ValueError("token ids must be non-negative")
+        return v
+
+    def check_supported(self):
+        super().check_supported()
+        if self.logprobs is not None:
+            raise not_supported("logprobs")
+        if self.suffix:
+            raise not_supported("suffix")
+
+    def prompts(self) -> list[str | list[int]]:
+        """The batch: each element a text prompt or a list of token ids."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if p and isinstance(p[0], int):
+            return [list(p)]
+        return list(p)
+
+
+def parse_request(cls: type[_SamplingRequest], body: dict) -> _SamplingRequest:
+    try:
+        req = cls.model_validate(body)
+    except ValidationError as e:
+        raise validation_error(e) from None
+    req.check_supported()
+    return req

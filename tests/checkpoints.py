@@ -1,0 +1,95 @@
+"""Tiny random-weight checkpoints written by transformers itself (DESIGN.md section 5).
+
+The *tiny* family: hidden 96, head_dim 16-32, 2 layers, vocab 512. After transformers' init the
+weights are scaled up (linear layers x `scale`, embeddings ~ N(0, 0.15^2), norm weights and biases
+randomised) so the residual stream is not just the embedding, every feature changes the tokens, and
+greedy continuations vary instead of repeating one token.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+TINY = dict(hidden_size=96, intermediate_size=192, num_hidden_layers=2, vocab_size=512,
+            max_position_embeddings=256, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2)
+
+ARCHS = {
+    # GQA 4:2, tied embeddings
+    "llama": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=24,
+                                  tie_word_embeddings=True)),
+    # qkv bias always on; 3 query heads share 1 KV head
+    "qwen2": ("Qwen2Config", dict(num_attention_heads=3, num_key_value_heads=1,
+                                  tie_word_embeddings=False)),
+    # q/k RMSNorm per head; head_dim 32 * 4 heads != hidden 96
+    "qwen3": ("Qwen3Config", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                  tie_word_embeddings=True)),
+    # sliding window on every layer, smaller than the test prompts
+    "mistral": ("MistralConfig", dict(num_attention_heads=6, num_key_value_heads=2, head_dim=16,
+                                      sliding_window=16, tie_word_embeddings=False)),
+}
+
+
+def tiny_config(arch: str = "llama", **overrides):
+    import transformers
+
+    cls_name, arch_kwargs = ARCHS[arch]
+    kwargs = {**TINY, **arch_kwargs, **overrides}
+    return getattr(transformers, cls_name)(**kwargs)
+
+
+def scale_weights(model, scale: float = 8.0, seed: int = 0, embed_std: float = 0.15):
+    """In place: linear weights x scale, embeddings ~ N(0, 0.15^2), norms ~ 1 + N(0, 0.2^2),
+    biases ~ N(0, 0.5^2)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen, dtype=torch.float32).to(p.dtype)
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * noise)
+            elif name.endswith(".bias"):
+                p.copy_(0.5 * noise)
+            elif "embed_tokens" in name:
+                p.copy_(embed_std * noise)
+            else:
+                p.mul_(scale)
+    return model
+
+
+def tiny_checkpoint(directory, arch: str = "llama", dtype: str = "float32", seed: int = 0,
+                    scale: float = 8.0, **overrides) -> str:
+    """Write a tiny `arch` checkpoint (config overrides as keyword arguments) to `directory` with
+    save_pretrained, in float32 or bfloat16. Returns the directory as a string."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(arch, **overrides))
+    scale_weights(model, scale=scale, seed=seed)
+    if dtype == "bfloat16":
+        model = model.to(torch.bfloat16)
+    elif dtype != "float32":
+        raise ValueError(f"dtype {dtype!r}: float32 or bfloat16")
+    directory = str(directory)
+    model.save_pretrained(directory)
+    return directory
+
+
+def edit_config(directory, fn) -> dict:
+    """Rewrite config.json as fn(config dict) returns it."""
+    path = os.path.join(str(directory), "config.json")
+    with open(path) as f:
+        config = fn(json.load(f))
+    with open(path, "w") as f:
+        json.dump(config, f, indent=2)
+    return config
+
+
+def to_legacy_rope(config: dict) -> dict:
+    """Nested `rope_parameters` (what transformers 5 writes) -> legacy rope_theta + rope_scaling."""
+    params = dict(config.pop("rope_parameters"))
+    config["rope_theta"] = params.pop("rope_theta")
+    params["type"] = params.pop("rope_type")
+    config["rope_scaling"] = None if params["type"] == "default" else params
+    return config

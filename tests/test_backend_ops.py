@@ -1,0 +1,346 @@
+"""Every CpuBackend op against the float64 oracle in tests/reference.py.
+
+`linear` runs on each ISA path this CPU has (scalar, avx2, avx512), for f32, bf16 and f16 weights,
+including odd K/N and T on both sides of the GEMV/GEMM switch. 16-bit weights are compared with
+the oracle on the same 16-bit values, so the tolerance only covers f32 accumulation.
+"""
+import ml_dtypes
+import numpy as np
+import pytest
+
+from pyx.cpu_backend import CpuBackend, isa_supported, philox4x32_10
+import reference as ref
+
+ISAS = ["scalar", "avx2", "avx512"]
+WDTYPES = {"f32": np.float32, "bf16": ml_dtypes.bfloat16, "f16": np.float16}
+RTOL = ATOL = 1e-4
+
+
+def backend_for(isa):
+    if not isa_supported(isa):
+        pytest.skip(f"this CPU lacks {isa}")
+    return CpuBackend(isa=isa)
+
+
+@pytest.fixture(scope="module")
+def be():
+    return CpuBackend()
+
+
+# ---- backend construction
+
+
+def test_isa_choice_and_env(monkeypatch):
+    assert CpuBackend().name == "cpu"
+    assert CpuBackend(isa="scalar").isa == "scalar"
+    monkeypatch.setenv("TAPER_CPU_ISA", "scalar")
+    assert CpuBackend().isa == "scalar"
+    monkeypatch.setenv("TAPER_CPU_ISA", "sse9")
+    with pytest.raises(ValueError, match="sse9"):
+        CpuBackend()
+    monkeypatch.delenv("TAPER_CPU_ISA")
+    best = CpuBackend().isa
+    assert isa_supported(best)
+    assert best == [i for i in ISAS if isa_supported(i)][-1]
+
+
+def test_num_threads():
+    b = CpuBackend(num_threads=1)
+    assert b.num_threads == 1
+    b.num_threads = 3
+    assert b.num_threads == 3
+    with pytest.raises(ValueError):
+        b.num_threads = 0
+
+
+# ---- linear
+
+
+LINEAR_SHAPES = [  # (T, K, N)
+    (1, 37, 13), (3, 37, 13), (17, 37, 13), (64, 37, 13),
+    (1, 64, 32), (4, 64, 33), (5, 64, 33), (17, 300, 70), (64, 600, 47),
+    (1, 1000, 130), (200, 80, 40),
+]
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("wdt", list(WDTYPES))
+@pytest.mark.parametrize("T,K,N", LINEAR_SHAPES)
+def test_linear(isa, wdt, T, K, N):
+    b = backend_for(isa)
+    rng = np.random.default_rng(T * 1000 + K * 10 + N)
+    x = rng.standard_normal((T, K)).astype(np.float32)
+    w = (rng.standard_normal((N, K)) / np.sqrt(K)).astype(WDTYPES[wdt])
+    bias = rng.standard_normal(N).astype(np.float32) if (T + N) % 2 else None
+    out = np.full((T, N), np.nan, np.float32)
+    b.linear(x, w, bias, out)
+    np.testing.assert_allclose(out, ref.linear(x, w, bias), rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_linear_single_thread_matches(isa):
+    b = backend_for(isa)
+    b.num_threads = 1
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((9, 130)).astype(np.float32)
+    w = rng.standard_normal((70, 130)).astype(ml_dtypes.bfloat16)
+    out = np.empty((9, 70), np.float32)
+    b.linear(x, w, None, out)
+    np.testing.assert_allclose(out, ref.linear(x, w), rtol=RTOL, atol=1e-3)
+
+
+def test_linear_rejects_bad_shapes(be):
+    x = np.zeros((2, 8), np.float32)
+    with pytest.raises(ValueError, match=r"linear.*weight \(4, 7\)"):
+        be.linear(x, np.zeros((4, 7), np.float32), None, np.zeros((2, 4), np.float32))
+    with pytest.raises(ValueError, match="linear"):
+        be.linear(x, np.zeros((4, 8), np.float32), None, np.zeros((2, 5), np.float32))
+    with pytest.raises(ValueError, match="linear.*dtype"):
+        be.linear(x, np.zeros((4, 8), np.float64), None, np.zeros((2, 4), np.float32))
+    with pytest.raises(ValueError, match="linear.*contiguous"):
+        be.linear(np.zeros((8, 2), np.float32).T, np.zeros((4, 8), np.float32), None,
+                  np.zeros((2, 4), np.float32))
+    with pytest.raises(ValueError, match="linear.*bias"):
+        be.linear(x, np.zeros((4, 8), np.float32), np.zeros(3, np.float32),
+                  np.zeros((2, 4), np.float32))
+
+
+# ---- embedding, norms, activation
+
+
+@pytest.mark.parametrize("wdt", list(WDTYPES))
+def test_embedding(be, wdt):
+    rng = np.random.default_rng(1)
+    table = rng.standard_normal((50, 24)).astype(WDTYPES[wdt])
+    ids = np.array([0, 49, 7, 7, 3], np.int32)
+    out = np.empty((5, 24), np.float32)
+    be.embedding(ids, table, out)
+    np.testing.assert_array_equal(out, ref.embedding(ids, table))
+    with pytest.raises(ValueError, match="embedding"):
+        be.embedding(np.array([50], np.int32), table, np.empty((1, 24), np.float32))
+    with pytest.raises(ValueError, match="embedding"):
+        be.embedding(ids, table, np.empty((5, 23), np.float32))
+
+
+@pytest.mark.parametrize("T,H", [(1, 96), (7, 37), (33, 896)])
+def test_rms_norm(be, T, H):
+    rng = np.random.default_rng(T + H)
+    x = (rng.standard_normal((T, H)) * 3).astype(np.float32)
+    w = rng.standard_normal(H).astype(np.float32)
+    out = np.empty_like(x)
+    be.rms_norm(x, w, 1e-6, out)
+    np.testing.assert_allclose(out, ref.rms_norm(x, w, 1e-6), rtol=RTOL, atol=ATOL)
+    with pytest.raises(ValueError, match="rms_norm"):
+        be.rms_norm(x, w[:-1], 1e-6, out)
+
+
+@pytest.mark.parametrize("T,H", [(1, 96), (7, 37), (33, 896)])
+def test_fused_add_rms_norm(be, T, H):
+    rng = np.random.default_rng(T * H)
+    x = rng.standard_normal((T, H)).astype(np.float32)
+    r = rng.standard_normal((T, H)).astype(np.float32)
+    w = rng.standard_normal(H).astype(np.float32)
+    want_x, want_r = ref.fused_add_rms_norm(x, r, w, 1e-5)
+    be.fused_add_rms_norm(x, r, w, 1e-5)
+    np.testing.assert_allclose(r, want_r, rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(x, want_x, rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("T,inter", [(1, 13), (9, 128), (40, 700)])
+def test_silu_and_mul(be, T, inter):
+    rng = np.random.default_rng(inter)
+    x = (rng.standard_normal((T, 2 * inter)) * 4).astype(np.float32)
+    out = np.empty((T, inter), np.float32)
+    be.silu_and_mul(x, out)
+    np.testing.assert_allclose(out, ref.silu_and_mul(x), rtol=RTOL, atol=ATOL)
+    with pytest.raises(ValueError, match="silu_and_mul"):
+        be.silu_and_mul(x, np.empty((T, inter + 1), np.float32))
+
+
+# ---- rotary
+
+
+def rope_cache(max_pos, rot_dim, base=10000.0):
+    inv = 1.0 / base ** (np.arange(0, rot_dim, 2) / rot_dim)
+    ang = np.arange(max_pos)[:, None] * inv[None, :]
+    return np.concatenate([np.cos(ang), np.sin(ang)], axis=1).astype(np.float32)
+
+
+@pytest.mark.parametrize("is_neox", [True, False])
+@pytest.mark.parametrize("D,rot_dim", [(16, 16), (32, 16), (64, 64), (24, 12)])
+def test_rotary_embedding(be, is_neox, D, rot_dim):
+    rng = np.random.default_rng(D + rot_dim + is_neox)
+    T, Hq, Hkv = 6, 4, 2
+    pos = np.array([0, 5, 99, 1, 63, 7], np.int32)
+    q = rng.standard_normal((T, Hq * D)).astype(np.float32)
+    k = rng.standard_normal((T, Hkv * D)).astype(np.float32)
+    cache = rope_cache(100, rot_dim)
+    q0 = q.copy()
+    want_q, want_k = ref.rotary_embedding(pos, q, k, cache, D, is_neox)
+    be.rotary_embedding(pos, q, k, cache, D, is_neox)
+    np.testing.assert_allclose(q, want_q, rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(k, want_k, rtol=RTOL, atol=ATOL)
+    heads, heads0 = q.reshape(T, Hq, D), q0.reshape(T, Hq, D)
+    np.testing.assert_array_equal(heads[..., rot_dim:], heads0[..., rot_dim:])  # untouched
+    assert not np.allclose(heads[1:, :, :rot_dim], heads0[1:, :, :rot_dim])  # rotated
+
+
+def test_rotary_styles_differ_and_bad_input(be):
+    rng = np.random.default_rng(3)
+    q = rng.standard_normal((2, 16)).astype(np.float32)
+    k = rng.standard_normal((2, 16)).astype(np.float32)
+    cache = rope_cache(10, 16)
+    pos = np.array([3, 4], np.int32)
+    a = ref.rotary_embedding(pos, q, k, cache, 16, True)[0]
+    b = ref.rotary_embedding(pos, q, k, cache, 16, False)[0]
+    assert not np.allclose(a, b)
+    with pytest.raises(ValueError, match="rotary_embedding"):
+        be.rotary_embedding(pos, q, k, cache, 12, True)  # 16 % 12 != 0
+    with pytest.raises(ValueError, match="rotary_embedding"):
+        be.rotary_embedding(np.array([3, 10], np.int32), q, k, cache, 16, True)  # pos >= max_pos
+
+
+# ---- KV cache and paged attention
+
+
+def test_reshape_and_cache_skips_minus_one(be):
+    rng = np.random.default_rng(5)
+    NB, BS, Hkv, D, T = 4, 8, 2, 16, 5
+    k = rng.standard_normal((T, Hkv, D)).astype(np.float32)
+    v = rng.standard_normal((T, Hkv, D)).astype(np.float32)
+    kc = np.full((NB, BS, Hkv, D), np.nan, np.float32)
+    vc = np.full((NB, BS, Hkv, D), np.nan, np.float32)
+    slots = np.array([3, -1, 31, 8, -1], np.int32)
+    want_k, want_v = ref.reshape_and_cache(k, v, kc, vc, slots)
+    be.reshape_and_cache(k, v, kc, vc, slots)
+    np.testing.assert_array_equal(kc, want_k)
+    np.testing.assert_array_equal(vc, want_v)
+    assert np.isnan(kc).sum() == (NB * BS - 3) * Hkv * D
+    with pytest.raises(ValueError, match="reshape_and_cache"):
+        be.reshape_and_cache(k, v, kc, vc, np.array([0, 1, 2, 3, 32], np.int32))
+    with pytest.raises(ValueError, match="reshape_and_cache"):
+        be.reshape_and_cache(k, v[:, :1], kc, vc, slots)
+
+
+def make_paged_batch(rng, seqs, BS, Hq, Hkv, D, extra_blocks=5):
+    """seqs: list of (seq_len, q_len). Returns q, caches (NaN outside written slots), tables..."""
+    nblocks = [(s + BS - 1) // BS for s, _ in seqs]
+    NB = sum(nblocks) + extra_blocks
+    ids = rng.permutation(NB).astype(np.int32)
+    MB = max(nblocks) + 1
+    tables = np.full((len(seqs), MB), -7, np.int32)  # junk past each sequence's blocks
+    kc = np.full((NB, BS, Hkv, D), np.nan, np.float32)
+    vc = np.full((NB, BS, Hkv, D), np.nan, np.float32)
+    used = 0
+    for b, (s, _) in enumerate(seqs):
+        tables[b, :nblocks[b]] = ids[used:used + nblocks[b]]
+        used += nblocks[b]
+        for j in range(s):
+            blk, off = tables[b, j // BS], j % BS
+            kc[blk, off] = rng.standard_normal((Hkv, D))
+            vc[blk, off] = rng.standard_normal((Hkv, D))
+    qsl = np.concatenate([[0], np.cumsum([ql for _, ql in seqs])]).astype(np.int32)
+    T = int(qsl[-1])
+    q = rng.standard_normal((T, Hq, D)).astype(np.float32)
+    seq_lens = np.array([s for s, _ in seqs], np.int32)
+    return q, kc, vc, tables, seq_lens, qsl
+
+
+@pytest.mark.parametrize("BS", [8, 16])
+@pytest.mark.parametrize("window", [0, 7, 16])
+@pytest.mark.parametrize("Hq,Hkv,D", [(4, 2, 16), (4, 4, 32), (6, 1, 24)])
+def test_paged_attention(be, BS, window, Hq, Hkv, D):
+    rng = np.random.default_rng(BS * 100 + window * 10 + Hq + D)
+    # decode at the first position, decode deep in, prefill chunk mid-sequence, full prefill
+    seqs = [(1, 1), (37, 1), (50, 13), (20, 20), (70, 2)]
+    q, kc, vc, tables, seq_lens, qsl = make_paged_batch(rng, seqs, BS, Hq, Hkv, D)
+    out = np.full_like(q, np.nan)
+    scale = 1.0 / np.sqrt(D)
+    be.paged_attention(out, q, kc, vc, tables, seq_lens, qsl, scale, window)
+    want = ref.paged_attention(q, kc, vc, tables, seq_lens, qsl, scale, window)
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out, want, rtol=RTOL, atol=ATOL)
+    if window:  # the window changes the answer, so this test can tell it was applied
+        assert not np.allclose(want, ref.paged_attention(q, kc, vc, tables, seq_lens, qsl, scale, 0))
+
+
+def test_paged_attention_long_context_and_bad_input(be):
+    rng = np.random.default_rng(11)
+    seqs = [(300, 1), (150, 64)]
+    q, kc, vc, tables, seq_lens, qsl = make_paged_batch(rng, seqs, 16, 8, 2, 64)
+    q *= 4  # peaky softmax exercises the running-max rescale
+    out = np.empty_like(q)
+    be.paged_attention(out, q, kc, vc, tables, seq_lens, qsl, 0.125, 0)
+    np.testing.assert_allclose(out, ref.paged_attention(q, kc, vc, tables, seq_lens, qsl, 0.125, 0),
+                               rtol=RTOL, atol=ATOL)
+    with pytest.raises(ValueError, match="paged_attention"):
+        be.paged_attention(out[:, :4], q, kc, vc, tables, seq_lens, qsl, 0.125, 0)
+    with pytest.raises(ValueError, match="paged_attention"):  # Hq not a multiple of Hkv
+        be.paged_attention(out[:, :3].copy(), q[:, :3].copy(), kc, vc, tables, seq_lens, qsl, 0.125, 0)
+    bad = seq_lens.copy()
+    bad[0] = 10_000  # beyond the block table
+    with pytest.raises(ValueError, match="paged_attention"):
+        be.paged_attention(out, q, kc, vc, tables, bad, qsl, 0.125, 0)
+
+
+# ---- argmax and Gumbel sampling
+
+
+def test_philox_known_answers():
+    """Random123 kat_vectors for philox4x32_10, on the NumPy oracle and on the C kernel."""
+    kats = [
+        ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+        ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+        ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
+         (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
+    ]
+    for ctr, key, want in kats:
+        assert tuple(int(w) for w in ref.philox4x32_10(ctr, key)) == want
+        assert philox4x32_10(ctr, key) == want
+
+
+@pytest.mark.parametrize("B,V", [(3, 10), (2, 1000), (1, 50_000), (5, 20_000)])
+def test_argmax(be, B, V):
+    rng = np.random.default_rng(V)
+    logits = rng.standard_normal((B, V)).astype(np.float32)
+    logits[0, V // 3] = logits[0, V - 1] = 9.0  # tie: lowest index wins (across chunks too)
+    if B > 1:
+        logits[1, :] = -np.inf
+        logits[1, V - 1] = -1.0
+    out = np.full(B, -5, np.int64)
+    be.argmax(logits, out)
+    np.testing.assert_array_equal(out, ref.argmax(logits))
+    assert out[0] == V // 3
+    with pytest.raises(ValueError, match="argmax"):
+        be.argmax(logits, np.empty(B, np.int32))
+
+
+@pytest.mark.parametrize("B,V", [(4, 1000), (1, 50_000), (3, 20_000)])
+def test_gumbel_sample_matches_reference(be, B, V):
+    rng = np.random.default_rng(B + V)
+    logits = (rng.standard_normal((B, V)) * 2).astype(np.float32)
+    seeds = np.array([0, 1, 2**40 + 17, 2**64 - 1][:B] + [12345] * max(0, B - 4), np.uint64)
+    for pos0 in [0, 7, 2**33 + 5]:
+        positions = np.arange(pos0, pos0 + B, dtype=np.int64)
+        out = np.full(B, -5, np.int64)
+        be.gumbel_sample(logits, seeds, positions, out)
+        np.testing.assert_array_equal(out, ref.gumbel_sample(logits, seeds, positions))
+
+
+def test_gumbel_sample_is_random_and_masked(be):
+    rng = np.random.default_rng(0)
+    V = 64
+    logits = np.zeros((200, V), np.float32)  # uniform: samples must spread over tokens
+    seeds = np.arange(200, dtype=np.uint64)
+    out = np.empty(200, np.int64)
+    be.gumbel_sample(logits, seeds, np.zeros(200, np.int64), out)
+    np.testing.assert_array_equal(out, ref.gumbel_sample(logits, seeds, np.zeros(200, np.int64)))
+    assert len(set(out.tolist())) > 30
+    masked = np.full((200, V), -np.inf, np.float32)
+    allowed = rng.choice(V, 5, replace=False)
+    masked[:, allowed] = rng.standard_normal(5) * 10
+    be.gumbel_sample(masked, seeds, np.zeros(200, np.int64), out)
+    assert set(out.tolist()) <= set(allowed.tolist())
+    np.testing.assert_array_equal(out, ref.gumbel_sample(masked, seeds, np.zeros(200, np.int64)))
+    with pytest.raises(ValueError, match="gumbel_sample"):
+        be.gumbel_sample(masked, seeds.astype(np.int64), np.zeros(200, np.int64), out)

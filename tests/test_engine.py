@@ -1,0 +1,166 @@
+"""Engine-level behaviour on the CPU backend: batching, chunked prefill, preemption, prefix caching
+and abort must not change a request's tokens, which must equal transformers' greedy tokens."""
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from checkpoints import tiny_checkpoint
+from hf_oracle import assert_matches, hf_greedy
+from engine import LLM, SamplingParams
+
+GEN = 16
+GREEDY = SamplingParams(temperature=0, max_tokens=GEN, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return tiny_checkpoint(tmp_path_factory.mktemp("llama"), "llama")
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = np.random.default_rng(7)
+    lengths = [5, 70, 17, 33, 1, 48, 16, 61]
+    return [rng.integers(0, 500, n).tolist() for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir, prompts):
+    return hf_greedy(model_dir, prompts, GEN)
+
+
+def test_alone_equals_transformers(model_dir, prompts, reference):
+    llm = LLM(model_dir)
+    for prompt, ref in zip(prompts, reference):
+        assert_matches(llm.generate([prompt], GREEDY)[0].token_ids, ref)
+
+
+class StressRunner:
+    """Wraps the model runner: before each step, every KV block outside the scheduled sequences'
+    tables is filled with NaN, so reading a stray block poisons the logits; records each step."""
+
+    def __init__(self, runner):
+        self.runner = runner
+        self.steps = []  # (rows in the forward call, scheduled tokens, has decode, has prefill chunk)
+        execute = runner.execute
+
+        def stressed_execute(seqs, num_new_tokens):
+            live = {b for seq in seqs for b in seq.block_table}
+            dead = np.array(sorted(set(range(runner.num_blocks)) - live), dtype=np.int64)
+            for k, v in runner.kv_caches:
+                k[dead] = np.nan
+                v[dead] = np.nan
+            calls = runner.num_forward_calls
+            logits = execute(seqs, num_new_tokens)
+            assert runner.num_forward_calls == calls + 1
+            decode = any(n == 1 and s.num_computed_tokens >= s.num_prompt_tokens
+                         for s, n in zip(seqs, num_new_tokens))
+            prefill = any(s.num_computed_tokens < s.num_prompt_tokens
+                          for s in seqs)
+            self.steps.append((len(seqs), sum(num_new_tokens), decode, prefill))
+            return logits
+
+        runner.execute = stressed_execute
+
+
+def test_batch_chunked_preempted_equals_transformers(model_dir, prompts, reference):
+    # 24 blocks of 8 tokens cannot hold all eight sequences (~400 tokens): preemption must happen.
+    llm = LLM(model_dir, block_size=8, num_kv_blocks=24, prefill_chunk_size=16,
+              max_num_batched_tokens=64, enable_prefix_caching=False)
+    llm.engine.block_pool.shuffle_free_blocks(np.random.default_rng(3))
+    stress = StressRunner(llm.engine.runner)
+    outs = llm.generate(prompts, GREEDY)
+    for out, ref in zip(outs, reference):
+        assert_matches(out.token_ids, ref)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert any(decode and prefill for _, _, decode, prefill in stress.steps)
+    assert llm.engine.block_pool.num_free_blocks == 24
+
+
+def test_one_forward_call_per_step(model_dir, prompts):
+    llm = LLM(model_dir, prefill_chunk_size=16)
+    rows = []
+    forward = llm.engine.model.forward
+
+    def counting_forward(batch, kv_caches):
+        rows.append(batch.num_tokens)
+        return forward(batch, kv_caches)
+
+    llm.engine.model.forward = counting_forward
+    engine = llm.engine
+    for i, prompt in enumerate(prompts[:4]):
+        engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=4))
+    scheduled = []
+    schedule = engine.scheduler.schedule
+
+    def recording_schedule():
+        out = schedule()
+        scheduled.append(sum(out.num_new_tokens))
+        return out
+
+    engine.scheduler.schedule = recording_schedule
+    while engine.has_unfinished():
+        engine.step()
+    assert rows == scheduled
+    assert sum(rows) == sum(len(p) for p in prompts[:4]) + 4 * 3
+
+
+def test_prefix_cache_prefills_only_uncached_tokens(model_dir, prompts, reference):
+    llm = LLM(model_dir, block_size=16)
+    prompt = prompts[1]  # 70 tokens: 4 full blocks of 16 are cacheable
+    first = llm.generate([prompt], GREEDY)[0]
+    before = llm.engine.runner.num_forward_tokens
+    second = llm.generate([prompt], GREEDY)[0]
+    assert second.num_cached_tokens == 64
+    assert llm.engine.runner.num_forward_tokens - before == (70 - 64) + (GEN - 1)
+    assert second.token_ids == first.token_ids
+    assert_matches(second.token_ids, reference[1])
+
+
+def test_prefix_cache_off_recomputes_everything(model_dir, prompts):
+    llm = LLM(model_dir, enable_prefix_caching=False)
+    llm.generate([prompts[1]], GREEDY)
+    before = llm.engine.runner.num_forward_tokens
+    out = llm.generate([prompts[1]], GREEDY)[0]
+    assert out.num_cached_tokens == 0
+    assert llm.engine.runner.num_forward_tokens - before == 70 + GEN - 1
+
+
+def test_abort_frees_blocks_at_any_stage(model_dir, prompts):
+    llm = LLM(model_dir, block_size=8, num_kv_blocks=64, prefill_chunk_size=8)
+    engine = llm.engine
+    total = engine.block_pool.num_free_blocks
+    engine.add_request("running", prompts[1], GREEDY)
+    engine.step()  # first 8-token chunk of the prompt: blocks held mid-prefill
+    engine.add_request("waiting", prompts[5], GREEDY)
+    assert engine.block_pool.num_free_blocks < total
+    assert engine.abort("running") and engine.abort("waiting")
+    assert not engine.abort("unknown")
+    assert not engine.has_unfinished()
+    assert engine.block_pool.num_free_blocks == total
+
+
+def test_max_model_len_beyond_kv_pool_fails_at_start(model_dir):
+    with pytest.raises(ValueError, match="max-model-len"):
+        LLM(model_dir, block_size=8, num_kv_blocks=4, max_model_len=64)
+
+
+def test_max_tokens_and_stop_token_ids(model_dir, prompts, reference):
+    llm = LLM(model_dir)
+    tokens, trusted = reference[2]
+    stop = tokens[3]
+    out = llm.generate([prompts[2]], SamplingParams(temperature=0, max_tokens=GEN,
+                                                    stop_token_ids=[stop]))[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.token_ids == tokens[:tokens.index(stop) + 1]
+    out = llm.generate([prompts[2]], SamplingParams(temperature=0, max_tokens=5))[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 5
+
+
+def test_engine_never_imports_torch(model_dir):
+    code = ("import sys; from engine import LLM, SamplingParams; "
+            f"LLM({str(model_dir)!r}).generate([[1, 2, 3]], SamplingParams(max_tokens=2)); "
+            "assert 'torch' not in sys.modules, 'torch was imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)

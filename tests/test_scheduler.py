@@ -1,0 +1,235 @@
+"""Scheduler: budget splitting, chunked prefill mixed with decode, preemption, abort, admission.
+
+Each test drives fake model steps: schedule(), update(), then "sample" one token for every
+sequence whose computed tokens caught up with its tokens.
+"""
+from engine.block_pool import BlockPool
+from engine.config import EngineConfig
+from engine.scheduler import Scheduler, SchedulerOutput
+from engine.sequence import Sequence, SequenceStatus
+
+SAMPLED = 7
+
+
+def make(num_blocks, block_size=16, prefix_caching=False, **cfg) -> Scheduler:
+    config = EngineConfig(model="unused", block_size=block_size, **cfg)
+    return Scheduler(config, BlockPool(num_blocks, block_size, prefix_caching))
+
+
+def seq(n: int, start: int = 0, request_id: str | None = None) -> Sequence:
+    return Sequence(list(range(start, start + n)), request_id=request_id)
+
+
+def step(sched: Scheduler) -> SchedulerOutput:
+    out = sched.schedule()
+    sched.update(out)
+    for s in out.seqs:
+        if s.status == SequenceStatus.RUNNING and s.num_computed_tokens == s.num_tokens:
+            s.append_token(SAMPLED)
+    return out
+
+
+def ids(seqs) -> list[str]:
+    return [s.request_id for s in seqs]
+
+
+def test_budget_split_with_chunk_size():
+    sched = make(100, max_num_batched_tokens=40, prefill_chunk_size=16)
+    a, b, c = seq(40, 1000, "a"), seq(20, 2000, "b"), seq(30, 3000, "c")
+    for s in (a, b, c):
+        sched.add(s)
+
+    out = step(sched)
+    assert ids(out.seqs) == ["a", "b", "c"] and out.num_new_tokens == [16, 16, 8]
+    assert out.sample == [False, False, False] and out.num_prefills == 3
+    assert out.total_num_tokens == 40
+    assert sched.num_running == 3 and sched.num_waiting == 0
+
+    out = step(sched)
+    assert ids(out.seqs) == ["a", "b", "c"] and out.num_new_tokens == [16, 4, 16]
+    assert out.sample == [False, True, False]
+
+    out = step(sched)
+    assert out.num_new_tokens == [8, 1, 6]
+    assert out.is_decode == [False, True, False] and out.sample == [True, True, True]
+
+    out = step(sched)
+    assert out.num_new_tokens == [1, 1, 1] and out.is_decode == [True, True, True]
+    assert a.block_table == [0, 3, 6] and b.block_table == [1, 4] and c.block_table == [2, 5]
+    assert [a.num_computed_tokens, b.num_computed_tokens, c.num_computed_tokens] == [41, 22, 31]
+
+
+def test_budget_without_chunk_size():
+    sched = make(100, max_num_batched_tokens=50)
+    a, b, c = seq(30, 0, "a"), seq(30, 100, "b"), seq(5, 200, "c")
+    for s in (a, b, c):
+        sched.add(s)
+    out = step(sched)
+    assert ids(out.seqs) == ["a", "b"] and out.num_new_tokens == [30, 20]
+    assert sched.num_waiting == 1              # budget spent: c waits
+    out = step(sched)
+    assert ids(out.seqs) == ["a", "b", "c"] and out.num_new_tokens == [1, 10, 5]
+
+
+def test_decode_and_prefill_chunk_in_one_step():
+    sched = make(100, max_num_batched_tokens=64, prefill_chunk_size=16)
+    a = seq(10, 0, "a")
+    sched.add(a)
+    out = step(sched)
+    assert out.num_new_tokens == [10] and out.sample == [True]
+    b = seq(40, 500, "b")
+    sched.add(b)
+    out = step(sched)
+    assert ids(out.seqs) == ["a", "b"] and out.num_new_tokens == [1, 16]
+    assert out.is_decode == [True, False] and out.sample == [True, False]
+    assert (out.num_decodes, out.num_prefills, out.total_num_tokens) == (1, 1, 17)
+    assert a.num_tokens == 12 and b.num_computed_tokens == 16
+
+
+def test_max_num_seqs():
+    sched = make(100, max_num_seqs=2)
+    a, b, c = seq(4, 0, "a"), seq(4, 100, "b"), seq(4, 200, "c")
+    for s in (a, b, c):
+        sched.add(s)
+    out = step(sched)
+    assert ids(out.seqs) == ["a", "b"] and sched.num_waiting == 1
+    out = step(sched)
+    assert ids(out.seqs) == ["a", "b"] and c.status == SequenceStatus.WAITING
+    sched.finish(a, "stop")
+    assert a.status == SequenceStatus.FINISHED and a.finish_reason == "stop"
+    assert a.block_table == []
+    out = step(sched)
+    assert ids(out.seqs) == ["b", "c"] and out.num_new_tokens == [1, 4]
+
+
+def test_preempt_newest_until_it_fits():
+    # 4 blocks of 8: a (chunked, 2 blocks), b and c (1 block each) fill the pool
+    sched = make(4, block_size=8, max_num_batched_tokens=64, prefill_chunk_size=16)
+    a, b, c = seq(31, 0, "a"), seq(8, 100, "b"), seq(8, 200, "c")
+    for s in (a, b, c):
+        sched.add(s)
+    out = step(sched)
+    assert out.num_new_tokens == [16, 8, 8]
+    assert (a.block_table, b.block_table, c.block_table) == ([0, 1], [2], [3])
+    assert sched.block_pool.num_free_blocks == 0
+
+    out = step(sched)       # a needs 2 more blocks: c goes, still short, then b goes
+    assert ids(out.seqs) == ["a"] and out.num_new_tokens == [15]
+    assert ids(out.preempted) == ["c", "b"] and out.num_preempted == 2
+    assert sched.num_preemptions == 2
+    assert a.block_table == [0, 1, 3, 2]
+    assert ids(sched.waiting) == ["b", "c"]     # at the front, in arrival order
+    for s in (b, c):
+        assert s.status == SequenceStatus.WAITING
+        assert s.num_computed_tokens == 0 and s.block_table == []
+        assert s.num_tokens == 9 and s.output_token_ids == [SAMPLED]  # output kept
+
+    out = step(sched)       # a decodes (fits its last block); nothing free for b
+    assert ids(out.seqs) == ["a"] and out.num_new_tokens == [1]
+    sched.finish(a, "length")
+    assert sched.block_pool.num_free_blocks == 4
+    out = step(sched)       # b and c recompute prompt + output from 0
+    assert ids(out.seqs) == ["b", "c"] and out.num_new_tokens == [9, 9]
+    assert out.sample == [True, True] and out.num_preempted == 0
+    assert b.block_table == [2, 3] and c.block_table == [1, 0]
+    assert sched.num_preemptions == 2
+
+
+def test_preempt_self_when_newest():
+    sched = make(3, block_size=8, max_num_batched_tokens=64)
+    a, b = seq(12, 0, "a"), seq(8, 100, "b")
+    sched.add(a)
+    sched.add(b)
+    step(sched)
+    assert (a.block_table, b.block_table) == ([0, 1], [2])
+    out = step(sched)       # a's 13th token fits; b's 9th needs a block and b is the newest
+    assert ids(out.seqs) == ["a"] and ids(out.preempted) == ["b"]
+    assert sched.num_preemptions == 1
+    assert ids(sched.running) == ["a"] and ids(sched.waiting) == ["b"]
+    assert b.num_computed_tokens == 0 and b.block_table == [] and sched.block_pool.num_free_blocks == 1
+
+
+def test_preempted_seq_reuses_its_cached_prefix():
+    sched = make(3, block_size=8, prefix_caching=True, max_num_batched_tokens=64)
+    a, b = seq(12, 0, "a"), seq(8, 100, "b")
+    sched.add(a)
+    sched.add(b)
+    step(sched)
+    step(sched)             # b preempted; its full block 2 is still cached, in the free queue
+    assert ids(sched.waiting) == ["b"] and sched.block_pool.blocks[2].block_hash is not None
+    sched.finish(a, "stop")
+    out = step(sched)
+    assert ids(out.seqs) == ["b"] and out.num_new_tokens == [1]   # 8 cached, 1 to compute
+    assert b.block_table[0] == 2 and b.num_cached_tokens == 0     # first admission had no hit
+    assert b.num_computed_tokens == 9
+
+
+def test_no_admission_in_a_step_that_preempted():
+    sched = make(3, block_size=8, max_num_batched_tokens=64, max_num_seqs=3)
+    a, b = seq(8, 0, "a"), seq(16, 100, "b")
+    sched.add(a)
+    sched.add(b)
+    step(sched)
+    assert sched.block_pool.num_free_blocks == 0
+    c = seq(4, 200, "c")
+    sched.add(c)
+    out = step(sched)       # a preempts b (freeing 2 blocks, 1 left after a's); c must not run
+    assert ids(out.seqs) == ["a"] and ids(out.preempted) == ["b"]
+    assert ids(sched.waiting) == ["b", "c"] and sched.block_pool.num_free_blocks == 1
+
+
+def test_fifo_admission_stops_at_first_misfit():
+    sched = make(4, block_size=8, max_num_batched_tokens=64)
+    a, b, c = seq(24, 0, "a"), seq(16, 100, "b"), seq(8, 200, "c")
+    for s in (a, b, c):
+        sched.add(s)
+    out = step(sched)
+    assert ids(out.seqs) == ["a"] and a.block_table == [0, 1, 2]
+    assert ids(sched.waiting) == ["b", "c"]     # c would fit, but b is first
+    assert sched.block_pool.num_free_blocks == 1
+
+
+def test_abort_waiting_and_running_frees_everything():
+    sched = make(10, max_num_seqs=1)
+    a, b = seq(20, 0, "a"), seq(20, 100, "b")
+    sched.add(a)
+    sched.add(b)
+    step(sched)
+    assert sched.num_running == 1 and sched.num_waiting == 1
+    assert sched.block_pool.num_free_blocks == 8
+    assert sched.abort("b")
+    assert b.status == SequenceStatus.FINISHED and b.finish_reason == "abort"
+    assert sched.num_waiting == 0
+    assert sched.abort("a")
+    assert a.finish_reason == "abort" and a.block_table == []
+    assert sched.block_pool.num_free_blocks == 10 and sched.block_pool.usage == 0.0
+    assert not sched.abort("a") and not sched.abort("missing")
+    assert not sched.has_unfinished
+
+
+def test_abort_between_schedule_and_update():
+    sched = make(10)
+    a = seq(20, 0, "a")
+    sched.add(a)
+    out = sched.schedule()
+    assert sched.abort("a")
+    sched.update(out)
+    assert a.num_computed_tokens == 0 and sched.block_pool.num_free_blocks == 10
+    assert sched.schedule().is_empty
+
+
+def test_prefix_hit_through_scheduler():
+    sched = make(20, prefix_caching=True, max_num_batched_tokens=256)
+    a = seq(40, 0, "a")
+    sched.add(a)
+    step(sched)
+    assert a.block_table == [0, 1, 2]
+    b = Sequence(list(range(32)) + list(range(900, 908)), request_id="b")
+    sched.add(b)
+    out = sched.schedule()
+    assert ids(out.seqs) == ["a", "b"] and out.num_new_tokens == [1, 8]
+    assert b.block_table == [0, 1, 3]
+    assert b.num_computed_tokens == 32 and b.num_cached_tokens == 32
+    assert [sched.block_pool.blocks[i].ref_count for i in range(4)] == [2, 2, 1, 1]
+    pool = sched.block_pool
+    assert (pool.prefix_cache_queries, pool.prefix_cache_hits) == (80, 32)
