@@ -52,7 +52,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.model_config, self.backend, config.block_size,
                                   num_blocks)
         self.sampler = Sampler(self.backend)
-        self.detokenizers: dict[int, IncrementalDetokenizer] = {}
+        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         log.info("KV cache: %d blocks of %d tokens; max model length %d", num_blocks,
                  config.block_size, self.max_model_len)
 
@@ -83,18 +83,15 @@ class LLMEngine:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         seq = Sequence(prompt_token_ids, params, request_id, arrival_time=time.monotonic())
         if self.tokenizer is not None:
-            self.detokenizers[seq.seq_id] = IncrementalDetokenizer(
+            self.detokenizers[request_id] = IncrementalDetokenizer(
                 self.tokenizer, prompt_token_ids, params.skip_special_tokens, params.stop,
-                params.include_stop_str_in_output)
+                params.include_stop_str_in_output, params.min_tokens)
         self.scheduler.add(seq)
         return seq
 
     def abort(self, request_id: str) -> bool:
-        seq = self.scheduler.abort(request_id)
-        if seq is None:
-            return False
-        self.detokenizers.pop(seq.seq_id, None)
-        return True
+        self.detokenizers.pop(request_id, None)
+        return self.scheduler.abort(request_id)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -115,7 +112,7 @@ class LLMEngine:
         seq.append_token(token)
         params = seq.sampling_params
         text_delta, stop_string = "", None
-        detok = self.detokenizers.get(seq.seq_id)
+        detok = self.detokenizers.get(seq.request_id)
         if detok is not None:
             text_delta, stopped = detok.add_token(token)
             if stopped:
@@ -131,7 +128,7 @@ class LLMEngine:
             reason = "length"
         if reason is not None:
             self.scheduler.finish(seq, reason)
-            self.detokenizers.pop(seq.seq_id, None)
+            self.detokenizers.pop(seq.request_id, None)
             if detok is not None:
                 text_delta += detok.flush() if stop_string is None else ""
         return RequestOutput(

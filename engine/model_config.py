@@ -10,6 +10,10 @@ import json
 import os
 from dataclasses import dataclass, field
 
+# config.json without `architectures`: its model_type names the graph.
+_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
 # Architectures whose attention applies RMSNorm to each q/k head before RoPE.
 _QK_NORM_ARCHS = ("Qwen3ForCausalLM",)
 
@@ -53,6 +57,7 @@ class ModelConfig:
     max_model_len: int                  # positions the RoPE cache covers (vLLM's derived length)
     rope: RopeConfig
     dtype: str = "float32"              # the checkpoint's dtype name
+    quantization: str | None = None     # quantization_config.quant_method, if any
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
 
@@ -84,6 +89,8 @@ class ModelConfig:
         from engine.models.registry import ARCHITECTURES
 
         archs = cfg.get("architectures") or []
+        if not archs and cfg.get("model_type") in _MODEL_TYPES:
+            archs = [_MODEL_TYPES[cfg["model_type"]]]
         arch = next((a for a in archs if a in ARCHITECTURES), None)
         if arch is None:
             raise ValueError(f"unsupported architecture {', '.join(archs) or '(none given)'}; "
@@ -121,6 +128,7 @@ class ModelConfig:
             sliding_windows=_sliding_windows(arch, cfg, num_layers),
             max_position_embeddings=max_pos, max_model_len=_rope_max_len(rope, max_pos), rope=rope,
             dtype=_dtype_name(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"),
+            quantization=(cfg.get("quantization_config") or {}).get("quant_method"),
             bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos)
 
 
@@ -160,7 +168,7 @@ def parse_rope(cfg: dict, head_dim: int, max_pos: int,
     """RoPE settings from either config form; `rope_scaling` wins over `rope_parameters` as in
     transformers' convert_rope_params_to_dict."""
     params = dict(cfg.get("rope_scaling") or cfg.get("rope_parameters") or {})
-    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    theta = float(params.get("rope_theta") or cfg.get("rope_theta") or 10000.0)
     rope_type = params.get("rope_type", params.get("type", "default"))
     partial = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) or 1.0
     rope = RopeConfig(rope_type=rope_type, theta=theta, rot_dim=int(head_dim * partial))

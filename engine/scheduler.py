@@ -73,7 +73,6 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
 
-    @property
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
@@ -125,7 +124,7 @@ class Scheduler:
             computed_blocks, num_cached = pool.get_computed_blocks(seq)
             n = self._num_new_tokens(seq, seq.num_computed_tokens + num_cached, budget)
             if n <= 0 or not pool.allocate_slots(seq, n, computed_blocks):
-                continue
+                break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -161,7 +160,8 @@ class Scheduler:
         self.block_pool.free(seq)
 
     def abort(self, request_id: str) -> bool:
-        """Finish every sequence of the request, wherever it is; False if none was found."""
+        """Finish (reason "abort") every sequence of the request, waiting or running, freeing its
+        blocks. False if the request is unknown or already finished."""
         seqs = [s for s in self.running if s.request_id == request_id]
         seqs += [s for s in self.waiting if s.request_id == request_id]
         for seq in seqs:

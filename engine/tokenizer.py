@@ -14,7 +14,9 @@ from __future__ import annotations
 import json
 import os
 
-from transformers import AutoTokenizer
+# Not `from transformers import AutoTokenizer`: that pulls in transformers' configuration module,
+# which imports torch whenever torch is installed (seconds of import, and its own thread pools).
+from transformers import PreTrainedTokenizerFast
 
 
 class Tokenizer:
@@ -35,12 +37,30 @@ class Tokenizer:
     @classmethod
     def from_pretrained(cls, path: str, local_files_only: bool = True, **kwargs) -> "Tokenizer":
         """Load from a local directory (or an already cached hub id); never reaches the network
-        unless local_files_only=False."""
-        hf = AutoTokenizer.from_pretrained(path, use_fast=True, local_files_only=local_files_only,
-                                           **kwargs)
+        unless local_files_only=False.
+
+        A directory with tokenizer.json loads through the generic fast tokenizer class: the file
+        is the whole pipeline (normaliser, pre-tokeniser, BOS/EOS post-processor, decoder) and
+        tokenizer_config.json adds special tokens, add_bos_token and the chat template. Anything
+        else (slow-only files, hub ids) goes through AutoTokenizer, which converts."""
+        if os.path.isfile(os.path.join(path, "tokenizer.json")):
+            hf = PreTrainedTokenizerFast.from_pretrained(path, local_files_only=local_files_only,
+                                                         **kwargs)
+        else:
+            from transformers import AutoTokenizer
+            hf = AutoTokenizer.from_pretrained(path, use_fast=True,
+                                               local_files_only=local_files_only, **kwargs)
         if not getattr(hf, "is_fast", False):
             raise ValueError(f"{path}: no fast (tokenizers) tokenizer available")
         return cls(hf, _generation_eos_ids(path))
+
+    @classmethod
+    def try_from_pretrained(cls, path: str) -> "Tokenizer | None":
+        """The tokenizer of a model directory, or None when it ships none (token ids only)."""
+        names = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+        if os.path.isdir(path) and not any(os.path.isfile(os.path.join(path, n)) for n in names):
+            return None
+        return cls.from_pretrained(path)
 
     # ---- properties
     @property

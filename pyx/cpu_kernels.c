@@ -547,6 +547,31 @@ int taper_linear(int isa,
 }
 
 // ----------------------------------------------------------------------------
+// ---- helpers: vectorizable exp, multiversioned row kernels
+//
+// The row kernels below are compiled three times (AVX-512, AVX2+FMA, baseline SSE2) with GCC's
+// target_clones and picked by the loader (ifunc) from the CPU's features, so `omp simd` loops use
+// the widest vectors without -march=native. libm's expf does not vectorize without -ffast-math,
+// hence fast_expf: Cody-Waite reduction x = n ln2 + r, |r| <= ln2/2, a degree-6 Taylor polynomial
+// (truncation error < 2e-7 relative) and 2^n built in the exponent bits.
+#define MULTIVERSION __attribute__((target_clones("avx512f", "avx2,fma", "default")))
+
+INLINE float fast_expf(float x) {
+    x = x < -87.0f ? -87.0f : x;  // also maps -inf to ~1.6e-38 (never a NaN)
+    x = x > 88.0f ? 88.0f : x;
+    float t = x * 1.44269504f;
+    float n = (t + 12582912.0f) - 12582912.0f;  // round to nearest via the 1.5 * 2^23 trick
+    float r = x - n * 0.693145752f - n * 1.42860677e-06f;
+    float p = 1.0f + r * (1.0f + r * (0.5f + r * (0.166666672f + r * (0.0416666679f +
+              r * (0.00833333377f + r * 0.00138888892f)))));
+    int32_t bits;
+    memcpy(&bits, &p, 4);
+    bits += (int32_t)n << 23;
+    memcpy(&p, &bits, 4);
+    return p;
+}
+
+// ----------------------------------------------------------------------------
 // ---- kernels: norms and activation
 
 /* RMSNorm: one row per iteration; sum of squares with an `omp simd` reduction (several lanes of
@@ -592,16 +617,19 @@ int taper_fused_add_rms_norm(float* x,             // (T, H)
 }
 
 /* SwiGLU gate: out = silu(gate) * up with gate = x[:, :I], up = x[:, I:]. */
+MULTIVERSION static void silu_row(const float* g,  // (I,) gate; up follows at g + I
+                                  float* o,        // (I,)
+                                  int64_t inter) {
+    const float* u = g + inter;
+#pragma omp simd
+    for (int64_t i = 0; i < inter; i++) o[i] = g[i] / (1.0f + fast_expf(-g[i])) * u[i];
+}
+
 int taper_silu_and_mul(const float* x,  // (T, 2I)
                        float* out,      // (T, I)
                        int64_t T, int64_t inter, int nthreads) {
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (T * inter > 16384)
-    for (int64_t t = 0; t < T; t++) {
-        const float* g = x + t * 2 * inter;
-        const float* u = g + inter;
-        float* o = out + t * inter;
-        for (int64_t i = 0; i < inter; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
-    }
+    for (int64_t t = 0; t < T; t++) silu_row(x + t * 2 * inter, out + t * inter, inter);
     return TAPER_OK;
 }
 
@@ -673,11 +701,61 @@ int taper_reshape_and_cache(const float* k,               // (T, Hkv, D)
 
 #define ATTN_BLK 32
 
-/* Paged attention, one work item per (query row, query head), parallel over all items.
- * The trick: online softmax in blocks of 32 keys — scores for the block first, then one rescale
- * of the running output when the block raises the running max — so the context is read once and
- * no T x S score matrix exists. Keys are located through the block table one at a time, so
- * blocks need not be contiguous or ordered, and unused cache blocks are never touched. */
+/* One (query row, head) of paged attention: keys lo..p in blocks of 32 — scores for the block,
+ * one rescale of the running output if the block raised the running max, then the weighted V
+ * sum. All inner loops are `omp simd` over D or over the block. */
+MULTIVERSION static void attn_row(float* o,                 // (D,)
+                                  const float* qh,          // (D,)
+                                  const float* k_cache,     // (NB, BS, Hkv, D), at kv head g
+                                  const float* v_cache,     // (NB, BS, Hkv, D), at kv head g
+                                  const int32_t* bt,        // (MB,) this sequence's blocks
+                                  int64_t lo, int64_t p, int64_t BS, int64_t kv_stride,
+                                  int64_t D, float scale,
+                                  float* acc) {             // (D,) scratch
+    float m = -INFINITY, l = 0.0f, s[ATTN_BLK];
+    int64_t off[ATTN_BLK];
+    for (int64_t d = 0; d < D; d++) acc[d] = 0.0f;
+    for (int64_t j0 = lo; j0 <= p; j0 += ATTN_BLK) {
+        int n = (int)MIN(ATTN_BLK, p + 1 - j0);
+        float mb = -INFINITY;
+        for (int jj = 0; jj < n; jj++) {
+            int64_t j = j0 + jj;
+            off[jj] = ((int64_t)bt[j / BS] * BS + j % BS) * kv_stride;
+            const float* kr = k_cache + off[jj];
+            float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t d = 0; d < D; d++) dot += qh[d] * kr[d];
+            s[jj] = dot * scale;
+            mb = MAX(mb, s[jj]);
+        }
+        if (mb > m) {
+            float alpha = m == -INFINITY ? 0.0f : fast_expf(m - mb);
+            l *= alpha;
+#pragma omp simd
+            for (int64_t d = 0; d < D; d++) acc[d] *= alpha;
+            m = mb;
+        }
+#pragma omp simd reduction(+ : l)
+        for (int jj = 0; jj < n; jj++) {
+            s[jj] = fast_expf(s[jj] - m);
+            l += s[jj];
+        }
+        for (int jj = 0; jj < n; jj++) {
+            const float* vr = v_cache + off[jj];
+            float pj = s[jj];
+#pragma omp simd
+            for (int64_t d = 0; d < D; d++) acc[d] += pj * vr[d];
+        }
+    }
+    float inv = 1.0f / l;
+#pragma omp simd
+    for (int64_t d = 0; d < D; d++) o[d] = acc[d] * inv;
+}
+
+/* Paged attention, one work item per (query row, query head), parallel over all items
+ * (dynamic schedule: rows see different context lengths). Online softmax, so the context is
+ * read once and no T x S score matrix exists. Keys are located through the block table one at
+ * a time, so blocks need not be contiguous or ordered, and unused cache blocks are never read. */
 int taper_paged_attention(float* out,                      // (T, Hq, D)
                           const float* q,                  // (T, Hq, D)
                           const float* k_cache,            // (NB, BS, Hkv, D)
@@ -706,7 +784,7 @@ int taper_paged_attention(float* out,                      // (T, Hq, D)
         for (int64_t i = query_start_loc[b]; i < query_start_loc[b + 1]; i++) row_seq[i] = (int32_t)b;
     int64_t group = Hq / Hkv, kv_stride = Hkv * D;
     int failed = 0;
-#pragma omp parallel num_threads(nthreads)
+#pragma omp parallel num_threads(nthreads) if (T * Hq > 1)
     {
         float* acc = (float*)malloc((size_t)D * sizeof(float));
         if (!acc) {
@@ -719,43 +797,8 @@ int taper_paged_attention(float* out,                      // (T, Hq, D)
             int64_t i = item / Hq, h = item % Hq, b = row_seq[i], g = h / group;
             int64_t p = (int64_t)seq_lens[b] - ((int64_t)query_start_loc[b + 1] - i);
             int64_t lo = sliding_window > 0 ? MAX(0, p - sliding_window + 1) : 0;
-            const float* qh = q + (i * Hq + h) * D;
-            const int32_t* bt = block_tables + b * MB;
-            float m = -INFINITY, l = 0.0f, s[ATTN_BLK];
-            const float* vrow[ATTN_BLK];
-            for (int64_t d = 0; d < D; d++) acc[d] = 0.0f;
-            for (int64_t j0 = lo; j0 <= p; j0 += ATTN_BLK) {
-                int n = (int)MIN(ATTN_BLK, p + 1 - j0);
-                float mb = -INFINITY;
-                for (int jj = 0; jj < n; jj++) {
-                    int64_t j = j0 + jj;
-                    int64_t off = ((int64_t)bt[j / BS] * BS + j % BS) * kv_stride + g * D;
-                    const float* kr = k_cache + off;
-                    vrow[jj] = v_cache + off;
-                    float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-                    for (int64_t d = 0; d < D; d++) dot += qh[d] * kr[d];
-                    s[jj] = dot * scale;
-                    mb = MAX(mb, s[jj]);
-                }
-                if (mb > m) {
-                    float alpha = expf(m - mb);  // m = -inf on the first block: alpha = 0
-                    l *= alpha;
-#pragma omp simd
-                    for (int64_t d = 0; d < D; d++) acc[d] *= alpha;
-                    m = mb;
-                }
-                for (int jj = 0; jj < n; jj++) {
-                    float pj = expf(s[jj] - m);
-                    const float* vr = vrow[jj];
-                    l += pj;
-#pragma omp simd
-                    for (int64_t d = 0; d < D; d++) acc[d] += pj * vr[d];
-                }
-            }
-            float* o = out + (i * Hq + h) * D;
-            float inv = 1.0f / l;
-            for (int64_t d = 0; d < D; d++) o[d] = acc[d] * inv;
+            attn_row(out + (i * Hq + h) * D, q + (i * Hq + h) * D, k_cache + g * D,
+                     v_cache + g * D, block_tables + b * MB, lo, p, BS, kv_stride, D, scale, acc);
         }
         free(acc);
     }
@@ -813,8 +856,11 @@ static int row_argmax(const float* logits, const uint64_t* seeds, const int64_t*
         } else {
             uint64_t pos = (uint64_t)positions[b], seed = seeds[b];
             uint32_t k0 = (uint32_t)seed, k1 = (uint32_t)(seed >> 32);
+            // The largest Gumbel draw: u = (2^32 - 0.5) / 2^32. Rounding is monotone, so when
+            // logit + GMAX <= best the exact value cannot beat best: skip Philox and both logs.
+            const double gmax = -log(-log((4294967295.0 + 0.5) / 4294967296.0));
             for (int64_t v = v0; v < v1; v++) {
-                if (row[v] == -INFINITY) continue;
+                if (row[v] == -INFINITY || (bi >= 0 && (double)row[v] + gmax <= best)) continue;
                 uint32_t ctr[4] = {(uint32_t)v, (uint32_t)pos, (uint32_t)(pos >> 32), 0};
                 philox10(ctr, k0, k1);
                 double u = ((double)ctr[0] + 0.5) * (1.0 / 4294967296.0);

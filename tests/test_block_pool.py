@@ -286,3 +286,10 @@ def test_num_cached_tokens_kept_after_output():
     blocks, n = pool.get_computed_blocks(seq)
     assert n == 8 and pool.allocate_slots(seq, 1, blocks)
     assert seq.num_computed_tokens == 8 and seq.num_cached_tokens == 4
+
+
+def test_shuffle_accepts_numpy_generator():
+    np = pytest.importorskip("numpy")
+    pool = BlockPool(8, BS)
+    pool.shuffle_free_blocks(np.random.default_rng(3))
+    assert sorted(free_order(pool)) == list(range(8)) and free_order(pool) != list(range(8))

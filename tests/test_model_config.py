@@ -187,3 +187,14 @@ def test_dynamic_rope_is_static_ntk_like_vllm():
     base = 10000.0 * (2.0 * 256 / 128 - 1.0) ** (dim / (dim - 2))
     inv_freq = 1.0 / base ** (np.arange(0, dim, 2) / dim)
     np.testing.assert_allclose(cache[200, :12], np.cos(200 * inv_freq), atol=1e-6)
+
+
+def test_model_type_fallback_and_quantized_guard():
+    d = cfg()
+    del d["architectures"]
+    assert ModelConfig.from_dict({**d, "model_type": "qwen2"}).architecture == "Qwen2ForCausalLM"
+    c = ModelConfig.from_dict(cfg(quantization_config={"quant_method": "gptq", "bits": 4}))
+    assert c.quantization == "gptq"
+    from engine.models.llama import LlamaForCausalLM
+    with pytest.raises(ValueError, match="gptq quantized checkpoints are not supported"):
+        LlamaForCausalLM(c, {}, None)

@@ -165,17 +165,19 @@ def test_preempted_seq_reuses_its_cached_prefix():
 
 
 def test_no_admission_in_a_step_that_preempted():
-    sched = make(3, block_size=8, max_num_batched_tokens=64, max_num_seqs=3)
-    a, b = seq(8, 0, "a"), seq(16, 100, "b")
+    sched = make(4, block_size=8, max_num_batched_tokens=64, prefill_chunk_size=8)
+    a, b = seq(9, 0, "a"), seq(16, 100, "b")
     sched.add(a)
     sched.add(b)
-    step(sched)
-    assert sched.block_pool.num_free_blocks == 0
-    c = seq(4, 200, "c")
-    sched.add(c)
-    out = step(sched)       # a preempts b (freeing 2 blocks, 1 left after a's); c must not run
+    assert step(sched).num_new_tokens == [8, 8]
+    assert step(sched).num_new_tokens == [1, 8]
+    assert (a.block_table, b.block_table) == ([0, 2], [1, 3])
+    out = step(sched)       # a's decode fits; b's needs a block: b, the newest, preempts itself
     assert ids(out.seqs) == ["a"] and ids(out.preempted) == ["b"]
-    assert ids(sched.waiting) == ["b", "c"] and sched.block_pool.num_free_blocks == 1
+    # b's first 8-token chunk would fit the 2 freed blocks, but not in this step
+    assert ids(sched.waiting) == ["b"] and sched.block_pool.num_free_blocks == 2
+    out = step(sched)
+    assert ids(out.seqs) == ["a", "b"] and out.num_new_tokens == [1, 8]
 
 
 def test_fifo_admission_stops_at_first_misfit():
@@ -197,14 +199,14 @@ def test_abort_waiting_and_running_frees_everything():
     step(sched)
     assert sched.num_running == 1 and sched.num_waiting == 1
     assert sched.block_pool.num_free_blocks == 8
-    assert sched.abort("b")
+    assert sched.abort("b") is True
     assert b.status == SequenceStatus.FINISHED and b.finish_reason == "abort"
     assert sched.num_waiting == 0
-    assert sched.abort("a")
+    assert sched.abort("a") is True
     assert a.finish_reason == "abort" and a.block_table == []
     assert sched.block_pool.num_free_blocks == 10 and sched.block_pool.usage == 0.0
-    assert not sched.abort("a") and not sched.abort("missing")
-    assert not sched.has_unfinished
+    assert sched.abort("a") is False and sched.abort("missing") is False
+    assert not sched.has_unfinished()
 
 
 def test_abort_between_schedule_and_update():
@@ -212,7 +214,7 @@ def test_abort_between_schedule_and_update():
     a = seq(20, 0, "a")
     sched.add(a)
     out = sched.schedule()
-    assert sched.abort("a")
+    assert sched.abort("a") is True
     sched.update(out)
     assert a.num_computed_tokens == 0 and sched.block_pool.num_free_blocks == 10
     assert sched.schedule().is_empty
@@ -233,3 +235,15 @@ def test_prefix_hit_through_scheduler():
     assert [sched.block_pool.blocks[i].ref_count for i in range(4)] == [2, 2, 1, 1]
     pool = sched.block_pool
     assert (pool.prefix_cache_queries, pool.prefix_cache_hits) == (80, 32)
+
+
+def test_one_token_prompt_remainder_is_not_a_decode():
+    sched = make(20, prefix_caching=True, max_num_batched_tokens=256)
+    sched.add(seq(40, 0, "a"))
+    step(sched)
+    c = seq(33, 0, "c")                         # 32 tokens cached: one prompt token to compute
+    sched.add(c)
+    out = sched.schedule()
+    assert ids(out.seqs) == ["a", "c"] and out.num_new_tokens == [1, 1]
+    assert out.is_decode == [True, False] and out.sample == [True, True]
+    assert (out.num_decodes, out.num_prefills) == (1, 1)

@@ -545,11 +545,12 @@ def live(tmp_path_factory):
     deadline = time.time() + 180
     while True:
         try:
-            if http_request(port, "GET", "/health")[0] == 200:
-                break
+            health = http_request(port, "GET", "/health")[0]
         except OSError:
-            pass
-        if proc.poll() is not None or time.time() > deadline:
+            health = None
+        if health == 200:
+            break
+        if health == 503 or proc.poll() is not None or time.time() > deadline:
             proc.kill()
             pytest.fail("server did not start:\n" + log_path.read_text())
         time.sleep(0.2)

@@ -6,6 +6,9 @@ SentencePiece-style BPE with byte fallback (`<0xE4>` tokens, ByteFallback decode
 strip). The builders are reused by test_detokenizer.py.
 """
 import json
+import pathlib
+import subprocess
+import sys
 
 import pytest
 from tokenizers import AddedToken, Tokenizer as RustTokenizer
@@ -14,6 +17,7 @@ from transformers import PreTrainedTokenizerFast
 
 from engine.tokenizer import Tokenizer
 
+REPO_ROOT = str(pathlib.Path(__file__).resolve().parents[1])
 TRAIN_TEXT = ["你好世界你好世界 😀🎉😀🎉 hello world café STOP", "世界你好😀😀 你好 world"] * 10
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
@@ -179,3 +183,12 @@ def test_eos_token_ids(tmp_path):
 def test_missing_path_does_not_reach_network(tmp_path):
     with pytest.raises(Exception):
         Tokenizer.from_pretrained(str(tmp_path / "nope"))
+
+
+def test_loading_does_not_import_torch(bl):
+    # AutoTokenizer would import torch whenever it is installed; Taper must never need it.
+    code = ("import sys; from engine.tokenizer import Tokenizer; "
+            f"t = Tokenizer.from_pretrained({bl.hf.name_or_path!r}); "
+            "t.encode_chat([{'role': 'user', 'content': 'x'}]); t.decode([1]); "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO_ROOT)

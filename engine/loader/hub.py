@@ -7,6 +7,8 @@ import os
 
 ALLOW_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.tiktoken", "merges.txt",
                   "vocab.txt", "*.jinja"]
+# Mistral repos ship consolidated.safetensors beside the HF shards; Llama repos ship original/.
+IGNORE_PATTERNS = ["consolidated*.safetensors", "original/*"]
 
 
 def resolve_model(model: str, revision: str | None = None) -> str:
@@ -18,7 +20,8 @@ def resolve_model(model: str, revision: str | None = None) -> str:
         raise FileNotFoundError(f"model directory {model} does not exist")
     try:
         from huggingface_hub import snapshot_download
-        return snapshot_download(repo_id=model, revision=revision, allow_patterns=ALLOW_PATTERNS)
+        return snapshot_download(repo_id=model, revision=revision, allow_patterns=ALLOW_PATTERNS,
+                                 ignore_patterns=IGNORE_PATTERNS)
     except Exception as e:  # hub errors come in many classes; all mean the same to the user
         offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False")
         hint = " (HF_HUB_OFFLINE is set and it is not in the local cache)" if offline else ""

@@ -91,6 +91,9 @@ def checkpoint_files(model_dir: str) -> tuple[list[str], dict[str, str] | None]:
     if os.path.isfile(single):
         return [single], None
     files = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
+    # Mistral's own-format consolidated.safetensors duplicates the HF-named shards beside it.
+    if any(not f.startswith("consolidated") for f in files):
+        files = [f for f in files if not f.startswith("consolidated")]
     if not files:
         raise CheckpointError(f"{model_dir}: no .safetensors files found")
     return [os.path.join(model_dir, n) for n in files], None

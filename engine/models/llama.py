@@ -64,6 +64,9 @@ def check_weights(c: ModelConfig, weights: dict) -> None:
 class LlamaForCausalLM:
     def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray], backend):
         """Takes ownership of `weights` (tensors are popped as they are placed)."""
+        if config.quantization:
+            raise ValueError(f"{config.quantization} quantized checkpoints are not supported by "
+                             f"{type(self).__name__} (unquantized float weights only)")
         check_weights(config, weights)
         self.config = config
         self.backend = backend
