@@ -131,8 +131,9 @@ def taper_run(llm, prompts: list[list[int]], gen_len: int) -> dict:
     from engine import SamplingParams
     eng = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=gen_len, ignore_eos=True)
-    for i, p in enumerate(prompts):
-        eng.add_request(f"bench-{time.monotonic_ns()}-{i}", p, params)
+    ids = [f"bench-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
+    for rid, p in zip(ids, prompts):
+        eng.add_request(rid, p, params)
     prompt_tokens = sum(len(p) for p in prompts)
     start_fwd = eng.runner.num_forward_tokens
     prefill_s = decode_s = 0.0
@@ -164,7 +165,8 @@ def taper_run(llm, prompts: list[list[int]], gen_len: int) -> dict:
             "prefill_steps": prefill_steps,
             "decode_tok_s": (decode_tokens + extra) / decode_s if decode_s else float("nan"),
             "decode_s": decode_s, "decode_steps": decode_steps,
-            "decode_step_ms": 1e3 * decode_s / max(decode_steps, 1)}
+            "decode_step_ms": 1e3 * decode_s / max(decode_steps, 1),
+            "tokens": list(finished[ids[0]].token_ids)}
 
 
 def bench_taper(dtype: str, model_dir, batches, prompt_len, gen_len, reps) -> dict:
@@ -196,6 +198,7 @@ def bench_taper(dtype: str, model_dir, batches, prompt_len, gen_len, reps) -> di
 # ---- llama.cpp
 
 def bench_llama(dtype: str, prompt_len, gen_len, reps, threads) -> dict:
+    import llama_cpp
     from llama_cpp import Llama
     path = make_gguf(dtype)
     n_ctx = 64 * ((prompt_len + gen_len + 16 + 63) // 64)
@@ -203,20 +206,27 @@ def bench_llama(dtype: str, prompt_len, gen_len, reps, threads) -> dict:
     llm = Llama(str(path), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, n_threads=threads,
                 n_threads_batch=threads, verbose=False)
     load_s = time.perf_counter() - t
+    n_vocab = llm.n_vocab()
+
+    def greedy() -> int:
+        # Llama.eval no longer copies logits into llm.scores unless logits_all; read llama.cpp's
+        # output row of the last evaluated token directly.
+        row = llama_cpp.llama_get_logits_ith(llm.ctx, -1)
+        return int(np.argmax(np.ctypeslib.as_array(row, shape=(n_vocab,))))
 
     def run(prompt, n_gen):
         llm.reset()
         t0 = time.perf_counter()
         llm.eval(prompt)
-        tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        tokens = [greedy()]
         t1 = time.perf_counter()
         for _ in range(n_gen - 1):
-            llm.eval([tok])
-            tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            llm.eval([tokens[-1]])
+            tokens.append(greedy())
         t2 = time.perf_counter()
         return {"prefill_tok_s": len(prompt) / (t1 - t0), "prefill_s": t1 - t0,
                 "decode_tok_s": (n_gen - 1) / (t2 - t1), "decode_s": t2 - t1,
-                "decode_step_ms": 1e3 * (t2 - t1) / (n_gen - 1)}
+                "decode_step_ms": 1e3 * (t2 - t1) / (n_gen - 1), "tokens": tokens}
 
     run(random_prompts(1, 16, SEED + 99)[0], 4)                          # warm-up
     best = None
@@ -300,8 +310,12 @@ def main(argv=None):
             t, l = results["taper"][dt]["b1"], results["llama"][dt]["b1"]
             pr = t["prefill_tok_s"] / l["prefill_tok_s"]
             dr = t["decode_tok_s"] / l["decode_tok_s"]
-            results.setdefault("ratios", {})[dt] = {"prefill": pr, "decode": dr}
-            print(f"taper/llama.cpp {dt} batch 1: prefill {pr:.2f}x, decode {dr:.2f}x")
+            same = next((i for i, (a, b) in enumerate(zip(t["tokens"], l["tokens"])) if a != b),
+                        min(len(t["tokens"]), len(l["tokens"])))
+            results.setdefault("ratios", {})[dt] = {"prefill": pr, "decode": dr,
+                                                    "same_greedy_prefix": same}
+            print(f"taper/llama.cpp {dt} batch 1: prefill {pr:.2f}x, decode {dr:.2f}x "
+                  f"(greedy tokens agree on the first {same} of {len(t['tokens'])})")
     results["machine"]["loadavg_end"] = os.getloadavg()
     print("load average at end: %.2f %.2f %.2f" % results["machine"]["loadavg_end"])
     if args.json:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 import time
 
+from threadpoolctl import threadpool_limits
+
 from engine.block_pool import BlockPool
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
@@ -22,6 +24,8 @@ log = logging.getLogger("taper.engine")
 
 
 def make_backend(name: str):
+    # Our OpenMP kernels use every core; NumPy's BLAS must not start a second pool beside them.
+    threadpool_limits(limits=1, user_api="blas")
     if name == "cpu":
         from pyx.cpu_backend import CpuBackend
         return CpuBackend()
@@ -57,7 +61,7 @@ class LLMEngine:
                  config.block_size, self.max_model_len)
 
     def _max_model_len(self, pool_tokens: int) -> int:
-        model_max = self.model_config.max_position_embeddings
+        model_max = self.model_config.max_model_len
         if self.config.max_model_len is not None:
             if self.config.max_model_len > pool_tokens:
                 raise ValueError(
