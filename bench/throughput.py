@@ -138,7 +138,7 @@ def taper_run(llm, prompts: list[list[int]], gen_len: int) -> dict:
     start_fwd = eng.runner.num_forward_tokens
     prefill_s = decode_s = 0.0
     prefill_steps = decode_steps = generated = decode_tokens = 0
-    finished = {}
+    finished, step_ms = {}, []
     while eng.has_unfinished():
         in_prefill = eng.runner.num_forward_tokens - start_fwd < prompt_tokens
         t = time.perf_counter()
@@ -152,6 +152,7 @@ def taper_run(llm, prompts: list[list[int]], gen_len: int) -> dict:
         else:
             decode_s += dt
             decode_steps += 1
+            step_ms.append(1e3 * dt)
             decode_tokens += n_new
         for o in outs:
             if o.finished:
@@ -166,6 +167,7 @@ def taper_run(llm, prompts: list[list[int]], gen_len: int) -> dict:
             "decode_tok_s": (decode_tokens + extra) / decode_s if decode_s else float("nan"),
             "decode_s": decode_s, "decode_steps": decode_steps,
             "decode_step_ms": 1e3 * decode_s / max(decode_steps, 1),
+            "decode_p50_tok_s": len(prompts) / (np.median(step_ms) / 1e3) if step_ms else 0.0,
             "tokens": list(finished[ids[0]].token_ids)}
 
 
@@ -220,13 +222,17 @@ def bench_llama(dtype: str, prompt_len, gen_len, reps, threads) -> dict:
         llm.eval(prompt)
         tokens = [greedy()]
         t1 = time.perf_counter()
+        step_ms = []
         for _ in range(n_gen - 1):
+            ts = time.perf_counter()
             llm.eval([tokens[-1]])
             tokens.append(greedy())
+            step_ms.append(1e3 * (time.perf_counter() - ts))
         t2 = time.perf_counter()
         return {"prefill_tok_s": len(prompt) / (t1 - t0), "prefill_s": t1 - t0,
                 "decode_tok_s": (n_gen - 1) / (t2 - t1), "decode_s": t2 - t1,
-                "decode_step_ms": 1e3 * (t2 - t1) / (n_gen - 1), "tokens": tokens}
+                "decode_step_ms": 1e3 * (t2 - t1) / (n_gen - 1),
+                "decode_p50_tok_s": 1e3 / np.median(step_ms), "tokens": tokens}
 
     run(random_prompts(1, 16, SEED + 99)[0], 4)                          # warm-up
     best = None
@@ -290,18 +296,19 @@ def main(argv=None):
             results["llama"][dt] = best
 
     peak_bw = max(bw.values())
-    print("\nsummary (tokens/s; roofline = weight bytes x batch-1 decode steps/s vs "
-          f"{peak_bw:.1f} GB/s copy)")
-    print(f"{'engine':<10}{'dtype':<6}{'batch':>6}{'prefill':>10}{'decode':>9}{'GB/s':>7}"
-          f"{'%copy':>7}")
+    print("\nsummary (tokens/s; GB/s = weight bytes x batch-1 p50 decode steps/s, vs "
+          f"{peak_bw:.1f} GB/s NumPy copy)")
+    print("(decode p50: from the median step time, less sensitive to other load on the machine)")
+    print(f"{'engine':<10}{'dtype':<6}{'batch':>6}{'prefill':>10}{'decode':>9}{'p50':>9}"
+          f"{'GB/s':>7}{'%copy':>7}")
     for eng in ("taper", "llama"):
         for dt, r in results[eng].items():
             for key in sorted((k for k in r if k.startswith("b")), key=lambda k: int(k[1:])):
                 m = r[key]
                 line = f"{eng:<10}{dt:<6}{key[1:]:>6}{m['prefill_tok_s']:>10.1f}" \
-                       f"{m['decode_tok_s']:>9.2f}"
+                       f"{m['decode_tok_s']:>9.2f}{m['decode_p50_tok_s']:>9.2f}"
                 if key == "b1":
-                    gbs = weight_bytes(dt) / (m["decode_step_ms"] / 1e3) / 1e9
+                    gbs = weight_bytes(dt) * m["decode_p50_tok_s"] / 1e9     # batch 1: steps/s
                     m["weight_GBps"] = gbs
                     line += f"{gbs:>7.1f}{100 * gbs / peak_bw:>6.0f}%"
                 print(line)

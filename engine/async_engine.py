@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import queue
 import threading
 from typing import AsyncIterator
@@ -26,7 +27,9 @@ class AsyncEngine:
         self.tokenizer = self.engine.tokenizer
         self.model_config = self.engine.model_config
         self.max_model_len = self.engine.max_model_len
-        self.model_name = config.model
+        # A local directory is served under its folder name, a hub id under the id.
+        self.model_name = (os.path.basename(os.path.normpath(config.model))
+                           if os.path.isdir(config.model) else config.model)
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopping = False

@@ -13,7 +13,7 @@ class ModelRunner:
         self.backend = backend
         self.block_size = block_size
         self.num_blocks = num_blocks
-        shape = (num_blocks, block_size, model_config.num_key_value_heads, model_config.head_dim)
+        shape = model.kv_cache_shape(num_blocks, block_size)
         self.kv_caches = [(np.zeros(shape, np.float32), np.zeros(shape, np.float32))
                           for _ in range(model_config.num_hidden_layers)]
         self.num_forward_calls = 0    # counted for tests and metrics

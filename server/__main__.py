@@ -41,22 +41,23 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--dtype", default="auto", choices=["auto", "f32", "bf16", "f16", "float32",
                                                        "bfloat16", "float16"],
                    help="weight/activation dtype (default: the checkpoint's)")
-    m.add_argument("--max-model-len", type=int, default=None,
+    m.add_argument("--max-model-len", type=int, metavar="N", default=None,
                    help="context length (default: the model's)")
-    m.add_argument("--yarn-scaling-factor", type=float, default=None,
+    m.add_argument("--yarn-scaling-factor", type=float, metavar="F", default=None,
                    help="extend the context with YaRN RoPE scaling by this factor")
     e = p.add_argument_group("engine")
-    e.add_argument("--cpu", action="store_true", help="use the CPU backend even if a GPU is present")
-    e.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block (8-128)")
-    e.add_argument("--max-num-seqs", type=int, default=64, help="most sequences per step")
-    e.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
+    e.add_argument("--cpu", action="store_true",
+                   help="use the CPU backend even if a GPU is present")
+    e.add_argument("--block-size", type=int, metavar="N", default=16, help="tokens per KV-cache block (8-128)")
+    e.add_argument("--max-num-seqs", type=int, metavar="N", default=64, help="most sequences per step")
+    e.add_argument("--max-num-batched-tokens", type=int, metavar="N", default=2048, help="token budget per step")
     e.add_argument("--kvcache-mem-gpu", "--mem", dest="kvcache_mem", type=int, default=1024,
                    metavar="MB", help="KV-cache memory in MB (default 1024)")
-    e.add_argument("--prefill-chunk-size", type=int, default=0,
+    e.add_argument("--prefill-chunk-size", type=int, metavar="N", default=0,
                    help="most prompt tokens per sequence per step (0: the step budget)")
     e.add_argument("--disable-prefix-cache", action="store_true",
                    help="do not reuse KV blocks across requests with a common prefix")
-    e.add_argument("--seed", type=int, default=0, help="seed for requests that give none")
+    e.add_argument("--seed", type=int, metavar="N", default=0, help="seed for requests that give none")
     return p
 
 
@@ -109,7 +110,8 @@ async def serve(app, host: str, port: int, verbose: bool):
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.log else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not args.log:
@@ -117,9 +119,16 @@ def main(argv: list[str] | None = None) -> int:
     from engine.async_engine import AsyncEngine
     from server.app import create_app
 
-    config = engine_config(args)
+    try:
+        config = engine_config(args)
+    except ValueError as e:
+        parser.error(str(e))
     log.info("loading %s (backend %s, dtype %s)", config.model, config.backend, config.dtype)
-    engine = AsyncEngine(config)
+    try:
+        engine = AsyncEngine(config)
+    except (ValueError, OSError) as e:     # no such model, unsupported architecture, ...
+        log.error("could not load %s: %s", config.model, e)
+        return 1
     names = args.served_model_name
     if names is None and not (args.weight_path or args.model_id):
         names = [DEMO_NAME]

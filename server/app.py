@@ -94,7 +94,8 @@ def create_app(engine, served_model_name: str | list[str] | None = None) -> Quar
         room = max_len - prompt_len
         asked = req.requested_max_tokens()
         if asked is not None and asked > room:
-            name = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) else "max_tokens"
+            name = ("max_completion_tokens" if getattr(req, "max_completion_tokens", None)
+                    else "max_tokens")
             raise APIError(f"This model's maximum context length is {max_len} tokens. However, "
                            f"you requested {prompt_len + asked} tokens ({prompt_len} in the "
                            f"{param}, {asked} for the completion). Please reduce the {param} or "

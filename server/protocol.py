@@ -10,7 +10,8 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, field_validator,
+                      model_validator)
 
 from engine.sampling_params import SamplingParams
 
@@ -21,7 +22,8 @@ class APIError(Exception):
     def __init__(self, message: str, *, status: int = 400, type: str = "invalid_request_error",
                  param: str | None = None, code: str | None = None):
         super().__init__(message)
-        self.message, self.status, self.type, self.param, self.code = message, status, type, param, code
+        self.message, self.status, self.type = message, status, type
+        self.param, self.code = param, code
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
@@ -122,13 +124,23 @@ class _SamplingRequest(BaseModel):
     use_beam_search: bool = False
     best_of: int | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data):
+        # Many clients send `"stream": null`, `"n": null`: read null as "not given".
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items()
+                    if v is not None or k not in cls.model_fields
+                    or cls.model_fields[k].default is None}
+        return data
+
     def check_supported(self):
         if self.n != 1:
             raise not_supported("n")
         if self.logit_bias:
             raise not_supported("logit_bias")
-        if self.response_format is not None and not (
-                isinstance(self.response_format, dict) and self.response_format.get("type") == "text"):
+        fmt = self.response_format
+        if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
             raise not_supported("response_format")
         if self.use_beam_search:
             raise not_supported("use_beam_search")
@@ -152,7 +164,7 @@ class _SamplingRequest(BaseModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             ignore_eos=self.ignore_eos, min_tokens=self.min_tokens,
             skip_special_tokens=self.skip_special_tokens,
-            # OpenAI's seed is a signed 64-bit int; the engine keys its generator by an unsigned one.
+            # OpenAI's seed is a signed 64-bit int; the engine's generator takes an unsigned one.
             seed=None if self.seed is None else self.seed % 2**64,
         )
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
@@ -225,7 +237,9 @@ class ChatCompletionRequest(_SamplingRequest):
 
     def requested_max_tokens(self) -> int | None:
         # max_completion_tokens replaces the deprecated max_tokens; it wins when both are given.
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
 
     def template_messages(self) -> list[dict]:
         out = []

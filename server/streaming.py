@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -20,6 +21,8 @@ from typing import AsyncIterator
 
 from engine.outputs import RequestOutput
 from server.protocol import APIError
+
+log = logging.getLogger("taper.server")
 
 _FINISH_REASONS = {"stop": "stop", "length": "length"}
 
@@ -254,4 +257,8 @@ async def sse_stream(info: ResponseInfo, first: dict | None,
                     yield f
         except APIError as e:
             yield sse_event(e.body())
+        except Exception as e:
+            log.exception("stream %s failed", info.id)
+            yield sse_event(APIError(f"Internal server error: {type(e).__name__}: {e}",
+                                     status=500, type="server_error").body())
     yield SSE_DONE

@@ -360,7 +360,8 @@ def test_completions_streaming_batch(fake):
 @pytest.mark.parametrize("extra, param", [
     ({"temperature": 3}, "temperature"), ({"temperature": "hot"}, "temperature"),
     ({"top_p": 0}, "top_p"), ({"max_tokens": 0}, "max_tokens"), ({"stop": 5}, "stop"),
-    ({"presence_penalty": 9}, "presence_penalty"), ({"min_tokens": 9, "max_tokens": 2}, "min_tokens"),
+    ({"presence_penalty": 9}, "presence_penalty"),
+    ({"min_tokens": 9, "max_tokens": 2}, "min_tokens"),
     ({"messages": []}, "messages"), ({"messages": [{"role": "robot", "content": "x"}]},
                                      "messages[0].role"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
@@ -432,6 +433,16 @@ def test_context_length(fake):
     assert status == 200 and body["usage"]["total_tokens"] == 256
 
 
+def test_null_means_not_given(fake):
+    status, body = post_json(fake.port, "/v1/chat/completions",
+                             {**CHAT, "stream": None, "n": None, "temperature": None,
+                              "stop": None, "stream_options": None, "ignore_eos": None})
+    assert status == 200, body
+    assert body["object"] == "chat.completion"
+    status, body = post_json(fake.port, "/v1/chat/completions", {**CHAT, "messages": None})
+    assert_error(status, body, 400, "messages", "missing_required_parameter")
+
+
 def test_template_rejection_is_400(fake):
     status, body = post_json(fake.port, "/v1/chat/completions",
                              {"messages": [{"role": "assistant", "content": "x"}]})
@@ -476,7 +487,8 @@ def test_cli_flags():
                       "--disable-prefix-cache", "--cpu", "--served-model-name", "a", "b"])
     assert (a.host, a.port, a.weight_path, a.kvcache_mem, a.served_model_name) == (
         "127.0.0.1", 8080, "/m", 64, ["a", "b"])
-    a = p.parse_args(["--host", "::1", "--port", "1", "--model-id", "org/x", "--kvcache-mem-gpu", "8",
+    a = p.parse_args(["--host", "::1", "--port", "1", "--model-id", "org/x",
+                      "--kvcache-mem-gpu", "8",
                       "--dtype", "bf16", "--block-size", "32", "--max-num-seqs", "4",
                       "--prefill-chunk-size", "64", "--max-model-len", "512",
                       "--yarn-scaling-factor", "2.0", "--log"])
