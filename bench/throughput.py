@@ -103,10 +103,62 @@ def stream_copy_bandwidth(mb: int = 512, reps: int = 5, threads: int | None = No
     return out
 
 
+class OtherLoad:
+    """CPU time the rest of the machine used while we measured, as a fraction of all cores:
+    busy jiffies from /proc/stat minus this process's own CPU time. On a shared machine a figure
+    taken with others busy is not the engine's speed; the bench prints this next to each one."""
+
+    def __init__(self):
+        self.start()
+
+    @staticmethod
+    def _busy_s() -> float:
+        try:
+            with open("/proc/stat") as f:
+                v = [int(x) for x in f.readline().split()[1:]]
+        except OSError:
+            return float("nan")
+        idle = v[3] + (v[4] if len(v) > 4 else 0)
+        return (sum(v[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+    def start(self):
+        t = os.times()
+        self.t0, self.busy0, self.own0 = time.perf_counter(), self._busy_s(), t.user + t.system
+
+    def fraction(self) -> float:
+        t = os.times()
+        wall = time.perf_counter() - self.t0
+        other = (self._busy_s() - self.busy0) - (t.user + t.system - self.own0)
+        return max(0.0, other / (wall * (os.cpu_count() or 1))) if wall > 0 else 0.0
+
+
+def wait_quiet(max_s: float, threshold: float = 0.1, window_s: float = 2.0) -> float:
+    """Wait (at most max_s) until other processes use under `threshold` of the CPUs over a
+    window; returns their last measured share."""
+    deadline = time.monotonic() + max_s
+    while True:
+        probe = OtherLoad()
+        time.sleep(window_s)
+        share = probe.fraction()
+        if share < threshold or time.monotonic() >= deadline:
+            return share
+        print(f"  (waiting: other processes use {100 * share:.0f}% of the CPUs)", flush=True)
+
+
 def weight_bytes(dtype: str) -> int:
     """Bytes read from weights by one decode step: every parameter once (norms are tiny)."""
     size = {"f32": 4, "bf16": 2}[dtype]
     return sum(int(np.prod(s)) for _, s in tensor_shapes()) * size
+
+
+def prefill_flops(num_tokens: int, num_seqs: int, prompt_len: int) -> float:
+    """Matmul FLOPs of a prefill: 2 x (non-embedding matrix params) per token, the LM head for
+    the last token of each sequence, and causal attention (QK^T and PV)."""
+    c = CONFIG
+    mats = sum(int(np.prod(s)) for n, s in tensor_shapes() if len(s) == 2 and "embed" not in n)
+    attn = 2 * 2 * c["num_hidden_layers"] * c["num_attention_heads"] * c["head_dim"] \
+        * num_seqs * prompt_len * (prompt_len + 1) / 2
+    return 2 * mats * num_tokens + 2 * c["vocab_size"] * c["hidden_size"] * num_seqs + attn
 
 
 def random_prompts(n: int, length: int, seed: int) -> list[list[int]]:
@@ -139,6 +191,7 @@ def taper_run(llm, prompts: list[list[int]], gen_len: int) -> dict:
     prefill_s = decode_s = 0.0
     prefill_steps = decode_steps = generated = decode_tokens = 0
     finished, step_ms = {}, []
+    load = OtherLoad()
     while eng.has_unfinished():
         in_prefill = eng.runner.num_forward_tokens - start_fwd < prompt_tokens
         t = time.perf_counter()
@@ -168,7 +221,7 @@ def taper_run(llm, prompts: list[list[int]], gen_len: int) -> dict:
             "decode_s": decode_s, "decode_steps": decode_steps,
             "decode_step_ms": 1e3 * decode_s / max(decode_steps, 1),
             "decode_p50_tok_s": len(prompts) / (np.median(step_ms) / 1e3) if step_ms else 0.0,
-            "tokens": list(finished[ids[0]].token_ids)}
+            "tokens": list(finished[ids[0]].token_ids), "other_load": load.fraction()}
 
 
 def bench_taper(dtype: str, model_dir, batches, prompt_len, gen_len, reps) -> dict:
@@ -218,6 +271,7 @@ def bench_llama(dtype: str, prompt_len, gen_len, reps, threads) -> dict:
 
     def run(prompt, n_gen):
         llm.reset()
+        load = OtherLoad()
         t0 = time.perf_counter()
         llm.eval(prompt)
         tokens = [greedy()]
@@ -232,7 +286,8 @@ def bench_llama(dtype: str, prompt_len, gen_len, reps, threads) -> dict:
         return {"prefill_tok_s": len(prompt) / (t1 - t0), "prefill_s": t1 - t0,
                 "decode_tok_s": (n_gen - 1) / (t2 - t1), "decode_s": t2 - t1,
                 "decode_step_ms": 1e3 * (t2 - t1) / (n_gen - 1),
-                "decode_p50_tok_s": 1e3 / np.median(step_ms), "tokens": tokens}
+                "decode_p50_tok_s": 1e3 / np.median(step_ms), "tokens": tokens,
+                "other_load": load.fraction()}
 
     run(random_prompts(1, 16, SEED + 99)[0], 4)                          # warm-up
     best = None
@@ -299,13 +354,18 @@ def main(argv=None):
     print("\nsummary (tokens/s; GB/s = weight bytes x batch-1 p50 decode steps/s, vs "
           f"{peak_bw:.1f} GB/s NumPy copy)")
     print("(decode p50: from the median step time, less sensitive to other load on the machine)")
-    print(f"{'engine':<10}{'dtype':<6}{'batch':>6}{'prefill':>10}{'decode':>9}{'p50':>9}"
-          f"{'GB/s':>7}{'%copy':>7}")
+    print("(GFLOP/s: prefill matmul FLOPs / prefill time)")
+    print(f"{'engine':<10}{'dtype':<6}{'batch':>6}{'prefill':>10}{'GFLOP/s':>9}{'decode':>9}"
+          f"{'p50':>9}{'GB/s':>7}{'%copy':>7}")
     for eng in ("taper", "llama"):
         for dt, r in results[eng].items():
             for key in sorted((k for k in r if k.startswith("b")), key=lambda k: int(k[1:])):
                 m = r[key]
-                line = f"{eng:<10}{dt:<6}{key[1:]:>6}{m['prefill_tok_s']:>10.1f}" \
+                b = int(key[1:])
+                m["prefill_GFLOPs"] = prefill_flops(b * args.prompt_len, b, args.prompt_len) \
+                    / m["prefill_s"] / 1e9
+                line = f"{eng:<10}{dt:<6}{b:>6}{m['prefill_tok_s']:>10.1f}" \
+                       f"{m['prefill_GFLOPs']:>9.1f}" \
                        f"{m['decode_tok_s']:>9.2f}{m['decode_p50_tok_s']:>9.2f}"
                 if key == "b1":
                     gbs = weight_bytes(dt) * m["decode_p50_tok_s"] / 1e9     # batch 1: steps/s

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from checkpoints import tiny_checkpoint
-from hf_oracle import assert_matches, hf_greedy
+from hf_oracle import assert_matches, hf_greedy, load_hf
 from engine import LLM, SamplingParams
 
 GEN = 16
@@ -29,7 +29,8 @@ def prompts():
 
 @pytest.fixture(scope="module")
 def reference(model_dir, prompts):
-    return hf_greedy(model_dir, prompts, GEN)
+    model = load_hf(model_dir)
+    return [hf_greedy(model, p, GEN) for p in prompts]
 
 
 def test_alone_equals_transformers(model_dir, prompts, reference):
@@ -150,7 +151,7 @@ def test_max_model_len_beyond_kv_pool_fails_at_start(model_dir):
 
 def test_max_tokens_and_stop_token_ids(model_dir, prompts, reference):
     llm = LLM(model_dir)
-    tokens, trusted = reference[2]
+    tokens, trusted, _ = reference[2]
     stop = tokens[3]
     out = llm.generate([prompts[2]], SamplingParams(temperature=0, max_tokens=GEN,
                                                     stop_token_ids=[stop]))[0]

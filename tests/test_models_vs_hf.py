@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from checkpoints import edit_config, tiny_checkpoint, to_legacy_rope
+from hf_oracle import hf_greedy, load_hf
 
 GEN = 16
-TIE = 1e-4
 PROMPT_LENS = (48, 33)
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -41,30 +41,6 @@ CASES = {
     "llama_bf16": (dict(arch="llama", dtype="bfloat16", seed=1), False),
     "qwen2_bf16": (dict(arch="qwen2", dtype="bfloat16", seed=1), False),
 }
-
-
-# ---- transformers side
-
-def load_hf(model_dir):
-    from transformers import AutoModelForCausalLM
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-
-
-@torch.no_grad()
-def hf_greedy(model, prompt: list[int], n: int = GEN):
-    """(tokens, num_trusted, prefill last-row logits): full recompute each step, no KV cache."""
-    ids = torch.tensor([prompt])
-    tokens, trusted, first = [], None, None
-    for i in range(n):
-        logits = model(ids).logits[0, -1]
-        if first is None:
-            first = logits.numpy().copy()
-        top2 = torch.log_softmax(logits.double(), -1).topk(2).values
-        if trusted is None and float(top2[0] - top2[1]) < TIE:
-            trusted = i
-        tokens.append(int(logits.argmax()))
-        ids = torch.cat([ids, torch.tensor([[tokens[-1]]])], 1)
-    return tokens, n if trusted is None else trusted, first
 
 
 def prompts_for(vocab: int = 512) -> list[list[int]]:
@@ -95,7 +71,7 @@ class Cases:
     def ref(self, name):
         if name not in self.refs:
             model = load_hf(self.dir(name))
-            self.refs[name] = [hf_greedy(model, p) for p in prompts_for()]
+            self.refs[name] = [hf_greedy(model, p, GEN) for p in prompts_for()]
         return self.refs[name]
 
 
@@ -113,7 +89,7 @@ def assert_same_tokens(actual, reference, label):
 # ---- the features matter: transformers' tokens change when each is switched off
 
 def _hf_tokens(model):
-    return [hf_greedy(model, p)[0] for p in prompts_for()]
+    return [hf_greedy(model, p, GEN)[0] for p in prompts_for()]
 
 
 def _rope_off(cases, name):
