@@ -156,7 +156,6 @@ def _training_text() -> str:
     """Deterministic English-ish text from the standard library's docstrings."""
     import argparse as m1, collections as m2, email as m3, http.client as m4, json as m5
     import logging as m6, pathlib as m7, subprocess as m8, textwrap as m9, unittest as m10
-    import this  # noqa: F401  (prints the Zen once; harmless)
     parts = []
     for mod in (m1, m2, m3, m4, m5, m6, m7, m8, m9, m10):
         for obj_name in sorted(dir(mod)):
@@ -170,14 +169,10 @@ def make_spm_tokenizer(cache: Path = CACHE, vocab_size: int = 1000) -> Path:
     out = cache / "spm" / "tokenizer.model"
     if out.is_file():
         return out
-    import io
-    import contextlib
     import sentencepiece as spm
     out.parent.mkdir(parents=True, exist_ok=True)
-    with contextlib.redirect_stdout(io.StringIO()):
-        text = _training_text()
     corpus = out.parent / "corpus.txt"
-    corpus.write_text(text)
+    corpus.write_text(_training_text())
     spm.SentencePieceTrainer.train(
         input=str(corpus), model_prefix=str(out.with_suffix("")), vocab_size=vocab_size,
         model_type="bpe", byte_fallback=True, character_coverage=1.0, num_threads=1,

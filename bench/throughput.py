@@ -1,31 +1,37 @@
 """Offline throughput: Taper's CPU engine vs llama.cpp on the same random Qwen2.5-0.5B weights.
 
     python -m bench.throughput [--dtype f32 bf16] [--llama | --no-llama] [--prompt-len 128]
-                               [--gen-len 64] [--batch 1 16] [--json out.json]
+        [--gen-len 64] [--batch 1 16] [--reps N] [--wait-quiet S] [--llama-threads N ...]
+        [--json out.json]
 
 For each dtype, Taper (engine.LLM on the safetensors checkpoint of bench/make_checkpoint.py):
   prefill tokens/s = B * prompt_len / time of the step(s) that compute the prompts (the first
                      token of each request is sampled in that step, as in time-to-first-token);
-  decode tokens/s  = tokens generated after the first / time of the remaining steps,
-at batch 1 and batch 16, greedy, ignore_eos, max_num_batched_tokens >= B * prompt_len so a
-batch's prefill is one step (the steps are reported).
+  decode tokens/s  = tokens generated after the first / time of the remaining steps
+                     (also from the median step time: "p50"),
+at batch 1 and batch 16, greedy, ignore_eos, prefix caching off, max_num_batched_tokens >=
+B * prompt_len so a batch's prefill is one step (the steps are reported).
 
 With --llama (default when llama_cpp imports), llama.cpp via llama-cpp-python on the GGUF that
 llama.cpp's own converter made from the SAME weights, batch 1: prefill = one eval of the prompt
-(n_batch = n_ubatch >= prompt_len), decode = one token per eval, greedy argmax, n_threads = cores.
-Ratios Taper / llama.cpp are printed per dtype.
+(n_batch = n_ubatch >= prompt_len), decode = one token per eval, greedy argmax of llama.cpp's
+logits, n_threads = cores (or each of --llama-threads). Ratios Taper / llama.cpp are printed per
+dtype, with how many greedy tokens the two engines agree on (same prompt at batch 1).
 
-Roofline: a batch-1 decode step reads every weight once (tied embeddings: the LM head is the
-embedding matrix), so weight bytes x steps/s is the memory bandwidth a decode achieves; it is
-printed next to a STREAM-like NumPy copy bandwidth measured in the same run.
+Rooflines measured in the same run: a batch-1 decode step reads every weight once (tied
+embeddings: the LM head is the embedding matrix), so weight bytes x steps/s is the bandwidth a
+decode achieves; it is printed against NumPy's sgemv read bandwidth and a STREAM-like copy.
+Prefill GFLOP/s is printed against NumPy's f32 GEMM.
 
-Random prompts come from a fixed seed. Each measurement is preceded by a warm-up. The machine may
-be shared: the load average is printed before and after, and --reps N keeps the best of N.
+Random prompts come from a fixed seed; each engine gets a warm-up first. The machine may be
+shared: each run prints the CPU share other processes used meanwhile (from /proc/stat),
+--wait-quiet S waits for an idle machine before each measurement, and --reps N keeps the best.
 """
 from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import json
 import os
 import platform
@@ -145,6 +151,39 @@ def wait_quiet(max_s: float, threshold: float = 0.1, window_s: float = 2.0) -> f
         print(f"  (waiting: other processes use {100 * share:.0f}% of the CPUs)", flush=True)
 
 
+def blas_references(reps: int = 5) -> dict:
+    """Same-run rooflines from NumPy's BLAS (all cores): sgemv reads a 512 MiB matrix once (the
+    read bandwidth a batch-1 decode can hope for) and an f32 GEMM of a prefill's MLP shape
+    (2048 x 896 @ 896 x 4864) gives the achievable f32 FLOP rate."""
+    try:    # the engine pins BLAS to one thread when it loads; the roofline wants every core
+        from threadpoolctl import threadpool_limits
+        limit = threadpool_limits(limits=len(os.sched_getaffinity(0)), user_api="blas")
+    except ImportError:
+        limit = None
+    out = {}
+    m = np.random.default_rng(0).random((131072, 1024), dtype=np.float32)
+    x = np.ones(1024, np.float32)
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        m @ x
+        best = min(best, time.perf_counter() - t)
+    out["sgemv_read_GBps"] = m.nbytes / best / 1e9
+    del m
+    a = np.random.default_rng(1).random((2048, 896), dtype=np.float32)
+    b = np.random.default_rng(2).random((896, 4864), dtype=np.float32)
+    a @ b
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t)
+    out["sgemm_GFLOPs"] = 2 * 2048 * 896 * 4864 / best / 1e9
+    if limit is not None:
+        limit.restore_original_limits()
+    return out
+
+
 def weight_bytes(dtype: str) -> int:
     """Bytes read from weights by one decode step: every parameter once (norms are tiny)."""
     size = {"f32": 4, "bf16": 2}[dtype]
@@ -167,13 +206,57 @@ def random_prompts(n: int, length: int, seed: int) -> list[list[int]]:
 
 
 def keep_best(best: dict | None, cur: dict) -> dict:
-    """Best of several runs, prefill and decode figures chosen independently."""
+    """Best of several runs, prefill and decode figures chosen independently; the other-load
+    share of every run is kept."""
     if best is None:
-        return dict(cur)
+        return dict(cur, other_load=[cur["other_load"]])
     for phase in ("prefill", "decode"):
         if cur[f"{phase}_tok_s"] > best[f"{phase}_tok_s"]:
             best.update({k: v for k, v in cur.items() if k.startswith(phase)})
+    best["other_load"].append(cur["other_load"])
     return best
+
+
+def describe(name: str, m: dict) -> str:
+    steps = f"{m['prefill_steps']} step, " if "prefill_steps" in m else ""
+    return (f"  {name}: prefill {m['prefill_tok_s']:8.1f} tok/s ({steps}{m['prefill_s']:.2f}s)  "
+            f"decode {m['decode_tok_s']:7.2f} tok/s ({m['decode_step_ms']:.1f} ms/step, p50 "
+            f"{m['decode_p50_tok_s']:.2f} tok/s)  [others: {100 * m['other_load']:.0f}% CPU]")
+
+
+def linear_probe(dtypes, batches) -> list[dict]:
+    """Taper's `linear` alone on the model's matrix shapes: ms, weight GB/s, GFLOP/s. Small
+    matrices rotate over copies so that ~600 MB pass per round and caches do not flatter them."""
+    import ml_dtypes
+    from pyx.cpu_backend import CpuBackend
+    backend = CpuBackend()
+    c = CONFIG
+    h, i, d = c["hidden_size"], c["intermediate_size"], c["head_dim"]
+    shapes = [("lm_head", c["vocab_size"], h), ("gate+up", 2 * i, h), ("down", h, i),
+              ("qkv", (c["num_attention_heads"] + 2 * c["num_key_value_heads"]) * d, h),
+              ("o_proj", h, c["num_attention_heads"] * d)]
+    rng = np.random.default_rng(0)
+    rows = []
+    for name, n, k in shapes:
+        w32 = 0.02 * rng.standard_normal((n, k), dtype=np.float32)
+        for dt in dtypes:
+            w = w32 if dt == "f32" else w32.astype(ml_dtypes.bfloat16)
+            ws = [w] + [w.copy() for _ in range(int(6e8 // w.nbytes) - 1)]
+            for t in batches:
+                x = rng.standard_normal((t, k), dtype=np.float32)
+                out = np.empty((t, n), np.float32)
+                backend.linear(x, w, None, out)
+                reps = max(len(ws), 5)
+                t0 = time.perf_counter()
+                for r in range(reps):
+                    backend.linear(x, ws[r % len(ws)], None, out)
+                sec = (time.perf_counter() - t0) / reps
+                rows.append({"op": name, "N": n, "K": k, "T": t, "dtype": dt, "ms": 1e3 * sec,
+                             "GBps": w.nbytes / sec / 1e9, "GFLOPs": 2 * t * n * k / sec / 1e9})
+                r_ = rows[-1]
+                print(f"  linear {name:8s} {n:6d}x{k:<5d} T={t:<3d} {dt:4s} {r_['ms']:8.2f} ms "
+                      f"{r_['GBps']:6.1f} GB/s {r_['GFLOPs']:7.1f} GFLOP/s", flush=True)
+    return rows
 
 
 # ---- Taper
@@ -224,7 +307,7 @@ def taper_run(llm, prompts: list[list[int]], gen_len: int) -> dict:
             "tokens": list(finished[ids[0]].token_ids), "other_load": load.fraction()}
 
 
-def bench_taper(dtype: str, model_dir, batches, prompt_len, gen_len, reps) -> dict:
+def bench_taper(dtype: str, model_dir, batches, prompt_len, gen_len, reps, quiet_s) -> dict:
     from engine import LLM
     max_b = max(batches)
     t = time.perf_counter()
@@ -238,13 +321,13 @@ def bench_taper(dtype: str, model_dir, batches, prompt_len, gen_len, reps) -> di
     for b in batches:
         best = None
         for r in range(reps):
+            if quiet_s:
+                wait_quiet(quiet_s)
             prompts = random_prompts(b, prompt_len, SEED + 1000 * b + r)
-            best = keep_best(best, taper_run(llm, prompts, gen_len))
+            cur = taper_run(llm, prompts, gen_len)
+            print(describe(f"taper {dtype} batch {b:>2}", cur), flush=True)
+            best = keep_best(best, cur)
         res[f"b{b}"] = best
-        print(f"  taper {dtype} batch {b:>2}: prefill {best['prefill_tok_s']:8.1f} tok/s "
-              f"({best['prefill_steps']} step, {best['prefill_s']:.2f}s)  decode "
-              f"{best['decode_tok_s']:8.2f} tok/s ({best['decode_step_ms']:.1f} ms/step)",
-              flush=True)
     del llm
     gc.collect()
     return res
@@ -252,7 +335,7 @@ def bench_taper(dtype: str, model_dir, batches, prompt_len, gen_len, reps) -> di
 
 # ---- llama.cpp
 
-def bench_llama(dtype: str, prompt_len, gen_len, reps, threads) -> dict:
+def bench_llama(dtype: str, prompt_len, gen_len, reps, threads, quiet_s) -> dict:
     import llama_cpp
     from llama_cpp import Llama
     path = make_gguf(dtype)
@@ -292,11 +375,12 @@ def bench_llama(dtype: str, prompt_len, gen_len, reps, threads) -> dict:
     run(random_prompts(1, 16, SEED + 99)[0], 4)                          # warm-up
     best = None
     for r in range(reps):
-        best = keep_best(best, run(random_prompts(1, prompt_len, SEED + 1000 + r)[0], gen_len))
-    print(f"  llama.cpp {dtype} batch  1, {threads} threads: prefill {best['prefill_tok_s']:8.1f} tok/s "
-          f"({best['prefill_s']:.2f}s)  decode {best['decode_tok_s']:8.2f} tok/s "
-          f"({best['decode_step_ms']:.1f} ms/step)", flush=True)
-    del llm
+        if quiet_s:
+            wait_quiet(quiet_s)
+        cur = run(random_prompts(1, prompt_len, SEED + 1000 + r)[0], gen_len)
+        print(describe(f"llama.cpp {dtype} batch  1, {threads} threads", cur), flush=True)
+        best = keep_best(best, cur)
+    llm.close()
     gc.collect()
     return {"load_s": load_s, "b1": best}
 
@@ -317,14 +401,15 @@ def main(argv=None):
     ap.add_argument("--llama-threads", nargs="+", type=int, default=None,
                     help="llama.cpp n_threads to try (default: the number of cores); the summary "
                          "keeps the fastest, and every setting is printed")
+    ap.add_argument("--wait-quiet", type=float, default=0.0, metavar="S",
+                    help="before each measurement wait (up to S seconds) until other processes "
+                         "use under 10%% of the CPUs")
+    ap.add_argument("--linear-probe", action="store_true",
+                    help="also time Taper's linear op alone on the model's shapes at each batch")
     ap.add_argument("--json", help="also write the results to this file")
     args = ap.parse_args(argv)
     if args.llama is None:
-        try:
-            import llama_cpp  # noqa: F401
-            args.llama = True
-        except ImportError:
-            args.llama = False
+        args.llama = importlib.util.find_spec("llama_cpp") is not None
 
     info = machine_info()
     print(f"machine: {info['cpu']}, {info['cores']} cores, ISA: {' '.join(info['isa_flags'])}")
@@ -332,56 +417,76 @@ def main(argv=None):
     if args.llama:
         print(info["llama_cpp"])
     print("load average at start: %.2f %.2f %.2f" % info["loadavg_start"])
+    if args.wait_quiet:
+        wait_quiet(args.wait_quiet)
     bw = stream_copy_bandwidth()
-    print("STREAM-like NumPy copy: " + ", ".join(f"{k} {v:.1f}" for k, v in bw.items()))
+    print("STREAM-like NumPy copy (GB/s, read + write): "
+          + ", ".join(f"{k} {v:.1f}" for k, v in bw.items()))
+    refs = blas_references()
+    print(f"NumPy BLAS: sgemv read {refs['sgemv_read_GBps']:.1f} GB/s, f32 GEMM "
+          f"{refs['sgemm_GFLOPs']:.1f} GFLOP/s")
     print(f"prompt {args.prompt_len} tokens, {args.gen_len} generated, greedy; batches {args.batch}")
     dirs = make_checkpoints()
-    results = {"machine": info, "bandwidth": bw, "args": vars(args), "taper": {}, "llama": {}}
+    results = {"machine": info, "bandwidth": bw, "blas": refs, "args": vars(args), "taper": {}, "llama": {}}
+    if args.linear_probe:
+        results["linear_probe"] = linear_probe(args.dtype, args.batch)
     for dt in args.dtype:
         if not args.no_taper:
             results["taper"][dt] = bench_taper(dt, dirs[dt], args.batch, args.prompt_len,
-                                               args.gen_len, args.reps)
+                                               args.gen_len, args.reps, args.wait_quiet)
         if args.llama:
-            runs = [bench_llama(dt, args.prompt_len, args.gen_len, args.reps, th)
+            runs = [bench_llama(dt, args.prompt_len, args.gen_len, args.reps, th, args.wait_quiet)
                     for th in args.llama_threads or [info["cores"]]]
-            best = {"b1": None, "threads": {}}
+            merged = None
             for th, r in zip(args.llama_threads or [info["cores"]], runs):
-                best["threads"][th] = r["b1"]
-                best["b1"] = keep_best(best["b1"], dict(r["b1"], threads=th))
-            results["llama"][dt] = best
+                m = r["b1"]
+                if merged is None:
+                    merged = dict(m, prefill_threads=th, decode_threads=th, other_load=[])
+                for phase in ("prefill", "decode"):
+                    if m[f"{phase}_tok_s"] > merged[f"{phase}_tok_s"]:
+                        merged.update({k: v for k, v in m.items() if k.startswith(phase)})
+                        merged[f"{phase}_threads"] = th
+                merged["other_load"] += m["other_load"]
+            results["llama"][dt] = {"b1": merged, "by_threads": {th: r["b1"] for th, r in zip(
+                args.llama_threads or [info["cores"]], runs)}}
 
-    peak_bw = max(bw.values())
-    print("\nsummary (tokens/s; GB/s = weight bytes x batch-1 p50 decode steps/s, vs "
-          f"{peak_bw:.1f} GB/s NumPy copy)")
+    copy_bw, gemv_bw, gemm = max(bw.values()), refs["sgemv_read_GBps"], refs["sgemm_GFLOPs"]
+    print(f"\nsummary (tokens/s). GB/s = weight bytes x batch-1 p50 decode steps/s, as % of the "
+          f"sgemv read ({gemv_bw:.1f} GB/s) and copy ({copy_bw:.1f} GB/s) bandwidths;")
+    print(f"prefill GFLOP/s = matmul FLOPs / prefill time, %: of NumPy's f32 GEMM ({gemm:.1f})")
     print("(decode p50: from the median step time, less sensitive to other load on the machine)")
-    print("(GFLOP/s: prefill matmul FLOPs / prefill time)")
-    print(f"{'engine':<10}{'dtype':<6}{'batch':>6}{'prefill':>10}{'GFLOP/s':>9}{'decode':>9}"
-          f"{'p50':>9}{'GB/s':>7}{'%copy':>7}")
+    print("others: the most CPU other processes used during any run of that row")
+    print(f"{'engine':<10}{'dtype':<6}{'batch':>6}{'prefill':>10}{'GFLOP/s':>9}{'%gemm':>6}"
+          f"{'decode':>9}{'p50':>9}{'others':>7}{'GB/s':>7}{'%gemv':>6}{'%copy':>6}")
     for eng in ("taper", "llama"):
         for dt, r in results[eng].items():
-            for key in sorted((k for k in r if k.startswith("b")), key=lambda k: int(k[1:])):
+            for key in sorted((k for k in r if k[0] == "b" and k[1:].isdigit()),
+                              key=lambda k: int(k[1:])):
                 m = r[key]
                 b = int(key[1:])
                 m["prefill_GFLOPs"] = prefill_flops(b * args.prompt_len, b, args.prompt_len) \
                     / m["prefill_s"] / 1e9
                 line = f"{eng:<10}{dt:<6}{b:>6}{m['prefill_tok_s']:>10.1f}" \
-                       f"{m['prefill_GFLOPs']:>9.1f}" \
-                       f"{m['decode_tok_s']:>9.2f}{m['decode_p50_tok_s']:>9.2f}"
+                       f"{m['prefill_GFLOPs']:>9.1f}{100 * m['prefill_GFLOPs'] / gemm:>5.0f}%" \
+                       f"{m['decode_tok_s']:>9.2f}{m['decode_p50_tok_s']:>9.2f}" \
+                       f"{100 * max(m['other_load']):>6.0f}%"
                 if key == "b1":
                     gbs = weight_bytes(dt) * m["decode_p50_tok_s"] / 1e9     # batch 1: steps/s
                     m["weight_GBps"] = gbs
-                    line += f"{gbs:>7.1f}{100 * gbs / peak_bw:>6.0f}%"
+                    line += f"{gbs:>7.1f}{100 * gbs / gemv_bw:>5.0f}%{100 * gbs / copy_bw:>5.0f}%"
                 print(line)
     for dt in args.dtype:
         if dt in results["taper"] and dt in results["llama"] and "b1" in results["taper"][dt]:
             t, l = results["taper"][dt]["b1"], results["llama"][dt]["b1"]
             pr = t["prefill_tok_s"] / l["prefill_tok_s"]
             dr = t["decode_tok_s"] / l["decode_tok_s"]
+            dr50 = t["decode_p50_tok_s"] / l["decode_p50_tok_s"]
             same = next((i for i, (a, b) in enumerate(zip(t["tokens"], l["tokens"])) if a != b),
                         min(len(t["tokens"]), len(l["tokens"])))
-            results.setdefault("ratios", {})[dt] = {"prefill": pr, "decode": dr,
+            results.setdefault("ratios", {})[dt] = {"prefill": pr, "decode": dr, "decode_p50": dr50,
                                                     "same_greedy_prefix": same}
             print(f"taper/llama.cpp {dt} batch 1: prefill {pr:.2f}x, decode {dr:.2f}x "
+                  f"(p50 {dr50:.2f}x) "
                   f"(greedy tokens agree on the first {same} of {len(t['tokens'])})")
     results["machine"]["loadavg_end"] = os.getloadavg()
     print("load average at end: %.2f %.2f %.2f" % results["machine"]["loadavg_end"])
