@@ -3,23 +3,10 @@ import pytest
 
 from engine.detokenizer import IncrementalDetokenizer
 
-try:
-    from test_tokenizer import build_byte_level, build_sentencepiece, bytes_to_unicode
-except ImportError:  # tests/ as a package
-    from tests.test_tokenizer import build_byte_level, build_sentencepiece, bytes_to_unicode
+from tiny_tokenizers import bytes_to_unicode
 
 FFFD = "\ufffd"
 TEXT = "hello 世界 你好😀🎉 world café"
-
-
-@pytest.fixture(scope="module")
-def bl(tmp_path_factory):
-    return build_byte_level(tmp_path_factory.mktemp("bl"))
-
-
-@pytest.fixture(scope="module")
-def sp(tmp_path_factory):
-    return build_sentencepiece(tmp_path_factory.mktemp("sp"))
 
 
 def stream(detok, ids):
