@@ -459,66 +459,211 @@ AVX512_TARGET static void avx512_pack(const void* w, int dtype, int64_t K, int64
     }
 }
 
-/* AVX-512 GEMV tile: 4 weight rows x NT token rows, like the AVX2 one but 16 lanes wide and with
- * a masked final K step instead of a scalar tail. */
-AVX512_TARGET INLINE void avx512_gemv_tile(const float* x,  // (T, K)
-                                            const void* w,   // (N, K)
-                                            int dtype, const float* bias,
-                                            float* out,      // (T, N)
-                                            int64_t K, int64_t N, int64_t t0, int64_t n0, int nr,
-                                            const int NT) {
-    __m512 acc[4][4];
-    for (int r = 0; r < 4; r++)
-        for (int j = 0; j < NT; j++) acc[r][j] = _mm512_setzero_ps();
-    int64_t rr[4];
-    for (int r = 0; r < 4; r++) rr[r] = (n0 + MIN(r, nr - 1)) * K;
-    int64_t k = 0;
-    for (; k + 16 <= K; k += 16) {
-        __m512 xv[4];
-        for (int j = 0; j < NT; j++) xv[j] = _mm512_loadu_ps(x + (t0 + j) * K + k);
-        for (int r = 0; r < 4; r++) {
-            __m512 wv = avx512_load_w(w, dtype, rr[r] + k, 0xffff);
-            for (int j = 0; j < NT; j++) acc[r][j] = _mm512_fmadd_ps(wv, xv[j], acc[r][j]);
-        }
+/* AVX-512 small-M linear (T <= SMALLM_MAX_T: decode GEMV and batched decode): dot products along
+ * K straight from the weight rows, no packing.
+ *
+ * - Tiles: R weight rows x NT tokens with R*NT <= 16 zmm accumulators (R = 8, 4, 4, 4 for NT = 1..4,
+ *   2 for NT = 5..8, 1 for NT = 9..16), stepping 32 K-values at a time: each row gives two f32
+ *   vectors, each (row, token) pair two FMAs. bf16 is widened with one shift (even elements) and
+ *   one AND (odd elements) per 32 values, no vpmovzxwd; x is de-interleaved once per call into a
+ *   zero-padded buffer so its halves line up (f32/f16 keep natural order). K tail: masked loads.
+ * - A tile's accumulators are reduced together (transpose-reduce: 45 shuffles/adds for 16 sums
+ *   instead of ~8 per sum) into one vector whose lanes are the tile's outputs.
+ * - Blocking: rows in blocks of SK_NB, split contiguously over threads (each streams its own
+ *   contiguous range of rows). Tokens in balanced blocks of <= SK_MAXNT (T <= 8: all of them),
+ *   so T <= 16 reads the weights exactly once. K is cut into chunks so that one token block's x
+ *   chunk stays in L1; for each (row block, K chunk) the token blocks run innermost, re-reading
+ *   the W block from L2. Partial sums of later chunks are added into out.
+ * - Software prefetch: while on a tile, the same K position of the next tile's rows (every line:
+ *   without it bf16 GEMV streams at ~23 GB/s and f32 T=16 runs ~1.6x slower).
+ * Measured on this 2-core SPR-class VM (bench/RESULTS.md): bf16 GEMV 23 -> 30-32 GB/s. */
+#define SK_NB 64
+#define SK_XBYTES 28672  // x chunk of one token block: 28 KiB of the 48 KiB L1
+#define SK_MAXNT 16
+
+AVX512_TARGET INLINE void sk_wload(const void* w, const int DT, int64_t off, int masked, __mmask32 m,
+                                   __m512* a, __m512* b) {
+    if (DT == TAPER_BF16) {
+        const uint16_t* p = (const uint16_t*)w + off;
+        __m512i v = masked ? _mm512_maskz_loadu_epi16(m, p) : _mm512_loadu_si512((const void*)p);
+        *a = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));                             // even k
+        *b = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xffff0000u)));  // odd k
+    } else if (DT == TAPER_F16) {
+        const uint16_t* p = (const uint16_t*)w + off;
+        __m256i lo = masked ? _mm256_maskz_loadu_epi16((__mmask16)m, p) : _mm256_loadu_si256((const __m256i*)p);
+        __m256i hi = masked ? _mm256_maskz_loadu_epi16((__mmask16)(m >> 16), p + 16)
+                            : _mm256_loadu_si256((const __m256i*)(p + 16));
+        *a = _mm512_cvtph_ps(lo);
+        *b = _mm512_cvtph_ps(hi);
+    } else {
+        const float* p = (const float*)w + off;
+        *a = masked ? _mm512_maskz_loadu_ps((__mmask16)m, p) : _mm512_loadu_ps(p);
+        *b = masked ? _mm512_maskz_loadu_ps((__mmask16)(m >> 16), p + 16) : _mm512_loadu_ps(p + 16);
     }
-    if (k < K) {
-        __mmask16 m = (__mmask16)((1u << (K - k)) - 1);
-        __m512 xv[4];
-        for (int j = 0; j < NT; j++) xv[j] = _mm512_maskz_loadu_ps(m, x + (t0 + j) * K + k);
-        for (int r = 0; r < 4; r++) {
-            __m512 wv = avx512_load_w(w, dtype, rr[r] + k, m);
-            for (int j = 0; j < NT; j++) acc[r][j] = _mm512_fmadd_ps(wv, xv[j], acc[r][j]);
-        }
-    }
-    for (int r = 0; r < nr; r++)
-        for (int j = 0; j < NT; j++)
-            out[(t0 + j) * N + n0 + r] = _mm512_reduce_add_ps(acc[r][j]) + (bias ? bias[n0 + r] : 0.0f);
 }
 
-AVX512_TARGET static void avx512_gemv(const float* x, const void* w, int dtype, const float* bias,
-                                      float* out, int64_t T, int64_t K, int64_t N, int nthreads) {
-    int64_t ngroups = (N + 3) / 4;
+/* Sums each of v[0..15] into one vector: lane l holds the sum of v[SK_PERM[l]] (an involution). */
+static const int SK_PERM[16] = {0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15};
+
+AVX512_TARGET INLINE __m512 sk_reduce16(const __m512* v) {
+    __m512 u[8], s[4], q[2];
+    for (int i = 0; i < 8; i++)
+        u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[i], v[i + 8], 0x44), _mm512_shuffle_f32x4(v[i], v[i + 8], 0xEE));
+    for (int i = 0; i < 4; i++)
+        s[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[i], u[i + 4], 0x88), _mm512_shuffle_f32x4(u[i], u[i + 4], 0xDD));
+    for (int i = 0; i < 2; i++)
+        q[i] = _mm512_add_ps(_mm512_unpacklo_ps(s[i], s[i + 2]), _mm512_unpackhi_ps(s[i], s[i + 2]));
+    return _mm512_add_ps(_mm512_shuffle_ps(q[0], q[1], 0x44), _mm512_shuffle_ps(q[0], q[1], 0xEE));
+}
+
+/* One K chunk [k0, k1) of the rows n0..n1 (a row block) for tokens t0..t0+NT, R rows at a time. */
+AVX512_TARGET INLINE void sk_block(const float* xd, int64_t Kp,  // (T, Kp) prepared x
+                                   const void* w, const int DT, const float* bias,
+                                   float* out,                   // (T, N)
+                                   int64_t K, int64_t N, int64_t n0, int64_t n1, int64_t t0,
+                                   int64_t k0, int64_t k1, const int R, const int NT) {
+    const int es = DT == TAPER_F32 ? 4 : 2;
+    const int first = k0 == 0;
+    const int64_t kfull = k0 + ((k1 - k0) & ~(int64_t)31);
+    const __mmask32 tail = (__mmask32)((1ull << ((k1 - kfull) & 31)) - 1);
+    const float* xt = xd + t0 * Kp;
+    for (int64_t g = n0; g < n1; g += R) {
+        int64_t ro[8], po[8];  // offsets of the tile's rows and of the rows to prefetch
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++) {
+            ro[r] = MIN(g + r, n1 - 1) * K;          // duplicate the last row if short
+            po[r] = MIN(g + R + r, N - 1) * K;       // prefetch: next tile's rows
+        }
+        __m512 acc[8][16];
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++)
+#pragma GCC unroll 16
+            for (int j = 0; j < NT; j++) acc[r][j] = _mm512_setzero_ps();
+        int64_t k = k0;
+        for (; k < kfull; k += 32) {
+            __m512 wa[8], wb[8];
+#pragma GCC unroll 8
+            for (int r = 0; r < R; r++) {
+                sk_wload(w, DT, ro[r] + k, 0, 0, &wa[r], &wb[r]);
+                _mm_prefetch((const char*)w + (po[r] + k) * es, _MM_HINT_T0);
+                if (DT == TAPER_F32) _mm_prefetch((const char*)w + (po[r] + k) * es + 64, _MM_HINT_T0);
+            }
+#pragma GCC unroll 16
+            for (int j = 0; j < NT; j++) {
+                __m512 xa = _mm512_load_ps(xt + j * Kp + k), xb = _mm512_load_ps(xt + j * Kp + k + 16);
+#pragma GCC unroll 8
+                for (int r = 0; r < R; r++) {
+                    acc[r][j] = _mm512_fmadd_ps(wa[r], xa, acc[r][j]);
+                    acc[r][j] = _mm512_fmadd_ps(wb[r], xb, acc[r][j]);
+                }
+            }
+        }
+        if (k < k1) {  // K tail (only in the last chunk): masked weight loads, x is zero-padded
+            __m512 wa[8], wb[8];
+#pragma GCC unroll 8
+            for (int r = 0; r < R; r++) sk_wload(w, DT, ro[r] + k, 1, tail, &wa[r], &wb[r]);
+#pragma GCC unroll 16
+            for (int j = 0; j < NT; j++) {
+                __m512 xa = _mm512_load_ps(xt + j * Kp + k), xb = _mm512_load_ps(xt + j * Kp + k + 16);
+#pragma GCC unroll 8
+                for (int r = 0; r < R; r++) {
+                    acc[r][j] = _mm512_fmadd_ps(wa[r], xa, acc[r][j]);
+                    acc[r][j] = _mm512_fmadd_ps(wb[r], xb, acc[r][j]);
+                }
+            }
+        }
+        // Accumulator (r, j) goes to lane j*R + r of the reduced vector.
+        __m512 v[16];
+#pragma GCC unroll 16
+        for (int i = 0; i < 16; i++) v[i] = _mm512_setzero_ps();
+#pragma GCC unroll 16
+        for (int j = 0; j < NT; j++)
+#pragma GCC unroll 8
+            for (int r = 0; r < R; r++) v[SK_PERM[j * R + r]] = acc[r][j];
+        __m512 sums = sk_reduce16(v);
+        int nv = (int)MIN(R, n1 - g);
+        __mmask16 mrow = (__mmask16)((1u << nv) - 1);
+        __m512 bv = first && bias ? _mm512_maskz_loadu_ps(mrow, bias + g) : _mm512_setzero_ps();
+#pragma GCC unroll 16
+        for (int j = 0; j < NT; j++) {
+            __m512 s = j == 0 ? sums : _mm512_maskz_compress_ps((__mmask16)(((1u << R) - 1) << (j * R)), sums);
+            float* o = out + (t0 + j) * N + g;
+            s = _mm512_add_ps(s, first ? bv : _mm512_maskz_loadu_ps(mrow, o));
+            _mm512_mask_storeu_ps(o, mrow, s);
+        }
+    }
+}
+
+#define SK_CASE(DT, NT, R) \
+    case NT: sk_block(xd, Kp, w, DT, bias, out, K, N, n0, n1, t0, k0, k1, R, NT); break;
+#define SK_DISPATCH(DT)                                                                              \
+    switch (nt) {                                                                                    \
+        SK_CASE(DT, 1, 8) SK_CASE(DT, 2, 4) SK_CASE(DT, 3, 4) SK_CASE(DT, 4, 4) SK_CASE(DT, 5, 2)   \
+        SK_CASE(DT, 6, 2) SK_CASE(DT, 7, 2) SK_CASE(DT, 8, 2) SK_CASE(DT, 9, 1) SK_CASE(DT, 10, 1)  \
+        SK_CASE(DT, 11, 1) SK_CASE(DT, 12, 1) SK_CASE(DT, 13, 1) SK_CASE(DT, 14, 1)                 \
+        SK_CASE(DT, 15, 1) default: SK_CASE(DT, 16, 1)                                               \
+    }
+
+AVX512_TARGET static int avx512_smallm(const float* x, const void* w, int dtype, const float* bias,
+                                       float* out, int64_t T, int64_t K, int64_t N, int nthreads) {
+    const int64_t Kp = (K + 31) & ~(int64_t)31;
+    // Balanced token blocks of <= SK_MAXNT tokens (T <= 8: one block).
+    const int64_t ntb = T <= 8 ? 1 : (T + SK_MAXNT - 1) / SK_MAXNT, ntmax = (T + ntb - 1) / ntb;
+    int64_t nch = (ntmax * Kp * 4 + SK_XBYTES - 1) / SK_XBYTES;
+    const int64_t kc = ((Kp + nch - 1) / nch + 31) & ~(int64_t)31;
+    float* xd = (float*)aligned_alloc(64, (size_t)(T * Kp) * sizeof(float));
+    if (!xd) return TAPER_ERR_NOMEM;
+    for (int64_t t = 0; t < T; t++) {
+        const float* xs = x + t * K;
+        float* xr = xd + t * Kp;
+        const int64_t kz = K & ~(int64_t)31;  // zero the last (partial) 32-block: padding
+        memset(xr + kz, 0, (size_t)(Kp - kz) * sizeof(float));
+        if (dtype == TAPER_BF16) {  // per 32 values: the 16 even ones, then the 16 odd ones
+            const __m512i ie = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+            const __m512i io = _mm512_add_epi32(ie, _mm512_set1_epi32(1));
+            for (int64_t k = 0; k < kz; k += 32) {
+                __m512 a = _mm512_loadu_ps(xs + k), b = _mm512_loadu_ps(xs + k + 16);
+                _mm512_store_ps(xr + k, _mm512_permutex2var_ps(a, ie, b));
+                _mm512_store_ps(xr + k + 16, _mm512_permutex2var_ps(a, io, b));
+            }
+            for (int64_t k = kz; k < K; k++) xr[kz + ((k & 1) << 4) + ((k - kz) >> 1)] = xs[k];
+        } else {
+            memcpy(xr, xs, (size_t)K * sizeof(float));
+        }
+    }
+    const int64_t nblocks = (N + SK_NB - 1) / SK_NB;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t g = 0; g < ngroups; g++) {
-        int64_t n0 = g * 4;
-        int nr = (int)MIN(4, N - n0);
-        for (int64_t t0 = 0; t0 < T; t0 += 4) {
-            switch (MIN(4, T - t0)) {
-                case 1: avx512_gemv_tile(x, w, dtype, bias, out, K, N, t0, n0, nr, 1); break;
-                case 2: avx512_gemv_tile(x, w, dtype, bias, out, K, N, t0, n0, nr, 2); break;
-                case 3: avx512_gemv_tile(x, w, dtype, bias, out, K, N, t0, n0, nr, 3); break;
-                default: avx512_gemv_tile(x, w, dtype, bias, out, K, N, t0, n0, nr, 4); break;
+    for (int64_t b = 0; b < nblocks; b++) {
+        const int64_t n0 = b * SK_NB, n1 = MIN(N, n0 + SK_NB);
+        for (int64_t k0 = 0; k0 < K; k0 += kc) {
+            const int64_t k1 = MIN(K, k0 + kc);
+            for (int64_t tb = 0; tb < ntb; tb++) {
+                const int64_t t0 = tb * T / ntb;
+                const int nt = (int)((tb + 1) * T / ntb - t0);
+                if (dtype == TAPER_BF16) {
+                    SK_DISPATCH(TAPER_BF16)
+                } else if (dtype == TAPER_F16) {
+                    SK_DISPATCH(TAPER_F16)
+                } else {
+                    SK_DISPATCH(TAPER_F32)
+                }
             }
         }
     }
+    free(xd);
+    return TAPER_OK;
 }
 
 // ----------------------------------------------------------------------------
 // ---- launcher: linear
 
-// Up to this many token rows the GEMV tiles (4 weight rows x 4 tokens, weights streamed once and
-// reused from L1 for the next 4 tokens) beat packing; measured crossover ~8-12 on AVX2 and AVX-512.
+// AVX2: up to this many token rows the GEMV tiles (4 weight rows x 4 tokens, weights streamed once
+// and reused from L1 for the next 4 tokens) beat packing; measured crossover ~8-12.
 #define GEMV_MAX_T 8
+// AVX-512 uses its small-M kernel (no packing) up to SMALLM_MAX_T token rows, and up to
+// SMALLM_MAX_T_SMALLK when K <= 2048 (with longer rows the packed GEMM wins from T ~ 24).
+#define SMALLM_MAX_T 16
+#define SMALLM_MAX_T_SMALLK 32
 
 int taper_linear(int isa,
                  const float* x,      // (T, K)
@@ -536,7 +681,8 @@ int taper_linear(int isa,
     }
     switch (isa) {
         case TAPER_ISA_AVX512:
-            if (T <= GEMV_MAX_T) { avx512_gemv(x, weight, dtype, bias, out, T, K, N, nthreads); return TAPER_OK; }
+            if (T <= SMALLM_MAX_T || (T <= SMALLM_MAX_T_SMALLK && K <= 2048))
+                return avx512_smallm(x, weight, dtype, bias, out, T, K, N, nthreads);
             return gemm_packed(avx512_micro, avx512_pack, AVX512_MR, AVX512_NR, x, weight, dtype, bias, out, T, K, N, nthreads);
         case TAPER_ISA_AVX2:
             if (T <= GEMV_MAX_T) { avx2_gemv(x, weight, dtype, bias, out, T, K, N, nthreads); return TAPER_OK; }
