@@ -43,8 +43,8 @@ class AsyncEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams) -> AsyncIterator[RequestOutput]:
-        """Queues the request and returns the stream of its outputs. Raises ValueError at once
-        for a request the engine cannot take (checked again on the engine thread)."""
+        """Queues the request and returns the stream of its outputs. A request the engine
+        refuses raises ValueError from the stream."""
         if not self.is_running:
             raise RuntimeError("the engine is not running")
         if request_id in self._streams:
@@ -67,9 +67,12 @@ class AsyncEngine:
                 if done:
                     return
         finally:
-            self._streams.pop(request_id, None)
-            if not done:
-                self.abort(request_id)  # the consumer left early: free the request's blocks
+            if done:
+                self._streams.pop(request_id, None)
+            else:  # the consumer left early: free the request's blocks. The id stays taken
+                # until the engine thread has aborted it, so a reuse cannot get its outputs.
+                self._streams[request_id] = (None, None)
+                self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
@@ -82,9 +85,8 @@ class AsyncEngine:
     # ---- engine thread
 
     def _deliver(self, request_id: str, item) -> None:
-        entry = self._streams.get(request_id)
-        if entry is not None:
-            loop, stream = entry
+        loop, stream = self._streams.get(request_id, (None, None))
+        if stream is not None:
             loop.call_soon_threadsafe(stream.put_nowait, item)
 
     def _handle(self, command) -> None:
@@ -92,12 +94,15 @@ class AsyncEngine:
             _, request_id, prompt, params = command
             try:
                 self.engine.add_request(request_id, prompt, params)
-            except ValueError as e:
+            except Exception as e:  # refused: this request fails, the engine goes on
                 self._deliver(request_id, e)
         elif command[0] == "abort":
-            if self.engine.abort(command[1]):
-                self._deliver(command[1], RequestOutput(command[1], finished=True,
+            request_id = command[1]
+            if self.engine.abort(request_id):
+                self._deliver(request_id, RequestOutput(request_id, finished=True,
                                                         finish_reason="abort"))
+            if self._streams.get(request_id) == (None, None):  # its consumer has left
+                del self._streams[request_id]
 
     def _run(self) -> None:
         try:

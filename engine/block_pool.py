@@ -158,7 +158,7 @@ class BlockPool:
                 seq.block_table.append(block.block_id)
             num_cached = len(computed_blocks) * self.block_size
             seq.num_computed_tokens = num_cached
-            if seq.num_output_tokens == 0:
+            if seq.num_preemptions == 0:  # a re-admission finds its own blocks: not a hit
                 seq.num_cached_tokens = num_cached
             self._num_hashed_blocks[seq.seq_id] = len(computed_blocks)
         num_tokens = seq.num_computed_tokens + num_new_tokens

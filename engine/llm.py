@@ -22,13 +22,19 @@ class LLM:
         if not isinstance(sampling_params, list):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
         tokenizer = self.engine.tokenizer
+        if tokenizer is None and any(isinstance(p, str) for p in prompts):
+            raise ValueError("this model has no tokenizer: pass token ids")
         order = {}
-        for i, (prompt, params) in enumerate(zip(prompts, sampling_params)):
-            if isinstance(prompt, str):
-                if tokenizer is None:
-                    raise ValueError("this model has no tokenizer: pass token ids")
-                prompt = tokenizer.encode(prompt)
-            order[self.engine.add_request(f"offline-{next(self._request_ids)}", prompt, params).request_id] = i
+        try:
+            for i, (prompt, params) in enumerate(zip(prompts, sampling_params)):
+                ids = tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+                request_id = f"offline-{next(self._request_ids)}"
+                self.engine.add_request(request_id, ids, params)
+                order[request_id] = i
+        except Exception:  # one bad prompt: leave nothing of this call in the engine
+            for request_id in order:
+                self.engine.abort(request_id)
+            raise
         results: list[RequestOutput | None] = [None] * len(prompts)
         while self.engine.has_unfinished():
             for out in self.engine.step():

@@ -3,6 +3,7 @@ call for every scheduled sequence, sample the ones that reached their last token
 from __future__ import annotations
 
 import logging
+import random
 import time
 
 from threadpoolctl import threadpool_limits
@@ -57,12 +58,18 @@ class LLMEngine:
                                   num_blocks)
         self.sampler = Sampler(self.backend)
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.requests: dict[str, Sequence] = {}      # unfinished requests by id
+        self.rng = random.Random(config.seed)        # seeds for requests that bring none
         log.info("KV cache: %d blocks of %d tokens; max model length %d", num_blocks,
                  config.block_size, self.max_model_len)
 
     def _max_model_len(self, pool_tokens: int) -> int:
         model_max = self.model_config.max_model_len
         if self.config.max_model_len is not None:
+            if self.config.max_model_len > model_max:
+                raise ValueError(
+                    f"--max-model-len {self.config.max_model_len} is larger than the model's "
+                    f"context ({model_max} positions, RoPE scaling included)")
             if self.config.max_model_len > pool_tokens:
                 raise ValueError(
                     f"--max-model-len {self.config.max_model_len} is larger than the KV cache can "
@@ -77,24 +84,31 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams) -> Sequence:
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
         if not prompt_token_ids:
             raise ValueError("the prompt is empty")
+        if params.n != 1 or params.logprobs is not None or params.prompt_logprobs is not None:
+            raise ValueError("n > 1, logprobs and prompt_logprobs are not yet supported")
         if len(prompt_token_ids) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens; the maximum model "
                              f"length is {self.max_model_len}, which leaves no room to generate")
         vocab = self.model_config.vocab_size
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        seq = Sequence(prompt_token_ids, params, request_id, arrival_time=time.monotonic())
+        seq = Sequence(prompt_token_ids, params, request_id, arrival_time=time.monotonic(),
+                       default_seed=self.rng.getrandbits(64))
         if self.tokenizer is not None:
             self.detokenizers[request_id] = IncrementalDetokenizer(
                 self.tokenizer, prompt_token_ids, params.skip_special_tokens, params.stop,
                 params.include_stop_str_in_output, params.min_tokens)
         self.scheduler.add(seq)
+        self.requests[request_id] = seq
         return seq
 
     def abort(self, request_id: str) -> bool:
         self.detokenizers.pop(request_id, None)
+        self.requests.pop(request_id, None)
         return self.scheduler.abort(request_id)
 
     def has_unfinished(self) -> bool:
@@ -106,11 +120,24 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if not sched.seqs:
             return []
-        logits = self.runner.execute(sched.seqs, sched.num_new_tokens)
+        try:
+            logits = self.runner.execute(sched.seqs, sched.num_new_tokens)
+            sampled = [seq for seq, last in zip(sched.seqs, sched.sample) if last]
+            tokens = self.sampler.sample(logits, sampled, self.eos_token_ids) if sampled else []
+        except Exception as e:  # fail this step's requests, keep serving the others
+            log.exception("step failed; finishing its %d requests with an error", len(sched.seqs))
+            return [self._finish_with_error(seq, e) for seq in sched.seqs]
         self.scheduler.update(sched)
-        sampled = [seq for seq in sched.seqs if seq.num_computed_tokens == seq.num_tokens]
-        tokens = self.sampler.sample(logits, sampled, self.eos_token_ids) if sampled else []
         return [self._append(seq, int(token)) for seq, token in zip(sampled, tokens)]
+
+    def _finish_with_error(self, seq: Sequence, error: Exception) -> RequestOutput:
+        self.scheduler.finish(seq, "error")
+        self.detokenizers.pop(seq.request_id, None)
+        self.requests.pop(seq.request_id, None)
+        return RequestOutput(seq.request_id, finished=True, finish_reason="error",
+                             error=f"{type(error).__name__}: {error}",
+                             num_prompt_tokens=seq.num_prompt_tokens,
+                             num_output_tokens=seq.num_output_tokens)
 
     def _append(self, seq: Sequence, token: int) -> RequestOutput:
         seq.append_token(token)
@@ -130,14 +157,18 @@ class LLMEngine:
             reason = "stop"
         elif seq.num_output_tokens == params.max_tokens or seq.num_tokens >= self.max_model_len:
             reason = "length"
-        if reason is not None:
+        finished = reason is not None
+        if finished:
             self.scheduler.finish(seq, reason)
             self.detokenizers.pop(seq.request_id, None)
+            self.requests.pop(seq.request_id, None)
             if detok is not None:
                 text_delta += detok.flush() if stop_string is None else ""
+        # The whole output is filled in once, at the end (copying it every token is quadratic).
         return RequestOutput(
             request_id=seq.request_id, new_token_ids=[token], text_delta=text_delta,
-            token_ids=seq.output_token_ids, text=detok.text if detok else "",
-            finished=reason is not None, finish_reason=reason, stop_reason=stop_reason,
+            token_ids=seq.output_token_ids if finished else [],
+            text=detok.text if finished and detok else "",
+            finished=finished, finish_reason=reason, stop_reason=stop_reason,
             num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=seq.num_output_tokens,
             num_cached_tokens=seq.num_cached_tokens)

@@ -9,8 +9,8 @@ class RequestOutput:
     request_id: str
     new_token_ids: list[int] = field(default_factory=list)  # tokens produced since the last output
     text_delta: str = ""                                    # text since the last output
-    token_ids: list[int] = field(default_factory=list)      # all output tokens so far
-    text: str = ""                                          # all output text so far
+    token_ids: list[int] = field(default_factory=list)      # all output tokens (final output only)
+    text: str = ""                                          # all output text (final output only)
     finished: bool = False
     finish_reason: str | None = None   # "stop" | "length" | "abort" | "error"
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it

@@ -136,6 +136,7 @@ class Scheduler:
         self.block_pool.free(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 

@@ -26,7 +26,8 @@ class Sequence:
     """
 
     def __init__(self, token_ids: list[int], sampling_params: SamplingParams | None = None,
-                 request_id: str | None = None, arrival_time: float = 0.0):
+                 request_id: str | None = None, arrival_time: float = 0.0,
+                 default_seed: int | None = None):
         self.seq_id = next(_ids)
         self.request_id = request_id if request_id is not None else str(self.seq_id)
         self.token_ids = list(token_ids)
@@ -39,8 +40,12 @@ class Sequence:
         self.block_hashes: list[int] = []  # hash chain of this sequence's full blocks
         self.finish_reason: str | None = None
         self.arrival_time = arrival_time
+        self.num_preemptions = 0
+        # The request's seed, else the engine's draw for it, else a random one.
         seed = self.sampling_params.seed
-        self.seed = seed if seed is not None else random.getrandbits(64)
+        if seed is None:
+            seed = default_seed if default_seed is not None else random.getrandbits(64)
+        self.seed = seed
 
     def __len__(self):
         return len(self.token_ids)

@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     log.info("loading %s (backend %s, dtype %s)", config.model, config.backend, config.dtype)
     try:
         engine = AsyncEngine(config)
-    except (ValueError, OSError) as e:     # no such model, unsupported architecture, ...
+    except (ValueError, OSError, MemoryError) as e:  # no such model, unsupported, too big...
         log.error("could not load %s: %s", config.model, e)
         return 1
     names = args.served_model_name

@@ -51,22 +51,19 @@ class ResponseInfo:
 
 async def engine_outputs(engine, request_id: str, prompt_ids: list[int],
                          params) -> AsyncIterator[RequestOutput]:
-    """The engine's outputs for one request; aborts it unless it ran to its end."""
-    finished = False
+    """The engine's outputs for one request. Closing this closes the engine's stream, which
+    aborts the request unless it ran to its end."""
     try:
-        async for out in engine.add_request(request_id, prompt_ids, params):
-            finished = out.finished
-            yield out
-            if finished:
-                return
+        async with contextlib.aclosing(engine.add_request(request_id, prompt_ids, params)) as outs:
+            async for out in outs:
+                yield out
+                if out.finished:
+                    return
     except ValueError as e:          # the engine refused the request: the client's fault
         raise APIError(str(e), code="invalid_request") from None
     except RuntimeError as e:        # the engine is stopped or its loop died
         raise APIError(f"The engine failed: {e}", status=503, type="server_error",
                        code="engine_error") from None
-    finally:
-        if not finished:
-            engine.abort(request_id)
 
 
 def _check_output(out: RequestOutput):

@@ -279,6 +279,7 @@ def test_num_cached_tokens_kept_after_output():
     assert pool.allocate_slots(seq, 1, blocks) and seq.num_cached_tokens == 4
     pool.free(seq)
     seq.num_computed_tokens = 0
+    seq.num_preemptions = 1                     # as Scheduler._preempt leaves it
     seq.append_token(5)
     seq.append_token(6)
     seq.append_token(7)
@@ -286,6 +287,21 @@ def test_num_cached_tokens_kept_after_output():
     blocks, n = pool.get_computed_blocks(seq)
     assert n == 8 and pool.allocate_slots(seq, 1, blocks)
     assert seq.num_computed_tokens == 8 and seq.num_cached_tokens == 4
+
+
+def test_readmission_during_prefill_is_not_a_cache_hit():
+    """A sequence preempted mid-prefill finds its own blocks again: that is not a prefix hit."""
+    pool = BlockPool(8, BS)
+    seq = Sequence(list(range(9)))
+    assert pool.allocate_slots(seq, 8)
+    seq.num_computed_tokens = 8
+    pool.cache_full_blocks(seq)
+    pool.free(seq)
+    seq.num_computed_tokens = 0
+    seq.num_preemptions = 1                     # as Scheduler._preempt leaves it
+    blocks, n = pool.get_computed_blocks(seq)
+    assert n == 8 and pool.allocate_slots(seq, 1, blocks)
+    assert seq.num_computed_tokens == 8 and seq.num_cached_tokens == 0
 
 
 def test_shuffle_accepts_numpy_generator():

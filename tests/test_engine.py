@@ -41,15 +41,17 @@ def test_alone_equals_transformers(model_dir, prompts, reference):
 
 class StressRunner:
     """Wraps the model runner: before each step, every KV block outside the scheduled sequences'
-    tables is filled with NaN, so reading a stray block poisons the logits; records each step."""
+    tables is filled with NaN (except blocks the prefix cache holds), so reading a stray block
+    poisons the logits; records each step."""
 
-    def __init__(self, runner):
+    def __init__(self, runner, block_pool):
         self.runner = runner
         self.steps = []  # (rows in the forward call, scheduled tokens, has decode, has prefill chunk)
         execute = runner.execute
 
         def stressed_execute(seqs, num_new_tokens):
             live = {b for seq in seqs for b in seq.block_table}
+            live |= {block.block_id for block in block_pool.cached_blocks.values()}
             dead = np.array(sorted(set(range(runner.num_blocks)) - live), dtype=np.int64)
             for k, v in runner.kv_caches:
                 k[dead] = np.nan
@@ -72,13 +74,34 @@ def test_batch_chunked_preempted_equals_transformers(model_dir, prompts, referen
     llm = LLM(model_dir, block_size=8, num_kv_blocks=24, prefill_chunk_size=16,
               max_num_batched_tokens=64, enable_prefix_caching=False)
     llm.engine.block_pool.shuffle_free_blocks(random.Random(3))
-    stress = StressRunner(llm.engine.runner)
+    stress = StressRunner(llm.engine.runner, llm.engine.block_pool)
     outs = llm.generate(prompts, GREEDY)
     for out, ref in zip(outs, reference):
         assert_matches(out.token_ids, ref)
     assert llm.engine.scheduler.num_preemptions > 0
     assert any(decode and prefill for _, _, decode, prefill in stress.steps)
     assert llm.engine.block_pool.num_free_blocks == 24
+
+
+@pytest.fixture(scope="module")
+def shared_prefix_prompts(prompts):
+    """Eight prompts opening with the same 24 tokens (three 8-token blocks)."""
+    return [prompts[1][:24] + p for p in prompts]
+
+
+def test_preemption_with_prefix_caching_equals_transformers(model_dir, shared_prefix_prompts):
+    model = load_hf(model_dir)
+    reference = [hf_greedy(model, p, GEN) for p in shared_prefix_prompts]
+    llm = LLM(model_dir, block_size=8, num_kv_blocks=32, prefill_chunk_size=16,
+              max_num_batched_tokens=64)
+    llm.engine.block_pool.shuffle_free_blocks(random.Random(5))
+    StressRunner(llm.engine.runner, llm.engine.block_pool)
+    outs = llm.generate(shared_prefix_prompts, GREEDY)
+    for out, ref in zip(outs, reference):
+        assert_matches(out.token_ids, ref)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.block_pool.prefix_cache_hits > 0
+    assert sum(out.num_cached_tokens for out in outs) > 0
 
 
 def test_one_forward_call_per_step(model_dir, prompts):
@@ -147,6 +170,45 @@ def test_abort_frees_blocks_at_any_stage(model_dir, prompts):
 def test_max_model_len_beyond_kv_pool_fails_at_start(model_dir):
     with pytest.raises(ValueError, match="max-model-len"):
         LLM(model_dir, block_size=8, num_kv_blocks=4, max_model_len=64)
+
+
+def test_max_model_len_beyond_the_models_context_fails_at_start(model_dir):
+    with pytest.raises(ValueError, match="model's context"):
+        LLM(model_dir, max_model_len=4096)  # the tiny model has 256 positions
+
+
+def test_bad_prompt_leaves_nothing_behind(model_dir, prompts):
+    llm = LLM(model_dir)
+    with pytest.raises(ValueError, match="token ids must be in"):
+        llm.generate([prompts[0], [10**6]], GREEDY)
+    assert not llm.engine.has_unfinished()
+    assert llm.engine.block_pool.num_free_blocks == llm.engine.block_pool.num_blocks
+    assert len(llm.generate([prompts[0]], GREEDY)[0].token_ids) == GEN
+
+
+def test_failed_step_fails_only_its_requests(model_dir, prompts, reference):
+    llm = LLM(model_dir)
+    engine = llm.engine
+    execute = engine.runner.execute
+
+    def broken_execute(seqs, num_new_tokens):
+        engine.runner.execute = execute  # fail once
+        raise RuntimeError("kernel exploded")
+
+    engine.runner.execute = broken_execute
+    engine.add_request("victim", prompts[0], GREEDY)
+    outs = engine.step()
+    assert [(o.request_id, o.finish_reason) for o in outs] == [("victim", "error")]
+    assert "kernel exploded" in outs[0].error
+    assert engine.block_pool.num_free_blocks == engine.block_pool.num_blocks
+    assert_matches(llm.generate([prompts[0]], GREEDY)[0].token_ids, reference[0])
+
+
+def test_request_ids_are_unique_while_unfinished(model_dir):
+    engine = LLM(model_dir).engine
+    engine.add_request("a", [1, 2, 3], GREEDY)
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("a", [4, 5], GREEDY)
 
 
 def test_max_tokens_and_stop_token_ids(model_dir, prompts, reference):

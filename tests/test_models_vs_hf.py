@@ -145,22 +145,35 @@ def _gqa_regrouped(cases, name):
     return model
 
 
+def _untied(cases, name):
+    """The LM head gets weights of its own instead of sharing the embedding's."""
+    model = load_hf(cases.dir(name))
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    generator = torch.Generator().manual_seed(1234)  # not the embedding's seed
+    own = torch.randn(model.lm_head.weight.shape, generator=generator) * 0.15
+    model.lm_head.weight = torch.nn.Parameter(own)
+    return model
+
+
+# feature -> (the case that has it, transformers' model with the feature switched off)
 FEATURE_OFF = {
-    "llama_gqa_tied": _gqa_regrouped,
-    "qwen2_qkv_bias": _bias_off,
-    "qwen3_qk_norm": _qk_norm_off,
-    "mistral_sliding_window": _window_off,
-    "llama3_rope": _rope_off,
-    "yarn_rope": _rope_off,
+    "gqa": ("llama_gqa_tied", _gqa_regrouped),
+    "tied_embeddings": ("llama_gqa_tied", _untied),
+    "qkv_bias": ("qwen2_qkv_bias", _bias_off),
+    "qk_norm": ("qwen3_qk_norm", _qk_norm_off),
+    "sliding_window": ("mistral_sliding_window", _window_off),
+    "llama3_rope": ("llama3_rope", _rope_off),
+    "yarn_rope": ("yarn_rope", _rope_off),
 }
 
 
-@pytest.mark.parametrize("name", sorted(FEATURE_OFF))
-def test_feature_changes_hf_tokens(cases, name):
+@pytest.mark.parametrize("feature", sorted(FEATURE_OFF))
+def test_feature_changes_hf_tokens(cases, feature):
+    name, switch_off = FEATURE_OFF[feature]
     ref = [r[0] for r in cases.ref(name)]
-    off = _hf_tokens(FEATURE_OFF[name](cases, name))
+    off = _hf_tokens(switch_off(cases, name))
     for a, b in zip(ref, off):
-        assert a != b, f"{name}: switching the feature off does not change transformers' tokens"
+        assert a != b, f"{feature}: switching it off does not change transformers' tokens"
 
 
 def test_tied_checkpoint_has_no_lm_head(cases):

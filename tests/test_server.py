@@ -125,6 +125,17 @@ class FakeEngine:
         return self._run(request_id, list(prompt_token_ids), params)
 
     async def _run(self, request_id, prompt, params):
+        """Like AsyncEngine's stream: closing it before the end aborts the request."""
+        done = False
+        try:
+            async for out in self._outputs(request_id, prompt, params):
+                done = out.finished
+                yield out
+        finally:
+            if not done:
+                self.abort(request_id)
+
+    async def _outputs(self, request_id, prompt, params):
         text = ""
         for i in range(params.max_tokens):
             await asyncio.sleep(self.delay)

@@ -27,6 +27,3 @@ def resolve_model(model: str, revision: str | None = None) -> str:
         hint = " (HF_HUB_OFFLINE is set and it is not in the local cache)" if offline else ""
         raise FileNotFoundError(f"{model} is neither a local directory nor a downloadable Hugging "
                                 f"Face hub model{hint}: {type(e).__name__}: {e}") from e
-
-
-resolve_model_dir = resolve_model
