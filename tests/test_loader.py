@@ -155,3 +155,12 @@ def test_hub_resolution(tmp_path):
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert "ERR taper-tests/no-such-model is neither a local directory" in out.stdout, out.stderr
     assert "HF_HUB_OFFLINE" in out.stdout
+
+
+def test_matrices_the_kernels_cannot_read_become_f32(tmp_path):
+    """f64 (and f8) matrices load as f32 under "auto"; bf16 stays bf16."""
+    tensors = {"a": torch.randn(4, 8, dtype=torch.float64), "b": torch.randn(4, 8).bfloat16()}
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    weights = load_safetensors(str(tmp_path), progress=False)
+    assert weights["a"].dtype == np.float32 and weights["b"].dtype == ml_dtypes.bfloat16
+    np.testing.assert_allclose(weights["a"], tensors["a"].numpy(), rtol=1e-6)

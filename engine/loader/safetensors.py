@@ -5,7 +5,8 @@ We parse the format ourselves (8-byte little-endian header length, a JSON header
 as ml_dtypes.bfloat16 with no copy. Tensors that keep their stored dtype stay file-backed.
 
 dtype policy: 1-D tensors (norm weights, biases, scales) become float32; matrices keep the
-checkpoint's dtype under "auto" and are converted when f32/bf16/f16 is asked for.
+checkpoint's dtype under "auto" when the kernels read it (f32, bf16, f16; others become f32) and
+are converted when f32/bf16/f16 is asked for.
 """
 from __future__ import annotations
 
@@ -35,6 +36,10 @@ _DTYPE_ALIASES = {
 }
 
 
+# What the matrix kernels read directly.
+_COMPUTE_DTYPES = (np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16))
+
+
 class CheckpointError(ValueError):
     """A checkpoint file is missing, truncated or inconsistent."""
 
@@ -52,8 +57,8 @@ def target_dtype(array: np.ndarray, dtype: np.dtype | None) -> np.dtype:
     """The dtype a tensor is loaded as (module docstring: dtype policy)."""
     if array.dtype.kind in "iub":
         return array.dtype
-    if array.ndim <= 1:
-        return np.dtype(np.float32)
+    if array.ndim <= 1 or (dtype is None and array.dtype not in _COMPUTE_DTYPES):
+        return np.dtype(np.float32)  # vectors, and f64 / f8 matrices: the kernels take f32
     return array.dtype if dtype is None else dtype
 
 
