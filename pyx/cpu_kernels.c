@@ -845,63 +845,403 @@ int taper_reshape_and_cache(const float* k,               // (T, Hkv, D)
     return TAPER_OK;
 }
 
-#define ATTN_BLK 32
+/* ---- paged attention
+ * A tile is (sequence b, KV head g, R consecutive query rows of b), or for a decode row (q_len 1)
+ * all KV heads of that row; its queries ("slots") share every K/V row loaded, so the context is
+ * streamed once per tile, not once per query head. Keys go in chunks of ATTN_KC = 16: scores,
+ * masked per query (causal limit, sliding window), an online softmax per query updating (max,
+ * sum, O), then O += P V over the tile with each V row loaded once. Three kernels:
+ *  - attn_piece_avx512_qt (AVX-512, tiles of 16+ queries of one KV head: prefill): queries in
+ *    lanes, a GEMM-like 16 x 16 score block per chunk from broadcast K elements, softmax vertical;
+ *  - attn_piece_avx512 (AVX-512, smaller tiles: decode): per query 16 dot-product accumulators
+ *    (lanes = d) folded by one transpose-add into a vector of 16 key scores;
+ *  - attn_piece_generic (any ISA via target_clones, any D; also D % 16 != 0).
+ * Lanes of a chunk past the piece's last key point at a zero row, so nothing outside the
+ * sequence's table and positions is ever read (unused blocks may hold NaN); masked probabilities
+ * are exactly 0. When there are too few tiles to occupy the threads (one long decode sequence), a
+ * tile's keys are split into pieces (split-K / flash-decoding); each piece leaves unnormalised
+ * (O, max, sum) per query and a second pass merges them. */
 
-/* One (query row, head) of paged attention: keys lo..p in blocks of 32 — scores for the block,
- * one rescale of the running output if the block raised the running max, then the weighted V
- * sum. All inner loops are `omp simd` over D or over the block. */
-MULTIVERSION static void attn_row(float* o,                 // (D,)
-                                  const float* qh,          // (D,)
-                                  const float* k_cache,     // (NB, BS, Hkv, D), at kv head g
-                                  const float* v_cache,     // (NB, BS, Hkv, D), at kv head g
-                                  const int32_t* bt,        // (MB,) this sequence's blocks
-                                  int64_t lo, int64_t p, int64_t BS, int64_t kv_stride,
-                                  int64_t D, float scale,
-                                  float* acc) {             // (D,) scratch
-    float m = -INFINITY, l = 0.0f, s[ATTN_BLK];
-    int64_t off[ATTN_BLK];
-    for (int64_t d = 0; d < D; d++) acc[d] = 0.0f;
-    for (int64_t j0 = lo; j0 <= p; j0 += ATTN_BLK) {
-        int n = (int)MIN(ATTN_BLK, p + 1 - j0);
-        float mb = -INFINITY;
-        for (int jj = 0; jj < n; jj++) {
-            int64_t j = j0 + jj;
-            off[jj] = ((int64_t)bt[j / BS] * BS + j % BS) * kv_stride;
-            const float* kr = k_cache + off[jj];
-            float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-            for (int64_t d = 0; d < D; d++) dot += qh[d] * kr[d];
-            s[jj] = dot * scale;
-            mb = MAX(mb, s[jj]);
-        }
-        if (mb > m) {
-            float alpha = m == -INFINITY ? 0.0f : fast_expf(m - mb);
-            l *= alpha;
-#pragma omp simd
-            for (int64_t d = 0; d < D; d++) acc[d] *= alpha;
-            m = mb;
-        }
-#pragma omp simd reduction(+ : l)
-        for (int jj = 0; jj < n; jj++) {
-            s[jj] = fast_expf(s[jj] - m);
-            l += s[jj];
-        }
-        for (int jj = 0; jj < n; jj++) {
-            const float* vr = v_cache + off[jj];
-            float pj = s[jj];
-#pragma omp simd
-            for (int64_t d = 0; d < D; d++) acc[d] += pj * vr[d];
-        }
+#define ATTN_KC 16
+
+typedef struct {
+    const float *q, *k_cache, *v_cache;  // q (T, Hq, D); caches (NB, BS, Hkv, D)
+    const int32_t *block_tables, *seq_lens, *qsl;
+    int64_t Hq, Hkv, D, BS, MB, group, window;
+    float scale;
+} AttnArgs;
+
+typedef struct {
+    int32_t b, g, i0, nr;  // sequence, (first) KV head, first query row, number of rows
+    int32_t ng;            // KV heads g .. g+ng-1 (ng > 1 only for a single decode row)
+    int32_t ks, ke;        // this piece's keys [ks, ke]
+    int64_t part;          // offset of its partials (O, max, sum) in the scratch buffer; -1: none
+} AttnPiece;
+
+typedef struct {        // per-thread scratch; Mp = M rounded up to 16 (padding queries see no key)
+    float* qs;          // (Mp, D) queries times scale
+    float* qt;          // (D, Mp) the same, transposed (queries-in-lanes kernel)
+    float* o;           // (Mp, D) running unnormalised output
+    float* p;           // (Mp, 16) probabilities of the current chunk
+    float* zero;        // (D,) zeros: the K/V row of a chunk's lanes past the piece's end
+    float *m, *l;       // (Mp,) running max and sum
+    int32_t *lo, *hi;   // (Mp,) the query's keys within this piece, [lo, hi] (empty: lo > hi)
+} AttnScratch;
+
+/* Query slots of a piece. One KV head (ng = 1): slot m is row i0 + m / G, head g * G + m % G.
+ * Several KV heads (a decode row): slot m is KV head g + m / Gp, its query head m % Gp; a group
+ * of 4+ is padded to Gp = a multiple of 4 so that the P V tiles are all 4 rows high. */
+INLINE int64_t attn_gp(int64_t G) { return G >= 4 ? (G + 3) & ~3 : G; }
+INLINE int attn_slots(const AttnPiece* pc, int64_t G) {
+    return (int)(pc->ng == 1 ? pc->nr * G : pc->ng * attn_gp(G));
+}
+INLINE int attn_query(const AttnPiece* pc, int64_t G, int m, int64_t* i, int64_t* h) {
+    if (pc->ng == 1) {
+        if (m >= pc->nr * G) return 0;
+        *i = pc->i0 + m / G;
+        *h = pc->g * G + m % G;
+        return 1;
     }
-    float inv = 1.0f / l;
-#pragma omp simd
-    for (int64_t d = 0; d < D; d++) o[d] = acc[d] * inv;
+    int64_t Gp = attn_gp(G), gl = m / Gp, hh = m % Gp;
+    if (gl >= pc->ng || hh >= G) return 0;
+    *i = pc->i0;
+    *h = (pc->g + gl) * G + hh;
+    return 1;
+}
+// Offset of slot m's K/V row from the piece's first KV head.
+INLINE int64_t attn_kv_off(const AttnPiece* pc, int64_t G, int64_t D, int m) {
+    return pc->ng == 1 ? 0 : m / attn_gp(G) * D;
 }
 
-/* Paged attention, one work item per (query row, query head), parallel over all items
- * (dynamic schedule: rows see different context lengths). Online softmax, so the context is
- * read once and no T x S score matrix exists. Keys are located through the block table one at
- * a time, so blocks need not be contiguous or ordered, and unused cache blocks are never read. */
+// Key and value row pointers of keys j0 .. j0+15 (zero row past ke).
+INLINE void attn_chunk_rows(const AttnArgs* a, const int32_t* bt, int64_t g, int64_t j0, int64_t ke,
+                            const float* zero, const float** kr, const float** vr) {
+    int64_t kv_stride = a->Hkv * a->D;
+    for (int kk = 0; kk < ATTN_KC; kk++) {
+        int64_t j = j0 + kk;
+        if (j <= ke) {
+            int64_t off = ((int64_t)bt[j / a->BS] * a->BS + j % a->BS) * kv_stride + g * a->D;
+            kr[kk] = a->k_cache + off;
+            vr[kk] = a->v_cache + off;
+        } else {
+            kr[kk] = vr[kk] = zero;
+        }
+    }
+}
+
+// Online-softmax update of query m with its chunk scores s[16] (keys j0..): masks lanes outside
+// [lo, hi], rescales O and the sum if the max rose, leaves the probabilities in p (0 when masked).
+INLINE void attn_softmax_scalar(float* s, float* p, float* o, float* m, float* l, int64_t j0,
+                                int32_t lo, int32_t hi, int64_t D) {
+    float mb = -INFINITY;
+    for (int kk = 0; kk < ATTN_KC; kk++) {
+        int64_t j = j0 + kk;
+        if (j < lo || j > hi) s[kk] = -INFINITY;
+        mb = MAX(mb, s[kk]);
+    }
+    if (mb == -INFINITY) {  // no key of this chunk for this query
+        for (int kk = 0; kk < ATTN_KC; kk++) p[kk] = 0.0f;
+        return;
+    }
+    if (mb > *m) {
+        float alpha = *m == -INFINITY ? 0.0f : fast_expf(*m - mb);
+        *l *= alpha;
+#pragma omp simd
+        for (int64_t d = 0; d < D; d++) o[d] *= alpha;
+        *m = mb;
+    }
+    float sum = 0.0f;
+    for (int kk = 0; kk < ATTN_KC; kk++) {
+        p[kk] = s[kk] == -INFINITY ? 0.0f : fast_expf(s[kk] - *m);
+        sum += p[kk];
+    }
+    *l += sum;
+}
+
+/* Portable piece kernel (any D): per query a dot product per key, then O += p v per key. */
+MULTIVERSION static void attn_piece_generic(const AttnArgs* a, const AttnPiece* pc, AttnScratch* w,
+                                            int M) {
+    const int32_t* bt = a->block_tables + (int64_t)pc->b * a->MB;
+    int64_t D = a->D;
+    const float *kr[ATTN_KC], *vr[ATTN_KC];
+    float s[ATTN_KC];
+    for (int64_t j0 = pc->ks; j0 <= pc->ke; j0 += ATTN_KC) {
+        attn_chunk_rows(a, bt, pc->g, j0, pc->ke, w->zero, kr, vr);
+        int n = (int)MIN(ATTN_KC, pc->ke + 1 - j0);
+        for (int m = 0; m < M; m++) {
+            if (j0 > w->hi[m] || j0 + n - 1 < w->lo[m]) {
+                for (int kk = 0; kk < ATTN_KC; kk++) w->p[m * ATTN_KC + kk] = 0.0f;
+                continue;
+            }
+            const float* qm = w->qs + m * D;
+            int64_t ko = attn_kv_off(pc, a->group, D, m);
+            for (int kk = 0; kk < ATTN_KC; kk++) {
+                float dot = 0.0f;
+                if (kk < n) {
+                    const float* k = kr[kk] + ko;
+#pragma omp simd reduction(+ : dot)
+                    for (int64_t d = 0; d < D; d++) dot += qm[d] * k[d];
+                }
+                s[kk] = dot;  // lanes kk >= n are past ke, masked by the softmax
+            }
+            attn_softmax_scalar(s, w->p + m * ATTN_KC, w->o + m * D, w->m + m, w->l + m, j0,
+                                w->lo[m], w->hi[m], D);
+        }
+        for (int m = 0; m < M; m++) {
+            float* om = w->o + m * D;
+            for (int kk = 0; kk < n; kk++) {
+                float pj = w->p[m * ATTN_KC + kk];
+                if (pj == 0.0f) continue;
+                const float* v = vr[kk] + attn_kv_off(pc, a->group, D, m);
+#pragma omp simd
+                for (int64_t d = 0; d < D; d++) om[d] += pj * v[d];
+            }
+        }
+    }
+}
+
+AVX512_TARGET INLINE __m512 attn_exp512(__m512 x) {  // fast_expf, 16 lanes
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    x = _mm512_min_ps(x, _mm512_set1_ps(88.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-06f), r);
+    __m512 p = _mm512_set1_ps(0.00138888892f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.00833333377f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.0416666679f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.166666672f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    __m512i e = _mm512_slli_epi32(_mm512_cvtps_epi32(n), 23);
+    return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(p), e));
+}
+
+/* 16 vectors -> one: lane k = the sum of a[k]'s 16 lanes (transpose-and-add, 30 shuffles). */
+AVX512_TARGET INLINE __m512 attn_hsum16(const __m512* a) {
+    __m512 v[8], w[4];
+    for (int i = 0; i < 8; i++)  // per 128-bit lane: keys (2i, 2i+1, 2i, 2i+1)
+        v[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
+                             _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    for (int j = 0; j < 4; j++)  // per 128-bit lane: keys 4j .. 4j+3
+        w[j] = _mm512_add_ps(_mm512_shuffle_ps(v[2 * j], v[2 * j + 1], 0x44),
+                             _mm512_shuffle_ps(v[2 * j], v[2 * j + 1], 0xEE));
+    __m512 z0 = _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
+    __m512 z1 = _mm512_add_ps(_mm512_shuffle_f32x4(w[2], w[3], 0x88), _mm512_shuffle_f32x4(w[2], w[3], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(z0, z1, 0x88), _mm512_shuffle_f32x4(z0, z1, 0xDD));
+}
+
+// O[m0 .. m0+MR)[c .. c + 16 NV) += P[m][kk] * V[kk][...] over the chunk's 16 keys, where
+// P[m][kk] is p[m * sm + kk * sk].
+AVX512_TARGET INLINE void attn_pv512(float* o, const float* p, const float* const* vr, int64_t D,
+                                     int m0, int64_t c, const int MR, const int NV, int64_t sm,
+                                     int64_t sk) {
+    __m512 acc[4][4];
+    for (int a = 0; a < MR; a++)
+        for (int v = 0; v < NV; v++) acc[a][v] = _mm512_loadu_ps(o + (m0 + a) * D + c + 16 * v);
+    for (int kk = 0; kk < ATTN_KC; kk++) {
+        __m512 vv[4];
+        for (int v = 0; v < NV; v++) vv[v] = _mm512_loadu_ps(vr[kk] + c + 16 * v);
+        for (int a = 0; a < MR; a++) {
+            __m512 pb = _mm512_set1_ps(p[(m0 + a) * sm + kk * sk]);
+            for (int v = 0; v < NV; v++) acc[a][v] = _mm512_fmadd_ps(pb, vv[v], acc[a][v]);
+        }
+    }
+    for (int a = 0; a < MR; a++)
+        for (int v = 0; v < NV; v++) _mm512_storeu_ps(o + (m0 + a) * D + c + 16 * v, acc[a][v]);
+}
+
+// Rows m0 .. m0+MR of O (rows, D) += P V, in 64-column strips.
+AVX512_TARGET INLINE void attn_pv_rows512(float* o, const float* p, const float* const* vr,
+                                          int64_t D, int m0, const int MR, int64_t sm, int64_t sk) {
+    int64_t c = 0;
+    for (; c + 64 <= D; c += 64) attn_pv512(o, p, vr, D, m0, c, MR, 4, sm, sk);
+    switch ((D - c) / 16) {
+        case 3: attn_pv512(o, p, vr, D, m0, c, MR, 3, sm, sk); break;
+        case 2: attn_pv512(o, p, vr, D, m0, c, MR, 2, sm, sk); break;
+        case 1: attn_pv512(o, p, vr, D, m0, c, MR, 1, sm, sk); break;
+        default: break;
+    }
+}
+
+// O (rows, D) += P V over one chunk: 4 rows at a time, then 2, then 1.
+AVX512_TARGET INLINE void attn_pv_tile512(float* o, const float* p, const float* const* vr,
+                                          int64_t D, int rows, int64_t sm, int64_t sk) {
+    int m0 = 0;
+    for (; m0 + 4 <= rows; m0 += 4) attn_pv_rows512(o, p, vr, D, m0, 4, sm, sk);
+    if (m0 + 2 <= rows) {
+        attn_pv_rows512(o, p, vr, D, m0, 2, sm, sk);
+        m0 += 2;
+    }
+    if (m0 < rows) attn_pv_rows512(o, p, vr, D, m0, 1, sm, sk);
+}
+
+/* AVX-512 piece kernel, D a multiple of 16: scores for 16 keys per query by 16 dot-product
+ * accumulators and one transpose-add; softmax on the 16-lane score vector; P V in 4x64 tiles. */
+AVX512_TARGET static void attn_piece_avx512(const AttnArgs* a, const AttnPiece* pc, AttnScratch* w,
+                                            int M) {
+    const int32_t* bt = a->block_tables + (int64_t)pc->b * a->MB;
+    int64_t D = a->D;
+    const float *kr[ATTN_KC], *vr[ATTN_KC];
+    const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 ninf = _mm512_set1_ps(-INFINITY);
+    for (int64_t j0 = pc->ks; j0 <= pc->ke; j0 += ATTN_KC) {
+        attn_chunk_rows(a, bt, pc->g, j0, pc->ke, w->zero, kr, vr);
+        __m512i jv = _mm512_add_epi32(_mm512_set1_epi32((int32_t)j0), iota);
+        int n = (int)MIN(ATTN_KC, pc->ke + 1 - j0), any = 0;
+        for (int m = 0; m < M; m++) {
+            float* pm = w->p + m * ATTN_KC;
+            __mmask16 valid = _mm512_cmp_epi32_mask(jv, _mm512_set1_epi32(w->lo[m]), _MM_CMPINT_NLT) &
+                              _mm512_cmp_epi32_mask(jv, _mm512_set1_epi32(w->hi[m]), _MM_CMPINT_LE);
+            if (!valid) {
+                _mm512_storeu_ps(pm, _mm512_setzero_ps());
+                continue;
+            }
+            any = 1;
+            const float* qm = w->qs + m * D;
+            int64_t ko = attn_kv_off(pc, a->group, D, m);
+            const float* kg[ATTN_KC];
+            for (int kk = 0; kk < ATTN_KC; kk++) kg[kk] = kk < n ? kr[kk] + ko : w->zero;
+            __m512 acc[ATTN_KC];
+            for (int kk = 0; kk < ATTN_KC; kk++) acc[kk] = _mm512_setzero_ps();
+            for (int64_t c = 0; c < D; c += 16) {
+                __m512 qc = _mm512_loadu_ps(qm + c);
+                for (int kk = 0; kk < ATTN_KC; kk++)
+                    acc[kk] = _mm512_fmadd_ps(qc, _mm512_loadu_ps(kg[kk] + c), acc[kk]);
+            }
+            __m512 s = _mm512_mask_blend_ps(valid, ninf, attn_hsum16(acc));
+            float mb = _mm512_reduce_max_ps(s);
+            if (mb > w->m[m]) {
+                float alpha = w->m[m] == -INFINITY ? 0.0f : fast_expf(w->m[m] - mb);
+                w->l[m] *= alpha;
+                __m512 av = _mm512_set1_ps(alpha);
+                float* om = w->o + m * D;
+                for (int64_t c = 0; c < D; c += 16)
+                    _mm512_storeu_ps(om + c, _mm512_mul_ps(av, _mm512_loadu_ps(om + c)));
+                w->m[m] = mb;
+            }
+            __m512 pv = _mm512_maskz_mov_ps(valid, attn_exp512(_mm512_sub_ps(s, _mm512_set1_ps(w->m[m]))));
+            w->l[m] += _mm512_reduce_add_ps(pv);
+            _mm512_storeu_ps(pm, pv);
+        }
+        if (!any) continue;
+        if (pc->ng == 1) {
+            attn_pv_tile512(w->o, w->p, vr, D, M, ATTN_KC, 1);
+        } else {  // one P V tile per KV head
+            int Gp = (int)attn_gp(a->group);
+            for (int gl = 0; gl < pc->ng; gl++) {
+                const float* vg[ATTN_KC];
+                for (int kk = 0; kk < ATTN_KC; kk++) vg[kk] = kk < n ? vr[kk] + gl * D : w->zero;
+                attn_pv_tile512(w->o + (int64_t)gl * Gp * D, w->p + gl * Gp * ATTN_KC, vg, D, Gp, ATTN_KC, 1);
+            }
+        }
+    }
+}
+
+/* AVX-512 piece kernel for tiles of 16+ queries (prefill), D a multiple of 16: queries in lanes.
+ * The scaled queries are transposed once per piece to qt (D, Mw); then per chunk a 16-query x
+ * 16-key score block is 16 accumulators (one per key), each fed per d by a broadcast K element and
+ * a qt load: no per-chunk transpose or horizontal sum. Masking, max, exp and sums run vertically
+ * over the 16 query lanes; P is stored key-major (pt[kk * Mw + m]) for the shared P V tile. */
+AVX512_TARGET static void attn_piece_avx512_qt(const AttnArgs* a, const AttnPiece* pc,
+                                               AttnScratch* w, int M) {
+    const int32_t* bt = a->block_tables + (int64_t)pc->b * a->MB;
+    int64_t D = a->D;
+    int Mw = (M + 15) & ~15;
+    float* qt = w->qt;
+    for (int m = 0; m < Mw; m++)
+        for (int64_t d = 0; d < D; d++) qt[d * Mw + m] = w->qs[m * D + d];
+    const float *kr[ATTN_KC], *vr[ATTN_KC];
+    const __m512 ninf = _mm512_set1_ps(-INFINITY);
+    for (int64_t j0 = pc->ks; j0 <= pc->ke; j0 += ATTN_KC) {
+        attn_chunk_rows(a, bt, pc->g, j0, pc->ke, w->zero, kr, vr);
+        for (int m0 = 0; m0 < Mw; m0 += 16) {
+            __m512i lov = _mm512_loadu_si512(w->lo + m0), hiv = _mm512_loadu_si512(w->hi + m0);
+            __mmask16 valid[ATTN_KC], anyv = 0;
+            for (int kk = 0; kk < ATTN_KC; kk++) {
+                __m512i jb = _mm512_set1_epi32((int32_t)(j0 + kk));
+                valid[kk] = _mm512_cmp_epi32_mask(lov, jb, _MM_CMPINT_LE) &
+                            _mm512_cmp_epi32_mask(hiv, jb, _MM_CMPINT_NLT);
+                anyv |= valid[kk];
+            }
+            if (!anyv) {
+                for (int kk = 0; kk < ATTN_KC; kk++)
+                    _mm512_storeu_ps(w->p + kk * Mw + m0, _mm512_setzero_ps());
+                continue;
+            }
+            __m512 acc[ATTN_KC];
+            for (int kk = 0; kk < ATTN_KC; kk++) acc[kk] = _mm512_setzero_ps();
+            for (int64_t d = 0; d < D; d++) {
+                __m512 qd = _mm512_loadu_ps(qt + d * Mw + m0);
+                for (int kk = 0; kk < ATTN_KC; kk++)
+                    acc[kk] = _mm512_fmadd_ps(_mm512_set1_ps(kr[kk][d]), qd, acc[kk]);
+            }
+            __m512 mx = ninf;
+            for (int kk = 0; kk < ATTN_KC; kk++) {
+                acc[kk] = _mm512_mask_blend_ps(valid[kk], ninf, acc[kk]);
+                mx = _mm512_max_ps(mx, acc[kk]);
+            }
+            __m512 mold = _mm512_loadu_ps(w->m + m0), lv = _mm512_loadu_ps(w->l + m0);
+            __mmask16 rise = _mm512_cmp_ps_mask(mx, mold, _CMP_GT_OQ);
+            __m512 mnew = _mm512_mask_mov_ps(mold, rise, mx);
+            if (rise) {  // alpha = exp(old - new) where the max rose (0 where old was -inf)
+                __mmask16 fin = rise & _mm512_cmp_ps_mask(mold, ninf, _CMP_NEQ_OQ);
+                __m512 alpha = _mm512_mask_mov_ps(_mm512_set1_ps(1.0f), rise, _mm512_setzero_ps());
+                alpha = _mm512_mask_mov_ps(alpha, fin, attn_exp512(_mm512_sub_ps(mold, mnew)));
+                lv = _mm512_mul_ps(lv, alpha);
+                float al[16];
+                _mm512_storeu_ps(al, alpha);
+                for (int i = 0; i < 16; i++) {
+                    if (!((rise >> i) & 1)) continue;
+                    __m512 ab = _mm512_set1_ps(al[i]);
+                    float* om = w->o + (int64_t)(m0 + i) * D;
+                    for (int64_t c = 0; c < D; c += 16)
+                        _mm512_storeu_ps(om + c, _mm512_mul_ps(ab, _mm512_loadu_ps(om + c)));
+                }
+                _mm512_storeu_ps(w->m + m0, mnew);
+            }
+            for (int kk = 0; kk < ATTN_KC; kk++) {
+                __m512 pk = _mm512_maskz_mov_ps(valid[kk], attn_exp512(_mm512_sub_ps(acc[kk], mnew)));
+                lv = _mm512_add_ps(lv, pk);
+                _mm512_storeu_ps(w->p + kk * Mw + m0, pk);
+            }
+            _mm512_storeu_ps(w->l + m0, lv);
+        }
+        attn_pv_tile512(w->o, w->p, vr, D, Mw, 1, Mw);
+    }
+}
+
+typedef void (*attn_piece_fn)(const AttnArgs*, const AttnPiece*, AttnScratch*, int);
+
+// Loads piece pc's queries into the scratch and resets (O, max, sum).
+static void attn_piece_setup(const AttnArgs* a, const AttnPiece* pc, AttnScratch* w, int Mp) {
+    int64_t D = a->D, G = a->group;
+    int64_t qend = a->qsl[pc->b + 1], sl = a->seq_lens[pc->b];
+    for (int m = 0; m < Mp; m++) {
+        float* qs = w->qs + m * D;
+        w->m[m] = -INFINITY;
+        w->l[m] = 0.0f;
+        for (int64_t d = 0; d < D; d++) w->o[m * D + d] = 0.0f;
+        int64_t i, h;
+        if (!attn_query(pc, G, m, &i, &h)) {
+            w->lo[m] = 1;
+            w->hi[m] = 0;
+            for (int64_t d = 0; d < D; d++) qs[d] = 0.0f;
+            continue;
+        }
+        int64_t p = sl - (qend - i);
+        int64_t lo = a->window > 0 ? MAX(0, p - a->window + 1) : 0;
+        w->lo[m] = (int32_t)MAX(lo, pc->ks);
+        w->hi[m] = (int32_t)MIN(p, pc->ke);
+        const float* qr = a->q + (i * a->Hq + h) * D;
+        for (int64_t d = 0; d < D; d++) qs[d] = qr[d] * a->scale;
+    }
+}
+
+/* Paged attention over tiles of (sequence, KV head, query rows), parallel over pieces (dynamic
+ * schedule, longest-context tiles first), then a merge pass for split tiles. Keys are located
+ * through the block table one at a time, so blocks need not be contiguous or ordered. */
 int taper_paged_attention(float* out,                      // (T, Hq, D)
                           const float* q,                  // (T, Hq, D)
                           const float* k_cache,            // (NB, BS, Hkv, D)
@@ -924,31 +1264,165 @@ int taper_paged_attention(float* out,                      // (T, Hq, D)
             if (blk < 0 || blk >= NB) return TAPER_ERR_ARG;
         }
     }
-    int32_t* row_seq = (int32_t*)malloc((size_t)MAX(T, 1) * sizeof(int32_t));
-    if (!row_seq) return TAPER_ERR_NOMEM;
-    for (int64_t b = 0; b < B; b++)
-        for (int64_t i = query_start_loc[b]; i < query_start_loc[b + 1]; i++) row_seq[i] = (int32_t)b;
-    int64_t group = Hq / Hkv, kv_stride = Hkv * D;
+    if (T == 0) return TAPER_OK;
+    AttnArgs a = {q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                  Hq, Hkv, D, BS, MB, Hq / Hkv, sliding_window, scale};
+    int64_t G = a.group;
+    int64_t R = MAX(1, (D <= 128 ? 64 : 32) / G);  // query rows per tile (~64 queries)
+    int Mp = (int)MAX(R * G, Hkv * attn_gp(G));
+    Mp = (Mp + 15) & ~15;
+    // Tiles: a decode row (q_len 1) takes all KV heads at once, so each key's K/V rows are read as
+    // one contiguous Hkv * D run; otherwise one tile per (KV head, R rows), KV head outermost so
+    // that neighbouring tiles share K/V in cache.
+    int64_t ntiles = 0;
+    for (int64_t b = 0; b < B; b++) {
+        int64_t ql = query_start_loc[b + 1] - query_start_loc[b];
+        ntiles += ql == 1 ? 1 : (ql + R - 1) / R * Hkv;
+    }
+    AttnPiece* tiles = (AttnPiece*)malloc((size_t)ntiles * sizeof(AttnPiece));
+    if (!tiles) return TAPER_ERR_NOMEM;
+    int64_t nt = 0;
+    for (int64_t b = 0; b < B; b++) {
+        int64_t q0 = query_start_loc[b], q1 = query_start_loc[b + 1], sl = seq_lens[b];
+        for (int64_t g = 0; g < (q1 - q0 == 1 ? 1 : Hkv); g++)
+            for (int64_t i0 = q0; i0 < q1; i0 += R) {
+                AttnPiece* t = &tiles[nt++];
+                int64_t ilast = MIN(i0 + R, q1) - 1, pfirst = sl - (q1 - i0);
+                t->b = (int32_t)b;
+                t->g = (int32_t)g;
+                t->ng = q1 - q0 == 1 ? (int32_t)Hkv : 1;
+                t->i0 = (int32_t)i0;
+                t->nr = (int32_t)(ilast + 1 - i0);
+                t->ks = (int32_t)(sliding_window > 0 ? MAX(0, pfirst - sliding_window + 1) : 0);
+                t->ke = (int32_t)(sl - (q1 - ilast));
+                t->part = -1;
+            }
+    }
+    // Split-K only when the tiles alone cannot keep the threads busy: aim at 4 pieces per thread,
+    // each at least 256 keys.
+    const int64_t min_split = 256;
+    int64_t want = nthreads > 1 && ntiles < 4 * (int64_t)nthreads ? (4 * nthreads + ntiles - 1) / ntiles : 1;
+    int64_t npieces = 0, nsplit_tiles = 0;
+    for (int64_t t = 0; t < ntiles; t++) {
+        int64_t ns = MAX(1, MIN(want, (tiles[t].ke - tiles[t].ks + 1) / min_split));
+        npieces += ns;
+        nsplit_tiles += ns > 1;
+    }
+    AttnPiece* pieces = (AttnPiece*)malloc((size_t)npieces * sizeof(AttnPiece));
+    int64_t* merges = (int64_t*)malloc((size_t)MAX(nsplit_tiles, 1) * 2 * sizeof(int64_t));
+    if (!pieces || !merges) {
+        free(tiles);
+        free(pieces);
+        free(merges);
+        return TAPER_ERR_NOMEM;
+    }
+    int64_t part_stride = (int64_t)Mp * (D + 2), nparts = 0, k = 0, nm = 0;
+    for (int64_t t = 0; t < ntiles; t++) {
+        int64_t lo = tiles[t].ks, hi = tiles[t].ke;
+        int64_t ns = MAX(1, MIN(want, (hi - lo + 1) / min_split));
+        int64_t len = ((hi - lo + 1 + ns - 1) / ns + ATTN_KC - 1) / ATTN_KC * ATTN_KC;
+        if (ns > 1) {
+            merges[2 * nm] = k;
+            merges[2 * nm + 1] = ns;
+            nm++;
+        }
+        for (int64_t s = 0; s < ns; s++) {
+            AttnPiece* pc = &pieces[k++];
+            *pc = tiles[t];
+            pc->ks = (int32_t)MIN(lo + s * len, hi + 1);
+            pc->ke = (int32_t)MIN(lo + (s + 1) * len - 1, hi);
+            pc->part = ns > 1 ? (nparts++) * part_stride : -1;
+        }
+    }
+    free(tiles);
+    float* parts = nparts ? (float*)malloc((size_t)(nparts * part_stride) * sizeof(float)) : NULL;
+    if (nparts && !parts) {
+        free(pieces);
+        free(merges);
+        return TAPER_ERR_NOMEM;
+    }
+    attn_piece_fn kernel = attn_piece_generic, kernel_qt = NULL;
+#ifndef TAPER_ATTN_GENERIC_ONLY  // build with -DTAPER_ATTN_GENERIC_ONLY to test the portable path
+    if (D % 16 == 0 && taper_cpu_isa_supported(TAPER_ISA_AVX512)) {
+        kernel = attn_piece_avx512;
+        kernel_qt = attn_piece_avx512_qt;
+    }
+#endif
     int failed = 0;
-#pragma omp parallel num_threads(nthreads) if (T * Hq > 1)
+    int64_t qd = Mp * D;
+#pragma omp parallel num_threads(nthreads) if (npieces > 1)
     {
-        float* acc = (float*)malloc((size_t)D * sizeof(float));
-        if (!acc) {
+        size_t fl = (size_t)(3 * qd + Mp * ATTN_KC + D + 2 * Mp + 2 * Mp + 16);
+        float* buf = (float*)aligned_alloc(64, (fl * sizeof(float) + 63) / 64 * 64);
+        AttnScratch w;
+        if (!buf) {
 #pragma omp atomic write
             failed = 1;
+        } else {
+            w.qs = buf;
+            w.o = buf + qd;
+            w.qt = buf + 2 * qd;
+            w.p = buf + 3 * qd;
+            w.zero = w.p + Mp * ATTN_KC;
+            w.m = w.zero + D;
+            w.l = w.m + Mp;
+            w.lo = (int32_t*)(w.l + Mp);
+            w.hi = w.lo + Mp;
+            for (int64_t d = 0; d < D; d++) w.zero[d] = 0.0f;
         }
-#pragma omp for schedule(dynamic, 4)
-        for (int64_t item = 0; item < T * Hq; item++) {
-            if (!acc) continue;
-            int64_t i = item / Hq, h = item % Hq, b = row_seq[i], g = h / group;
-            int64_t p = (int64_t)seq_lens[b] - ((int64_t)query_start_loc[b + 1] - i);
-            int64_t lo = sliding_window > 0 ? MAX(0, p - sliding_window + 1) : 0;
-            attn_row(out + (i * Hq + h) * D, q + (i * Hq + h) * D, k_cache + g * D,
-                     v_cache + g * D, block_tables + b * MB, lo, p, BS, kv_stride, D, scale, acc);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t idx = 0; idx < npieces; idx++) {
+            if (!buf) continue;
+            const AttnPiece* pc = &pieces[npieces - 1 - idx];  // long contexts (last rows) first
+            int Mt = attn_slots(pc, G);
+            attn_piece_setup(&a, pc, &w, (Mt + 15) & ~15);
+            if (pc->ks <= pc->ke)
+                (Mt >= 16 && pc->ng == 1 && kernel_qt ? kernel_qt : kernel)(&a, pc, &w, Mt);
+            if (pc->part < 0) {
+                for (int m = 0; m < Mt; m++) {
+                    int64_t i, h;
+                    if (!attn_query(pc, G, m, &i, &h)) continue;
+                    float inv = 1.0f / w.l[m];
+                    float* o = out + (i * Hq + h) * D;
+                    for (int64_t d = 0; d < D; d++) o[d] = w.o[m * D + d] * inv;
+                }
+            } else {
+                float* pp = parts + pc->part;
+                memcpy(pp, w.o, (size_t)Mt * D * sizeof(float));
+                memcpy(pp + (int64_t)Mp * D, w.m, (size_t)Mt * sizeof(float));
+                memcpy(pp + (int64_t)Mp * D + Mp, w.l, (size_t)Mt * sizeof(float));
+            }
         }
-        free(acc);
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < nm; t++) {
+            const AttnPiece* p0 = &pieces[merges[2 * t]];
+            int64_t ns = merges[2 * t + 1];
+            int Mt = attn_slots(p0, G);
+            for (int m = 0; m < Mt; m++) {
+                int64_t i, h;
+                if (!attn_query(p0, G, m, &i, &h)) continue;
+                float mx = -INFINITY, lsum = 0.0f;
+                for (int64_t s = 0; s < ns; s++) mx = MAX(mx, parts[p0[s].part + (int64_t)Mp * D + m]);
+                float* o = out + (i * Hq + h) * D;
+                for (int64_t d = 0; d < D; d++) o[d] = 0.0f;
+                for (int64_t s = 0; s < ns; s++) {
+                    const float* pp = parts + p0[s].part;
+                    float ms = pp[(int64_t)Mp * D + m];
+                    if (ms == -INFINITY) continue;  // no key of this piece for this query
+                    float wgt = fast_expf(ms - mx);
+                    lsum += wgt * pp[(int64_t)Mp * D + Mp + m];
+#pragma omp simd
+                    for (int64_t d = 0; d < D; d++) o[d] += wgt * pp[m * D + d];
+                }
+                float inv = 1.0f / lsum;
+                for (int64_t d = 0; d < D; d++) o[d] *= inv;
+            }
+        }
+        free(buf);
     }
-    free(row_seq);
+    free(parts);
+    free(pieces);
+    free(merges);
     return failed ? TAPER_ERR_NOMEM : TAPER_OK;
 }
 

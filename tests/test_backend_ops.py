@@ -252,7 +252,7 @@ def make_paged_batch(rng, seqs, BS, Hq, Hkv, D, extra_blocks=5):
 
 @pytest.mark.parametrize("BS", [8, 16])
 @pytest.mark.parametrize("window", [0, 7, 16])
-@pytest.mark.parametrize("Hq,Hkv,D", [(4, 2, 16), (4, 4, 32), (6, 1, 24)])
+@pytest.mark.parametrize("Hq,Hkv,D", [(4, 2, 16), (4, 4, 32), (6, 1, 24), (6, 2, 48)])
 def test_paged_attention(be, BS, window, Hq, Hkv, D):
     rng = np.random.default_rng(BS * 100 + window * 10 + Hq + D)
     # decode at the first position, decode deep in, prefill chunk mid-sequence, full prefill
@@ -285,6 +285,26 @@ def test_paged_attention_long_context_and_bad_input(be):
     bad[0] = 10_000  # beyond the block table
     with pytest.raises(ValueError, match="paged_attention"):
         be.paged_attention(out, q, kc, vc, tables, bad, qsl, 0.125, 0)
+
+
+@pytest.mark.parametrize("nt", [1, 2, 3])
+@pytest.mark.parametrize("window", [0, 700])
+@pytest.mark.parametrize("Hq,Hkv,D,seqs", [
+    (7, 1, 64, [(2100, 1)]),             # one long decode: keys split across threads, then merged
+    (8, 2, 24, [(1500, 5)]),             # portable kernel (D % 16 != 0), 5-row prefill chunk split
+    (4, 1, 32, [(1200, 9), (40, 1)]),    # 8-row tile (queries-in-lanes kernel), causal-partial pieces
+    (14, 2, 64, [(2100, 1)]),            # decode row over all KV heads at once (group 7, padded)
+    (6, 3, 24, [(1500, 1), (900, 1)]),   # the same on the portable kernel
+])
+def test_paged_attention_split_keys(nt, window, Hq, Hkv, D, seqs):
+    rng = np.random.default_rng(nt * 1000 + window + D)
+    q, kc, vc, tables, seq_lens, qsl = make_paged_batch(rng, seqs, 16, Hq, Hkv, D)
+    q *= 3
+    out = np.full_like(q, np.nan)
+    scale = 1.0 / np.sqrt(D)
+    CpuBackend(num_threads=nt).paged_attention(out, q, kc, vc, tables, seq_lens, qsl, scale, window)
+    want = ref.paged_attention(q, kc, vc, tables, seq_lens, qsl, scale, window)
+    np.testing.assert_allclose(out, want, rtol=RTOL, atol=ATOL)
 
 
 # ---- argmax and Gumbel sampling
