@@ -37,11 +37,11 @@ cdef extern from "cpu_kernels.h" nogil:
                                const float* cos_sin_cache, int64_t T, int64_t Hq, int64_t Hkv,
                                int64_t D, int64_t rot_dim, int64_t max_pos, int is_neox,
                                int nthreads)
-    int taper_silu_and_mul(const float* x, float* out, int64_t T, int64_t inter, int nthreads)
+    int taper_silu_and_mul(int isa, const float* x, float* out, int64_t T, int64_t inter, int nthreads)
     int taper_reshape_and_cache(const float* k, const float* v, float* k_cache, float* v_cache,
                                 const int32_t* slot_mapping, int64_t T, int64_t Hkv, int64_t D,
                                 int64_t NB, int64_t BS, int nthreads)
-    int taper_paged_attention(float* out, const float* q, const float* k_cache,
+    int taper_paged_attention(int isa, float* out, const float* q, const float* k_cache,
                               const float* v_cache, const int32_t* block_tables,
                               const int32_t* seq_lens, const int32_t* query_start_loc, int64_t T,
                               int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t NB,
@@ -312,7 +312,7 @@ cdef class CpuBackend(Backend):
         cdef float* outp = <float*>_ptr(out)
         cdef int nt = self._nthreads, st
         with nogil:
-            st = taper_silu_and_mul(xp, outp, T, inter, nt)
+            st = taper_silu_and_mul(self._isa, xp, outp, T, inter, nt)
         _status(st, op, arrays)
 
     def reshape_and_cache(self, k, v, k_cache, v_cache, slot_mapping):
@@ -379,7 +379,7 @@ cdef class CpuBackend(Backend):
         cdef const int32_t* qsp = <const int32_t*>_ptr(query_start_loc)
         cdef int nt = self._nthreads, st
         with nogil:
-            st = taper_paged_attention(outp, qp, kcp, vcp, btp, slp, qsp, T, B, Hq, Hkv, D, NB,
+            st = taper_paged_attention(self._isa, outp, qp, kcp, vcp, btp, slp, qsp, T, B, Hq, Hkv, D, NB,
                                        BS, MB, sc, sw, nt)
         _status(st, op, arrays)
 

@@ -5,7 +5,9 @@
  * the build — and chosen at run time by the caller (CpuBackend reads __builtin_cpu_supports and
  * TAPER_CPU_ISA). 16-bit weights (bf16, f16) stay 16-bit in memory and are widened to f32 in
  * registers; accumulation is always f32. AMX and AVX512-BF16 are deliberately not used.
- * The other ops are plain C loops with `omp simd` hints, parallel over rows with OpenMP.
+ * Paged attention has AVX-512 tile kernels (GQA groups share K/V loads) and a portable kernel;
+ * SiLU and the portable attention are compiled per ISA from one body (ISA_VARIANTS). The other
+ * ops are plain C loops with `omp simd` hints, parallel over rows with OpenMP.
  */
 #include "cpu_kernels.h"
 
@@ -695,12 +697,18 @@ int taper_linear(int isa,
 // ----------------------------------------------------------------------------
 // ---- helpers: vectorizable exp, multiversioned row kernels
 //
-// The row kernels below are compiled three times (AVX-512, AVX2+FMA, baseline SSE2) with GCC's
-// target_clones and picked by the loader (ifunc) from the CPU's features, so `omp simd` loops use
-// the widest vectors without -march=native. libm's expf does not vectorize without -ffast-math,
+// The row kernels below are written once as an always-inline body and compiled three times
+// (AVX-512, AVX2+FMA, baseline SSE2) by ISA_VARIANTS, so `omp simd` loops use the widest vectors
+// without -march=native, and the caller's ISA choice (TAPER_CPU_ISA, CpuBackend(isa=)) picks the
+// variant exactly as it does for `linear` -- which is what lets the tests run every path. libm's expf does not vectorize without -ffast-math,
 // hence fast_expf: Cody-Waite reduction x = n ln2 + r, |r| <= ln2/2, a degree-6 Taylor polynomial
 // (truncation error < 2e-7 relative) and 2^n built in the exponent bits.
-#define MULTIVERSION __attribute__((target_clones("avx512f", "avx2,fma", "default")))
+#define ISA_VARIANTS(name, params, args)                                   \
+    AVX512_TARGET static void name##_avx512 params { name##_body args; }   \
+    AVX2_TARGET static void name##_avx2 params { name##_body args; }       \
+    static void name##_scalar params { name##_body args; }
+#define ISA_PICK(name, isa) \
+    ((isa) == TAPER_ISA_AVX512 ? name##_avx512 : (isa) == TAPER_ISA_AVX2 ? name##_avx2 : name##_scalar)
 
 INLINE float fast_expf(float x) {
     x = x < -87.0f ? -87.0f : x;  // also maps -inf to ~1.6e-38 (never a NaN)
@@ -763,17 +771,20 @@ int taper_fused_add_rms_norm(float* x,             // (T, H)
 }
 
 /* SwiGLU gate: out = silu(gate) * up with gate = x[:, :I], up = x[:, I:]. */
-MULTIVERSION static void silu_row(const float* g,  // (I,) gate; up follows at g + I
-                                  float* o,        // (I,)
-                                  int64_t inter) {
+INLINE void silu_row_body(const float* g,  // (I,) gate; up follows at g + I
+                          float* o,        // (I,)
+                          int64_t inter) {
     const float* u = g + inter;
 #pragma omp simd
     for (int64_t i = 0; i < inter; i++) o[i] = g[i] / (1.0f + fast_expf(-g[i])) * u[i];
 }
+ISA_VARIANTS(silu_row, (const float* g, float* o, int64_t inter), (g, o, inter))
 
-int taper_silu_and_mul(const float* x,  // (T, 2I)
+int taper_silu_and_mul(int isa,
+                       const float* x,  // (T, 2I)
                        float* out,      // (T, I)
                        int64_t T, int64_t inter, int nthreads) {
+    void (*silu_row)(const float*, float*, int64_t) = ISA_PICK(silu_row, isa);
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (T * inter > 16384)
     for (int64_t t = 0; t < T; t++) silu_row(x + t * 2 * inter, out + t * inter, inter);
     return TAPER_OK;
@@ -855,7 +866,7 @@ int taper_reshape_and_cache(const float* k,               // (T, Hkv, D)
  *    lanes, a GEMM-like 16 x 16 score block per chunk from broadcast K elements, softmax vertical;
  *  - attn_piece_avx512 (AVX-512, smaller tiles: decode): per query 16 dot-product accumulators
  *    (lanes = d) folded by one transpose-add into a vector of 16 key scores;
- *  - attn_piece_generic (any ISA via target_clones, any D; also D % 16 != 0).
+ *  - attn_piece_generic (any ISA via ISA_VARIANTS, any D; also D % 16 != 0).
  * Lanes of a chunk past the piece's last key point at a zero row, so nothing outside the
  * sequence's table and positions is ever read (unused blocks may hold NaN); masked probabilities
  * are exactly 0. When there are too few tiles to occupy the threads (one long decode sequence), a
@@ -959,8 +970,8 @@ INLINE void attn_softmax_scalar(float* s, float* p, float* o, float* m, float* l
 }
 
 /* Portable piece kernel (any D): per query a dot product per key, then O += p v per key. */
-MULTIVERSION static void attn_piece_generic(const AttnArgs* a, const AttnPiece* pc, AttnScratch* w,
-                                            int M) {
+INLINE void attn_piece_generic_body(const AttnArgs* a, const AttnPiece* pc, AttnScratch* w,
+                                   int M) {
     const int32_t* bt = a->block_tables + (int64_t)pc->b * a->MB;
     int64_t D = a->D;
     const float *kr[ATTN_KC], *vr[ATTN_KC];
@@ -999,6 +1010,8 @@ MULTIVERSION static void attn_piece_generic(const AttnArgs* a, const AttnPiece* 
         }
     }
 }
+ISA_VARIANTS(attn_piece_generic,
+             (const AttnArgs* a, const AttnPiece* pc, AttnScratch* w, int M), (a, pc, w, M))
 
 AVX512_TARGET INLINE __m512 attn_exp512(__m512 x) {  // fast_expf, 16 lanes
     x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
@@ -1242,7 +1255,8 @@ static void attn_piece_setup(const AttnArgs* a, const AttnPiece* pc, AttnScratch
 /* Paged attention over tiles of (sequence, KV head, query rows), parallel over pieces (dynamic
  * schedule, longest-context tiles first), then a merge pass for split tiles. Keys are located
  * through the block table one at a time, so blocks need not be contiguous or ordered. */
-int taper_paged_attention(float* out,                      // (T, Hq, D)
+int taper_paged_attention(int isa,
+                          float* out,                      // (T, Hq, D)
                           const float* q,                  // (T, Hq, D)
                           const float* k_cache,            // (NB, BS, Hkv, D)
                           const float* v_cache,            // (NB, BS, Hkv, D)
@@ -1341,13 +1355,11 @@ int taper_paged_attention(float* out,                      // (T, Hq, D)
         free(merges);
         return TAPER_ERR_NOMEM;
     }
-    attn_piece_fn kernel = attn_piece_generic, kernel_qt = NULL;
-#ifndef TAPER_ATTN_GENERIC_ONLY  // build with -DTAPER_ATTN_GENERIC_ONLY to test the portable path
-    if (D % 16 == 0 && taper_cpu_isa_supported(TAPER_ISA_AVX512)) {
+    attn_piece_fn kernel = ISA_PICK(attn_piece_generic, isa), kernel_qt = NULL;
+    if (D % 16 == 0 && isa == TAPER_ISA_AVX512) {
         kernel = attn_piece_avx512;
         kernel_qt = attn_piece_avx512_qt;
     }
-#endif
     int failed = 0;
     int64_t qd = Mp * D;
 #pragma omp parallel num_threads(nthreads) if (npieces > 1)

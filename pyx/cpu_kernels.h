@@ -62,7 +62,8 @@ int taper_rotary_embedding(const int32_t* positions,     // (T,)
                            int64_t T, int64_t Hq, int64_t Hkv, int64_t D, int64_t rot_dim,
                            int64_t max_pos, int is_neox, int nthreads);
 
-int taper_silu_and_mul(const float* x,  // (T, 2I)
+int taper_silu_and_mul(int isa,
+                       const float* x,  // (T, 2I)
                        float* out,      // (T, I)
                        int64_t T, int64_t inter, int nthreads);
 
@@ -74,7 +75,8 @@ int taper_reshape_and_cache(const float* k,              // (T, Hkv, D)
                             int64_t T, int64_t Hkv, int64_t D, int64_t NB, int64_t BS,
                             int nthreads);
 
-int taper_paged_attention(float* out,                    // (T, Hq, D)
+int taper_paged_attention(int isa,
+                          float* out,                    // (T, Hq, D)
                           const float* q,                // (T, Hq, D)
                           const float* k_cache,          // (NB, BS, Hkv, D)
                           const float* v_cache,          // (NB, BS, Hkv, D)

@@ -150,8 +150,10 @@ def test_fused_add_rms_norm(be, T, H):
     np.testing.assert_allclose(x, want_x, rtol=RTOL, atol=ATOL)
 
 
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("T,inter", [(1, 13), (9, 128), (40, 700)])
-def test_silu_and_mul(be, T, inter):
+def test_silu_and_mul(isa, T, inter):
+    be = backend_for(isa)
     rng = np.random.default_rng(inter)
     x = (rng.standard_normal((T, 2 * inter)) * 4).astype(np.float32)
     out = np.empty((T, inter), np.float32)
@@ -253,7 +255,9 @@ def make_paged_batch(rng, seqs, BS, Hq, Hkv, D, extra_blocks=5):
 @pytest.mark.parametrize("BS", [8, 16])
 @pytest.mark.parametrize("window", [0, 7, 16])
 @pytest.mark.parametrize("Hq,Hkv,D", [(4, 2, 16), (4, 4, 32), (6, 1, 24), (6, 2, 48)])
-def test_paged_attention(be, BS, window, Hq, Hkv, D):
+@pytest.mark.parametrize("isa", ISAS)
+def test_paged_attention(isa, BS, window, Hq, Hkv, D):
+    be = backend_for(isa)
     rng = np.random.default_rng(BS * 100 + window * 10 + Hq + D)
     # decode at the first position, decode deep in, prefill chunk mid-sequence, full prefill
     seqs = [(1, 1), (37, 1), (50, 13), (20, 20), (70, 2)]
@@ -296,13 +300,16 @@ def test_paged_attention_long_context_and_bad_input(be):
     (14, 2, 64, [(2100, 1)]),            # decode row over all KV heads at once (group 7, padded)
     (6, 3, 24, [(1500, 1), (900, 1)]),   # the same on the portable kernel
 ])
-def test_paged_attention_split_keys(nt, window, Hq, Hkv, D, seqs):
+@pytest.mark.parametrize("isa", ISAS)
+def test_paged_attention_split_keys(isa, nt, window, Hq, Hkv, D, seqs):
+    backend_for(isa)
     rng = np.random.default_rng(nt * 1000 + window + D)
     q, kc, vc, tables, seq_lens, qsl = make_paged_batch(rng, seqs, 16, Hq, Hkv, D)
     q *= 3
     out = np.full_like(q, np.nan)
     scale = 1.0 / np.sqrt(D)
-    CpuBackend(num_threads=nt).paged_attention(out, q, kc, vc, tables, seq_lens, qsl, scale, window)
+    CpuBackend(isa=isa, num_threads=nt).paged_attention(out, q, kc, vc, tables, seq_lens, qsl, scale,
+                                                         window)
     want = ref.paged_attention(q, kc, vc, tables, seq_lens, qsl, scale, window)
     np.testing.assert_allclose(out, want, rtol=RTOL, atol=ATOL)
 
