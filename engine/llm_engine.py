@@ -130,10 +130,13 @@ class LLMEngine:
         self.scheduler.update(sched)
         return [self._append(seq, int(token)) for seq, token in zip(sampled, tokens)]
 
-    def _finish_with_error(self, seq: Sequence, error: Exception) -> RequestOutput:
-        self.scheduler.finish(seq, "error")
+    def _finish(self, seq: Sequence, reason: str):
+        self.scheduler.finish(seq, reason)
         self.detokenizers.pop(seq.request_id, None)
         self.requests.pop(seq.request_id, None)
+
+    def _finish_with_error(self, seq: Sequence, error: Exception) -> RequestOutput:
+        self._finish(seq, "error")
         return RequestOutput(seq.request_id, finished=True, finish_reason="error",
                              error=f"{type(error).__name__}: {error}",
                              num_prompt_tokens=seq.num_prompt_tokens,
@@ -159,9 +162,7 @@ class LLMEngine:
             reason = "length"
         finished = reason is not None
         if finished:
-            self.scheduler.finish(seq, reason)
-            self.detokenizers.pop(seq.request_id, None)
-            self.requests.pop(seq.request_id, None)
+            self._finish(seq, reason)
             if detok is not None:
                 text_delta += detok.flush() if stop_string is None else ""
         # The whole output is filled in once, at the end (copying it every token is quadratic).
