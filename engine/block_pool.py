@@ -87,7 +87,7 @@ class BlockPool:
 
     def get_computed_blocks(self, seq: Sequence) -> tuple[list[Block], int]:
         """The longest chain of cached blocks matching seq's tokens, and the tokens they hold.
-        A pure lookup apart from the hit/query counters; `allocate_slots` takes the blocks."""
+        A pure lookup: `allocate_slots` takes the blocks, `record_lookup` counts an admission."""
         if not self.enable_prefix_caching or seq.sampling_params.prompt_logprobs is not None:
             return [], 0    # prompt logprobs need every prompt token's logits
         max_blocks = (seq.num_tokens - 1) // self.block_size
@@ -97,10 +97,13 @@ class BlockPool:
             if block is None:
                 break
             blocks.append(block)
-        num_cached_tokens = len(blocks) * self.block_size
-        self.prefix_cache_queries += seq.num_tokens
-        self.prefix_cache_hits += num_cached_tokens
-        return blocks, num_cached_tokens
+        return blocks, len(blocks) * self.block_size
+
+    def record_lookup(self, seq: Sequence, num_cached_tokens: int):
+        """Count one admitted sequence's lookup (a sequence waiting for room is counted once)."""
+        if self.enable_prefix_caching and seq.sampling_params.prompt_logprobs is None:
+            self.prefix_cache_queries += seq.num_tokens
+            self.prefix_cache_hits += num_cached_tokens
 
     def cache_full_blocks(self, seq: Sequence):
         """Register the blocks that became full and computed since the last call. A hash already

@@ -125,6 +125,7 @@ class Scheduler:
             n = self._num_new_tokens(seq, seq.num_computed_tokens + num_cached, budget)
             if n <= 0 or not pool.allocate_slots(seq, n, computed_blocks):
                 break
+            pool.record_lookup(seq, num_cached)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)

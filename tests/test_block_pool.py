@@ -193,11 +193,14 @@ def test_hit_and_query_counters():
     pool = BlockPool(8, BS)
     a = Sequence(list(range(10)))
     assert pool.get_computed_blocks(a) == ([], 0)
+    assert (pool.prefix_cache_queries, pool.prefix_cache_hits) == (0, 0)  # a lookup alone
+    pool.record_lookup(a, 0)
     assert (pool.prefix_cache_queries, pool.prefix_cache_hits) == (10, 0)
     computed(pool, a, 10)
     b = Sequence(list(range(9)) + [77, 78])
     blocks, num_cached = pool.get_computed_blocks(b)
     assert num_cached == 8
+    pool.record_lookup(b, num_cached)
     assert (pool.prefix_cache_queries, pool.prefix_cache_hits) == (21, 8)
 
 

@@ -247,3 +247,18 @@ def test_one_token_prompt_remainder_is_not_a_decode():
     assert ids(out.seqs) == ["a", "c"] and out.num_new_tokens == [1, 1]
     assert out.is_decode == [True, False] and out.sample == [True, True]
     assert (out.num_decodes, out.num_prefills) == (1, 1)
+
+
+def test_a_sequence_waiting_for_room_is_counted_once_in_prefix_stats():
+    sched = make(3, prefix_caching=True)          # 48 token slots
+    a, b = seq(40, 0, "a"), seq(20, 500, "b")
+    sched.add(a)
+    sched.add(b)
+    for _ in range(3):                            # b does not fit while a runs
+        out = step(sched)
+        assert ids(out.seqs) == ["a"]
+    pool = sched.block_pool
+    assert (pool.prefix_cache_queries, pool.prefix_cache_hits) == (40, 0)
+    sched.finish(a, "stop")
+    assert ids(step(sched).seqs) == ["b"]
+    assert (pool.prefix_cache_queries, pool.prefix_cache_hits) == (60, 0)
