@@ -121,7 +121,7 @@ class LLMEngine:
         if not sched.seqs:
             return []
         try:
-            logits = self.runner.execute(sched.seqs, sched.num_new_tokens)
+            logits = self.runner.execute(sched)
             sampled = [seq for seq, last in zip(sched.seqs, sched.sample) if last]
             tokens = self.sampler.sample(logits, sampled, self.eos_token_ids) if sampled else []
         except Exception as e:  # fail this step's requests, keep serving the others

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from engine.forward_batch import ForwardBatch
-from engine.sequence import Sequence
+from engine.scheduler import SchedulerOutput
 
 
 class ModelRunner:
@@ -24,9 +24,10 @@ class ModelRunner:
         per_token = 2 * model_config.num_key_value_heads * model_config.head_dim * 4  # K+V, f32
         return per_token * block_size * model_config.num_hidden_layers
 
-    def prepare(self, seqs: list[Sequence], num_new_tokens: list[int]) -> ForwardBatch:
-        """Each sequence computes tokens [num_computed, num_computed + n); it is sampled when that
-        reaches its last token."""
+    def prepare(self, sched: SchedulerOutput) -> ForwardBatch:
+        """Each sequence computes tokens [num_computed, num_computed + n); the scheduler marks
+        those that reach their last token, whose last row is sampled."""
+        seqs, num_new_tokens = sched.seqs, sched.num_new_tokens
         bs = self.block_size
         total = sum(num_new_tokens)
         token_ids = np.empty(total, np.int32)
@@ -38,7 +39,7 @@ class ModelRunner:
         block_tables = np.zeros((len(seqs), max_blocks), np.int32)
         logits_indices = []
         row = 0
-        for i, (seq, n) in enumerate(zip(seqs, num_new_tokens)):
+        for i, (seq, n, sample) in enumerate(zip(seqs, num_new_tokens, sched.sample)):
             start = seq.num_computed_tokens
             pos = np.arange(start, start + n, dtype=np.int32)
             table = np.asarray(seq.block_table, np.int32)
@@ -49,14 +50,14 @@ class ModelRunner:
             seq_lens[i] = start + n
             row += n
             query_start_loc[i + 1] = row
-            if start + n == seq.num_tokens:
+            if sample:
                 logits_indices.append(row - 1)
         return ForwardBatch(token_ids, positions, slot_mapping, query_start_loc, seq_lens,
                             block_tables, np.asarray(logits_indices, np.int32))
 
-    def execute(self, seqs: list[Sequence], num_new_tokens: list[int]):
-        """One forward call; returns the logits (S, V) of the sequences that reach their end."""
-        batch = self.prepare(seqs, num_new_tokens)
+    def execute(self, sched: SchedulerOutput):
+        """One forward call; returns the logits (S, V) of the sequences that sample this step."""
+        batch = self.prepare(sched)
         self.num_forward_calls += 1
         self.num_forward_tokens += batch.num_tokens
         return self.model.forward(batch, self.kv_caches)

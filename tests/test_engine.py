@@ -49,7 +49,8 @@ class StressRunner:
         self.steps = []  # (rows in the forward call, scheduled tokens, has decode, has prefill chunk)
         execute = runner.execute
 
-        def stressed_execute(seqs, num_new_tokens):
+        def stressed_execute(sched):
+            seqs, num_new_tokens = sched.seqs, sched.num_new_tokens
             live = {b for seq in seqs for b in seq.block_table}
             live |= {block.block_id for block in block_pool.cached_blocks.values()}
             dead = np.array(sorted(set(range(runner.num_blocks)) - live), dtype=np.int64)
@@ -57,7 +58,7 @@ class StressRunner:
                 k[dead] = np.nan
                 v[dead] = np.nan
             calls = runner.num_forward_calls
-            logits = execute(seqs, num_new_tokens)
+            logits = execute(sched)
             assert runner.num_forward_calls == calls + 1
             decode = any(n == 1 and s.num_computed_tokens >= s.num_prompt_tokens
                          for s, n in zip(seqs, num_new_tokens))
@@ -191,7 +192,7 @@ def test_failed_step_fails_only_its_requests(model_dir, prompts, reference):
     engine = llm.engine
     execute = engine.runner.execute
 
-    def broken_execute(seqs, num_new_tokens):
+    def broken_execute(sched):
         engine.runner.execute = execute  # fail once
         raise RuntimeError("kernel exploded")
 
