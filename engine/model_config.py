@@ -172,7 +172,7 @@ def parse_rope(cfg: dict, head_dim: int, max_pos: int,
     rope_type = params.get("rope_type", params.get("type", "default"))
     partial = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) or 1.0
     rope = RopeConfig(rope_type=rope_type, theta=theta, rot_dim=int(head_dim * partial))
-    if rope_type in ("llama3", "yarn", "longrope"):
+    if rope_type in ("llama3", "yarn"):
         # A top-level original_max_position_embeddings takes priority (transformers, Phi3 case).
         rope.original_max_position_embeddings = int(
             cfg.get("original_max_position_embeddings")
