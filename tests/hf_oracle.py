@@ -34,8 +34,9 @@ def hf_greedy(model, prompt: list[int], n: int):
     return tokens, n if trusted is None else trusted, first
 
 
-def assert_matches(actual: list[int], reference, min_trusted: int = 4):
+def assert_matches(actual: list[int], reference, min_trusted: int = 4, label: str = ""):
     """actual equals the reference's tokens up to its first near-tie."""
     tokens, trusted = reference[:2]
-    assert trusted >= min_trusted, f"reference near-tie too early ({trusted}); change the seed"
-    assert actual[:trusted] == tokens[:trusted], (actual, tokens, trusted)
+    assert trusted >= min_trusted, f"{label}: reference near-tie at token {trusted}; change the seed"
+    assert actual[:trusted] == tokens[:trusted], \
+        f"{label}: taper {actual} vs hf {tokens} (trusted {trusted})"
