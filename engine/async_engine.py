@@ -16,7 +16,8 @@ from typing import AsyncIterator
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, generation_config_defaults
+from engine.stats import EngineStats
 
 log = logging.getLogger("taper.engine")
 
@@ -27,9 +28,8 @@ class AsyncEngine:
         self.tokenizer = self.engine.tokenizer
         self.model_config = self.engine.model_config
         self.max_model_len = self.engine.max_model_len
-        # A local directory is served under its folder name, a hub id under the id.
-        self.model_name = (os.path.basename(os.path.normpath(config.model))
-                           if os.path.isdir(config.model) else config.model)
+        self.model_name = default_model_name(config.model)
+        self.generation_defaults = generation_config_defaults(self.engine.model_dir)
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopping = False
@@ -77,6 +77,25 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
 
+    def abort_all(self) -> None:
+        """Abort every request: their streams end with finish_reason "abort"."""
+        self._commands.put(("abort_all",))
+
+    @property
+    def num_open_requests(self) -> int:
+        """Requests whose stream is still being read."""
+        return sum(1 for loop, _ in list(self._streams.values()) if loop is not None)
+
+    def stats(self) -> EngineStats:
+        """Read from another thread: each field is a plain read of engine state, so a
+        snapshot taken mid-step can be off by that step, never torn."""
+        return self.engine.stats()
+
+    def num_queued_requests(self) -> int:
+        """Requests not yet running: the scheduler's waiting queue plus those still on their
+        way to it."""
+        return self.engine.scheduler.num_waiting + self._commands.qsize()
+
     def shutdown(self) -> None:
         self._stopping = True
         self._commands.put(("stop",))
@@ -96,6 +115,9 @@ class AsyncEngine:
                 self.engine.add_request(request_id, prompt, params)
             except Exception as e:  # refused: this request fails, the engine goes on
                 self._deliver(request_id, e)
+        elif command[0] == "abort_all":
+            for request_id in list(self.engine.requests):
+                self._handle(("abort", request_id))
         elif command[0] == "abort":
             request_id = command[1]
             if self.engine.abort(request_id):
@@ -125,3 +147,8 @@ class AsyncEngine:
             self.error = e
             for request_id in list(self._streams):
                 self._deliver(request_id, RuntimeError(f"engine loop failed: {e}"))
+
+
+def default_model_name(model: str) -> str:
+    """A local directory is served under its folder name, a hub id under the id."""
+    return os.path.basename(os.path.normpath(model)) if os.path.isdir(model) else model

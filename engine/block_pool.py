@@ -39,7 +39,8 @@ def hash_block(parent_hash: int | None, token_ids: SequenceLike[int]) -> int:
 
 class BlockPool:
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 max_cached_blocks: int | None = None):
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be at least 1, got {num_blocks}")
         if block_size < 1:
@@ -47,6 +48,7 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.max_cached_blocks = max_cached_blocks          # None: as many as the pool holds
         self.blocks = [Block(i) for i in range(num_blocks)]
         # head = next to hand out (least recently freed); OrderedDict gives O(1) pop/remove/append
         self.free_queue: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
@@ -118,9 +120,23 @@ class BlockPool:
         for i in range(start, end):
             block = self.blocks[seq.block_table[i]]
             if block.block_hash is None and hashes[i] not in self.cached_blocks:
+                if not self._room_to_cache():
+                    break
                 block.block_hash = hashes[i]
                 self.cached_blocks[hashes[i]] = block
         self._num_hashed_blocks[seq.seq_id] = end
+
+    def _room_to_cache(self) -> bool:
+        """Below the cap on hashed blocks, or made so by evicting the least recently freed
+        unreferenced cached block. Blocks in use are never evicted."""
+        if self.max_cached_blocks is None or len(self.cached_blocks) < self.max_cached_blocks:
+            return True
+        victim = next((b for b in self.free_queue.values() if b.block_hash is not None), None)
+        if victim is None:
+            return False
+        del self.cached_blocks[victim.block_hash]
+        victim.block_hash = None
+        return True
 
     def reset_prefix_cache(self):
         """Forget every hash (blocks in use stay allocated; they just stop being shareable)."""

@@ -10,12 +10,15 @@ class EngineConfig:
     dtype: str = "auto"                  # auto (the checkpoint's) | f32 | bf16 | f16
     backend: str = "cpu"
     block_size: int = 16                 # tokens per KV block, a power of two in [8, 128]
-    num_kv_blocks: int | None = None     # explicit pool size; else from kv_cache_memory_mb
-    kv_cache_memory_mb: int = 1024
+    num_kv_blocks: int | None = None     # explicit pool size; else from the two below
+    kv_cache_memory_mb: int | None = None  # KV pool size in MB; wins over kv_fraction
+    kv_fraction: float | None = None     # else this fraction of the memory free after loading
+    kv_cache_dtype: str = "auto"         # auto: the backend's (f32 on CPU)
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048   # per-step token budget
     prefill_chunk_size: int = 0          # max prompt tokens per sequence per step; 0 = budget only
     enable_prefix_caching: bool = True
+    prefix_cache_max_tokens: int | None = None  # most tokens the prefix cache keeps hashed
     max_model_len: int | None = None     # default: the model's max_position_embeddings
     yarn_scaling_factor: float | None = None
     tokenizer: str | None = None         # default: the model directory
@@ -29,5 +32,13 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
+        if self.kv_cache_memory_mb is not None and self.kv_cache_memory_mb < 1:
+            raise ValueError("kv_cache_memory_mb must be at least 1")
+        if self.kv_fraction is not None and not 0.0 < self.kv_fraction <= 1.0:
+            raise ValueError(f"kv_fraction must be in (0, 1], got {self.kv_fraction}")
+        if self.kv_cache_dtype not in ("auto", "bf16", "fp8"):
+            raise ValueError(f"kv_cache_dtype must be auto, bf16 or fp8, got {self.kv_cache_dtype!r}")
+        if self.prefix_cache_max_tokens is not None and self.prefix_cache_max_tokens < 0:
+            raise ValueError("prefix_cache_max_tokens must be >= 0")
         if self.prefill_chunk_size < 0:
             raise ValueError("prefill_chunk_size must be >= 0 (0 = off)")

@@ -12,6 +12,7 @@ from engine.block_pool import BlockPool
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.loader.hub import resolve_model
+from engine.loader.safetensors import mem_available_bytes
 from engine.model_runner import ModelRunner
 from engine.models.registry import load_model
 from engine.outputs import RequestOutput
@@ -19,6 +20,7 @@ from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
+from engine.stats import EngineStats
 from engine.tokenizer import Tokenizer
 
 log = logging.getLogger("taper.engine")
@@ -46,12 +48,11 @@ class LLMEngine:
         if self.tokenizer is not None:
             self.eos_token_ids |= self.tokenizer.eos_token_ids
 
-        num_blocks = config.num_kv_blocks or (
-            config.kv_cache_memory_mb * 2**20
-            // ModelRunner.kv_bytes_per_block(self.model_config, config.block_size))
-        if num_blocks < 1:
-            raise ValueError(f"the KV cache budget ({config.kv_cache_memory_mb} MB) holds no block")
-        self.block_pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching)
+        num_blocks = config.num_kv_blocks or self._num_kv_blocks()
+        max_cached = (None if config.prefix_cache_max_tokens is None
+                      else config.prefix_cache_max_tokens // config.block_size)
+        self.block_pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching,
+                                    max_cached_blocks=max_cached)
         self.max_model_len = self._max_model_len(num_blocks * config.block_size)
         self.scheduler = Scheduler(config, self.block_pool)
         self.runner = ModelRunner(self.model, self.model_config, self.backend, config.block_size,
@@ -60,8 +61,33 @@ class LLMEngine:
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.requests: dict[str, Sequence] = {}      # unfinished requests by id
         self.rng = random.Random(config.seed)        # seeds for requests that bring none
+        self.num_prompt_tokens = 0                   # counters for EngineStats
+        self.num_generation_tokens = 0
         log.info("KV cache: %d blocks of %d tokens; max model length %d", num_blocks,
                  config.block_size, self.max_model_len)
+
+    def _num_kv_blocks(self) -> int:
+        """Blocks in the KV budget: --mem MB, else --kv-fraction of the memory left after loading
+        the weights, else 1 GiB."""
+        config = self.config
+        if config.kv_cache_dtype != "auto":
+            raise ValueError(f"a {config.kv_cache_dtype} KV cache is not yet supported on the "
+                             f"{config.backend} backend (its KV cache is f32)")
+        if config.kv_cache_memory_mb is not None:
+            budget, what = config.kv_cache_memory_mb * 2**20, f"{config.kv_cache_memory_mb} MB"
+        elif config.kv_fraction is not None:
+            available = mem_available_bytes()
+            if available is None:
+                raise ValueError("--kv-fraction needs to know the free memory, which this system "
+                                 "does not report; give --mem in MB instead")
+            budget = int(available * config.kv_fraction)
+            what = f"{config.kv_fraction:g} of {available / 2**30:.1f} GiB free"
+        else:
+            budget, what = 1024 * 2**20, "the default 1024 MB"
+        num_blocks = budget // ModelRunner.kv_bytes_per_block(self.model_config, config.block_size)
+        if num_blocks < 1:
+            raise ValueError(f"the KV cache budget ({what}) holds no block")
+        return num_blocks
 
     def _max_model_len(self, pool_tokens: int) -> int:
         model_max = self.model_config.max_model_len
@@ -114,6 +140,15 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def stats(self) -> EngineStats:
+        pool, sched = self.block_pool, self.scheduler
+        return EngineStats(
+            num_requests_running=sched.num_running, num_requests_waiting=sched.num_waiting,
+            num_kv_blocks=pool.num_blocks, num_free_kv_blocks=pool.num_free_blocks,
+            prefix_cache_queries=pool.prefix_cache_queries,
+            prefix_cache_hits=pool.prefix_cache_hits, num_preemptions=sched.num_preemptions,
+            prompt_tokens=self.num_prompt_tokens, generation_tokens=self.num_generation_tokens)
+
     # ---- one step
 
     def step(self) -> list[RequestOutput]:
@@ -144,6 +179,9 @@ class LLMEngine:
 
     def _append(self, seq: Sequence, token: int) -> RequestOutput:
         seq.append_token(token)
+        self.num_generation_tokens += 1
+        if seq.num_output_tokens == 1:
+            self.num_prompt_tokens += seq.num_prompt_tokens
         params = seq.sampling_params
         text_delta, stop_string = "", None
         detok = self.detokenizers.get(seq.request_id)

@@ -1,7 +1,12 @@
 """Per-request sampling parameters, with vLLM's names and meanings (DESIGN.md section 5)."""
 from __future__ import annotations
 
+import json
+import logging
+import os
 from dataclasses import dataclass, field
+
+log = logging.getLogger("taper.engine")
 
 
 @dataclass(slots=True)
@@ -55,3 +60,30 @@ class SamplingParams:
     def _check(param: str, ok: bool, message: str):
         if not ok:
             raise ValueError(f"{param} {message}")
+
+
+# generation_config.json keys that become default sampling parameters (as vLLM reads them).
+_GENERATION_CONFIG_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def generation_config_defaults(model_dir: str) -> dict:
+    """The checkpoint's recommended sampling parameters from generation_config.json; requests
+    and server flags override them. An unreadable file is logged and ignored."""
+    path = os.path.join(model_dir, "generation_config.json")
+    if not os.path.isfile(path):
+        return {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            cfg = json.load(f)
+    except (OSError, ValueError) as e:
+        log.warning("ignoring %s: %s", path, e)
+        return {}
+    out = {k: cfg[k] for k in _GENERATION_CONFIG_KEYS if isinstance(cfg.get(k), (int, float))}
+    try:
+        SamplingParams(**out)
+    except ValueError as e:
+        log.warning("ignoring the sampling parameters of %s: %s", path, e)
+        return {}
+    if out:
+        log.info("default sampling parameters from generation_config.json: %s", out)
+    return out

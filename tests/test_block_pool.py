@@ -312,3 +312,22 @@ def test_shuffle_accepts_numpy_generator():
     pool = BlockPool(8, BS)
     pool.shuffle_free_blocks(np.random.default_rng(3))
     assert sorted(free_order(pool)) == list(range(8)) and free_order(pool) != list(range(8))
+
+
+def test_prefix_cache_cap_evicts_least_recently_freed_and_never_blocks_in_use():
+    pool = BlockPool(10, BS, max_cached_blocks=2)
+    a = Sequence(list(range(9)))                 # 2 full blocks + 1 token
+    computed(pool, a, 9)
+    assert cached_ids(pool) == a.block_table[:2]
+    b = Sequence(list(range(100, 109)))
+    computed(pool, b, 9)                         # cap reached, a's blocks are in use: not cached
+    assert cached_ids(pool) == a.block_table[:2]
+    pool.free(a)                                 # a's cached blocks become evictable
+    c = Sequence(list(range(200, 209)))
+    computed(pool, c, 9)
+    assert len(pool.cached_blocks) == 2 and cached_ids(pool) == sorted(c.block_table[:2])
+    # uncapped, all three prefixes stay cached: the cap is what evicted a's
+    pool = BlockPool(10, BS)
+    for seq in (Sequence(list(range(9))), Sequence(list(range(100, 109)))):
+        computed(pool, seq, 9)
+    assert len(pool.cached_blocks) == 4
