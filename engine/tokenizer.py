@@ -4,6 +4,10 @@ Completions tokenize as the tokenizer does by default (BOS where it adds one). C
 template to text, then tokenizes that text with add_special_tokens=False: the template already
 writes BOS, so adding it again would double it.
 
+Message text cannot forge a turn: special-token strings (`<|im_end|>`) inside messages, tools or
+template kwargs tokenize as plain text, while the special tokens the template writes stay single
+ids (`encode_chat`). Conversations without such strings tokenize exactly as described above.
+
 Decoding goes straight to the Rust tokenizer (`backend_tokenizer.decode`), never through
 transformers' Python `decode`: it is several times faster (the incremental detokenizer calls it
 twice per generated token) and it never runs `clean_up_tokenization_spaces`, which would rewrite
@@ -12,11 +16,19 @@ text already streamed to a client.
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
+import secrets
+import threading
+
+from tokenizers import AddedToken, Tokenizer as RustTokenizer
 
 # Not `from transformers import AutoTokenizer`: that pulls in transformers' configuration module,
 # which imports torch whenever torch is installed (seconds of import, and its own thread pools).
 from transformers import PreTrainedTokenizerFast
+
+log = logging.getLogger("taper.tokenizer")
 
 
 class Tokenizer:
@@ -33,6 +45,13 @@ class Tokenizer:
         for tid, tok in hf_tokenizer.added_tokens_decoder.items():
             if tok.special:
                 self.all_special_ids.add(int(tid))
+        # Special added tokens as the Rust tokenizer matches them (content and flags), for
+        # encode_chat's guard against special-token strings in message text.
+        self._specials: dict[int, AddedToken] = {
+            int(i): t for i, t in self._rust.get_added_tokens_decoder().items() if t.special}
+        self._special_re = _literal_re(t.content for t in self._specials.values())
+        self._guard: _TextGuard | None = None   # built on the first conversation that needs it
+        self._guard_lock = threading.Lock()
 
     @classmethod
     def from_pretrained(cls, path: str, local_files_only: bool = True, **kwargs) -> "Tokenizer":
@@ -108,10 +127,36 @@ class Tokenizer:
     def encode_chat(self, messages: list[dict], tools: list[dict] | None = None,
                     enable_thinking: bool | None = None, add_generation_prompt: bool = True,
                     chat_template: str | None = None, **kwargs) -> list[int]:
-        text = self.apply_chat_template(messages, tools=tools, enable_thinking=enable_thinking,
-                                        add_generation_prompt=add_generation_prompt,
-                                        chat_template=chat_template, **kwargs)
-        return self.encode(text, add_special_tokens=False)
+        """Render and tokenize a conversation. Special-token strings in the client's text
+        (messages, their names and tool calls, tools, template kwargs) tokenize as plain text;
+        only the template's own special tokens become special ids.
+
+        Without such strings (the fast path) this is exactly `encode(apply_chat_template(...),
+        add_special_tokens=False)`, i.e. transformers' `apply_chat_template(tokenize=True)`.
+        With them, each one is replaced by a private marker before rendering; the rendered text
+        is then encoded once by a private copy of the Rust tokenizer that reads special-token
+        strings as text, in which each special token the template wrote is swapped for a sentinel
+        added token (same lstrip/rstrip/single_word/normalized flags) that maps back to its id.
+        One encode over the whole text keeps the template's split structure, so Metaspace
+        `prepend_scheme="first"` (only the split at offset 0 gets the "▁" prefix) and per-split
+        normalizers behave as in the fast path; only the client's text differs: it is no longer
+        cut at the special-token strings it contains."""
+        render = dict(enable_thinking=enable_thinking, add_generation_prompt=add_generation_prompt,
+                      chat_template=chat_template)
+        if self._special_re is None or not _has_match(self._special_re, (messages, tools, kwargs)):
+            text = self.apply_chat_template(messages, tools=tools, **render, **kwargs)
+            return self.encode(text, add_special_tokens=False)
+        guard = self._text_guard()
+        esc = guard.escape
+        text = self.apply_chat_template(_map_text(messages, esc), tools=_map_text(tools, esc),
+                                        **render, **_map_text(kwargs, esc))
+        return guard.encode(self.hf, text)
+
+    def _text_guard(self) -> "_TextGuard":
+        with self._guard_lock:   # the server's event loop and LLM callers may race to build it
+            if self._guard is None:
+                self._guard = _TextGuard(self._rust, self._specials)
+            return self._guard
 
     # ---- decode
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
@@ -131,3 +176,108 @@ def _generation_eos_ids(path: str) -> list[int]:
     if eos is None:
         return []
     return [eos] if isinstance(eos, int) else list(eos)
+
+
+# ---- chat text guard
+
+_INDEX_BASE = 0xF0000   # Supplementary Private Use Area-A: one character per special token
+
+
+class _TextGuard:
+    """What encode_chat needs to read special-token strings in client text as text.
+
+    A client occurrence of special token n becomes the marker `marker_nonce + chr(BASE + n)`
+    before rendering; after rendering, each special token the template wrote (found where the
+    shared tokenizer matches it, so its matching rules apply exactly) becomes the sentinel
+    `sentinel_nonce + chr(BASE + n)` and each marker becomes the literal string again. A private
+    copy of the Rust tokenizer with encode_special_tokens=True then reads the literals as text
+    and matches the sentinels, added to it as non-special added tokens, whose ids map back to the
+    special ids. The nonces are random private-use strings, so client text cannot spell them.
+    The shared tokenizer is never mutated: the engine thread decodes with it meanwhile."""
+
+    def __init__(self, rust: RustTokenizer, specials: dict[int, AddedToken]):
+        self.marker_nonce, self.sentinel_nonce = _nonce(), _nonce()
+        self.special_ids = set(specials)
+        self.rust = RustTokenizer.from_str(rust.to_str())
+        self.rust.no_truncation()
+        self.rust.no_padding()
+        self.rust.encode_special_tokens = True
+        self.marker: dict[str, str] = {}        # special content -> marker
+        self.literal: dict[str, str] = {}       # index character -> special content
+        self.sentinel: dict[int, str] = {}      # special id -> sentinel
+        for n, (tid, tok) in enumerate(sorted(specials.items())):
+            index = chr(_INDEX_BASE + n)
+            self.marker[tok.content] = self.marker_nonce + index
+            self.literal[index] = tok.content
+            self.sentinel[tid] = self.sentinel_nonce + index
+        self.rust.add_tokens([
+            AddedToken(self.sentinel[tid], single_word=tok.single_word, lstrip=tok.lstrip,
+                       rstrip=tok.rstrip, normalized=tok.normalized, special=False)
+            for tid, tok in specials.items()])
+        self.special_id = {self.rust.token_to_id(s): tid for tid, s in self.sentinel.items()}
+        self.special_re = _literal_re(tok.content for tok in specials.values())
+        self.marker_re = re.compile(re.escape(self.marker_nonce) + "(.)", re.DOTALL)
+
+    def escape(self, s: str) -> str:
+        return self.special_re.sub(lambda m: self.marker[m.group()], s)
+
+    def encode(self, hf, text: str) -> list[int]:
+        """Ids of `text`, rendered from escaped client text."""
+        if self.sentinel_nonce in text:
+            raise ValueError("the conversation contains reserved private-use characters")
+        # Where the tokenizer matches special tokens in the rendered text: the template's own.
+        enc = hf(text, add_special_tokens=False, return_offsets_mapping=True)
+        edits = [(s, e, self.sentinel[tid])
+                 for tid, (s, e) in zip(enc["input_ids"], enc["offset_mapping"])
+                 if tid in self.special_ids]
+        edits += [(m.start(), m.end(), self.literal.get(m.group(1), m.group()))
+                  for m in self.marker_re.finditer(text)]
+        edits.sort()
+        pieces, pos = [], 0
+        for start, end, repl in edits:
+            pieces += [text[pos:start], repl]
+            pos = end
+        pieces.append(text[pos:])
+        text = "".join(pieces)
+        if self.marker_nonce in text:
+            log.warning("the chat template altered message text next to a special-token string")
+        ids = [self.special_id.get(i, i) for i in self.rust.encode(text, add_special_tokens=False).ids]
+        num_template = sum(1 for _, _, repl in edits if repl.startswith(self.sentinel_nonce))
+        if sum(1 for i in ids if i in self.special_ids) != num_template:
+            raise ValueError("the tokenizer turns plain text in this conversation into a special "
+                             "token; it cannot be tokenized safely")
+        return ids
+
+
+def _nonce(n: int = 4) -> str:
+    """n random characters of Supplementary Private Use Area-B (U+100000..U+10FFFD)."""
+    return "".join(chr(0x100000 + secrets.randbelow(0xFFFE)) for _ in range(n))
+
+
+def _literal_re(strings) -> re.Pattern | None:
+    """Alternation of literal strings, longest first (leftmost-longest, like the tokenizer's
+    added-token matcher); None when there are none."""
+    strings = sorted({s for s in strings if s}, key=len, reverse=True)
+    return re.compile("|".join(map(re.escape, strings))) if strings else None
+
+
+def _has_match(pattern: re.Pattern, obj) -> bool:
+    """Whether any string in obj (nested dicts, lists, tuples; keys included) matches."""
+    if isinstance(obj, str):
+        return pattern.search(obj) is not None
+    if isinstance(obj, dict):
+        return any(_has_match(pattern, k) or _has_match(pattern, v) for k, v in obj.items())
+    if isinstance(obj, (list, tuple)):
+        return any(_has_match(pattern, v) for v in obj)
+    return False
+
+
+def _map_text(obj, fn):
+    """obj with fn applied to every string in it (keys included); a new structure, obj untouched."""
+    if isinstance(obj, str):
+        return fn(obj)
+    if isinstance(obj, dict):
+        return {_map_text(k, fn): _map_text(v, fn) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_map_text(v, fn) for v in obj]
+    return obj

@@ -10,8 +10,12 @@ import argparse
 import asyncio
 import importlib.util
 import logging
+import os
 import signal
 import sys
+import threading
+
+from engine.sampling_params import SamplingParams
 
 log = logging.getLogger("taper.server")
 
@@ -31,6 +35,22 @@ def build_parser() -> argparse.ArgumentParser:
                    help="address to bind (default 0.0.0.0)")
     g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="name(s) clients use for the model (default: the model's name)")
+    g.add_argument("--api-key", default=os.environ.get("TAPER_API_KEY"), metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on every route but /health "
+                        "(default: $TAPER_API_KEY)")
+    g.add_argument("--max-queued-requests", type=int, metavar="N", default=None,
+                   help="answer 429 while this many requests wait to run (default: no limit)")
+    g.add_argument("--max-request-mb", type=float, metavar="MB", default=32,
+                   help="largest request body accepted, in MB (default 32)")
+    g.add_argument("--allowed-origins", nargs="+", default=["*"], metavar="ORIGIN",
+                   help="CORS origins allowed to call the API from a browser (default: any)")
+    g.add_argument("--shutdown-timeout", type=float, metavar="S", default=10.0,
+                   help="on SIGTERM, seconds live requests get to finish (default 10)")
+    g.add_argument("--chat-template", metavar="FILE",
+                   help="Jinja chat template to use instead of the tokenizer's")
+    g.add_argument("--ui-server", action="store_true", help="serve the web chat UI")
+    g.add_argument("--enforce-parser", metavar="NAME", help="tool-call parser to use")
+    g.add_argument("--mcp-config", metavar="FILE", help="MCP servers whose tools to offer")
     g.add_argument("--log", action="store_true", help="verbose logging (every request)")
     m = p.add_argument_group("model")
     src = m.add_mutually_exclusive_group()
@@ -38,9 +58,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="local checkpoint directory")
     src.add_argument("--model-id", "--m", dest="model_id", metavar="HUB_ID",
                      help="Hugging Face hub id, downloaded on first use")
+    m.add_argument("--weight-file", "--f", dest="weight_file", metavar="FILE",
+                   help="a GGUF model file")
     m.add_argument("--dtype", default="auto", choices=["auto", "f32", "bf16", "f16", "float32",
                                                        "bfloat16", "float16"],
                    help="weight/activation dtype (default: the checkpoint's)")
+    m.add_argument("--isq", metavar="TYPE", help="quantize the weights in place when loading")
     m.add_argument("--max-model-len", type=int, metavar="N", default=None,
                    help="context length (default: the model's)")
     m.add_argument("--yarn-scaling-factor", type=float, metavar="F", default=None,
@@ -48,17 +71,74 @@ def build_parser() -> argparse.ArgumentParser:
     e = p.add_argument_group("engine")
     e.add_argument("--cpu", action="store_true",
                    help="use the CPU backend even if a GPU is present")
+    e.add_argument("--device-ids", "--d", dest="device_ids", nargs="+", type=int, metavar="ID",
+                   help="GPUs to use")
+    e.add_argument("--disable-cuda-graph", action="store_true",
+                   help="run decode without CUDA graphs")
     e.add_argument("--block-size", type=int, metavar="N", default=16, help="tokens per KV-cache block (8-128)")
     e.add_argument("--max-num-seqs", type=int, metavar="N", default=64, help="most sequences per step")
     e.add_argument("--max-num-batched-tokens", type=int, metavar="N", default=2048, help="token budget per step")
-    e.add_argument("--kvcache-mem-gpu", "--mem", dest="kvcache_mem", type=int, default=1024,
-                   metavar="MB", help="KV-cache memory in MB (default 1024)")
+    e.add_argument("--kvcache-mem-gpu", "--mem", dest="kvcache_mem", type=int, default=None,
+                   metavar="MB", help="KV-cache memory in MB; wins over --kv-fraction "
+                                      "(default: 1024 unless --kv-fraction is given)")
+    e.add_argument("--kv-fraction", "--gpu-memory-fraction", dest="kv_fraction", type=float,
+                   default=None, metavar="F",
+                   help="KV-cache memory as this fraction of the memory free after loading")
+    e.add_argument("--kvcache-dtype", choices=["auto", "bf16", "fp8"], default="auto",
+                   help="KV-cache element type (default auto: the backend's)")
+    e.add_argument("--fp8-kvcache", action="store_true", help="same as --kvcache-dtype fp8")
     e.add_argument("--prefill-chunk-size", type=int, metavar="N", default=0,
                    help="most prompt tokens per sequence per step (0: the step budget)")
     e.add_argument("--disable-prefix-cache", action="store_true",
                    help="do not reuse KV blocks across requests with a common prefix")
+    e.add_argument("--prefix-cache-max-tokens", type=int, metavar="N", default=None,
+                   help="most tokens the prefix cache keeps (default: as many as fit)")
     e.add_argument("--seed", type=int, metavar="N", default=0, help="seed for requests that give none")
+    s = p.add_argument_group("generation defaults (requests override them; unset: the "
+                             "checkpoint's generation_config.json)")
+    s.add_argument("--max-gen-tokens", type=int, metavar="N", default=None,
+                   help="cap on max_tokens when a request gives none (default: the context left)")
+    for name, kind in SAMPLING_FLAGS.items():
+        s.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, default=None,
+                       metavar="X")
     return p
+
+
+SAMPLING_FLAGS = {"temperature": float, "top_p": float, "top_k": int, "min_p": float,
+                  "frequency_penalty": float, "presence_penalty": float}
+
+# Flags whose features later work brings: refused at start-up, never silently ignored.
+NOT_YET_SUPPORTED = {"weight_file": ("--weight-file", "GGUF models"),
+                     "isq": ("--isq", "in-situ quantization"),
+                     "device_ids": ("--device-ids", "GPU selection"),
+                     "enforce_parser": ("--enforce-parser", "tool calling"),
+                     "mcp_config": ("--mcp-config", "MCP tools"),
+                     "ui_server": ("--ui-server", "the web chat UI")}
+
+
+def check_args(args) -> str | None:
+    """The first problem with the flags, as a message, or None."""
+    for dest, (flag, feature) in NOT_YET_SUPPORTED.items():
+        if getattr(args, dest):
+            return f"{flag}: {feature} is not yet supported"
+    if args.fp8_kvcache:
+        args.kvcache_dtype = "fp8"
+    for name in ("max_queued_requests", "max_gen_tokens"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            return f"--{name.replace('_', '-')} must be at least 1"
+    if args.max_request_mb <= 0 or args.shutdown_timeout < 0:
+        return "--max-request-mb must be positive and --shutdown-timeout non-negative"
+    try:
+        SamplingParams(**sampling_defaults(args))
+    except ValueError as e:
+        return f"--{str(e).replace('_', '-')}"
+    return None
+
+
+def sampling_defaults(args) -> dict:
+    return {name: getattr(args, name) for name in SAMPLING_FLAGS
+            if getattr(args, name) is not None}
 
 
 def default_backend(force_cpu: bool) -> str:
@@ -83,30 +163,121 @@ def engine_config(args):
         from server.demo_model import ensure_demo_checkpoint
         log.warning(DEMO_WARNING)
         model = ensure_demo_checkpoint()
+    backend = default_backend(args.cpu)
+    if args.kvcache_dtype != "auto" and backend == "cpu":
+        raise ValueError(f"--kvcache-dtype {args.kvcache_dtype}: a {args.kvcache_dtype} KV cache "
+                         "is not yet supported on the CPU backend")
+    if args.disable_cuda_graph and backend == "cpu":
+        log.info("--disable-cuda-graph: the CPU backend runs no CUDA graphs anyway")
     return EngineConfig(
-        model=model, dtype=args.dtype, backend=default_backend(args.cpu),
+        model=model, dtype=args.dtype, backend=backend,
         block_size=args.block_size, kv_cache_memory_mb=args.kvcache_mem,
+        kv_fraction=args.kv_fraction, kv_cache_dtype=args.kvcache_dtype,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         prefill_chunk_size=args.prefill_chunk_size,
-        enable_prefix_caching=not args.disable_prefix_cache, max_model_len=args.max_model_len,
+        enable_prefix_caching=not args.disable_prefix_cache,
+        prefix_cache_max_tokens=args.prefix_cache_max_tokens, max_model_len=args.max_model_len,
         yarn_scaling_factor=args.yarn_scaling_factor, seed=args.seed)
 
 
-async def serve(app, host: str, port: int, verbose: bool):
-    from hypercorn.asyncio import serve as hypercorn_serve
-    from hypercorn.config import Config
+def server_settings(args, config):
+    from engine.async_engine import default_model_name
+    from server.app import ServerSettings
 
-    config = Config()
-    config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
-    config.accesslog = logging.getLogger("taper.access") if verbose else None
-    config.errorlog = logging.getLogger("taper.server")
-    config.graceful_timeout = 3.0
-    stop = asyncio.Event()
+    names = args.served_model_name
+    if names is None:
+        names = [DEMO_NAME] if not (args.weight_path or args.model_id) else [
+            default_model_name(config.model)]
+    template = None
+    if args.chat_template:
+        with open(args.chat_template, encoding="utf-8") as f:   # OSError names the file
+            template = f.read()
+    return ServerSettings(
+        served_model_names=names, api_key=args.api_key or None,
+        max_queued_requests=args.max_queued_requests, max_gen_tokens=args.max_gen_tokens,
+        sampling_defaults=sampling_defaults(args), chat_template=template,
+        max_body_bytes=int(args.max_request_mb * 2**20), cors_origins=args.allowed_origins)
+
+
+class Server:
+    """Hypercorn serving the app while the engine loads beside it, and the SIGTERM drain: new
+    requests get 503, live ones get `shutdown_timeout` seconds to finish and are then aborted
+    (their streams still end with [DONE]), then the process exits 0."""
+
+    def __init__(self, app, config, args):
+        self.app, self.state, self.config, self.args = app, app.taper, config, args
+        self.stop = asyncio.Event()
+        self.exit_code = 0
+
+    async def run(self):
+        from hypercorn.asyncio import serve as hypercorn_serve
+        from hypercorn.config import Config
+
+        args = self.args
+        hc = Config()
+        hc.bind = [f"[{args.host}]:{args.port}" if ":" in args.host else f"{args.host}:{args.port}"]
+        hc.accesslog = logging.getLogger("taper.access") if args.log else None
+        hc.errorlog = logging.getLogger("taper.server")
+        hc.graceful_timeout = 2.0           # for connections still open after the drain
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self._on_signal)
+        # A daemon thread, not an executor: a SIGTERM during loading must not wait for it.
+        threading.Thread(target=self._load, args=(loop,), name="taper-load", daemon=True).start()
+        log.info("serving on http://%s:%d (OpenAI API under /v1); loading the model",
+                 args.host, args.port)
+        await hypercorn_serve(self.app, hc, shutdown_trigger=self.stop.wait)
+
+    def _load(self, loop):
+        from engine.async_engine import AsyncEngine
+        try:
+            engine = AsyncEngine(self.config)
+        except Exception as e:        # no such model, unsupported, too big...: exit 1
+            log.error("could not load %s: %s", self.config.model, e)
+            loop.call_soon_threadsafe(self._fail)
+            return
+        loop.call_soon_threadsafe(self._ready, engine)
+
+    def _ready(self, engine):
+        if self.state.draining:       # SIGTERM came while loading
+            engine.shutdown()
+            return
+        self.state.engine = engine
+        log.info("model %s ready, max_model_len %d", self.state.settings.served_model_names[0],
+                 engine.max_model_len)
+
+    def _fail(self):
+        self.exit_code = 1
+        self.stop.set()
+
+    def _on_signal(self):
+        if self.state.draining:       # a second signal: stop now
+            self.stop.set()
+        else:
+            self.state.draining = True
+            asyncio.ensure_future(self._drain())
+
+    async def _drain(self):
+        engine = self.state.engine
+        timeout = self.args.shutdown_timeout
+        if engine is not None and engine.num_open_requests:
+            log.info("shutting down: %d requests have %gs to finish", engine.num_open_requests,
+                     timeout)
+            if not await _wait_until(lambda: not engine.num_open_requests, timeout):
+                log.warning("aborting %d requests still running", engine.num_open_requests)
+                engine.abort_all()
+                await _wait_until(lambda: not engine.num_open_requests, 2.0)
+        self.stop.set()
+
+
+async def _wait_until(condition, timeout: float) -> bool:
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    log.info("serving on http://%s:%d (OpenAI API under /v1)", host, port)
-    await hypercorn_serve(app, config, shutdown_trigger=stop.wait)
+    deadline = loop.time() + timeout
+    while not condition():
+        if loop.time() >= deadline:
+            return False
+        await asyncio.sleep(0.05)
+    return True
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -116,33 +287,26 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not args.log:
         logging.getLogger("taper.access").setLevel(logging.WARNING)
-    from engine.async_engine import AsyncEngine
+    if problem := check_args(args):
+        parser.error(problem)
     from server.app import create_app
 
     try:
         config = engine_config(args)
-    except ValueError as e:
+        settings = server_settings(args, config)
+    except (ValueError, OSError) as e:
         parser.error(str(e))
     log.info("loading %s (backend %s, dtype %s)", config.model, config.backend, config.dtype)
+    server = Server(create_app(None, settings), config, args)
     try:
-        engine = AsyncEngine(config)
-    except (ValueError, OSError, MemoryError) as e:  # no such model, unsupported, too big...
-        log.error("could not load %s: %s", config.model, e)
-        return 1
-    names = args.served_model_name
-    if names is None and not (args.weight_path or args.model_id):
-        names = [DEMO_NAME]
-    try:
-        app = create_app(engine, names)
-        log.info("model %s ready, max_model_len %d", (names or [engine.model_name])[0],
-                 engine.max_model_len)
-        asyncio.run(serve(app, args.host, args.port, args.log))
+        asyncio.run(server.run())
     except KeyboardInterrupt:
         pass
     finally:
         log.info("shutting down")
-        engine.shutdown()
-    return 0
+        if server.state.engine is not None:
+            server.state.engine.shutdown()
+    return server.exit_code
 
 
 if __name__ == "__main__":

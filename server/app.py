@@ -1,14 +1,22 @@
-"""The OpenAI-compatible HTTP API (Quart): /v1/models, /v1/chat/completions, /v1/completions.
+"""The OpenAI-compatible HTTP API (Quart).
 
-Handlers validate (server/protocol.py), tokenize, check the context window, hand the request to
-the engine, and turn its outputs into chunks (server/streaming.py): sent as SSE when streaming,
-folded into one JSON response otherwise.
+Routes: /v1/chat/completions, /v1/completions, /v1/models, /tokenize, /detokenize, /health,
+/metrics, /version. Handlers validate (server/protocol.py), tokenize, check the context window,
+hand the request to the engine, and turn its outputs into chunks (server/streaming.py): sent as
+SSE when streaming, folded into one JSON response otherwise.
+
+The app starts before the engine exists: `ServerState.engine` is None while the model loads
+(503s and /health says "loading"), and `draining` is set on SIGTERM (503s for new requests while
+the live ones finish).
 """
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 import time
+from dataclasses import dataclass, field
+from importlib.metadata import PackageNotFoundError, version
 from typing import AsyncIterator
 
 import jinja2
@@ -16,10 +24,53 @@ from quart import Quart, Response, request
 from werkzeug.exceptions import HTTPException
 
 from server import streaming
-from server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, parse_json_body,
-                             parse_request)
+from server.metrics import Metrics
+from server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
+                             DetokenizeRequest, TokenizeRequest, parse_json_body, parse_request)
 
 log = logging.getLogger("taper.server")
+
+
+@dataclass
+class ServerSettings:
+    served_model_names: list[str]
+    api_key: str | None = None
+    max_queued_requests: int | None = None   # waiting requests before new ones get 429
+    max_gen_tokens: int | None = None        # cap on the default max_tokens
+    sampling_defaults: dict = field(default_factory=dict)  # server flags over generation_config
+    chat_template: str | None = None         # --chat-template, over the tokenizer's
+    max_body_bytes: int = 32 * 2**20
+    cors_origins: list[str] = field(default_factory=lambda: ["*"])
+
+
+@dataclass
+class ServerState:
+    settings: ServerSettings
+    engine: object | None = None             # None while the model loads
+    draining: bool = False                   # SIGTERM received: finish live requests, take no new
+    metrics: Metrics = None
+
+    def ready_engine(self):
+        if self.draining:
+            raise APIError("The server is shutting down", status=503, type="server_error",
+                           code="shutting_down")
+        if self.engine is None:
+            raise APIError("The model is still loading; retry shortly", status=503,
+                           type="server_error", code="model_loading", headers={"Retry-After": "5"})
+        if not self.engine.is_running:
+            raise APIError("The engine is not running", status=503, type="server_error",
+                           code="engine_error")
+        return self.engine
+
+    def engine_stats(self):
+        return None if self.engine is None else self.engine.stats()
+
+
+def taper_version() -> str:
+    try:
+        return version("taper")
+    except PackageNotFoundError:       # running from a source tree that was never installed
+        return "unknown"
 
 
 def _json(obj, status: int = 200) -> Response:
@@ -28,15 +79,25 @@ def _json(obj, status: int = 200) -> Response:
 
 
 def _error(e: APIError) -> Response:
-    return _json(e.body(), e.status)
+    resp = _json(e.body(), e.status)
+    resp.headers.update(e.headers)
+    return resp
 
 
-def create_app(engine, served_model_name: str | list[str] | None = None) -> Quart:
+def create_app(engine, settings: ServerSettings | list[str] | str | None = None) -> Quart:
+    """The app for `engine` (None: set `app.taper.engine` once loaded). `settings` may be just
+    the served model name(s)."""
+    if not isinstance(settings, ServerSettings):
+        names = [settings] if isinstance(settings, str) else list(settings or [])
+        settings = ServerSettings(names or [engine.model_name])
+    state = ServerState(settings, engine)
+    names = settings.served_model_names
+    state.metrics = Metrics(state.engine_stats, names[0])
     app = Quart("taper")
+    app.taper = state
     # Generation can take longer than Quart's 60 s default, streaming or not.
     app.config["RESPONSE_TIMEOUT"] = None
-    names = ([served_model_name] if isinstance(served_model_name, str)
-             else list(served_model_name or [])) or [engine.model_name]
+    app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
     created = int(time.time())
 
     @app.errorhandler(APIError)
@@ -46,8 +107,11 @@ def create_app(engine, served_model_name: str | list[str] | None = None) -> Quar
     @app.errorhandler(HTTPException)
     async def _http_error(e: HTTPException):
         kind = "not_found_error" if e.code == 404 else "invalid_request_error"
-        return _error(APIError(f"{e.name}: {request.method} {request.path}", status=e.code,
-                               type=kind))
+        message = f"{e.name}: {request.method} {request.path}"
+        if e.code == 413:
+            message = (f"{e.name}: the request body is larger than this server accepts "
+                       f"({settings.max_body_bytes} bytes)")
+        return _error(APIError(message, status=e.code, type=kind))
 
     @app.errorhandler(Exception)
     async def _internal_error(e: Exception):
@@ -55,17 +119,65 @@ def create_app(engine, served_model_name: str | list[str] | None = None) -> Quar
         return _error(APIError(f"Internal server error: {type(e).__name__}: {e}", status=500,
                                type="server_error"))
 
+    # ---- CORS (the web UI and browser clients) and auth
+
+    def cors_headers(resp: Response) -> Response:
+        origin = request.headers.get("Origin")
+        allowed = settings.cors_origins
+        if origin and ("*" in allowed or origin in allowed):
+            resp.headers["Access-Control-Allow-Origin"] = "*" if "*" in allowed else origin
+            resp.headers["Access-Control-Allow-Headers"] = "Authorization, Content-Type"
+            resp.headers["Access-Control-Allow-Methods"] = "GET, POST, OPTIONS"
+            resp.headers["Access-Control-Max-Age"] = "600"
+            if "*" not in allowed:
+                resp.headers["Vary"] = "Origin"
+        return resp
+
+    @app.before_request
+    async def _preflight_and_auth():
+        if request.method == "OPTIONS":         # CORS preflight carries no credentials
+            return Response(status=204)
+        if settings.api_key is None or request.path == "/health":
+            return None
+        auth = request.headers.get("Authorization", "")
+        token = auth[7:] if auth[:7].lower() == "bearer " else ""
+        if not hmac.compare_digest(token.encode(), settings.api_key.encode()):
+            return _error(APIError("Incorrect or missing API key: send 'Authorization: Bearer "
+                                   "<key>'", status=401, code="invalid_api_key",
+                                   headers={"WWW-Authenticate": "Bearer"}))
+        return None
+
+    @app.after_request
+    async def _cors(resp: Response):
+        return cors_headers(resp)
+
+    # ---- service routes
+
     @app.get("/health")
     async def health():
-        if engine.is_running:
+        if state.draining:
+            return _json({"status": "shutting down"}, 503)
+        if state.engine is None:
+            return _json({"status": "loading"}, 503)
+        if state.engine.is_running:
             return _json({"status": "ok"})
         return _json({"status": "engine stopped"}, 503)
 
+    @app.get("/version")
+    async def version_route():
+        return _json({"version": taper_version()})
+
+    @app.get("/metrics")
+    async def metrics():
+        body, content_type = state.metrics.render()
+        return Response(body, status=200, content_type=content_type)
+
     @app.get("/v1/models")
     async def list_models():
+        max_len = None if state.engine is None else state.engine.max_model_len
         return _json({"object": "list",
                       "data": [{"id": n, "object": "model", "created": created, "owned_by": "taper",
-                                "max_model_len": engine.max_model_len} for n in names]})
+                                "max_model_len": max_len} for n in names]})
 
     def resolve_model(name: str | None) -> str:
         if name is None:
@@ -79,12 +191,19 @@ def create_app(engine, served_model_name: str | list[str] | None = None) -> Quar
     async def read_request(cls):
         body = parse_json_body(await request.get_data())
         req = parse_request(cls, body)
-        if not engine.is_running:
-            raise APIError("The engine is not running", status=503, type="server_error")
-        return req, resolve_model(req.model)
+        engine = state.ready_engine()
+        return req, resolve_model(req.model), engine
 
-    def fit_context(req, prompt_len: int, param: str):
-        """Check the prompt fits, and pick max_tokens: by default the room left."""
+    def check_queue(engine):
+        limit = settings.max_queued_requests
+        if limit is not None and engine.num_queued_requests() >= limit:
+            raise APIError(f"Too many requests are waiting ({limit}); retry shortly",
+                           status=429, type="rate_limit_error", code="queue_full",
+                           headers={"Retry-After": "1"})
+
+    def fit_context(engine, req, prompt_len: int, param: str):
+        """Check the prompt fits, and pick max_tokens: by default the room left, capped by
+        --max-gen-tokens."""
         max_len = engine.max_model_len
         if prompt_len >= max_len:
             raise APIError(f"This model's maximum context length is {max_len} tokens, and the "
@@ -100,7 +219,28 @@ def create_app(engine, served_model_name: str | list[str] | None = None) -> Quar
                            f"you requested {prompt_len + asked} tokens ({prompt_len} in the "
                            f"{param}, {asked} for the completion). Please reduce the {param} or "
                            f"{name}.", param=name, code="context_length_exceeded")
-        return req.to_sampling_params(default_max_tokens=room)
+        default = room if settings.max_gen_tokens is None else min(room, settings.max_gen_tokens)
+        defaults = {**getattr(engine, "generation_defaults", {}), **settings.sampling_defaults}
+        return req.to_sampling_params(default_max_tokens=default, defaults=defaults)
+
+    def chat_prompt_ids(engine, req, param: str = "messages") -> list[int]:
+        tok = engine.tokenizer
+        if tok is None:
+            raise APIError("This model has no tokenizer; use /v1/completions with token ids",
+                           param=param, code="no_tokenizer")
+        template = req.chat_template or settings.chat_template
+        if not tok.has_chat_template and template is None:
+            raise APIError("This model has no chat template; use /v1/completions, or start the "
+                           "server with --chat-template FILE", param=param,
+                           code="no_chat_template")
+        messages = req.template_messages()
+        try:
+            return tok.encode_chat(messages, add_generation_prompt=req.add_generation_prompt,
+                                   chat_template=template, **req.template_kwargs())
+        except (ValueError, TypeError, KeyError, jinja2.TemplateError) as e:
+            # a template that rejects the conversation (e.g. roles out of order)
+            raise APIError(f"The chat template could not render these messages: {e}",
+                           param=param, code="invalid_messages") from None
 
     async def respond(info: streaming.ResponseInfo, chunks: AsyncIterator[dict], fold):
         """Stream the chunks as SSE or fold them into one JSON body.
@@ -129,42 +269,30 @@ def create_app(engine, served_model_name: str | list[str] | None = None) -> Quar
 
     @app.post("/v1/chat/completions")
     async def chat_completions():
-        req, model = await read_request(ChatCompletionRequest)
-        tok = engine.tokenizer
-        if tok is None:
-            raise APIError("This model has no tokenizer; use /v1/completions with token ids",
-                           param="messages", code="no_tokenizer")
-        if not tok.has_chat_template and req.chat_template is None:
-            raise APIError("This model has no chat template; use /v1/completions or pass "
-                           "chat_template", param="messages", code="no_chat_template")
-        messages = req.template_messages()
-        try:
-            prompt_ids = tok.encode_chat(messages, enable_thinking=req.enable_thinking(),
-                                         add_generation_prompt=req.add_generation_prompt,
-                                         chat_template=req.chat_template)
-        except (ValueError, TypeError, KeyError, jinja2.TemplateError) as e:
-            # a template that rejects the conversation (e.g. roles out of order)
-            raise APIError(f"The chat template could not render these messages: {e}",
-                           param="messages", code="invalid_messages") from None
-        params = fit_context(req, len(prompt_ids), "messages")
+        req, model, engine = await read_request(ChatCompletionRequest)
+        prompt_ids = chat_prompt_ids(engine, req)
+        params = fit_context(engine, req, len(prompt_ids), "messages")
+        check_queue(engine)
         info = streaming.ResponseInfo(streaming.random_id("chatcmpl"), model,
                                       "chat.completion.chunk", stream=req.stream,
                                       include_usage=bool(req.stream_options
                                                          and req.stream_options.include_usage))
-        outputs = streaming.engine_outputs(engine, info.id, prompt_ids, params)
-        chunks = streaming.chat_chunks(info, outputs, len(prompt_ids))
+        timing = state.metrics.request()
+        outputs = streaming.engine_outputs(engine, info.id, prompt_ids, params, timing)
+        chunks = streaming.chat_chunks(info, outputs, len(prompt_ids), timing)
         return await respond(info, chunks, streaming.fold_chat)
 
     @app.post("/v1/completions")
     async def completions():
-        req, model = await read_request(CompletionRequest)
+        req, model, engine = await read_request(CompletionRequest)
         tok = engine.tokenizer
         prompts = req.prompts()
         if tok is None and (req.echo or any(isinstance(p, str) for p in prompts)):
             raise APIError("This model has no tokenizer: send the prompt as token ids, "
                            "without echo", param="prompt", code="no_tokenizer")
         batch_ids = [tok.encode(p) if isinstance(p, str) else p for p in prompts]
-        params_list = [fit_context(req, len(ids), "prompt") for ids in batch_ids]
+        params_list = [fit_context(engine, req, len(ids), "prompt") for ids in batch_ids]
+        check_queue(engine)
         echo = None
         if req.echo:
             echo = [p if isinstance(p, str) else tok.decode(p) for p in prompts]
@@ -172,12 +300,41 @@ def create_app(engine, served_model_name: str | list[str] | None = None) -> Quar
                                       stream=req.stream,
                                       include_usage=bool(req.stream_options
                                                          and req.stream_options.include_usage))
-        streams = [streaming.engine_outputs(engine, f"{info.id}-{i}", ids, params)
-                   for i, (ids, params) in enumerate(zip(batch_ids, params_list))]
-        chunks = streaming.completion_chunks(info, streams, [len(ids) for ids in batch_ids], echo)
+        timings = [state.metrics.request() for _ in prompts]
+        streams = [streaming.engine_outputs(engine, f"{info.id}-{i}", ids, params, timing)
+                   for i, (ids, params, timing) in enumerate(zip(batch_ids, params_list, timings))]
+        chunks = streaming.completion_chunks(info, streams, [len(ids) for ids in batch_ids],
+                                             timings, echo)
 
         async def fold(info, chunks):
             return await streaming.fold_completion(info, chunks, len(prompts))
         return await respond(info, chunks, fold)
+
+    @app.post("/tokenize")
+    async def tokenize():
+        req, _, engine = await read_request(TokenizeRequest)
+        tok = engine.tokenizer
+        if tok is None:
+            raise APIError("This model has no tokenizer", param="prompt", code="no_tokenizer")
+        if req.messages is not None:     # exactly the ids /v1/chat/completions would run
+            ids = chat_prompt_ids(engine, req)
+        else:
+            ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)
+        return _json({"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids,
+                      "token_strs": tok.convert_ids_to_tokens(ids) if req.return_token_strs
+                      else None})
+
+    @app.post("/detokenize")
+    async def detokenize():
+        req, _, engine = await read_request(DetokenizeRequest)
+        tok = engine.tokenizer
+        if tok is None:
+            raise APIError("This model has no tokenizer", param="tokens", code="no_tokenizer")
+        vocab = tok.vocab_size
+        bad = next((i for i, t in enumerate(req.tokens) if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(f"token id {req.tokens[bad]} is out of range [0, {vocab})",
+                           param=f"tokens[{bad}]", code="invalid_value")
+        return _json({"prompt": tok.decode(req.tokens, skip_special_tokens=False)})
 
     return app

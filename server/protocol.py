@@ -8,6 +8,7 @@ naming the offending parameter. Features that later issues add are refused with 
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any, Literal
 
 from pydantic import (BaseModel, ConfigDict, Field, ValidationError, field_validator,
@@ -15,15 +16,19 @@ from pydantic import (BaseModel, ConfigDict, Field, ValidationError, field_valid
 
 from engine.sampling_params import SamplingParams
 
+log = logging.getLogger("taper.server")
+
 
 class APIError(Exception):
     """An error answered to the client as `{"error": {...}}` with HTTP `status`."""
 
     def __init__(self, message: str, *, status: int = 400, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
+                 param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
         self.message, self.status, self.type = message, status, type
         self.param, self.code = param, code
+        self.headers = headers or {}
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
@@ -153,8 +158,12 @@ class _SamplingRequest(BaseModel):
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
-    def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
-        """Engine parameters; `default_max_tokens` is the room left in the context window."""
+    def to_sampling_params(self, default_max_tokens: int,
+                           defaults: dict[str, float] | None = None) -> SamplingParams:
+        """Engine parameters. `default_max_tokens` applies when the request gives none;
+        `defaults` (the server's sampling flags over generation_config.json) fill in the sampling
+        fields the request leaves out."""
+        defaults = defaults or {}
         max_tokens = self.requested_max_tokens()
         kwargs: dict[str, Any] = dict(
             n=self.n,
@@ -170,6 +179,8 @@ class _SamplingRequest(BaseModel):
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                      "frequency_penalty", "repetition_penalty"):
             value = getattr(self, name)
+            if value is None:
+                value = defaults.get(name)
             if value is not None:
                 kwargs[name] = value
         try:
@@ -201,25 +212,85 @@ class ChatMessage(BaseModel):
             return self.content
         texts = []
         for j, part in enumerate(self.content):
-            if part.type != "text" or part.text is None:
-                raise APIError(f"content part type '{part.type}' is not yet supported "
-                               "(only 'text' parts are)", param=f"{where}.content[{j}].type",
-                               code="unsupported_parameter")
+            if part.type in _MEDIA_PARTS:
+                raise APIError(f"This model is text-only: content parts of type '{part.type}' "
+                               "are not supported", param=f"{where}.content[{j}].type",
+                               code="unsupported_content")
+            if part.type not in ("text", "input_text") or part.text is None:
+                raise APIError(f"content part type '{part.type}' is not supported (text parts "
+                               "need a 'text' string)", param=f"{where}.content[{j}]",
+                               code="invalid_value")
             texts.append(part.text)
         return "\n".join(texts)
 
+    def template_message(self, where: str) -> dict:
+        """The message as chat templates read it. `developer` is OpenAI's newer name for
+        `system`; tool-call arguments arrive as JSON strings and templates expect objects."""
+        msg: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role,
+                               "content": self.text(where) or ""}
+        if self.name is not None:
+            msg["name"] = self.name
+        if self.tool_call_id is not None:
+            msg["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            msg["tool_calls"] = [_template_tool_call(c, f"{where}.tool_calls[{k}]")
+                                 for k, c in enumerate(self.tool_calls)]
+        return msg
 
-class ChatCompletionRequest(_SamplingRequest):
+
+# Media a text-only model cannot read.
+_MEDIA_PARTS = {"image_url", "input_image", "image", "input_audio", "audio", "video_url", "file"}
+
+
+def _template_tool_call(call: dict, where: str) -> dict:
+    fn = call.get("function")
+    if call.get("type", "function") != "function" or not isinstance(fn, dict) \
+            or not isinstance(fn.get("name"), str):
+        raise APIError("a tool call needs type 'function' and function.name", param=where)
+    args = fn.get("arguments", "{}")
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except ValueError:
+            pass                      # not JSON: the template gets the string as sent
+    return {**call, "type": "function", "function": {**fn, "arguments": args}}
+
+
+class _ChatInput(BaseModel):
+    """Messages and the chat-template controls: chat completions and /tokenize share them."""
+    model_config = ConfigDict(extra="allow")
+    messages: list[ChatMessage] | None = None
+    # vLLM-style extensions
+    add_generation_prompt: bool = True
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    # candle-vllm's switch for reasoning models; a bool or Anthropic-style {"type": "enabled"}
+    thinking: bool | dict | None = None
+    enable_thinking: bool | None = None
+
+    def template_messages(self) -> list[dict]:
+        return [m.template_message(f"messages[{i}]") for i, m in enumerate(self.messages)]
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """Extra variables for the chat template: chat_template_kwargs, and enable_thinking from
+        whichever of the three spellings the client used."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        thinking = self.thinking
+        if isinstance(thinking, dict):
+            thinking = thinking.get("type", "enabled") != "disabled"
+        for value in (self.enable_thinking, thinking):
+            if value is not None:
+                kwargs["enable_thinking"] = bool(value)
+        return kwargs
+
+
+class ChatCompletionRequest(_SamplingRequest, _ChatInput):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     top_logprobs: int | None = None
     tools: list[dict] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
-    # vLLM-style extensions
-    add_generation_prompt: bool = True
-    chat_template: str | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
 
     def check_supported(self):
         super().check_supported()
@@ -231,30 +302,12 @@ class ChatCompletionRequest(_SamplingRequest):
             raise not_supported("tools")
         if self.tool_choice not in (None, "none"):
             raise not_supported("tool_choice")
-        for i, m in enumerate(self.messages):
-            if m.tool_calls:
-                raise not_supported(f"messages[{i}].tool_calls")
 
     def requested_max_tokens(self) -> int | None:
         # max_completion_tokens replaces the deprecated max_tokens; it wins when both are given.
         if self.max_completion_tokens is not None:
             return self.max_completion_tokens
         return self.max_tokens
-
-    def template_messages(self) -> list[dict]:
-        out = []
-        for i, m in enumerate(self.messages):
-            msg: dict[str, Any] = {"role": m.role, "content": m.text(f"messages[{i}]") or ""}
-            if m.name is not None:
-                msg["name"] = m.name
-            if m.tool_call_id is not None:
-                msg["tool_call_id"] = m.tool_call_id
-            out.append(msg)
-        return out
-
-    def enable_thinking(self) -> bool | None:
-        value = (self.chat_template_kwargs or {}).get("enable_thinking")
-        return None if value is None else bool(value)
 
 
 # ---- /v1/completions
@@ -294,10 +347,39 @@ class CompletionRequest(_SamplingRequest):
         return list(p)
 
 
-def parse_request(cls: type[_SamplingRequest], body: dict) -> _SamplingRequest:
+# ---- /tokenize and /detokenize (vLLM's shapes)
+
+class TokenizeRequest(_ChatInput):
+    model: str | None = None
+    prompt: str | None = None
+    add_special_tokens: bool = True          # prompts only: messages get the chat route's ids
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of 'prompt' and 'messages'")
+        return self
+
+    def check_supported(self):
+        pass
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    tokens: list[int]
+
+    def check_supported(self):
+        pass
+
+
+def parse_request(cls: type[BaseModel], body: dict) -> BaseModel:
     try:
         req = cls.model_validate(body)
     except ValidationError as e:
         raise validation_error(e) from None
+    if req.model_extra:
+        log.info("ignoring unknown request fields: %s", ", ".join(sorted(req.model_extra)))
     req.check_supported()
     return req

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from engine.outputs import RequestOutput
+from server.metrics import RequestTiming
 from server.protocol import APIError
 
 log = logging.getLogger("taper.server")
@@ -49,13 +50,14 @@ class ResponseInfo:
         return out
 
 
-async def engine_outputs(engine, request_id: str, prompt_ids: list[int],
-                         params) -> AsyncIterator[RequestOutput]:
-    """The engine's outputs for one request. Closing this closes the engine's stream, which
-    aborts the request unless it ran to its end."""
+async def engine_outputs(engine, request_id: str, prompt_ids: list[int], params,
+                         timing: RequestTiming) -> AsyncIterator[RequestOutput]:
+    """The engine's outputs for one request, timed by `timing`. Closing this closes the engine's
+    stream, which aborts the request unless it ran to its end."""
     try:
         async with contextlib.aclosing(engine.add_request(request_id, prompt_ids, params)) as outs:
             async for out in outs:
+                timing.on_output(out)
                 yield out
                 if out.finished:
                     return
@@ -64,6 +66,8 @@ async def engine_outputs(engine, request_id: str, prompt_ids: list[int],
     except RuntimeError as e:        # the engine is stopped or its loop died
         raise APIError(f"The engine failed: {e}", status=503, type="server_error",
                        code="engine_error") from None
+    finally:
+        timing.close()
 
 
 def _check_output(out: RequestOutput):
@@ -77,6 +81,9 @@ def _check_output(out: RequestOutput):
 
 @dataclass(slots=True)
 class _Usage:
+    """Token counts summed over a response's requests, and candle-vllm's time costs (ms): for a
+    batch, the slowest request's."""
+    timings: list[RequestTiming]
     prompt: int = 0
     completion: int = 0
     cached: int = 0
@@ -89,13 +96,15 @@ class _Usage:
     def as_dict(self) -> dict:
         return {"prompt_tokens": self.prompt, "completion_tokens": self.completion,
                 "total_tokens": self.prompt + self.completion,
-                "prompt_tokens_details": {"cached_tokens": self.cached}}
+                "prompt_tokens_details": {"cached_tokens": self.cached},
+                "prompt_time_costs": round(max(t.prompt_time_ms for t in self.timings)),
+                "completion_time_costs": round(max(t.completion_time_ms for t in self.timings))}
 
 
 # ---- chat
 
 async def chat_chunks(info: ResponseInfo, outputs: AsyncIterator[RequestOutput],
-                      num_prompt_tokens: int) -> AsyncIterator[dict]:
+                      num_prompt_tokens: int, timing: RequestTiming) -> AsyncIterator[dict]:
     """Chunks of one chat completion: role, content deltas, finish, usage.
 
     The role chunk waits for the engine's first output, so a request the engine refuses fails
@@ -104,7 +113,7 @@ async def chat_chunks(info: ResponseInfo, outputs: AsyncIterator[RequestOutput],
     def choice(delta: dict, finish_reason: str | None = None) -> dict:
         return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
 
-    usage = _Usage()
+    usage = _Usage([timing])
     role_sent = False
     async with contextlib.aclosing(outputs):
         async for out in outputs:
@@ -180,13 +189,13 @@ async def _merge(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, objec
 
 
 async def completion_chunks(info: ResponseInfo, streams: list[AsyncIterator[RequestOutput]],
-                            num_prompt_tokens: list[int],
+                            num_prompt_tokens: list[int], timings: list[RequestTiming],
                             echo: list[str] | None = None) -> AsyncIterator[dict]:
     """Chunks of a (batched) completion: choice i is prompt i; text deltas, finish, usage."""
     def choice(i: int, text: str, finish_reason: str | None = None) -> dict:
         return {"index": i, "text": text, "logprobs": None, "finish_reason": finish_reason}
 
-    usage = _Usage()
+    usage = _Usage(timings)
     pending_echo = list(echo) if echo else [""] * len(streams)
     finished = [False] * len(streams)
     async for i, out in _merge(streams):

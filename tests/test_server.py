@@ -95,8 +95,9 @@ class FakeTokenizer:
     def encode(self, text: str) -> list[int]:
         return [1] + list(text.encode())
 
-    def encode_chat(self, messages, tools=None, enable_thinking=None, add_generation_prompt=True,
-                    chat_template=None) -> list[int]:
+    def encode_chat(self, messages, add_generation_prompt=True, chat_template=None,
+                    **template_kwargs) -> list[int]:
+        self.last_template_kwargs = template_kwargs
         if messages[0]["role"] == "assistant":
             raise ValueError("Conversations must not start with an assistant message")
         text = "".join(f"<{m['role']}>{m['content']}" for m in messages)
@@ -162,6 +163,20 @@ class FakeEngine:
 
     def abort(self, request_id):
         self.aborted.append(request_id)
+
+    # what the server reads for /metrics and the queue limit
+    generation_defaults: dict = {}
+    queued = 0
+
+    def num_queued_requests(self):
+        return self.queued
+
+    def stats(self):
+        from engine.stats import EngineStats
+        return EngineStats(num_requests_running=2, num_requests_waiting=self.queued,
+                           num_kv_blocks=100, num_free_kv_blocks=75, prefix_cache_queries=40,
+                           prefix_cache_hits=30, num_preemptions=1, prompt_tokens=123,
+                           generation_tokens=45)
 
 
 def fake_text(n: int) -> str:
@@ -250,9 +265,11 @@ def test_chat_non_streaming(fake):
                                 "message": {"role": "assistant", "content": fake_text(6),
                                             "refusal": None}}]
     prompt = FakeTokenizer().encode_chat(CHAT["messages"])
-    assert body["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": 6,
-                             "total_tokens": len(prompt) + 6,
-                             "prompt_tokens_details": {"cached_tokens": 3}}
+    usage = body["usage"]
+    times = {k: usage.pop(k) for k in ("prompt_time_costs", "completion_time_costs")}
+    assert usage == {"prompt_tokens": len(prompt), "completion_tokens": 6,
+                     "total_tokens": len(prompt) + 6, "prompt_tokens_details": {"cached_tokens": 3}}
+    assert all(isinstance(t, int) and t >= 0 for t in times.values()), times
     ids, params = fake.engine.requests[body["id"]]
     assert ids == prompt and params.max_tokens == 6
 
@@ -573,7 +590,7 @@ def live(tmp_path_factory):
             health = None
         if health == 200:
             break
-        if health == 503 or proc.poll() is not None or time.time() > deadline:
+        if proc.poll() is not None or time.time() > deadline:      # 503: still loading
             proc.kill()
             pytest.fail("server did not start:\n" + log_path.read_text())
         time.sleep(0.2)

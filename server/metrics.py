@@ -1,0 +1,143 @@
+"""Prometheus metrics for GET /metrics, with vLLM's metric names under the `taper:` prefix.
+
+Engine state (running and waiting requests, KV-cache usage) and the engine's counters (tokens,
+prefix-cache lookups, preemptions) are read from the engine when Prometheus scrapes, so /metrics
+always agrees with the engine. Latencies are timed here, per request, as its outputs reach the
+server: time to first token, the gaps between tokens, and the end-to-end time.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from engine.outputs import RequestOutput
+from engine.stats import EngineStats
+
+PREFIX = "taper:"
+
+# vLLM's buckets, so dashboards built for it read the same.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+               10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+               120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+class _EngineCollector:
+    """Gauges and counters read from the engine at scrape time (nothing while it loads)."""
+
+    def __init__(self, stats: Callable[[], EngineStats | None], model_name: str):
+        self.stats, self.model_name = stats, model_name
+
+    def collect(self):
+        s = self.stats()
+        if s is None:
+            return
+        label = ["model_name"], [self.model_name]
+
+        def gauge(name, doc, value):
+            g = GaugeMetricFamily(PREFIX + name, doc, labels=label[0])
+            g.add_metric(label[1], value)
+            return g
+
+        def counter(name, doc, value):
+            c = CounterMetricFamily(PREFIX + name, doc, labels=label[0])
+            c.add_metric(label[1], value)
+            return c
+
+        yield gauge("num_requests_running", "Requests in the running batch.",
+                    s.num_requests_running)
+        yield gauge("num_requests_waiting", "Requests waiting to run.", s.num_requests_waiting)
+        yield gauge("kv_cache_usage_perc", "KV-cache usage: 1 means every block is held.",
+                    s.kv_cache_usage)
+        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                      s.prefix_cache_queries)
+        yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                      s.prefix_cache_hits)
+        yield counter("num_preemptions", "Preemptions (a request's KV cache freed to recompute).",
+                      s.num_preemptions)
+        yield counter("prompt_tokens", "Prompt tokens of requests that produced a token.",
+                      s.prompt_tokens)
+        yield counter("generation_tokens", "Generated tokens.", s.generation_tokens)
+
+
+class Metrics:
+    def __init__(self, stats: Callable[[], EngineStats | None], model_name: str):
+        self.registry = CollectorRegistry()   # collect() runs at scrape time only
+        self.registry.register(_EngineCollector(stats, model_name))
+        labels = ["model_name"]
+
+        def histogram(name, doc, buckets):
+            return Histogram(PREFIX + name, doc, labels, buckets=buckets,
+                             registry=self.registry).labels(model_name)
+        self.ttft = histogram("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Time between tokens.", ITL_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Request latency, arrival to end.",
+                             E2E_BUCKETS)
+        self._success = Counter(PREFIX + "request_success", "Finished requests by reason.",
+                                labels + ["finished_reason"], registry=self.registry)
+        self.model_name = model_name
+
+    def request(self) -> "RequestTiming":
+        """Start timing a request that arrived now."""
+        return RequestTiming(self)
+
+    def finished(self, reason: str):
+        self._success.labels(self.model_name, reason).inc()
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class RequestTiming:
+    """One request's clock: feeds the latency histograms and the usage's time costs."""
+
+    def __init__(self, metrics: Metrics | None = None):
+        self.metrics = metrics
+        self.arrival = time.monotonic()
+        self.first_token: float | None = None
+        self.last_token: float | None = None
+        self.done = False
+
+    def on_output(self, out: RequestOutput):
+        now = time.monotonic()
+        m = self.metrics
+        if out.new_token_ids:
+            if self.first_token is None:
+                self.first_token = now
+                if m:
+                    m.ttft.observe(now - self.arrival)
+            elif m:
+                m.itl.observe(now - self.last_token)
+            self.last_token = now
+        if out.finished:
+            self._end(out.finish_reason or "stop", now)
+
+    def close(self):
+        """The request ended without a finished output (the client left): an abort."""
+        self._end("abort", time.monotonic())
+
+    def _end(self, reason: str, now: float):
+        if self.done:
+            return
+        self.done = True
+        if self.metrics:
+            self.metrics.e2e.observe(now - self.arrival)
+            self.metrics.finished(reason)
+
+    @property
+    def prompt_time_ms(self) -> float:
+        """Arrival to first token: queueing and prefill."""
+        return 0.0 if self.first_token is None else (self.first_token - self.arrival) * 1e3
+
+    @property
+    def completion_time_ms(self) -> float:
+        """First token to last: decoding."""
+        if self.first_token is None:
+            return 0.0
+        return (self.last_token - self.first_token) * 1e3
