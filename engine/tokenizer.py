@@ -141,15 +141,13 @@ class Tokenizer:
         `prepend_scheme="first"` (only the split at offset 0 gets the "▁" prefix) and per-split
         normalizers behave as in the fast path; only the client's text differs: it is no longer
         cut at the special-token strings it contains."""
-        render = dict(enable_thinking=enable_thinking, add_generation_prompt=add_generation_prompt,
-                      chat_template=chat_template)
-        if self._special_re is None or not _has_match(self._special_re, (messages, tools, kwargs)):
-            text = self.apply_chat_template(messages, tools=tools, **render, **kwargs)
+        client = dict(messages=messages, tools=tools, enable_thinking=enable_thinking, **kwargs)
+        render = dict(add_generation_prompt=add_generation_prompt, chat_template=chat_template)
+        if self._special_re is None or not _has_match(self._special_re, client):
+            text = self.apply_chat_template(**client, **render)
             return self.encode(text, add_special_tokens=False)
         guard = self._text_guard()
-        esc = guard.escape
-        text = self.apply_chat_template(_map_text(messages, esc), tools=_map_text(tools, esc),
-                                        **render, **_map_text(kwargs, esc))
+        text = self.apply_chat_template(**_map_text(client, guard.escape), **render)
         return guard.encode(self.hf, text)
 
     def _text_guard(self) -> "_TextGuard":

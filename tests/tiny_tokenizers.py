@@ -77,3 +77,40 @@ def build_sentencepiece(path):
                                  unk_token="<unk>")
     hf.save_pretrained(str(path))
     return Tokenizer.from_pretrained(str(path))
+
+
+MISTRAL_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}"
+    "{% if m['role'] == 'user' %}[INST] {{ m['content'] }}[/INST]"
+    "{% else %}{{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}")
+
+
+def build_metaspace(path):
+    """Mistral-style BPE: Metaspace pre-tokenizer with prepend_scheme="first" (only the split at
+    offset 0 of the text gets the '▁' prefix), byte fallback, special [INST]/[/INST] and a chat
+    template that writes them."""
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "[INST]": 3, "[/INST]": 4}
+    for b in range(256):
+        vocab[f"<0x{b:02X}>"] = len(vocab)
+    merges = [("▁", "h"), ("▁h", "i"), ("h", "i"), ("▁", "w"), ("o", "r"), ("▁w", "or"),
+              ("l", "d"), ("▁wor", "ld"), ("w", "or"), ("wor", "ld"), ("S", "u"), ("r", "e"),
+              ("Su", "re")]
+    for p in "▁abcdefghijklmnopqrstuvwxyzSIN<>/[]|_":
+        vocab[p] = len(vocab)
+    for a, b in merges:
+        vocab[a + b] = len(vocab)
+    tok = RustTokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>",
+                                   byte_fallback=True, fuse_unk=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first",
+                                                 split=False)
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                     decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t in ("<unk>", "<s>", "</s>", "[INST]", "[/INST]")])
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A",
+                                                       special_tokens=[("<s>", 1)])
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                 unk_token="<unk>", additional_special_tokens=["[INST]", "[/INST]"],
+                                 chat_template=MISTRAL_TEMPLATE)
+    hf.save_pretrained(str(path))
+    return Tokenizer.from_pretrained(str(path))
