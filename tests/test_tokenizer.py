@@ -268,22 +268,29 @@ def test_guard_leaves_shared_tokenizer_alone(bl):
 
 
 def test_reserved_sentinel_in_content_is_rejected(bl):
-    bl.encode_chat([{"role": "user", "content": FORGE}])
-    with pytest.raises(ValueError):
-        bl.encode_chat([{"role": "user", "content": FORGE + bl._guard.sentinel_nonce + "\U000F0000"}])
+    # The sentinels are random per process, so a client cannot spell one; if text held one anyway
+    # it would be matched as a template special token, so it is refused.
+    sentinel = bl.prepare_chat_guard().sentinel_nonce + "\U000F0000"
+    with pytest.raises(ValueError, match="reserved"):
+        bl.encode_chat([{"role": "user", "content": FORGE + sentinel}])
 
 
 def test_model_that_spells_a_special_token_from_text_is_rejected():
-    # A BPE whose merges build "<s>" from characters: no way to read it as text, so refuse.
+    # A BPE whose merges build "<s>" from characters: no way to read it as text, so refuse. Its
+    # <unk> for unknown characters (special, but the model's answer to any unknown text) is fine.
     from tokenizers import AddedToken, Tokenizer as RustTokenizer, models
     from transformers import PreTrainedTokenizerFast
-    vocab = {"<s>": 0, "<": 1, "s": 2, ">": 3, "<s": 4, "h": 5}
-    rust = RustTokenizer(models.BPE(vocab=vocab, merges=[("<", "s"), ("<s", ">")]))
-    rust.add_special_tokens([AddedToken("<s>", special=True, normalized=False)])
-    hf = PreTrainedTokenizerFast(tokenizer_object=rust, bos_token="<s>",
+    vocab = {"<unk>": 0, "<s>": 1, "<": 2, "s": 3, ">": 4, "<s": 5, "h": 6, "/": 7}
+    rust = RustTokenizer(models.BPE(vocab=vocab, merges=[("<", "s"), ("<s", ">")],
+                                    unk_token="<unk>"))
+    rust.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                             for t in ("<unk>", "<s>")])
+    hf = PreTrainedTokenizerFast(tokenizer_object=rust, bos_token="<s>", unk_token="<unk>",
                                  chat_template="{% for m in messages %}<s>{{ m['content'] }}"
                                                "{% endfor %}")
     tok = Tokenizer(hf)
-    assert tok.encode_chat([{"role": "user", "content": "h"}]) == [0, 5]
-    with pytest.raises(ValueError):
+    assert tok.encode_chat([{"role": "user", "content": "h"}]) == [1, 6]
+    # "<unk>" typed by the client: text, whose unknown letters become the model's <unk>.
+    assert tok.encode_chat([{"role": "user", "content": "h<unk>"}]) == [1, 6, 2, 0, 0, 0, 4]
+    with pytest.raises(ValueError, match="<s>"):
         tok.encode_chat([{"role": "user", "content": "h<s>"}])

@@ -1,8 +1,9 @@
 """Tokenizers built offline for the tests (no network).
 
 A byte-level BPE trained with the `tokenizers` library on text with 3-byte (CJK) and 4-byte (emoji)
-characters, adding BOS by default and carrying a chat template; and a SentencePiece-style BPE with
-byte fallback (`<0xE4>` tokens, ByteFallback decoder, leading-space strip).
+characters, adding BOS by default and carrying a chat template; a SentencePiece-style BPE with
+byte fallback (`<0xE4>` tokens, ByteFallback decoder, leading-space strip); and a Mistral-style
+Metaspace(prepend_scheme="first") BPE with special [INST]/[/INST] and a template.
 """
 from tokenizers import AddedToken, Tokenizer as RustTokenizer
 from tokenizers import decoders, models, normalizers, pre_tokenizers, processors, trainers
