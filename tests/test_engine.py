@@ -229,3 +229,14 @@ def test_engine_never_imports_torch(model_dir):
             f"LLM({str(model_dir)!r}).generate([[1, 2, 3]], SamplingParams(max_tokens=2)); "
             "assert 'torch' not in sys.modules, 'torch was imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_kv_budget_mem_wins_over_fraction_of_free_memory(model_dir, monkeypatch):
+    import engine.llm_engine as llm_engine
+    from engine.model_runner import ModelRunner
+    monkeypatch.setattr(llm_engine, "mem_available_bytes", lambda: 2**30)
+    llm = LLM(model_dir, block_size=8, kv_fraction=0.01)
+    per_block = ModelRunner.kv_bytes_per_block(llm.engine.model_config, 8)
+    assert llm.engine.block_pool.num_blocks == int(2**30 * 0.01) // per_block
+    llm = LLM(model_dir, block_size=8, kv_fraction=0.01, kv_cache_memory_mb=1)
+    assert llm.engine.block_pool.num_blocks == 2**20 // per_block

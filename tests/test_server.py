@@ -300,3 +300,47 @@ def test_client_disconnect_aborts_the_request(fake):
     while request_id not in fake.engine.aborted:
         assert time.time() < deadline, "the request was not aborted after the client left"
         time.sleep(0.02)
+
+
+def test_client_disconnect_aborts_a_non_streamed_request(fake):
+    fake.engine.delay = 0.02
+    before = set(fake.engine.aborted)
+    sock = socket.create_connection(("127.0.0.1", fake.port))
+    body = json.dumps({**CHAT, "max_tokens": 200}).encode()
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                 b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+    time.sleep(0.3)                    # generating, nothing sent yet
+    sock.close()
+    deadline = time.time() + 10
+    while not set(fake.engine.aborted) - before:
+        assert time.time() < deadline, "the request was not aborted after the client left"
+        time.sleep(0.02)
+    assert (set(fake.engine.aborted) - before) <= set(fake.engine.requests)
+
+
+def test_each_schema_rejects_a_broken_response(fake):
+    """The schemas can fail: a real response validates, the same response broken does not."""
+    import copy
+
+    import jsonschema
+    chat = post_json(fake.port, "/v1/chat/completions", CHAT)[1]
+    chunk = post_sse(fake.port, "/v1/chat/completions", {**CHAT, "stream": True})[0]
+    completion = post_json(fake.port, "/v1/completions", {"prompt": "x", "max_tokens": 2})[1]
+    models = json.loads(http_request(fake.port, "GET", "/v1/models")[2])
+    error = post_json(fake.port, "/v1/completions", {"prompt": 5})[1]
+
+    def broken(obj, edit):
+        obj = copy.deepcopy(obj)
+        edit(obj)
+        return obj
+    cases = [("CreateChatCompletionResponse", chat, lambda o: o.pop("choices")),
+             ("CreateChatCompletionStreamResponse", chunk,
+              lambda o: o.update(object="chat.completion")),
+             ("CreateCompletionResponse", completion,
+              lambda o: o["choices"][0].update(finish_reason="done")),
+             ("ListModelsResponse", models, lambda o: o["data"][0].update(created="yesterday")),
+             ("ErrorResponse", error, lambda o: o["error"].pop("message"))]
+    for name, good, edit in cases:
+        validate(good, name)
+        with pytest.raises(jsonschema.ValidationError):
+            validate(broken(good, edit), name)

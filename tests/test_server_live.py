@@ -52,6 +52,22 @@ def test_cli_flags():
                       "--yarn-scaling-factor", "2.0", "--log"])
     assert (a.host, a.model_id, a.kvcache_mem, a.block_size, a.yarn_scaling_factor) == (
         "::1", "org/x", 8, 32, 2.0)
+    # every knob reaches the engine or server settings
+    from server.__main__ import engine_config, server_settings
+    a = p.parse_args(["--w", "/m", "--cpu", "--kv-fraction", "0.25", "--prefix-cache-max-tokens",
+                      "512", "--max-gen-tokens", "100", "--max-queued-requests", "7",
+                      "--temperature", "0.7", "--top-k", "40", "--api-key", "k",
+                      "--max-request-mb", "1", "--allowed-origins", "http://a", "--disable-cuda-graph"])
+    config = engine_config(a)
+    assert (config.kv_fraction, config.kv_cache_memory_mb, config.prefix_cache_max_tokens) == (
+        0.25, None, 512)
+    settings = server_settings(a, config)
+    assert (settings.served_model_names, settings.max_gen_tokens, settings.max_queued_requests,
+            settings.sampling_defaults, settings.api_key, settings.max_body_bytes,
+            settings.cors_origins) == (["m"], 100, 7, {"temperature": 0.7, "top_k": 40}, "k",
+                                       2**20, ["http://a"])
+    a = p.parse_args(["--gpu-memory-fraction", "0.5", "--mem", "128"])
+    assert (a.kv_fraction, a.kvcache_mem) == (0.5, 128)     # the engine lets --mem win
     with pytest.raises(SystemExit):
         p.parse_args(["--w", "/a", "--m", "b"])       # one model source only
     with pytest.raises(SystemExit) as e:
