@@ -64,7 +64,7 @@ def test_cli_flags():
     settings = server_settings(a, config)
     assert (settings.served_model_names, settings.max_gen_tokens, settings.max_queued_requests,
             settings.sampling_defaults, settings.api_key, settings.max_body_bytes,
-            settings.cors_origins) == (["m"], 100, 7, {"temperature": 0.7, "top_k": 40}, "k",
+            settings.cors_origins) == (["/m"], 100, 7, {"temperature": 0.7, "top_k": 40}, "k",
                                        2**20, ["http://a"])
     a = p.parse_args(["--gpu-memory-fraction", "0.5", "--mem", "128"])
     assert (a.kv_fraction, a.kvcache_mem) == (0.5, 128)     # the engine lets --mem win
