@@ -26,6 +26,8 @@ class AsyncEngine:
     def __init__(self, config: EngineConfig):
         self.engine = LLMEngine(config)
         self.tokenizer = self.engine.tokenizer
+        if self.tokenizer is not None and self.tokenizer.has_chat_template:
+            self.tokenizer.prepare_chat_guard()   # at load, not on the event loop's first chat
         self.model_config = self.engine.model_config
         self.max_model_len = self.engine.max_model_len
         self.model_name = default_model_name(config.model)
