@@ -172,12 +172,18 @@ def create_app(engine, settings: ServerSettings | list[str] | str | None = None)
         body, content_type = state.metrics.render()
         return Response(body, status=200, content_type=content_type)
 
+    def model_card(name: str) -> dict:
+        max_len = None if state.engine is None else state.engine.max_model_len
+        return {"id": name, "object": "model", "created": created, "owned_by": "taper",
+                "max_model_len": max_len}
+
     @app.get("/v1/models")
     async def list_models():
-        max_len = None if state.engine is None else state.engine.max_model_len
-        return _json({"object": "list",
-                      "data": [{"id": n, "object": "model", "created": created, "owned_by": "taper",
-                                "max_model_len": max_len} for n in names]})
+        return _json({"object": "list", "data": [model_card(n) for n in names]})
+
+    @app.get("/v1/models/<path:name>")        # hub ids hold a slash
+    async def retrieve_model(name: str):
+        return _json(model_card(resolve_model(name)))
 
     def resolve_model(name: str | None) -> str:
         if name is None:

@@ -45,7 +45,12 @@ def test_models_and_health(fake):
     validate(models, "ListModelsResponse")
     assert [m["id"] for m in models["data"]] == ["fake-model", "alias"]
     assert all(m["owned_by"] == "taper" and m["object"] == "model" for m in models["data"])
-    assert [m.id for m in client_for(fake.port).models.list()] == ["fake-model", "alias"]
+    client = client_for(fake.port)
+    assert [m.id for m in client.models.list()] == ["fake-model", "alias"]
+    assert client.models.retrieve("alias").id == "alias"
+    validate(json.loads(http_request(fake.port, "GET", "/v1/models/fake-model")[2]), "Model")
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("org/other")
     assert http_request(fake.port, "GET", "/health")[0] == 200
     fake.engine.is_running = False
     assert http_request(fake.port, "GET", "/health")[0] == 503
