@@ -35,13 +35,14 @@ class AsyncEngine:
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopping = False
+        self._closed = False         # the engine thread has stopped taking commands
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="taper-engine", daemon=True)
         self._thread.start()
 
     @property
     def is_running(self) -> bool:
-        return self._thread.is_alive() and self.error is None
+        return not self._closed and self._thread.is_alive()
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams) -> AsyncIterator[RequestOutput]:
@@ -55,6 +56,10 @@ class AsyncEngine:
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (loop, stream)
         self._commands.put(("add", request_id, list(prompt_token_ids), params))
+        # The engine thread marks itself closed, then fails the streams it finds; we add the
+        # stream, then look at the mark. So either it sees this stream or we see the mark.
+        if self._closed:
+            stream.put_nowait(RuntimeError("the engine is not running"))
         return self._iterate(request_id, stream)
 
     async def _iterate(self, request_id: str, stream: asyncio.Queue):
@@ -129,6 +134,7 @@ class AsyncEngine:
                 del self._streams[request_id]
 
     def _run(self) -> None:
+        reason = "the engine was shut down"
         try:
             while not self._stopping:
                 # Block for work when idle; otherwise take what has arrived and step.
@@ -147,8 +153,11 @@ class AsyncEngine:
         except BaseException as e:  # the loop died: fail every open request, report unhealthy
             log.exception("engine loop failed")
             self.error = e
+            reason = f"engine loop failed: {e}"
+        finally:
+            self._closed = True
             for request_id in list(self._streams):
-                self._deliver(request_id, RuntimeError(f"engine loop failed: {e}"))
+                self._deliver(request_id, RuntimeError(reason))
 
 
 def default_model_name(model: str) -> str:

@@ -53,6 +53,9 @@ class BlockPool:
         # head = next to hand out (least recently freed); OrderedDict gives O(1) pop/remove/append
         self.free_queue: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
         self.cached_blocks: dict[int, Block] = {}          # block hash -> block
+        # The free queue's hashed blocks in the same order: what the cap evicts first, found
+        # without walking past never-used blocks. Kept only when there is a cap.
+        self.free_cached: OrderedDict[int, Block] = OrderedDict()
         self._num_hashed_blocks: dict[int, int] = {}       # seq_id -> blocks cache_full_blocks did
         self.prefix_cache_queries = 0                      # tokens looked up
         self.prefix_cache_hits = 0                         # tokens found
@@ -131,9 +134,9 @@ class BlockPool:
         unreferenced cached block. Blocks in use are never evicted."""
         if self.max_cached_blocks is None or len(self.cached_blocks) < self.max_cached_blocks:
             return True
-        victim = next((b for b in self.free_queue.values() if b.block_hash is not None), None)
-        if victim is None:
+        if not self.free_cached:
             return False
+        _, victim = self.free_cached.popitem(last=False)
         del self.cached_blocks[victim.block_hash]
         victim.block_hash = None
         return True
@@ -143,6 +146,7 @@ class BlockPool:
         for block in self.cached_blocks.values():
             block.block_hash = None
         self.cached_blocks.clear()
+        self.free_cached.clear()
 
     # ---- allocation
 
@@ -173,6 +177,7 @@ class BlockPool:
             for block in computed_blocks:
                 if block.ref_count == 0:
                     del self.free_queue[block.block_id]
+                    self.free_cached.pop(block.block_id, None)
                 block.ref_count += 1
                 seq.block_table.append(block.block_id)
             num_cached = len(computed_blocks) * self.block_size
@@ -189,6 +194,7 @@ class BlockPool:
         _, block = self.free_queue.popitem(last=False)
         if block.block_hash is not None:   # evict
             del self.cached_blocks[block.block_hash]
+            self.free_cached.pop(block.block_id, None)
             block.block_hash = None
         block.ref_count = 1
         return block
@@ -202,6 +208,8 @@ class BlockPool:
             assert block.ref_count >= 0, f"block {block_id} freed twice"
             if block.ref_count == 0:
                 self.free_queue[block_id] = block
+                if block.block_hash is not None and self.max_cached_blocks is not None:
+                    self.free_cached[block_id] = block
         seq.block_table.clear()
         self._num_hashed_blocks.pop(seq.seq_id, None)
 
@@ -210,3 +218,6 @@ class BlockPool:
         blocks = list(self.free_queue.values())
         rng.shuffle(blocks)
         self.free_queue = OrderedDict((b.block_id, b) for b in blocks)
+        if self.max_cached_blocks is not None:
+            self.free_cached = OrderedDict((b.block_id, b) for b in blocks
+                                           if b.block_hash is not None)

@@ -48,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="on SIGTERM, seconds live requests get to finish (default 10)")
     g.add_argument("--chat-template", metavar="FILE",
                    help="Jinja chat template to use instead of the tokenizer's")
+    g.add_argument("--trust-request-chat-template", action="store_true",
+                   help="let requests bring their own chat_template (a template is code the "
+                        "server runs)")
     g.add_argument("--ui-server", action="store_true", help="serve the web chat UI")
     g.add_argument("--enforce-parser", metavar="NAME", help="tool-call parser to use")
     g.add_argument("--mcp-config", metavar="FILE", help="MCP servers whose tools to offer")
@@ -131,8 +134,9 @@ def check_args(args) -> str | None:
         return "--max-request-mb must be positive and --shutdown-timeout non-negative"
     try:
         SamplingParams(**sampling_defaults(args))
-    except ValueError as e:
-        return f"--{str(e).replace('_', '-')}"
+    except ValueError as e:       # the message starts with the parameter's name
+        name, rest = str(e).split(" ", 1)
+        return f"--{name.replace('_', '-')} {rest}"
     return None
 
 
@@ -196,6 +200,7 @@ def server_settings(args, config):
         served_model_names=names, api_key=args.api_key or None,
         max_queued_requests=args.max_queued_requests, max_gen_tokens=args.max_gen_tokens,
         sampling_defaults=sampling_defaults(args), chat_template=template,
+        trust_request_chat_template=args.trust_request_chat_template,
         max_body_bytes=int(args.max_request_mb * 2**20), cors_origins=args.allowed_origins)
 
 
@@ -208,6 +213,7 @@ class Server:
         self.app, self.state, self.config, self.args = app, app.taper, config, args
         self.stop = asyncio.Event()
         self.exit_code = 0
+        self._drain_task: asyncio.Task | None = None
 
     async def run(self):
         from hypercorn.asyncio import serve as hypercorn_serve
@@ -255,7 +261,7 @@ class Server:
             self.stop.set()
         else:
             self.state.draining = True
-            asyncio.ensure_future(self._drain())
+            self._drain_task = asyncio.ensure_future(self._drain())
 
     async def _drain(self):
         engine = self.state.engine
@@ -266,7 +272,8 @@ class Server:
             if not await _wait_until(lambda: not engine.num_open_requests, timeout):
                 log.warning("aborting %d requests still running", engine.num_open_requests)
                 engine.abort_all()
-                await _wait_until(lambda: not engine.num_open_requests, 2.0)
+                # aborts land between engine steps, and a long prefill step can take seconds
+                await _wait_until(lambda: not engine.num_open_requests, 30.0)
         self.stop.set()
 
 

@@ -11,6 +11,7 @@ the live ones finish).
 """
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
@@ -39,6 +40,7 @@ class ServerSettings:
     max_gen_tokens: int | None = None        # cap on the default max_tokens
     sampling_defaults: dict = field(default_factory=dict)  # server flags over generation_config
     chat_template: str | None = None         # --chat-template, over the tokenizer's
+    trust_request_chat_template: bool = False  # a template is code: clients may not send one
     max_body_bytes: int = 32 * 2**20
     cors_origins: list[str] = field(default_factory=lambda: ["*"])
 
@@ -48,18 +50,25 @@ class ServerState:
     settings: ServerSettings
     engine: object | None = None             # None while the model loads
     draining: bool = False                   # SIGTERM received: finish live requests, take no new
-    metrics: Metrics = None
+    metrics: Metrics | None = None
+
+    def unavailable(self) -> APIError | None:
+        """Why requests cannot be served now (as the 503 to send), or None."""
+        if self.draining:
+            return APIError("The server is shutting down", status=503, type="server_error",
+                            code="shutting_down")
+        if self.engine is None:
+            return APIError("The model is still loading; retry shortly", status=503,
+                            type="server_error", code="model_loading",
+                            headers={"Retry-After": "5"})
+        if not self.engine.is_running:
+            return APIError("The engine is not running", status=503, type="server_error",
+                            code="engine_error")
+        return None
 
     def ready_engine(self):
-        if self.draining:
-            raise APIError("The server is shutting down", status=503, type="server_error",
-                           code="shutting_down")
-        if self.engine is None:
-            raise APIError("The model is still loading; retry shortly", status=503,
-                           type="server_error", code="model_loading", headers={"Retry-After": "5"})
-        if not self.engine.is_running:
-            raise APIError("The engine is not running", status=503, type="server_error",
-                           code="engine_error")
+        if error := self.unavailable():
+            raise error
         return self.engine
 
     def engine_stats(self):
@@ -84,12 +93,19 @@ def _error(e: APIError) -> Response:
     return resp
 
 
-def create_app(engine, settings: ServerSettings | list[str] | str | None = None) -> Quart:
-    """The app for `engine` (None: set `app.taper.engine` once loaded). `settings` may be just
-    the served model name(s)."""
-    if not isinstance(settings, ServerSettings):
-        names = [settings] if isinstance(settings, str) else list(settings or [])
-        settings = ServerSettings(names or [engine.model_name])
+async def off_loop(fn, *args, param: str, **kwargs):
+    """Run tokenizer work (template rendering, encoding) on a worker thread: a long prompt or a
+    heavy template must not stall every other stream on the event loop. Text the tokenizer
+    cannot take (a lone surrogate, say) is the client's error, named by `param`."""
+    try:
+        return await asyncio.to_thread(fn, *args, **kwargs)
+    except (TypeError, ValueError, UnicodeError) as e:
+        raise APIError(f"{param} could not be tokenized: {e}", param=param,
+                       code="invalid_value") from None
+
+
+def create_app(engine, settings: ServerSettings) -> Quart:
+    """The app for `engine` (None: set `app.taper.engine` once loaded)."""
     state = ServerState(settings, engine)
     names = settings.served_model_names
     state.metrics = Metrics(state.engine_stats, names[0])
@@ -116,8 +132,8 @@ def create_app(engine, settings: ServerSettings | list[str] | str | None = None)
     @app.errorhandler(Exception)
     async def _internal_error(e: Exception):
         log.exception("internal error on %s %s", request.method, request.path)
-        return _error(APIError(f"Internal server error: {type(e).__name__}: {e}", status=500,
-                               type="server_error"))
+        return _error(APIError("Internal server error (the server log has the details)",
+                               status=500, type="server_error"))
 
     # ---- CORS (the web UI and browser clients) and auth
 
@@ -126,7 +142,9 @@ def create_app(engine, settings: ServerSettings | list[str] | str | None = None)
         allowed = settings.cors_origins
         if origin and ("*" in allowed or origin in allowed):
             resp.headers["Access-Control-Allow-Origin"] = "*" if "*" in allowed else origin
-            resp.headers["Access-Control-Allow-Headers"] = "Authorization, Content-Type"
+            # SDKs add their own headers (openai-node: x-stainless-*): allow what is asked
+            resp.headers["Access-Control-Allow-Headers"] = request.headers.get(
+                "Access-Control-Request-Headers", "Authorization, Content-Type")
             resp.headers["Access-Control-Allow-Methods"] = "GET, POST, OPTIONS"
             resp.headers["Access-Control-Max-Age"] = "600"
             if "*" not in allowed:
@@ -134,10 +152,14 @@ def create_app(engine, settings: ServerSettings | list[str] | str | None = None)
         return resp
 
     @app.before_request
-    async def _preflight_and_auth():
+    async def _preflight_auth_drain():
         if request.method == "OPTIONS":         # CORS preflight carries no credentials
             return Response(status=204)
-        if settings.api_key is None or request.path == "/health":
+        if request.path == "/health":
+            return None
+        if state.draining and request.path != "/metrics":
+            return _error(state.unavailable())
+        if settings.api_key is None:
             return None
         auth = request.headers.get("Authorization", "")
         token = auth[7:] if auth[:7].lower() == "bearer " else ""
@@ -155,13 +177,12 @@ def create_app(engine, settings: ServerSettings | list[str] | str | None = None)
 
     @app.get("/health")
     async def health():
-        if state.draining:
-            return _json({"status": "shutting down"}, 503)
-        if state.engine is None:
-            return _json({"status": "loading"}, 503)
-        if state.engine.is_running:
+        error = state.unavailable()
+        if error is None:
             return _json({"status": "ok"})
-        return _json({"status": "engine stopped"}, 503)
+        status = {"shutting_down": "shutting down", "model_loading": "loading"}.get(
+            error.code, "engine stopped")
+        return _json({"status": status}, 503)
 
     @app.get("/version")
     async def version_route():
@@ -200,9 +221,9 @@ def create_app(engine, settings: ServerSettings | list[str] | str | None = None)
         engine = state.ready_engine()
         return req, resolve_model(req.model), engine
 
-    def check_queue(engine):
+    def check_queue(engine, num_new: int = 1):
         limit = settings.max_queued_requests
-        if limit is not None and engine.num_queued_requests() >= limit:
+        if limit is not None and engine.num_queued_requests() + num_new > limit:
             raise APIError(f"Too many requests are waiting ({limit}); retry shortly",
                            status=429, type="rate_limit_error", code="queue_full",
                            headers={"Retry-After": "1"})
@@ -229,11 +250,18 @@ def create_app(engine, settings: ServerSettings | list[str] | str | None = None)
         defaults = {**getattr(engine, "generation_defaults", {}), **settings.sampling_defaults}
         return req.to_sampling_params(default_max_tokens=default, defaults=defaults)
 
-    def chat_prompt_ids(engine, req, param: str = "messages") -> list[int]:
-        tok = engine.tokenizer
-        if tok is None:
-            raise APIError("This model has no tokenizer; use /v1/completions with token ids",
+    def require_tokenizer(engine, param: str):
+        if engine.tokenizer is None:
+            raise APIError("This model has no tokenizer: use /v1/completions with token ids",
                            param=param, code="no_tokenizer")
+        return engine.tokenizer
+
+    async def chat_prompt_ids(engine, req, param: str = "messages") -> list[int]:
+        tok = require_tokenizer(engine, param)
+        if req.chat_template is not None and not settings.trust_request_chat_template:
+            raise APIError("chat_template in a request is refused: a template is code the "
+                           "server runs; start it with --trust-request-chat-template to allow "
+                           "this", param="chat_template", code="unsupported_parameter")
         template = req.chat_template or settings.chat_template
         if not tok.has_chat_template and template is None:
             raise APIError("This model has no chat template; use /v1/completions, or start the "
@@ -241,9 +269,10 @@ def create_app(engine, settings: ServerSettings | list[str] | str | None = None)
                            code="no_chat_template")
         messages = req.template_messages()
         try:
-            return tok.encode_chat(messages, add_generation_prompt=req.add_generation_prompt,
-                                   chat_template=template, **req.template_kwargs())
-        except (ValueError, TypeError, KeyError, jinja2.TemplateError) as e:
+            return await asyncio.to_thread(
+                tok.encode_chat, messages, add_generation_prompt=req.add_generation_prompt,
+                chat_template=template, **req.template_kwargs())
+        except (ValueError, TypeError, KeyError, UnicodeError, jinja2.TemplateError) as e:
             # a template that rejects the conversation (e.g. roles out of order)
             raise APIError(f"The chat template could not render these messages: {e}",
                            param=param, code="invalid_messages") from None
@@ -276,38 +305,39 @@ def create_app(engine, settings: ServerSettings | list[str] | str | None = None)
     @app.post("/v1/chat/completions")
     async def chat_completions():
         req, model, engine = await read_request(ChatCompletionRequest)
-        prompt_ids = chat_prompt_ids(engine, req)
+        prompt_ids = await chat_prompt_ids(engine, req)
         params = fit_context(engine, req, len(prompt_ids), "messages")
         check_queue(engine)
         info = streaming.ResponseInfo(streaming.random_id("chatcmpl"), model,
                                       "chat.completion.chunk", stream=req.stream,
-                                      include_usage=bool(req.stream_options
-                                                         and req.stream_options.include_usage))
+                                      include_usage=req.include_usage())
         timing = state.metrics.request()
-        outputs = streaming.engine_outputs(engine, info.id, prompt_ids, params, timing)
+        outputs = streaming.engine_outputs(engine, info.id, prompt_ids, params, timing,
+                                           "messages")
         chunks = streaming.chat_chunks(info, outputs, len(prompt_ids), timing)
         return await respond(info, chunks, streaming.fold_chat)
 
     @app.post("/v1/completions")
     async def completions():
         req, model, engine = await read_request(CompletionRequest)
-        tok = engine.tokenizer
         prompts = req.prompts()
-        if tok is None and (req.echo or any(isinstance(p, str) for p in prompts)):
-            raise APIError("This model has no tokenizer: send the prompt as token ids, "
-                           "without echo", param="prompt", code="no_tokenizer")
-        batch_ids = [tok.encode(p) if isinstance(p, str) else p for p in prompts]
+        tok = engine.tokenizer
+        if req.echo or any(isinstance(p, str) for p in prompts):
+            require_tokenizer(engine, "prompt")
+
+        def tokenize_batch():
+            return [tok.encode(p) if isinstance(p, str) else p for p in prompts]
+        batch_ids = await off_loop(tokenize_batch, param="prompt")
         params_list = [fit_context(engine, req, len(ids), "prompt") for ids in batch_ids]
-        check_queue(engine)
+        check_queue(engine, len(prompts))
         echo = None
         if req.echo:
             echo = [p if isinstance(p, str) else tok.decode(p) for p in prompts]
         info = streaming.ResponseInfo(streaming.random_id("cmpl"), model, "text_completion",
-                                      stream=req.stream,
-                                      include_usage=bool(req.stream_options
-                                                         and req.stream_options.include_usage))
+                                      stream=req.stream, include_usage=req.include_usage())
         timings = [state.metrics.request() for _ in prompts]
-        streams = [streaming.engine_outputs(engine, f"{info.id}-{i}", ids, params, timing)
+        streams = [streaming.engine_outputs(engine, f"{info.id}-{i}", ids, params, timing,
+                                            "prompt")
                    for i, (ids, params, timing) in enumerate(zip(batch_ids, params_list, timings))]
         chunks = streaming.completion_chunks(info, streams, [len(ids) for ids in batch_ids],
                                              timings, echo)
@@ -319,13 +349,12 @@ def create_app(engine, settings: ServerSettings | list[str] | str | None = None)
     @app.post("/tokenize")
     async def tokenize():
         req, _, engine = await read_request(TokenizeRequest)
-        tok = engine.tokenizer
-        if tok is None:
-            raise APIError("This model has no tokenizer", param="prompt", code="no_tokenizer")
+        tok = require_tokenizer(engine, "prompt")
         if req.messages is not None:     # exactly the ids /v1/chat/completions would run
-            ids = chat_prompt_ids(engine, req)
+            ids = await chat_prompt_ids(engine, req)
         else:
-            ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)
+            ids = await off_loop(tok.encode, req.prompt, param="prompt",
+                                 add_special_tokens=req.add_special_tokens)
         return _json({"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids,
                       "token_strs": tok.convert_ids_to_tokens(ids) if req.return_token_strs
                       else None})
@@ -333,9 +362,7 @@ def create_app(engine, settings: ServerSettings | list[str] | str | None = None)
     @app.post("/detokenize")
     async def detokenize():
         req, _, engine = await read_request(DetokenizeRequest)
-        tok = engine.tokenizer
-        if tok is None:
-            raise APIError("This model has no tokenizer", param="tokens", code="no_tokenizer")
+        tok = require_tokenizer(engine, "tokens")
         vocab = tok.vocab_size
         bad = next((i for i, t in enumerate(req.tokens) if not 0 <= t < vocab), None)
         if bad is not None:

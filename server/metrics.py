@@ -118,6 +118,10 @@ class RequestTiming:
         if out.finished:
             self._end(out.finish_reason or "stop", now)
 
+    def discard(self):
+        """The engine refused the request: it never ran, so it is not measured."""
+        self.done = True
+
     def close(self):
         """The request ended without a finished output (the client left): an abort."""
         self._end("abort", time.monotonic())

@@ -93,15 +93,21 @@ def parse_json_body(raw: bytes) -> dict:
 
 # ---- shared sampling fields
 
+class _Request(BaseModel):
+    # Unknown fields are accepted and ignored (parse_request logs them), as OpenAI-compatible
+    # servers commonly do.
+    model_config = ConfigDict(extra="allow")
+
+    def check_supported(self):
+        """Refuse valid fields whose feature this server does not have (yet)."""
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="allow")
     include_usage: bool = False
 
 
-class _SamplingRequest(BaseModel):
-    # Unknown fields are accepted and ignored, as OpenAI-compatible servers commonly do.
-    model_config = ConfigDict(extra="allow")
-
+class _SamplingRequest(_Request):
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
@@ -128,6 +134,8 @@ class _SamplingRequest(BaseModel):
     response_format: Any = None
     use_beam_search: bool = False
     best_of: int | None = None
+    functions: list[dict] | None = None        # the deprecated spelling of tools
+    function_call: Any = None
 
     @model_validator(mode="before")
     @classmethod
@@ -151,12 +159,18 @@ class _SamplingRequest(BaseModel):
             raise not_supported("use_beam_search")
         if self.best_of not in (None, 1):
             raise not_supported("best_of")
+        for name in ("functions", "function_call"):
+            if getattr(self, name) not in (None, [], "none"):
+                raise not_supported(name)
         if self.stream_options is not None and not self.stream:
             raise APIError("stream_options is only allowed when stream is true",
                            param="stream_options")
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
+
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
 
     def to_sampling_params(self, default_max_tokens: int,
                            defaults: dict[str, float] | None = None) -> SamplingParams:
@@ -256,9 +270,8 @@ def _template_tool_call(call: dict, where: str) -> dict:
     return {**call, "type": "function", "function": {**fn, "arguments": args}}
 
 
-class _ChatInput(BaseModel):
+class _ChatInput(_Request):
     """Messages and the chat-template controls: chat completions and /tokenize share them."""
-    model_config = ConfigDict(extra="allow")
     messages: list[ChatMessage] | None = None
     # vLLM-style extensions
     add_generation_prompt: bool = True
@@ -361,20 +374,13 @@ class TokenizeRequest(_ChatInput):
             raise ValueError("give exactly one of 'prompt' and 'messages'")
         return self
 
-    def check_supported(self):
-        pass
 
-
-class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class DetokenizeRequest(_Request):
     model: str | None = None
     tokens: list[int]
 
-    def check_supported(self):
-        pass
 
-
-def parse_request(cls: type[BaseModel], body: dict) -> BaseModel:
+def parse_request(cls: type[_Request], body: dict) -> _Request:
     try:
         req = cls.model_validate(body)
     except ValidationError as e:

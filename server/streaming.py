@@ -51,9 +51,10 @@ class ResponseInfo:
 
 
 async def engine_outputs(engine, request_id: str, prompt_ids: list[int], params,
-                         timing: RequestTiming) -> AsyncIterator[RequestOutput]:
+                         timing: RequestTiming, param: str) -> AsyncIterator[RequestOutput]:
     """The engine's outputs for one request, timed by `timing`. Closing this closes the engine's
-    stream, which aborts the request unless it ran to its end."""
+    stream, which aborts the request unless it ran to its end. A refusal names `param`, the
+    request field the prompt came from."""
     try:
         async with contextlib.aclosing(engine.add_request(request_id, prompt_ids, params)) as outs:
             async for out in outs:
@@ -62,7 +63,8 @@ async def engine_outputs(engine, request_id: str, prompt_ids: list[int], params,
                 if out.finished:
                     return
     except ValueError as e:          # the engine refused the request: the client's fault
-        raise APIError(str(e), code="invalid_request") from None
+        timing.discard()
+        raise APIError(f"{param}: {e}", param=param, code="invalid_value") from None
     except RuntimeError as e:        # the engine is stopped or its loop died
         raise APIError(f"The engine failed: {e}", status=503, type="server_error",
                        code="engine_error") from None
@@ -198,16 +200,17 @@ async def completion_chunks(info: ResponseInfo, streams: list[AsyncIterator[Requ
     usage = _Usage(timings)
     pending_echo = list(echo) if echo else [""] * len(streams)
     finished = [False] * len(streams)
-    async for i, out in _merge(streams):
-        _check_output(out)
-        text = pending_echo[i] + out.text_delta
-        pending_echo[i] = ""
-        if text:
-            yield info.chunk([choice(i, text)])
-        if out.finished:
-            finished[i] = True
-            yield info.chunk([choice(i, "", _FINISH_REASONS[out.finish_reason])])
-            usage.add(out, num_prompt_tokens[i])
+    async with contextlib.aclosing(_merge(streams)) as merged:
+        async for i, out in merged:
+            _check_output(out)
+            text = pending_echo[i] + out.text_delta
+            pending_echo[i] = ""
+            if text:
+                yield info.chunk([choice(i, text)])
+            if out.finished:
+                finished[i] = True
+                yield info.chunk([choice(i, "", _FINISH_REASONS[out.finish_reason])])
+                usage.add(out, num_prompt_tokens[i])
     if not all(finished):
         raise APIError("The engine ended a request without finishing it",
                        status=500, type="server_error", code="engine_error")

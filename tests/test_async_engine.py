@@ -71,3 +71,21 @@ def test_bad_request_fails_alone(engine):
     assert isinstance(bad, ValueError) and "token ids" in str(bad)
     assert good[-1].finished and len(good) == 12
     assert engine.is_running
+
+
+def test_shutdown_fails_open_streams_and_refuses_new_ones(tmp_path):
+    engine = AsyncEngine(EngineConfig(model=tiny_checkpoint(tmp_path, "llama"), num_kv_blocks=64,
+                                      block_size=8))
+    long = SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True)
+
+    async def run():
+        stream = engine.add_request("open", [5, 6, 7], long)
+        await anext(stream)                       # generating
+        engine.shutdown()
+        with pytest.raises(RuntimeError, match="shut down"):
+            async for _ in stream:
+                pass
+        assert not engine.is_running
+        with pytest.raises(RuntimeError, match="not running"):
+            engine.add_request("late", [5], GREEDY)
+    asyncio.run(run())

@@ -326,6 +326,15 @@ def test_prefix_cache_cap_evicts_least_recently_freed_and_never_blocks_in_use():
     c = Sequence(list(range(200, 209)))
     computed(pool, c, 9)
     assert len(pool.cached_blocks) == 2 and cached_ids(pool) == sorted(c.block_table[:2])
+    c_table = list(c.block_table)
+    pool.free(b)
+    pool.free(c)
+    assert list(pool.free_cached) == [i for i in free_order(pool) if pool.blocks[i].block_hash]
+    d = Sequence(list(range(200, 204)) + [7, 7, 7, 7, 7])   # c's first block, then a new one
+    computed(pool, d, 9, pool.get_computed_blocks(d)[0])
+    assert d.block_table[0] == c_table[0] and d.num_cached_tokens == 4
+    assert cached_ids(pool) == sorted(d.block_table[:2])       # c's 2nd block made room
+    assert not pool.free_cached
     # uncapped, all three prefixes stay cached: the cap is what evicted a's
     pool = BlockPool(10, BS)
     for seq in (Sequence(list(range(9))), Sequence(list(range(100, 109)))):

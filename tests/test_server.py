@@ -12,7 +12,7 @@ import time
 import openai
 import pytest
 
-from server.app import create_app
+from server.app import ServerSettings, create_app
 from server_fakes import (CHAT, FakeEngine, FakeTokenizer, ThreadedServer, assert_error, client_for, fake_text,
                           http_request, post_json, post_sse, validate)
 
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.timeout(300)
 @pytest.fixture(scope="module")
 def fake():
     engine = FakeEngine()
-    server = ThreadedServer(create_app(engine, ["fake-model", "alias"]))
+    server = ThreadedServer(create_app(engine, ServerSettings(["fake-model", "alias"])))
     server.engine = engine
     yield server
     server.close()
@@ -208,6 +208,7 @@ def test_invalid_chat_params_are_400_naming_the_param(fake, extra, param):
                                                   "response_format"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ({"tool_choice": "auto"}, "tool_choice"), ({"use_beam_search": True}, "use_beam_search"),
+    ({"functions": [{"name": "f"}]}, "functions"), ({"function_call": "auto"}, "function_call"),
 ])
 def test_later_features_are_400_not_yet_supported(fake, extra, param):
     status, body = post_json(fake.port, "/v1/chat/completions", {**CHAT, **extra})

@@ -194,6 +194,15 @@ def test_live_errors(live):
     assert_error(status, json.loads(payload), 400, None)
     status, body = post_json(live.port, "/v1/completions", {"prompt": "word " * 5000})
     assert_error(status, body, 400, "prompt", "context_length_exceeded")
+    # refused by the engine or the tokenizer: still a 400 naming the field
+    for prompt in ([99999999], "", "a\ud800"):
+        status, body = post_json(live.port, "/v1/completions", {"prompt": prompt})
+        assert_error(status, body, 400, "prompt", "invalid_value")
+    lone = {"messages": [{"role": "user", "content": "a\ud800"}]}
+    assert_error(*post_json(live.port, "/v1/chat/completions", lone), 400, "messages")
+    # none of the refused requests counts as served or aborted
+    _, _, payload = http_request(live.port, "GET", "/metrics")
+    assert 'finished_reason="abort"' not in payload.decode()
 
 
 def test_live_tokenize_matches_an_independent_tokenizer(live):

@@ -61,6 +61,8 @@ def test_loading_then_ready_then_draining(serve):
     assert (status, json.loads(body)) == (503, {"status": "shutting down"})
     status, body = post_json(server.port, "/v1/completions", {"prompt": "x"})
     assert_error(status, body, 503, None, "shutting_down")
+    assert http_response(server.port, "GET", "/v1/models")[0] == 503
+    assert http_response(server.port, "GET", "/metrics")[0] == 200    # still scraped
 
 
 # ---- auth, CORS, limits
@@ -88,12 +90,13 @@ def test_api_key_guards_every_route_but_health(serve):
 
 def test_cors(serve):
     port = serve(FakeEngine(), api_key="k").port
+    asked = "authorization, content-type, x-stainless-os"      # what openai-node sends
     status, h, _ = http_response(port, "OPTIONS", "/v1/chat/completions", headers={
         "Origin": "http://ui.example", "Access-Control-Request-Method": "POST",
-        "Access-Control-Request-Headers": "authorization, content-type"})
+        "Access-Control-Request-Headers": asked})
     assert status == 204                       # a preflight needs no key
     assert h["access-control-allow-origin"] == "*"
-    assert "authorization" in h["access-control-allow-headers"].lower()
+    assert h["access-control-allow-headers"] == asked
     status, h, _ = http_response(port, "GET", "/v1/models",
                                  headers={"Origin": "http://ui.example", "Authorization": "Bearer k"})
     assert status == 200 and h["access-control-allow-origin"] == "*"
@@ -125,6 +128,8 @@ def test_queue_limit_is_429_with_retry_after(serve):
         client_for(port).chat.completions.create(model="fake-model", messages=CHAT["messages"])
     engine.queued = 1
     assert post_json(port, "/v1/chat/completions", CHAT)[0] == 200
+    status, body = post_json(port, "/v1/completions", {"prompt": ["a", "b"]})   # 1 + 2 > 2
+    assert_error(status, body, 429, None, "queue_full")
 
 
 # ---- service routes
@@ -215,6 +220,13 @@ def test_chat_template_flag_serves_a_model_without_one(serve):
     port = serve(engine, chat_template="{{ messages }}").port
     assert post_json(port, "/v1/chat/completions", CHAT)[0] == 200
     assert engine.tokenizer.last_chat_template == "{{ messages }}"
+    # a template in the request is code from the client: refused unless the operator trusts it
+    own = {**CHAT, "chat_template": "{{ 'x' }}"}
+    status, body = post_json(port, "/v1/chat/completions", own)
+    assert_error(status, body, 400, "chat_template", "unsupported_parameter")
+    port = serve(engine, trust_request_chat_template=True).port
+    assert post_json(port, "/v1/chat/completions", own)[0] == 200
+    assert engine.tokenizer.last_chat_template == "{{ 'x' }}"
 
 
 # ---- what messages may carry
