@@ -523,7 +523,8 @@ async def main_async(args: argparse.Namespace) -> dict:
         metadata[key.strip()] = value.strip()
     input_len = args.input_len if args.input_len is not None else args.random_input_len
     output_len = args.output_len if args.output_len is not None else args.random_output_len
-    base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
+    host = f"[{args.host}]" if ":" in args.host else args.host      # an IPv6 literal
+    base_url = (args.base_url or f"http://{host}:{args.port}").rstrip("/")
     api_url = base_url + (args.endpoint or DEFAULT_ENDPOINTS[args.backend])
     api_key = args.api_key or os.environ.get("OPENAI_API_KEY")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -551,7 +552,7 @@ async def main_async(args: argparse.Namespace) -> dict:
     if isinstance(version, dict):
         version = version.get("version", json.dumps(version))
     common = dict(ignore_eos=args.ignore_eos, temperature=args.temperature, headers=headers)
-    if args.num_warmups > 0:
+    if args.num_warmups > 0 and requests:
         print(f"Warming up with {args.num_warmups} requests...")
         warm, _ = await run_requests(requests[:1] * args.num_warmups, api_url, args.backend,
                                      model, max_concurrency=args.max_concurrency, **common)
