@@ -24,7 +24,9 @@ def cpu_extensions():
                   define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")])
     return [
         Extension("pyx.backend", ["pyx/backend.pyx"], **common),
-        Extension("pyx.cpu_backend", ["pyx/cpu_backend.pyx", "pyx/cpu_kernels.c"], **common),
+        Extension("pyx.cpu_backend", ["pyx/cpu_backend.pyx", "pyx/cpu_kernels.c",
+                                      "pyx/quant_kernels.c", "pyx/quant_legacy.c",
+                                      "pyx/quant_k.c"], **common),
         Extension("pyx.layers", ["pyx/layers.pyx"], **common),
     ]
 

@@ -42,7 +42,7 @@ class LLMEngine:
         self.backend = make_backend(config.backend)
         self.model, self.model_config = load_model(
             self.model_dir, self.backend, dtype=config.dtype,
-            yarn_scaling_factor=config.yarn_scaling_factor)
+            yarn_scaling_factor=config.yarn_scaling_factor, isq=config.isq)
         self.tokenizer = Tokenizer.try_from_pretrained(config.tokenizer or self.model_dir)
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None:

@@ -53,6 +53,16 @@ cdef extern from "cpu_kernels.h" nogil:
     void taper_philox4x32_10(uint32_t* ctr, const uint32_t* key)
 
 
+cdef extern from "quant_kernels.h" nogil:
+    int taper_quant_block_size(int type)
+    int taper_quant_type_size(int type)
+    int taper_dequantize(int type, const void* src, float* dst, int64_t n)
+    int taper_quantize(int type, const float* src, void* dst, int64_t rows, int64_t k,
+                       int nthreads)
+    int taper_quant_linear(int isa, int type, const float* x, const void* w, const float* bias,
+                           float* out, int64_t T, int64_t K, int64_t N, int64_t ldo, int nthreads)
+
+
 # ---- validation helpers
 
 ISA_NAMES = {"scalar": TAPER_ISA_SCALAR, "avx2": TAPER_ISA_AVX2, "avx512": TAPER_ISA_AVX512}
@@ -79,6 +89,55 @@ def philox4x32_10(counter, key):
         k[i] = <uint32_t>int(key[i])
     taper_philox4x32_10(c, k)
     return (c[0], c[1], c[2], c[3])
+
+
+# ---- GGML block quantization (pyx/quant_kernels.h); type ids are gguf's GGMLQuantizationType
+
+def quant_block_size(int qtype):
+    """(elements, bytes) per block of a ggml quant type; (0, 0) for one this build lacks."""
+    return taper_quant_block_size(qtype), taper_quant_type_size(qtype)
+
+
+def _row_bytes(int qtype, int64_t k):
+    cdef int bs = taper_quant_block_size(qtype), ts = taper_quant_type_size(qtype)
+    if bs == 0:
+        raise ValueError(f"quant type {qtype} is not supported")
+    if k % bs:
+        raise ValueError(f"row length {k} is not a multiple of type {qtype}'s block of {bs}")
+    return k // bs * ts
+
+
+def dequantize(int qtype, data, int64_t k):
+    """Blocks (rows, row_bytes) uint8 -> (rows, k) float32: the scalar reference."""
+    data = np.ascontiguousarray(data, dtype=np.uint8).reshape(-1, _row_bytes(qtype, k))
+    cdef cnp.ndarray out = np.empty((data.shape[0], k), np.float32)
+    cdef cnp.ndarray src = data
+    cdef int64_t n = data.shape[0] * k
+    cdef int st
+    cdef const void* sp = _ptr(src)
+    cdef float* dp = <float*>_ptr(out)
+    with nogil:
+        st = taper_dequantize(qtype, sp, dp, n)
+    if st:
+        raise ValueError(f"dequantize: bad arguments (type {qtype}, k {k})")
+    return out
+
+
+def quantize(int qtype, x, num_threads=None):
+    """(rows, k) float32 -> (rows, row_bytes) uint8 blocks (ISQ; OpenMP over rows)."""
+    cdef cnp.ndarray src = np.ascontiguousarray(x, dtype=np.float32)
+    if src.ndim != 2:
+        raise ValueError("quantize: x must be 2-D (rows, k)")
+    cdef int64_t rows = src.shape[0], k = src.shape[1]
+    cdef cnp.ndarray out = np.empty((rows, _row_bytes(qtype, k)), np.uint8)
+    cdef int nt = num_threads or taper_cpu_max_threads(), st
+    cdef const float* sp = <const float*>_ptr(src)
+    cdef void* dp = _ptr(out)
+    with nogil:
+        st = taper_quantize(qtype, sp, dp, rows, k, nt)
+    if st:
+        raise ValueError(f"quantize: bad arguments (type {qtype}, k {k})")
+    return out
 
 
 cdef str _desc(dict arrays):
@@ -200,6 +259,8 @@ cdef class CpuBackend(Backend):
     def embedding(self, token_ids, table, out):
         op = "embedding"
         arrays = {"token_ids": token_ids, "table": table, "out": out}
+        if hasattr(table, "quant_parts"):
+            return self._quant_embedding(token_ids, table, out)
         _check(op, arrays, "token_ids", (_I32,), 1)
         _check(op, arrays, "table", _WDT, 2)
         _check(op, arrays, "out", (_F32,), 2, True)
@@ -218,6 +279,8 @@ cdef class CpuBackend(Backend):
     def linear(self, x, weight, bias, out):
         op = "linear"
         arrays = {"x": x, "weight": weight, "bias": bias, "out": out}
+        if hasattr(weight, "quant_parts"):
+            return self._quant_linear(x, weight, bias, out)
         _check(op, arrays, "x", (_F32,), 2)
         _check(op, arrays, "weight", _WDT, 2)
         _check(op, arrays, "out", (_F32,), 2, True)
@@ -239,6 +302,66 @@ cdef class CpuBackend(Backend):
         with nogil:
             st = taper_linear(isa, xp, wp, dt, bp, outp, T, K, N, nt)
         _status(st, op, arrays)
+
+    def _quant_embedding(self, token_ids, table, out):
+        """Rows of a quantized table, each dequantized by the scalar reference."""
+        op = "embedding"
+        arrays = {"token_ids": token_ids, "out": out}
+        _check(op, arrays, "token_ids", (_I32,), 1)
+        _check(op, arrays, "out", (_F32,), 2, True)
+        cdef int64_t V = table.shape[0], H = table.shape[1], t, row, start
+        if out.shape[0] != token_ids.shape[0] or out.shape[1] != H:
+            _fail(op, "out must be (T, H)", arrays)
+        starts, parts, start = [], [], 0
+        for qtype, blocks in table.quant_parts:
+            starts.append(start)
+            parts.append((qtype, blocks))
+            start += blocks.shape[0]
+        cdef cnp.ndarray blocks_
+        cdef int qtype_, st
+        for t, tok in enumerate(token_ids):
+            if not 0 <= tok < V:
+                _fail(op, f"token id {tok} out of range [0, {V})", arrays)
+            i = int(np.searchsorted(starts, tok, side="right")) - 1
+            qtype_, blocks_ = parts[i]
+            row = tok - starts[i]
+            st = taper_dequantize(qtype_, <const char*>_ptr(blocks_) + row * blocks_.shape[1],
+                                  <float*>_ptr(out) + t * H, H)
+            _status(st, op, arrays)
+
+    def _quant_linear(self, x, weight, bias, out):
+        """`weight.quant_parts`: (qtype, blocks (n_i, row_bytes)) stacked along N; each part
+        writes its column slice of out (a fused weight may mix types, as GGUF files do)."""
+        op = "linear"
+        arrays = {"x": x, "out": out}
+        _check(op, arrays, "x", (_F32,), 2)
+        _check(op, arrays, "out", (_F32,), 2, True)
+        cdef int64_t T = x.shape[0], K = x.shape[1], N = out.shape[1], col = 0, n
+        if weight.shape != (N, K) or out.shape[0] != T:
+            _fail(op, f"quantized weight {weight.shape} does not map x to out", arrays)
+        cdef const float* bp = NULL
+        if bias is not None:
+            arrays["bias"] = bias
+            _check(op, arrays, "bias", (_F32,), 1)
+            if bias.shape[0] != N:
+                _fail(op, "bias must be (N,)", arrays)
+            bp = <const float*>_ptr(bias)
+        cdef int isa = self._isa, nt = self._nthreads, st, qtype
+        cdef const float* xp = <const float*>_ptr(x)
+        cdef float* outp = <float*>_ptr(out)
+        cdef cnp.ndarray blocks
+        cdef const void* wp
+        for qtype, blocks in weight.quant_parts:
+            n = blocks.shape[0]
+            if blocks.shape[1] != _row_bytes(qtype, K) or not blocks.flags.c_contiguous:
+                _fail(op, f"quant part of type {qtype} has rows of {blocks.shape[1]} bytes",
+                      arrays)
+            wp = _ptr(blocks)
+            with nogil:
+                st = taper_quant_linear(isa, qtype, xp, wp, bp + col if bp != NULL else NULL,
+                                        outp + col, T, K, n, N, nt)
+            _status(st, op, arrays)
+            col += n
 
     def rms_norm(self, x, weight, eps, out):
         op = "rms_norm"

@@ -66,7 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--dtype", default="auto", choices=["auto", "f32", "bf16", "f16", "float32",
                                                        "bfloat16", "float16"],
                    help="weight/activation dtype (default: the checkpoint's)")
-    m.add_argument("--isq", metavar="TYPE", help="quantize the weights in place when loading")
+    m.add_argument("--isq", metavar="TYPE",
+                   help="quantize the projection weights when loading: q4_0 q4_1 q5_0 q5_1 q8_0 "
+                        "q2k q3k q4k q5k q6k")
     m.add_argument("--max-model-len", type=int, metavar="N", default=None,
                    help="context length (default: the model's)")
     m.add_argument("--yarn-scaling-factor", type=float, metavar="F", default=None,
@@ -112,7 +114,6 @@ SAMPLING_FLAGS = {"temperature": float, "top_p": float, "top_k": int, "min_p": f
 
 # Flags whose features later work brings: refused at start-up, never silently ignored.
 NOT_YET_SUPPORTED = {"weight_file": ("--weight-file", "GGUF models"),
-                     "isq": ("--isq", "in-situ quantization"),
                      "device_ids": ("--device-ids", "GPU selection"),
                      "enforce_parser": ("--enforce-parser", "tool calling"),
                      "mcp_config": ("--mcp-config", "MCP tools"),
@@ -181,7 +182,7 @@ def engine_config(args):
         prefill_chunk_size=args.prefill_chunk_size,
         enable_prefix_caching=not args.disable_prefix_cache,
         prefix_cache_max_tokens=args.prefix_cache_max_tokens, max_model_len=args.max_model_len,
-        yarn_scaling_factor=args.yarn_scaling_factor, seed=args.seed)
+        yarn_scaling_factor=args.yarn_scaling_factor, isq=args.isq, seed=args.seed)
 
 
 def server_settings(args, config):

@@ -18,8 +18,9 @@ def load_hf(model_dir):
 
 
 @torch.no_grad()
-def hf_greedy(model, prompt: list[int], n: int):
-    """(tokens, num_trusted, prefill last-row logits): full recompute each step, no KV cache."""
+def hf_greedy(model, prompt: list[int], n: int, tie: float = TIE):
+    """(tokens, num_trusted, prefill last-row logits): full recompute each step, no KV cache.
+    Trust ends where the top-two log-probs are within `tie`."""
     ids = torch.tensor([prompt])
     tokens, trusted, first = [], None, None
     for i in range(n):
@@ -27,7 +28,7 @@ def hf_greedy(model, prompt: list[int], n: int):
         if first is None:
             first = logits.numpy().copy()
         top2 = torch.log_softmax(logits.double(), -1).topk(2).values
-        if trusted is None and float(top2[0] - top2[1]) < TIE:
+        if trusted is None and float(top2[0] - top2[1]) < tie:
             trusted = i
         tokens.append(int(logits.argmax()))
         ids = torch.cat([ids, torch.tensor([[tokens[-1]]])], 1)

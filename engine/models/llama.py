@@ -12,6 +12,7 @@ import numpy as np
 
 from engine.forward_batch import ForwardBatch
 from engine.model_config import ModelConfig
+from engine.quant import QuantizedWeight
 from engine.rotary import build_cos_sin_cache
 from pyx.layers import MLP, Attention, DecoderLayer, Workspace, run_layers
 
@@ -114,11 +115,18 @@ class LlamaForCausalLM:
         weights.clear()
 
     def _take(self, weights: dict, name: str):
-        return self._to_device(np.ascontiguousarray(weights.pop(name)))
+        w = weights.pop(name)
+        if isinstance(w, QuantizedWeight):      # stays packed; the backend computes on it
+            return w
+        return self._to_device(np.ascontiguousarray(w))
 
     def _fuse(self, weights: dict, names: list[str]):
-        fused = np.concatenate([weights.pop(n) for n in names], axis=0)
-        return self._to_device(fused)
+        parts = [weights.pop(n) for n in names]
+        if any(isinstance(p, QuantizedWeight) for p in parts):
+            if not all(isinstance(p, QuantizedWeight) for p in parts):
+                raise ValueError(f"cannot fuse quantized and float tensors: {names}")
+            return QuantizedWeight.concat(parts)
+        return self._to_device(np.concatenate(parts, axis=0))
 
     @property
     def num_layers(self) -> int:

@@ -21,13 +21,17 @@ def get_model_class(name: str):
 
 
 def load_model(model_dir: str, backend, dtype: str = "auto", yarn_scaling_factor: float | None = None,
-               progress: bool = True):
-    """(model, model_config) for a local checkpoint directory."""
+               progress: bool = True, isq: str | None = None):
+    """(model, model_config) for a local checkpoint directory; `isq` quantizes its projection
+    matrices at load (engine/loader/isq.py)."""
     from engine.loader.safetensors import load_safetensors
     from engine.model_config import ModelConfig
 
     model_config = ModelConfig.from_pretrained(model_dir, yarn_scaling_factor=yarn_scaling_factor)
     model_class = get_model_class(model_config.architecture)
     weights = load_safetensors(model_dir, dtype=dtype, progress=progress)
+    if isq:
+        from engine.loader.isq import quantize_weights
+        quantize_weights(weights, isq, progress=progress)
     model = model_class(model_config, weights, backend)
     return model, model_config

@@ -1,0 +1,77 @@
+"""Weights kept in ggml's packed block formats (GGUF tensors, --isq), as the model graph sees them.
+
+A `QuantizedWeight` stands where a float (N, K) matrix would: it has `.shape`, and the CPU
+backend's `linear` computes on its blocks (pyx/quant_kernels.h). It is a stack of parts along N,
+each one ggml type, because fusing q/k/v or gate/up of a GGUF file can meet different types
+(Q4_K_M stores attn_v in Q6_K beside Q4_K for attn_q and attn_k).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from gguf import GGMLQuantizationType as QT
+
+# The types the CPU kernels compute on; names as --isq spells them.
+ISQ_TYPES: dict[str, QT] = {"q4_0": QT.Q4_0, "q4_1": QT.Q4_1, "q5_0": QT.Q5_0, "q5_1": QT.Q5_1,
+                            "q8_0": QT.Q8_0, "q2k": QT.Q2_K, "q3k": QT.Q3_K, "q4k": QT.Q4_K,
+                            "q5k": QT.Q5_K, "q6k": QT.Q6_K}
+BLOCK_TYPES = frozenset(ISQ_TYPES.values())
+
+
+@dataclass(slots=True)
+class QuantizedWeight:
+    quant_parts: list[tuple[int, np.ndarray]]   # (ggml type id, blocks (n_i, row_bytes) uint8)
+    k: int                                      # row length in elements
+
+    @classmethod
+    def of(cls, qtype: int, blocks: np.ndarray, k: int) -> "QuantizedWeight":
+        blocks = np.ascontiguousarray(blocks, dtype=np.uint8)
+        return cls([(int(qtype), blocks.reshape(blocks.shape[0], -1))], k)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return sum(b.shape[0] for _, b in self.quant_parts), self.k
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for _, b in self.quant_parts)
+
+    @staticmethod
+    def concat(weights: list["QuantizedWeight"]) -> "QuantizedWeight":
+        """Stack along N; neighbouring parts of one type merge into one."""
+        k = weights[0].k
+        if any(w.k != k for w in weights):
+            raise ValueError("quantized weights to fuse must have the same row length")
+        parts: list[tuple[int, list[np.ndarray]]] = []
+        for w in weights:
+            for qtype, blocks in w.quant_parts:
+                if parts and parts[-1][0] == qtype:
+                    parts[-1][1].append(blocks)
+                else:
+                    parts.append((qtype, [blocks]))
+        return QuantizedWeight([(t, np.concatenate(b) if len(b) > 1 else b[0]) for t, b in parts],
+                               k)
+
+    def rows(self, start: int, stop: int) -> "QuantizedWeight":
+        """Rows [start, stop) as a new weight (views of the blocks)."""
+        parts, offset = [], 0
+        for qtype, blocks in self.quant_parts:
+            n = blocks.shape[0]
+            lo, hi = max(start - offset, 0), min(stop - offset, n)
+            if lo < hi:
+                parts.append((qtype, blocks[lo:hi]))
+            offset += n
+        return QuantizedWeight(parts, self.k)
+
+    def dequantize(self) -> np.ndarray:
+        """(N, K) float32 through the kernels' scalar reference."""
+        from pyx.cpu_backend import dequantize
+        return np.concatenate([dequantize(t, b, self.k) for t, b in self.quant_parts])
+
+
+def quantize(weight: np.ndarray, qtype: int, num_threads: int | None = None) -> QuantizedWeight:
+    """In-situ quantization of a float (N, K) matrix (bf16/f16/f32) to one ggml type."""
+    from pyx.cpu_backend import quantize as quantize_rows
+    x = np.asarray(weight, dtype=np.float32)
+    return QuantizedWeight.of(qtype, quantize_rows(int(qtype), x, num_threads), x.shape[1])

@@ -1,0 +1,36 @@
+/* What quant_legacy.c and quant_k.c give quant_kernels.c: per type, the scalar reference
+ * dequantizer, the reference quantizer, and the dot product of one weight row with one
+ * activation row already quantized to the type's activation format (`vec_dot_type`).
+ *
+ * vec_dot has one body per ISA (TAPER_ISA_SCALAR / AVX2 / AVX512 from cpu_kernels.h), compiled
+ * with target attributes and chosen at run time; the scalar one is the reference the others are
+ * tested against. n is the row length in elements (a multiple of the block size).
+ */
+#ifndef TAPER_QUANT_INTERNAL_H
+#define TAPER_QUANT_INTERNAL_H
+
+#include "quant_kernels.h"
+
+typedef void (*taper_dequant_fn)(const void *src, float *dst, int64_t n);
+typedef void (*taper_quant_fn)(const float *src, void *dst, int64_t n);
+typedef float (*taper_vec_dot_fn)(int isa, int64_t n, const void *w, const void *xq);
+
+typedef struct {
+    int type;
+    int block_size;          /* elements per block */
+    int type_size;           /* bytes per block */
+    int vec_dot_type;        /* activation format: TAPER_Q8_0, TAPER_Q8_1 or TAPER_Q8_K */
+    taper_dequant_fn dequantize;
+    taper_quant_fn quantize;
+    taper_vec_dot_fn vec_dot;  /* NULL for the activation-only types (Q8_1, Q8_K) */
+} taper_quant_traits;
+
+/* Each file fills the entries of its types; quant_kernels.c looks them up by type id. */
+const taper_quant_traits *taper_legacy_traits(int type);  /* quant_legacy.c, NULL if not its */
+const taper_quant_traits *taper_k_traits(int type);       /* quant_k.c, NULL if not its */
+
+/* IEEE half <-> float, exact (no F16C needed), shared by both files (quant_kernels.c). */
+float taper_half_to_float(taper_half h);
+taper_half taper_float_to_half(float f);  /* round to nearest even, as numpy's float16 */
+
+#endif

@@ -1,0 +1,116 @@
+/* Dispatch by quant type, and the quantized matmul loop (see quant_kernels.h).
+ *
+ * The loop quantizes each activation row once, then walks weight rows in the outer loop so a
+ * row's blocks stay in cache while every activation row is dotted with it (decode has T = 1-16).
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "cpu_kernels.h"
+#include "quant_internal.h"
+
+static const taper_quant_traits *traits(int type) {
+    const taper_quant_traits *t = taper_legacy_traits(type);
+    return t ? t : taper_k_traits(type);
+}
+
+int taper_quant_block_size(int type) {
+    const taper_quant_traits *t = traits(type);
+    return t ? t->block_size : 0;
+}
+
+int taper_quant_type_size(int type) {
+    const taper_quant_traits *t = traits(type);
+    return t ? t->type_size : 0;
+}
+
+int taper_dequantize(int type, const void *src, float *dst, int64_t n) {
+    const taper_quant_traits *t = traits(type);
+    if (!t || !t->dequantize || n % t->block_size) return TAPER_ERR_ARG;
+    t->dequantize(src, dst, n);
+    return TAPER_OK;
+}
+
+int taper_quantize(int type, const float *src, void *dst, int64_t rows, int64_t k, int nthreads) {
+    const taper_quant_traits *t = traits(type);
+    if (!t || !t->quantize || k % t->block_size || rows < 0) return TAPER_ERR_ARG;
+    const int64_t row_bytes = k / t->block_size * t->type_size;
+    #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads > 0 ? nthreads : 1)
+    for (int64_t r = 0; r < rows; r++)
+        t->quantize(src + r * k, (uint8_t *)dst + r * row_bytes, k);
+    return TAPER_OK;
+}
+
+int taper_quant_linear(int isa, int type, const float *x, const void *w, const float *bias,
+                       float *out, int64_t T, int64_t K, int64_t N, int64_t ldo, int nthreads) {
+    const taper_quant_traits *t = traits(type);
+    if (!t || !t->vec_dot || K % t->block_size || ldo < N || T < 0 || N < 0) return TAPER_ERR_ARG;
+    const taper_quant_traits *a = traits(t->vec_dot_type);
+    if (!a || !a->quantize || K % a->block_size) return TAPER_ERR_ARG;
+    if (!taper_cpu_isa_supported(isa)) return TAPER_ERR_ISA;
+    if (T == 0 || N == 0) return TAPER_OK;
+    const int64_t w_row = K / t->block_size * t->type_size;
+    const int64_t x_row = K / a->block_size * a->type_size;
+    uint8_t *xq = malloc((size_t)(T * x_row));
+    if (!xq) return TAPER_ERR_NOMEM;
+    const int nt = nthreads > 0 ? nthreads : 1;
+    #pragma omp parallel num_threads(nt)
+    {
+        #pragma omp for schedule(static)
+        for (int64_t r = 0; r < T; r++) a->quantize(x + r * K, xq + r * x_row, K);
+        /* chunks of rows: enough work per chunk to amortise scheduling, enough chunks to
+           balance the threads */
+        #pragma omp for schedule(dynamic, 16)
+        for (int64_t n = 0; n < N; n++) {
+            const uint8_t *wr = (const uint8_t *)w + n * w_row;
+            const float b = bias ? bias[n] : 0.0f;
+            for (int64_t r = 0; r < T; r++)
+                out[r * ldo + n] = t->vec_dot(isa, K, wr, xq + r * x_row) + b;
+        }
+    }
+    free(xq);
+    return TAPER_OK;
+}
+
+/* ---- half <-> float, exact and without F16C */
+
+float taper_half_to_float(taper_half h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+    uint32_t exp = (h >> 10) & 0x1f, mant = h & 0x3ff, bits;
+    if (exp == 0x1f) {
+        bits = sign | 0x7f800000u | (mant << 13);             /* inf / nan */
+    } else if (exp != 0) {
+        bits = sign | ((exp + 112) << 23) | (mant << 13);     /* normal */
+    } else if (mant == 0) {
+        bits = sign;                                          /* zero */
+    } else {                                                  /* subnormal: normalise */
+        exp = 113;
+        while (!(mant & 0x400)) { mant <<= 1; exp--; }
+        bits = sign | (exp << 23) | ((mant & 0x3ff) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+taper_half taper_float_to_half(float f) {
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    const uint32_t sign = (x >> 16) & 0x8000;
+    const uint32_t abs = x & 0x7fffffffu;
+    if (abs > 0x7f800000u) return (taper_half)(sign | 0x7e00);     /* nan */
+    if (abs >= 0x477ff000u) return (taper_half)(sign | 0x7c00);    /* rounds to inf */
+    if (abs < 0x38800000u) {                                        /* subnormal or zero */
+        if (abs < 0x33000000u) return (taper_half)sign;             /* below half the tiniest */
+        const uint32_t e = abs >> 23, m = (abs & 0x7fffff) | 0x800000;
+        const uint32_t shift = 126 - e;                             /* 14..24 */
+        uint32_t h = m >> shift;
+        const uint32_t rest = m & ((1u << shift) - 1), half = 1u << (shift - 1);
+        if (rest > half || (rest == half && (h & 1))) h++;
+        return (taper_half)(sign | h);
+    }
+    uint32_t h = ((abs >> 13) - (112u << 10));                      /* rebias exponent */
+    const uint32_t rest = abs & 0x1fff;
+    if (rest > 0x1000 || (rest == 0x1000 && (h & 1))) h++;          /* nearest even */
+    return (taper_half)(sign | h);
+}

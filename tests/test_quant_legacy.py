@@ -1,0 +1,280 @@
+"""ggml's legacy block types Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 (pyx/quant_legacy.c).
+
+Quantize is pinned byte for byte to the gguf package (what a GGUF file written by llama.cpp's
+tools holds), dequantize bit for bit. `linear` runs on every ISA path this CPU has and is held to
+two references: float64 x @ dequantize(W).T within a worst-case bound on what quantizing x to
+8 bits adds (derived at `activation_error_bound`), and float64 on an emulation of that activation
+quantization, where only float32 accumulation is left. The last tests show the checks can fail.
+"""
+import numpy as np
+import pytest
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT, quants
+
+from engine.quant import QuantizedWeight
+from pyx.cpu_backend import CpuBackend, dequantize, isa_supported, quant_block_size, quantize
+
+TYPES = [QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0]
+WITH_MIN = {QT.Q4_1, QT.Q5_1}       # blocks (d, m, ...) that dot with Q8_1 activations
+NIBBLES = {QT.Q4_0: 2, QT.Q4_1: 4, QT.Q5_0: 6, QT.Q5_1: 8}    # offset of qs in the block
+QH = {QT.Q5_0: 2, QT.Q5_1: 4}                                   # offset of qh
+ISAS = [i for i in ("scalar", "avx2", "avx512") if isa_supported(i)]
+QK = 32
+ACCUM_RTOL = 2e-6   # float32 accumulation over <= 24 blocks, relative to the sum of |terms|;
+#                     measured <= 4e-8
+
+
+def ids(types):
+    return [t.name for t in types]
+
+
+def test_block_sizes_match_gguf():
+    for t in TYPES:
+        assert quant_block_size(int(t)) == GGML_QUANT_SIZES[t]
+    # Q8_1 is ggml's current (f16 d, f16 s, 32 int8) = 36 bytes; gguf's table still lists the old
+    # f32 layout (40). It is an activation format only and never appears in a file.
+    assert quant_block_size(int(QT.Q8_1)) == (32, 36)
+
+
+# ---- quantize / dequantize against gguf
+
+
+def awkward_rows(k):
+    """Rows that exercise the quantizers' edge cases, each a multiple of 32 long."""
+    rng = np.random.default_rng(7)
+    nb = k // QK
+    rows = {
+        "zeros": np.zeros(k),                          # d = 0 -> id = 0; Q4_0 stores d = -0.0
+        "neg_zeros": -np.zeros(k),
+        "constant": np.full(k, 3.0),                   # Q4_1/Q5_1: max == min
+        "outlier": rng.standard_normal(k) * 0.01,      # one block scale dominated by 1e4
+        "negative": -np.abs(rng.standard_normal(k)),   # max-magnitude value negative -> d > 0
+        "tiny": rng.standard_normal(k) * 1e-6,         # d is an f16 subnormal
+        "f16_overflow": rng.standard_normal(k) * 1e6,  # d rounds to f16 inf, as gguf's does
+    }
+    rows["outlier"][5] = 1e4
+    # magnitude ties: the first of +5 / -5 sets the sign of d
+    ties = rng.uniform(-4, 4, k)
+    ties[0::QK], ties[3::QK] = 5.0, -5.0
+    ties[QK::2 * QK], ties[QK + 3::2 * QK] = -5.0, 5.0
+    rows["ties"] = ties
+    # half-integers where x * id lands exactly on a rounding boundary: Q4_0/Q5_0 get d = -1
+    # (or +-0.5) from the +-8 in each block, Q4_1 d = 1, Q8_0 round-half-away cases at id = 1
+    halves = rng.integers(-16, 17, k) / 2.0
+    halves[0::QK], halves[1::QK] = 8.0, -8.0
+    rows["halves"] = halves
+    q8 = rng.integers(-254, 255, k) / 2.0
+    q8[0::QK] = 127.0
+    rows["q8_halves"] = q8
+    assert all(r.shape == (k,) for r in rows.values()) and nb >= 1
+    return np.stack(list(rows.values())).astype(np.float32)
+
+
+def data_cases():
+    rng = np.random.default_rng(0)
+    cases = {}
+    for rows, k in [(1, 32), (5, 96), (16, 256), (40, 64)]:
+        scale = 10.0 ** rng.uniform(-3, 3, (rows, 1))
+        cases[f"normal{rows}x{k}"] = (rng.standard_normal((rows, k)) * scale).astype(np.float32)
+    cases["awkward"] = awkward_rows(128)
+    return cases
+
+
+DATA = data_cases()
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=ids(TYPES))
+@pytest.mark.parametrize("case", list(DATA))
+def test_quantize_and_dequantize_match_gguf(qtype, case):
+    x = DATA[case]
+    with np.errstate(over="ignore", invalid="ignore"):   # f16_overflow: d -> inf, inf * 0
+        ref = quants.quantize(x, qtype)
+        ref_deq = quants.dequantize(ref, qtype)
+    ours = quantize(int(qtype), x)
+    assert ours.dtype == np.uint8 and ours.shape == ref.shape
+    bad = np.argwhere(ours != ref)
+    assert bad.size == 0, f"first differing (row, byte): {bad[:5].tolist()}"
+    deq = dequantize(int(qtype), ours, x.shape[1])
+    assert deq.dtype == np.float32
+    np.testing.assert_array_equal(deq, ref_deq)          # NaN where gguf has NaN, bit-equal else
+    if x.shape[0] > 1:                                    # OpenMP over rows changes nothing
+        np.testing.assert_array_equal(quantize(int(qtype), x, num_threads=3), ours)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=ids(TYPES))
+def test_dequantize_arbitrary_blocks_matches_gguf(qtype):
+    """Every code a file can hold (Q8_0's -128, all nibbles and qh bits), finite f16 scales."""
+    rng = np.random.default_rng(1)
+    blocks = random_blocks(rng, qtype, rows=8, k=256)
+    np.testing.assert_array_equal(dequantize(int(qtype), blocks, 256),
+                                  quants.dequantize(blocks, qtype))
+
+
+def random_blocks(rng, qtype, rows, k):
+    """Uniformly random code bytes with sane f16 d (and m) so products stay finite."""
+    bs, ts = GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, (rows, k // bs, ts), dtype=np.uint8)
+    blocks[..., 0:2] = rng.uniform(1e-3, 1e-1, (rows, k // bs, 1)).astype(np.float16).view(np.uint8)
+    if qtype in WITH_MIN:
+        blocks[..., 2:4] = rng.uniform(-1, 1, (rows, k // bs, 1)).astype(np.float16).view(np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+# ---- linear against float64
+
+
+def activation_error_bound(x, blocks, qtype, k):
+    """Worst case of |linear - x @ W.T| that 8-bit activations allow, per (t, n).
+
+    x is quantized per 32-element block with d = amax / 127 and stored as q * f16(d), so each
+    element is off by at most d/2 (rounding; x * id is exact to 3e-5) plus 127 d 2^-11 (the f16
+    rounding of d): 0.5625 d. The _1 types compute sum_k (w_k - m) x~_k + m s with s =
+    f16(d sum q), and |s - sum_k x_k| <= 16 d + 2 d, so a block contributes
+    d (0.5625 sum_k |w_k| + (0.5625 * 32 + 18) |m|) = d (0.5625 sum_k |w_k| + 36 |m|).
+    """
+    T, N, nb = x.shape[0], blocks.shape[0], k // QK
+    d = np.abs(x.astype(np.float64)).reshape(T, nb, QK).max(-1) / 127         # (T, nb)
+    w = dequantize(int(qtype), blocks, k).astype(np.float64)
+    wabs = np.abs(w).reshape(N, nb, QK).sum(-1)                               # (N, nb)
+    m = np.abs(block_mins(blocks, qtype)).astype(np.float64)                  # (N, nb)
+    return d @ (0.5625 * wabs + 36 * m).T
+
+
+def block_mins(blocks, qtype):
+    bs, ts = GGML_QUANT_SIZES[qtype]
+    b = blocks.reshape(blocks.shape[0], -1, ts)
+    if qtype not in WITH_MIN:
+        return np.zeros(b.shape[:2], np.float32)
+    return np.ascontiguousarray(b[..., 2:4]).view(np.float16)[..., 0].astype(np.float32)
+
+
+def emulated_linear(x, blocks, qtype, k):
+    """ggml's computation in float64 on exactly the values it multiplies: activations quantized
+    as quantize_row_q8_0/q8_1_ref do (the gguf Q8_0 quantizer is the same formula; Q8_1 adds
+    s = f16(d * sum q)), weights as d_w q_w (dequantized with m zeroed) plus m * s per block.
+    Returns the result and the sum of |terms|, the scale of float32 accumulation error."""
+    T, N, nb = x.shape[0], blocks.shape[0], k // QK
+    xb = x.reshape(T, nb, QK)
+    d = np.abs(xb).max(-1, keepdims=True) / np.float32(127)                   # float32, as in C
+    q8 = quants.quantize(x, QT.Q8_0).reshape(T, nb, 34)
+    q = q8[..., 2:].view(np.int8).astype(np.float64)                          # (T, nb, 32)
+    dd = np.ascontiguousarray(q8[..., :2]).view(np.float16).astype(np.float64)  # (T, nb, 1)
+    xq = (q * dd).reshape(T, k)
+    ts = GGML_QUANT_SIZES[qtype][1]
+    w0 = blocks.reshape(N, nb, ts).copy()
+    if qtype in WITH_MIN:
+        w0[..., 2:4] = 0
+    wq = dequantize(int(qtype), w0.reshape(N, -1), k).astype(np.float64)      # d_w q_w exactly
+    m = block_mins(blocks, qtype).astype(np.float64)                          # (N, nb)
+    s = (q.sum(-1, keepdims=True).astype(np.float32) * d).astype(np.float16)[..., 0]
+    s = s.astype(np.float64)                                                  # (T, nb)
+    out = xq @ wq.T + s @ m.T
+    scale = np.abs(xq) @ np.abs(wq).T + np.abs(s) @ np.abs(m).T
+    return out, scale
+
+
+def run_linear(isa, qtype, x, blocks, k, bias):
+    out = np.full((x.shape[0], blocks.shape[0]), np.nan, np.float32)
+    CpuBackend(isa=isa, num_threads=2).linear(x, QuantizedWeight.of(int(qtype), blocks, k), bias,
+                                              out)
+    return out
+
+
+def check_linear(out, x, blocks, qtype, k, bias):
+    """Asserts out against both float64 references (see the module docstring)."""
+    w = dequantize(int(qtype), blocks, k).astype(np.float64)
+    exact = x.astype(np.float64) @ w.T + bias
+    sum_abs = np.abs(x.astype(np.float64)) @ np.abs(w).T + np.abs(bias)
+    bound = activation_error_bound(x, blocks, qtype, k) + ACCUM_RTOL * sum_abs + 1e-6
+    err = np.abs(out - exact)
+    assert np.all(err <= bound), f"max err/bound {np.max(err / bound):.3g}"
+    emu, scale = emulated_linear(x, blocks, qtype, k)
+    emu_err = np.abs(out - (emu + bias))
+    emu_tol = ACCUM_RTOL * (scale + np.abs(bias)) + 1e-6
+    assert np.all(emu_err <= emu_tol), f"max err/tol vs emulation {np.max(emu_err / emu_tol):.3g}"
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=ids(TYPES))
+@pytest.mark.parametrize("T,K", [(1, 32), (3, 256), (17, 768), (17, 32), (1, 768), (3, 96)])
+def test_linear_every_isa(qtype, T, K):
+    rng = np.random.default_rng(T * 1000 + K)
+    N = 64
+    w = (rng.standard_normal((N, K)) * 0.5 + 0.1).astype(np.float32)   # offset: nonzero mins
+    x = rng.standard_normal((T, K)).astype(np.float32)
+    x[0, : min(K, 64)] *= 30                                            # uneven activation blocks
+    bias = rng.standard_normal(N).astype(np.float32)
+    blocks = quantize(int(qtype), w)
+    scalar = run_linear("scalar", qtype, x, blocks, K, bias)
+    check_linear(scalar, x, blocks, qtype, K, bias)
+    _, scale = emulated_linear(x, blocks, qtype, K)
+    for isa in ISAS[1:]:
+        out = run_linear(isa, qtype, x, blocks, K, bias)
+        check_linear(out, x, blocks, qtype, K, bias)
+        # same integers per block, float sums in another order
+        assert np.all(np.abs(out - scalar) <= ACCUM_RTOL * (scale + np.abs(bias)) + 1e-6), isa
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=ids(TYPES))
+def test_linear_arbitrary_codes_every_isa(qtype):
+    """Weights with every code (Q8_0 -128, nibble 0 and 15, all qh bits) and odd block counts,
+    which the AVX-512 bodies finish with one AVX2 block."""
+    rng = np.random.default_rng(3)
+    for K in (32, 96, 288):
+        blocks = random_blocks(rng, qtype, rows=37, k=K)
+        x = rng.standard_normal((5, K)).astype(np.float32)
+        bias = np.zeros(37, np.float32)
+        for isa in ISAS:
+            check_linear(run_linear(isa, qtype, x, blocks, K, bias), x, blocks, qtype, K, bias)
+
+
+# ---- the checks can fail
+
+
+@pytest.mark.parametrize("qtype", list(NIBBLES), ids=ids(NIBBLES))
+def test_nibble_and_high_bit_positions_are_pinned(qtype):
+    """Swapping the two nibbles of qs byte j must move exactly elements j and j + 16 of that
+    block, and flipping qh bit j exactly element j by 16 d: an implementation with another
+    nibble order or bit order would fail test_quantize_and_dequantize_match_gguf."""
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((1, 64)).astype(np.float32)
+    blocks = quantize(int(qtype), x)
+    base = dequantize(int(qtype), blocks, 64)[0]
+    ts = GGML_QUANT_SIZES[qtype][1]
+    qs = NIBBLES[qtype]
+    j = next(j for j in range(16) if blocks[0, ts + qs + j] >> 4 != blocks[0, ts + qs + j] & 15)
+    swapped = blocks.copy()
+    b = swapped[0, ts + qs + j]
+    swapped[0, ts + qs + j] = ((b & 15) << 4) | (b >> 4)                  # in the second block
+    deq = dequantize(int(qtype), swapped, 64)[0]
+    assert sorted(np.flatnonzero(deq != base)) == [QK + j, QK + j + 16]
+    np.testing.assert_array_equal(deq, quants.dequantize(swapped, qtype)[0])
+    assert not np.array_equal(swapped, quants.quantize(x, qtype))
+    if qtype in QH:
+        flipped = blocks.copy()
+        flipped[0, QH[qtype] + j // 8] ^= 1 << (j % 8)                     # first block, bit j
+        deq = dequantize(int(qtype), flipped, 64)[0]
+        d = float(blocks[0, :2].view(np.float16)[0])
+        assert np.flatnonzero(deq != base).tolist() == [j]
+        assert abs(abs(deq[j] - base[j]) - 16 * abs(d)) <= 1e-6 * (1 + abs(base[j]))
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=ids(TYPES))
+def test_linear_check_catches_a_wrong_element_order(qtype):
+    """A dot product that paired weights with the wrong activations (nibbles swapped, or Q8_0's
+    halves swapped) must fail check_linear: the tolerances are not loose enough to hide it."""
+    rng = np.random.default_rng(6)
+    K, N = 256, 16
+    w = rng.standard_normal((N, K)).astype(np.float32)
+    x = rng.standard_normal((3, K)).astype(np.float32)
+    bias = np.zeros(N, np.float32)
+    blocks = quantize(int(qtype), w)
+    ts = GGML_QUANT_SIZES[qtype][1]
+    wrong = blocks.reshape(N, -1, ts).copy()
+    if qtype in NIBBLES:
+        qs = wrong[..., NIBBLES[qtype]:]
+        qs[...] = ((qs & 15) << 4) | (qs >> 4)
+    else:
+        wrong[..., 2:] = np.roll(wrong[..., 2:], 16, axis=-1)
+    wrong = wrong.reshape(N, -1)
+    check_linear(run_linear("scalar", qtype, x, blocks, K, bias), x, blocks, qtype, K, bias)
+    with pytest.raises(AssertionError):
+        check_linear(run_linear("scalar", qtype, x, wrong, K, bias), x, blocks, qtype, K, bias)
