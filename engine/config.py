@@ -7,6 +7,7 @@ from dataclasses import dataclass
 @dataclass(slots=True)
 class EngineConfig:
     model: str                           # a local directory or a Hugging Face hub id
+    weight_file: str | None = None       # a GGUF file: a path, or a name in `model` (dir or hub)
     dtype: str = "auto"                  # auto (the checkpoint's) | f32 | bf16 | f16
     backend: str = "cpu"
     block_size: int = 16                 # tokens per KV block, a power of two in [8, 128]

@@ -3,6 +3,7 @@ call for every scheduled sequence, sample the ones that reached their last token
 from __future__ import annotations
 
 import logging
+import os
 import random
 import time
 
@@ -11,10 +12,10 @@ from threadpoolctl import threadpool_limits
 from engine.block_pool import BlockPool
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
-from engine.loader.hub import resolve_model
+from engine.loader.hub import resolve_gguf, resolve_model
 from engine.loader.safetensors import mem_available_bytes
 from engine.model_runner import ModelRunner
-from engine.models.registry import load_model
+from engine.models.registry import load_gguf_model, load_model
 from engine.outputs import RequestOutput
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
@@ -38,12 +39,20 @@ def make_backend(name: str):
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
-        self.model_dir = resolve_model(config.model)
         self.backend = make_backend(config.backend)
-        self.model, self.model_config = load_model(
-            self.model_dir, self.backend, dtype=config.dtype,
-            yarn_scaling_factor=config.yarn_scaling_factor, isq=config.isq)
-        self.tokenizer = Tokenizer.try_from_pretrained(config.tokenizer or self.model_dir)
+        load_args = dict(dtype=config.dtype, yarn_scaling_factor=config.yarn_scaling_factor,
+                         isq=config.isq)
+        if config.weight_file:
+            path = resolve_gguf(config.model, config.weight_file)
+            self.model_dir = os.path.dirname(os.path.abspath(path))
+            self.model, self.model_config, self.tokenizer = load_gguf_model(
+                path, self.backend, **load_args)
+        else:
+            self.model_dir = resolve_model(config.model)
+            self.model, self.model_config = load_model(self.model_dir, self.backend, **load_args)
+            self.tokenizer = None
+        if config.tokenizer or self.tokenizer is None:
+            self.tokenizer = Tokenizer.try_from_pretrained(config.tokenizer or self.model_dir)
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None:
             self.eos_token_ids |= self.tokenizer.eos_token_ids

@@ -62,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--model-id", "--m", dest="model_id", metavar="HUB_ID",
                      help="Hugging Face hub id, downloaded on first use")
     m.add_argument("--weight-file", "--f", dest="weight_file", metavar="FILE",
-                   help="a GGUF model file")
+                   help="a GGUF model file: a path, or a file name in --w DIR or --m REPO")
     m.add_argument("--dtype", default="auto", choices=["auto", "f32", "bf16", "f16", "float32",
                                                        "bfloat16", "float16"],
                    help="weight/activation dtype (default: the checkpoint's)")
@@ -113,8 +113,7 @@ SAMPLING_FLAGS = {"temperature": float, "top_p": float, "top_k": int, "min_p": f
                   "frequency_penalty": float, "presence_penalty": float}
 
 # Flags whose features later work brings: refused at start-up, never silently ignored.
-NOT_YET_SUPPORTED = {"weight_file": ("--weight-file", "GGUF models"),
-                     "device_ids": ("--device-ids", "GPU selection"),
+NOT_YET_SUPPORTED = {"device_ids": ("--device-ids", "GPU selection"),
                      "enforce_parser": ("--enforce-parser", "tool calling"),
                      "mcp_config": ("--mcp-config", "MCP tools"),
                      "ui_server": ("--ui-server", "the web chat UI")}
@@ -164,6 +163,8 @@ def engine_config(args):
         model = args.weight_path
     elif args.model_id:
         model = args.model_id
+    elif args.weight_file:
+        model = os.path.dirname(os.path.abspath(args.weight_file))
     else:
         from server.demo_model import ensure_demo_checkpoint
         log.warning(DEMO_WARNING)
@@ -175,7 +176,7 @@ def engine_config(args):
     if args.disable_cuda_graph and backend == "cpu":
         log.info("--disable-cuda-graph: the CPU backend runs no CUDA graphs anyway")
     return EngineConfig(
-        model=model, dtype=args.dtype, backend=backend,
+        model=model, weight_file=args.weight_file, dtype=args.dtype, backend=backend,
         block_size=args.block_size, kv_cache_memory_mb=args.kvcache_mem,
         kv_fraction=args.kv_fraction, kv_cache_dtype=args.kvcache_dtype,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -190,7 +191,9 @@ def server_settings(args, config):
     from server.app import ServerSettings
 
     names = args.served_model_name
-    if names is None:
+    if names is None and args.weight_file:       # a GGUF is known by its file name
+        names = [os.path.basename(args.weight_file).removesuffix(".gguf")]
+    elif names is None:
         names = [DEMO_NAME] if not (args.weight_path or args.model_id) else [
             default_model_name(config.model)]
     template = None

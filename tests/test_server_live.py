@@ -219,7 +219,6 @@ def test_live_tokenize_matches_an_independent_tokenizer(live):
 # ---- start-up failures
 
 @pytest.mark.parametrize("flags, message", [
-    (["--weight-file", "m.gguf"], "--weight-file: GGUF models is not yet supported"),
     (["--isq", "q4z"], "--isq q4z: unknown type"),
     (["--ui-server"], "--ui-server: the web chat UI is not yet supported"),
     (["--mcp-config", "x.json"], "--mcp-config: MCP tools is not yet supported"),

@@ -27,3 +27,32 @@ def resolve_model(model: str, revision: str | None = None) -> str:
         hint = " (HF_HUB_OFFLINE is set and it is not in the local cache)" if offline else ""
         raise FileNotFoundError(f"{model} is neither a local directory nor a downloadable Hugging "
                                 f"Face hub model{hint}: {type(e).__name__}: {e}") from e
+
+
+def resolve_gguf(model: str | None, weight_file: str, revision: str | None = None) -> str:
+    """The local path of a GGUF file: `weight_file` itself, or inside the `model` directory, or
+    downloaded from the `model` hub repo (with its other shards when the file is split)."""
+    path = os.path.expanduser(weight_file)
+    if os.path.isfile(path):
+        return path
+    if model is None:
+        raise FileNotFoundError(f"GGUF file {weight_file} does not exist")
+    if os.path.isdir(os.path.expanduser(model)):
+        path = os.path.join(os.path.expanduser(model), weight_file)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"GGUF file {weight_file} is not in {model}")
+        return path
+    import re
+    split = re.match(r"(.*)-\d{5}-of-\d{5}\.gguf$", weight_file)
+    pattern = f"{split.group(1)}-*-of-*.gguf" if split else weight_file
+    try:
+        from huggingface_hub import snapshot_download
+        local = snapshot_download(repo_id=model, revision=revision, allow_patterns=[pattern])
+    except Exception as e:
+        raise FileNotFoundError(f"could not fetch {weight_file} from the hub repo {model}: "
+                                f"{type(e).__name__}: {e}") from e
+    path = os.path.join(local, weight_file)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"the hub repo {model} has no file {weight_file}")
+    return path
+

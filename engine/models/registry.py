@@ -35,3 +35,20 @@ def load_model(model_dir: str, backend, dtype: str = "auto", yarn_scaling_factor
         quantize_weights(weights, isq, progress=progress)
     model = model_class(model_config, weights, backend)
     return model, model_config
+
+
+def load_gguf_model(path: str, backend, dtype: str = "auto",
+                    yarn_scaling_factor: float | None = None, progress: bool = True,
+                    isq: str | None = None):
+    """(model, model_config, tokenizer or None) for a GGUF file (its first shard if split)."""
+    from engine.loader.gguf import read_gguf
+    from engine.model_config import ModelConfig
+
+    ckpt = read_gguf(path, dtype=dtype, progress=progress)
+    model_config = ModelConfig.from_dict(ckpt.config, yarn_scaling_factor=yarn_scaling_factor)
+    if isq:
+        from engine.loader.isq import quantize_weights
+        quantize_weights(ckpt.weights, isq, progress=progress)
+    model = get_model_class(model_config.architecture)(model_config, ckpt.weights, backend)
+    return model, model_config, ckpt.tokenizer
+
