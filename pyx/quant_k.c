@@ -15,8 +15,10 @@
  * q8 per 16 elements). All of that is exact int32 arithmetic per super-block; floats enter once
  * per super-block in `kacc`, in the same order on every ISA, so the AVX2 and AVX-512 bodies
  * (maddubs + madd, as ggml's AVX2 path; no VNNI) return exactly the scalar body's value.
- * Ranges: u <= 63 and |q8| <= 127, so maddubs' int16 pair sums (<= 16002) never saturate, and a
- * super-block's int32 sum stays below 2^28.
+ * Ranges: u <= 63 and |q8| <= 127, so maddubs' int16 pair sums (<= 16002) never saturate, and
+ * every int32 partial sum of a super-block stays below 2^29.
+ *
+ * x86 only (immintrin.h; the scale decoders read bytes as little-endian words).
  */
 #include <immintrin.h>
 #include <math.h>
@@ -687,7 +689,8 @@ static void dequantize_q8_K(const void *src, float *y, int64_t n) {
 
 /* The only float arithmetic of every vec_dot body, once per super-block and in this order on
    every ISA: acc + ((dx * d) * isum - (dx * dmin) * summs), as ggml's `sumf += ...`; the block's
-   term first, so the loop-carried chain is one add. */
+   term first, so the loop-carried chain is one add. setup.py's -std=c11 keeps FP contraction
+   off, so the AVX targets do not fuse this into FMAs and stay bit-identical to the scalar body. */
 INLINE float kacc(float acc, float dx, float d, float dmin, int32_t isum, int32_t summs) {
     return acc + ((dx * d) * (float)isum - (dx * dmin) * (float)summs);
 }

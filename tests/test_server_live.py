@@ -356,11 +356,13 @@ def test_load_50_clients_with_random_disconnects(demo_dir, tmp_path):
                 break
             time.sleep(0.1)
         assert idle, m
-        # a client may leave just as its request finishes: the server counts what it saw
+        # the server counts what it saw: a client may leave just as its request finishes, or
+        # while its prompt is still being tokenized (never reaching the engine)
         finished, aborted = (m["taper:request_success_total{length}"],
                              m.get("taper:request_success_total{abort}", 0))
-        assert finished + aborted == 50 and finished >= 50 - left and aborted > 0
-        assert m["taper:e2e_request_latency_seconds_count"] == 50
+        reached = m["taper:e2e_request_latency_seconds_count"]
+        assert finished + aborted == reached and 50 - left <= reached <= 50
+        assert finished >= 50 - left and aborted > 0
         # still serving
         reply = client_for(server.port).chat.completions.create(model="demo", messages=MSGS,
                                                                 max_tokens=4)

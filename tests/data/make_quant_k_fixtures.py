@@ -8,6 +8,8 @@ libggml-base.so it calls `ggml_quantize_chunk(type, src, dst, 0, rows, n_per_row
 Q2_K..Q6_K (with no importance matrix that is quantize_row_*_ref) and `quantize_row_q8_K_ref`
 for Q8_K (ggml_quantize_chunk does not take the activation type), and writes one
 `<type>.npz` per type: `blocks_<recipe>` (rows, row_bytes) uint8 for every input recipe below.
+(For an all-zero super-block ggml's Q8_K leaves bsums unwritten; the output buffer here starts
+zeroed, which is what our quantizer writes.)
 
 The inputs are not stored: `make_inputs(recipe)` rebuilds them bit-exactly from PCG64's raw
 64-bit stream (stable by NumPy's compatibility policy) with only correctly rounded float32
