@@ -8,6 +8,8 @@ Writes, under bench/.cache/ (reused when present):
   spm/tokenizer.model        a small SentencePiece model, only for llama.cpp's converter
   gguf-src-{f32,bf16}/       symlinks (config, weights, tokenizer.model) the converter reads
   qwen2.5-0.5b-random-{f32,bf16}.gguf   from llama.cpp's own convert_hf_to_gguf.py
+  qwen2.5-0.5b-random-{q8_0,q4_k_m}.gguf   the f32 GGUF through llama.cpp's own quantizer
+                                           (llama_model_quantize, via llama-cpp-python)
 
 Both dtypes hold the SAME weights: values are drawn in f32 (seeded NumPy), rounded to bf16
 (round-to-nearest-even), and the f32 checkpoint stores those bf16 values widened exactly. So the
@@ -19,7 +21,12 @@ the vocabulary up to config.vocab_size with [PAD] tokens, which is all a GGUF ne
 
 Needs numpy and safetensors' file format only (written by hand below: bf16 has no NumPy dtype);
 the GGUF step needs llama.cpp's converter (LLAMACPP_SRC, default /tmp/llamacpp_src), torch (the
-converter imports it) and `sentencepiece` (bench-only dependency).
+converter imports it) and `sentencepiece` (bench-only dependency); the quantized GGUFs need
+llama-cpp-python (bench-only dependency).
+
+Qwen2.5-0.5B's hidden size 896 is not a multiple of 256, so llama.cpp's Q4_K_M puts the tensors
+whose rows are 896 long in other types (its llama_tensor_get_type fallbacks); `gguf_type_counts`
+lists what a file actually holds.
 """
 from __future__ import annotations
 
@@ -209,16 +216,59 @@ def make_gguf(dtype: str, cache: Path = CACHE) -> Path:
     return out
 
 
+QUANT_FTYPES = {"q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M"}
+
+
+def make_quant_gguf(qtype: str, cache: Path = CACHE, threads: int | None = None) -> Path:
+    """The f32 GGUF quantized by llama.cpp's own quantizer (llama_model_quantize with its default
+    parameters: no imatrix, output/embedding types chosen by the ftype), cached."""
+    out = cache / f"{NAME}-{qtype}.gguf"
+    if out.is_file():
+        return out
+    import ctypes
+    import llama_cpp
+    src = make_gguf("f32", cache)
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, QUANT_FTYPES[qtype])
+    params.nthread = threads or len(os.sched_getaffinity(0))
+    tmp = out.with_suffix(".tmp.gguf")
+    print(f"quantizing {src.name} to {qtype} with llama.cpp's llama_model_quantize", flush=True)
+    t0 = time.time()
+    rc = llama_cpp.llama_model_quantize(str(src).encode(), str(tmp).encode(), ctypes.byref(params))
+    if rc != 0:
+        raise RuntimeError(f"llama_model_quantize({qtype}) failed ({rc})")
+    tmp.rename(out)
+    print(f"wrote {out} in {time.time() - t0:.0f}s")
+    return out
+
+
+def gguf_type_counts(path: Path) -> dict:
+    """{ggml type name: (tensor count, bytes)} of a GGUF file, and the file's weight bytes."""
+    from gguf import GGUFReader
+    counts: dict[str, list[int]] = {}
+    for t in GGUFReader(str(path)).tensors:
+        c = counts.setdefault(t.tensor_type.name, [0, 0])
+        c[0] += 1
+        c[1] += int(t.n_bytes)
+    return {k: tuple(v) for k, v in sorted(counts.items(), key=lambda kv: -kv[1][1])}
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--no-gguf", action="store_true", help="only the safetensors checkpoints")
     ap.add_argument("--dtype", nargs="+", default=["f32", "bf16"], choices=["f32", "bf16"])
+    ap.add_argument("--quant", nargs="*", default=[], choices=list(QUANT_FTYPES),
+                    help="also the llama.cpp-quantized GGUFs (needs llama-cpp-python)")
     args = ap.parse_args(argv)
     for dt, d in make_checkpoints().items():
         print(f"{dt}: {d}")
     if not args.no_gguf:
         for dt in args.dtype:
             print(f"{dt} gguf: {make_gguf(dt)}")
+        for q in args.quant:
+            path = make_quant_gguf(q)
+            print(f"{q} gguf: {path}: " + ", ".join(
+                f"{n} x{c} ({b / 1e6:.1f} MB)" for n, (c, b) in gguf_type_counts(path).items()))
 
 
 if __name__ == "__main__":

@@ -58,6 +58,7 @@ class ModelConfig:
     rope: RopeConfig
     dtype: str = "float32"              # the checkpoint's dtype name
     quantization: str | None = None     # quantization_config.quant_method, if any
+    quantization_config: dict | None = None  # the whole quantization_config, for the loader
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
 
@@ -129,6 +130,7 @@ class ModelConfig:
             max_position_embeddings=max_pos, max_model_len=_rope_max_len(rope, max_pos), rope=rope,
             dtype=_dtype_name(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"),
             quantization=(cfg.get("quantization_config") or {}).get("quant_method"),
+            quantization_config=cfg.get("quantization_config"),
             bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos)
 
 

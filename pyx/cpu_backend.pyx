@@ -281,6 +281,8 @@ cdef class CpuBackend(Backend):
         arrays = {"x": x, "weight": weight, "bias": bias, "out": out}
         if hasattr(weight, "quant_parts"):
             return self._quant_linear(x, weight, bias, out)
+        if hasattr(weight, "cpu_linear"):     # other packed formats compute themselves
+            return weight.cpu_linear(self, x, bias, out)
         _check(op, arrays, "x", (_F32,), 2)
         _check(op, arrays, "weight", _WDT, 2)
         _check(op, arrays, "out", (_F32,), 2, True)

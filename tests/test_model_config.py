@@ -189,12 +189,12 @@ def test_dynamic_rope_is_static_ntk_like_vllm():
     np.testing.assert_allclose(cache[200, :12], np.cos(200 * inv_freq), atol=1e-6)
 
 
-def test_model_type_fallback_and_quantized_guard():
+def test_model_type_fallback_and_unsupported_quantization():
     d = cfg()
     del d["architectures"]
     assert ModelConfig.from_dict({**d, "model_type": "qwen2"}).architecture == "Qwen2ForCausalLM"
     c = ModelConfig.from_dict(cfg(quantization_config={"quant_method": "gptq", "bits": 4}))
-    assert c.quantization == "gptq"
-    from engine.models.llama import LlamaForCausalLM
-    with pytest.raises(ValueError, match="gptq quantized checkpoints are not supported"):
-        LlamaForCausalLM(c, {}, None)
+    assert c.quantization == "gptq" and c.quantization_config["bits"] == 4
+    from engine.loader.quant_formats import convert_quantized
+    with pytest.raises(ValueError, match="'bitsandbytes' is not supported; supported: gptq"):
+        convert_quantized({}, {"quant_method": "bitsandbytes"})

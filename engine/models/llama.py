@@ -65,9 +65,6 @@ def check_weights(c: ModelConfig, weights: dict) -> None:
 class LlamaForCausalLM:
     def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray], backend):
         """Takes ownership of `weights` (tensors are popped as they are placed)."""
-        if config.quantization:
-            raise ValueError(f"{config.quantization} quantized checkpoints are not supported by "
-                             f"{type(self).__name__} (unquantized float weights only)")
         check_weights(config, weights)
         self.config = config
         self.backend = backend
@@ -116,17 +113,19 @@ class LlamaForCausalLM:
 
     def _take(self, weights: dict, name: str):
         w = weights.pop(name)
-        if isinstance(w, QuantizedWeight):      # stays packed; the backend computes on it
+        if not isinstance(w, np.ndarray):       # packed (ggml blocks, int4, fp8): kept as is
             return w
         return self._to_device(np.ascontiguousarray(w))
 
     def _fuse(self, weights: dict, names: list[str]):
         parts = [weights.pop(n) for n in names]
-        if any(isinstance(p, QuantizedWeight) for p in parts):
-            if not all(isinstance(p, QuantizedWeight) for p in parts):
-                raise ValueError(f"cannot fuse quantized and float tensors: {names}")
+        if all(isinstance(p, np.ndarray) for p in parts):
+            return self._to_device(np.concatenate(parts, axis=0))
+        if all(isinstance(p, QuantizedWeight) for p in parts):
             return QuantizedWeight.concat(parts)
-        return self._to_device(np.concatenate(parts, axis=0))
+        if all(type(p) is type(parts[0]) and hasattr(p, "concat") for p in parts):
+            return type(parts[0]).concat(parts)
+        raise ValueError(f"cannot fuse {[type(p).__name__ for p in parts]}: {names}")
 
     @property
     def num_layers(self) -> int:

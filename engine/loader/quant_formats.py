@@ -1,0 +1,26 @@
+"""Checkpoints quantized by other tools (config.json `quantization_config`) to weights the backend
+computes on, in place in the weight dict.
+
+Each format's converter replaces a layer's raw tensors (for example GPTQ's qweight, qzeros,
+scales, g_idx) by one weight object under the layer's `.weight` name. A weight object has
+`.shape` (N, K) and `cpu_linear(backend, x, bias, out)`, which the CPU backend's `linear` calls;
+it keeps the raw tensors for the GPU issue's repacking (Marlin, CUTLASS FP8). A variant a
+converter does not handle is a start-up error that names it.
+"""
+from __future__ import annotations
+
+
+def convert_quantized(weights: dict, quantization_config: dict) -> None:
+    method = quantization_config.get("quant_method")
+    if method in ("gptq", "awq"):
+        from engine.loader.quant_int4 import convert_gptq_awq
+        convert_gptq_awq(weights, quantization_config)
+    elif method == "compressed-tensors":
+        from engine.loader.quant_compressed import convert_compressed_tensors
+        convert_compressed_tensors(weights, quantization_config)
+    elif method == "fp8":
+        from engine.loader.quant_fp8 import convert_fp8_block
+        convert_fp8_block(weights, quantization_config)
+    else:
+        raise ValueError(f"quantization_config.quant_method {method!r} is not supported; "
+                         "supported: gptq, awq, compressed-tensors, fp8 (and GGUF files, --isq)")
