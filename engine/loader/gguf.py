@@ -1,0 +1,428 @@
+"""GGUF files (llama.cpp's format) as a Hugging Face config, weights and tokenizer.
+
+`read_gguf(path)` reads one file, or every shard of a gguf-split model given its first shard
+(`name-00001-of-00003.gguf`), through gguf.GGUFReader (the file memory-mapped):
+
+- config: a config.json-style dict for ModelConfig.from_dict, from the `{arch}.*` metadata. llama
+  files are LlamaForCausalLM (MistralForCausalLM when they carry a sliding window), qwen2 and
+  qwen3 files Qwen2/Qwen3ForCausalLM. A llama3 RoPE is stored as the per-frequency factors it
+  produces (tensor rope_freqs), so its parameters are recovered from them.
+- weights: Hugging Face names. F32/F16/BF16 tensors are float arrays, views of the mapping unless
+  converted (the dtype policy of engine/loader/safetensors.py). Block-quantized tensors stay
+  packed as QuantizedWeight (ggml blocks, one row of blocks per output row).
+- tokenizer: engine.tokenizer.Tokenizer rebuilt from the tokenizer.ggml.* metadata
+  (engine/loader/gguf_tokenizer.py), or None when the file has none we can rebuild.
+
+llama.cpp's convert_hf_to_gguf.py permutes the rows of q_proj/k_proj (weights and biases) for the
+llama architecture, within each head, from Hugging Face's rotate-half layout to the interleaved
+pairs llama.cpp's RoPE rotates: HF row `j * head_dim/2 + i` of a head is stored as row `2i + j`.
+We undo it, so the graph keeps the rotate-half RoPE. Rows are independent in every block format,
+so on quantized tensors the same permutation moves whole rows of blocks.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import ml_dtypes
+import numpy as np
+from gguf import GGMLQuantizationType as QT
+from gguf import GGUFReader, GGUFValueType
+from tqdm import tqdm
+
+from engine.loader.gguf_tokenizer import build_tokenizer, special_id
+from engine.loader.safetensors import resolve_dtype, target_dtype
+from engine.quant import BLOCK_TYPES, QuantizedWeight
+
+if TYPE_CHECKING:
+    from engine.tokenizer import Tokenizer
+
+logger = logging.getLogger("taper.loader")
+
+# general.architecture -> (Hugging Face architecture, model_type)
+_ARCHS = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+          "qwen3": ("Qwen3ForCausalLM", "qwen3")}
+_PERMUTED_QK = ("llama",)       # architectures whose q/k rows the converter interleaves
+
+_FLOAT_TYPES = frozenset({QT.F32, QT.F16, QT.BF16, QT.F64})
+
+_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
+                 "output": "lm_head"}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_LAYER_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+_SHARD_RE = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
+
+
+@dataclass(slots=True)
+class GGUFCheckpoint:
+    config: dict                                        # Hugging Face config.json-style
+    weights: dict[str, np.ndarray | QuantizedWeight]    # Hugging Face names
+    tokenizer: Tokenizer | None
+    files: list[str] = field(default_factory=list)      # the shards read, in order
+
+
+def hf_name(name: str) -> str:
+    """The Hugging Face name of a GGUF tensor name (unknown names pass through)."""
+    stem, _, kind = name.rpartition(".")
+    if stem in _GLOBAL_NAMES:
+        return f"{_GLOBAL_NAMES[stem]}.{kind}"
+    m = _LAYER_RE.match(name)
+    if m and m.group(2) in _LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    return name
+
+
+def unpermute_rows(w, num_heads: int):
+    """Undo convert_hf_to_gguf.py's LlamaModel.permute along axis 0 (rows, or rows of blocks)."""
+    n = w.shape[0]
+    if n % (2 * num_heads):
+        raise ValueError(f"{n} rows do not split into {num_heads} heads of pairs")
+    half = n // num_heads // 2
+    return np.ascontiguousarray(
+        w.reshape(num_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape))
+
+
+# ---- files
+
+def open_reader(path: str) -> GGUFReader:
+    """A GGUFReader whose tensors all lie inside the file; ValueError naming the file otherwise."""
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise ValueError(f"{path}: cannot open GGUF file ({e.strerror})") from None
+    if magic != b"GGUF":
+        raise ValueError(f"{path}: not a GGUF file (starts with {magic!r}, expected b'GGUF')")
+    size = os.path.getsize(path)
+    try:
+        reader = GGUFReader(path)
+    except (ValueError, IndexError, KeyError, OverflowError, UnicodeDecodeError, TypeError,
+            MemoryError) as e:
+        raise ValueError(f"{path}: truncated or corrupt GGUF file ({type(e).__name__}: {e})") \
+            from None
+    for t in reader.tensors:
+        end = t.data_offset + t.n_bytes
+        if end > size or t.data.nbytes != t.n_bytes:
+            raise ValueError(f"{path}: truncated GGUF file: tensor {t.name} needs bytes "
+                             f"[{t.data_offset}, {end}) but the file has {size}")
+    return reader
+
+
+def field_value(field):
+    """A metadata value as Python data (strings, numbers, bools, lists). Float32 scalars come back
+    as the shortest decimal that rounds to them (1e-06, not 9.999999974752427e-07), which is
+    what the converter was given."""
+    value = field.contents()
+    if isinstance(value, np.generic):
+        value = value.item()
+    if field.types == [GGUFValueType.FLOAT32]:
+        value = float(str(np.float32(value)))
+    return value
+
+
+def read_metadata(reader: GGUFReader) -> dict:
+    return {k: field_value(f) for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+
+
+def shard_paths(path: str, metadata: dict) -> list[str]:
+    """Every shard of the model `path` belongs to, first to last (just [path] when unsplit)."""
+    count = int(metadata.get("split.count", 1) or 1)
+    if count <= 1:
+        return [path]
+    directory, base = os.path.split(path)
+    m = _SHARD_RE.match(base)
+    if m is None or int(m.group("count")) != count:
+        raise ValueError(f"{path}: split.count is {count} but the name does not follow "
+                         f"NAME-00001-of-{count:05d}.gguf, so the other shards cannot be found")
+    paths = [os.path.join(directory, f"{m.group('stem')}-{i:05d}-of-{count:05d}.gguf")
+             for i in range(1, count + 1)]
+    missing = [p for p in paths if not os.path.isfile(p)]
+    if missing:
+        raise ValueError(f"{path}: shard {missing[0]} of this {count}-file model is missing")
+    return paths
+
+
+# ---- config
+
+class _Meta:
+    """`{arch}.*` metadata lookups that name the file and key when a required one is missing."""
+
+    def __init__(self, path: str, metadata: dict, arch: str):
+        self.path, self.metadata, self.arch = path, metadata, arch
+
+    def get(self, key: str, default=None):
+        return self.metadata.get(f"{self.arch}.{key}", default)
+
+    def require(self, key: str):
+        value = self.get(key)
+        if value is None:
+            raise ValueError(f"{self.path}: metadata key {self.arch}.{key} is missing")
+        return value
+
+    def uniform(self, key: str, default=None):
+        """A per-model value that llama.cpp also allows per layer (an array): all equal here."""
+        value = self.get(key, default)
+        if isinstance(value, list):
+            if len(set(value)) != 1:
+                raise ValueError(f"{self.path}: {self.arch}.{key} differs between layers "
+                                 f"({value}); not supported")
+            value = value[0]
+        return value
+
+
+def _llama3_factors(theta: float, dim: int, factor: float, low: float, high: float,
+                    original: int) -> np.ndarray:
+    """The rope_freqs values convert_hf_to_gguf.py writes for these llama3 parameters."""
+    wavelen = 2 * math.pi * theta ** (np.arange(0, dim, 2) / dim)
+    smooth = (original / wavelen - low) / (high - low)
+    mid = 1 / ((1 - smooth) / factor + smooth)
+    return np.where(wavelen < original / high, 1.0, np.where(wavelen > original / low, factor, mid))
+
+
+def _short(x: float, digits: int = 5) -> float:
+    """x to `digits` significant digits: 8.000001 (float32 noise) -> 8.0."""
+    x = float(x)
+    return x if x == 0 else round(x, digits - 1 - math.floor(math.log10(abs(x))))
+
+
+def llama3_rope(path: str, factors: np.ndarray, theta: float, dim: int) -> dict:
+    """llama3 rope parameters that reproduce `factors` (one per rotated pair of dims).
+
+    The factors are 1 for short wavelengths, `factor` for long ones and, in between, a curve that
+    is linear in 1/wavelength with slope original/(high-low) and intercept -low/(high-low). Two
+    numbers fix three parameters, so we take low_freq_factor = 1 (every Llama 3.x release) and
+    keep the result only if it reproduces the file's factors."""
+    factors = np.asarray(factors, dtype=np.float64).reshape(-1)
+    if factors.size != dim // 2:
+        raise ValueError(f"{path}: rope_freqs has {factors.size} values for {dim} rotated dims")
+    factor = _short(factors.max())
+    candidates = []
+    mid = (factors > 1 + 1e-4) & (factors < factor * (1 - 1e-4))
+    if mid.sum() >= 2 and factor > 1:
+        s = (1 / factors[mid] - 1 / factor) / (1 - 1 / factor)
+        x = theta ** (-np.arange(0, dim, 2) / dim)[mid] / (2 * math.pi)     # 1 / wavelength
+        slope, intercept = np.polyfit(x, s, 1)
+        if intercept < 0 < slope:
+            low = 1.0
+            candidates.append((int(round(-slope * low / intercept)), low,
+                               _short(low - low / intercept)))
+    candidates.append((8192, 1.0, 4.0))     # Llama 3.1's, when no factor lies on the curve
+    for original, low, high in candidates:
+        if np.allclose(_llama3_factors(theta, dim, factor, low, high, original), factors,
+                       rtol=1e-4, atol=1e-6):
+            return {"rope_type": "llama3", "factor": factor, "low_freq_factor": low,
+                    "high_freq_factor": high, "original_max_position_embeddings": original}
+    raise ValueError(f"{path}: cannot recover llama3 RoPE parameters from rope_freqs "
+                     f"(factors {np.round(factors, 4).tolist()})")
+
+
+def _rope_scaling(path: str, meta: _Meta, rope_freqs, theta: float, rot_dim: int) -> dict | None:
+    kind = meta.get("rope.scaling.type")
+    factor = meta.get("rope.scaling.factor")
+    if kind is None and meta.get("rope.scale_linear") is not None:     # older files
+        kind, factor = "linear", meta.get("rope.scale_linear")
+    if rope_freqs is not None:
+        if kind not in (None, "none"):
+            raise ValueError(f"{path}: both rope_freqs and rope.scaling.type {kind!r}; "
+                             "not supported")
+        return llama3_rope(path, rope_freqs, theta, rot_dim)
+    if kind in (None, "none") or (kind == "linear" and factor in (None, 1.0)):
+        return None
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": float(factor)}
+    if kind == "yarn":
+        scaling = {"rope_type": "yarn", "factor": float(factor)}
+        original = meta.get("rope.scaling.original_context_length")
+        if original is not None:
+            scaling["original_max_position_embeddings"] = int(original)
+        for key, name in (("rope.scaling.yarn_beta_fast", "beta_fast"),
+                          ("rope.scaling.yarn_beta_slow", "beta_slow"),
+                          ("rope.scaling.yarn_attn_factor", "attention_factor"),
+                          ("rope.scaling.attn_factor", "attention_factor")):
+            if meta.get(key) is not None:
+                scaling[name] = float(meta.get(key))
+        ext = meta.get("rope.scaling.yarn_ext_factor")
+        if ext is not None and ext not in (-1.0, 1.0):
+            raise ValueError(f"{path}: yarn_ext_factor {ext} is not supported (only 1)")
+        return scaling
+    raise ValueError(f"{path}: unsupported RoPE scaling {kind!r}; supported: linear, yarn, "
+                     "llama3 (rope_freqs)")
+
+
+def build_config(path: str, metadata: dict, tensors: dict) -> dict:
+    """config.json-style dict from the metadata; `tensors` maps GGUF names to ReaderTensors."""
+    arch = metadata.get("general.architecture")
+    if arch not in _ARCHS:
+        raise ValueError(f"{path}: unsupported GGUF architecture {arch!r}; "
+                         f"supported: {', '.join(_ARCHS)}")
+    meta = _Meta(path, metadata, arch)
+    architecture, model_type = _ARCHS[arch]
+    hidden = int(meta.require("embedding_length"))
+    num_layers = int(meta.require("block_count"))
+    num_heads = int(meta.uniform("attention.head_count") or 0)
+    if not num_heads:
+        raise ValueError(f"{path}: metadata key {arch}.attention.head_count is missing")
+    num_kv_heads = int(meta.uniform("attention.head_count_kv") or num_heads)
+    head_dim = int(meta.get("attention.key_length") or hidden // num_heads)
+    value_dim = int(meta.get("attention.value_length") or head_dim)
+    if value_dim != head_dim:
+        raise ValueError(f"{path}: key_length {head_dim} != value_length {value_dim}; "
+                         "not supported")
+    if "token_embd.weight" not in tensors:
+        raise ValueError(f"{path}: no token_embd.weight tensor")
+    vocab_size = int(tensors["token_embd.weight"].shape[-1])    # GGUF dims are (H, V)
+    theta = float(meta.get("rope.freq_base") or 10000.0)
+    rot_dim = int(meta.get("rope.dimension_count") or head_dim)
+    rope_freqs = tensors.get("rope_freqs.weight")
+    if rope_freqs is not None:
+        rope_freqs = np.asarray(rope_freqs.data, dtype=np.float32)
+
+    config = {
+        "architectures": [architecture], "model_type": model_type,
+        "hidden_size": hidden, "intermediate_size": int(meta.uniform("feed_forward_length")
+                                                        or meta.require("feed_forward_length")),
+        "num_hidden_layers": num_layers, "num_attention_heads": num_heads,
+        "num_key_value_heads": num_kv_heads, "head_dim": head_dim,
+        "rms_norm_eps": float(meta.get("attention.layer_norm_rms_epsilon") or 1e-6),
+        "max_position_embeddings": int(meta.get("context_length") or 2048),
+        "vocab_size": vocab_size, "hidden_act": "silu",
+        "tie_word_embeddings": "output.weight" not in tensors,
+        "rope_theta": theta,
+        "rope_scaling": _rope_scaling(path, meta, rope_freqs, theta, rot_dim),
+    }
+    if rot_dim != head_dim:
+        config["partial_rotary_factor"] = rot_dim / head_dim
+    if arch == "llama":
+        config["attention_bias"] = "blk.0.attn_q.bias" in tensors
+        config["mlp_bias"] = "blk.0.ffn_gate.bias" in tensors
+
+    window = int(meta.get("attention.sliding_window") or 0)
+    if window:
+        if arch == "llama":     # Mistral: one window on every layer
+            config.update(architectures=["MistralForCausalLM"], model_type="mistral",
+                          sliding_window=window)
+        else:
+            pattern = meta.get("attention.sliding_window_pattern")
+            if isinstance(pattern, list) and len(pattern) == num_layers:
+                layer_types = ["sliding_attention" if p else "full_attention" for p in pattern]
+            else:
+                layer_types = ["sliding_attention"] * num_layers
+            config.update(use_sliding_window=True, sliding_window=window, layer_types=layer_types)
+
+    float_types = {tensors[n].tensor_type for n in tensors
+                   if len(tensors[n].shape) >= 2 and tensors[n].tensor_type in _FLOAT_TYPES}
+    config["dtype"] = ("bfloat16" if QT.BF16 in float_types else
+                       "float16" if QT.F16 in float_types else "float32")
+
+    def token_id(key):
+        return special_id(metadata, key, [])
+
+    config["bos_token_id"] = token_id("bos_token_id")
+    eos = [i for i in (token_id("eos_token_id"), token_id("eot_token_id"),
+                       token_id("eom_token_id")) if i is not None]
+    eos = list(dict.fromkeys(eos))
+    config["eos_token_id"] = eos[0] if len(eos) == 1 else (eos or None)
+    if token_id("padding_token_id") is not None:
+        config["pad_token_id"] = token_id("padding_token_id")
+    return config
+
+
+# ---- tensors
+
+def _tensor(path: str, t, want: np.dtype | None):
+    """A GGUF tensor as a float array (dtype policy) or a QuantizedWeight (packed)."""
+    qtype = t.tensor_type
+    if qtype in _FLOAT_TYPES:
+        arr = t.data
+        if qtype == QT.BF16:    # GGUFReader hands BF16 out as raw bytes
+            arr = arr.view(ml_dtypes.bfloat16)
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        arr = arr.reshape(shape)
+        target = target_dtype(arr, want)
+        return arr if arr.dtype == target else arr.astype(target)
+    if qtype in BLOCK_TYPES:
+        if len(t.shape) != 2:
+            raise ValueError(f"{path}: tensor {t.name} is {qtype.name} with "
+                             f"{len(t.shape)} dims; only matrices can be block-quantized")
+        k, n = (int(d) for d in t.shape)
+        return QuantizedWeight.of(int(qtype), t.data.reshape(n, -1), k)
+    raise ValueError(f"{path}: tensor {t.name} has type {qtype.name}, which Taper does not "
+                     f"support (supported: F32, F16, BF16, "
+                     f"{', '.join(sorted(q.name for q in BLOCK_TYPES))})")
+
+
+def _unpermute(weight, num_heads: int):
+    if isinstance(weight, QuantizedWeight):
+        ((qtype, blocks),) = weight.quant_parts
+        return QuantizedWeight.of(qtype, unpermute_rows(blocks, num_heads), weight.k)
+    return unpermute_rows(weight, num_heads)
+
+
+def read_gguf(path: str, dtype: str = "auto", progress: bool = True) -> GGUFCheckpoint:
+    """Config, weights (Hugging Face names) and tokenizer of a GGUF model (module docstring)."""
+    want = resolve_dtype(dtype)
+    path = os.fspath(path)
+    first = open_reader(path)
+    metadata = read_metadata(first)
+    if int(metadata.get("split.no", 0) or 0) != 0:
+        m = _SHARD_RE.match(os.path.basename(path))
+        if m is None:
+            raise ValueError(f"{path}: shard {metadata['split.no'] + 1} of a split model; "
+                             "give the first shard")
+        path = os.path.join(os.path.dirname(path),
+                            f"{m.group('stem')}-00001-of-{m.group('count')}.gguf")
+        first = open_reader(path)
+        metadata = read_metadata(first)
+    paths = shard_paths(path, metadata)
+    readers = [first] + [open_reader(p) for p in paths[1:]]
+
+    tensors, owner = {}, {}
+    for i, (p, reader) in enumerate(zip(paths, readers)):
+        no = reader.fields.get("split.no")
+        if len(paths) > 1 and (no is None or int(field_value(no)) != i):
+            raise ValueError(f"{p}: expected shard {i + 1} of {len(paths)} "
+                             f"(split.no {None if no is None else field_value(no)})")
+        for t in reader.tensors:
+            if t.name in tensors:
+                raise ValueError(f"tensor {t.name} appears in both {owner[t.name]} and {p}")
+            tensors[t.name], owner[t.name] = t, p
+    expected = metadata.get("split.tensors.count")
+    if len(paths) > 1 and expected is not None and int(expected) != len(tensors):
+        raise ValueError(f"{path}: split.tensors.count is {expected} but the shards hold "
+                         f"{len(tensors)} tensors")
+
+    config = build_config(path, metadata, tensors)
+    counts: dict[str, int] = {}
+    for t in tensors.values():
+        counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + 1
+    logger.info("loading %s: %s, %d tensors (%s), %.2f GB", path, config["architectures"][0],
+                len(tensors), ", ".join(f"{n} {k}" for k, n in sorted(counts.items())),
+                sum(t.n_bytes for t in tensors.values()) / 1e9)
+    permute = metadata["general.architecture"] in _PERMUTED_QK
+    heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
+
+    weights = {}
+    with tqdm(total=len(tensors), desc="Loading weights", unit="tensor",
+              disable=not progress or None, leave=False) as bar:
+        for name, t in tensors.items():
+            bar.update(1)
+            if name == "rope_freqs.weight":     # folded into config["rope_scaling"]
+                continue
+            weight = _tensor(owner[name], t, want)
+            m = _LAYER_RE.match(name)
+            if permute and m and m.group(2) in heads:
+                weight = _unpermute(weight, heads[m.group(2)])
+            weights[hf_name(name)] = weight
+
+    tokenizer = build_tokenizer(metadata, path)
+    return GGUFCheckpoint(config=config, weights=weights, tokenizer=tokenizer, files=paths)
