@@ -1,8 +1,8 @@
 """Offline throughput: Taper's CPU engine vs llama.cpp on the same random Qwen2.5-0.5B weights.
 
-    python -m bench.throughput [--dtype f32 bf16] [--llama | --no-llama] [--prompt-len 128]
-        [--gen-len 64] [--batch 1 16] [--reps N] [--wait-quiet S] [--llama-threads N ...]
-        [--json out.json]
+    python -m bench.throughput [--dtype f32 bf16] [--quant q8_0 q4_k_m isq-q4k ...]
+        [--llama | --no-llama] [--prompt-len 128] [--gen-len 64] [--batch 1 16] [--reps N]
+        [--wait-quiet S] [--llama-threads N ...] [--linear-probe] [--json out.json]
 
 For each dtype, Taper (engine.LLM on the safetensors checkpoint of bench/make_checkpoint.py):
   prefill tokens/s = B * prompt_len / time of the step(s) that compute the prompts (the first
@@ -23,6 +23,18 @@ embeddings: the LM head is the embedding matrix), so weight bytes x steps/s is t
 decode achieves; it is printed against NumPy's sgemv read bandwidth and a STREAM-like copy.
 Prefill GFLOP/s is printed against NumPy's f32 GEMM.
 
+--quant runs quantized weights instead of (or, with --dtype, besides) the float checkpoints, at
+batch 1 unless --batch says otherwise:
+  q8_0, q4_k_m   GGUFs made from the f32 GGUF by llama.cpp's own quantizer (make_quant_gguf);
+                 Taper loads the file (LLM(weight_file=...)), llama.cpp runs the same file;
+  isq-q4k, isq-q8_0   Taper quantizing the float safetensors at load (LLM(isq="q4k"/"q8_0"),
+                 from --isq-from bf16 by default; embeddings/LM head stay in that dtype), against
+                 llama.cpp on the q4_k_m / q8_0 file (a different file: same source weights,
+                 llama.cpp's own choice of types).
+Each format's tensor types are counted (the GGUF's, or what ISQ makes of each tensor). Weight
+bytes per token = every tensor once (tied embeddings: the LM head reads the whole table), and the
+bandwidth bound = sgemv read bandwidth / those bytes.
+
 Random prompts come from a fixed seed; each engine gets a warm-up first. The machine may be
 shared: each run prints the CPU share other processes used meanwhile (from /proc/stat),
 --wait-quiet S waits for an idle machine before each measurement, and --reps N keeps the best.
@@ -40,9 +52,19 @@ import time
 
 import numpy as np
 
-from bench.make_checkpoint import CONFIG, make_checkpoints, make_gguf, tensor_shapes
+from bench.make_checkpoint import CACHE as CACHE_DIR
+from bench.make_checkpoint import (CONFIG, gguf_type_counts, make_checkpoints, make_gguf,
+                                   make_quant_gguf, tensor_shapes)
 
 SEED = 1234
+
+# --quant formats: what Taper loads, and which llama.cpp-quantized GGUF llama.cpp runs beside it.
+QUANT_MODES = {
+    "q8_0": {"gguf": "q8_0", "llama": "q8_0"},
+    "q4_k_m": {"gguf": "q4_k_m", "llama": "q4_k_m"},
+    "isq-q8_0": {"isq": "q8_0", "llama": "q8_0"},
+    "isq-q4k": {"isq": "q4k", "llama": "q4_k_m"},
+}
 
 
 # ---- machine
@@ -190,6 +212,30 @@ def weight_bytes(dtype: str) -> int:
     return sum(int(np.prod(s)) for _, s in tensor_shapes()) * size
 
 
+def isq_type_counts(isq: str, src_dtype: str) -> dict:
+    """{type name: (tensor count, bytes)} of what `LLM(isq=...)` makes of the `src_dtype`
+    checkpoint (engine/loader/isq.py: the projections, with its fallbacks; the rest as is)."""
+    from gguf import GGML_QUANT_SIZES
+    from engine.loader.isq import _PROJECTION, isq_type, type_for
+    want, counts = isq_type(isq), {}
+    for name, shape in tensor_shapes():
+        qt = type_for(want, shape[1]) if _PROJECTION.match(name) else None
+        if qt is None:
+            size = {"f32": 4, "bf16": 2}[src_dtype]
+            tname, nbytes = src_dtype.upper(), int(np.prod(shape)) * size
+        else:
+            block, size = GGML_QUANT_SIZES[qt]
+            tname, nbytes = qt.name, shape[0] * shape[1] // block * size
+        c = counts.setdefault(tname, [0, 0])
+        c[0] += 1
+        c[1] += nbytes
+    return {k: tuple(v) for k, v in sorted(counts.items(), key=lambda kv: -kv[1][1])}
+
+
+def contents(counts: dict) -> str:
+    return ", ".join(f"{n} x{c}" for n, (c, b) in counts.items())
+
+
 def prefill_flops(num_tokens: int, num_seqs: int, prompt_len: int) -> float:
     """Matmul FLOPs of a prefill: 2 x (non-embedding matrix params) per token, the LM head for
     the last token of each sequence, and causal attention (QK^T and PV)."""
@@ -259,6 +305,51 @@ def linear_probe(dtypes, batches) -> list[dict]:
     return rows
 
 
+def quant_linear_probe(batches, quiet_s: float = 0.0) -> list[dict]:
+    """Taper's quantized `linear` alone, per ISA, on the model shapes where each type occurs in
+    the Q8_0 / Q4_K_M files (Q8_0, Q5_0: gate+up and the LM head; Q4_K, Q6_K: down), weights
+    rotated over copies (~600 MB a round) so caches do not flatter them."""
+    from engine.quant import ISQ_TYPES, quantize
+    from pyx.cpu_backend import CpuBackend, isa_supported
+    c = CONFIG
+    h, i = c["hidden_size"], c["intermediate_size"]
+    shapes = {"q8_0": [("lm_head", c["vocab_size"], h), ("gate+up", 2 * i, h)],
+              "q5_0": [("gate+up", 2 * i, h)], "q4k": [("down", h, i)], "q6k": [("down", h, i)]}
+    rng = np.random.default_rng(0)
+    rows = []
+    for qname, shp in shapes.items():
+        for name, n, k in shp:
+            def make():
+                return quantize(0.02 * rng.standard_normal((n, k), dtype=np.float32),
+                                ISQ_TYPES[qname])
+            w = make()
+            ws = [w] + [make() for _ in range(min(int(6e8 // w.nbytes), 64) - 1)]
+            for isa in ("scalar", "avx2", "avx512"):
+                if not isa_supported(isa):
+                    continue
+                if quiet_s:
+                    wait_quiet(quiet_s)
+                backend = CpuBackend(isa=isa)
+                for t in batches:
+                    x = rng.standard_normal((t, k), dtype=np.float32)
+                    out = np.empty((t, n), np.float32)
+                    backend.linear(x, w, None, out)
+                    reps = max(len(ws), 5) if isa != "scalar" else max(len(ws) // 8, 3)
+                    t0 = time.perf_counter()
+                    for r in range(reps):
+                        backend.linear(x, ws[r % len(ws)], None, out)
+                    sec = (time.perf_counter() - t0) / reps
+                    rows.append({"op": name, "N": n, "K": k, "T": t, "type": qname, "isa": isa,
+                                 "ms": 1e3 * sec, "GBps": w.nbytes / sec / 1e9,
+                                 "Gweights_s": n * k / sec / 1e9})
+                    r_ = rows[-1]
+                    print(f"  quant linear {qname:5s} {name:8s} {n:6d}x{k:<5d} T={t:<3d} {isa:6s} "
+                          f"{r_['ms']:8.3f} ms {r_['GBps']:6.1f} GB/s "
+                          f"{r_['Gweights_s']:6.1f} Gweights/s", flush=True)
+            del ws
+    return rows
+
+
 # ---- Taper
 
 def taper_run(llm, prompts: list[list[int]], gen_len: int) -> dict:
@@ -307,11 +398,13 @@ def taper_run(llm, prompts: list[list[int]], gen_len: int) -> dict:
             "tokens": list(finished[ids[0]].token_ids), "other_load": load.fraction()}
 
 
-def bench_taper(dtype: str, model_dir, batches, prompt_len, gen_len, reps, quiet_s) -> dict:
+def bench_taper(label: str, model_dir, batches, prompt_len, gen_len, reps, quiet_s,
+                **load) -> dict:
+    """`load`: LLM's weight arguments (dtype=..., or weight_file=..., or dtype + isq=...)."""
     from engine import LLM
     max_b = max(batches)
     t = time.perf_counter()
-    llm = LLM(str(model_dir), dtype=dtype, max_num_seqs=max_b,
+    llm = LLM(str(model_dir), **load, max_num_seqs=max_b,
               max_num_batched_tokens=max(max_b * prompt_len, 2048),
               kv_cache_memory_mb=max(64, max_b * (prompt_len + gen_len) * 24576 * 2 // 2**20),
               enable_prefix_caching=False)
@@ -325,7 +418,7 @@ def bench_taper(dtype: str, model_dir, batches, prompt_len, gen_len, reps, quiet
                 wait_quiet(quiet_s)
             prompts = random_prompts(b, prompt_len, SEED + 1000 * b + r)
             cur = taper_run(llm, prompts, gen_len)
-            print(describe(f"taper {dtype} batch {b:>2}", cur), flush=True)
+            print(describe(f"taper {label} batch {b:>2}", cur), flush=True)
             best = keep_best(best, cur)
         res[f"b{b}"] = best
     del llm
@@ -335,10 +428,9 @@ def bench_taper(dtype: str, model_dir, batches, prompt_len, gen_len, reps, quiet
 
 # ---- llama.cpp
 
-def bench_llama(dtype: str, prompt_len, gen_len, reps, threads, quiet_s) -> dict:
+def bench_llama(label: str, path, prompt_len, gen_len, reps, threads, quiet_s) -> dict:
     import llama_cpp
     from llama_cpp import Llama
-    path = make_gguf(dtype)
     n_ctx = 64 * ((prompt_len + gen_len + 16 + 63) // 64)
     t = time.perf_counter()
     llm = Llama(str(path), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, n_threads=threads,
@@ -378,7 +470,7 @@ def bench_llama(dtype: str, prompt_len, gen_len, reps, threads, quiet_s) -> dict
         if quiet_s:
             wait_quiet(quiet_s)
         cur = run(random_prompts(1, prompt_len, SEED + 1000 + r)[0], gen_len)
-        print(describe(f"llama.cpp {dtype} batch  1, {threads} threads", cur), flush=True)
+        print(describe(f"llama.cpp {label} batch  1, {threads} threads", cur), flush=True)
         best = keep_best(best, cur)
     llm.close()
     gc.collect()
@@ -387,10 +479,39 @@ def bench_llama(dtype: str, prompt_len, gen_len, reps, threads, quiet_s) -> dict
 
 # ---- report
 
+def run_llama(label: str, path, args, cores: int) -> dict:
+    """llama.cpp at each --llama-threads setting; per phase the fastest is kept."""
+    threads = args.llama_threads or [cores]
+    runs = [bench_llama(label, path, args.prompt_len, args.gen_len, args.reps, th,
+                        args.wait_quiet) for th in threads]
+    merged = None
+    for th, r in zip(threads, runs):
+        m = r["b1"]
+        if merged is None:
+            merged = dict(m, prefill_threads=th, decode_threads=th, other_load=[])
+        for phase in ("prefill", "decode"):
+            if m[f"{phase}_tok_s"] > merged[f"{phase}_tok_s"]:
+                merged.update({k: v for k, v in m.items() if k.startswith(phase)})
+                merged[f"{phase}_threads"] = th
+        merged["other_load"] += m["other_load"]
+    return {"file": str(path), "load_s": runs[0]["load_s"], "b1": merged,
+            "by_threads": {th: r["b1"] for th, r in zip(threads, runs)}}
+
+
+def same_prefix(a: list, b: list) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--dtype", nargs="+", default=["f32", "bf16"], choices=["f32", "bf16"])
-    ap.add_argument("--batch", nargs="+", type=int, default=[1, 16])
+    ap.add_argument("--dtype", nargs="+", default=None, choices=["f32", "bf16"],
+                    help="float checkpoints to run (default: f32 bf16, or none with --quant)")
+    ap.add_argument("--quant", nargs="+", default=[], choices=list(QUANT_MODES),
+                    help="quantized formats to run (module docstring)")
+    ap.add_argument("--isq-from", default="bf16", choices=["f32", "bf16"],
+                    help="the safetensors checkpoint isq-* quantizes (default bf16)")
+    ap.add_argument("--batch", nargs="+", type=int, default=None,
+                    help="Taper batch sizes (default: 1 16, or 1 with --quant alone)")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--gen-len", type=int, default=64)
     ap.add_argument("--reps", type=int, default=1, help="keep the best of N runs per figure")
@@ -405,11 +526,16 @@ def main(argv=None):
                     help="before each measurement wait (up to S seconds) until other processes "
                          "use under 10%% of the CPUs")
     ap.add_argument("--linear-probe", action="store_true",
-                    help="also time Taper's linear op alone on the model's shapes at each batch")
+                    help="also time Taper's linear op alone on the model's shapes at each batch "
+                         "(with --quant: the quantized types, per ISA)")
     ap.add_argument("--json", help="also write the results to this file")
     args = ap.parse_args(argv)
     if args.llama is None:
         args.llama = importlib.util.find_spec("llama_cpp") is not None
+    if args.dtype is None:
+        args.dtype = [] if args.quant else ["f32", "bf16"]
+    if args.batch is None:
+        args.batch = [1, 16] if args.dtype else [1]
 
     info = machine_info()
     print(f"machine: {info['cpu']}, {info['cores']} cores, ISA: {' '.join(info['isa_flags'])}")
@@ -427,28 +553,46 @@ def main(argv=None):
           f"{refs['sgemm_GFLOPs']:.1f} GFLOP/s")
     print(f"prompt {args.prompt_len} tokens, {args.gen_len} generated, greedy; batches {args.batch}")
     dirs = make_checkpoints()
-    results = {"machine": info, "bandwidth": bw, "blas": refs, "args": vars(args), "taper": {}, "llama": {}}
-    if args.linear_probe:
+    results = {"machine": info, "bandwidth": bw, "blas": refs, "args": vars(args), "taper": {},
+               "llama": {}, "formats": {}}
+    wbytes = {dt: weight_bytes(dt) for dt in args.dtype}
+    if args.linear_probe and args.dtype:
         results["linear_probe"] = linear_probe(args.dtype, args.batch)
+    if args.linear_probe and args.quant:
+        results["quant_linear_probe"] = quant_linear_probe(args.batch, args.wait_quiet)
     for dt in args.dtype:
         if not args.no_taper:
             results["taper"][dt] = bench_taper(dt, dirs[dt], args.batch, args.prompt_len,
-                                               args.gen_len, args.reps, args.wait_quiet)
+                                               args.gen_len, args.reps, args.wait_quiet, dtype=dt)
         if args.llama:
-            runs = [bench_llama(dt, args.prompt_len, args.gen_len, args.reps, th, args.wait_quiet)
-                    for th in args.llama_threads or [info["cores"]]]
-            merged = None
-            for th, r in zip(args.llama_threads or [info["cores"]], runs):
-                m = r["b1"]
-                if merged is None:
-                    merged = dict(m, prefill_threads=th, decode_threads=th, other_load=[])
-                for phase in ("prefill", "decode"):
-                    if m[f"{phase}_tok_s"] > merged[f"{phase}_tok_s"]:
-                        merged.update({k: v for k, v in m.items() if k.startswith(phase)})
-                        merged[f"{phase}_threads"] = th
-                merged["other_load"] += m["other_load"]
-            results["llama"][dt] = {"b1": merged, "by_threads": {th: r["b1"] for th, r in zip(
-                args.llama_threads or [info["cores"]], runs)}}
+            results["llama"][dt] = run_llama(dt, make_gguf(dt), args, info["cores"])
+
+    for mode in args.quant:
+        spec = QUANT_MODES[mode]
+        lfile = spec["llama"]
+        if "gguf" in spec:
+            path = make_quant_gguf(spec["gguf"])
+            counts = gguf_type_counts(path)
+            load, model_dir = {"weight_file": str(path)}, CACHE_DIR
+            source = path.name
+        else:
+            counts = isq_type_counts(spec["isq"], args.isq_from)
+            load, model_dir = {"dtype": args.isq_from, "isq": spec["isq"]}, dirs[args.isq_from]
+            source = f"{dirs[args.isq_from].name} (safetensors) with isq={spec['isq']}"
+        wbytes[mode] = sum(b for _, b in counts.values())
+        results["formats"][mode] = {"source": source, "types": counts, "weight_bytes": wbytes[mode]}
+        print(f"{mode}: {source}: {contents(counts)}; {wbytes[mode] / 1e6:.1f} MB of weights "
+              f"per token", flush=True)
+        if not args.no_taper:
+            results["taper"][mode] = bench_taper(mode, model_dir, args.batch, args.prompt_len,
+                                                 args.gen_len, args.reps, args.wait_quiet, **load)
+        if args.llama and lfile not in results["llama"]:
+            lpath = make_quant_gguf(lfile)
+            lcounts = gguf_type_counts(lpath)
+            wbytes[lfile] = sum(b for _, b in lcounts.values())
+            results["formats"].setdefault(lfile, {"source": lpath.name, "types": lcounts,
+                                                  "weight_bytes": wbytes[lfile]})
+            results["llama"][lfile] = run_llama(lfile, lpath, args, info["cores"])
 
     copy_bw, gemv_bw, gemm = max(bw.values()), refs["sgemv_read_GBps"], refs["sgemm_GFLOPs"]
     print(f"\nsummary (tokens/s). GB/s = weight bytes x batch-1 p50 decode steps/s, as % of the "
@@ -456,7 +600,7 @@ def main(argv=None):
     print(f"prefill GFLOP/s = matmul FLOPs / prefill time, %: of NumPy's f32 GEMM ({gemm:.1f})")
     print("(decode p50: from the median step time, less sensitive to other load on the machine)")
     print("others: the most CPU other processes used during any run of that row")
-    print(f"{'engine':<10}{'dtype':<6}{'batch':>6}{'prefill':>10}{'GFLOP/s':>9}{'%gemm':>6}"
+    print(f"{'engine':<10}{'format':<9}{'batch':>6}{'prefill':>10}{'GFLOP/s':>9}{'%gemm':>6}"
           f"{'decode':>9}{'p50':>9}{'others':>7}{'GB/s':>7}{'%gemv':>6}{'%copy':>6}")
     for eng in ("taper", "llama"):
         for dt, r in results[eng].items():
@@ -466,12 +610,12 @@ def main(argv=None):
                 b = int(key[1:])
                 m["prefill_GFLOPs"] = prefill_flops(b * args.prompt_len, b, args.prompt_len) \
                     / m["prefill_s"] / 1e9
-                line = f"{eng:<10}{dt:<6}{b:>6}{m['prefill_tok_s']:>10.1f}" \
+                line = f"{eng:<10}{dt:<9}{b:>6}{m['prefill_tok_s']:>10.1f}" \
                        f"{m['prefill_GFLOPs']:>9.1f}{100 * m['prefill_GFLOPs'] / gemm:>5.0f}%" \
                        f"{m['decode_tok_s']:>9.2f}{m['decode_p50_tok_s']:>9.2f}" \
                        f"{100 * max(m['other_load']):>6.0f}%"
                 if key == "b1":
-                    gbs = weight_bytes(dt) * m["decode_p50_tok_s"] / 1e9     # batch 1: steps/s
+                    gbs = wbytes[dt] * m["decode_p50_tok_s"] / 1e9     # batch 1: steps/s
                     m["weight_GBps"] = gbs
                     line += f"{gbs:>7.1f}{100 * gbs / gemv_bw:>5.0f}%{100 * gbs / copy_bw:>5.0f}%"
                 print(line)
@@ -481,13 +625,50 @@ def main(argv=None):
             pr = t["prefill_tok_s"] / l["prefill_tok_s"]
             dr = t["decode_tok_s"] / l["decode_tok_s"]
             dr50 = t["decode_p50_tok_s"] / l["decode_p50_tok_s"]
-            same = next((i for i, (a, b) in enumerate(zip(t["tokens"], l["tokens"])) if a != b),
-                        min(len(t["tokens"]), len(l["tokens"])))
+            same = same_prefix(t["tokens"], l["tokens"])
             results.setdefault("ratios", {})[dt] = {"prefill": pr, "decode": dr, "decode_p50": dr50,
                                                     "same_greedy_prefix": same}
             print(f"taper/llama.cpp {dt} batch 1: prefill {pr:.2f}x, decode {dr:.2f}x "
                   f"(p50 {dr50:.2f}x) "
                   f"(greedy tokens agree on the first {same} of {len(t['tokens'])})")
+    if args.quant:
+        print(f"\nquantized, batch 1 (tok/s). bound = sgemv read {gemv_bw:.1f} GB/s / weight MB "
+              f"per token; %bound from the decode p50; ratio = Taper / llama.cpp decode (p50), "
+              f"prefill; agree = greedy tokens in common from the start")
+        for mode in args.quant:
+            f = results["formats"][mode]
+            print(f"  {mode}: {contents(f['types'])}")
+        print(f"{'format':<10}{'MB/tok':>8}{'bound':>7}{'taper':>8}{'p50':>8}{'%bnd':>6}"
+              f"{'llama.cpp file':>16}{'MB/tok':>8}{'decode':>8}{'p50':>8}{'%bnd':>6}"
+              f"{'ratio':>7}{'(p50)':>7}{'prefill':>9}{'llama pf':>9}{'ratio':>7}{'agree':>7}")
+        for mode in args.quant:
+            lfile = QUANT_MODES[mode]["llama"]
+            bound = gemv_bw * 1e9 / wbytes[mode]
+            t = results["taper"].get(mode, {}).get("b1")
+            l = results["llama"].get(lfile, {}).get("b1")
+            row = {"weight_bytes": wbytes[mode], "bound_tok_s": bound, "llama_file": lfile}
+            line = f"{mode:<10}{wbytes[mode] / 1e6:>8.1f}{bound:>7.1f}"
+            line += (f"{t['decode_tok_s']:>8.2f}{t['decode_p50_tok_s']:>8.2f}"
+                     f"{100 * t['decode_p50_tok_s'] / bound:>5.0f}%") if t else f"{'-':>22}"
+            if l:
+                lbound = gemv_bw * 1e9 / wbytes[lfile]
+                lp50 = l["decode_p50_tok_s"]
+                line += (f"{lfile:>16}{wbytes[lfile] / 1e6:>8.1f}{l['decode_tok_s']:>8.2f}"
+                         f"{lp50:>8.2f}{100 * lp50 / lbound:>5.0f}%")
+                row["llama_bound_tok_s"] = lbound
+            else:
+                line += f"{'-':>16}{'':>30}"
+            if t and l:
+                row.update(decode=t["decode_tok_s"] / l["decode_tok_s"],
+                           decode_p50=t["decode_p50_tok_s"] / l["decode_p50_tok_s"],
+                           prefill=t["prefill_tok_s"] / l["prefill_tok_s"],
+                           same_greedy_prefix=same_prefix(t["tokens"], l["tokens"]))
+                line += (f"{row['decode']:>6.2f}x{row['decode_p50']:>6.2f}x"
+                         f"{t['prefill_tok_s']:>9.1f}{l['prefill_tok_s']:>9.1f}"
+                         f"{row['prefill']:>6.2f}x"
+                         f"{row['same_greedy_prefix']:>4d}/{len(t['tokens'])}")
+            print(line)
+            results.setdefault("quant_ratios", {})[mode] = row
     results["machine"]["loadavg_end"] = os.getloadavg()
     print("load average at end: %.2f %.2f %.2f" % results["machine"]["loadavg_end"])
     if args.json:

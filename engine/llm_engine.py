@@ -50,9 +50,9 @@ class LLMEngine:
         else:
             self.model_dir = resolve_model(config.model)
             self.model, self.model_config = load_model(self.model_dir, self.backend, **load_args)
-            self.tokenizer = None
-        if config.tokenizer or self.tokenizer is None:
-            self.tokenizer = Tokenizer.try_from_pretrained(config.tokenizer or self.model_dir)
+            self.tokenizer = Tokenizer.try_from_pretrained(self.model_dir)
+        if config.tokenizer:        # an explicit tokenizer wins (a GGUF's own may be missing)
+            self.tokenizer = Tokenizer.try_from_pretrained(config.tokenizer)
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None:
             self.eos_token_ids |= self.tokenizer.eos_token_ids
