@@ -87,8 +87,16 @@ class IncrementalDetokenizer:
         return self._emit(pending[:len(pending) - hold]), False
 
     def flush(self) -> str:
-        """Release held-back text when the sequence ends without a stop string matching."""
-        pending, self._pending = self._pending, ""
+        """Release held-back text when the sequence ends without a stop string matching: text
+        that could have started a stop string, and tokens that were waiting for the rest of a
+        UTF-8 character (they end as U+FFFD, as decoding the whole output would give)."""
+        tail = ""
+        if len(self._ids) > self.read_offset:
+            prefix = self._decode(self._ids[self.prefix_offset:self.read_offset])
+            tail = self._decode(self._ids[self.prefix_offset:])[len(prefix):]
+            self._ids = self._ids[self.read_offset:]
+            self.prefix_offset, self.read_offset = 0, len(self._ids)
+        pending, self._pending = self._pending + tail, ""
         return self._emit(pending)
 
     @property

@@ -155,3 +155,14 @@ def test_window_stays_small(bl):
         longest = max(longest, len(detok._ids))
     assert longest <= 8
     assert detok.text + detok.flush() == bl.decode(ids)
+
+
+def test_output_cut_inside_a_character_ends_as_the_whole_decode(bl):
+    """max_tokens can stop between the bytes of one character: the held tokens are released on
+    flush as decoding the whole output shows them (U+FFFD), not dropped."""
+    ids = byte_ids(bl, "ok 😀")[:-2]            # the emoji's first 2 of 4 bytes
+    detok = IncrementalDetokenizer(bl, bl.encode("hi"))
+    streamed = "".join(detok.add_token(t)[0] for t in ids)
+    assert streamed == "ok "
+    assert streamed + detok.flush() == bl.decode(ids) == detok.text
+    assert detok.text.endswith(FFFD)

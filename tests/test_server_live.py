@@ -385,3 +385,32 @@ def test_live_message_cannot_forge_a_turn(live):
     assert (plain.count(im_start), plain.count(im_end)) == (3, 2)
     status, back = post_json(live.port, "/detokenize", {"tokens": body["tokens"]})
     assert back["prompt"] == chatml(forged)
+
+
+def test_live_gguf_and_isq(demo_dir, tmp_path):
+    """`--w DIR --f FILE` serves a llama.cpp-quantized GGUF: its text is llama.cpp's greedy text
+    (tests/data/gguf/fixtures.json); `--isq q8_0` serves a float checkpoint quantized at load."""
+    data = Path(__file__).parent / "data" / "gguf"
+    fixtures = json.loads((data / "fixtures.json").read_text())["models"]["qwen2"]
+    server = LiveServer(tmp_path, str(data), "--f", "qwen2-q4_k_m.gguf", "--mem", "32")
+    try:
+        client = client_for(server.port)
+        assert [m.id for m in client.models.list()] == ["qwen2-q4_k_m"]
+        want = fixtures["files"]["q4_k_m"]["llama_cpp"]["tokens"]
+        out = client.completions.create(model="qwen2-q4_k_m", prompt=fixtures["prompt_ids"],
+                                        max_tokens=len(want), temperature=0,
+                                        extra_body={"ignore_eos": True})
+        _, text = post_json(server.port, "/detokenize", {"tokens": want})
+        assert out.choices[0].text == text["prompt"]
+        chat = client.chat.completions.create(model="qwen2-q4_k_m", messages=MSGS, max_tokens=4)
+        assert chat.usage.completion_tokens <= 4       # the file's chat template renders
+    finally:
+        server.close()
+    server = LiveServer(tmp_path, demo_dir, "--isq", "q8_0", "--mem", "32")
+    try:
+        assert "quantized 28 projection matrices" in server.log() or "--isq q8_0" in server.log()
+        reply = client_for(server.port).chat.completions.create(model="demo", messages=MSGS,
+                                                                max_tokens=4)
+        assert reply.choices[0].finish_reason in ("length", "stop")
+    finally:
+        server.close()
