@@ -28,6 +28,7 @@ def cpu_extensions():
                                       "pyx/quant_kernels.c", "pyx/quant_legacy.c",
                                       "pyx/quant_k.c"], **common),
         Extension("pyx.layers", ["pyx/layers.pyx"], **common),
+        Extension("pyx.int4", ["pyx/int4.pyx", "pyx/int4_kernels.c"], **common),
         Extension("pyx.fp8", ["pyx/fp8.pyx", "pyx/fp8_kernels.c"], **common),
     ]
 

@@ -33,10 +33,6 @@ class QuantizedWeight:
     def shape(self) -> tuple[int, int]:
         return sum(b.shape[0] for _, b in self.quant_parts), self.k
 
-    @property
-    def nbytes(self) -> int:
-        return sum(b.nbytes for _, b in self.quant_parts)
-
     @staticmethod
     def concat(weights: list["QuantizedWeight"]) -> "QuantizedWeight":
         """Stack along N; neighbouring parts of one type merge into one."""
@@ -52,17 +48,6 @@ class QuantizedWeight:
                     parts.append((qtype, [blocks]))
         return QuantizedWeight([(t, np.concatenate(b) if len(b) > 1 else b[0]) for t, b in parts],
                                k)
-
-    def rows(self, start: int, stop: int) -> "QuantizedWeight":
-        """Rows [start, stop) as a new weight (views of the blocks)."""
-        parts, offset = [], 0
-        for qtype, blocks in self.quant_parts:
-            n = blocks.shape[0]
-            lo, hi = max(start - offset, 0), min(stop - offset, n)
-            if lo < hi:
-                parts.append((qtype, blocks[lo:hi]))
-            offset += n
-        return QuantizedWeight(parts, self.k)
 
     def dequantize(self) -> np.ndarray:
         """(N, K) float32 through the kernels' scalar reference."""

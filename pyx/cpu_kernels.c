@@ -10,6 +10,7 @@
  * ops are plain C loops with `omp simd` hints, parallel over rows with OpenMP.
  */
 #include "cpu_kernels.h"
+#include "fp8_e4m3.h"
 
 #include <float.h>
 #include <immintrin.h>
@@ -856,6 +857,37 @@ int taper_reshape_and_cache(const float* k,               // (T, Hkv, D)
     return TAPER_OK;
 }
 
+/* FP8 cache write: each element stored as e4m3(x / scale of its KV head), rounded to nearest even
+ * and saturated to +-448 (DESIGN.md section 5: stored = x / scale, read back x scale). */
+int taper_reshape_and_cache_fp8(const float* k,               // (T, Hkv, D)
+                                const float* v,               // (T, Hkv, D)
+                                uint8_t* k_cache,             // (NB, BS, Hkv, D) e4m3
+                                uint8_t* v_cache,             // (NB, BS, Hkv, D) e4m3
+                                const float* k_scale,         // (Hkv,)
+                                const float* v_scale,         // (Hkv,)
+                                const int32_t* slot_mapping,  // (T,)
+                                int64_t T, int64_t Hkv, int64_t D, int64_t NB, int64_t BS,
+                                int nthreads) {
+    for (int64_t t = 0; t < T; t++)
+        if (slot_mapping[t] < -1 || slot_mapping[t] >= NB * BS) return TAPER_ERR_ARG;
+    int64_t row = Hkv * D;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (T * row > 65536)
+    for (int64_t t = 0; t < T; t++) {
+        int64_t s = slot_mapping[t];
+        if (s < 0) continue;
+        for (int64_t h = 0; h < Hkv; h++) {
+            const float *kr = k + t * row + h * D, *vr = v + t * row + h * D;
+            uint8_t *kc = k_cache + s * row + h * D, *vc = v_cache + s * row + h * D;
+            float ks = k_scale[h], vs = v_scale[h];
+            for (int64_t d = 0; d < D; d++) {
+                kc[d] = taper_f32_to_e4m3(kr[d] / ks);
+                vc[d] = taper_f32_to_e4m3(vr[d] / vs);
+            }
+        }
+    }
+    return TAPER_OK;
+}
+
 /* ---- paged attention
  * A tile is (sequence b, KV head g, R consecutive query rows of b), or for a decode row (q_len 1)
  * all KV heads of that row; its queries ("slots") share every K/V row loaded, so the context is
@@ -869,7 +901,9 @@ int taper_reshape_and_cache(const float* k,               // (T, Hkv, D)
  *  - attn_piece_generic (any ISA via ISA_VARIANTS, any D; also D % 16 != 0).
  * Lanes of a chunk past the piece's last key point at a zero row, so nothing outside the
  * sequence's table and positions is ever read (unused blocks may hold NaN); masked probabilities
- * are exactly 0. When there are too few tiles to occupy the threads (one long decode sequence), a
+ * are exactly 0. An FP8 cache is decoded per chunk: the chunk's K and V rows of the piece's KV heads
+ * are widened (x their head's scale) into per-thread f32 rows that the kernels read as they read an
+ * f32 cache, so every row is decoded once per piece, not once per query. When there are too few tiles to occupy the threads (one long decode sequence), a
  * tile's keys are split into pieces (split-K / flash-decoding); each piece leaves unnormalised
  * (O, max, sum) per query and a second pass merges them. */
 
@@ -880,6 +914,9 @@ typedef struct {
     const int32_t *block_tables, *seq_lens, *qsl;
     int64_t Hq, Hkv, D, BS, MB, group, window;
     float scale;
+    const uint8_t *k8, *v8;        // FP8 caches (NB, BS, Hkv, D) instead of k_cache / v_cache, or NULL
+    const float *k_scale, *v_scale;  // (Hkv,) their per-head scales
+    void (*decode)(const uint8_t*, float, float*, int64_t);  // the ISA path's e4m3 row decoder
 } AttnArgs;
 
 typedef struct {
@@ -897,6 +934,7 @@ typedef struct {        // per-thread scratch; Mp = M rounded up to 16 (padding 
     float* zero;        // (D,) zeros: the K/V row of a chunk's lanes past the piece's end
     float *m, *l;       // (Mp,) running max and sum
     int32_t *lo, *hi;   // (Mp,) the query's keys within this piece, [lo, hi] (empty: lo > hi)
+    float *kdec, *vdec; // (ATTN_KC, Hkv * D) a chunk's decoded K/V rows (FP8 cache only)
 } AttnScratch;
 
 /* Query slots of a piece. One KV head (ng = 1): slot m is row i0 + m / G, head g * G + m % G.
@@ -924,19 +962,32 @@ INLINE int64_t attn_kv_off(const AttnPiece* pc, int64_t G, int64_t D, int m) {
     return pc->ng == 1 ? 0 : m / attn_gp(G) * D;
 }
 
-// Key and value row pointers of keys j0 .. j0+15 (zero row past ke).
-INLINE void attn_chunk_rows(const AttnArgs* a, const int32_t* bt, int64_t g, int64_t j0, int64_t ke,
-                            const float* zero, const float** kr, const float** vr) {
-    int64_t kv_stride = a->Hkv * a->D;
+// Key and value row pointers of keys j0 .. j0+15 of the piece's KV heads (zero row past ke).
+// An FP8 cache's rows are decoded into the scratch first (ng * D values per key, head-major as in
+// the cache), so the kernels see f32 rows either way.
+INLINE void attn_chunk_rows(const AttnArgs* a, const int32_t* bt, const AttnPiece* pc, int64_t j0,
+                            const AttnScratch* w, const float** kr, const float** vr) {
+    int64_t kv_stride = a->Hkv * a->D, g = pc->g, ke = pc->ke, D = a->D;
     for (int kk = 0; kk < ATTN_KC; kk++) {
         int64_t j = j0 + kk;
-        if (j <= ke) {
-            int64_t off = ((int64_t)bt[j / a->BS] * a->BS + j % a->BS) * kv_stride + g * a->D;
+        if (j > ke) {
+            kr[kk] = vr[kk] = w->zero;
+            continue;
+        }
+        int64_t off = ((int64_t)bt[j / a->BS] * a->BS + j % a->BS) * kv_stride + g * D;
+        if (!a->k8) {
             kr[kk] = a->k_cache + off;
             vr[kk] = a->v_cache + off;
-        } else {
-            kr[kk] = vr[kk] = zero;
+            continue;
         }
+        float* kd = w->kdec + (int64_t)kk * pc->ng * D;
+        float* vd = w->vdec + (int64_t)kk * pc->ng * D;
+        for (int64_t gl = 0; gl < pc->ng; gl++) {
+            a->decode(a->k8 + off + gl * D, a->k_scale[g + gl], kd + gl * D, D);
+            a->decode(a->v8 + off + gl * D, a->v_scale[g + gl], vd + gl * D, D);
+        }
+        kr[kk] = kd;
+        vr[kk] = vd;
     }
 }
 
@@ -977,7 +1028,7 @@ INLINE void attn_piece_generic_body(const AttnArgs* a, const AttnPiece* pc, Attn
     const float *kr[ATTN_KC], *vr[ATTN_KC];
     float s[ATTN_KC];
     for (int64_t j0 = pc->ks; j0 <= pc->ke; j0 += ATTN_KC) {
-        attn_chunk_rows(a, bt, pc->g, j0, pc->ke, w->zero, kr, vr);
+        attn_chunk_rows(a, bt, pc, j0, w, kr, vr);
         int n = (int)MIN(ATTN_KC, pc->ke + 1 - j0);
         for (int m = 0; m < M; m++) {
             if (j0 > w->hi[m] || j0 + n - 1 < w->lo[m]) {
@@ -1100,7 +1151,7 @@ AVX512_TARGET static void attn_piece_avx512(const AttnArgs* a, const AttnPiece* 
     const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const __m512 ninf = _mm512_set1_ps(-INFINITY);
     for (int64_t j0 = pc->ks; j0 <= pc->ke; j0 += ATTN_KC) {
-        attn_chunk_rows(a, bt, pc->g, j0, pc->ke, w->zero, kr, vr);
+        attn_chunk_rows(a, bt, pc, j0, w, kr, vr);
         __m512i jv = _mm512_add_epi32(_mm512_set1_epi32((int32_t)j0), iota);
         int n = (int)MIN(ATTN_KC, pc->ke + 1 - j0), any = 0;
         for (int m = 0; m < M; m++) {
@@ -1168,7 +1219,7 @@ AVX512_TARGET static void attn_piece_avx512_qt(const AttnArgs* a, const AttnPiec
     const float *kr[ATTN_KC], *vr[ATTN_KC];
     const __m512 ninf = _mm512_set1_ps(-INFINITY);
     for (int64_t j0 = pc->ks; j0 <= pc->ke; j0 += ATTN_KC) {
-        attn_chunk_rows(a, bt, pc->g, j0, pc->ke, w->zero, kr, vr);
+        attn_chunk_rows(a, bt, pc, j0, w, kr, vr);
         for (int m0 = 0; m0 < Mw; m0 += 16) {
             __m512i lov = _mm512_loadu_si512(w->lo + m0), hiv = _mm512_loadu_si512(w->hi + m0);
             __mmask16 valid[ATTN_KC], anyv = 0;
