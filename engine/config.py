@@ -14,7 +14,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None     # explicit pool size; else from the two below
     kv_cache_memory_mb: int | None = None  # KV pool size in MB; wins over kv_fraction
     kv_fraction: float | None = None     # else this fraction of the memory free after loading
-    kv_cache_dtype: str = "auto"         # auto: the backend's (f32 on CPU)
+    kv_cache_dtype: str = "auto"         # auto: the backend's (f32 on CPU); fp8: e4m3 codes
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048   # per-step token budget
     prefill_chunk_size: int = 0          # max prompt tokens per sequence per step; 0 = budget only

@@ -57,6 +57,13 @@ class LLMEngine:
         if self.tokenizer is not None:
             self.eos_token_ids |= self.tokenizer.eos_token_ids
 
+        if config.kv_cache_dtype not in ("auto", "fp8"):
+            raise ValueError(f"a {config.kv_cache_dtype} KV cache is not yet supported on the "
+                             f"{config.backend} backend (its KV cache is f32, or fp8)")
+        if config.kv_cache_dtype == "fp8":
+            log.info("FP8 (e4m3) KV cache with %s", "the checkpoint's k/v scales"
+                     if getattr(self.model, "kv_scales_from_checkpoint", False)
+                     else "scale 1.0 (the checkpoint has no k_scale/v_scale)")
         num_blocks = config.num_kv_blocks or self._num_kv_blocks()
         max_cached = (None if config.prefix_cache_max_tokens is None
                       else config.prefix_cache_max_tokens // config.block_size)
@@ -65,7 +72,7 @@ class LLMEngine:
         self.max_model_len = self._max_model_len(num_blocks * config.block_size)
         self.scheduler = Scheduler(config, self.block_pool)
         self.runner = ModelRunner(self.model, self.model_config, self.backend, config.block_size,
-                                  num_blocks)
+                                  num_blocks, config.kv_cache_dtype)
         self.sampler = Sampler(self.backend)
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.requests: dict[str, Sequence] = {}      # unfinished requests by id
@@ -79,9 +86,6 @@ class LLMEngine:
         """Blocks in the KV budget: --mem MB, else --kv-fraction of the memory left after loading
         the weights, else 1 GiB."""
         config = self.config
-        if config.kv_cache_dtype != "auto":
-            raise ValueError(f"a {config.kv_cache_dtype} KV cache is not yet supported on the "
-                             f"{config.backend} backend (its KV cache is f32)")
         if config.kv_cache_memory_mb is not None:
             budget, what = config.kv_cache_memory_mb * 2**20, f"{config.kv_cache_memory_mb} MB"
         elif config.kv_fraction is not None:
@@ -93,7 +97,8 @@ class LLMEngine:
             what = f"{config.kv_fraction:g} of {available / 2**30:.1f} GiB free"
         else:
             budget, what = 1024 * 2**20, "the default 1024 MB"
-        num_blocks = budget // ModelRunner.kv_bytes_per_block(self.model_config, config.block_size)
+        num_blocks = budget // ModelRunner.kv_bytes_per_block(self.model_config, config.block_size,
+                                                              config.kv_cache_dtype)
         if num_blocks < 1:
             raise ValueError(f"the KV cache budget ({what}) holds no block")
         return num_blocks

@@ -7,21 +7,29 @@ from engine.forward_batch import ForwardBatch
 from engine.scheduler import SchedulerOutput
 
 
+# KV cache element type per EngineConfig.kv_cache_dtype: fp8 is OCP e4m3 codes (uint8) with the
+# model's per-layer, per-KV-head scales (DESIGN.md section 5).
+KV_CACHE_DTYPES = {"auto": np.float32, "fp8": np.uint8}
+
+
 class ModelRunner:
-    def __init__(self, model, model_config, backend, block_size: int, num_blocks: int):
+    def __init__(self, model, model_config, backend, block_size: int, num_blocks: int,
+                 kv_cache_dtype: str = "auto"):
         self.model = model
         self.backend = backend
         self.block_size = block_size
         self.num_blocks = num_blocks
         shape = model.kv_cache_shape(num_blocks, block_size)
-        self.kv_caches = [(np.zeros(shape, np.float32), np.zeros(shape, np.float32))
+        dtype = KV_CACHE_DTYPES[kv_cache_dtype]
+        self.kv_caches = [(np.zeros(shape, dtype), np.zeros(shape, dtype))
                           for _ in range(model_config.num_hidden_layers)]
         self.num_forward_calls = 0    # counted for tests and metrics
         self.num_forward_tokens = 0
 
     @staticmethod
-    def kv_bytes_per_block(model_config, block_size: int) -> int:
-        per_token = 2 * model_config.num_key_value_heads * model_config.head_dim * 4  # K+V, f32
+    def kv_bytes_per_block(model_config, block_size: int, kv_cache_dtype: str = "auto") -> int:
+        itemsize = np.dtype(KV_CACHE_DTYPES[kv_cache_dtype]).itemsize  # f32: 4, fp8: 1
+        per_token = 2 * model_config.num_key_value_heads * model_config.head_dim * itemsize  # K+V
         return per_token * block_size * model_config.num_hidden_layers
 
     def prepare(self, sched: SchedulerOutput) -> ForwardBatch:

@@ -44,14 +44,18 @@ cdef class Backend:
         """out = silu(x[:, :I]) * x[:, I:].  x (T, 2I) f32; out (T, I) f32."""
         raise NotImplementedError
 
-    def reshape_and_cache(self, k, v, k_cache, v_cache, slot_mapping):
+    def reshape_and_cache(self, k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None):
         """k_cache.flat_slot[slot_mapping[t]] = k[t] (same for v); slot -1 is skipped.
         k, v (T, Hkv, D) f32; k_cache, v_cache (NB, BS, Hkv, D) f32; slot_mapping (T,) int32;
-        slot = block_id * BS + offset."""
+        slot = block_id * BS + offset.
+        FP8 cache (DESIGN.md section 5): k_cache, v_cache uint8 OCP e4m3 (e4m3fn) codes of the same
+        shape, with k_scale, v_scale (Hkv,) f32 (required then, and only then): element d of KV
+        head h is stored as e4m3(k[t, h, d] / k_scale[h]), rounded to nearest even, |x| >= 448
+        (and inf) saturated to +-448, NaN kept NaN."""
         raise NotImplementedError
 
     def paged_attention(self, out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                        scale, sliding_window):
+                        scale, sliding_window, k_scale=None, v_scale=None):
         """Causal attention for a mixed prefill/decode batch over the paged KV cache.
         Sequence b owns query rows [query_start_loc[b], query_start_loc[b+1]); those are its last
         q_len tokens, so row i sits at position p = seq_lens[b] - (query_start_loc[b+1] - i).
@@ -59,7 +63,9 @@ cdef class Backend:
         key j is at slot block_tables[b, j // BS] * BS + j % BS. Query head h reads KV head
         h // (Hq / Hkv). The new tokens' K/V must already be written (reshape_and_cache).
         out, q (T, Hq, D) f32; caches (NB, BS, Hkv, D) f32; block_tables (B, MB) int32;
-        seq_lens (B,) int32; query_start_loc (B+1,) int32."""
+        seq_lens (B,) int32; query_start_loc (B+1,) int32.
+        FP8 cache: uint8 e4m3 caches with k_scale, v_scale (Hkv,) f32 (as reshape_and_cache);
+        K/V of KV head h are read back as decode(code) * k_scale[h] (v_scale[h])."""
         raise NotImplementedError
 
     def argmax(self, logits, out):

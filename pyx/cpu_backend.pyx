@@ -9,7 +9,7 @@ import os
 
 import numpy as np
 cimport numpy as cnp
-from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t
+from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t
 
 from pyx.backend cimport Backend
 
@@ -47,6 +47,17 @@ cdef extern from "cpu_kernels.h" nogil:
                               int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t NB,
                               int64_t BS, int64_t MB, float scale, int64_t sliding_window,
                               int nthreads)
+    int taper_reshape_and_cache_fp8(const float* k, const float* v, uint8_t* k_cache,
+                                    uint8_t* v_cache, const float* k_scale, const float* v_scale,
+                                    const int32_t* slot_mapping, int64_t T, int64_t Hkv, int64_t D,
+                                    int64_t NB, int64_t BS, int nthreads)
+    int taper_paged_attention_fp8(int isa, float* out, const float* q, const uint8_t* k_cache,
+                                  const uint8_t* v_cache, const float* k_scale,
+                                  const float* v_scale, const int32_t* block_tables,
+                                  const int32_t* seq_lens, const int32_t* query_start_loc,
+                                  int64_t T, int64_t B, int64_t Hq, int64_t Hkv, int64_t D,
+                                  int64_t NB, int64_t BS, int64_t MB, float scale,
+                                  int64_t sliding_window, int nthreads)
     int taper_argmax(const float* logits, int64_t* out, int64_t B, int64_t V, int nthreads)
     int taper_gumbel_sample(const float* logits, const uint64_t* seeds, const int64_t* positions,
                             int64_t* out, int64_t B, int64_t V, int nthreads)
@@ -71,6 +82,7 @@ _F32 = np.dtype(np.float32)
 _I32 = np.dtype(np.int32)
 _I64 = np.dtype(np.int64)
 _U64 = np.dtype(np.uint64)
+_U8 = np.dtype(np.uint8)
 
 
 def isa_supported(str isa):
@@ -192,6 +204,21 @@ def _weight_dtypes():
 
 
 _WDT = _weight_dtypes()
+
+
+cdef _check_fp8_cache(str op, dict arrays, int64_t Hkv, int64_t D, bint writable):
+    """uint8 k_cache, v_cache (NB, BS, Hkv, D) and float32 k_scale, v_scale (Hkv,)."""
+    _check(op, arrays, "k_cache", (_U8,), 4, writable)
+    _check(op, arrays, "v_cache", (_U8,), 4, writable)
+    for name in ("k_scale", "v_scale"):
+        if arrays[name] is None:
+            _fail(op, f"an fp8 (uint8) cache needs {name} (Hkv,) float32", arrays)
+        _check(op, arrays, name, (_F32,), 1)
+        if arrays[name].shape[0] != Hkv:
+            _fail(op, f"{name} must be (Hkv,)", arrays)
+    kc, vc = arrays["k_cache"], arrays["v_cache"]
+    if kc.shape != vc.shape or kc.shape[2] != Hkv or kc.shape[3] != D:
+        _fail(op, "need k_cache, v_cache (NB, BS, Hkv, D) uint8", arrays)
 
 
 cdef inline void* _ptr(cnp.ndarray a):
@@ -440,7 +467,10 @@ cdef class CpuBackend(Backend):
             st = taper_silu_and_mul(self._isa, xp, outp, T, inter, nt)
         _status(st, op, arrays)
 
-    def reshape_and_cache(self, k, v, k_cache, v_cache, slot_mapping):
+    def reshape_and_cache(self, k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None):
+        if k_scale is not None or v_scale is not None or getattr(k_cache, "dtype", None) == _U8:
+            return self._reshape_and_cache_fp8(k, v, k_cache, v_cache, slot_mapping, k_scale,
+                                               v_scale)
         op = "reshape_and_cache"
         arrays = {"k": k, "v": v, "k_cache": k_cache, "v_cache": v_cache,
                   "slot_mapping": slot_mapping}
@@ -466,7 +496,11 @@ cdef class CpuBackend(Backend):
         _status(st, op, arrays)
 
     def paged_attention(self, out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                        scale, sliding_window):
+                        scale, sliding_window, k_scale=None, v_scale=None):
+        if k_scale is not None or v_scale is not None or getattr(k_cache, "dtype", None) == _U8:
+            return self._paged_attention_fp8(out, q, k_cache, v_cache, block_tables, seq_lens,
+                                             query_start_loc, scale, sliding_window, k_scale,
+                                             v_scale)
         op = "paged_attention"
         arrays = {"out": out, "q": q, "k_cache": k_cache, "v_cache": v_cache,
                   "block_tables": block_tables, "seq_lens": seq_lens,
@@ -506,6 +540,75 @@ cdef class CpuBackend(Backend):
         with nogil:
             st = taper_paged_attention(self._isa, outp, qp, kcp, vcp, btp, slp, qsp, T, B, Hq, Hkv, D, NB,
                                        BS, MB, sc, sw, nt)
+        _status(st, op, arrays)
+
+    # ---- FP8 KV cache (uint8 e4m3 codes, per-KV-head scales): the same ops' fp8 variants
+
+    def _reshape_and_cache_fp8(self, k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale):
+        op = "reshape_and_cache"
+        arrays = {"k": k, "v": v, "k_cache": k_cache, "v_cache": v_cache,
+                  "slot_mapping": slot_mapping, "k_scale": k_scale, "v_scale": v_scale}
+        _check(op, arrays, "k", (_F32,), 3)
+        _check(op, arrays, "v", (_F32,), 3)
+        _check(op, arrays, "slot_mapping", (_I32,), 1)
+        cdef int64_t T = k.shape[0], Hkv = k.shape[1], D = k.shape[2]
+        if v.shape != k.shape or slot_mapping.shape[0] != T:
+            _fail(op, "need k, v (T, Hkv, D) and slot_mapping (T,)", arrays)
+        _check_fp8_cache(op, arrays, Hkv, D, True)
+        cdef int64_t NB = k_cache.shape[0], BS = k_cache.shape[1]
+        cdef const float* kp = <const float*>_ptr(k)
+        cdef const float* vp = <const float*>_ptr(v)
+        cdef uint8_t* kcp = <uint8_t*>_ptr(k_cache)
+        cdef uint8_t* vcp = <uint8_t*>_ptr(v_cache)
+        cdef const float* ksp = <const float*>_ptr(k_scale)
+        cdef const float* vsp = <const float*>_ptr(v_scale)
+        cdef const int32_t* sp = <const int32_t*>_ptr(slot_mapping)
+        cdef int nt = self._nthreads, st
+        with nogil:
+            st = taper_reshape_and_cache_fp8(kp, vp, kcp, vcp, ksp, vsp, sp, T, Hkv, D, NB, BS, nt)
+        _status(st, op, arrays)
+
+    def _paged_attention_fp8(self, out, q, k_cache, v_cache, block_tables, seq_lens,
+                             query_start_loc, scale, sliding_window, k_scale, v_scale):
+        op = "paged_attention"
+        arrays = {"out": out, "q": q, "k_cache": k_cache, "v_cache": v_cache,
+                  "block_tables": block_tables, "seq_lens": seq_lens,
+                  "query_start_loc": query_start_loc, "k_scale": k_scale, "v_scale": v_scale}
+        _check(op, arrays, "out", (_F32,), 3, True)
+        _check(op, arrays, "q", (_F32,), 3)
+        _check(op, arrays, "k_cache", (_U8,), 4)
+        _check(op, arrays, "block_tables", (_I32,), 2)
+        _check(op, arrays, "seq_lens", (_I32,), 1)
+        _check(op, arrays, "query_start_loc", (_I32,), 1)
+        cdef int64_t T = q.shape[0], Hq = q.shape[1], D = q.shape[2]
+        cdef int64_t NB = k_cache.shape[0], BS = k_cache.shape[1], Hkv = k_cache.shape[2]
+        cdef int64_t B = seq_lens.shape[0], MB = block_tables.shape[1]
+        _check_fp8_cache(op, arrays, Hkv, D, False)
+        if out.shape != q.shape:
+            _fail(op, "out must have q's shape (T, Hq, D)", arrays)
+        if Hkv <= 0 or Hq % Hkv:
+            _fail(op, "Hq must be a multiple of Hkv", arrays)
+        if block_tables.shape[0] != B or query_start_loc.shape[0] != B + 1:
+            _fail(op, "need block_tables (B, MB), seq_lens (B,), query_start_loc (B+1,)", arrays)
+        if sliding_window is None:
+            sliding_window = 0
+        if sliding_window < 0:
+            _fail(op, f"sliding_window must be >= 0, got {sliding_window}", arrays)
+        cdef float sc = scale
+        cdef int64_t sw = sliding_window
+        cdef float* outp = <float*>_ptr(out)
+        cdef const float* qp = <const float*>_ptr(q)
+        cdef const uint8_t* kcp = <const uint8_t*>_ptr(k_cache)
+        cdef const uint8_t* vcp = <const uint8_t*>_ptr(v_cache)
+        cdef const float* ksp = <const float*>_ptr(k_scale)
+        cdef const float* vsp = <const float*>_ptr(v_scale)
+        cdef const int32_t* btp = <const int32_t*>_ptr(block_tables)
+        cdef const int32_t* slp = <const int32_t*>_ptr(seq_lens)
+        cdef const int32_t* qsp = <const int32_t*>_ptr(query_start_loc)
+        cdef int nt = self._nthreads, st
+        with nogil:
+            st = taper_paged_attention_fp8(self._isa, outp, qp, kcp, vcp, ksp, vsp, btp, slp, qsp,
+                                           T, B, Hq, Hkv, D, NB, BS, MB, sc, sw, nt)
         _status(st, op, arrays)
 
     def argmax(self, logits, out):

@@ -1305,18 +1305,23 @@ static void attn_piece_setup(const AttnArgs* a, const AttnPiece* pc, AttnScratch
 
 /* Paged attention over tiles of (sequence, KV head, query rows), parallel over pieces (dynamic
  * schedule, longest-context tiles first), then a merge pass for split tiles. Keys are located
- * through the block table one at a time, so blocks need not be contiguous or ordered. */
-int taper_paged_attention(int isa,
-                          float* out,                      // (T, Hq, D)
-                          const float* q,                  // (T, Hq, D)
-                          const float* k_cache,            // (NB, BS, Hkv, D)
-                          const float* v_cache,            // (NB, BS, Hkv, D)
-                          const int32_t* block_tables,     // (B, MB)
-                          const int32_t* seq_lens,         // (B,)
-                          const int32_t* query_start_loc,  // (B+1,)
-                          int64_t T, int64_t B, int64_t Hq, int64_t Hkv, int64_t D,
-                          int64_t NB, int64_t BS, int64_t MB, float scale, int64_t sliding_window,
-                          int nthreads) {
+ * through the block table one at a time, so blocks need not be contiguous or ordered.
+ * One body for both cache types: f32 (k_cache, v_cache) or FP8 (k8, v8 with per-head scales). */
+static int paged_attention_impl(int isa,
+                                float* out,                      // (T, Hq, D)
+                                const float* q,                  // (T, Hq, D)
+                                const float* k_cache,            // (NB, BS, Hkv, D) or NULL
+                                const float* v_cache,            // (NB, BS, Hkv, D) or NULL
+                                const uint8_t* k8,               // (NB, BS, Hkv, D) e4m3 or NULL
+                                const uint8_t* v8,               // (NB, BS, Hkv, D) e4m3 or NULL
+                                const float* k_scale,            // (Hkv,) with k8
+                                const float* v_scale,            // (Hkv,) with v8
+                                const int32_t* block_tables,     // (B, MB)
+                                const int32_t* seq_lens,         // (B,)
+                                const int32_t* query_start_loc,  // (B+1,)
+                                int64_t T, int64_t B, int64_t Hq, int64_t Hkv, int64_t D,
+                                int64_t NB, int64_t BS, int64_t MB, float scale,
+                                int64_t sliding_window, int nthreads) {
     if (query_start_loc[0] != 0 || query_start_loc[B] != T) return TAPER_ERR_ARG;
     for (int64_t b = 0; b < B; b++) {
         int64_t ql = (int64_t)query_start_loc[b + 1] - query_start_loc[b];
@@ -1331,7 +1336,10 @@ int taper_paged_attention(int isa,
     }
     if (T == 0) return TAPER_OK;
     AttnArgs a = {q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                  Hq, Hkv, D, BS, MB, Hq / Hkv, sliding_window, scale};
+                  Hq, Hkv, D, BS, MB, Hq / Hkv, sliding_window, scale,
+                  k8, v8, k_scale, v_scale,
+                  isa == TAPER_ISA_AVX512 ? taper_e4m3_row_avx512
+                  : isa == TAPER_ISA_AVX2 ? taper_e4m3_row_avx2 : taper_e4m3_row_scalar};
     int64_t G = a.group;
     int64_t R = MAX(1, (D <= 128 ? 64 : 32) / G);  // query rows per tile (~64 queries)
     int Mp = (int)MAX(R * G, Hkv * attn_gp(G));
@@ -1415,7 +1423,8 @@ int taper_paged_attention(int isa,
     int64_t qd = Mp * D;
 #pragma omp parallel num_threads(nthreads) if (npieces > 1)
     {
-        size_t fl = (size_t)(3 * qd + Mp * ATTN_KC + D + 2 * Mp + 2 * Mp + 16);
+        int64_t dec = k8 ? ATTN_KC * Hkv * D : 0;  // per decoded cache (K, V)
+        size_t fl = (size_t)(3 * qd + Mp * ATTN_KC + D + 2 * Mp + 2 * Mp + 16 + 2 * dec);
         float* buf = (float*)aligned_alloc(64, (fl * sizeof(float) + 63) / 64 * 64);
         AttnScratch w;
         if (!buf) {
@@ -1431,6 +1440,8 @@ int taper_paged_attention(int isa,
             w.l = w.m + Mp;
             w.lo = (int32_t*)(w.l + Mp);
             w.hi = w.lo + Mp;
+            w.kdec = (float*)(w.hi + Mp);
+            w.vdec = w.kdec + dec;
             for (int64_t d = 0; d < D; d++) w.zero[d] = 0.0f;
         }
 #pragma omp for schedule(dynamic, 1)
@@ -1487,6 +1498,40 @@ int taper_paged_attention(int isa,
     free(pieces);
     free(merges);
     return failed ? TAPER_ERR_NOMEM : TAPER_OK;
+}
+
+int taper_paged_attention(int isa,
+                          float* out,                      // (T, Hq, D)
+                          const float* q,                  // (T, Hq, D)
+                          const float* k_cache,            // (NB, BS, Hkv, D)
+                          const float* v_cache,            // (NB, BS, Hkv, D)
+                          const int32_t* block_tables,     // (B, MB)
+                          const int32_t* seq_lens,         // (B,)
+                          const int32_t* query_start_loc,  // (B+1,)
+                          int64_t T, int64_t B, int64_t Hq, int64_t Hkv, int64_t D,
+                          int64_t NB, int64_t BS, int64_t MB, float scale, int64_t sliding_window,
+                          int nthreads) {
+    return paged_attention_impl(isa, out, q, k_cache, v_cache, NULL, NULL, NULL, NULL, block_tables,
+                                seq_lens, query_start_loc, T, B, Hq, Hkv, D, NB, BS, MB, scale,
+                                sliding_window, nthreads);
+}
+
+int taper_paged_attention_fp8(int isa,
+                              float* out,                      // (T, Hq, D)
+                              const float* q,                  // (T, Hq, D)
+                              const uint8_t* k_cache,          // (NB, BS, Hkv, D) e4m3
+                              const uint8_t* v_cache,          // (NB, BS, Hkv, D) e4m3
+                              const float* k_scale,            // (Hkv,)
+                              const float* v_scale,            // (Hkv,)
+                              const int32_t* block_tables,     // (B, MB)
+                              const int32_t* seq_lens,         // (B,)
+                              const int32_t* query_start_loc,  // (B+1,)
+                              int64_t T, int64_t B, int64_t Hq, int64_t Hkv, int64_t D,
+                              int64_t NB, int64_t BS, int64_t MB, float scale,
+                              int64_t sliding_window, int nthreads) {
+    return paged_attention_impl(isa, out, q, NULL, NULL, k_cache, v_cache, k_scale, v_scale,
+                                block_tables, seq_lens, query_start_loc, T, B, Hq, Hkv, D, NB, BS,
+                                MB, scale, sliding_window, nthreads);
 }
 
 // ----------------------------------------------------------------------------

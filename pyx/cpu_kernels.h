@@ -75,6 +75,18 @@ int taper_reshape_and_cache(const float* k,              // (T, Hkv, D)
                             int64_t T, int64_t Hkv, int64_t D, int64_t NB, int64_t BS,
                             int nthreads);
 
+/* FP8 KV cache write (DESIGN.md section 5): cache = e4m3(x / scale[h]) for KV head h, rounded to
+ * nearest even and saturated to +-448. */
+int taper_reshape_and_cache_fp8(const float* k,              // (T, Hkv, D)
+                                const float* v,              // (T, Hkv, D)
+                                uint8_t* k_cache,            // (NB, BS, Hkv, D) e4m3
+                                uint8_t* v_cache,            // (NB, BS, Hkv, D) e4m3
+                                const float* k_scale,        // (Hkv,)
+                                const float* v_scale,        // (Hkv,)
+                                const int32_t* slot_mapping, // (T,)
+                                int64_t T, int64_t Hkv, int64_t D, int64_t NB, int64_t BS,
+                                int nthreads);
+
 int taper_paged_attention(int isa,
                           float* out,                    // (T, Hq, D)
                           const float* q,                // (T, Hq, D)
@@ -86,6 +98,21 @@ int taper_paged_attention(int isa,
                           int64_t T, int64_t B, int64_t Hq, int64_t Hkv, int64_t D,
                           int64_t NB, int64_t BS, int64_t MB, float scale, int64_t sliding_window,
                           int nthreads);
+
+/* The same over an FP8 cache: K/V read back as decode(code) * scale[h] of their KV head. */
+int taper_paged_attention_fp8(int isa,
+                              float* out,                    // (T, Hq, D)
+                              const float* q,                // (T, Hq, D)
+                              const uint8_t* k_cache,        // (NB, BS, Hkv, D) e4m3
+                              const uint8_t* v_cache,        // (NB, BS, Hkv, D) e4m3
+                              const float* k_scale,          // (Hkv,)
+                              const float* v_scale,          // (Hkv,)
+                              const int32_t* block_tables,   // (B, MB)
+                              const int32_t* seq_lens,       // (B,)
+                              const int32_t* query_start_loc,// (B+1,)
+                              int64_t T, int64_t B, int64_t Hq, int64_t Hkv, int64_t D,
+                              int64_t NB, int64_t BS, int64_t MB, float scale,
+                              int64_t sliding_window, int nthreads);
 
 int taper_argmax(const float* logits,  // (B, V)
                  int64_t* out,         // (B,)

@@ -34,6 +34,7 @@ cdef class Attention:
     output projection."""
     cdef object backend, xp
     cdef object qkv_weight, qkv_bias, o_weight, o_bias, q_norm, k_norm, cos_sin_cache
+    cdef readonly object k_scale, v_scale
     cdef readonly int num_heads, num_kv_heads, head_dim, sliding_window
     cdef int q_size, kv_size
     cdef double scale, eps
@@ -41,7 +42,9 @@ cdef class Attention:
 
     def __init__(self, backend, qkv_weight, qkv_bias, o_weight, o_bias, q_norm, k_norm,
                  cos_sin_cache, int num_heads, int num_kv_heads, int head_dim, double eps,
-                 int sliding_window, bint is_neox=True):
+                 int sliding_window, bint is_neox=True, k_scale=None, v_scale=None):
+        """k_scale, v_scale (Hkv,) f32: the FP8 KV cache's per-head scales, passed to the cache ops
+        when the caches are FP8 (uint8); None: 1.0."""
         self.backend = backend
         self.xp = getattr(backend, "xp", np)
         self.qkv_weight, self.qkv_bias = qkv_weight, qkv_bias
@@ -54,6 +57,9 @@ cdef class Attention:
         self.eps = eps
         self.sliding_window = sliding_window
         self.is_neox = is_neox
+        ones = np.ones(num_kv_heads, np.float32)
+        self.k_scale = ones if k_scale is None else k_scale
+        self.v_scale = ones if v_scale is None else v_scale
 
     def forward(self, batch, x, out, k_cache, v_cache, Workspace ws):
         """x (T, H) -> out (T, H)."""
@@ -83,11 +89,19 @@ cdef class Attention:
         b.rotary_embedding(batch.positions, q, k, self.cos_sin_cache, D, self.is_neox)
         k3 = k.reshape(T, self.num_kv_heads, D)
         v3 = v.reshape(T, self.num_kv_heads, D)
-        b.reshape_and_cache(k3, v3, k_cache, v_cache, batch.slot_mapping)
         attn = ws.get("attn", T, qs)
-        b.paged_attention(attn.reshape(T, self.num_heads, D), q.reshape(T, self.num_heads, D),
-                          k_cache, v_cache, batch.block_tables, batch.seq_lens,
-                          batch.query_start_loc, self.scale, self.sliding_window)
+        if k_cache.dtype.itemsize == 1:  # FP8 cache: codes with per-head scales
+            b.reshape_and_cache(k3, v3, k_cache, v_cache, batch.slot_mapping, self.k_scale,
+                                self.v_scale)
+            b.paged_attention(attn.reshape(T, self.num_heads, D), q.reshape(T, self.num_heads, D),
+                              k_cache, v_cache, batch.block_tables, batch.seq_lens,
+                              batch.query_start_loc, self.scale, self.sliding_window,
+                              self.k_scale, self.v_scale)
+        else:
+            b.reshape_and_cache(k3, v3, k_cache, v_cache, batch.slot_mapping)
+            b.paged_attention(attn.reshape(T, self.num_heads, D), q.reshape(T, self.num_heads, D),
+                              k_cache, v_cache, batch.block_tables, batch.seq_lens,
+                              batch.query_start_loc, self.scale, self.sliding_window)
         b.linear(attn, self.o_weight, self.o_bias, out)
 
 

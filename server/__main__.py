@@ -90,7 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
                    default=None, metavar="F",
                    help="KV-cache memory as this fraction of the memory free after loading")
     e.add_argument("--kvcache-dtype", choices=["auto", "bf16", "fp8"], default="auto",
-                   help="KV-cache element type (default auto: the backend's)")
+                   help="KV-cache element type (default auto: the backend's, f32 on CPU; fp8: "
+                        "e4m3 with the checkpoint's k/v scales, else 1.0)")
     e.add_argument("--fp8-kvcache", action="store_true", help="same as --kvcache-dtype fp8")
     e.add_argument("--prefill-chunk-size", type=int, metavar="N", default=0,
                    help="most prompt tokens per sequence per step (0: the step budget)")
@@ -170,9 +171,9 @@ def engine_config(args):
         log.warning(DEMO_WARNING)
         model = ensure_demo_checkpoint()
     backend = default_backend(args.cpu)
-    if args.kvcache_dtype != "auto" and backend == "cpu":
-        raise ValueError(f"--kvcache-dtype {args.kvcache_dtype}: a {args.kvcache_dtype} KV cache "
-                         "is not yet supported on the CPU backend")
+    if args.kvcache_dtype == "bf16" and backend == "cpu":
+        raise ValueError("--kvcache-dtype bf16: a bf16 KV cache is not yet supported on the CPU "
+                         "backend (f32, or fp8)")
     if args.disable_cuda_graph and backend == "cpu":
         log.info("--disable-cuda-graph: the CPU backend runs no CUDA graphs anyway")
     return EngineConfig(

@@ -162,3 +162,72 @@ def gumbel_sample(logits, seeds, positions):
         val[row == -np.inf] = -np.inf
         out[b] = int(np.argmax(val))
     return out
+
+
+# ---- FP8 (OCP e4m3, "e4m3fn"): 1 sign, 4 exponent bits (bias 7), 3 mantissa bits, no infinities,
+# S.1111.111 = NaN, largest finite 448, subnormals m * 2^-9.
+
+
+def e4m3_decode(codes):
+    """uint8 codes -> float64 values, from the bit fields."""
+    c = np.asarray(codes, dtype=np.uint8).astype(np.int64)
+    sign = np.where(c & 0x80, -1.0, 1.0)
+    e, m = (c >> 3) & 0xF, c & 7
+    mag = np.where(e == 0, m * 2.0 ** -9, (1.0 + m / 8.0) * np.exp2(e - 7.0))
+    mag = np.where((c & 0x7F) == 0x7F, np.nan, mag)
+    return sign * mag
+
+
+def e4m3_encode(x):
+    """float64 -> uint8 codes: round to nearest, ties to even; |x| >= 448 (inf too) saturates to
+    +-448; NaN -> 0x7f with the sign."""
+    x = np.asarray(x, dtype=np.float64)
+    sign = np.where(np.signbit(x), 0x80, 0).astype(np.int64)
+    a = np.abs(x)
+    with np.errstate(invalid="ignore"):
+        small = a < 2.0 ** -6
+        sub = np.rint(np.where(small, a, 0.0) * 512.0)        # 0..8; 8 is 2^-6's code
+        mant, exp = np.frexp(np.where(small | ~np.isfinite(a), 1.0, a))  # a = mant * 2^exp
+        q = np.rint((2.0 * mant - 1.0) * 8.0)                 # 3 mantissa bits, ties to even
+        e = exp - 1 + (q == 8)
+        q = np.where(q == 8, 0, q)
+        normal = ((e + 7) << 3) | q.astype(np.int64)
+        code = np.where(small, sub.astype(np.int64), normal)
+        code = np.where(a >= 448.0, 0x7E, code)
+        code = np.where(np.isnan(a), 0x7F, code)
+    return (code | sign).astype(np.uint8)
+
+
+def fp8_quotient(x, scale):
+    """x / scale as the kernels compute it, in float32 (IEEE division: the float64 quotient of two
+    float32 values rounded once to float32 is the correctly rounded float32 quotient)."""
+    return (np.asarray(x, np.float64) / np.asarray(scale, np.float64)).astype(np.float32)
+
+
+def reshape_and_cache_fp8(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale):
+    """FP8 caches: element (h, d) stored as e4m3(x / scale[h]). Returns updated copies."""
+    kc, vc = k_cache.copy(), v_cache.copy()
+    NB, BS, Hkv, D = kc.shape
+    kf, vf = kc.reshape(NB * BS, Hkv, D), vc.reshape(NB * BS, Hkv, D)
+    ks, vs = np.asarray(k_scale)[:, None], np.asarray(v_scale)[:, None]
+    for t, s in enumerate(np.asarray(slot_mapping)):
+        if s >= 0:
+            kf[s] = e4m3_encode(fp8_quotient(k[t], ks))
+            vf[s] = e4m3_encode(fp8_quotient(v[t], vs))
+    return kc, vc
+
+
+def paged_attention_fp8(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens,
+                        query_start_loc, scale, sliding_window):
+    """paged_attention on the caches read back as decode(code) * scale of their KV head."""
+    k = e4m3_decode(k_cache) * np.asarray(k_scale, np.float64)[:, None]
+    v = e4m3_decode(v_cache) * np.asarray(v_scale, np.float64)[:, None]
+    return paged_attention(q, k, v, block_tables, seq_lens, query_start_loc, scale, sliding_window)
+
+
+def fp8_block_dequantize(codes, scale, block):
+    """(N, K) e4m3 codes with one scale per (bn x bk) block -> float64 weights."""
+    bn, bk = block
+    w = e4m3_decode(codes)
+    s = np.repeat(np.repeat(np.asarray(scale, np.float64), bn, 0), bk, 1)
+    return w * s[:w.shape[0], :w.shape[1]]

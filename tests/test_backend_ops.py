@@ -3,6 +3,8 @@
 `linear` runs on each ISA path this CPU has (scalar, avx2, avx512), for f32, bf16 and f16 weights,
 including odd K/N and T on both sides of the GEMV/GEMM switch. 16-bit weights are compared with
 the oracle on the same 16-bit values, so the tolerance only covers f32 accumulation.
+The KV cache ops run on f32 caches and on FP8 ones (uint8 e4m3 codes with per-KV-head scales),
+whose codes must equal the reference's exactly.
 """
 import ml_dtypes
 import numpy as np
@@ -312,6 +314,86 @@ def test_paged_attention_split_keys(isa, nt, window, Hq, Hkv, D, seqs):
                                                          window)
     want = ref.paged_attention(q, kc, vc, tables, seq_lens, qsl, scale, window)
     np.testing.assert_allclose(out, want, rtol=RTOL, atol=ATOL)
+
+
+# ---- FP8 KV cache (uint8 e4m3 codes, per-KV-head scales)
+
+
+def fp8_cache_batch(rng, seqs, BS, Hq, Hkv, D):
+    """make-paged-batch for FP8 caches: codes of random K/V in the used slots, NaN codes elsewhere."""
+    q, kc, vc, tables, seq_lens, qsl = make_paged_batch(rng, seqs, BS, Hq, Hkv, D)
+    k_scale = rng.uniform(0.005, 0.03, Hkv).astype(np.float32)  # |K| ~ 4 reaches the saturation
+    v_scale = rng.uniform(0.005, 0.03, Hkv).astype(np.float32)
+    k8 = ref.e4m3_encode(ref.fp8_quotient(kc, k_scale[:, None]))  # NaN slots stay NaN codes
+    v8 = ref.e4m3_encode(ref.fp8_quotient(vc, v_scale[:, None]))
+    return q, k8, v8, k_scale, v_scale, tables, seq_lens, qsl
+
+
+def test_reshape_and_cache_fp8_matches_reference():
+    be = CpuBackend()
+    rng = np.random.default_rng(5)
+    NB, BS, Hkv, D, T = 4, 8, 2, 40, 6
+    k = (rng.standard_normal((T, Hkv, D)) * 4).astype(np.float32)
+    v = (rng.standard_normal((T, Hkv, D)) * 4).astype(np.float32)
+    k[0, 0, :4] = [1e6, -1e6, np.inf, 2e-5]  # saturation and subnormals
+    k_scale, v_scale = np.float32([0.01, 0.3]), np.float32([1.0, 0.007])
+    kc = np.full((NB, BS, Hkv, D), 0x7f, np.uint8)
+    vc = kc.copy()
+    slots = np.array([3, -1, 31, 8, -1, 9], np.int32)
+    want_k, want_v = ref.reshape_and_cache_fp8(k, v, kc, vc, slots, k_scale, v_scale)
+    be.reshape_and_cache(k, v, kc, vc, slots, k_scale, v_scale)
+    np.testing.assert_array_equal(kc, want_k)
+    np.testing.assert_array_equal(vc, want_v)
+    assert (kc == 0x7f).sum() == (NB * BS - 4) * Hkv * D  # only the 4 real slots written
+    assert kc.reshape(-1, Hkv, D)[3, 0, :2].tolist() == [0x7e, 0xfe]
+    # the codes are ml_dtypes' of the clipped quotient
+    q = np.clip(k[2] / k_scale[:, None], -448, 448).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+    np.testing.assert_array_equal(kc.reshape(-1, Hkv, D)[31], q)
+    with pytest.raises(ValueError, match="needs k_scale"):
+        be.reshape_and_cache(k, v, kc, vc, slots)
+    with pytest.raises(ValueError, match=r"k_scale must be \(Hkv,\)"):
+        be.reshape_and_cache(k, v, kc, vc, slots, np.ones(3, np.float32), v_scale)
+    with pytest.raises(ValueError, match="reshape_and_cache"):  # float cache with scales
+        f32 = np.zeros((NB, BS, Hkv, D), np.float32)
+        be.reshape_and_cache(k, v, f32, f32.copy(), slots, k_scale, v_scale)
+    with pytest.raises(ValueError, match="reshape_and_cache"):
+        be.reshape_and_cache(k, v, kc, vc, np.array([0, 1, 2, 3, 32, 0], np.int32), k_scale, v_scale)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("Hq,Hkv,D,window", [(4, 2, 64, 0), (6, 2, 24, 7), (8, 1, 32, 0)])
+def test_paged_attention_fp8_matches_reference(isa, Hq, Hkv, D, window):
+    be = backend_for(isa)
+    rng = np.random.default_rng(Hq * 10 + D)
+    seqs = [(1, 1), (37, 1), (50, 13), (20, 20), (70, 2)]
+    q, k8, v8, ks, vs, tables, seq_lens, qsl = fp8_cache_batch(rng, seqs, 16, Hq, Hkv, D)
+    out = np.full_like(q, np.nan)
+    scale = 1.0 / np.sqrt(D)
+    be.paged_attention(out, q, k8, v8, tables, seq_lens, qsl, scale, window, ks, vs)
+    want = ref.paged_attention_fp8(q, k8, v8, ks, vs, tables, seq_lens, qsl, scale, window)
+    np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4)
+    # the scales are applied per KV head: swapping them changes the answer
+    swapped = ref.paged_attention_fp8(q, k8, v8, ks[::-1] * 3, vs[::-1] * 3, tables, seq_lens, qsl,
+                                      scale, window)
+    assert not np.allclose(want, swapped, atol=1e-3)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("Hq,Hkv,D,seqs", [
+    (8, 2, 64, [(1500, 1)]),            # one decode over all KV heads, keys split across threads
+    (4, 1, 32, [(900, 9), (40, 1)]),    # prefill tile (queries-in-lanes kernel) + a decode row
+    (6, 3, 24, [(700, 1), (300, 1)]),   # portable kernel
+])
+def test_paged_attention_fp8_split_keys(isa, Hq, Hkv, D, seqs):
+    backend_for(isa)
+    be = CpuBackend(isa=isa, num_threads=3)
+    rng = np.random.default_rng(D)
+    q, k8, v8, ks, vs, tables, seq_lens, qsl = fp8_cache_batch(rng, seqs, 16, Hq, Hkv, D)
+    q *= 3
+    out = np.full_like(q, np.nan)
+    be.paged_attention(out, q, k8, v8, tables, seq_lens, qsl, 0.2, 0, ks, vs)
+    want = ref.paged_attention_fp8(q, k8, v8, ks, vs, tables, seq_lens, qsl, 0.2, 0)
+    np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4)
 
 
 # ---- argmax and Gumbel sampling

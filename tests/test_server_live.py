@@ -222,7 +222,7 @@ def test_live_tokenize_matches_an_independent_tokenizer(live):
     (["--isq", "q4z"], "--isq q4z: unknown type"),
     (["--ui-server"], "--ui-server: the web chat UI is not yet supported"),
     (["--mcp-config", "x.json"], "--mcp-config: MCP tools is not yet supported"),
-    (["--fp8-kvcache"], "a fp8 KV cache is not yet supported on the CPU backend"),
+    (["--kvcache-dtype", "bf16"], "a bf16 KV cache is not yet supported on the CPU backend"),
     (["--temperature", "-1"], "--temperature must be in [0, 100]"),
     (["--max-queued-requests", "0"], "--max-queued-requests must be at least 1"),
     (["--chat-template", "/no/such/template.jinja"], "/no/such/template.jinja"),

@@ -12,9 +12,10 @@ from __future__ import annotations
 import logging
 import re
 
+import numpy as np
 from tqdm import tqdm
 
-from engine.quant import ISQ_TYPES, QT, QuantizedWeight, quantize
+from engine.quant import ISQ_TYPES, QT, quantize
 
 log = logging.getLogger("taper.loader")
 
@@ -44,8 +45,8 @@ def type_for(qtype: QT, k: int) -> QT | None:
 def quantize_weights(weights: dict, isq: str, progress: bool = True) -> None:
     """Replace the projection matrices in `weights` (Hugging Face names) by QuantizedWeights."""
     want = isq_type(isq)
-    names = [n for n in weights if _PROJECTION.match(n) and not isinstance(weights[n],
-                                                                           QuantizedWeight)]
+    # float matrices only: a GGUF's blocks or a GPTQ/AWQ/FP8 checkpoint's packed weights stay
+    names = [n for n in weights if _PROJECTION.match(n) and isinstance(weights[n], np.ndarray)]
     fell_back: dict[str, str] = {}
     for name in tqdm(names, desc=f"quantizing to {want.name}", unit="tensor",
                      disable=not progress):

@@ -36,6 +36,10 @@ _DTYPE_ALIASES = {
 }
 
 
+_F8_DTYPES = (np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2))
+# A quantized checkpoint's scales: converting f16 to bf16 (or back) would round them.
+_QUANT_SCALE_SUFFIXES = (".scales", ".weight_scale_inv", ".weight_scale", ".input_scale")
+
 # What the matrix kernels read directly.
 _COMPUTE_DTYPES = (np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16))
 
@@ -144,9 +148,17 @@ def mem_available_bytes() -> int | None:
 
 
 def load_safetensors(model_dir: str, dtype="auto", progress: bool = True,
-                     check_memory: bool = True) -> dict[str, np.ndarray]:
-    """Every tensor of the checkpoint in model_dir, converted by the dtype policy."""
+                     check_memory: bool = True,
+                     quantized: bool = False) -> dict[str, np.ndarray]:
+    """Every tensor of the checkpoint in model_dir, converted by the dtype policy. In a
+    `quantized` checkpoint (GPTQ, AWQ, compressed-tensors, FP8) the F8 codes and the quantization
+    scales stay as stored, for engine/loader/quant_formats.py to take."""
     want = resolve_dtype(dtype)
+
+    def target(name, arr):
+        kept = quantized and (arr.dtype in _F8_DTYPES or name.endswith(_QUANT_SCALE_SUFFIXES))
+        return arr.dtype if kept else target_dtype(arr, want)
+
     files, weight_map = checkpoint_files(model_dir)
     opened = {path: open_file(path) for path in files}
 
@@ -162,8 +174,8 @@ def load_safetensors(model_dir: str, dtype="auto", progress: bool = True,
                 raise CheckpointError(f"tensor {name} appears in both {owner[name]} and {path}")
             owner[name] = path
 
-    needed = sum(a.size * target_dtype(a, want).itemsize
-                 for tensors in opened.values() for a in tensors.values())
+    needed = sum(a.size * target(n, a).itemsize
+                 for tensors in opened.values() for n, a in tensors.items())
     available = mem_available_bytes()
     message = f"loading {model_dir}: needs {needed / 1e9:.2f} GB"
     if available is not None:
@@ -179,7 +191,7 @@ def load_safetensors(model_dir: str, dtype="auto", progress: bool = True,
               leave=False) as bar:
         for path in files:
             for name, arr in opened.pop(path).items():
-                target = target_dtype(arr, want)
-                weights[name] = arr if arr.dtype == target else arr.astype(target)
+                want_dt = target(name, arr)
+                weights[name] = arr if arr.dtype == want_dt else arr.astype(want_dt)
                 bar.update(1)
     return weights

@@ -13,6 +13,7 @@ import numpy as np
 from engine.forward_batch import ForwardBatch
 from engine.model_config import ModelConfig
 from engine.quant import QuantizedWeight
+from engine.quant_fp8 import take_kv_scales
 from engine.rotary import build_cos_sin_cache
 from pyx.layers import MLP, Attention, DecoderLayer, Workspace, run_layers
 
@@ -76,8 +77,15 @@ class LlamaForCausalLM:
         self.workspace = Workspace(self.xp)
 
         self.layers = []
+        # FP8 KV cache scales per layer and KV head (DESIGN.md section 5): the checkpoint's, else
+        # 1.0. Read only when the KV cache is FP8 (a uint8 cache).
+        self.kv_scales_from_checkpoint = False
         for i in range(c.num_hidden_layers):
             p = f"model.layers.{i}."
+            kv_scales = take_kv_scales(weights, i, c.num_key_value_heads)
+            self.kv_scales_from_checkpoint |= kv_scales is not None
+            if kv_scales is None:
+                kv_scales = (np.ones(c.num_key_value_heads, np.float32),) * 2
             attn = Attention(
                 backend,
                 self._fuse(weights, [f"{p}self_attn.{n}_proj.weight" for n in "qkv"]),
@@ -88,7 +96,8 @@ class LlamaForCausalLM:
                 self._take(weights, f"{p}self_attn.q_norm.weight") if c.qk_norm else None,
                 self._take(weights, f"{p}self_attn.k_norm.weight") if c.qk_norm else None,
                 self.cos_sin_cache, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
-                c.rms_norm_eps, c.sliding_windows[i], c.rope.is_neox)
+                c.rms_norm_eps, c.sliding_windows[i], c.rope.is_neox,
+                *(self._to_device(s) for s in kv_scales))
             mlp = MLP(
                 backend,
                 self._fuse(weights, [f"{p}mlp.gate_proj.weight", f"{p}mlp.up_proj.weight"]),
@@ -132,7 +141,7 @@ class LlamaForCausalLM:
         return self.config.num_hidden_layers
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int]:
-        """Shape of each layer's K (and V) cache, float32."""
+        """Shape of each layer's K (and V) cache: float32, or uint8 e4m3 codes for an FP8 cache."""
         return (num_blocks, block_size, self.config.num_key_value_heads, self.config.head_dim)
 
     def forward(self, batch: ForwardBatch, kv_caches: list) -> np.ndarray:

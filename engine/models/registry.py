@@ -29,7 +29,8 @@ def load_model(model_dir: str, backend, dtype: str = "auto", yarn_scaling_factor
 
     model_config = ModelConfig.from_pretrained(model_dir, yarn_scaling_factor=yarn_scaling_factor)
     model_class = get_model_class(model_config.architecture)
-    weights = load_safetensors(model_dir, dtype=dtype, progress=progress)
+    weights = load_safetensors(model_dir, dtype=dtype, progress=progress,
+                               quantized=bool(model_config.quantization_config))
     if model_config.quantization_config:
         from engine.loader.quant_formats import convert_quantized
         convert_quantized(weights, model_config.quantization_config)
