@@ -414,3 +414,41 @@ def test_live_gguf_and_isq(demo_dir, tmp_path):
         assert reply.choices[0].finish_reason in ("length", "stop")
     finally:
         server.close()
+
+
+@pytest.mark.parametrize("fmt", ["gptq", "awq", "compressed", "fp8"])
+def test_live_quantized_checkpoints_serve_the_engines_text(fmt, tmp_path):
+    """GPTQ, AWQ, compressed-tensors and FP8 checkpoints (packed as tests/test_int4_formats.py and tests/test_fp8.py
+    pack them, where the engine's tokens are checked against transformers) served by
+    `python -m server` give the text `LLM` decodes from the same greedy tokens."""
+    import shutil
+
+    from checkpoints import tiny_checkpoint
+    from engine import LLM, SamplingParams
+    from test_fp8 import BLOCK_QC, block_quantize, write_quantized
+    from test_int4_formats import CHECKPOINT, ct_group, write_compressed, write_gptq_awq
+    src = tiny_checkpoint(tmp_path / "f32", "llama", **CHECKPOINT)
+    model_dir = str(tmp_path / fmt)
+    if fmt == "compressed":
+        bf16 = tiny_checkpoint(tmp_path / "bf16", "llama", dtype="bfloat16", **CHECKPOINT)
+        write_compressed(bf16, model_dir, {"group_0": ct_group(["Linear"], True, "group")})
+    elif fmt == "fp8":
+        write_quantized(src, model_dir, block_quantize, BLOCK_QC,
+                        skip=("model.layers.1.mlp.down_proj",))
+    else:
+        write_gptq_awq(src, model_dir, fmt, sym=False, g=128)
+    tokenizer_dir = Path(__file__).parent / "data" / "gguf" / "qwen2-source"   # vocab 512
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer_dir / name, model_dir)
+    prompt = "The quick brown fox"
+    llm = LLM(model_dir, num_kv_blocks=32)
+    want = llm.generate([llm.engine.tokenizer.encode(prompt)],
+                        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
+    server = LiveServer(tmp_path, model_dir, "--mem", "32")
+    try:
+        got = client_for(server.port).completions.create(
+            model=fmt, prompt=prompt, max_tokens=12, temperature=0,
+            extra_body={"ignore_eos": True})
+        assert got.usage.completion_tokens == 12 and got.choices[0].text == want.text
+    finally:
+        server.close()
