@@ -12,7 +12,6 @@ import numpy as np
 
 from engine.forward_batch import ForwardBatch
 from engine.model_config import ModelConfig
-from engine.quant import QuantizedWeight
 from engine.quant_fp8 import take_kv_scales
 from engine.rotary import build_cos_sin_cache
 from pyx.layers import MLP, Attention, DecoderLayer, Workspace, run_layers
@@ -130,8 +129,7 @@ class LlamaForCausalLM:
         parts = [weights.pop(n) for n in names]
         if all(isinstance(p, np.ndarray) for p in parts):
             return self._to_device(np.concatenate(parts, axis=0))
-        if all(isinstance(p, QuantizedWeight) for p in parts):
-            return QuantizedWeight.concat(parts)
+        # packed weights (ggml blocks, int4, fp8) of one kind stack along N themselves
         if all(type(p) is type(parts[0]) and hasattr(p, "concat") for p in parts):
             return type(parts[0]).concat(parts)
         raise ValueError(f"cannot fuse {[type(p).__name__ for p in parts]}: {names}")
