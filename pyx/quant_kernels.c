@@ -9,6 +9,12 @@
 #include "cpu_kernels.h"
 #include "quant_internal.h"
 
+/* Rows ahead of the current weight row that the matmul loop prefetches (into every cache level):
+ * for T = 1 the loop is a stream of short rows (0.5-5 KB), and without it the compute and the
+ * memory stalls add up instead of overlapping (Q8_0 9728x896 on 2 threads: 0.76 -> 0.47 ms with
+ * the guided schedule below; the row prefetch alone or the schedule alone gives much less). */
+#define PF_ROWS 2
+
 static const taper_quant_traits *traits(int type) {
     const taper_quant_traits *t = taper_legacy_traits(type);
     return t ? t : taper_k_traits(type);
@@ -58,12 +64,18 @@ int taper_quant_linear(int isa, int type, const float *x, const void *w, const f
     {
         #pragma omp for schedule(static)
         for (int64_t r = 0; r < T; r++) a->quantize(x + r * K, xq + r * x_row, K);
-        /* chunks of rows: enough work per chunk to amortise scheduling, enough chunks to
-           balance the threads */
-        #pragma omp for schedule(dynamic, 16)
+        /* guided: each thread streams long runs of consecutive rows (which the hardware
+           prefetcher follows, and few scheduling atomics), shrinking to 16 rows at the end to
+           balance the threads. dynamic,16 interleaved the threads' 16-row chunks and streamed
+           at about half the rate (Q8_0 151936x896: 8.7 -> 5.3 ms with the prefetch above). */
+        #pragma omp for schedule(guided, 16)
         for (int64_t n = 0; n < N; n++) {
             const uint8_t *wr = (const uint8_t *)w + n * w_row;
             const float b = bias ? bias[n] : 0.0f;
+            if (n + PF_ROWS < N) {
+                const char *pf = (const char *)wr + PF_ROWS * w_row;
+                for (int64_t o = 0; o < w_row; o += 64) __builtin_prefetch(pf + o, 0, 3);
+            }
             for (int64_t r = 0; r < T; r++)
                 out[r * ldo + n] = t->vec_dot(isa, K, wr, xq + r * x_row) + b;
         }
