@@ -72,6 +72,7 @@ cdef extern from "quant_kernels.h" nogil:
                        int nthreads)
     int taper_quant_linear(int isa, int type, const float* x, const void* w, const float* bias,
                            float* out, int64_t T, int64_t K, int64_t N, int64_t ldo, int nthreads)
+    int taper_quant_gemv_max_t()
 
 
 # ---- validation helpers
@@ -83,6 +84,13 @@ _I32 = np.dtype(np.int32)
 _I64 = np.dtype(np.int64)
 _U64 = np.dtype(np.uint64)
 _U8 = np.dtype(np.uint8)
+
+
+def quant_gemv_max_t():
+    """Token rows up to which a quantized `linear` dots Q8-quantized activation rows with the
+    quantized weight rows (decode); longer inputs go through float32 panels of the weight and
+    the dense GEMM, with float32 activations (pyx/quant_kernels.c)."""
+    return taper_quant_gemv_max_t()
 
 
 def isa_supported(str isa):

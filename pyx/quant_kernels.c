@@ -1,7 +1,12 @@
 /* Dispatch by quant type, and the quantized matmul loop (see quant_kernels.h).
  *
- * The loop quantizes each activation row once, then walks weight rows in the outer loop so a
- * row's blocks stay in cache while every activation row is dotted with it (decode has T = 1-16).
+ * Up to QUANT_GEMV_MAX_T token rows (decode) the loop quantizes each activation row once, then
+ * walks weight rows in the outer loop so a row's blocks stay in cache while every activation row
+ * is dotted with it. Beyond that (prefill) it would unpack every weight block T times, so panels
+ * of weight rows are dequantized to float32 once (per-thread scratch) and go through the dense
+ * GEMM of taper_linear with the float32 activations, as the int4 path does for GPTQ
+ * (engine/quant_int4.py, GEMV_MAX_T / PANEL_BYTES): the activations are not rounded to Q8 there,
+ * so results differ from the decode path's by that rounding (they are closer to x @ W.T).
  */
 #include <stdlib.h>
 #include <string.h>
@@ -14,6 +19,71 @@
  * memory stalls add up instead of overlapping (Q8_0 9728x896 on 2 threads: 0.76 -> 0.47 ms with
  * the guided schedule below; the row prefetch alone or the schedule alone gives much less). */
 #define PF_ROWS 2
+
+/* Token rows up to which the vec_dot loop runs; longer inputs take the dequantize + GEMM path.
+ * The loop's cost grows with T from the first row; the panel path pays the (scalar reference)
+ * dequantize once, then a GEMM. Measured on 2 threads, AVX-512, Qwen2.5-0.5B shapes (loop at
+ * T = 16 vs panels at T = 17, ms): Q8_0 4864x896 2.04 vs 1.30, Q5_0 2.45 vs 2.76, Q4_K
+ * 896x4864 1.45 vs 1.72, Q6_K 1.34 vs 3.48 (its dequantize is the slowest); the loop's time
+ * per token stays flat, so the break-even is below 17 for Q8_0, ~22-25 for Q5_0 / Q4_K and
+ * ~60 for Q6_K; at T = 128 the panels are 3-4x faster for all four. 32 is the compromise (loop
+ * at T = 32 vs panels at T = 33: Q8_0 4.38 vs 2.54, Q5_0 4.56 vs 3.33, Q4_K 2.81 vs 2.09, Q6_K
+ * 2.70 vs 3.98). bench/RESULTS.md: 128-token prefill 0.45-0.50x -> 1.09-1.30x llama.cpp. */
+#define QUANT_GEMV_MAX_T 32
+/* Weight rows per dequantized panel: at most this many bytes of float32 (as the int4 path). */
+#define PANEL_BYTES (8 << 20)
+/* Token rows per GEMM call, which bounds the panel's output scratch (T_CHUNK x panel rows). */
+#define T_CHUNK 512
+
+/* Per-thread scratch grown on demand and kept (a prefill calls this ~170 times; malloc'ing
+ * 8 MB each time would page-fault it in every time). */
+static _Thread_local float *scratch_buf[2];
+static _Thread_local size_t scratch_cap[2];
+
+static float *scratch(int i, size_t n) {
+    if (scratch_cap[i] < n) {
+        free(scratch_buf[i]);
+        scratch_buf[i] = malloc(n * sizeof(float));
+        scratch_cap[i] = scratch_buf[i] ? n : 0;
+    }
+    return scratch_buf[i];
+}
+
+/* out (T, ldo) = x (T, K) @ W.T + bias through float32 panels of W's rows (see the top). */
+static int quant_linear_panels(int isa, const taper_quant_traits *t, const float *x,
+                               const void *w, const float *bias, float *out, int64_t T,
+                               int64_t K, int64_t N, int64_t ldo, int nt) {
+    const int64_t w_row = K / t->block_size * t->type_size;
+    int64_t step = PANEL_BYTES / (4 * K) / 32 * 32;
+    if (step < 32) step = 32;
+    if (step > N) step = N;
+    const int64_t tc = T < T_CHUNK ? T : T_CHUNK;
+    float *panel = scratch(0, (size_t)(step * K));
+    /* a panel that is all of out (ldo == N) is written in place, others go through tmp */
+    float *tmp = (step == N && ldo == N) ? NULL : scratch(1, (size_t)(tc * step));
+    if (!panel || (!tmp && !(step == N && ldo == N))) return TAPER_ERR_NOMEM;
+    for (int64_t n0 = 0; n0 < N; n0 += step) {
+        const int64_t rows = N - n0 < step ? N - n0 : step;
+        #pragma omp parallel for schedule(static) num_threads(nt)
+        for (int64_t r = 0; r < rows; r++)
+            t->dequantize((const uint8_t *)w + (n0 + r) * w_row, panel + r * K, K);
+        for (int64_t t0 = 0; t0 < T; t0 += tc) {
+            const int64_t tr = T - t0 < tc ? T - t0 : tc;
+            if (!tmp) {
+                const int st = taper_linear(isa, x + t0 * K, panel, TAPER_F32, bias,
+                                            out + t0 * ldo, tr, K, rows, nt);
+                if (st != TAPER_OK) return st;
+                continue;
+            }
+            const int st = taper_linear(isa, x + t0 * K, panel, TAPER_F32,
+                                        bias ? bias + n0 : NULL, tmp, tr, K, rows, nt);
+            if (st != TAPER_OK) return st;
+            for (int64_t r = 0; r < tr; r++)
+                memcpy(out + (t0 + r) * ldo + n0, tmp + r * rows, (size_t)rows * sizeof(float));
+        }
+    }
+    return TAPER_OK;
+}
 
 static const taper_quant_traits *traits(int type) {
     const taper_quant_traits *t = taper_legacy_traits(type);
@@ -47,6 +117,8 @@ int taper_quantize(int type, const float *src, void *dst, int64_t rows, int64_t 
     return TAPER_OK;
 }
 
+int taper_quant_gemv_max_t(void) { return QUANT_GEMV_MAX_T; }
+
 int taper_quant_linear(int isa, int type, const float *x, const void *w, const float *bias,
                        float *out, int64_t T, int64_t K, int64_t N, int64_t ldo, int nthreads) {
     const taper_quant_traits *t = traits(type);
@@ -55,11 +127,13 @@ int taper_quant_linear(int isa, int type, const float *x, const void *w, const f
     if (!a || !a->quantize || K % a->block_size) return TAPER_ERR_ARG;
     if (!taper_cpu_isa_supported(isa)) return TAPER_ERR_ISA;
     if (T == 0 || N == 0) return TAPER_OK;
+    const int nt = nthreads > 0 ? nthreads : 1;
+    if (T > QUANT_GEMV_MAX_T && t->dequantize)
+        return quant_linear_panels(isa, t, x, w, bias, out, T, K, N, ldo, nt);
     const int64_t w_row = K / t->block_size * t->type_size;
     const int64_t x_row = K / a->block_size * a->type_size;
     uint8_t *xq = malloc((size_t)(T * x_row));
     if (!xq) return TAPER_ERR_NOMEM;
-    const int nt = nthreads > 0 ? nthreads : 1;
     #pragma omp parallel num_threads(nt)
     {
         #pragma omp for schedule(static)

@@ -23,7 +23,8 @@ from gguf import GGMLQuantizationType as QT
 from gguf.quants import dequantize as gguf_dequantize
 
 from engine.quant import QuantizedWeight
-from pyx.cpu_backend import CpuBackend, dequantize, isa_supported, quant_block_size, quantize
+from pyx.cpu_backend import (CpuBackend, dequantize, isa_supported, quant_block_size,
+                              quant_gemv_max_t, quantize)
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 FIXTURES = os.path.join(DATA, "quant_k")
@@ -36,6 +37,9 @@ HALF_FIELDS = {"q2_K": (80, 82), "q3_K": (108,), "q4_K": (0, 2), "q5_K": (0, 2),
 # a byte holding (part of) the first group's scale
 SCALE_BYTE = {"q2_K": 0, "q3_K": 96, "q4_K": 4, "q5_K": 4, "q6_K": 192}
 ISAS = [isa for isa in ("scalar", "avx2", "avx512") if isa_supported(isa)]
+# More token rows than this: `linear` multiplies float32 panels of dequantize(W) with the float32
+# x (no Q8_K rounding), held to float64 within k unit roundoffs of float32 accumulation.
+GEMV_MAX_T = quant_gemv_max_t()
 
 
 def _load_fixture_script():
@@ -173,12 +177,38 @@ def test_linear_every_isa(name, T, K):
     scale = np.abs(xq) @ np.abs(w).T  # what float32 accumulation error is relative to
     bound = q8_K_bound(x.astype(np.float64), w) + 1e-5 * scale
     scalar = run_linear("scalar", name, blocks, K, x)
+    if T > GEMV_MAX_T:   # panel path (if the threshold were below 17): float32 activations,
+        # so no Q8_K bound applies
+        abs_scale = np.abs(x.astype(np.float64)) @ np.abs(w).T
+        for isa in ISAS:
+            out = scalar if isa == "scalar" else run_linear(isa, name, blocks, K, x)
+            assert (np.abs(out - exact) <= K * 2.0 ** -24 * abs_scale + 1e-6).all(), isa
+        return
     for isa in ISAS:
         out = scalar if isa == "scalar" else run_linear(isa, name, blocks, K, x)
         assert np.isfinite(out).all()
         assert (np.abs(out - exact) <= bound).all(), f"{isa}: outside the Q8_K bound"
         assert (np.abs(out - on_q8) <= 1e-5 * scale).all(), f"{isa}: beyond f32 accumulation"
         assert (np.abs(out - scalar) <= 1e-5 * scale).all(), f"{isa} differs from scalar"
+
+
+@pytest.mark.parametrize("name", list(WEIGHT_TYPES))
+@pytest.mark.parametrize("T,N", [(GEMV_MAX_T + 1, 67), (100, 600)])
+def test_linear_panel_path_every_isa(name, T, N):
+    """Prefill (T > GEMV_MAX_T): float32 panels of dequantize(W) times the float32 x, with a
+    bias, on every ISA, against float64 within float32 accumulation (K = 4864 spans 19 blocks,
+    ffn_down's rows; N = 600 makes two 8 MB panels there)."""
+    K = 4864
+    x, blocks = linear_case(name, T, K, N, seed=T + N + int(WEIGHT_TYPES[name]))
+    bias = np.random.default_rng(N).standard_normal(N).astype(np.float32)
+    w = dequantize(WEIGHT_TYPES[name], blocks, K).astype(np.float64)
+    exact = x.astype(np.float64) @ w.T + bias
+    tol = K * 2.0 ** -24 * (np.abs(x.astype(np.float64)) @ np.abs(w).T + np.abs(bias)) + 1e-6
+    for isa in ISAS:
+        out = run_linear(isa, name, blocks, K, x, bias)
+        assert np.isfinite(out).all()
+        err = np.abs(out - exact)
+        assert (err <= tol).all(), f"{isa}: max err/tol {np.max(err / tol):.3g}"
 
 
 @pytest.mark.parametrize("isa", ISAS)

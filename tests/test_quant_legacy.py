@@ -4,14 +4,18 @@ Quantize is pinned byte for byte to the gguf package (what a GGUF file written b
 tools holds), dequantize bit for bit. `linear` runs on every ISA path this CPU has and is held to
 two references: float64 x @ dequantize(W).T within a worst-case bound on what quantizing x to
 8 bits adds (derived at `activation_error_bound`), and float64 on an emulation of that activation
-quantization, where only float32 accumulation is left. The last tests show the checks can fail.
+quantization, where only float32 accumulation is left. Beyond `quant_gemv_max_t()` token rows
+(prefill) `linear` multiplies float32 panels of dequantize(W) with the float32 x instead, and is
+held to float64 x @ dequantize(W).T within float32 accumulation alone. The last tests show the
+checks can fail.
 """
 import numpy as np
 import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT, quants
 
 from engine.quant import QuantizedWeight
-from pyx.cpu_backend import CpuBackend, dequantize, isa_supported, quant_block_size, quantize
+from pyx.cpu_backend import (CpuBackend, dequantize, isa_supported, quant_block_size,
+                              quant_gemv_max_t, quantize)
 
 TYPES = [QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0]
 WITH_MIN = {QT.Q4_1, QT.Q5_1}       # blocks (d, m, ...) that dot with Q8_1 activations
@@ -21,6 +25,13 @@ ISAS = [i for i in ("scalar", "avx2", "avx512") if isa_supported(i)]
 QK = 32
 ACCUM_RTOL = 2e-6   # float32 accumulation over <= 24 blocks, relative to the sum of |terms|;
 #                     measured <= 4e-8
+GEMV_MAX_T = quant_gemv_max_t()   # more token rows: the float32 panel + GEMM path
+
+
+def f32_rtol(k):
+    """Worst-case float32 accumulation error of a k-term dot product relative to the sum of
+    |terms| (k unit roundoffs), for the panel path where nothing else is rounded."""
+    return k * 2.0 ** -24
 
 
 def ids(types):
@@ -180,10 +191,16 @@ def run_linear(isa, qtype, x, blocks, k, bias):
 
 
 def check_linear(out, x, blocks, qtype, k, bias):
-    """Asserts out against both float64 references (see the module docstring)."""
+    """Asserts out against both float64 references (see the module docstring); with more than
+    GEMV_MAX_T rows, against x @ dequantize(W).T within float32 accumulation only."""
     w = dequantize(int(qtype), blocks, k).astype(np.float64)
     exact = x.astype(np.float64) @ w.T + bias
     sum_abs = np.abs(x.astype(np.float64)) @ np.abs(w).T + np.abs(bias)
+    if x.shape[0] > GEMV_MAX_T:   # panel path: float32 activations, no Q8 rounding to emulate
+        err = np.abs(out - exact)
+        tol = f32_rtol(k) * sum_abs + 1e-6
+        assert np.all(err <= tol), f"panel path: max err/tol {np.max(err / tol):.3g}"
+        return
     bound = activation_error_bound(x, blocks, qtype, k) + ACCUM_RTOL * sum_abs + 1e-6
     err = np.abs(out - exact)
     assert np.all(err <= bound), f"max err/bound {np.max(err / bound):.3g}"
@@ -209,8 +226,39 @@ def test_linear_every_isa(qtype, T, K):
     for isa in ISAS[1:]:
         out = run_linear(isa, qtype, x, blocks, K, bias)
         check_linear(out, x, blocks, qtype, K, bias)
-        # same integers per block, float sums in another order
-        assert np.all(np.abs(out - scalar) <= ACCUM_RTOL * (scale + np.abs(bias)) + 1e-6), isa
+        # same integers per block, float sums in another order; past GEMV_MAX_T (if a case
+        # has that many rows) the float32 GEMMs of the ISAs sum K float products in different orders
+        rtol = ACCUM_RTOL if T <= GEMV_MAX_T else 2 * f32_rtol(K)
+        assert np.all(np.abs(out - scalar) <= rtol * (scale + np.abs(bias)) + 1e-6), isa
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=ids(TYPES))
+@pytest.mark.parametrize("T,K,N", [(GEMV_MAX_T + 1, 96, 37), (64, 768, 70), (130, 256, 2300)])
+def test_linear_panel_path_every_isa(qtype, T, K, N):
+    """Prefill (T > GEMV_MAX_T): float32 panels of dequantize(W) times the float32 x, on every
+    ISA, with a bias, writing a column slice of a wider output (a fused weight's part: ldo > N).
+    N = 2300 at K = 256 spans two panels (8 MB of float32 rows each)."""
+    rng = np.random.default_rng(T + K + N)
+    w = (rng.standard_normal((N, K)) * 0.5 + 0.1).astype(np.float32)
+    x = rng.standard_normal((T, K)).astype(np.float32)
+    x[0, : min(K, 64)] *= 30
+    bias = rng.standard_normal(N).astype(np.float32)
+    blocks = quantize(int(qtype), w)
+    other = quantize(int(QT.Q8_0), rng.standard_normal((5, K)).astype(np.float32))
+    fused = QuantizedWeight.concat([QuantizedWeight.of(qtype, blocks, K),
+                                    QuantizedWeight.of(QT.Q8_0, other, K)])
+    wd = dequantize(int(qtype), blocks, K).astype(np.float64)
+    exact = x.astype(np.float64) @ wd.T + bias
+    tol = f32_rtol(K) * (np.abs(x.astype(np.float64)) @ np.abs(wd).T + np.abs(bias)) + 1e-6
+    for isa in ISAS:
+        out = run_linear(isa, qtype, x, blocks, K, bias)
+        err = np.abs(out - exact)
+        assert np.all(err <= tol), f"{isa}: max err/tol {np.max(err / tol):.3g}"
+        wide = np.full((T, N + 5), np.nan, np.float32)
+        CpuBackend(isa=isa).linear(x, fused, np.concatenate([bias, np.zeros(5, np.float32)]),
+                                   wide)
+        assert np.all(np.abs(wide[:, :N] - exact) <= tol), f"{isa}: fused part"
+        assert np.isfinite(wide).all()
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=ids(TYPES))
