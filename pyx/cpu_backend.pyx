@@ -229,6 +229,31 @@ cdef _check_fp8_cache(str op, dict arrays, int64_t Hkv, int64_t D, bint writable
         _fail(op, "need k_cache, v_cache (NB, BS, Hkv, D) uint8", arrays)
 
 
+cdef int64_t _check_attention(str op, dict arrays, sliding_window) except? -1:
+    """paged_attention's checks shared by the f32 and fp8 caches (arrays holds out, q, k_cache,
+    block_tables, seq_lens, query_start_loc; the caches' own dtype and shape checks come first).
+    Returns the sliding window, 0 for none."""
+    _check(op, arrays, "out", (_F32,), 3, True)
+    _check(op, arrays, "q", (_F32,), 3)
+    _check(op, arrays, "block_tables", (_I32,), 2)
+    _check(op, arrays, "seq_lens", (_I32,), 1)
+    _check(op, arrays, "query_start_loc", (_I32,), 1)
+    out, q, k_cache = arrays["out"], arrays["q"], arrays["k_cache"]
+    B = arrays["seq_lens"].shape[0]
+    Hkv = k_cache.shape[2]
+    if out.shape != q.shape:
+        _fail(op, "out must have q's shape (T, Hq, D)", arrays)
+    if Hkv <= 0 or q.shape[1] % Hkv:
+        _fail(op, "Hq must be a multiple of Hkv", arrays)
+    if arrays["block_tables"].shape[0] != B or arrays["query_start_loc"].shape[0] != B + 1:
+        _fail(op, "need block_tables (B, MB), seq_lens (B,), query_start_loc (B+1,)", arrays)
+    if sliding_window is None:
+        return 0
+    if sliding_window < 0:
+        _fail(op, f"sliding_window must be >= 0, got {sliding_window}", arrays)
+    return sliding_window
+
+
 cdef inline void* _ptr(cnp.ndarray a):
     return cnp.PyArray_DATA(a)
 
@@ -513,30 +538,16 @@ cdef class CpuBackend(Backend):
         arrays = {"out": out, "q": q, "k_cache": k_cache, "v_cache": v_cache,
                   "block_tables": block_tables, "seq_lens": seq_lens,
                   "query_start_loc": query_start_loc}
-        _check(op, arrays, "out", (_F32,), 3, True)
         _check(op, arrays, "q", (_F32,), 3)
         _check(op, arrays, "k_cache", (_F32,), 4)
         _check(op, arrays, "v_cache", (_F32,), 4)
-        _check(op, arrays, "block_tables", (_I32,), 2)
-        _check(op, arrays, "seq_lens", (_I32,), 1)
-        _check(op, arrays, "query_start_loc", (_I32,), 1)
+        if v_cache.shape != k_cache.shape or k_cache.shape[3] != q.shape[2]:
+            _fail(op, "need k_cache, v_cache (NB, BS, Hkv, D) with q's D", arrays)
+        cdef int64_t sw = _check_attention(op, arrays, sliding_window)
         cdef int64_t T = q.shape[0], Hq = q.shape[1], D = q.shape[2]
         cdef int64_t NB = k_cache.shape[0], BS = k_cache.shape[1], Hkv = k_cache.shape[2]
         cdef int64_t B = seq_lens.shape[0], MB = block_tables.shape[1]
-        if out.shape != q.shape:
-            _fail(op, "out must have q's shape (T, Hq, D)", arrays)
-        if v_cache.shape != k_cache.shape or k_cache.shape[3] != D:
-            _fail(op, "need k_cache, v_cache (NB, BS, Hkv, D) with q's D", arrays)
-        if Hkv <= 0 or Hq % Hkv:
-            _fail(op, "Hq must be a multiple of Hkv", arrays)
-        if block_tables.shape[0] != B or query_start_loc.shape[0] != B + 1:
-            _fail(op, "need block_tables (B, MB), seq_lens (B,), query_start_loc (B+1,)", arrays)
-        if sliding_window is None:
-            sliding_window = 0
-        if sliding_window < 0:
-            _fail(op, f"sliding_window must be >= 0, got {sliding_window}", arrays)
         cdef float sc = scale
-        cdef int64_t sw = sliding_window
         cdef float* outp = <float*>_ptr(out)
         cdef const float* qp = <const float*>_ptr(q)
         cdef const float* kcp = <const float*>_ptr(k_cache)
@@ -582,28 +593,14 @@ cdef class CpuBackend(Backend):
         arrays = {"out": out, "q": q, "k_cache": k_cache, "v_cache": v_cache,
                   "block_tables": block_tables, "seq_lens": seq_lens,
                   "query_start_loc": query_start_loc, "k_scale": k_scale, "v_scale": v_scale}
-        _check(op, arrays, "out", (_F32,), 3, True)
         _check(op, arrays, "q", (_F32,), 3)
         _check(op, arrays, "k_cache", (_U8,), 4)
-        _check(op, arrays, "block_tables", (_I32,), 2)
-        _check(op, arrays, "seq_lens", (_I32,), 1)
-        _check(op, arrays, "query_start_loc", (_I32,), 1)
+        _check_fp8_cache(op, arrays, k_cache.shape[2], q.shape[2], False)
+        cdef int64_t sw = _check_attention(op, arrays, sliding_window)
         cdef int64_t T = q.shape[0], Hq = q.shape[1], D = q.shape[2]
         cdef int64_t NB = k_cache.shape[0], BS = k_cache.shape[1], Hkv = k_cache.shape[2]
         cdef int64_t B = seq_lens.shape[0], MB = block_tables.shape[1]
-        _check_fp8_cache(op, arrays, Hkv, D, False)
-        if out.shape != q.shape:
-            _fail(op, "out must have q's shape (T, Hq, D)", arrays)
-        if Hkv <= 0 or Hq % Hkv:
-            _fail(op, "Hq must be a multiple of Hkv", arrays)
-        if block_tables.shape[0] != B or query_start_loc.shape[0] != B + 1:
-            _fail(op, "need block_tables (B, MB), seq_lens (B,), query_start_loc (B+1,)", arrays)
-        if sliding_window is None:
-            sliding_window = 0
-        if sliding_window < 0:
-            _fail(op, f"sliding_window must be >= 0, got {sliding_window}", arrays)
         cdef float sc = scale
-        cdef int64_t sw = sliding_window
         cdef float* outp = <float*>_ptr(out)
         cdef const float* qp = <const float*>_ptr(q)
         cdef const uint8_t* kcp = <const uint8_t*>_ptr(k_cache)
