@@ -1,0 +1,202 @@
+// Elementwise ops, all computed in float and stored in the activation dtype:
+//   silu_and_mul / gelu_tanh_and_mul: out[t, i] = act(x[t, i]) * x[t, I + i]
+//     silu(g) = g / (1 + expf(-g)) (expf, not __expf, to stay close to the CPU reference);
+//     gelu_tanh(g) = 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))), PyTorch's
+//     gelu(approximate='tanh');
+//   softcap: x = cap * tanh(x / cap), in place (Gemma-2 logit soft-capping, F32 logits too);
+//   add_bias: out[t, n] += bias[n], in place.
+//
+// Grid-stride loops over 16-byte packs (8 bf16/f16 or 4 f32 per load and store) when the row
+// length is a multiple of the pack and the pointers are 16-byte aligned (the launcher checks the
+// pointer values), else over single elements. The row ops use a 2D grid, rows on y and packs on
+// x, so no thread divides a flat index by the row length.
+#include "common.cuh"
+
+namespace {
+
+// N elements loaded or stored with one instruction (16 bytes on the vector path).
+template <typename T, int N>
+struct alignas(sizeof(T) * N) Pack {
+    T v[N];
+};
+
+// N floats: float4 loads when N is a multiple of 4 (the launcher checked the alignment).
+template <int N>
+__device__ __forceinline__ void load_f32(const float* p, float (&w)[N]) {
+    if constexpr (N % 4 == 0) {
+#pragma unroll
+        for (int j = 0; j < N; j += 4) {
+            const float4 f = *reinterpret_cast<const float4*>(p + j);
+            w[j] = f.x, w[j + 1] = f.y, w[j + 2] = f.z, w[j + 3] = f.w;
+        }
+    } else {
+#pragma unroll
+        for (int j = 0; j < N; j++) w[j] = p[j];
+    }
+}
+
+struct Silu {
+    __device__ __forceinline__ float operator()(float g) const { return g / (1.0f + expf(-g)); }
+};
+
+struct GeluTanh {
+    __device__ __forceinline__ float operator()(float g) const {
+        const float kBeta = 0.7978845608028654f;  // sqrt(2 / pi)
+        const float kKappa = 0.044715f;
+        return 0.5f * g * (1.0f + tanhf(kBeta * (g + kKappa * g * g * g)));
+    }
+};
+
+// ---- kernels
+
+template <typename T, int N, typename Act>
+__global__ void act_and_mul_kernel(const T* __restrict__ x,  // (T, 2I)
+                                   T* __restrict__ out,      // (T, I)
+                                   int64_t T_, int64_t I) {
+    using V = Pack<T, N>;
+    const int64_t np = I / N, stride = (int64_t)gridDim.x * blockDim.x;
+    for (int64_t t = blockIdx.y; t < T_; t += gridDim.y) {
+        const T* g = x + t * 2 * I;
+        T* o = out + t * I;
+        for (int64_t p = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; p < np; p += stride) {
+            const V a = *reinterpret_cast<const V*>(g + p * N);
+            const V b = *reinterpret_cast<const V*>(g + I + p * N);
+            V y;
+#pragma unroll
+            for (int j = 0; j < N; j++)
+                y.v[j] = taper::from_float<T>(Act()(taper::to_float(a.v[j])) *
+                                              taper::to_float(b.v[j]));
+            *reinterpret_cast<V*>(o + p * N) = y;
+        }
+    }
+}
+
+template <typename T, int N>
+__global__ void softcap_kernel(T* __restrict__ x,  // (n,) viewed as (np, N)
+                               int64_t np, float cap) {
+    using V = Pack<T, N>;
+    const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+    for (int64_t p = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; p < np; p += stride) {
+        V v = reinterpret_cast<V*>(x)[p];
+#pragma unroll
+        for (int j = 0; j < N; j++)
+            v.v[j] = taper::from_float<T>(cap * tanhf(taper::to_float(v.v[j]) / cap));
+        reinterpret_cast<V*>(x)[p] = v;
+    }
+}
+
+template <typename T, int N>
+__global__ void add_bias_kernel(T* __restrict__ out,               // (T, Nc)
+                                const float* __restrict__ bias,    // (Nc,)
+                                int64_t T_, int64_t Nc) {
+    using V = Pack<T, N>;
+    const int64_t np = Nc / N, stride = (int64_t)gridDim.x * blockDim.x;
+    for (int64_t t = blockIdx.y; t < T_; t += gridDim.y) {
+        V* o = reinterpret_cast<V*>(out + t * Nc);
+        for (int64_t p = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; p < np; p += stride) {
+            V v = o[p];
+            float b[N];
+            load_f32<N>(bias + p * N, b);
+#pragma unroll
+            for (int j = 0; j < N; j++)
+                v.v[j] = taper::from_float<T>(taper::to_float(v.v[j]) + b[j]);
+            o[p] = v;
+        }
+    }
+}
+
+// ---- launchers
+
+bool aligned16(const void* p) { return ((uintptr_t)p & 15) == 0; }
+
+// 256 threads: eight warps per block is enough to hide latency with several blocks resident
+// per SM, and a row of Llama-3-8B's MLP (14336 bf16 = 1792 packs) still spreads over 7 blocks.
+constexpr int kThreads = 256;
+
+// A 2D grid for row ops: packs on x, rows on y (y is capped at 65535 by the hardware; the
+// kernels' grid-stride loop over rows covers the rest).
+dim3 row_grid(int64_t rows, int64_t packs) {
+    const int64_t y = rows < 65535 ? rows : 65535;
+    return dim3((unsigned)taper::ceil_div(packs, kThreads), (unsigned)y);
+}
+
+template <typename T, typename Act>
+void launch_act_and_mul(const void* x, void* out, int64_t T_, int64_t I, cudaStream_t s) {
+    constexpr int V = 16 / sizeof(T);
+    if (I % V == 0 && aligned16(x) && aligned16(out))
+        act_and_mul_kernel<T, V, Act><<<row_grid(T_, I / V), kThreads, 0, s>>>(
+            (const T*)x, (T*)out, T_, I);
+    else
+        act_and_mul_kernel<T, 1, Act><<<row_grid(T_, I), kThreads, 0, s>>>(
+            (const T*)x, (T*)out, T_, I);
+}
+
+template <typename T>
+void launch_softcap(void* x, int64_t n, float cap, cudaStream_t s) {
+    constexpr int V = 16 / sizeof(T);
+    const bool vec = n % V == 0 && aligned16(x);
+    const int64_t np = vec ? n / V : n;
+    // The grid-stride loop covers any n; 2^20 blocks is far more than fill the device.
+    int64_t blocks = taper::ceil_div(np, kThreads);
+    if (blocks > (1 << 20)) blocks = 1 << 20;
+    if (vec)
+        softcap_kernel<T, V><<<(unsigned)blocks, kThreads, 0, s>>>((T*)x, np, cap);
+    else
+        softcap_kernel<T, 1><<<(unsigned)blocks, kThreads, 0, s>>>((T*)x, np, cap);
+}
+
+template <typename T>
+void launch_add_bias(void* out, const float* bias, int64_t T_, int64_t Nc, cudaStream_t s) {
+    constexpr int V = 16 / sizeof(T);
+    if (Nc % V == 0 && aligned16(out) && aligned16(bias))
+        add_bias_kernel<T, V><<<row_grid(T_, Nc / V), kThreads, 0, s>>>((T*)out, bias, T_, Nc);
+    else
+        add_bias_kernel<T, 1><<<row_grid(T_, Nc), kThreads, 0, s>>>((T*)out, bias, T_, Nc);
+}
+
+// Rows of up to 2^31 elements keep the x grid within its limit.
+bool bad_rows(int64_t T, int64_t n) { return T < 0 || n < 0 || n > INT32_MAX; }
+
+}  // namespace
+
+extern "C" int taper_cuda_silu_and_mul(const void* x,  // (T, 2I) dtype
+                                       void* out,      // (T, I) dtype
+                                       int64_t T, int64_t I, int dtype, taper_stream_t stream) {
+    if (bad_rows(T, I)) return TAPER_CUDA_ERR_ARG;
+    if (T == 0 || I == 0) return TAPER_CUDA_OK;
+    TAPER_DISPATCH_DTYPE(dtype, scalar_t,
+                         launch_act_and_mul<scalar_t, Silu>(x, out, T, I, (cudaStream_t)stream));
+    return taper::launch_status();
+}
+
+extern "C" int taper_cuda_gelu_tanh_and_mul(const void* x,  // (T, 2I) dtype
+                                            void* out,      // (T, I) dtype
+                                            int64_t T, int64_t I, int dtype,
+                                            taper_stream_t stream) {
+    if (bad_rows(T, I)) return TAPER_CUDA_ERR_ARG;
+    if (T == 0 || I == 0) return TAPER_CUDA_OK;
+    TAPER_DISPATCH_DTYPE(dtype, scalar_t,
+                         launch_act_and_mul<scalar_t, GeluTanh>(x, out, T, I,
+                                                                (cudaStream_t)stream));
+    return taper::launch_status();
+}
+
+// cap must be positive: 0 (the attention kernels' "off") would turn every value into NaN or 0.
+extern "C" int taper_cuda_softcap(void* x,  // (n,) dtype
+                                  int64_t n, float cap, int dtype, taper_stream_t stream) {
+    if (n < 0 || !(cap > 0.f)) return TAPER_CUDA_ERR_ARG;
+    if (n == 0) return TAPER_CUDA_OK;
+    TAPER_DISPATCH_DTYPE(dtype, scalar_t,
+                         launch_softcap<scalar_t>(x, n, cap, (cudaStream_t)stream));
+    return taper::launch_status();
+}
+
+extern "C" int taper_cuda_add_bias(void* out,          // (T, N) dtype
+                                   const float* bias,  // (N,)
+                                   int64_t T, int64_t N, int dtype, taper_stream_t stream) {
+    if (bad_rows(T, N)) return TAPER_CUDA_ERR_ARG;
+    if (T == 0 || N == 0) return TAPER_CUDA_OK;
+    TAPER_DISPATCH_DTYPE(dtype, scalar_t,
+                         launch_add_bias<scalar_t>(out, bias, T, N, (cudaStream_t)stream));
+    return taper::launch_status();
+}

@@ -1,0 +1,166 @@
+// RMSNorm and fused residual-add + RMSNorm: out = x / sqrt(mean(x^2) + eps) * weight, computed
+// in float as the CPU kernel writes it (x * (1 / sqrtf(ss / H + eps)) * w), stored in dtype.
+//
+// One block per row makes two passes: the first sums squares into a float and reduces them over
+// the block (block_sum), the second re-reads the row (an L1/L2 hit: DRAM sees each byte once)
+// and writes the normalized values. The trick is the access unit: when the row is a multiple of
+// 16 bytes and every pointer is 16-byte aligned (the launcher checks the pointer values), each
+// thread moves a 16-byte pack of 8 bf16/f16 or 4 f32 per load and store; otherwise one element.
+//
+// The fused kernel stores residual + x rounded to dtype and takes the norm of that rounded value,
+// so the next layer sees exactly the residual that is stored (vLLM does the same). x and out may
+// be the same buffer: each thread reads an element before writing that element only.
+#include "common.cuh"
+
+namespace {
+
+// N elements loaded or stored with one instruction (16 bytes on the vector path).
+template <typename T, int N>
+struct alignas(sizeof(T) * N) Pack {
+    T v[N];
+};
+
+// Weights for one pack: float4 loads when N is a multiple of 4 (the pointer is then aligned).
+template <int N>
+__device__ __forceinline__ void load_weights(const float* p, float (&w)[N]) {
+    if constexpr (N % 4 == 0) {
+#pragma unroll
+        for (int j = 0; j < N; j += 4) {
+            const float4 f = *reinterpret_cast<const float4*>(p + j);
+            w[j] = f.x, w[j + 1] = f.y, w[j + 2] = f.z, w[j + 3] = f.w;
+        }
+    } else {
+#pragma unroll
+        for (int j = 0; j < N; j++) w[j] = p[j];
+    }
+}
+
+// ---- kernels
+
+template <typename T, int N>
+__global__ void rms_norm_kernel(const T* x,                        // (T, H)
+                                const float* __restrict__ weight,  // (H,)
+                                T* out,                            // (T, H)
+                                int H, float eps) {
+    using P = Pack<T, N>;
+    __shared__ float scratch[32];
+    const P* xr = reinterpret_cast<const P*>(x + (int64_t)blockIdx.x * H);
+    P* o = reinterpret_cast<P*>(out + (int64_t)blockIdx.x * H);
+    const int np = H / N;
+    float ss = 0.f;
+    for (int p = threadIdx.x; p < np; p += blockDim.x) {
+        const P v = xr[p];
+#pragma unroll
+        for (int j = 0; j < N; j++) {
+            const float f = taper::to_float(v.v[j]);
+            ss += f * f;
+        }
+    }
+    const float r = 1.0f / sqrtf(taper::block_sum(ss, scratch) / (float)H + eps);
+    for (int p = threadIdx.x; p < np; p += blockDim.x) {
+        const P v = xr[p];
+        float w[N];
+        load_weights<N>(weight + p * N, w);
+        P y;
+#pragma unroll
+        for (int j = 0; j < N; j++)
+            y.v[j] = taper::from_float<T>(taper::to_float(v.v[j]) * r * w[j]);
+        o[p] = y;
+    }
+}
+
+template <typename T, int N>
+__global__ void fused_add_rms_norm_kernel(T* x,                              // (T, H)
+                                          T* residual,                       // (T, H)
+                                          const float* __restrict__ weight,  // (H,)
+                                          int H, float eps) {
+    using P = Pack<T, N>;
+    __shared__ float scratch[32];
+    P* xr = reinterpret_cast<P*>(x + (int64_t)blockIdx.x * H);
+    P* rr = reinterpret_cast<P*>(residual + (int64_t)blockIdx.x * H);
+    const int np = H / N;
+    float ss = 0.f;
+    for (int p = threadIdx.x; p < np; p += blockDim.x) {
+        const P a = xr[p], b = rr[p];
+        P s;
+#pragma unroll
+        for (int j = 0; j < N; j++) {
+            s.v[j] = taper::from_float<T>(taper::to_float(b.v[j]) + taper::to_float(a.v[j]));
+            const float f = taper::to_float(s.v[j]);  // the rounded, stored value
+            ss += f * f;
+        }
+        rr[p] = s;
+    }
+    const float r = 1.0f / sqrtf(taper::block_sum(ss, scratch) / (float)H + eps);
+    for (int p = threadIdx.x; p < np; p += blockDim.x) {
+        const P s = rr[p];  // written by this same thread in the first pass
+        float w[N];
+        load_weights<N>(weight + p * N, w);
+        P y;
+#pragma unroll
+        for (int j = 0; j < N; j++)
+            y.v[j] = taper::from_float<T>(taper::to_float(s.v[j]) * r * w[j]);
+        xr[p] = y;
+    }
+}
+
+// ---- launchers
+
+bool aligned16(const void* p) { return ((uintptr_t)p & 15) == 0; }
+
+// One thread per pack up to 512 (a 4096-wide bf16 row is 512 packs), so a row's loads are all in
+// flight at once; the cap keeps four blocks resident per SM. Multiples of 32 keep every warp
+// whole for block_sum's full-mask shuffles.
+int norm_threads(int np) { return np >= 512 ? 512 : (int)taper::ceil_div(np, 32) * 32; }
+
+template <typename T>
+void launch_rms_norm(const void* x, const float* weight, void* out, int64_t T_, int H, float eps,
+                     cudaStream_t s) {
+    constexpr int V = 16 / sizeof(T);
+    if (H % V == 0 && aligned16(x) && aligned16(weight) && aligned16(out))
+        rms_norm_kernel<T, V><<<(unsigned)T_, norm_threads(H / V), 0, s>>>(
+            (const T*)x, weight, (T*)out, H, eps);
+    else
+        rms_norm_kernel<T, 1><<<(unsigned)T_, norm_threads(H), 0, s>>>(
+            (const T*)x, weight, (T*)out, H, eps);
+}
+
+template <typename T>
+void launch_fused_add_rms_norm(void* x, void* residual, const float* weight, int64_t T_, int H,
+                               float eps, cudaStream_t s) {
+    constexpr int V = 16 / sizeof(T);
+    if (H % V == 0 && aligned16(x) && aligned16(residual) && aligned16(weight))
+        fused_add_rms_norm_kernel<T, V><<<(unsigned)T_, norm_threads(H / V), 0, s>>>(
+            (T*)x, (T*)residual, weight, H, eps);
+    else
+        fused_add_rms_norm_kernel<T, 1><<<(unsigned)T_, norm_threads(H), 0, s>>>(
+            (T*)x, (T*)residual, weight, H, eps);
+}
+
+}  // namespace
+
+extern "C" int taper_cuda_rms_norm(const void* x,        // (T, H) dtype
+                                   const float* weight,  // (H,)
+                                   void* out,            // (T, H) dtype
+                                   int64_t T, int64_t H, float eps, int dtype,
+                                   taper_stream_t stream) {
+    if (T < 0 || H < 0 || T > INT32_MAX || H > INT32_MAX) return TAPER_CUDA_ERR_ARG;
+    if (T == 0 || H == 0) return TAPER_CUDA_OK;
+    TAPER_DISPATCH_DTYPE(dtype, scalar_t,
+                         launch_rms_norm<scalar_t>(x, weight, out, T, (int)H, eps,
+                                                   (cudaStream_t)stream));
+    return taper::launch_status();
+}
+
+extern "C" int taper_cuda_fused_add_rms_norm(void* x,              // (T, H) dtype
+                                             void* residual,       // (T, H) dtype
+                                             const float* weight,  // (H,)
+                                             int64_t T, int64_t H, float eps, int dtype,
+                                             taper_stream_t stream) {
+    if (T < 0 || H < 0 || T > INT32_MAX || H > INT32_MAX) return TAPER_CUDA_ERR_ARG;
+    if (T == 0 || H == 0) return TAPER_CUDA_OK;
+    TAPER_DISPATCH_DTYPE(dtype, scalar_t,
+                         launch_fused_add_rms_norm<scalar_t>(x, residual, weight, T, (int)H, eps,
+                                                             (cudaStream_t)stream));
+    return taper::launch_status();
+}

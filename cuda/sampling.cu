@@ -1,0 +1,415 @@
+// Sampling on the device (logits float32, one row per sequence): greedy argmax, Gumbel-max
+// sampling with the CPU backend's counter-based RNG, the sparse penalty update, and the
+// temperature / top-k / top-p / min-p filter (engine/sampler.py's semantics, DESIGN.md section 5).
+//
+// The trick, for argmax and Gumbel-max: one block per row, each thread strides over the row keeping
+// its best (value, index), and a block reduction keeps the larger value and, on ties, the lower
+// index; that order is total, so the result is the serial scan's whatever the schedule. Gumbel
+// draws are Philox4x32-10 counted by (v, position) under the row's seed, so every value equals the
+// CPU's (up to the last ulp of the device `log`), and a thread skips Philox and both logs for a
+// token whose logit plus the largest possible Gumbel draw cannot beat its best (exact).
+//
+// The trick, for the filter: every filter keeps the logits >= a per-row threshold, and each
+// threshold is found by bisection over the order-preserving uint32 encoding of float32 (a key),
+// one bit per pass from the top: top-k takes the largest key with count(key >= K) >= k, top-p the
+// largest key with sum(exp(x - max), key >= K) >= top_p * sum(exp(x - max)), both as block
+// reductions over the row (read from L2 after the first pass). Bits where the row's smallest and
+// largest keys agree are decided without a pass. Counts are integers and the double sums use a
+// fixed reduction tree, so the result is deterministic; the top-p threshold equals the CPU's
+// (a cumulative sum over the candidates sorted descending, then searchsorted) up to the rounding
+// of the different summation order, which can only matter when the mass of a prefix lands within
+// a few ulps of top_p * Z.
+//
+// Semantics at the edges, the serial scans of pyx/cpu_kernels.c row_argmax:
+// - argmax: NaN never wins; a NaN in column 0 gives 0 (the scan's first element sticks); an
+//   all -inf row gives 0. (The CPU scans chunks of 8192 and a NaN at a chunk start hides that
+//   chunk's other values; the device follows the one-chunk scan.)
+// - Gumbel: -inf logits are skipped; if the first logit that is not -inf is NaN its index is
+//   returned (the scan's first draw sticks), other NaNs never win; a row of all -inf gives 0.
+// - filter: as NumPy's comparisons: NaN is never masked; the row max is NumPy's (NaN if any NaN)
+//   replaced by 0 when not finite; np.partition orders NaN above +inf, so a k-th largest that is
+//   NaN disables the masking of that row (the CPU's result is undefined there).
+// Float arithmetic that NumPy does in separate steps uses the __f*_rn intrinsics, which nvcc never
+// contracts into an FMA.
+#include <math.h>
+
+#include "common.cuh"
+
+namespace {
+
+constexpr int kRowThreads = 1024;      // argmax, Gumbel and filter: one block per row
+constexpr int kPenaltyThreads = 256;   // apply_penalties: one thread per entry
+
+constexpr uint32_t kPhiloxM0 = 0xD2511F53u;
+constexpr uint32_t kPhiloxM1 = 0xCD9E8D57u;
+constexpr uint32_t kPhiloxW0 = 0x9E3779B9u;
+constexpr uint32_t kPhiloxW1 = 0xBB67AE85u;
+
+// The largest Gumbel draw is -log(-log((2^32 - 0.5) / 2^32)) = 22.8737...; 22.88 bounds it with a
+// margin far above the device log's 1-ulp error, so the skip test stays exact.
+constexpr double kGumbelBound = 22.88;
+
+constexpr uint32_t kNanKey = 0xFFFFFFFFu;  // every NaN: above +inf, as np.partition orders it
+
+// ---- helpers
+
+// First word of Philox4x32-10 (Salmon et al. 2011) on counter (c0, c1, c2, c3), key (k0, k1):
+// the CPU's philox10 with the 32x32->64 products split into lo (mul) and hi (__umulhi).
+__device__ __forceinline__ uint32_t philox_x0(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3,
+                                              uint32_t k0, uint32_t k1) {
+#pragma unroll
+    for (int r = 0; r < 10; r++) {
+        if (r) { k0 += kPhiloxW0; k1 += kPhiloxW1; }
+        const uint32_t hi0 = __umulhi(kPhiloxM0, c0), lo0 = kPhiloxM0 * c0;
+        const uint32_t hi1 = __umulhi(kPhiloxM1, c2), lo1 = kPhiloxM1 * c2;
+        const uint32_t n0 = hi1 ^ c1 ^ k0;
+        const uint32_t n2 = hi0 ^ c3 ^ k1;
+        c0 = n0; c1 = lo1; c2 = n2; c3 = lo0;
+    }
+    return c0;
+}
+
+// Order-preserving key of a float32: x < y <=> key(x) < key(y) for non-NaN x, y. -0 is mapped to
+// +0 (they compare equal) and every NaN to kNanKey.
+__device__ __forceinline__ uint32_t float_key(float x) {
+    if (isnan(x)) return kNanKey;
+    uint32_t b = __float_as_uint(x);
+    if ((b << 1) == 0u) b = 0u;  // -0 -> +0, on the bits so no optimisation can drop it
+    return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+
+__device__ __forceinline__ float key_float(uint32_t k) {
+    return __uint_as_float((k & 0x80000000u) ? (k & 0x7FFFFFFFu) : ~k);
+}
+
+// np.maximum: NaN if either is NaN.
+__device__ __forceinline__ float np_maximum(float a, float b) {
+    if (isnan(a) || isnan(b)) return __int_as_float(0x7FC00000);
+    return a > b ? a : b;
+}
+
+// (val, idx) is better than (bv, bi): a valid index, then the larger value, then the lower index.
+// A total order, so the block result does not depend on the reduction's shape.
+__device__ __forceinline__ void take_better(double& bv, int& bi, double val, int idx) {
+    if (idx >= 0 && (bi < 0 || val > bv || (val == bv && idx < bi))) { bv = val; bi = idx; }
+}
+
+// Block reductions for blockDim.x == kRowThreads (32 warps); every thread gets the result. The
+// butterfly leaves the same value in every lane (IEEE addition commutes), so the double sum is
+// the same fixed tree on every run. The leading barrier protects `scratch` from the previous call.
+__device__ __forceinline__ uint32_t block_count(uint32_t v, uint32_t* scratch) {
+    v = __reduce_add_sync(0xffffffffu, v);
+    __syncthreads();
+    if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = v;
+    __syncthreads();
+    return __reduce_add_sync(0xffffffffu, scratch[threadIdx.x & 31]);
+}
+
+__device__ __forceinline__ uint32_t block_min_u32(uint32_t v, uint32_t* scratch) {
+    v = __reduce_min_sync(0xffffffffu, v);
+    __syncthreads();
+    if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = v;
+    __syncthreads();
+    return __reduce_min_sync(0xffffffffu, scratch[threadIdx.x & 31]);
+}
+
+__device__ __forceinline__ uint32_t block_max_u32(uint32_t v, uint32_t* scratch) {
+    v = __reduce_max_sync(0xffffffffu, v);
+    __syncthreads();
+    if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = v;
+    __syncthreads();
+    return __reduce_max_sync(0xffffffffu, scratch[threadIdx.x & 31]);
+}
+
+__device__ __forceinline__ double warp_sum_f64(double v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ double block_sum_f64(double v, double* scratch) {
+    v = warp_sum_f64(v);
+    __syncthreads();
+    if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = v;
+    __syncthreads();
+    return warp_sum_f64(scratch[threadIdx.x & 31]);
+}
+
+// Number of row elements with key >= c (NaN counts, as the largest key).
+__device__ __forceinline__ uint32_t count_key_ge(const float* row, int n, uint32_t c,
+                                                 uint32_t* scratch) {
+    uint32_t cnt = 0;
+    for (int v = threadIdx.x; v < n; v += kRowThreads) cnt += float_key(row[v]) >= c;
+    return block_count(cnt, scratch);
+}
+
+// sum of expf(x - m) in double over the top-p set (x >= thr, so never NaN) with key(x) >= c. Each
+// term is float32, as NumPy's np.exp(cand - rowmax) is, and is accumulated in double.
+__device__ __forceinline__ double mass_key_ge(const float* row, int n, float thr, float m,
+                                               uint32_t c, double* scratch) {
+    double s = 0.0;
+    for (int v = threadIdx.x; v < n; v += kRowThreads) {
+        const float x = row[v];
+        if (x >= thr && float_key(x) >= c) s += (double)expf(__fsub_rn(x, m));
+    }
+    return block_sum_f64(s, scratch);
+}
+
+// ---- kernels
+
+// One block per row: out[b] = the row's argmax, or its Gumbel-max sample with key seeds[b] and
+// counter (v, positions[b]). GUMBEL is a template flag so argmax carries no Philox code.
+template <bool GUMBEL>
+__global__ void __launch_bounds__(kRowThreads)
+row_argmax_kernel(const float* __restrict__ logits,       // (B, V)
+                  const uint64_t* __restrict__ seeds,     // (B,), GUMBEL only
+                  const int64_t* __restrict__ positions,  // (B,), GUMBEL only
+                  int64_t* __restrict__ out,              // (B,)
+                  int64_t V) {
+    __shared__ double s_val[32];
+    __shared__ int s_idx[32];
+    __shared__ uint32_t s_first[32];
+    const int64_t b = blockIdx.x;
+    const float* row = logits + b * V;
+    const int n = (int)V;
+
+    uint32_t k0 = 0, k1 = 0, p0 = 0, p1 = 0;
+    if (GUMBEL) {
+        const uint64_t seed = seeds[b], pos = (uint64_t)positions[b];
+        k0 = (uint32_t)seed; k1 = (uint32_t)(seed >> 32);
+        p0 = (uint32_t)pos; p1 = (uint32_t)(pos >> 32);
+    }
+
+    double best = -INFINITY;
+    int bi = -1;
+    uint32_t first = 0xFFFFFFFFu;  // GUMBEL: this thread's first column whose logit is not -inf
+    for (int v = threadIdx.x; v < n; v += kRowThreads) {
+        const float x = row[v];
+        if (!GUMBEL) {
+            if (!isnan(x) && (bi < 0 || x > best)) { best = x; bi = v; }
+        } else {
+            if (x == -INFINITY) continue;
+            if (first == 0xFFFFFFFFu) first = (uint32_t)v;
+            if (isnan(x)) continue;
+            // Rounding is monotone: x - g <= x + kGumbelBound, so this token cannot beat `best`
+            // (ties go to the lower index, which `best` already has).
+            if (bi >= 0 && (double)x + kGumbelBound <= best) continue;
+            const uint32_t r = philox_x0((uint32_t)v, p0, p1, 0u, k0, k1);
+            const double u = ((double)r + 0.5) * (1.0 / 4294967296.0);
+            const double val = (double)x - log(-log(u));
+            if (bi < 0 || val > best) { best = val; bi = v; }
+        }
+    }
+
+    // Block reduction of (best, bi): butterfly in each warp, then warp 0 over the 32 partials.
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1)
+        take_better(best, bi, __shfl_xor_sync(0xffffffffu, best, o),
+                    __shfl_xor_sync(0xffffffffu, bi, o));
+    if ((threadIdx.x & 31) == 0) { s_val[threadIdx.x >> 5] = best; s_idx[threadIdx.x >> 5] = bi; }
+    if (GUMBEL) first = block_min_u32(first, s_first);  // its barriers order the stores above
+    __syncthreads();
+    if (threadIdx.x >= 32) return;
+    best = s_val[threadIdx.x];
+    bi = s_idx[threadIdx.x];
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1)
+        take_better(best, bi, __shfl_xor_sync(0xffffffffu, best, o),
+                    __shfl_xor_sync(0xffffffffu, bi, o));
+    if (threadIdx.x == 0) {
+        int64_t r = bi < 0 ? 0 : bi;
+        if (!GUMBEL && n > 0 && isnan(row[0])) r = 0;
+        if (GUMBEL && first != 0xFFFFFFFFu && isnan(row[first])) r = first;
+        out[b] = r;
+    }
+}
+
+// One thread per entry; the N (row, col) pairs are distinct, so no two threads touch one logit.
+__global__ void apply_penalties_kernel(float* __restrict__ logits,          // (B, V)
+                                       const int32_t* __restrict__ rows,    // (N,)
+                                       const int32_t* __restrict__ cols,    // (N,)
+                                       const float* __restrict__ bias,      // (N,)
+                                       const float* __restrict__ rep,       // (N,)
+                                       const float* __restrict__ pres_freq, // (N,)
+                                       int64_t B, int64_t V, int64_t N) {
+    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= N) return;
+    const int64_t r = rows[i], c = cols[i];
+    if (r < 0 || r >= B || c < 0 || c >= V) return;  // a bad entry is dropped, never written
+    float* p = logits + r * V + c;
+    float x = __fadd_rn(*p, bias[i]);
+    const float pen = rep[i];
+    if (pen != 1.f) x = x > 0.f ? __fdiv_rn(x, pen) : __fmul_rn(x, pen);
+    *p = __fsub_rn(x, pres_freq[i]);
+}
+
+// One block per row, in place: temperature, then the top-k / top-p / min-p threshold, then the
+// masking pass. Every thread reads back only the columns it wrote in the temperature pass until
+// the block reductions' barriers, so the in-place update needs no extra barrier.
+// Launch bounds (1024, 1): under the default 2-blocks-per-SM target ptxas caps the kernel at 32
+// registers and spills around the expf of the top-p passes; 38 registers and one block of 32 warps
+// per SM keep it spill-free, and 32 warps still keep enough L2 loads in flight.
+__global__ void __launch_bounds__(kRowThreads, 1)
+filter_logits_kernel(float* __restrict__ logits,             // (B, V)
+                     const float* __restrict__ temperature,  // (B,)
+                     const int32_t* __restrict__ top_k,      // (B,)
+                     const float* __restrict__ top_p,        // (B,)
+                     const float* __restrict__ min_p,        // (B,)
+                     int64_t V) {
+    __shared__ uint32_t s_u[32];
+    __shared__ double s_d[32];
+    const int64_t b = blockIdx.x;
+    float* row = logits + b * V;
+    const int n = (int)V;
+
+    const float t = temperature[b];
+    const int32_t k = top_k[b];
+    const float p = top_p[b], mp = min_p[b];
+    const bool scale = t != 1.f;
+    const float div = t < 1e-5f ? 1e-5f : t;  // np.maximum(t, 1e-5): a NaN t stays NaN
+    const bool use_k = k > 0 && (int64_t)k < V;
+    const bool use_p = p < 1.f;
+    const bool use_m = mp > 0.f;
+
+    // Pass 1: temperature, and the row's smallest and largest keys (with and without NaN).
+    uint32_t kmin = kNanKey, kmax = 0, kmax_num = 0;
+    for (int v = threadIdx.x; v < n; v += kRowThreads) {
+        float x = row[v];
+        if (scale) { x = __fdiv_rn(x, div); row[v] = x; }
+        const uint32_t key = float_key(x);
+        kmin = min(kmin, key);
+        kmax = max(kmax, key);
+        if (key != kNanKey) kmax_num = max(kmax_num, key);
+    }
+    if (!(use_k || use_p || use_m)) return;
+    kmin = block_min_u32(kmin, s_u);
+    kmax = block_max_u32(kmax, s_u);
+    kmax_num = block_max_u32(kmax_num, s_u);  // 0 (no float's key) when every value is NaN
+
+    // x.max(axis=1) propagates NaN; the sampler replaces a non-finite max (NaN, +-inf) by 0.
+    const float maxnum = key_float(kmax_num);
+    const float m = (kmax == kNanKey || !isfinite(maxnum)) ? 0.f : maxnum;
+
+    float thr = -INFINITY;
+    if (use_k) {
+        // The largest key K with count(key >= K) >= k: the k-th largest, ties counted. Candidates
+        // <= kmin count all V >= k elements, those > kmax none, so those bits need no pass. The
+        // branch conditions are the same in every thread, so the reductions are reached by all.
+        uint32_t K = 0;
+        for (int bit = 31; bit >= 0; bit--) {
+            const uint32_t c = K | (1u << bit);
+            bool ok;
+            if (c <= kmin) ok = true;
+            else if (c > kmax) ok = false;
+            else ok = count_key_ge(row, n, c, s_u) >= (uint32_t)k;
+            if (ok) K = c;
+        }
+        thr = key_float(K);  // NaN when the k-th largest is NaN: no masking, as thr > -inf fails
+    }
+    if (use_p && !isnan(thr) && kmax_num != 0) {
+        // The set: x >= thr (all non-NaN values without top-k), its keys in [lo, kmax_num]. The
+        // threshold is the largest key K <= kmax_num with S(K) = mass(key >= K) >= top_p * Z: the
+        // CPU's cand[searchsorted(cum, top_p * Z)], the whole tie group of that value counted, and
+        // the set's max when top_p * Z <= 0. For K <= lo, S(K) is Z itself (the same terms in the
+        // same order), so those bits need no pass. When Z >= top_p * Z fails (only 0 * inf = NaN),
+        // the CPU clamps to the set's smallest value, which moves no threshold: thr stays.
+        const uint32_t lo = max(kmin, float_key(thr));
+        const double Z = mass_key_ge(row, n, thr, m, 0u, s_d);
+        const double target = (double)p * Z;
+        if (Z >= target) {
+            uint32_t K = 0;
+            for (int bit = 31; bit >= 0; bit--) {
+                const uint32_t c = K | (1u << bit);
+                bool ok;
+                if (c <= lo) ok = true;
+                else if (c > kmax_num) ok = false;
+                else ok = mass_key_ge(row, n, thr, m, c, s_d) >= target;
+                if (ok) K = c;
+            }
+            thr = np_maximum(thr, key_float(K));
+        }
+    }
+    if (use_m) {
+        // min-p: prob < min_p * max prob <=> logit < max + log(min_p), log in double then float32.
+        thr = np_maximum(thr, __fadd_rn(m, (float)log((double)mp)));
+    }
+    if (!(thr > -INFINITY)) return;
+    // x += log(x >= thr), as the CPU's _mask_below does: 0 keeps x, -inf drops it, NaN stays NaN.
+    for (int v = threadIdx.x; v < n; v += kRowThreads) {
+        const float x = row[v];
+        row[v] = __fadd_rn(x, x >= thr ? 0.f : -INFINITY);
+    }
+}
+
+// Shared argument check for the row kernels: one block per row (B fits the grid) and int columns.
+int check_rows(int64_t B, int64_t V) {
+    if (B < 0 || V < 0 || B > INT32_MAX || V > INT32_MAX) return TAPER_CUDA_ERR_ARG;
+    return TAPER_CUDA_OK;
+}
+
+}  // namespace
+
+// ---- launchers
+
+extern "C" int taper_cuda_argmax(const float* logits,  // (B, V)
+                                 int64_t* out,         // (B,)
+                                 int64_t B, int64_t V, taper_stream_t stream) {
+    if (check_rows(B, V)) return TAPER_CUDA_ERR_ARG;
+    if (B == 0) return TAPER_CUDA_OK;
+    if (!out || (V > 0 && !logits)) return TAPER_CUDA_ERR_ARG;
+    // 1024 threads per row: a batch-1 row of 150k logits is one block, so it uses the widest block
+    // to cover the row in about 150 coalesced loads per thread.
+    row_argmax_kernel<false><<<(unsigned)B, kRowThreads, 0, (cudaStream_t)stream>>>(
+        logits, nullptr, nullptr, out, V);
+    return taper::launch_status();
+}
+
+extern "C" int taper_cuda_gumbel_sample(const float* logits,       // (B, V)
+                                        const uint64_t* seeds,     // (B,)
+                                        const int64_t* positions,  // (B,)
+                                        int64_t* out,              // (B,)
+                                        int64_t B, int64_t V, taper_stream_t stream) {
+    if (check_rows(B, V)) return TAPER_CUDA_ERR_ARG;
+    if (B == 0) return TAPER_CUDA_OK;
+    if (!out || !seeds || !positions || (V > 0 && !logits)) return TAPER_CUDA_ERR_ARG;
+    // 1024 threads per row, as argmax: the double-precision logs of the Gumbel draws are the
+    // cost, and the widest block spreads them over all of an SM's FP64 units.
+    row_argmax_kernel<true><<<(unsigned)B, kRowThreads, 0, (cudaStream_t)stream>>>(
+        logits, seeds, positions, out, V);
+    return taper::launch_status();
+}
+
+extern "C" int taper_cuda_apply_penalties(float* logits,          // (B, V)
+                                          const int32_t* rows,    // (N,)
+                                          const int32_t* cols,    // (N,)
+                                          const float* bias,      // (N,)
+                                          const float* rep,       // (N,)
+                                          const float* pres_freq, // (N,)
+                                          int64_t B, int64_t V, int64_t N,
+                                          taper_stream_t stream) {
+    if (B < 0 || V < 0 || N < 0) return TAPER_CUDA_ERR_ARG;
+    if (N == 0 || B == 0 || V == 0) return TAPER_CUDA_OK;
+    if (!logits || !rows || !cols || !bias || !rep || !pres_freq) return TAPER_CUDA_ERR_ARG;
+    const int64_t grid = taper::ceil_div(N, kPenaltyThreads);
+    if (grid > INT32_MAX) return TAPER_CUDA_ERR_ARG;
+    // 256 threads per block: one scattered load and store per thread, no reuse, any size works.
+    apply_penalties_kernel<<<(unsigned)grid, kPenaltyThreads, 0, (cudaStream_t)stream>>>(
+        logits, rows, cols, bias, rep, pres_freq, B, V, N);
+    return taper::launch_status();
+}
+
+extern "C" int taper_cuda_filter_logits(float* logits,             // (B, V)
+                                        const float* temperature,  // (B,)
+                                        const int32_t* top_k,      // (B,)
+                                        const float* top_p,        // (B,)
+                                        const float* min_p,        // (B,)
+                                        int64_t B, int64_t V, taper_stream_t stream) {
+    if (check_rows(B, V)) return TAPER_CUDA_ERR_ARG;
+    if (B == 0 || V == 0) return TAPER_CUDA_OK;
+    if (!logits || !temperature || !top_k || !top_p || !min_p) return TAPER_CUDA_ERR_ARG;
+    // 1024 threads per row: the bisection passes re-read the row (600 KB at V = 150k, resident in
+    // L2 after the first pass), and the widest block keeps the most loads in flight on one SM.
+    filter_logits_kernel<<<(unsigned)B, kRowThreads, 0, (cudaStream_t)stream>>>(
+        logits, temperature, top_k, top_p, min_p, V);
+    return taper::launch_status();
+}

@@ -1,0 +1,193 @@
+/* Taper CUDA kernels: the C ABI behind pyx/cuda_backend.pyx (DESIGN.md section 2).
+ *
+ * Every launcher takes device pointers, sizes, a workspace where it needs one and a stream, and
+ * returns an int status: 0, TAPER_CUDA_ERR_ARG for arguments it cannot run with, or the
+ * cudaError_t of the launch. Launchers never allocate, never synchronize and keep no state, so
+ * every one of them can be captured in a CUDA Graph. Shapes are validated in Cython first; the
+ * launchers re-check only what a bad call would turn into an out-of-bounds access.
+ *
+ * Element types: `dtype` is the activation type, TAPER_DT_F32, TAPER_DT_BF16 or TAPER_DT_F16
+ * (float accumulation everywhere). Vectors that the CPU backend keeps in float32 (norm weights,
+ * biases, the RoPE cos/sin cache, FP8 scales, logits) are float32 here too. `cache_dtype` is the
+ * KV cache's element type: the activation type, or TAPER_DT_FP8 (OCP e4m3 codes with one float
+ * scale per KV head, DESIGN.md section 5).
+ *
+ * Shapes: T tokens, B sequences, H hidden, Hq / Hkv query / KV heads, D head dim, I intermediate,
+ * NB blocks, BS block size, MB max blocks per sequence, V vocabulary.
+ */
+#ifndef TAPER_CUDA_H
+#define TAPER_CUDA_H
+
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct CUstream_st* taper_stream_t;  /* a cudaStream_t, without the runtime header */
+
+#define TAPER_CUDA_OK 0
+#define TAPER_CUDA_ERR_ARG -1   /* sizes or a variant the launcher cannot run */
+
+#define TAPER_DT_F32 0
+#define TAPER_DT_BF16 1
+#define TAPER_DT_F16 2
+#define TAPER_DT_FP8 3          /* KV cache only: e4m3fn codes, one byte each */
+
+/* ---- runtime helpers (no device needed to call them) */
+
+/* Number of visible devices; 0 (never an error) without a driver or a device. */
+int taper_cuda_device_count(void);
+/* cudaGetErrorString of a status, or a sentence for TAPER_CUDA_ERR_ARG. */
+const char* taper_cuda_error_string(int status);
+
+/* ---- embedding.cu */
+
+int taper_cuda_embedding(const int32_t* token_ids,  // (T,)
+                         const void* table,         // (V, H) dtype
+                         void* out,                 // (T, H) dtype
+                         int64_t T, int64_t V, int64_t H, int dtype, taper_stream_t stream);
+
+/* ---- norm.cu */
+
+int taper_cuda_rms_norm(const void* x,        // (T, H) dtype
+                        const float* weight,  // (H,)
+                        void* out,            // (T, H) dtype
+                        int64_t T, int64_t H, float eps, int dtype, taper_stream_t stream);
+
+/* residual += x (kept in dtype); x = rms_norm(residual) * weight. */
+int taper_cuda_fused_add_rms_norm(void* x,              // (T, H) dtype
+                                  void* residual,       // (T, H) dtype
+                                  const float* weight,  // (H,)
+                                  int64_t T, int64_t H, float eps, int dtype,
+                                  taper_stream_t stream);
+
+/* ---- rotary.cu: in place on the first rot_dim dims of every head (the CPU op's contract) */
+
+int taper_cuda_rotary_embedding(const int32_t* positions,    // (T,)
+                                void* q,                     // (T, Hq, D) dtype
+                                void* k,                     // (T, Hkv, D) dtype
+                                const float* cos_sin_cache,  // (max_pos, rot_dim)
+                                int64_t T, int64_t Hq, int64_t Hkv, int64_t D, int64_t rot_dim,
+                                int64_t max_pos, int is_neox, int dtype, taper_stream_t stream);
+
+/* ---- activation.cu */
+
+/* out = act(x[:, :I]) * x[:, I:], act = silu or gelu(tanh approximation). */
+int taper_cuda_silu_and_mul(const void* x,  // (T, 2I) dtype
+                            void* out,      // (T, I) dtype
+                            int64_t T, int64_t I, int dtype, taper_stream_t stream);
+int taper_cuda_gelu_tanh_and_mul(const void* x,  // (T, 2I) dtype
+                                 void* out,      // (T, I) dtype
+                                 int64_t T, int64_t I, int dtype, taper_stream_t stream);
+
+/* In place x = cap * tanh(x / cap) (Gemma-2 logit soft-capping); dtype may be F32 (logits). */
+int taper_cuda_softcap(void* x,  // (n,) dtype
+                       int64_t n, float cap, int dtype, taper_stream_t stream);
+
+/* In place out[t, n] += bias[n]; out may be F32 (logits) or the activation dtype. */
+int taper_cuda_add_bias(void* out,          // (T, N) dtype
+                        const float* bias,  // (N,)
+                        int64_t T, int64_t N, int dtype, taper_stream_t stream);
+
+/* ---- kv_cache.cu: cache.flat_slot[slot_mapping[t]] = kv[t]; slot -1 skipped. FP8 stores
+ * e4m3(x / scale[h]), round to nearest even, saturated to +-448, NaN kept. */
+
+int taper_cuda_reshape_and_cache(const void* k,               // (T, Hkv, D) dtype
+                                 const void* v,               // (T, Hkv, D) dtype
+                                 void* k_cache,               // (NB, BS, Hkv, D) cache_dtype
+                                 void* v_cache,               // (NB, BS, Hkv, D) cache_dtype
+                                 const int32_t* slot_mapping, // (T,)
+                                 const float* k_scale,        // (Hkv,), FP8 only, else NULL
+                                 const float* v_scale,        // (Hkv,), FP8 only, else NULL
+                                 int64_t T, int64_t Hkv, int64_t D, int64_t NB, int64_t BS,
+                                 int dtype, int cache_dtype, taper_stream_t stream);
+
+/* ---- attention_decode.cu: one query token per sequence (T == B).
+ * Causal over the sequence's whole context, sliding_window 0 = off, softcap 0 = off. A KV head's
+ * query group shares each K/V load. num_splits > 1 cuts long contexts into that many partitions
+ * whose partial softmax results go to the workspace and are merged by a second kernel; 1 is the
+ * simple one-pass kernel (the reference). Head sizes 64, 80, 96, 128, 256 are compiled for
+ * speed; any other D that is a multiple of 8 up to 256 runs a generic loop. */
+
+/* Bytes of workspace the decode launcher needs for (B, Hq, D, num_splits); 0 for num_splits 1. */
+int64_t taper_cuda_decode_workspace_bytes(int64_t B, int64_t Hq, int64_t D, int num_splits);
+
+/* The partition count the engine uses: 1 while B * Hkv blocks already fill the device, else
+ * enough partitions of at least 512 keys to reach about two waves of num_sms blocks, at most 64. */
+int taper_cuda_decode_num_splits(int64_t B, int64_t Hkv, int64_t max_seq_len, int num_sms);
+
+int taper_cuda_paged_attention_decode(void* out,                   // (B, Hq, D) dtype
+                                      const void* q,               // (B, Hq, D) dtype
+                                      const void* k_cache,         // (NB, BS, Hkv, D)
+                                      const void* v_cache,         // (NB, BS, Hkv, D)
+                                      const float* k_scale,        // (Hkv,) FP8, else NULL
+                                      const float* v_scale,        // (Hkv,) FP8, else NULL
+                                      const int32_t* block_tables, // (B, MB)
+                                      const int32_t* seq_lens,     // (B,)
+                                      int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t NB,
+                                      int64_t BS, int64_t MB, float scale, int64_t sliding_window,
+                                      float softcap, int dtype, int cache_dtype, int num_splits,
+                                      void* workspace, int64_t workspace_bytes,
+                                      taper_stream_t stream);
+
+/* ---- attention_prefill.cu: any mix of prefill chunks and decode rows (the CPU op's contract:
+ * row i of sequence b sits at position seq_lens[b] - (query_start_loc[b+1] - i)).
+ * variant 0: the simple kernel (reference; one warp per (row, head), online softmax).
+ * variant 1: flash-style tensor-core (mma.sync m16n8k16) kernel for sm80+, bf16/f16, D in
+ * {64, 128}; other inputs return TAPER_CUDA_ERR_ARG (the caller falls back to variant 0). */
+
+int taper_cuda_paged_attention_prefill(void* out,                      // (T, Hq, D) dtype
+                                       const void* q,                  // (T, Hq, D) dtype
+                                       const void* k_cache,            // (NB, BS, Hkv, D)
+                                       const void* v_cache,            // (NB, BS, Hkv, D)
+                                       const float* k_scale,           // (Hkv,) FP8, else NULL
+                                       const float* v_scale,           // (Hkv,) FP8, else NULL
+                                       const int32_t* block_tables,    // (B, MB)
+                                       const int32_t* seq_lens,        // (B,)
+                                       const int32_t* query_start_loc, // (B+1,)
+                                       int64_t T, int64_t B, int64_t Hq, int64_t Hkv, int64_t D,
+                                       int64_t NB, int64_t BS, int64_t MB, float scale,
+                                       int64_t sliding_window, float softcap, int dtype,
+                                       int cache_dtype, int variant, taper_stream_t stream);
+
+/* ---- sampling.cu (logits float32). Randomness is the CPU backend's exactly (DESIGN.md 5):
+ * Philox4x32-10 with counter (v, pos_lo, pos_hi, 0), key (seed_lo, seed_hi); u = (x0 + 0.5) / 2^32
+ * in double; Gumbel-max value logit - log(-log(u)) in double; lowest index wins ties. */
+
+int taper_cuda_argmax(const float* logits,  // (B, V)
+                      int64_t* out,         // (B,)
+                      int64_t B, int64_t V, taper_stream_t stream);
+
+int taper_cuda_gumbel_sample(const float* logits,       // (B, V)
+                             const uint64_t* seeds,     // (B,)
+                             const int64_t* positions,  // (B,)
+                             int64_t* out,              // (B,)
+                             int64_t B, int64_t V, taper_stream_t stream);
+
+/* For each of N distinct (row, col) entries, in vLLM's order:
+ * x = logits[row, col] + bias; x = x > 0 ? x / rep : x * rep; x -= pres_freq. */
+int taper_cuda_apply_penalties(float* logits,         // (B, V)
+                               const int32_t* rows,   // (N,)
+                               const int32_t* cols,   // (N,)
+                               const float* bias,     // (N,) logit_bias sum, -inf masks a token
+                               const float* rep,      // (N,) repetition penalty, 1 = none
+                               const float* pres_freq,// (N,) presence + frequency * count
+                               int64_t B, int64_t V, int64_t N, taper_stream_t stream);
+
+/* In place, per row: x /= max(temperature, 1e-5) when temperature != 1; then every token below
+ * the row's threshold becomes -inf. The threshold is the largest of: the k-th largest value
+ * (top_k in (0, V)), the logit of the last token of the smallest most-likely set holding top_p of
+ * the mass of the top-k survivors (top_p < 1), and max + log(min_p) (min_p > 0). */
+int taper_cuda_filter_logits(float* logits,             // (B, V)
+                             const float* temperature,  // (B,)
+                             const int32_t* top_k,      // (B,) 0 = off
+                             const float* top_p,        // (B,) 1 = off
+                             const float* min_p,        // (B,) 0 = off
+                             int64_t B, int64_t V, taper_stream_t stream);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif
