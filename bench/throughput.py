@@ -1,5 +1,6 @@
 """Offline throughput: Taper's CPU engine vs llama.cpp on the same random Qwen2.5-0.5B weights.
 
+    python -m bench.throughput --backend cuda [--batch 1 16 64] [--disable-cuda-graph]
     python -m bench.throughput [--dtype f32 bf16] [--quant q8_0 q4_k_m isq-q4k ...]
         [--llama | --no-llama] [--prompt-len 128] [--gen-len 64] [--batch 1 16] [--reps N]
         [--wait-quiet S] [--llama-threads N ...] [--linear-probe] [--json out.json]
@@ -528,7 +529,19 @@ def main(argv=None):
                     help="also time Taper's linear op alone on the model's shapes at each batch "
                          "(with --quant: the quantized types, per ISA)")
     ap.add_argument("--json", help="also write the results to this file")
+    ap.add_argument("--backend", default="cpu", choices=["cpu", "cuda"],
+                    help="cuda: Llama-3-8B-shaped random bf16 weights made on the GPU, batches "
+                         "1 16 64 by default (bench/gpu_throughput.py)")
+    ap.add_argument("--disable-cuda-graph", action="store_true", help="with --backend cuda")
     args = ap.parse_args(argv)
+    if args.backend == "cuda":
+        from bench import gpu_throughput
+        rows = gpu_throughput.run(args.batch or (1, 16, 64), args.prompt_len, args.gen_len,
+                                  cuda_graph=not args.disable_cuda_graph)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=1)
+        return
     if args.llama is None:
         args.llama = importlib.util.find_spec("llama_cpp") is not None
     if args.dtype is None:

@@ -9,7 +9,9 @@ class EngineConfig:
     model: str                           # a local directory or a Hugging Face hub id
     weight_file: str | None = None       # a GGUF file: a path, or a name in `model` (dir or hub)
     dtype: str = "auto"                  # auto (the checkpoint's) | f32 | bf16 | f16
-    backend: str = "cpu"
+    backend: str = "cpu"                 # cpu | cuda
+    device: int = 0                      # the CUDA device index
+    cuda_graph: bool = True              # capture decode steps in CUDA graphs (CUDA backend)
     block_size: int = 16                 # tokens per KV block, a power of two in [8, 128]
     num_kv_blocks: int | None = None     # explicit pool size; else from the two below
     kv_cache_memory_mb: int | None = None  # KV pool size in MB; wins over kv_fraction
@@ -29,6 +31,10 @@ class EngineConfig:
     def __post_init__(self):
         if self.block_size < 8 or self.block_size > 128 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two in [8, 128], got {self.block_size}")
+        if self.backend not in ("cpu", "cuda"):
+            raise ValueError(f"backend must be cpu or cuda, got {self.backend!r}")
+        if self.device < 0:
+            raise ValueError(f"device must be >= 0, got {self.device}")
         if self.dtype not in ("auto", "f32", "bf16", "f16", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, f32, bf16 or f16, got {self.dtype!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens"):

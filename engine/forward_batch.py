@@ -1,7 +1,7 @@
 """The flat arrays one forward call sees (DESIGN.md section 5: batch arrays)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 
@@ -23,3 +23,7 @@ class ForwardBatch:
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens)
+
+    def map(self, fn) -> "ForwardBatch":
+        """The same batch with fn applied to every array (e.g. a copy to the device)."""
+        return ForwardBatch(*(fn(getattr(self, f.name)) for f in fields(self)))

@@ -10,6 +10,7 @@ import time
 from threadpoolctl import threadpool_limits
 
 from engine.block_pool import BlockPool
+from engine import cuda_memory
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.loader.hub import resolve_gguf, resolve_model
@@ -27,44 +28,52 @@ from engine.tokenizer import Tokenizer
 log = logging.getLogger("taper.engine")
 
 
-def make_backend(name: str):
+CUDA_ACT_DTYPES = {"auto": "bf16", "bf16": "bf16", "bfloat16": "bf16", "f16": "f16",
+                   "float16": "f16", "f32": "f32", "float32": "f32"}
+
+
+def make_backend(config: EngineConfig):
     # Our OpenMP kernels use every core; NumPy's BLAS must not start a second pool beside them.
     threadpool_limits(limits=1, user_api="blas")
-    if name == "cpu":
+    if config.backend == "cpu":
         from pyx.cpu_backend import CpuBackend
         return CpuBackend()
-    raise ValueError(f"unknown backend {name!r}; this build supports: cpu")
+    if config.backend == "cuda":
+        try:
+            from pyx.cuda_backend import CudaBackend
+        except ImportError as e:
+            raise ValueError("this build of Taper has no CUDA backend (it was installed without "
+                             "nvcc, or with TAPER_CUDA=0); reinstall where nvcc is on PATH") from e
+        return CudaBackend(dtype=CUDA_ACT_DTYPES[config.dtype], device=config.device)
+    raise ValueError(f"unknown backend {config.backend!r}: cpu or cuda")
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, loaded=None):
+        """loaded: (backend, model, model_config) built by the caller (benchmarks that generate
+        weights on the device) instead of loading config.model; there is no tokenizer then."""
         self.config = config
-        self.backend = make_backend(config.backend)
-        load_args = dict(dtype=config.dtype, yarn_scaling_factor=config.yarn_scaling_factor,
-                         isq=config.isq)
-        if config.weight_file:
-            path = resolve_gguf(config.model, config.weight_file)
-            self.model_dir = os.path.dirname(os.path.abspath(path))
-            self.model, self.model_config, self.tokenizer = load_gguf_model(
-                path, self.backend, **load_args)
+        if loaded is not None:
+            self.backend, self.model, self.model_config = loaded
+            self.model_dir, self.tokenizer = None, None
         else:
-            self.model_dir = resolve_model(config.model)
-            self.model, self.model_config = load_model(self.model_dir, self.backend, **load_args)
-            self.tokenizer = Tokenizer.try_from_pretrained(self.model_dir)
+            self._load()
         if config.tokenizer:        # an explicit tokenizer wins (a GGUF's own may be missing)
             self.tokenizer = Tokenizer.try_from_pretrained(config.tokenizer)
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None:
             self.eos_token_ids |= self.tokenizer.eos_token_ids
 
-        if config.kv_cache_dtype not in ("auto", "fp8"):
-            raise ValueError(f"a {config.kv_cache_dtype} KV cache is not yet supported on the "
-                             f"{config.backend} backend (its KV cache is f32, or fp8)")
+        kv_dtype = self.backend.kv_cache_dtype(config.kv_cache_dtype)
         if config.kv_cache_dtype == "fp8":
             log.info("FP8 (e4m3) KV cache with %s", "the checkpoint's k/v scales"
                      if getattr(self.model, "kv_scales_from_checkpoint", False)
                      else "scale 1.0 (the checkpoint has no k_scale/v_scale)")
-        num_blocks = config.num_kv_blocks or self._num_kv_blocks()
+        on_gpu = config.backend == "cuda"
+        if on_gpu:
+            cuda_memory.profile_forward(self.model, self.backend, config.max_num_batched_tokens,
+                                        config.max_num_seqs, config.block_size)
+        num_blocks = config.num_kv_blocks or self._num_kv_blocks(kv_dtype)
         max_cached = (None if config.prefix_cache_max_tokens is None
                       else config.prefix_cache_max_tokens // config.block_size)
         self.block_pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching,
@@ -81,12 +90,61 @@ class LLMEngine:
         self.num_generation_tokens = 0
         log.info("KV cache: %d blocks of %d tokens; max model length %d", num_blocks,
                  config.block_size, self.max_model_len)
+        if on_gpu:
+            cuda_memory.log_pool(num_blocks, config.block_size,
+                                 ModelRunner.kv_bytes_per_block(self.model_config,
+                                                                config.block_size, kv_dtype),
+                                 self.max_model_len, config.max_num_seqs)
+            self.backend.max_context = self.max_model_len
+            if config.cuda_graph:
+                self._capture_cuda_graphs()
 
-    def _num_kv_blocks(self) -> int:
-        """Blocks in the KV budget: --mem MB, else --kv-fraction of the memory left after loading
-        the weights, else 1 GiB."""
+    def _load(self):
         config = self.config
-        if config.kv_cache_memory_mb is not None:
+        if config.backend == "cuda" and (config.isq or config.weight_file):
+            raise ValueError("GGUF files and --isq run on the CPU backend only for now: "
+                             "quantized CUDA kernels are not yet supported")
+        self.backend = make_backend(config)
+        load_args = dict(dtype=config.dtype, yarn_scaling_factor=config.yarn_scaling_factor,
+                         isq=config.isq)
+        if config.weight_file:
+            path = resolve_gguf(config.model, config.weight_file)
+            self.model_dir = os.path.dirname(os.path.abspath(path))
+            self.model, self.model_config, self.tokenizer = load_gguf_model(
+                path, self.backend, **load_args)
+        else:
+            self.model_dir = resolve_model(config.model)
+            self.model, self.model_config = load_model(self.model_dir, self.backend, **load_args)
+            self.tokenizer = Tokenizer.try_from_pretrained(self.model_dir)
+
+    def _capture_cuda_graphs(self):
+        from engine.cuda_graph import CudaGraphRunner
+        bs = self.config.block_size
+        runner = CudaGraphRunner(self.model, self.backend, self.runner.kv_caches,
+                                 self.config.max_num_seqs, -(-self.max_model_len // bs))
+        start = time.monotonic()
+        runner.capture()
+        self.runner.graph_runner = runner
+        log.info("CUDA graphs: captured decode for batch sizes %s in %.1f s, %.0f MiB",
+                 runner.sizes, time.monotonic() - start, runner.graph_memory_bytes / 2**20)
+
+    def _num_kv_blocks(self, kv_dtype) -> int:
+        """Blocks in the KV budget: --mem MB, else --kv-fraction of the memory left after loading
+        the weights (on a GPU: after activations and CUDA graphs too), else 1 GiB on the CPU."""
+        config = self.config
+        per_block = ModelRunner.kv_bytes_per_block(self.model_config, config.block_size, kv_dtype)
+        if config.backend == "cuda":
+            self.backend.xp.get_default_memory_pool().free_all_blocks()
+            free, _ = self.backend.memory_info()
+            reserved = 0
+            if config.cuda_graph:
+                from engine.cuda_graph import estimate_graph_memory_bytes
+                reserved = estimate_graph_memory_bytes(
+                    config.max_num_seqs, -(-self.model_config.max_model_len // config.block_size),
+                    self.model_config)
+            budget, what = cuda_memory.kv_budget_bytes(free, reserved, config.kv_fraction,
+                                                       config.kv_cache_memory_mb)
+        elif config.kv_cache_memory_mb is not None:
             budget, what = config.kv_cache_memory_mb * 2**20, f"{config.kv_cache_memory_mb} MB"
         elif config.kv_fraction is not None:
             available = mem_available_bytes()
@@ -97,8 +155,7 @@ class LLMEngine:
             what = f"{config.kv_fraction:g} of {available / 2**30:.1f} GiB free"
         else:
             budget, what = 1024 * 2**20, "the default 1024 MB"
-        num_blocks = budget // ModelRunner.kv_bytes_per_block(self.model_config, config.block_size,
-                                                              config.kv_cache_dtype)
+        num_blocks = budget // per_block
         if num_blocks < 1:
             raise ValueError(f"the KV cache budget ({what}) holds no block")
         return num_blocks
@@ -169,6 +226,7 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if not sched.seqs:
             return []
+        self.backend.bind_thread()   # CUDA: this thread's current device and stream
         try:
             logits = self.runner.execute(sched)
             sampled = [seq for seq, last in zip(sched.seqs, sched.sample) if last]

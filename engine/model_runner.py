@@ -7,8 +7,9 @@ from engine.forward_batch import ForwardBatch
 from engine.scheduler import SchedulerOutput
 
 
-# KV cache element type per EngineConfig.kv_cache_dtype: fp8 is OCP e4m3 codes (uint8) with the
-# model's per-layer, per-KV-head scales (DESIGN.md section 5).
+# KV cache element type per EngineConfig.kv_cache_dtype on the CPU: fp8 is OCP e4m3 codes (uint8)
+# with the model's per-layer, per-KV-head scales (DESIGN.md section 5). Other backends name their
+# own through `backend.kv_cache_dtype(kind)`.
 KV_CACHE_DTYPES = {"auto": np.float32, "fp8": np.uint8}
 
 
@@ -20,15 +21,19 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         shape = model.kv_cache_shape(num_blocks, block_size)
-        dtype = KV_CACHE_DTYPES[kv_cache_dtype]
-        self.kv_caches = [(np.zeros(shape, dtype), np.zeros(shape, dtype))
+        dtype = backend.kv_cache_dtype(kv_cache_dtype)
+        xp = backend.xp
+        self.kv_caches = [(xp.zeros(shape, dtype), xp.zeros(shape, dtype))
                           for _ in range(model_config.num_hidden_layers)]
+        self.graph_runner = None      # a CudaGraphRunner once decode graphs are captured
         self.num_forward_calls = 0    # counted for tests and metrics
         self.num_forward_tokens = 0
 
     @staticmethod
-    def kv_bytes_per_block(model_config, block_size: int, kv_cache_dtype: str = "auto") -> int:
-        itemsize = np.dtype(KV_CACHE_DTYPES[kv_cache_dtype]).itemsize  # f32: 4, fp8: 1
+    def kv_bytes_per_block(model_config, block_size: int, kv_cache_dtype="auto") -> int:
+        """kv_cache_dtype: a CPU kind ("auto", "fp8") or an element dtype."""
+        dtype = KV_CACHE_DTYPES[kv_cache_dtype] if isinstance(kv_cache_dtype, str) else kv_cache_dtype
+        itemsize = np.dtype(dtype).itemsize  # f32: 4, bf16/f16: 2, fp8: 1
         per_token = 2 * model_config.num_key_value_heads * model_config.head_dim * itemsize  # K+V
         return per_token * block_size * model_config.num_hidden_layers
 
@@ -64,8 +69,11 @@ class ModelRunner:
                             block_tables, np.asarray(logits_indices, np.int32))
 
     def execute(self, sched: SchedulerOutput):
-        """One forward call; returns the logits (S, V) of the sequences that sample this step."""
+        """One forward call; returns the logits (S, V) of the sequences that sample this step
+        (on the backend's device). Pure decode steps replay a captured CUDA graph when one fits."""
         batch = self.prepare(sched)
         self.num_forward_calls += 1
         self.num_forward_tokens += batch.num_tokens
-        return self.model.forward(batch, self.kv_caches)
+        if self.graph_runner is not None and self.graph_runner.can_run(batch):
+            return self.graph_runner.run(batch)
+        return self.model.forward(batch.map(self.backend.asarray), self.kv_caches)

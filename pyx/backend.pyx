@@ -1,13 +1,31 @@
 """The op table every backend implements (DESIGN.md section 2).
 
 Tensors are NumPy arrays on the CPU backend and CuPy arrays on the CUDA backend, C-contiguous.
-Activations are float32. Weights may be float32, bfloat16 (ml_dtypes.bfloat16) or float16 and are
-read in their stored dtype. Every op writes into caller-given buffers (`out`, or in place where
+The shapes and dtypes below are the CPU backend's: activations float32, weights float32,
+bfloat16 (ml_dtypes.bfloat16) or float16 read in their stored dtype. The CUDA backend
+(pyx/cuda_backend.pyx) takes activations and weight matrices in its `act_dtype` (bf16, f16 or
+f32) and everything else as here. Every op writes into caller-given buffers (`out`, or in place where
 said), allocates nothing on the hot path and returns None. A bad shape or dtype raises ValueError
 naming the op and the shapes. No op silently falls back to another implementation.
 
 Shapes: T tokens in the step, B sequences, H hidden size, D head dim, Hq/Hkv query/KV heads,
-NB blocks, BS block size, MB max blocks per sequence, V vocabulary.
+NB blocks, BS block size, MB max blocks per sequence, V vocabulary, N penalty entries.
+
+Besides the ops, every backend has these members, so that code above it (layers, the sampler) is
+written once:
+  xp         the array module of its tensors: numpy (CPU) or cupy (CUDA).
+  act_dtype  the activation dtype: numpy.float32 on the CPU.
+  asarray(a) a host NumPy array as this backend's array: `a` itself on the CPU, a device copy on
+             CUDA (small per-step arrays: token ids, sampling parameters, penalty entries).
+  to_host(a) this backend's array as a NumPy array: `a` itself on the CPU, a copy on CUDA (which
+             waits for the work that writes it).
+  place_weight(a)       a checkpoint tensor as the graph keeps it: as loaded on the CPU; on CUDA
+                        matrices in act_dtype and vectors in float32, on the device.
+  kv_cache_dtype(kind)  the KV cache element type for EngineConfig.kv_cache_dtype ("auto",
+                        "fp8": uint8 e4m3 codes, ...); ValueError for one the backend lacks.
+  bind_thread()         makes the backend usable from the calling thread (CUDA: its device and
+                        stream become current there); the engine calls it each step.
+  synchronize()         waits for all queued work.
 """
 
 
@@ -40,8 +58,27 @@ cdef class Backend:
         else interleaved pairs (x[2i], x[2i+1])."""
         raise NotImplementedError
 
+    def asarray(self, a):
+        """Host array -> this backend's array (see the module docstring)."""
+        raise NotImplementedError
+
+    def to_host(self, a):
+        """This backend's array -> NumPy array (see the module docstring)."""
+        raise NotImplementedError
+
     def silu_and_mul(self, x, out):
         """out = silu(x[:, :I]) * x[:, I:].  x (T, 2I) f32; out (T, I) f32."""
+        raise NotImplementedError
+
+    def gelu_tanh_and_mul(self, x, out):
+        """out = gelu_tanh(x[:, :I]) * x[:, I:] (GeGLU, Gemma), with
+        gelu_tanh(g) = 0.5 * g * (1 + tanh(sqrt(2/pi) * (g + 0.044715 * g^3))).
+        x (T, 2I) f32; out (T, I) f32."""
+        raise NotImplementedError
+
+    def softcap(self, x, cap):
+        """In place x = cap * tanh(x / cap) (Gemma-2 soft-capping of final logits).
+        x (T, N) f32; cap a float > 0 (ValueError otherwise)."""
         raise NotImplementedError
 
     def reshape_and_cache(self, k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None):
@@ -55,7 +92,7 @@ cdef class Backend:
         raise NotImplementedError
 
     def paged_attention(self, out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                        scale, sliding_window, k_scale=None, v_scale=None):
+                        scale, sliding_window, k_scale=None, v_scale=None, softcap=0.0):
         """Causal attention for a mixed prefill/decode batch over the paged KV cache.
         Sequence b owns query rows [query_start_loc[b], query_start_loc[b+1]); those are its last
         q_len tokens, so row i sits at position p = seq_lens[b] - (query_start_loc[b+1] - i).
@@ -65,11 +102,43 @@ cdef class Backend:
         out, q (T, Hq, D) f32; caches (NB, BS, Hkv, D) f32; block_tables (B, MB) int32;
         seq_lens (B,) int32; query_start_loc (B+1,) int32.
         FP8 cache: uint8 e4m3 caches with k_scale, v_scale (Hkv,) f32 (as reshape_and_cache);
-        K/V of KV head h are read back as decode(code) * k_scale[h] (v_scale[h])."""
+        K/V of KV head h are read back as decode(code) * k_scale[h] (v_scale[h]).
+        softcap > 0 (Gemma-2): each scaled score s = scale * q.k becomes softcap * tanh(s / softcap)
+        before the causal mask and the softmax; 0 = off, and then the results are bit-identical
+        to the op without the option. A negative or non-finite softcap is a ValueError."""
         raise NotImplementedError
 
     def argmax(self, logits, out):
         """out[b] = argmax(logits[b]), lowest index on ties.  logits (B, V) f32; out (B,) int64."""
+        raise NotImplementedError
+
+    def apply_penalties(self, logits, rows, cols, bias, rep, pres_freq):
+        """In place, for each of N distinct (row, col) = (rows[n], cols[n]) entries, in float32:
+            x = logits[row, col] + bias[n]
+            x = x / rep[n] if x > 0 else x * rep[n]      (skipped where rep[n] == 1)
+            x = x - pres_freq[n]
+            logits[row, col] = x
+        This is vLLM's order (logit_bias, min_tokens mask, repetition, presence/frequency) with the
+        sampler's per-token terms merged into one entry: bias = the logit_bias sum, -inf for a
+        token min_tokens forbids, -0.0 for none (x + -0.0 == x exactly); rep = the repetition
+        penalty of a token in the prompt or the output, else 1; pres_freq = presence +
+        frequency * count over the output, else 0.
+        logits (B, V) f32; rows, cols (N,) int32; bias, rep, pres_freq (N,) f32. Entries must lie
+        inside (B, V) and be distinct; the CPU backend checks both (ValueError)."""
+        raise NotImplementedError
+
+    def filter_logits(self, logits, temperature, top_k, top_p, min_p):
+        """In place, per row b, on the penalised logits of a sampled (non-greedy) row:
+        1. temperature: x /= max(temperature[b], 1e-5) where temperature[b] != 1.
+        2. A threshold, the largest of those that apply (-inf when none):
+           top_k[b] in (0, V): the k-th largest value (ties with it are kept);
+           top_p[b] < 1: the value of the last token of the smallest most-likely set of tokens
+             whose probability mass reaches top_p[b] of the mass of the top-k survivors (all
+             tokens without top-k); at least one token is always kept;
+           min_p[b] > 0: max(x) + log(min_p[b])  (prob < min_p * max prob).
+        3. Every x < threshold becomes -inf (one pass); kept values are left exactly as scaled.
+        logits (B, V) f32; temperature (B,) f32; top_k (B,) int32 (0 = off); top_p (B,) f32 in
+        (0, 1] (1 = off); min_p (B,) f32 in [0, 1] (0 = off)."""
         raise NotImplementedError
 
     def gumbel_sample(self, logits, seeds, positions, out):

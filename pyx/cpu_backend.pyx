@@ -2,16 +2,21 @@
 
 Every op validates dtypes, shapes and contiguity here (ValueError naming the op and the shapes),
 then calls one C kernel inside `with nogil:` and turns a nonzero status into an exception.
+The two sampling ops on logits, `apply_penalties` and `filter_logits`, are NumPy code in
+pyx/cpu_sampling.py (sparse, data-dependent work that NumPy's sorts and partitions do well).
 `linear` has three ISA paths (scalar, avx2, avx512) picked at construction: the `isa` argument,
 else the TAPER_CPU_ISA environment variable, else the best the CPU supports.
 """
 import os
+
+import math
 
 import numpy as np
 cimport numpy as cnp
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t
 
 from pyx.backend cimport Backend
+from pyx import cpu_sampling
 
 cnp.import_array()
 
@@ -38,6 +43,9 @@ cdef extern from "cpu_kernels.h" nogil:
                                int64_t D, int64_t rot_dim, int64_t max_pos, int is_neox,
                                int nthreads)
     int taper_silu_and_mul(int isa, const float* x, float* out, int64_t T, int64_t inter, int nthreads)
+    int taper_gelu_tanh_and_mul(int isa, const float* x, float* out, int64_t T, int64_t inter,
+                                int nthreads)
+    int taper_softcap(int isa, float* x, int64_t n, float cap, int nthreads)
     int taper_reshape_and_cache(const float* k, const float* v, float* k_cache, float* v_cache,
                                 const int32_t* slot_mapping, int64_t T, int64_t Hkv, int64_t D,
                                 int64_t NB, int64_t BS, int nthreads)
@@ -46,7 +54,7 @@ cdef extern from "cpu_kernels.h" nogil:
                               const int32_t* seq_lens, const int32_t* query_start_loc, int64_t T,
                               int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t NB,
                               int64_t BS, int64_t MB, float scale, int64_t sliding_window,
-                              int nthreads)
+                              float softcap, int nthreads)
     int taper_reshape_and_cache_fp8(const float* k, const float* v, uint8_t* k_cache,
                                     uint8_t* v_cache, const float* k_scale, const float* v_scale,
                                     const int32_t* slot_mapping, int64_t T, int64_t Hkv, int64_t D,
@@ -57,7 +65,7 @@ cdef extern from "cpu_kernels.h" nogil:
                                   const int32_t* seq_lens, const int32_t* query_start_loc,
                                   int64_t T, int64_t B, int64_t Hq, int64_t Hkv, int64_t D,
                                   int64_t NB, int64_t BS, int64_t MB, float scale,
-                                  int64_t sliding_window, int nthreads)
+                                  int64_t sliding_window, float softcap, int nthreads)
     int taper_argmax(const float* logits, int64_t* out, int64_t B, int64_t V, int nthreads)
     int taper_gumbel_sample(const float* logits, const uint64_t* seeds, const int64_t* positions,
                             int64_t* out, int64_t B, int64_t V, int nthreads)
@@ -254,6 +262,14 @@ cdef int64_t _check_attention(str op, dict arrays, sliding_window) except? -1:
     return sliding_window
 
 
+cdef float _check_softcap(str op, dict arrays, softcap) except? -1:
+    """paged_attention's softcap: a finite float >= 0 (0 = off)."""
+    cdef double sc = 0.0 if softcap is None else float(softcap)
+    if not (sc >= 0.0 and math.isfinite(sc)):
+        _fail(op, f"softcap must be a finite number >= 0, got {softcap!r}", arrays)
+    return <float>sc
+
+
 cdef inline void* _ptr(cnp.ndarray a):
     return cnp.PyArray_DATA(a)
 
@@ -281,6 +297,9 @@ cdef class CpuBackend(Backend):
     """
     cdef int _isa
     cdef int _nthreads
+
+    xp = np                  # the array module of this backend's tensors
+    act_dtype = np.float32   # activations are float32 here
 
     def __init__(self, isa=None, num_threads=None):
         Backend.__init__(self, "cpu")
@@ -315,6 +334,33 @@ cdef class CpuBackend(Backend):
 
     def __repr__(self):
         return f"CpuBackend(isa={self.isa!r}, num_threads={self._nthreads})"
+
+    def asarray(self, a):
+        """Host array -> this backend's array: `a` itself (np.asarray of it when not an ndarray)."""
+        return np.asarray(a)
+
+    def to_host(self, a):
+        """This backend's array -> NumPy: `a` itself."""
+        return np.asarray(a)
+
+    def place_weight(self, a):
+        """Weights stay as loaded: the kernels read f32/bf16/f16 and packed formats directly."""
+        return a
+
+    def kv_cache_dtype(self, str kind):
+        """float32 for "auto", uint8 e4m3 codes for "fp8"."""
+        if kind == "auto":
+            return _F32
+        if kind == "fp8":
+            return _U8
+        raise ValueError(f"a {kind} KV cache is not yet supported on the CPU backend (its KV cache "
+                         "is f32, or fp8)")
+
+    def bind_thread(self):
+        """Nothing to bind: every thread may call the CPU kernels."""
+
+    def synchronize(self):
+        """Every op has finished when it returns."""
 
     def embedding(self, token_ids, table, out):
         op = "embedding"
@@ -500,6 +546,36 @@ cdef class CpuBackend(Backend):
             st = taper_silu_and_mul(self._isa, xp, outp, T, inter, nt)
         _status(st, op, arrays)
 
+    def gelu_tanh_and_mul(self, x, out):
+        op = "gelu_tanh_and_mul"
+        arrays = {"x": x, "out": out}
+        _check(op, arrays, "x", (_F32,), 2)
+        _check(op, arrays, "out", (_F32,), 2, True)
+        cdef int64_t T = x.shape[0], inter = out.shape[1]
+        if x.shape[1] != 2 * inter or out.shape[0] != T:
+            _fail(op, "need x (T, 2I), out (T, I)", arrays)
+        cdef const float* xp = <const float*>_ptr(x)
+        cdef float* outp = <float*>_ptr(out)
+        cdef int nt = self._nthreads, st
+        with nogil:
+            st = taper_gelu_tanh_and_mul(self._isa, xp, outp, T, inter, nt)
+        _status(st, op, arrays)
+
+    def softcap(self, x, cap):
+        op = "softcap"
+        arrays = {"x": x, "cap": cap}
+        _check(op, arrays, "x", (_F32,), 2, True)
+        cdef double c = float(cap)
+        if not (c > 0.0 and math.isfinite(c)):
+            _fail(op, "cap must be a finite number > 0", arrays)
+        cdef int64_t n = x.size
+        cdef float* xp = <float*>_ptr(x)
+        cdef float cf = <float>c
+        cdef int nt = self._nthreads, st
+        with nogil:
+            st = taper_softcap(self._isa, xp, n, cf, nt)
+        _status(st, op, arrays)
+
     def reshape_and_cache(self, k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None):
         if k_scale is not None or v_scale is not None or getattr(k_cache, "dtype", None) == _U8:
             return self._reshape_and_cache_fp8(k, v, k_cache, v_cache, slot_mapping, k_scale,
@@ -529,11 +605,11 @@ cdef class CpuBackend(Backend):
         _status(st, op, arrays)
 
     def paged_attention(self, out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                        scale, sliding_window, k_scale=None, v_scale=None):
+                        scale, sliding_window, k_scale=None, v_scale=None, softcap=0.0):
         if k_scale is not None or v_scale is not None or getattr(k_cache, "dtype", None) == _U8:
             return self._paged_attention_fp8(out, q, k_cache, v_cache, block_tables, seq_lens,
                                              query_start_loc, scale, sliding_window, k_scale,
-                                             v_scale)
+                                             v_scale, softcap)
         op = "paged_attention"
         arrays = {"out": out, "q": q, "k_cache": k_cache, "v_cache": v_cache,
                   "block_tables": block_tables, "seq_lens": seq_lens,
@@ -544,6 +620,7 @@ cdef class CpuBackend(Backend):
         if v_cache.shape != k_cache.shape or k_cache.shape[3] != q.shape[2]:
             _fail(op, "need k_cache, v_cache (NB, BS, Hkv, D) with q's D", arrays)
         cdef int64_t sw = _check_attention(op, arrays, sliding_window)
+        cdef float cap = _check_softcap(op, arrays, softcap)
         cdef int64_t T = q.shape[0], Hq = q.shape[1], D = q.shape[2]
         cdef int64_t NB = k_cache.shape[0], BS = k_cache.shape[1], Hkv = k_cache.shape[2]
         cdef int64_t B = seq_lens.shape[0], MB = block_tables.shape[1]
@@ -558,7 +635,7 @@ cdef class CpuBackend(Backend):
         cdef int nt = self._nthreads, st
         with nogil:
             st = taper_paged_attention(self._isa, outp, qp, kcp, vcp, btp, slp, qsp, T, B, Hq, Hkv, D, NB,
-                                       BS, MB, sc, sw, nt)
+                                       BS, MB, sc, sw, cap, nt)
         _status(st, op, arrays)
 
     # ---- FP8 KV cache (uint8 e4m3 codes, per-KV-head scales): the same ops' fp8 variants
@@ -588,7 +665,7 @@ cdef class CpuBackend(Backend):
         _status(st, op, arrays)
 
     def _paged_attention_fp8(self, out, q, k_cache, v_cache, block_tables, seq_lens,
-                             query_start_loc, scale, sliding_window, k_scale, v_scale):
+                             query_start_loc, scale, sliding_window, k_scale, v_scale, softcap):
         op = "paged_attention"
         arrays = {"out": out, "q": q, "k_cache": k_cache, "v_cache": v_cache,
                   "block_tables": block_tables, "seq_lens": seq_lens,
@@ -597,6 +674,7 @@ cdef class CpuBackend(Backend):
         _check(op, arrays, "k_cache", (_U8,), 4)
         _check_fp8_cache(op, arrays, k_cache.shape[2], q.shape[2], False)
         cdef int64_t sw = _check_attention(op, arrays, sliding_window)
+        cdef float cap = _check_softcap(op, arrays, softcap)
         cdef int64_t T = q.shape[0], Hq = q.shape[1], D = q.shape[2]
         cdef int64_t NB = k_cache.shape[0], BS = k_cache.shape[1], Hkv = k_cache.shape[2]
         cdef int64_t B = seq_lens.shape[0], MB = block_tables.shape[1]
@@ -613,7 +691,7 @@ cdef class CpuBackend(Backend):
         cdef int nt = self._nthreads, st
         with nogil:
             st = taper_paged_attention_fp8(self._isa, outp, qp, kcp, vcp, ksp, vsp, btp, slp, qsp,
-                                           T, B, Hq, Hkv, D, NB, BS, MB, sc, sw, nt)
+                                           T, B, Hq, Hkv, D, NB, BS, MB, sc, sw, cap, nt)
         _status(st, op, arrays)
 
     def argmax(self, logits, out):
@@ -649,3 +727,52 @@ cdef class CpuBackend(Backend):
         with nogil:
             st = taper_gumbel_sample(lp, sp, pp, outp, B, V, nt)
         _status(st, op, arrays)
+
+    # ---- logits processing (NumPy, pyx/cpu_sampling.py)
+
+    def apply_penalties(self, logits, rows, cols, bias, rep, pres_freq):
+        op = "apply_penalties"
+        arrays = {"logits": logits, "rows": rows, "cols": cols, "bias": bias, "rep": rep,
+                  "pres_freq": pres_freq}
+        _check(op, arrays, "logits", (_F32,), 2, True)
+        _check(op, arrays, "rows", (_I32,), 1)
+        _check(op, arrays, "cols", (_I32,), 1)
+        for name in ("bias", "rep", "pres_freq"):
+            _check(op, arrays, name, (_F32,), 1)
+        cdef int64_t B = logits.shape[0], V = logits.shape[1], N = rows.shape[0]
+        if cols.shape[0] != N or bias.shape[0] != N or rep.shape[0] != N or pres_freq.shape[0] != N:
+            _fail(op, "need rows, cols, bias, rep, pres_freq all (N,)", arrays)
+        if N == 0:
+            return
+        if rows.min() < 0 or rows.max() >= B or cols.min() < 0 or cols.max() >= V:
+            _fail(op, "an entry's (row, col) is outside logits (B, V)", arrays)
+        keys = rows.astype(np.int64) * V + cols
+        keys.sort()
+        if N > 1 and not (keys[1:] != keys[:-1]).all():
+            _fail(op, "(row, col) entries must be distinct", arrays)
+        cpu_sampling.apply_penalties(logits, rows, cols, bias, rep, pres_freq)
+
+    def filter_logits(self, logits, temperature, top_k, top_p, min_p):
+        op = "filter_logits"
+        arrays = {"logits": logits, "temperature": temperature, "top_k": top_k, "top_p": top_p,
+                  "min_p": min_p}
+        _check(op, arrays, "logits", (_F32,), 2, True)
+        _check(op, arrays, "temperature", (_F32,), 1)
+        _check(op, arrays, "top_k", (_I32,), 1)
+        _check(op, arrays, "top_p", (_F32,), 1)
+        _check(op, arrays, "min_p", (_F32,), 1)
+        cdef int64_t B = logits.shape[0]
+        if (temperature.shape[0] != B or top_k.shape[0] != B or top_p.shape[0] != B
+                or min_p.shape[0] != B):
+            _fail(op, "need logits (B, V) and temperature, top_k, top_p, min_p (B,)", arrays)
+        if B == 0:
+            return
+        if not (temperature >= 0).all() or not np.isfinite(temperature).all():
+            _fail(op, "temperature must be finite and >= 0", arrays)
+        if (top_k < 0).any():
+            _fail(op, "top_k must be >= 0 (0 = off)", arrays)
+        if not ((top_p > 0) & (top_p <= 1)).all():
+            _fail(op, "top_p must be in (0, 1] (1 = off)", arrays)
+        if not ((min_p >= 0) & (min_p <= 1)).all():
+            _fail(op, "min_p must be in [0, 1] (0 = off)", arrays)
+        cpu_sampling.filter_logits(logits, temperature, top_k, top_p, min_p)

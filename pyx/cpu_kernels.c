@@ -6,8 +6,9 @@
  * TAPER_CPU_ISA). 16-bit weights (bf16, f16) stay 16-bit in memory and are widened to f32 in
  * registers; accumulation is always f32. AMX and AVX512-BF16 are deliberately not used.
  * Paged attention has AVX-512 tile kernels (GQA groups share K/V loads) and a portable kernel;
- * SiLU and the portable attention are compiled per ISA from one body (ISA_VARIANTS). The other
- * ops are plain C loops with `omp simd` hints, parallel over rows with OpenMP.
+ * SiLU, GeGLU, soft-capping and the portable attention are compiled per ISA from one body
+ * (ISA_VARIANTS). The other ops are plain C loops with `omp simd` hints, parallel over rows with
+ * OpenMP.
  */
 #include "cpu_kernels.h"
 #include "fp8_e4m3.h"
@@ -726,6 +727,21 @@ INLINE float fast_expf(float x) {
     return p;
 }
 
+/* tanh for the row kernels (vectorizes like fast_expf): an odd Taylor polynomial through y^9 for
+ * |y| < 0.25 (next term < 1e-8 relative), else (1 - e) / (1 + e) with e = exp(-2|y|) <= 0.61, where
+ * 1 - e has no cancellation; about 3e-7 relative error. +-inf give +-1. */
+INLINE float fast_tanhf(float y) {
+    float a = fabsf(y), a2 = a * a;
+    float e = fast_expf(-2.0f * a);
+    float big = (1.0f - e) / (1.0f + e);
+    float small = a + a * a2 * (-0.333333343f + a2 * (0.133333340f + a2 * (-0.0539682540f +
+                                                                      a2 * 0.0218694885f)));
+    return copysignf(a < 0.25f ? small : big, y);
+}
+
+// Gemma-2 soft-capping of one value: cap * tanh(x / cap).
+INLINE float softcap1(float x, float cap) { return cap * fast_tanhf(x / cap); }
+
 // ----------------------------------------------------------------------------
 // ---- kernels: norms and activation
 
@@ -788,6 +804,48 @@ int taper_silu_and_mul(int isa,
     void (*silu_row)(const float*, float*, int64_t) = ISA_PICK(silu_row, isa);
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (T * inter > 16384)
     for (int64_t t = 0; t < T; t++) silu_row(x + t * 2 * inter, out + t * inter, inter);
+    return TAPER_OK;
+}
+
+/* GeGLU gate (Gemma): out = gelu_tanh(gate) * up. 0.5 g (1 + tanh(u)) = g * sigmoid(2u), so it is
+ * silu's loop with u = sqrt(2/pi) (g + 0.044715 g^3) and no tanh. */
+INLINE void gelu_tanh_row_body(const float* g,  // (I,) gate; up follows at g + I
+                               float* o,        // (I,)
+                               int64_t inter) {
+    const float* u = g + inter;
+#pragma omp simd
+    for (int64_t i = 0; i < inter; i++) {
+        float gi = g[i], z = 0.797884561f * (gi + 0.044715f * gi * gi * gi);
+        o[i] = gi / (1.0f + fast_expf(-2.0f * z)) * u[i];
+    }
+}
+ISA_VARIANTS(gelu_tanh_row, (const float* g, float* o, int64_t inter), (g, o, inter))
+
+int taper_gelu_tanh_and_mul(int isa,
+                            const float* x,  // (T, 2I)
+                            float* out,      // (T, I)
+                            int64_t T, int64_t inter, int nthreads) {
+    void (*row)(const float*, float*, int64_t) = ISA_PICK(gelu_tanh_row, isa);
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (T * inter > 16384)
+    for (int64_t t = 0; t < T; t++) row(x + t * 2 * inter, out + t * inter, inter);
+    return TAPER_OK;
+}
+
+/* Soft-capping in place, in 4096-element pieces (x is often a (B, V) block of logits). */
+INLINE void softcap_piece_body(float* x, int64_t n, float cap) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++) x[i] = softcap1(x[i], cap);
+}
+ISA_VARIANTS(softcap_piece, (float* x, int64_t n, float cap), (x, n, cap))
+
+int taper_softcap(int isa,
+                  float* x,  // (n,)
+                  int64_t n, float cap, int nthreads) {
+    if (!(cap > 0.0f)) return TAPER_ERR_ARG;
+    void (*piece)(float*, int64_t, float) = ISA_PICK(softcap_piece, isa);
+    const int64_t P = 4096;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (n > 16384)
+    for (int64_t i = 0; i < n; i += P) piece(x + i, MIN(P, n - i), cap);
     return TAPER_OK;
 }
 
@@ -905,7 +963,9 @@ int taper_reshape_and_cache_fp8(const float* k,               // (T, Hkv, D)
  * are widened (x their head's scale) into per-thread f32 rows that the kernels read as they read an
  * f32 cache, so every row is decoded once per piece, not once per query. When there are too few tiles to occupy the threads (one long decode sequence), a
  * tile's keys are split into pieces (split-K / flash-decoding); each piece leaves unnormalised
- * (O, max, sum) per query and a second pass merges them. */
+ * (O, max, sum) per query and a second pass merges them. Gemma-2's score soft-capping (softcap > 0)
+ * runs on each chunk's 16 scaled scores before the masking, behind one branch, so softcap 0
+ * computes exactly what it did before the option existed. */
 
 #define ATTN_KC 16
 
@@ -917,7 +977,14 @@ typedef struct {
     const uint8_t *k8, *v8;        // FP8 caches (NB, BS, Hkv, D) instead of k_cache / v_cache, or NULL
     const float *k_scale, *v_scale;  // (Hkv,) their per-head scales
     void (*decode)(const uint8_t*, float, float*, int64_t);  // the ISA path's e4m3 row decoder
+    float softcap;  // > 0: scores capped to softcap * tanh(s / softcap); 0 = off
 } AttnArgs;
+
+// Soft-caps a chunk's 16 scores (compiled inside each ISA's kernel, so vectorized there).
+INLINE void attn_softcap16(float* s, float cap) {
+#pragma omp simd
+    for (int kk = 0; kk < ATTN_KC; kk++) s[kk] = softcap1(s[kk], cap);
+}
 
 typedef struct {
     int32_t b, g, i0, nr;  // sequence, (first) KV head, first query row, number of rows
@@ -1046,6 +1113,7 @@ INLINE void attn_piece_generic_body(const AttnArgs* a, const AttnPiece* pc, Attn
                 }
                 s[kk] = dot;  // lanes kk >= n are past ke, masked by the softmax
             }
+            if (a->softcap > 0.0f) attn_softcap16(s, a->softcap);
             attn_softmax_scalar(s, w->p + m * ATTN_KC, w->o + m * D, w->m + m, w->l + m, j0,
                                 w->lo[m], w->hi[m], D);
         }
@@ -1174,7 +1242,14 @@ AVX512_TARGET static void attn_piece_avx512(const AttnArgs* a, const AttnPiece* 
                 for (int kk = 0; kk < ATTN_KC; kk++)
                     acc[kk] = _mm512_fmadd_ps(qc, _mm512_loadu_ps(kg[kk] + c), acc[kk]);
             }
-            __m512 s = _mm512_mask_blend_ps(valid, ninf, attn_hsum16(acc));
+            __m512 s = attn_hsum16(acc);
+            if (a->softcap > 0.0f) {
+                float sc[ATTN_KC];
+                _mm512_storeu_ps(sc, s);
+                attn_softcap16(sc, a->softcap);
+                s = _mm512_loadu_ps(sc);
+            }
+            s = _mm512_mask_blend_ps(valid, ninf, s);
             float mb = _mm512_reduce_max_ps(s);
             if (mb > w->m[m]) {
                 float alpha = w->m[m] == -INFINITY ? 0.0f : fast_expf(w->m[m] - mb);
@@ -1240,6 +1315,14 @@ AVX512_TARGET static void attn_piece_avx512_qt(const AttnArgs* a, const AttnPiec
                 __m512 qd = _mm512_loadu_ps(qt + d * Mw + m0);
                 for (int kk = 0; kk < ATTN_KC; kk++)
                     acc[kk] = _mm512_fmadd_ps(_mm512_set1_ps(kr[kk][d]), qd, acc[kk]);
+            }
+            if (a->softcap > 0.0f) {
+                float sc[ATTN_KC];
+                for (int kk = 0; kk < ATTN_KC; kk++) {
+                    _mm512_storeu_ps(sc, acc[kk]);
+                    attn_softcap16(sc, a->softcap);
+                    acc[kk] = _mm512_loadu_ps(sc);
+                }
             }
             __m512 mx = ninf;
             for (int kk = 0; kk < ATTN_KC; kk++) {
@@ -1321,7 +1404,8 @@ static int paged_attention_impl(int isa,
                                 const int32_t* query_start_loc,  // (B+1,)
                                 int64_t T, int64_t B, int64_t Hq, int64_t Hkv, int64_t D,
                                 int64_t NB, int64_t BS, int64_t MB, float scale,
-                                int64_t sliding_window, int nthreads) {
+                                int64_t sliding_window, float softcap, int nthreads) {
+    if (!(softcap >= 0.0f)) return TAPER_ERR_ARG;
     if (query_start_loc[0] != 0 || query_start_loc[B] != T) return TAPER_ERR_ARG;
     for (int64_t b = 0; b < B; b++) {
         int64_t ql = (int64_t)query_start_loc[b + 1] - query_start_loc[b];
@@ -1339,7 +1423,8 @@ static int paged_attention_impl(int isa,
                   Hq, Hkv, D, BS, MB, Hq / Hkv, sliding_window, scale,
                   k8, v8, k_scale, v_scale,
                   isa == TAPER_ISA_AVX512 ? taper_e4m3_row_avx512
-                  : isa == TAPER_ISA_AVX2 ? taper_e4m3_row_avx2 : taper_e4m3_row_scalar};
+                  : isa == TAPER_ISA_AVX2 ? taper_e4m3_row_avx2 : taper_e4m3_row_scalar,
+                  softcap};
     int64_t G = a.group;
     int64_t R = MAX(1, (D <= 128 ? 64 : 32) / G);  // query rows per tile (~64 queries)
     int Mp = (int)MAX(R * G, Hkv * attn_gp(G));
@@ -1510,10 +1595,10 @@ int taper_paged_attention(int isa,
                           const int32_t* query_start_loc,  // (B+1,)
                           int64_t T, int64_t B, int64_t Hq, int64_t Hkv, int64_t D,
                           int64_t NB, int64_t BS, int64_t MB, float scale, int64_t sliding_window,
-                          int nthreads) {
+                          float softcap, int nthreads) {
     return paged_attention_impl(isa, out, q, k_cache, v_cache, NULL, NULL, NULL, NULL, block_tables,
                                 seq_lens, query_start_loc, T, B, Hq, Hkv, D, NB, BS, MB, scale,
-                                sliding_window, nthreads);
+                                sliding_window, softcap, nthreads);
 }
 
 int taper_paged_attention_fp8(int isa,
@@ -1528,10 +1613,10 @@ int taper_paged_attention_fp8(int isa,
                               const int32_t* query_start_loc,  // (B+1,)
                               int64_t T, int64_t B, int64_t Hq, int64_t Hkv, int64_t D,
                               int64_t NB, int64_t BS, int64_t MB, float scale,
-                              int64_t sliding_window, int nthreads) {
+                              int64_t sliding_window, float softcap, int nthreads) {
     return paged_attention_impl(isa, out, q, NULL, NULL, k_cache, v_cache, k_scale, v_scale,
                                 block_tables, seq_lens, query_start_loc, T, B, Hq, Hkv, D, NB, BS,
-                                MB, scale, sliding_window, nthreads);
+                                MB, scale, sliding_window, softcap, nthreads);
 }
 
 // ----------------------------------------------------------------------------

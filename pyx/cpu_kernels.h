@@ -67,6 +67,18 @@ int taper_silu_and_mul(int isa,
                        float* out,      // (T, I)
                        int64_t T, int64_t inter, int nthreads);
 
+/* GeGLU gate: out = gelu_tanh(x[:, :I]) * x[:, I:],
+ * gelu_tanh(g) = 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))). */
+int taper_gelu_tanh_and_mul(int isa,
+                            const float* x,  // (T, 2I)
+                            float* out,      // (T, I)
+                            int64_t T, int64_t inter, int nthreads);
+
+/* In place x = cap * tanh(x / cap) (Gemma-2 soft-capping), cap > 0. */
+int taper_softcap(int isa,
+                  float* x,  // (n,)
+                  int64_t n, float cap, int nthreads);
+
 int taper_reshape_and_cache(const float* k,              // (T, Hkv, D)
                             const float* v,              // (T, Hkv, D)
                             float* k_cache,              // (NB, BS, Hkv, D)
@@ -87,6 +99,8 @@ int taper_reshape_and_cache_fp8(const float* k,              // (T, Hkv, D)
                                 int64_t T, int64_t Hkv, int64_t D, int64_t NB, int64_t BS,
                                 int nthreads);
 
+/* Causal paged attention (pyx/backend.pyx). softcap > 0 caps every scaled score s to
+ * softcap * tanh(s / softcap) before the softmax (Gemma-2); 0 = off (the other code is unchanged). */
 int taper_paged_attention(int isa,
                           float* out,                    // (T, Hq, D)
                           const float* q,                // (T, Hq, D)
@@ -97,7 +111,7 @@ int taper_paged_attention(int isa,
                           const int32_t* query_start_loc,// (B+1,)
                           int64_t T, int64_t B, int64_t Hq, int64_t Hkv, int64_t D,
                           int64_t NB, int64_t BS, int64_t MB, float scale, int64_t sliding_window,
-                          int nthreads);
+                          float softcap, int nthreads);
 
 /* The same over an FP8 cache: K/V read back as decode(code) * scale[h] of their KV head. */
 int taper_paged_attention_fp8(int isa,
@@ -112,7 +126,7 @@ int taper_paged_attention_fp8(int isa,
                               const int32_t* query_start_loc,// (B+1,)
                               int64_t T, int64_t B, int64_t Hq, int64_t Hkv, int64_t D,
                               int64_t NB, int64_t BS, int64_t MB, float scale,
-                              int64_t sliding_window, int nthreads);
+                              int64_t sliding_window, float softcap, int nthreads);
 
 int taper_argmax(const float* logits,  // (B, V)
                  int64_t* out,         // (B,)

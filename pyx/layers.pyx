@@ -3,7 +3,7 @@
 
 No device code here: every bit of math is a backend op, and the only array calls are the NumPy /
 CuPy API the two share (slices, reshape, copyto), taken from `backend.xp` (NumPy when absent).
-Activations live in a Workspace whose buffers are shared by all layers and grow on demand, so a
+Activations (backend.act_dtype) live in a Workspace whose buffers are shared by all layers and grow on demand, so a
 step allocates nothing once warmed up at its largest token count.
 
 Shapes: T tokens, H hidden, Hq/Hkv heads, D head dim, I intermediate size.
@@ -12,19 +12,21 @@ import numpy as np
 
 
 cdef class Workspace:
-    """Named float32 scratch buffers (rows, cols); a view of the first `rows` rows is handed out."""
-    cdef object xp
+    """Named scratch buffers (rows, cols) of the activation dtype (float32 on the CPU, bf16/f16 on
+    CUDA); a view of the first `rows` rows is handed out."""
+    cdef object xp, dtype
     cdef dict buffers
 
-    def __init__(self, xp):
+    def __init__(self, xp, dtype=np.float32):
         self.xp = xp
+        self.dtype = dtype
         self.buffers = {}
 
     cpdef object get(self, str name, Py_ssize_t rows, Py_ssize_t cols):
         buf = self.buffers.get(name)
         if buf is None or buf.shape[0] < rows or buf.shape[1] != cols:
             capacity = rows if buf is None else max(rows, buf.shape[0])
-            buf = self.xp.empty((max(capacity, 1), cols), dtype=np.float32)
+            buf = self.xp.empty((max(capacity, 1), cols), dtype=self.dtype)
             self.buffers[name] = buf
         return buf[:rows]
 

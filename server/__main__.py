@@ -77,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--cpu", action="store_true",
                    help="use the CPU backend even if a GPU is present")
     e.add_argument("--device-ids", "--d", dest="device_ids", nargs="+", type=int, metavar="ID",
-                   help="GPUs to use")
+                   help="the GPU to use (one; several GPUs are not yet supported)")
     e.add_argument("--disable-cuda-graph", action="store_true",
                    help="run decode without CUDA graphs")
     e.add_argument("--block-size", type=int, metavar="N", default=16, help="tokens per KV-cache block (8-128)")
@@ -85,7 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--max-num-batched-tokens", type=int, metavar="N", default=2048, help="token budget per step")
     e.add_argument("--kvcache-mem-gpu", "--mem", dest="kvcache_mem", type=int, default=None,
                    metavar="MB", help="KV-cache memory in MB; wins over --kv-fraction "
-                                      "(default: 1024 unless --kv-fraction is given)")
+                                      "(default: 1024 on the CPU, 0.9 of the free memory on a "
+                                      "GPU, unless --kv-fraction is given)")
     e.add_argument("--kv-fraction", "--gpu-memory-fraction", dest="kv_fraction", type=float,
                    default=None, metavar="F",
                    help="KV-cache memory as this fraction of the memory free after loading")
@@ -114,8 +115,7 @@ SAMPLING_FLAGS = {"temperature": float, "top_p": float, "top_k": int, "min_p": f
                   "frequency_penalty": float, "presence_penalty": float}
 
 # Flags whose features later work brings: refused at start-up, never silently ignored.
-NOT_YET_SUPPORTED = {"device_ids": ("--device-ids", "GPU selection"),
-                     "enforce_parser": ("--enforce-parser", "tool calling"),
+NOT_YET_SUPPORTED = {"enforce_parser": ("--enforce-parser", "tool calling"),
                      "mcp_config": ("--mcp-config", "MCP tools"),
                      "ui_server": ("--ui-server", "the web chat UI")}
 
@@ -127,6 +127,10 @@ def check_args(args) -> str | None:
             return f"{flag}: {feature} is not yet supported"
     if args.fp8_kvcache:
         args.kvcache_dtype = "fp8"
+    if args.device_ids and len(args.device_ids) > 1:
+        return "--device-ids: several GPUs (tensor parallelism) are not yet supported"
+    if args.device_ids and args.device_ids[0] < 0:
+        return "--device-ids: a device index is >= 0"
     for name in ("max_queued_requests", "max_gen_tokens"):
         value = getattr(args, name)
         if value is not None and value < 1:
@@ -146,15 +150,19 @@ def sampling_defaults(args) -> dict:
             if getattr(args, name) is not None}
 
 
-def default_backend(force_cpu: bool) -> str:
-    """CUDA when our CUDA extension was built and a GPU is visible, else CPU."""
-    if force_cpu or importlib.util.find_spec("pyx.cuda_backend") is None:
+def default_backend(args) -> str:
+    """CUDA when our CUDA extension was built and a GPU is visible, else CPU. Quantized models
+    (GGUF, --isq) run on the CPU until the quantized CUDA kernels land."""
+    if args.cpu or importlib.util.find_spec("pyx.cuda_backend") is None:
         return "cpu"
-    try:
-        import cupy
-        return "cuda" if cupy.cuda.runtime.getDeviceCount() > 0 else "cpu"
-    except Exception:       # no cupy, no driver, no device: all mean CPU
+    from pyx.cuda_backend import device_count
+    if device_count() == 0:
         return "cpu"
+    if args.weight_file or args.isq:
+        log.warning("GGUF and --isq models run on the CPU backend: quantized CUDA kernels are "
+                    "not yet supported")
+        return "cpu"
+    return "cuda"
 
 
 def engine_config(args):
@@ -170,14 +178,18 @@ def engine_config(args):
         from server.demo_model import ensure_demo_checkpoint
         log.warning(DEMO_WARNING)
         model = ensure_demo_checkpoint()
-    backend = default_backend(args.cpu)
+    backend = default_backend(args)
     if args.kvcache_dtype == "bf16" and backend == "cpu":
         raise ValueError("--kvcache-dtype bf16: a bf16 KV cache is not yet supported on the CPU "
                          "backend (f32, or fp8)")
     if args.disable_cuda_graph and backend == "cpu":
         log.info("--disable-cuda-graph: the CPU backend runs no CUDA graphs anyway")
+    if args.device_ids and backend == "cpu":
+        raise ValueError("--device-ids: no CUDA device is usable here (or --cpu was given)")
     return EngineConfig(
         model=model, weight_file=args.weight_file, dtype=args.dtype, backend=backend,
+        device=args.device_ids[0] if args.device_ids else 0,
+        cuda_graph=not args.disable_cuda_graph,
         block_size=args.block_size, kv_cache_memory_mb=args.kvcache_mem,
         kv_fraction=args.kv_fraction, kv_cache_dtype=args.kvcache_dtype,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,

@@ -73,6 +73,21 @@ def silu_and_mul(x):
     return g / (1.0 + np.exp(-g)) * u
 
 
+def gelu_tanh(x):
+    x = to_f64(x)
+    return 0.5 * x * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (x + 0.044715 * x ** 3)))
+
+
+def gelu_tanh_and_mul(x):
+    x = to_f64(x)
+    inter = x.shape[1] // 2
+    return gelu_tanh(x[:, :inter]) * x[:, inter:]
+
+
+def softcap(x, cap):
+    return cap * np.tanh(to_f64(x) / cap)
+
+
 def reshape_and_cache(k, v, k_cache, v_cache, slot_mapping):
     """Returns updated copies of (k_cache, v_cache)."""
     kc, vc = k_cache.copy(), v_cache.copy()
@@ -86,9 +101,10 @@ def reshape_and_cache(k, v, k_cache, v_cache, slot_mapping):
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-                    sliding_window):
+                    sliding_window, softcap=0.0):
     """Dense per-sequence attention: gather the sequence's K/V through its block table, build the
-    causal (and sliding-window) mask explicitly, softmax in float64."""
+    causal (and sliding-window) mask explicitly, softmax in float64. softcap > 0: the scaled
+    scores s become softcap * tanh(s / softcap) first (Gemma-2)."""
     T, Hq, D = q.shape
     NB, BS, Hkv, _ = k_cache.shape
     kf = to_f64(k_cache).reshape(NB * BS, Hkv, D)
@@ -111,11 +127,52 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
         for h in range(Hq):
             g = h // group
             scores = to_f64(q[s0:s1, h]) @ K[:, g].T * scale  # (q_len, S)
+            if softcap > 0:
+                scores = softcap * np.tanh(scores / softcap)
             scores = np.where(mask, scores, -np.inf)
             scores -= scores.max(axis=1, keepdims=True)
             p = np.exp(scores)
             p /= p.sum(axis=1, keepdims=True)
             out[s0:s1, h] = p @ V[:, g]
+    return out
+
+
+def apply_penalties(logits, rows, cols, bias, rep, pres_freq):
+    """Returns a float64 copy of logits with each (rows[n], cols[n]) entry, one at a time:
+    x + bias, then / rep if positive else * rep, then - pres_freq."""
+    out = to_f64(logits).copy()
+    for r, c, b, p, f in zip(rows, cols, to_f64(bias), to_f64(rep), to_f64(pres_freq)):
+        x = out[r, c] + b
+        x = x / p if x > 0 else x * p
+        out[r, c] = x - f
+    return out
+
+
+def filter_logits(logits, temperature, top_k, top_p, min_p):
+    """Returns float64 filtered logits, row by row with full sorts: x / max(t, 1e-5) (t != 1);
+    a threshold from the k-th largest value (0 < k < V), the value of the last token of the
+    smallest most-likely set of the top-k survivors whose probability reaches top_p (top_p < 1),
+    max + log(min_p) (min_p > 0); values below the largest threshold -> -inf."""
+    out = to_f64(logits).copy()
+    V = out.shape[1]
+    for b, x in enumerate(out):
+        t = float(temperature[b])
+        if t != 1.0:
+            x /= max(t, 1e-5)
+        thr = -np.inf
+        k = int(top_k[b])
+        if 0 < k < V:
+            thr = np.sort(x)[::-1][k - 1]
+        if float(top_p[b]) < 1.0:
+            kept = np.sort(x[x >= thr])[::-1]
+            probs = np.exp(kept - kept[0])
+            probs /= probs.sum()
+            cum = np.cumsum(probs)
+            n = int(np.argmax(cum >= float(top_p[b]))) if cum[-1] >= float(top_p[b]) else len(kept) - 1
+            thr = max(thr, kept[n])
+        if float(min_p[b]) > 0.0:
+            thr = max(thr, x.max() + np.log(float(min_p[b])))
+        x[x < thr] = -np.inf
     return out
 
 
@@ -218,11 +275,12 @@ def reshape_and_cache_fp8(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale
 
 
 def paged_attention_fp8(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens,
-                        query_start_loc, scale, sliding_window):
+                        query_start_loc, scale, sliding_window, softcap=0.0):
     """paged_attention on the caches read back as decode(code) * scale of their KV head."""
     k = e4m3_decode(k_cache) * np.asarray(k_scale, np.float64)[:, None]
     v = e4m3_decode(v_cache) * np.asarray(v_scale, np.float64)[:, None]
-    return paged_attention(q, k, v, block_tables, seq_lens, query_start_loc, scale, sliding_window)
+    return paged_attention(q, k, v, block_tables, seq_lens, query_start_loc, scale, sliding_window,
+                           softcap)
 
 
 def fp8_block_dequantize(codes, scale, block):

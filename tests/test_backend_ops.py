@@ -4,7 +4,8 @@
 including odd K/N and T on both sides of the GEMV/GEMM switch. 16-bit weights are compared with
 the oracle on the same 16-bit values, so the tolerance only covers f32 accumulation.
 The KV cache ops run on f32 caches and on FP8 ones (uint8 e4m3 codes with per-KV-head scales),
-whose codes must equal the reference's exactly.
+whose codes must equal the reference's exactly. Outputs start as NaN (poisoned) so that an
+element the op forgets to write fails the comparison.
 """
 import ml_dtypes
 import numpy as np
@@ -165,6 +166,43 @@ def test_silu_and_mul(isa, T, inter):
         be.silu_and_mul(x, np.empty((T, inter + 1), np.float32))
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("T,inter", [(1, 13), (9, 128), (40, 700)])
+def test_gelu_tanh_and_mul(isa, T, inter):
+    be = backend_for(isa)
+    rng = np.random.default_rng(inter + 1)
+    x = (rng.standard_normal((T, 2 * inter)) * 4).astype(np.float32)
+    x[0, :6] = [-30.0, 30.0, 1e-6, -1e-6, 0.0, -12.0]   # saturated tails and near 0
+    out = np.full((T, inter), np.nan, np.float32)
+    be.gelu_tanh_and_mul(x, out)
+    want = ref.gelu_tanh_and_mul(x)
+    np.testing.assert_allclose(out, want, rtol=RTOL, atol=ATOL)
+    # not silu: the two gates differ by more than the tolerance
+    assert not np.allclose(want, ref.silu_and_mul(x), rtol=RTOL, atol=ATOL)
+    with pytest.raises(ValueError, match="gelu_tanh_and_mul"):
+        be.gelu_tanh_and_mul(x, np.empty((T, inter + 1), np.float32))
+    with pytest.raises(ValueError, match="gelu_tanh_and_mul"):
+        be.gelu_tanh_and_mul(x.astype(np.float64), out)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("T,N,cap", [(1, 7, 30.0), (3, 5000, 50.0), (4, 33_000, 0.5)])
+def test_softcap(isa, T, N, cap):
+    be = backend_for(isa)
+    rng = np.random.default_rng(N)
+    x = (rng.standard_normal((T, N)) * 3 * cap).astype(np.float32)
+    x[0, :7] = [0.0, 1e-3 * cap, -0.2 * cap, 0.3 * cap, 1e4 * cap, np.inf, -np.inf][:N]
+    want = ref.softcap(x, cap)
+    be.softcap(x, cap)
+    np.testing.assert_allclose(x, want, rtol=1e-6, atol=1e-6 * cap)
+    assert np.abs(x).max() <= cap
+    for bad in (0.0, -1.0, np.nan, np.inf):
+        with pytest.raises(ValueError, match="softcap"):
+            be.softcap(x, bad)
+    with pytest.raises(ValueError, match="softcap"):
+        be.softcap(x[:, ::2], cap)                      # not contiguous
+
+
 # ---- rotary
 
 
@@ -316,6 +354,43 @@ def test_paged_attention_split_keys(isa, nt, window, Hq, Hkv, D, seqs):
     np.testing.assert_allclose(out, want, rtol=RTOL, atol=ATOL)
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("nt", [1, 3])
+@pytest.mark.parametrize("Hq,Hkv,D,seqs", [
+    (4, 2, 16, [(1, 1), (37, 1), (50, 13), (20, 20), (70, 2)]),   # AVX-512 kernels, D 16
+    (6, 2, 24, [(37, 1), (50, 13), (33, 33)]),                     # portable kernel
+    (4, 1, 32, [(1200, 9), (40, 1)]),      # queries-in-lanes kernel, keys split across threads
+    (8, 2, 64, [(2100, 1)]),               # one long decode over all KV heads, split and merged
+])
+def test_paged_attention_softcap(isa, nt, Hq, Hkv, D, seqs):
+    backend_for(isa)
+    be = CpuBackend(isa=isa, num_threads=nt)
+    rng = np.random.default_rng(Hq * 100 + D + nt)
+    q, kc, vc, tables, seq_lens, qsl = make_paged_batch(rng, seqs, 16, Hq, Hkv, D)
+    q *= 4                                             # large scores: the cap matters
+    scale, cap = 1.0 / np.sqrt(D), 5.0
+    out = np.full_like(q, np.nan)
+    be.paged_attention(out, q, kc, vc, tables, seq_lens, qsl, scale, 7, softcap=cap)
+    want = ref.paged_attention(q, kc, vc, tables, seq_lens, qsl, scale, 7, softcap=cap)
+    np.testing.assert_allclose(out, want, rtol=RTOL, atol=ATOL)
+    # the cap changes the answer, and 0 switches it off exactly
+    assert not np.allclose(want, ref.paged_attention(q, kc, vc, tables, seq_lens, qsl, scale, 7),
+                           atol=1e-3)
+    plain, off = np.full_like(q, np.nan), np.full_like(q, np.nan)
+    be.paged_attention(plain, q, kc, vc, tables, seq_lens, qsl, scale, 7)
+    be.paged_attention(off, q, kc, vc, tables, seq_lens, qsl, scale, 7, softcap=0.0)
+    np.testing.assert_array_equal(off, plain)
+
+
+def test_paged_attention_rejects_bad_softcap(be):
+    rng = np.random.default_rng(2)
+    q, kc, vc, tables, seq_lens, qsl = make_paged_batch(rng, [(5, 2)], 8, 2, 1, 16)
+    out = np.empty_like(q)
+    for bad in (-1.0, np.nan, np.inf):
+        with pytest.raises(ValueError, match="paged_attention.*softcap"):
+            be.paged_attention(out, q, kc, vc, tables, seq_lens, qsl, 0.25, 0, softcap=bad)
+
+
 # ---- FP8 KV cache (uint8 e4m3 codes, per-KV-head scales)
 
 
@@ -396,6 +471,25 @@ def test_paged_attention_fp8_split_keys(isa, Hq, Hkv, D, seqs):
     np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("Hq,Hkv,D,seqs", [
+    (4, 2, 64, [(1, 1), (50, 13), (20, 20), (900, 1)]),   # AVX-512 kernels
+    (6, 3, 24, [(700, 1), (300, 5)]),                       # portable kernel
+])
+def test_paged_attention_fp8_softcap(isa, Hq, Hkv, D, seqs):
+    backend_for(isa)
+    be = CpuBackend(isa=isa, num_threads=3)
+    rng = np.random.default_rng(D + 3)
+    q, k8, v8, ks, vs, tables, seq_lens, qsl = fp8_cache_batch(rng, seqs, 16, Hq, Hkv, D)
+    q *= 4
+    out = np.full_like(q, np.nan)
+    be.paged_attention(out, q, k8, v8, tables, seq_lens, qsl, 0.2, 0, ks, vs, softcap=3.0)
+    want = ref.paged_attention_fp8(q, k8, v8, ks, vs, tables, seq_lens, qsl, 0.2, 0, softcap=3.0)
+    np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4)
+    assert not np.allclose(want, ref.paged_attention_fp8(q, k8, v8, ks, vs, tables, seq_lens, qsl,
+                                                         0.2, 0), atol=1e-3)
+
+
 # ---- argmax and Gumbel sampling
 
 
@@ -458,3 +552,101 @@ def test_gumbel_sample_is_random_and_masked(be):
     np.testing.assert_array_equal(out, ref.gumbel_sample(masked, seeds, np.zeros(200, np.int64)))
     with pytest.raises(ValueError, match="gumbel_sample"):
         be.gumbel_sample(masked, seeds.astype(np.int64), np.zeros(200, np.int64), out)
+
+
+# ---- logits processing: penalties and filters
+
+
+def random_entries(rng, B, V, N):
+    """N distinct (row, col) entries with bias (some -inf, some -0.0), rep (some 1), pres_freq."""
+    keys = rng.choice(B * V, N, replace=False)
+    rows, cols = (keys // V).astype(np.int32), (keys % V).astype(np.int32)
+    bias = rng.choice([-np.inf, -0.0, -1.5, 0.25, 3.0], N).astype(np.float32)
+    rep = rng.choice([1.0, 0.8, 1.3, 2.0], N).astype(np.float32)
+    pres_freq = rng.choice([0.0, 0.5, -0.75, 1.25], N).astype(np.float32)
+    return rows, cols, bias, rep, pres_freq
+
+
+@pytest.mark.parametrize("B,V,N", [(1, 10, 0), (1, 10, 10), (3, 1000, 200), (8, 5000, 3000)])
+def test_apply_penalties(be, B, V, N):
+    rng = np.random.default_rng(B * V + N)
+    logits = (rng.standard_normal((B, V)) * 3).astype(np.float32)
+    before = logits.copy()
+    entries = random_entries(rng, B, V, N)
+    want = ref.apply_penalties(logits, *entries)
+    be.apply_penalties(logits, *entries)
+    np.testing.assert_array_equal(np.isneginf(logits), np.isneginf(want))
+    np.testing.assert_allclose(logits, want, rtol=1e-6, atol=1e-6)
+    touched = np.zeros((B, V), bool)
+    touched[entries[0], entries[1]] = True
+    np.testing.assert_array_equal(logits[~touched], before[~touched])   # others bit-identical
+    if N:
+        assert not np.allclose(logits[touched], before[touched])
+
+
+def test_apply_penalties_order_and_bad_input(be):
+    logits = np.array([[2.0, -1.0, 0.5, 4.0]], np.float32)
+    one = lambda *v: np.array(v, np.float32)                       # noqa: E731
+    rows, cols = np.zeros(3, np.int32), np.array([0, 1, 3], np.int32)
+    # (2 - 4) * 2 - 1 = -5; (-1 + 2) / 2 - 0 = 0.5; 4 + -inf = -inf
+    be.apply_penalties(logits, rows, cols, one(-4.0, 2.0, -np.inf), one(2.0, 2.0, 1.0),
+                       one(1.0, 0.0, 0.5))
+    np.testing.assert_array_equal(logits, [[-5.0, 0.5, 0.5, -np.inf]])
+    e = np.zeros(1, np.float32)
+    for r, c in [(1, 0), (-1, 0), (0, 4), (0, -1)]:
+        with pytest.raises(ValueError, match="apply_penalties"):
+            be.apply_penalties(logits, np.array([r], np.int32), np.array([c], np.int32), e, e + 1, e)
+    with pytest.raises(ValueError, match="apply_penalties.*distinct"):
+        be.apply_penalties(logits, np.zeros(2, np.int32), np.array([2, 2], np.int32),
+                           one(1, 1), one(1, 1), one(0, 0))
+    with pytest.raises(ValueError, match="apply_penalties"):
+        be.apply_penalties(logits, rows.astype(np.int64), cols, e, e, e)
+    with pytest.raises(ValueError, match="apply_penalties"):
+        be.apply_penalties(logits, rows, cols, e, e, e)             # (N,) lengths differ
+
+
+def filter_params(rng, B, V):
+    temperature = rng.choice([1.0, 0.6, 1.7, 0.0], B).astype(np.float32)
+    top_k = rng.choice([0, 1, 3, 40, V, V + 5], B).astype(np.int32)
+    top_p = rng.choice([1.0, 0.95, 0.6, 0.2], B).astype(np.float32)
+    min_p = rng.choice([0.0, 0.0, 0.02, 0.4], B).astype(np.float32)
+    return temperature, top_k, top_p, min_p
+
+
+@pytest.mark.parametrize("B,V", [(1, 5), (6, 300), (16, 20_000), (3, 150_000)])
+def test_filter_logits(be, B, V):
+    rng = np.random.default_rng(B + V)
+    logits = (rng.standard_normal((B, V)) * rng.choice([0.3, 2.0, 10.0], B)[:, None]).astype(np.float32)
+    if B > 1:
+        logits[1, : V // 2] = logits[1].max()                     # ties at the top
+    params = filter_params(rng, B, V)
+    want = ref.filter_logits(logits, *params)
+    be.filter_logits(logits, *params)
+    np.testing.assert_array_equal(np.isneginf(logits), np.isneginf(want))
+    kept = np.isfinite(want)
+    np.testing.assert_allclose(logits[kept], want[kept], rtol=1e-6)
+    assert kept.any(axis=1).all()                                 # every row keeps a token
+
+
+def test_filter_logits_each_filter_alone(be):
+    probs = np.array([0.05, 0.4, 0.1, 0.3, 0.15])
+    logits = np.tile(np.log(probs).astype(np.float32), (5, 1))
+    f32 = lambda *v: np.array(v, np.float32)                       # noqa: E731
+    be.filter_logits(logits, f32(1, 1, 1, 1, 2), np.array([2, 0, 0, 0, 0], np.int32),
+                     f32(1, 0.65, 1, 1, 1), f32(0, 0, 0.5, 0, 0), )
+    assert [set(np.flatnonzero(np.isfinite(r)).tolist()) for r in logits] == \
+        [{1, 3}, {1, 3}, {1, 3}, {0, 1, 2, 3, 4}, {0, 1, 2, 3, 4}]
+    np.testing.assert_allclose(logits[4], np.log(probs) / 2, rtol=1e-6)
+
+
+def test_filter_logits_rejects_bad_input(be):
+    logits = np.zeros((2, 10), np.float32)
+    ok = dict(temperature=np.ones(2, np.float32), top_k=np.zeros(2, np.int32),
+              top_p=np.ones(2, np.float32), min_p=np.zeros(2, np.float32))
+    bad = [("temperature", np.float32([1, -1])), ("temperature", np.float32([np.nan, 1])),
+           ("top_k", np.int32([0, -1])), ("top_p", np.float32([0, 1])),
+           ("top_p", np.float32([1.5, 1])), ("min_p", np.float32([0, 2])),
+           ("top_k", np.zeros(2, np.int64)), ("top_p", np.ones(3, np.float32))]
+    for name, value in bad:
+        with pytest.raises(ValueError, match="filter_logits"):
+            be.filter_logits(logits, **(ok | {name: value}))

@@ -1,12 +1,16 @@
 """engine/sampler.py: penalties and filters against hand-computed logits, seeded Gumbel-max.
 
 Runs with a NumPy backend written here from the op table's spec (Philox4x32-10, checked against
-Random123's known answers) and, once built, with the real CpuBackend.
+Random123's known answers; per-entry penalties; filters by full sorts) and, once built, with the
+real CpuBackend. The merged penalty entries the sampler builds are checked bit for bit against a
+sequential reference written here (logit_bias, min_tokens mask, repetition, presence/frequency).
 """
+from collections import Counter
+
 import numpy as np
 import pytest
 
-from engine.sampler import Sampler, apply_filters, apply_penalties
+from engine.sampler import Sampler, apply_filters, apply_penalties, penalty_entries
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 
@@ -45,6 +49,43 @@ def test_philox_known_answers():
 
 class NumpyBackend:
     name = "numpy"
+    xp = np
+    act_dtype = np.float32
+
+    def asarray(self, a):
+        return np.asarray(a)
+
+    def to_host(self, a):
+        return np.asarray(a)
+
+    def apply_penalties(self, logits, rows, cols, bias, rep, pres_freq):
+        assert logits.dtype == np.float32 and rows.dtype == cols.dtype == np.int32
+        assert bias.dtype == rep.dtype == pres_freq.dtype == np.float32
+        assert len(set(zip(rows.tolist(), cols.tolist()))) == len(rows)   # distinct entries
+        for r, c, b, p, f in zip(rows, cols, bias, rep, pres_freq):
+            x = logits[r, c] + b
+            if p != 1:
+                x = x / p if x > 0 else x * p
+            logits[r, c] = x - f
+
+    def filter_logits(self, logits, temperature, top_k, top_p, min_p):
+        assert logits.dtype == np.float32 and top_k.dtype == np.int32
+        assert temperature.dtype == top_p.dtype == min_p.dtype == np.float32
+        V = logits.shape[1]
+        for b, x in enumerate(logits):
+            if temperature[b] != 1:
+                x /= max(temperature[b], np.float32(1e-5))
+            thr = -np.inf
+            if 0 < top_k[b] < V:
+                thr = np.sort(x)[::-1][top_k[b] - 1]
+            if top_p[b] < 1:
+                kept = np.sort(x[x >= thr])[::-1].astype(np.float64)
+                cum = np.cumsum(np.exp(kept - kept[0]))
+                n = int(np.searchsorted(cum, float(top_p[b]) * cum[-1]))
+                thr = max(thr, kept[min(n, len(kept) - 1)])
+            if min_p[b] > 0:
+                thr = max(thr, float(x.max()) + np.log(float(min_p[b])))
+            x[x < thr] = -np.inf
 
     def argmax(self, logits, out):
         out[:] = np.argmax(logits, axis=1)
@@ -361,3 +402,146 @@ def test_top_k_large_vocab(k):
         kth = np.sort(logits[i])[::-1][k - 1]
         assert set(np.flatnonzero(np.isfinite(out[i])).tolist()) == \
             set(np.flatnonzero(logits[i] >= kth).tolist())
+
+
+# ---- merged penalty entries (one per distinct (row, token)) against the sequential order
+
+def sequential_penalties(logits, seqs, eos):
+    """Today's order, one term at a time in float32: logit_bias, min_tokens mask, repetition
+    (prompt + output ids), presence + frequency * count (output ids)."""
+    out = np.array(logits, dtype=np.float32, copy=True)
+    V = out.shape[1]
+    for row, s in zip(out, seqs):
+        p = s.sampling_params
+        for tid, val in (p.logit_bias or {}).items():
+            if 0 <= int(tid) < V:
+                row[int(tid)] += np.float32(val)
+        if p.min_tokens and s.num_output_tokens < p.min_tokens:
+            for t in set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos)):
+                if 0 <= t < V:
+                    row[t] = -np.inf
+        if p.repetition_penalty != 1.0:
+            pen = np.float32(p.repetition_penalty)
+            for t in set(s.token_ids):
+                if 0 <= t < V:
+                    row[t] = row[t] / pen if row[t] > 0 else row[t] * pen
+        if p.presence_penalty or p.frequency_penalty:
+            for t, n in Counter(s.output_token_ids).items():
+                if 0 <= t < V:
+                    row[t] -= (np.float32(p.presence_penalty)
+                               + np.float32(p.frequency_penalty) * np.float32(n))
+    return out
+
+
+def random_penalty_batch(rng, B, V):
+    """Rows whose logit_bias, stop ids, prompt and output ids overlap on a small vocabulary,
+    with logits that include +-0 and values on both sides of 0."""
+    logits = rng.standard_normal((B, V)).astype(np.float32) * 3
+    logits[:, :4] = [0.0, -0.0, 1.0, -1.0]
+    seqs = []
+    for b in range(B):
+        kw = {}
+        if rng.random() < 0.6:
+            kw["logit_bias"] = {int(t): float(rng.choice([-100.0, -2.5, 0.0, 0.75, 3.0]))
+                                for t in rng.integers(0, V + 3, 4)}   # some past V
+        if rng.random() < 0.5:
+            kw["min_tokens"] = 4
+            kw["stop_token_ids"] = [int(t) for t in rng.integers(0, V, 2)]
+            kw["ignore_eos"] = bool(rng.random() < 0.3)
+        if rng.random() < 0.6:
+            kw["repetition_penalty"] = float(rng.choice([0.7, 1.3, 2.0]))
+        if rng.random() < 0.6:
+            kw["presence_penalty"] = float(rng.choice([-1.0, 0.0, 0.5]))
+            kw["frequency_penalty"] = float(rng.choice([0.0, 0.25, -0.5]))
+        prompt = rng.integers(0, V, rng.integers(1, 8)).tolist()
+        output = rng.integers(0, V, rng.integers(0, 7)).tolist()
+        seqs.append(seq(prompt, output, temperature=0.0, **kw))
+    return logits, seqs
+
+
+def test_merged_penalties_match_sequential_order_bit_for_bit(backend):
+    rng = np.random.default_rng(11)
+    eos = {1, 7}
+    for trial in range(20):
+        B, V = int(rng.integers(1, 9)), int(rng.integers(8, 24))
+        logits, seqs = random_penalty_batch(rng, B, V)
+        want = sequential_penalties(logits, seqs, eos)
+        got = apply_penalties(logits, seqs, eos)              # the NumPy helper
+        np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+        entries = penalty_entries(seqs, eos, V)
+        if entries is None:
+            np.testing.assert_array_equal(want, logits)
+            continue
+        work = logits.copy()
+        backend.apply_penalties(work, *entries)               # the backend op
+        np.testing.assert_array_equal(work.view(np.uint32), want.view(np.uint32))
+        # greedy rows sample the argmax of the penalised logits
+        out = Sampler(backend).sample(logits, seqs, eos)
+        np.testing.assert_array_equal(out, want.argmax(axis=1))
+
+
+def test_penalty_entries_merge_every_term_of_a_token():
+    # token 2 is in logit_bias, forbidden by min_tokens, in the prompt and twice in the output
+    s = seq(prompt=[2, 3], output=[2, 2, 4], logit_bias={2: 1.5, 4: -1.0}, min_tokens=5,
+            stop_token_ids=[2], repetition_penalty=1.5, presence_penalty=0.5,
+            frequency_penalty=0.25)
+    other = seq(prompt=[2], output=[], repetition_penalty=2.0)
+    rows, cols, bias, rep, pres_freq = penalty_entries([s, other], {9}, 10)
+    assert rows.dtype == cols.dtype == np.int32
+    assert bias.dtype == rep.dtype == pres_freq.dtype == np.float32
+    # one entry per distinct (row, token): row 0 {2, 3, 4, 9 (eos)}, row 1 {2}
+    assert list(zip(rows.tolist(), cols.tolist())) == [(0, 2), (0, 3), (0, 4), (0, 9), (1, 2)]
+    np.testing.assert_array_equal(bias, [-np.inf, -0.0, -1.0, -np.inf, -0.0])
+    assert np.signbit(bias[1]) and np.signbit(bias[4])      # -0.0: adds exactly nothing
+    np.testing.assert_array_equal(rep, [1.5, 1.5, 1.5, 1.0, 2.0])
+    np.testing.assert_array_equal(pres_freq, [1.0, 0.0, 0.75, 0.0, 0.0])
+    assert penalty_entries([seq(output=[1]), seq(temperature=0.5)], {0}, 10) is None
+
+
+def test_logit_bias_ids_past_vocab_and_repeated():
+    s = seq(logit_bias={"2": 1.0, 2: 2.0, 6: 5.0, -1: 5.0})   # "2" and 2 add; 6, -1 ignored
+    np.testing.assert_array_equal(penalised(s), [2.0, -1.0, 3.5, -3.0, 1.0, 0.0])
+
+
+def test_sampler_penalties_and_filters_in_one_batch(backend):
+    """Greedy and random rows, with and without penalties: each row's token is what the
+    sequential reference followed by the filters and Gumbel-max gives for that row alone."""
+    rng = np.random.default_rng(12)
+    V = 300
+    logits = rng.standard_normal((5, V)).astype(np.float32) * 2
+    seqs = [seq([5, 6], [7], temperature=0.0, repetition_penalty=3.0, logit_bias={8: 9.0}),
+            seq([5], [9, 9], seed=1, temperature=0.7, top_k=20, presence_penalty=2.0),
+            seq([1], seed=2, top_p=0.8, min_tokens=2, stop_token_ids=[3]),
+            seq([2], [4], seed=3, min_p=0.05, frequency_penalty=-1.0),
+            seq([3], seed=4)]
+    keep = logits.copy()
+    out = Sampler(backend).sample(logits, seqs, {0})
+    np.testing.assert_array_equal(logits, keep)
+    pen = sequential_penalties(logits, seqs, {0})
+    assert out[0] == pen[0].argmax()
+    for b in range(1, 5):
+        p = seqs[b].sampling_params
+        row = apply_filters(pen[b:b + 1], p.temperature, p.top_k, p.top_p, p.min_p)
+        one = np.empty(1, np.int64)
+        NumpyBackend().gumbel_sample(row, np.array([seqs[b].seed], np.uint64),
+                                     np.array([seqs[b].num_output_tokens], np.int64), one)
+        assert out[b] == one[0]
+
+
+def test_filter_logits_op_matches_full_sort_reference():
+    """CpuBackend.filter_logits (pyx/cpu_sampling.py's sparse algorithm) keeps exactly the tokens
+    the full-sort NumpyBackend above keeps, with the same scaled values."""
+    cpu = pytest.importorskip("pyx.cpu_backend").CpuBackend()
+    rng = np.random.default_rng(13)
+    B, V = 24, 4000
+    logits = (rng.standard_normal((B, V)) * rng.choice([0.5, 2.0, 8.0], B)[:, None]).astype(np.float32)
+    logits[3, 100:200] = logits[3].max()            # ties at the top
+    temperature = rng.choice([1.0, 0.7, 1.5], B).astype(np.float32)
+    top_k = rng.choice([0, 1, 5, 50, V, V + 10], B).astype(np.int32)
+    top_p = rng.choice([1.0, 0.9, 0.5, 0.1], B).astype(np.float32)
+    min_p = rng.choice([0.0, 0.0, 0.05, 0.3], B).astype(np.float32)
+    a, b = logits.copy(), logits.copy()
+    cpu.filter_logits(a, temperature, top_k, top_p, min_p)
+    NumpyBackend().filter_logits(b, temperature, top_k, top_p, min_p)
+    np.testing.assert_array_equal(np.isfinite(a), np.isfinite(b))
+    np.testing.assert_array_equal(a, b)

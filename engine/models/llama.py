@@ -68,12 +68,12 @@ class LlamaForCausalLM:
         check_weights(config, weights)
         self.config = config
         self.backend = backend
-        self.xp = getattr(backend, "xp", np)
-        self._to_device = getattr(backend, "asarray", None) or (lambda a: a)
+        self.xp = backend.xp
+        self._to_device = backend.asarray
         c = config
         cache = build_cos_sin_cache(c.rope, c.max_position_embeddings, c.max_model_len)
         self.cos_sin_cache = self._to_device(cache)
-        self.workspace = Workspace(self.xp)
+        self.workspace = Workspace(self.xp, backend.act_dtype)
 
         self.layers = []
         # FP8 KV cache scales per layer and KV head (DESIGN.md section 5): the checkpoint's, else
@@ -122,13 +122,14 @@ class LlamaForCausalLM:
     def _take(self, weights: dict, name: str):
         w = weights.pop(name)
         if not isinstance(w, np.ndarray):       # packed (ggml blocks, int4, fp8): kept as is
-            return w
-        return self._to_device(np.ascontiguousarray(w))
+            return self.backend.place_weight(w)
+        return self.backend.place_weight(np.ascontiguousarray(w))
 
     def _fuse(self, weights: dict, names: list[str]):
         parts = [weights.pop(n) for n in names]
-        if all(isinstance(p, np.ndarray) for p in parts):
-            return self._to_device(np.concatenate(parts, axis=0))
+        for xp in (np, self.xp):      # host arrays, or arrays made on the device
+            if all(isinstance(p, xp.ndarray) for p in parts):
+                return self.backend.place_weight(xp.concatenate(parts, axis=0))
         # packed weights (ggml blocks, int4, fp8) of one kind stack along N themselves
         if all(type(p) is type(parts[0]) and hasattr(p, "concat") for p in parts):
             return type(parts[0]).concat(parts)
@@ -143,7 +144,8 @@ class LlamaForCausalLM:
         return (num_blocks, block_size, self.config.num_key_value_heads, self.config.head_dim)
 
     def forward(self, batch: ForwardBatch, kv_caches: list) -> np.ndarray:
-        """Logits (len(batch.logits_indices), vocab) float32, a new array each call."""
+        """Logits (len(batch.logits_indices), vocab) float32, a new array each call; the batch's
+        arrays and the logits live where the backend computes (NumPy or CuPy)."""
         c, b, ws = self.config, self.backend, self.workspace
         T = batch.num_tokens
         residual = ws.get("residual", T, c.hidden_size)

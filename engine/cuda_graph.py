@@ -1,0 +1,333 @@
+"""CUDA Graphs for decode steps (issue 4, item 4).
+
+A decode step of a small batch is a few hundred short kernels; launching them one by one from
+Python costs more than running them. A CUDA graph records the whole forward once and replays it
+with one launch. A graph replays fixed work on fixed addresses, so:
+
+- **Buckets.** One graph per batch size in `capture_sizes(max_num_seqs)`: 1, 2, 4, 8, then every 8
+  up to max_num_seqs (as vLLM: fine steps where decode is launch-bound, coarser steps where
+  the padding is a small fraction of a large batch). A batch of B sequences replays the smallest
+  bucket >= B, its extra rows padded.
+- **Static inputs.** A graph reads its batch arrays from buffers whose addresses it baked in. One
+  int32 device buffer holds every bucket's inputs (each bucket has its own packed layout at the
+  start of it, `input_layout`); a step packs the padded arrays into one pinned host buffer and
+  fills the device buffer with ONE async copy of just that bucket's prefix, then launches.
+- **Padding rows** are all-zero decode rows that write slot -1 (the KV contract's "do not write",
+  DESIGN.md section 5), so they never touch a live sequence's cache, and read a context of
+  length 1 from key 0 of block 0 (always a valid address; whatever is there, their output rows
+  are dropped: rows never mix in a forward).
+- **Block tables** are (size, max_blocks_per_seq) wide, enough for the longest sequence; the
+  decode kernel reads only the first ceil(seq_len / block_size) entries of a row.
+
+Memory. Everything a graph touches must stay allocated, at the same address, for the graph's
+life, and nobody else may reuse it while the graph could still write it:
+- Allocations made during warm-up and capture (the forward's temporaries: gathered rows, the
+  logits it returns, backend scratch) come from a private memory pool (`backend.new_graph_pool`,
+  as PyTorch's torch.cuda.graph(pool=...)). Only later captures allocate from it, so temporaries
+  freed inside one graph are reused only by other graphs' temporaries, which never run at the
+  same time; the eager path can never be handed memory a graph writes.
+- The model's activation Workspace grows on demand and frees its old buffer when it does (an
+  eager prefill bigger than any capture would), so graphs get their own Workspace, swapped in
+  around the captured forward and kept by the runner.
+- Graphs are captured from the largest bucket to the smallest: the largest grows the workspace
+  and the pool to their peak, and the smaller ones fit in the blocks it freed.
+- Outputs: keeping every bucket's own logits array alive would cost sum(sizes) * vocab floats
+  (2.2 GB for 256 sequences of a 128k vocabulary). Instead every graph ends with a copy of its
+  logits into one static (max_num_seqs, vocab) buffer; `run` returns a view of its first B rows,
+  valid until the next step (the engine samples from it first). The copy is B * vocab floats,
+  about a microsecond at batch 1. (A model forward with an `out=` for the logits would remove it.)
+- Reserving it: the engine sizes the KV pool AFTER subtracting `estimate_graph_memory_bytes(...)`
+  (a conservative estimate, since the graphs bake in the pool's pointers and so are captured
+  after it exists); `capture` then measures the private pool (`graph_memory_bytes`) so the log
+  shows the estimate against the real figure. `--disable-cuda-graph` is the engine's business:
+  it simply creates no runner.
+
+The runner reaches the GPU only through the backend (methods listed on CudaGraphRunner), so its
+bookkeeping is tested on the CPU with a fake backend whose "graph" replays the captured callable.
+"""
+from __future__ import annotations
+
+import bisect
+import functools
+import logging
+
+import numpy as np
+
+from engine.forward_batch import ForwardBatch
+
+log = logging.getLogger("taper.engine")
+
+MiB = 1 << 20
+GRAPH_OVERHEAD_BYTES = 16 * MiB   # per captured graph: graph exec, cuBLAS and scratch headroom
+_ALIGN = 16                       # int32 elements: each static input starts on a 64-byte boundary
+
+# The static inputs, in ForwardBatch's field order.
+FIELDS = ("token_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens",
+          "block_tables", "logits_indices")
+
+
+# ---- buckets and padding (host side, pure NumPy)
+
+def capture_sizes(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, 8, then every 8 up to max_num_seqs, which is always the last size."""
+    if max_num_seqs < 1:
+        raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+    sizes = [s for s in (1, 2, 4, 8) if s < max_num_seqs]
+    sizes += range(16, max_num_seqs, 8)
+    return sizes + [max_num_seqs]
+
+
+def bucket_for(num_seqs: int, sizes: list[int]) -> int | None:
+    """The smallest size >= num_seqs (sizes ascending); None past the largest."""
+    if num_seqs < 1:
+        raise ValueError(f"a decode batch has at least one sequence, got {num_seqs}")
+    i = bisect.bisect_left(sizes, num_seqs)
+    return sizes[i] if i < len(sizes) else None
+
+
+def is_pure_decode(batch: ForwardBatch) -> bool:
+    """Every sequence computes exactly one token (T == B) and samples it. Host arrays."""
+    B = batch.num_seqs
+    if B == 0 or batch.num_tokens != B or len(batch.logits_indices) != B:
+        return False
+    rows = np.arange(B + 1)
+    return (np.array_equal(batch.query_start_loc, rows)
+            and np.array_equal(batch.logits_indices, rows[:B]))
+
+
+def input_layout(size: int, max_blocks: int) -> tuple[dict[str, tuple[int, tuple]], int]:
+    """Where each static input of a `size` bucket lives in the packed int32 buffer:
+    ({name: (offset, shape)}, number of int32 elements up to the end of the last one)."""
+    shapes = {"token_ids": (size,), "positions": (size,), "slot_mapping": (size,),
+              "query_start_loc": (size + 1,), "seq_lens": (size,),
+              "block_tables": (size, max_blocks), "logits_indices": (size,)}
+    layout, end = {}, 0
+    for name in FIELDS:
+        offset = -(-end // _ALIGN) * _ALIGN
+        layout[name] = (offset, shapes[name])
+        end = offset + int(np.prod(shapes[name]))
+    return layout, end
+
+
+def _views(buffer, layout: dict) -> dict:
+    """The static inputs as views (NumPy or CuPy) of a packed 1-D int32 buffer."""
+    return {name: buffer[off:off + int(np.prod(shape))].reshape(shape)
+            for name, (off, shape) in layout.items()}
+
+
+def _check_fits(batch: ForwardBatch, size: int, max_blocks: int) -> None:
+    if not is_pure_decode(batch):
+        raise ValueError(f"not a pure decode batch ({batch.num_tokens} tokens for "
+                         f"{batch.num_seqs} sequences, logits rows "
+                         f"{np.asarray(batch.logits_indices).tolist()[:8]}): every sequence must "
+                         "compute exactly one token and sample it")
+    if batch.num_seqs > size:
+        raise ValueError(f"{batch.num_seqs} sequences do not fit a graph of {size} rows")
+    if batch.block_tables.shape[1] > max_blocks:
+        raise ValueError(f"block tables are {batch.block_tables.shape[1]} blocks wide, more than "
+                         f"the graphs' max_blocks={max_blocks}")
+
+
+def _write_inputs(views: dict, size: int, batch: ForwardBatch | None = None) -> None:
+    """Every element of a bucket's static inputs: the batch's rows, then padding rows (all
+    padding when batch is None)."""
+    B = 0 if batch is None else batch.num_seqs
+    rows = np.arange(size + 1, dtype=np.int32)
+    tables = views["block_tables"]
+    if B:
+        K = batch.block_tables.shape[1]
+        views["token_ids"][:B] = batch.token_ids
+        views["positions"][:B] = batch.positions
+        views["slot_mapping"][:B] = batch.slot_mapping
+        views["seq_lens"][:B] = batch.seq_lens
+        tables[:B, :K] = batch.block_tables
+        tables[:B, K:] = 0
+    views["token_ids"][B:] = 0
+    views["positions"][B:] = 0
+    views["slot_mapping"][B:] = -1     # padding rows write no KV slot
+    views["seq_lens"][B:] = 1          # ... and attend to key 0 of block 0; their rows are dropped
+    tables[B:] = 0
+    views["query_start_loc"][:] = rows
+    views["logits_indices"][:] = rows[:size]
+
+
+def pad_decode_inputs(batch: ForwardBatch, size: int, max_blocks: int) -> dict[str, np.ndarray]:
+    """The static-input contents of a `size` bucket for a pure decode batch (host arrays):
+    token_ids/positions padded with 0, slot_mapping with -1, seq_lens with 1, query_start_loc =
+    arange(size + 1), block_tables (size, max_blocks) with the real rows left-aligned and zeros
+    elsewhere, logits_indices = arange(size). ValueError if the batch does not fit."""
+    _check_fits(batch, size, max_blocks)
+    layout, n = input_layout(size, max_blocks)
+    views = _views(np.zeros(n, np.int32), layout)
+    _write_inputs(views, size, batch)
+    return views
+
+
+def estimate_graph_memory_bytes(max_num_seqs: int, max_blocks_per_seq: int,
+                                model_config=None) -> int:
+    """Device memory to reserve for the decode graphs before the KV pool is sized: a conservative
+    16 MiB per captured graph (graph exec objects, cuBLAS and attention scratch), the static
+    inputs, and, given the model's config, the memory that grows with max_num_seqs: the static
+    logits plus the forward's own logits (2 * vocab floats a row), and the graphs' activation
+    workspace with the gathered rows (bounded by 18 * hidden + 3 * intermediate floats a row,
+    which covers q_size <= 2 * hidden). An estimate: `CudaGraphRunner.capture` measures the real
+    figure (graph_memory_bytes) and the engine logs both."""
+    sizes = capture_sizes(max_num_seqs)
+    _, n = input_layout(max_num_seqs, max_blocks_per_seq)
+    total = len(sizes) * GRAPH_OVERHEAD_BYTES + 4 * n
+    if model_config is not None:
+        per_row = (2 * model_config.vocab_size + 18 * model_config.hidden_size
+                   + 3 * model_config.intermediate_size)
+        total += 4 * per_row * max_num_seqs
+    return total
+
+
+# ---- the runner
+
+class _Bucket:
+    __slots__ = ("size", "num_ints", "host", "batch", "logits", "graph")
+
+    def __init__(self, size, num_ints, host, batch, logits):
+        self.size = size
+        self.num_ints = num_ints   # int32 elements copied to the device per step
+        self.host = host           # {name: view of the pinned host buffer}
+        self.batch = batch         # ForwardBatch of views of the static device buffer
+        self.logits = logits       # (size, V) view of the static logits
+        self.graph = None
+
+
+class CudaGraphRunner:
+    """Captures one decode graph per bucket and replays them.
+
+    The backend provides (CudaBackend on the GPU; a NumPy fake in tests/test_cuda_graph.py):
+      xp                           the array module of device arrays (cupy)
+      new_graph_pool()             a private device memory pool, with total_bytes()
+      use_graph_pool(pool)         context manager: device allocations inside come from pool
+      capture_graph(fn)            calls fn() under stream capture on backend.stream and returns
+                                   a graph whose launch() replays the captured work on that stream
+      pinned_empty(n, dtype)       a NumPy array of n elements in page-locked host memory
+      copy_to_device_async(dst, src)  enqueue a host-to-device copy on backend.stream
+      synchronize()                wait for backend.stream
+    and optionally memory_info() -> (free, total) bytes, for the device-wide figure.
+
+    Usage: capture() once after the KV caches exist; then per step, if can_run(batch):
+    logits = run(batch). `batch` is the host batch (ModelRunner.prepare's NumPy arrays).
+    """
+
+    def __init__(self, model, backend, kv_caches, max_num_seqs: int, max_blocks_per_seq: int):
+        if max_blocks_per_seq < 1:
+            raise ValueError(f"max_blocks_per_seq must be >= 1, got {max_blocks_per_seq}")
+        self.model = model
+        self.backend = backend
+        self.kv_caches = kv_caches
+        self.max_num_seqs = max_num_seqs
+        self.max_blocks_per_seq = max_blocks_per_seq
+        self.sizes = capture_sizes(max_num_seqs)
+        self.buckets: dict[int, _Bucket] = {}
+        self.graph_memory_bytes = 0          # the private pool after capture
+        self.device_memory_bytes = None      # free device memory before - after (if known)
+        self.num_replays = 0
+        self._pool = None
+        self._host = None                    # pinned int32 staging buffer
+        self._device = None                  # static int32 input buffer
+        self._logits = None                  # static (max_num_seqs, V) output
+        self._workspace = None               # the graphs' own activation workspace
+
+    @property
+    def captured(self) -> bool:
+        return bool(self.buckets) and all(b.graph is not None for b in self.buckets.values())
+
+    # ---- capture
+
+    def capture(self) -> None:
+        if self.buckets:
+            raise RuntimeError("CudaGraphRunner.capture() runs once")
+        b = self.backend
+        xp = b.xp
+        K = self.max_blocks_per_seq
+        _, total = input_layout(self.max_num_seqs, K)
+        free_before = b.memory_info()[0] if hasattr(b, "memory_info") else None
+        self._pool = b.new_graph_pool()
+        self._host = b.pinned_empty(total, np.int32)
+        ws = getattr(self.model, "workspace", None)
+        if ws is not None:
+            dtype = getattr(getattr(self.model, "backend", b), "act_dtype", np.float32)
+            self._workspace = type(ws)(getattr(self.model, "xp", xp), dtype)
+        with b.use_graph_pool(self._pool):
+            self._device = xp.empty(total, np.int32)
+            for size in reversed(self.sizes):
+                self._capture_one(size)
+        b.synchronize()
+        self.graph_memory_bytes = int(self._pool.total_bytes())
+        if free_before is not None:
+            self.device_memory_bytes = int(free_before - b.memory_info()[0])
+        log.debug("decode graphs for %s: private pool %d bytes", self.sizes,
+                  self.graph_memory_bytes)
+
+    def _capture_one(self, size: int) -> None:
+        b, xp = self.backend, self.backend.xp
+        layout, n = input_layout(size, self.max_blocks_per_seq)
+        host = _views(self._host, layout)
+        batch = ForwardBatch(**_views(self._device, layout))
+        _write_inputs(host, size)                                 # a dummy batch: all padding
+        b.copy_to_device_async(self._device[:n], self._host[:n])
+        if self._logits is None:                                  # the largest bucket: learn V
+            first = self._forward(batch)
+            self._logits = xp.empty((self.max_num_seqs, first.shape[1]), first.dtype)
+            del first
+        bucket = _Bucket(size, n, host, batch, self._logits[:size])
+        step = functools.partial(self._step, bucket.batch, bucket.logits)
+        # Warm-up, eagerly: grows the workspace and the pool to this size, loads cuBLAS and
+        # compiles CuPy's kernels, none of which may happen during capture.
+        step()
+        bucket.graph = b.capture_graph(step)
+        # The next bucket rewrites the pinned buffer: this bucket's copy must have landed.
+        b.synchronize()
+        self.buckets[size] = bucket
+
+    def _forward(self, batch: ForwardBatch):
+        """The model's forward on the graphs' own workspace (the eager one may grow later and
+        free what a graph writes)."""
+        if self._workspace is None:
+            return self.model.forward(batch, self.kv_caches)
+        eager = self.model.workspace
+        self.model.workspace = self._workspace
+        try:
+            return self.model.forward(batch, self.kv_caches)
+        finally:
+            self.model.workspace = eager
+
+    def _step(self, batch: ForwardBatch, out) -> None:
+        """What a graph holds: the forward on the static inputs, its logits copied to the static
+        output (the forward's own array is a pool temporary)."""
+        self.backend.xp.copyto(out, self._forward(batch))
+
+    # ---- replay
+
+    def can_run(self, batch: ForwardBatch) -> bool:
+        return (self.captured and is_pure_decode(batch)
+                and bucket_for(batch.num_seqs, self.sizes) is not None
+                and batch.block_tables.shape[1] <= self.max_blocks_per_seq)
+
+    def run(self, batch: ForwardBatch):
+        """Logits (B, V) of a pure decode batch, by replaying its bucket's graph: a view of the
+        static output, valid until the next run (the caller consumes it before the next step).
+
+        The pinned staging buffer is rewritten here while the previous step's copy could still be
+        queued; that is safe because the engine waits for every step's results (it reads the
+        sampled tokens back) before preparing the next one. A caller that does not must
+        synchronize the backend between runs."""
+        if not self.captured:
+            raise RuntimeError("CudaGraphRunner.run before capture()")
+        B = batch.num_seqs
+        size = bucket_for(B, self.sizes) if B else None
+        if size is None:
+            raise ValueError(f"{B} sequences: the decode graphs hold 1 to {self.max_num_seqs}")
+        _check_fits(batch, size, self.max_blocks_per_seq)
+        bucket = self.buckets[size]
+        _write_inputs(bucket.host, size, batch)
+        n = bucket.num_ints
+        self.backend.copy_to_device_async(self._device[:n], self._host[:n])
+        bucket.graph.launch()
+        self.num_replays += 1
+        return bucket.logits[:B]

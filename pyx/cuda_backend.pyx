@@ -1,0 +1,723 @@
+"""CUDA backend: the op table of pyx/backend.pyx on CuPy arrays, backed by cuda/*.cu.
+
+Two layers, as CuPy's own driver wrappers: `launch_*` functions take device pointers as integers,
+call one C launcher of cuda/taper_cuda.h inside `with nogil:` and turn a nonzero status into a
+CudaError naming the op and the sizes; `CudaBackend` validates CuPy arrays (dtype, shape,
+contiguity, device) and calls them. The module imports without CuPy and without a GPU, where every
+launch fails with cudaErrorInsufficientDriver (statically linked cudart), which CI checks.
+
+Activations are bf16, f16 or f32 (`dtype`), accumulated in float32; vectors (norm weights,
+biases, the RoPE cos/sin cache, FP8 scales, logits) are float32 as on the CPU. Dense GEMMs go
+through cuBLAS (CuPy's handle and binding, so no extra link dependency). All work is queued on one
+stream, `backend.stream`, with no synchronization inside an op, so a decode step can be captured
+in a CUDA Graph. Tuned kernels stay behind switches until a GPU run has verified them:
+TAPER_CUDA_SPLIT_K=1 (split-K decode attention) and TAPER_CUDA_MMA_PREFILL=1 (tensor-core
+prefill attention).
+"""
+import os
+
+import numpy as np
+from libc.stdint cimport int32_t, int64_t, uint64_t
+
+from pyx.backend cimport Backend
+from pyx.cuda_launch cimport *
+
+
+class CudaError(RuntimeError):
+    """A CUDA launcher returned an error status."""
+
+
+def device_count():
+    """Visible CUDA devices; 0 without a driver or a device (never raises)."""
+    return taper_cuda_device_count()
+
+
+cdef _check_status(int st, str op, dict sizes):
+    if st == TAPER_CUDA_OK:
+        return
+    desc = ", ".join(f"{k}={v}" for k, v in sizes.items())
+    msg = taper_cuda_error_string(st).decode("utf-8", "replace")
+    raise CudaError(f"{op}: {msg} (status {st}) [{desc}]")
+
+
+# ---- launchers: device pointers and sizes as integers
+
+ctypedef size_t ptr_t
+
+
+def launch_embedding(ptr_t token_ids, ptr_t table, ptr_t out, int64_t T, int64_t V, int64_t H,
+                     int dtype, ptr_t stream):
+    cdef int st
+    with nogil:
+        st = taper_cuda_embedding(<const int32_t*>token_ids, <const void*>table, <void*>out, T,
+                                  V, H, dtype, <taper_stream_t>stream)
+    _check_status(st, "embedding", dict(T=T, V=V, H=H, dtype=dtype))
+
+
+def launch_rms_norm(ptr_t x, ptr_t weight, ptr_t out, int64_t T, int64_t H, float eps,
+                    int dtype, ptr_t stream):
+    cdef int st
+    with nogil:
+        st = taper_cuda_rms_norm(<const void*>x, <const float*>weight, <void*>out, T, H, eps,
+                                 dtype, <taper_stream_t>stream)
+    _check_status(st, "rms_norm", dict(T=T, H=H, dtype=dtype))
+
+
+def launch_fused_add_rms_norm(ptr_t x, ptr_t residual, ptr_t weight, int64_t T, int64_t H,
+                              float eps, int dtype, ptr_t stream):
+    cdef int st
+    with nogil:
+        st = taper_cuda_fused_add_rms_norm(<void*>x, <void*>residual, <const float*>weight, T, H,
+                                           eps, dtype, <taper_stream_t>stream)
+    _check_status(st, "fused_add_rms_norm", dict(T=T, H=H, dtype=dtype))
+
+
+def launch_rotary_embedding(ptr_t positions, ptr_t q, ptr_t k, ptr_t cos_sin_cache, int64_t T,
+                            int64_t Hq, int64_t Hkv, int64_t D, int64_t rot_dim, int64_t max_pos,
+                            bint is_neox, int dtype, ptr_t stream):
+    cdef int st
+    with nogil:
+        st = taper_cuda_rotary_embedding(<const int32_t*>positions, <void*>q, <void*>k,
+                                         <const float*>cos_sin_cache, T, Hq, Hkv, D, rot_dim,
+                                         max_pos, is_neox, dtype, <taper_stream_t>stream)
+    _check_status(st, "rotary_embedding",
+                  dict(T=T, Hq=Hq, Hkv=Hkv, D=D, rot_dim=rot_dim, max_pos=max_pos, dtype=dtype))
+
+
+def launch_silu_and_mul(ptr_t x, ptr_t out, int64_t T, int64_t I, int dtype, ptr_t stream):
+    cdef int st
+    with nogil:
+        st = taper_cuda_silu_and_mul(<const void*>x, <void*>out, T, I, dtype,
+                                     <taper_stream_t>stream)
+    _check_status(st, "silu_and_mul", dict(T=T, I=I, dtype=dtype))
+
+
+def launch_gelu_tanh_and_mul(ptr_t x, ptr_t out, int64_t T, int64_t I, int dtype, ptr_t stream):
+    cdef int st
+    with nogil:
+        st = taper_cuda_gelu_tanh_and_mul(<const void*>x, <void*>out, T, I, dtype,
+                                          <taper_stream_t>stream)
+    _check_status(st, "gelu_tanh_and_mul", dict(T=T, I=I, dtype=dtype))
+
+
+def launch_softcap(ptr_t x, int64_t n, float cap, int dtype, ptr_t stream):
+    cdef int st
+    with nogil:
+        st = taper_cuda_softcap(<void*>x, n, cap, dtype, <taper_stream_t>stream)
+    _check_status(st, "softcap", dict(n=n, cap=cap, dtype=dtype))
+
+
+def launch_add_bias(ptr_t out, ptr_t bias, int64_t T, int64_t N, int dtype, ptr_t stream):
+    cdef int st
+    with nogil:
+        st = taper_cuda_add_bias(<void*>out, <const float*>bias, T, N, dtype,
+                                 <taper_stream_t>stream)
+    _check_status(st, "add_bias", dict(T=T, N=N, dtype=dtype))
+
+
+def launch_reshape_and_cache(ptr_t k, ptr_t v, ptr_t k_cache, ptr_t v_cache, ptr_t slot_mapping,
+                             ptr_t k_scale, ptr_t v_scale, int64_t T, int64_t Hkv, int64_t D,
+                             int64_t NB, int64_t BS, int dtype, int cache_dtype, ptr_t stream):
+    cdef int st
+    with nogil:
+        st = taper_cuda_reshape_and_cache(<const void*>k, <const void*>v, <void*>k_cache,
+                                          <void*>v_cache, <const int32_t*>slot_mapping,
+                                          <const float*>k_scale, <const float*>v_scale, T, Hkv,
+                                          D, NB, BS, dtype, cache_dtype, <taper_stream_t>stream)
+    _check_status(st, "reshape_and_cache", dict(T=T, Hkv=Hkv, D=D, NB=NB, BS=BS, dtype=dtype,
+                                                cache_dtype=cache_dtype))
+
+
+def decode_workspace_bytes(int64_t B, int64_t Hq, int64_t D, int num_splits):
+    """Workspace bytes the split-K decode kernel needs (0 for one split)."""
+    return taper_cuda_decode_workspace_bytes(B, Hq, D, num_splits)
+
+
+def decode_num_splits(int64_t B, int64_t Hkv, int64_t max_seq_len, int num_sms):
+    """Partitions per sequence for split-K decode attention (cuda/attention_decode.cu)."""
+    return taper_cuda_decode_num_splits(B, Hkv, max_seq_len, num_sms)
+
+
+def launch_paged_attention_decode(ptr_t out, ptr_t q, ptr_t k_cache, ptr_t v_cache,
+                                  ptr_t k_scale, ptr_t v_scale, ptr_t block_tables,
+                                  ptr_t seq_lens, int64_t B, int64_t Hq, int64_t Hkv, int64_t D,
+                                  int64_t NB, int64_t BS, int64_t MB, float scale,
+                                  int64_t sliding_window, float softcap, int dtype,
+                                  int cache_dtype, int num_splits, ptr_t workspace,
+                                  int64_t workspace_bytes, ptr_t stream):
+    cdef int st
+    with nogil:
+        st = taper_cuda_paged_attention_decode(
+            <void*>out, <const void*>q, <const void*>k_cache, <const void*>v_cache,
+            <const float*>k_scale, <const float*>v_scale, <const int32_t*>block_tables,
+            <const int32_t*>seq_lens, B, Hq, Hkv, D, NB, BS, MB, scale, sliding_window, softcap,
+            dtype, cache_dtype, num_splits, <void*>workspace, workspace_bytes,
+            <taper_stream_t>stream)
+    _check_status(st, "paged_attention (decode)",
+                  dict(B=B, Hq=Hq, Hkv=Hkv, D=D, NB=NB, BS=BS, MB=MB, dtype=dtype,
+                       cache_dtype=cache_dtype, num_splits=num_splits))
+
+
+def launch_paged_attention_prefill(ptr_t out, ptr_t q, ptr_t k_cache, ptr_t v_cache,
+                                   ptr_t k_scale, ptr_t v_scale, ptr_t block_tables,
+                                   ptr_t seq_lens, ptr_t query_start_loc, int64_t T, int64_t B,
+                                   int64_t Hq, int64_t Hkv, int64_t D, int64_t NB, int64_t BS,
+                                   int64_t MB, float scale, int64_t sliding_window, float softcap,
+                                   int dtype, int cache_dtype, int variant, ptr_t stream):
+    cdef int st
+    with nogil:
+        st = taper_cuda_paged_attention_prefill(
+            <void*>out, <const void*>q, <const void*>k_cache, <const void*>v_cache,
+            <const float*>k_scale, <const float*>v_scale, <const int32_t*>block_tables,
+            <const int32_t*>seq_lens, <const int32_t*>query_start_loc, T, B, Hq, Hkv, D, NB, BS,
+            MB, scale, sliding_window, softcap, dtype, cache_dtype, variant,
+            <taper_stream_t>stream)
+    _check_status(st, "paged_attention (prefill)",
+                  dict(T=T, B=B, Hq=Hq, Hkv=Hkv, D=D, NB=NB, BS=BS, MB=MB, dtype=dtype,
+                       cache_dtype=cache_dtype, variant=variant))
+
+
+def launch_argmax(ptr_t logits, ptr_t out, int64_t B, int64_t V, ptr_t stream):
+    cdef int st
+    with nogil:
+        st = taper_cuda_argmax(<const float*>logits, <int64_t*>out, B, V, <taper_stream_t>stream)
+    _check_status(st, "argmax", dict(B=B, V=V))
+
+
+def launch_gumbel_sample(ptr_t logits, ptr_t seeds, ptr_t positions, ptr_t out, int64_t B,
+                         int64_t V, ptr_t stream):
+    cdef int st
+    with nogil:
+        st = taper_cuda_gumbel_sample(<const float*>logits, <const uint64_t*>seeds,
+                                      <const int64_t*>positions, <int64_t*>out, B, V,
+                                      <taper_stream_t>stream)
+    _check_status(st, "gumbel_sample", dict(B=B, V=V))
+
+
+def launch_apply_penalties(ptr_t logits, ptr_t rows, ptr_t cols, ptr_t bias, ptr_t rep,
+                           ptr_t pres_freq, int64_t B, int64_t V, int64_t N, ptr_t stream):
+    cdef int st
+    with nogil:
+        st = taper_cuda_apply_penalties(<float*>logits, <const int32_t*>rows,
+                                        <const int32_t*>cols, <const float*>bias,
+                                        <const float*>rep, <const float*>pres_freq, B, V, N,
+                                        <taper_stream_t>stream)
+    _check_status(st, "apply_penalties", dict(B=B, V=V, N=N))
+
+
+def launch_filter_logits(ptr_t logits, ptr_t temperature, ptr_t top_k, ptr_t top_p, ptr_t min_p,
+                         int64_t B, int64_t V, ptr_t stream):
+    cdef int st
+    with nogil:
+        st = taper_cuda_filter_logits(<float*>logits, <const float*>temperature,
+                                      <const int32_t*>top_k, <const float*>top_p,
+                                      <const float*>min_p, B, V, <taper_stream_t>stream)
+    _check_status(st, "filter_logits", dict(B=B, V=V))
+
+
+# ---- validation
+
+ACT_DTYPES = {"bf16": "bfloat16", "f16": "float16", "f32": "float32"}
+_F32 = np.dtype(np.float32)
+_I32 = np.dtype(np.int32)
+_I64 = np.dtype(np.int64)
+_U64 = np.dtype(np.uint64)
+_U8 = np.dtype(np.uint8)
+
+# cuBLAS enums (cublas_api.h, library_types.h)
+cdef int CUBLAS_OP_N = 0, CUBLAS_OP_T = 1
+cdef int CUDA_R_32F = 0, CUDA_R_16F = 2, CUDA_R_16BF = 14
+cdef int CUBLAS_COMPUTE_32F = 68
+cdef int CUBLAS_GEMM_DEFAULT = -1
+cdef float _ONE = 1.0, _ZERO = 0.0
+
+
+def _dtype_code(dt):
+    """TAPER_DT_* of an activation dtype, -1 for any other."""
+    dt = np.dtype(dt)
+    if dt == _F32:
+        return TAPER_DT_F32
+    if dt.name == "bfloat16":
+        return TAPER_DT_BF16
+    if dt == np.float16:
+        return TAPER_DT_F16
+    return -1
+
+
+cdef str _desc(dict arrays):
+    parts = []
+    for name, a in arrays.items():
+        if hasattr(a, "shape") and hasattr(a, "dtype"):
+            parts.append(f"{name} {tuple(a.shape)} {a.dtype}")
+        else:
+            parts.append(f"{name} {a!r}")
+    return ", ".join(parts)
+
+
+cdef _fail(str op, str msg, dict arrays):
+    raise ValueError(f"{op}: {msg} [{_desc(arrays)}]")
+
+
+class _PoolScope:
+    """`with` both an allocator scope and the backend's stream."""
+
+    def __init__(self, allocator_scope, stream):
+        self.allocator_scope, self.stream = allocator_scope, stream
+
+    def __enter__(self):
+        self.allocator_scope.__enter__()
+        self.stream.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.stream.__exit__(*exc)
+        return self.allocator_scope.__exit__(*exc)
+
+
+class _StreamGraph:
+    """A captured graph bound to the stream it replays on."""
+
+    def __init__(self, graph, stream):
+        self.graph, self.stream = graph, stream
+
+    def launch(self):
+        self.graph.launch(stream=self.stream)
+
+
+def _env_on(name):
+    return os.environ.get(name, "0") not in ("", "0", "false", "False")
+
+
+cdef class CudaBackend(Backend):
+    """Backend on CuPy arrays of one device with the kernels of cuda/.
+
+    dtype: activation type, "bf16" (default), "f16" or "f32". device: the CUDA device index.
+    """
+    cdef readonly object xp, act_dtype, stream, device
+    cdef readonly int num_sms
+    cdef int _act_code
+    cdef object _cupy, _cublas, _handle, _workspace, _retired, _cublas_workspace
+    cdef public bint split_k, mma_prefill
+    cdef public int64_t max_context  # decode split-K sizes its partitions for this many keys
+
+    def __init__(self, dtype="bf16", device=0):
+        Backend.__init__(self, "cuda")
+        if dtype not in ACT_DTYPES:
+            raise ValueError(f"CudaBackend: dtype must be one of {list(ACT_DTYPES)}, got {dtype!r}")
+        if taper_cuda_device_count() <= device:
+            raise RuntimeError(f"CudaBackend: no CUDA device {device} (this machine has "
+                               f"{taper_cuda_device_count()} usable devices)")
+        try:
+            import cupy
+        except ImportError as e:
+            raise RuntimeError("the CUDA backend needs CuPy: pip install 'taper[cuda13]' (or "
+                               "[cuda12], matching the CUDA toolkit)") from e
+        import ml_dtypes
+        self._cupy = cupy
+        self.xp = cupy
+        self.act_dtype = np.dtype(getattr(ml_dtypes, ACT_DTYPES[dtype])
+                                  if dtype == "bf16" else ACT_DTYPES[dtype])
+        self._act_code = _dtype_code(self.act_dtype)
+        self.device = cupy.cuda.Device(device)
+        self.device.use()
+        self.num_sms = self.device.attributes["MultiProcessorCount"]
+        # A blocking stream: CuPy work that runs on the legacy default stream by mistake still
+        # orders with it instead of racing.
+        self.stream = cupy.cuda.Stream(non_blocking=False)
+        self.stream.use()
+        from cupy_backends.cuda.libs import cublas
+        self._cublas = cublas
+        self._handle = self.device.cublas_handle
+        # cuBLAS gets its workspace up front, so it allocates nothing inside a graph capture
+        # (32 MiB: NVIDIA's recommendation for Hopper).
+        self._cublas_workspace = cupy.empty(32 << 20, dtype=np.uint8)
+        if hasattr(cublas, "setWorkspace"):
+            cublas.setWorkspace(self._handle, self._cublas_workspace.data.ptr, 32 << 20)
+        self._workspace = None
+        self._retired = []
+        self.split_k = _env_on("TAPER_CUDA_SPLIT_K")
+        self.mma_prefill = _env_on("TAPER_CUDA_MMA_PREFILL")
+        self.max_context = 0
+
+    def __repr__(self):
+        return (f"CudaBackend(device={self.device.id}, dtype={self.act_dtype.name}, "
+                f"split_k={self.split_k}, mma_prefill={self.mma_prefill})")
+
+    # ---- arrays
+
+    def bind_thread(self):
+        """Makes this backend's device and stream current on the calling thread (CuPy keeps both
+        per thread): the engine thread calls it before running a step."""
+        self.device.use()
+        self.stream.use()
+
+    def asarray(self, a):
+        """A device copy of a host array, same dtype."""
+        return self._cupy.asarray(np.ascontiguousarray(a))
+
+    def place_weight(self, a):
+        """A weight on the device: matrices in the activation dtype, vectors in float32. Takes
+        a NumPy array (copied over) or a CuPy one (cast in place on the device)."""
+        if not isinstance(a, (np.ndarray, self._cupy.ndarray)):
+            raise ValueError(f"{type(a).__name__} weights (quantized formats) are not yet "
+                             "supported on the CUDA backend")
+        dtype = self.act_dtype if a.ndim == 2 else _F32
+        if isinstance(a, np.ndarray):
+            return self.asarray(a.astype(dtype, copy=False))
+        return self._cupy.ascontiguousarray(a.astype(dtype, copy=False))
+
+    def to_host(self, a):
+        return self._cupy.asnumpy(a, stream=self.stream) if isinstance(a, self._cupy.ndarray) else a
+
+    def synchronize(self):
+        self.stream.synchronize()
+
+    # ---- CUDA graphs (engine/cuda_graph.py)
+
+    def new_graph_pool(self):
+        """A private device memory pool for the graphs' allocations (a plain cudaMalloc pool:
+        stream-ordered allocations would become memory nodes inside the graphs)."""
+        return self._cupy.cuda.MemoryPool()
+
+    def use_graph_pool(self, pool):
+        """Context manager: device allocations inside come from `pool`, work runs on the stream."""
+        return _PoolScope(self._cupy.cuda.using_allocator(pool.malloc), self.stream)
+
+    def capture_graph(self, fn):
+        """Calls fn() under stream capture and returns the graph; .launch() replays it on the
+        backend's stream."""
+        with self.stream:
+            self.stream.begin_capture()
+            try:
+                fn()
+            except BaseException:
+                try:
+                    self.stream.end_capture()
+                except Exception:
+                    pass
+                raise
+            graph = self.stream.end_capture()
+        graph.upload(self.stream)      # instantiate now, so the first replay is not slower
+        return _StreamGraph(graph, self.stream)
+
+    def pinned_empty(self, n, dtype):
+        """A NumPy array of n elements in page-locked host memory (async copies need it)."""
+        dtype = np.dtype(dtype)
+        mem = self._cupy.cuda.alloc_pinned_memory(max(int(n) * dtype.itemsize, 1))
+        return np.frombuffer(mem, dtype, int(n))
+
+    def copy_to_device_async(self, dst, src):
+        """Enqueues a host-to-device copy on the backend's stream (no synchronization)."""
+        dst.set(src, stream=self.stream)
+
+    def kv_cache_dtype(self, str kind):
+        """The KV cache element type: the activation dtype for "auto" (and "bf16" with bf16
+        activations), e4m3 codes for "fp8"."""
+        if kind == "auto" or kind == self.act_dtype.name or (kind == "bf16" and
+                                                             self.act_dtype.name == "bfloat16"):
+            return self.act_dtype
+        if kind == "fp8":
+            return _U8
+        raise ValueError(f"a {kind} KV cache needs {kind} activations on the CUDA backend "
+                         f"(these are {self.act_dtype.name}); use auto or fp8")
+
+    def memory_info(self):
+        """(free, total) bytes of the device."""
+        return self._cupy.cuda.runtime.memGetInfo()
+
+    cdef _check(self, str op, dict arrays, str name, object dtypes, int ndim, bint writable=False):
+        a = arrays[name]
+        if not isinstance(a, self._cupy.ndarray):
+            _fail(op, f"{name} must be a CuPy array, got {type(a).__name__}", arrays)
+        if a.ndim != ndim:
+            _fail(op, f"{name} must have {ndim} dims", arrays)
+        if a.dtype not in dtypes:
+            _fail(op, f"{name} has dtype {a.dtype}, expected one of {[str(d) for d in dtypes]}",
+                  arrays)
+        if not a.flags.c_contiguous:
+            _fail(op, f"{name} must be C-contiguous", arrays)
+        if a.device.id != self.device.id:
+            _fail(op, f"{name} is on device {a.device.id}, the backend on {self.device.id}",
+                  arrays)
+
+    cdef inline ptr_t _ptr(self, a):
+        return a.data.ptr
+
+    cdef inline ptr_t _sptr(self):
+        return self.stream.ptr
+
+    # ---- ops
+
+    def embedding(self, token_ids, table, out):
+        op, act = "embedding", (self.act_dtype,)
+        arrays = {"token_ids": token_ids, "table": table, "out": out}
+        self._check(op, arrays, "token_ids", (_I32,), 1)
+        self._check(op, arrays, "table", act, 2)
+        self._check(op, arrays, "out", act, 2, True)
+        T, V, H = token_ids.shape[0], table.shape[0], table.shape[1]
+        if out.shape != (T, H):
+            _fail(op, "out must be (T, H)", arrays)
+        launch_embedding(self._ptr(token_ids), self._ptr(table), self._ptr(out), T, V, H,
+                         self._act_code, self._sptr())
+
+    def linear(self, x, weight, bias, out):
+        """cuBLAS GEMM, float32 accumulation; out may be the activation dtype or float32."""
+        op, act = "linear", (self.act_dtype,)
+        arrays = {"x": x, "weight": weight, "bias": bias, "out": out}
+        if not isinstance(weight, self._cupy.ndarray):
+            _fail(op, f"{type(weight).__name__} weights are not yet supported on the CUDA backend",
+                  arrays)
+        self._check(op, arrays, "x", act, 2)
+        self._check(op, arrays, "weight", act, 2)
+        self._check(op, arrays, "out", (self.act_dtype, _F32), 2, True)
+        cdef int64_t T = x.shape[0], K = x.shape[1], N = weight.shape[0]
+        if weight.shape[1] != K or out.shape != (T, N):
+            _fail(op, "need x (T, K), weight (N, K), out (T, N)", arrays)
+        if bias is not None:
+            self._check(op, arrays, "bias", (_F32,), 1)
+            if bias.shape[0] != N:
+                _fail(op, "bias must be (N,)", arrays)
+        if T == 0:
+            return
+        ab = CUDA_R_16BF if self._act_code == TAPER_DT_BF16 else (
+            CUDA_R_16F if self._act_code == TAPER_DT_F16 else CUDA_R_32F)
+        out_code = _dtype_code(out.dtype)
+        ct = CUDA_R_32F if out_code == TAPER_DT_F32 else ab
+        # Row-major out (T, N) = x (T, K) @ weight (N, K)^T is column-major out^T (N, T) =
+        # weight^T... : A = weight seen as (K, N) column-major, transposed; B = x as (K, T).
+        self._cublas.setStream(self._handle, self.stream.ptr)
+        self._cublas.gemmEx(self._handle, CUBLAS_OP_T, CUBLAS_OP_N, N, T, K,
+                            <size_t>&_ONE, self._ptr(weight), ab, K, self._ptr(x), ab, K,
+                            <size_t>&_ZERO, self._ptr(out), ct, N, CUBLAS_COMPUTE_32F,
+                            CUBLAS_GEMM_DEFAULT)
+        if bias is not None:
+            launch_add_bias(self._ptr(out), self._ptr(bias), T, N, out_code, self._sptr())
+
+    def rms_norm(self, x, weight, eps, out):
+        op, act = "rms_norm", (self.act_dtype,)
+        arrays = {"x": x, "weight": weight, "out": out}
+        self._check(op, arrays, "x", act, 2)
+        self._check(op, arrays, "weight", (_F32,), 1)
+        self._check(op, arrays, "out", act, 2, True)
+        T, H = x.shape[0], x.shape[1]
+        if weight.shape[0] != H or out.shape != x.shape:
+            _fail(op, "need x, out (T, H) and weight (H,)", arrays)
+        launch_rms_norm(self._ptr(x), self._ptr(weight), self._ptr(out), T, H, eps,
+                        self._act_code, self._sptr())
+
+    def fused_add_rms_norm(self, x, residual, weight, eps):
+        op, act = "fused_add_rms_norm", (self.act_dtype,)
+        arrays = {"x": x, "residual": residual, "weight": weight}
+        self._check(op, arrays, "x", act, 2, True)
+        self._check(op, arrays, "residual", act, 2, True)
+        self._check(op, arrays, "weight", (_F32,), 1)
+        T, H = x.shape[0], x.shape[1]
+        if weight.shape[0] != H or residual.shape != x.shape:
+            _fail(op, "need x, residual (T, H) and weight (H,)", arrays)
+        launch_fused_add_rms_norm(self._ptr(x), self._ptr(residual), self._ptr(weight), T, H, eps,
+                                  self._act_code, self._sptr())
+
+    def rotary_embedding(self, positions, q, k, cos_sin_cache, head_dim, is_neox):
+        op, act = "rotary_embedding", (self.act_dtype,)
+        arrays = {"positions": positions, "q": q, "k": k, "cos_sin_cache": cos_sin_cache,
+                  "head_dim": head_dim}
+        self._check(op, arrays, "positions", (_I32,), 1)
+        self._check(op, arrays, "q", act, 2, True)
+        self._check(op, arrays, "k", act, 2, True)
+        self._check(op, arrays, "cos_sin_cache", (_F32,), 2)
+        T, D, R = positions.shape[0], head_dim, cos_sin_cache.shape[1]
+        if D <= 0 or q.shape[0] != T or k.shape[0] != T or q.shape[1] % D or k.shape[1] % D:
+            _fail(op, "need q (T, Hq*D), k (T, Hkv*D)", arrays)
+        if R <= 0 or R % 2 or R > D:
+            _fail(op, "rot_dim = cos_sin_cache.shape[1] must be even and <= head_dim", arrays)
+        launch_rotary_embedding(self._ptr(positions), self._ptr(q), self._ptr(k),
+                                self._ptr(cos_sin_cache), T, q.shape[1] // D, k.shape[1] // D, D,
+                                R, cos_sin_cache.shape[0], bool(is_neox), self._act_code,
+                                self._sptr())
+
+    def _gated(self, str op, x, out, launcher):
+        act = (self.act_dtype,)
+        arrays = {"x": x, "out": out}
+        self._check(op, arrays, "x", act, 2)
+        self._check(op, arrays, "out", act, 2, True)
+        T, inter = x.shape[0], out.shape[1]
+        if x.shape[1] != 2 * inter or out.shape[0] != T:
+            _fail(op, "need x (T, 2I), out (T, I)", arrays)
+        launcher(self._ptr(x), self._ptr(out), T, inter, self._act_code, self._sptr())
+
+    def silu_and_mul(self, x, out):
+        self._gated("silu_and_mul", x, out, launch_silu_and_mul)
+
+    def gelu_tanh_and_mul(self, x, out):
+        self._gated("gelu_tanh_and_mul", x, out, launch_gelu_tanh_and_mul)
+
+    def softcap(self, x, cap):
+        op = "softcap"
+        arrays = {"x": x, "cap": cap}
+        self._check(op, arrays, "x", (self.act_dtype, _F32), 2, True)
+        if not cap > 0:
+            _fail(op, "cap must be > 0", arrays)
+        launch_softcap(self._ptr(x), x.size, cap, _dtype_code(x.dtype), self._sptr())
+
+    cdef int _cache_code(self, str op, dict arrays, bint writable) except? -2:
+        """The caches' TAPER_DT_* code; checks their dtype, shape and the FP8 scales."""
+        k_cache, v_cache = arrays["k_cache"], arrays["v_cache"]
+        self._check(op, arrays, "k_cache", (self.act_dtype, _U8), 4, writable)
+        self._check(op, arrays, "v_cache", (k_cache.dtype,), 4, writable)
+        if v_cache.shape != k_cache.shape:
+            _fail(op, "k_cache and v_cache must be (NB, BS, Hkv, D)", arrays)
+        if k_cache.dtype != _U8:
+            if arrays.get("k_scale") is not None or arrays.get("v_scale") is not None:
+                _fail(op, "k_scale/v_scale go with an fp8 (uint8) cache only", arrays)
+            return self._act_code
+        for name in ("k_scale", "v_scale"):
+            if arrays.get(name) is None:
+                _fail(op, f"an fp8 (uint8) cache needs {name} (Hkv,) float32", arrays)
+            self._check(op, arrays, name, (_F32,), 1)
+            if arrays[name].shape[0] != k_cache.shape[2]:
+                _fail(op, f"{name} must be (Hkv,)", arrays)
+        return TAPER_DT_FP8
+
+    cdef inline ptr_t _opt_ptr(self, a):
+        return 0 if a is None else a.data.ptr
+
+    def reshape_and_cache(self, k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None):
+        op, act = "reshape_and_cache", (self.act_dtype,)
+        arrays = {"k": k, "v": v, "k_cache": k_cache, "v_cache": v_cache,
+                  "slot_mapping": slot_mapping, "k_scale": k_scale, "v_scale": v_scale}
+        self._check(op, arrays, "k", act, 3)
+        self._check(op, arrays, "v", act, 3)
+        self._check(op, arrays, "slot_mapping", (_I32,), 1)
+        cache_code = self._cache_code(op, arrays, True)
+        T, Hkv, D = k.shape
+        if v.shape != k.shape or slot_mapping.shape[0] != T:
+            _fail(op, "need k, v (T, Hkv, D) and slot_mapping (T,)", arrays)
+        if k_cache.shape[2] != Hkv or k_cache.shape[3] != D:
+            _fail(op, "need k_cache, v_cache (NB, BS, Hkv, D)", arrays)
+        launch_reshape_and_cache(self._ptr(k), self._ptr(v), self._ptr(k_cache),
+                                 self._ptr(v_cache), self._ptr(slot_mapping),
+                                 self._opt_ptr(k_scale), self._opt_ptr(v_scale), T, Hkv, D,
+                                 k_cache.shape[0], k_cache.shape[1], self._act_code, cache_code,
+                                 self._sptr())
+
+    def paged_attention(self, out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                        scale, sliding_window, k_scale=None, v_scale=None, softcap=0.0):
+        """Decode batches (one query row per sequence, T == B) take the decode kernel, anything
+        else the prefill kernel, which handles mixed batches."""
+        op, act = "paged_attention", (self.act_dtype,)
+        arrays = {"out": out, "q": q, "k_cache": k_cache, "v_cache": v_cache,
+                  "block_tables": block_tables, "seq_lens": seq_lens,
+                  "query_start_loc": query_start_loc, "k_scale": k_scale, "v_scale": v_scale}
+        self._check(op, arrays, "out", act, 3, True)
+        self._check(op, arrays, "q", act, 3)
+        self._check(op, arrays, "block_tables", (_I32,), 2)
+        self._check(op, arrays, "seq_lens", (_I32,), 1)
+        self._check(op, arrays, "query_start_loc", (_I32,), 1)
+        cache_code = self._cache_code(op, arrays, False)
+        T, Hq, D = q.shape
+        NB, BS, Hkv = k_cache.shape[0], k_cache.shape[1], k_cache.shape[2]
+        B, MB = seq_lens.shape[0], block_tables.shape[1]
+        if out.shape != q.shape or k_cache.shape[3] != D:
+            _fail(op, "need out, q (T, Hq, D) and caches (NB, BS, Hkv, D) with q's D", arrays)
+        if Hkv <= 0 or Hq % Hkv:
+            _fail(op, "Hq must be a multiple of Hkv", arrays)
+        if block_tables.shape[0] != B or query_start_loc.shape[0] != B + 1:
+            _fail(op, "need block_tables (B, MB), seq_lens (B,), query_start_loc (B+1,)", arrays)
+        sw = sliding_window or 0
+        if sw < 0:
+            _fail(op, f"sliding_window must be >= 0, got {sliding_window}", arrays)
+        if softcap < 0:
+            _fail(op, f"softcap must be >= 0, got {softcap}", arrays)
+        ks, vs = self._opt_ptr(k_scale), self._opt_ptr(v_scale)
+        if T == B:
+            splits = 1
+            if self.split_k:
+                splits = decode_num_splits(B, Hkv, self.max_context or MB * BS, self.num_sms)
+            ws_bytes = decode_workspace_bytes(B, Hq, D, splits)
+            launch_paged_attention_decode(
+                self._ptr(out), self._ptr(q), self._ptr(k_cache), self._ptr(v_cache), ks, vs,
+                self._ptr(block_tables), self._ptr(seq_lens), B, Hq, Hkv, D, NB, BS, MB, scale,
+                sw, softcap, self._act_code, cache_code, splits, self._workspace_ptr(ws_bytes),
+                ws_bytes, self._sptr())
+            return
+        args = (self._ptr(out), self._ptr(q), self._ptr(k_cache), self._ptr(v_cache), ks, vs,
+                self._ptr(block_tables), self._ptr(seq_lens), self._ptr(query_start_loc), T, B,
+                Hq, Hkv, D, NB, BS, MB, scale, sw, softcap, self._act_code, cache_code)
+        if self.mma_prefill:
+            try:
+                launch_paged_attention_prefill(*args, 1, self._sptr())
+                return
+            except CudaError as e:  # shapes the tensor-core kernel lacks: the simple one runs
+                if "status -1" not in str(e):
+                    raise
+        launch_paged_attention_prefill(*args, 0, self._sptr())
+
+    def _workspace_ptr(self, int64_t nbytes):
+        """A device scratch buffer of at least nbytes, grown (never during a graph capture:
+        the capture warms every bucket up eagerly first)."""
+        if nbytes == 0:
+            return 0
+        if self._workspace is None or self._workspace.nbytes < nbytes:
+            if self.stream.is_capturing():
+                raise CudaError(f"decode workspace of {nbytes} bytes requested while capturing "
+                                "a CUDA graph; warm up every bucket before capturing")
+            # A captured graph may still use the old buffer: keep it alive, never reuse it.
+            if self._workspace is not None:
+                self._retired.append(self._workspace)
+            self._workspace = self._cupy.empty(nbytes, dtype=np.uint8)
+        return self._workspace.data.ptr
+
+    def argmax(self, logits, out):
+        op = "argmax"
+        arrays = {"logits": logits, "out": out}
+        self._check(op, arrays, "logits", (_F32,), 2)
+        self._check(op, arrays, "out", (_I64,), 1, True)
+        B, V = logits.shape
+        if out.shape[0] != B or V == 0:
+            _fail(op, "need logits (B, V) with V > 0 and out (B,)", arrays)
+        launch_argmax(self._ptr(logits), self._ptr(out), B, V, self._sptr())
+
+    def gumbel_sample(self, logits, seeds, positions, out):
+        op = "gumbel_sample"
+        arrays = {"logits": logits, "seeds": seeds, "positions": positions, "out": out}
+        self._check(op, arrays, "logits", (_F32,), 2)
+        self._check(op, arrays, "seeds", (_U64,), 1)
+        self._check(op, arrays, "positions", (_I64,), 1)
+        self._check(op, arrays, "out", (_I64,), 1, True)
+        B, V = logits.shape
+        if seeds.shape[0] != B or positions.shape[0] != B or out.shape[0] != B or V == 0:
+            _fail(op, "need logits (B, V) with V > 0 and seeds, positions, out (B,)", arrays)
+        launch_gumbel_sample(self._ptr(logits), self._ptr(seeds), self._ptr(positions),
+                             self._ptr(out), B, V, self._sptr())
+
+    def apply_penalties(self, logits, rows, cols, bias, rep, pres_freq):
+        op = "apply_penalties"
+        arrays = {"logits": logits, "rows": rows, "cols": cols, "bias": bias, "rep": rep,
+                  "pres_freq": pres_freq}
+        self._check(op, arrays, "logits", (_F32,), 2, True)
+        for name in ("rows", "cols"):
+            self._check(op, arrays, name, (_I32,), 1)
+        for name in ("bias", "rep", "pres_freq"):
+            self._check(op, arrays, name, (_F32,), 1)
+        N = rows.shape[0]
+        if any(arrays[n].shape[0] != N for n in ("cols", "bias", "rep", "pres_freq")):
+            _fail(op, "rows, cols, bias, rep, pres_freq must all be (N,)", arrays)
+        B, V = logits.shape
+        launch_apply_penalties(self._ptr(logits), self._ptr(rows), self._ptr(cols),
+                               self._ptr(bias), self._ptr(rep), self._ptr(pres_freq), B, V, N,
+                               self._sptr())
+
+    def filter_logits(self, logits, temperature, top_k, top_p, min_p):
+        op = "filter_logits"
+        arrays = {"logits": logits, "temperature": temperature, "top_k": top_k, "top_p": top_p,
+                  "min_p": min_p}
+        self._check(op, arrays, "logits", (_F32,), 2, True)
+        self._check(op, arrays, "temperature", (_F32,), 1)
+        self._check(op, arrays, "top_k", (_I32,), 1)
+        self._check(op, arrays, "top_p", (_F32,), 1)
+        self._check(op, arrays, "min_p", (_F32,), 1)
+        B, V = logits.shape
+        if any(arrays[n].shape[0] != B for n in ("temperature", "top_k", "top_p", "min_p")):
+            _fail(op, "temperature, top_k, top_p, min_p must be (B,)", arrays)
+        launch_filter_logits(self._ptr(logits), self._ptr(temperature), self._ptr(top_k),
+                             self._ptr(top_p), self._ptr(min_p), B, V, self._sptr())

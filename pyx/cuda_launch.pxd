@@ -1,0 +1,65 @@
+# The C ABI of cuda/taper_cuda.h, declared nogil for pyx/cuda_backend.pyx.
+from libc.stdint cimport int32_t, int64_t, uint64_t
+
+
+cdef extern from "taper_cuda.h" nogil:
+    ctypedef void* taper_stream_t
+    int TAPER_CUDA_OK, TAPER_CUDA_ERR_ARG
+    int TAPER_DT_F32, TAPER_DT_BF16, TAPER_DT_F16, TAPER_DT_FP8
+
+    int taper_cuda_device_count()
+    const char* taper_cuda_error_string(int status)
+
+    int taper_cuda_embedding(const int32_t* token_ids, const void* table, void* out, int64_t T,
+                             int64_t V, int64_t H, int dtype, taper_stream_t stream)
+    int taper_cuda_rms_norm(const void* x, const float* weight, void* out, int64_t T, int64_t H,
+                            float eps, int dtype, taper_stream_t stream)
+    int taper_cuda_fused_add_rms_norm(void* x, void* residual, const float* weight, int64_t T,
+                                      int64_t H, float eps, int dtype, taper_stream_t stream)
+    int taper_cuda_rotary_embedding(const int32_t* positions, void* q, void* k,
+                                    const float* cos_sin_cache, int64_t T, int64_t Hq,
+                                    int64_t Hkv, int64_t D, int64_t rot_dim, int64_t max_pos,
+                                    int is_neox, int dtype, taper_stream_t stream)
+    int taper_cuda_silu_and_mul(const void* x, void* out, int64_t T, int64_t I, int dtype,
+                                taper_stream_t stream)
+    int taper_cuda_gelu_tanh_and_mul(const void* x, void* out, int64_t T, int64_t I, int dtype,
+                                     taper_stream_t stream)
+    int taper_cuda_softcap(void* x, int64_t n, float cap, int dtype, taper_stream_t stream)
+    int taper_cuda_add_bias(void* out, const float* bias, int64_t T, int64_t N, int dtype,
+                            taper_stream_t stream)
+    int taper_cuda_reshape_and_cache(const void* k, const void* v, void* k_cache, void* v_cache,
+                                     const int32_t* slot_mapping, const float* k_scale,
+                                     const float* v_scale, int64_t T, int64_t Hkv, int64_t D,
+                                     int64_t NB, int64_t BS, int dtype, int cache_dtype,
+                                     taper_stream_t stream)
+    int64_t taper_cuda_decode_workspace_bytes(int64_t B, int64_t Hq, int64_t D, int num_splits)
+    int taper_cuda_decode_num_splits(int64_t B, int64_t Hkv, int64_t max_seq_len, int num_sms)
+    int taper_cuda_paged_attention_decode(void* out, const void* q, const void* k_cache,
+                                          const void* v_cache, const float* k_scale,
+                                          const float* v_scale, const int32_t* block_tables,
+                                          const int32_t* seq_lens, int64_t B, int64_t Hq,
+                                          int64_t Hkv, int64_t D, int64_t NB, int64_t BS,
+                                          int64_t MB, float scale, int64_t sliding_window,
+                                          float softcap, int dtype, int cache_dtype,
+                                          int num_splits, void* workspace,
+                                          int64_t workspace_bytes, taper_stream_t stream)
+    int taper_cuda_paged_attention_prefill(void* out, const void* q, const void* k_cache,
+                                           const void* v_cache, const float* k_scale,
+                                           const float* v_scale, const int32_t* block_tables,
+                                           const int32_t* seq_lens,
+                                           const int32_t* query_start_loc, int64_t T, int64_t B,
+                                           int64_t Hq, int64_t Hkv, int64_t D, int64_t NB,
+                                           int64_t BS, int64_t MB, float scale,
+                                           int64_t sliding_window, float softcap, int dtype,
+                                           int cache_dtype, int variant, taper_stream_t stream)
+    int taper_cuda_argmax(const float* logits, int64_t* out, int64_t B, int64_t V,
+                          taper_stream_t stream)
+    int taper_cuda_gumbel_sample(const float* logits, const uint64_t* seeds,
+                                 const int64_t* positions, int64_t* out, int64_t B, int64_t V,
+                                 taper_stream_t stream)
+    int taper_cuda_apply_penalties(float* logits, const int32_t* rows, const int32_t* cols,
+                                   const float* bias, const float* rep, const float* pres_freq,
+                                   int64_t B, int64_t V, int64_t N, taper_stream_t stream)
+    int taper_cuda_filter_logits(float* logits, const float* temperature, const int32_t* top_k,
+                                 const float* top_p, const float* min_p, int64_t B, int64_t V,
+                                 taper_stream_t stream)

@@ -1,0 +1,88 @@
+"""Host-side logic of the CUDA backend, checked on any machine (issue 4, item 6): the extension
+imports without a GPU and a launch then fails naming the op, the split-K partition and workspace
+arithmetic, and the GPU memory plan. The kernels themselves are tested in tests/gpu/."""
+import importlib.util
+
+import numpy as np
+import pytest
+
+from engine import cuda_memory
+
+needs_ext = pytest.mark.skipif(importlib.util.find_spec("pyx.cuda_backend") is None,
+                               reason="built without nvcc: no CUDA extension")
+
+
+@pytest.fixture(scope="module")
+def cb():
+    import pyx.cuda_backend as cb
+    return cb
+
+
+@needs_ext
+def test_launch_without_device_names_op(cb):
+    if cb.device_count():
+        pytest.skip("a GPU is present: tests/gpu covers the launches")
+    with pytest.raises(cb.CudaError, match=r"^rms_norm: .*\[T=1, H=8, dtype=1\]"):
+        cb.launch_rms_norm(0, 0, 0, 1, 8, 1e-5, 1, 0)
+    with pytest.raises(cb.CudaError, match=r"^paged_attention \(decode\): "):
+        cb.launch_paged_attention_decode(0, 0, 0, 0, 0, 0, 0, 0, 1, 4, 2, 64, 1, 16, 1, 0.125, 0,
+                                         0.0, 1, 1, 1, 0, 0, 0)
+
+
+@needs_ext
+def test_backend_needs_a_device(cb):
+    if cb.device_count():
+        pytest.skip("a GPU is present")
+    with pytest.raises(RuntimeError, match="no CUDA device 0"):
+        cb.CudaBackend()
+
+
+@needs_ext
+def test_decode_num_splits(cb):
+    # The grid already fills the device, or the context is short: one pass.
+    assert cb.decode_num_splits(132, 1, 32768, 132) == 1
+    assert cb.decode_num_splits(1, 8, 1023, 132) == 1
+    # B * Hkv * splits reaches two waves of 132 SMs, each partition >= 512 keys, at most 64.
+    assert cb.decode_num_splits(1, 8, 32768, 132) == 33       # 8 * 33 = 264 = 2 * 132
+    assert cb.decode_num_splits(1, 8, 4096, 132) == 8         # 4096 / 512 caps it
+    assert cb.decode_num_splits(1, 1, 1 << 20, 132) == 64     # the hard cap
+    assert cb.decode_num_splits(16, 8, 32768, 132) == 3       # 128 * 3 >= 264
+
+
+@needs_ext
+def test_decode_workspace_bytes(cb):
+    assert cb.decode_workspace_bytes(4, 32, 128, 1) == 0
+    # per (sequence, query head, partition): D float partial outputs plus a max and a sum
+    one = cb.decode_workspace_bytes(1, 1, 128, 2)
+    assert one >= 2 * (128 + 2) * 4
+    assert cb.decode_workspace_bytes(3, 5, 128, 2) == 15 * one
+
+
+def test_kv_budget():
+    # --mem wins; else the fraction of what is free after the graph reservation
+    assert cuda_memory.kv_budget_bytes(10 << 30, 1 << 30, 0.5, 100)[0] == 100 << 20
+    assert cuda_memory.kv_budget_bytes(10 << 30, 1 << 30, 0.5, None)[0] == 9 << 29
+    assert cuda_memory.kv_budget_bytes(10 << 30, 0, None, None)[0] == int((10 << 30) * 0.9)
+    assert cuda_memory.kv_budget_bytes(1 << 20, 2 << 20, 0.9, None)[0] == 0
+
+
+def test_profile_forward_runs_on_cpu(tmp_path):
+    """The profiling batch is valid input for the real graph (run here on the CPU backend):
+    several sequences when the step is longer than the context, nothing written to the cache."""
+    from checkpoints import tiny_checkpoint
+    from engine.models.registry import load_model
+    from pyx.cpu_backend import CpuBackend
+
+    backend = CpuBackend()
+    model, _ = load_model(tiny_checkpoint(tmp_path), backend, progress=False)
+    calls = []
+    forward = model.forward
+    model.forward = lambda batch, caches: calls.append((batch, caches)) or forward(batch, caches)
+    cuda_memory.profile_forward(model, backend, max_num_batched_tokens=600, max_num_seqs=8,
+                                block_size=16)
+    (batch, caches), = calls
+    assert batch.num_tokens == 600 and batch.num_seqs == 3       # max_model_len is 256
+    assert list(batch.seq_lens) == [256, 256, 88]
+    assert (batch.slot_mapping == -1).all() and len(batch.logits_indices) == 8
+    assert all(not k.any() and not v.any() for k, v in caches)   # nothing was written
+    assert model.workspace is not None
