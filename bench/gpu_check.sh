@@ -1,0 +1,194 @@
+#!/usr/bin/env bash
+# One command for a GPU machine (issue 4, item 9), from the repository root:
+#
+#     bash bench/gpu_check.sh
+#
+# 1. setup: prints the machine (nvidia-smi, versions), installs carried wheels (.whl/*.whl, for a
+#    machine without network) into /tmp/site, builds Taper for sm_90a
+#    (TAPER_CUDA_ARCHS=90a pip install --no-build-isolation --no-deps -e .) and checks that the
+#    CUDA extension imports and sees a device;
+# 2. gpu_tests: tests/gpu (the op tests, then the model tests, in two processes so a broken CUDA
+#    context in one cannot fail the other);
+# 3. kernels: python -m bench.kernels (--quick when little time is left), JSON beside the log;
+# 4. cpu_tests: the tests of tests/ that need no server stack (no quart/hypercorn/prometheus; CI
+#    runs them too, so they come after the GPU-only steps);
+# 5. throughput: python -m bench.throughput --backend cuda (reported, never fails the script).
+#
+# Everything goes to ${OUT:-/tmp/out} (at most 8 files: setup.log gpu_tests.log cpu_tests.log
+# kernels.log kernels.json throughput.log throughput.json summary.txt). Each step runs under
+# `timeout` with its own cap, clamped so the whole stays under 9 minutes; a step that does not get
+# its minimum is skipped. The summary is printed last. Exit status: 0 when setup, gpu_tests,
+# kernels and cpu_tests all passed.
+set -o pipefail
+SELF="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"
+cd "$(dirname "$SELF")/.." || exit 2
+OUT="${OUT:-/tmp/out}"
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+PY="${PYTHON:-python3}"
+TOTAL_S=530                      # 8 min 50 s for everything
+END=$((SECONDS + TOTAL_S))
+
+NAMES=() RESULTS=() TIMES=()
+
+# run_step NAME CAP MIN CMD...: CMD under timeout (SIGINT first, so pytest prints its summary),
+# output to $OUT/NAME.log and the terminal; the limit is CAP clamped to the time left, and the step
+# is skipped when that is under MIN.
+run_step() {
+    local name=$1 cap=$2 min=$3
+    shift 3
+    local left=$((END - SECONDS)) limit=$cap
+    ((left < limit)) && limit=$left
+    if ((limit < min)); then
+        echo "==== $name: skipped, ${left}s left (needs ${min}s)" | tee -a "$OUT/$name.log"
+        NAMES+=("$name") RESULTS+=("skipped (no time)") TIMES+=(0)
+        return 99
+    fi
+    echo
+    echo "==== $name (limit ${limit}s): $*"
+    local t0=$SECONDS rc
+    timeout -s INT -k 15 "$limit" "$@" 2>&1 | tee -a "$OUT/$name.log"
+    rc=$?
+    local res="ok"
+    if ((rc == 124 || rc == 137)); then
+        res="TIMEOUT after ${limit}s"
+    elif ((rc != 0)); then
+        res="FAILED (rc $rc)"
+    fi
+    NAMES+=("$name") RESULTS+=("$res") TIMES+=($((SECONDS - t0)))
+    return $rc
+}
+
+skip_step() {
+    NAMES+=("$1") RESULTS+=("not run: $2") TIMES+=(0)
+    echo "==== $1: not run: $2" | tee -a "$OUT/$1.log"
+}
+
+setup() {
+    echo "== $(date -u '+%Y-%m-%d %H:%M:%S UTC'), $(hostname), $(nproc) cores"
+    nvidia-smi || echo "nvidia-smi failed"
+    nvcc --version | tail -2 || echo "no nvcc"
+    "$PY" - <<'PY'
+import importlib, platform, sys
+print("python", sys.version.split()[0], platform.machine())
+for name in ("numpy", "cupy", "ml_dtypes", "Cython", "setuptools", "torch", "transformers",
+             "safetensors", "tokenizers", "pytest"):
+    try:
+        print(f"  {name} {importlib.import_module(name).__version__}")
+    except Exception as e:
+        print(f"  {name}: {type(e).__name__}: {e}")
+PY
+    if [ -d .git ]; then git log -1 --format='commit %h %s' 2>/dev/null; fi
+    if compgen -G ".whl/*.whl" > /dev/null; then
+        echo "== installing carried wheels: $(ls .whl)"
+        "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+            --target /tmp/site .whl/*.whl || return 1
+    fi
+    echo "== build (TAPER_CUDA_ARCHS=90a)"
+    TAPER_CUDA_ARCHS=90a "$PY" -m pip install --no-build-isolation --no-deps -e . || return 1
+    cat build/nvcc-times.txt 2>/dev/null
+    "$PY" -c "
+import pyx.cuda_backend as cb
+n = cb.device_count()
+print(f'pyx.cuda_backend imports: {n} device(s)')
+raise SystemExit(0 if n > 0 else 3)
+"
+}
+
+gpu_tests() {  # two processes: a CUDA context broken by one file cannot fail the other
+    "$PY" -m pytest -v -rfEs -p no:cacheprovider $TIMEOUT_PLUGIN tests/gpu/test_cuda_ops.py
+    local a=$?
+    "$PY" -m pytest -v -rfEs -p no:cacheprovider $TIMEOUT_PLUGIN tests/gpu/test_cuda_model.py
+    local b=$?
+    return $((a != 0 ? a : b))
+}
+
+if compgen -G ".whl/*.whl" > /dev/null; then
+    export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+TIMEOUT_PLUGIN=""
+if "$PY" -c "import pytest_timeout" 2>/dev/null; then TIMEOUT_PLUGIN="--timeout=240"; fi
+export PY TIMEOUT_PLUGIN
+# internal entry points, so that `timeout` can run a shell function
+case "${1:-}" in
+    __setup) setup; exit $? ;;
+    __gpu_tests) gpu_tests; exit $? ;;
+esac
+
+: > "$OUT/setup.log"
+run_step setup 270 60 bash "$SELF" __setup
+SETUP_RC=$?
+
+if ((SETUP_RC == 0)); then
+    : > "$OUT/gpu_tests.log"
+    run_step gpu_tests 180 60 bash "$SELF" __gpu_tests
+else
+    skip_step gpu_tests "setup failed (no CUDA build or no device)"
+fi
+
+: > "$OUT/kernels.log"
+if ((SETUP_RC == 0)); then
+    QUICK=""
+    if ((END - SECONDS < 150)); then QUICK="--quick"; fi
+    # shellcheck disable=SC2086
+    run_step kernels 150 40 "$PY" -m bench.kernels $QUICK --json "$OUT/kernels.json"
+else
+    skip_step kernels "setup failed (no CUDA build or no device)"
+fi
+
+# CPU-side tests that import nothing of the server stack (quart, hypercorn, prometheus, openai).
+CPU_TESTS=""
+for t in test_backend_ops.py test_block_pool.py test_scheduler.py test_sampler.py \
+         test_cuda_graph.py test_cuda_host.py test_engine.py; do
+    [ -f "tests/$t" ] && CPU_TESTS="$CPU_TESTS tests/$t"
+done
+: > "$OUT/cpu_tests.log"
+if ((SETUP_RC == 0 || SETUP_RC == 3)); then
+    # shellcheck disable=SC2086
+    run_step cpu_tests 90 30 "$PY" -m pytest -q -rfE -p no:cacheprovider $TIMEOUT_PLUGIN $CPU_TESTS
+else
+    skip_step cpu_tests "the build failed"
+fi
+
+: > "$OUT/throughput.log"
+if ((SETUP_RC == 0)); then
+    run_step throughput 150 60 "$PY" -m bench.throughput --backend cuda \
+        --json "$OUT/throughput.json"
+else
+    skip_step throughput "setup failed (no CUDA build or no device)"
+fi
+
+# ---- summary (also $OUT/summary.txt), most important last: the kernel table, throughput, test
+# counts and failures, then each step's result
+{
+    echo
+    echo "================ gpu_check summary ================"
+    if [ -s "$OUT/kernels.log" ]; then
+        echo "-- kernels (full log: kernels.log, rows: kernels.json):"
+        sed -n '/^== /,$p' "$OUT/kernels.log" | cut -c1-150
+    fi
+    if [ -s "$OUT/throughput.log" ]; then
+        echo "-- throughput (last lines):"
+        tail -n 12 "$OUT/throughput.log" | cut -c1-200
+    fi
+    for log in gpu_tests cpu_tests; do
+        [ -s "$OUT/$log.log" ] || continue
+        echo "-- $log:"
+        grep -E '^(FAILED|ERROR) ' "$OUT/$log.log" | head -25 | cut -c1-180 | sed 's/^/  /'
+        grep -E '^=+ .*(passed|failed|error|skipped|no tests ran).* =+$' "$OUT/$log.log" \
+            | sed 's/^/  /'
+        grep -E '^[0-9]+ (passed|failed|errors?|skipped)' "$OUT/$log.log" | sed 's/^/  /'
+    done
+    echo "-- steps ($((SECONDS))s of a ${TOTAL_S}s budget):"
+    for i in "${!NAMES[@]}"; do
+        printf '  %-11s %-28s %4ss\n' "${NAMES[$i]}" "${RESULTS[$i]}" "${TIMES[$i]}"
+    done
+} | tee "$OUT/summary.txt"
+
+for i in "${!NAMES[@]}"; do
+    case "${NAMES[$i]}" in
+        throughput) ;;
+        *) [ "${RESULTS[$i]}" = "ok" ] || exit 1 ;;
+    esac
+done
+exit 0

@@ -1,0 +1,620 @@
+"""Kernel microbenchmarks for the CUDA backend (issue 4, item 7).
+
+    python -m bench.kernels [op ...] [--shape k=v[,v...] ...] [--dtype bf16] [--quick]
+                            [--runs 50] [--warmup 5] [--json out.json]
+
+Each op runs alone on the backend's stream, timed with CUDA events around every launch: warm-up
+launches first, then the median of `--runs` (>= 50 by default) timed launches. Before each timed
+launch a 512 MiB memset flushes the L2 cache (and keeps the GPU busy while Python enqueues the
+launch, so host overhead is not timed), and launches rotate over 4 input sets (separate buffers;
+decode attention over one large KV pool uses a different block permutation per set).
+
+Per op and shape it prints the time (us), the bytes the op must move (each input read once, each
+output written once), achieved GB/s and its % of the device-to-device copy bandwidth measured in
+the same run (a 2 GiB copy, counting read + write), and for GEMMs and prefill attention TFLOP/s and
+% of a cuBLAS 8192^3 bf16 GEMM measured in the same run through `CudaBackend.linear`.
+
+Default shapes are Llama-3-8B's (H 4096, 32 query heads over 8 KV heads of 128, I 14336,
+V 128256): the fused element-wise ops at T 1, 64, 4096 tokens; decode attention at batch 1, 16,
+64 x context 1k, 8k, 32k with split-K off and on; prefill attention (simple and tensor-core
+kernels) at 1 x 4096 and 8 x 512 tokens; linear at M 1, 16, 64, 4096 for the qkv (6144 x 4096),
+o (4096 x 4096), gate_up (28672 x 4096) and down (4096 x 14336) projections; argmax, Gumbel
+sampling and the top-k/top-p/min-p filter at batch 1 and 64 over the vocabulary.
+
+--shape overrides a dimension: T, B, ctx, M, SB (sampling batch) take lists (T=1,64),
+prefill takes NxL items (prefill=1x4096,8x512), H Hq Hkv D I V BS take one value.
+--quick runs a small subset (well under a minute). Without a CUDA device it says so and exits 2.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+OPS = ["embedding", "rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul",
+       "reshape_and_cache", "decode_attention", "prefill_attention", "linear", "argmax",
+       "gumbel_sample", "filter_logits"]
+
+DEFAULT = dict(H=4096, Hq=32, Hkv=8, D=128, I=14336, V=128256, BS=16,
+               T=[1, 64, 4096], B=[1, 16, 64], ctx=[1024, 8192, 32768],
+               prefill=[(1, 4096), (8, 512)], M=[1, 16, 64, 4096], SB=[1, 64])
+QUICK = dict(T=[1, 4096], B=[1, 64], ctx=[8192], prefill=[(1, 4096)], M=[1, 4096], SB=[64])
+LIST_KEYS = ("T", "B", "ctx", "M", "SB")
+
+N_SETS = 4
+FLUSH_BYTES = 512 << 20
+GEMM_PEAK_N = 8192
+
+
+@dataclass
+class Case:
+    op: str
+    shape: str
+    variant: str
+    nbytes: int                 # bytes the op must move: inputs read once, outputs written once
+    flops: int                  # 0 where the op is memory-bound
+    sets: list                  # one callable per input set: launches the op once
+    prepare: list | None = None  # per set, enqueued before the timed region (restores inputs)
+    stream: object = None       # the stream the op runs on (its backend's); None: the default
+
+
+@dataclass
+class Bench:
+    """Everything the cases share: CuPy, the backends, the stream, timing settings."""
+    cp: object
+    dtype: str
+    runs: int
+    warmup: int
+    backends: dict = field(default_factory=dict)
+    flush_buf: object = None
+
+    def backend(self, split_k: bool = False, mma_prefill: bool = False, dtype: str | None = None):
+        """A CudaBackend built with the env switches it reads at construction."""
+        from pyx.cuda_backend import CudaBackend
+
+        key = (dtype or self.dtype, split_k, mma_prefill)
+        if key not in self.backends:
+            env = {"TAPER_CUDA_SPLIT_K": "1" if split_k else "0",
+                   "TAPER_CUDA_MMA_PREFILL": "1" if mma_prefill else "0"}
+            saved = {k: os.environ.get(k) for k in env}
+            os.environ.update(env)
+            try:
+                self.backends[key] = CudaBackend(dtype=key[0], device=0)
+            finally:
+                for k, v in saved.items():
+                    if v is None:
+                        os.environ.pop(k, None)
+                    else:
+                        os.environ[k] = v
+        return self.backends[key]
+
+    @property
+    def b(self):
+        return self.backend()
+
+    @property
+    def stream(self):
+        return self.b.stream
+
+    # ---- device arrays, all made on the benchmark stream
+
+    def rand(self, shape, dtype, scale: float = 1.0):
+        """Random normal values (never zeros: they can run faster than real data), made in
+        float32 chunks and rounded to `dtype`."""
+        cp = self.cp
+        n = int(np.prod(shape))
+        with self.stream:
+            out = cp.empty(n, dtype=dtype)
+            chunk = 1 << 26
+            for i in range(0, n, chunk):
+                m = min(chunk, n - i)
+                x = cp.random.standard_normal(m, dtype=cp.float32)
+                x *= scale
+                out[i:i + m] = to_dtype(cp, x, dtype)
+            return out.reshape(shape)
+
+    def dev(self, host_array):
+        with self.stream:
+            return self.cp.asarray(np.ascontiguousarray(host_array))
+
+    def flush(self, stream):
+        """Overwrite the L2 cache (and give the host time to enqueue the next launch)."""
+        cp = self.cp
+        if self.flush_buf is None:
+            with self.stream:
+                self.flush_buf = cp.empty(FLUSH_BYTES, dtype=cp.uint8)
+            self.stream.synchronize()
+        cp.cuda.runtime.memsetAsync(self.flush_buf.data.ptr, 1, FLUSH_BYTES, stream.ptr)
+
+    def copy_async(self, dst, src, stream=None):
+        self.cp.cuda.runtime.memcpyAsync(dst.data.ptr, src.data.ptr, src.nbytes, 3,
+                                         (stream or self.stream).ptr)  # 3: device to device
+
+    def free(self):
+        self.stream.synchronize()
+        self.cp.get_default_memory_pool().free_all_blocks()
+
+    # ---- timing
+
+    def time_us(self, case: Case) -> float:
+        cp, s = self.cp, case.stream or self.stream
+        self.stream.synchronize()  # the inputs, made on the default stream, are ready
+        n = len(case.sets)
+        for i in range(self.warmup):
+            if case.prepare:
+                case.prepare[i % n]()
+            case.sets[i % n]()
+        s.synchronize()
+        events = [(cp.cuda.Event(), cp.cuda.Event()) for _ in range(self.runs)]
+        for i, (start, stop) in enumerate(events):
+            self.flush(s)
+            if case.prepare:
+                case.prepare[i % n]()
+            start.record(s)
+            case.sets[i % n]()
+            stop.record(s)
+        s.synchronize()
+        return 1000.0 * statistics.median(cp.cuda.get_elapsed_time(a, b) for a, b in events)
+
+
+def to_dtype(cp, x32, dtype):
+    """float32 CuPy array -> dtype; bf16 through its bits if CuPy cannot cast to it."""
+    try:
+        return x32.astype(dtype)
+    except Exception:
+        if np.dtype(dtype).name != "bfloat16":
+            raise
+        bits = x32.view(cp.uint32)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16  # round to nearest even
+        return bits.astype(cp.uint16).view(dtype)
+
+
+# ---- peaks measured in the same run
+
+
+def copy_peak(bench: Bench, nbytes: int) -> float:
+    """Device-to-device copy bandwidth in GB/s, bytes read + bytes written."""
+    cp = bench.cp
+    with bench.stream:
+        src = cp.random.random(nbytes // 4, dtype=cp.float32)
+        dst = cp.empty_like(src)
+    case = Case("copy", f"{nbytes >> 20} MiB", "", 2 * nbytes, 0,
+                [lambda: bench.copy_async(dst, src)])
+    return 2 * nbytes / bench.time_us(case) / 1e3
+
+
+def gemm_peak(bench: Bench) -> float:
+    """TFLOP/s of a cuBLAS bf16 GEMM 8192^3 through CudaBackend.linear (random data)."""
+    b = bench.backend(dtype="bf16")
+    n = GEMM_PEAK_N
+    act = b.act_dtype
+    x, w = bench.rand((n, n), act), bench.rand((n, n), act, 0.01)
+    with bench.stream:
+        out = bench.cp.empty((n, n), dtype=act)
+    case = Case("gemm", f"{n}^3", "", 0, 2 * n ** 3, [lambda: b.linear(x, w, None, out)],
+                stream=b.stream)
+    return 2 * n ** 3 / bench.time_us(case) / 1e6
+
+
+# ---- cases
+
+
+def esize(dtype) -> int:
+    return np.dtype(dtype).itemsize
+
+
+def cases_embedding(bench, c):
+    b, act = bench.b, bench.b.act_dtype
+    for T in c["T"]:
+        H, V = c["H"], c["V"]
+        table = bench.rand((V, H), act)
+        sets = []
+        for i in range(N_SETS):
+            ids = bench.dev(np.random.default_rng(i).integers(0, V, T).astype(np.int32))
+            with bench.stream:
+                out = bench.cp.empty((T, H), dtype=act)
+            sets.append(lambda ids=ids, out=out: b.embedding(ids, table, out))
+        yield Case("embedding", f"T={T} H={H}", "", T * 4 + 2 * T * H * esize(act), 0, sets)
+
+
+def cases_rms_norm(bench, c, fused: bool):
+    b, act = bench.b, bench.b.act_dtype
+    H = c["H"]
+    w = bench.rand((H,), np.float32)
+    for T in c["T"]:
+        sets = []
+        for _ in range(N_SETS):
+            x = bench.rand((T, H), act)
+            if fused:
+                r = bench.rand((T, H), act)
+                sets.append(lambda x=x, r=r: b.fused_add_rms_norm(x, r, w, 1e-5))
+            else:
+                with bench.stream:
+                    out = bench.cp.empty((T, H), dtype=act)
+                sets.append(lambda x=x, out=out: b.rms_norm(x, w, 1e-5, out))
+        e = esize(act)
+        moved = (4 if fused else 2) * T * H * e + 4 * H
+        yield Case("fused_add_rms_norm" if fused else "rms_norm", f"T={T} H={H}", "", moved, 0,
+                   sets)
+
+
+def cases_rotary(bench, c):
+    b, act = bench.b, bench.b.act_dtype
+    Hq, Hkv, D = c["Hq"], c["Hkv"], c["D"]
+    max_pos = 8192
+    inv = 1.0 / 500000.0 ** (np.arange(0, D, 2) / D)
+    ang = np.arange(max_pos)[:, None] * inv[None, :]
+    cache = bench.dev(np.concatenate([np.cos(ang), np.sin(ang)], axis=1).astype(np.float32))
+    for T in c["T"]:
+        sets = []
+        for i in range(N_SETS):
+            pos = bench.dev(np.random.default_rng(i).integers(0, max_pos, T).astype(np.int32))
+            q, k = bench.rand((T, Hq * D), act), bench.rand((T, Hkv * D), act)
+            sets.append(lambda pos=pos, q=q, k=k: b.rotary_embedding(pos, q, k, cache, D, True))
+        moved = 2 * T * (Hq + Hkv) * D * esize(act) + T * 4 + T * D * 4
+        yield Case("rotary_embedding", f"T={T} Hq={Hq} Hkv={Hkv} D={D}", "neox", moved, 0, sets)
+
+
+def cases_silu(bench, c):
+    b, act = bench.b, bench.b.act_dtype
+    inter = c["I"]
+    for T in c["T"]:
+        sets = []
+        for _ in range(N_SETS):
+            x = bench.rand((T, 2 * inter), act)
+            with bench.stream:
+                out = bench.cp.empty((T, inter), dtype=act)
+            sets.append(lambda x=x, out=out: b.silu_and_mul(x, out))
+        yield Case("silu_and_mul", f"T={T} I={inter}", "", 3 * T * inter * esize(act), 0, sets)
+
+
+def cases_reshape_and_cache(bench, c):
+    b, act = bench.b, bench.b.act_dtype
+    Hkv, D, BS = c["Hkv"], c["D"], c["BS"]
+    for T in c["T"]:
+        NB = -(-T // BS) * N_SETS + 16
+        kc, vc = bench.rand((NB, BS, Hkv, D), act), bench.rand((NB, BS, Hkv, D), act)
+        sets = []
+        for i in range(N_SETS):
+            slots = np.random.default_rng(i).permutation(NB * BS)[:T].astype(np.int32)
+            k, v = bench.rand((T, Hkv, D), act), bench.rand((T, Hkv, D), act)
+            sm = bench.dev(slots)
+            sets.append(lambda k=k, v=v, sm=sm: b.reshape_and_cache(k, v, kc, vc, sm))
+        moved = 4 * T * Hkv * D * esize(act) + 4 * T
+        yield Case("reshape_and_cache", f"T={T} Hkv={Hkv} D={D} BS={BS}", "", moved, 0, sets)
+
+
+def kv_pool(bench, act, num_blocks, BS, Hkv, D):
+    return (bench.rand((num_blocks, BS, Hkv, D), act), bench.rand((num_blocks, BS, Hkv, D), act))
+
+
+def cases_decode(bench, c):
+    act = bench.b.act_dtype
+    Hq, Hkv, D, BS = c["Hq"], c["Hkv"], c["D"], c["BS"]
+    e = esize(act)
+    for B in c["B"]:
+        for ctx in c["ctx"]:
+            per_seq = -(-ctx // BS)
+            pool_bytes = 2 * B * per_seq * BS * Hkv * D * e
+            # small pools: one per input set; large ones (well past L2): one, permuted per set
+            n_pools = N_SETS if pool_bytes < (1 << 30) else 1
+            pools = [kv_pool(bench, act, B * per_seq, BS, Hkv, D) for _ in range(n_pools)]
+            inputs = []
+            for i in range(N_SETS):
+                perm = np.random.default_rng(i).permutation(B * per_seq).astype(np.int32)
+                tables = bench.dev(perm.reshape(B, per_seq))
+                seq_lens = bench.dev(np.full(B, ctx, np.int32))
+                qsl = bench.dev(np.arange(B + 1, dtype=np.int32))
+                q = bench.rand((B, Hq, D), act)
+                with bench.stream:
+                    out = bench.cp.empty((B, Hq, D), dtype=act)
+                inputs.append((out, q, *pools[i % n_pools], tables, seq_lens, qsl))
+            moved = 2 * B * ctx * Hkv * D * e + 2 * B * Hq * D * e + B * per_seq * 4 + B * 8
+            for split_k in (False, True):
+                b = bench.backend(split_k=split_k)
+                sets = [lambda a=a, b=b: b.paged_attention(*a, 1.0 / np.sqrt(D), 0)
+                        for a in inputs]
+                yield Case("decode_attention", f"B={B} ctx={ctx} Hq={Hq} Hkv={Hkv} D={D}",
+                           "split-K" if split_k else "one-pass", moved, 0, sets, stream=b.stream)
+            sets = None
+            del pools, inputs
+            bench.free()
+
+
+def cases_prefill(bench, c):
+    act = bench.b.act_dtype
+    Hq, Hkv, D, BS = c["Hq"], c["Hkv"], c["D"], c["BS"]
+    e = esize(act)
+    for n, L in c["prefill"]:
+        per_seq = -(-L // BS)
+        T = n * L
+        k_cache, v_cache = kv_pool(bench, act, n * per_seq, BS, Hkv, D)
+        inputs = []
+        for i in range(N_SETS):
+            perm = np.random.default_rng(i).permutation(n * per_seq).astype(np.int32)
+            tables = bench.dev(perm.reshape(n, per_seq))
+            seq_lens = bench.dev(np.full(n, L, np.int32))
+            qsl = bench.dev((np.arange(n + 1) * L).astype(np.int32))
+            q = bench.rand((T, Hq, D), act)
+            with bench.stream:
+                out = bench.cp.empty((T, Hq, D), dtype=act)
+            inputs.append((out, q, k_cache, v_cache, tables, seq_lens, qsl))
+        flops = 4 * D * Hq * n * (L * (L + 1) // 2)  # QK^T and PV over the causal triangle
+        moved = 2 * T * Hq * D * e + 2 * T * Hkv * D * e + n * per_seq * 4
+        for mma in (False, True):
+            b = bench.backend(mma_prefill=mma)
+            sets = [lambda a=a, b=b: b.paged_attention(*a, 1.0 / np.sqrt(D), 0) for a in inputs]
+            yield Case("prefill_attention", f"{n}x{L} Hq={Hq} Hkv={Hkv} D={D}",
+                       "mma" if mma else "simple", moved, flops, sets, stream=b.stream)
+        sets = None
+        del k_cache, v_cache, inputs
+        bench.free()
+
+
+def linear_shapes(c):
+    H, Hq, Hkv, D, inter = c["H"], c["Hq"], c["Hkv"], c["D"], c["I"]
+    return [("qkv", (Hq + 2 * Hkv) * D, H), ("o", H, Hq * D), ("gate_up", 2 * inter, H),
+            ("down", H, inter)]
+
+
+def cases_linear(bench, c):
+    b, act = bench.b, bench.b.act_dtype
+    e = esize(act)
+    for name, N, K in linear_shapes(c):
+        weights = [bench.rand((N, K), act, 1.0 / np.sqrt(K)) for _ in range(N_SETS)]
+        for M in c["M"]:
+            sets = []
+            for i in range(N_SETS):
+                x = bench.rand((M, K), act)
+                with bench.stream:
+                    out = bench.cp.empty((M, N), dtype=act)
+                sets.append(lambda x=x, w=weights[i], out=out: b.linear(x, w, None, out))
+            moved = (M * K + N * K + M * N) * e
+            yield Case("linear", f"{name} M={M} N={N} K={K}", "", moved, 2 * M * N * K, sets)
+            del sets
+        del weights
+        bench.free()
+
+
+def cases_sampling(bench, c, op):
+    b, cp = bench.b, bench.cp
+    V = c["V"]
+    for B in c["SB"]:
+        sets, prepare = [], []
+        for i in range(N_SETS):
+            logits = bench.rand((B, V), np.float32, 3.0)
+            with bench.stream:
+                out = cp.empty(B, dtype=cp.int64)
+            if op == "argmax":
+                sets.append(lambda lg=logits, out=out: b.argmax(lg, out))
+            elif op == "gumbel_sample":
+                seeds = bench.dev(np.arange(i * B, (i + 1) * B, dtype=np.uint64))
+                pos = bench.dev(np.full(B, 17, np.int64))
+                sets.append(lambda lg=logits, s=seeds, p=pos, out=out: b.gumbel_sample(lg, s, p,
+                                                                                        out))
+            else:  # filter_logits, in place: each timed launch gets the pristine logits back
+                work = bench.rand((B, V), np.float32)
+                params = [bench.dev(np.full(B, v, dt)) for v, dt in
+                          ((0.7, np.float32), (50, np.int32), (0.9, np.float32),
+                           (0.05, np.float32))]
+                prepare.append(lambda w=work, lg=logits: bench.copy_async(w, lg))
+                sets.append(lambda w=work, p=params: b.filter_logits(w, *p))
+        if op == "filter_logits":
+            moved, variant = 2 * B * V * 4, "t=0.7 k=50 p=0.9 min_p=0.05"
+        else:
+            moved, variant = B * V * 4 + B * 8 + (16 * B if op == "gumbel_sample" else 0), ""
+        yield Case(op, f"B={B} V={V}", variant, moved, 0, sets, prepare or None)
+        del sets, prepare
+        bench.free()
+
+
+def all_cases(bench, c, ops):
+    gens = {
+        "embedding": lambda: cases_embedding(bench, c),
+        "rms_norm": lambda: cases_rms_norm(bench, c, False),
+        "fused_add_rms_norm": lambda: cases_rms_norm(bench, c, True),
+        "rotary_embedding": lambda: cases_rotary(bench, c),
+        "silu_and_mul": lambda: cases_silu(bench, c),
+        "reshape_and_cache": lambda: cases_reshape_and_cache(bench, c),
+        "decode_attention": lambda: cases_decode(bench, c),
+        "prefill_attention": lambda: cases_prefill(bench, c),
+        "linear": lambda: cases_linear(bench, c),
+        "argmax": lambda: cases_sampling(bench, c, "argmax"),
+        "gumbel_sample": lambda: cases_sampling(bench, c, "gumbel_sample"),
+        "filter_logits": lambda: cases_sampling(bench, c, "filter_logits"),
+    }
+    for op in ops:
+        yield op, gens[op]
+
+
+# ---- command line
+
+
+def parse_shapes(items) -> dict:
+    out = {}
+    for item in items or []:
+        if "=" not in item:
+            raise SystemExit(f"--shape {item!r}: expected key=value")
+        key, value = item.split("=", 1)
+        if key == "prefill":
+            try:
+                out[key] = [tuple(int(p) for p in v.lower().split("x")) for v in value.split(",")]
+            except ValueError:
+                raise SystemExit(f"--shape {item!r}: prefill takes NxL items, e.g. 1x4096,8x512")
+            if any(len(p) != 2 for p in out[key]):
+                raise SystemExit(f"--shape {item!r}: prefill takes NxL items")
+        elif key in LIST_KEYS:
+            out[key] = [int(v) for v in value.split(",")]
+        elif key in DEFAULT:
+            out[key] = int(value)
+        else:
+            raise SystemExit(f"--shape {item!r}: unknown key; known: {', '.join(DEFAULT)}")
+    return out
+
+
+def build_parser():
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.kernels",
+        description="Time each CUDA backend op alone (CUDA events, median of many runs, rotating "
+                    "inputs) against the copy bandwidth and a cuBLAS bf16 GEMM measured in the "
+                    "same run.")
+    ap.add_argument("ops", nargs="*", metavar="op",
+                    help=f"ops to run (default all): {', '.join(OPS)}")
+    ap.add_argument("--shape", action="append", metavar="k=v",
+                    help="override a dimension: T, B, ctx, M, SB take lists (T=1,64); "
+                         "prefill=1x4096,8x512; H, Hq, Hkv, D, I, V, BS one value")
+    ap.add_argument("--dtype", default="bf16", choices=["bf16", "f16", "f32"],
+                    help="activation dtype (default bf16)")
+    ap.add_argument("--quick", action="store_true", help="a small subset, well under a minute")
+    ap.add_argument("--runs", type=int, default=50, help="timed launches per case (default 50)")
+    ap.add_argument("--warmup", type=int, default=5, help="untimed launches first (default 5)")
+    ap.add_argument("--json", metavar="FILE", help="also write the rows as JSON to FILE")
+    return ap
+
+
+def no_device_reason() -> str | None:
+    try:
+        import cupy
+    except Exception as e:
+        return f"CuPy does not import ({type(e).__name__}: {e})"
+    try:
+        n = cupy.cuda.runtime.getDeviceCount()
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    if n < 1:
+        return "CuPy sees no device"
+    try:
+        from pyx.cuda_backend import device_count
+    except Exception as e:
+        return f"pyx.cuda_backend does not import ({type(e).__name__}: {e}); build with nvcc"
+    if device_count() < 1:
+        return "pyx.cuda_backend.device_count() == 0"
+    return None
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=5, cwd=os.path.dirname(__file__)).stdout.strip()
+    except Exception:
+        return ""
+
+
+def fmt(v, spec):
+    return "-" if v is None else format(v, spec)
+
+
+def print_table(rows):
+    head = ("op", "shape", "variant", "us", "GB/s", "%BW", "TFLOP/s", "%GEMM")
+    body = [(r["op"], r["shape"], r["variant"], fmt(r["time_us"], ".1f"), fmt(r["gbps"], ".0f"),
+             fmt(r["pct_bw"], ".0f"), fmt(r["tflops"], ".1f"), fmt(r["pct_gemm"], ".0f"))
+            if r.get("error") is None else
+            (r["op"], r["shape"], r["variant"], "ERROR", "", "", "", "") for r in rows]
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *body)]
+    for line in [head] + body:
+        print("  ".join(str(x).ljust(w) if i < 3 else str(x).rjust(w)
+                        for i, (x, w) in enumerate(zip(line, widths))))
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    unknown = [op for op in args.ops if op not in OPS]
+    if unknown:
+        print(f"unknown op(s) {unknown}; known: {', '.join(OPS)}", file=sys.stderr)
+        return 2
+    if args.runs < 1 or args.warmup < 0:
+        print("--runs must be >= 1 and --warmup >= 0", file=sys.stderr)
+        return 2
+    why = no_device_reason()
+    if why:
+        print(f"no CUDA device: {why}", file=sys.stderr)
+        return 2
+
+    import cupy as cp
+
+    c = dict(DEFAULT)
+    if args.quick:
+        c.update(QUICK)
+    c.update(parse_shapes(args.shape))
+    ops = args.ops or OPS
+    bench = Bench(cp, args.dtype, args.runs, args.warmup)
+    props = cp.cuda.runtime.getDeviceProperties(0)
+    name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    print(f"device: {name}, {props['multiProcessorCount']} SMs, "
+          f"{props['totalGlobalMem'] / 2**30:.1f} GiB; date: {date}; commit {git_commit()}")
+    print(f"CUDA runtime {cp.cuda.runtime.runtimeGetVersion()}, driver "
+          f"{cp.cuda.runtime.driverGetVersion()}, CuPy {cp.__version__}; activations "
+          f"{args.dtype}; {args.runs} timed runs (median), {args.warmup} warm-up, {N_SETS} input "
+          f"sets, L2 flushed before each run", flush=True)
+
+    t0 = time.time()
+    bw = copy_peak(bench, (1 << 30) if args.quick else (2 << 30))
+    bench.free()
+    print(f"peak copy bandwidth (read + write): {bw:.0f} GB/s", flush=True)
+    gemm = gemm_peak(bench)
+    bench.free()
+    print(f"peak cuBLAS bf16 GEMM {GEMM_PEAK_N}^3: {gemm:.1f} TFLOP/s", flush=True)
+
+    rows = []
+    for op, gen in all_cases(bench, c, ops):
+        cases = gen()
+        while True:
+            try:
+                case = next(cases)
+            except StopIteration:
+                break
+            except Exception as e:  # setting up this op's inputs failed: report, go on
+                rows.append(dict(op=op, shape="(setup)", variant="",
+                                 error=f"{type(e).__name__}: {e}"))
+                print(f"{op}: setup failed: {type(e).__name__}: {e}", flush=True)
+                break
+            row = dict(op=case.op, shape=case.shape, variant=case.variant, bytes=case.nbytes,
+                       flops=case.flops, time_us=None, gbps=None, pct_bw=None, tflops=None,
+                       pct_gemm=None, error=None)
+            try:
+                us = bench.time_us(case)
+            except Exception as e:
+                row["error"] = f"{type(e).__name__}: {e}"
+                print(f"{case.op} {case.shape} {case.variant}: ERROR {row['error']}", flush=True)
+                rows.append(row)
+                try:
+                    bench.stream.synchronize()
+                except Exception:
+                    pass
+                continue
+            row["time_us"] = us
+            row["gbps"] = case.nbytes / us / 1e3
+            row["pct_bw"] = 100.0 * row["gbps"] / bw
+            if case.flops:
+                row["tflops"] = case.flops / us / 1e6
+                row["pct_gemm"] = 100.0 * row["tflops"] / gemm
+            rows.append(row)
+            print(f"{case.op:<18} {case.shape:<40} {case.variant:<12} {us:10.1f} us "
+                  f"{row['gbps']:7.0f} GB/s ({row['pct_bw']:3.0f}% BW)"
+                  + (f" {row['tflops']:6.1f} TFLOP/s ({row['pct_gemm']:3.0f}% GEMM)"
+                     if case.flops else ""), flush=True)
+        bench.free()
+
+    print(f"\n== {name}, {date}: peak copy {bw:.0f} GB/s, cuBLAS bf16 GEMM {gemm:.1f} TFLOP/s "
+          f"({time.time() - t0:.0f} s)")
+    print_table(rows)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(device=name, date=date, commit=git_commit(), dtype=args.dtype,
+                           runs=args.runs, warmup=args.warmup, input_sets=N_SETS,
+                           peak_copy_gbps=bw, peak_gemm_tflops=gemm, shapes=c, rows=rows),
+                      f, indent=1, default=str)
+    return 1 if any(r.get("error") for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,108 @@
+"""tests/gpu: the CUDA backend against the CPU backend and the NumPy oracle (issue 4).
+
+Every test in this folder is skipped at collection, with the reason, unless `pyx.cuda_backend`
+imports (Taper was built with nvcc), its `device_count()` sees a device and CuPy works. The test
+modules import nothing GPU-specific at module level, so they collect on any machine.
+
+Backends are cached for the whole session and never freed: each CudaBackend gives the device's
+shared cuBLAS handle its own workspace, so a backend must outlive every other one that uses the
+handle after it. Tests that need an environment switch (TAPER_CUDA_SPLIT_K, TAPER_CUDA_MMA_PREFILL,
+read when a backend is built) get a backend built under that environment, cached the same way.
+"""
+from __future__ import annotations
+
+import os
+import pathlib
+
+import pytest
+
+HERE = pathlib.Path(__file__).resolve().parent
+SWITCHES = ("TAPER_CUDA_SPLIT_K", "TAPER_CUDA_MMA_PREFILL")
+
+
+def _why_no_gpu() -> str | None:
+    try:
+        from pyx.cuda_backend import device_count
+    except Exception as e:  # built without nvcc (or TAPER_CUDA=0): no extension
+        return f"pyx.cuda_backend does not import ({type(e).__name__}: {e})"
+    try:
+        n = device_count()
+    except Exception as e:
+        return f"pyx.cuda_backend.device_count() failed ({type(e).__name__}: {e})"
+    if n < 1:
+        return "no CUDA device (pyx.cuda_backend.device_count() == 0)"
+    try:
+        import cupy
+        cupy.cuda.runtime.getDeviceCount()
+    except Exception as e:
+        return f"CuPy is not usable ({type(e).__name__}: {e})"
+    return None
+
+
+GPU_SKIP_REASON = _why_no_gpu()
+
+
+def pytest_collection_modifyitems(config, items):
+    if GPU_SKIP_REASON is None:
+        return
+    skip = pytest.mark.skip(reason=GPU_SKIP_REASON)
+    for item in items:
+        if HERE in pathlib.Path(item.path).resolve().parents:
+            item.add_marker(skip)
+
+
+_BACKENDS: dict = {}
+
+
+def cuda_backend(dtype: str, **switches):
+    """The session's CudaBackend for activation `dtype` ("f32" | "bf16" | "f16") built with the
+    given env switches on (split_k=True -> TAPER_CUDA_SPLIT_K=1, mma_prefill=True ->
+    TAPER_CUDA_MMA_PREFILL=1) and every other switch off."""
+    from pyx.cuda_backend import CudaBackend
+
+    env = {"TAPER_CUDA_SPLIT_K": "1" if switches.pop("split_k", False) else "0",
+           "TAPER_CUDA_MMA_PREFILL": "1" if switches.pop("mma_prefill", False) else "0"}
+    if switches:
+        raise TypeError(f"unknown switches {sorted(switches)}")
+    key = (dtype, tuple(sorted(env.items())))
+    if key not in _BACKENDS:
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            _BACKENDS[key] = CudaBackend(dtype=dtype, device=0)
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+    return _BACKENDS[key]
+
+
+@pytest.fixture(scope="session")
+def make_cuda():
+    """cuda_backend itself: make_cuda("bf16", mma_prefill=True)."""
+    return cuda_backend
+
+
+@pytest.fixture(params=["f32", "bf16", "f16"])
+def cuda(request):
+    """The CUDA backend for each activation dtype (switches off)."""
+    return cuda_backend(request.param)
+
+
+@pytest.fixture
+def cuda_bf16():
+    return cuda_backend("bf16")
+
+
+@pytest.fixture
+def cuda_f32():
+    return cuda_backend("f32")
+
+
+@pytest.fixture(scope="session")
+def cpu():
+    """The CPU backend (f32 activations): the reference for every CUDA op."""
+    from pyx.cpu_backend import CpuBackend
+    return CpuBackend()
