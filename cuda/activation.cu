@@ -14,27 +14,6 @@
 
 namespace {
 
-// N elements loaded or stored with one instruction (16 bytes on the vector path).
-template <typename T, int N>
-struct alignas(sizeof(T) * N) Pack {
-    T v[N];
-};
-
-// N floats: float4 loads when N is a multiple of 4 (the launcher checked the alignment).
-template <int N>
-__device__ __forceinline__ void load_f32(const float* p, float (&w)[N]) {
-    if constexpr (N % 4 == 0) {
-#pragma unroll
-        for (int j = 0; j < N; j += 4) {
-            const float4 f = *reinterpret_cast<const float4*>(p + j);
-            w[j] = f.x, w[j + 1] = f.y, w[j + 2] = f.z, w[j + 3] = f.w;
-        }
-    } else {
-#pragma unroll
-        for (int j = 0; j < N; j++) w[j] = p[j];
-    }
-}
-
 struct Silu {
     __device__ __forceinline__ float operator()(float g) const { return g / (1.0f + expf(-g)); }
 };
@@ -53,7 +32,7 @@ template <typename T, int N, typename Act>
 __global__ void act_and_mul_kernel(const T* __restrict__ x,  // (T, 2I)
                                    T* __restrict__ out,      // (T, I)
                                    int64_t T_, int64_t I) {
-    using V = Pack<T, N>;
+    using V = taper::Pack<T, N>;
     const int64_t np = I / N, stride = (int64_t)gridDim.x * blockDim.x;
     for (int64_t t = blockIdx.y; t < T_; t += gridDim.y) {
         const T* g = x + t * 2 * I;
@@ -74,7 +53,7 @@ __global__ void act_and_mul_kernel(const T* __restrict__ x,  // (T, 2I)
 template <typename T, int N>
 __global__ void softcap_kernel(T* __restrict__ x,  // (n,) viewed as (np, N)
                                int64_t np, float cap) {
-    using V = Pack<T, N>;
+    using V = taper::Pack<T, N>;
     const int64_t stride = (int64_t)gridDim.x * blockDim.x;
     for (int64_t p = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; p < np; p += stride) {
         V v = reinterpret_cast<V*>(x)[p];
@@ -89,14 +68,14 @@ template <typename T, int N>
 __global__ void add_bias_kernel(T* __restrict__ out,               // (T, Nc)
                                 const float* __restrict__ bias,    // (Nc,)
                                 int64_t T_, int64_t Nc) {
-    using V = Pack<T, N>;
+    using V = taper::Pack<T, N>;
     const int64_t np = Nc / N, stride = (int64_t)gridDim.x * blockDim.x;
     for (int64_t t = blockIdx.y; t < T_; t += gridDim.y) {
         V* o = reinterpret_cast<V*>(out + t * Nc);
         for (int64_t p = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; p < np; p += stride) {
             V v = o[p];
             float b[N];
-            load_f32<N>(bias + p * N, b);
+            taper::load_f32<N>(bias + p * N, b);
 #pragma unroll
             for (int j = 0; j < N; j++)
                 v.v[j] = taper::from_float<T>(taper::to_float(v.v[j]) + b[j]);
@@ -106,8 +85,6 @@ __global__ void add_bias_kernel(T* __restrict__ out,               // (T, Nc)
 }
 
 // ---- launchers
-
-bool aligned16(const void* p) { return ((uintptr_t)p & 15) == 0; }
 
 // 256 threads: eight warps per block is enough to hide latency with several blocks resident
 // per SM, and a row of Llama-3-8B's MLP (14336 bf16 = 1792 packs) still spreads over 7 blocks.
@@ -123,7 +100,7 @@ dim3 row_grid(int64_t rows, int64_t packs) {
 template <typename T, typename Act>
 void launch_act_and_mul(const void* x, void* out, int64_t T_, int64_t I, cudaStream_t s) {
     constexpr int V = 16 / sizeof(T);
-    if (I % V == 0 && aligned16(x) && aligned16(out))
+    if (I % V == 0 && taper::aligned16(x) && taper::aligned16(out))
         act_and_mul_kernel<T, V, Act><<<row_grid(T_, I / V), kThreads, 0, s>>>(
             (const T*)x, (T*)out, T_, I);
     else
@@ -134,7 +111,7 @@ void launch_act_and_mul(const void* x, void* out, int64_t T_, int64_t I, cudaStr
 template <typename T>
 void launch_softcap(void* x, int64_t n, float cap, cudaStream_t s) {
     constexpr int V = 16 / sizeof(T);
-    const bool vec = n % V == 0 && aligned16(x);
+    const bool vec = n % V == 0 && taper::aligned16(x);
     const int64_t np = vec ? n / V : n;
     // The grid-stride loop covers any n; 2^20 blocks is far more than fill the device.
     int64_t blocks = taper::ceil_div(np, kThreads);
@@ -148,7 +125,7 @@ void launch_softcap(void* x, int64_t n, float cap, cudaStream_t s) {
 template <typename T>
 void launch_add_bias(void* out, const float* bias, int64_t T_, int64_t Nc, cudaStream_t s) {
     constexpr int V = 16 / sizeof(T);
-    if (Nc % V == 0 && aligned16(out) && aligned16(bias))
+    if (Nc % V == 0 && taper::aligned16(out) && taper::aligned16(bias))
         add_bias_kernel<T, V><<<row_grid(T_, Nc / V), kThreads, 0, s>>>((T*)out, bias, T_, Nc);
     else
         add_bias_kernel<T, 1><<<row_grid(T_, Nc), kThreads, 0, s>>>((T*)out, bias, T_, Nc);

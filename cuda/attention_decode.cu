@@ -105,47 +105,6 @@ __device__ __forceinline__ void cp_async_wait_all() {
     asm volatile("cp.async.wait_all;\n" ::: "memory");
 }
 
-// ---- element conversions: 8 consecutive elements of a shared-memory row as floats
-
-__device__ __forceinline__ void load8(const float* p, float f[8]) {
-    const float4 a = reinterpret_cast<const float4*>(p)[0];
-    const float4 b = reinterpret_cast<const float4*>(p)[1];
-    f[0] = a.x; f[1] = a.y; f[2] = a.z; f[3] = a.w;
-    f[4] = b.x; f[5] = b.y; f[6] = b.z; f[7] = b.w;
-}
-__device__ __forceinline__ void load8(const __nv_bfloat16* p, float f[8]) {
-    const uint4 u = *reinterpret_cast<const uint4*>(p);
-    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        const float2 x = __bfloat1622float2(h[i]);
-        f[2 * i] = x.x;
-        f[2 * i + 1] = x.y;
-    }
-}
-__device__ __forceinline__ void load8(const __half* p, float f[8]) {
-    const uint4 u = *reinterpret_cast<const uint4*>(p);
-    const __half2* h = reinterpret_cast<const __half2*>(&u);
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        const float2 x = __half22float2(h[i]);
-        f[2 * i] = x.x;
-        f[2 * i + 1] = x.y;
-    }
-}
-// e4m3 codes, element i in byte i (little endian); the scale is applied by the caller.
-__device__ __forceinline__ void load8(const uint8_t* p, float f[8]) {
-    const uint2 u = *reinterpret_cast<const uint2*>(p);
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        const uint32_t w = i < 2 ? u.x : u.y;
-        const __nv_fp8x2_storage_t pair = (__nv_fp8x2_storage_t)(w >> (16 * (i & 1)) & 0xffffu);
-        const float2 x = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(pair, __NV_E4M3)));
-        f[2 * i] = x.x;
-        f[2 * i + 1] = x.y;
-    }
-}
-
 // ---- kernels
 
 // One block per (sequence b, KV head kvh) and partition (blockIdx.y). T: q/out type; CT: cache
@@ -309,7 +268,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
 #pragma unroll 2
             for (int c = sdp; c < L.nch; c += L.dp) {
                 float kf[8];
-                load8(krow + 8 * c, kf);
+                taper::load8(krow + 8 * c, kf);
 #pragma unroll
                 for (int i = 0; i < 4; i++) {
                     const float4* qp = reinterpret_cast<const float4*>(q_s + (4 * shq + i) * D + 8 * c);
@@ -360,7 +319,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
                 const float4 p4 = *reinterpret_cast<const float4*>(p_s + kk * L.gp + 4 * phq);
                 const float pw[4] = {p4.x, p4.y, p4.z, p4.w};
                 float vf[8];
-                load8(vt + kk * row_el + 8 * pc, vf);
+                taper::load8(vt + kk * row_el + 8 * pc, vf);
 #pragma unroll
                 for (int i = 0; i < 4; i++)
 #pragma unroll

@@ -24,8 +24,8 @@
 //   (sequence, tile) by a binary search over that strictly increasing sequence; the at most B
 //   surplus tiles exit at once.
 //
-// Device data cannot be validated without a synchronization (the Cython layer checks the batch
-// arrays on the host), so the kernels only keep a bad batch in bounds: key positions are clipped
+// Device data cannot be validated without a synchronization (the engine builds the batch arrays
+// from its own block tables), so the kernels only keep a bad batch in bounds: key positions are clipped
 // to the block table's MB * BS slots and a block id outside [0, NB) reads as missing (variant 0
 // skips the key, variant 1 reads zeros).
 #include "common.cuh"

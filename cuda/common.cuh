@@ -63,6 +63,72 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
     return warp_sum(v);
 }
 
+// ---- vector access: 16-byte loads and stores where the launcher found the pointers aligned
+
+inline bool aligned16(const void* p) { return ((uintptr_t)p & 15) == 0; }
+
+// N elements loaded or stored with one instruction; A is the alignment the access may assume.
+template <typename T, int N, int A = sizeof(T) * N>
+struct alignas(A) Pack {
+    T v[N];
+};
+
+// N floats: float4 loads when N is a multiple of 4 (the launcher checked the alignment).
+template <int N>
+__device__ __forceinline__ void load_f32(const float* p, float (&w)[N]) {
+    if constexpr (N % 4 == 0) {
+#pragma unroll
+        for (int j = 0; j < N; j += 4) {
+            const float4 f = *reinterpret_cast<const float4*>(p + j);
+            w[j] = f.x, w[j + 1] = f.y, w[j + 2] = f.z, w[j + 3] = f.w;
+        }
+    } else {
+#pragma unroll
+        for (int j = 0; j < N; j++) w[j] = p[j];
+    }
+}
+
+// 8 consecutive elements at p (16-byte aligned; 8-byte for e4m3 codes) as floats.
+__device__ __forceinline__ void load8(const float* p, float f[8]) {
+    const float4 a = reinterpret_cast<const float4*>(p)[0];
+    const float4 b = reinterpret_cast<const float4*>(p)[1];
+    f[0] = a.x; f[1] = a.y; f[2] = a.z; f[3] = a.w;
+    f[4] = b.x; f[5] = b.y; f[6] = b.z; f[7] = b.w;
+}
+__device__ __forceinline__ void load8(const __nv_bfloat16* p, float f[8]) {
+    const uint4 u = *reinterpret_cast<const uint4*>(p);
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const float2 x = __bfloat1622float2(h[i]);
+        f[2 * i] = x.x;
+        f[2 * i + 1] = x.y;
+    }
+}
+__device__ __forceinline__ void load8(const __half* p, float f[8]) {
+    const uint4 u = *reinterpret_cast<const uint4*>(p);
+    const __half2* h = reinterpret_cast<const __half2*>(&u);
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const float2 x = __half22float2(h[i]);
+        f[2 * i] = x.x;
+        f[2 * i + 1] = x.y;
+    }
+}
+
+// e4m3 codes, element i in byte i (little endian); the scale is applied by the caller.
+__device__ __forceinline__ void load8(const uint8_t* p, float f[8]) {
+    const uint2 u = *reinterpret_cast<const uint2*>(p);
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const uint32_t w = i < 2 ? u.x : u.y;
+        const __nv_fp8x2_storage_t pair = (__nv_fp8x2_storage_t)(w >> (16 * (i & 1)) & 0xffffu);
+        const float2 x = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(pair, __NV_E4M3)));
+        f[2 * i] = x.x;
+        f[2 * i + 1] = x.y;
+    }
+}
+
 // ---- launch status
 
 // The status of the launch just made: a configuration error shows here, not at the launch.

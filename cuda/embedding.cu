@@ -7,8 +7,8 @@
 // element at a time.
 //
 // A token id outside [0, V) writes a zero row. The CPU kernel returns an error instead, but a
-// device kernel cannot report a per-element error without a synchronization, so the Cython layer
-// validates the ids on the host where it can.
+// device kernel cannot report a per-element error without a synchronization; the engine checks
+// prompt ids against the vocabulary when a request arrives.
 #include "common.cuh"
 
 namespace {
@@ -44,8 +44,6 @@ void launch_embedding(const int32_t* token_ids, const void* table, void* out, in
         token_ids, (const U*)table, (U*)out, V, n);
 }
 
-bool aligned16(const void* p) { return ((uintptr_t)p & 15) == 0; }
-
 }  // namespace
 
 extern "C" int taper_cuda_embedding(const int32_t* token_ids,  // (T,)
@@ -58,7 +56,7 @@ extern "C" int taper_cuda_embedding(const int32_t* token_ids,  // (T,)
     cudaStream_t s = (cudaStream_t)stream;
     TAPER_DISPATCH_DTYPE(dtype, scalar_t, {
         const int64_t bytes = H * (int64_t)sizeof(scalar_t);
-        if (bytes % 16 == 0 && aligned16(table) && aligned16(out))
+        if (bytes % 16 == 0 && taper::aligned16(table) && taper::aligned16(out))
             launch_embedding<uint4>(token_ids, table, out, T, V, (int)(bytes / 16), s);
         else
             launch_embedding<scalar_t>(token_ids, table, out, T, V, (int)H, s);

@@ -9,8 +9,8 @@
 //
 // Slot -1 marks a padding row (CUDA-graph batch buckets) and is skipped. A slot outside
 // [0, NB * BS) is skipped as well: the CPU op rejects such a call as a whole, but a kernel cannot
-// report a per-token error, so catching bad slot mappings is the Cython layer's job; the kernel
-// only guarantees it never writes outside the caches.
+// report a per-token error: the engine's block tables make the slots, and the kernel only
+// guarantees it never writes outside the caches.
 #include "common.cuh"
 
 namespace {
@@ -20,33 +20,6 @@ namespace {
 // a kernel that moves a few KB per token.
 constexpr int kThreads = 128;
 
-// 8 consecutive elements at p (16-byte aligned) as floats.
-__device__ __forceinline__ void load8(const float* p, float f[8]) {
-    const float4 a = reinterpret_cast<const float4*>(p)[0];
-    const float4 b = reinterpret_cast<const float4*>(p)[1];
-    f[0] = a.x; f[1] = a.y; f[2] = a.z; f[3] = a.w;
-    f[4] = b.x; f[5] = b.y; f[6] = b.z; f[7] = b.w;
-}
-__device__ __forceinline__ void load8(const __nv_bfloat16* p, float f[8]) {
-    const uint4 u = *reinterpret_cast<const uint4*>(p);
-    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        const float2 x = __bfloat1622float2(h[i]);
-        f[2 * i] = x.x;
-        f[2 * i + 1] = x.y;
-    }
-}
-__device__ __forceinline__ void load8(const __half* p, float f[8]) {
-    const uint4 u = *reinterpret_cast<const uint4*>(p);
-    const __half2* h = reinterpret_cast<const __half2*>(&u);
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        const float2 x = __half22float2(h[i]);
-        f[2 * i] = x.x;
-        f[2 * i + 1] = x.y;
-    }
-}
 
 // e4m3 code of x / s with IEEE division (as the CPU op), whatever the fast-math flags.
 __device__ __forceinline__ uint32_t enc(float x, float s) {
@@ -118,8 +91,8 @@ __global__ void __launch_bounds__(kThreads)
             const int64_t e = 8 * i, h = e / D;
             const float sk = k_scale[h], sv = v_scale[h];
             float fk[8], fv[8];
-            load8(ks + e, fk);
-            load8(vs + e, fv);
+            taper::load8(ks + e, fk);
+            taper::load8(vs + e, fv);
             uint2 ck, cv;
             ck.x = enc(fk[0], sk) | enc(fk[1], sk) << 8 | enc(fk[2], sk) << 16 | enc(fk[3], sk) << 24;
             ck.y = enc(fk[4], sk) | enc(fk[5], sk) << 8 | enc(fk[6], sk) << 16 | enc(fk[7], sk) << 24;

@@ -14,27 +14,6 @@
 
 namespace {
 
-// N elements loaded or stored with one instruction (16 bytes on the vector path).
-template <typename T, int N>
-struct alignas(sizeof(T) * N) Pack {
-    T v[N];
-};
-
-// Weights for one pack: float4 loads when N is a multiple of 4 (the pointer is then aligned).
-template <int N>
-__device__ __forceinline__ void load_weights(const float* p, float (&w)[N]) {
-    if constexpr (N % 4 == 0) {
-#pragma unroll
-        for (int j = 0; j < N; j += 4) {
-            const float4 f = *reinterpret_cast<const float4*>(p + j);
-            w[j] = f.x, w[j + 1] = f.y, w[j + 2] = f.z, w[j + 3] = f.w;
-        }
-    } else {
-#pragma unroll
-        for (int j = 0; j < N; j++) w[j] = p[j];
-    }
-}
-
 // ---- kernels
 
 template <typename T, int N>
@@ -42,7 +21,7 @@ __global__ void rms_norm_kernel(const T* x,                        // (T, H)
                                 const float* __restrict__ weight,  // (H,)
                                 T* out,                            // (T, H)
                                 int H, float eps) {
-    using P = Pack<T, N>;
+    using P = taper::Pack<T, N>;
     __shared__ float scratch[32];
     const P* xr = reinterpret_cast<const P*>(x + (int64_t)blockIdx.x * H);
     P* o = reinterpret_cast<P*>(out + (int64_t)blockIdx.x * H);
@@ -60,7 +39,7 @@ __global__ void rms_norm_kernel(const T* x,                        // (T, H)
     for (int p = threadIdx.x; p < np; p += blockDim.x) {
         const P v = xr[p];
         float w[N];
-        load_weights<N>(weight + p * N, w);
+        taper::load_f32<N>(weight + p * N, w);
         P y;
 #pragma unroll
         for (int j = 0; j < N; j++)
@@ -74,7 +53,7 @@ __global__ void fused_add_rms_norm_kernel(T* x,                              // 
                                           T* residual,                       // (T, H)
                                           const float* __restrict__ weight,  // (H,)
                                           int H, float eps) {
-    using P = Pack<T, N>;
+    using P = taper::Pack<T, N>;
     __shared__ float scratch[32];
     P* xr = reinterpret_cast<P*>(x + (int64_t)blockIdx.x * H);
     P* rr = reinterpret_cast<P*>(residual + (int64_t)blockIdx.x * H);
@@ -95,7 +74,7 @@ __global__ void fused_add_rms_norm_kernel(T* x,                              // 
     for (int p = threadIdx.x; p < np; p += blockDim.x) {
         const P s = rr[p];  // written by this same thread in the first pass
         float w[N];
-        load_weights<N>(weight + p * N, w);
+        taper::load_f32<N>(weight + p * N, w);
         P y;
 #pragma unroll
         for (int j = 0; j < N; j++)
@@ -106,8 +85,6 @@ __global__ void fused_add_rms_norm_kernel(T* x,                              // 
 
 // ---- launchers
 
-bool aligned16(const void* p) { return ((uintptr_t)p & 15) == 0; }
-
 // One thread per pack up to 512 (a 4096-wide bf16 row is 512 packs), so a row's loads are all in
 // flight at once; the cap keeps four blocks resident per SM. Multiples of 32 keep every warp
 // whole for block_sum's full-mask shuffles.
@@ -117,7 +94,7 @@ template <typename T>
 void launch_rms_norm(const void* x, const float* weight, void* out, int64_t T_, int H, float eps,
                      cudaStream_t s) {
     constexpr int V = 16 / sizeof(T);
-    if (H % V == 0 && aligned16(x) && aligned16(weight) && aligned16(out))
+    if (H % V == 0 && taper::aligned16(x) && taper::aligned16(weight) && taper::aligned16(out))
         rms_norm_kernel<T, V><<<(unsigned)T_, norm_threads(H / V), 0, s>>>(
             (const T*)x, weight, (T*)out, H, eps);
     else
@@ -129,7 +106,7 @@ template <typename T>
 void launch_fused_add_rms_norm(void* x, void* residual, const float* weight, int64_t T_, int H,
                                float eps, cudaStream_t s) {
     constexpr int V = 16 / sizeof(T);
-    if (H % V == 0 && aligned16(x) && aligned16(residual) && aligned16(weight))
+    if (H % V == 0 && taper::aligned16(x) && taper::aligned16(residual) && taper::aligned16(weight))
         fused_add_rms_norm_kernel<T, V><<<(unsigned)T_, norm_threads(H / V), 0, s>>>(
             (T*)x, (T*)residual, weight, H, eps);
     else

@@ -13,32 +13,10 @@
 //
 // A position outside [0, max_pos) leaves its token's q and k rows unchanged. The CPU kernel
 // returns an error instead, but a device kernel cannot report a per-element error without a
-// synchronization, so the Cython layer validates positions on the host where it can.
+// synchronization; the engine never schedules a position past max_model_len <= max_pos.
 #include "common.cuh"
 
 namespace {
-
-// N elements loaded or stored with one instruction (16 bytes on the vector path); A is the
-// alignment the access may assume.
-template <typename T, int N, int A = sizeof(T) * N>
-struct alignas(A) Pack {
-    T v[N];
-};
-
-// N floats: float4 loads when N is a multiple of 4 (the launcher checked the alignment).
-template <int N>
-__device__ __forceinline__ void load_f32(const float* p, float (&w)[N]) {
-    if constexpr (N % 4 == 0) {
-#pragma unroll
-        for (int j = 0; j < N; j += 4) {
-            const float4 f = *reinterpret_cast<const float4*>(p + j);
-            w[j] = f.x, w[j + 1] = f.y, w[j + 2] = f.z, w[j + 3] = f.w;
-        }
-    } else {
-#pragma unroll
-        for (int j = 0; j < N; j++) w[j] = p[j];
-    }
-}
 
 // ---- kernels
 
@@ -58,10 +36,10 @@ __global__ void rotary_kernel(const int32_t* __restrict__ positions,      // (T,
         const int h = w / groups, i = (w - h * groups) * P;
         T* x = h < Hq ? q + (t * Hq + h) * D : k + (t * Hkv + (h - Hq)) * D;
         float c[P], s[P];
-        load_f32<P>(cs + i, c);
-        load_f32<P>(cs + half + i, s);
+        taper::load_f32<P>(cs + i, c);
+        taper::load_f32<P>(cs + half + i, s);
         if constexpr (NEOX) {
-            using V = Pack<T, P>;
+            using V = taper::Pack<T, P>;
             const V a = *reinterpret_cast<const V*>(x + i);
             const V b = *reinterpret_cast<const V*>(x + half + i);
             V ya, yb;
@@ -75,7 +53,7 @@ __global__ void rotary_kernel(const int32_t* __restrict__ positions,      // (T,
             *reinterpret_cast<V*>(x + half + i) = yb;
         } else {
             // The scalar path assumes only element alignment (D or the pointers may be odd).
-            using V = Pack<T, 2 * P, P == 1 ? sizeof(T) : 2 * P * sizeof(T)>;
+            using V = taper::Pack<T, 2 * P, P == 1 ? sizeof(T) : 2 * P * sizeof(T)>;
             const V v = *reinterpret_cast<const V*>(x + 2 * i);
             V y;
 #pragma unroll
@@ -90,8 +68,6 @@ __global__ void rotary_kernel(const int32_t* __restrict__ positions,      // (T,
 }
 
 // ---- launchers
-
-bool aligned16(const void* p) { return ((uintptr_t)p & 15) == 0; }
 
 template <typename T, int P, bool NEOX>
 void launch_rotary(const int32_t* positions, void* q, void* k, const float* cache, int64_t T_,
@@ -114,7 +90,7 @@ void dispatch_rotary(const int32_t* positions, void* q, void* k, const float* ca
     constexpr int P = NEOX ? 16 / sizeof(T) : 8 / sizeof(T);
     constexpr int pack = NEOX ? P : 2 * P;
     const int half = rot_dim / 2;
-    if (half % P == 0 && D % pack == 0 && aligned16(q) && aligned16(k) && aligned16(cache))
+    if (half % P == 0 && D % pack == 0 && taper::aligned16(q) && taper::aligned16(k) && taper::aligned16(cache))
         launch_rotary<T, P, NEOX>(positions, q, k, cache, T_, Hq, Hkv, D, rot_dim, max_pos, s);
     else
         launch_rotary<T, 1, NEOX>(positions, q, k, cache, T_, Hq, Hkv, D, rot_dim, max_pos, s);

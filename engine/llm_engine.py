@@ -71,6 +71,8 @@ class LLMEngine:
                      else "scale 1.0 (the checkpoint has no k_scale/v_scale)")
         on_gpu = config.backend == "cuda"
         if on_gpu:
+            # CuPy's current device and stream are per thread: this one profiles and captures.
+            self.backend.bind_thread()
             cuda_memory.profile_forward(self.model, self.backend, config.max_num_batched_tokens,
                                         config.max_num_seqs, config.block_size)
         num_blocks = config.num_kv_blocks or self._num_kv_blocks(kv_dtype)

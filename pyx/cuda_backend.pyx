@@ -8,16 +8,16 @@ launch fails with cudaErrorInsufficientDriver (statically linked cudart), which 
 
 Activations are bf16, f16 or f32 (`dtype`), accumulated in float32; vectors (norm weights,
 biases, the RoPE cos/sin cache, FP8 scales, logits) are float32 as on the CPU. Dense GEMMs go
-through cuBLAS (CuPy's handle and binding, so no extra link dependency). All work is queued on one
-stream, `backend.stream`, with no synchronization inside an op, so a decode step can be captured
-in a CUDA Graph. Tuned kernels stay behind switches until a GPU run has verified them:
-TAPER_CUDA_SPLIT_K=1 (split-K decode attention) and TAPER_CUDA_MMA_PREFILL=1 (tensor-core
-prefill attention).
+through cuBLAS (the libcublas CuPy loads, on a handle of our own, so no extra link dependency).
+All work is queued on one stream, `backend.stream`, with no synchronization inside an op, so a
+decode step can be captured in a CUDA Graph. Tuned kernels stay behind switches until a GPU
+run has verified them: TAPER_CUDA_SPLIT_K=1 (split-K decode attention) and
+TAPER_CUDA_MMA_PREFILL=1 (tensor-core prefill attention).
 """
 import os
 
 import numpy as np
-from libc.stdint cimport int32_t, int64_t, uint64_t
+from libc.stdint cimport INT32_MAX, int32_t, int64_t, uint64_t
 
 from pyx.backend cimport Backend
 from pyx.cuda_launch cimport *
@@ -230,6 +230,108 @@ cdef int CUDA_R_32F = 0, CUDA_R_16F = 2, CUDA_R_16BF = 14
 cdef int CUBLAS_COMPUTE_32F = 68
 cdef int CUBLAS_GEMM_DEFAULT = -1
 cdef float _ONE = 1.0, _ZERO = 0.0
+cdef size_t CUBLAS_WORKSPACE_BYTES = 32 << 20   # NVIDIA's recommendation for Hopper
+
+
+# ---- cuBLAS, called directly
+#
+# CuPy's binding (cupy_backends.cuda.libs.cublas) points the handle at CuPy's current stream
+# before every call, and that refuses (NotImplementedError) while the stream captures a CUDA
+# graph, and resets the handle's workspace. So the backend keeps a handle of its own, bound once
+# to its stream and workspace, and calls cuBLAS through function pointers taken from the
+# libcublas that importing CuPy's binding has loaded: no link dependency of our own.
+
+ctypedef int (*cublas_create_t)(void** handle) noexcept nogil
+ctypedef int (*cublas_destroy_t)(void* handle) noexcept nogil
+ctypedef int (*cublas_set_stream_t)(void* handle, void* stream) noexcept nogil
+ctypedef int (*cublas_set_workspace_t)(void* handle, void* workspace,
+                                       size_t nbytes) noexcept nogil
+ctypedef int (*cublas_gemm_ex_t)(void* handle, int transa, int transb, int m, int n, int k,
+                                 const void* alpha, const void* A, int Atype, int lda,
+                                 const void* B, int Btype, int ldb, const void* beta, void* C,
+                                 int Ctype, int ldc, int computeType, int algo) noexcept nogil
+
+cdef struct CublasApi:
+    cublas_create_t create
+    cublas_destroy_t destroy
+    cublas_set_stream_t set_stream
+    cublas_set_workspace_t set_workspace
+    cublas_gemm_ex_t gemm_ex
+
+cdef CublasApi _blas
+_blas_lib = []   # the ctypes library, kept loaded
+
+_CUBLAS_STATUS = {1: "NOT_INITIALIZED", 3: "ALLOC_FAILED", 7: "INVALID_VALUE",
+                  8: "ARCH_MISMATCH", 11: "MAPPING_ERROR", 13: "EXECUTION_FAILED",
+                  14: "INTERNAL_ERROR", 15: "NOT_SUPPORTED", 16: "LICENSE_ERROR"}
+
+
+cdef _check_cublas(int st, str op, dict sizes):
+    if st == 0:
+        return
+    desc = ", ".join(f"{k}={v}" for k, v in sizes.items())
+    raise CudaError(f"{op}: cuBLAS error CUBLAS_STATUS_{_CUBLAS_STATUS.get(st, 'UNKNOWN')} "
+                    f"(status {st}) [{desc}]")
+
+
+def _mapped_cublas_path():
+    """The libcublas (not libcublasLt) file mapped into this process, or None."""
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                parts = line.split(None, 5)
+                if len(parts) == 6 and os.path.basename(parts[5].strip()).startswith(
+                        "libcublas.so"):
+                    return parts[5].strip()
+    except OSError:
+        pass
+    return None
+
+
+def _cublas_symbol(lib, *names):
+    """Address of the first of names that lib exports, 0 for none."""
+    import ctypes
+    for name in names:
+        try:
+            return ctypes.cast(getattr(lib, name), ctypes.c_void_p).value or 0
+        except AttributeError:
+            continue
+    return 0
+
+
+def _load_cublas():
+    """Fills _blas from CuPy's libcublas, once; returns the library's name."""
+    if _blas_lib:
+        return _blas_lib[0]._name
+    import ctypes
+    from cupy_backends.cuda.libs import cublas  # noqa: F401 (its import loads libcublas)
+    path = _mapped_cublas_path()
+    lib = None
+    for name in ([path] if path else []) + ["libcublas.so.13", "libcublas.so.12"]:
+        try:
+            lib = ctypes.CDLL(name)
+            break
+        except OSError:
+            continue
+    if lib is None:
+        raise RuntimeError("CudaBackend: CuPy's cuBLAS binding imported, but no libcublas is "
+                           "mapped into the process")
+    addrs = {"create": _cublas_symbol(lib, "cublasCreate_v2", "cublasCreate"),
+             "destroy": _cublas_symbol(lib, "cublasDestroy_v2", "cublasDestroy"),
+             "set_stream": _cublas_symbol(lib, "cublasSetStream_v2", "cublasSetStream"),
+             "gemm_ex": _cublas_symbol(lib, "cublasGemmEx")}
+    missing = [k for k, v in addrs.items() if not v]
+    if missing:
+        raise RuntimeError(f"CudaBackend: {lib._name} lacks cuBLAS entry points {missing}")
+    _blas.create = <cublas_create_t><size_t>addrs["create"]
+    _blas.destroy = <cublas_destroy_t><size_t>addrs["destroy"]
+    _blas.set_stream = <cublas_set_stream_t><size_t>addrs["set_stream"]
+    _blas.gemm_ex = <cublas_gemm_ex_t><size_t>addrs["gemm_ex"]
+    # Every CUDA 12+ cuBLAS has it; without it cuBLAS would allocate inside a graph capture.
+    _blas.set_workspace = <cublas_set_workspace_t><size_t>_cublas_symbol(
+        lib, "cublasSetWorkspace_v2", "cublasSetWorkspace")
+    _blas_lib.append(lib)
+    return lib._name
 
 
 def _dtype_code(dt):
@@ -296,11 +398,13 @@ cdef class CudaBackend(Backend):
     cdef readonly object xp, act_dtype, stream, device
     cdef readonly int num_sms
     cdef int _act_code
-    cdef object _cupy, _cublas, _handle, _workspace, _retired, _cublas_workspace
+    cdef object _cupy, _workspace, _retired, _cublas_workspace
+    cdef void* _blas_handle
     cdef public bint split_k, mma_prefill
     cdef public int64_t max_context  # decode split-K sizes its partitions for this many keys
 
     def __init__(self, dtype="bf16", device=0):
+        cdef void* handle = NULL
         Backend.__init__(self, "cuda")
         if dtype not in ACT_DTYPES:
             raise ValueError(f"CudaBackend: dtype must be one of {list(ACT_DTYPES)}, got {dtype!r}")
@@ -325,19 +429,29 @@ cdef class CudaBackend(Backend):
         # orders with it instead of racing.
         self.stream = cupy.cuda.Stream(non_blocking=False)
         self.stream.use()
-        from cupy_backends.cuda.libs import cublas
-        self._cublas = cublas
-        self._handle = self.device.cublas_handle
-        # cuBLAS gets its workspace up front, so it allocates nothing inside a graph capture
-        # (32 MiB: NVIDIA's recommendation for Hopper).
-        self._cublas_workspace = cupy.empty(32 << 20, dtype=np.uint8)
-        if hasattr(cublas, "setWorkspace"):
-            cublas.setWorkspace(self._handle, self._cublas_workspace.data.ptr, 32 << 20)
+        # Our own cuBLAS handle (see _load_cublas) on our stream, with its workspace given up
+        # front so it allocates nothing inside a graph capture. The stream is set first: setting
+        # it resets the workspace.
+        _load_cublas()
+        _check_cublas(_blas.create(&handle), "cublasCreate", dict(device=device))
+        self._blas_handle = handle
+        _check_cublas(_blas.set_stream(handle, <void*><size_t>self.stream.ptr),
+                      "cublasSetStream", dict(device=device))
+        self._cublas_workspace = cupy.empty(CUBLAS_WORKSPACE_BYTES, dtype=np.uint8)
+        if _blas.set_workspace != NULL:
+            _check_cublas(_blas.set_workspace(
+                handle, <void*><size_t>self._cublas_workspace.data.ptr, CUBLAS_WORKSPACE_BYTES),
+                "cublasSetWorkspace", dict(bytes=CUBLAS_WORKSPACE_BYTES))
         self._workspace = None
         self._retired = []
         self.split_k = _env_on("TAPER_CUDA_SPLIT_K")
         self.mma_prefill = _env_on("TAPER_CUDA_MMA_PREFILL")
         self.max_context = 0
+
+    def __dealloc__(self):
+        if self._blas_handle != NULL and _blas.destroy != NULL:
+            _blas.destroy(self._blas_handle)   # status ignored: nothing to do about it here
+            self._blas_handle = NULL
 
     def __repr__(self):
         return (f"CudaBackend(device={self.device.id}, dtype={self.act_dtype.name}, "
@@ -352,7 +466,10 @@ cdef class CudaBackend(Backend):
         self.stream.use()
 
     def asarray(self, a):
-        """A device copy of a host array, same dtype."""
+        """A device copy of a host array, same dtype (a device array comes back C-contiguous;
+        NumPy would refuse to convert it)."""
+        if isinstance(a, self._cupy.ndarray):
+            return self._cupy.ascontiguousarray(a)
         return self._cupy.asarray(np.ascontiguousarray(a))
 
     def place_weight(self, a):
@@ -483,13 +600,22 @@ cdef class CudaBackend(Backend):
             CUDA_R_16F if self._act_code == TAPER_DT_F16 else CUDA_R_32F)
         out_code = _dtype_code(out.dtype)
         ct = CUDA_R_32F if out_code == TAPER_DT_F32 else ab
+        if T > INT32_MAX or N > INT32_MAX or K > INT32_MAX:
+            _fail(op, "cuBLAS sizes must fit in int32", arrays)
         # Row-major out (T, N) = x (T, K) @ weight (N, K)^T is column-major out^T (N, T) =
-        # weight^T... : A = weight seen as (K, N) column-major, transposed; B = x as (K, T).
-        self._cublas.setStream(self._handle, self.stream.ptr)
-        self._cublas.gemmEx(self._handle, CUBLAS_OP_T, CUBLAS_OP_N, N, T, K,
-                            <size_t>&_ONE, self._ptr(weight), ab, K, self._ptr(x), ab, K,
-                            <size_t>&_ZERO, self._ptr(out), ct, N, CUBLAS_COMPUTE_32F,
-                            CUBLAS_GEMM_DEFAULT)
+        # op(A) B with A = weight seen column-major as (K, N), transposed (lda = K), and B = x
+        # seen column-major as (K, T) (ldb = K); C = out^T (N, T), ldc = N. Host-pointer
+        # alpha/beta (a new handle's pointer mode), float for CUBLAS_COMPUTE_32F.
+        cdef void* handle = self._blas_handle
+        cdef const void* w_ptr = <const void*><size_t>self._ptr(weight)
+        cdef const void* x_ptr = <const void*><size_t>self._ptr(x)
+        cdef void* o_ptr = <void*><size_t>self._ptr(out)
+        cdef int m = <int>N, n = <int>T, k = <int>K, a_type = ab, c_type = ct, st
+        with nogil:
+            st = _blas.gemm_ex(handle, CUBLAS_OP_T, CUBLAS_OP_N, m, n, k, &_ONE, w_ptr, a_type, k,
+                               x_ptr, a_type, k, &_ZERO, o_ptr, c_type, m, CUBLAS_COMPUTE_32F,
+                               CUBLAS_GEMM_DEFAULT)
+        _check_cublas(st, "linear (cublasGemmEx)", dict(T=T, N=N, K=K, a_type=ab, c_type=ct))
         if bias is not None:
             launch_add_bias(self._ptr(out), self._ptr(bias), T, N, out_code, self._sptr())
 

@@ -58,6 +58,31 @@ def test_decode_workspace_bytes(cb):
     assert cb.decode_workspace_bytes(3, 5, 128, 2) == 15 * one
 
 
+def _cupy_cublas_importable():
+    try:
+        from cupy_backends.cuda.libs import cublas  # noqa: F401 (needs libcublas)
+    except Exception:
+        return False
+    return True
+
+
+@needs_ext
+def test_cublas_entry_points(cb):
+    """The backend calls cuBLAS through function pointers taken from the libcublas CuPy loaded
+    (CuPy's own wrappers refuse to run while a stream captures a CUDA graph). Runs wherever
+    libcublas can be loaded, GPU or not."""
+    if not _cupy_cublas_importable():
+        pytest.skip("CuPy's cuBLAS binding does not import here (no libcublas)")
+    name = cb._load_cublas()
+    assert "libcublas.so" in name and "libcublasLt" not in name
+    assert cb._load_cublas() == name                        # loaded once
+    assert "libcublas.so" in cb._mapped_cublas_path()
+    import ctypes
+    lib = ctypes.CDLL(name)
+    assert cb._cublas_symbol(lib, "no_such_symbol") == 0
+    assert cb._cublas_symbol(lib, "no_such_symbol", "cublasGemmEx") != 0
+
+
 def test_kv_budget():
     # --mem wins; else the fraction of what is free after the graph reservation
     assert cuda_memory.kv_budget_bytes(10 << 30, 1 << 30, 0.5, 100)[0] == 100 << 20
@@ -86,3 +111,25 @@ def test_profile_forward_runs_on_cpu(tmp_path):
     assert (batch.slot_mapping == -1).all() and len(batch.logits_indices) == 8
     assert all(not k.any() and not v.any() for k, v in caches)   # nothing was written
     assert model.workspace is not None
+
+
+def test_engine_config_backend_choice():
+    from engine.config import EngineConfig
+    with pytest.raises(ValueError, match="backend must be cpu or cuda"):
+        EngineConfig(model="m", backend="gpu")
+    with pytest.raises(ValueError, match="device must be >= 0"):
+        EngineConfig(model="m", backend="cuda", device=-1)
+
+
+@needs_ext
+def test_engine_on_cuda_without_device_says_so(tmp_path):
+    from checkpoints import tiny_checkpoint
+    from engine.llm import LLM
+    from pyx.cuda_backend import device_count
+    if device_count():
+        pytest.skip("a GPU is present")
+    model = tiny_checkpoint(tmp_path)
+    with pytest.raises(RuntimeError, match="no CUDA device 0"):
+        LLM(model, backend="cuda")
+    with pytest.raises(ValueError, match="quantized CUDA kernels are not yet supported"):
+        LLM(model, backend="cuda", isq="q8_0")

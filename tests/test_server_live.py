@@ -226,6 +226,8 @@ def test_live_tokenize_matches_an_independent_tokenizer(live):
     (["--temperature", "-1"], "--temperature must be in [0, 100]"),
     (["--max-queued-requests", "0"], "--max-queued-requests must be at least 1"),
     (["--chat-template", "/no/such/template.jinja"], "/no/such/template.jinja"),
+    (["--device-ids", "0", "1"], "--device-ids: several GPUs (tensor parallelism) are not yet"),
+    (["--device-ids", "0"], "--device-ids: no CUDA device is usable here (or --cpu was given)"),
 ])
 def test_bad_flags_fail_at_start_up(flags, message, tmp_path, capsys):
     from server.__main__ import main
