@@ -97,28 +97,32 @@ __device__ __forceinline__ void take_better(double& bv, int& bi, double val, int
 // Block reductions for blockDim.x == kRowThreads (32 warps); every thread gets the result. The
 // butterfly leaves the same value in every lane (IEEE addition commutes), so the double sum is
 // the same fixed tree on every run. The leading barrier protects `scratch` from the previous call.
+enum class Reduce { Add, Min, Max };
+
+template <Reduce R>
+__device__ __forceinline__ uint32_t warp_reduce_u32(uint32_t v) {
+    if constexpr (R == Reduce::Add) return __reduce_add_sync(0xffffffffu, v);
+    if constexpr (R == Reduce::Min) return __reduce_min_sync(0xffffffffu, v);
+    return __reduce_max_sync(0xffffffffu, v);
+}
+
+template <Reduce R>
+__device__ __forceinline__ uint32_t block_reduce_u32(uint32_t v, uint32_t* scratch) {
+    v = warp_reduce_u32<R>(v);
+    __syncthreads();
+    if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = v;
+    __syncthreads();
+    return warp_reduce_u32<R>(scratch[threadIdx.x & 31]);
+}
+
 __device__ __forceinline__ uint32_t block_count(uint32_t v, uint32_t* scratch) {
-    v = __reduce_add_sync(0xffffffffu, v);
-    __syncthreads();
-    if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = v;
-    __syncthreads();
-    return __reduce_add_sync(0xffffffffu, scratch[threadIdx.x & 31]);
+    return block_reduce_u32<Reduce::Add>(v, scratch);
 }
-
 __device__ __forceinline__ uint32_t block_min_u32(uint32_t v, uint32_t* scratch) {
-    v = __reduce_min_sync(0xffffffffu, v);
-    __syncthreads();
-    if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = v;
-    __syncthreads();
-    return __reduce_min_sync(0xffffffffu, scratch[threadIdx.x & 31]);
+    return block_reduce_u32<Reduce::Min>(v, scratch);
 }
-
 __device__ __forceinline__ uint32_t block_max_u32(uint32_t v, uint32_t* scratch) {
-    v = __reduce_max_sync(0xffffffffu, v);
-    __syncthreads();
-    if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = v;
-    __syncthreads();
-    return __reduce_max_sync(0xffffffffu, scratch[threadIdx.x & 31]);
+    return block_reduce_u32<Reduce::Max>(v, scratch);
 }
 
 __device__ __forceinline__ double warp_sum_f64(double v) {

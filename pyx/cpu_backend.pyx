@@ -83,6 +83,10 @@ cdef extern from "quant_kernels.h" nogil:
     int taper_quant_gemv_max_t()
 
 
+ctypedef int (*gated_kernel)(int isa, const float* x, float* out, int64_t T, int64_t inter,
+                             int nthreads) noexcept nogil
+
+
 # ---- validation helpers
 
 ISA_NAMES = {"scalar": TAPER_ISA_SCALAR, "avx2": TAPER_ISA_AVX2, "avx512": TAPER_ISA_AVX512}
@@ -532,22 +536,13 @@ cdef class CpuBackend(Backend):
         _status(st, op, arrays)
 
     def silu_and_mul(self, x, out):
-        op = "silu_and_mul"
-        arrays = {"x": x, "out": out}
-        _check(op, arrays, "x", (_F32,), 2)
-        _check(op, arrays, "out", (_F32,), 2, True)
-        cdef int64_t T = x.shape[0], inter = out.shape[1]
-        if x.shape[1] != 2 * inter or out.shape[0] != T:
-            _fail(op, "need x (T, 2I), out (T, I)", arrays)
-        cdef const float* xp = <const float*>_ptr(x)
-        cdef float* outp = <float*>_ptr(out)
-        cdef int nt = self._nthreads, st
-        with nogil:
-            st = taper_silu_and_mul(self._isa, xp, outp, T, inter, nt)
-        _status(st, op, arrays)
+        self._gated("silu_and_mul", x, out, taper_silu_and_mul)
 
     def gelu_tanh_and_mul(self, x, out):
-        op = "gelu_tanh_and_mul"
+        self._gated("gelu_tanh_and_mul", x, out, taper_gelu_tanh_and_mul)
+
+    cdef _gated(self, str op, x, out, gated_kernel kernel):
+        """out = act(x[:, :I]) * x[:, I:] through one of the gated-activation kernels."""
         arrays = {"x": x, "out": out}
         _check(op, arrays, "x", (_F32,), 2)
         _check(op, arrays, "out", (_F32,), 2, True)
@@ -556,9 +551,9 @@ cdef class CpuBackend(Backend):
             _fail(op, "need x (T, 2I), out (T, I)", arrays)
         cdef const float* xp = <const float*>_ptr(x)
         cdef float* outp = <float*>_ptr(out)
-        cdef int nt = self._nthreads, st
+        cdef int nt = self._nthreads, isa = self._isa, st
         with nogil:
-            st = taper_gelu_tanh_and_mul(self._isa, xp, outp, T, inter, nt)
+            st = kernel(isa, xp, outp, T, inter, nt)
         _status(st, op, arrays)
 
     def softcap(self, x, cap):
