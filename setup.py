@@ -8,6 +8,7 @@ the CUDA build off). cudart is linked statically, so the extension imports on a 
 driver and every CUDA call then returns an error status.
 """
 import glob
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -21,6 +22,7 @@ from setuptools.command.build_ext import build_ext
 
 OPENMP = ["-fopenmp"]
 DEFAULT_CUDA_ARCHS = "80;86;89;90a"
+CUTLASS_VERSION = "4.2.0.0"     # pinned in pyproject.toml's build requirements too
 C_FLAGS = ["-O3", "-std=c11", "-fno-math-errno", "-Wno-unused-function"] + OPENMP
 
 
@@ -93,6 +95,22 @@ def cuda_extensions():
                       extra_compile_args=["-O2"])]
 
 
+def cutlass_includes():
+    """CUTLASS's headers for cutlass_ext/: $CUTLASS_PATH (a CUTLASS checkout), else the
+    nvidia-cutlass wheel (a build requirement), found without importing it."""
+    if not glob.glob("cutlass_ext/*.cu"):
+        return []
+    root = os.environ.get("CUTLASS_PATH")
+    if not root:
+        spec = importlib.util.find_spec("cutlass_library")
+        if spec is None or not spec.submodule_search_locations:
+            raise RuntimeError("the CUDA build needs CUTLASS's headers: pip install "
+                               f"nvidia-cutlass=={CUTLASS_VERSION}, or set CUTLASS_PATH, or "
+                               "TAPER_CUDA=0 for a CPU-only build")
+        root = os.path.join(spec.submodule_search_locations[0], "source")
+    return [os.path.join(root, "include"), os.path.join(root, "tools", "util", "include")]
+
+
 def cuda_archs():
     """TAPER_CUDA_ARCHS, e.g. "80;86;89;90a": SASS for each (no PTX, so nothing is compiled by
     the driver at start-up); 90a unlocks Hopper's wgmma for the CUTLASS kernels."""
@@ -111,6 +129,7 @@ class BuildExt(build_ext):
     def compile_cuda(self):
         nvcc = nvcc_path()
         gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in cuda_archs()]
+        includes = [f"-I{d}" for d in cutlass_includes()]
         out_dir = os.path.join(self.build_temp, "cuda")
         os.makedirs(out_dir, exist_ok=True)
         jobs = int(os.environ.get("TAPER_NVCC_JOBS") or os.cpu_count() or 1)
@@ -120,7 +139,7 @@ class BuildExt(build_ext):
         def compile_one(src):
             obj = os.path.join(out_dir, os.path.basename(src) + ".o")
             cmd = [nvcc, "-O3", "-std=c++17", "-Xcompiler", "-fPIC", "-Icuda", "-Icutlass_ext",
-                   "--expt-relaxed-constexpr", *gencode, "-c", src, "-o", obj]
+                   *includes, "--expt-relaxed-constexpr", *gencode, "-c", src, "-o", obj]
             start = time.monotonic()
             done = subprocess.run(cmd, capture_output=True, text=True)
             return src, obj, time.monotonic() - start, done

@@ -186,6 +186,63 @@ int taper_cuda_filter_logits(float* logits,             // (B, V)
                              const float* min_p,        // (B,) 0 = off
                              int64_t B, int64_t V, taper_stream_t stream);
 
+/* ---- quant_gguf.cu: ggml's block formats on the GPU (issue 6). qtype: GGUF's
+ * GGMLQuantizationType ids, the CPU's set: Q4_0 2, Q4_1 3, Q5_0 6, Q5_1 7, Q8_0 8, Q2_K 10,
+ * Q3_K 11, Q4_K 12, Q5_K 13, Q6_K 14. A weight is N rows of K / block_elems blocks, each row
+ * row_bytes long, byte-identical to the file (pyx/quant_kernels.h has the structs). */
+
+/* 1 if the GPU kernels handle qtype, else 0. */
+int taper_cuda_gguf_supported(int qtype);
+
+/* out = dequantize(w): the CPU's scalar reference, element for element (prefill multiplies the
+ * dequantized panels with cuBLAS). */
+int taper_cuda_gguf_dequantize(int qtype,
+                               const void* w,  // (N, row_bytes) blocks
+                               void* out,      // (N, K) dtype
+                               int64_t N, int64_t K, int dtype, taper_stream_t stream);
+
+/* Small-batch matmul on the blocks: out[m, n] = sum_k x[m, k] * dequantize(w)[n, k]. Each row
+ * of x is first quantized to Q8_1-style int8 blocks of 32 (with the block's float scale and sum)
+ * in the workspace, then rows of w are dotted with int8 products (dp4a), float accumulation.
+ * out rows are ldo elements apart (a fused weight writes column slices). */
+int64_t taper_cuda_gguf_mmvq_workspace_bytes(int64_t M, int64_t K);
+int taper_cuda_gguf_mmvq(int qtype,
+                         const void* x,    // (M, K) dtype
+                         const void* w,    // (N, row_bytes) blocks
+                         void* out,        // (M, ldo) dtype, columns [0, N) written
+                         int64_t M, int64_t N, int64_t K, int64_t ldo, int dtype,
+                         void* workspace, int64_t workspace_bytes, taper_stream_t stream);
+
+/* ---- marlin.cu: W4A16 GEMM on the Marlin layout (issue 6; engine/marlin.py defines the
+ * layout). W (N, K) is int4 codes with float32 scales and optional uint8 zeros per group of G
+ * along K (G = K per channel): W[n, k] = scale[g, n] * (code[n, k] - zero[g, n]), zero 8 when
+ * zeros is NULL. Np = ceil(N / 64) * 64; K and G multiples of 16, G dividing K. */
+
+/* One Int4Weight part (canonical layout of pyx/int4_kernels.h, one group size) -> the Marlin
+ * layout, bit-identical to engine/marlin.py repack_int4. Pass zeros NULL (and m_zeros NULL)
+ * exactly when repack_int4 gives zeros None (every zero 8); zeros must be integers 0..255. */
+int taper_cuda_marlin_repack(const uint8_t* qs,      // (N, K/2) packed codes
+                             const float* scales,    // (N, K/G)
+                             const float* zeros,     // (N, K/G), or NULL
+                             uint32_t* qweight,      // (K/16, Np*2) Marlin tiles
+                             float* m_scales,        // (K/G, Np) permuted columns
+                             uint8_t* m_zeros,       // (K/G, Np) permuted columns, or NULL
+                             int64_t N, int64_t K, int64_t group_size, taper_stream_t stream);
+
+/* out = x @ W.T, float accumulation, dtype BF16 or F16 (F32 is TAPER_CUDA_ERR_ARG). The B
+ * operand is W dequantized to dtype element by element (round(scale * (code - zero))).
+ * variant 0: the simple kernel (reference, the default). variant 1 (multi-stage cp.async
+ * pipeline) is not written yet and returns TAPER_CUDA_ERR_ARG. */
+int64_t taper_cuda_marlin_workspace_bytes(int64_t M, int64_t N, int64_t K, int variant);
+int taper_cuda_marlin_gemm(const void* x,            // (M, K) dtype
+                           const uint32_t* qweight,  // (K/16, Np*2) Marlin tiles
+                           const float* scales,      // (K/G, Np) permuted columns
+                           const uint8_t* zeros,     // (K/G, Np) permuted columns, or NULL
+                           void* out,                // (M, N) dtype
+                           int64_t M, int64_t N, int64_t K, int64_t group_size, int dtype,
+                           int variant, void* workspace, int64_t workspace_bytes,
+                           taper_stream_t stream);
+
 #ifdef __cplusplus
 }
 #endif

@@ -103,9 +103,6 @@ class LLMEngine:
 
     def _load(self):
         config = self.config
-        if config.backend == "cuda" and (config.isq or config.weight_file):
-            raise ValueError("GGUF files and --isq run on the CPU backend only for now: "
-                             "quantized CUDA kernels are not yet supported")
         self.backend = make_backend(config)
         load_args = dict(dtype=config.dtype, yarn_scaling_factor=config.yarn_scaling_factor,
                          isq=config.isq)

@@ -127,6 +127,12 @@ class Int4Weight:
         return np.concatenate([int4_dequantize(isa, p.qs, p.scales, p.zeros, p.group_size,
                                                num_threads=num_threads) for p in self.parts])
 
+    def marlin(self):
+        """The same weight in the Marlin layout the CUDA backend's W4A16 GEMM reads
+        (engine/marlin.py)."""
+        from engine.marlin import repack_int4
+        return repack_int4(self)
+
     def cpu_linear(self, backend, x, bias, out) -> None:
         """out = x @ W.T (+ bias) for the CPU backend's `linear`."""
         n, k = self.shape

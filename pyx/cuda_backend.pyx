@@ -215,6 +215,61 @@ def launch_filter_logits(ptr_t logits, ptr_t temperature, ptr_t top_k, ptr_t top
     _check_status(st, "filter_logits", dict(B=B, V=V))
 
 
+def gguf_supported(int qtype):
+    """Whether the GPU kernels handle this ggml block type (GGUF's type id)."""
+    return bool(taper_cuda_gguf_supported(qtype))
+
+
+def gguf_mmvq_workspace_bytes(int64_t M, int64_t K):
+    return taper_cuda_gguf_mmvq_workspace_bytes(M, K)
+
+
+def launch_gguf_dequantize(int qtype, ptr_t w, ptr_t out, int64_t N, int64_t K, int dtype,
+                           ptr_t stream):
+    cdef int st
+    with nogil:
+        st = taper_cuda_gguf_dequantize(qtype, <const void*>w, <void*>out, N, K, dtype,
+                                        <taper_stream_t>stream)
+    _check_status(st, "gguf_dequantize", dict(qtype=qtype, N=N, K=K, dtype=dtype))
+
+
+def launch_gguf_mmvq(int qtype, ptr_t x, ptr_t w, ptr_t out, int64_t M, int64_t N, int64_t K,
+                     int64_t ldo, int dtype, ptr_t workspace, int64_t workspace_bytes,
+                     ptr_t stream):
+    cdef int st
+    with nogil:
+        st = taper_cuda_gguf_mmvq(qtype, <const void*>x, <const void*>w, <void*>out, M, N, K,
+                                  ldo, dtype, <void*>workspace, workspace_bytes,
+                                  <taper_stream_t>stream)
+    _check_status(st, "linear (gguf_mmvq)", dict(qtype=qtype, M=M, N=N, K=K, ldo=ldo,
+                                                 dtype=dtype))
+
+
+def launch_marlin_gemm(ptr_t x, ptr_t qweight, ptr_t scales, ptr_t zeros, ptr_t out, int64_t M,
+                       int64_t N, int64_t K, int64_t group_size, int dtype, int variant,
+                       ptr_t workspace, int64_t workspace_bytes, ptr_t stream):
+    cdef int st
+    with nogil:
+        st = taper_cuda_marlin_gemm(<const void*>x, <const uint32_t*>qweight,
+                                    <const float*>scales, <const uint8_t*>zeros, <void*>out, M, N,
+                                    K, group_size, dtype, variant, <void*>workspace,
+                                    workspace_bytes, <taper_stream_t>stream)
+    _check_status(st, "linear (marlin_gemm)", dict(M=M, N=N, K=K, group_size=group_size,
+                                                   dtype=dtype, variant=variant))
+
+
+class DeviceMarlinWeight:
+    """An int4 weight on the device in the Marlin layout (engine/marlin.py MarlinWeight)."""
+
+    def __init__(self, qweight, scales, zeros, n, k, group_size):
+        self.qweight, self.scales, self.zeros = qweight, scales, zeros
+        self.n, self.k, self.group_size = n, k, group_size
+
+    @property
+    def shape(self):
+        return self.n, self.k
+
+
 # ---- validation
 
 ACT_DTYPES = {"bf16": "bfloat16", "f16": "float16", "f32": "float32"}
@@ -231,6 +286,10 @@ cdef int CUBLAS_COMPUTE_32F = 68
 cdef int CUBLAS_GEMM_DEFAULT = -1
 cdef float _ONE = 1.0, _ZERO = 0.0
 cdef size_t CUBLAS_WORKSPACE_BYTES = 32 << 20   # NVIDIA's recommendation for Hopper
+# ggml-block weights: up to this many token rows take the int8 dot-product GEMV (decode), more
+# go through weight panels of at most GGUF_PANEL_BYTES dequantized for cuBLAS (prefill).
+cdef int64_t GGUF_MMVQ_MAX_M = 16
+cdef int64_t GGUF_PANEL_BYTES = 64 << 20
 
 
 # ---- cuBLAS, called directly
@@ -398,7 +457,7 @@ cdef class CudaBackend(Backend):
     cdef readonly object xp, act_dtype, stream, device
     cdef readonly int num_sms
     cdef int _act_code
-    cdef object _cupy, _workspace, _retired, _cublas_workspace
+    cdef object _cupy, _workspace, _panel, _retired, _cublas_workspace
     cdef void* _blas_handle
     cdef public bint split_k, mma_prefill
     cdef public int64_t max_context  # decode split-K sizes its partitions for this many keys
@@ -443,6 +502,7 @@ cdef class CudaBackend(Backend):
                 handle, <void*><size_t>self._cublas_workspace.data.ptr, CUBLAS_WORKSPACE_BYTES),
                 "cublasSetWorkspace", dict(bytes=CUBLAS_WORKSPACE_BYTES))
         self._workspace = None
+        self._panel = None
         self._retired = []
         self.split_k = _env_on("TAPER_CUDA_SPLIT_K")
         self.mma_prefill = _env_on("TAPER_CUDA_MMA_PREFILL")
@@ -475,9 +535,19 @@ cdef class CudaBackend(Backend):
     def place_weight(self, a):
         """A weight on the device: matrices in the activation dtype, vectors in float32. Takes
         a NumPy array (copied over) or a CuPy one (cast in place on the device)."""
+        if hasattr(a, "quant_parts"):      # ggml blocks (GGUF, --isq): the same bytes, moved
+            for qtype, _ in a.quant_parts:
+                if not taper_cuda_gguf_supported(qtype):
+                    raise ValueError(f"ggml type {qtype} has no CUDA kernel")
+            return type(a)([(t, self.asarray(b)) for t, b in a.quant_parts], a.k)
+        if hasattr(a, "marlin"):           # int4 (GPTQ, AWQ, compressed-tensors): Marlin
+            m = a.marlin()
+            return DeviceMarlinWeight(self.asarray(m.qweight), self.asarray(m.scales),
+                                      None if m.zeros is None else self.asarray(m.zeros),
+                                      m.n, m.k, m.group_size)
         if not isinstance(a, (np.ndarray, self._cupy.ndarray)):
-            raise ValueError(f"{type(a).__name__} weights (quantized formats) are not yet "
-                             "supported on the CUDA backend")
+            raise ValueError(f"{type(a).__name__} weights are not yet supported on the CUDA "
+                             "backend (serve this checkpoint with --cpu)")
         dtype = self.act_dtype if a.ndim == 2 else _F32
         if isinstance(a, np.ndarray):
             return self.asarray(a.astype(dtype, copy=False))
@@ -568,6 +638,8 @@ cdef class CudaBackend(Backend):
     def embedding(self, token_ids, table, out):
         op, act = "embedding", (self.act_dtype,)
         arrays = {"token_ids": token_ids, "table": table, "out": out}
+        if hasattr(table, "quant_parts"):
+            return self._quant_embedding(token_ids, table, out)
         self._check(op, arrays, "token_ids", (_I32,), 1)
         self._check(op, arrays, "table", act, 2)
         self._check(op, arrays, "out", act, 2, True)
@@ -581,6 +653,10 @@ cdef class CudaBackend(Backend):
         """cuBLAS GEMM, float32 accumulation; out may be the activation dtype or float32."""
         op, act = "linear", (self.act_dtype,)
         arrays = {"x": x, "weight": weight, "bias": bias, "out": out}
+        if hasattr(weight, "quant_parts"):
+            return self._quant_linear(x, weight, bias, out)
+        if isinstance(weight, DeviceMarlinWeight):
+            return self._marlin_linear(x, weight, bias, out)
         if not isinstance(weight, self._cupy.ndarray):
             _fail(op, f"{type(weight).__name__} weights are not yet supported on the CUDA backend",
                   arrays)
@@ -596,28 +672,119 @@ cdef class CudaBackend(Backend):
                 _fail(op, "bias must be (N,)", arrays)
         if T == 0:
             return
-        ab = CUDA_R_16BF if self._act_code == TAPER_DT_BF16 else (
-            CUDA_R_16F if self._act_code == TAPER_DT_F16 else CUDA_R_32F)
-        out_code = _dtype_code(out.dtype)
-        ct = CUDA_R_32F if out_code == TAPER_DT_F32 else ab
-        if T > INT32_MAX or N > INT32_MAX or K > INT32_MAX:
-            _fail(op, "cuBLAS sizes must fit in int32", arrays)
-        # Row-major out (T, N) = x (T, K) @ weight (N, K)^T is column-major out^T (N, T) =
-        # op(A) B with A = weight seen column-major as (K, N), transposed (lda = K), and B = x
-        # seen column-major as (K, T) (ldb = K); C = out^T (N, T), ldc = N. Host-pointer
-        # alpha/beta (a new handle's pointer mode), float for CUBLAS_COMPUTE_32F.
-        cdef void* handle = self._blas_handle
-        cdef const void* w_ptr = <const void*><size_t>self._ptr(weight)
-        cdef const void* x_ptr = <const void*><size_t>self._ptr(x)
-        cdef void* o_ptr = <void*><size_t>self._ptr(out)
-        cdef int m = <int>N, n = <int>T, k = <int>K, a_type = ab, c_type = ct, st
-        with nogil:
-            st = _blas.gemm_ex(handle, CUBLAS_OP_T, CUBLAS_OP_N, m, n, k, &_ONE, w_ptr, a_type, k,
-                               x_ptr, a_type, k, &_ZERO, o_ptr, c_type, m, CUBLAS_COMPUTE_32F,
-                               CUBLAS_GEMM_DEFAULT)
-        _check_cublas(st, "linear (cublasGemmEx)", dict(T=T, N=N, K=K, a_type=ab, c_type=ct))
+        self._gemm(self._ptr(weight), self._ptr(x), self._ptr(out), T, N, K, N,
+                   _dtype_code(out.dtype))
         if bias is not None:
-            launch_add_bias(self._ptr(out), self._ptr(bias), T, N, out_code, self._sptr())
+            launch_add_bias(self._ptr(out), self._ptr(bias), T, N, _dtype_code(out.dtype),
+                            self._sptr())
+
+    cdef _gemm(self, ptr_t w, ptr_t x, ptr_t out, int64_t T, int64_t N, int64_t K,
+               int64_t ldo, int out_code):
+        """out[t, n] (row stride ldo) = sum_k x[t, k] * w[n, k] through cuBLAS, float32
+        accumulation. Row-major out (T, N) = x (T, K) @ w (N, K)^T is the column-major product
+        out^T (N, T) = op(A) B with A = w seen column-major as (K, N), transposed (lda = K), and
+        B = x seen column-major as (K, T) (ldb = K); C = out^T with ldc = ldo. Host-pointer
+        alpha/beta (a new handle's pointer mode), float for CUBLAS_COMPUTE_32F."""
+        if T > INT32_MAX or N > INT32_MAX or K > INT32_MAX or ldo > INT32_MAX:
+            raise ValueError(f"linear: cuBLAS sizes must fit in int32 [T={T}, N={N}, K={K}]")
+        cdef int ab = CUDA_R_16BF if self._act_code == TAPER_DT_BF16 else (
+            CUDA_R_16F if self._act_code == TAPER_DT_F16 else CUDA_R_32F)
+        cdef int ct = CUDA_R_32F if out_code == TAPER_DT_F32 else ab
+        cdef void* handle = self._blas_handle
+        cdef int m = <int>N, n = <int>T, k = <int>K, ldc = <int>ldo, st
+        with nogil:
+            st = _blas.gemm_ex(handle, CUBLAS_OP_T, CUBLAS_OP_N, m, n, k, &_ONE, <const void*>w,
+                               ab, k, <const void*>x, ab, k, &_ZERO, <void*>out, ct, ldc,
+                               CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT)
+        _check_cublas(st, "linear (cublasGemmEx)", dict(T=T, N=N, K=K, a_type=ab, c_type=ct))
+
+    def _marlin_linear(self, x, weight, bias, out):
+        """W4A16 through the Marlin-layout GEMM (variant 0, the simple kernel: the pipelined one
+        is not written yet)."""
+        op = "linear"
+        arrays = {"x": x, "out": out, "bias": bias}
+        self._check(op, arrays, "x", (self.act_dtype,), 2)
+        self._check(op, arrays, "out", (self.act_dtype, _F32), 2, True)
+        T, K, N = x.shape[0], x.shape[1], out.shape[1]
+        if weight.shape != (N, K) or out.shape[0] != T:
+            _fail(op, f"int4 weight {weight.shape} does not map x to out", arrays)
+        if bias is not None:
+            self._check(op, arrays, "bias", (_F32,), 1)
+            if bias.shape[0] != N:
+                _fail(op, "bias must be (N,)", arrays)
+        if T == 0:
+            return
+        if out.dtype != self.act_dtype:    # float32 logits: the kernel writes the act dtype
+            tmp = self._cupy.empty(out.shape, self.act_dtype)
+            self._marlin_linear(x, weight, bias, tmp)
+            self._cupy.copyto(out, tmp)
+            return
+        ws = taper_cuda_marlin_workspace_bytes(T, N, K, 0)
+        launch_marlin_gemm(self._ptr(x), weight.qweight.data.ptr, weight.scales.data.ptr,
+                           self._opt_ptr(weight.zeros), self._ptr(out), T, N, K,
+                           weight.group_size, self._act_code, 0, self._workspace_ptr(ws), ws,
+                           self._sptr())
+        if bias is not None:
+            launch_add_bias(self._ptr(out), self._ptr(bias), T, N, self._act_code, self._sptr())
+
+    def _quant_embedding(self, token_ids, table, out):
+        """Rows of a ggml-block table: the token rows' blocks are gathered, then dequantized."""
+        op = "embedding"
+        arrays = {"token_ids": token_ids, "out": out}
+        self._check(op, arrays, "token_ids", (_I32,), 1)
+        self._check(op, arrays, "out", (self.act_dtype,), 2, True)
+        if len(table.quant_parts) != 1:
+            _fail(op, "a quantized embedding table must be one ggml type", arrays)
+        qtype, blocks = table.quant_parts[0]
+        T, H = token_ids.shape[0], table.k
+        if out.shape != (T, H):
+            _fail(op, "out must be (T, H)", arrays)
+        rows = blocks.take(token_ids, axis=0)
+        launch_gguf_dequantize(qtype, rows.data.ptr, self._ptr(out), T, H, self._act_code,
+                               self._sptr())
+
+    def _quant_linear(self, x, weight, bias, out):
+        """ggml blocks stacked along N in parts (a fused weight may mix types); each part writes
+        its column slice of out. Up to GGUF_MMVQ_MAX_M rows: int8 dot products on the blocks;
+        more: panels of weight rows dequantized to the activation dtype, then cuBLAS."""
+        op = "linear"
+        arrays = {"x": x, "out": out, "bias": bias}
+        self._check(op, arrays, "x", (self.act_dtype,), 2)
+        self._check(op, arrays, "out", (self.act_dtype, _F32), 2, True)
+        if out.dtype != self.act_dtype:    # float32 logits: the kernels write the act dtype
+            tmp = self._cupy.empty(out.shape, self.act_dtype)
+            self._quant_linear(x, weight, bias, tmp)
+            self._cupy.copyto(out, tmp)
+            return
+        T, K, N = x.shape[0], x.shape[1], out.shape[1]
+        if weight.shape != (N, K) or out.shape[0] != T:
+            _fail(op, f"quantized weight {weight.shape} does not map x to out", arrays)
+        if bias is not None:
+            self._check(op, arrays, "bias", (_F32,), 1)
+            if bias.shape[0] != N:
+                _fail(op, "bias must be (N,)", arrays)
+        if T == 0:
+            return
+        cdef int64_t item = self.act_dtype.itemsize, col = 0, n, r0, rows, panel_rows
+        for qtype, blocks in weight.quant_parts:
+            n = blocks.shape[0]
+            if T <= GGUF_MMVQ_MAX_M:
+                ws = gguf_mmvq_workspace_bytes(T, K)
+                launch_gguf_mmvq(qtype, self._ptr(x), blocks.data.ptr,
+                                 self._ptr(out) + col * item, T, n, K, N, self._act_code,
+                                 self._workspace_ptr(ws), ws, self._sptr())
+            else:
+                panel_rows = max(1, min(n, GGUF_PANEL_BYTES // (K * item)))
+                panel = self._panel_ptr(panel_rows * K * item)
+                for r0 in range(0, n, panel_rows):
+                    rows = min(panel_rows, n - r0)
+                    launch_gguf_dequantize(qtype, blocks.data.ptr + r0 * blocks.shape[1], panel,
+                                           rows, K, self._act_code, self._sptr())
+                    self._gemm(panel, self._ptr(x), self._ptr(out) + (col + r0) * item, T, rows,
+                               K, N, self._act_code)
+            col += n
+        if bias is not None:
+            launch_add_bias(self._ptr(out), self._ptr(bias), T, N, self._act_code, self._sptr())
 
     def rms_norm(self, x, weight, eps, out):
         op, act = "rms_norm", (self.act_dtype,)
@@ -779,19 +946,26 @@ cdef class CudaBackend(Backend):
         launch_paged_attention_prefill(*args, 0, self._sptr())
 
     def _workspace_ptr(self, int64_t nbytes):
-        """A device scratch buffer of at least nbytes, grown (never during a graph capture:
-        the capture warms every bucket up eagerly first)."""
-        if nbytes == 0:
-            return 0
-        if self._workspace is None or self._workspace.nbytes < nbytes:
-            if self.stream.is_capturing():
-                raise CudaError(f"decode workspace of {nbytes} bytes requested while capturing "
-                                "a CUDA graph; warm up every bucket before capturing")
-            # A captured graph may still use the old buffer: keep it alive, never reuse it.
-            if self._workspace is not None:
-                self._retired.append(self._workspace)
-            self._workspace = self._cupy.empty(nbytes, dtype=np.uint8)
-        return self._workspace.data.ptr
+        """Scratch of at least nbytes shared by the ops that need one (split-K decode, the
+        quantized GEMV's int8 activations); grown, never during a graph capture."""
+        self._workspace = self._grown(self._workspace, nbytes)
+        return 0 if self._workspace is None else self._workspace.data.ptr
+
+    def _panel_ptr(self, int64_t nbytes):
+        """The buffer quantized prefill dequantizes weight panels into."""
+        self._panel = self._grown(self._panel, nbytes)
+        return self._panel.data.ptr
+
+    def _grown(self, buf, int64_t nbytes):
+        if nbytes == 0 or (buf is not None and buf.nbytes >= nbytes):
+            return buf
+        if self.stream.is_capturing():
+            raise CudaError(f"a scratch buffer of {nbytes} bytes was requested while capturing "
+                            "a CUDA graph; warm up every bucket before capturing")
+        # A captured graph may still use the old buffer: keep it alive, never reuse it.
+        if buf is not None:
+            self._retired.append(buf)
+        return self._cupy.empty(nbytes, dtype=np.uint8)
 
     def argmax(self, logits, out):
         op = "argmax"

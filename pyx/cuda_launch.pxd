@@ -1,5 +1,5 @@
 # The C ABI of cuda/taper_cuda.h, declared nogil for pyx/cuda_backend.pyx.
-from libc.stdint cimport int32_t, int64_t, uint64_t
+from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t
 
 
 cdef extern from "taper_cuda.h" nogil:
@@ -63,3 +63,15 @@ cdef extern from "taper_cuda.h" nogil:
     int taper_cuda_filter_logits(float* logits, const float* temperature, const int32_t* top_k,
                                  const float* top_p, const float* min_p, int64_t B, int64_t V,
                                  taper_stream_t stream)
+    int taper_cuda_gguf_supported(int qtype)
+    int taper_cuda_gguf_dequantize(int qtype, const void* w, void* out, int64_t N, int64_t K,
+                                   int dtype, taper_stream_t stream)
+    int64_t taper_cuda_gguf_mmvq_workspace_bytes(int64_t M, int64_t K)
+    int taper_cuda_gguf_mmvq(int qtype, const void* x, const void* w, void* out, int64_t M,
+                             int64_t N, int64_t K, int64_t ldo, int dtype, void* workspace,
+                             int64_t workspace_bytes, taper_stream_t stream)
+    int taper_cuda_marlin_gemm(const void* x, const uint32_t* qweight, const float* scales,
+                               const uint8_t* zeros, void* out, int64_t M, int64_t N, int64_t K,
+                               int64_t group_size, int dtype, int variant, void* workspace,
+                               int64_t workspace_bytes, taper_stream_t stream)
+    int64_t taper_cuda_marlin_workspace_bytes(int64_t M, int64_t N, int64_t K, int variant)

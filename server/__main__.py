@@ -151,18 +151,11 @@ def sampling_defaults(args) -> dict:
 
 
 def default_backend(args) -> str:
-    """CUDA when our CUDA extension was built and a GPU is visible, else CPU. Quantized models
-    (GGUF, --isq) run on the CPU until the quantized CUDA kernels land."""
+    """CUDA when our CUDA extension was built and a GPU is visible, else CPU."""
     if args.cpu or importlib.util.find_spec("pyx.cuda_backend") is None:
         return "cpu"
     from pyx.cuda_backend import device_count
-    if device_count() == 0:
-        return "cpu"
-    if args.weight_file or args.isq:
-        log.warning("GGUF and --isq models run on the CPU backend: quantized CUDA kernels are "
-                    "not yet supported")
-        return "cpu"
-    return "cuda"
+    return "cuda" if device_count() > 0 else "cpu"
 
 
 def engine_config(args):

@@ -289,3 +289,21 @@ def fp8_block_dequantize(codes, scale, block):
     w = e4m3_decode(codes)
     s = np.repeat(np.repeat(np.asarray(scale, np.float64), bn, 0), bk, 1)
     return w * s[:w.shape[0], :w.shape[1]]
+
+
+def fp8_quantize_per_token_group(x, group=128):
+    """(M, K) activations -> ((M, K) uint8 e4m3 codes, (M, K // group) float32 scales), as the
+    GPU quantizer: per token and group of `group` columns, s = float32(amax) / 448 in float32
+    (amax = max |x|, NaN ignored), s = 1 where that is not > 0; codes = e4m3(x / s) with the
+    float32 quotient. x holds the activation values (bf16/f16/f32, as float32)."""
+    x = np.asarray(x, np.float32)
+    M, K = x.shape
+    if K % group:
+        raise ValueError(f"K={K} is not a multiple of group={group}")
+    g = x.reshape(M, K // group, group)
+    with np.errstate(invalid="ignore"):
+        amax = np.fmax.reduce(np.abs(g), axis=2, initial=np.float32(0.0))
+    s = (amax / np.float32(448.0)).astype(np.float32)
+    s = np.where(s > 0, s, np.float32(1.0)).astype(np.float32)
+    codes = e4m3_encode(fp8_quotient(g, s[:, :, None])).reshape(M, K)
+    return codes, s

@@ -131,5 +131,3 @@ def test_engine_on_cuda_without_device_says_so(tmp_path):
     model = tiny_checkpoint(tmp_path)
     with pytest.raises(RuntimeError, match="no CUDA device 0"):
         LLM(model, backend="cuda")
-    with pytest.raises(ValueError, match="quantized CUDA kernels are not yet supported"):
-        LLM(model, backend="cuda", isq="q8_0")

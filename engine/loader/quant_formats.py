@@ -18,9 +18,13 @@ def convert_quantized(weights: dict, quantization_config: dict) -> None:
     elif method == "compressed-tensors":
         from engine.loader.quant_compressed import convert_compressed_tensors
         convert_compressed_tensors(weights, quantization_config)
+    elif method == "marlin":
+        from engine.loader.quant_marlin import convert_marlin
+        convert_marlin(weights, quantization_config)
     elif method == "fp8":
         from engine.loader.quant_fp8 import convert_fp8_block
         convert_fp8_block(weights, quantization_config)
     else:
         raise ValueError(f"quantization_config.quant_method {method!r} is not supported; "
-                         "supported: gptq, awq, compressed-tensors, fp8 (and GGUF files, --isq)")
+                         "supported: gptq, awq, compressed-tensors, fp8, marlin (and GGUF files, "
+                         "--isq)")

@@ -1,0 +1,1 @@
+"""Offline commands (python -m engine.tools.<name>)."""
