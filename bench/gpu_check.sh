@@ -3,6 +3,12 @@
 #
 #     bash bench/gpu_check.sh
 #
+# The GPU machine has no network and no nvidia-cutlass, whose headers the build needs; carry the
+# wheel (pure Python, any version of Python) in the ignored folder .whl:
+#     echo /.whl/ >> .git/info/exclude
+#     python3 -m pip download --no-deps -d .whl nvidia-cutlass==4.2.0.0
+# and name .whl in the device call's `carry`.
+#
 # 1. setup: prints the machine (nvidia-smi, versions), installs carried wheels (.whl/*.whl, for a
 #    machine without network) into /tmp/site, builds Taper for sm_90a
 #    (TAPER_CUDA_ARCHS=90a pip install --no-build-isolation --no-deps -e .) and checks that the

@@ -11,8 +11,9 @@ biases, the RoPE cos/sin cache, FP8 scales, logits) are float32 as on the CPU. D
 through cuBLAS (the libcublas CuPy loads, on a handle of our own, so no extra link dependency).
 All work is queued on one stream, `backend.stream`, with no synchronization inside an op, so a
 decode step can be captured in a CUDA Graph. Tuned kernels stay behind switches until a GPU
-run has verified them: TAPER_CUDA_SPLIT_K=1 (split-K decode attention) and
-TAPER_CUDA_MMA_PREFILL=1 (tensor-core prefill attention).
+run has verified them: TAPER_CUDA_SPLIT_K=1 (split-K decode attention),
+TAPER_CUDA_MMA_PREFILL=1 (tensor-core prefill attention) and TAPER_CUDA_FP8_CUTLASS=1 (FP8
+block-wise weights through CUTLASS on sm_90a instead of dequantized once to bf16).
 """
 import os
 
@@ -258,6 +259,52 @@ def launch_marlin_gemm(ptr_t x, ptr_t qweight, ptr_t scales, ptr_t zeros, ptr_t 
                                                    dtype=dtype, variant=variant))
 
 
+def launch_fp8_dequantize(ptr_t w, ptr_t scales, ptr_t out, int64_t N, int64_t K, int64_t bn,
+                          int64_t bk, int dtype, ptr_t stream):
+    cdef int st
+    with nogil:
+        st = taper_cuda_fp8_dequantize(<const uint8_t*>w, <const float*>scales, <void*>out, N, K,
+                                       bn, bk, dtype, <taper_stream_t>stream)
+    _check_status(st, "fp8_dequantize", dict(N=N, K=K, bn=bn, bk=bk, dtype=dtype))
+
+
+def launch_fp8_quantize_per_token_group(ptr_t x, ptr_t q, ptr_t scales, int64_t M, int64_t K,
+                                        int64_t group, int dtype, ptr_t stream):
+    cdef int st
+    with nogil:
+        st = taper_cuda_fp8_quantize_per_token_group(<const void*>x, <uint8_t*>q, <float*>scales,
+                                                     M, K, group, dtype, <taper_stream_t>stream)
+    _check_status(st, "fp8_quantize_per_token_group", dict(M=M, K=K, group=group, dtype=dtype))
+
+
+def fp8_block_gemm_workspace_bytes(int64_t M, int64_t N, int64_t K):
+    return taper_cutlass_fp8_block_gemm_workspace_bytes(M, N, K)
+
+
+def launch_fp8_block_gemm(ptr_t a, ptr_t a_scales, ptr_t b, ptr_t b_scales, ptr_t out, int64_t M,
+                          int64_t N, int64_t K, ptr_t workspace, int64_t workspace_bytes,
+                          ptr_t stream):
+    cdef int st
+    with nogil:
+        st = taper_cutlass_fp8_block_gemm(<const uint8_t*>a, <const float*>a_scales,
+                                          <const uint8_t*>b, <const float*>b_scales, <void*>out,
+                                          M, N, K, <void*>workspace, workspace_bytes,
+                                          <taper_stream_t>stream)
+    _check_status(st, "linear (fp8_block_gemm)", dict(M=M, N=N, K=K))
+
+
+class DeviceFp8Weight:
+    """Block-wise FP8 codes (N, K) and their 128 x 128 block scales on the device, for the
+    CUTLASS GEMM (TAPER_CUDA_FP8_CUTLASS=1 on sm_90a)."""
+
+    def __init__(self, codes, scales):
+        self.codes, self.scales = codes, scales
+
+    @property
+    def shape(self):
+        return tuple(self.codes.shape)
+
+
 class DeviceMarlinWeight:
     """An int4 weight on the device in the Marlin layout (engine/marlin.py MarlinWeight)."""
 
@@ -459,7 +506,7 @@ cdef class CudaBackend(Backend):
     cdef int _act_code
     cdef object _cupy, _workspace, _panel, _retired, _cublas_workspace
     cdef void* _blas_handle
-    cdef public bint split_k, mma_prefill
+    cdef public bint split_k, mma_prefill, fp8_cutlass
     cdef public int64_t max_context  # decode split-K sizes its partitions for this many keys
 
     def __init__(self, dtype="bf16", device=0):
@@ -506,6 +553,7 @@ cdef class CudaBackend(Backend):
         self._retired = []
         self.split_k = _env_on("TAPER_CUDA_SPLIT_K")
         self.mma_prefill = _env_on("TAPER_CUDA_MMA_PREFILL")
+        self.fp8_cutlass = _env_on("TAPER_CUDA_FP8_CUTLASS")
         self.max_context = 0
 
     def __dealloc__(self):
@@ -540,6 +588,8 @@ cdef class CudaBackend(Backend):
                 if not taper_cuda_gguf_supported(qtype):
                     raise ValueError(f"ggml type {qtype} has no CUDA kernel")
             return type(a)([(t, self.asarray(b)) for t, b in a.quant_parts], a.k)
+        if hasattr(a, "block") and hasattr(a, "scale"):    # FP8 codes with block scales
+            return self._place_fp8(a)
         if hasattr(a, "marlin"):           # int4 (GPTQ, AWQ, compressed-tensors): Marlin
             m = a.marlin()
             return DeviceMarlinWeight(self.asarray(m.qweight), self.asarray(m.scales),
@@ -552,6 +602,21 @@ cdef class CudaBackend(Backend):
         if isinstance(a, np.ndarray):
             return self.asarray(a.astype(dtype, copy=False))
         return self._cupy.ascontiguousarray(a.astype(dtype, copy=False))
+
+    def _place_fp8(self, w):
+        """FP8 weights: by default dequantized once, on the device, to the activation dtype
+        (cuBLAS then multiplies them: the simple path, twice the bytes of the codes). With
+        TAPER_CUDA_FP8_CUTLASS=1 on an sm_90a device, 128 x 128 block-wise weights stay e4m3
+        for the CUTLASS block-scaled GEMM (the tuned path, until a GPU run verifies it)."""
+        n, k = w.shape
+        codes, scales = self.asarray(w.weight), self.asarray(w.scale)
+        if (self.fp8_cutlass and tuple(w.block) == (128, 128) and k % 128 == 0 and n % 8 == 0
+                and self._act_code == TAPER_DT_BF16):
+            return DeviceFp8Weight(codes, scales)
+        out = self._cupy.empty((n, k), self.act_dtype)
+        launch_fp8_dequantize(codes.data.ptr, scales.data.ptr, out.data.ptr, n, k, w.block[0],
+                              w.block[1], self._act_code, self._sptr())
+        return out
 
     def to_host(self, a):
         return self._cupy.asnumpy(a, stream=self.stream) if isinstance(a, self._cupy.ndarray) else a
@@ -657,6 +722,8 @@ cdef class CudaBackend(Backend):
             return self._quant_linear(x, weight, bias, out)
         if isinstance(weight, DeviceMarlinWeight):
             return self._marlin_linear(x, weight, bias, out)
+        if isinstance(weight, DeviceFp8Weight):
+            return self._fp8_linear(x, weight, bias, out)
         if not isinstance(weight, self._cupy.ndarray):
             _fail(op, f"{type(weight).__name__} weights are not yet supported on the CUDA backend",
                   arrays)
@@ -724,6 +791,42 @@ cdef class CudaBackend(Backend):
                            self._opt_ptr(weight.zeros), self._ptr(out), T, N, K,
                            weight.group_size, self._act_code, 0, self._workspace_ptr(ws), ws,
                            self._sptr())
+        if bias is not None:
+            launch_add_bias(self._ptr(out), self._ptr(bias), T, N, self._act_code, self._sptr())
+
+    def _fp8_linear(self, x, weight, bias, out):
+        """Activations quantized per token and group of 128 to e4m3, then the CUTLASS
+        block-scaled GEMM (bf16 out)."""
+        op = "linear"
+        arrays = {"x": x, "out": out, "bias": bias}
+        self._check(op, arrays, "x", (self.act_dtype,), 2)
+        self._check(op, arrays, "out", (self.act_dtype, _F32), 2, True)
+        T, K, N = x.shape[0], x.shape[1], out.shape[1]
+        if weight.shape != (N, K) or out.shape[0] != T:
+            _fail(op, f"fp8 weight {weight.shape} does not map x to out", arrays)
+        if bias is not None:
+            self._check(op, arrays, "bias", (_F32,), 1)
+            if bias.shape[0] != N:
+                _fail(op, "bias must be (N,)", arrays)
+        if T == 0:
+            return
+        if out.dtype != self.act_dtype:
+            tmp = self._cupy.empty(out.shape, self.act_dtype)
+            self._fp8_linear(x, weight, bias, tmp)
+            self._cupy.copyto(out, tmp)
+            return
+        # One workspace: the e4m3 activations, their (T, K/128) scales, then CUTLASS's own
+        # scratch, each part 16-byte aligned.
+        codes_bytes = -(-T * K // 16) * 16
+        scale_bytes = -(-T * (K // 128) * 4 // 16) * 16
+        gemm_ws = fp8_block_gemm_workspace_bytes(T, N, K)
+        base = self._workspace_ptr(codes_bytes + scale_bytes + gemm_ws)
+        q, scales, scratch = base, base + codes_bytes, base + codes_bytes + scale_bytes
+        launch_fp8_quantize_per_token_group(self._ptr(x), q, scales, T, K, 128, self._act_code,
+                                            self._sptr())
+        launch_fp8_block_gemm(q, scales, weight.codes.data.ptr, weight.scales.data.ptr,
+                              self._ptr(out), T, N, K, scratch if gemm_ws else 0, gemm_ws,
+                              self._sptr())
         if bias is not None:
             launch_add_bias(self._ptr(out), self._ptr(bias), T, N, self._act_code, self._sptr())
 

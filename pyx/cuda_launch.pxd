@@ -75,3 +75,17 @@ cdef extern from "taper_cuda.h" nogil:
                                int64_t group_size, int dtype, int variant, void* workspace,
                                int64_t workspace_bytes, taper_stream_t stream)
     int64_t taper_cuda_marlin_workspace_bytes(int64_t M, int64_t N, int64_t K, int variant)
+
+
+cdef extern from "taper_cutlass.h" nogil:
+    int64_t taper_cutlass_fp8_block_gemm_workspace_bytes(int64_t M, int64_t N, int64_t K)
+    int taper_cutlass_fp8_block_gemm(const uint8_t* a, const float* a_scales, const uint8_t* b,
+                                     const float* b_scales, void* out, int64_t M, int64_t N,
+                                     int64_t K, void* workspace, int64_t workspace_bytes,
+                                     taper_stream_t stream)
+    int taper_cuda_fp8_dequantize(const uint8_t* w, const float* scales, void* out, int64_t N,
+                                  int64_t K, int64_t bn, int64_t bk, int dtype,
+                                  taper_stream_t stream)
+    int taper_cuda_fp8_quantize_per_token_group(const void* x, uint8_t* q, float* scales,
+                                                int64_t M, int64_t K, int64_t group, int dtype,
+                                                taper_stream_t stream)
