@@ -166,7 +166,7 @@ class BuildExt(build_ext):
 
 setup(
     packages=["engine", "engine.loader", "engine.models", "server", "pyx"],
-    package_data={"server": ["static/*"], "pyx": ["*.pxd", "*.h"]},
+    package_data={"server": ["static/*"], "pyx": ["*.pxd", "*.pxi", "*.h"]},
     ext_modules=cythonize(cpu_extensions() + cuda_extensions(),
                           compiler_directives={"language_level": "3", "boundscheck": False,
                                                "wraparound": False, "cdivision": True}),

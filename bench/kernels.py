@@ -21,6 +21,19 @@ kernels) at 1 x 4096 and 8 x 512 tokens; linear at M 1, 16, 64, 4096 for the qkv
 o (4096 x 4096), gate_up (28672 x 4096) and down (4096 x 14336) projections; argmax, Gumbel
 sampling and the top-k/top-p/min-p filter at batch 1 and 64 over the vocabulary.
 
+qgemm (issue 6, item 7): the quantized GEMMs through `CudaBackend.linear` on the same four
+projections at M (QM) 1, 4, 16, 64, 4096 -- bf16 dense (cuBLAS, the reference), GGUF Q4_K and
+Q8_0 (host `engine.quant.quantize` of random f32, cached per shape), int4 W4A16 through the Marlin
+kernel (random codes and f32 scales, group 128, symmetric: `Int4Part.from_codes`, repacked once
+per shape), FP8 block-wise (128 x 128 scales) through the CUTLASS GEMM (sm_90 only; skipped with a
+note elsewhere), and the one-time cost of the default FP8 path, which dequantizes at load and then
+IS the bf16 GEMM (so only that dequantize is timed). Each format rotates 2 input sets (separate
+weight copies and activations). Its row gives TFLOP/s (and % of the cuBLAS peak), the WEIGHT
+bytes read over the time in GB/s (and % of the copy peak: decode at small M is bound by them), and
+the speed-up over bf16 dense at the same shape and M. FP8 rows also give % of an estimated FP8
+dense peak, twice the measured bf16 cuBLAS figure (Hopper's tensor-core ratio; cuBLAS FP8 is not
+reachable through this backend's GemmEx handle). --shape QM=1,16 and qlayers=gate_up,down select.
+
 --shape overrides a dimension: T, B, ctx, M, SB (sampling batch) take lists (T=1,64),
 prefill takes NxL items (prefill=1x4096,8x512), H Hq Hkv D I V BS take one value.
 --quick runs a small subset (well under a minute). Without a CUDA device it says so and exits 2.
@@ -41,13 +54,18 @@ import numpy as np
 
 OPS = ["embedding", "rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul",
        "reshape_and_cache", "decode_attention", "prefill_attention", "linear", "argmax",
-       "gumbel_sample", "filter_logits"]
+       "gumbel_sample", "filter_logits", "qgemm"]
 
 DEFAULT = dict(H=4096, Hq=32, Hkv=8, D=128, I=14336, V=128256, BS=16,
                T=[1, 64, 4096], B=[1, 16, 64], ctx=[1024, 8192, 32768],
-               prefill=[(1, 4096), (8, 512)], M=[1, 16, 64, 4096], SB=[1, 64])
-QUICK = dict(T=[1, 4096], B=[1, 64], ctx=[8192], prefill=[(1, 4096)], M=[1, 4096], SB=[64])
-LIST_KEYS = ("T", "B", "ctx", "M", "SB")
+               prefill=[(1, 4096), (8, 512)], M=[1, 16, 64, 4096], SB=[1, 64],
+               QM=[1, 4, 16, 64, 4096], qlayers=["qkv", "o", "gate_up", "down"])
+QUICK = dict(T=[1, 4096], B=[1, 64], ctx=[8192], prefill=[(1, 4096)], M=[1, 4096], SB=[64],
+             QM=[1, 4096], qlayers=["gate_up"])
+LIST_KEYS = ("T", "B", "ctx", "M", "SB", "QM")
+QGEMM_SETS = 2          # weight copies + activations per quantized format (weights are large)
+QGEMM_GROUP = 128       # int4 group size
+FP8_BLOCK = (128, 128)
 
 N_SETS = 4
 FLUSH_BYTES = 512 << 20
@@ -64,6 +82,9 @@ class Case:
     sets: list                  # one callable per input set: launches the op once
     prepare: list | None = None  # per set, enqueued before the timed region (restores inputs)
     stream: object = None       # the stream the op runs on (its backend's); None: the default
+    baseline: bool = False      # its time is the reference for other variants of (op, shape)
+    compare: bool = False       # report its speed-up over the (op, shape) baseline
+    extra: dict = field(default_factory=dict)   # more fields for its row
 
 
 @dataclass
@@ -75,6 +96,7 @@ class Bench:
     warmup: int
     backends: dict = field(default_factory=dict)
     flush_buf: object = None
+    notes: list = field(default_factory=list)   # skipped cases and why
 
     def backend(self, split_k: bool = False, mma_prefill: bool = False, dtype: str | None = None):
         """A CudaBackend built with the env switches it reads at construction."""
@@ -384,6 +406,171 @@ def cases_linear(bench, c):
         bench.free()
 
 
+# ---- quantized GEMMs (issue 6, item 7)
+
+_HOST_QUANT: dict = {}
+
+
+class _Repacked:
+    """A host MarlinWeight that `CudaBackend.place_weight` takes like an Int4Weight (it calls
+    `.marlin()`), without repacking again for every device copy."""
+
+    def __init__(self, m):
+        self.m = m
+
+    @property
+    def shape(self):
+        return self.m.shape
+
+    def marlin(self):
+        return self.m
+
+
+def host_quant(fmt: str, N: int, K: int, seed: int = 0):
+    """The host-side weight of one format for an (N, K) projection, made once per shape: "q4k" and
+    "q8_0" ggml blocks (engine.quant.quantize of random normal f32), "marlin" (random int4 codes,
+    f32 group-128 scales, symmetric zeros 8, repacked to the Marlin layout), "fp8" (random e4m3
+    codes without the NaN codes 0x7f / 0xff, random 128 x 128 block scales)."""
+    key = (fmt, N, K, seed)
+    if key in _HOST_QUANT:
+        return _HOST_QUANT[key]
+    rng = np.random.default_rng(seed)
+    if fmt in ("q4k", "q8_0"):
+        from engine.quant import ISQ_TYPES, quantize
+        w = rng.standard_normal((N, K), dtype=np.float32)
+        w *= 1.0 / np.sqrt(K)
+        obj = quantize(w, ISQ_TYPES[fmt])
+        del w
+    elif fmt == "marlin":
+        from engine.quant_int4 import Int4Part, Int4Weight
+        g = QGEMM_GROUP
+        if K % g:
+            raise ValueError(f"int4 group {g} must divide K = {K}")
+        codes = rng.integers(0, 16, (N, K), dtype=np.uint8)
+        scales = rng.uniform(0.5, 1.5, (N, K // g)).astype(np.float32)
+        scales *= 2.0 / (15.0 * np.sqrt(K))
+        zeros = np.full((N, K // g), 8.0, np.float32)
+        obj = _Repacked(Int4Weight([Int4Part.from_codes(codes, scales, zeros, g)], K).marlin())
+        del codes
+    elif fmt == "fp8":
+        from engine.quant_fp8 import Fp8Weight
+        bn, bk = FP8_BLOCK
+        if N % bn:
+            raise ValueError(f"FP8 block rows {bn} must divide N = {N}")
+        codes = rng.integers(0, 254, (N, K), dtype=np.uint8)
+        codes += codes >= 0x7F            # 0..253 -> 0..0x7e, 0x80..0xfe: no NaN codes
+        scales = rng.uniform(0.5, 1.5, (N // bn, -(-K // bk))).astype(np.float32)
+        scales *= 1e-3
+        obj = Fp8Weight(codes, scales, FP8_BLOCK)
+    else:
+        raise ValueError(f"unknown quantized format {fmt!r}")
+    _HOST_QUANT[key] = obj
+    return obj
+
+
+def weight_nbytes(w) -> int:
+    """Bytes of a placed weight (what a GEMM must read): CuPy array, ggml blocks, Marlin or FP8."""
+    if hasattr(w, "quant_parts"):
+        return sum(int(b.nbytes) for _, b in w.quant_parts)
+    if hasattr(w, "qweight"):
+        return sum(int(a.nbytes) for a in (w.qweight, w.scales, w.zeros) if a is not None)
+    if hasattr(w, "codes"):
+        return int(w.codes.nbytes) + int(w.scales.nbytes)
+    return int(w.nbytes)
+
+
+def qgemm_layers(c):
+    wanted = c["qlayers"]
+    layers = [s for s in linear_shapes(c) if s[0] in wanted]
+    unknown = set(wanted) - {s[0] for s in linear_shapes(c)}
+    if unknown:
+        raise ValueError(f"qlayers: unknown {sorted(unknown)}; known: qkv, o, gate_up, down")
+    return layers
+
+
+def cases_qgemm(bench, c):
+    """Per layer shape: place every format (QGEMM_SETS device copies), then per M one case per
+    format, bf16 dense first (the baseline of the speed-ups)."""
+    from pyx.cuda_backend import DeviceFp8Weight, _dtype_code, launch_fp8_dequantize
+
+    b, act, cp = bench.b, bench.b.act_dtype, bench.cp
+    cc = str(b.device.compute_capability)
+    cutlass = cc == "90"
+    if not cutlass:
+        bench.notes.append(f"qgemm fp8-cutlass skipped: the device is sm_{cc}; the CUTLASS FP8 "
+                           "block GEMM is built for sm_90a only")
+    for name, N, K in qgemm_layers(c):
+        t0 = time.time()
+        hosts = {}
+        for f in ("q4k", "q8_0", "marlin", "fp8"):
+            try:
+                hosts[f] = host_quant(f, N, K)
+            except Exception as e:      # one format failing does not end the others
+                bench.notes.append(f"qgemm {f} {name}: host weights failed: "
+                                   f"{type(e).__name__}: {e}")
+        host_s = time.time() - t0
+        weights = {"bf16": [bench.rand((N, K), act, 1.0 / np.sqrt(K)) for _ in range(QGEMM_SETS)]}
+        saved_flag = b.fp8_cutlass
+        for f in ("q4k", "q8_0", "marlin", "fp8-cutlass"):
+            src = hosts.get("fp8" if f == "fp8-cutlass" else f)
+            if src is None or (f == "fp8-cutlass" and not cutlass):
+                continue
+            b.fp8_cutlass = f == "fp8-cutlass"
+            try:
+                with bench.stream:
+                    placed = [b.place_weight(src) for _ in range(QGEMM_SETS)]
+            except Exception as e:
+                bench.notes.append(f"qgemm {f} {name}: place_weight failed: "
+                                   f"{type(e).__name__}: {e}")
+                continue
+            finally:
+                b.fp8_cutlass = saved_flag
+            if f == "fp8-cutlass" and not all(isinstance(w, DeviceFp8Weight) for w in placed):
+                bench.notes.append(f"qgemm fp8-cutlass {name}: place_weight dequantized the codes "
+                                   f"(activations {act.name}; the CUTLASS GEMM needs bf16)")
+                continue
+            weights[f] = placed
+        placed = None
+        print(f"qgemm {name} N={N} K={K}: host weights {host_s:.1f} s (cached per shape)",
+              flush=True)
+        wbytes = {f: weight_nbytes(ws[0]) for f, ws in weights.items()}
+
+        # The default FP8 path's one-time cost: codes + scales -> the activation dtype at load
+        # (the GEMMs after it are the bf16 rows).
+        if "fp8" in hosts:
+            fp8 = hosts["fp8"]
+            codes, scales = bench.dev(fp8.weight), bench.dev(fp8.scale)
+            with bench.stream:
+                deq = cp.empty((N, K), dtype=act)
+            code = _dtype_code(act)
+            moved = int(codes.nbytes) + int(scales.nbytes) + N * K * esize(act)
+            yield Case("qgemm", f"{name} N={N} K={K}", "fp8-dequant", moved, 0,
+                       [lambda: launch_fp8_dequantize(codes.data.ptr, scales.data.ptr,
+                                                      deq.data.ptr, N, K, FP8_BLOCK[0],
+                                                      FP8_BLOCK[1], code, b.stream.ptr)],
+                       stream=b.stream, extra=dict(layer=name, M=None, N=N, K=K,
+                                                   format="fp8-dequant (load, once)",
+                                                   weight_bytes=moved))
+            del codes, scales, deq
+
+        for M in c["QM"]:
+            xs, outs = [], []
+            for _ in range(QGEMM_SETS):
+                xs.append(bench.rand((M, K), act))
+                with bench.stream:
+                    outs.append(cp.empty((M, N), dtype=act))
+            for f, ws in weights.items():
+                sets = [lambda x=xs[i], w=ws[i], out=outs[i]: b.linear(x, w, None, out)
+                        for i in range(QGEMM_SETS)]
+                yield Case("qgemm", f"{name} M={M} N={N} K={K}", f, wbytes[f], 2 * M * N * K,
+                           sets, stream=b.stream, baseline=f == "bf16", compare=f != "bf16",
+                           extra=dict(layer=name, M=M, N=N, K=K, format=f,
+                                      weight_bytes=wbytes[f]))
+            del xs, outs, sets
+        del weights
+        bench.free()
+
+
 def cases_sampling(bench, c, op):
     b, cp = bench.b, bench.cp
     V = c["V"]
@@ -430,6 +617,7 @@ def all_cases(bench, c, ops):
         "argmax": lambda: cases_sampling(bench, c, "argmax"),
         "gumbel_sample": lambda: cases_sampling(bench, c, "gumbel_sample"),
         "filter_logits": lambda: cases_sampling(bench, c, "filter_logits"),
+        "qgemm": lambda: cases_qgemm(bench, c),
     }
     for op in ops:
         yield op, gens[op]
@@ -453,6 +641,8 @@ def parse_shapes(items) -> dict:
                 raise SystemExit(f"--shape {item!r}: prefill takes NxL items")
         elif key in LIST_KEYS:
             out[key] = [int(v) for v in value.split(",")]
+        elif key == "qlayers":
+            out[key] = [v for v in value.split(",") if v]
         elif key in DEFAULT:
             out[key] = int(value)
         else:
@@ -469,8 +659,9 @@ def build_parser():
     ap.add_argument("ops", nargs="*", metavar="op",
                     help=f"ops to run (default all): {', '.join(OPS)}")
     ap.add_argument("--shape", action="append", metavar="k=v",
-                    help="override a dimension: T, B, ctx, M, SB take lists (T=1,64); "
-                         "prefill=1x4096,8x512; H, Hq, Hkv, D, I, V, BS one value")
+                    help="override a dimension: T, B, ctx, M, SB, QM (qgemm's M) take lists "
+                         "(T=1,64); prefill=1x4096,8x512; qlayers=gate_up,down (qgemm's "
+                         "projections); H, Hq, Hkv, D, I, V, BS one value")
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "f16", "f32"],
                     help="activation dtype (default bf16)")
     ap.add_argument("--quick", action="store_true", help="a small subset, well under a minute")
@@ -510,6 +701,29 @@ def git_commit() -> str:
 
 def fmt(v, spec):
     return "-" if v is None else format(v, spec)
+
+
+def print_qgemm_table(rows, gemm):
+    """The quantized-GEMM rows: per layer, M and format."""
+    head = ("layer", "M", "N", "K", "format", "us", "TFLOP/s", "%GEMM", "%FP8pk", "wGB/s", "%BW",
+            "x bf16")
+    body = []
+    for r in rows:
+        if r.get("error") is not None:
+            body.append((r.get("layer", r["shape"]), r.get("M") or "-", r.get("N", ""),
+                         r.get("K", ""), r.get("format", r["variant"]), "ERROR", "", "", "", "",
+                         "", ""))
+            continue
+        fp8 = r.get("format") == "fp8-cutlass" and r["tflops"] is not None
+        body.append((r["layer"], "-" if r["M"] is None else r["M"], r["N"], r["K"], r["format"],
+                     fmt(r["time_us"], ".1f"), fmt(r["tflops"], ".1f"), fmt(r["pct_gemm"], ".0f"),
+                     fmt(100.0 * r["tflops"] / (2 * gemm) if fp8 else None, ".0f"),
+                     fmt(r["gbps"], ".0f"), fmt(r["pct_bw"], ".0f"),
+                     fmt(r.get("speedup_vs_bf16"), ".2f")))
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *body)]
+    for line in [head] + body:
+        print("  ".join(str(x).ljust(w) if i in (0, 4) else str(x).rjust(w)
+                        for i, (x, w) in enumerate(zip(line, widths))))
 
 
 def print_table(rows):
@@ -565,6 +779,7 @@ def main(argv=None) -> int:
     print(f"peak cuBLAS bf16 GEMM {GEMM_PEAK_N}^3: {gemm:.1f} TFLOP/s", flush=True)
 
     rows = []
+    baselines = {}      # (op, shape) -> the baseline variant's time (qgemm: bf16 dense)
     for op, gen in all_cases(bench, c, ops):
         cases = gen()
         while True:
@@ -579,7 +794,7 @@ def main(argv=None) -> int:
                 break
             row = dict(op=case.op, shape=case.shape, variant=case.variant, bytes=case.nbytes,
                        flops=case.flops, time_us=None, gbps=None, pct_bw=None, tflops=None,
-                       pct_gemm=None, error=None)
+                       pct_gemm=None, error=None, **case.extra)
             try:
                 us = bench.time_us(case)
             except Exception as e:
@@ -597,21 +812,37 @@ def main(argv=None) -> int:
             if case.flops:
                 row["tflops"] = case.flops / us / 1e6
                 row["pct_gemm"] = 100.0 * row["tflops"] / gemm
+            if case.baseline:
+                baselines[(case.op, case.shape)] = us
+            elif case.compare and (case.op, case.shape) in baselines:
+                row["speedup_vs_bf16"] = baselines[(case.op, case.shape)] / us
             rows.append(row)
             print(f"{case.op:<18} {case.shape:<40} {case.variant:<12} {us:10.1f} us "
                   f"{row['gbps']:7.0f} GB/s ({row['pct_bw']:3.0f}% BW)"
                   + (f" {row['tflops']:6.1f} TFLOP/s ({row['pct_gemm']:3.0f}% GEMM)"
-                     if case.flops else ""), flush=True)
+                     if case.flops else "")
+                  + (f" {row['speedup_vs_bf16']:5.2f}x bf16" if "speedup_vs_bf16" in row
+                     else ""), flush=True)
         bench.free()
 
     print(f"\n== {name}, {date}: peak copy {bw:.0f} GB/s, cuBLAS bf16 GEMM {gemm:.1f} TFLOP/s "
           f"({time.time() - t0:.0f} s)")
-    print_table(rows)
+    if any(r["op"] != "qgemm" for r in rows):
+        print_table([r for r in rows if r["op"] != "qgemm"])
+    qrows = [r for r in rows if r["op"] == "qgemm"]
+    if qrows:
+        print("\n== quantized GEMMs: wGB/s = weight bytes read / time (%BW of the copy peak); "
+              "x bf16 = speed-up over bf16 dense at the same shape; %FP8pk against 2x the bf16 "
+              "cuBLAS peak (an estimate of FP8 dense)")
+        print_qgemm_table(qrows, gemm)
+    for note in bench.notes:
+        print(f"note: {note}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(device=name, date=date, commit=git_commit(), dtype=args.dtype,
                            runs=args.runs, warmup=args.warmup, input_sets=N_SETS,
-                           peak_copy_gbps=bw, peak_gemm_tflops=gemm, shapes=c, rows=rows),
+                           peak_copy_gbps=bw, peak_gemm_tflops=gemm, shapes=c, rows=rows,
+                           notes=bench.notes),
                       f, indent=1, default=str)
     return 1 if any(r.get("error") for r in rows) else 0
 

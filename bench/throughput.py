@@ -1,6 +1,7 @@
 """Offline throughput: Taper's CPU engine vs llama.cpp on the same random Qwen2.5-0.5B weights.
 
-    python -m bench.throughput --backend cuda [--batch 1 16 64] [--disable-cuda-graph]
+    python -m bench.throughput --backend cuda [--quant bf16 fp8 int4] [--batch 1 16 64]
+        [--disable-cuda-graph]
     python -m bench.throughput [--dtype f32 bf16] [--quant q8_0 q4_k_m isq-q4k ...]
         [--llama | --no-llama] [--prompt-len 128] [--gen-len 64] [--batch 1 16] [--reps N]
         [--wait-quiet S] [--llama-threads N ...] [--linear-probe] [--json out.json]
@@ -506,8 +507,10 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtype", nargs="+", default=None, choices=["f32", "bf16"],
                     help="float checkpoints to run (default: f32 bf16, or none with --quant)")
-    ap.add_argument("--quant", nargs="+", default=[], choices=list(QUANT_MODES),
-                    help="quantized formats to run (module docstring)")
+    ap.add_argument("--quant", nargs="+", default=[],
+                    choices=list(QUANT_MODES) + ["bf16", "fp8", "int4"],
+                    help="quantized formats to run (module docstring); with --backend cuda: "
+                         "bf16 (default), fp8, int4 (bench/gpu_throughput.py)")
     ap.add_argument("--isq-from", default="bf16", choices=["f32", "bf16"],
                     help="the safetensors checkpoint isq-* quantizes (default bf16)")
     ap.add_argument("--batch", nargs="+", type=int, default=None,
@@ -536,12 +539,20 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.backend == "cuda":
         from bench import gpu_throughput
-        rows = gpu_throughput.run(args.batch or (1, 16, 64), args.prompt_len, args.gen_len,
-                                  cuda_graph=not args.disable_cuda_graph)
+        quants = args.quant or ["bf16"]
+        if any(q not in gpu_throughput.QUANTS for q in quants):
+            ap.error(f"--backend cuda runs --quant {' '.join(gpu_throughput.QUANTS)}")
+        rows = []
+        for q in quants:
+            rows += gpu_throughput.run(args.batch or (1, 16, 64), args.prompt_len,
+                                       args.gen_len, cuda_graph=not args.disable_cuda_graph,
+                                       quant=q)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(rows, f, indent=1)
         return
+    if any(q not in QUANT_MODES for q in args.quant):
+        ap.error(f"the CPU backend runs --quant {' '.join(QUANT_MODES)}")
     if args.llama is None:
         args.llama = importlib.util.find_spec("llama_cpp") is not None
     if args.dtype is None:

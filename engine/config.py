@@ -24,7 +24,7 @@ class EngineConfig:
     prefix_cache_max_tokens: int | None = None  # most tokens the prefix cache keeps hashed
     max_model_len: int | None = None     # default: the model's max_position_embeddings
     yarn_scaling_factor: float | None = None
-    isq: str | None = None               # quantize projections at load: q4_0 ... q6k
+    isq: str | None = None               # quantize projections at load: q4_0 ... q6k, marlin
     tokenizer: str | None = None         # default: the model directory
     seed: int = 0                        # seeds per-request seeds when a request gives none
 
@@ -49,7 +49,7 @@ class EngineConfig:
         if self.prefix_cache_max_tokens is not None and self.prefix_cache_max_tokens < 0:
             raise ValueError("prefix_cache_max_tokens must be >= 0")
         if self.isq is not None:
-            from engine.loader.isq import isq_type
-            isq_type(self.isq)
+            from engine.loader.isq import check_isq
+            check_isq(self.isq)
         if self.prefill_chunk_size < 0:
             raise ValueError("prefill_chunk_size must be >= 0 (0 = off)")

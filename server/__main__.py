@@ -68,7 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="weight/activation dtype (default: the checkpoint's)")
     m.add_argument("--isq", metavar="TYPE",
                    help="quantize the projection weights when loading: q4_0 q4_1 q5_0 q5_1 q8_0 "
-                        "q2k q3k q4k q5k q6k")
+                        "q2k q3k q4k q5k q6k (ggml blocks), or marlin (int4 W4A16, "
+                        "groups of 128; Marlin kernels on the GPU)")
     m.add_argument("--max-model-len", type=int, metavar="N", default=None,
                    help="context length (default: the model's)")
     m.add_argument("--yarn-scaling-factor", type=float, metavar="F", default=None,

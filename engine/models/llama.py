@@ -132,7 +132,7 @@ class LlamaForCausalLM:
                 return self.backend.place_weight(xp.concatenate(parts, axis=0))
         # packed weights (ggml blocks, int4, fp8) of one kind stack along N themselves
         if all(type(p) is type(parts[0]) and hasattr(p, "concat") for p in parts):
-            return type(parts[0]).concat(parts)
+            return self.backend.place_weight(type(parts[0]).concat(parts))
         raise ValueError(f"cannot fuse {[type(p).__name__ for p in parts]}: {names}")
 
     @property
