@@ -12,8 +12,9 @@ through cuBLAS (the libcublas CuPy loads, on a handle of our own, so no extra li
 All work is queued on one stream, `backend.stream`, with no synchronization inside an op, so a
 decode step can be captured in a CUDA Graph. Tuned kernels stay behind switches until a GPU
 run has verified them: TAPER_CUDA_SPLIT_K=1 (split-K decode attention),
-TAPER_CUDA_MMA_PREFILL=1 (tensor-core prefill attention) and TAPER_CUDA_FP8_CUTLASS=1 (FP8
-block-wise weights through CUTLASS on sm_90a instead of dequantized once to bf16).
+TAPER_CUDA_MMA_PREFILL=1 (tensor-core prefill attention), TAPER_CUDA_MARLIN_PIPELINE=1 (the
+pipelined Marlin W4A16 GEMM) and TAPER_CUDA_FP8_CUTLASS=1 (FP8 block-wise weights through
+CUTLASS on sm_90a instead of dequantized once to bf16).
 """
 import os
 
@@ -152,7 +153,7 @@ cdef class CudaBackend(Backend):
     cdef int _act_code
     cdef object _cupy, _workspace, _panel, _retired, _cublas_workspace
     cdef void* _blas_handle
-    cdef public bint split_k, mma_prefill, fp8_cutlass
+    cdef public bint split_k, mma_prefill, fp8_cutlass, marlin_pipeline
     cdef public int64_t max_context  # decode split-K sizes its partitions for this many keys
 
     def __init__(self, dtype="bf16", device=0):
@@ -200,6 +201,7 @@ cdef class CudaBackend(Backend):
         self.split_k = _env_on("TAPER_CUDA_SPLIT_K")
         self.mma_prefill = _env_on("TAPER_CUDA_MMA_PREFILL")
         self.fp8_cutlass = _env_on("TAPER_CUDA_FP8_CUTLASS")
+        self.marlin_pipeline = _env_on("TAPER_CUDA_MARLIN_PIPELINE")
         self.max_context = 0
 
     def __dealloc__(self):
@@ -412,8 +414,9 @@ cdef class CudaBackend(Backend):
         _check_cublas(st, "linear (cublasGemmEx)", dict(T=T, N=N, K=K, a_type=ab, c_type=ct))
 
     def _marlin_linear(self, x, weight, bias, out):
-        """W4A16 through the Marlin-layout GEMM (variant 0, the simple kernel: the pipelined one
-        is not written yet)."""
+        """W4A16 through the Marlin-layout GEMM: the simple kernel by default, the pipelined one
+        with a global reduce for small M under TAPER_CUDA_MARLIN_PIPELINE=1 (falling back to
+        the simple one for shapes it lacks)."""
         op = "linear"
         arrays = {"x": x, "out": out, "bias": bias}
         self._check(op, arrays, "x", (self.act_dtype,), 2)
@@ -432,11 +435,20 @@ cdef class CudaBackend(Backend):
             self._marlin_linear(x, weight, bias, tmp)
             self._cupy.copyto(out, tmp)
             return
-        ws = taper_cuda_marlin_workspace_bytes(T, N, K, 0)
-        launch_marlin_gemm(self._ptr(x), weight.qweight.data.ptr, weight.scales.data.ptr,
-                           self._opt_ptr(weight.zeros), self._ptr(out), T, N, K,
-                           weight.group_size, self._act_code, 0, self._workspace_ptr(ws), ws,
-                           self._sptr())
+        args = (self._ptr(x), weight.qweight.data.ptr, weight.scales.data.ptr,
+                self._opt_ptr(weight.zeros), self._ptr(out), T, N, K, weight.group_size,
+                self._act_code)
+        if self.marlin_pipeline:
+            ws = taper_cuda_marlin_workspace_bytes(T, N, K, 1)
+            try:
+                launch_marlin_gemm(*args, 1, self._workspace_ptr(ws), ws, self._sptr())
+            except CudaError as e:  # shapes the pipelined kernel lacks: the simple one runs
+                if "status -1" not in str(e):
+                    raise
+            else:
+                args = None
+        if args is not None:
+            launch_marlin_gemm(*args, 0, 0, 0, self._sptr())
         if bias is not None:
             launch_add_bias(self._ptr(out), self._ptr(bias), T, N, self._act_code, self._sptr())
 
