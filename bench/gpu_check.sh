@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One command for a GPU machine (issue 4, item 9), from the repository root:
 #
-#     bash bench/gpu_check.sh
+#     bash bench/gpu_check.sh                  # issue 4's suite
+#     GPU_SUITE=quant bash bench/gpu_check.sh  # issue 6's quantized formats
 #
 # The GPU machine has no network and no nvidia-cutlass, whose headers the build needs; carry the
 # wheel (pure Python, any version of Python) in the ignored folder .whl:
@@ -101,13 +102,30 @@ raise SystemExit(0 if n > 0 else 3)
 "
 }
 
-gpu_tests() {  # two processes: a CUDA context broken by one file cannot fail the other
-    "$PY" -m pytest -v -rfEs -p no:cacheprovider $TIMEOUT_PLUGIN tests/gpu/test_cuda_ops.py
-    local a=$?
-    "$PY" -m pytest -v -rfEs -p no:cacheprovider $TIMEOUT_PLUGIN tests/gpu/test_cuda_model.py
-    local b=$?
-    return $((a != 0 ? a : b))
+gpu_tests() {  # one process per file: a CUDA context broken by one cannot fail the others
+    local rc=0 f
+    for f in $GPU_TEST_FILES; do
+        "$PY" -m pytest -v -rfEs -p no:cacheprovider $TIMEOUT_PLUGIN "tests/gpu/$f" || rc=$?
+    done
+    return $rc
 }
+
+# The suite: "core" (default; issue 4: the float ops and models, every kernel benchmark but the
+# quantized GEMMs, bf16 throughput) or "quant" (issue 6: the quantized formats, their GEMM
+# benchmark, FP8 and int4 throughput). Each fits one 10-minute device call.
+SUITE="${GPU_SUITE:-core}"
+if [ "$SUITE" = quant ]; then
+    GPU_TEST_FILES="test_cuda_gguf.py test_cuda_marlin.py test_cuda_fp8.py test_cuda_quant_gemm.py test_cuda_quant_model.py"
+    KERNEL_OPS="qgemm"
+    THROUGHPUT_ARGS="--quant fp8 int4"
+else
+    GPU_TEST_FILES="test_cuda_ops.py test_cuda_model.py"
+    KERNEL_OPS="embedding rms_norm fused_add_rms_norm rotary_embedding silu_and_mul"
+    KERNEL_OPS="$KERNEL_OPS reshape_and_cache decode_attention prefill_attention linear argmax"
+    KERNEL_OPS="$KERNEL_OPS gumbel_sample filter_logits"
+    THROUGHPUT_ARGS=""
+fi
+export GPU_TEST_FILES
 
 if compgen -G ".whl/*.whl" > /dev/null; then
     export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
@@ -137,7 +155,7 @@ if ((SETUP_RC == 0)); then
     QUICK=""
     if ((END - SECONDS < 150)); then QUICK="--quick"; fi
     # shellcheck disable=SC2086
-    run_step kernels 150 40 "$PY" -m bench.kernels $QUICK --json "$OUT/kernels.json"
+    run_step kernels 150 40 "$PY" -m bench.kernels $KERNEL_OPS $QUICK --json "$OUT/kernels.json"
 else
     skip_step kernels "setup failed (no CUDA build or no device)"
 fi
@@ -158,7 +176,8 @@ fi
 
 : > "$OUT/throughput.log"
 if ((SETUP_RC == 0)); then
-    run_step throughput 150 60 "$PY" -m bench.throughput --backend cuda \
+    # shellcheck disable=SC2086
+    run_step throughput 150 60 "$PY" -m bench.throughput --backend cuda $THROUGHPUT_ARGS \
         --json "$OUT/throughput.json"
 else
     skip_step throughput "setup failed (no CUDA build or no device)"
