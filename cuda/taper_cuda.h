@@ -231,8 +231,13 @@ int taper_cuda_marlin_repack(const uint8_t* qs,      // (N, K/2) packed codes
 
 /* out = x @ W.T, float accumulation, dtype BF16 or F16 (F32 is TAPER_CUDA_ERR_ARG). The B
  * operand is W dequantized to dtype element by element (round(scale * (code - zero))).
- * variant 0: the simple kernel (reference, the default). variant 1 (multi-stage cp.async
- * pipeline) is not written yet and returns TAPER_CUDA_ERR_ARG. */
+ * variant 0: the simple kernel (reference, the default). variant 1 (behind a switch until a GPU
+ * run verifies it): multi-stage cp.async pipeline, magic-number dequantization in registers with
+ * the scale rounded to dtype first (B may differ from variant 0's by one rounding), split K with
+ * a global reduce for M <= 16; needs K and G multiples of 64 and x, scales, zeros 16-byte
+ * aligned, else TAPER_CUDA_ERR_ARG (fall back to variant 0). Its workspace (counters, then
+ * float partial tiles) is workspace_bytes(M, N, K, 1), 0 when it does not split; the counters
+ * are zeroed on the stream by each call, so the workspace may be shared and hold garbage. */
 int64_t taper_cuda_marlin_workspace_bytes(int64_t M, int64_t N, int64_t K, int variant);
 int taper_cuda_marlin_gemm(const void* x,            // (M, K) dtype
                            const uint32_t* qweight,  // (K/16, Np*2) Marlin tiles

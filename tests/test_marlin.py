@@ -381,3 +381,192 @@ def test_marlin_checkpoint_errors():
            "l.marlin_shape": np.array([64, 64, 64])}
     with pytest.raises(ValueError, match="marlin_qweight is"):
         convert_marlin(bad, {"quant_method": "marlin"})
+
+
+# ---- cuda/marlin.cu variant 1, emulated: tile mapping, shared-memory ring, magic-number
+# dequantization and the global-reduce order
+
+V1_CONFIGS = [(1, 4, 1), (4, 2, 2), (8, 2, 4)]   # (MB, NB, WM): 16x256, 64x128, 128x128 tiles
+V1_STAGES = 4
+
+
+def v1_plan(M, N, K, sms):
+    """v1_plan of cuda/marlin.cu: (config, grid x, grid y, k-slices S, workspace bytes)."""
+    cfg = 0 if M <= 16 else 1 if M <= 64 else 2
+    mb, nb, _ = V1_CONFIGS[cfg]
+    gx, gy = -(-(-(-N // 64)) // nb), -(-M // (16 * mb))
+    s = max(1, min(-(-sms // (gx * gy)), K // 64 // 4, 16)) if cfg == 0 else 1
+    ws = 0 if s == 1 else -(-gx * gy * 4 // 256) * 256 + gx * gy * s * mb * 16 * nb * 64 * 4
+    return cfg, gx, gy, s, ws
+
+
+def _bf16_round(f):
+    b = np.asarray(f, np.float32).view(np.uint32).astype(np.uint64)
+    b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
+    return b.astype(np.uint32).view(np.float32)
+
+
+def _round16(v, dtype):
+    return (np.asarray(v, np.float32).astype(np.float16).astype(np.float32) if dtype == "f16"
+            else _bf16_round(v))
+
+
+def v1_b_reg(word, p, s, z, dtype):
+    """Dequant<T>::b_reg for 32 lanes: word (32,) uint32, scale and zero (32,) float32 ->
+    (32, 2) float32 (the low half, the lower k, first)."""
+    u = (word >> np.uint32(4 * p)) & np.uint32(0x000F000F)
+    halves = np.stack([u & np.uint32(0xFFFF), u >> np.uint32(16)], -1)
+    if dtype == "f16":
+        h = (halves | np.uint32(0x6400)).astype(np.uint16).view(np.float16)   # 1024 + code
+        d = h - np.float16(1024) - z.astype(np.float16)[:, None]               # exact
+        return (d * s.astype(np.float16)[:, None]).astype(np.float32)          # one rounding
+    h = ((halves | np.uint32(0x4300)) << np.uint32(16)).view(np.float32)       # 128 + code
+    d = (h - np.float32(128)) - _bf16_round(z)[:, None]                        # exact
+    return _bf16_round(d * _bf16_round(s)[:, None])
+
+
+def emulate_device_gemm_v1(x, m: MarlinWeight, dtype, sms=132, arrival_seed=0):
+    """Variant 1 block by block (blocks of a tile arrive in a random order): the ring of
+    V1_STAGES shared-memory stages indexed as the kernel does, B registers checked against the
+    layout, partial tiles in the workspace at the kernel's offsets, the last block's sum in
+    slice order in float32. Returns (out, the dtype-rounded weight, counters, S)."""
+    from engine.marlin import canonical
+    M, K = x.shape
+    N, np_, G = m.n, m.n_padded, m.group_size
+    cfg, gx, gy, S, ws = v1_plan(M, N, K, sms)
+    MB, NB, WM = V1_CONFIGS[cfg]
+    MW, THREADS, TF = MB // WM, 32 * WM * NB, MB * 16 * NB * 64
+    ntiles, KTt = np_ // 64, K // 64
+    codes, scales, zeros = canonical(m)
+    zfull = np.full(scales.shape, 8.0, np.float32) if zeros is None else zeros.astype(np.float32)
+    s16 = _round16(np.repeat(scales, G, 1), dtype)  # what the kernel multiplies by
+    w_eff = _round16(s16 * (codes.astype(np.float32) - np.repeat(zfull, G, 1)), dtype)
+    qw4 = m.qweight.reshape(-1, 4)
+    sc = m.scales.reshape(-1)
+    zf = None if m.zeros is None else m.zeros.reshape(-1)
+    counters = np.zeros(gx * gy, np.int64)
+    partials = np.full(gx * gy * S * TF, np.nan, np.float32)
+    touched = np.zeros(partials.shape, bool)
+    out = np.full((M, N), np.nan)
+    lane = np.arange(32)
+    c, t = lane >> 2, lane & 3
+    blocks = [(bx, by, z) for by in range(gy) for bx in range(gx) for z in range(S)]
+    np.random.default_rng(arrival_seed).shuffle(blocks)
+    for bx, by, z in blocks:
+        nt0, m0 = bx * NB, by * MB * 16
+        kb, ke = KTt * z // S, KTt * (z + 1) // S
+        nk = ke - kb
+        assert nk >= 1
+        ring = [None] * V1_STAGES
+
+        def load(st, kt):
+            sA = np.full((MB * 16, 72), np.nan)
+            for r in range(MB * 16):
+                sA[r, :64] = x[m0 + r, kt * 64:kt * 64 + 64] if m0 + r < M else 0.0
+            sB = np.zeros((4 * NB * 32, 4), np.uint32)
+            for i in range(4 * NB * 32):
+                ks, rem = divmod(i, NB * 32)
+                if nt0 + rem // 32 < ntiles:
+                    sB[i] = qw4[((kt * 4 + ks) * ntiles + nt0) * 32 + rem]
+            gofs = (kt * 64 // G) * np_ + nt0 * 64
+            sS = np.full(NB * 64, np.nan, np.float32)
+            sZ = np.full(NB * 64, 255, np.uint8)
+            for i in range(NB * 16):
+                if nt0 + i // 16 < ntiles:
+                    sS[4 * i:4 * i + 4] = sc[gofs + 4 * i:gofs + 4 * i + 4]
+            if zf is not None:
+                for i in range(NB * 4):
+                    if nt0 + i // 4 < ntiles:
+                        sZ[16 * i:16 * i + 16] = zf[gofs + 16 * i:gofs + 16 * i + 16]
+            ring[st] = (sA, sB, sS, sZ, kt)
+
+        acc = np.zeros((WM * NB, MW, 8, 4, 32))
+        for st in range(V1_STAGES - 1):
+            if st < nk:
+                load(st, kb + st)
+        for i in range(nk):
+            if i + V1_STAGES - 1 < nk:
+                load((i + V1_STAGES - 1) % V1_STAGES, kb + i + V1_STAGES - 1)
+            sA, sB, sS, sZ, kt = ring[i % V1_STAGES]
+            assert kt == kb + i  # the ring hands iteration i its own k-tile
+            for warp in range(WM * NB):
+                wn, wm = warp % NB, warp // NB
+                if nt0 + wn >= ntiles:
+                    continue
+                at = wn * 64 + 8 * c[:, None] + np.arange(8)
+                s = sS[at]
+                zz = np.full((32, 8), 8.0, np.float32) if zf is None else sZ[at].astype(np.float32)
+                for ks in range(4):
+                    q = sB[(ks * NB + wn) * 32 + lane]
+                    breg = np.zeros((8, 2, 32, 2))
+                    for blk in range(8):
+                        j, b = divmod(blk, 2)
+                        n_idx = (nt0 + wn) * 64 + blk * 8 + c
+                        live = n_idx < N
+                        for h in range(2):
+                            breg[blk, h] = v1_b_reg(q[:, j], 2 * b + h, s[:, blk], zz[:, blk],
+                                                    dtype)
+                            for e in range(2):
+                                kk = kt * 64 + ks * 16 + 2 * t + 8 * h + e
+                                np.testing.assert_array_equal(
+                                    breg[blk, h, live, e].astype(np.float32),
+                                    w_eff[n_idx[live], kk[live]])
+                    for mi in range(MW):
+                        r = (wm * MW + mi) * 16 + c
+                        kc = ks * 16 + 2 * t
+                        a = np.stack([np.stack([sA[rr, kk], sA[rr, kk + 1]], -1) for rr, kk in
+                                      ((r, kc), (r + 8, kc), (r, kc + 8), (r + 8, kc + 8))])
+                        for blk in range(8):
+                            acc[warp, mi, blk] += mma_16816(a, breg[blk])
+        acc = acc.astype(np.float32)  # the kernel's f32 accumulators
+        if S > 1:
+            tile = by * gx + bx
+            base = tile * S * TF
+            idx = (base + z * TF + ((np.arange(MW)[:, None, None] * 8 + np.arange(8)[:, None])
+                                    * 4 + np.arange(4))[None, ..., None] * THREADS
+                   + (np.arange(WM * NB)[:, None, None, None, None] * 32 + lane))
+            assert not touched[idx].any()
+            partials[idx], touched[idx] = acc, True
+            counters[tile] += 1
+            if counters[tile] != S:
+                continue
+            counters[tile] = 0
+            total = np.zeros_like(acc)
+            for sl in range(S):
+                total += acc if sl == z else partials[base + sl * TF + (idx - base - z * TF)]
+            acc = total
+        for warp in range(WM * NB):
+            wn, wm = warp % NB, warp // NB
+            if nt0 + wn >= ntiles:
+                continue
+            for mi in range(MW):
+                r0 = m0 + (wm * MW + mi) * 16 + c
+                for blk in range(8):
+                    col = (nt0 + wn) * 64 + blk * 8 + 2 * t
+                    for e in range(2):
+                        for rows, reg in ((r0, e), (r0 + 8, 2 + e)):
+                            sel = (rows < M) & (col + e < N)
+                            assert np.isnan(out[rows[sel], col[sel] + e]).all()  # written once
+                            out[rows[sel], col[sel] + e] = acc[warp, mi, blk, reg, sel]
+    assert ws == (0 if S == 1 else -(-gx * gy * 4 // 256) * 256 + partials.size * 4)
+    return out, w_eff, counters, S
+
+
+@pytest.mark.parametrize("case,M,n,k,dtype,S", [
+    ("awq-g128", 5, 136, 1024, "f16", 4),            # 16 x 256, a missing 4th n-tile, split K
+    ("ct-sym-channel", 1, 200, 512, "bf16", 2),      # per channel, zeros None
+    ("gptq-v1-asym-g64", 16, 64, 256, "bf16", 1),    # zero 16; 4 k-tiles: no split
+    ("ct-asym-group", 40, 136, 256, "f16", 1),       # 64 x 128, second block half missing
+    ("gptq-sym-g128", 70, 72, 128, "bf16", 1),       # 128 x 128
+])
+def test_device_gemm_v1_emulation(case, M, n, k, dtype, S):
+    w = CASES[case](n, k, 13)
+    m = repack_int4(w)
+    x = _round16(np.random.default_rng(3).standard_normal((M, k)), dtype).astype(np.float64)
+    got, w_eff, counters, s = emulate_device_gemm_v1(x, m, dtype)
+    assert s == S and not counters.any()  # the last blocks left the counters at zero
+    ref = x @ w_eff.astype(np.float64).T
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+    if S > 1:  # whichever block of a tile comes last, the sum is bit for bit the same
+        again, _, _, _ = emulate_device_gemm_v1(x, m, dtype, arrival_seed=7)
+        np.testing.assert_array_equal(got, again)
