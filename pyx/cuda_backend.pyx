@@ -367,11 +367,11 @@ cdef class CudaBackend(Backend):
         op, act = "linear", (self.act_dtype,)
         arrays = {"x": x, "weight": weight, "bias": bias, "out": out}
         if hasattr(weight, "quant_parts"):
-            return self._quant_linear(x, weight, bias, out)
+            return self._packed_linear(x, weight, bias, out, self._ggml_compute)
         if isinstance(weight, DeviceMarlinWeight):
-            return self._marlin_linear(x, weight, bias, out)
+            return self._packed_linear(x, weight, bias, out, self._marlin_compute)
         if isinstance(weight, DeviceFp8Weight):
-            return self._fp8_linear(x, weight, bias, out)
+            return self._packed_linear(x, weight, bias, out, self._fp8_compute)
         if not isinstance(weight, self._cupy.ndarray):
             _fail(op, f"{type(weight).__name__} weights are not yet supported on the CUDA backend",
                   arrays)
@@ -413,119 +413,38 @@ cdef class CudaBackend(Backend):
                                CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT)
         _check_cublas(st, "linear (cublasGemmEx)", dict(T=T, N=N, K=K, a_type=ab, c_type=ct))
 
-    def _marlin_linear(self, x, weight, bias, out):
-        """W4A16 through the Marlin-layout GEMM: the simple kernel by default, the pipelined one
-        with a global reduce for small M under TAPER_CUDA_MARLIN_PIPELINE=1 (falling back to
-        the simple one for shapes it lacks)."""
+    def _packed_linear(self, x, weight, bias, out, compute):
+        """linear for packed weights (ggml blocks, Marlin int4, FP8 codes): the checks, then
+        compute(x, weight, target) runs the format's kernels into an activation-dtype target
+        (float32 logits go through a temporary, since the kernels write the activation dtype),
+        then the bias."""
         op = "linear"
         arrays = {"x": x, "out": out, "bias": bias}
         self._check(op, arrays, "x", (self.act_dtype,), 2)
         self._check(op, arrays, "out", (self.act_dtype, _F32), 2, True)
         T, K, N = x.shape[0], x.shape[1], out.shape[1]
         if weight.shape != (N, K) or out.shape[0] != T:
-            _fail(op, f"int4 weight {weight.shape} does not map x to out", arrays)
+            _fail(op, f"{type(weight).__name__} {weight.shape} does not map x to out", arrays)
         if bias is not None:
             self._check(op, arrays, "bias", (_F32,), 1)
             if bias.shape[0] != N:
                 _fail(op, "bias must be (N,)", arrays)
         if T == 0:
             return
-        if out.dtype != self.act_dtype:    # float32 logits: the kernel writes the act dtype
-            tmp = self._cupy.empty(out.shape, self.act_dtype)
-            self._marlin_linear(x, weight, bias, tmp)
-            self._cupy.copyto(out, tmp)
-            return
-        args = (self._ptr(x), weight.qweight.data.ptr, weight.scales.data.ptr,
-                self._opt_ptr(weight.zeros), self._ptr(out), T, N, K, weight.group_size,
-                self._act_code)
-        if self.marlin_pipeline:
-            ws = taper_cuda_marlin_workspace_bytes(T, N, K, 1)
-            try:
-                launch_marlin_gemm(*args, 1, self._workspace_ptr(ws), ws, self._sptr())
-            except CudaError as e:  # shapes the pipelined kernel lacks: the simple one runs
-                if "status -1" not in str(e):
-                    raise
-            else:
-                args = None
-        if args is not None:
-            launch_marlin_gemm(*args, 0, 0, 0, self._sptr())
+        target = out if out.dtype == self.act_dtype else self._cupy.empty(out.shape,
+                                                                           self.act_dtype)
+        compute(x, weight, target)
         if bias is not None:
-            launch_add_bias(self._ptr(out), self._ptr(bias), T, N, self._act_code, self._sptr())
+            launch_add_bias(self._ptr(target), self._ptr(bias), T, N, self._act_code,
+                            self._sptr())
+        if target is not out:
+            self._cupy.copyto(out, target)
 
-    def _fp8_linear(self, x, weight, bias, out):
-        """Activations quantized per token and group of 128 to e4m3, then the CUTLASS
-        block-scaled GEMM (bf16 out)."""
-        op = "linear"
-        arrays = {"x": x, "out": out, "bias": bias}
-        self._check(op, arrays, "x", (self.act_dtype,), 2)
-        self._check(op, arrays, "out", (self.act_dtype, _F32), 2, True)
-        T, K, N = x.shape[0], x.shape[1], out.shape[1]
-        if weight.shape != (N, K) or out.shape[0] != T:
-            _fail(op, f"fp8 weight {weight.shape} does not map x to out", arrays)
-        if bias is not None:
-            self._check(op, arrays, "bias", (_F32,), 1)
-            if bias.shape[0] != N:
-                _fail(op, "bias must be (N,)", arrays)
-        if T == 0:
-            return
-        if out.dtype != self.act_dtype:
-            tmp = self._cupy.empty(out.shape, self.act_dtype)
-            self._fp8_linear(x, weight, bias, tmp)
-            self._cupy.copyto(out, tmp)
-            return
-        # One workspace: the e4m3 activations, their (T, K/128) scales, then CUTLASS's own
-        # scratch, each part 16-byte aligned.
-        codes_bytes = -(-T * K // 16) * 16
-        scale_bytes = -(-T * (K // 128) * 4 // 16) * 16
-        gemm_ws = fp8_block_gemm_workspace_bytes(T, N, K)
-        base = self._workspace_ptr(codes_bytes + scale_bytes + gemm_ws)
-        q, scales, scratch = base, base + codes_bytes, base + codes_bytes + scale_bytes
-        launch_fp8_quantize_per_token_group(self._ptr(x), q, scales, T, K, 128, self._act_code,
-                                            self._sptr())
-        launch_fp8_block_gemm(q, scales, weight.codes.data.ptr, weight.scales.data.ptr,
-                              self._ptr(out), T, N, K, scratch if gemm_ws else 0, gemm_ws,
-                              self._sptr())
-        if bias is not None:
-            launch_add_bias(self._ptr(out), self._ptr(bias), T, N, self._act_code, self._sptr())
-
-    def _quant_embedding(self, token_ids, table, out):
-        """Rows of a ggml-block table: the token rows' blocks are gathered, then dequantized."""
-        op = "embedding"
-        arrays = {"token_ids": token_ids, "out": out}
-        self._check(op, arrays, "token_ids", (_I32,), 1)
-        self._check(op, arrays, "out", (self.act_dtype,), 2, True)
-        if len(table.quant_parts) != 1:
-            _fail(op, "a quantized embedding table must be one ggml type", arrays)
-        qtype, blocks = table.quant_parts[0]
-        T, H = token_ids.shape[0], table.k
-        if out.shape != (T, H):
-            _fail(op, "out must be (T, H)", arrays)
-        rows = blocks.take(token_ids, axis=0)
-        launch_gguf_dequantize(qtype, rows.data.ptr, self._ptr(out), T, H, self._act_code,
-                               self._sptr())
-
-    def _quant_linear(self, x, weight, bias, out):
+    def _ggml_compute(self, x, weight, out):
         """ggml blocks stacked along N in parts (a fused weight may mix types); each part writes
         its column slice of out. Up to GGUF_MMVQ_MAX_M rows: int8 dot products on the blocks;
         more: panels of weight rows dequantized to the activation dtype, then cuBLAS."""
-        op = "linear"
-        arrays = {"x": x, "out": out, "bias": bias}
-        self._check(op, arrays, "x", (self.act_dtype,), 2)
-        self._check(op, arrays, "out", (self.act_dtype, _F32), 2, True)
-        if out.dtype != self.act_dtype:    # float32 logits: the kernels write the act dtype
-            tmp = self._cupy.empty(out.shape, self.act_dtype)
-            self._quant_linear(x, weight, bias, tmp)
-            self._cupy.copyto(out, tmp)
-            return
-        T, K, N = x.shape[0], x.shape[1], out.shape[1]
-        if weight.shape != (N, K) or out.shape[0] != T:
-            _fail(op, f"quantized weight {weight.shape} does not map x to out", arrays)
-        if bias is not None:
-            self._check(op, arrays, "bias", (_F32,), 1)
-            if bias.shape[0] != N:
-                _fail(op, "bias must be (N,)", arrays)
-        if T == 0:
-            return
+        cdef int64_t T = x.shape[0], K = x.shape[1], N = out.shape[1]
         cdef int64_t item = self.act_dtype.itemsize, col = 0, n, r0, rows, panel_rows
         for qtype, blocks in weight.quant_parts:
             n = blocks.shape[0]
@@ -544,8 +463,56 @@ cdef class CudaBackend(Backend):
                     self._gemm(panel, self._ptr(x), self._ptr(out) + (col + r0) * item, T, rows,
                                K, N, self._act_code)
             col += n
-        if bias is not None:
-            launch_add_bias(self._ptr(out), self._ptr(bias), T, N, self._act_code, self._sptr())
+
+    def _marlin_compute(self, x, weight, out):
+        """W4A16 through the Marlin-layout GEMM: the simple kernel by default, the pipelined one
+        with a global reduce for small M under TAPER_CUDA_MARLIN_PIPELINE=1 (falling back to
+        the simple one for shapes it lacks)."""
+        T, K, N = x.shape[0], x.shape[1], out.shape[1]
+        args = (self._ptr(x), weight.qweight.data.ptr, weight.scales.data.ptr,
+                self._opt_ptr(weight.zeros), self._ptr(out), T, N, K, weight.group_size,
+                self._act_code)
+        if self.marlin_pipeline:
+            ws = taper_cuda_marlin_workspace_bytes(T, N, K, 1)
+            try:
+                launch_marlin_gemm(*args, 1, self._workspace_ptr(ws), ws, self._sptr())
+                return
+            except CudaError as e:  # shapes the pipelined kernel lacks: the simple one runs
+                if "status -1" not in str(e):
+                    raise
+        launch_marlin_gemm(*args, 0, 0, 0, self._sptr())
+
+    def _fp8_compute(self, x, weight, out):
+        """Activations quantized per token and group of 128 to e4m3, then the CUTLASS
+        block-scaled GEMM (bf16 out). One workspace holds the e4m3 activations, their
+        (T, K/128) scales and CUTLASS's own scratch, each part 16-byte aligned."""
+        T, K, N = x.shape[0], x.shape[1], out.shape[1]
+        codes_bytes = -(-T * K // 16) * 16
+        scale_bytes = -(-T * (K // 128) * 4 // 16) * 16
+        gemm_ws = fp8_block_gemm_workspace_bytes(T, N, K)
+        base = self._workspace_ptr(codes_bytes + scale_bytes + gemm_ws)
+        q, scales, scratch = base, base + codes_bytes, base + codes_bytes + scale_bytes
+        launch_fp8_quantize_per_token_group(self._ptr(x), q, scales, T, K, 128, self._act_code,
+                                            self._sptr())
+        launch_fp8_block_gemm(q, scales, weight.codes.data.ptr, weight.scales.data.ptr,
+                              self._ptr(out), T, N, K, scratch if gemm_ws else 0, gemm_ws,
+                              self._sptr())
+
+    def _quant_embedding(self, token_ids, table, out):
+        """Rows of a ggml-block table: the token rows' blocks are gathered, then dequantized."""
+        op = "embedding"
+        arrays = {"token_ids": token_ids, "out": out}
+        self._check(op, arrays, "token_ids", (_I32,), 1)
+        self._check(op, arrays, "out", (self.act_dtype,), 2, True)
+        if len(table.quant_parts) != 1:
+            _fail(op, "a quantized embedding table must be one ggml type", arrays)
+        qtype, blocks = table.quant_parts[0]
+        T, H = token_ids.shape[0], table.k
+        if out.shape != (T, H):
+            _fail(op, "out must be (T, H)", arrays)
+        rows = blocks.take(token_ids, axis=0)
+        launch_gguf_dequantize(qtype, rows.data.ptr, self._ptr(out), T, H, self._act_code,
+                               self._sptr())
 
     def rms_norm(self, x, weight, eps, out):
         op, act = "rms_norm", (self.act_dtype,)
