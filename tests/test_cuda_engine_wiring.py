@@ -1,0 +1,141 @@
+"""The CUDA engine's host-side wiring, run on the CPU (issue 4: memory planning, CUDA-graph capture
+and replay inside the real engine loop).
+
+`CpuAsCuda` is the CPU backend dressed with the members only the CUDA backend has (a device
+memory report, a memory pool, graph capture that records the forward and replays it on launch).
+The engine is built with backend "cuda" around it, so every CUDA-only branch of LLMEngine runs:
+the profiling forward, the KV budget from free memory minus the graph reservation, capture of
+every bucket, replay of decode steps. The kernels are the CPU's, so the tokens must equal a plain
+CPU engine's exactly; a replay that fed a graph the wrong rows or padding would change them.
+"""
+from __future__ import annotations
+
+import contextlib
+import types
+
+import numpy as np
+import pytest
+
+from engine import cuda_memory
+from engine.config import EngineConfig
+from engine.cuda_graph import estimate_graph_memory_bytes
+from engine.llm_engine import LLMEngine
+from engine.model_runner import ModelRunner
+from engine.models.registry import load_model
+from engine.sampling_params import SamplingParams
+from pyx.cpu_backend import CpuBackend
+
+FREE_BYTES = 256 << 20
+
+
+def numpy_as_cupy():
+    """NumPy's namespace plus the one CuPy call the engine makes outside the backend."""
+    xp = types.ModuleType("numpy_as_cupy")
+    xp.__dict__.update({k: v for k, v in np.__dict__.items() if not k.startswith("__")})
+    xp.get_default_memory_pool = lambda: types.SimpleNamespace(free_all_blocks=lambda: None)
+    return xp
+
+
+class _Graph:
+    def __init__(self, backend, fn):
+        self.backend, self.fn = backend, fn
+
+    def launch(self):
+        self.backend.replays += 1
+        self.fn()
+
+
+class CpuAsCuda(CpuBackend):
+    xp = numpy_as_cupy()
+
+    def __init__(self):
+        super().__init__()
+        self.replays = 0
+        self.captures = 0
+        self.max_context = 0
+
+    def memory_info(self):
+        return FREE_BYTES, 4 * FREE_BYTES
+
+    def new_graph_pool(self):
+        return types.SimpleNamespace(total_bytes=lambda: 0)
+
+    @contextlib.contextmanager
+    def use_graph_pool(self, pool):
+        yield
+
+    def capture_graph(self, fn):
+        self.captures += 1
+        fn()
+        return _Graph(self, fn)
+
+    def pinned_empty(self, n, dtype):
+        return np.full(n, -7777, dtype)
+
+    def copy_to_device_async(self, dst, src):
+        np.copyto(dst, src)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from checkpoints import tiny_checkpoint
+    return tiny_checkpoint(tmp_path_factory.mktemp("wiring"))
+
+
+def engine_for(model_dir, backend, **config):
+    model, model_config = load_model(model_dir, backend, progress=False)
+    cfg = EngineConfig(model=model_dir, backend="cuda" if isinstance(backend, CpuAsCuda) else "cpu",
+                       max_num_seqs=8, max_num_batched_tokens=64, enable_prefix_caching=False,
+                       **config)
+    return LLMEngine(cfg, loaded=(backend, model, model_config))
+
+
+def run(engine, prompts, n=12):
+    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, params)
+    tokens = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                tokens[out.request_id] = out.token_ids
+    return [tokens[f"r{i}"] for i in range(len(prompts))]
+
+
+PROMPTS = [list(np.random.default_rng(s).integers(3, 500, n)) for s, n in
+           [(1, 7), (2, 30), (3, 3), (4, 19), (5, 11)]]
+
+
+def test_kv_budget_subtracts_the_graph_reservation(model_dir):
+    backend = CpuAsCuda()
+    engine = engine_for(model_dir, backend, kv_fraction=0.5, cuda_graph=True)
+    mc, bs = engine.model_config, engine.config.block_size
+    reserved = estimate_graph_memory_bytes(8, -(-mc.max_model_len // bs), mc)
+    budget, _ = cuda_memory.kv_budget_bytes(FREE_BYTES, reserved, 0.5, None)
+    assert engine.block_pool.num_blocks == budget // ModelRunner.kv_bytes_per_block(
+        mc, bs, np.float32)
+    # without graphs nothing is reserved: a larger pool
+    plain = engine_for(model_dir, CpuAsCuda(), kv_fraction=0.5, cuda_graph=False)
+    assert plain.block_pool.num_blocks > engine.block_pool.num_blocks
+    assert plain.runner.graph_runner is None
+    assert backend.max_context == engine.max_model_len
+
+
+def test_decode_replays_graphs_and_matches_the_cpu_engine(model_dir):
+    want = run(engine_for(model_dir, CpuBackend(), num_kv_blocks=64), PROMPTS)
+    backend = CpuAsCuda()
+    engine = engine_for(model_dir, backend, num_kv_blocks=64, cuda_graph=True)
+    runner = engine.runner.graph_runner
+    assert runner is not None and runner.captured and runner.sizes == [1, 2, 4, 8]
+    assert backend.captures == 4
+    got = run(engine, PROMPTS)
+    assert got == want
+    # 5 prompts of 12 tokens: the decode steps after the prefills went through the graphs
+    assert backend.replays == runner.num_replays > 0
+
+
+def test_eager_cuda_path_matches_too(model_dir):
+    want = run(engine_for(model_dir, CpuBackend(), num_kv_blocks=64), PROMPTS[:2])
+    backend = CpuAsCuda()
+    got = run(engine_for(model_dir, backend, num_kv_blocks=64, cuda_graph=False), PROMPTS[:2])
+    assert got == want and backend.replays == 0
