@@ -29,6 +29,19 @@ written once:
 """
 
 
+cdef str describe_arrays(dict arrays):
+    """"name (shape) dtype" for each array (CPU or device), "name repr" for anything else: the
+    bracketed part of every op's error message."""
+    return ", ".join(f"{n} {tuple(a.shape)} {a.dtype}"
+                     if hasattr(a, "shape") and hasattr(a, "dtype") else f"{n} {a!r}"
+                     for n, a in arrays.items())
+
+
+cdef fail(str op, str msg, dict arrays):
+    """ValueError naming the op, the problem and the arguments."""
+    raise ValueError(f"{op}: {msg} [{describe_arrays(arrays)}]")
+
+
 cdef class Backend:
     def __init__(self, name):
         self.name = name

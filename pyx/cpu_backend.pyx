@@ -15,7 +15,7 @@ import numpy as np
 cimport numpy as cnp
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t
 
-from pyx.backend cimport Backend
+from pyx.backend cimport Backend, describe_arrays as _desc, fail as _fail
 from pyx import cpu_sampling
 
 cnp.import_array()
@@ -170,20 +170,6 @@ def quantize(int qtype, x, num_threads=None):
     if st:
         raise ValueError(f"quantize: bad arguments (type {qtype}, k {k})")
     return out
-
-
-cdef str _desc(dict arrays):
-    parts = []
-    for name, a in arrays.items():
-        if isinstance(a, np.ndarray):
-            parts.append(f"{name} {tuple(a.shape)} {a.dtype}")
-        else:
-            parts.append(f"{name} {a!r}")
-    return ", ".join(parts)
-
-
-cdef _fail(str op, str msg, dict arrays):
-    raise ValueError(f"{op}: {msg} [{_desc(arrays)}]")
 
 
 cdef _check(str op, dict arrays, str name, object dtypes, int ndim, bint writable=False):

@@ -21,7 +21,7 @@ import os
 import numpy as np
 from libc.stdint cimport INT32_MAX, int32_t, int64_t, uint64_t
 
-from pyx.backend cimport Backend
+from pyx.backend cimport Backend, describe_arrays as _desc, fail as _fail
 from pyx.cuda_launch cimport *
 
 
@@ -97,20 +97,6 @@ def _dtype_code(dt):
     if dt == np.float16:
         return TAPER_DT_F16
     return -1
-
-
-cdef str _desc(dict arrays):
-    parts = []
-    for name, a in arrays.items():
-        if hasattr(a, "shape") and hasattr(a, "dtype"):
-            parts.append(f"{name} {tuple(a.shape)} {a.dtype}")
-        else:
-            parts.append(f"{name} {a!r}")
-    return ", ".join(parts)
-
-
-cdef _fail(str op, str msg, dict arrays):
-    raise ValueError(f"{op}: {msg} [{_desc(arrays)}]")
 
 
 class _PoolScope:

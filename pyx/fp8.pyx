@@ -9,6 +9,8 @@ import numpy as np
 cimport numpy as cnp
 from libc.stdint cimport int64_t, uint8_t
 
+from pyx.backend cimport describe_arrays as _desc
+
 cnp.import_array()
 
 
@@ -38,11 +40,6 @@ cdef int _isa(str op, isa) except -1:
     if not taper_fp8_isa_supported(ISA_NAMES[isa]):
         raise RuntimeError(f"{op}: isa {isa!r} is not supported by this CPU")
     return ISA_NAMES[isa]
-
-
-cdef str _desc(dict arrays):
-    return ", ".join(f"{n} {tuple(a.shape)} {a.dtype}" if isinstance(a, np.ndarray) else f"{n} {a!r}"
-                     for n, a in arrays.items())
 
 
 cdef _check(str op, dict arrays, str name, object dtype, int ndim, bint writable=False):

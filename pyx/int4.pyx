@@ -9,6 +9,8 @@ import numpy as np
 cimport numpy as cnp
 from libc.stdint cimport int64_t, uint8_t
 
+from pyx.backend cimport describe_arrays as _desc, fail as _fail
+
 cnp.import_array()
 
 
@@ -32,15 +34,6 @@ cdef extern from "int4_kernels.h" nogil:
 ISA_NAMES = {"scalar": TAPER_ISA_SCALAR, "avx2": TAPER_ISA_AVX2, "avx512": TAPER_ISA_AVX512}
 _F32 = np.dtype(np.float32)
 _U8 = np.dtype(np.uint8)
-
-
-cdef str _desc(dict arrays):
-    return ", ".join(f"{n} {tuple(a.shape)} {a.dtype}" if isinstance(a, np.ndarray)
-                     else f"{n} {a!r}" for n, a in arrays.items())
-
-
-cdef _fail(str op, str msg, dict arrays):
-    raise ValueError(f"{op}: {msg} [{_desc(arrays)}]")
 
 
 cdef _check(str op, dict arrays, str name, object dtype, int ndim, bint writable=False):
