@@ -154,11 +154,53 @@ struct XBlock {
     float d, s;
 };
 
+// Sub-block forms shared by several types: the 8 packed int8 words of levels and the float
+// factors; dot = the integer dot product with an activation block, then the factors.
+
+// levels times one scale (Q4_0, Q5_0, Q8_0)
+struct ScaledDot {
+    struct Sub {
+        int v[8];
+        float d;
+    };
+    TAPER_HD static float dot(const Sub& s, const XBlock& x) {
+        int p = 0;
+        for (int i = 0; i < 8; i++) p = dp4a(s.v[i], x.q[i], p);
+        return (float)p * (s.d * x.d);
+    }
+};
+
+// levels times a scale plus a min (Q4_1, Q5_1)
+struct ScaledMinDot {
+    struct Sub {
+        int v[8];
+        float d, m;
+    };
+    TAPER_HD static float dot(const Sub& s, const XBlock& x) {
+        int p = 0;
+        for (int i = 0; i < 8; i++) p = dp4a(s.v[i], x.q[i], p);
+        return (float)p * (s.d * x.d) + s.m * x.s;
+    }
+};
+
+// levels times a sub-block scale minus a sub-block min (Q4_K, Q5_K)
+struct SubScaledMinDot {
+    struct Sub {
+        int v[8];
+        float dl, ml;
+    };
+    TAPER_HD static float dot(const Sub& s, const XBlock& x) {
+        int p = 0;
+        for (int i = 0; i < 8; i++) p = dp4a(s.v[i], x.q[i], p);
+        return (s.dl * x.d) * (float)p - s.ml * x.s;
+    }
+};
+
 // ---- per type: dequant8 (elements 8c .. 8c+7 of a block, the CPU's float ops) and, for mmvq,
 // load (sub-block j of 32 elements: 8 ints of packed int8 levels and the scales) and dot (that
 // sub-block with one Q8_1 block of x).
 
-struct Q4_0 {
+struct Q4_0 : ScaledDot {
     using Block = BlockQ4_0;
     static constexpr int kQK = 32;
     TAPER_HD static void dequant8(const Block* b, int c, float y[8]) {
@@ -166,10 +208,6 @@ struct Q4_0 {
         const int sh = c < 2 ? 0 : 4, o = 8 * (c & 1);
         for (int k = 0; k < 8; k++) y[k] = (float)(((b->qs[o + k] >> sh) & 0xF) - 8) * d;
     }
-    struct Sub {
-        int v[8];
-        float d;
-    };
     TAPER_HD static void load(const Block* b, int, Sub& s) {
         for (int i = 0; i < 4; i++) {
             const uint32_t q = ld32(b->qs + 4 * i);
@@ -178,14 +216,9 @@ struct Q4_0 {
         }
         s.d = h2f(b->d);
     }
-    TAPER_HD static float dot(const Sub& s, const XBlock& x) {
-        int p = 0;
-        for (int i = 0; i < 8; i++) p = dp4a(s.v[i], x.q[i], p);
-        return (float)p * (s.d * x.d);
-    }
 };
 
-struct Q4_1 {
+struct Q4_1 : ScaledMinDot {
     using Block = BlockQ4_1;
     static constexpr int kQK = 32;
     TAPER_HD static void dequant8(const Block* b, int c, float y[8]) {
@@ -194,10 +227,6 @@ struct Q4_1 {
         for (int k = 0; k < 8; k++)
             y[k] = add_rn(mul_rn((float)((b->qs[o + k] >> sh) & 0xF), d), m);
     }
-    struct Sub {
-        int v[8];
-        float d, m;
-    };
     TAPER_HD static void load(const Block* b, int, Sub& s) {
         for (int i = 0; i < 4; i++) {
             const uint32_t q = ld32(b->qs + 4 * i);
@@ -207,14 +236,9 @@ struct Q4_1 {
         s.d = h2f(b->d);
         s.m = h2f(b->m);
     }
-    TAPER_HD static float dot(const Sub& s, const XBlock& x) {
-        int p = 0;
-        for (int i = 0; i < 8; i++) p = dp4a(s.v[i], x.q[i], p);
-        return (float)p * (s.d * x.d) + s.m * x.s;
-    }
 };
 
-struct Q5_0 {
+struct Q5_0 : ScaledDot {
     using Block = BlockQ5_0;
     static constexpr int kQK = 32;
     TAPER_HD static void dequant8(const Block* b, int c, float y[8]) {
@@ -227,10 +251,6 @@ struct Q5_0 {
             y[k] = (float)(q - 16) * d;
         }
     }
-    struct Sub {
-        int v[8];
-        float d;
-    };
     TAPER_HD static void load(const Block* b, int, Sub& s) {
         const uint32_t qh = ld32(b->qh);
         for (int i = 0; i < 4; i++) {
@@ -242,14 +262,9 @@ struct Q5_0 {
         }
         s.d = h2f(b->d);
     }
-    TAPER_HD static float dot(const Sub& s, const XBlock& x) {
-        int p = 0;
-        for (int i = 0; i < 8; i++) p = dp4a(s.v[i], x.q[i], p);
-        return (float)p * (s.d * x.d);
-    }
 };
 
-struct Q5_1 {
+struct Q5_1 : ScaledMinDot {
     using Block = BlockQ5_1;
     static constexpr int kQK = 32;
     TAPER_HD static void dequant8(const Block* b, int c, float y[8]) {
@@ -262,10 +277,6 @@ struct Q5_1 {
             y[k] = add_rn(mul_rn((float)q, d), m);
         }
     }
-    struct Sub {
-        int v[8];
-        float d, m;
-    };
     TAPER_HD static void load(const Block* b, int, Sub& s) {
         const uint32_t qh = ld32(b->qh);
         for (int i = 0; i < 4; i++) {
@@ -276,33 +287,19 @@ struct Q5_1 {
         s.d = h2f(b->d);
         s.m = h2f(b->m);
     }
-    TAPER_HD static float dot(const Sub& s, const XBlock& x) {
-        int p = 0;
-        for (int i = 0; i < 8; i++) p = dp4a(s.v[i], x.q[i], p);
-        return (float)p * (s.d * x.d) + s.m * x.s;
-    }
 };
 
-struct Q8_0 {
+struct Q8_0 : ScaledDot {
     using Block = BlockQ8_0;
     static constexpr int kQK = 32;
     TAPER_HD static void dequant8(const Block* b, int c, float y[8]) {
         const float d = h2f(b->d);
         for (int k = 0; k < 8; k++) y[k] = (float)b->qs[8 * c + k] * d;
     }
-    struct Sub {
-        int v[8];
-        float d;
-    };
     TAPER_HD static void load(const Block* b, int, Sub& s) {
         const uint8_t* q = reinterpret_cast<const uint8_t*>(b->qs);
         for (int i = 0; i < 8; i++) s.v[i] = (int)ld32(q + 4 * i);
         s.d = h2f(b->d);
-    }
-    TAPER_HD static float dot(const Sub& s, const XBlock& x) {
-        int p = 0;
-        for (int i = 0; i < 8; i++) p = dp4a(s.v[i], x.q[i], p);
-        return (float)p * (s.d * x.d);
     }
 };
 
@@ -395,7 +392,7 @@ struct Q3_K {
 
 // Q4_K/Q5_K: group g = e / 32 is nibble g % 2 of qs[32 * (g / 2) + e % 32]; Q5_K's fifth bit is
 // bit g of qh[e % 32].
-struct Q4_K {
+struct Q4_K : SubScaledMinDot {
     using Block = BlockQ4_K;
     static constexpr int kQK = 256;
     TAPER_HD static void dequant8(const Block* b, int c, float y[8]) {
@@ -407,10 +404,6 @@ struct Q4_K {
         const float d1 = d * (float)sc, m1 = min * (float)mn;
         for (int k = 0; k < 8; k++) y[k] = sub_rn(mul_rn(d1, (float)((q[k] >> sh) & 0xF)), m1);
     }
-    struct Sub {
-        int v[8];
-        float dl, ml;
-    };
     TAPER_HD static void load(const Block* b, int j, Sub& s) {
         const uint8_t* q = b->qs + 32 * (j >> 1);
         const int sh = 4 * (j & 1);
@@ -420,14 +413,9 @@ struct Q4_K {
         s.dl = h2f(b->d) * (float)sc;
         s.ml = h2f(b->dmin) * (float)mn;
     }
-    TAPER_HD static float dot(const Sub& s, const XBlock& x) {
-        int p = 0;
-        for (int i = 0; i < 8; i++) p = dp4a(s.v[i], x.q[i], p);
-        return (s.dl * x.d) * (float)p - s.ml * x.s;
-    }
 };
 
-struct Q5_K {
+struct Q5_K : SubScaledMinDot {
     using Block = BlockQ5_K;
     static constexpr int kQK = 256;
     TAPER_HD static void dequant8(const Block* b, int c, float y[8]) {
@@ -443,10 +431,6 @@ struct Q5_K {
             y[k] = sub_rn(mul_rn(d1, (float)v), m1);
         }
     }
-    struct Sub {
-        int v[8];
-        float dl, ml;
-    };
     TAPER_HD static void load(const Block* b, int j, Sub& s) {
         const uint8_t* q = b->qs + 32 * (j >> 1);
         const int sh = 4 * (j & 1);
@@ -459,11 +443,6 @@ struct Q5_K {
         scale_min_k4(j, b->scales, sc, mn);
         s.dl = h2f(b->d) * (float)sc;
         s.ml = h2f(b->dmin) * (float)mn;
-    }
-    TAPER_HD static float dot(const Sub& s, const XBlock& x) {
-        int p = 0;
-        for (int i = 0; i < 8; i++) p = dp4a(s.v[i], x.q[i], p);
-        return (s.dl * x.d) * (float)p - s.ml * x.s;
     }
 };
 
