@@ -82,37 +82,23 @@ _CLASSES = {}
 
 def device_weight_classes():
     """Random packed weights made on the device, as LlamaForCausalLM takes them: `_take` hands
-    each to CudaBackend.place_weight, `_fuse` stacks q/k/v and gate/up with the type's `concat`.
-    That `concat` returns the stacked weight already placed (engine/models/llama.py's `_fuse`
-    does not place a stacked packed weight), in a form `place_weight` takes again without a
-    copy, so this works whether or not `_fuse` places it."""
+    each to CudaBackend.place_weight, `_fuse` stacks q/k/v and gate/up with the type's `concat`
+    and places the result."""
     if _CLASSES:
         return _CLASSES["fp8"], _CLASSES["int4"]
     import cupy as cp
 
-    from pyx.cuda_backend import DeviceFp8Weight, DeviceMarlinWeight
-
-    class PlacedFp8(DeviceFp8Weight):
-        """A DeviceFp8Weight that place_weight takes again (it reads weight, scale, block)."""
-        block = FP8_BLOCK
-        kind = "block"
-
-        @property
-        def weight(self):
-            return self.codes
-
-        @property
-        def scale(self):
-            return self.scales
+    from pyx.cuda_backend import DeviceMarlinWeight
 
     class DeviceFp8Codes:
         """engine.quant_fp8.Fp8Weight's fields (codes, scales, block) as CuPy arrays: place_weight
         reads them the same (CudaBackend.asarray takes a CuPy array as it is)."""
         kind = "block"
         input_scale = None
+        block = FP8_BLOCK
 
-        def __init__(self, backend, weight, scale):
-            self.backend, self.weight, self.scale, self.block = backend, weight, scale, FP8_BLOCK
+        def __init__(self, weight, scale):
+            self.weight, self.scale = weight, scale
 
         @property
         def shape(self):
@@ -124,14 +110,8 @@ def device_weight_classes():
 
         @staticmethod
         def concat(weights):
-            b = weights[0].backend
-            with b.stream:
-                stacked = DeviceFp8Codes(b, cp.concatenate([w.weight for w in weights]),
-                                         cp.concatenate([w.scale for w in weights]))
-                placed = b.place_weight(stacked)
-            if isinstance(placed, DeviceFp8Weight):
-                return PlacedFp8(placed.codes, placed.scales)
-            return placed           # dequantized: a CuPy matrix, which place_weight keeps
+            return DeviceFp8Codes(cp.concatenate([w.weight for w in weights]),
+                                  cp.concatenate([w.scale for w in weights]))
 
         @classmethod
         def random(cls, backend, rng, shape):
@@ -142,7 +122,7 @@ def device_weight_classes():
                 codes = cp.where((codes & 0x7F) == 0x7F, codes - 1, codes).astype(cp.uint8)
                 scale = cp.abs(rng.standard_normal((n // bn, -(-k // bk)), dtype=cp.float32))
                 scale = (scale * 1e-3 + 5e-4).astype(cp.float32)
-                return cls(backend, codes.reshape(n, k), scale)
+                return cls(codes.reshape(n, k), scale)
 
     class RandomMarlin(DeviceMarlinWeight):
         """Random int4 words already in the Marlin layout (engine/marlin.py: qweight (K/16, Np*2)
