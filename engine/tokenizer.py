@@ -24,9 +24,7 @@ import threading
 
 from tokenizers import AddedToken, Tokenizer as RustTokenizer
 
-# Not `from transformers import AutoTokenizer`: that pulls in transformers' configuration module,
-# which imports torch whenever torch is installed (seconds of import, and its own thread pools).
-from transformers import PreTrainedTokenizerFast
+from engine.hf_tokenizers import PreTrainedTokenizerFast, auto_tokenizer
 
 log = logging.getLogger("taper.tokenizer")
 
@@ -66,9 +64,8 @@ class Tokenizer:
             hf = PreTrainedTokenizerFast.from_pretrained(path, local_files_only=local_files_only,
                                                          **kwargs)
         else:
-            from transformers import AutoTokenizer
-            hf = AutoTokenizer.from_pretrained(path, use_fast=True,
-                                               local_files_only=local_files_only, **kwargs)
+            hf = auto_tokenizer().from_pretrained(path, use_fast=True,
+                                                  local_files_only=local_files_only, **kwargs)
         if not getattr(hf, "is_fast", False):
             raise ValueError(f"{path}: no fast (tokenizers) tokenizer available")
         return cls(hf, _generation_eos_ids(path))

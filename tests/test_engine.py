@@ -224,10 +224,43 @@ def test_max_tokens_and_stop_token_ids(model_dir, prompts, reference):
     assert out.finish_reason == "length" and len(out.token_ids) == 5
 
 
-def test_engine_never_imports_torch(model_dir):
-    code = ("import sys; from engine import LLM, SamplingParams; "
+# transformers 5.17's tokenizer import chain, replayed on any release: before
+# transformers.tokenization_utils_tokenizers runs, the statement its import of
+# modeling_gguf_pytorch_utils executed at module level there. Torch must be installed (it is the
+# test oracle), so this imports it unless Taper's guard (engine/hf_tokenizers.py) stops it.
+TRANSFORMERS_517_TORCH_IMPORT = """
+import importlib.abc, importlib.machinery, sys
+class ImportsTorchLike517(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != "transformers.tokenization_utils_tokenizers":
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        run_module = spec.loader.exec_module
+        def exec_module(module):
+            exec("from transformers.utils import is_torch_available\\n"
+                 "if is_torch_available():\\n    import torch", module.__dict__)
+            run_module(module)
+        spec.loader.exec_module = exec_module
+        return spec
+sys.meta_path.insert(0, ImportsTorchLike517())
+"""
+
+
+@pytest.mark.parametrize("transformers_like", ["installed", "5.17"])
+def test_engine_never_imports_torch(model_dir, transformers_like):
+    setup = TRANSFORMERS_517_TORCH_IMPORT if transformers_like == "5.17" else ""
+    code = (setup + "import sys; from engine import LLM, SamplingParams; "
             f"LLM({str(model_dir)!r}).generate([[1, 2, 3]], SamplingParams(max_tokens=2)); "
             "assert 'torch' not in sys.modules, 'torch was imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_517_replay_imports_torch_without_the_guard():
+    """The replay above does what 5.17 did: a plain import of transformers' fast tokenizer class
+    pulls in torch. So the test above fails if the guard is removed."""
+    code = (TRANSFORMERS_517_TORCH_IMPORT + "import sys; "
+            "from transformers import PreTrainedTokenizerFast; "
+            "assert 'torch' in sys.modules, 'the replay did not import torch'")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

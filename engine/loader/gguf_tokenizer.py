@@ -25,8 +25,8 @@ import logging
 from tokenizers import AddedToken, Regex
 from tokenizers import Tokenizer as RustTokenizer
 from tokenizers import decoders, models, normalizers, pre_tokenizers
-# Not transformers' GGUF integration or AutoTokenizer: both import torch when it is installed.
-from transformers import PreTrainedTokenizerFast
+# Not transformers' GGUF integration: it imports torch when torch is installed.
+from engine.hf_tokenizers import PreTrainedTokenizerFast
 
 logger = logging.getLogger("taper.tokenizer")
 

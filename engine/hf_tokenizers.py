@@ -1,0 +1,48 @@
+"""transformers' tokenizer classes, imported without torch.
+
+Taper uses transformers only for its tokenizers (the fast tokenizer wrapper and chat templates), yet
+some transformers releases import torch from that import chain whenever torch is installed:
+5.17's `tokenization_utils_tokenizers` imports `modeling_gguf_pytorch_utils`, which runs
+`if is_torch_available(): import torch` at module level (5.23 no longer does). On a GPU machine,
+where torch is usually installed, that costs seconds of start-up, torch's own thread pools and CUDA
+context beside ours.
+
+The guard: while transformers' tokenizer modules are first imported, and only if torch is not
+loaded already, transformers' `is_torch_available` answers False. Those modules then skip their
+torch imports; nothing they do for a tokenizer needs torch. The rest of transformers, and any code
+imported after this, sees the real answer.
+"""
+from __future__ import annotations
+
+import contextlib
+import sys
+
+
+@contextlib.contextmanager
+def _torch_hidden_from_transformers():
+    if "torch" in sys.modules:        # already paid for: nothing to hide
+        yield
+        return
+    import transformers.utils as utils
+    import transformers.utils.import_utils as import_utils
+    saved = utils.is_torch_available, import_utils.is_torch_available
+    utils.is_torch_available = import_utils.is_torch_available = lambda: False
+    try:
+        yield
+    finally:
+        utils.is_torch_available, import_utils.is_torch_available = saved
+
+
+with _torch_hidden_from_transformers():
+    from transformers import PreTrainedTokenizerFast  # noqa: E402
+
+
+def auto_tokenizer():
+    """transformers.AutoTokenizer (for checkpoints without tokenizer.json), imported under the
+    same guard; its configuration modules import torch in every release when torch is installed."""
+    with _torch_hidden_from_transformers():
+        from transformers import AutoTokenizer
+    return AutoTokenizer
+
+
+__all__ = ["PreTrainedTokenizerFast", "auto_tokenizer"]
