@@ -24,11 +24,17 @@ OPENMP = ["-fopenmp"]
 DEFAULT_CUDA_ARCHS = "80;86;89;90a"
 CUTLASS_VERSION = "4.2.0.0"     # pinned in pyproject.toml's build requirements too
 C_FLAGS = ["-O3", "-std=c11", "-fno-math-errno", "-Wno-unused-function"] + OPENMP
+# Every extension exports PyInit_* alone (pyx/exports.map says why); --exclude-libs hides the
+# symbols of static archives (cudart_static) too.
+EXPORTS_ONLY_PYINIT = [
+    "-Wl,--version-script=" + os.path.join(os.path.dirname(os.path.abspath(__file__)), "pyx",
+                                           "exports.map"),
+    "-Wl,--exclude-libs,ALL"]
 
 
 def cpu_extensions():
     common = dict(include_dirs=["pyx", numpy.get_include()],
-                  extra_compile_args=C_FLAGS, extra_link_args=OPENMP,
+                  extra_compile_args=C_FLAGS, extra_link_args=OPENMP + EXPORTS_ONLY_PYINIT,
                   define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")])
     return [
         Extension("pyx.backend", ["pyx/backend.pyx"], **common),
@@ -92,7 +98,7 @@ def cuda_extensions():
                       include_dirs=["pyx", "cuda", "cutlass_ext", numpy.get_include()],
                       library_dirs=[cudart_static_dir(nvcc)],
                       libraries=["cudart_static", "dl", "rt", "pthread", "stdc++"],
-                      extra_compile_args=["-O2"])]
+                      extra_compile_args=["-O2"], extra_link_args=EXPORTS_ONLY_PYINIT)]
 
 
 def cutlass_includes():
