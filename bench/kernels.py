@@ -116,6 +116,7 @@ class Bench:
                         os.environ.pop(k, None)
                     else:
                         os.environ[k] = v
+        self.backends[key].bind_thread()   # CuPy's allocations and copies go to its stream
         return self.backends[key]
 
     @property

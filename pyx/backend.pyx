@@ -24,7 +24,10 @@ written once:
   kv_cache_dtype(kind)  the KV cache element type for EngineConfig.kv_cache_dtype ("auto",
                         "fp8": uint8 e4m3 codes, ...); ValueError for one the backend lacks.
   bind_thread()         makes the backend usable from the calling thread (CUDA: its device and
-                        stream become current there); the engine calls it each step.
+                        stream become current there); the engine calls it each step. Call it
+                        again after using another backend on the same thread: CuPy allocates,
+                        copies and frees on the current stream, so work of this backend queued
+                        while another one's stream is current races with its own kernels.
   synchronize()         waits for all queued work.
 """
 

@@ -4,6 +4,13 @@ Every test in this folder is skipped at collection, with the reason, unless `pyx
 imports (Taper was built with nvcc), its `device_count()` sees a device and CuPy works. The test
 modules import nothing GPU-specific at module level, so they collect on any machine.
 
+cuda_backend() binds the backend it returns to the test's thread (bind_thread): several backends
+live in one session, each with its own stream, and CuPy allocates, copies and frees on the thread's
+current stream. A test that took a backend made earlier, without binding it, queued its copies and
+allocations on the newest backend's stream while its kernels ran on their own: inputs still being
+copied (the NaN tails of the 2026-11-24 H100 run's large quantized GEMMs) and pool memory reused
+under a running kernel.
+
 Backends are cached for the whole session and never freed: each CudaBackend gives the device's
 shared cuBLAS handle its own workspace, so a backend must outlive every other one that uses the
 handle after it. Tests that need an environment switch (TAPER_CUDA_SPLIT_K, TAPER_CUDA_MMA_PREFILL,
@@ -76,6 +83,7 @@ def cuda_backend(dtype: str, **switches):
                     os.environ.pop(k, None)
                 else:
                     os.environ[k] = v
+    _BACKENDS[key].bind_thread()
     return _BACKENDS[key]
 
 

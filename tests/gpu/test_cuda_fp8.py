@@ -30,9 +30,12 @@ def test_dequantize_equals_reference(cuda, block):
     codes, scale = random_fp8(rng, 256, 384, block)
     want = ref.fp8_block_dequantize(codes, scale, block).astype(np.float32).astype(cuda.act_dtype)
     out = cuda.xp.full((256, 384), np.nan, cuda.act_dtype)
-    launch_fp8_dequantize(cuda.asarray(codes).data.ptr, cuda.asarray(scale).data.ptr,
-                          out.data.ptr, 256, 384, block[0], block[1],
-                          _dtype_code(cuda.act_dtype), cuda.stream.ptr)
+    # Device inputs held in names until the kernel has run: a temporary's memory goes back to
+    # CuPy's pool as soon as its pointer is taken (the next copy reused it, which wrote the scales
+    # over the first codes in the 2026-11-24 H100 run).
+    d_codes, d_scale = cuda.asarray(codes), cuda.asarray(scale)
+    launch_fp8_dequantize(d_codes.data.ptr, d_scale.data.ptr, out.data.ptr, 256, 384, block[0],
+                          block[1], _dtype_code(cuda.act_dtype), cuda.stream.ptr)
     assert np.array_equal(cuda.to_host(out).view(np.uint8), want.view(np.uint8))
 
 
@@ -45,8 +48,9 @@ def test_quantize_per_token_group_equals_reference(cuda, M):
     codes, scales = ref.fp8_quantize_per_token_group(x.astype(np.float32), 128)
     q = cuda.xp.full((M, 512), 0xAB, np.uint8)
     s = cuda.xp.full((M, 4), np.nan, np.float32)
-    launch_fp8_quantize_per_token_group(cuda.asarray(x).data.ptr, q.data.ptr, s.data.ptr, M, 512,
-                                        128, _dtype_code(cuda.act_dtype), cuda.stream.ptr)
+    d_x = cuda.asarray(x)
+    launch_fp8_quantize_per_token_group(d_x.data.ptr, q.data.ptr, s.data.ptr, M, 512, 128,
+                                        _dtype_code(cuda.act_dtype), cuda.stream.ptr)
     assert np.array_equal(cuda.to_host(q), codes)
     assert np.array_equal(cuda.to_host(s), scales)
 
