@@ -251,3 +251,37 @@ def test_only_the_random_dataset():
     args = serve.build_parser().parse_args(["--dataset-name", "sharegpt", "--model", "m"])
     with pytest.raises(SystemExit, match="only 'random'"):
         asyncio.run(serve.main_async(args))
+
+
+def test_serve_check_passes_against_a_real_server_and_fails_on_failed_requests(tmp_path):
+    """bench.serve_check (the GPU_SUITE=serve step) end to end on the CPU with the demo
+    checkpoint: it starts `python -m server`, streams through the openai client, runs bench.serve,
+    checks /metrics and writes the table. With --max-model-len between the chat's length and the
+    benchmark's, every benchmark request is refused, and the check must fail."""
+    import socket
+    import subprocess
+    import sys
+
+    from server.demo_model import ensure_demo_checkpoint
+
+    def free_port():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    def run(*extra):
+        out = tmp_path / f"out{len(extra)}"
+        cmd = [sys.executable, "-m", "bench.serve_check", "--model", ensure_demo_checkpoint(),
+               "--out", str(out), "--port", str(free_port()), "--server-arg=--cpu",
+               "--concurrency", "1", "2", "--prompts-per-client", "2", "--input-len", "48",
+               "--output-len", "8", *extra]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=600), out
+
+    done, out = run()
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "streamed chat:" in done.stdout and "taper:kv_cache_usage_perc 0" in done.stdout
+    rows = (out / "serve_table.md").read_text().splitlines()[2:]
+    assert [r.split("|")[1:3] for r in rows] == [[" 1 ", " 8 "], [" 2 ", " 4 "]]
+    done, _ = run("--server-arg=--max-model-len=48")
+    assert done.returncode != 0
+    assert "FAILED: concurrency 1: 8 of 8 requests failed" in done.stdout
