@@ -1,31 +1,38 @@
 #!/usr/bin/env bash
-# One command for a GPU machine (issue 4, item 9), from the repository root:
+# One command for a GPU machine, from the repository root, in three suites of one 10-minute call
+# each:
 #
-#     bash bench/gpu_check.sh                  # issue 4's suite
-#     GPU_SUITE=quant bash bench/gpu_check.sh  # issue 6's quantized formats
+#     bash bench/gpu_check.sh                  # core: the float ops and models (issue 4)
+#     GPU_SUITE=quant bash bench/gpu_check.sh  # the quantized formats (issue 6)
+#     GPU_SUITE=serve bash bench/gpu_check.sh  # python -m server end to end (issue 11)
 #
-# The GPU machine has no network and no nvidia-cutlass, whose headers the build needs; carry the
-# wheel (pure Python, any version of Python) in the ignored folder .whl:
-#     echo /.whl/ >> .git/info/exclude
-#     python3 -m pip download --no-deps -d .whl nvidia-cutlass==4.2.0.0
-# and name .whl in the device call's `carry`.
+# The GPU machine has no network and lacks part of what Taper and its tests import (nvidia-cutlass
+# for the build, gguf, compressed-tensors, pydantic, the server stack, the openai client):
+# `bash bench/gpu_wheels.sh` downloads them for its Python 3.12 into the ignored folder .whl (its
+# header lists them); name .whl in the device call's `carry`. Setup fails, naming the module, when
+# one is still missing, so no test fails later on an import.
 #
-# 1. setup: prints the machine (nvidia-smi, versions), installs carried wheels (.whl/*.whl, for a
-#    machine without network) into /tmp/site, builds Taper for sm_90a
-#    (TAPER_CUDA_ARCHS=90a pip install --no-build-isolation --no-deps -e .) and checks that the
-#    CUDA extension imports and sees a device;
-# 2. gpu_tests: tests/gpu (the op tests, then the model tests, in two processes so a broken CUDA
-#    context in one cannot fail the other);
+# 1. setup: prints the machine (nvidia-smi, versions), installs carried wheels (.whl/*.whl) into
+#    /tmp/site, builds Taper for sm_90a (TAPER_CUDA_ARCHS=90a pip install --no-build-isolation
+#    --no-deps -e .), checks that every module the suites import is there and that the CUDA
+#    extension imports and sees a device;
+# core and quant suites:
+# 2. gpu_tests: tests/gpu (one process per file, so a broken CUDA context in one cannot fail the
+#    others);
 # 3. kernels: python -m bench.kernels (--quick when little time is left), JSON beside the log;
-# 4. cpu_tests: the tests of tests/ that need no server stack (no quart/hypercorn/prometheus; CI
-#    runs them too, so they come after the GPU-only steps);
-# 5. throughput: python -m bench.throughput --backend cuda (reported, never fails the script).
+# 4. cpu_tests: the CPU tests that matter most there (the engine and its import chain, the
+#    extensions' exports; CI runs them too, so they come after the GPU-only steps);
+# 5. throughput: python -m bench.throughput --backend cuda (reported, never fails the script);
+# serve suite:
+# 2. serve: python -m bench.serve_check (a Llama-3.2-1B-shaped checkpoint made on the device,
+#    python -m server, a streamed chat through the openai client, bench.serve at concurrency 1,
+#    16, 64, 256, /metrics idle afterwards, the table with the TPOT bound).
 #
-# Everything goes to ${OUT:-/tmp/out} (at most 8 files: setup.log gpu_tests.log cpu_tests.log
-# kernels.log kernels.json throughput.log throughput.json summary.txt). Each step runs under
-# `timeout` with its own cap, clamped so the whole stays under 9 minutes; a step that does not get
-# its minimum is skipped. The summary is printed last. Exit status: 0 when setup, gpu_tests,
-# kernels and cpu_tests all passed.
+# Everything goes to ${OUT:-/tmp/out} (at most 8 files: the steps' logs, kernels.json,
+# throughput.json or server.log and serve_table.md, summary.txt). Each step runs under `timeout`
+# with its own cap, clamped so the whole stays under 9 minutes; a step that does not get its
+# minimum is skipped. The summary is printed last. Exit status: 0 when every step but throughput
+# passed.
 set -o pipefail
 SELF="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"
 cd "$(dirname "$SELF")/.." || exit 2
@@ -94,6 +101,22 @@ PY
     echo "== build (TAPER_CUDA_ARCHS=90a)"
     TAPER_CUDA_ARCHS=90a "$PY" -m pip install --no-build-isolation --no-deps -e . || return 1
     cat build/nvcc-times.txt 2>/dev/null
+    "$PY" - <<'PY' || return 1
+import importlib
+need = {"gguf": "gguf", "compressed_tensors": "compressed-tensors", "pydantic": "pydantic",
+        "quart": "quart", "hypercorn": "hypercorn", "openai": "openai", "jsonschema": "jsonschema",
+        "threadpoolctl": "threadpoolctl", "server.app": "the server stack"}
+missing = []
+for module, wheel in need.items():
+    try:
+        importlib.import_module(module)
+    except Exception as e:
+        missing.append(f"{module} ({wheel}: {type(e).__name__}: {e})")
+if missing:
+    raise SystemExit("missing on this machine, carry them (bash bench/gpu_wheels.sh): "
+                     + "; ".join(missing))
+print("every module the suites import is here")
+PY
     "$PY" -c "
 import pyx.cuda_backend as cb
 n = cb.device_count()
@@ -114,16 +137,23 @@ gpu_tests() {  # one process per file: a CUDA context broken by one cannot fail 
 # quantized GEMMs, bf16 throughput) or "quant" (issue 6: the quantized formats, their GEMM
 # benchmark, FP8 and int4 throughput). Each fits one 10-minute device call.
 SUITE="${GPU_SUITE:-core}"
+GPU_TESTS_CAP=180
 if [ "$SUITE" = quant ]; then
+    GPU_TESTS_CAP=240           # test_cuda_quant_gemm alone took ~90 s on the H100
     GPU_TEST_FILES="test_cuda_gguf.py test_cuda_marlin.py test_cuda_fp8.py test_cuda_quant_gemm.py test_cuda_quant_model.py"
     KERNEL_OPS="qgemm"
     THROUGHPUT_ARGS="--quant fp8 int4"
-else
+elif [ "$SUITE" = serve ]; then
+    :
+elif [ "$SUITE" = core ]; then
     GPU_TEST_FILES="test_cuda_ops.py test_cuda_model.py"
     KERNEL_OPS="embedding rms_norm fused_add_rms_norm rotary_embedding silu_and_mul"
     KERNEL_OPS="$KERNEL_OPS reshape_and_cache decode_attention prefill_attention linear argmax"
     KERNEL_OPS="$KERNEL_OPS gumbel_sample filter_logits"
     THROUGHPUT_ARGS=""
+else
+    echo "GPU_SUITE=$SUITE: the suites are core, quant and serve" >&2
+    exit 2
 fi
 export GPU_TEST_FILES
 
@@ -143,9 +173,30 @@ esac
 run_step setup 270 60 bash "$SELF" __setup
 SETUP_RC=$?
 
+if [ "$SUITE" = serve ]; then
+    : > "$OUT/serve.log"
+    if ((SETUP_RC == 0)); then
+        run_step serve 330 120 "$PY" -m bench.serve_check --out "$OUT"
+    else
+        skip_step serve "setup failed (no CUDA build or no device)"
+    fi
+    {
+        echo
+        echo "================ gpu_check summary (serve) ================"
+        grep -E '^(checkpoint|weights|server up|streamed chat|after the runs|FAILED|\|)' \
+            "$OUT/serve.log" | cut -c1-200
+        echo "-- steps ($((SECONDS))s of a ${TOTAL_S}s budget):"
+        for i in "${!NAMES[@]}"; do
+            printf '  %-11s %-28s %4ss\n' "${NAMES[$i]}" "${RESULTS[$i]}" "${TIMES[$i]}"
+        done
+    } | tee "$OUT/summary.txt"
+    for i in "${!NAMES[@]}"; do [ "${RESULTS[$i]}" = "ok" ] || exit 1; done
+    exit 0
+fi
+
 if ((SETUP_RC == 0)); then
     : > "$OUT/gpu_tests.log"
-    run_step gpu_tests 180 60 bash "$SELF" __gpu_tests
+    run_step gpu_tests "$GPU_TESTS_CAP" 60 bash "$SELF" __gpu_tests
 else
     skip_step gpu_tests "setup failed (no CUDA build or no device)"
 fi
@@ -160,10 +211,11 @@ else
     skip_step kernels "setup failed (no CUDA build or no device)"
 fi
 
-# CPU-side tests that import nothing of the server stack (quart, hypercorn, prometheus, openai).
+# CPU-side tests: the engine (its torch guard among them), the extensions' exports and the
+# server's start-up imports.
 CPU_TESTS=""
 for t in test_backend_ops.py test_block_pool.py test_scheduler.py test_sampler.py \
-         test_cuda_graph.py test_cuda_host.py test_engine.py; do
+         test_cuda_graph.py test_cuda_host.py test_engine.py test_extensions.py; do
     [ -f "tests/$t" ] && CPU_TESTS="$CPU_TESTS tests/$t"
 done
 : > "$OUT/cpu_tests.log"
