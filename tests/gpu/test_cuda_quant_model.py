@@ -16,7 +16,8 @@ Cases (each also with an FP8 KV cache on both engines):
 
 Ties: 0.05 (TIE) where the GPU differs from the CPU by bf16 rounding; 0.1 (test_cuda_model's
 FP8_TIE) with an FP8 KV cache (bf16 vs f32 K/V may round to neighbouring e4m3 codes) and for the
-CUTLASS path (activations rounded to e4m3, ~4% per element, against the CPU's f32). Which tokens are
+CUTLASS path (activations rounded to e4m3, ~4% per element, against the CPU's f32); both together
+0.14, the two in quadrature. Which tokens are
 compared depends only on the CPU's run, so the per-case minimum (MIN_COMPARED tokens over all
 prompts) is a property of the checkpoints and prompts, not of the GPU.
 
@@ -28,6 +29,7 @@ checkpoints). Here the check covers the compared tokens only (margins at least t
 """
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -114,7 +116,10 @@ def test_quantized_greedy_matches_cpu(quant_checkpoints, make_cuda, case, kv):
     config = dict(config)
     if kv == "fp8":
         config["kv_cache_dtype"] = "fp8"
-        tie = max(tie, FP8_TIE)
+        # Two independent e4m3 roundings (activations on the CUTLASS path, K/V here) add in
+        # quadrature: 0.14 for fp8_cutlass (its H100 run parted from the CPU at a margin of 0.101),
+        # FP8_TIE where the weights path adds only bf16 rounding.
+        tie = math.hypot(tie, FP8_TIE) if tie >= FP8_TIE else FP8_TIE
     gpu = cuda_llm(path, env, **config)
     cpu = make_llm(path, "cpu", **config)
     if "TAPER_CUDA_FP8_CUTLASS" in env:
