@@ -10,7 +10,9 @@ context beside ours.
 The guard: while transformers' tokenizer modules are first imported, and only if torch is not
 loaded already, transformers' `is_torch_available` answers False. Those modules then skip their
 torch imports; nothing they do for a tokenizer needs torch. The rest of transformers, and any code
-imported after this, sees the real answer.
+imported after this, sees the real answer. The price, where a release does import torch there:
+in the same process, the torch-only functions of the modules imported under the guard (5.17:
+transformers' GGUF model-weight loader) cannot run; loading models is not their job here.
 """
 from __future__ import annotations
 
@@ -39,7 +41,8 @@ with _torch_hidden_from_transformers():
 
 def auto_tokenizer():
     """transformers.AutoTokenizer (for checkpoints without tokenizer.json), imported under the
-    same guard; its configuration modules import torch in every release when torch is installed."""
+    same guard, on first use: unguarded, it imports torch where torch is installed (5.17 and 5.23
+    alike)."""
     with _torch_hidden_from_transformers():
         from transformers import AutoTokenizer
     return AutoTokenizer
