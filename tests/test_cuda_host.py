@@ -72,7 +72,8 @@ def test_cublas_entry_points(cb):
     (CuPy's own wrappers refuse to run while a stream captures a CUDA graph). Runs wherever
     libcublas can be loaded, GPU or not."""
     if not _cupy_cublas_importable():
-        pytest.skip("CuPy's cuBLAS binding does not import here (no libcublas)")
+        pytest.skip("CuPy's cuBLAS binding does not import here (CuPy, the [cuda13] extra, "
+                    "and libcublas belong to GPU machines)")
     name = cb._load_cublas()
     assert "libcublas.so" in name and "libcublasLt" not in name
     assert cb._load_cublas() == name                        # loaded once
