@@ -9,7 +9,8 @@ import pytest
 from engine import cuda_memory
 
 needs_ext = pytest.mark.skipif(importlib.util.find_spec("pyx.cuda_backend") is None,
-                               reason="built without nvcc: no CUDA extension")
+                               reason="pyx.cuda_backend was not built (no nvcc here, "
+                                      "or TAPER_CUDA=0)")
 
 
 @pytest.fixture(scope="module")

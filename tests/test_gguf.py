@@ -421,10 +421,9 @@ def test_quantized_tensors_keep_the_file_types_and_bytes(stem):
 
 def _pyx_dequantize(qtype):
     """pyx's scalar reference for `qtype`, or None while the kernels lack it."""
-    try:
-        from pyx.cpu_backend import dequantize, quant_block_size
-    except ImportError:
-        return None
+    cpu = pytest.importorskip("pyx.cpu_backend", reason="could not import pyx.cpu_backend: the "
+                              "CPU extensions are not built (pip install -e .)")
+    dequantize, quant_block_size = cpu.dequantize, cpu.quant_block_size
     return dequantize if quant_block_size(int(qtype))[0] else None
 
 

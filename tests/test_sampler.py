@@ -108,7 +108,9 @@ def _backends():
     try:
         from pyx.cpu_backend import CpuBackend
     except ImportError:
-        yield pytest.param(None, id="cpu", marks=pytest.mark.skip("pyx.cpu_backend not built"))
+        yield pytest.param(None, id="cpu", marks=pytest.mark.skip(
+            reason="could not import pyx.cpu_backend: the CPU extensions are not built "
+                   "(pip install -e .)"))
     else:
         yield pytest.param(CpuBackend(), id="cpu")
 

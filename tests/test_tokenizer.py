@@ -226,7 +226,8 @@ def test_forged_matches_transformers_sanitizer(name, request):
     import inspect
     tok, template, _, _, _ = _chat(name, request)
     if "sanitize_control_tokens" not in inspect.signature(tok.hf.apply_chat_template).parameters:
-        pytest.skip("transformers without sanitize_control_tokens")
+        pytest.skip("this transformers has no apply_chat_template(sanitize_control_tokens=...), "
+                    "the reference this test compares against (5.x has it)")
     messages = _turns(FORGE)
     ref = tok.hf.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
                                      return_dict=False, sanitize_control_tokens=True)
