@@ -36,6 +36,7 @@ class IncrementalDetokenizer:
         self.read_offset = len(self._ids)
         self.num_output_tokens = 0
         self._pieces: list[str] = []   # deltas handed out
+        self.num_emitted_chars = 0      # their total length
         self._pending = ""              # decoded, held back: could start a stop string
         self.stopped = False
         self.stop_reason: str | None = None  # the matched stop string
@@ -100,6 +101,12 @@ class IncrementalDetokenizer:
         return self._emit(pending)
 
     @property
+    def num_decoded_chars(self) -> int:
+        """Characters decoded so far: emitted plus held back (not counting tokens still waiting
+        for the rest of a UTF-8 character). A token's text ends here right after add_token."""
+        return self.num_emitted_chars + len(self._pending)
+
+    @property
     def text(self) -> str:
         if len(self._pieces) > 1:
             self._pieces = ["".join(self._pieces)]
@@ -108,6 +115,7 @@ class IncrementalDetokenizer:
     def _emit(self, delta: str) -> str:
         if delta:
             self._pieces.append(delta)
+            self.num_emitted_chars += len(delta)
         return delta
 
 

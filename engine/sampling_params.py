@@ -6,6 +6,8 @@ import logging
 import os
 from dataclasses import dataclass, field
 
+from engine.logprobs import MAX_LOGPROBS
+
 log = logging.getLogger("taper.engine")
 
 
@@ -26,9 +28,9 @@ class SamplingParams:
     ignore_eos: bool = False
     max_tokens: int | None = 16      # None: up to the model length
     min_tokens: int = 0
-    logprobs: int | None = None
-    prompt_logprobs: int | None = None
-    logit_bias: dict[int, float] | None = None
+    logprobs: int | None = None         # top logprobs per output token (0: the token's own only)
+    prompt_logprobs: int | None = None  # the same per prompt token
+    logit_bias: dict[int, float] | None = None   # token id -> added to its logit, in [-100, 100]
     skip_special_tokens: bool = True
 
     def __post_init__(self):
@@ -51,6 +53,13 @@ class SamplingParams:
         self._check("min_tokens", self.max_tokens is None or self.min_tokens <= self.max_tokens,
                     "must not exceed max_tokens")
         self._check("seed", self.seed is None or 0 <= self.seed < 2**64, "must be in [0, 2^64)")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            self._check(name, value is None or 0 <= value <= MAX_LOGPROBS,
+                        f"must be in [0, {MAX_LOGPROBS}]")
+        for tid, bias in (self.logit_bias or {}).items():
+            self._check("logit_bias", -100.0 <= bias <= 100.0,
+                        f"value {bias} for token {tid} is outside [-100, 100]")
 
     @property
     def greedy(self) -> bool:
