@@ -15,23 +15,24 @@ MAX_LOGPROBS = 20      # top logprobs per token, as OpenAI's chat API allows
 
 def gather_logprobs(backend, logits, token_ids, k: int):
     """logits (R, V) float32 on the backend; token_ids (R,) host ints; k >= 0.
-    Returns host arrays: the chosen tokens' logprobs (R,), the top-k ids (R, k) int64 and their
-    logprobs (R, k), largest first (ties: the lower id first)."""
+    Returns host arrays: the chosen tokens' logprobs (R,) and ranks (R,) (1 + the number of
+    tokens with a larger logit), the top-k ids (R, k) int64 and their logprobs (R, k), largest
+    first (ties: the lower id first)."""
     xp = backend.xp
     R, V = logits.shape
     x = xp.ascontiguousarray(logits, dtype=xp.float32)
     m = x.max(axis=1, keepdims=True)
     lse = m[:, 0] + xp.log(xp.exp(x - m).sum(axis=1))
     rows = xp.arange(R)
-    chosen = x[rows, backend.asarray(np.asarray(token_ids, dtype=np.int64))] - lse
+    picked = x[rows, backend.asarray(np.asarray(token_ids, dtype=np.int64))]
+    chosen = np.asarray(backend.to_host(picked - lse), np.float32)
+    rank = np.asarray(backend.to_host((x > picked[:, None]).sum(axis=1) + 1), np.int64)
     k = min(k, V)
     if k == 0:
-        return (np.asarray(backend.to_host(chosen), np.float32),
-                np.zeros((R, 0), np.int64), np.zeros((R, 0), np.float32))
+        return chosen, rank, np.zeros((R, 0), np.int64), np.zeros((R, 0), np.float32)
     top = _top_k(xp, x, k)
     top_lp = xp.take_along_axis(x, top, axis=1) - lse[:, None]
-    return (np.asarray(backend.to_host(chosen), np.float32),
-            np.asarray(backend.to_host(top), np.int64),
+    return (chosen, rank, np.asarray(backend.to_host(top), np.int64),
             np.asarray(backend.to_host(top_lp), np.float32))
 
 
@@ -46,7 +47,8 @@ def _top_k(xp, x, k: int):
     return xp.take_along_axis(part, by_val, axis=1)
 
 
-def to_entries(token_ids, chosen, top_ids, top_lps, ks) -> list[TokenLogprobs]:
+def to_entries(token_ids, chosen, rank, top_ids, top_lps, ks) -> list[TokenLogprobs]:
     """One TokenLogprobs per row, row i keeping its own ks[i] <= k top entries."""
-    return [TokenLogprobs(int(t), float(c), top_ids[i, :n].tolist(), top_lps[i, :n].tolist())
-            for i, (t, c, n) in enumerate(zip(token_ids, chosen, ks))]
+    return [TokenLogprobs(int(t), float(c), top_ids[i, :n].tolist(), top_lps[i, :n].tolist(),
+                          rank=int(r))
+            for i, (t, c, r, n) in enumerate(zip(token_ids, chosen, rank, ks))]

@@ -13,6 +13,7 @@ class TokenLogprobs:
     top_ids: list[int] = field(default_factory=list)       # most likely first
     top_logprobs: list[float] = field(default_factory=list)
     text_offset: int = 0       # where the token's text starts in the output text
+    rank: int = 1              # 1 + the number of tokens more likely than this one
 
 
 @dataclass(slots=True)
