@@ -317,15 +317,20 @@ class LLMEngine:
         params = seq.sampling_params
         text_delta, stop_string = "", None
         detok = self.detokenizers.get(seq.seq_id)
-        if logprob is not None:
-            logprob.text_offset = detok.num_decoded_chars if detok is not None else 0
         if detok is not None:
+            start, waited = detok.num_decoded_chars, detok.num_waiting_tokens
             text_delta, stopped = detok.add_token(token)
             if stopped:
                 stop_string = detok.stop_reason
-        if logprob is not None:
-            seq.pending_logprobs.append(
-                (logprob, detok.num_decoded_chars if detok is not None else 0))
+            if logprob is not None:
+                end = detok.num_decoded_chars
+                if waited and end > start:  # the text of earlier tokens came out with this one
+                    own = detok.decode_one(token)
+                    start = max(start, end - len(own))
+                logprob.text_offset = start
+                seq.pending_logprobs.append((logprob, end))
+        elif logprob is not None:
+            seq.pending_logprobs.append((logprob, 0))
         reason = stop_reason = None
         if stop_string is not None:
             reason, stop_reason = "stop", stop_string
