@@ -343,3 +343,13 @@ def test_sdk_raises_bad_request_for_logit_bias(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="demo", messages=MSGS, logit_bias={"99999": 5})
     assert e.value.param == "logit_bias" and "99999" in e.value.message
+
+
+def test_logprobs_mode_flag():
+    from server.__main__ import build_parser, engine_config
+    p = build_parser()
+    assert engine_config(p.parse_args(["--w", "/m", "--cpu"])).logprobs_mode == "raw"
+    args = p.parse_args(["--w", "/m", "--cpu", "--logprobs-mode", "processed"])
+    assert engine_config(args).logprobs_mode == "processed"
+    with pytest.raises(SystemExit):
+        p.parse_args(["--logprobs-mode", "sampled"])
