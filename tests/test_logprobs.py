@@ -63,6 +63,22 @@ def test_gather_logprobs_matches_a_float64_reference():
     assert ids[1, :3].tolist() == [7, 9, 50]
 
 
+def test_top_k_equals_a_stable_sort():
+    """The candidate-threshold top-k against NumPy's stable argsort: random rows, integer rows
+    full of ties, rows mostly -inf (as filtered logits are), k from 0 to 25."""
+    from pyx.cpu_backend import CpuBackend
+    be, rng = CpuBackend(), np.random.default_rng(1)
+    for trial in range(300):
+        B, V = int(rng.integers(1, 6)), int(rng.integers(1, 3000))
+        x = (rng.integers(-5, 5, (B, V)) if trial % 2 else rng.normal(0, 3, (B, V)))
+        x = x.astype(np.float32)
+        if trial % 3 == 0:
+            x[0, rng.random(V) < 0.95] = -np.inf
+        k = int(rng.integers(0, min(V, 25) + 1))
+        ids = gather_logprobs(be, x, np.zeros(B, int), k)[2]
+        assert (ids == np.argsort(-x, axis=1, kind="stable")[:, :k]).all(), trial
+
+
 def test_logprobs_equal_transformers_across_prefill_chunks(model_dir, hf, prompt):
     """Greedy generation with logprobs=5 and prompt_logprobs=3, the 45-token prompt in chunks
     of 16: every logprob is transformers' log-softmax at that position (1e-4)."""
