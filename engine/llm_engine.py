@@ -8,8 +8,10 @@ import os
 import random
 import time
 
+import numpy as np
 from threadpoolctl import threadpool_limits
 
+from engine.beam_search import BeamRequests
 from engine.block_pool import BlockPool
 from engine import cuda_memory
 from engine.config import EngineConfig
@@ -90,6 +92,7 @@ class LLMEngine:
         self.detokenizers: dict[int, IncrementalDetokenizer] = {}   # by seq_id
         self.requests: dict[str, list[Sequence]] = {}  # unfinished requests' choices by id
         self.forks: dict[str, list[Sequence]] = {}     # choices 1..n-1 waiting for choice 0
+        self.beams = BeamRequests(self)                # beam-search requests
         self.rng = random.Random(config.seed)        # seeds for requests that bring none
         self.num_prompt_tokens = 0                   # counters for EngineStats
         self.num_generation_tokens = 0
@@ -200,6 +203,12 @@ class LLMEngine:
         bad = next((t for t in params.logit_bias or {} if not 0 <= int(t) < vocab), None)
         if bad is not None:
             raise ValueError(f"logit_bias: token id {bad} is not in the vocabulary [0, {vocab})")
+        if params.use_beam_search:
+            seq = Sequence(prompt_token_ids, params, request_id, arrival_time=time.monotonic())
+            self.requests[request_id] = [seq]
+            self.beams.add(seq, self.eos_token_ids)
+            self.scheduler.add(seq)
+            return seq
         seqs = [self._new_sequence(request_id, prompt_token_ids, params, 0)]
         for i in range(1, params.n):
             sibling = dataclasses.replace(
@@ -233,6 +242,9 @@ class LLMEngine:
         seqs = self.requests.pop(request_id, [])
         self.forks.pop(request_id, None)
         self.scheduler.abort(request_id)
+        if request_id in self.beams:
+            self.beams.searches.pop(request_id)
+            return list(range(seqs[0].sampling_params.n))
         for seq in seqs:
             self.detokenizers.pop(seq.seq_id, None)
         return [seq.index for seq in seqs]
@@ -260,16 +272,21 @@ class LLMEngine:
             logits = self.runner.execute(sched)
             sampled = [seq for seq, last in zip(sched.seqs, sched.sample) if last]
             S = len(sampled)
+            beams_ready = self.beams.collect(sampled, logits[:S])
+            rows = [i for i, seq in enumerate(sampled) if seq.request_id not in self.beams]
+            if len(rows) < S:
+                sampled = [sampled[i] for i in rows]
             tokens, logprobs = self.sampler.sample_with_logprobs(
-                logits[:S], sampled, self.eos_token_ids, self.config.logprobs_mode) \
-                if sampled else ([], [])
+                logits[:S] if len(rows) == S else logits[self.backend.asarray(np.array(rows))],
+                sampled, self.eos_token_ids, self.config.logprobs_mode) if sampled else ([], [])
             self._record_prompt_logprobs(sched, logits[S:])
         except Exception as e:  # fail this step's requests, keep serving the others
             log.exception("step failed; finishing its %d requests with an error", len(sched.seqs))
             return [out for seq in sched.seqs for out in self._finish_with_error(seq, e)]
         self.scheduler.update(sched)
-        return [self._append(seq, int(token), lp)
-                for seq, token, lp in zip(sampled, tokens, logprobs)]
+        outputs = [self._append(seq, int(token), lp)
+                   for seq, token, lp in zip(sampled, tokens, logprobs)]
+        return outputs + self.beams.advance(beams_ready)
 
     def _record_prompt_logprobs(self, sched, logits):
         """Prompt logprobs of this step's rows (runner.execute put them after the sampled rows),
@@ -296,7 +313,12 @@ class LLMEngine:
                 del self.requests[seq.request_id]
 
     def _finish_with_error(self, seq: Sequence, error: Exception) -> list[RequestOutput]:
-        """Fail the sequence, and the choices still waiting to fork from it."""
+        """Fail the sequence, and the choices still waiting to fork from it (a beam search:
+        all its beams)."""
+        if seq.request_id in self.beams:
+            return self.beams.finish(seq.request_id, error)
+        if seq.is_finished:       # a beam already failed with its search
+            return []
         failed = [seq] + (self.forks.pop(seq.request_id, []) if seq.index == 0 else [])
         for s in failed:
             self._finish(s, "error")

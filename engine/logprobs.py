@@ -65,3 +65,20 @@ def to_entries(token_ids, chosen, rank, top_ids, top_lps, ks) -> list[TokenLogpr
     return [TokenLogprobs(int(t), float(c), top_ids[i, :n].tolist(), top_lps[i, :n].tolist(),
                           rank=int(r))
             for i, (t, c, r, n) in enumerate(zip(token_ids, chosen, rank, ks))]
+
+
+def log_softmax(backend, logits):
+    """(R, V) float32 log-softmax, on the backend (beam search scores whole rows)."""
+    xp = backend.xp
+    x = xp.ascontiguousarray(logits, dtype=xp.float32)
+    m = x.max(axis=1, keepdims=True)
+    return x - (m + xp.log(xp.exp(x - m).sum(axis=1, keepdims=True)))
+
+
+def top_k_flat(backend, x, k: int):
+    """The k largest entries of a (1, N) array (ties: the lower index first), as host arrays:
+    their indexes (k,) int64 and values (k,) float32."""
+    ids = _top_k(backend.xp, x, k)
+    vals = backend.xp.take_along_axis(x, ids, axis=1)
+    return (np.asarray(backend.to_host(ids[0]), np.int64),
+            np.asarray(backend.to_host(vals[0]), np.float32))

@@ -72,6 +72,16 @@ class ModelRunner:
         return ForwardBatch(token_ids, positions, slot_mapping, query_start_loc, seq_lens,
                             block_tables, np.asarray(logits_indices + prompt_rows, np.int32))
 
+    def copy_blocks(self, pairs: list[tuple[int, int]]):
+        """KV block src -> dst in every layer (a beam's fork of a partly filled block)."""
+        if not pairs:
+            return
+        src = self.backend.asarray(np.array([p[0] for p in pairs], np.int64))
+        dst = self.backend.asarray(np.array([p[1] for p in pairs], np.int64))
+        for k, v in self.kv_caches:
+            k[dst] = k[src]
+            v[dst] = v[src]
+
     def execute(self, sched: SchedulerOutput):
         """One forward call; returns the logits (S + P, V) of the S sequences that sample this
         step, then of the P prompt-logprob rows (on the backend's device). Pure decode steps
