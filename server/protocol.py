@@ -133,10 +133,13 @@ class _SamplingRequest(_Request):
     user: str | None = None
     logit_bias: dict[str, float] | None = None
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)   # vLLM's field
+    # beam search (vLLM's names): best_of beams, the n best returned
+    use_beam_search: bool = False
+    best_of: int | None = Field(default=None, ge=1, le=MAX_N)
+    length_penalty: float = 1.0
+    early_stopping: bool | Literal["never"] = False
     # Accepted by the protocol, refused until a later issue implements them.
     response_format: Any = None
-    use_beam_search: bool = False
-    best_of: int | None = None
     functions: list[dict] | None = None        # the deprecated spelling of tools
     function_call: Any = None
 
@@ -154,10 +157,11 @@ class _SamplingRequest(_Request):
         fmt = self.response_format
         if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
             raise not_supported("response_format")
-        if self.use_beam_search:
-            raise not_supported("use_beam_search")
-        if self.best_of not in (None, 1):
-            raise not_supported("best_of")
+        if self.use_beam_search and self.stream:
+            raise APIError("streaming is not supported with beam search (use_beam_search)",
+                           param="stream", code="invalid_value")
+        if self.best_of not in (None, 1) and not self.use_beam_search:
+            raise not_supported("best_of")     # OpenAI's sampled best_of; beams are supported
         for name in ("functions", "function_call"):
             if getattr(self, name) not in (None, [], "none"):
                 raise not_supported(name)
@@ -218,6 +222,8 @@ class _SamplingRequest(_Request):
             # OpenAI's seed is a signed 64-bit int; the engine's generator takes an unsigned one.
             seed=None if self.seed is None else self.seed % 2**64,
             logprobs=self.output_logprobs(), prompt_logprobs=self.engine_prompt_logprobs(),
+            use_beam_search=self.use_beam_search, best_of=self.best_of,
+            length_penalty=self.length_penalty, early_stopping=self.early_stopping,
             logit_bias=self.check_logit_bias(vocab_size if vocab_size is not None else 2**31),
         )
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
