@@ -14,11 +14,13 @@ the W x V scores); the engine forks the KV blocks of the chosen parents (BlockPo
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
 from engine.logprobs import log_softmax, top_k_flat
+from engine.outputs import RequestOutput
+from engine.sequence import Sequence
 
 NEG = np.float32(-1.0e9)     # transformers' "never pick this"
 
@@ -29,23 +31,21 @@ class Hypothesis:
     score: float
 
 
-@dataclass
 class BeamSearch:
-    width: int
-    prompt_len: int
-    max_tokens: int
-    eos_ids: set[int]
-    length_penalty: float = 1.0
-    early_stopping: bool | str = False
-    running_scores: np.ndarray = field(default=None)   # (R,) float32, best first
-    finished: list[Hypothesis] = field(default_factory=list)   # best first, at most width
-    improvable: bool = True        # transformers' is_early_stop_heuristic_unsatisfied
-    done: bool = False
-
-    def __post_init__(self):
-        self.running_scores = np.zeros(1, np.float32)    # the prompt: one beam, score 0
-        self.finished = [Hypothesis([], float(NEG)) for _ in range(self.width)]
-        self.finished_real = [False] * self.width
+    def __init__(self, width: int, prompt_len: int, max_tokens: int, eos_ids: set[int],
+                 length_penalty: float = 1.0, early_stopping: bool | str = False):
+        self.width = width
+        self.prompt_len = prompt_len
+        self.max_tokens = max_tokens
+        self.eos_ids = eos_ids            # every id that ends a hypothesis
+        self.length_penalty = length_penalty
+        self.early_stopping = early_stopping
+        self.running_scores = np.zeros(1, np.float32)   # (R,), best first; first the prompt
+        # best first, `width` slots; a slot is real once a hypothesis finished into it
+        self.finished = [Hypothesis([], float(NEG)) for _ in range(width)]
+        self.finished_real = [False] * width
+        self.improvable = True         # transformers' is_early_stop_heuristic_unsatisfied
+        self.done = False
 
     def step(self, backend, logprobs, beam_tokens: list[list[int]]) -> list[tuple[int, int]]:
         """logprobs (R, V) float32 on the backend: the running beams' next-token logprobs, in
@@ -117,7 +117,6 @@ class BeamRequests:
         ends = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_ids))
         search = BeamSearch(p.beam_width, seq.num_prompt_tokens, limit, ends, p.length_penalty,
                             p.early_stopping)
-        seq.beam_row = None
         self.searches[seq.request_id] = (search, [seq])
 
     def __contains__(self, request_id: str) -> bool:
@@ -148,8 +147,6 @@ class BeamRequests:
         """After the scheduler's update: fork the chosen beams (KV blocks shared, a partly
         filled last block copied) in place of the old ones; finished searches end with their
         best hypotheses as outputs."""
-        from engine.outputs import RequestOutput
-        from engine.sequence import Sequence
         eng = self.engine
         outputs = []
         for request_id, chosen in ready:
@@ -164,7 +161,6 @@ class BeamRequests:
                                  parent.sampling_params, request_id, parent.arrival_time,
                                  default_seed=0)
                 child.token_ids = parent.token_ids + [token]
-                child.beam_row = None
                 pair = eng.block_pool.fork(parent, child)
                 if pair is not None:
                     pairs.append(pair)
@@ -177,7 +173,6 @@ class BeamRequests:
 
     def finish(self, request_id: str, error: Exception | None = None) -> list:
         """End the search: free its beams; its n best hypotheses (or n errors) as outputs."""
-        from engine.outputs import RequestOutput
         eng = self.engine
         search, beams = self.searches.pop(request_id)
         eng.scheduler.replace(beams, [])

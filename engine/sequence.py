@@ -47,6 +47,7 @@ class Sequence:
         self.prompt_logprobs = None if self.sampling_params.prompt_logprobs is None else [None]
         # Output logprobs waiting for their token's text to be released: (entry, text end).
         self.pending_logprobs = []
+        self.beam_row = None            # beam search: next-token logprobs awaiting the others
         # The request's seed, else the engine's draw for it, else a random one.
         seed = self.sampling_params.seed
         if seed is None:
