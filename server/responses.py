@@ -24,7 +24,7 @@ from quart import Quart, Response, request
 
 from server import streaming
 from server.protocol import APIError
-from server.reasoning import prompt_opens_reasoning, split_reasoning
+from server.reasoning import CLOSE, prompt_opens_reasoning, split_reasoning
 from server.responses_protocol import CreateResponseRequest, input_messages, random_item_id
 from server.responses_store import ResponseStore, StoredResponse
 
@@ -258,10 +258,12 @@ async def response_events(builder: ResponseBuilder, outputs: AsyncIterator,
                 yield builder.lifecycle("response.created")
                 yield builder.lifecycle("response.in_progress")
                 started = True
+            thinking = CLOSE not in text        # before this delta: the reasoning went on
             text += out.text_delta
             thought, answer = split_reasoning(text, builder.reasoning_opened, out.finished)
-            if thought is not None and not reasoning_closed:
+            if thought is not None and thinking:
                 num_reasoning_tokens += len(out.new_token_ids)
+            if thought is not None and not reasoning_closed:
                 if reasoning is None:
                     reasoning = _Item(builder, "reasoning", 0)
                     for ev in reasoning.open():
