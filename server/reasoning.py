@@ -1,9 +1,11 @@
 """A reasoning model's text split into its reasoning (between <think> and </think>) and its answer.
 
-One pure function serves whole and streamed responses: a stream calls it on the text so far with
-`final=False`, which holds back what the next delta could still change (a half-written tag, the
-reasoning's trailing whitespace), so each call's parts extend the previous call's and the new
-suffixes are the deltas to send.
+One splitter serves whole and streamed responses: fed the text delta by delta, it gives back the
+new reasoning and the new answer, holding back what the next delta could still change (a
+half-written tag, the reasoning's trailing whitespace). Its work per delta is proportional to the
+delta, not to the text so far, so a long reasoning costs nothing extra per token. The reasoning
+and the answer are trimmed of the whitespace around the tags; text without reasoning is passed on
+exactly as generated.
 """
 from __future__ import annotations
 
@@ -24,20 +26,57 @@ def _partial_tag(text: str, tag: str) -> int:
     return 0
 
 
-def split_reasoning(text: str, opened: bool = False,
-                    final: bool = True) -> tuple[str | None, str]:
-    """(reasoning, answer). reasoning is None when the text has no reasoning part; then the
-    answer is the text exactly as generated. `opened`: the prompt already opened <think>."""
-    if not opened:
-        head = text.lstrip()
-        if not head.startswith(OPEN):
-            if not final and OPEN.startswith(head):     # "", "<", "<thi": may still open
-                return None, ""
-            return None, text
-        text = head[len(OPEN):]
-    end = text.find(CLOSE)
-    if end < 0:
-        if not final:
-            text = text[:len(text) - _partial_tag(text, CLOSE)].rstrip()
-        return text.strip(), ""
-    return text[:end].strip(), text[end + len(CLOSE):].lstrip()
+class ReasoningSplitter:
+    def __init__(self, opened: bool = False):
+        """`opened`: the prompt already opened <think>, so the text starts inside it."""
+        self.state = "reasoning" if opened else "start"     # start | reasoning | answer
+        self.has_reasoning = opened
+        self._pending = ""          # held back: maybe a tag, or whitespace that may be trimmed
+        self._reasoning_begun = False
+        self._answer_begun = False
+
+    def feed(self, delta: str, final: bool = False) -> tuple[str, str]:
+        """(new reasoning, new answer) once `delta` is added; `final`: no more text comes."""
+        text, self._pending = self._pending + delta, ""
+        if self.state == "start":
+            head = text.lstrip()
+            if head.startswith(OPEN):
+                self.state, self.has_reasoning = "reasoning", True
+                text = head[len(OPEN):]
+            elif not final and OPEN.startswith(head):       # "", "<", "<thi": may still open
+                self._pending = text
+                return "", ""
+            else:
+                self.state, self._answer_begun = "answer", True
+                return "", text
+        reasoning = ""
+        if self.state == "reasoning":
+            end = text.find(CLOSE)
+            if end < 0:
+                keep = 0 if final else _partial_tag(text, CLOSE)
+                body = text[:len(text) - keep]
+                reasoning = self._reasoning_piece(body)
+                if not final:
+                    self._pending = body[len(body.rstrip()):] + text[len(body):]
+                return reasoning, ""
+            reasoning = self._reasoning_piece(text[:end])
+            self.state, text = "answer", text[end + len(CLOSE):]
+        if not self._answer_begun:
+            text = text.lstrip()
+            self._answer_begun = bool(text)
+        return reasoning, text
+
+    def _reasoning_piece(self, body: str) -> str:
+        """What of `body` goes out now: no leading whitespace before the first word, no trailing
+        whitespace (held back in feed until more text follows it)."""
+        if not self._reasoning_begun:
+            body = body.lstrip()
+            self._reasoning_begun = bool(body)
+        return body.rstrip()
+
+
+def split_reasoning(text: str, opened: bool = False) -> tuple[str | None, str]:
+    """(reasoning, answer) of a whole text; reasoning is None when it has none."""
+    splitter = ReasoningSplitter(opened)
+    reasoning, answer = splitter.feed(text, final=True)
+    return (reasoning if splitter.has_reasoning else None), answer

@@ -24,7 +24,7 @@ from quart import Quart, Response, request
 
 from server import streaming
 from server.protocol import APIError
-from server.reasoning import CLOSE, prompt_opens_reasoning, split_reasoning
+from server.reasoning import ReasoningSplitter, prompt_opens_reasoning
 from server.responses_protocol import CreateResponseRequest, input_messages, random_item_id
 from server.responses_store import ResponseStore, StoredResponse
 
@@ -245,7 +245,7 @@ async def response_events(builder: ResponseBuilder, outputs: AsyncIterator,
                           num_prompt_tokens: int) -> AsyncIterator[dict]:
     """The stream events of one response. The first waits for the engine's first output, so a
     request the engine refuses fails before anything is sent."""
-    text = ""
+    splitter = ReasoningSplitter(builder.reasoning_opened)
     reasoning: _Item | None = None
     message: _Item | None = None
     reasoning_closed = False
@@ -258,19 +258,16 @@ async def response_events(builder: ResponseBuilder, outputs: AsyncIterator,
                 yield builder.lifecycle("response.created")
                 yield builder.lifecycle("response.in_progress")
                 started = True
-            thinking = CLOSE not in text        # before this delta: the reasoning went on
-            text += out.text_delta
-            thought, answer = split_reasoning(text, builder.reasoning_opened, out.finished)
-            if thought is not None and thinking:
+            answering = splitter.state == "answer"      # before this delta
+            thought, answer = splitter.feed(out.text_delta, out.finished)
+            if splitter.has_reasoning and not answering:    # this delta's tokens reasoned
                 num_reasoning_tokens += len(out.new_token_ids)
-            if thought is not None and not reasoning_closed:
-                if reasoning is None:
-                    reasoning = _Item(builder, "reasoning", 0)
-                    for ev in reasoning.open():
-                        yield ev
-                if len(thought) > len(reasoning.text):
-                    yield reasoning.delta(thought[len(reasoning.text):])
-            status = "incomplete" if out.finish_reason == "length" else "completed"
+            if splitter.has_reasoning and reasoning is None:
+                reasoning = _Item(builder, "reasoning", 0)
+                for ev in reasoning.open():
+                    yield ev
+            if thought:
+                yield reasoning.delta(thought)
             if answer or (out.finished and reasoning is None):
                 if reasoning is not None and not reasoning_closed:
                     reasoning_closed = True
@@ -280,8 +277,9 @@ async def response_events(builder: ResponseBuilder, outputs: AsyncIterator,
                     message = _Item(builder, "message", len(builder.response["output"]))
                     for ev in message.open():
                         yield ev
-                if len(answer) > len(message.text):
-                    yield message.delta(answer[len(message.text):])
+                if answer:
+                    yield message.delta(answer)
+            status = "incomplete" if out.finish_reason == "length" else "completed"
             if out.finished:
                 for item, closed in ((reasoning, reasoning_closed), (message, False)):
                     if item is not None and not closed:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from server.reasoning import prompt_opens_reasoning, split_reasoning
+from server.reasoning import ReasoningSplitter, prompt_opens_reasoning, split_reasoning
 
 CASES = [
     # (text, prompt opened <think>, reasoning, answer)
@@ -30,20 +30,27 @@ def test_split_whole(text, opened, reasoning, answer):
 
 @pytest.mark.parametrize("text, opened, reasoning, answer", CASES)
 @pytest.mark.parametrize("step", [1, 2, 3, 5])
-def test_streamed_parts_extend_each_other(text, opened, reasoning, answer, step):
-    sent_r, sent_a = "", ""
-    for end in list(range(0, len(text), step)) + [len(text)]:
-        r, a = split_reasoning(text[:end], opened, final=end == len(text))
-        assert (r or "").startswith(sent_r) and a.startswith(sent_a), (text[:end], r, a)
-        sent_r, sent_a = r or "", a
-    assert (sent_r, sent_a) == (reasoning or "", answer)
+def test_streamed_in_pieces_equals_whole(text, opened, reasoning, answer, step):
+    splitter = ReasoningSplitter(opened)
+    pieces = [text[i:i + step] for i in range(0, len(text), step)] + [""]
+    parts = [splitter.feed(p, final=i == len(pieces) - 1) for i, p in enumerate(pieces)]
+    assert "".join(r for r, _ in parts) == (reasoning or "")
+    assert "".join(a for _, a in parts) == answer
+    assert splitter.has_reasoning == (reasoning is not None)
 
 
-def test_partial_tags_are_held_back():
-    assert split_reasoning("<thi", final=False) == (None, "")
-    assert split_reasoning("<think>abc</thi", final=False) == ("abc", "")
-    assert split_reasoning("<think>abc \n", final=False) == ("abc", "")
-    assert split_reasoning("<think>abc</think>\n", final=False) == ("abc", "")
+def test_partial_tags_and_trailing_whitespace_are_held_back():
+    splitter = ReasoningSplitter()
+    assert splitter.feed("<thi") == ("", "")
+    assert splitter.feed("nk>\nabc ") == ("abc", "")
+    assert splitter.feed("\n</thi") == ("", "")
+    assert splitter.feed("nk>\n") == ("", "")
+    assert splitter.feed("\nHi ") == ("", "Hi ")
+    assert splitter.feed("</think>", final=True) == ("", "</think>")    # the answer, verbatim
+    splitter = ReasoningSplitter()
+    assert splitter.feed("<thi") == ("", "")
+    assert splitter.feed("s is not", final=True) == ("", "<this is not")
+    assert not splitter.has_reasoning
 
 
 def test_prompt_opens_reasoning():
