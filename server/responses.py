@@ -23,7 +23,7 @@ from typing import AsyncIterator
 from quart import Quart, Response, request
 
 from server import streaming
-from server.protocol import APIError
+from server.protocol import APIError, not_supported
 from server.reasoning import ReasoningSplitter, prompt_opens_reasoning
 from server.responses_protocol import CreateResponseRequest, input_messages, random_item_id
 from server.responses_store import ResponseStore, StoredResponse
@@ -37,11 +37,14 @@ def register_responses(app: Quart, *, read_request, check_queue, fit_context, ch
     store = ResponseStore(state.settings.responses_store_size)
     app.taper_responses = store
 
+    def not_found(response_id: str, param: str | None = None) -> APIError:
+        return APIError(f"Response with id '{response_id}' not found.", status=404,
+                        param=param, code="response_not_found")
+
     def stored(response_id: str, param: str | None = None) -> StoredResponse:
         entry = store.get(response_id)
         if entry is None:
-            raise APIError(f"Response with id '{response_id}' not found.", status=404,
-                           param=param, code="response_not_found")
+            raise not_found(response_id, param)
         return entry
 
     @app.post("/v1/responses")
@@ -62,12 +65,8 @@ def register_responses(app: Quart, *, read_request, check_queue, fit_context, ch
         outputs = streaming.engine_outputs(engine, builder.id, prompt_ids, params, timing,
                                            "input")
         events = response_events(builder, outputs, len(prompt_ids))
-        on_done = None
         if req.store:
-            def on_done(response: dict, answer: str):
-                store.put(StoredResponse(response, items, req.turns() + [
-                    {"role": "assistant", "content": answer}]))
-        events = _store_when_done(events, builder, on_done)
+            events = _store_when_done(events, store, items, req.turns())
         try:
             first = await anext(events)        # a refused request still gets an error status
         except BaseException:
@@ -88,12 +87,14 @@ def register_responses(app: Quart, *, read_request, check_queue, fit_context, ch
 
     @app.get("/v1/responses/<response_id>")
     async def get_response(response_id: str):
+        if request.args.get("stream", "false").lower() not in ("false", "0"):
+            raise not_supported("stream")           # replaying a stored response's events
         return _json(stored(response_id).response)
 
     @app.delete("/v1/responses/<response_id>")
     async def delete_response(response_id: str):
-        stored(response_id)
-        store.delete(response_id)
+        if not store.delete(response_id):
+            raise not_found(response_id)
         return _json({"id": response_id, "object": "response.deleted", "deleted": True})
 
     @app.get("/v1/responses/<response_id>/input_items")
@@ -310,16 +311,18 @@ def _usage(out, num_prompt_tokens: int, num_reasoning_tokens: int) -> dict:
             "total_tokens": inp + output}
 
 
-async def _store_when_done(events: AsyncIterator[dict], builder: ResponseBuilder,
-                           on_done) -> AsyncIterator[dict]:
-    """Pass the events on; once the response has ended, hand it and its answer to `on_done`."""
+async def _store_when_done(events: AsyncIterator[dict], store: ResponseStore,
+                           input_items: list[dict], turns: list[dict]) -> AsyncIterator[dict]:
+    """Pass the events on; once the response has ended, store it with the conversation it
+    ends (the earlier turns, this input, this answer)."""
     async with contextlib.aclosing(events):
         async for ev in events:
-            if on_done is not None and ev["type"] in ("response.completed",
-                                                      "response.incomplete"):
-                answer = "".join(item["content"][0]["text"] for item in ev["response"]["output"]
+            if ev["type"] in ("response.completed", "response.incomplete"):
+                response = ev["response"]
+                answer = "".join(item["content"][0]["text"] for item in response["output"]
                                  if item["type"] == "message")
-                on_done(ev["response"], answer)
+                store.put(StoredResponse(response, input_items,
+                                         turns + [{"role": "assistant", "content": answer}]))
             yield ev
 
 

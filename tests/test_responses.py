@@ -207,6 +207,9 @@ def test_get_delete_and_input_items(fake):
     assert [i.content[0].text for i in page.data] == ["three", "two"] and page.has_more
     rest = client.responses.input_items.list(created.id, limit=2, after=page.data[-1].id)
     assert [i.content[0].text for i in rest.data] == ["one"]
+    status, _, payload = http_request(fake.port, "GET",
+                                      f"/v1/responses/{created.id}?stream=true")
+    assert_error(status, json.loads(payload), 400, "stream", "unsupported_parameter")
     client.responses.delete(created.id)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(created.id)
