@@ -424,3 +424,54 @@ def test_the_schemas_can_fail(fake):
     validate_event(delta)
     with pytest.raises(jsonschema.ValidationError):
         validate_event({k: v for k, v in delta.items() if k != "sequence_number"})
+
+
+def test_a_prompt_that_opens_the_reasoning():
+    """DeepSeek-R1's template ends the prompt with <think>: the text starts inside it."""
+    class OpenedTokenizer(FakeTokenizer):
+        def encode_chat(self, messages, **kwargs):
+            return super().encode_chat(messages, **kwargs) + list(b"<think>\n")
+
+    class R1Engine(FakeEngine):
+        WORDS = ["Let", " me", " see", "\n", "</think>", "\n\n", "Hi", "!"]
+
+    engine = R1Engine()
+    engine.tokenizer = OpenedTokenizer()
+    server = ThreadedServer(create_app(engine, ServerSettings(["fake-model"])))
+    try:
+        status, body = post_json(server.port, "/v1/responses",
+                                 {**REQ, "max_output_tokens": 20, "stop": ["!"]})
+        validate(body, "Response")
+        assert [(i["type"], i["content"][0]["text"]) for i in body["output"]] == [
+            ("reasoning", "Let me see"), ("message", "Hi")]
+        assert body["usage"]["output_tokens_details"]["reasoning_tokens"] == 5
+    finally:
+        server.close()
+    # the same text after a prompt that does not open it is all answer
+    server = ThreadedServer(create_app(R1Engine(), ServerSettings(["fake-model"])))
+    try:
+        status, body = post_json(server.port, "/v1/responses",
+                                 {**REQ, "max_output_tokens": 20, "stop": ["!"]})
+        assert [(i["type"], i["content"][0]["text"]) for i in body["output"]] == [
+            ("message", "Let me see\n</think>\n\nHi")]
+        assert body["usage"]["output_tokens_details"]["reasoning_tokens"] == 0
+    finally:
+        server.close()
+
+
+def test_client_disconnect_aborts_a_non_streamed_request(fake):
+    fake.engine.delay = 0.02
+    before = set(fake.engine.aborted)
+    sock = socket.create_connection(("127.0.0.1", fake.port))
+    body = json.dumps({**REQ, "max_output_tokens": 200}).encode()
+    sock.sendall(b"POST /v1/responses HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    time.sleep(0.3)                    # generating, nothing sent yet
+    sock.close()
+    deadline = time.time() + 10
+    while not set(fake.engine.aborted) - before:
+        assert time.time() < deadline, "the request was not aborted after the client left"
+        time.sleep(0.02)
+    [response_id] = set(fake.engine.aborted) - before
+    assert response_id.startswith("resp_")
+    assert http_request(fake.port, "GET", f"/v1/responses/{response_id}")[0] == 404
