@@ -56,6 +56,9 @@ def register_responses(app: Quart, *, read_request, check_queue, fit_context, ch
         turn, items = input_messages(req.input)
         req.set_turns(earlier, turn)
         prompt_ids = await chat_prompt_ids(engine, req, "input")
+        while req.truncation == "auto" and not fits(engine, req, len(prompt_ids)) \
+                and drop_oldest_turn(req):
+            prompt_ids = await chat_prompt_ids(engine, req, "input")
         check_context(engine, req, len(prompt_ids))
         params = fit_context(engine, req, len(prompt_ids), "input")
         check_queue(engine)
@@ -124,18 +127,29 @@ def register_responses(app: Quart, *, read_request, check_queue, fit_context, ch
                       "last_id": page[-1]["id"] if page else None})
 
 
+def fits(engine, req: CreateResponseRequest, prompt_len: int) -> bool:
+    return prompt_len + max(req.max_output_tokens or 0, 1) <= engine.max_model_len
+
+
+def drop_oldest_turn(req: CreateResponseRequest) -> bool:
+    """truncation "auto": drop the conversation's oldest turn (the instructions stay), and the
+    assistant turns that would then open it; never the last turn. False: nothing left to drop."""
+    turns = req.turns()
+    if len(turns) < 2:
+        return False
+    turns = turns[1:]
+    while len(turns) > 1 and turns[0]["role"] == "assistant":
+        turns = turns[1:]
+    req.set_turns([], turns)
+    return True
+
+
 def check_context(engine, req: CreateResponseRequest, prompt_len: int):
     """The context checks with the Responses API's names (fit_context names chat's)."""
-    max_len = engine.max_model_len
-    asked = req.max_output_tokens or 0
-    if prompt_len < max_len and prompt_len + asked <= max_len:
+    if fits(engine, req, prompt_len):
         return
-    if req.truncation == "auto":
-        raise APIError(f"This model's maximum context length is {max_len} tokens and the input "
-                       f"has {prompt_len}: truncation 'auto' (dropping earlier items) is not yet "
-                       "supported; shorten the input", param="truncation",
-                       code="unsupported_parameter")
-    if prompt_len >= max_len:
+    max_len, asked = engine.max_model_len, req.max_output_tokens
+    if prompt_len >= max_len or asked is None:
         raise APIError(f"This model's maximum context length is {max_len} tokens, and the "
                        f"input has {prompt_len} tokens (at least one more is needed for the "
                        "output). Please shorten it.", param="input",

@@ -5,7 +5,7 @@ The sampling fields and vLLM's extras (top_k, min_p, seed, chat_template_kwargs,
 chat route's; the Responses API's own names are `input`, `instructions` and `max_output_tokens`.
 A field whose feature this server lacks and that would change the output (function tools,
 structured outputs, logprobs, background mode, ...) is refused with a 400 naming it; fields that
-cannot change the output here (truncation "disabled", tool_choice "auto" with no tools, ...) are
+cannot change the output here (parallel_tool_calls, tool_choice "auto" with no tools, ...) are
 accepted and echoed.
 """
 from __future__ import annotations

@@ -312,9 +312,28 @@ def test_context_length_names_the_responses_fields(fake):
     assert_error(status, body, 400, "input", "context_length_exceeded")
     status, body = post_json(fake.port, "/v1/responses", {**REQ, "max_output_tokens": 250})
     assert_error(status, body, 400, "max_output_tokens", "context_length_exceeded")
+    # truncation "auto" cannot drop the only turn
     status, body = post_json(fake.port, "/v1/responses",
                              {**REQ, "input": "x" * 300, "truncation": "auto"})
-    assert_error(status, body, 400, "truncation", "unsupported_parameter")
+    assert_error(status, body, 400, "input", "context_length_exceeded")
+
+
+def test_truncation_auto_drops_the_oldest_turns(fake):
+    """The fake's context is 256 tokens (one per byte of `<role>content`): the whole
+    conversation has 368, without its first two turns 211."""
+    turns = [{"role": "user", "content": "u" * 70}, {"role": "assistant", "content": "a" * 70},
+             {"role": "user", "content": "v" * 70}, {"role": "assistant", "content": "b" * 70},
+             {"role": "user", "content": "w" * 20}]
+    args = {**REQ, "input": turns, "instructions": "Be brief.", "max_output_tokens": 10}
+    status, body = post_json(fake.port, "/v1/responses", args)
+    assert_error(status, body, 400, "input", "context_length_exceeded")
+    status, body = post_json(fake.port, "/v1/responses", {**args, "truncation": "auto"})
+    assert status == 200 and body["truncation"] == "auto", body
+    # the oldest user turn goes, then the assistant turn that would open the conversation
+    system = [{"role": "system", "content": "Be brief."}]
+    want = FakeTokenizer().encode_chat(system + turns[2:])
+    assert fake.engine.requests[body["id"]][0] == want
+    assert len(FakeTokenizer().encode_chat(system + turns[1:])) + 10 > 256 >= len(want) + 10
 
 
 def test_engine_failure_before_and_during_the_stream(fake):
