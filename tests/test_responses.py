@@ -265,6 +265,8 @@ def test_the_store_forgets_the_oldest_first():
 
 @pytest.mark.parametrize("extra, param", [
     ({"input": 3}, "input"),
+    ({"input": ["x"]}, "input"),
+    ({"input": [{"role": "user"}]}, "input[0].content"),
     ({"input": []}, "input"),
     ({"input": [{"role": "robot", "content": "x"}]}, "input[0].role"),
     ({"input": [{"role": "user", "content": [{"type": "output_text", "text": "x"}]}]},
