@@ -102,3 +102,14 @@ def test_live_store_size_flag(live):
         client.responses.create(model="demo", input="x", tools=[
             {"type": "function", "name": "f", "parameters": {"type": "object"}}])
     assert e.value.param == "tools" and "tool calling" in e.value.message
+
+
+def test_store_size_flag_is_checked(tmp_path, capsys):
+    from server.__main__ import build_parser, main, server_settings
+    args = build_parser().parse_args(["--w", "/m", "--responses-store-size", "5"])
+    assert server_settings(args, type("Config", (), {"model": "/m"})).responses_store_size == 5
+    assert build_parser().parse_args([]).responses_store_size == 1000
+    with pytest.raises(SystemExit) as e:
+        main(["--cpu", "--w", str(tmp_path), "--responses-store-size", "-1"])
+    assert e.value.code == 2
+    assert "--responses-store-size must be at least 0" in capsys.readouterr().err
