@@ -102,6 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--prefix-cache-max-tokens", type=int, metavar="N", default=None,
                    help="most tokens the prefix cache keeps (default: as many as fit)")
     e.add_argument("--seed", type=int, metavar="N", default=0, help="seed for requests that give none")
+    e.add_argument("--profile-steps", type=int, metavar="N", default=0,
+                   help="log every N steps where the engine's step time went (scheduling, batch "
+                        "preparation, forward, sampling, output processing); it synchronizes the "
+                        "device after each forward, so it slows a GPU")
     s = p.add_argument_group("generation defaults (requests override them; unset: the "
                              "checkpoint's generation_config.json)")
     s.add_argument("--max-gen-tokens", type=int, metavar="N", default=None,
@@ -136,6 +140,8 @@ def check_args(args) -> str | None:
         value = getattr(args, name)
         if value is not None and value < 1:
             return f"--{name.replace('_', '-')} must be at least 1"
+    if args.profile_steps < 0:
+        return "--profile-steps must be 0 (off) or a number of steps"
     if args.max_request_mb <= 0 or args.shutdown_timeout < 0:
         return "--max-request-mb must be positive and --shutdown-timeout non-negative"
     try:
@@ -249,6 +255,9 @@ class Server:
         from engine.async_engine import AsyncEngine
         try:
             engine = AsyncEngine(self.config)
+            if self.args.profile_steps > 0:
+                from engine.step_profile import StepProfile
+                StepProfile.attach(engine.engine, log_every=self.args.profile_steps)
         except Exception as e:        # no such model, unsupported, too big...: exit 1
             log.error("could not load %s: %s", self.config.model, e)
             loop.call_soon_threadsafe(self._fail)
