@@ -243,7 +243,7 @@ async function send(text) {
       reply.status = "error";
       reply.error = e instanceof ApiError ? e.message : `Unexpected error: ${e.message}`;
       notify(reply.error);
-      if (e.code === "model_loading") watchHealth();
+      if (e.status === 503) watchHealth();   // loading or draining: show it, poll until ready
     }
   } finally {
     cancelAnimationFrame(frame);
@@ -346,12 +346,12 @@ function openSettings(open) {
 
 function start() {
   bindSettings();
-  if (!current() && state.conversations.length) state.currentId = state.conversations[0].id;
   renderSidebar();
   renderConversation();
   setRunning(false);
   $("new-chat").addEventListener("click", () => {
-    if (!current() || current().messages.length) newConversation();
+    state.currentId = null;                   // created with its first message
+    save();
     renderSidebar();
     renderConversation();
     $("prompt").focus();
