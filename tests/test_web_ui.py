@@ -273,6 +273,38 @@ def test_model_markup_stays_text_and_reasoning_folds(scripted, page, screenshot)
     screenshot(page, "markup-and-reasoning")
 
 
+MARKDOWN = ["# Title\n\n", "- one\n- two *it*\n", "\n| a | b |\n|---|--:|\n| 1 | 2 |\n",
+            "\nSee [the docs](https://example.com/x) or https://example.org/y.\n",
+            "\n> quoted `code`\n\n---\n"]
+
+
+def test_markdown_renders_as_elements(page):
+    engine = ScriptedEngine(MARKDOWN)
+    from server.app import ServerSettings, create_app
+    server = ThreadedServer(create_app(engine, ServerSettings(["scripted"])))
+    try:
+        page.goto(f"http://127.0.0.1:{server.port}/ui/")
+        page.fill("#max-tokens", str(len(MARKDOWN)))
+        page.fill("#prompt", "Format something")
+        page.press("#prompt", "Enter")
+        wait_idle(page)
+        answer = assistant_bodies(page).last
+        sync_api.expect(answer.locator("h1")).to_have_text("Title")
+        sync_api.expect(answer.locator("ul > li")).to_have_text(["one", "two it"])
+        sync_api.expect(answer.locator("li em")).to_have_text("it")
+        sync_api.expect(answer.locator("th")).to_have_text(["a", "b"])
+        sync_api.expect(answer.locator("td")).to_have_text(["1", "2"])
+        assert answer.locator("td").nth(1).evaluate("td => td.style.textAlign") == "right"
+        links = answer.locator("a")
+        assert [links.nth(i).get_attribute("href") for i in range(links.count())] == [
+            "https://example.com/x", "https://example.org/y"]
+        assert links.first.get_attribute("rel") == "noopener noreferrer nofollow"
+        sync_api.expect(answer.locator("blockquote code")).to_have_text("code")
+        sync_api.expect(answer.locator("hr")).to_have_count(1)
+    finally:
+        server.close()
+
+
 def test_reasoning_content_deltas_show_apart(scripted, page):
     """vLLM and SGLang send reasoning as `reasoning_content` deltas (this server does not yet):
     a stream shaped like theirs, served to the page in place of the real one."""
@@ -323,9 +355,14 @@ def test_loading_draining_and_errors_are_explained(page, screenshot):
         sync_api.expect(page.locator("#model")).to_have_value("scripted")
 
         engine.fail_with = "out of blocks"                         # the engine fails a request
+        sent = []
+        page.on("request", lambda r: sent.append(r) if r.method == "POST" else None)
         page.fill("#prompt", "Hi again")
         page.press("#prompt", "Enter")
         wait_idle(page)
+        # the question that got no answer is not sent again: roles keep alternating
+        assert json.loads(sent[-1].post_data)["messages"] == [
+            {"role": "user", "content": "Hi again"}]
         sync_api.expect(page.locator("#notice")).to_contain_text(
             "The server answered 500: The engine failed on this request: out of blocks")
 

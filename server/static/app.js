@@ -183,13 +183,15 @@ function requestFor(conv) {
   const s = state.settings;
   const messages = [];
   if (s.system.trim()) messages.push({ role: "system", content: s.system });
-  for (const m of conv.messages) {
-    if (m.status === "streaming") continue;
-    // the answer alone goes back to the model: chat templates drop earlier reasoning
-    const content = m.role === "assistant" ? splitThink(m.content).answer : m.content;
-    if (m.role === "assistant" && !content) continue;
-    messages.push({ role: m.role, content });
-  }
+  const past = conv.messages.filter((m) => m.status !== "streaming");
+  past.forEach((m, i) => {
+    // the answer alone goes back to the model (chat templates drop earlier reasoning); a
+    // question whose answer failed is left out with it, so the roles still alternate
+    const answer = (msg) => splitThink(msg.content).answer;
+    if (m.role === "assistant" ? answer(m) : !(past[i + 1] && !answer(past[i + 1]))) {
+      messages.push({ role: m.role, content: m.role === "assistant" ? answer(m) : m.content });
+    }
+  });
   const request = { messages };
   if (s.model) request.model = s.model;
   for (const [key, parse] of [["temperature", parseFloat], ["top_p", parseFloat],
