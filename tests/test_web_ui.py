@@ -41,6 +41,8 @@ def chromium_path() -> str | None:
 @pytest.fixture(scope="module")
 def browser():
     path = chromium_path()
+    if path is None and os.environ.get("TAPER_CI"):
+        pytest.fail("no Chromium binary: .ci/run installs Debian's chromium; it must be found")
     if path is None:
         pytest.skip("no Chromium binary on this machine (Debian: apt-get install -y chromium; "
                     "or point TAPER_CHROMIUM at one)")
