@@ -375,6 +375,7 @@ function start() {
   $("stop").addEventListener("click", () => state.running?.controller.abort());
   $("toggle-settings").addEventListener("click", () =>
     openSettings(!document.body.classList.contains("settings-open")));
+  $("close-settings").addEventListener("click", () => openSettings(false));
   $("model").addEventListener("change", () => { $("model-name").textContent = $("model").value; });
   watchHealth();
   loadModels();
