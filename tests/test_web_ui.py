@@ -332,6 +332,41 @@ def test_reasoning_content_deltas_show_apart(scripted, page):
     assert "think" not in assistant_bodies(page).last.text_content()
 
 
+def test_an_error_mid_answer_keeps_the_text_and_says_why(page):
+    engine = ScriptedEngine(["word "], delay=0.1)
+    from server.app import ServerSettings, create_app
+    server = ThreadedServer(create_app(engine, ServerSettings(["scripted"])))
+    try:
+        page.goto(f"http://127.0.0.1:{server.port}/ui/")
+        page.fill("#prompt", "Go on")
+        page.press("#prompt", "Enter")
+        sync_api.expect(assistant_bodies(page).last).to_contain_text("word word word")
+        engine.fail_with = "the device fell over"      # the stream already started: an event
+        wait_idle(page, 10_000)
+        sync_api.expect(page.locator("#notice")).to_contain_text(
+            "The server stopped this answer: The engine failed on this request: the device "
+            "fell over")
+        sync_api.expect(assistant_bodies(page).last).to_contain_text("word word word")
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize("text, reasoning, answer", [
+    ("<think>plan</think>\n\nanswer", "plan", "answer"),
+    ("  <think>still planning", "still planning", ""),
+    ("plan only closed</think>answer", "plan only closed", "answer"),   # Qwen3, DeepSeek-R1
+    ("<thi", "", ""),                                                  # a tag still arriving
+    ("no tags <think> later", "", "no tags <think> later"),
+])
+def test_think_tags_split(scripted, page, text, reasoning, answer):
+    server, _ = scripted
+    page.goto(f"http://127.0.0.1:{server.port}/ui/")
+    got = page.evaluate("""async (text) => {
+        const { splitThink } = await import('/ui/stream.js');
+        return splitThink(text); }""", text)
+    assert (got["reasoning"], got["answer"]) == (reasoning, answer)
+
+
 def test_loading_draining_and_errors_are_explained(page, screenshot):
     from server.app import ServerSettings, create_app
     app = create_app(None, ServerSettings(["scripted"]))         # the model is still loading

@@ -63,6 +63,7 @@ function newConversation() {
 }
 
 function selectConversation(id) {
+  document.body.classList.remove("sidebar-open");
   state.currentId = id;
   save();
   renderSidebar();
@@ -353,6 +354,7 @@ function start() {
   setRunning(false);
   $("new-chat").addEventListener("click", () => {
     state.currentId = null;                   // created with its first message
+    document.body.classList.remove("sidebar-open");
     save();
     renderSidebar();
     renderConversation();
@@ -376,6 +378,11 @@ function start() {
   $("toggle-settings").addEventListener("click", () =>
     openSettings(!document.body.classList.contains("settings-open")));
   $("close-settings").addEventListener("click", () => openSettings(false));
+  $("toggle-sidebar").addEventListener("click", (e) => {
+    e.stopPropagation();
+    document.body.classList.toggle("sidebar-open");
+  });
+  $("chat").addEventListener("click", () => document.body.classList.remove("sidebar-open"));
   $("model").addEventListener("change", () => { $("model-name").textContent = $("model").value; });
   watchHealth();
   loadModels();
