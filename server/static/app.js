@@ -26,6 +26,11 @@ const state = {
   health: null,
 };
 
+// an answer that was streaming when the page went away ended there
+for (const conv of state.conversations) {
+  for (const m of conv.messages) if (m.status === "streaming") m.status = "stopped";
+}
+
 function save() {
   localStorage.setItem(STORE.conversations, JSON.stringify(state.conversations));
   localStorage.setItem(STORE.current, JSON.stringify(state.currentId));
@@ -119,6 +124,10 @@ function messageNode(msg) {
   return node;
 }
 
+function markdown(text) {
+  return renderMarkdown(text, document.createDocumentFragment());
+}
+
 function updateMessage(msg) {
   const parts = state.nodes.get(msg);
   if (!parts) return;
@@ -132,12 +141,12 @@ function updateMessage(msg) {
   const thinking = streaming && (split.thinking || (Boolean(msg.reasoning) && !split.answer));
   parts.reasoning.hidden = !reasoning.trim();
   parts.reasoningTitle.textContent = thinking ? "Reasoning\u2026" : "Reasoning";
-  parts.reasoningBody.replaceChildren(renderMarkdown(reasoning.trim(), document.createDocumentFragment()));
+  parts.reasoningBody.replaceChildren(markdown(reasoning.trim()));
   if (!parts.userToggled) {
     parts.autoOpen = thinking;                // open while it thinks, folded once it answers
     parts.reasoning.open = thinking;
   }
-  parts.body.replaceChildren(renderMarkdown(split.answer, document.createDocumentFragment()));
+  parts.body.replaceChildren(markdown(split.answer));
   if (streaming && !split.answer && !thinking) parts.body.append(el("span", "typing", "\u2026"));
   parts.node.classList.toggle("streaming", streaming);
   parts.meta.replaceChildren(...metaText(msg));
@@ -149,7 +158,8 @@ function metaText(msg) {
   if (msg.status === "error") out.push(el("span", "badge error", msg.error || "error"));
   if (msg.usage) {
     const seconds = msg.elapsed ? msg.elapsed / 1000 : 0;
-    const rate = seconds > 0 ? ` \u00b7 ${(msg.usage.completion_tokens / seconds).toFixed(1)} tokens/s` : "";
+    const perSecond = (msg.usage.completion_tokens / seconds).toFixed(1);
+    const rate = seconds > 0 ? ` \u00b7 ${perSecond} tokens/s` : "";
     out.push(el("span", null, `${msg.usage.completion_tokens} tokens${rate}`));
   }
   if (msg.finishReason === "length") out.push(el("span", null, "cut at max tokens"));
@@ -166,7 +176,8 @@ function renderConversation() {
     empty.append(el("h2", null, "Chat with the served model"));
     renderInline(
       "Answers stream in as they are generated; **Stop** ends one early. Set the system prompt, " +
-      "sampling and API key under **Settings**. Conversations stay in this browser.", empty.appendChild(el("p")));
+      "sampling and API key under **Settings**. Conversations stay in this browser.",
+      empty.appendChild(el("p")));
     return;
   }
   for (const msg of conv.messages) box.append(messageNode(msg));
@@ -306,8 +317,8 @@ async function loadModels() {
   }
 }
 
-const HEALTH_TEXT = { ok: "ready", loading: "loading the model\u2026", "shutting down": "shutting down",
-                      "engine stopped": "engine stopped" };
+const HEALTH_TEXT = { ok: "ready", loading: "loading the model\u2026",
+                      "shutting down": "shutting down", "engine stopped": "engine stopped" };
 let healthTimer = 0;
 
 async function checkHealth() {
@@ -322,10 +333,15 @@ async function checkHealth() {
   pill.dataset.status = status;
   const was = state.health;
   state.health = status;
-  if (status === "loading") notify("The model is still loading; you can send once it is ready.", "info");
-  else if (status === "shutting down") notify("The server is shutting down (draining): it takes no new requests.", "warn");
-  else if (status === "unreachable") notify("Cannot reach the server: is it running?");
-  else if (was && was !== "ok" && status === "ok") {
+  if (status === "loading") {
+    notify("The model is still loading; you can send once it is ready.", "info");
+  } else if (status === "shutting down") {
+    notify("The server is shutting down (draining): it takes no new requests.", "warn");
+  } else if (status === "engine stopped") {
+    notify("The server's engine has stopped: it cannot answer (its log says why).");
+  } else if (status === "unreachable") {
+    notify("Cannot reach the server: is it running?");
+  } else if (was && was !== "ok" && status === "ok") {
     notify("");
     loadModels();
   }

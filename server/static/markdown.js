@@ -80,9 +80,13 @@ function codeBlock(lang, code) {
   const copy = head.appendChild(el("button", "copy", "Copy"));
   copy.type = "button";
   copy.addEventListener("click", () => {
-    navigator.clipboard?.writeText(code).then(
-      () => { copy.textContent = "Copied"; setTimeout(() => { copy.textContent = "Copy"; }, 1200); },
-      () => { copy.textContent = "Select and copy"; });
+    const show = (label) => {
+      copy.textContent = label;
+      setTimeout(() => { copy.textContent = "Copy"; }, 1500);
+    };
+    // the clipboard API exists only in secure contexts (https, localhost)
+    if (!navigator.clipboard) return show("Select the code to copy it");
+    navigator.clipboard.writeText(code).then(() => show("Copied"), () => show("Copy failed"));
   });
   const pre = box.appendChild(el("pre"));
   pre.append(el("code", lang ? `language-${lang}` : null, code));
