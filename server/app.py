@@ -1,9 +1,10 @@
 """The OpenAI-compatible HTTP API (Quart).
 
 Routes: /v1/chat/completions, /v1/completions, /v1/models, /tokenize, /detokenize, /health,
-/metrics, /version, and the web chat UI at /ui (server/ui.py). Handlers validate (server/protocol.py), tokenize, check the context window,
-hand the request to the engine, and turn its outputs into chunks (server/streaming.py): sent as
-SSE when streaming, folded into one JSON response otherwise.
+/metrics, /version, and the web chat UI at /ui (server/ui.py). Handlers validate
+(server/protocol.py), tokenize, check the context window, hand the request to the engine, and turn
+its outputs into chunks (server/streaming.py): sent as SSE when streaming, folded into one JSON
+response otherwise.
 
 The app starts before the engine exists: `ServerState.engine` is None while the model loads
 (503s and /health says "loading"), and `draining` is set on SIGTERM (503s for new requests while
@@ -25,10 +26,10 @@ from quart import Quart, Response, request
 from werkzeug.exceptions import HTTPException
 
 from server import streaming
-from server.ui import is_ui_path, register_ui
 from server.metrics import Metrics
 from server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
                              DetokenizeRequest, TokenizeRequest, parse_json_body, parse_request)
+from server.ui import is_ui_path, register_ui
 
 log = logging.getLogger("taper.server")
 
