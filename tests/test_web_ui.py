@@ -351,6 +351,20 @@ def test_an_error_mid_answer_keeps_the_text_and_says_why(page):
         server.close()
 
 
+def test_an_answer_cut_by_closing_the_page_shows_as_stopped(scripted, page):
+    server, _ = scripted
+    page.goto(f"http://127.0.0.1:{server.port}/ui/")
+    conv = {"id": "c1", "title": "Earlier", "created": 0, "messages": [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Half an ans", "reasoning": "", "status": "streaming"}]}
+    page.evaluate("""(conv) => { localStorage.setItem('taper.conversations', JSON.stringify([conv]));
+                                 localStorage.setItem('taper.current', '"c1"'); }""", conv)
+    page.reload()
+    sync_api.expect(assistant_bodies(page)).to_have_text("Half an ans")
+    sync_api.expect(page.locator(".msg.assistant .badge")).to_have_text("stopped")
+    sync_api.expect(page.locator("#send")).to_be_visible()
+
+
 @pytest.mark.parametrize("text, reasoning, answer", [
     ("<think>plan</think>\n\nanswer", "plan", "answer"),
     ("  <think>still planning", "still planning", ""),
