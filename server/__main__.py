@@ -51,7 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--trust-request-chat-template", action="store_true",
                    help="let requests bring their own chat_template (a template is code the "
                         "server runs)")
-    g.add_argument("--ui-server", action="store_true", help="serve the web chat UI")
+    g.add_argument("--ui-server", action="store_true",
+                   help="candle-vllm's flag for the web chat UI, accepted for its scripts: the "
+                        "UI is always served at /ui on the API port")
     g.add_argument("--enforce-parser", metavar="NAME", help="tool-call parser to use")
     g.add_argument("--mcp-config", metavar="FILE", help="MCP servers whose tools to offer")
     g.add_argument("--log", action="store_true", help="verbose logging (every request)")
@@ -121,8 +123,7 @@ SAMPLING_FLAGS = {"temperature": float, "top_p": float, "top_k": int, "min_p": f
 
 # Flags whose features later work brings: refused at start-up, never silently ignored.
 NOT_YET_SUPPORTED = {"enforce_parser": ("--enforce-parser", "tool calling"),
-                     "mcp_config": ("--mcp-config", "MCP tools"),
-                     "ui_server": ("--ui-server", "the web chat UI")}
+                     "mcp_config": ("--mcp-config", "MCP tools")}
 
 
 def check_args(args) -> str | None:
@@ -249,6 +250,9 @@ class Server:
         threading.Thread(target=self._load, args=(loop,), name="taper-load", daemon=True).start()
         log.info("serving on http://%s:%d (OpenAI API under /v1); loading the model",
                  args.host, args.port)
+        browse_host = "localhost" if args.host in ("0.0.0.0", "::") else args.host
+        log.info("web chat UI: http://%s:%d/ui/", f"[{browse_host}]" if ":" in browse_host
+                 else browse_host, args.port)
         await hypercorn_serve(self.app, hc, shutdown_trigger=self.stop.wait)
 
     def _load(self, loop):
