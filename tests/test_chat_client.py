@@ -282,6 +282,21 @@ def test_think_tags_go_to_the_reasoning_panel(chat, tmp_path):
         server.close()
 
 
+def test_the_answer_appears_as_it_is_written(chat):
+    from server.app import ServerSettings, create_app
+    server = ThreadedServer(create_app(FakeEngine(delay=1.0), ServerSettings(["fake-model"])))
+    try:
+        c = chat("--max-tokens", "5", url=f"http://127.0.0.1:{server.port}/v1")
+        c.proc.sendline(QUESTION)
+        c.proc.expect("Hello")                    # the first token, seconds before the last
+        assert "friend" not in c.proc.buffer
+        c.proc.expect_exact(" there, friend.")
+        c.proc.expect(PROMPT)
+        assert c.exit() == 0
+    finally:
+        server.close()
+
+
 def test_a_loading_server_answers_503_and_then_the_client_is_served(chat):
     from server.app import ServerSettings, create_app
     app = create_app(None, ServerSettings(["fake-model"]))

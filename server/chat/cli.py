@@ -78,7 +78,7 @@ def describe(error: openai.APIError, url: str) -> str:
     """One line saying what went wrong, with the server's own message."""
     if isinstance(error, openai.APIStatusError):
         body = error.body if isinstance(error.body, dict) else {}
-        message = body.get("message") or error.response.text or error.message
+        message = body.get("message") or error.response.text[:200] or error.message
         param = body.get("param")
         if param and param not in message:
             message += f" (param: {param})"
@@ -124,7 +124,7 @@ class Chat:
             return
         conversation = self.conversation
         conversation.ask(text)
-        view, stream, note = AnswerView(self.console), None, None
+        view, stream, note, failure = AnswerView(self.console), None, None, None
         try:
             stream = self.client.chat.completions.create(
                 model=self.model, messages=conversation.messages(), stream=True,
@@ -139,14 +139,14 @@ class Chat:
         except KeyboardInterrupt:
             note = "[stopped]"
         except openai.APIError as e:
-            view.close()
-            view.answer = ""              # a failed request leaves no turn behind
-            self.error(describe(e, self.args.url))
+            failure = describe(e, self.args.url)
         finally:
             if stream is not None:
                 stream.close()            # a stream closed early: the server aborts the request
             view.close(note)
-            conversation.answered(view.answer)
+        if failure:
+            self.error(failure)
+        conversation.answered(view.answer)    # what was shown stays; no answer, no question
 
     def command(self, line: str) -> bool:
         """Run a /command; False to leave."""
@@ -217,7 +217,10 @@ def history(path: str, chat: Chat):
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return Chat(args, Console(highlight=False)).run()
+    try:
+        return Chat(args, Console(highlight=False)).run()
+    except KeyboardInterrupt:             # Ctrl-C while connecting, before the first prompt
+        return 130
 
 
 if __name__ == "__main__":

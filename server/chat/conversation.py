@@ -22,6 +22,8 @@ class Conversation:
         return system + self.turns
 
     def ask(self, text: str):
+        if self.turns and self.turns[-1]["role"] == "user":
+            self.turns.pop()              # a question left unanswered by a second Ctrl-C
         self.turns.append({"role": "user", "content": text})
 
     def answered(self, text: str):
