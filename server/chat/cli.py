@@ -41,6 +41,13 @@ def default_history_path() -> str:
     return os.path.join(base, "taper", "chat_history")
 
 
+def file_history(path: str) -> FileHistory:
+    """The input history kept in `path`, made if new; OSError if it cannot be."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    open(path, "a").close()
+    return FileHistory(path)
+
+
 def json_object(text: str) -> dict:
     try:
         value = json.loads(text)
@@ -170,7 +177,7 @@ class Chat:
                 self.error("usage: /save FILE")
                 return True
             try:
-                conversation.save(arg, self.model)
+                conversation.save(os.path.expanduser(arg), self.model)
                 self.note(f"saved {len(conversation.turns)} messages to {arg}")
             except OSError as e:
                 self.error(f"could not save: {e}")
@@ -185,7 +192,12 @@ class Chat:
         return True
 
     def run(self) -> int:
-        session = PromptSession(history=history(self.args.history_file, self))
+        try:
+            history = file_history(self.args.history_file)
+        except OSError as e:
+            self.error(f"input history not kept: {e}")
+            history = InMemoryHistory()
+        session = PromptSession(history=history)
         if self.find_model():
             self.note(f"{self.model} at {self.args.url}: /help for commands, Ctrl-D to leave")
         while True:
@@ -203,16 +215,6 @@ class Chat:
                     self.send(line)
             except KeyboardInterrupt:     # a second Ctrl-C while an answer was being closed
                 continue
-
-
-def history(path: str, chat: Chat):
-    try:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        open(path, "a").close()
-        return FileHistory(path)
-    except OSError as e:
-        chat.error(f"input history not kept: {e}")
-        return InMemoryHistory()
 
 
 def main(argv: list[str] | None = None) -> int:
