@@ -1,4 +1,5 @@
 """`python -m server` / `taper`: load a model and serve the OpenAI-compatible API with Hypercorn.
+`taper chat ...` is the terminal chat client instead (server/chat/).
 
 Flags follow candle-vllm's short names (`--w`, `--m`, `--p`, `--h`, `--mem`) with long names
 beside them. With neither `--w` nor `--m`, a tiny random-weight demo checkpoint is generated
@@ -15,8 +16,6 @@ import signal
 import sys
 import threading
 
-from engine.sampling_params import SamplingParams
-
 log = logging.getLogger("taper.server")
 
 DEMO_NAME = "taper-demo"
@@ -27,7 +26,8 @@ DEMO_WARNING = ("No model given: serving a locally generated demo checkpoint wit
 def build_parser() -> argparse.ArgumentParser:
     # add_help=False: `--h` is the host (candle-vllm's flag), so help is only `--help`.
     p = argparse.ArgumentParser(prog="taper", add_help=False, allow_abbrev=False,
-                                description="Taper: serve an LLM with an OpenAI-compatible API.")
+                                description="Taper: serve an LLM with an OpenAI-compatible API.",
+                                epilog="`taper chat --help`: the terminal chat client.")
     p.add_argument("--help", action="help", help="show this help and exit")
     g = p.add_argument_group("server")
     g.add_argument("--port", "--p", dest="port", type=int, default=2000, help="port (default 2000)")
@@ -128,6 +128,8 @@ NOT_YET_SUPPORTED = {"enforce_parser": ("--enforce-parser", "tool calling"),
 
 def check_args(args) -> str | None:
     """The first problem with the flags, as a message, or None."""
+    from engine.sampling_params import SamplingParams
+
     for dest, (flag, feature) in NOT_YET_SUPPORTED.items():
         if getattr(args, dest):
             return f"{flag}: {feature} is not yet supported"
@@ -312,6 +314,10 @@ async def _wait_until(condition, timeout: float) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["chat"]:      # the client: none of the server's imports
+        from server.chat.cli import main as chat_main
+        return chat_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.log else logging.INFO,
