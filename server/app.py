@@ -1,9 +1,10 @@
 """The OpenAI-compatible HTTP API (Quart).
 
 Routes: /v1/chat/completions, /v1/completions, /v1/models, /tokenize, /detokenize, /health,
-/metrics, /version. Handlers validate (server/protocol.py), tokenize, check the context window,
-hand the request to the engine, and turn its outputs into chunks (server/streaming.py): sent as
-SSE when streaming, folded into one JSON response otherwise.
+/metrics, /version, and the web chat UI at /ui (server/ui.py). Handlers validate
+(server/protocol.py), tokenize, check the context window, hand the request to the engine, and turn
+its outputs into chunks (server/streaming.py): sent as SSE when streaming, folded into one JSON
+response otherwise.
 
 The app starts before the engine exists: `ServerState.engine` is None while the model loads
 (503s and /health says "loading"), and `draining` is set on SIGTERM (503s for new requests while
@@ -29,6 +30,7 @@ from server.metrics import Metrics
 from server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
                              DetokenizeRequest, TokenizeRequest, parse_json_body, parse_request)
 from server.responses import register_responses
+from server.ui import is_ui_path, register_ui
 
 log = logging.getLogger("taper.server")
 
@@ -157,7 +159,7 @@ def create_app(engine, settings: ServerSettings) -> Quart:
     async def _preflight_auth_drain():
         if request.method == "OPTIONS":         # CORS preflight carries no credentials
             return Response(status=204)
-        if request.path == "/health":
+        if request.path == "/health" or is_ui_path(request.path):   # public: no key, no 503
             return None
         if state.draining and request.path != "/metrics":
             return _error(state.unavailable())
@@ -174,6 +176,8 @@ def create_app(engine, settings: ServerSettings) -> Quart:
     @app.after_request
     async def _cors(resp: Response):
         return cors_headers(resp)
+
+    register_ui(app)                          # the web chat UI at /ui
 
     # ---- service routes
 
