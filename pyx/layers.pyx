@@ -135,11 +135,11 @@ cdef class DecoderLayer:
     `residual` holds the running sum of everything before."""
     cdef object backend, input_norm, post_norm
     cdef readonly Attention attention
-    cdef readonly MLP mlp
+    cdef readonly object mlp          # an MLP, or any block with forward(x, out, ws) (pyx/moe.py)
     cdef double eps
     cdef bint first
 
-    def __init__(self, backend, Attention attention, MLP mlp, input_norm, post_norm, double eps,
+    def __init__(self, backend, Attention attention, mlp, input_norm, post_norm, double eps,
                  bint first):
         self.backend = backend
         self.attention, self.mlp = attention, mlp

@@ -65,6 +65,7 @@ _UNION_HINTS = {
               "or an array of arrays of token ids",
     "stop": "must be a string or an array of strings",
     "content": "must be a string or an array of content parts",
+    "input": "must be a string or an array of input items",
 }
 
 
@@ -132,6 +133,7 @@ class _SamplingRequest(_Request):
     n: int = Field(default=1, ge=1, le=MAX_N)
     user: str | None = None
     logit_bias: dict[str, float] | None = None
+    logprobs: Any = None          # chat: a bool, completions: a count (the subclasses say)
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)   # vLLM's field
     # beam search (vLLM's names): best_of beams, the n best returned
     use_beam_search: bool = False

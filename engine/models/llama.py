@@ -48,9 +48,9 @@ def expected_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def check_weights(c: ModelConfig, weights: dict) -> None:
+def check_weights(c: ModelConfig, weights: dict, shapes: dict) -> None:
     problems = []
-    for name, shape in expected_shapes(c).items():
+    for name, shape in shapes.items():
         if name not in weights:
             problems.append(f"missing tensor {name} (expected shape {list(shape)})")
         elif tuple(weights[name].shape) != shape:
@@ -65,7 +65,7 @@ def check_weights(c: ModelConfig, weights: dict) -> None:
 class LlamaForCausalLM:
     def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray], backend):
         """Takes ownership of `weights` (tensors are popped as they are placed)."""
-        check_weights(config, weights)
+        check_weights(config, weights, self.expected_shapes(config))
         self.config = config
         self.backend = backend
         self.xp = backend.xp
@@ -97,13 +97,7 @@ class LlamaForCausalLM:
                 self.cos_sin_cache, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
                 c.rms_norm_eps, c.sliding_windows[i], c.rope.is_neox,
                 *(self._to_device(s) for s in kv_scales))
-            mlp = MLP(
-                backend,
-                self._fuse(weights, [f"{p}mlp.gate_proj.weight", f"{p}mlp.up_proj.weight"]),
-                self._fuse(weights, [f"{p}mlp.gate_proj.bias", f"{p}mlp.up_proj.bias"])
-                if c.mlp_bias else None,
-                self._take(weights, f"{p}mlp.down_proj.weight"),
-                self._take(weights, f"{p}mlp.down_proj.bias") if c.mlp_bias else None)
+            mlp = self._mlp(weights, p, i)
             self.layers.append(DecoderLayer(
                 backend, attn, mlp, self._take(weights, f"{p}input_layernorm.weight"),
                 self._take(weights, f"{p}post_attention_layernorm.weight"), c.rms_norm_eps, i == 0))
@@ -118,6 +112,23 @@ class LlamaForCausalLM:
         if unused:
             logger.warning("ignoring %d unused checkpoint tensors, e.g. %s", len(unused), unused[0])
         weights.clear()
+
+    # ---- hooks a family overrides
+
+    expected_shapes = staticmethod(expected_shapes)
+
+    def _mlp(self, weights: dict, p: str, i: int):
+        """Layer i's feed-forward block (weights under prefix p)."""
+        c = self.config
+        return MLP(
+            self.backend,
+            self._fuse(weights, [f"{p}mlp.gate_proj.weight", f"{p}mlp.up_proj.weight"]),
+            self._fuse(weights, [f"{p}mlp.gate_proj.bias", f"{p}mlp.up_proj.bias"])
+            if c.mlp_bias else None,
+            self._take(weights, f"{p}mlp.down_proj.weight"),
+            self._take(weights, f"{p}mlp.down_proj.bias") if c.mlp_bias else None)
+
+    # ---- weight placement
 
     def _take(self, weights: dict, name: str):
         w = weights.pop(name)

@@ -10,6 +10,9 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "MistralForCausalLM": ("llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("llama", "LlamaForCausalLM"),
     "Qwen3ForCausalLM": ("llama", "LlamaForCausalLM"),
+    "MixtralForCausalLM": ("moe", "MoeForCausalLM"),
+    "Qwen2MoeForCausalLM": ("moe", "MoeForCausalLM"),
+    "Qwen3MoeForCausalLM": ("moe", "MoeForCausalLM"),
 }
 
 
