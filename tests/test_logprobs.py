@@ -209,3 +209,21 @@ def _is_utf8(b: bytes) -> bool:
         return True
     except UnicodeDecodeError:
         return False
+
+
+def test_abort_frees_every_choice_and_beam(model_dir, prompt):
+    """Aborting an n=3 request while choice 0 prefills (its forks still waiting), or a beam
+    search mid-way, reports every choice and frees every block."""
+    llm = LLM(model_dir, block_size=8, prefill_chunk_size=16)
+    engine = llm.engine
+    total = engine.block_pool.num_free_blocks
+    engine.add_request("n3", prompt, SamplingParams(n=3, max_tokens=4))
+    engine.step()
+    assert sorted(engine.abort("n3")) == [0, 1, 2]
+    engine.add_request("beam", prompt, SamplingParams(use_beam_search=True, best_of=3, n=2,
+                                                      max_tokens=8))
+    for _ in range(5):      # 3 prefill chunks, then two beam steps
+        engine.step()
+    assert engine.abort("beam") == [0, 1]
+    assert not engine.has_unfinished() and not engine.abort("beam")
+    assert engine.block_pool.num_free_blocks == total
