@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# One command for a GPU machine, from the repository root, in three suites of one 10-minute call
+# One command for a GPU machine, from the repository root, in four suites of one 10-minute call
 # each:
 #
 #     bash bench/gpu_check.sh                  # core: the float ops and models (issue 4)
 #     GPU_SUITE=quant bash bench/gpu_check.sh  # the quantized formats (issue 6)
 #     GPU_SUITE=serve bash bench/gpu_check.sh  # python -m server end to end (issue 11)
+#     GPU_SUITE=tuned bash bench/gpu_check.sh  # the tuned kernels behind switches (issue 12)
 #
 # The GPU machine has no network and lacks part of what Taper and its tests import (nvidia-cutlass
 # for the build, gguf, compressed-tensors, pydantic, the server stack, the openai client):
@@ -134,10 +135,12 @@ gpu_tests() {  # one process per file: a CUDA context broken by one cannot fail 
 }
 
 # The suite: "core" (default; issue 4: the float ops and models, every kernel benchmark but the
-# quantized GEMMs, bf16 throughput) or "quant" (issue 6: the quantized formats, their GEMM
-# benchmark, FP8 and int4 throughput). Each fits one 10-minute device call.
+# quantized GEMMs, bf16 throughput), "quant" (issue 6: the quantized formats, their GEMM
+# benchmark, FP8 and int4 throughput) or "tuned" (issue 12: the kernels behind switches, their
+# tests and benchmark rows). Each fits one 10-minute device call.
 SUITE="${GPU_SUITE:-core}"
 GPU_TESTS_CAP=180
+KERNEL_SHAPES=""
 if [ "$SUITE" = quant ]; then
     GPU_TESTS_CAP=240           # test_cuda_quant_gemm alone took ~90 s on the H100
     GPU_TEST_FILES="test_cuda_gguf.py test_cuda_marlin.py test_cuda_fp8.py test_cuda_quant_gemm.py test_cuda_quant_model.py"
@@ -145,6 +148,13 @@ if [ "$SUITE" = quant ]; then
     THROUGHPUT_ARGS="--quant fp8 int4"
 elif [ "$SUITE" = serve ]; then
     :
+elif [ "$SUITE" = tuned ]; then
+    # flash-decoding (TAPER_CUDA_SPLIT_K=1): its tests, and decode attention over bf16 and FP8
+    # caches with the rule's split count and forced ones beside it
+    GPU_TEST_FILES="test_cuda_flash_decode.py"
+    KERNEL_OPS="decode_attention"
+    KERNEL_SHAPES="--shape splits=2,4,8,16,32,64"
+    THROUGHPUT_ARGS=""
 elif [ "$SUITE" = core ]; then
     GPU_TEST_FILES="test_cuda_ops.py test_cuda_model.py"
     KERNEL_OPS="embedding rms_norm fused_add_rms_norm rotary_embedding silu_and_mul"
@@ -152,7 +162,7 @@ elif [ "$SUITE" = core ]; then
     KERNEL_OPS="$KERNEL_OPS gumbel_sample filter_logits"
     THROUGHPUT_ARGS=""
 else
-    echo "GPU_SUITE=$SUITE: the suites are core, quant and serve" >&2
+    echo "GPU_SUITE=$SUITE: the suites are core, quant, serve and tuned" >&2
     exit 2
 fi
 export GPU_TEST_FILES
@@ -206,7 +216,8 @@ if ((SETUP_RC == 0)); then
     QUICK=""
     if ((END - SECONDS < 150)); then QUICK="--quick"; fi
     # shellcheck disable=SC2086
-    run_step kernels 150 40 "$PY" -m bench.kernels $KERNEL_OPS $QUICK --json "$OUT/kernels.json"
+    run_step kernels 150 40 "$PY" -m bench.kernels $KERNEL_OPS $KERNEL_SHAPES $QUICK \
+        --json "$OUT/kernels.json"
 else
     skip_step kernels "setup failed (no CUDA build or no device)"
 fi

@@ -16,7 +16,9 @@ the same run (a 2 GiB copy, counting read + write), and for GEMMs and prefill at
 
 Default shapes are Llama-3-8B's (H 4096, 32 query heads over 8 KV heads of 128, I 14336,
 V 128256): the fused element-wise ops at T 1, 64, 4096 tokens; decode attention at batch 1, 16,
-64 x context 1k, 8k, 32k with split-K off and on; prefill attention (simple and tensor-core
+64 x context 1k, 8k, 32k over a bf16 and an FP8 cache with split-K off and on (the variant names
+the split count pyx/decode_splits.py picks, "split-K x57"; --shape splits=2,8,64 adds rows with
+those counts forced, to compare the rule's pick with the best); prefill attention (simple and tensor-core
 kernels) at 1 x 4096 and 8 x 512 tokens; linear at M 1, 16, 64, 4096 for the qkv (6144 x 4096),
 o (4096 x 4096), gate_up (28672 x 4096) and down (4096 x 14336) projections; argmax, Gumbel
 sampling and the top-k/top-p/min-p filter at batch 1 and 64 over the vocabulary.
@@ -34,7 +36,7 @@ the speed-up over bf16 dense at the same shape and M. FP8 rows also give % of an
 dense peak, twice the measured bf16 cuBLAS figure (Hopper's tensor-core ratio; cuBLAS FP8 is not
 reachable through this backend's GemmEx handle). --shape QM=1,16 and qlayers=gate_up,down select.
 
---shape overrides a dimension: T, B, ctx, M, SB (sampling batch) take lists (T=1,64),
+--shape overrides a dimension: T, B, ctx, M, SB (sampling batch), splits take lists (T=1,64),
 prefill takes NxL items (prefill=1x4096,8x512), H Hq Hkv D I V BS take one value.
 --quick runs a small subset (well under a minute). Without a CUDA device it says so and exits 2.
 """
@@ -59,10 +61,10 @@ OPS = ["embedding", "rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_
 DEFAULT = dict(H=4096, Hq=32, Hkv=8, D=128, I=14336, V=128256, BS=16,
                T=[1, 64, 4096], B=[1, 16, 64], ctx=[1024, 8192, 32768],
                prefill=[(1, 4096), (8, 512)], M=[1, 16, 64, 4096], SB=[1, 64],
-               QM=[1, 4, 16, 64, 4096], qlayers=["qkv", "o", "gate_up", "down"])
+               QM=[1, 4, 16, 64, 4096], qlayers=["qkv", "o", "gate_up", "down"], splits=[])
 QUICK = dict(T=[1, 4096], B=[1, 64], ctx=[8192], prefill=[(1, 4096)], M=[1, 4096], SB=[64],
              QM=[1, 4096], qlayers=["gate_up"])
-LIST_KEYS = ("T", "B", "ctx", "M", "SB", "QM")
+LIST_KEYS = ("T", "B", "ctx", "M", "SB", "QM", "splits")
 QGEMM_SETS = 2          # weight copies + activations per quantized format (weights are large)
 QGEMM_GROUP = 128       # int4 group size
 FP8_BLOCK = (128, 128)
@@ -319,37 +321,79 @@ def kv_pool(bench, act, num_blocks, BS, Hkv, D):
     return (bench.rand((num_blocks, BS, Hkv, D), act), bench.rand((num_blocks, BS, Hkv, D), act))
 
 
+def fp8_pool(bench, num_blocks, BS, Hkv, D):
+    """K and V caches of e4m3 codes: random 2-byte values seen as bytes, masked to <= 0x77 so no
+    code is NaN (0x7f, 0xff)."""
+    pool = []
+    for _ in range(2):
+        codes = bench.rand((num_blocks, BS, Hkv, D // 2), np.float16).view(bench.cp.uint8)
+        codes &= 0x77
+        pool.append(codes.reshape(num_blocks, BS, Hkv, D))
+    return tuple(pool)
+
+
+def decode_call(b, args, scale, scales, splits=0):
+    """paged_attention on one input set; splits > 0 forces that many split-K partitions instead
+    of the rule's count."""
+    b.decode_splits = splits
+    try:
+        b.paged_attention(*args, scale, 0, *scales)
+    finally:
+        b.decode_splits = 0
+
+
 def cases_decode(bench, c):
+    """Decode attention over an activation-dtype cache and an FP8 one, one pass and split-K with
+    the count of pyx/decode_splits.py (the variant names it: "split-K x57"), plus the counts of
+    --shape splits=... forced, to see how far the rule's pick is from the best."""
     act = bench.b.act_dtype
     Hq, Hkv, D, BS = c["Hq"], c["Hkv"], c["D"], c["BS"]
-    e = esize(act)
-    for B in c["B"]:
-        for ctx in c["ctx"]:
-            per_seq = -(-ctx // BS)
-            pool_bytes = 2 * B * per_seq * BS * Hkv * D * e
-            # small pools: one per input set; large ones (well past L2): one, permuted per set
-            n_pools = N_SETS if pool_bytes < (1 << 30) else 1
-            pools = [kv_pool(bench, act, B * per_seq, BS, Hkv, D) for _ in range(n_pools)]
-            inputs = []
-            for i in range(N_SETS):
-                perm = np.random.default_rng(i).permutation(B * per_seq).astype(np.int32)
-                tables = bench.dev(perm.reshape(B, per_seq))
-                seq_lens = bench.dev(np.full(B, ctx, np.int32))
-                qsl = bench.dev(np.arange(B + 1, dtype=np.int32))
-                q = bench.rand((B, Hq, D), act)
-                with bench.stream:
-                    out = bench.cp.empty((B, Hq, D), dtype=act)
-                inputs.append((out, q, *pools[i % n_pools], tables, seq_lens, qsl))
-            moved = 2 * B * ctx * Hkv * D * e + 2 * B * Hq * D * e + B * per_seq * 4 + B * 8
-            for split_k in (False, True):
-                b = bench.backend(split_k=split_k)
-                sets = [lambda a=a, b=b: b.paged_attention(*a, 1.0 / np.sqrt(D), 0)
-                        for a in inputs]
-                yield Case("decode_attention", f"B={B} ctx={ctx} Hq={Hq} Hkv={Hkv} D={D}",
-                           "split-K" if split_k else "one-pass", moved, 0, sets, stream=b.stream)
-            sets = None
-            del pools, inputs
-            bench.free()
+    scale = 1.0 / np.sqrt(D)
+    for kv in ("act", "fp8"):
+        e = esize(act) if kv == "act" else 1
+        for B in c["B"]:
+            for ctx in c["ctx"]:
+                yield from decode_shape(bench, c, act, kv, e, B, ctx, Hq, Hkv, D, BS, scale)
+
+
+def decode_shape(bench, c, act, kv, e, B, ctx, Hq, Hkv, D, BS, scale):
+    per_seq = -(-ctx // BS)
+    pool_bytes = 2 * B * per_seq * BS * Hkv * D * e
+    # small pools: one per input set; large ones (well past L2): one, permuted per set
+    n_pools = N_SETS if pool_bytes < (1 << 30) else 1
+    if kv == "fp8":
+        pools = [fp8_pool(bench, B * per_seq, BS, Hkv, D) for _ in range(n_pools)]
+        scales = (bench.dev(np.full(Hkv, 0.05, np.float32)),
+                  bench.dev(np.full(Hkv, 0.05, np.float32)))
+    else:
+        pools = [kv_pool(bench, act, B * per_seq, BS, Hkv, D) for _ in range(n_pools)]
+        scales = ()
+    inputs = []
+    for i in range(N_SETS):
+        perm = np.random.default_rng(i).permutation(B * per_seq).astype(np.int32)
+        tables = bench.dev(perm.reshape(B, per_seq))
+        seq_lens = bench.dev(np.full(B, ctx, np.int32))
+        qsl = bench.dev(np.arange(B + 1, dtype=np.int32))
+        q = bench.rand((B, Hq, D), act)
+        with bench.stream:
+            out = bench.cp.empty((B, Hq, D), dtype=act)
+        inputs.append((out, q, *pools[i % n_pools], tables, seq_lens, qsl))
+    moved = 2 * B * ctx * Hkv * D * e + 2 * B * Hq * D * esize(act) + B * per_seq * 4 + B * 8
+    shape = f"B={B} ctx={ctx} Hq={Hq} Hkv={Hkv} D={D}" + (" fp8-kv" if kv == "fp8" else "")
+    for split_k in (False, True):
+        b = bench.backend(split_k=split_k)
+        n = b.decode_split_count(B, Hq, Hkv, D, BS, per_seq, kv == "fp8")
+        sets = [lambda a=a, b=b: decode_call(b, a, scale, scales) for a in inputs]
+        yield Case("decode_attention", shape, f"split-K x{n}" if split_k else "one-pass", moved,
+                   0, sets, stream=b.stream)
+    b = bench.backend(split_k=True)
+    for splits in c["splits"]:
+        sets = [lambda a=a, s=splits: decode_call(b, a, scale, scales, s) for a in inputs]
+        yield Case("decode_attention", shape, f"forced x{splits}", moved, 0, sets,
+                   stream=b.stream)
+    sets = None
+    del pools, inputs
+    bench.free()
 
 
 def cases_prefill(bench, c):

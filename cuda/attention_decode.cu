@@ -24,6 +24,8 @@
 // multiple of BS; each writes its unnormalised output, max and sum per (sequence, query head) to
 // the workspace and a second kernel merges them (log-sum-exp). An empty partition writes
 // (0, -inf, 0); a row with no keys at all (seq_lens[b] <= 0) comes out as zeros.
+// The host picks the count (flash-decoding: enough partitions to fill every SM's resident
+// block slots when B * Hkv alone cannot; pyx/decode_splits.py).
 //
 // A device kernel cannot report per-row errors, so instead of rejecting the call as the CPU op
 // does it stays in bounds: a context longer than MB * BS is cut to MB * BS keys, and a block id
@@ -444,6 +446,33 @@ int launch_decode(void* out, const void* q, const void* k_cache, const void* v_c
     return taper::launch_status();
 }
 
+// Resident blocks per SM of the instance launch_decode would run, as the runtime computes it
+// from the kernel's registers and this shape's shared memory.
+template <typename T, typename CT, int kD>
+int decode_occupancy(int64_t D, int64_t G, int* blocks) {
+    const Layout L = make_layout((int)D, (int)G, (int)sizeof(CT), stages_for<CT>());
+    auto kernel = decode_kernel<T, CT, kD>;
+    cudaError_t e = cudaSuccess;
+    if (L.total > 48 * 1024)
+        e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, L.total);
+    if (e == cudaSuccess)
+        e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(blocks, kernel, kThreads, L.total);
+    if (e != cudaSuccess) cudaGetLastError();  // do not leave it for the next launcher's status
+    return (int)e;
+}
+
+template <typename T, typename CT>
+int occupancy_head_size(int64_t D, int64_t G, int* blocks) {
+    switch (D) {
+        case 64: return decode_occupancy<T, CT, 64>(D, G, blocks);
+        case 80: return decode_occupancy<T, CT, 80>(D, G, blocks);
+        case 96: return decode_occupancy<T, CT, 96>(D, G, blocks);
+        case 128: return decode_occupancy<T, CT, 128>(D, G, blocks);
+        case 256: return decode_occupancy<T, CT, 256>(D, G, blocks);
+        default: return decode_occupancy<T, CT, 0>(D, G, blocks);
+    }
+}
+
 // Head sizes with their own instances: 64 (Llama-3.2-1B, tiny-256 tests), 80 (Phi-2), 96 (Phi-3),
 // 128 (Llama, Mistral, Qwen), 256 (Gemma); 0 is the run-time loop for any other D % 8 == 0.
 template <typename T, typename CT>
@@ -478,18 +507,18 @@ extern "C" int64_t taper_cuda_decode_workspace_bytes(int64_t B, int64_t Hq, int6
     return B * Hq * (int64_t)num_splits * (D + 2) * (int64_t)sizeof(float);
 }
 
-// 1 when the B * Hkv blocks of the one-pass kernel already fill the device (B * Hkv >= num_sms)
-// or the context is short (max_seq_len < 1024); otherwise the smallest count s with
-// B * Hkv * s >= 2 * num_sms (about two waves), capped at max_seq_len / 512 (partitions of at
-// least 512 keys) and at 64. Degenerate inputs (B * Hkv <= 0, num_sms <= 0) give 1.
-extern "C" int taper_cuda_decode_num_splits(int64_t B, int64_t Hkv, int64_t max_seq_len,
-                                            int num_sms) {
-    const int64_t blocks = B * Hkv;
-    if (blocks <= 0 || num_sms <= 0 || blocks >= num_sms || max_seq_len < 1024) return 1;
-    int64_t s = (2 * (int64_t)num_sms + blocks - 1) / blocks;
-    if (s > max_seq_len / 512) s = max_seq_len / 512;
-    if (s > kMaxSplits) s = kMaxSplits;
-    return s < 1 ? 1 : (int)s;
+extern "C" int taper_cuda_decode_blocks_per_sm(int64_t Hq, int64_t Hkv, int64_t D, int dtype,
+                                               int cache_dtype, int* blocks) {
+    if (!blocks || Hq < 1 || Hkv < 1 || Hq % Hkv != 0 || Hq / Hkv > kMaxGroup) return TAPER_CUDA_ERR_ARG;
+    if (D < 8 || D > 256 || D % 8 != 0) return TAPER_CUDA_ERR_ARG;
+    if (cache_dtype != dtype && cache_dtype != TAPER_DT_FP8) return TAPER_CUDA_ERR_ARG;
+    *blocks = 0;
+    if (cache_dtype == TAPER_DT_FP8) {
+        TAPER_DISPATCH_DTYPE(dtype, E, return occupancy_head_size<E, uint8_t>(D, Hq / Hkv, blocks));
+    } else {
+        TAPER_DISPATCH_DTYPE(dtype, E, return occupancy_head_size<E, E>(D, Hq / Hkv, blocks));
+    }
+    return TAPER_CUDA_ERR_ARG;
 }
 
 extern "C" int taper_cuda_paged_attention_decode(void* out,                    // (B, Hq, D)

@@ -113,9 +113,11 @@ int taper_cuda_reshape_and_cache(const void* k,               // (T, Hkv, D) dty
 /* Bytes of workspace the decode launcher needs for (B, Hq, D, num_splits); 0 for num_splits 1. */
 int64_t taper_cuda_decode_workspace_bytes(int64_t B, int64_t Hq, int64_t D, int num_splits);
 
-/* The partition count the engine uses: 1 while B * Hkv blocks already fill the device, else
- * enough partitions of at least 512 keys to reach about two waves of num_sms blocks, at most 64. */
-int taper_cuda_decode_num_splits(int64_t B, int64_t Hkv, int64_t max_seq_len, int num_sms);
+/* The partition count is the caller's choice (1..64); the engine's rule is the pure function
+ * pyx/decode_splits.py, tested on the CPU, fed with the device's SM count and this: how many
+ * blocks of the decode kernel for (Hq, Hkv, D, dtype, cache_dtype) an SM holds at once. */
+int taper_cuda_decode_blocks_per_sm(int64_t Hq, int64_t Hkv, int64_t D, int dtype,
+                                    int cache_dtype, int* blocks);
 
 int taper_cuda_paged_attention_decode(void* out,                   // (B, Hq, D) dtype
                                       const void* q,               // (B, Hq, D) dtype

@@ -11,10 +11,11 @@ biases, the RoPE cos/sin cache, FP8 scales, logits) are float32 as on the CPU. D
 through cuBLAS (the libcublas CuPy loads, on a handle of our own, so no extra link dependency).
 All work is queued on one stream, `backend.stream`, with no synchronization inside an op, so a
 decode step can be captured in a CUDA Graph. Tuned kernels stay behind switches until a GPU
-run has verified them: TAPER_CUDA_SPLIT_K=1 (split-K decode attention),
-TAPER_CUDA_MMA_PREFILL=1 (tensor-core prefill attention), TAPER_CUDA_MARLIN_PIPELINE=1 (the
-pipelined Marlin W4A16 GEMM) and TAPER_CUDA_FP8_CUTLASS=1 (FP8 block-wise weights through
-CUTLASS on sm_90a instead of dequantized once to bf16).
+run has verified them: TAPER_CUDA_SPLIT_K=1 (flash-decoding: split-K decode attention with
+the split count of pyx/decode_splits.py), TAPER_CUDA_MMA_PREFILL=1 (tensor-core prefill
+attention), TAPER_CUDA_MARLIN_PIPELINE=1 (the pipelined Marlin W4A16 GEMM) and
+TAPER_CUDA_FP8_CUTLASS=1 (FP8 block-wise weights through CUTLASS on sm_90a instead of
+dequantized once to bf16).
 """
 import os
 
@@ -23,6 +24,7 @@ from libc.stdint cimport INT32_MAX, int32_t, int64_t, uint64_t
 
 from pyx.backend cimport Backend, describe_arrays as _desc, fail as _fail
 from pyx.cuda_launch cimport *
+from pyx.decode_splits import decode_num_splits
 
 
 class CudaError(RuntimeError):
@@ -137,10 +139,11 @@ cdef class CudaBackend(Backend):
     cdef readonly object xp, act_dtype, stream, device
     cdef readonly int num_sms
     cdef int _act_code
-    cdef object _cupy, _workspace, _panel, _retired, _cublas_workspace
+    cdef object _cupy, _workspace, _panel, _retired, _cublas_workspace, _decode_occupancy
     cdef void* _blas_handle
     cdef public bint split_k, mma_prefill, fp8_cutlass, marlin_pipeline
     cdef public int64_t max_context  # decode split-K sizes its partitions for this many keys
+    cdef public int decode_splits    # > 0: this many split-K partitions (benchmarks); 0: the rule
 
     def __init__(self, dtype="bf16", device=0):
         cdef void* handle = NULL
@@ -189,6 +192,8 @@ cdef class CudaBackend(Backend):
         self.fp8_cutlass = _env_on("TAPER_CUDA_FP8_CUTLASS")
         self.marlin_pipeline = _env_on("TAPER_CUDA_MARLIN_PIPELINE")
         self.max_context = 0
+        self.decode_splits = 0
+        self._decode_occupancy = {}
 
     def __dealloc__(self):
         if self._blas_handle != NULL and _blas.destroy != NULL:
@@ -637,9 +642,8 @@ cdef class CudaBackend(Backend):
             _fail(op, f"softcap must be >= 0, got {softcap}", arrays)
         ks, vs = self._opt_ptr(k_scale), self._opt_ptr(v_scale)
         if T == B:
-            splits = 1
-            if self.split_k:
-                splits = decode_num_splits(B, Hkv, self.max_context or MB * BS, self.num_sms)
+            fp8 = cache_code == TAPER_DT_FP8
+            splits = self.decode_split_count(B, Hq, Hkv, D, BS, MB, fp8)
             ws_bytes = decode_workspace_bytes(B, Hq, D, splits)
             launch_paged_attention_decode(
                 self._ptr(out), self._ptr(q), self._ptr(k_cache), self._ptr(v_cache), ks, vs,
@@ -658,6 +662,22 @@ cdef class CudaBackend(Backend):
                 if "status -1" not in str(e):
                     raise
         launch_paged_attention_prefill(*args, 0, self._sptr())
+
+    def decode_split_count(self, B, Hq, Hkv, D, BS, MB, fp8_cache=False):
+        """Partitions per (sequence, KV head) that paged_attention gives a decode batch: 1
+        without the split-K switch, else `decode_splits` when set, else the rule of
+        pyx/decode_splits.py for this device's SMs and the kernel's occupancy at this shape."""
+        if not self.split_k:
+            return 1
+        if self.decode_splits:
+            return self.decode_splits
+        cache_code = TAPER_DT_FP8 if fp8_cache else self._act_code
+        key = (Hq, Hkv, D, cache_code)
+        if key not in self._decode_occupancy:
+            self._decode_occupancy[key] = decode_blocks_per_sm(Hq, Hkv, D, self._act_code,
+                                                               cache_code)
+        return decode_num_splits(B, Hkv, self.max_context or MB * BS, BS, self.num_sms,
+                                 self._decode_occupancy[key])
 
     def _workspace_ptr(self, int64_t nbytes):
         """Scratch of at least nbytes shared by the ops that need one (split-K decode, the

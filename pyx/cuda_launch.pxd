@@ -33,7 +33,8 @@ cdef extern from "taper_cuda.h" nogil:
                                      int64_t NB, int64_t BS, int dtype, int cache_dtype,
                                      taper_stream_t stream)
     int64_t taper_cuda_decode_workspace_bytes(int64_t B, int64_t Hq, int64_t D, int num_splits)
-    int taper_cuda_decode_num_splits(int64_t B, int64_t Hkv, int64_t max_seq_len, int num_sms)
+    int taper_cuda_decode_blocks_per_sm(int64_t Hq, int64_t Hkv, int64_t D, int dtype,
+                                        int cache_dtype, int* blocks)
     int taper_cuda_paged_attention_decode(void* out, const void* q, const void* k_cache,
                                           const void* v_cache, const float* k_scale,
                                           const float* v_scale, const int32_t* block_tables,

@@ -96,9 +96,16 @@ def decode_workspace_bytes(int64_t B, int64_t Hq, int64_t D, int num_splits):
     return taper_cuda_decode_workspace_bytes(B, Hq, D, num_splits)
 
 
-def decode_num_splits(int64_t B, int64_t Hkv, int64_t max_seq_len, int num_sms):
-    """Partitions per sequence for split-K decode attention (cuda/attention_decode.cu)."""
-    return taper_cuda_decode_num_splits(B, Hkv, max_seq_len, num_sms)
+def decode_blocks_per_sm(int64_t Hq, int64_t Hkv, int64_t D, int dtype, int cache_dtype):
+    """Blocks of the decode attention kernel for this shape that one SM holds at once (the
+    runtime's occupancy calculator); the split rule fills num_sms times this many slots."""
+    cdef int blocks = 0
+    cdef int st
+    with nogil:
+        st = taper_cuda_decode_blocks_per_sm(Hq, Hkv, D, dtype, cache_dtype, &blocks)
+    _check_status(st, "decode_blocks_per_sm", dict(Hq=Hq, Hkv=Hkv, D=D, dtype=dtype,
+                                                   cache_dtype=cache_dtype))
+    return blocks
 
 
 def launch_paged_attention_decode(ptr_t out, ptr_t q, ptr_t k_cache, ptr_t v_cache,
