@@ -90,3 +90,5 @@ cdef extern from "taper_cutlass.h" nogil:
     int taper_cuda_fp8_quantize_per_token_group(const void* x, uint8_t* q, float* scales,
                                                 int64_t M, int64_t K, int64_t group, int dtype,
                                                 taper_stream_t stream)
+    int taper_cuda_fp8_gemv(const void* x, const uint8_t* w, const float* scales, void* out,
+                            int64_t M, int64_t N, int64_t K, int dtype, taper_stream_t stream)

@@ -237,6 +237,15 @@ def launch_fp8_dequantize(ptr_t w, ptr_t scales, ptr_t out, int64_t N, int64_t K
     _check_status(st, "fp8_dequantize", dict(N=N, K=K, bn=bn, bk=bk, dtype=dtype))
 
 
+def launch_fp8_gemv(ptr_t x, ptr_t w, ptr_t scales, ptr_t out, int64_t M, int64_t N, int64_t K,
+                    int dtype, ptr_t stream):
+    cdef int st
+    with nogil:
+        st = taper_cuda_fp8_gemv(<const void*>x, <const uint8_t*>w, <const float*>scales,
+                                 <void*>out, M, N, K, dtype, <taper_stream_t>stream)
+    _check_status(st, "fp8_gemv", dict(M=M, N=N, K=K, dtype=dtype))
+
+
 def launch_fp8_quantize_per_token_group(ptr_t x, ptr_t q, ptr_t scales, int64_t M, int64_t K,
                                         int64_t group, int dtype, ptr_t stream):
     cdef int st
