@@ -141,6 +141,7 @@ gpu_tests() {  # one process per file: a CUDA context broken by one cannot fail 
 SUITE="${GPU_SUITE:-core}"
 GPU_TESTS_CAP=180
 KERNEL_SHAPES=""
+THROUGHPUT_ENV=""
 if [ "$SUITE" = quant ]; then
     GPU_TESTS_CAP=240           # test_cuda_quant_gemm alone took ~90 s on the H100
     GPU_TEST_FILES="test_cuda_gguf.py test_cuda_marlin.py test_cuda_fp8.py test_cuda_quant_gemm.py test_cuda_quant_model.py"
@@ -149,12 +150,14 @@ if [ "$SUITE" = quant ]; then
 elif [ "$SUITE" = serve ]; then
     :
 elif [ "$SUITE" = tuned ]; then
-    # flash-decoding (TAPER_CUDA_SPLIT_K=1): its tests, and decode attention over bf16 and FP8
-    # caches with the rule's split count and forced ones beside it
-    GPU_TEST_FILES="test_cuda_flash_decode.py"
-    KERNEL_OPS="decode_attention"
-    KERNEL_SHAPES="--shape splits=2,4,8,16,32,64"
-    THROUGHPUT_ARGS=""
+    # flash-decoding (TAPER_CUDA_SPLIT_K=1) and the FP8 GEMV (TAPER_CUDA_FP8_GEMV=1): their
+    # tests; decode attention over bf16 and FP8 caches with the rule's split count and forced
+    # ones beside it; the quantized GEMMs (fp8-gemv rows beside bf16, fp8-cutlass) at small M
+    GPU_TEST_FILES="test_cuda_flash_decode.py test_cuda_fp8_gemv.py"
+    KERNEL_OPS="decode_attention qgemm"
+    KERNEL_SHAPES="--shape splits=2,4,8,16,32,64 --shape QM=1,4,16,64 --shape qlayers=gate_up,down"
+    THROUGHPUT_ARGS="--quant fp8"
+    THROUGHPUT_ENV="TAPER_CUDA_FP8_GEMV=1 TAPER_CUDA_SPLIT_K=1"   # FP8 decode with both on
 elif [ "$SUITE" = core ]; then
     GPU_TEST_FILES="test_cuda_ops.py test_cuda_model.py"
     KERNEL_OPS="embedding rms_norm fused_add_rms_norm rotary_embedding silu_and_mul"
@@ -240,8 +243,8 @@ fi
 : > "$OUT/throughput.log"
 if ((SETUP_RC == 0)); then
     # shellcheck disable=SC2086
-    run_step throughput 150 60 "$PY" -m bench.throughput --backend cuda $THROUGHPUT_ARGS \
-        --json "$OUT/throughput.json"
+    run_step throughput 150 60 env $THROUGHPUT_ENV "$PY" -m bench.throughput --backend cuda \
+        $THROUGHPUT_ARGS --json "$OUT/throughput.json"
 else
     skip_step throughput "setup failed (no CUDA build or no device)"
 fi

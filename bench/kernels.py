@@ -34,7 +34,9 @@ weight copies and activations). Its row gives TFLOP/s (and % of the cuBLAS peak)
 bytes read over the time in GB/s (and % of the copy peak: decode at small M is bound by them), and
 the speed-up over bf16 dense at the same shape and M. FP8 rows also give % of an estimated FP8
 dense peak, twice the measured bf16 cuBLAS figure (Hopper's tensor-core ratio; cuBLAS FP8 is not
-reachable through this backend's GemmEx handle). --shape QM=1,16 and qlayers=gate_up,down select.
+reachable through this backend's GemmEx handle). fp8-gemv rows (M <= 64): the FP8 GEMV kernel of
+TAPER_CUDA_FP8_GEMV=1 on the e4m3 codes, any sm80+ device; the weight bytes over its time is its
+ratio to the copy ceiling. --shape QM=1,16 and qlayers=gate_up,down select.
 
 --shape overrides a dimension: T, B, ctx, M, SB (sampling batch), splits take lists (T=1,64),
 prefill takes NxL items (prefill=1x4096,8x512), H Hq Hkv D I V BS take one value.
@@ -68,6 +70,7 @@ LIST_KEYS = ("T", "B", "ctx", "M", "SB", "QM", "splits")
 QGEMM_SETS = 2          # weight copies + activations per quantized format (weights are large)
 QGEMM_GROUP = 128       # int4 group size
 FP8_BLOCK = (128, 128)
+FP8_GEMV_MAX_M = 64     # the FP8 GEMV kernel's largest M (cuda/fp8_gemv.cu)
 
 N_SETS = 4
 FLUSH_BYTES = 512 << 20
@@ -533,6 +536,17 @@ def qgemm_layers(c):
     return layers
 
 
+def fp8_gemv_linear(b, x, w, bias, out):
+    """linear through the FP8 GEMV (TAPER_CUDA_FP8_GEMV=1) at any M it takes, whatever the
+    backend's default crossover."""
+    saved = b.fp8_gemv, b.fp8_gemv_max_m
+    b.fp8_gemv, b.fp8_gemv_max_m = True, FP8_GEMV_MAX_M
+    try:
+        b.linear(x, w, bias, out)
+    finally:
+        b.fp8_gemv, b.fp8_gemv_max_m = saved
+
+
 def cases_qgemm(bench, c):
     """Per layer shape: place every format (QGEMM_SETS device copies), then per M one case per
     format, bf16 dense first (the baseline of the speed-ups)."""
@@ -555,12 +569,12 @@ def cases_qgemm(bench, c):
                                    f"{type(e).__name__}: {e}")
         host_s = time.time() - t0
         weights = {"bf16": [bench.rand((N, K), act, 1.0 / np.sqrt(K)) for _ in range(QGEMM_SETS)]}
-        saved_flag = b.fp8_cutlass
-        for f in ("q4k", "q8_0", "marlin", "fp8-cutlass"):
-            src = hosts.get("fp8" if f == "fp8-cutlass" else f)
+        saved_flags = b.fp8_cutlass, b.fp8_gemv
+        for f in ("q4k", "q8_0", "marlin", "fp8-cutlass", "fp8-gemv"):
+            src = hosts.get("fp8" if f.startswith("fp8") else f)
             if src is None or (f == "fp8-cutlass" and not cutlass):
                 continue
-            b.fp8_cutlass = f == "fp8-cutlass"
+            b.fp8_cutlass, b.fp8_gemv = f == "fp8-cutlass", f == "fp8-gemv"
             try:
                 with bench.stream:
                     placed = [b.place_weight(src) for _ in range(QGEMM_SETS)]
@@ -569,7 +583,7 @@ def cases_qgemm(bench, c):
                                    f"{type(e).__name__}: {e}")
                 continue
             finally:
-                b.fp8_cutlass = saved_flag
+                b.fp8_cutlass, b.fp8_gemv = saved_flags
             if f == "fp8-cutlass" and not all(isinstance(w, DeviceFp8Weight) for w in placed):
                 bench.notes.append(f"qgemm fp8-cutlass {name}: place_weight dequantized the codes "
                                    f"(activations {act.name}; the CUTLASS GEMM needs bf16)")
@@ -605,7 +619,10 @@ def cases_qgemm(bench, c):
                 with bench.stream:
                     outs.append(cp.empty((M, N), dtype=act))
             for f, ws in weights.items():
-                sets = [lambda x=xs[i], w=ws[i], out=outs[i]: b.linear(x, w, None, out)
+                if f == "fp8-gemv" and M > FP8_GEMV_MAX_M:
+                    continue
+                run = fp8_gemv_linear if f == "fp8-gemv" else type(b).linear
+                sets = [lambda x=xs[i], w=ws[i], out=outs[i], run=run: run(b, x, w, None, out)
                         for i in range(QGEMM_SETS)]
                 yield Case("qgemm", f"{name} M={M} N={N} K={K}", f, wbytes[f], 2 * M * N * K,
                            sets, stream=b.stream, baseline=f == "bf16", compare=f != "bf16",
@@ -704,7 +721,8 @@ def build_parser():
     ap.add_argument("ops", nargs="*", metavar="op",
                     help=f"ops to run (default all): {', '.join(OPS)}")
     ap.add_argument("--shape", action="append", metavar="k=v",
-                    help="override a dimension: T, B, ctx, M, SB, QM (qgemm's M) take lists "
+                    help="override a dimension: T, B, ctx, M, SB, QM (qgemm's M), splits "
+                         "(decode attention's forced split counts) take lists "
                          "(T=1,64); prefill=1x4096,8x512; qlayers=gate_up,down (qgemm's "
                          "projections); H, Hq, Hkv, D, I, V, BS one value")
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "f16", "f32"],

@@ -113,12 +113,13 @@ def test_fp8_linear_with_the_switch(make_cuda, cpu, M):
         out = b.xp.full((M, 384), np.nan, b.act_dtype)
         b.linear(b.asarray(x.astype(b.act_dtype)), placed, b.asarray(bias), out)
         got = b.to_host(out).astype(np.float32)
+        # switched off, the weight is dequantized at load (the default)
+        b.fp8_gemv = False
+        assert not isinstance(b.place_weight(weight), DeviceFp8Weight)
     finally:
         b.fp8_gemv, b.fp8_gemv_max_m = saved
     assert np.isfinite(got).all()
     assert rel_err(got, want + bias) < 2e-2
-    # switched off, the weight is dequantized at load (the default)
-    assert not isinstance(b.place_weight(weight), DeviceFp8Weight)
 
 
 def test_fp8_gemv_rejects_bad_sizes(cuda_bf16):
