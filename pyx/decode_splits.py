@@ -25,6 +25,8 @@ shorter sequences: their partitions just hold fewer keys.
 """
 from __future__ import annotations
 
+import functools
+
 MAX_SPLITS = 64          # the merge kernel keeps one weight per partition in shared memory
 BLOCKS_PER_SM = 4        # the decode kernel's __launch_bounds__ minimum (kMinBlocks)
 MIN_KEYS = 64            # two of the kernel's 32-key tiles: its double buffer still overlaps
@@ -37,6 +39,9 @@ def wave_efficiency(num_blocks: int, slots: int) -> float:
     return num_blocks / (waves * slots)
 
 
+# Cached: the backend asks once per attention layer and step (tens of microseconds of Python
+# each, ~2 ms per step over 32 layers without CUDA graphs); the arguments repeat step after step.
+@functools.lru_cache(maxsize=4096)
 def decode_num_splits(batch: int, num_kv_heads: int, max_context: int, block_size: int,
                       num_sms: int, blocks_per_sm: int = BLOCKS_PER_SM,
                       max_splits: int = MAX_SPLITS, min_keys: int = MIN_KEYS) -> int:
