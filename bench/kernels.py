@@ -18,10 +18,11 @@ Default shapes are Llama-3-8B's (H 4096, 32 query heads over 8 KV heads of 128, 
 V 128256): the fused element-wise ops at T 1, 64, 4096 tokens; decode attention at batch 1, 16,
 64 x context 1k, 8k, 32k over a bf16 and an FP8 cache with split-K off and on (the variant names
 the split count pyx/decode_splits.py picks, "split-K x57"; --shape splits=2,8,64 adds rows with
-those counts forced, to compare the rule's pick with the best); prefill attention (simple and tensor-core
-kernels) at 1 x 4096 and 8 x 512 tokens; linear at M 1, 16, 64, 4096 for the qkv (6144 x 4096),
+those counts forced, to compare the rule's pick with the best); prefill attention (simple and
+tensor-core kernels) at 1 x 4096 and 8 x 512 tokens; linear at M 1, 16, 64, 4096 for the qkv (6144 x 4096),
 o (4096 x 4096), gate_up (28672 x 4096) and down (4096 x 14336) projections; argmax, Gumbel
-sampling and the top-k/top-p/min-p filter at batch 1 and 64 over the vocabulary.
+sampling and the top-k/top-p/min-p filter at batch 1 and 64 over the vocabulary (the filter twice:
+the bisection kernel, and the radix-select one of TAPER_CUDA_RADIX_FILTER=1).
 
 qgemm (issue 6, item 7): the quantized GEMMs through `CudaBackend.linear` on the same four
 projections at M (QM) 1, 4, 16, 64, 4096 -- bf16 dense (cuBLAS, the reference), GGUF Q4_K and
@@ -633,6 +634,15 @@ def cases_qgemm(bench, c):
         bench.free()
 
 
+def with_radix_filter(b, launch):
+    """launch() with the backend's filter_logits on the radix-select kernel."""
+    b.radix_filter = True
+    try:
+        launch()
+    finally:
+        b.radix_filter = False
+
+
 def cases_sampling(bench, c, op):
     b, cp = bench.b, bench.cp
     V = c["V"]
@@ -661,6 +671,9 @@ def cases_sampling(bench, c, op):
         else:
             moved, variant = B * V * 4 + B * 8 + (16 * B if op == "gumbel_sample" else 0), ""
         yield Case(op, f"B={B} V={V}", variant, moved, 0, sets, prepare or None)
+        if op == "filter_logits":   # the same launches with TAPER_CUDA_RADIX_FILTER's kernel
+            radix = [lambda s=s: with_radix_filter(b, s) for s in sets]
+            yield Case(op, f"B={B} V={V}", "radix " + variant, moved, 0, radix, prepare)
         del sets, prepare
         bench.free()
 

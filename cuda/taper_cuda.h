@@ -188,6 +188,15 @@ int taper_cuda_filter_logits(float* logits,             // (B, V)
                              const float* min_p,        // (B,) 0 = off
                              int64_t B, int64_t V, taper_stream_t stream);
 
+/* taper_cuda_filter_logits with each threshold found by a radix select, 8 bits of the key per
+ * pass (4 passes) instead of bisection (up to 32): top-k the same; top-p's mass summed in 2^-k
+ * fixed point (k from V, so the sum stays exact integer arithmetic) instead of double, so the
+ * kept set can differ only where a prefix's mass lies within ~V^2 2^-62 of top_p times the total;
+ * rows with a NaN or a non-finite max bisect for top-p as before. */
+int taper_cuda_filter_logits_radix(float* logits, const float* temperature, const int32_t* top_k,
+                                   const float* top_p, const float* min_p, int64_t B, int64_t V,
+                                   taper_stream_t stream);
+
 /* ---- quant_gguf.cu: ggml's block formats on the GPU (issue 6). qtype: GGUF's
  * GGMLQuantizationType ids, the CPU's set: Q4_0 2, Q4_1 3, Q5_0 6, Q5_1 7, Q8_0 8, Q2_K 10,
  * Q3_K 11, Q4_K 12, Q5_K 13, Q6_K 14. A weight is N rows of K / block_elems blocks, each row

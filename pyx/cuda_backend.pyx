@@ -15,8 +15,9 @@ run has verified them: TAPER_CUDA_SPLIT_K=1 (flash-decoding: split-K decode atte
 the split count of pyx/decode_splits.py), TAPER_CUDA_MMA_PREFILL=1 (tensor-core prefill
 attention), TAPER_CUDA_MARLIN_PIPELINE=1 (the pipelined Marlin W4A16 GEMM),
 TAPER_CUDA_FP8_CUTLASS=1 (FP8 block-wise weights through CUTLASS on sm_90a instead of
-dequantized once to bf16) and TAPER_CUDA_FP8_GEMV=1 (FP8 block-wise weights kept e4m3, read by
-the FP8 GEMV kernel for small M).
+dequantized once to bf16), TAPER_CUDA_FP8_GEMV=1 (FP8 block-wise weights kept e4m3, read by
+the FP8 GEMV kernel for small M) and TAPER_CUDA_RADIX_FILTER=1 (the top-k / top-p thresholds of
+filter_logits by radix select instead of bisection).
 """
 import os
 
@@ -148,7 +149,7 @@ cdef class CudaBackend(Backend):
     cdef int _act_code
     cdef object _cupy, _workspace, _panel, _retired, _cublas_workspace, _decode_occupancy
     cdef void* _blas_handle
-    cdef public bint split_k, mma_prefill, fp8_cutlass, marlin_pipeline, fp8_gemv
+    cdef public bint split_k, mma_prefill, fp8_cutlass, marlin_pipeline, fp8_gemv, radix_filter
     cdef public int fp8_gemv_max_m   # FP8 weights take the GEMV up to this many rows
     cdef public int64_t max_context  # decode split-K sizes its partitions for this many keys
     cdef public int decode_splits    # > 0: this many split-K partitions (benchmarks); 0: the rule
@@ -200,6 +201,7 @@ cdef class CudaBackend(Backend):
         self.fp8_cutlass = _env_on("TAPER_CUDA_FP8_CUTLASS")
         self.marlin_pipeline = _env_on("TAPER_CUDA_MARLIN_PIPELINE")
         self.fp8_gemv = _env_on("TAPER_CUDA_FP8_GEMV")
+        self.radix_filter = _env_on("TAPER_CUDA_RADIX_FILTER")
         self.fp8_gemv_max_m = FP8_GEMV_MAX_M
         self.max_context = 0
         self.decode_splits = 0
@@ -792,4 +794,5 @@ cdef class CudaBackend(Backend):
         if any(arrays[n].shape[0] != B for n in ("temperature", "top_k", "top_p", "min_p")):
             _fail(op, "temperature, top_k, top_p, min_p must be (B,)", arrays)
         launch_filter_logits(self._ptr(logits), self._ptr(temperature), self._ptr(top_k),
-                             self._ptr(top_p), self._ptr(min_p), B, V, self._sptr())
+                             self._ptr(top_p), self._ptr(min_p), B, V, self._sptr(),
+                             self.radix_filter)

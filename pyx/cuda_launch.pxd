@@ -64,6 +64,10 @@ cdef extern from "taper_cuda.h" nogil:
     int taper_cuda_filter_logits(float* logits, const float* temperature, const int32_t* top_k,
                                  const float* top_p, const float* min_p, int64_t B, int64_t V,
                                  taper_stream_t stream)
+    int taper_cuda_filter_logits_radix(float* logits, const float* temperature,
+                                       const int32_t* top_k, const float* top_p,
+                                       const float* min_p, int64_t B, int64_t V,
+                                       taper_stream_t stream)
     int taper_cuda_gguf_supported(int qtype)
     int taper_cuda_gguf_dequantize(int qtype, const void* w, void* out, int64_t N, int64_t K,
                                    int dtype, taper_stream_t stream)
