@@ -154,6 +154,7 @@ elif [ "$SUITE" = tuned ]; then
     # filter (TAPER_CUDA_RADIX_FILTER=1): their tests; decode attention over bf16 and FP8 caches
     # with the rule's split count and forced ones beside it; the filter both ways; the quantized
     # GEMMs (fp8-gemv rows beside bf16, fp8-cutlass) at small M
+    GPU_TESTS_CAP=240           # 32k-key decode batches and Llama-3-8B-sized FP8 weights
     GPU_TEST_FILES="test_cuda_flash_decode.py test_cuda_fp8_gemv.py test_cuda_radix_filter.py"
     KERNEL_OPS="decode_attention filter_logits qgemm"
     KERNEL_SHAPES="--shape splits=2,4,8,16,32,64 --shape QM=1,4,16,64 --shape qlayers=gate_up,down"

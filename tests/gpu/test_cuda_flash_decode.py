@@ -28,7 +28,7 @@ LAYOUTS = {
 }
 
 
-@functools.lru_cache(maxsize=2)
+@functools.lru_cache(maxsize=2 * len(LAYOUTS))   # ~3 GB of host memory at most
 def batch(name: str, fp8: bool):
     """The f32 batch of a layout (cast per dtype by the tests), made once per session."""
     B, Hq, Hkv, D, BS, ctx = LAYOUTS[name]
