@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP API (Quart).
 
 Routes: /v1/chat/completions, /v1/completions, /v1/models, /tokenize, /detokenize, /health,
-/metrics, /version. Handlers validate (server/protocol.py), tokenize, check the context window,
+/metrics, /version; /v1/embeddings (server/embeddings.py). Handlers validate (server/protocol.py), tokenize, check the context window,
 hand the request to the engine, and turn its outputs into chunks (server/streaming.py): sent as
 SSE when streaming, folded into one JSON response otherwise.
 
@@ -25,6 +25,7 @@ from quart import Quart, Response, request
 from werkzeug.exceptions import HTTPException
 
 from server import streaming
+from server.embeddings import register_embeddings
 from server.metrics import Metrics
 from server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
                              DetokenizeRequest, TokenizeRequest, parse_json_body, parse_request)
@@ -345,6 +346,8 @@ def create_app(engine, settings: ServerSettings) -> Quart:
         async def fold(info, chunks):
             return await streaming.fold_completion(info, chunks, len(prompts))
         return await respond(info, chunks, fold)
+
+    register_embeddings(app, state)
 
     @app.post("/tokenize")
     async def tokenize():

@@ -32,7 +32,8 @@ def embedding_checkpoint(directory, pooling: str = "mean", normalize: bool = Tru
     transformer is saved as *ForCausalLM (with its lm_head, tensors under "model.") instead of
     the headless *Model that sentence-transformers itself writes."""
     import torch
-    from sentence_transformers import SentenceTransformer, models
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer import modules as models
     from transformers import AutoModel, AutoModelForCausalLM
 
     from checkpoints import scale_weights, tiny_config

@@ -18,6 +18,7 @@ import yaml
 
 ROOTS = ["CreateChatCompletionResponse", "CreateChatCompletionStreamResponse",
          "CreateCompletionResponse", "ListModelsResponse", "Model", "ErrorResponse"]
+ROOTS += ["CreateEmbeddingResponse"]      # /v1/embeddings (floats; base64 is a string)
 DROP = {"description", "x-oaiMeta", "example", "examples", "title", "deprecated",
         "x-stainless-const", "x-oaiTypeLabel", "x-oaiExpandable"}
 
