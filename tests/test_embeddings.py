@@ -15,7 +15,7 @@ import shutil
 import numpy as np
 import pytest
 from sentence_transformers import SentenceTransformer
-from sentence_transformers.sentence_transformer import modules as models  # models.Transformer, Pooling, Normalize
+from sentence_transformers.sentence_transformer import modules as models
 
 from embedding_checkpoints import edit_json, embedding_checkpoint, tokenizer
 
