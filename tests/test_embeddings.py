@@ -107,6 +107,30 @@ def test_legacy_pooling_config_and_unsupported_modules(ckpt_dirs, tmp_path):
         LLM(str(dense))
 
 
+def test_transformer_in_a_subfolder_and_causal_lm_saved_headless(ckpt_dirs, tmp_path):
+    """Old sentence-transformers saves keep the transformer (weights, config, tokenizer) in
+    0_Transformer/; and a *ForCausalLM config over headless tensors (no "model." prefix, no
+    lm_head), as some embedding models ship, loads as a headless transformer."""
+    from engine import LLM
+    model_dir = tmp_path / "old_layout"
+    shutil.copytree(ckpt_dirs["cls"], model_dir)
+    sub = model_dir / "0_Transformer"
+    sub.mkdir()
+    for name in os.listdir(model_dir):
+        if name not in ("modules.json", "1_Pooling", "config_sentence_transformers.json",
+                        "0_Transformer", "README.md"):
+            shutil.move(str(model_dir / name), str(sub / name))
+    edit_json(model_dir / "modules.json",
+              lambda m: [{**m[0], "path": "0_Transformer",
+                          "type": "sentence_transformers.models.Transformer"}] + m[1:])
+    edit_json(sub / "config.json", lambda c: {**c, "architectures": ["Qwen2ForCausalLM"]})
+    got = taper_embed(str(model_dir), TEXTS)
+    np.testing.assert_allclose(got, st_encode(ckpt_dirs["cls"], TEXTS), atol=1e-4, rtol=0)
+    llm = LLM(str(model_dir))
+    assert (llm.engine.model_config.architecture, llm.engine.model_config.has_lm_head) == (
+        "Qwen2ForCausalLM", False)
+
+
 def test_headless_checkpoint_cannot_generate(ckpt_dirs):
     from engine import LLM, SamplingParams
     llm = LLM(ckpt_dirs["mean"])

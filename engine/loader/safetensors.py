@@ -199,5 +199,5 @@ def load_safetensors(model_dir: str, dtype="auto", progress: bool = True,
 
 def add_model_prefix(weights: dict) -> dict:
     """A headless transformer's tensors (LlamaModel.save_pretrained: `layers.0...`, `norm.weight`)
-    under the causal LM's names (`model.layers.0...`); names already prefixed stay."""
-    return {(n if n.startswith("model.") else "model." + n): w for n, w in weights.items()}
+    under the causal LM's names (`model.layers.0...`); an lm_head keeps its name."""
+    return {(n if n.startswith("lm_head.") else "model." + n): w for n, w in weights.items()}
