@@ -1,13 +1,16 @@
 """The OpenAI-compatible HTTP API (Quart).
 
 Routes: /v1/chat/completions, /v1/completions, /v1/models, /tokenize, /detokenize, /health,
-/metrics, /version; /v1/embeddings (server/embeddings.py). Handlers validate (server/protocol.py), tokenize, check the context window,
+/metrics, /version. Handlers validate (server/protocol.py), tokenize, check the context window,
 hand the request to the engine, and turn its outputs into chunks (server/streaming.py): sent as
 SSE when streaming, folded into one JSON response otherwise.
 
 The app starts before the engine exists: `ServerState.engine` is None while the model loads
 (503s and /health says "loading"), and `draining` is set on SIGTERM (503s for new requests while
 the live ones finish).
+
+Routes kept in modules of their own are registered from create_app: /v1/embeddings
+(server/embeddings.py).
 """
 from __future__ import annotations
 
