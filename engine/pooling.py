@@ -35,7 +35,6 @@ class PoolingConfig:
     mode: str                                   # mean | cls | lasttoken
     normalize: bool                             # L2-normalize the pooled vector
     transformer_path: str = ""                  # the transformer's folder inside the checkpoint
-    from_sentence_transformers: bool = True     # False: the default for a generative model
     # `dimensions` (Matryoshka truncation) is allowed when the checkpoint says so:
     matryoshka_dimensions: tuple[int, ...] | None = None  # only these sizes
     is_matryoshka: bool = False                 # any size up to the hidden size
@@ -111,8 +110,7 @@ def default_pooling_config(model_dir: str | None) -> PoolingConfig:
     """A generative checkpoint's embeddings: its last token, L2-normalized (vLLM's default)."""
     path = None if model_dir is None else os.path.join(model_dir, "config.json")
     hf_config = _read_json(path) if path and os.path.isfile(path) else {}
-    return PoolingConfig("lasttoken", True, from_sentence_transformers=False,
-                         **_matryoshka(model_dir, hf_config))
+    return PoolingConfig("lasttoken", True, **_matryoshka(model_dir, hf_config))
 
 
 def _matryoshka(model_dir: str | None, hf_config: dict) -> dict:

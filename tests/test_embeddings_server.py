@@ -12,7 +12,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from embedding_checkpoints import edit_json, embedding_checkpoint
-from server_fakes import LiveServer, assert_error, client_for, post_json, validate
+from server_fakes import (LiveServer, assert_error, client_for, http_request, post_json,
+                          validate)
 from test_embeddings import CHECKPOINTS, TEXTS, st_encode
 
 pytestmark = pytest.mark.timeout(300)
@@ -119,6 +120,7 @@ def test_dimensions(ckpt_dirs, servers):
     ({"input": ["a", 3]}, "input", "invalid_value"),
     ({"input": [5, -1]}, "input", "invalid_value"),
     ({"input": [5, 10**6]}, "input", "invalid_value"),          # past the vocabulary
+    ({"input": [[5, 6], [5, 10**6]]}, "input", "invalid_value"),  # one bad input of a batch
     ({"input": list(range(3, 3 + MAX_MODEL_LEN + 1))}, "input", "context_length_exceeded"),
     ({"input": ["hi", "hello " * 80]}, "input", "context_length_exceeded"),
     ({"input": "hi", "encoding_format": "hex"}, "encoding_format", "invalid_value"),
@@ -129,8 +131,10 @@ def test_bad_requests_are_400_naming_the_parameter(servers, body, param, code):
     port = servers["cls"].port
     status, resp = post_json(port, "/v1/embeddings", body)
     assert_error(status, resp, 400, param, code)
-    # and the server goes on serving
+    # and the server goes on serving, nothing of the refused request left running
     assert post_json(port, "/v1/embeddings", {"input": "still here"})[0] == 200
+    status, _, metrics = http_request(port, "GET", "/metrics")
+    assert 'taper:num_requests_running{model_name="emb"} 0.0' in metrics.decode()
 
 
 def test_input_at_the_context_limit_and_unknown_model(servers):

@@ -41,8 +41,8 @@ def load_model(model_dir: str, backend, dtype: str = "auto", yarn_scaling_factor
     weights = load_safetensors(model_dir, dtype=dtype, progress=progress,
                                quantized=bool(model_config.quantization_config))
     if not any(name.startswith("model.") for name in weights):
-        # The headless layout (LlamaModel.save_pretrained; also causal LMs saved so for
-        # embeddings, Qwen3-Embedding style): without an lm_head, an untied one cannot generate.
+        # The headless layout (LlamaModel.save_pretrained, and some embedding models that keep a
+        # *ForCausalLM config over it): without an lm_head, an untied one cannot generate.
         from engine.loader.safetensors import add_model_prefix
         weights = add_model_prefix(weights)
         if "lm_head.weight" not in weights and not model_config.tie_word_embeddings:
