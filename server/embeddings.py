@@ -20,13 +20,14 @@ from engine.pooling import PoolingParams
 from server import streaming
 from server.protocol import APIError, _Request, parse_json_body, parse_request
 
-MAX_INPUTS = 2048      # OpenAI's limit on the items of one request
+MAX_INPUTS = 2048      # OpenAI's limit on the inputs of one request (a token-id input's length is
+                       # bounded by the model's context instead)
 
 
 class EmbeddingRequest(_Request):
     model: str | None = None
     input: str | list[str] | list[int] | list[list[int]]
-    encoding_format: Literal["float", "base64"] = "float"
+    encoding_format: Literal["float", "base64"] | None = None     # None (or null): float
     dimensions: int | None = Field(default=None, ge=1)
     user: str | None = None
 
@@ -38,8 +39,8 @@ class EmbeddingRequest(_Request):
         if isinstance(v, list):
             if not v:
                 raise ValueError("must not be an empty array")
-            if len(v) > MAX_INPUTS:
-                raise ValueError(f"must have at most {MAX_INPUTS} items, got {len(v)}")
+            if not isinstance(v[0], int) and len(v) > MAX_INPUTS:   # inputs, not token ids
+                raise ValueError(f"must have at most {MAX_INPUTS} inputs, got {len(v)}")
             if any(x == "" or x == [] for x in v):
                 raise ValueError("must not hold empty strings or empty token arrays")
             flat = [t for x in v for t in x] if isinstance(v[0], list) else v
