@@ -5,7 +5,7 @@ token counts from transformers' tokenizer."""
 from __future__ import annotations
 
 import base64
-import shutil
+import signal
 
 import numpy as np
 import pytest
@@ -180,5 +180,8 @@ def test_generative_model_pools_its_last_token(tmp_path):
         np.testing.assert_allclose([d.embedding for d in resp.data], want, atol=1e-4, rtol=0)
         status, body = post_json(server.port, "/v1/embeddings", {"input": "text"})
         assert_error(status, body, 400, "input", "no_tokenizer")
+        server.proc.send_signal(signal.SIGTERM)     # exits 0, having served without torch
+        assert server.proc.wait(timeout=30) == 0, server.log()
+        assert "TAPER_TORCH_IMPORTED=False" in server.log()
     finally:
         server.close()
