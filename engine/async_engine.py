@@ -30,6 +30,7 @@ class AsyncEngine:
             self.tokenizer.prepare_chat_guard()   # at load, not on the event loop's first chat
         self.model_config = self.engine.model_config
         self.max_model_len = self.engine.max_model_len
+        self.pooling = self.engine.pooling        # how /v1/embeddings pools (engine/pooling.py)
         self.model_name = default_model_name(config.model)
         self.generation_defaults = generation_config_defaults(self.engine.model_dir)
         self._commands: queue.Queue = queue.Queue()
@@ -60,7 +61,8 @@ class AsyncEngine:
         # stream, then look at the mark. So either it sees this stream or we see the mark.
         if self._closed:
             stream.put_nowait(RuntimeError("the engine is not running"))
-        return self._iterate(request_id, stream, params.n)
+        # an embedding request (PoolingParams) has one output
+        return self._iterate(request_id, stream, getattr(params, "n", 1))
 
     async def _iterate(self, request_id: str, stream: asyncio.Queue, n: int):
         """The outputs of all n choices, interleaved; ends when each has finished."""

@@ -22,6 +22,7 @@ from engine.model_runner import ModelRunner
 from engine.models.registry import load_gguf_model, load_model
 from engine.logprobs import gather_logprobs, to_entries
 from engine.outputs import RequestOutput, TokenLogprobs
+from engine.pooling import Pooler, PoolingParams, default_pooling_config, read_pooling_config
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -60,8 +61,11 @@ class LLMEngine:
         if loaded is not None:
             self.backend, self.model, self.model_config = loaded
             self.model_dir, self.tokenizer = None, None
+            self.pooling_config = None
         else:
             self._load()
+        # How /v1/embeddings pools: the sentence-transformers config, else the last token.
+        self.pooling = self.pooling_config or default_pooling_config(self.model_dir)
         if config.tokenizer:        # an explicit tokenizer wins (a GGUF's own may be missing)
             self.tokenizer = Tokenizer.try_from_pretrained(config.tokenizer)
         self.eos_token_ids = set(self.model_config.eos_token_ids)
@@ -115,12 +119,17 @@ class LLMEngine:
         if config.weight_file:
             path = resolve_gguf(config.model, config.weight_file)
             self.model_dir = os.path.dirname(os.path.abspath(path))
+            self.pooling_config = None
             self.model, self.model_config, self.tokenizer = load_gguf_model(
                 path, self.backend, **load_args)
         else:
             self.model_dir = resolve_model(config.model)
-            self.model, self.model_config = load_model(self.model_dir, self.backend, **load_args)
-            self.tokenizer = Tokenizer.try_from_pretrained(self.model_dir)
+            self.pooling_config = read_pooling_config(self.model_dir)
+            # old sentence-transformers saves keep the transformer in a subfolder
+            transformer_dir = os.path.join(self.model_dir, self.pooling_config.transformer_path
+                                           if self.pooling_config else "")
+            self.model, self.model_config = load_model(transformer_dir, self.backend, **load_args)
+            self.tokenizer = Tokenizer.try_from_pretrained(transformer_dir)
 
     def _capture_cuda_graphs(self):
         from engine.cuda_graph import CudaGraphRunner
@@ -185,15 +194,21 @@ class LLMEngine:
     # ---- requests
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
-                    params: SamplingParams) -> Sequence:
-        """Queue a request; returns its first choice's sequence. With n > 1, choice i samples
-        with seed + i (a seed of its own when the request has none), and choices 1..n-1 join
-        once choice 0 has computed the prompt, so their prefill finds its full blocks in the
-        prefix cache (only choice 0 reports prompt logprobs)."""
+                    params: SamplingParams | PoolingParams) -> Sequence:
+        """Queue a generation request (SamplingParams) or an embedding request (PoolingParams);
+        returns its (first choice's) sequence. With n > 1, choice i samples with seed + i (a
+        seed of its own when the request has none), and choices 1..n-1 join once choice 0 has
+        computed the prompt, so their prefill finds its full blocks in the prefix cache (only
+        choice 0 reports prompt logprobs)."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if not prompt_token_ids:
             raise ValueError("the prompt is empty")
+        if isinstance(params, PoolingParams):
+            return self._add_pooling_request(request_id, prompt_token_ids, params)
+        if not self.model_config.has_lm_head:
+            raise ValueError("this model has no lm_head (a headless embedding checkpoint): it "
+                             "serves embeddings only")
         if len(prompt_token_ids) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens; the maximum model "
                              f"length is {self.max_model_len}, which leaves no room to generate")
@@ -249,6 +264,28 @@ class LLMEngine:
             self.detokenizers.pop(seq.seq_id, None)
         return [seq.index for seq in seqs]
 
+    def _add_pooling_request(self, request_id: str, prompt_token_ids: list[int],
+                             params: PoolingParams) -> Sequence:
+        """An embedding: the prompt is computed (in chunks, batched with everything else) and
+        pooled; nothing is sampled."""
+        if len(prompt_token_ids) > self.max_model_len:
+            raise ValueError(f"the input has {len(prompt_token_ids)} tokens; the maximum model "
+                             f"length is {self.max_model_len}")
+        if params.dimensions is not None:
+            problem = self.pooling.check_dimensions(params.dimensions,
+                                                    self.model_config.hidden_size)
+            if problem:
+                raise ValueError(problem)
+        vocab = self.model_config.vocab_size
+        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
+            raise ValueError(f"token ids must be in [0, {vocab})")
+        seq = Sequence(prompt_token_ids, None, request_id, arrival_time=time.monotonic(),
+                       default_seed=0)
+        seq.pooler = Pooler(self.pooling, params, len(prompt_token_ids))
+        self.scheduler.add(seq)
+        self.requests[request_id] = [seq]
+        return seq
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
@@ -269,8 +306,9 @@ class LLMEngine:
             return []
         self.backend.bind_thread()   # CUDA: this thread's current device and stream
         try:
-            logits = self.runner.execute(sched)
-            sampled = [seq for seq, last in zip(sched.seqs, sched.sample) if last]
+            logits, pooled = self.runner.execute(sched)
+            sampled = [seq for seq, last in zip(sched.seqs, sched.sample)
+                       if last and seq.pooler is None]
             S = len(sampled)
             beams_ready = self.beams.collect(sampled, logits[:S])
             rows = [i for i, seq in enumerate(sampled) if seq.request_id not in self.beams]
@@ -286,7 +324,8 @@ class LLMEngine:
         self.scheduler.update(sched)
         outputs = [self._append(seq, int(token), lp)
                    for seq, token, lp in zip(sampled, tokens, logprobs)]
-        return outputs + self.beams.advance(beams_ready)
+        return (outputs + self.beams.advance(beams_ready)
+                + [out for out in map(self._pool, pooled) if out is not None])
 
     def _record_prompt_logprobs(self, sched, logits):
         """Prompt logprobs of this step's rows (runner.execute put them after the sampled rows),
@@ -302,6 +341,21 @@ class LLMEngine:
                                                             max(ks)), ks))
         for seq, r in spans:
             seq.prompt_logprobs.extend(next(entries) for _ in r)
+
+    def _pool(self, pooled: tuple) -> RequestOutput | None:
+        """Feed an embedding request its chunk's rows; once its last token is computed, finish
+        it with the pooled vector."""
+        seq, start, rows = pooled
+        if seq.is_finished:          # aborted during the step
+            return None
+        seq.pooler.add(start, rows)
+        if seq.num_computed_tokens < seq.num_tokens:
+            return None
+        self._finish(seq, "stop")
+        self.num_prompt_tokens += seq.num_prompt_tokens
+        return RequestOutput(seq.request_id, finished=True, finish_reason="stop",
+                             num_prompt_tokens=seq.num_prompt_tokens,
+                             embedding=seq.pooler.result())
 
     def _finish(self, seq: Sequence, reason: str):
         self.scheduler.finish(seq, reason)

@@ -36,3 +36,4 @@ class RequestOutput:
     logprobs: list[TokenLogprobs] | None = None
     # With the first output of choice 0: one entry per prompt token, None for the first.
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    embedding: object = None            # an embedding request's vector (float32 NumPy), at its end

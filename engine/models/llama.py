@@ -23,7 +23,7 @@ def expected_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor the graph reads, by its Hugging Face name."""
     H, I, D = c.hidden_size, c.intermediate_size, c.head_dim
     shapes = {"model.embed_tokens.weight": (c.vocab_size, H), "model.norm.weight": (H,)}
-    if not c.tie_word_embeddings:
+    if c.has_lm_head and not c.tie_word_embeddings:
         shapes["lm_head.weight"] = (c.vocab_size, H)
     for i in range(c.num_hidden_layers):
         p = f"model.layers.{i}."
@@ -103,7 +103,9 @@ class LlamaForCausalLM:
                 self._take(weights, f"{p}post_attention_layernorm.weight"), c.rms_norm_eps, i == 0))
         self.embed_tokens = self._take(weights, "model.embed_tokens.weight")
         self.norm = self._take(weights, "model.norm.weight")
-        if c.tie_word_embeddings:
+        if not c.has_lm_head:            # a headless transformer (LlamaModel, ...): embeddings only
+            self.lm_head = None
+        elif c.tie_word_embeddings:
             weights.pop("lm_head.weight", None)
             self.lm_head = self.embed_tokens
         else:
@@ -154,20 +156,32 @@ class LlamaForCausalLM:
         """Shape of each layer's K (and V) cache: float32, or uint8 e4m3 codes for an FP8 cache."""
         return (num_blocks, block_size, self.config.num_key_value_heads, self.config.head_dim)
 
-    def forward(self, batch: ForwardBatch, kv_caches: list) -> np.ndarray:
+    def forward(self, batch: ForwardBatch, kv_caches: list, hidden_indices=None):
         """Logits (len(batch.logits_indices), vocab) float32, a new array each call; the batch's
-        arrays and the logits live where the backend computes (NumPy or CuPy)."""
+        arrays and the logits live where the backend computes (NumPy or CuPy). With
+        `hidden_indices` (rows to pool for embeddings), returns (logits, their final-norm hidden
+        states (len(hidden_indices), hidden))."""
         c, b, ws = self.config, self.backend, self.workspace
         T = batch.num_tokens
         residual = ws.get("residual", T, c.hidden_size)
         hidden = ws.get("hidden", T, c.hidden_size)
         b.embedding(batch.token_ids, self.embed_tokens, residual)
         run_layers(self.layers, batch, hidden, residual, kv_caches, ws)
-        # Only the sampled rows go through the final norm and the lm_head.
+        # Only the sampled (and pooled) rows go through the final norm, the sampled ones through
+        # the lm_head.
         idx = batch.logits_indices
+        num_logits = len(idx)
+        if hidden_indices is not None:
+            idx = self.xp.concatenate([idx, hidden_indices])
         rows_hidden = self.xp.ascontiguousarray(hidden[idx])
         rows_residual = self.xp.ascontiguousarray(residual[idx])
-        b.fused_add_rms_norm(rows_hidden, rows_residual, self.norm, c.rms_norm_eps)
-        logits = self.xp.empty((len(idx), c.vocab_size), dtype=np.float32)
-        b.linear(rows_hidden, self.lm_head, None, logits)
-        return logits
+        if len(idx):
+            b.fused_add_rms_norm(rows_hidden, rows_residual, self.norm, c.rms_norm_eps)
+        logits = self.xp.empty((num_logits, c.vocab_size), dtype=np.float32)
+        if num_logits:
+            if self.lm_head is None:
+                raise ValueError("this checkpoint has no lm_head: it computes embeddings only")
+            b.linear(rows_hidden[:num_logits], self.lm_head, None, logits)
+        if hidden_indices is None:
+            return logits
+        return logits, rows_hidden[num_logits:]
