@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import threading
 import time
 
 from threadpoolctl import threadpool_limits
@@ -23,6 +24,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 from engine.stats import EngineStats
+from engine.structured_outputs import GrammarCompiler, StructuredOutputs
 from engine.tokenizer import Tokenizer
 
 log = logging.getLogger("taper.engine")
@@ -90,6 +92,8 @@ class LLMEngine:
         self.rng = random.Random(config.seed)        # seeds for requests that bring none
         self.num_prompt_tokens = 0                   # counters for EngineStats
         self.num_generation_tokens = 0
+        self._structured: StructuredOutputs | None = None    # built on first use
+        self._structured_lock = threading.Lock()
         log.info("KV cache: %d blocks of %d tokens; max model length %d", num_blocks,
                  config.block_size, self.max_model_len)
         if on_gpu:
@@ -178,6 +182,20 @@ class LLMEngine:
 
     # ---- requests
 
+    def structured_outputs(self) -> StructuredOutputs:
+        """Grammar compiler and matchers for structured outputs, built on first use (wrapping
+        the tokenizer for llguidance takes up to a second on a 150k vocabulary). Thread-safe: the
+        server compiles grammars from its worker threads."""
+        with self._structured_lock:
+            if self._structured is None:
+                if self.tokenizer is None:
+                    raise ValueError("structured outputs need the model's tokenizer, and this "
+                                     "model has none")
+                compiler = GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
+                                           self.eos_token_ids)
+                self._structured = StructuredOutputs(compiler, self.tokenizer)
+            return self._structured
+
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams) -> Sequence:
         if request_id in self.requests:
@@ -194,6 +212,9 @@ class LLMEngine:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         seq = Sequence(prompt_token_ids, params, request_id, arrival_time=time.monotonic(),
                        default_seed=self.rng.getrandbits(64))
+        if params.structured_outputs is not None:
+            seq.grammar = self.structured_outputs().start(params.structured_outputs,
+                                                          prompt_token_ids)
         if self.tokenizer is not None:
             self.detokenizers[request_id] = IncrementalDetokenizer(
                 self.tokenizer, prompt_token_ids, params.skip_special_tokens, params.stop,
@@ -229,7 +250,10 @@ class LLMEngine:
         try:
             logits = self.runner.execute(sched)
             sampled = [seq for seq, last in zip(sched.seqs, sched.sample) if last]
-            tokens = self.sampler.sample(logits, sampled, self.eos_token_ids) if sampled else []
+            mask = (self._structured.bitmask(sampled)
+                    if self._structured is not None and sampled else None)
+            tokens = (self.sampler.sample(logits, sampled, self.eos_token_ids, token_bitmask=mask)
+                      if sampled else [])
         except Exception as e:  # fail this step's requests, keep serving the others
             log.exception("step failed; finishing its %d requests with an error", len(sched.seqs))
             return [self._finish_with_error(seq, e) for seq in sched.seqs]
@@ -249,6 +273,9 @@ class LLMEngine:
                              num_output_tokens=seq.num_output_tokens)
 
     def _append(self, seq: Sequence, token: int) -> RequestOutput:
+        if not StructuredOutputs.advance(seq, token):
+            return self._finish_with_error(seq, RuntimeError(
+                f"token {token} is outside the request's grammar"))
         seq.append_token(token)
         self.num_generation_tokens += 1
         if seq.num_output_tokens == 1:

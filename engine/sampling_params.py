@@ -6,6 +6,8 @@ import logging
 import os
 from dataclasses import dataclass, field
 
+from engine.structured_outputs import StructuredOutputsParams
+
 log = logging.getLogger("taper.engine")
 
 
@@ -30,6 +32,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None   # a grammar the output must match
 
     def __post_init__(self):
         if isinstance(self.stop, str):

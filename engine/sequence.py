@@ -41,6 +41,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.arrival_time = arrival_time
         self.num_preemptions = 0
+        self.grammar = None             # structured outputs: engine.structured_outputs.GrammarState
         # The request's seed, else the engine's draw for it, else a random one.
         seed = self.sampling_params.seed
         if seed is None:

@@ -51,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--trust-request-chat-template", action="store_true",
                    help="let requests bring their own chat_template (a template is code the "
                         "server runs)")
+    g.add_argument("--structured-outputs-timeout", type=float, metavar="S", default=5.0,
+                   help="seconds a request's JSON schema, regex or grammar may take to compile "
+                        "before it is refused with a 400 (default 5)")
     g.add_argument("--ui-server", action="store_true", help="serve the web chat UI")
     g.add_argument("--enforce-parser", metavar="NAME", help="tool-call parser to use")
     g.add_argument("--mcp-config", metavar="FILE", help="MCP servers whose tools to offer")
@@ -212,7 +215,8 @@ def server_settings(args, config):
         max_queued_requests=args.max_queued_requests, max_gen_tokens=args.max_gen_tokens,
         sampling_defaults=sampling_defaults(args), chat_template=template,
         trust_request_chat_template=args.trust_request_chat_template,
-        max_body_bytes=int(args.max_request_mb * 2**20), cors_origins=args.allowed_origins)
+        max_body_bytes=int(args.max_request_mb * 2**20), cors_origins=args.allowed_origins,
+        structured_outputs_timeout=args.structured_outputs_timeout)
 
 
 class Server:

@@ -24,7 +24,7 @@ import jinja2
 from quart import Quart, Response, request
 from werkzeug.exceptions import HTTPException
 
-from server import streaming
+from server import streaming, structured_outputs
 from server.metrics import Metrics
 from server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
                              DetokenizeRequest, TokenizeRequest, parse_json_body, parse_request)
@@ -43,6 +43,7 @@ class ServerSettings:
     trust_request_chat_template: bool = False  # a template is code: clients may not send one
     max_body_bytes: int = 32 * 2**20
     cors_origins: list[str] = field(default_factory=lambda: ["*"])
+    structured_outputs_timeout: float = 5.0  # seconds a grammar may take to compile
 
 
 @dataclass
@@ -307,6 +308,7 @@ def create_app(engine, settings: ServerSettings) -> Quart:
         req, model, engine = await read_request(ChatCompletionRequest)
         prompt_ids = await chat_prompt_ids(engine, req)
         params = fit_context(engine, req, len(prompt_ids), "messages")
+        await structured_outputs.prepare(engine, req, [params], settings)
         check_queue(engine)
         info = streaming.ResponseInfo(streaming.random_id("chatcmpl"), model,
                                       "chat.completion.chunk", stream=req.stream,
@@ -329,6 +331,7 @@ def create_app(engine, settings: ServerSettings) -> Quart:
             return [tok.encode(p) if isinstance(p, str) else p for p in prompts]
         batch_ids = await off_loop(tokenize_batch, param="prompt")
         params_list = [fit_context(engine, req, len(ids), "prompt") for ids in batch_ids]
+        await structured_outputs.prepare(engine, req, params_list, settings)
         check_queue(engine, len(prompts))
         echo = None
         if req.echo:

@@ -136,6 +136,13 @@ class _SamplingRequest(_Request):
     best_of: int | None = None
     functions: list[dict] | None = None        # the deprecated spelling of tools
     function_call: Any = None
+    # Structured outputs (server/structured_outputs.py reads them and response_format): vLLM's
+    # object and its older top-level spellings.
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -152,9 +159,6 @@ class _SamplingRequest(_Request):
             raise not_supported("n")
         if self.logit_bias:
             raise not_supported("logit_bias")
-        fmt = self.response_format
-        if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-            raise not_supported("response_format")
         if self.use_beam_search:
             raise not_supported("use_beam_search")
         if self.best_of not in (None, 1):

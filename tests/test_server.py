@@ -204,8 +204,7 @@ def test_invalid_chat_params_are_400_naming_the_param(fake, extra, param):
 
 @pytest.mark.parametrize("extra, param", [
     ({"n": 2}, "n"), ({"logprobs": True}, "logprobs"), ({"top_logprobs": 2}, "top_logprobs"),
-    ({"logit_bias": {"5": 1.0}}, "logit_bias"), ({"response_format": {"type": "json_object"}},
-                                                  "response_format"),
+    ({"logit_bias": {"5": 1.0}}, "logit_bias"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ({"tool_choice": "auto"}, "tool_choice"), ({"use_beam_search": True}, "use_beam_search"),
     ({"functions": [{"name": "f"}]}, "functions"), ({"function_call": "auto"}, "function_call"),
