@@ -238,6 +238,8 @@ class StructuredOutputs:
             if token == state.wait_for_token:
                 state.wait_for_token = None
             return True
+        if state.matcher.is_stopped():    # complete: only EOS is allowed, ignore_eos repeats it
+            return True
         return bool(state.matcher.consume_token(token))
 
 
