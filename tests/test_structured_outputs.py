@@ -248,3 +248,31 @@ def test_compiler_lru_is_bounded(llm):
     assert compiler.cache_len() == 3
     again = compiler.compile(StructuredOutputsParams("regex", "a0"))
     assert again is not first                      # evicted, compiled anew
+
+
+# ---- the server's compile step
+
+def test_compile_timeout_is_a_400_naming_the_param():
+    """A grammar still compiling after --structured-outputs-timeout fails its own request."""
+    import asyncio
+    from concurrent.futures import Future
+    from types import SimpleNamespace
+
+    from server.__main__ import build_parser, engine_config, server_settings
+    from server.protocol import APIError, ChatCompletionRequest, parse_request
+    from server.structured_outputs import prepare
+
+    args = build_parser().parse_args(["--w", "/m", "--cpu", "--structured-outputs-timeout",
+                                      "0.2"])
+    settings = server_settings(args, engine_config(args))
+    assert settings.structured_outputs_timeout == 0.2
+    never = Future()                          # a compile that does not finish
+    manager = SimpleNamespace(compiler=SimpleNamespace(submit=lambda so: never))
+    engine = SimpleNamespace(structured_outputs=lambda: manager)
+    req = parse_request(ChatCompletionRequest, {
+        "messages": [{"role": "user", "content": "x"}], "guided_regex": "a+"})
+    params = SamplingParams()
+    with pytest.raises(APIError) as e:
+        asyncio.run(prepare(engine, req, [params], settings))
+    assert e.value.param == "guided_regex" and "did not compile within 0.2 s" in e.value.message
+    assert params.structured_outputs is None
