@@ -1,7 +1,8 @@
 """Next-token sampling: logits (B, V) -> token ids (B,), per-row SamplingParams, on any backend.
 
-Order (vLLM's): the structured-output token mask (disallowed tokens -> -inf), logit_bias, min_tokens mask, repetition penalty (prompt + output), presence and
-frequency penalties (output only) -> greedy rows: argmax. Other rows: / temperature, top-k, top-p
+Order (vLLM's): the structured-output token mask (tokens outside the grammar -> -inf), logit_bias,
+min_tokens mask, repetition penalty (prompt + output), presence and frequency penalties (output
+only) -> greedy rows: argmax. Other rows: / temperature, top-k, top-p
 (on the top-k-renormalised distribution), min-p, dropped tokens -> -inf, then Gumbel-max with the
 counter-based RNG keyed by (seed, output position), so a row draws the same token alone or in any
 batch (DESIGN.md section 5, Randomness).

@@ -176,6 +176,13 @@ def _plain_tokenizer_json(rust) -> str:
 
 # ---- per-sequence state and the step's mask
 
+# Up to this many constrained rows, masks are filled on the engine thread, one after another
+# (~30 us a row at V = 32k). The executor's worker threads must wake up and compete with the
+# OpenMP threads still spinning after the forward pass: on the 2-core test machine a batch of 8
+# took a median 3-9 ms that way against 0.27 ms serially (bench/RESULTS.md, 2026-11-26).
+SERIAL_FILL_ROWS = 32
+
+
 @dataclass(slots=True)
 class GrammarState:
     matcher: object                 # llguidance.LLMatcher, advanced with each sampled token
@@ -220,9 +227,13 @@ class StructuredOutputs:
                   if s.grammar is not None and s.grammar.wait_for_token is None]
         if not active:
             return None
-        from llguidance.numpy import fill_next_token_bitmask_par
+        from llguidance.numpy import fill_next_token_bitmask, fill_next_token_bitmask_par
         mask = np.zeros((len(seqs), self.num_words), dtype=np.int32)
-        fill_next_token_bitmask_par(self.executor, active, mask)
+        if len(active) <= SERIAL_FILL_ROWS:
+            for matcher, b in active:
+                fill_next_token_bitmask(matcher, mask, b)
+        else:
+            fill_next_token_bitmask_par(self.executor, active, mask)
         rows = np.fromiter((b for _, b in active), dtype=np.int32, count=len(active))
         mask[rows] &= self.valid_words
         return mask, rows
