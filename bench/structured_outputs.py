@@ -78,10 +78,22 @@ def overhead(llm, tokens: int, repeats: int):
             fills.append(time.perf_counter() - t)
         return out
     structured.bitmask = timed
+    from engine import structured_outputs as so_module
+    advances: list[float] = []
+    inner_advance = so_module.StructuredOutputs.advance
+
+    def timed_advance(seq, token):
+        t = time.perf_counter()
+        ok = inner_advance(seq, token)
+        if seq.grammar is not None:
+            advances.append(time.perf_counter() - t)
+        return ok
+    so_module.StructuredOutputs.advance = staticmethod(timed_advance)
+    be = llm.engine.backend
     print(f"\n## decode with and without the mask ({tokens} tokens per request, median of "
           f"{repeats} interleaved runs)")
-    print("| batch | free tok/s | constrained tok/s | overhead (wall) | mask fill per step "
-          "(median) | fill / constrained step |")
+    print("| batch | free tok/s | constrained tok/s | overhead (wall) | host work per step: "
+          "fill + apply + advance (median) | host work / constrained step |")
     print("|---|---|---|---|---|---|")
     for B in (1, 8):
         run_batch(llm, B, 8, True)            # warm-up: grammar cached, code paths hot
@@ -95,8 +107,20 @@ def overhead(llm, tokens: int, repeats: int):
             step.append(dt / (n / B))
         f, c = float(np.median(free)), float(np.median(cons))
         fill = float(np.median(fills))
-        print(f"| {B} | {f:.1f} | {c:.1f} | {100 * (f - c) / f:+.1f}% | {1e3 * fill:.3f} ms | "
-              f"{100 * fill / float(np.median(step)):.2f}% |")
+        V = llm.engine.model_config.vocab_size
+        logits = np.random.default_rng(0).standard_normal((B, V)).astype(np.float32)
+        mask = np.full((B, (V + 31) // 32), 0x55555555, dtype=np.int32)
+        rows = np.arange(B, dtype=np.int32)
+        t = time.perf_counter()
+        for _ in range(20):
+            be.apply_token_bitmask(logits, mask, rows)
+        apply = (time.perf_counter() - t) / 20
+        host = fill + apply + B * float(np.median(advances))
+        advances.clear()
+        print(f"| {B} | {f:.1f} | {c:.1f} | {100 * (f - c) / f:+.1f}% | {1e3 * host:.3f} ms "
+              f"({1e3 * fill:.3f} + {1e3 * apply:.3f} + {B} x "
+              f"{1e6 * host / B - 1e6 * (fill + apply) / B:.0f} us) | "
+              f"{100 * host / float(np.median(step)):.2f}% |")
 
 
 def schemas() -> list[dict]:
