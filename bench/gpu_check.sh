@@ -164,7 +164,7 @@ elif [ "$SUITE" = core ]; then
     GPU_TEST_FILES="test_cuda_ops.py test_cuda_model.py test_cuda_logprobs.py"
     KERNEL_OPS="embedding rms_norm fused_add_rms_norm rotary_embedding silu_and_mul"
     KERNEL_OPS="$KERNEL_OPS reshape_and_cache decode_attention prefill_attention linear argmax"
-    KERNEL_OPS="$KERNEL_OPS gumbel_sample filter_logits"
+    KERNEL_OPS="$KERNEL_OPS gumbel_sample filter_logits apply_token_bitmask"
     THROUGHPUT_ARGS=""
 else
     echo "GPU_SUITE=$SUITE: the suites are core, quant, serve and tuned" >&2

@@ -21,8 +21,9 @@ the split count pyx/decode_splits.py picks, "split-K x57"; --shape splits=2,8,64
 those counts forced, to compare the rule's pick with the best); prefill attention (simple and
 tensor-core kernels) at 1 x 4096 and 8 x 512 tokens; linear at M 1, 16, 64, 4096 for the qkv (6144 x 4096),
 o (4096 x 4096), gate_up (28672 x 4096) and down (4096 x 14336) projections; argmax, Gumbel
-sampling and the top-k/top-p/min-p filter at batch 1 and 64 over the vocabulary (the filter twice:
-the bisection kernel, and the radix-select one of TAPER_CUDA_RADIX_FILTER=1).
+sampling, the top-k/top-p/min-p filter (twice: the bisection kernel, and the radix-select one of
+TAPER_CUDA_RADIX_FILTER=1) and structured outputs' token bitmask (every row masked, about half
+the tokens allowed) at batch 1 and 64 over the vocabulary.
 
 qgemm (issue 6, item 7): the quantized GEMMs through `CudaBackend.linear` on the same four
 projections at M (QM) 1, 4, 16, 64, 4096 -- bf16 dense (cuBLAS, the reference), GGUF Q4_K and
@@ -59,7 +60,7 @@ import numpy as np
 
 OPS = ["embedding", "rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul",
        "reshape_and_cache", "decode_attention", "prefill_attention", "linear", "argmax",
-       "gumbel_sample", "filter_logits", "qgemm"]
+       "gumbel_sample", "filter_logits", "apply_token_bitmask", "qgemm"]
 
 DEFAULT = dict(H=4096, Hq=32, Hkv=8, D=128, I=14336, V=128256, BS=16,
                T=[1, 64, 4096], B=[1, 16, 64], ctx=[1024, 8192, 32768],
@@ -678,6 +679,28 @@ def cases_sampling(bench, c, op):
         bench.free()
 
 
+def cases_token_bitmask(bench, c):
+    """Every row constrained, a random mask (about half the tokens allowed). In place but
+    idempotent, so the timed launches need no restore."""
+    b, cp = bench.b, bench.cp
+    V = c["V"]
+    W = (V + 31) // 32
+    rng = np.random.default_rng(0)
+    for B in c["SB"]:
+        sets = []
+        for _ in range(N_SETS):
+            logits = bench.rand((B, V), np.float32, 3.0)
+            mask = bench.dev(rng.integers(-2**31, 2**31, size=(B, W), dtype=np.int64)
+                             .astype(np.int32))
+            rows = bench.dev(np.arange(B, dtype=np.int32))
+            sets.append(lambda lg=logits, m=mask, r=rows: b.apply_token_bitmask(lg, m, r))
+        # logits read once, the masked half written, the mask read once
+        yield Case("apply_token_bitmask", f"B={B} V={V}", "", B * V * 4 + B * V * 2 + B * W * 4,
+                   0, sets)
+        del sets
+        bench.free()
+
+
 def all_cases(bench, c, ops):
     gens = {
         "embedding": lambda: cases_embedding(bench, c),
@@ -692,6 +715,7 @@ def all_cases(bench, c, ops):
         "argmax": lambda: cases_sampling(bench, c, "argmax"),
         "gumbel_sample": lambda: cases_sampling(bench, c, "gumbel_sample"),
         "filter_logits": lambda: cases_sampling(bench, c, "filter_logits"),
+        "apply_token_bitmask": lambda: cases_token_bitmask(bench, c),
         "qgemm": lambda: cases_qgemm(bench, c),
     }
     for op in ops:

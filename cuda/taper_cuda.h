@@ -167,6 +167,14 @@ int taper_cuda_gumbel_sample(const float* logits,       // (B, V)
                              int64_t* out,              // (B,)
                              int64_t B, int64_t V, taper_stream_t stream);
 
+/* ---- token_bitmask.cu: structured outputs. For each listed row b = rows[r], logits[b, v] = -inf
+ * where bit v % 32 of bitmask[b, v / 32] is 0 (llguidance's layout); R <= 65535. Rows outside
+ * [0, B) are skipped (the CPU backend reports them). */
+int taper_cuda_apply_token_bitmask(float* logits,           // (B, V)
+                                   const int32_t* bitmask,  // (B, ceil(V / 32))
+                                   const int32_t* rows,     // (R,)
+                                   int64_t B, int64_t V, int64_t R, taper_stream_t stream);
+
 /* For each of N distinct (row, col) entries, in vLLM's order:
  * x = logits[row, col] + bias; x = x > 0 ? x / rep : x * rep; x -= pres_freq. */
 int taper_cuda_apply_penalties(float* logits,         // (B, V)

@@ -33,6 +33,7 @@ class AsyncEngine:
         self.pooling = self.engine.pooling        # how /v1/embeddings pools (engine/pooling.py)
         self.model_name = default_model_name(config.model)
         self.generation_defaults = generation_config_defaults(self.engine.model_dir)
+        self.structured_outputs = self.engine.structured_outputs   # thread-safe, lazy
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopping = False

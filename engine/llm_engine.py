@@ -6,6 +6,7 @@ import dataclasses
 import logging
 import os
 import random
+import threading
 import time
 
 import numpy as np
@@ -28,6 +29,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 from engine.stats import EngineStats
+from engine.structured_outputs import GrammarCompiler, StructuredOutputs
 from engine.tokenizer import Tokenizer
 
 log = logging.getLogger("taper.engine")
@@ -100,6 +102,8 @@ class LLMEngine:
         self.rng = random.Random(config.seed)        # seeds for requests that bring none
         self.num_prompt_tokens = 0                   # counters for EngineStats
         self.num_generation_tokens = 0
+        self._structured: StructuredOutputs | None = None    # built on first use
+        self._structured_lock = threading.Lock()
         log.info("KV cache: %d blocks of %d tokens; max model length %d", num_blocks,
                  config.block_size, self.max_model_len)
         if on_gpu:
@@ -193,6 +197,20 @@ class LLMEngine:
 
     # ---- requests
 
+    def structured_outputs(self) -> StructuredOutputs:
+        """Grammar compiler and matchers for structured outputs, built on first use (wrapping
+        the tokenizer for llguidance takes up to a second on a 150k vocabulary). Thread-safe: the
+        server compiles grammars from its worker threads."""
+        with self._structured_lock:
+            if self._structured is None:
+                if self.tokenizer is None:
+                    raise ValueError("structured outputs need the model's tokenizer, and this "
+                                     "model has none")
+                compiler = GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
+                                           self.eos_token_ids)
+                self._structured = StructuredOutputs(compiler, self.tokenizer)
+            return self._structured
+
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams | PoolingParams) -> Sequence:
         """Queue a generation request (SamplingParams) or an embedding request (PoolingParams);
@@ -241,6 +259,9 @@ class LLMEngine:
     def _new_sequence(self, request_id, prompt_token_ids, params, index) -> Sequence:
         seq = Sequence(prompt_token_ids, params, request_id, arrival_time=time.monotonic(),
                        default_seed=self.rng.getrandbits(64), index=index)
+        if params.structured_outputs is not None:
+            seq.grammar = self.structured_outputs().start(params.structured_outputs,
+                                                          prompt_token_ids)
         if self.tokenizer is not None:
             self.detokenizers[seq.seq_id] = IncrementalDetokenizer(
                 self.tokenizer, prompt_token_ids, params.skip_special_tokens, params.stop,
@@ -314,16 +335,24 @@ class LLMEngine:
             rows = [i for i, seq in enumerate(sampled) if seq.request_id not in self.beams]
             if len(rows) < S:
                 sampled = [sampled[i] for i in rows]
+            mask = (self._structured.bitmask(sampled)
+                    if self._structured is not None and sampled else None)
             tokens, logprobs = self.sampler.sample_with_logprobs(
                 logits[:S] if len(rows) == S else logits[self.backend.asarray(np.array(rows))],
-                sampled, self.eos_token_ids, self.config.logprobs_mode) if sampled else ([], [])
+                sampled, self.eos_token_ids, self.config.logprobs_mode,
+                token_bitmask=mask) if sampled else ([], [])
             self._record_prompt_logprobs(sched, logits[S:])
         except Exception as e:  # fail this step's requests, keep serving the others
             log.exception("step failed; finishing its %d requests with an error", len(sched.seqs))
             return [out for seq in sched.seqs for out in self._finish_with_error(seq, e)]
         self.scheduler.update(sched)
-        outputs = [self._append(seq, int(token), lp)
-                   for seq, token, lp in zip(sampled, tokens, logprobs)]
+        outputs = []
+        for seq, token, lp in zip(sampled, tokens, logprobs):
+            if StructuredOutputs.advance(seq, int(token)):
+                outputs.append(self._append(seq, int(token), lp))
+            else:      # the mask allowed it: a matcher and mask that disagree are a bug
+                outputs += self._finish_with_error(seq, RuntimeError(
+                    f"token {token} is outside the request's grammar"))
         return (outputs + self.beams.advance(beams_ready)
                 + [out for out in map(self._pool, pooled) if out is not None])
 

@@ -1,7 +1,8 @@
 """Next-token sampling: logits (B, V) -> token ids (B,), per-row SamplingParams, on any backend.
 
-Order (vLLM's): logit_bias, min_tokens mask, repetition penalty (prompt + output), presence and
-frequency penalties (output only) -> greedy rows: argmax. Other rows: / temperature, top-k, top-p
+Order (vLLM's): the structured-output token mask (tokens outside the grammar -> -inf), logit_bias,
+min_tokens mask, repetition penalty (prompt + output), presence and frequency penalties (output
+only) -> greedy rows: argmax. Other rows: / temperature, top-k, top-p
 (on the top-k-renormalised distribution), min-p, dropped tokens -> -inf, then Gumbel-max with the
 counter-based RNG keyed by (seed, output position), so a row draws the same token alone or in any
 batch (DESIGN.md section 5, Randomness).
@@ -34,16 +35,22 @@ class Sampler:
     def __init__(self, backend):
         self.backend = backend
 
-    def sample(self, logits, seqs: list, eos_token_ids: set[int]) -> np.ndarray:
+    def sample(self, logits, seqs: list, eos_token_ids: set[int],
+               token_bitmask: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
         """logits (B, V) float32 (a NumPy or CuPy array, the backend's), one row per sequence
-        (the row that samples its next token). Returns the B token ids, NumPy int64."""
-        return self.sample_with_logprobs(logits, seqs, eos_token_ids)[0]
+        (the row that samples its next token). token_bitmask: structured outputs' (bitmask
+        (B, ceil(V/32)) int32, rows (R,) int32) from the host, applied first, so greedy and
+        sampled rows both obey it. Returns the B token ids, NumPy int64."""
+        return self.sample_with_logprobs(logits, seqs, eos_token_ids,
+                                         token_bitmask=token_bitmask)[0]
 
     def sample_with_logprobs(self, logits, seqs: list, eos_token_ids: set[int],
-                             logprobs_mode: str = "raw"):
-        """The B token ids, and per row a TokenLogprobs (None for rows whose request asked for
-        none): of the raw logits, or with logprobs_mode "processed" of the logits the token was
-        drawn from (after penalties, logit_bias, temperature and the top-k/p, min-p filters)."""
+                             logprobs_mode: str = "raw",
+                             token_bitmask: tuple[np.ndarray, np.ndarray] | None = None):
+        """The B token ids (as `sample`), and per row a TokenLogprobs (None for rows whose
+        request asked for none): of the raw logits, or with logprobs_mode "processed" of the
+        logits the token was drawn from (after the token mask, penalties, logit_bias,
+        temperature and the top-k/p, min-p filters)."""
         be = self.backend
         xp = be.xp
         B, V = logits.shape
@@ -69,10 +76,13 @@ class Sampler:
 
         # A sub-batch (fancy indexing) is a copy already; the whole batch is copied only when
         # an op would write to it (processed logprobs write the filtered rows back).
-        if entries is not None or (filters is not None and (r_rows.size == B or processed)):
+        if (entries is not None or token_bitmask is not None
+                or (filters is not None and (r_rows.size == B or processed))):
             work = xp.array(logits, dtype=xp.float32, order="C", copy=True)
         else:
             work = xp.ascontiguousarray(logits, dtype=xp.float32)
+        if token_bitmask is not None:
+            be.apply_token_bitmask(work, *(be.asarray(a) for a in token_bitmask))
         if entries is not None:
             be.apply_penalties(work, *(be.asarray(a) for a in entries))
 

@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass, field
 
 from engine.logprobs import MAX_LOGPROBS
+from engine.structured_outputs import StructuredOutputsParams
 
 log = logging.getLogger("taper.engine")
 
@@ -37,6 +38,7 @@ class SamplingParams:
     best_of: int | None = None
     length_penalty: float = 1.0
     early_stopping: bool | str = False     # True, False or "never", as transformers
+    structured_outputs: StructuredOutputsParams | None = None   # a grammar the output must match
 
     def __post_init__(self):
         if isinstance(self.stop, str):

@@ -157,6 +157,14 @@ cdef class Backend:
         (0, 1] (1 = off); min_p (B,) f32 in [0, 1] (0 = off)."""
         raise NotImplementedError
 
+    def apply_token_bitmask(self, logits, bitmask, rows):
+        """In place, structured outputs: for each row b in rows, logits[b, v] = -inf wherever bit
+        v % 32 of bitmask[b, v // 32] is 0 (bits are allowed tokens; llguidance's layout). Rows
+        not listed and allowed tokens are left exactly as they were.
+        logits (B, V) f32; bitmask (B, ceil(V/32)) int32; rows (R,) int32, each in [0, B)
+        (ValueError otherwise)."""
+        raise NotImplementedError
+
     def gumbel_sample(self, logits, seeds, positions, out):
         """Gumbel-max sampling with a counter-based RNG (DESIGN.md section 5).
         For row b and token v: (x0, x1, x2, x3) = Philox4x32-10(counter=(v, pos_lo, pos_hi, 0),

@@ -70,6 +70,8 @@ cdef extern from "cpu_kernels.h" nogil:
     int taper_gumbel_sample(const float* logits, const uint64_t* seeds, const int64_t* positions,
                             int64_t* out, int64_t B, int64_t V, int nthreads)
     void taper_philox4x32_10(uint32_t* ctr, const uint32_t* key)
+    int taper_apply_token_bitmask(float* logits, const int32_t* bitmask, const int32_t* rows,
+                                  int64_t B, int64_t V, int64_t R, int nthreads)
 
 
 cdef extern from "quant_kernels.h" nogil:
@@ -707,6 +709,25 @@ cdef class CpuBackend(Backend):
         cdef int nt = self._nthreads, st
         with nogil:
             st = taper_gumbel_sample(lp, sp, pp, outp, B, V, nt)
+        _status(st, op, arrays)
+
+    def apply_token_bitmask(self, logits, bitmask, rows):
+        op = "apply_token_bitmask"
+        arrays = {"logits": logits, "bitmask": bitmask, "rows": rows}
+        _check(op, arrays, "logits", (_F32,), 2, True)
+        _check(op, arrays, "bitmask", (_I32,), 2)
+        _check(op, arrays, "rows", (_I32,), 1)
+        cdef int64_t B = logits.shape[0], V = logits.shape[1], R = rows.shape[0]
+        if bitmask.shape[0] != B or bitmask.shape[1] != (V + 31) // 32:
+            _fail(op, "need bitmask (B, ceil(V / 32)) for logits (B, V)", arrays)
+        cdef float* lp = <float*>_ptr(logits)
+        cdef const int32_t* mp = <const int32_t*>_ptr(bitmask)
+        cdef const int32_t* rp = <const int32_t*>_ptr(rows)
+        cdef int nt = self._nthreads, st
+        with nogil:
+            st = taper_apply_token_bitmask(lp, mp, rp, B, V, R, nt)
+        if st == TAPER_ERR_ARG:
+            _fail(op, "a row index is outside [0, B)", arrays)
         _status(st, op, arrays)
 
     # ---- logits processing (NumPy, pyx/cpu_sampling.py)

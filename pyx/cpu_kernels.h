@@ -138,6 +138,13 @@ int taper_gumbel_sample(const float* logits,     // (B, V)
                         int64_t* out,            // (B,)
                         int64_t B, int64_t V, int nthreads);
 
+/* Structured outputs: logits[rows[r], v] = -inf where bit v % 32 of word v / 32 of
+ * bitmask[rows[r]] is 0. Rows not listed are untouched. TAPER_ERR_ARG for a row outside [0, B). */
+int taper_apply_token_bitmask(float* logits,           // (B, V)
+                              const int32_t* bitmask,  // (B, ceil(V / 32))
+                              const int32_t* rows,     // (R,)
+                              int64_t B, int64_t V, int64_t R, int nthreads);
+
 /* Philox4x32-10 block (exposed for known-answer tests). ctr (4,) in place; key (2,). */
 void taper_philox4x32_10(uint32_t* ctr, const uint32_t* key);
 

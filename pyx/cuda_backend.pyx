@@ -764,6 +764,18 @@ cdef class CudaBackend(Backend):
         launch_gumbel_sample(self._ptr(logits), self._ptr(seeds), self._ptr(positions),
                              self._ptr(out), B, V, self._sptr())
 
+    def apply_token_bitmask(self, logits, bitmask, rows):
+        op = "apply_token_bitmask"
+        arrays = {"logits": logits, "bitmask": bitmask, "rows": rows}
+        self._check(op, arrays, "logits", (_F32,), 2, True)
+        self._check(op, arrays, "bitmask", (_I32,), 2)
+        self._check(op, arrays, "rows", (_I32,), 1)
+        B, V = logits.shape
+        if bitmask.shape[0] != B or bitmask.shape[1] != (V + 31) // 32:
+            _fail(op, "need bitmask (B, ceil(V / 32)) for logits (B, V)", arrays)
+        launch_apply_token_bitmask(self._ptr(logits), self._ptr(bitmask), self._ptr(rows), B, V,
+                                   rows.shape[0], self._sptr())
+
     def apply_penalties(self, logits, rows, cols, bias, rep, pres_freq):
         op = "apply_penalties"
         arrays = {"logits": logits, "rows": rows, "cols": cols, "bias": bias, "rep": rep,

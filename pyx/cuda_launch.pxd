@@ -58,6 +58,8 @@ cdef extern from "taper_cuda.h" nogil:
     int taper_cuda_gumbel_sample(const float* logits, const uint64_t* seeds,
                                  const int64_t* positions, int64_t* out, int64_t B, int64_t V,
                                  taper_stream_t stream)
+    int taper_cuda_apply_token_bitmask(float* logits, const int32_t* bitmask, const int32_t* rows,
+                                       int64_t B, int64_t V, int64_t R, taper_stream_t stream)
     int taper_cuda_apply_penalties(float* logits, const int32_t* rows, const int32_t* cols,
                                    const float* bias, const float* rep, const float* pres_freq,
                                    int64_t B, int64_t V, int64_t N, taper_stream_t stream)

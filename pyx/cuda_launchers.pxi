@@ -164,6 +164,16 @@ def launch_gumbel_sample(ptr_t logits, ptr_t seeds, ptr_t positions, ptr_t out, 
     _check_status(st, "gumbel_sample", dict(B=B, V=V))
 
 
+def launch_apply_token_bitmask(ptr_t logits, ptr_t bitmask, ptr_t rows, int64_t B, int64_t V,
+                               int64_t R, ptr_t stream):
+    cdef int st
+    with nogil:
+        st = taper_cuda_apply_token_bitmask(<float*>logits, <const int32_t*>bitmask,
+                                            <const int32_t*>rows, B, V, R,
+                                            <taper_stream_t>stream)
+    _check_status(st, "apply_token_bitmask", dict(B=B, V=V, R=R))
+
+
 def launch_apply_penalties(ptr_t logits, ptr_t rows, ptr_t cols, ptr_t bias, ptr_t rep,
                            ptr_t pres_freq, int64_t B, int64_t V, int64_t N, ptr_t stream):
     cdef int st

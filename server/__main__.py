@@ -57,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ui-server", action="store_true",
                    help="candle-vllm's flag for the web chat UI, accepted for its scripts: the "
                         "UI is always served at /ui on the API port")
+    g.add_argument("--structured-outputs-timeout", type=float, metavar="S", default=5.0,
+                   help="seconds a request's JSON schema, regex or grammar may take to compile "
+                        "before it is refused with a 400 (default 5)")
     g.add_argument("--enforce-parser", metavar="NAME", help="tool-call parser to use")
     g.add_argument("--mcp-config", metavar="FILE", help="MCP servers whose tools to offer")
     g.add_argument("--log", action="store_true", help="verbose logging (every request)")
@@ -231,7 +234,8 @@ def server_settings(args, config):
         sampling_defaults=sampling_defaults(args), chat_template=template,
         trust_request_chat_template=args.trust_request_chat_template,
         max_body_bytes=int(args.max_request_mb * 2**20), cors_origins=args.allowed_origins,
-        responses_store_size=args.responses_store_size)
+        responses_store_size=args.responses_store_size,
+        structured_outputs_timeout=args.structured_outputs_timeout)
 
 
 class Server:

@@ -28,7 +28,7 @@ import jinja2
 from quart import Quart, Response, request
 from werkzeug.exceptions import HTTPException
 
-from server import streaming
+from server import streaming, structured_outputs
 from server.embeddings import register_embeddings
 from server.logprobs import prompt_text_offsets, token_text
 from server.metrics import Metrics
@@ -52,6 +52,7 @@ class ServerSettings:
     max_body_bytes: int = 32 * 2**20
     cors_origins: list[str] = field(default_factory=lambda: ["*"])
     responses_store_size: int = 1000         # stored Responses API responses, oldest dropped
+    structured_outputs_timeout: float = 5.0  # seconds a grammar may take to compile
 
 
 @dataclass
@@ -327,6 +328,7 @@ def create_app(engine, settings: ServerSettings) -> Quart:
         req, model, engine = await read_request(ChatCompletionRequest)
         prompt_ids = await chat_prompt_ids(engine, req)
         params = fit_context(engine, req, len(prompt_ids), "messages")
+        await structured_outputs.prepare(engine, req, [params], settings)
         check_queue(engine)
         info = streaming.ResponseInfo(streaming.random_id("chatcmpl"), model,
                                       "chat.completion.chunk", stream=req.stream,
@@ -350,6 +352,7 @@ def create_app(engine, settings: ServerSettings) -> Quart:
             return [tok.encode(p) if isinstance(p, str) else p for p in prompts]
         batch_ids = await off_loop(tokenize_batch, param="prompt")
         params_list = [fit_context(engine, req, len(ids), "prompt") for ids in batch_ids]
+        await structured_outputs.prepare(engine, req, params_list, settings)
         check_queue(engine, len(prompts))
         echo, echo_tokens = None, None
         if req.echo:

@@ -142,10 +142,17 @@ class _SamplingRequest(_Request):
     best_of: int | None = Field(default=None, ge=1, le=MAX_N)
     length_penalty: float = 1.0
     early_stopping: bool | Literal["never"] = False
+    response_format: Any = None                # server/structured_outputs.py reads it
     # Accepted by the protocol, refused until a later issue implements them.
-    response_format: Any = None
     functions: list[dict] | None = None        # the deprecated spelling of tools
     function_call: Any = None
+    # Structured outputs (server/structured_outputs.py reads them and response_format): vLLM's
+    # object and its older top-level spellings.
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -158,9 +165,6 @@ class _SamplingRequest(_Request):
         return data
 
     def check_supported(self):
-        fmt = self.response_format
-        if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-            raise not_supported("response_format")
         if self.use_beam_search and self.stream:
             raise APIError("streaming is not supported with beam search (use_beam_search)",
                            param="stream", code="invalid_value")

@@ -307,3 +307,15 @@ def fp8_quantize_per_token_group(x, group=128):
     s = np.where(s > 0, s, np.float32(1.0)).astype(np.float32)
     codes = e4m3_encode(fp8_quotient(g, s[:, :, None])).reshape(M, K)
     return codes, s
+
+
+def apply_token_bitmask(logits, bitmask, rows):
+    """logits[b, v] = -inf for b in rows where bit v % 32 of word bitmask[b, v // 32] is 0."""
+    out = to_f64(logits).copy()
+    words = np.asarray(bitmask).astype(np.int64) & 0xFFFFFFFF     # the 32 bits, unsigned
+    V = out.shape[1]
+    for b in rows:
+        for v in range(V):
+            if not (words[b, v // 32] >> (v % 32)) & 1:
+                out[b, v] = -np.inf
+    return out

@@ -203,7 +203,6 @@ def test_invalid_chat_params_are_400_naming_the_param(fake, extra, param):
 
 
 @pytest.mark.parametrize("extra, param", [
-    ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ({"tool_choice": "auto"}, "tool_choice"), ({"best_of": 2}, "best_of"),
     ({"functions": [{"name": "f"}]}, "functions"), ({"function_call": "auto"}, "function_call"),

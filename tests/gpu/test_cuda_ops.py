@@ -646,6 +646,39 @@ def test_apply_penalties(cuda_f32, cpu, B, V, N):
         np.testing.assert_allclose(got[fin], other[fin], rtol=1e-6, atol=1e-6, err_msg=name)
 
 
+@pytest.mark.parametrize("B,V,rows", [(1, 151936, [0]), (8, 32000, [0, 2, 3, 7]),
+                                      (5, 33, [4, 1]), (64, 128256, list(range(0, 64, 3))),
+                                      (3, 1000, [])])
+def test_apply_token_bitmask(cuda_f32, cpu, B, V, rows):
+    """Structured outputs' mask equals the CPU op bit for bit (and the oracle); rows not listed
+    and allowed tokens are untouched."""
+    b = cuda_f32
+    rng = np.random.default_rng(B + V)
+    logits = rng.standard_normal((B, V)).astype(np.float32)
+    W = (V + 31) // 32
+    bitmask = rng.integers(-2**31, 2**31, size=(B, W), dtype=np.int64).astype(np.int32)
+    bitmask[:, :W // 4] = -1                           # stretches of all-allowed words
+    bitmask[:, -1] = 1                                 # only the first id of the last word
+    rows = np.array(rows, dtype=np.int32)
+    ld = to_dev(b, logits)
+    b.apply_token_bitmask(ld, to_dev(b, bitmask), to_dev(b, rows))
+    got = to_host(b, ld)
+    want = logits.copy()
+    cpu.apply_token_bitmask(want, bitmask, rows)
+    assert got.tobytes() == want.tobytes()
+    if V <= 40000:
+        np.testing.assert_array_equal(got.astype(np.float64),
+                                      ref.apply_token_bitmask(logits, bitmask, rows))
+
+
+def test_apply_token_bitmask_rejects_bad_shapes(cuda_f32):
+    b = cuda_f32
+    with pytest.raises(ValueError, match="apply_token_bitmask"):
+        b.apply_token_bitmask(to_dev(b, np.zeros((2, 40), np.float32)),
+                              to_dev(b, np.zeros((2, 1), np.int32)),
+                              to_dev(b, np.zeros(1, np.int32)))
+
+
 FILTER_ROWS = [  # (temperature, top_k, top_p, min_p)
     (1.0, 0, 1.0, 0.0),        # nothing: the row is left as it is
     (0.7, 50, 1.0, 0.0),       # top-k
