@@ -190,6 +190,29 @@ class BlockPool:
             seq.block_table.append(self._pop_free().block_id)
         return True
 
+    def fork(self, parent: Sequence, child: Sequence) -> tuple[int, int] | None:
+        """Give `child` (a beam continuing `parent`, with nothing allocated) parent's computed
+        KV: the full blocks shared (one more reference each), a partly filled last block as a
+        fresh block, returned as (source, destination) for the caller to copy (the two will
+        write different tokens after it). Raises RuntimeError when no block is free."""
+        assert not child.block_table
+        n = parent.num_computed_tokens
+        full = n // self.block_size
+        for block_id in parent.block_table[:full]:
+            self.blocks[block_id].ref_count += 1
+            child.block_table.append(block_id)
+        child.block_hashes = parent.block_hashes[:full]
+        child.num_computed_tokens = n
+        self._num_hashed_blocks[child.seq_id] = min(
+            self._num_hashed_blocks.get(parent.seq_id, 0), full)
+        if n % self.block_size == 0:
+            return None
+        if not self.free_queue:
+            raise RuntimeError("no free KV block to fork a beam into")
+        dst = self._pop_free().block_id
+        child.block_table.append(dst)
+        return parent.block_table[full], dst
+
     def _pop_free(self) -> Block:
         _, block = self.free_queue.popitem(last=False)
         if block.block_hash is not None:   # evict

@@ -39,7 +39,9 @@ class ModelRunner:
 
     def prepare(self, sched: SchedulerOutput) -> ForwardBatch:
         """Each sequence computes tokens [num_computed, num_computed + n); the scheduler marks
-        those that reach their last token, whose last row is sampled."""
+        those that reach their last token, whose last row is sampled. logits_indices: the
+        sampled rows in sequence order, then the rows of prompt positions whose logprobs a
+        request asked for (Sequence.prompt_logprob_positions), in sequence order."""
         seqs, num_new_tokens = sched.seqs, sched.num_new_tokens
         bs = self.block_size
         total = sum(num_new_tokens)
@@ -50,7 +52,7 @@ class ModelRunner:
         seq_lens = np.empty(len(seqs), np.int32)
         max_blocks = max(len(seq.block_table) for seq in seqs)
         block_tables = np.zeros((len(seqs), max_blocks), np.int32)
-        logits_indices = []
+        logits_indices, prompt_rows = [], []
         row = 0
         for i, (seq, n, sample) in enumerate(zip(seqs, num_new_tokens, sched.sample)):
             start = seq.num_computed_tokens
@@ -61,16 +63,29 @@ class ModelRunner:
             slot_mapping[row:row + n] = table[pos // bs] * bs + pos % bs
             block_tables[i, :len(table)] = table
             seq_lens[i] = start + n
+            for p in seq.prompt_logprob_positions(n):
+                prompt_rows.append(row + p - start)
             row += n
             query_start_loc[i + 1] = row
             if sample:
                 logits_indices.append(row - 1)
         return ForwardBatch(token_ids, positions, slot_mapping, query_start_loc, seq_lens,
-                            block_tables, np.asarray(logits_indices, np.int32))
+                            block_tables, np.asarray(logits_indices + prompt_rows, np.int32))
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]):
+        """KV block src -> dst in every layer (a beam's fork of a partly filled block)."""
+        if not pairs:
+            return
+        src = self.backend.asarray(np.array([p[0] for p in pairs], np.int64))
+        dst = self.backend.asarray(np.array([p[1] for p in pairs], np.int64))
+        for k, v in self.kv_caches:
+            k[dst] = k[src]
+            v[dst] = v[src]
 
     def execute(self, sched: SchedulerOutput):
-        """One forward call; returns the logits (S, V) of the sequences that sample this step
-        (on the backend's device). Pure decode steps replay a captured CUDA graph when one fits."""
+        """One forward call; returns the logits (S + P, V) of the S sequences that sample this
+        step, then of the P prompt-logprob rows (on the backend's device). Pure decode steps
+        replay a captured CUDA graph when one fits."""
         batch = self.prepare(sched)
         self.num_forward_calls += 1
         self.num_forward_tokens += batch.num_tokens

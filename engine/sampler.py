@@ -14,13 +14,17 @@ applies in the order above in one pass. The logits themselves stay where the bac
 are backend ops, and only the B token ids come back (`backend.to_host`). The caller's logits are
 never modified: the sampler works on a copy when some row needs penalties or filters.
 
-`apply_penalties` and `apply_filters` are public NumPy helpers so tests (and later logprobs) can
-see the processed logits; they run the CPU backend's code (pyx/cpu_sampling.py).
+`apply_penalties` and `apply_filters` are public NumPy helpers so tests can see the processed
+logits; they run the CPU backend's code (pyx/cpu_sampling.py).
+
+Logprobs (engine/logprobs.py) are gathered on the backend too, for the rows that ask for them:
+of the raw logits by default, of the processed ones with logprobs_mode "processed".
 """
 from __future__ import annotations
 
 import numpy as np
 
+from engine.logprobs import gather_logprobs, to_entries
 from pyx import cpu_sampling
 
 NEG_INF = np.float32(-np.inf)
@@ -33,14 +37,21 @@ class Sampler:
     def sample(self, logits, seqs: list, eos_token_ids: set[int]) -> np.ndarray:
         """logits (B, V) float32 (a NumPy or CuPy array, the backend's), one row per sequence
         (the row that samples its next token). Returns the B token ids, NumPy int64."""
+        return self.sample_with_logprobs(logits, seqs, eos_token_ids)[0]
+
+    def sample_with_logprobs(self, logits, seqs: list, eos_token_ids: set[int],
+                             logprobs_mode: str = "raw"):
+        """The B token ids, and per row a TokenLogprobs (None for rows whose request asked for
+        none): of the raw logits, or with logprobs_mode "processed" of the logits the token was
+        drawn from (after penalties, logit_bias, temperature and the top-k/p, min-p filters)."""
         be = self.backend
         xp = be.xp
         B, V = logits.shape
         if B != len(seqs):
             raise ValueError(f"sample: {B} logits rows for {len(seqs)} sequences")
-        # Logprobs (a later issue) are of the raw distribution: take them from `logits` here,
-        # before any processing.
         params = [s.sampling_params for s in seqs]
+        lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        processed = bool(lp_rows) and logprobs_mode == "processed"
         entries = penalty_entries(seqs, eos_token_ids, V)
         greedy = np.fromiter((p.greedy for p in params), dtype=bool, count=B)
         g_rows, r_rows = np.flatnonzero(greedy), np.flatnonzero(~greedy)
@@ -57,8 +68,8 @@ class Sampler:
                 filters = temperature, top_k, top_p, min_p
 
         # A sub-batch (fancy indexing) is a copy already; the whole batch is copied only when
-        # an op would write to it.
-        if entries is not None or (filters is not None and r_rows.size == B):
+        # an op would write to it (processed logprobs write the filtered rows back).
+        if entries is not None or (filters is not None and (r_rows.size == B or processed)):
             work = xp.array(logits, dtype=xp.float32, order="C", copy=True)
         else:
             work = xp.ascontiguousarray(logits, dtype=xp.float32)
@@ -79,13 +90,26 @@ class Sampler:
             sub = work if r_rows.size == B else work[idx]
             if filters is not None:
                 be.filter_logits(sub, *(be.asarray(a) for a in filters))
+                if processed and r_rows.size < B:
+                    work[idx] = sub
             seeds = np.array([seqs[i].seed for i in r_rows], dtype=np.uint64)
             positions = np.array([seqs[i].num_output_tokens for i in r_rows], dtype=np.int64)
             sub_out = out if r_rows.size == B else xp.empty(r_rows.size, dtype=xp.int64)
             be.gumbel_sample(sub, be.asarray(seeds), be.asarray(positions), sub_out)
             if r_rows.size < B:
                 out[idx] = sub_out
-        return np.asarray(be.to_host(out), dtype=np.int64)
+        tokens = np.asarray(be.to_host(out), dtype=np.int64)
+
+        logprobs = [None] * B
+        if lp_rows:
+            source = work if processed else logits
+            rows = source if len(lp_rows) == B else source[be.asarray(np.array(lp_rows))]
+            ks = [params[i].logprobs for i in lp_rows]
+            chosen = tokens[lp_rows]
+            for i, entry in zip(lp_rows, to_entries(chosen, *gather_logprobs(be, rows, chosen,
+                                                                                max(ks)), ks)):
+                logprobs[i] = entry
+        return tokens, logprobs
 
 
 # ---- penalties (before temperature)

@@ -27,8 +27,9 @@ class Sequence:
 
     def __init__(self, token_ids: list[int], sampling_params: SamplingParams | None = None,
                  request_id: str | None = None, arrival_time: float = 0.0,
-                 default_seed: int | None = None):
+                 default_seed: int | None = None, index: int = 0):
         self.seq_id = next(_ids)
+        self.index = index              # the request's choice this sequence produces (n > 1)
         self.request_id = request_id if request_id is not None else str(self.seq_id)
         self.token_ids = list(token_ids)
         self.num_prompt_tokens = len(token_ids)
@@ -41,6 +42,11 @@ class Sequence:
         self.finish_reason: str | None = None
         self.arrival_time = arrival_time
         self.num_preemptions = 0
+        # Prompt logprobs so far (entry j for prompt token j; None for token 0), filled chunk by
+        # chunk as the prefill computes the rows; None when the request asked for none.
+        self.prompt_logprobs = None if self.sampling_params.prompt_logprobs is None else [None]
+        # Output logprobs waiting for their token's text to be released: (entry, text end).
+        self.pending_logprobs = []
         # The request's seed, else the engine's draw for it, else a random one.
         seed = self.sampling_params.seed
         if seed is None:
@@ -65,6 +71,15 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
+
+    def prompt_logprob_positions(self, num_new_tokens: int) -> range:
+        """Positions, among the next num_new_tokens to compute, whose logits give a prompt
+        token's logprob not yet known: position p predicts prompt token p + 1."""
+        if self.prompt_logprobs is None:
+            return range(0)
+        start = max(self.num_computed_tokens, len(self.prompt_logprobs) - 1)
+        end = min(self.num_computed_tokens + num_new_tokens, self.num_prompt_tokens - 1)
+        return range(start, max(start, end))
 
     def append_token(self, token_id: int):
         self.token_ids.append(token_id)

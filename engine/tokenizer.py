@@ -25,6 +25,7 @@ import threading
 from tokenizers import AddedToken, Tokenizer as RustTokenizer
 
 from engine.hf_tokenizers import PreTrainedTokenizerFast, auto_tokenizer
+from engine.loader.gguf_tokenizer import bytes_to_unicode
 
 log = logging.getLogger("taper.tokenizer")
 
@@ -48,6 +49,8 @@ class Tokenizer:
         self._specials: dict[int, AddedToken] = {
             int(i): t for i, t in self._rust.get_added_tokens_decoder().items() if t.special}
         self._special_re = _literal_re(t.content for t in self._specials.values())
+        self._added_ids = set(int(i) for i in self._rust.get_added_tokens_decoder())
+        self._byte_level: bool | None = None     # token_bytes: is the decoder byte-level BPE?
         self._guard: _TextGuard | None = None   # built on the first conversation that needs it
         self._guard_lock = threading.Lock()
 
@@ -162,6 +165,32 @@ class Tokenizer:
 
     def convert_ids_to_tokens(self, ids) -> list[str]:
         return self.hf.convert_ids_to_tokens([int(i) for i in ids])
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The token's own bytes (OpenAI's logprobs `bytes`), not the text of decoding it
+        alone: one byte-level token of a split emoji holds just its part of the UTF-8 bytes.
+        Byte-level BPE maps its alphabet back to bytes; SentencePiece byte fallback
+        `<0xE2>` is that byte and "▁" a space; added tokens are their content."""
+        token_id = int(token_id)
+        piece = self._rust.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if token_id in self._added_ids:
+            return piece.encode()
+        if self._byte_level is None:
+            state = json.loads(self._rust.decoder.__getstate__()) if self._rust.decoder else {}
+            self._byte_level = '"ByteLevel"' in json.dumps(state)
+        if self._byte_level:
+            return bytes(_BYTE_DECODER.get(c, 0) for c in piece)
+        m = _BYTE_PIECE.fullmatch(piece)
+        if m:
+            return bytes([int(m.group(1), 16)])
+        return piece.replace("\u2581", " ").encode()
+
+
+# Byte-level BPE's alphabet back to bytes.
+_BYTE_DECODER = {c: b for b, c in bytes_to_unicode().items()}
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
 def _generation_eos_ids(path: str) -> list[int]:

@@ -108,6 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="log every N steps where the engine's step time went (scheduling, batch "
                         "preparation, forward, sampling, output processing); it synchronizes the "
                         "device after each forward, so it slows a GPU")
+    e.add_argument("--logprobs-mode", choices=["raw", "processed"], default="raw",
+                   help="logprobs of the model's distribution (raw, default) or of the one "
+                        "sampled from: after penalties, logit_bias, temperature and filters")
     s = p.add_argument_group("generation defaults (requests override them; unset: the "
                              "checkpoint's generation_config.json)")
     s.add_argument("--max-gen-tokens", type=int, metavar="N", default=None,
@@ -199,7 +202,8 @@ def engine_config(args):
         prefill_chunk_size=args.prefill_chunk_size,
         enable_prefix_caching=not args.disable_prefix_cache,
         prefix_cache_max_tokens=args.prefix_cache_max_tokens, max_model_len=args.max_model_len,
-        yarn_scaling_factor=args.yarn_scaling_factor, isq=args.isq, seed=args.seed)
+        yarn_scaling_factor=args.yarn_scaling_factor, isq=args.isq, seed=args.seed,
+        logprobs_mode=args.logprobs_mode)
 
 
 def server_settings(args, config):

@@ -26,6 +26,7 @@ from quart import Quart, Response, request
 from werkzeug.exceptions import HTTPException
 
 from server import streaming
+from server.logprobs import prompt_text_offsets, token_text
 from server.metrics import Metrics
 from server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
                              DetokenizeRequest, TokenizeRequest, parse_json_body, parse_request)
@@ -252,7 +253,16 @@ def create_app(engine, settings: ServerSettings) -> Quart:
                            f"{name}.", param=name, code="context_length_exceeded")
         default = room if settings.max_gen_tokens is None else min(room, settings.max_gen_tokens)
         defaults = {**getattr(engine, "generation_defaults", {}), **settings.sampling_defaults}
-        return req.to_sampling_params(default_max_tokens=default, defaults=defaults)
+        return req.to_sampling_params(default_max_tokens=default, defaults=defaults,
+                                      vocab_size=vocab_size(engine))
+
+    def vocab_size(engine) -> int:
+        model_config = getattr(engine, "model_config", None)
+        return model_config.vocab_size if model_config is not None else engine.tokenizer.vocab_size
+
+    def logprobs_options(engine, req) -> streaming.LogprobsOptions:
+        return streaming.LogprobsOptions(token_text(engine.tokenizer), req.output_logprobs(),
+                                         req.prompt_logprobs)
 
     def require_tokenizer(engine, param: str):
         if engine.tokenizer is None:
@@ -318,7 +328,8 @@ def create_app(engine, settings: ServerSettings) -> Quart:
         timing = state.metrics.request()
         outputs = streaming.engine_outputs(engine, info.id, prompt_ids, params, timing,
                                            "messages")
-        chunks = streaming.chat_chunks(info, outputs, len(prompt_ids), timing)
+        chunks = streaming.chat_chunks(info, outputs, len(prompt_ids), timing, req.n,
+                                       logprobs_options(engine, req))
         return await respond(info, chunks, streaming.fold_chat)
 
     @app.post("/v1/completions")
@@ -334,9 +345,13 @@ def create_app(engine, settings: ServerSettings) -> Quart:
         batch_ids = await off_loop(tokenize_batch, param="prompt")
         params_list = [fit_context(engine, req, len(ids), "prompt") for ids in batch_ids]
         check_queue(engine, len(prompts))
-        echo = None
+        echo, echo_tokens = None, None
         if req.echo:
             echo = [p if isinstance(p, str) else tok.decode(p) for p in prompts]
+            if req.logprobs is not None:
+                echo_tokens = await off_loop(
+                    lambda: [(ids, prompt_text_offsets(tok, ids)) for ids in batch_ids],
+                    param="prompt")
         info = streaming.ResponseInfo(streaming.random_id("cmpl"), model, "text_completion",
                                       stream=req.stream, include_usage=req.include_usage())
         timings = [state.metrics.request() for _ in prompts]
@@ -344,10 +359,11 @@ def create_app(engine, settings: ServerSettings) -> Quart:
                                             "prompt")
                    for i, (ids, params, timing) in enumerate(zip(batch_ids, params_list, timings))]
         chunks = streaming.completion_chunks(info, streams, [len(ids) for ids in batch_ids],
-                                             timings, echo)
+                                             timings, echo, req.n, logprobs_options(engine, req),
+                                             echo_tokens)
 
         async def fold(info, chunks):
-            return await streaming.fold_completion(info, chunks, len(prompts))
+            return await streaming.fold_completion(info, chunks, len(prompts) * req.n)
         return await respond(info, chunks, fold)
 
     @app.post("/tokenize")

@@ -14,9 +14,12 @@ from typing import Any, Literal
 from pydantic import (BaseModel, ConfigDict, Field, ValidationError, field_validator,
                       model_validator)
 
+from engine.logprobs import MAX_LOGPROBS
 from engine.sampling_params import SamplingParams
 
 log = logging.getLogger("taper.server")
+
+MAX_N = 128      # choices per request, as OpenAI's chat API allows
 
 
 class APIError(Exception):
@@ -126,11 +129,11 @@ class _SamplingRequest(_Request):
     skip_special_tokens: bool = True
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(default=1, ge=1)
+    n: int = Field(default=1, ge=1, le=MAX_N)
     user: str | None = None
-    # Accepted by the protocol, refused until a later issue implements them.
-    logprobs: Any = None
     logit_bias: dict[str, float] | None = None
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)   # vLLM's field
+    # Accepted by the protocol, refused until a later issue implements them.
     response_format: Any = None
     use_beam_search: bool = False
     best_of: int | None = None
@@ -148,10 +151,6 @@ class _SamplingRequest(_Request):
         return data
 
     def check_supported(self):
-        if self.n != 1:
-            raise not_supported("n")
-        if self.logit_bias:
-            raise not_supported("logit_bias")
         fmt = self.response_format
         if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
             raise not_supported("response_format")
@@ -169,14 +168,43 @@ class _SamplingRequest(_Request):
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
+    def output_logprobs(self) -> int | None:
+        """Top logprobs per output token the engine computes (None: no logprobs)."""
+        return None
+
+    def engine_prompt_logprobs(self) -> int | None:
+        return self.prompt_logprobs
+
+    def check_logit_bias(self, vocab_size: int) -> dict[int, float] | None:
+        """logit_bias with integer keys; 400 naming it for a key that is not a token id of this
+        model or a value outside [-100, 100]."""
+        if not self.logit_bias:
+            return None
+        out = {}
+        for key, value in self.logit_bias.items():
+            try:
+                tid = int(key)
+            except ValueError:
+                tid = None
+            if tid is None or not 0 <= tid < vocab_size:
+                raise APIError(f"logit_bias: {key!r} is not a token id of this model "
+                               f"(ids are 0 to {vocab_size - 1})", param="logit_bias",
+                               code="invalid_value")
+            if not -100.0 <= value <= 100.0:
+                raise APIError(f"logit_bias: the bias {value} for token {tid} is outside "
+                               "[-100, 100]", param="logit_bias", code="invalid_value")
+            out[tid] = out.get(tid, 0.0) + value
+        return out
+
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
     def to_sampling_params(self, default_max_tokens: int,
-                           defaults: dict[str, float] | None = None) -> SamplingParams:
+                           defaults: dict[str, float] | None = None,
+                           vocab_size: int | None = None) -> SamplingParams:
         """Engine parameters. `default_max_tokens` applies when the request gives none;
         `defaults` (the server's sampling flags over generation_config.json) fill in the sampling
-        fields the request leaves out."""
+        fields the request leaves out; `vocab_size` bounds logit_bias's token ids."""
         defaults = defaults or {}
         max_tokens = self.requested_max_tokens()
         kwargs: dict[str, Any] = dict(
@@ -189,6 +217,8 @@ class _SamplingRequest(_Request):
             skip_special_tokens=self.skip_special_tokens,
             # OpenAI's seed is a signed 64-bit int; the engine's generator takes an unsigned one.
             seed=None if self.seed is None else self.seed % 2**64,
+            logprobs=self.output_logprobs(), prompt_logprobs=self.engine_prompt_logprobs(),
+            logit_bias=self.check_logit_bias(vocab_size if vocab_size is not None else 2**31),
         )
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                      "frequency_penalty", "repetition_penalty"):
@@ -300,21 +330,24 @@ class _ChatInput(_Request):
 class ChatCompletionRequest(_SamplingRequest, _ChatInput):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    top_logprobs: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     tools: list[dict] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
 
     def check_supported(self):
         super().check_supported()
-        if self.logprobs:
-            raise not_supported("logprobs")
-        if self.top_logprobs is not None:
-            raise not_supported("top_logprobs")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError("top_logprobs needs logprobs: true", param="top_logprobs",
+                           code="invalid_value")
         if self.tools:
             raise not_supported("tools")
         if self.tool_choice not in (None, "none"):
             raise not_supported("tool_choice")
+
+    def output_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def requested_max_tokens(self) -> int | None:
         # max_completion_tokens replaces the deprecated max_tokens; it wins when both are given.
@@ -327,6 +360,8 @@ class ChatCompletionRequest(_SamplingRequest, _ChatInput):
 
 class CompletionRequest(_SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
+    # Top logprobs per token: OpenAI allows 0-5, we allow up to 20 as vLLM does.
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
 
@@ -345,10 +380,17 @@ class CompletionRequest(_SamplingRequest):
 
     def check_supported(self):
         super().check_supported()
-        if self.logprobs is not None:
-            raise not_supported("logprobs")
         if self.suffix:
             raise not_supported("suffix")
+
+    def output_logprobs(self) -> int | None:
+        return self.logprobs
+
+    def engine_prompt_logprobs(self) -> int | None:
+        # echo with logprobs shows the prompt tokens' logprobs too
+        if self.echo and self.logprobs is not None:
+            return max(self.logprobs, self.prompt_logprobs or 0)
+        return self.prompt_logprobs
 
     def prompts(self) -> list[str | list[int]]:
         """The batch: each element a text prompt or a list of token ids."""
