@@ -51,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--trust-request-chat-template", action="store_true",
                    help="let requests bring their own chat_template (a template is code the "
                         "server runs)")
+    g.add_argument("--responses-store-size", type=int, metavar="N", default=1000,
+                   help="Responses API responses kept for GET and previous_response_id, the "
+                        "oldest dropped first (default 1000; 0 keeps none)")
     g.add_argument("--ui-server", action="store_true",
                    help="candle-vllm's flag for the web chat UI, accepted for its scripts: the "
                         "UI is always served at /ui on the API port")
@@ -146,6 +149,8 @@ def check_args(args) -> str | None:
         value = getattr(args, name)
         if value is not None and value < 1:
             return f"--{name.replace('_', '-')} must be at least 1"
+    if args.responses_store_size < 0:
+        return "--responses-store-size must be at least 0"
     if args.profile_steps < 0:
         return "--profile-steps must be 0 (off) or a number of steps"
     if args.max_request_mb <= 0 or args.shutdown_timeout < 0:
@@ -225,7 +230,8 @@ def server_settings(args, config):
         max_queued_requests=args.max_queued_requests, max_gen_tokens=args.max_gen_tokens,
         sampling_defaults=sampling_defaults(args), chat_template=template,
         trust_request_chat_template=args.trust_request_chat_template,
-        max_body_bytes=int(args.max_request_mb * 2**20), cors_origins=args.allowed_origins)
+        max_body_bytes=int(args.max_request_mb * 2**20), cors_origins=args.allowed_origins,
+        responses_store_size=args.responses_store_size)
 
 
 class Server:

@@ -30,6 +30,7 @@ from server.logprobs import prompt_text_offsets, token_text
 from server.metrics import Metrics
 from server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
                              DetokenizeRequest, TokenizeRequest, parse_json_body, parse_request)
+from server.responses import register_responses
 from server.ui import is_ui_path, register_ui
 
 log = logging.getLogger("taper.server")
@@ -46,6 +47,7 @@ class ServerSettings:
     trust_request_chat_template: bool = False  # a template is code: clients may not send one
     max_body_bytes: int = 32 * 2**20
     cors_origins: list[str] = field(default_factory=lambda: ["*"])
+    responses_store_size: int = 1000         # stored Responses API responses, oldest dropped
 
 
 @dataclass
@@ -148,7 +150,7 @@ def create_app(engine, settings: ServerSettings) -> Quart:
             # SDKs add their own headers (openai-node: x-stainless-*): allow what is asked
             resp.headers["Access-Control-Allow-Headers"] = request.headers.get(
                 "Access-Control-Request-Headers", "Authorization, Content-Type")
-            resp.headers["Access-Control-Allow-Methods"] = "GET, POST, OPTIONS"
+            resp.headers["Access-Control-Allow-Methods"] = "GET, POST, DELETE, OPTIONS"
             resp.headers["Access-Control-Max-Age"] = "600"
             if "*" not in allowed:
                 resp.headers["Vary"] = "Origin"
@@ -390,4 +392,6 @@ def create_app(engine, settings: ServerSettings) -> Quart:
                            param=f"tokens[{bad}]", code="invalid_value")
         return _json({"prompt": tok.decode(req.tokens, skip_special_tokens=False)})
 
+    register_responses(app, read_request=read_request, check_queue=check_queue,
+                       fit_context=fit_context, chat_prompt_ids=chat_prompt_ids)
     return app
