@@ -69,7 +69,8 @@ def test_chat_non_streaming(fake):
     usage = body["usage"]
     times = {k: usage.pop(k) for k in ("prompt_time_costs", "completion_time_costs")}
     assert usage == {"prompt_tokens": len(prompt), "completion_tokens": 6,
-                     "total_tokens": len(prompt) + 6, "prompt_tokens_details": {"cached_tokens": 3}}
+                     "total_tokens": len(prompt) + 6, "prompt_tokens_details": {"cached_tokens": 3},
+                     "completion_tokens_details": {"reasoning_tokens": 0}}
     assert all(isinstance(t, int) and t >= 0 for t in times.values()), times
     ids, params = fake.engine.requests[body["id"]]
     assert ids == prompt and params.max_tokens == 6
