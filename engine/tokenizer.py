@@ -229,7 +229,8 @@ _INDEX_BASE = 0xF0000   # Supplementary Private Use Area-A: one character per sp
 
 
 class _TextGuard:
-    """What encode_chat needs to read special-token strings in client text as text.
+    """What encode_chat needs to read special-token strings (and the markers guarded with them)
+    in client text as text.
 
     A client occurrence of special token n becomes the marker `marker_nonce + chr(BASE + n)`
     before rendering; after rendering, each special token the template wrote (found where the
@@ -250,6 +251,12 @@ class _TextGuard:
         self.rust.no_truncation()
         self.rust.no_padding()
         self.rust.encode_special_tokens = True
+        # Guarded markers that are plain added tokens (Qwen's <think>) become special in the
+        # copy (same id), so that encode_special_tokens reads them as text too.
+        self.rust.add_special_tokens([
+            AddedToken(tok.content, single_word=tok.single_word, lstrip=tok.lstrip,
+                       rstrip=tok.rstrip, normalized=tok.normalized, special=True)
+            for tok in specials.values() if not tok.special])
         self.marker: dict[str, str] = {}        # special content -> marker
         self.literal: dict[str, str] = {}       # index character -> special content
         self.sentinel: dict[int, str] = {}      # special id -> sentinel

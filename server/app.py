@@ -137,6 +137,8 @@ async def off_loop(fn, *args, param: str, **kwargs):
 def create_app(engine, settings: ServerSettings) -> Quart:
     """The app for `engine` (None: set `app.taper.engine` once loaded)."""
     state = ServerState(settings, engine)
+    if engine is not None:
+        state.configure_chat()
     names = settings.served_model_names
     state.metrics = Metrics(state.engine_stats, names[0])
     app = Quart("taper")
@@ -376,7 +378,7 @@ def create_app(engine, settings: ServerSettings) -> Quart:
         if tools.parser is not None and tok.has_special_tokens(tools.parser.markers):
             params.skip_special_tokens = False
             stop_texts = tuple(tok.decode([t], skip_special_tokens=False)
-                               for t in sorted(engine.engine.eos_token_ids))
+                               for t in sorted(tok.eos_token_ids))
         opened = reasoning and prompt_opens_reasoning(
             tok.decode(prompt_ids[-8:], skip_special_tokens=False))
         return lambda i: MessageStream(f"{request_id}-{i}",

@@ -145,8 +145,11 @@ async def chat_chunks(info: ResponseInfo, outputs: AsyncIterator[RequestOutput],
             _check_output(out)
             i = out.index
             if i not in streams:
-                streams[i] = message(i) if message is not None else None
-                first = info.chunk([choice(i, {"role": "assistant", "content": ""})])
+                streams[i] = ms = message(i) if message is not None else None
+                # A choice that may answer with tool calls starts with null content, as
+                # OpenAI's do: a message of calls alone has no content.
+                first = info.chunk([choice(i, {"role": "assistant",
+                                               "content": None if ms and ms.tools else ""})])
                 if out.prompt_logprobs is not None and lp_opts.prompt_logprobs is not None:
                     first["prompt_logprobs"] = vllm_prompt_logprobs(
                         out.prompt_logprobs, lp_opts.tt, lp_opts.prompt_logprobs)
