@@ -30,6 +30,12 @@ from engine.loader.gguf_tokenizer import bytes_to_unicode
 log = logging.getLogger("taper.tokenizer")
 
 
+# Strings the server reads as structure in model output (tool-call parsers, reasoning).
+CONTROL_MARKERS = frozenset((
+    "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>",
+    "[TOOL_CALLS]", "[ARGS]", "<|python_tag|>", "<|python_start|>", "<|python_end|>"))
+
+
 class Tokenizer:
     def __init__(self, hf_tokenizer, generation_eos_ids: list[int] | None = None):
         self.hf = hf_tokenizer
@@ -45,9 +51,13 @@ class Tokenizer:
             if tok.special:
                 self.all_special_ids.add(int(tid))
         # Special added tokens as the Rust tokenizer matches them (content and flags), for
-        # encode_chat's guard against special-token strings in message text.
+        # encode_chat's guard against their strings in message text; with them the added tokens
+        # that are markers the server reads (Qwen's <tool_call> and <think> are not flagged
+        # special), so no user or tool text can forge a call, a result or a reasoning block.
+        added = self._rust.get_added_tokens_decoder()
         self._specials: dict[int, AddedToken] = {
-            int(i): t for i, t in self._rust.get_added_tokens_decoder().items() if t.special}
+            int(i): t for i, t in added.items() if t.special or t.content in CONTROL_MARKERS}
+        self._special_strings = {t.content for t in added.values() if t.special}
         self._special_re = _literal_re(t.content for t in self._specials.values())
         self._added_ids = set(int(i) for i in self._rust.get_added_tokens_decoder())
         self._byte_level: bool | None = None     # token_bytes: is the decoder byte-level BPE?
@@ -102,6 +112,14 @@ class Tokenizer:
     @property
     def has_chat_template(self) -> bool:
         return bool(getattr(self.hf, "chat_template", None))
+
+    def has_tokens(self, strings) -> bool:
+        """Whether each string is one token of this vocabulary."""
+        return all(self._rust.token_to_id(t) is not None for t in strings)
+
+    def has_special_tokens(self, strings) -> bool:
+        """Whether any of the strings is a special token (one that decoding may skip)."""
+        return any(t in self._special_strings for t in strings)
 
     # ---- encode
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -211,7 +229,8 @@ _INDEX_BASE = 0xF0000   # Supplementary Private Use Area-A: one character per sp
 
 
 class _TextGuard:
-    """What encode_chat needs to read special-token strings in client text as text.
+    """What encode_chat needs to read special-token strings (and the markers guarded with them)
+    in client text as text.
 
     A client occurrence of special token n becomes the marker `marker_nonce + chr(BASE + n)`
     before rendering; after rendering, each special token the template wrote (found where the
@@ -232,6 +251,12 @@ class _TextGuard:
         self.rust.no_truncation()
         self.rust.no_padding()
         self.rust.encode_special_tokens = True
+        # Guarded markers that are plain added tokens (Qwen's <think>) become special in the
+        # copy (same id), so that encode_special_tokens reads them as text too.
+        self.rust.add_special_tokens([
+            AddedToken(tok.content, single_word=tok.single_word, lstrip=tok.lstrip,
+                       rstrip=tok.rstrip, normalized=tok.normalized, special=True)
+            for tok in specials.values() if not tok.special])
         self.marker: dict[str, str] = {}        # special content -> marker
         self.literal: dict[str, str] = {}       # index character -> special content
         self.sentinel: dict[int, str] = {}      # special id -> sentinel

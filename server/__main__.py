@@ -60,8 +60,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--structured-outputs-timeout", type=float, metavar="S", default=5.0,
                    help="seconds a request's JSON schema, regex or grammar may take to compile "
                         "before it is refused with a 400 (default 5)")
-    g.add_argument("--enforce-parser", metavar="NAME", help="tool-call parser to use")
-    g.add_argument("--mcp-config", metavar="FILE", help="MCP servers whose tools to offer")
+    g.add_argument("--enforce-parser", metavar="NAME",
+                   help="tool-call parser (mistral, llama, pythonic, qwen, qwen_coder, json); "
+                        "default: chosen from the model type and chat template")
+    g.add_argument("--mcp-config", metavar="FILE",
+                   help="mcp.json naming MCP servers whose tools are offered to chat requests "
+                        "that send no tools")
     g.add_argument("--log", action="store_true", help="verbose logging (every request)")
     m = p.add_argument_group("model")
     src = m.add_mutually_exclusive_group()
@@ -131,8 +135,7 @@ SAMPLING_FLAGS = {"temperature": float, "top_p": float, "top_k": int, "min_p": f
                   "frequency_penalty": float, "presence_penalty": float}
 
 # Flags whose features later work brings: refused at start-up, never silently ignored.
-NOT_YET_SUPPORTED = {"enforce_parser": ("--enforce-parser", "tool calling"),
-                     "mcp_config": ("--mcp-config", "MCP tools")}
+NOT_YET_SUPPORTED: dict[str, tuple[str, str]] = {}
 
 
 def check_args(args) -> str | None:
@@ -154,6 +157,11 @@ def check_args(args) -> str | None:
             return f"--{name.replace('_', '-')} must be at least 1"
     if args.responses_store_size < 0:
         return "--responses-store-size must be at least 0"
+    if args.enforce_parser is not None:
+        from server.tool_parsers import PARSERS
+        if args.enforce_parser not in PARSERS:
+            return (f"--enforce-parser: unknown tool parser {args.enforce_parser!r}; choose "
+                    f"one of {', '.join(sorted(PARSERS))}")
     if args.profile_steps < 0:
         return "--profile-steps must be 0 (off) or a number of steps"
     if args.max_request_mb <= 0 or args.shutdown_timeout < 0:
@@ -235,7 +243,7 @@ def server_settings(args, config):
         trust_request_chat_template=args.trust_request_chat_template,
         max_body_bytes=int(args.max_request_mb * 2**20), cors_origins=args.allowed_origins,
         responses_store_size=args.responses_store_size,
-        structured_outputs_timeout=args.structured_outputs_timeout)
+        structured_outputs_timeout=args.structured_outputs_timeout, tool_parser=args.enforce_parser)
 
 
 class Server:
@@ -247,6 +255,10 @@ class Server:
         self.app, self.state, self.config, self.args = app, app.taper, config, args
         self.stop = asyncio.Event()
         self.exit_code = 0
+        self.mcp_specs = []
+        if args.mcp_config:               # a bad file stops start-up, naming the problem
+            from server.mcp_tools import load_mcp_config
+            self.mcp_specs = load_mcp_config(args.mcp_config)
         self._drain_task: asyncio.Task | None = None
 
     async def run(self):
@@ -266,10 +278,18 @@ class Server:
         threading.Thread(target=self._load, args=(loop,), name="taper-load", daemon=True).start()
         log.info("serving on http://%s:%d (OpenAI API under /v1); loading the model",
                  args.host, args.port)
+        if self.mcp_specs:
+            from server.mcp_tools import McpTools
+            self.state.mcp = McpTools(self.mcp_specs)
+            await self.state.mcp.start()
         browse_host = "localhost" if args.host in ("0.0.0.0", "::") else args.host
         log.info("web chat UI: http://%s:%d/ui/", f"[{browse_host}]" if ":" in browse_host
                  else browse_host, args.port)
-        await hypercorn_serve(self.app, hc, shutdown_trigger=self.stop.wait)
+        try:
+            await hypercorn_serve(self.app, hc, shutdown_trigger=self.stop.wait)
+        finally:
+            if self.state.mcp is not None:
+                await self.state.mcp.close()
 
     def _load(self, loop):
         from engine.async_engine import AsyncEngine
@@ -289,6 +309,7 @@ class Server:
             engine.shutdown()
             return
         self.state.engine = engine
+        self.state.configure_chat()
         log.info("model %s ready, max_model_len %d", self.state.settings.served_model_names[0],
                  engine.max_model_len)
 
@@ -348,7 +369,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as e:
         parser.error(str(e))
     log.info("loading %s (backend %s, dtype %s)", config.model, config.backend, config.dtype)
-    server = Server(create_app(None, settings), config, args)
+    try:
+        server = Server(create_app(None, settings), config, args)
+    except ValueError as e:           # --mcp-config's file
+        parser.error(str(e))
     try:
         asyncio.run(server.run())
     except KeyboardInterrupt:

@@ -30,6 +30,9 @@ from werkzeug.exceptions import HTTPException
 
 from server import streaming, structured_outputs
 from server.embeddings import register_embeddings
+from server.message_stream import MessageStream
+from server.reasoning import ReasoningSplitter, prompt_opens_reasoning
+from server.tool_calls import ChatTools, chat_tools
 from server.logprobs import prompt_text_offsets, token_text
 from server.metrics import Metrics
 from server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
@@ -53,6 +56,7 @@ class ServerSettings:
     cors_origins: list[str] = field(default_factory=lambda: ["*"])
     responses_store_size: int = 1000         # stored Responses API responses, oldest dropped
     structured_outputs_timeout: float = 5.0  # seconds a grammar may take to compile
+    tool_parser: str | None = None           # --enforce-parser; else chosen for the model
 
 
 @dataclass
@@ -61,6 +65,27 @@ class ServerState:
     engine: object | None = None             # None while the model loads
     draining: bool = False                   # SIGTERM received: finish live requests, take no new
     metrics: Metrics | None = None
+    tool_parser: type | None = None          # the ToolParser class chat requests with tools use
+    reasoning_model: bool = False            # the tokenizer has <think> and </think>
+    mcp: object | None = None                # McpTools (--mcp-config): tools for tool-less requests
+
+    def configure_chat(self) -> None:
+        """How chat output is read for this model: its tool-call parser (--enforce-parser's,
+        else the one its architecture and chat template point to; logged) and whether it
+        reasons in <think> tags."""
+        from server.tool_parsers import choose_parser, get_parser
+        name, why = self.settings.tool_parser, "--enforce-parser"
+        if name is None:
+            tok = self.engine.tokenizer
+            template = self.settings.chat_template or getattr(getattr(tok, "hf", None),
+                                                              "chat_template", None)
+            if isinstance(template, dict):       # named templates (default, tool_use, ...)
+                template = "\n".join(template.values())
+            name, why = choose_parser(self.engine.model_config.architecture, template)
+        self.tool_parser = get_parser(name) if name else None
+        log.info("tool-call parser: %s (%s)", name or "none", why)
+        tok = self.engine.tokenizer
+        self.reasoning_model = tok is not None and tok.has_tokens(("<think>", "</think>"))
 
     def unavailable(self) -> APIError | None:
         """Why requests cannot be served now (as the 503 to send), or None."""
@@ -117,6 +142,8 @@ async def off_loop(fn, *args, param: str, **kwargs):
 def create_app(engine, settings: ServerSettings) -> Quart:
     """The app for `engine` (None: set `app.taper.engine` once loaded)."""
     state = ServerState(settings, engine)
+    if engine is not None:
+        state.configure_chat()
     names = settings.served_model_names
     state.metrics = Metrics(state.engine_stats, names[0])
     app = Quart("taper")
@@ -277,7 +304,8 @@ def create_app(engine, settings: ServerSettings) -> Quart:
                            param=param, code="no_tokenizer")
         return engine.tokenizer
 
-    async def chat_prompt_ids(engine, req, param: str = "messages") -> list[int]:
+    async def chat_prompt_ids(engine, req, param: str = "messages",
+                              tools: list[dict] | None = None) -> list[int]:
         tok = require_tokenizer(engine, param)
         if req.chat_template is not None and not settings.trust_request_chat_template:
             raise APIError("chat_template in a request is refused: a template is code the "
@@ -291,8 +319,9 @@ def create_app(engine, settings: ServerSettings) -> Quart:
         messages = req.template_messages()
         try:
             return await asyncio.to_thread(
-                tok.encode_chat, messages, add_generation_prompt=req.add_generation_prompt,
-                chat_template=template, **req.template_kwargs())
+                tok.encode_chat, messages, tools=tools,
+                add_generation_prompt=req.add_generation_prompt, chat_template=template,
+                **req.template_kwargs())
         except (ValueError, TypeError, KeyError, UnicodeError, jinja2.TemplateError) as e:
             # a template that rejects the conversation (e.g. roles out of order)
             raise APIError(f"The chat template could not render these messages: {e}",
@@ -326,19 +355,41 @@ def create_app(engine, settings: ServerSettings) -> Quart:
     @app.post("/v1/chat/completions")
     async def chat_completions():
         req, model, engine = await read_request(ChatCompletionRequest)
-        prompt_ids = await chat_prompt_ids(engine, req)
+        tools = chat_tools(req, state.tool_parser, state.mcp.tools() if state.mcp else None)
+        prompt_ids = await chat_prompt_ids(engine, req, tools=tools.rendered)
         params = fit_context(engine, req, len(prompt_ids), "messages")
         await structured_outputs.prepare(engine, req, [params], settings)
         check_queue(engine)
         info = streaming.ResponseInfo(streaming.random_id("chatcmpl"), model,
                                       "chat.completion.chunk", stream=req.stream,
                                       include_usage=req.include_usage())
+        message = chat_message_streams(engine, info.id, prompt_ids, params, tools)
         timing = state.metrics.request()
         outputs = streaming.engine_outputs(engine, info.id, prompt_ids, params, timing,
                                            "messages")
         chunks = streaming.chat_chunks(info, outputs, len(prompt_ids), timing, req.n,
-                                       logprobs_options(engine, req))
+                                       logprobs_options(engine, req), message)
         return await respond(info, chunks, streaming.fold_chat)
+
+    def chat_message_streams(engine, request_id, prompt_ids, params, tools: ChatTools):
+        """The MessageStream factory for a chat request's choices, or None when its text is
+        plain content: reasoning is split for models with <think> tokens, tool calls are read
+        when the request has tools. A parser whose markers are special tokens needs them in the
+        text, so the request keeps special tokens and drops the stop token's text."""
+        reasoning = state.reasoning_model
+        if not reasoning and tools.parser is None:
+            return None
+        tok = engine.tokenizer
+        stop_texts = ()
+        if tools.parser is not None and tok.has_special_tokens(tools.parser.markers):
+            params.skip_special_tokens = False
+            stop_texts = tuple(tok.decode([t], skip_special_tokens=False)
+                               for t in sorted(tok.eos_token_ids))
+        opened = reasoning and prompt_opens_reasoning(
+            tok.decode(prompt_ids[-8:], skip_special_tokens=False))
+        return lambda i: MessageStream(f"{request_id}-{i}",
+                                       ReasoningSplitter(opened) if reasoning else None,
+                                       tools.parser, tools.parallel, stop_texts)
 
     @app.post("/v1/completions")
     async def completions():

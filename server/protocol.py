@@ -170,9 +170,6 @@ class _SamplingRequest(_Request):
                            param="stream", code="invalid_value")
         if self.best_of not in (None, 1) and not self.use_beam_search:
             raise not_supported("best_of")     # OpenAI's sampled best_of; beams are supported
-        for name in ("functions", "function_call"):
-            if getattr(self, name) not in (None, [], "none"):
-                raise not_supported(name)
         if self.stream_options is not None and not self.stream:
             raise APIError("stream_options is only allowed when stream is true",
                            param="stream_options")
@@ -355,10 +352,6 @@ class ChatCompletionRequest(_SamplingRequest, _ChatInput):
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError("top_logprobs needs logprobs: true", param="top_logprobs",
                            code="invalid_value")
-        if self.tools:
-            raise not_supported("tools")
-        if self.tool_choice not in (None, "none"):
-            raise not_supported("tool_choice")
 
     def output_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
@@ -396,6 +389,10 @@ class CompletionRequest(_SamplingRequest):
         super().check_supported()
         if self.suffix:
             raise not_supported("suffix")
+        for name in ("functions", "function_call"):      # tools are for chat
+            if getattr(self, name) not in (None, [], "none"):
+                raise APIError(f"'{name}' is a chat parameter; /v1/completions has no tools",
+                               param=name, code="unsupported_parameter")
 
     def output_logprobs(self) -> int | None:
         return self.logprobs

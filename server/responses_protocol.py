@@ -42,6 +42,7 @@ class CreateResponseRequest(_SamplingRequest, _ChatInput):
     max_tool_calls: int | None = Field(default=None, ge=1)
     reasoning: dict | None = None
     include: list[str] | None = None
+    logprobs: Any = None
     top_logprobs: int | None = None
     background: bool | None = None
     conversation: Any = None

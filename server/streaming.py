@@ -18,11 +18,12 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from engine.outputs import RequestOutput
 from server.logprobs import (LogprobsOptions, chat_entries, completion_logprobs,
                              join_completion_logprobs, vllm_prompt_logprobs)
+from server.message_stream import MessageStream
 from server.metrics import RequestTiming
 from server.protocol import APIError
 
@@ -96,11 +97,13 @@ class _Usage:
     prompt: int = 0
     completion: int = 0
     cached: int = 0
+    reasoning: int = 0
 
-    def add(self, out: RequestOutput, num_prompt_tokens: int):
-        """A finished choice: its completion tokens; the prompt once per request (choice 0),
-        as the choices share it."""
+    def add(self, out: RequestOutput, num_prompt_tokens: int, num_reasoning_tokens: int = 0):
+        """A finished choice: its completion tokens (and how many of them reasoned); the
+        prompt once per request (choice 0), as the choices share it."""
         self.completion += out.num_output_tokens or len(out.token_ids)
+        self.reasoning += num_reasoning_tokens
         if out.index == 0:
             self.prompt += out.num_prompt_tokens or num_prompt_tokens
             self.cached += out.num_cached_tokens
@@ -109,6 +112,8 @@ class _Usage:
         return {"prompt_tokens": self.prompt, "completion_tokens": self.completion,
                 "total_tokens": self.prompt + self.completion,
                 "prompt_tokens_details": {"cached_tokens": self.cached},
+                "completion_tokens_details": {"reasoning_tokens": min(self.reasoning,
+                                                                      self.completion)},
                 "prompt_time_costs": round(max(t.prompt_time_ms for t in self.timings)),
                 "completion_time_costs": round(max(t.completion_time_ms for t in self.timings))}
 
@@ -117,8 +122,11 @@ class _Usage:
 
 async def chat_chunks(info: ResponseInfo, outputs: AsyncIterator[RequestOutput],
                       num_prompt_tokens: int, timing: RequestTiming, n: int = 1,
-                      logprobs: LogprobsOptions | None = None) -> AsyncIterator[dict]:
-    """Chunks of one chat completion: per choice a role chunk, content deltas (with their
+                      logprobs: LogprobsOptions | None = None,
+                      message: Callable[[int], MessageStream] | None = None
+                      ) -> AsyncIterator[dict]:
+    """Chunks of one chat completion: per choice a role chunk, message deltas (content, or
+    through `message(index)`'s MessageStream reasoning, content and tool calls; with their
     tokens' logprobs when asked), a finish chunk; then usage.
 
     A choice's role chunk waits for its first output, so a request the engine refuses fails
@@ -130,27 +138,38 @@ async def chat_chunks(info: ResponseInfo, outputs: AsyncIterator[RequestOutput],
 
     lp_opts = logprobs or LogprobsOptions(None)
     usage = _Usage([timing])
-    started: set[int] = set()
+    streams: dict[int, MessageStream | None] = {}
     unfinished = n
     async with contextlib.aclosing(outputs):
         async for out in outputs:
             _check_output(out)
             i = out.index
-            if i not in started:
-                started.add(i)
-                first = info.chunk([choice(i, {"role": "assistant", "content": ""})])
+            if i not in streams:
+                streams[i] = ms = message(i) if message is not None else None
+                # A choice that may answer with tool calls starts with null content, as
+                # OpenAI's do: a message of calls alone has no content.
+                first = info.chunk([choice(i, {"role": "assistant",
+                                               "content": None if ms and ms.tools else ""})])
                 if out.prompt_logprobs is not None and lp_opts.prompt_logprobs is not None:
                     first["prompt_logprobs"] = vllm_prompt_logprobs(
                         out.prompt_logprobs, lp_opts.tt, lp_opts.prompt_logprobs)
                 yield first
             entries = out.logprobs if lp_opts.logprobs is not None else None
-            if out.text_delta or entries:
+            ms = streams[i]
+            if ms is None:
+                delta = {"content": out.text_delta} if out.text_delta else {}
+            else:
+                delta = ms.feed(out.text_delta, len(out.new_token_ids), out.finished)
+            if delta or entries:
                 lp = None if entries is None else {
                     "content": chat_entries(entries, lp_opts.tt), "refusal": None}
-                yield info.chunk([choice(i, {"content": out.text_delta}, lp=lp)])
+                yield info.chunk([choice(i, delta or {"content": ""}, lp=lp)])
             if out.finished:
-                yield info.chunk([choice(i, {}, _FINISH_REASONS[out.finish_reason])])
-                usage.add(out, num_prompt_tokens)
+                reason = _FINISH_REASONS[out.finish_reason]
+                if ms is not None and ms.called_tools and reason == "stop":
+                    reason = "tool_calls"
+                yield info.chunk([choice(i, {}, reason)])
+                usage.add(out, num_prompt_tokens, ms.num_reasoning_tokens if ms else 0)
                 unfinished -= 1
                 if not unfinished:
                     break
@@ -161,6 +180,8 @@ async def chat_chunks(info: ResponseInfo, outputs: AsyncIterator[RequestOutput],
 
 
 async def fold_chat(info: ResponseInfo, chunks: AsyncIterator[dict]) -> dict:
+    """The whole response from the chunks, as the OpenAI SDK's stream accumulator builds it:
+    content and reasoning concatenated, each tool call's argument text concatenated."""
     choices: dict[int, dict] = {}
     usage, prompt_logprobs = None, None
     async for c in chunks:
@@ -168,24 +189,41 @@ async def fold_chat(info: ResponseInfo, chunks: AsyncIterator[dict]) -> dict:
             usage = c["usage"]
         prompt_logprobs = c.get("prompt_logprobs", prompt_logprobs)
         for ch in c["choices"]:
-            acc = choices.setdefault(ch["index"], {"content": [], "logprobs": None,
-                                                   "finish_reason": None})
-            acc["content"].append(ch["delta"].get("content") or "")
+            acc = choices.setdefault(ch["index"], {"content": [], "reasoning": [], "calls": {},
+                                                   "logprobs": None, "finish_reason": None})
+            delta = ch["delta"]
+            acc["content"].append(delta.get("content") or "")
+            acc["reasoning"].append(delta.get("reasoning_content") or "")
+            for tc in delta.get("tool_calls") or []:
+                call = acc["calls"].setdefault(tc["index"], {
+                    "id": tc.get("id"), "type": "function",
+                    "function": {"name": tc["function"].get("name"), "arguments": ""}})
+                call["function"]["arguments"] += tc["function"].get("arguments") or ""
             acc["finish_reason"] = ch["finish_reason"] or acc["finish_reason"]
             if ch["logprobs"] is not None:
                 acc["logprobs"] = acc["logprobs"] or {"content": [], "refusal": None}
                 acc["logprobs"]["content"] += ch["logprobs"]["content"]
     out = {"id": info.id, "object": "chat.completion", "created": info.created,
            "model": info.model,
-           "choices": [{"index": i,
-                        "message": {"role": "assistant", "content": "".join(acc["content"]),
-                                    "refusal": None},
+           "choices": [{"index": i, "message": _message(acc),
                         "logprobs": acc["logprobs"], "finish_reason": acc["finish_reason"]}
                        for i, acc in sorted(choices.items())],
            "usage": usage}
     if prompt_logprobs is not None:
         out["prompt_logprobs"] = prompt_logprobs
     return out
+
+
+def _message(acc: dict) -> dict:
+    content = "".join(acc["content"])
+    message = {"role": "assistant", "content": content or (None if acc["calls"] else ""),
+               "refusal": None}
+    reasoning = "".join(acc["reasoning"])
+    if reasoning:
+        message["reasoning_content"] = message["reasoning"] = reasoning
+    if acc["calls"]:
+        message["tool_calls"] = [acc["calls"][k] for k in sorted(acc["calls"])]
+    return message
 
 
 # ---- completions

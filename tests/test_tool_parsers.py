@@ -178,11 +178,12 @@ def test_malformed_input_never_raises(name, text):
 
 
 def test_choice_of_parser():
-    assert choose_parser("qwen3", "{{ '<tool_call>' }}")[0] == "qwen"
-    assert choose_parser("qwen3_moe", "<tool_call><function=x><parameter=y>")[0] == "qwen_coder"
-    assert choose_parser("mistral", "")[0] == "mistral"
-    assert choose_parser("llama", "<|python_tag|>")[0] == "llama"
-    assert choose_parser("llama4", "")[0] == "pythonic"
+    assert choose_parser("Qwen3ForCausalLM", "{{ '<tool_call>' }}")[0] == "qwen"
+    assert choose_parser("Qwen3MoeForCausalLM", "<tool_call><function=x><parameter=y>")[0] \
+        == "qwen_coder"
+    assert choose_parser("MistralForCausalLM", "")[0] == "mistral"
+    assert choose_parser("LlamaForCausalLM", "<|python_tag|>")[0] == "llama"
+    assert choose_parser("LlamaForCausalLM", "<|python_start|>")[0] == "pythonic"
     assert choose_parser("unknown", "... [TOOL_CALLS] ...")[0] == "mistral"
     assert choose_parser("unknown", "")[0] is None
     with pytest.raises(ValueError, match="unknown tool parser 'nope'"):

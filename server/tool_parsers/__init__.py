@@ -1,7 +1,7 @@
 """Tool-call parsers, one per output format, registered by name (`--enforce-parser NAME`).
 
-`choose_parser(model_type, chat_template)` picks one for a model: the family from its
-`model_type`, refined by the markers its chat template writes (a Qwen3-Coder template writes
+`choose_parser(architecture, chat_template)` picks one for a model: the family from its
+architecture, refined by the markers its chat template writes (a Qwen3-Coder template writes
 `<parameter=`, a Llama 4 one `<|python_start|>`); a model of another type gets the parser whose
 markers its template holds. The choice is logged where it is made.
 """
@@ -25,25 +25,26 @@ TEMPLATE_MARKERS = (("<parameter=", "qwen_coder"), ("<tool_call>", "qwen"),
                     ("[TOOL_CALLS]", "mistral"), ("<|python_start|>", "pythonic"),
                     ("<|python_tag|>", "llama"))
 
-FAMILIES = {"mistral": ("mistral",), "mixtral": ("mistral",),
-            "llama": ("llama", "pythonic"), "llama4": ("pythonic",),
-            "qwen2": ("qwen", "qwen_coder"), "qwen3": ("qwen", "qwen_coder"),
-            "qwen2_moe": ("qwen", "qwen_coder"), "qwen3_moe": ("qwen", "qwen_coder")}
+# Architecture (config.json) -> its family's parsers, the usual one first.
+FAMILIES = {"MistralForCausalLM": ("mistral",), "MixtralForCausalLM": ("mistral",),
+            "LlamaForCausalLM": ("llama", "pythonic"), "Llama4ForCausalLM": ("pythonic",),
+            **{f"{q}ForCausalLM": ("qwen", "qwen_coder")
+               for q in ("Qwen2", "Qwen3", "Qwen2Moe", "Qwen3Moe")}}
 
 
-def choose_parser(model_type: str | None, chat_template: str | None) -> tuple[str | None, str]:
+def choose_parser(architecture: str | None, chat_template: str | None) -> tuple[str | None, str]:
     """(parser name or None, why)."""
     template = chat_template or ""
     marked = [name for marker, name in TEMPLATE_MARKERS if marker in template]
-    family = FAMILIES.get(model_type or "")
+    family = FAMILIES.get(architecture or "")
     if family:
         for name in marked:
             if name in family:
-                return name, f"model_type {model_type!r} and the chat template's markers"
-        return family[0], f"model_type {model_type!r}"
+                return name, f"{architecture} and the chat template's markers"
+        return family[0], architecture
     if marked:
         return marked[0], "the chat template's markers"
-    return None, f"no parser knows model_type {model_type!r} or the chat template's markers"
+    return None, f"no parser knows {architecture} or the chat template's markers"
 
 
 def get_parser(name: str) -> type[ToolParser]:

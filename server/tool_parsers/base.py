@@ -35,6 +35,7 @@ class Parsed:
 
 class ToolParser:
     name = ""
+    markers: tuple[str, ...] = ()   # its marker strings (which may be special tokens)
     id_style = "openai"       # "openai": call_ + 24 hex digits; "mistral": 9 alphanumerics
 
     def __init__(self, tools: list[dict] | None = None):

@@ -15,6 +15,7 @@ FUNCTION_TAG = re.compile(r"<function=([^>\n]+)>")
 
 class LlamaToolParser(ToolParser):
     name = "llama"
+    markers = ("<|python_tag|>",)
     PYTHON_TAG = "<|python_tag|>"
     FUNCTION_START, FUNCTION_END = "<function=", "</function>"
 

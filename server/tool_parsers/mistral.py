@@ -10,6 +10,7 @@ from server.tool_parsers.base import arguments_text
 
 class MistralToolParser(ToolParser):
     name = "mistral"
+    markers = ("[TOOL_CALLS]", "[ARGS]")
     id_style = "mistral"
     START, ARGS = "[TOOL_CALLS]", "[ARGS]"
 

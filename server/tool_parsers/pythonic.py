@@ -19,6 +19,7 @@ CALL_START_PREFIX = re.compile(r"\[\s*([A-Za-z_][\w.]*\s*)?$")
 
 class PythonicToolParser(ToolParser):
     name = "pythonic"
+    markers = (START_TAG, END_TAG)
 
     def scan(self, text: str, final: bool) -> Parsed:
         i = skip_ws(text, 0)

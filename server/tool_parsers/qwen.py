@@ -7,6 +7,7 @@ from server.tool_parsers.base import Parsed, ToolParser, json_calls, scan_blocks
 
 class QwenToolParser(ToolParser):
     name = "qwen"
+    markers = ("<tool_call>", "</tool_call>")
     START, END = "<tool_call>", "</tool_call>"
 
     def scan(self, text: str, final: bool) -> Parsed:

@@ -17,6 +17,7 @@ PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.S)
 
 class QwenCoderToolParser(ToolParser):
     name = "qwen_coder"
+    markers = ("<tool_call>", "</tool_call>")
     START, END = "<tool_call>", "</tool_call>"
 
     def scan(self, text: str, final: bool) -> Parsed:
