@@ -62,8 +62,7 @@ class AsyncEngine:
         # stream, then look at the mark. So either it sees this stream or we see the mark.
         if self._closed:
             stream.put_nowait(RuntimeError("the engine is not running"))
-        # an embedding request (PoolingParams) has one output
-        return self._iterate(request_id, stream, getattr(params, "n", 1))
+        return self._iterate(request_id, stream, params.n)
 
     async def _iterate(self, request_id: str, stream: asyncio.Queue, n: int):
         """The outputs of all n choices, interleaved; ends when each has finished."""

@@ -130,6 +130,7 @@ def _matryoshka(model_dir: str | None, hf_config: dict) -> dict:
 class PoolingParams:
     """An embedding request: the engine pools instead of sampling."""
     dimensions: int | None = None     # keep the first `dimensions` floats (then re-normalize)
+    n = 1                             # one output, as a generation request with n = 1
 
     def __post_init__(self):
         if self.dimensions is not None and self.dimensions < 1:

@@ -59,7 +59,7 @@ async def engine_outputs(engine, request_id: str, prompt_ids: list[int], params,
     """The engine's outputs for one request, timed by `timing`. Closing this closes the engine's
     stream, which aborts the request unless it ran to its end. A refusal names `param`, the
     request field the prompt came from."""
-    unfinished = getattr(params, "n", 1)   # the choices still running (embeddings: one)
+    unfinished = params.n        # the choices still running
     try:
         async with contextlib.aclosing(engine.add_request(request_id, prompt_ids, params)) as outs:
             async for out in outs:
