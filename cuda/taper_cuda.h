@@ -85,6 +85,10 @@ int taper_cuda_gelu_tanh_and_mul(const void* x,  // (T, 2I) dtype
 int taper_cuda_softcap(void* x,  // (n,) dtype
                        int64_t n, float cap, int dtype, taper_stream_t stream);
 
+/* In place x *= s, computed in float (Gemma's embedding times sqrt(hidden)). */
+int taper_cuda_scale(void* x,  // (n,) dtype
+                     int64_t n, float s, int dtype, taper_stream_t stream);
+
 /* In place out[t, n] += bias[n]; out may be F32 (logits) or the activation dtype. */
 int taper_cuda_add_bias(void* out,          // (T, N) dtype
                         const float* bias,  // (N,)

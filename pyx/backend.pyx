@@ -97,6 +97,12 @@ cdef class Backend:
         x (T, N) f32; cap a float > 0 (ValueError otherwise)."""
         raise NotImplementedError
 
+    def scale(self, x, s):
+        """In place x = x * s in x's dtype (Gemma's embedding times sqrt(hidden)); the caller
+        rounds s to that dtype first, as transformers does. x (T, H) f32; s a finite float
+        (ValueError otherwise)."""
+        raise NotImplementedError
+
     def reshape_and_cache(self, k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None):
         """k_cache.flat_slot[slot_mapping[t]] = k[t] (same for v); slot -1 is skipped.
         k, v (T, Hkv, D) f32; k_cache, v_cache (NB, BS, Hkv, D) f32; slot_mapping (T,) int32;

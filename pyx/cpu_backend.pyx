@@ -46,6 +46,7 @@ cdef extern from "cpu_kernels.h" nogil:
     int taper_gelu_tanh_and_mul(int isa, const float* x, float* out, int64_t T, int64_t inter,
                                 int nthreads)
     int taper_softcap(int isa, float* x, int64_t n, float cap, int nthreads)
+    int taper_scale(float* x, int64_t n, float s, int nthreads)
     int taper_reshape_and_cache(const float* k, const float* v, float* k_cache, float* v_cache,
                                 const int32_t* slot_mapping, int64_t T, int64_t Hkv, int64_t D,
                                 int64_t NB, int64_t BS, int nthreads)
@@ -555,6 +556,21 @@ cdef class CpuBackend(Backend):
         cdef int nt = self._nthreads, st
         with nogil:
             st = taper_softcap(self._isa, xp, n, cf, nt)
+        _status(st, op, arrays)
+
+    def scale(self, x, s):
+        op = "scale"
+        arrays = {"x": x, "s": s}
+        _check(op, arrays, "x", (_F32,), 2, True)
+        cdef double sd = float(s)
+        if not math.isfinite(sd):
+            _fail(op, "s must be a finite number", arrays)
+        cdef int64_t n = x.size
+        cdef float* xp = <float*>_ptr(x)
+        cdef float sf = <float>sd
+        cdef int nt = self._nthreads, st
+        with nogil:
+            st = taper_scale(xp, n, sf, nt)
         _status(st, op, arrays)
 
     def reshape_and_cache(self, k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None):

@@ -849,6 +849,14 @@ int taper_softcap(int isa,
     return TAPER_OK;
 }
 
+/* x *= s in place, in float32 (Gemma's embedding scaled by sqrt(hidden)). */
+int taper_scale(float* x,  // (n,)
+                int64_t n, float s, int nthreads) {
+#pragma omp parallel for simd num_threads(nthreads) schedule(static) if (n > 16384)
+    for (int64_t i = 0; i < n; i++) x[i] *= s;
+    return TAPER_OK;
+}
+
 // ----------------------------------------------------------------------------
 // ---- kernels: rotary embedding
 

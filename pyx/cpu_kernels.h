@@ -79,6 +79,10 @@ int taper_softcap(int isa,
                   float* x,  // (n,)
                   int64_t n, float cap, int nthreads);
 
+/* In place x *= s (Gemma's embedding scaled by sqrt(hidden)). */
+int taper_scale(float* x,  // (n,)
+                int64_t n, float s, int nthreads);
+
 int taper_reshape_and_cache(const float* k,              // (T, Hkv, D)
                             const float* v,              // (T, Hkv, D)
                             float* k_cache,              // (NB, BS, Hkv, D)

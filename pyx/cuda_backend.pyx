@@ -16,6 +16,7 @@ TAPER_CUDA_MMA_PREFILL=1 (tensor-core prefill attention), TAPER_CUDA_MARLIN_PIPE
 pipelined Marlin W4A16 GEMM) and TAPER_CUDA_FP8_CUTLASS=1 (FP8 block-wise weights through
 CUTLASS on sm_90a instead of dequantized once to bf16).
 """
+import math
 import os
 
 import numpy as np
@@ -565,6 +566,14 @@ cdef class CudaBackend(Backend):
         if not cap > 0:
             _fail(op, "cap must be > 0", arrays)
         launch_softcap(self._ptr(x), x.size, cap, _dtype_code(x.dtype), self._sptr())
+
+    def scale(self, x, s):
+        op = "scale"
+        arrays = {"x": x, "s": s}
+        self._check(op, arrays, "x", (self.act_dtype,), 2, True)
+        if not math.isfinite(s):
+            _fail(op, "s must be a finite number", arrays)
+        launch_scale(self._ptr(x), x.size, s, self._act_code, self._sptr())
 
     cdef int _cache_code(self, str op, dict arrays, bint writable) except? -2:
         """The caches' TAPER_DT_* code; checks their dtype, shape and the FP8 scales."""

@@ -25,6 +25,7 @@ cdef extern from "taper_cuda.h" nogil:
     int taper_cuda_gelu_tanh_and_mul(const void* x, void* out, int64_t T, int64_t I, int dtype,
                                      taper_stream_t stream)
     int taper_cuda_softcap(void* x, int64_t n, float cap, int dtype, taper_stream_t stream)
+    int taper_cuda_scale(void* x, int64_t n, float s, int dtype, taper_stream_t stream)
     int taper_cuda_add_bias(void* out, const float* bias, int64_t T, int64_t N, int dtype,
                             taper_stream_t stream)
     int taper_cuda_reshape_and_cache(const void* k, const void* v, void* k_cache, void* v_cache,

@@ -70,6 +70,13 @@ def launch_softcap(ptr_t x, int64_t n, float cap, int dtype, ptr_t stream):
     _check_status(st, "softcap", dict(n=n, cap=cap, dtype=dtype))
 
 
+def launch_scale(ptr_t x, int64_t n, float s, int dtype, ptr_t stream):
+    cdef int st
+    with nogil:
+        st = taper_cuda_scale(<void*>x, n, s, dtype, <taper_stream_t>stream)
+    _check_status(st, "scale", dict(n=n, s=s, dtype=dtype))
+
+
 def launch_add_bias(ptr_t out, ptr_t bias, int64_t T, int64_t N, int dtype, ptr_t stream):
     cdef int st
     with nogil:

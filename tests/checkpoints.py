@@ -26,6 +26,26 @@ ARCHS = {
     # sliding window on every layer, smaller than the test prompts
     "mistral": ("MistralConfig", dict(num_attention_heads=6, num_key_value_heads=2, head_dim=16,
                                       sliding_window=16, tie_word_embeddings=False)),
+    # (1 + w) norms, sandwich norms, GeGLU, soft-caps, query_pre_attn_scalar != head_dim, the
+    # first of two layers sliding with a window shorter than the prompts. Untied embeddings: with
+    # the embedding scaled by sqrt(hidden) a tied random head mostly predicts the last token again.
+    "gemma2": ("Gemma2Config", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=24,
+                                    sliding_window=16, query_pre_attn_scalar=96,
+                                    attn_logit_softcapping=5.0, final_logit_softcapping=3.0,
+                                    pad_token_id=0, tie_word_embeddings=False)),
+    # Gemma-2's layout plus q/k norm, a sliding (local) layer with a RoPE base of its own and a
+    # full (global) one with linearly scaled RoPE, no soft-caps
+    "gemma3": ("Gemma3TextConfig", dict(
+        num_attention_heads=4, num_key_value_heads=2, head_dim=24, sliding_window=16,
+        query_pre_attn_scalar=24, layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0,
+                                            "rope_theta": 1_000_000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}},
+        pad_token_id=0, tie_word_embeddings=False)),
+    # fused qkv_proj / gate_up_proj; LongRoPE with the original context (32) under the prompts
+    "phi3": ("Phi3Config", dict(num_attention_heads=4, num_key_value_heads=2,
+                                original_max_position_embeddings=32, pad_token_id=0,
+                                tie_word_embeddings=False)),
 }
 
 

@@ -88,6 +88,10 @@ def softcap(x, cap):
     return cap * np.tanh(to_f64(x) / cap)
 
 
+def scale(x, s):
+    return to_f64(x) * s
+
+
 def reshape_and_cache(k, v, k_cache, v_cache, slot_mapping):
     """Returns updated copies of (k_cache, v_cache)."""
     kc, vc = k_cache.copy(), v_cache.copy()

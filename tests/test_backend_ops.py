@@ -185,6 +185,24 @@ def test_gelu_tanh_and_mul(isa, T, inter):
         be.gelu_tanh_and_mul(x.astype(np.float64), out)
 
 
+@pytest.mark.parametrize("T,N", [(1, 7), (5, 96), (9, 4000)])
+def test_scale(be, T, N):
+    """x * s rounded once to float32: the exact product of float64 rounded, as transformers'
+    float32 embedding times its float32 sqrt(hidden)."""
+    rng = np.random.default_rng(N)
+    x = rng.standard_normal((T, N)).astype(np.float32)
+    s = float(np.float32(np.sqrt(2304.0)))
+    want = ref.scale(x, s).astype(np.float32)
+    be.scale(x, s)
+    np.testing.assert_array_equal(x, want)
+    with pytest.raises(ValueError, match="scale"):
+        be.scale(x, np.nan)
+    with pytest.raises(ValueError, match="scale"):
+        be.scale(x.astype(np.float64), s)
+    with pytest.raises(ValueError, match="scale"):
+        be.scale(x[:, ::2], s)                          # not contiguous
+
+
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("T,N,cap", [(1, 7, 30.0), (3, 5000, 50.0), (4, 33_000, 0.5)])
 def test_softcap(isa, T, N, cap):

@@ -253,6 +253,22 @@ def test_softcap(cuda, cpu, logits):
         assert_close(got, on_cpu, 1e-5, "softcap vs CPU")
 
 
+def test_scale(cuda, cpu):
+    """x * s with s already in the activation dtype (Gemma's sqrt(hidden)): the product of two
+    bf16/f16 values is exact in float, so one rounding gives exactly the reference."""
+    dt = dtype_name(cuda)
+    rng = np.random.default_rng(7)
+    x = rand(rng, (9, 2304), dt)
+    s = float(np.asarray(np.sqrt(2304.0), ACT[dt]))
+    xd = to_dev(cuda, x)
+    cuda.scale(xd, s)
+    got = to_host(cuda, xd)
+    np.testing.assert_array_equal(got, ref.scale(x, s).astype(np.float32).astype(ACT[dt]))
+    on_cpu = x.astype(np.float32)
+    cpu.scale(on_cpu, s)
+    np.testing.assert_array_equal(got.astype(np.float32), on_cpu.astype(ACT[dt]).astype(np.float32))
+
+
 # ---- KV cache writes
 
 
