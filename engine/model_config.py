@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                 "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
-                "phi3": "Phi3ForCausalLM"}
+                "phi3": "Phi3ForCausalLM", "glm4": "Glm4ForCausalLM"}
 
 # Architectures whose attention applies RMSNorm to each q/k head before RoPE.
 _QK_NORM_ARCHS = ("Qwen3ForCausalLM", "Gemma3ForCausalLM")
@@ -23,7 +23,8 @@ _GEMMA_ARCHS = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 
 # The configuration classes' head_dim when config.json has none (Qwen3Config and the Gemma
 # configs default to a fixed size, not hidden_size / heads).
-_DEFAULT_HEAD_DIM = {"Qwen3ForCausalLM": 128, "Gemma2ForCausalLM": 256, "Gemma3ForCausalLM": 256}
+_DEFAULT_HEAD_DIM = {"Qwen3ForCausalLM": 128, "Gemma2ForCausalLM": 256, "Gemma3ForCausalLM": 256,
+                     "Glm4ForCausalLM": 128}
 
 # hidden_act / hidden_activation names -> the gated activation op of the MLP.
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh",
@@ -129,6 +130,8 @@ class ModelConfig:
             qkv_bias, o_bias = True, False
         elif arch == "MistralForCausalLM":
             qkv_bias = o_bias = False
+        elif arch == "Glm4ForCausalLM":     # attention_bias (default on) covers q/k/v only
+            qkv_bias, o_bias = bool(cfg.get("attention_bias", True)), False
         else:
             qkv_bias = o_bias = bool(cfg.get("attention_bias", False))
         mlp_bias = arch == "LlamaForCausalLM" and bool(cfg.get("mlp_bias", False))
@@ -210,6 +213,12 @@ def _sliding_windows(arch: str, cfg: dict, num_layers: int) -> list[int]:
 def _ropes(arch: str, cfg: dict, head_dim: int, max_pos: int,
            yarn_scaling_factor: float | None) -> tuple[RopeConfig, RopeConfig | None]:
     """(RoPE of the full-attention layers, RoPE of the sliding layers when it differs)."""
+    if arch == "Glm4ForCausalLM":
+        # Glm4Config: half the head rotates by default, in interleaved pairs (x[2i], x[2i+1]).
+        cfg = {"partial_rotary_factor": 0.5, **cfg}
+        rope = parse_rope(cfg, head_dim, max_pos, yarn_scaling_factor)
+        rope.is_neox = False
+        return rope, None
     if arch != "Gemma3ForCausalLM":
         return parse_rope(cfg, head_dim, max_pos, yarn_scaling_factor), None
     # Gemma3TextConfig: nested per-layer-type rope_parameters, or the legacy rope_theta (global,

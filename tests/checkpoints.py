@@ -46,6 +46,11 @@ ARCHS = {
     "phi3": ("Phi3Config", dict(num_attention_heads=4, num_key_value_heads=2,
                                 original_max_position_embeddings=32, pad_token_id=0,
                                 tie_word_embeddings=False)),
+    # q/k/v bias, half of each head rotated in interleaved pairs, post-norms after attention and
+    # the MLP, fused gate_up_proj
+    "glm4": ("Glm4Config", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=24,
+                                partial_rotary_factor=0.5, attention_bias=True, pad_token_id=0,
+                                tie_word_embeddings=False)),
 }
 
 

@@ -1,5 +1,6 @@
-"""Model level for the families beyond Llama (DESIGN.md section 6, rung 2): Gemma-2, Gemma-3 (text)
-and Phi-3 give transformers' greedy tokens on tiny checkpoints written by transformers itself.
+"""Model level for the families beyond Llama (DESIGN.md section 6, rung 2): Gemma-2, Gemma-3 (text),
+Phi-3, GLM-4 and Yi give transformers' greedy tokens on tiny checkpoints written by transformers
+itself.
 
 Each quirk first shows that transformers' own output changes when the quirk is switched off, so the
 comparison can fail: tokens for most quirks, the logits for the final soft-cap (tanh is monotonic,
@@ -60,6 +61,10 @@ CASES = {
     "phi3_longrope": (dict(arch="phi3", rope_parameters=LONGROPE), None),
     "phi3_longrope_legacy": (None, ("phi3_longrope", phi3_legacy)),
     "phi3_partial_rotary": (dict(arch="phi3", partial_rotary_factor=0.5), None),
+    "glm4": (dict(arch="glm4"), None),
+    # Yi's checkpoints say LlamaForCausalLM: its shape (GQA 4:1, rope_theta 5e6, untied head)
+    "yi": (dict(arch="llama", num_key_value_heads=1, tie_word_embeddings=False,
+                rope_parameters={"rope_type": "default", "rope_theta": 5_000_000.0}), None),
 }
 
 
@@ -170,6 +175,35 @@ def _full_rotary(cases, name):
     return AutoModelForCausalLM.from_pretrained(d, config=config, dtype=torch.float32).eval()
 
 
+def _glm4_rotary_in_halves(cases, name):
+    """GLM-4's rotation with rotate-half pairs (x[i], x[i + rot/2]) instead of interleaved ones:
+    Phi-3's partial-rotary apply_rotary_pos_emb in place of GLM-4's."""
+    from transformers.models.glm4 import modeling_glm4
+    from transformers.models.phi3 import modeling_phi3
+    model = load_hf(cases.dir(name))
+    original = modeling_glm4.apply_rotary_pos_emb
+    modeling_glm4.apply_rotary_pos_emb = modeling_phi3.apply_rotary_pos_emb
+    model._restore = lambda: setattr(modeling_glm4, "apply_rotary_pos_emb", original)
+    return model
+
+
+def _glm4_no_post_norms(cases, name):
+    model = load_hf(cases.dir(name))
+    for layer in model.model.layers:
+        layer.post_self_attn_layernorm = torch.nn.Identity()
+        layer.post_mlp_layernorm = torch.nn.Identity()
+    return model
+
+
+def _qkv_bias_off(cases, name):
+    model = load_hf(cases.dir(name))
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.zero_()
+    return model
+
+
 # quirk -> (the case that has it, transformers' model with the quirk switched off)
 QUIRK_OFF = {
     "gemma2_norm_one_plus_w": ("gemma2", _norm_without_offset),
@@ -186,6 +220,10 @@ QUIRK_OFF = {
     "phi3_longrope_long_factors": ("phi3_longrope", _longrope_short_only),
     "phi3_longrope_attention_factor": ("phi3_longrope", _longrope_unscaled_attention),
     "phi3_partial_rotary": ("phi3_partial_rotary", _full_rotary),
+    "glm4_interleaved_rotary": ("glm4", _glm4_rotary_in_halves),
+    "glm4_partial_rotary": ("glm4", _full_rotary),
+    "glm4_post_norms": ("glm4", _glm4_no_post_norms),
+    "glm4_qkv_bias": ("glm4", _qkv_bias_off),
 }
 
 
@@ -197,7 +235,11 @@ def _hf_tokens(model):
 def test_quirk_changes_hf_tokens(cases, quirk):
     name, switch_off = QUIRK_OFF[quirk]
     ref = [r[0] for r in cases.ref(name)]
-    off = _hf_tokens(switch_off(cases, name))
+    model = switch_off(cases, name)
+    try:
+        off = _hf_tokens(model)
+    finally:
+        getattr(model, "_restore", lambda: None)()
     for a, b in zip(ref, off):
         assert a != b, f"{quirk}: switching it off does not change transformers' tokens"
 
@@ -259,11 +301,12 @@ def backend():
     return CpuBackend()
 
 
-@pytest.mark.parametrize("name", ["gemma2", "gemma3", "phi3_longrope", "phi3_partial_rotary"])
+@pytest.mark.parametrize("name", ["gemma2", "gemma3", "phi3_longrope", "phi3_partial_rotary",
+                                  "glm4"])
 def test_model_forward_matches_hf(cases, backend, name):
     from engine.models.registry import load_model
     model, _ = load_model(cases.dir(name), backend, progress=False)
-    chunk = {"gemma2": 20, "gemma3": 7}.get(name)   # chunked prefill across the window
+    chunk = {"gemma2": 20, "gemma3": 7, "glm4": 9}.get(name)   # chunked prefill
     tokens, first_logits = harness_greedy(model, prompts_for(), chunk=chunk)
     for i, ref in enumerate(cases.ref(name)):
         np.testing.assert_allclose(first_logits[i], ref[2], rtol=0,
@@ -284,7 +327,8 @@ def test_server_completions_match_hf(tmp_path):
     from server_fakes import LiveServer, client_for
     from tiny_tokenizers import build_byte_level
 
-    for arch, kwargs in [("gemma2", {}), ("gemma3", {}), ("phi3", {"rope_parameters": LONGROPE})]:
+    for arch, kwargs in [("gemma2", {}), ("gemma3", {}), ("phi3", {"rope_parameters": LONGROPE}),
+                         ("glm4", {})]:
         d = tmp_path / arch
         build_byte_level(d)
         hf_tok = AutoTokenizer.from_pretrained(str(d))
