@@ -62,6 +62,21 @@ int taper_cuda_fused_add_rms_norm(void* x,              // (T, H) dtype
                                   int64_t T, int64_t H, float eps, int dtype,
                                   taper_stream_t stream);
 
+/* LayerNorm: out = (x - mean) / sqrt(var + eps) * weight + bias (bias NULL = none). */
+int taper_cuda_layer_norm(const void* x,        // (T, H) dtype
+                          const float* weight,  // (H,)
+                          const float* bias,    // (H,) or NULL
+                          void* out,            // (T, H) dtype
+                          int64_t T, int64_t H, float eps, int dtype, taper_stream_t stream);
+
+/* residual += x (kept in dtype); x = layer_norm(residual). */
+int taper_cuda_fused_add_layer_norm(void* x,              // (T, H) dtype
+                                    void* residual,       // (T, H) dtype
+                                    const float* weight,  // (H,)
+                                    const float* bias,    // (H,) or NULL
+                                    int64_t T, int64_t H, float eps, int dtype,
+                                    taper_stream_t stream);
+
 /* ---- rotary.cu: in place on the first rot_dim dims of every head (the CPU op's contract) */
 
 int taper_cuda_rotary_embedding(const int32_t* positions,    // (T,)

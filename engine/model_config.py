@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                 "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
-                "phi3": "Phi3ForCausalLM", "glm4": "Glm4ForCausalLM"}
+                "phi3": "Phi3ForCausalLM", "glm4": "Glm4ForCausalLM",
+                "stablelm": "StableLmForCausalLM"}
 
 # Architectures whose attention applies RMSNorm to each q/k head before RoPE.
 _QK_NORM_ARCHS = ("Qwen3ForCausalLM", "Gemma3ForCausalLM")
@@ -76,6 +77,7 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None  # attention scale = this ** -0.5 (else head_dim's)
     attn_softcap: float = 0.0           # attention scores capped to c * tanh(s / c); 0 = off
     final_softcap: float = 0.0          # the same on the final logits
+    parallel_residual: bool = False     # h += attn(norm(h)) + mlp(norm(h)) (StableLM)
     dtype: str = "float32"              # the checkpoint's dtype name
     quantization: str | None = None     # quantization_config.quant_method, if any
     quantization_config: dict | None = None  # the whole quantization_config, for the loader
@@ -132,6 +134,11 @@ class ModelConfig:
             qkv_bias = o_bias = False
         elif arch == "Glm4ForCausalLM":     # attention_bias (default on) covers q/k/v only
             qkv_bias, o_bias = bool(cfg.get("attention_bias", True)), False
+        elif arch == "StableLmForCausalLM":
+            qkv_bias, o_bias = bool(cfg.get("use_qkv_bias", False)), False
+            if cfg.get("qk_layernorm"):
+                raise ValueError("StableLM's per-head q/k LayerNorm (qk_layernorm) is not "
+                                 "supported yet")
         else:
             qkv_bias = o_bias = bool(cfg.get("attention_bias", False))
         mlp_bias = arch == "LlamaForCausalLM" and bool(cfg.get("mlp_bias", False))
@@ -147,7 +154,7 @@ class ModelConfig:
             architecture=arch, hidden_size=hidden, num_hidden_layers=num_layers,
             num_attention_heads=num_heads, num_key_value_heads=num_kv_heads, head_dim=head_dim,
             intermediate_size=cfg["intermediate_size"], vocab_size=cfg["vocab_size"],
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=float(cfg.get("rms_norm_eps") or cfg.get("layer_norm_eps") or 1e-6),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=qkv_bias, o_bias=o_bias, mlp_bias=mlp_bias,
             qk_norm=arch in _QK_NORM_ARCHS,
@@ -158,6 +165,7 @@ class ModelConfig:
             else None,
             attn_softcap=float(cfg.get("attn_logit_softcapping") or 0.0) if gemma else 0.0,
             final_softcap=float(cfg.get("final_logit_softcapping") or 0.0) if gemma else 0.0,
+            parallel_residual=bool(cfg.get("use_parallel_residual", False)),
             dtype=_dtype_name(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"),
             quantization=(cfg.get("quantization_config") or {}).get("quant_method"),
             quantization_config=cfg.get("quantization_config"),
@@ -213,6 +221,8 @@ def _sliding_windows(arch: str, cfg: dict, num_layers: int) -> list[int]:
 def _ropes(arch: str, cfg: dict, head_dim: int, max_pos: int,
            yarn_scaling_factor: float | None) -> tuple[RopeConfig, RopeConfig | None]:
     """(RoPE of the full-attention layers, RoPE of the sliding layers when it differs)."""
+    if arch == "StableLmForCausalLM":     # StableLmConfig: a quarter of the head by default
+        cfg = {"partial_rotary_factor": 0.25, **cfg}
     if arch == "Glm4ForCausalLM":
         # Glm4Config: half the head rotates by default, in interleaved pairs (x[2i], x[2i+1]).
         cfg = {"partial_rotary_factor": 0.5, **cfg}

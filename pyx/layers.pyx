@@ -195,6 +195,37 @@ cdef class SandwichDecoderLayer(DecoderLayer):
         b.rms_norm(block_out, self.post_mlp_norm, self.eps, hidden)
 
 
+cdef class LayerNormDecoderLayer(DecoderLayer):
+    """DecoderLayer with LayerNorm (weight and bias, StableLM) instead of RMSNorm. parallel
+    (GPT-NeoX's parallel residual): attention and MLP both read input_norm(h), h += attn + mlp."""
+    cdef object input_bias, post_bias
+    cdef bint parallel
+
+    def __init__(self, backend, Attention attention, MLP mlp, input_norm, input_bias, post_norm,
+                 post_bias, double eps, bint first, bint parallel):
+        DecoderLayer.__init__(self, backend, attention, mlp, input_norm, post_norm, eps, first)
+        self.input_bias, self.post_bias = input_bias, post_bias
+        self.parallel = parallel
+
+    def forward(self, batch, hidden, residual, k_cache, v_cache, Workspace ws):
+        b = self.backend
+        if self.first:
+            b.layer_norm(residual, self.input_norm, self.input_bias, self.eps, hidden)
+        else:
+            b.fused_add_layer_norm(hidden, residual, self.input_norm, self.input_bias, self.eps)
+        attn_out = ws.get("attn_out", hidden.shape[0], hidden.shape[1])
+        self.attention.forward(batch, hidden, attn_out, k_cache, v_cache, ws)
+        if self.parallel:
+            # The MLP reads `hidden` only in its first GEMM, so it may write its output there.
+            self.mlp.forward(hidden, hidden, ws)
+            # residual += attn_out through the fused op, whose normalized output (left in
+            # attn_out) is unused: the op table has no plain add, and this is one pass over (T, H).
+            b.fused_add_layer_norm(attn_out, residual, self.input_norm, self.input_bias, self.eps)
+        else:
+            b.fused_add_layer_norm(attn_out, residual, self.post_norm, self.post_bias, self.eps)
+            self.mlp.forward(attn_out, hidden, ws)
+
+
 def run_layers(list layers, batch, hidden, residual, list kv_caches, Workspace ws):
     """Every decoder layer in order; one Python-visible call per step for the whole stack."""
     cdef Py_ssize_t i

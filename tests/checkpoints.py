@@ -51,6 +51,10 @@ ARCHS = {
     "glm4": ("Glm4Config", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=24,
                                 partial_rotary_factor=0.5, attention_bias=True, pad_token_id=0,
                                 tie_word_embeddings=False)),
+    # LayerNorm with bias everywhere, a quarter of each head rotated, q/k/v bias
+    "stablelm": ("StableLmConfig", dict(num_attention_heads=4, num_key_value_heads=2,
+                                        use_qkv_bias=True, partial_rotary_factor=0.25,
+                                        layer_norm_eps=1e-5, tie_word_embeddings=False)),
 }
 
 

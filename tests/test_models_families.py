@@ -1,5 +1,5 @@
 """Model level for the families beyond Llama (DESIGN.md section 6, rung 2): Gemma-2, Gemma-3 (text),
-Phi-3, GLM-4 and Yi give transformers' greedy tokens on tiny checkpoints written by transformers
+Phi-3, GLM-4, StableLM and Yi give transformers' greedy tokens on tiny checkpoints written by transformers
 itself.
 
 Each quirk first shows that transformers' own output changes when the quirk is switched off, so the
@@ -62,6 +62,8 @@ CASES = {
     "phi3_longrope_legacy": (None, ("phi3_longrope", phi3_legacy)),
     "phi3_partial_rotary": (dict(arch="phi3", partial_rotary_factor=0.5), None),
     "glm4": (dict(arch="glm4"), None),
+    "stablelm": (dict(arch="stablelm"), None),
+    "stablelm_parallel": (dict(arch="stablelm", use_parallel_residual=True), None),
     # Yi's checkpoints say LlamaForCausalLM: its shape (GQA 4:1, rope_theta 5e6, untied head)
     "yi": (dict(arch="llama", num_key_value_heads=1, tie_word_embeddings=False,
                 rope_parameters={"rope_type": "default", "rope_theta": 5_000_000.0}), None),
@@ -204,6 +206,15 @@ def _qkv_bias_off(cases, name):
     return model
 
 
+def _layer_norm_bias_off(cases, name):
+    model = load_hf(cases.dir(name))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "norm" in n and n.endswith(".bias"):
+                p.zero_()
+    return model
+
+
 # quirk -> (the case that has it, transformers' model with the quirk switched off)
 QUIRK_OFF = {
     "gemma2_norm_one_plus_w": ("gemma2", _norm_without_offset),
@@ -224,6 +235,11 @@ QUIRK_OFF = {
     "glm4_partial_rotary": ("glm4", _full_rotary),
     "glm4_post_norms": ("glm4", _glm4_no_post_norms),
     "glm4_qkv_bias": ("glm4", _qkv_bias_off),
+    "stablelm_layer_norm_bias": ("stablelm", _layer_norm_bias_off),
+    "stablelm_partial_rotary": ("stablelm", _full_rotary),
+    "stablelm_qkv_bias": ("stablelm", _qkv_bias_off),
+    "stablelm_parallel_residual": (
+        "stablelm_parallel", lambda c, n: _with_config(c, n, use_parallel_residual=False)),
 }
 
 
@@ -302,11 +318,11 @@ def backend():
 
 
 @pytest.mark.parametrize("name", ["gemma2", "gemma3", "phi3_longrope", "phi3_partial_rotary",
-                                  "glm4"])
+                                  "glm4", "stablelm", "stablelm_parallel"])
 def test_model_forward_matches_hf(cases, backend, name):
     from engine.models.registry import load_model
     model, _ = load_model(cases.dir(name), backend, progress=False)
-    chunk = {"gemma2": 20, "gemma3": 7, "glm4": 9}.get(name)   # chunked prefill
+    chunk = {"gemma2": 20, "gemma3": 7, "glm4": 9, "stablelm_parallel": 11}.get(name)
     tokens, first_logits = harness_greedy(model, prompts_for(), chunk=chunk)
     for i, ref in enumerate(cases.ref(name)):
         np.testing.assert_allclose(first_logits[i], ref[2], rtol=0,
@@ -328,7 +344,7 @@ def test_server_completions_match_hf(tmp_path):
     from tiny_tokenizers import build_byte_level
 
     for arch, kwargs in [("gemma2", {}), ("gemma3", {}), ("phi3", {"rope_parameters": LONGROPE}),
-                         ("glm4", {})]:
+                         ("glm4", {}), ("stablelm", {})]:
         d = tmp_path / arch
         build_byte_level(d)
         hf_tok = AutoTokenizer.from_pretrained(str(d))

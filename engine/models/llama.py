@@ -1,7 +1,8 @@
 """One graph for Llama, Yi, Mistral, Qwen2 and Qwen3 (config flags cover the differences:
 attention biases, per-head q/k RMSNorm, per-layer sliding windows, RoPE variants), and the base the
 other families' files build on: they override the hooks below (`_qkv`, `_gate_up`, `_layer`,
-`_rope_cache`, `norm_offset`, `embed_scale`, `expected_shapes`) with just their quirks.
+`_rope_cache`, `_final_norm`, `norm_offset`, `embedding_multiplier`, `expected_shapes`) with
+just their quirks.
 
 Weights use Hugging Face names. At load q/k/v are fused into one matrix and gate/up into another,
 popping the parts from the weight dict as each layer is built so two copies never coexist.
@@ -152,6 +153,10 @@ class LlamaForCausalLM:
                             self._norm(weights, f"{p}post_attention_layernorm.weight"),
                             self.config.rms_norm_eps, i == 0)
 
+    def _final_norm(self, hidden, residual):
+        """In place: residual += hidden; hidden = the final norm of residual."""
+        self.backend.fused_add_rms_norm(hidden, residual, self.norm, self.config.rms_norm_eps)
+
     def _rope_cache(self, i: int):
         """The cos/sin cache layer i rotates with."""
         return self.cos_sin_cache
@@ -208,7 +213,7 @@ class LlamaForCausalLM:
         idx = batch.logits_indices
         rows_hidden = self.xp.ascontiguousarray(hidden[idx])
         rows_residual = self.xp.ascontiguousarray(residual[idx])
-        b.fused_add_rms_norm(rows_hidden, rows_residual, self.norm, c.rms_norm_eps)
+        self._final_norm(rows_hidden, rows_residual)
         logits = self.xp.empty((len(idx), c.vocab_size), dtype=np.float32)
         b.linear(rows_hidden, self.lm_head, None, logits)
         if c.final_softcap:

@@ -14,6 +14,7 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "Gemma3ForCausalLM": ("gemma", "Gemma3ForCausalLM"),
     "Phi3ForCausalLM": ("phi3", "Phi3ForCausalLM"),
     "Glm4ForCausalLM": ("glm4", "Glm4ForCausalLM"),
+    "StableLmForCausalLM": ("stablelm", "StableLmForCausalLM"),
 }
 
 
