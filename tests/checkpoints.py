@@ -137,6 +137,24 @@ ARCHS_256 = {
     "qwen2": ("Qwen2Config", dict(tie_word_embeddings=False)),     # qkv bias
     "qwen3": ("Qwen3Config", dict(tie_word_embeddings=True)),      # q/k RMSNorm per head
     "mistral": ("MistralConfig", dict(sliding_window=16, tie_word_embeddings=False)),
+    # the families of issue 16 with the tiny family's quirks (head_dim 64 throughout)
+    "gemma2": ("Gemma2Config", dict(sliding_window=16, query_pre_attn_scalar=256,
+                                    attn_logit_softcapping=5.0, final_logit_softcapping=3.0,
+                                    pad_token_id=0, tie_word_embeddings=False)),
+    "gemma3": ("Gemma3TextConfig", dict(
+        sliding_window=16, query_pre_attn_scalar=64,
+        layer_types=["sliding_attention", "full_attention"], pad_token_id=0,
+        tie_word_embeddings=False)),
+    "phi3": ("Phi3Config", dict(
+        original_max_position_embeddings=32, pad_token_id=0, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                         "short_factor": [1.0 + 0.02 * i for i in range(32)],
+                         "long_factor": [1.0 + 0.25 * i for i in range(32)]})),
+    "glm4": ("Glm4Config", dict(partial_rotary_factor=0.5, attention_bias=True, pad_token_id=0,
+                                tie_word_embeddings=False)),
+    "stablelm": ("StableLmConfig", dict(use_qkv_bias=True, partial_rotary_factor=0.25,
+                                        use_parallel_residual=True, layer_norm_eps=1e-5,
+                                        tie_word_embeddings=False)),
 }
 
 # Scaling after transformers' init: linear weights x 4 (the tiny family's x 8 is tuned for hidden
