@@ -16,16 +16,17 @@ _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                 "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
                 "phi3": "Phi3ForCausalLM", "glm4": "Glm4ForCausalLM",
-                "stablelm": "StableLmForCausalLM"}
+                "stablelm": "StableLmForCausalLM", "mixtral": "MixtralForCausalLM",
+                "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 # Architectures whose attention applies RMSNorm to each q/k head before RoPE.
-_QK_NORM_ARCHS = ("Qwen3ForCausalLM", "Gemma3ForCausalLM")
+_QK_NORM_ARCHS = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM")
 _GEMMA_ARCHS = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 
 # The configuration classes' head_dim when config.json has none (Qwen3Config and the Gemma
 # configs default to a fixed size, not hidden_size / heads).
-_DEFAULT_HEAD_DIM = {"Qwen3ForCausalLM": 128, "Gemma2ForCausalLM": 256, "Gemma3ForCausalLM": 256,
-                     "Glm4ForCausalLM": 128}
+_DEFAULT_HEAD_DIM = {"Qwen3ForCausalLM": 128, "Qwen3MoeForCausalLM": 128, "Gemma2ForCausalLM": 256,
+                     "Gemma3ForCausalLM": 256, "Glm4ForCausalLM": 128}
 
 # hidden_act / hidden_activation names -> the gated activation op of the MLP.
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh",
@@ -50,6 +51,16 @@ class RopeConfig:
     is_neox: bool = True                # rotate halves (HF rotate_half), not interleaved pairs
     short_factor: tuple[float, ...] = ()  # longrope: per-frequency divisors up to the original
     long_factor: tuple[float, ...] = ()   # context, and beyond it
+
+
+@dataclass(slots=True)
+class MoeConfig:
+    num_experts: int
+    top_k: int                          # experts per token
+    intermediate_size: int              # each expert's
+    normalize: bool                     # renormalise the top-k probabilities to sum to 1
+    sparse_layers: list[bool]           # per layer: MoE (True) or the dense MLP
+    shared_intermediate_size: int = 0   # Qwen2-MoE's sigmoid-gated shared expert (0: none)
 
 
 @dataclass(slots=True)
@@ -83,6 +94,8 @@ class ModelConfig:
     quantization_config: dict | None = None  # the whole quantization_config, for the loader
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    moe: MoeConfig | None = None        # mixture-of-experts layers, if any
+
 
     @property
     def q_size(self) -> int:
@@ -128,9 +141,9 @@ class ModelConfig:
                              f"num_key_value_heads {num_kv_heads}")
         max_pos = cfg.get("max_position_embeddings", 2048)
 
-        if arch == "Qwen2ForCausalLM":
+        if arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM"):
             qkv_bias, o_bias = True, False
-        elif arch == "MistralForCausalLM":
+        elif arch in ("MistralForCausalLM", "MixtralForCausalLM"):
             qkv_bias = o_bias = False
         elif arch == "Glm4ForCausalLM":     # attention_bias (default on) covers q/k/v only
             qkv_bias, o_bias = bool(cfg.get("attention_bias", True)), False
@@ -169,7 +182,37 @@ class ModelConfig:
             dtype=_dtype_name(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"),
             quantization=(cfg.get("quantization_config") or {}).get("quant_method"),
             quantization_config=cfg.get("quantization_config"),
-            bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos)
+            bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos,
+            moe=parse_moe(arch, cfg, num_layers))
+
+
+# Config-class defaults transformers 5 fills in when config.json leaves a key out.
+_MOE_DEFAULTS = {
+    "Qwen2MoeForCausalLM": dict(num_experts=60, num_experts_per_tok=4, moe_intermediate_size=1408,
+                                norm_topk_prob=False, shared_expert_intermediate_size=5632),
+    "Qwen3MoeForCausalLM": dict(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+                                norm_topk_prob=False, shared_expert_intermediate_size=0),
+}
+
+
+def parse_moe(arch: str, cfg: dict, num_layers: int) -> MoeConfig | None:
+    """The MoE settings as transformers' Mixtral, Qwen2-MoE and Qwen3-MoE read them."""
+    if arch == "MixtralForCausalLM":      # softmax, top-k, always renormalised; every layer
+        return MoeConfig(int(cfg.get("num_local_experts", 8)), int(cfg.get("num_experts_per_tok", 2)),
+                         int(cfg["intermediate_size"]), True, [True] * num_layers)
+    if arch not in _MOE_DEFAULTS:
+        return None
+    get = {**_MOE_DEFAULTS[arch], **{k: v for k, v in cfg.items() if v is not None}}.get
+    # A layer is sparse unless listed in mlp_only_layers, and then only every
+    # decoder_sparse_step-th one (Qwen2MoeDecoderLayer / Qwen3MoeDecoderLayer).
+    step = int(get("decoder_sparse_step", 1) or 1)
+    dense = set(get("mlp_only_layers", []) or [])
+    # transformers 5 writes Qwen3-MoE's expert count as num_local_experts; checkpoints say
+    # num_experts.
+    num_experts = int(cfg.get("num_experts") or get("num_local_experts", get("num_experts")))
+    sparse = [i not in dense and num_experts > 0 and (i + 1) % step == 0 for i in range(num_layers)]
+    return MoeConfig(num_experts, int(get("num_experts_per_tok")), int(get("moe_intermediate_size")),
+                     bool(get("norm_topk_prob")), sparse, int(get("shared_expert_intermediate_size")))
 
 
 def _as_list(value) -> list[int]:
@@ -186,7 +229,17 @@ def _dtype_name(value) -> str:
 
 def _sliding_windows(arch: str, cfg: dict, num_layers: int) -> list[int]:
     """Per-layer attention window, as transformers' modeling code applies it (0 = full)."""
-    if arch == "MistralForCausalLM":
+    window = int(cfg.get("sliding_window") or 0) if cfg.get("use_sliding_window", False) else 0
+    if arch == "Qwen3MoeForCausalLM":     # one mask for every layer, as Mixtral and Mistral
+        return [window] * num_layers
+    if arch == "Qwen2MoeForCausalLM":
+        # Qwen2MoeConfig.__post_init__: layer_types, when absent, marks even-indexed layers
+        # below max_window_layers as sliding.
+        layer_types = cfg.get("layer_types") or [
+            "sliding_attention" if i % 2 == 0 and i < cfg.get("max_window_layers", 28) and window
+            else "full_attention" for i in range(num_layers)]
+        return [window if t == "sliding_attention" else 0 for t in layer_types]
+    if arch in ("MistralForCausalLM", "MixtralForCausalLM"):
         # MistralModel builds one mask from config.sliding_window for every layer (layer_types is
         # ignored by Mistral; transformers warns to use Ministral for alternating patterns).
         return [int(cfg.get("sliding_window") or 0)] * num_layers

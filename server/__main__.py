@@ -1,4 +1,5 @@
 """`python -m server` / `taper`: load a model and serve the OpenAI-compatible API with Hypercorn.
+`taper chat ...` is the terminal chat client instead (server/chat/).
 
 Flags follow candle-vllm's short names (`--w`, `--m`, `--p`, `--h`, `--mem`) with long names
 beside them. With neither `--w` nor `--m`, a tiny random-weight demo checkpoint is generated
@@ -15,8 +16,6 @@ import signal
 import sys
 import threading
 
-from engine.sampling_params import SamplingParams
-
 log = logging.getLogger("taper.server")
 
 DEMO_NAME = "taper-demo"
@@ -27,7 +26,8 @@ DEMO_WARNING = ("No model given: serving a locally generated demo checkpoint wit
 def build_parser() -> argparse.ArgumentParser:
     # add_help=False: `--h` is the host (candle-vllm's flag), so help is only `--help`.
     p = argparse.ArgumentParser(prog="taper", add_help=False, allow_abbrev=False,
-                                description="Taper: serve an LLM with an OpenAI-compatible API.")
+                                description="Taper: serve an LLM with an OpenAI-compatible API.",
+                                epilog="`taper chat --help`: the terminal chat client.")
     p.add_argument("--help", action="help", help="show this help and exit")
     g = p.add_argument_group("server")
     g.add_argument("--port", "--p", dest="port", type=int, default=2000, help="port (default 2000)")
@@ -51,7 +51,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--trust-request-chat-template", action="store_true",
                    help="let requests bring their own chat_template (a template is code the "
                         "server runs)")
-    g.add_argument("--ui-server", action="store_true", help="serve the web chat UI")
+    g.add_argument("--responses-store-size", type=int, metavar="N", default=1000,
+                   help="Responses API responses kept for GET and previous_response_id, the "
+                        "oldest dropped first (default 1000; 0 keeps none)")
+    g.add_argument("--ui-server", action="store_true",
+                   help="candle-vllm's flag for the web chat UI, accepted for its scripts: the "
+                        "UI is always served at /ui on the API port")
     g.add_argument("--enforce-parser", metavar="NAME", help="tool-call parser to use")
     g.add_argument("--mcp-config", metavar="FILE", help="MCP servers whose tools to offer")
     g.add_argument("--log", action="store_true", help="verbose logging (every request)")
@@ -102,6 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--prefix-cache-max-tokens", type=int, metavar="N", default=None,
                    help="most tokens the prefix cache keeps (default: as many as fit)")
     e.add_argument("--seed", type=int, metavar="N", default=0, help="seed for requests that give none")
+    e.add_argument("--profile-steps", type=int, metavar="N", default=0,
+                   help="log every N steps where the engine's step time went (scheduling, batch "
+                        "preparation, forward, sampling, output processing); it synchronizes the "
+                        "device after each forward, so it slows a GPU")
     s = p.add_argument_group("generation defaults (requests override them; unset: the "
                              "checkpoint's generation_config.json)")
     s.add_argument("--max-gen-tokens", type=int, metavar="N", default=None,
@@ -117,12 +126,13 @@ SAMPLING_FLAGS = {"temperature": float, "top_p": float, "top_k": int, "min_p": f
 
 # Flags whose features later work brings: refused at start-up, never silently ignored.
 NOT_YET_SUPPORTED = {"enforce_parser": ("--enforce-parser", "tool calling"),
-                     "mcp_config": ("--mcp-config", "MCP tools"),
-                     "ui_server": ("--ui-server", "the web chat UI")}
+                     "mcp_config": ("--mcp-config", "MCP tools")}
 
 
 def check_args(args) -> str | None:
     """The first problem with the flags, as a message, or None."""
+    from engine.sampling_params import SamplingParams
+
     for dest, (flag, feature) in NOT_YET_SUPPORTED.items():
         if getattr(args, dest):
             return f"{flag}: {feature} is not yet supported"
@@ -136,6 +146,10 @@ def check_args(args) -> str | None:
         value = getattr(args, name)
         if value is not None and value < 1:
             return f"--{name.replace('_', '-')} must be at least 1"
+    if args.responses_store_size < 0:
+        return "--responses-store-size must be at least 0"
+    if args.profile_steps < 0:
+        return "--profile-steps must be 0 (off) or a number of steps"
     if args.max_request_mb <= 0 or args.shutdown_timeout < 0:
         return "--max-request-mb must be positive and --shutdown-timeout non-negative"
     try:
@@ -212,7 +226,8 @@ def server_settings(args, config):
         max_queued_requests=args.max_queued_requests, max_gen_tokens=args.max_gen_tokens,
         sampling_defaults=sampling_defaults(args), chat_template=template,
         trust_request_chat_template=args.trust_request_chat_template,
-        max_body_bytes=int(args.max_request_mb * 2**20), cors_origins=args.allowed_origins)
+        max_body_bytes=int(args.max_request_mb * 2**20), cors_origins=args.allowed_origins,
+        responses_store_size=args.responses_store_size)
 
 
 class Server:
@@ -243,12 +258,18 @@ class Server:
         threading.Thread(target=self._load, args=(loop,), name="taper-load", daemon=True).start()
         log.info("serving on http://%s:%d (OpenAI API under /v1); loading the model",
                  args.host, args.port)
+        browse_host = "localhost" if args.host in ("0.0.0.0", "::") else args.host
+        log.info("web chat UI: http://%s:%d/ui/", f"[{browse_host}]" if ":" in browse_host
+                 else browse_host, args.port)
         await hypercorn_serve(self.app, hc, shutdown_trigger=self.stop.wait)
 
     def _load(self, loop):
         from engine.async_engine import AsyncEngine
         try:
             engine = AsyncEngine(self.config)
+            if self.args.profile_steps > 0:
+                from engine.step_profile import StepProfile
+                StepProfile.attach(engine.engine, log_every=self.args.profile_steps)
         except Exception as e:        # no such model, unsupported, too big...: exit 1
             log.error("could not load %s: %s", self.config.model, e)
             loop.call_soon_threadsafe(self._fail)
@@ -299,6 +320,10 @@ async def _wait_until(condition, timeout: float) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["chat"]:      # the client: none of the server's imports
+        from server.chat.cli import main as chat_main
+        return chat_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.log else logging.INFO,

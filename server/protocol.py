@@ -62,6 +62,7 @@ _UNION_HINTS = {
               "or an array of arrays of token ids",
     "stop": "must be a string or an array of strings",
     "content": "must be a string or an array of content parts",
+    "input": "must be a string or an array of input items",
 }
 
 

@@ -55,6 +55,21 @@ ARCHS = {
     "stablelm": ("StableLmConfig", dict(num_attention_heads=4, num_key_value_heads=2,
                                         use_qkv_bias=True, partial_rotary_factor=0.25,
                                         layer_norm_eps=1e-5, tie_word_embeddings=False)),
+    # mixtures of experts: 4 experts, 2 per token
+    "mixtral": ("MixtralConfig", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=24,
+                                      num_local_experts=4, num_experts_per_tok=2,
+                                      sliding_window=None, tie_word_embeddings=False)),
+    # a sigmoid-gated shared expert beside the routed ones; top-k weights not renormalised
+    "qwen2_moe": ("Qwen2MoeConfig", dict(num_attention_heads=3, num_key_value_heads=1,
+                                         num_experts=4, num_experts_per_tok=2,
+                                         moe_intermediate_size=64,
+                                         shared_expert_intermediate_size=128,
+                                         norm_topk_prob=False, tie_word_embeddings=False)),
+    # renormalised top-k (norm_topk_prob); layer 0 keeps a dense MLP (mlp_only_layers)
+    "qwen3_moe": ("Qwen3MoeConfig", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                         num_experts=4, num_experts_per_tok=2,
+                                         moe_intermediate_size=64, norm_topk_prob=True,
+                                         mlp_only_layers=[0], tie_word_embeddings=True)),
 }
 
 

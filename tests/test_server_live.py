@@ -220,7 +220,6 @@ def test_live_tokenize_matches_an_independent_tokenizer(live):
 
 @pytest.mark.parametrize("flags, message", [
     (["--isq", "q4z"], "--isq q4z: unknown type"),
-    (["--ui-server"], "--ui-server: the web chat UI is not yet supported"),
     (["--mcp-config", "x.json"], "--mcp-config: MCP tools is not yet supported"),
     (["--kvcache-dtype", "bf16"], "a bf16 KV cache is not yet supported on the CPU backend"),
     (["--temperature", "-1"], "--temperature must be in [0, 100]"),

@@ -1,8 +1,8 @@
 """One graph for Llama, Yi, Mistral, Qwen2 and Qwen3 (config flags cover the differences:
 attention biases, per-head q/k RMSNorm, per-layer sliding windows, RoPE variants), and the base the
 other families' files build on: they override the hooks below (`_qkv`, `_gate_up`, `_layer`,
-`_rope_cache`, `_final_norm`, `norm_offset`, `embedding_multiplier`, `expected_shapes`) with
-just their quirks.
+`_mlp`, `_rope_cache`, `_final_norm`, `norm_offset`, `embedding_multiplier`, `expected_shapes`)
+with just their quirks.
 
 Weights use Hugging Face names. At load q/k/v are fused into one matrix and gate/up into another,
 popping the parts from the weight dict as each layer is built so two copies never coexist.
@@ -52,9 +52,9 @@ def expected_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def check_weights(c: ModelConfig, weights: dict, shapes: dict | None = None) -> None:
+def check_weights(c: ModelConfig, weights: dict, shapes: dict) -> None:
     problems = []
-    for name, shape in (shapes or expected_shapes(c)).items():
+    for name, shape in shapes.items():
         if name not in weights:
             problems.append(f"missing tensor {name} (expected shape {list(shape)})")
         elif tuple(weights[name].shape) != shape:
@@ -108,11 +108,7 @@ class LlamaForCausalLM:
                 *(self._to_device(s) for s in kv_scales),
                 scale=c.query_pre_attn_scalar ** -0.5 if c.query_pre_attn_scalar else None,
                 softcap=c.attn_softcap)
-            mlp = MLP(
-                backend, *self._gate_up(weights, p),
-                self._take(weights, f"{p}mlp.down_proj.weight"),
-                self._take(weights, f"{p}mlp.down_proj.bias") if c.mlp_bias else None,
-                act=c.hidden_act)
+            mlp = self._mlp(weights, p, i)
             self.layers.append(self._layer(weights, p, i, attn, mlp))
         self.embed_tokens = self._take(weights, "model.embed_tokens.weight")
         self.norm = self._norm(weights, "model.norm.weight")
@@ -128,9 +124,7 @@ class LlamaForCausalLM:
 
     # ---- hooks a family overrides
 
-    @staticmethod
-    def expected_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
-        return expected_shapes(c)
+    expected_shapes = staticmethod(expected_shapes)
 
     @staticmethod
     def embedding_multiplier(c: ModelConfig) -> float | None:
@@ -142,13 +136,21 @@ class LlamaForCausalLM:
         return (self._fuse(weights, [f"{n}.weight" for n in names]),
                 self._fuse(weights, [f"{n}.bias" for n in names]) if self.config.qkv_bias else None)
 
+    def _mlp(self, weights: dict, p: str, i: int):
+        """Layer i's feed-forward block (weights under prefix p)."""
+        c = self.config
+        return MLP(self.backend, *self._gate_up(weights, p),
+                   self._take(weights, f"{p}mlp.down_proj.weight"),
+                   self._take(weights, f"{p}mlp.down_proj.bias") if c.mlp_bias else None,
+                   act=c.hidden_act)
+
     def _gate_up(self, weights: dict, p: str) -> tuple:
         """(fused gate/up weight (2I, H), its bias or None) of layer prefix p."""
         names = [f"{p}mlp.gate_proj", f"{p}mlp.up_proj"]
         return (self._fuse(weights, [f"{n}.weight" for n in names]),
                 self._fuse(weights, [f"{n}.bias" for n in names]) if self.config.mlp_bias else None)
 
-    def _layer(self, weights: dict, p: str, i: int, attn: Attention, mlp: MLP):
+    def _layer(self, weights: dict, p: str, i: int, attn: Attention, mlp):
         return DecoderLayer(self.backend, attn, mlp, self._norm(weights, f"{p}input_layernorm.weight"),
                             self._norm(weights, f"{p}post_attention_layernorm.weight"),
                             self.config.rms_norm_eps, i == 0)
