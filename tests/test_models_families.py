@@ -364,3 +364,26 @@ def test_server_completions_match_hf(tmp_path):
             server.close()
         assert out.usage.completion_tokens == trusted
         assert out.choices[0].text == hf_tok.decode(tokens[:trusted], skip_special_tokens=True), arch
+
+
+def test_longrope_factor_set_is_per_sequence(cases, backend):
+    """One batch, a sequence past the original context (long factors) beside one that stays
+    under it through its 16 tokens (short factors): each gets transformers' tokens. A rule for
+    the whole batch (any long sequence switching every row) fails the short one."""
+    from engine.models.registry import load_model
+    model, _ = load_model(cases.dir("phi3_longrope"), backend, progress=False)
+    prompts = [prompts_for()[0], prompts_for()[1][:10]]     # 48 and 10 tokens; 10 + 16 < 32
+    hf = load_hf(cases.dir("phi3_longrope"))
+    refs = [hf_greedy(hf, p, GEN) for p in prompts]
+    short_only = _longrope_short_only(cases, "phi3_longrope")
+    assert hf_greedy(short_only, prompts[1], GEN)[0] == refs[1][0]   # the short set alone
+    assert hf_greedy(short_only, prompts[0], GEN)[0] != refs[0][0]
+    from transformers import AutoConfig, AutoModelForCausalLM
+    config = AutoConfig.from_pretrained(cases.dir("phi3_longrope"))
+    config.rope_parameters["short_factor"] = list(config.rope_parameters["long_factor"])
+    long_only = AutoModelForCausalLM.from_pretrained(cases.dir("phi3_longrope"), config=config,
+                                                     dtype=torch.float32).eval()
+    assert hf_greedy(long_only, prompts[1], GEN)[0] != refs[1][0]    # the set matters for it
+    tokens, _ = harness_greedy(model, prompts)
+    for i, ref in enumerate(refs):
+        assert_matches(tokens[i], ref, min_trusted=8, label=f"phi3 longrope prompt {i}")
