@@ -132,9 +132,11 @@ int taper_cuda_reshape_and_cache(const void* k,               // (T, Hkv, D) dty
 /* Bytes of workspace the decode launcher needs for (B, Hq, D, num_splits); 0 for num_splits 1. */
 int64_t taper_cuda_decode_workspace_bytes(int64_t B, int64_t Hq, int64_t D, int num_splits);
 
-/* The partition count the engine uses: 1 while B * Hkv blocks already fill the device, else
- * enough partitions of at least 512 keys to reach about two waves of num_sms blocks, at most 64. */
-int taper_cuda_decode_num_splits(int64_t B, int64_t Hkv, int64_t max_seq_len, int num_sms);
+/* The partition count is the caller's choice (1..64); the engine's rule is the pure function
+ * pyx/decode_splits.py, tested on the CPU, fed with the device's SM count and this: how many
+ * blocks of the decode kernel for (Hq, Hkv, D, dtype, cache_dtype) an SM holds at once. */
+int taper_cuda_decode_blocks_per_sm(int64_t Hq, int64_t Hkv, int64_t D, int dtype,
+                                    int cache_dtype, int* blocks);
 
 int taper_cuda_paged_attention_decode(void* out,                   // (B, Hq, D) dtype
                                       const void* q,               // (B, Hq, D) dtype
@@ -204,6 +206,15 @@ int taper_cuda_filter_logits(float* logits,             // (B, V)
                              const float* top_p,        // (B,) 1 = off
                              const float* min_p,        // (B,) 0 = off
                              int64_t B, int64_t V, taper_stream_t stream);
+
+/* taper_cuda_filter_logits with each threshold found by a radix select, 8 bits of the key per
+ * pass (4 passes) instead of bisection (up to 32): top-k the same; top-p's mass summed in 2^-k
+ * fixed point (k from V, so the sum stays exact integer arithmetic) instead of double, so the
+ * kept set can differ only where a prefix's mass lies within ~V^2 2^-62 of top_p times the total;
+ * rows with a NaN or a non-finite max bisect for top-p as before. */
+int taper_cuda_filter_logits_radix(float* logits, const float* temperature, const int32_t* top_k,
+                                   const float* top_p, const float* min_p, int64_t B, int64_t V,
+                                   taper_stream_t stream);
 
 /* ---- quant_gguf.cu: ggml's block formats on the GPU (issue 6). qtype: GGUF's
  * GGMLQuantizationType ids, the CPU's set: Q4_0 2, Q4_1 3, Q5_0 6, Q5_1 7, Q8_0 8, Q2_K 10,

@@ -93,8 +93,8 @@ class BlockPool:
     def get_computed_blocks(self, seq: Sequence) -> tuple[list[Block], int]:
         """The longest chain of cached blocks matching seq's tokens, and the tokens they hold.
         A pure lookup: `allocate_slots` takes the blocks, `record_lookup` counts an admission."""
-        if not self.enable_prefix_caching or seq.sampling_params.prompt_logprobs is not None:
-            return [], 0    # prompt logprobs need every prompt token's logits
+        if not self.enable_prefix_caching or seq.needs_every_prompt_token:
+            return [], 0    # prompt logprobs need every prompt token's logits, pooling its rows
         max_blocks = (seq.num_tokens - 1) // self.block_size
         blocks = []
         for h in self._block_hashes(seq, max_blocks)[:max_blocks]:
@@ -106,7 +106,7 @@ class BlockPool:
 
     def record_lookup(self, seq: Sequence, num_cached_tokens: int):
         """Count one admitted sequence's lookup (a sequence waiting for room is counted once)."""
-        if self.enable_prefix_caching and seq.sampling_params.prompt_logprobs is None:
+        if self.enable_prefix_caching and not seq.needs_every_prompt_token:
             self.prefix_cache_queries += seq.num_tokens
             self.prefix_cache_hits += num_cached_tokens
 

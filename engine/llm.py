@@ -6,6 +6,7 @@ import itertools
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
+from engine.pooling import PoolingParams
 from engine.sampling_params import SamplingParams
 
 
@@ -14,7 +15,15 @@ class LLM:
         self.engine = LLMEngine(EngineConfig(model=model, **config))
         self._request_ids = itertools.count()
 
-    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None
+    def embed(self, prompts, dimensions: int | None = None) -> list[RequestOutput]:
+        """Embeddings (each output's `.embedding`) of strings or lists of token ids, in order,
+        pooled as the checkpoint says (engine/pooling.py)."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        return self.generate(prompts, [PoolingParams(dimensions)] * len(prompts))
+
+    def generate(self, prompts,
+                 sampling_params: SamplingParams | PoolingParams | list | None = None
                  ) -> list[RequestOutput]:
         """prompts: strings or lists of token ids. Returns each request's final output, in order."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):

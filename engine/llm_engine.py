@@ -18,6 +18,7 @@ from engine.loader.safetensors import mem_available_bytes
 from engine.model_runner import ModelRunner
 from engine.models.registry import load_gguf_model, load_model
 from engine.outputs import RequestOutput
+from engine.pooling import Pooler, PoolingParams, default_pooling_config, read_pooling_config
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -56,8 +57,11 @@ class LLMEngine:
         if loaded is not None:
             self.backend, self.model, self.model_config = loaded
             self.model_dir, self.tokenizer = None, None
+            self.pooling_config = None
         else:
             self._load()
+        # How /v1/embeddings pools: the sentence-transformers config, else the last token.
+        self.pooling = self.pooling_config or default_pooling_config(self.model_dir)
         if config.tokenizer:        # an explicit tokenizer wins (a GGUF's own may be missing)
             self.tokenizer = Tokenizer.try_from_pretrained(config.tokenizer)
         self.eos_token_ids = set(self.model_config.eos_token_ids)
@@ -109,12 +113,17 @@ class LLMEngine:
         if config.weight_file:
             path = resolve_gguf(config.model, config.weight_file)
             self.model_dir = os.path.dirname(os.path.abspath(path))
+            self.pooling_config = None
             self.model, self.model_config, self.tokenizer = load_gguf_model(
                 path, self.backend, **load_args)
         else:
             self.model_dir = resolve_model(config.model)
-            self.model, self.model_config = load_model(self.model_dir, self.backend, **load_args)
-            self.tokenizer = Tokenizer.try_from_pretrained(self.model_dir)
+            self.pooling_config = read_pooling_config(self.model_dir)
+            # old sentence-transformers saves keep the transformer in a subfolder
+            transformer_dir = os.path.join(self.model_dir, self.pooling_config.transformer_path
+                                           if self.pooling_config else "")
+            self.model, self.model_config = load_model(transformer_dir, self.backend, **load_args)
+            self.tokenizer = Tokenizer.try_from_pretrained(transformer_dir)
 
     def _capture_cuda_graphs(self):
         from engine.cuda_graph import CudaGraphRunner
@@ -179,11 +188,17 @@ class LLMEngine:
     # ---- requests
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
-                    params: SamplingParams) -> Sequence:
+                    params: SamplingParams | PoolingParams) -> Sequence:
+        """A generation request (SamplingParams) or an embedding request (PoolingParams)."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if not prompt_token_ids:
             raise ValueError("the prompt is empty")
+        if isinstance(params, PoolingParams):
+            return self._add_pooling_request(request_id, prompt_token_ids, params)
+        if not self.model_config.has_lm_head:
+            raise ValueError("this model has no lm_head (a headless embedding checkpoint): it "
+                             "serves embeddings only")
         if params.n != 1 or params.logprobs is not None or params.prompt_logprobs is not None:
             raise ValueError("n > 1, logprobs and prompt_logprobs are not yet supported")
         if len(prompt_token_ids) >= self.max_model_len:
@@ -198,6 +213,28 @@ class LLMEngine:
             self.detokenizers[request_id] = IncrementalDetokenizer(
                 self.tokenizer, prompt_token_ids, params.skip_special_tokens, params.stop,
                 params.include_stop_str_in_output, params.min_tokens)
+        self.scheduler.add(seq)
+        self.requests[request_id] = seq
+        return seq
+
+    def _add_pooling_request(self, request_id: str, prompt_token_ids: list[int],
+                             params: PoolingParams) -> Sequence:
+        """An embedding: the prompt is computed (in chunks, batched with everything else) and
+        pooled; nothing is sampled."""
+        if len(prompt_token_ids) > self.max_model_len:
+            raise ValueError(f"the input has {len(prompt_token_ids)} tokens; the maximum model "
+                             f"length is {self.max_model_len}")
+        if params.dimensions is not None:
+            problem = self.pooling.check_dimensions(params.dimensions,
+                                                    self.model_config.hidden_size)
+            if problem:
+                raise ValueError(problem)
+        vocab = self.model_config.vocab_size
+        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
+            raise ValueError(f"token ids must be in [0, {vocab})")
+        seq = Sequence(prompt_token_ids, None, request_id, arrival_time=time.monotonic(),
+                       default_seed=0)
+        seq.pooler = Pooler(self.pooling, params, len(prompt_token_ids))
         self.scheduler.add(seq)
         self.requests[request_id] = seq
         return seq
@@ -227,14 +264,31 @@ class LLMEngine:
             return []
         self.backend.bind_thread()   # CUDA: this thread's current device and stream
         try:
-            logits = self.runner.execute(sched)
-            sampled = [seq for seq, last in zip(sched.seqs, sched.sample) if last]
+            logits, pooled = self.runner.execute(sched)
+            sampled = [seq for seq, last in zip(sched.seqs, sched.sample)
+                       if last and seq.pooler is None]
             tokens = self.sampler.sample(logits, sampled, self.eos_token_ids) if sampled else []
         except Exception as e:  # fail this step's requests, keep serving the others
             log.exception("step failed; finishing its %d requests with an error", len(sched.seqs))
             return [self._finish_with_error(seq, e) for seq in sched.seqs]
         self.scheduler.update(sched)
-        return [self._append(seq, int(token)) for seq, token in zip(sampled, tokens)]
+        return ([self._append(seq, int(token)) for seq, token in zip(sampled, tokens)]
+                + [out for out in map(self._pool, pooled) if out is not None])
+
+    def _pool(self, pooled: tuple) -> RequestOutput | None:
+        """Feed an embedding request its chunk's rows; once its last token is computed, finish
+        it with the pooled vector."""
+        seq, start, rows = pooled
+        if seq.is_finished:          # aborted during the step
+            return None
+        seq.pooler.add(start, rows)
+        if seq.num_computed_tokens < seq.num_tokens:
+            return None
+        self._finish(seq, "stop")
+        self.num_prompt_tokens += seq.num_prompt_tokens
+        return RequestOutput(seq.request_id, finished=True, finish_reason="stop",
+                             num_prompt_tokens=seq.num_prompt_tokens,
+                             embedding=seq.pooler.result())
 
     def _finish(self, seq: Sequence, reason: str):
         self.scheduler.finish(seq, reason)

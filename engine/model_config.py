@@ -95,7 +95,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     moe: MoeConfig | None = None        # mixture-of-experts layers, if any
-
+    has_lm_head: bool = True            # False: a headless transformer (LlamaModel, ...)
 
     @property
     def q_size(self) -> int:
@@ -122,15 +122,18 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, cfg: dict, yarn_scaling_factor: float | None = None) -> "ModelConfig":
-        from engine.models.registry import ARCHITECTURES
+        from engine.models.registry import ARCHITECTURES, BASE_MODELS
 
         archs = cfg.get("architectures") or []
         if not archs and cfg.get("model_type") in _MODEL_TYPES:
             archs = [_MODEL_TYPES[cfg["model_type"]]]
-        arch = next((a for a in archs if a in ARCHITECTURES), None)
+        arch = next((a for a in archs if a in ARCHITECTURES or a in BASE_MODELS), None)
         if arch is None:
             raise ValueError(f"unsupported architecture {', '.join(archs) or '(none given)'}; "
-                             f"supported: {', '.join(sorted(ARCHITECTURES))}")
+                             f"supported: {', '.join(sorted([*ARCHITECTURES, *BASE_MODELS]))}")
+        # A headless transformer follows its causal LM's config rules (biases, q/k norm, ...).
+        has_lm_head = arch not in BASE_MODELS
+        arch = BASE_MODELS.get(arch, arch)
         hidden = cfg["hidden_size"]
         num_heads = cfg["num_attention_heads"]
         num_layers = cfg["num_hidden_layers"]
@@ -182,7 +185,7 @@ class ModelConfig:
             dtype=_dtype_name(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"),
             quantization=(cfg.get("quantization_config") or {}).get("quant_method"),
             quantization_config=cfg.get("quantization_config"),
-            bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos,
+            bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos, has_lm_head=has_lm_head,
             moe=parse_moe(arch, cfg, num_layers))
 
 

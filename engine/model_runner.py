@@ -63,17 +63,43 @@ class ModelRunner:
             seq_lens[i] = start + n
             row += n
             query_start_loc[i + 1] = row
-            if sample:
+            if sample and seq.pooler is None:
                 logits_indices.append(row - 1)
         return ForwardBatch(token_ids, positions, slot_mapping, query_start_loc, seq_lens,
                             block_tables, np.asarray(logits_indices, np.int32))
 
+    @staticmethod
+    def pooled_rows(sched: SchedulerOutput) -> list[tuple]:
+        """(seq, chunk start, [first, end) batch rows) for each embedding request in the step:
+        the rows its Pooler reads (its mode decides which)."""
+        out, row = [], 0
+        for seq, n in zip(sched.seqs, sched.num_new_tokens):
+            if seq.pooler is not None:
+                first, end = seq.pooler.rows_wanted(seq.num_computed_tokens, n)
+                out.append((seq, seq.num_computed_tokens, row + first, row + end))
+            row += n
+        return out
+
     def execute(self, sched: SchedulerOutput):
         """One forward call; returns the logits (S, V) of the sequences that sample this step
-        (on the backend's device). Pure decode steps replay a captured CUDA graph when one fits."""
+        (on the backend's device), and for each embedding request in the step (seq, chunk
+        start, its pooled rows' final-norm hidden states as float32 on the host). Pure decode
+        steps replay a captured CUDA graph when one fits."""
         batch = self.prepare(sched)
+        pooled = self.pooled_rows(sched)
         self.num_forward_calls += 1
         self.num_forward_tokens += batch.num_tokens
-        if self.graph_runner is not None and self.graph_runner.can_run(batch):
-            return self.graph_runner.run(batch)
-        return self.model.forward(batch.map(self.backend.asarray), self.kv_caches)
+        if not pooled:
+            if self.graph_runner is not None and self.graph_runner.can_run(batch):
+                return self.graph_runner.run(batch), []
+            return self.model.forward(batch.map(self.backend.asarray), self.kv_caches), []
+        rows = np.concatenate([np.arange(first, end, dtype=np.int32)
+                               for _, _, first, end in pooled])
+        logits, hidden = self.model.forward(batch.map(self.backend.asarray), self.kv_caches,
+                                            hidden_indices=self.backend.asarray(rows))
+        hidden = np.asarray(self.backend.to_host(hidden), dtype=np.float32)
+        out, at = [], 0
+        for seq, start, first, end in pooled:
+            out.append((seq, start, hidden[at:at + end - first]))
+            at += end - first
+        return logits, out

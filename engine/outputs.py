@@ -18,3 +18,4 @@ class RequestOutput:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     error: str | None = None            # message when finish_reason == "error"
+    embedding: object = None            # an embedding request's vector (float32 NumPy), at its end

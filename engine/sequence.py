@@ -41,6 +41,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.arrival_time = arrival_time
         self.num_preemptions = 0
+        self.pooler = None              # an embedding request's Pooler: pool, never sample
         # The request's seed, else the engine's draw for it, else a random one.
         seed = self.sampling_params.seed
         if seed is None:
@@ -61,6 +62,12 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def needs_every_prompt_token(self) -> bool:
+        """Prompt logprobs and mean/CLS pooling read rows a prefix-cache hit would skip."""
+        return (self.sampling_params.prompt_logprobs is not None
+                or (self.pooler is not None and self.pooler.needs_every_token))
 
     @property
     def is_finished(self) -> bool:

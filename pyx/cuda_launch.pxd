@@ -39,7 +39,8 @@ cdef extern from "taper_cuda.h" nogil:
                                      int64_t NB, int64_t BS, int dtype, int cache_dtype,
                                      taper_stream_t stream)
     int64_t taper_cuda_decode_workspace_bytes(int64_t B, int64_t Hq, int64_t D, int num_splits)
-    int taper_cuda_decode_num_splits(int64_t B, int64_t Hkv, int64_t max_seq_len, int num_sms)
+    int taper_cuda_decode_blocks_per_sm(int64_t Hq, int64_t Hkv, int64_t D, int dtype,
+                                        int cache_dtype, int* blocks)
     int taper_cuda_paged_attention_decode(void* out, const void* q, const void* k_cache,
                                           const void* v_cache, const float* k_scale,
                                           const float* v_scale, const int32_t* block_tables,
@@ -69,6 +70,10 @@ cdef extern from "taper_cuda.h" nogil:
     int taper_cuda_filter_logits(float* logits, const float* temperature, const int32_t* top_k,
                                  const float* top_p, const float* min_p, int64_t B, int64_t V,
                                  taper_stream_t stream)
+    int taper_cuda_filter_logits_radix(float* logits, const float* temperature,
+                                       const int32_t* top_k, const float* top_p,
+                                       const float* min_p, int64_t B, int64_t V,
+                                       taper_stream_t stream)
     int taper_cuda_gguf_supported(int qtype)
     int taper_cuda_gguf_dequantize(int qtype, const void* w, void* out, int64_t N, int64_t K,
                                    int dtype, taper_stream_t stream)
@@ -95,3 +100,5 @@ cdef extern from "taper_cutlass.h" nogil:
     int taper_cuda_fp8_quantize_per_token_group(const void* x, uint8_t* q, float* scales,
                                                 int64_t M, int64_t K, int64_t group, int dtype,
                                                 taper_stream_t stream)
+    int taper_cuda_fp8_gemv(const void* x, const uint8_t* w, const float* scales, void* out,
+                            int64_t M, int64_t N, int64_t K, int dtype, taper_stream_t stream)

@@ -9,6 +9,9 @@ response otherwise.
 The app starts before the engine exists: `ServerState.engine` is None while the model loads
 (503s and /health says "loading"), and `draining` is set on SIGTERM (503s for new requests while
 the live ones finish).
+
+Routes kept in modules of their own are registered from create_app: /v1/embeddings
+(server/embeddings.py).
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ from quart import Quart, Response, request
 from werkzeug.exceptions import HTTPException
 
 from server import streaming
+from server.embeddings import register_embeddings
 from server.metrics import Metrics
 from server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
                              DetokenizeRequest, TokenizeRequest, parse_json_body, parse_request)
@@ -351,6 +355,8 @@ def create_app(engine, settings: ServerSettings) -> Quart:
         async def fold(info, chunks):
             return await streaming.fold_completion(info, chunks, len(prompts))
         return await respond(info, chunks, fold)
+
+    register_embeddings(app, state)
 
     @app.post("/tokenize")
     async def tokenize():

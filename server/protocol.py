@@ -61,6 +61,8 @@ _UNION_HINTS = {
     "prompt": "must be a string, an array of strings, an array of token ids "
               "or an array of arrays of token ids",
     "stop": "must be a string or an array of strings",
+    "input": "must be a string, an array of strings, an array of token ids "
+             "or an array of arrays of token ids",
     "content": "must be a string or an array of content parts",
     "input": "must be a string or an array of input items",
 }

@@ -27,7 +27,7 @@ def expected_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor the graph reads, by its Hugging Face name."""
     H, I, D = c.hidden_size, c.intermediate_size, c.head_dim
     shapes = {"model.embed_tokens.weight": (c.vocab_size, H), "model.norm.weight": (H,)}
-    if not c.tie_word_embeddings:
+    if c.has_lm_head and not c.tie_word_embeddings:
         shapes["lm_head.weight"] = (c.vocab_size, H)
     for i in range(c.num_hidden_layers):
         p = f"model.layers.{i}."
@@ -112,7 +112,9 @@ class LlamaForCausalLM:
             self.layers.append(self._layer(weights, p, i, attn, mlp))
         self.embed_tokens = self._take(weights, "model.embed_tokens.weight")
         self.norm = self._norm(weights, "model.norm.weight")
-        if c.tie_word_embeddings:
+        if not c.has_lm_head:            # a headless transformer (LlamaModel, ...): embeddings only
+            self.lm_head = None
+        elif c.tie_word_embeddings:
             weights.pop("lm_head.weight", None)
             self.lm_head = self.embed_tokens
         else:
@@ -196,9 +198,11 @@ class LlamaForCausalLM:
         """Shape of each layer's K (and V) cache: float32, or uint8 e4m3 codes for an FP8 cache."""
         return (num_blocks, block_size, self.config.num_key_value_heads, self.config.head_dim)
 
-    def forward(self, batch: ForwardBatch, kv_caches: list) -> np.ndarray:
+    def forward(self, batch: ForwardBatch, kv_caches: list, hidden_indices=None):
         """Logits (len(batch.logits_indices), vocab) float32, a new array each call; the batch's
-        arrays and the logits live where the backend computes (NumPy or CuPy)."""
+        arrays and the logits live where the backend computes (NumPy or CuPy). With
+        `hidden_indices` (rows to pool for embeddings), returns (logits, their final-norm hidden
+        states (len(hidden_indices), hidden))."""
         c, b, ws = self.config, self.backend, self.workspace
         T = batch.num_tokens
         residual = ws.get("residual", T, c.hidden_size)
@@ -211,13 +215,23 @@ class LlamaForCausalLM:
                 self.xp, batch.positions, batch.query_start_loc, batch.seq_lens,
                 c.rope.original_max_position_embeddings, c.max_model_len))
         run_layers(self.layers, batch, hidden, residual, kv_caches, ws)
-        # Only the sampled rows go through the final norm and the lm_head.
+        # Only the sampled (and pooled) rows go through the final norm, the sampled ones through
+        # the lm_head.
         idx = batch.logits_indices
+        num_logits = len(idx)
+        if hidden_indices is not None:
+            idx = self.xp.concatenate([idx, hidden_indices])
         rows_hidden = self.xp.ascontiguousarray(hidden[idx])
         rows_residual = self.xp.ascontiguousarray(residual[idx])
-        self._final_norm(rows_hidden, rows_residual)
-        logits = self.xp.empty((len(idx), c.vocab_size), dtype=np.float32)
-        b.linear(rows_hidden, self.lm_head, None, logits)
-        if c.final_softcap:
-            b.softcap(logits, c.final_softcap)
-        return logits
+        if len(idx):
+            self._final_norm(rows_hidden, rows_residual)
+        logits = self.xp.empty((num_logits, c.vocab_size), dtype=np.float32)
+        if num_logits:
+            if self.lm_head is None:
+                raise ValueError("this checkpoint has no lm_head: it computes embeddings only")
+            b.linear(rows_hidden[:num_logits], self.lm_head, None, logits)
+            if c.final_softcap:
+                b.softcap(logits, c.final_softcap)
+        if hidden_indices is None:
+            return logits
+        return logits, rows_hidden[num_logits:]

@@ -20,6 +20,7 @@ import yaml
 ROOTS = ["CreateChatCompletionResponse", "CreateChatCompletionStreamResponse",
          "CreateCompletionResponse", "ListModelsResponse", "Model", "ErrorResponse"]
 RESPONSES_ROOTS = ["Response", "ResponseStreamEvent", "ResponseItemList"]
+ROOTS += ["CreateEmbeddingResponse"]      # /v1/embeddings (floats; base64 is a string)
 DROP = {"description", "x-oaiMeta", "example", "examples", "title", "deprecated",
         "x-stainless-const", "x-oaiTypeLabel", "x-oaiExpandable"}
 
