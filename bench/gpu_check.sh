@@ -161,8 +161,9 @@ elif [ "$SUITE" = tuned ]; then
     THROUGHPUT_ARGS="--quant fp8"
     THROUGHPUT_ENV="TAPER_CUDA_FP8_GEMV=1 TAPER_CUDA_SPLIT_K=1"   # FP8 decode with both on
 elif [ "$SUITE" = core ]; then
-    GPU_TEST_FILES="test_cuda_ops.py test_cuda_model.py test_cuda_logprobs.py"
-    KERNEL_OPS="embedding rms_norm fused_add_rms_norm rotary_embedding silu_and_mul"
+    GPU_TEST_FILES="test_cuda_ops.py test_cuda_model.py test_cuda_logprobs.py test_cuda_families.py"
+    KERNEL_OPS="embedding scale rms_norm fused_add_rms_norm layer_norm fused_add_layer_norm"
+    KERNEL_OPS="$KERNEL_OPS rotary_embedding silu_and_mul"
     KERNEL_OPS="$KERNEL_OPS reshape_and_cache decode_attention prefill_attention linear argmax"
     KERNEL_OPS="$KERNEL_OPS gumbel_sample filter_logits apply_token_bitmask"
     THROUGHPUT_ARGS=""

@@ -58,7 +58,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-OPS = ["embedding", "rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul",
+OPS = ["embedding", "scale", "rms_norm", "fused_add_rms_norm", "layer_norm",
+       "fused_add_layer_norm", "rotary_embedding", "silu_and_mul",
        "reshape_and_cache", "decode_attention", "prefill_attention", "linear", "argmax",
        "gumbel_sample", "filter_logits", "apply_token_bitmask", "qgemm"]
 
@@ -274,6 +275,36 @@ def cases_rms_norm(bench, c, fused: bool):
         moved = (4 if fused else 2) * T * H * e + 4 * H
         yield Case("fused_add_rms_norm" if fused else "rms_norm", f"T={T} H={H}", "", moved, 0,
                    sets)
+
+
+def cases_scale(bench, c):
+    """Gemma's embedding times sqrt(hidden), in place."""
+    b, act = bench.b, bench.b.act_dtype
+    H = c["H"]
+    for T in c["T"]:
+        sets = [lambda x=bench.rand((T, H), act): b.scale(x, 64.0) for _ in range(N_SETS)]
+        yield Case("scale", f"T={T} H={H}", "", 2 * T * H * esize(act), 0, sets)
+
+
+def cases_layer_norm(bench, c, fused: bool):
+    """StableLM's LayerNorm with weight and bias (three reads of each row: two hit the cache)."""
+    b, act = bench.b, bench.b.act_dtype
+    H = c["H"]
+    w, bias = bench.rand((H,), np.float32), bench.rand((H,), np.float32)
+    for T in c["T"]:
+        sets = []
+        for _ in range(N_SETS):
+            x = bench.rand((T, H), act)
+            if fused:
+                r = bench.rand((T, H), act)
+                sets.append(lambda x=x, r=r: b.fused_add_layer_norm(x, r, w, bias, 1e-5))
+            else:
+                with bench.stream:
+                    out = bench.cp.empty((T, H), dtype=act)
+                sets.append(lambda x=x, out=out: b.layer_norm(x, w, bias, 1e-5, out))
+        moved = (4 if fused else 2) * T * H * esize(act) + 8 * H
+        yield Case("fused_add_layer_norm" if fused else "layer_norm", f"T={T} H={H}", "bias",
+                   moved, 0, sets)
 
 
 def cases_rotary(bench, c):
@@ -706,6 +737,9 @@ def all_cases(bench, c, ops):
         "embedding": lambda: cases_embedding(bench, c),
         "rms_norm": lambda: cases_rms_norm(bench, c, False),
         "fused_add_rms_norm": lambda: cases_rms_norm(bench, c, True),
+        "scale": lambda: cases_scale(bench, c),
+        "layer_norm": lambda: cases_layer_norm(bench, c, False),
+        "fused_add_layer_norm": lambda: cases_layer_norm(bench, c, True),
         "rotary_embedding": lambda: cases_rotary(bench, c),
         "silu_and_mul": lambda: cases_silu(bench, c),
         "reshape_and_cache": lambda: cases_reshape_and_cache(bench, c),

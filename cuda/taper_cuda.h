@@ -62,6 +62,21 @@ int taper_cuda_fused_add_rms_norm(void* x,              // (T, H) dtype
                                   int64_t T, int64_t H, float eps, int dtype,
                                   taper_stream_t stream);
 
+/* LayerNorm: out = (x - mean) / sqrt(var + eps) * weight + bias (bias NULL = none). */
+int taper_cuda_layer_norm(const void* x,        // (T, H) dtype
+                          const float* weight,  // (H,)
+                          const float* bias,    // (H,) or NULL
+                          void* out,            // (T, H) dtype
+                          int64_t T, int64_t H, float eps, int dtype, taper_stream_t stream);
+
+/* residual += x (kept in dtype); x = layer_norm(residual). */
+int taper_cuda_fused_add_layer_norm(void* x,              // (T, H) dtype
+                                    void* residual,       // (T, H) dtype
+                                    const float* weight,  // (H,)
+                                    const float* bias,    // (H,) or NULL
+                                    int64_t T, int64_t H, float eps, int dtype,
+                                    taper_stream_t stream);
+
 /* ---- rotary.cu: in place on the first rot_dim dims of every head (the CPU op's contract) */
 
 int taper_cuda_rotary_embedding(const int32_t* positions,    // (T,)
@@ -84,6 +99,10 @@ int taper_cuda_gelu_tanh_and_mul(const void* x,  // (T, 2I) dtype
 /* In place x = cap * tanh(x / cap) (Gemma-2 logit soft-capping); dtype may be F32 (logits). */
 int taper_cuda_softcap(void* x,  // (n,) dtype
                        int64_t n, float cap, int dtype, taper_stream_t stream);
+
+/* In place x *= s, computed in float (Gemma's embedding times sqrt(hidden)). */
+int taper_cuda_scale(void* x,  // (n,) dtype
+                     int64_t n, float s, int dtype, taper_stream_t stream);
 
 /* In place out[t, n] += bias[n]; out may be F32 (logits) or the activation dtype. */
 int taper_cuda_add_bias(void* out,          // (T, N) dtype

@@ -1,8 +1,9 @@
-"""What a checkpoint's config.json says about the model graph, normalised for the Llama family.
+"""What a checkpoint's config.json says about the model graph, normalised across families.
 
 Reads both config styles transformers has used: legacy `rope_theta` + `rope_scaling` and the v5
 nested `rope_parameters`; the architecture-specific rules (Qwen2's fixed qkv bias, Qwen sliding
-window layers, Qwen3 q/k norm) follow transformers 5.x's own configuration and modeling code.
+window layers, Qwen3 and Gemma-3 q/k norm, Gemma's layer types, soft-caps and query scale, Gemma-3's
+local RoPE base, Phi-3's LongRoPE) follow transformers 5.x's own configuration and modeling code.
 """
 from __future__ import annotations
 
@@ -13,16 +14,28 @@ from dataclasses import dataclass, field
 # config.json without `architectures`: its model_type names the graph.
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-                "qwen3_moe": "Qwen3MoeForCausalLM"}
+                "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+                "phi3": "Phi3ForCausalLM", "glm4": "Glm4ForCausalLM",
+                "stablelm": "StableLmForCausalLM", "mixtral": "MixtralForCausalLM",
+                "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 # Architectures whose attention applies RMSNorm to each q/k head before RoPE.
-_QK_NORM_ARCHS = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+_QK_NORM_ARCHS = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM")
+_GEMMA_ARCHS = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+
+# The configuration classes' head_dim when config.json has none (Qwen3Config and the Gemma
+# configs default to a fixed size, not hidden_size / heads).
+_DEFAULT_HEAD_DIM = {"Qwen3ForCausalLM": 128, "Qwen3MoeForCausalLM": 128, "Gemma2ForCausalLM": 256,
+                     "Gemma3ForCausalLM": 256, "Glm4ForCausalLM": 128}
+
+# hidden_act / hidden_activation names -> the gated activation op of the MLP.
+_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh",
+                "gelu_tanh": "gelu_tanh"}
 
 
 @dataclass(slots=True)
 class RopeConfig:
-    rope_type: str = "default"          # default | linear | dynamic | llama3 | yarn
+    rope_type: str = "default"          # default | linear | dynamic | llama3 | yarn | longrope
     theta: float = 10000.0
     rot_dim: int = 0                    # rotated dims per head (head_dim * partial_rotary_factor)
     factor: float = 1.0
@@ -36,6 +49,8 @@ class RopeConfig:
     attention_factor: float | None = None  # yarn: explicit cos/sin multiplier
     truncate: bool = True               # yarn: floor/ceil the correction range
     is_neox: bool = True                # rotate halves (HF rotate_half), not interleaved pairs
+    short_factor: tuple[float, ...] = ()  # longrope: per-frequency divisors up to the original
+    long_factor: tuple[float, ...] = ()   # context, and beyond it
 
 
 @dataclass(slots=True)
@@ -68,6 +83,12 @@ class ModelConfig:
     max_position_embeddings: int
     max_model_len: int                  # positions the RoPE cache covers (vLLM's derived length)
     rope: RopeConfig
+    local_rope: RopeConfig | None = None  # RoPE of the sliding-window layers when theirs differs
+    hidden_act: str = "silu"            # the MLP's gate activation: silu | gelu_tanh
+    query_pre_attn_scalar: float | None = None  # attention scale = this ** -0.5 (else head_dim's)
+    attn_softcap: float = 0.0           # attention scores capped to c * tanh(s / c); 0 = off
+    final_softcap: float = 0.0          # the same on the final logits
+    parallel_residual: bool = False     # h += attn(norm(h)) + mlp(norm(h)) (StableLM)
     dtype: str = "float32"              # the checkpoint's dtype name
     quantization: str | None = None     # quantization_config.quant_method, if any
     quantization_config: dict | None = None  # the whole quantization_config, for the loader
@@ -117,10 +138,7 @@ class ModelConfig:
         num_heads = cfg["num_attention_heads"]
         num_layers = cfg["num_hidden_layers"]
         num_kv_heads = cfg.get("num_key_value_heads") or num_heads
-        # Qwen3Config's class default head_dim is 128, which its modeling code uses when absent.
-        default_head_dim = 128 if arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM") \
-            else hidden // num_heads
-        head_dim = cfg.get("head_dim") or default_head_dim
+        head_dim = cfg.get("head_dim") or _DEFAULT_HEAD_DIM.get(arch, hidden // num_heads)
         if num_heads % num_kv_heads:
             raise ValueError(f"num_attention_heads {num_heads} is not a multiple of "
                              f"num_key_value_heads {num_kv_heads}")
@@ -130,22 +148,40 @@ class ModelConfig:
             qkv_bias, o_bias = True, False
         elif arch in ("MistralForCausalLM", "MixtralForCausalLM"):
             qkv_bias = o_bias = False
+        elif arch == "Glm4ForCausalLM":     # attention_bias (default on) covers q/k/v only
+            qkv_bias, o_bias = bool(cfg.get("attention_bias", True)), False
+        elif arch == "StableLmForCausalLM":
+            qkv_bias, o_bias = bool(cfg.get("use_qkv_bias", False)), False
+            if cfg.get("qk_layernorm"):
+                raise ValueError("StableLM's per-head q/k LayerNorm (qk_layernorm) is not "
+                                 "supported yet")
         else:
             qkv_bias = o_bias = bool(cfg.get("attention_bias", False))
         mlp_bias = arch == "LlamaForCausalLM" and bool(cfg.get("mlp_bias", False))
 
-        rope = parse_rope(cfg, head_dim, max_pos, yarn_scaling_factor)
+        act_name = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
+        if act_name not in _ACTIVATIONS:
+            raise ValueError(f"unsupported hidden activation {act_name!r} for {arch}; "
+                             f"supported: {', '.join(sorted(_ACTIVATIONS))}")
+        rope, local_rope = _ropes(arch, cfg, head_dim, max_pos, yarn_scaling_factor)
+        gemma = arch in _GEMMA_ARCHS
         eos = _as_list(cfg.get("eos_token_id"))
         return cls(
             architecture=arch, hidden_size=hidden, num_hidden_layers=num_layers,
             num_attention_heads=num_heads, num_key_value_heads=num_kv_heads, head_dim=head_dim,
             intermediate_size=cfg["intermediate_size"], vocab_size=cfg["vocab_size"],
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=float(cfg.get("rms_norm_eps") or cfg.get("layer_norm_eps") or 1e-6),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=qkv_bias, o_bias=o_bias, mlp_bias=mlp_bias,
             qk_norm=arch in _QK_NORM_ARCHS,
             sliding_windows=_sliding_windows(arch, cfg, num_layers),
             max_position_embeddings=max_pos, max_model_len=_rope_max_len(rope, max_pos), rope=rope,
+            local_rope=local_rope, hidden_act=_ACTIVATIONS[act_name],
+            query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar") or head_dim) if gemma
+            else None,
+            attn_softcap=float(cfg.get("attn_logit_softcapping") or 0.0) if gemma else 0.0,
+            final_softcap=float(cfg.get("final_logit_softcapping") or 0.0) if gemma else 0.0,
+            parallel_residual=bool(cfg.get("use_parallel_residual", False)),
             dtype=_dtype_name(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"),
             quantization=(cfg.get("quantization_config") or {}).get("quant_method"),
             quantization_config=cfg.get("quantization_config"),
@@ -220,7 +256,51 @@ def _sliding_windows(arch: str, cfg: dict, num_layers: int) -> list[int]:
         if len(layer_types) != num_layers:
             raise ValueError(f"layer_types has {len(layer_types)} entries for {num_layers} layers")
         return [int(window) if t == "sliding_attention" and window else 0 for t in layer_types]
+    if arch in _GEMMA_ARCHS:
+        # Gemma2Config / Gemma3TextConfig.__post_init__: absent layer_types make every
+        # `sliding_window_pattern`-th layer (2 for Gemma-2, 6 for Gemma-3) full, the rest sliding.
+        pattern = 2 if arch == "Gemma2ForCausalLM" else int(
+            cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6)
+        layer_types = cfg.get("layer_types") or [
+            "sliding_attention" if (i + 1) % pattern else "full_attention"
+            for i in range(num_layers)]
+        if len(layer_types) != num_layers:
+            raise ValueError(f"layer_types has {len(layer_types)} entries for {num_layers} layers")
+        window = int(cfg.get("sliding_window") or 0)
+        return [window if t == "sliding_attention" else 0 for t in layer_types]
+    if arch == "Phi3ForCausalLM":
+        # Phi3Attention passes config.sliding_window to every layer.
+        return [int(cfg.get("sliding_window") or 0)] * num_layers
     return [0] * num_layers
+
+
+def _ropes(arch: str, cfg: dict, head_dim: int, max_pos: int,
+           yarn_scaling_factor: float | None) -> tuple[RopeConfig, RopeConfig | None]:
+    """(RoPE of the full-attention layers, RoPE of the sliding layers when it differs)."""
+    if arch == "StableLmForCausalLM":     # StableLmConfig: a quarter of the head by default
+        cfg = {"partial_rotary_factor": 0.25, **cfg}
+    if arch == "Glm4ForCausalLM":
+        # Glm4Config: half the head rotates by default, in interleaved pairs (x[2i], x[2i+1]).
+        cfg = {"partial_rotary_factor": 0.5, **cfg}
+        rope = parse_rope(cfg, head_dim, max_pos, yarn_scaling_factor)
+        rope.is_neox = False
+        return rope, None
+    if arch != "Gemma3ForCausalLM":
+        return parse_rope(cfg, head_dim, max_pos, yarn_scaling_factor), None
+    # Gemma3TextConfig: nested per-layer-type rope_parameters, or the legacy rope_theta (global,
+    # default 1e6) + rope_local_base_freq (default 1e4), rope_scaling applying to global layers.
+    params = cfg.get("rope_parameters") or {}
+    if "full_attention" in params or "sliding_attention" in params:
+        full = dict(params.get("full_attention") or {})
+        local = dict(params.get("sliding_attention") or {})
+    else:
+        full = dict(cfg.get("rope_scaling") or {})
+        full.setdefault("rope_theta", cfg.get("rope_theta"))
+        local = {"rope_theta": cfg.get("rope_local_base_freq")}
+    full["rope_theta"] = full.get("rope_theta") or 1_000_000.0
+    local["rope_theta"] = local.get("rope_theta") or 10_000.0
+    return (parse_rope({"rope_parameters": full}, head_dim, max_pos, yarn_scaling_factor),
+            parse_rope({"rope_parameters": local}, head_dim, max_pos))
 
 
 def parse_rope(cfg: dict, head_dim: int, max_pos: int,
@@ -232,7 +312,9 @@ def parse_rope(cfg: dict, head_dim: int, max_pos: int,
     rope_type = params.get("rope_type", params.get("type", "default"))
     partial = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) or 1.0
     rope = RopeConfig(rope_type=rope_type, theta=theta, rot_dim=int(head_dim * partial))
-    if rope_type in ("llama3", "yarn"):
+    if rope_type == "su":           # Phi-3's early name for LongRoPE (Phi3Config renames it)
+        rope_type = rope.rope_type = "longrope"
+    if rope_type in ("llama3", "yarn", "longrope"):
         # A top-level original_max_position_embeddings takes priority (transformers, Phi3 case).
         rope.original_max_position_embeddings = int(
             cfg.get("original_max_position_embeddings")
@@ -263,9 +345,21 @@ def parse_rope(cfg: dict, head_dim: int, max_pos: int,
         rope.mscale_all_dim = params.get("mscale_all_dim")
         rope.attention_factor = params.get("attention_factor")
         rope.truncate = bool(params.get("truncate", True))
+    elif rope_type == "longrope":
+        # factor defaults to max_position_embeddings / original (transformers' Phi-3 note).
+        factor = params.get("factor")
+        rope.factor = float(factor if factor is not None
+                            else max_pos / rope.original_max_position_embeddings)
+        rope.attention_factor = params.get("attention_factor")
+        rope.short_factor = tuple(float(f) for f in params["short_factor"])
+        rope.long_factor = tuple(float(f) for f in params["long_factor"])
+        for name in ("short_factor", "long_factor"):
+            if len(getattr(rope, name)) != rope.rot_dim // 2:
+                raise ValueError(f"rope {name} has {len(getattr(rope, name))} entries, expected "
+                                 f"rotary dims / 2 = {rope.rot_dim // 2}")
     else:
         raise ValueError(f"unsupported rope type {rope_type!r}; "
-                         "supported: default, linear, dynamic, llama3, yarn")
+                         "supported: default, linear, dynamic, llama3, yarn, longrope")
     return rope
 
 

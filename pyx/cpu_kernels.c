@@ -787,6 +787,53 @@ int taper_fused_add_rms_norm(float* x,             // (T, H)
     return TAPER_OK;
 }
 
+/* LayerNorm of one row: (x - mean) / sqrt(var + eps) * weight (+ bias), var the biased variance
+ * computed from the mean in a second pass (PyTorch's formula, no E[x^2] - mean^2 cancellation). */
+INLINE void layer_norm_row(const float* x, const float* weight, const float* bias, float eps,
+                           float* out, int64_t H) {
+    float sum = 0.0f, sq = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = 0; i < H; i++) sum += x[i];
+    const float mean = sum / (float)H;
+#pragma omp simd reduction(+ : sq)
+    for (int64_t i = 0; i < H; i++) sq += (x[i] - mean) * (x[i] - mean);
+    const float r = 1.0f / sqrtf(sq / (float)H + eps);
+    if (bias) {
+#pragma omp simd
+        for (int64_t i = 0; i < H; i++) out[i] = (x[i] - mean) * r * weight[i] + bias[i];
+    } else {
+#pragma omp simd
+        for (int64_t i = 0; i < H; i++) out[i] = (x[i] - mean) * r * weight[i];
+    }
+}
+
+int taper_layer_norm(const float* x,       // (T, H)
+                     const float* weight,  // (H,)
+                     const float* bias,    // (H,) or NULL
+                     float eps,
+                     float* out,           // (T, H)
+                     int64_t T, int64_t H, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (T * H > 16384)
+    for (int64_t t = 0; t < T; t++) layer_norm_row(x + t * H, weight, bias, eps, out + t * H, H);
+    return TAPER_OK;
+}
+
+int taper_fused_add_layer_norm(float* x,             // (T, H)
+                               float* residual,      // (T, H)
+                               const float* weight,  // (H,)
+                               const float* bias,    // (H,) or NULL
+                               float eps, int64_t T, int64_t H, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (T * H > 16384)
+    for (int64_t t = 0; t < T; t++) {
+        float* xr = x + t * H;
+        float* rr = residual + t * H;
+#pragma omp simd
+        for (int64_t i = 0; i < H; i++) rr[i] += xr[i];
+        layer_norm_row(rr, weight, bias, eps, xr, H);
+    }
+    return TAPER_OK;
+}
+
 /* SwiGLU gate: out = silu(gate) * up with gate = x[:, :I], up = x[:, I:]. */
 INLINE void silu_row_body(const float* g,  // (I,) gate; up follows at g + I
                           float* o,        // (I,)
@@ -846,6 +893,14 @@ int taper_softcap(int isa,
     const int64_t P = 4096;
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (n > 16384)
     for (int64_t i = 0; i < n; i += P) piece(x + i, MIN(P, n - i), cap);
+    return TAPER_OK;
+}
+
+/* x *= s in place, in float32 (Gemma's embedding scaled by sqrt(hidden)). */
+int taper_scale(float* x,  // (n,)
+                int64_t n, float s, int nthreads) {
+#pragma omp parallel for simd num_threads(nthreads) schedule(static) if (n > 16384)
+    for (int64_t i = 0; i < n; i++) x[i] *= s;
     return TAPER_OK;
 }
 

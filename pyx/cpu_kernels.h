@@ -55,6 +55,21 @@ int taper_fused_add_rms_norm(float* x,             // (T, H) in: x, out: rms_nor
                              const float* weight,  // (H,)
                              float eps, int64_t T, int64_t H, int nthreads);
 
+/* LayerNorm (StableLM): out = (x - mean) / sqrt(var + eps) * weight + bias, bias NULL = none. */
+int taper_layer_norm(const float* x,       // (T, H)
+                     const float* weight,  // (H,)
+                     const float* bias,    // (H,) or NULL
+                     float eps,
+                     float* out,           // (T, H)
+                     int64_t T, int64_t H, int nthreads);
+
+/* residual += x; x = layer_norm(residual). */
+int taper_fused_add_layer_norm(float* x,             // (T, H)
+                               float* residual,      // (T, H)
+                               const float* weight,  // (H,)
+                               const float* bias,    // (H,) or NULL
+                               float eps, int64_t T, int64_t H, int nthreads);
+
 int taper_rotary_embedding(const int32_t* positions,     // (T,)
                            float* q,                     // (T, Hq, D)
                            float* k,                     // (T, Hkv, D)
@@ -78,6 +93,10 @@ int taper_gelu_tanh_and_mul(int isa,
 int taper_softcap(int isa,
                   float* x,  // (n,)
                   int64_t n, float cap, int nthreads);
+
+/* In place x *= s (Gemma's embedding scaled by sqrt(hidden)). */
+int taper_scale(float* x,  // (n,)
+                int64_t n, float s, int nthreads);
 
 int taper_reshape_and_cache(const float* k,              // (T, Hkv, D)
                             const float* v,              // (T, Hkv, D)

@@ -19,6 +19,7 @@ dequantized once to bf16), TAPER_CUDA_FP8_GEMV=1 (FP8 block-wise weights kept e4
 the FP8 GEMV kernel for small M) and TAPER_CUDA_RADIX_FILTER=1 (the top-k / top-p thresholds of
 filter_logits by radix select instead of bisection).
 """
+import math
 import os
 
 import numpy as np
@@ -569,6 +570,41 @@ cdef class CudaBackend(Backend):
         launch_fused_add_rms_norm(self._ptr(x), self._ptr(residual), self._ptr(weight), T, H, eps,
                                   self._act_code, self._sptr())
 
+    def layer_norm(self, x, weight, bias, eps, out):
+        op, act = "layer_norm", (self.act_dtype,)
+        arrays = {"x": x, "weight": weight, "bias": bias, "out": out}
+        self._check(op, arrays, "x", act, 2)
+        self._check(op, arrays, "out", act, 2, True)
+        if out.shape != x.shape:
+            _fail(op, "need x, out (T, H)", arrays)
+        bias_ptr = self._norm_vectors(op, arrays, x.shape[1])
+        launch_layer_norm(self._ptr(x), self._ptr(weight), bias_ptr, self._ptr(out), x.shape[0],
+                          x.shape[1], eps, self._act_code, self._sptr())
+
+    def fused_add_layer_norm(self, x, residual, weight, bias, eps):
+        op, act = "fused_add_layer_norm", (self.act_dtype,)
+        arrays = {"x": x, "residual": residual, "weight": weight, "bias": bias}
+        self._check(op, arrays, "x", act, 2, True)
+        self._check(op, arrays, "residual", act, 2, True)
+        if residual.shape != x.shape:
+            _fail(op, "need x, residual (T, H)", arrays)
+        bias_ptr = self._norm_vectors(op, arrays, x.shape[1])
+        launch_fused_add_layer_norm(self._ptr(x), self._ptr(residual), self._ptr(weight),
+                                    bias_ptr, x.shape[0], x.shape[1], eps, self._act_code,
+                                    self._sptr())
+
+    def _norm_vectors(self, str op, dict arrays, H):
+        """Checks weight (H,) f32 and bias (H,) f32 or None; the bias pointer, 0 for None."""
+        self._check(op, arrays, "weight", (_F32,), 1)
+        if arrays["weight"].shape[0] != H:
+            _fail(op, "weight must be (H,)", arrays)
+        if arrays["bias"] is None:
+            return 0
+        self._check(op, arrays, "bias", (_F32,), 1)
+        if arrays["bias"].shape[0] != H:
+            _fail(op, "bias must be (H,)", arrays)
+        return self._ptr(arrays["bias"])
+
     def rotary_embedding(self, positions, q, k, cos_sin_cache, head_dim, is_neox):
         op, act = "rotary_embedding", (self.act_dtype,)
         arrays = {"positions": positions, "q": q, "k": k, "cos_sin_cache": cos_sin_cache,
@@ -610,6 +646,14 @@ cdef class CudaBackend(Backend):
         if not cap > 0:
             _fail(op, "cap must be > 0", arrays)
         launch_softcap(self._ptr(x), x.size, cap, _dtype_code(x.dtype), self._sptr())
+
+    def scale(self, x, s):
+        op = "scale"
+        arrays = {"x": x, "s": s}
+        self._check(op, arrays, "x", (self.act_dtype,), 2, True)
+        if not math.isfinite(s):
+            _fail(op, "s must be a finite number", arrays)
+        launch_scale(self._ptr(x), x.size, s, self._act_code, self._sptr())
 
     cdef int _cache_code(self, str op, dict arrays, bint writable) except? -2:
         """The caches' TAPER_DT_* code; checks their dtype, shape and the FP8 scales."""

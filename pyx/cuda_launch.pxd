@@ -16,6 +16,11 @@ cdef extern from "taper_cuda.h" nogil:
                             float eps, int dtype, taper_stream_t stream)
     int taper_cuda_fused_add_rms_norm(void* x, void* residual, const float* weight, int64_t T,
                                       int64_t H, float eps, int dtype, taper_stream_t stream)
+    int taper_cuda_layer_norm(const void* x, const float* weight, const float* bias, void* out,
+                              int64_t T, int64_t H, float eps, int dtype, taper_stream_t stream)
+    int taper_cuda_fused_add_layer_norm(void* x, void* residual, const float* weight,
+                                        const float* bias, int64_t T, int64_t H, float eps,
+                                        int dtype, taper_stream_t stream)
     int taper_cuda_rotary_embedding(const int32_t* positions, void* q, void* k,
                                     const float* cos_sin_cache, int64_t T, int64_t Hq,
                                     int64_t Hkv, int64_t D, int64_t rot_dim, int64_t max_pos,
@@ -25,6 +30,7 @@ cdef extern from "taper_cuda.h" nogil:
     int taper_cuda_gelu_tanh_and_mul(const void* x, void* out, int64_t T, int64_t I, int dtype,
                                      taper_stream_t stream)
     int taper_cuda_softcap(void* x, int64_t n, float cap, int dtype, taper_stream_t stream)
+    int taper_cuda_scale(void* x, int64_t n, float s, int dtype, taper_stream_t stream)
     int taper_cuda_add_bias(void* out, const float* bias, int64_t T, int64_t N, int dtype,
                             taper_stream_t stream)
     int taper_cuda_reshape_and_cache(const void* k, const void* v, void* k_cache, void* v_cache,

@@ -26,6 +26,25 @@ def launch_rms_norm(ptr_t x, ptr_t weight, ptr_t out, int64_t T, int64_t H, floa
     _check_status(st, "rms_norm", dict(T=T, H=H, dtype=dtype))
 
 
+def launch_layer_norm(ptr_t x, ptr_t weight, ptr_t bias, ptr_t out, int64_t T, int64_t H,
+                      float eps, int dtype, ptr_t stream):
+    cdef int st
+    with nogil:
+        st = taper_cuda_layer_norm(<const void*>x, <const float*>weight, <const float*>bias,
+                                   <void*>out, T, H, eps, dtype, <taper_stream_t>stream)
+    _check_status(st, "layer_norm", dict(T=T, H=H, dtype=dtype))
+
+
+def launch_fused_add_layer_norm(ptr_t x, ptr_t residual, ptr_t weight, ptr_t bias, int64_t T,
+                                int64_t H, float eps, int dtype, ptr_t stream):
+    cdef int st
+    with nogil:
+        st = taper_cuda_fused_add_layer_norm(<void*>x, <void*>residual, <const float*>weight,
+                                             <const float*>bias, T, H, eps, dtype,
+                                             <taper_stream_t>stream)
+    _check_status(st, "fused_add_layer_norm", dict(T=T, H=H, dtype=dtype))
+
+
 def launch_fused_add_rms_norm(ptr_t x, ptr_t residual, ptr_t weight, int64_t T, int64_t H,
                               float eps, int dtype, ptr_t stream):
     cdef int st
@@ -68,6 +87,13 @@ def launch_softcap(ptr_t x, int64_t n, float cap, int dtype, ptr_t stream):
     with nogil:
         st = taper_cuda_softcap(<void*>x, n, cap, dtype, <taper_stream_t>stream)
     _check_status(st, "softcap", dict(n=n, cap=cap, dtype=dtype))
+
+
+def launch_scale(ptr_t x, int64_t n, float s, int dtype, ptr_t stream):
+    cdef int st
+    with nogil:
+        st = taper_cuda_scale(<void*>x, n, s, dtype, <taper_stream_t>stream)
+    _check_status(st, "scale", dict(n=n, s=s, dtype=dtype))
 
 
 def launch_add_bias(ptr_t out, ptr_t bias, int64_t T, int64_t N, int dtype, ptr_t stream):
