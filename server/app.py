@@ -33,6 +33,7 @@ from server.embeddings import register_embeddings
 from server.message_stream import MessageStream
 from server.reasoning import ReasoningSplitter, prompt_opens_reasoning
 from server.tool_calls import ChatTools, chat_tools
+from server.tool_grammar import tool_call_constraint
 from server.logprobs import prompt_text_offsets, token_text
 from server.metrics import Metrics
 from server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
@@ -358,7 +359,8 @@ def create_app(engine, settings: ServerSettings) -> Quart:
         tools = chat_tools(req, state.tool_parser, state.mcp.tools() if state.mcp else None)
         prompt_ids = await chat_prompt_ids(engine, req, tools=tools.rendered)
         params = fit_context(engine, req, len(prompt_ids), "messages")
-        await structured_outputs.prepare(engine, req, [params], settings)
+        await structured_outputs.prepare(engine, req, [params], settings,
+                                         required_call(engine, tools))
         check_queue(engine)
         info = streaming.ResponseInfo(streaming.random_id("chatcmpl"), model,
                                       "chat.completion.chunk", stream=req.stream,
@@ -370,6 +372,13 @@ def create_app(engine, settings: ServerSettings) -> Quart:
         chunks = streaming.chat_chunks(info, outputs, len(prompt_ids), timing, req.n,
                                        logprobs_options(engine, req), message)
         return await respond(info, chunks, streaming.fold_chat)
+
+    def required_call(engine, tools: ChatTools):
+        """The grammar that makes the model call a tool, when tool_choice requires one."""
+        if tools.choice == "required" or isinstance(tools.choice, tuple):
+            return tool_call_constraint(tools.parser, tools.rendered, tools.choice,
+                                        tools.parallel, engine.tokenizer)
+        return None
 
     def chat_message_streams(engine, request_id, prompt_ids, params, tools: ChatTools):
         """The MessageStream factory for a chat request's choices, or None when its text is

@@ -104,11 +104,19 @@ def _spec(param: str, kind: str, value) -> str:
     return value
 
 
-async def prepare(engine, req, params_list: list, settings) -> None:
-    """Reads the request's constraint, compiles it on the engine's grammar pool (a cache hit
-    for a grammar seen before) within the timeout, and attaches it to every SamplingParams of
-    the request. Raises APIError (400) for any problem with it."""
+async def prepare(engine, req, params_list: list, settings,
+                  tool_constraint: StructuredOutputsParams | None = None) -> None:
+    """Reads the request's constraint (or takes `tool_constraint`, the grammar that enforces
+    its tool_choice), compiles it on the engine's grammar pool (a cache hit for a grammar seen
+    before) within the timeout, and attaches it to every SamplingParams of the request. Raises
+    APIError (400) for any problem with it."""
     found = request_constraint(req)
+    if tool_constraint is not None:
+        if found is not None:
+            raise APIError(f"{found[1]} cannot be combined with a tool_choice that requires a "
+                           "call (each constrains the whole output)", param=found[1],
+                           code="invalid_value")
+        found = tool_constraint, "tool_choice"
     if found is None:
         return
     so, param = found
