@@ -146,10 +146,10 @@ async def chat_chunks(info: ResponseInfo, outputs: AsyncIterator[RequestOutput],
             i = out.index
             if i not in streams:
                 streams[i] = ms = message(i) if message is not None else None
-                # A choice that may answer with tool calls starts with null content, as
-                # OpenAI's do: a message of calls alone has no content.
+                # A choice that may answer with tool calls or reasoning alone starts with null
+                # content, as OpenAI's do, so a stream accumulator rebuilds the whole message.
                 first = info.chunk([choice(i, {"role": "assistant",
-                                               "content": None if ms and ms.tools else ""})])
+                                               "content": None if ms else ""})])
                 if out.prompt_logprobs is not None and lp_opts.prompt_logprobs is not None:
                     first["prompt_logprobs"] = vllm_prompt_logprobs(
                         out.prompt_logprobs, lp_opts.tt, lp_opts.prompt_logprobs)
@@ -216,9 +216,11 @@ async def fold_chat(info: ResponseInfo, chunks: AsyncIterator[dict]) -> dict:
 
 def _message(acc: dict) -> dict:
     content = "".join(acc["content"])
-    message = {"role": "assistant", "content": content or (None if acc["calls"] else ""),
-               "refusal": None}
     reasoning = "".join(acc["reasoning"])
+    # No answer text beside calls or reasoning (say, cut off while reasoning) is null content.
+    message = {"role": "assistant",
+               "content": content or (None if acc["calls"] or reasoning else ""),
+               "refusal": None}
     if reasoning:
         message["reasoning_content"] = message["reasoning"] = reasoning
     if acc["calls"]:

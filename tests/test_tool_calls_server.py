@@ -59,7 +59,8 @@ def tokenizer(tmp_path_factory):
 
 
 class ScriptedEngine:
-    """Answers every choice with `script`, token by token, then the EOS token."""
+    """Answers every choice with `script`, token by token, then the EOS token (cut at
+    max_tokens)."""
 
     def __init__(self, tokenizer, architecture="Qwen3ForCausalLM"):
         self.tokenizer = tokenizer
@@ -77,6 +78,8 @@ class ScriptedEngine:
     async def _outputs(self, request_id, prompt, params):
         eos = self.tokenizer.eos_token_id
         ids = self.tokenizer.encode(self.script, add_special_tokens=False) + [eos]
+        ids = ids[:params.max_tokens]
+        reason = "stop" if ids[-1] == eos else "length"
         for index in range(params.n):
             detok = IncrementalDetokenizer(self.tokenizer, prompt, params.skip_special_tokens)
             for k, token in enumerate(ids):
@@ -85,7 +88,7 @@ class ScriptedEngine:
                 if last:
                     delta += detok.flush()
                 yield RequestOutput(request_id, new_token_ids=[token], text_delta=delta,
-                                    finished=last, finish_reason="stop" if last else None,
+                                    finished=last, finish_reason=reason if last else None,
                                     num_prompt_tokens=len(prompt), num_output_tokens=k + 1,
                                     index=index)
 
@@ -296,3 +299,21 @@ def test_mcp_tools_are_offered_to_requests_without_tools(serve, tokenizer):
     assert "get_time" in tokenizer.decode(p1, skip_special_tokens=False)
     assert "TOOLS" not in tokenizer.decode(p2, skip_special_tokens=False)
     assert injected.usage.prompt_tokens > opted_out.usage.prompt_tokens
+
+
+def test_cut_off_while_reasoning(serve):
+    """max_tokens inside the reasoning: the reasoning so far, null content, finish length;
+    the SDK's accumulator rebuilds the same message."""
+    client, _, _ = serve(None, "<think>\nstill thinking about it")
+    whole = client.chat.completions.create(model="m", messages=ASK, max_tokens=4)
+    assert whole.choices[0].finish_reason == "length"
+    assert whole.choices[0].message.content is None
+    assert whole.choices[0].message.reasoning_content
+    # (the SDK's stream helper refuses a `length` finish; its accumulator state does not)
+    from openai.lib.streaming.chat import ChatCompletionStreamState
+    state = ChatCompletionStreamState()
+    for chunk in client.chat.completions.create(model="m", messages=ASK, max_tokens=4,
+                                                stream=True):
+        state.handle_chunk(chunk)
+    final = state.current_completion_snapshot.choices[0]
+    assert final.message.content is None and final.finish_reason == "length"
