@@ -676,12 +676,35 @@ int taper_linear(int isa,
                  const float* bias,   // (N,) or NULL
                  float* out,          // (T, N)
                  int64_t T, int64_t K, int64_t N, int nthreads) {
+    return taper_linear_ex(isa, x, weight, dtype, bias, out, T, K, N, 0, nthreads);
+}
+
+/* batch_invariant: every T takes the packed GEMM (or the scalar loop), whose output element
+ * (t, n) is one FMA chain over k in fixed KC blocks, vectorized across n, the blocks summed in
+ * order: the same bits for a row whatever T is, how tokens are split among threads, or which
+ * rows share its micro-tile. The small-T kernels (GEMV tiles, small-M) reduce over k in lanes
+ * with a horizontal sum at the end and cut K into chunks sized by the token count, so a row's
+ * bits there depend on T (bench/invariance_probe.py). */
+int taper_linear_ex(int isa,
+                    const float* x,      // (T, K)
+                    const void* weight,  // (N, K)
+                    int dtype,
+                    const float* bias,   // (N,) or NULL
+                    float* out,          // (T, N)
+                    int64_t T, int64_t K, int64_t N, int batch_invariant, int nthreads) {
     if (!taper_cpu_isa_supported(isa)) return TAPER_ERR_ISA;
     if (T == 0 || N == 0) return TAPER_OK;
     if (K == 0) {
         for (int64_t t = 0; t < T; t++)
             for (int64_t n = 0; n < N; n++) out[t * N + n] = bias ? bias[n] : 0.0f;
         return TAPER_OK;
+    }
+    if (batch_invariant) {
+        if (isa == TAPER_ISA_AVX512)
+            return gemm_packed(avx512_micro, avx512_pack, AVX512_MR, AVX512_NR, x, weight, dtype, bias, out, T, K, N, nthreads);
+        if (isa == TAPER_ISA_AVX2)
+            return gemm_packed(avx2_micro, avx2_pack, AVX2_MR, AVX2_NR, x, weight, dtype, bias, out, T, K, N, nthreads);
+        return linear_scalar(x, weight, dtype, bias, out, T, K, N, nthreads);
     }
     switch (isa) {
         case TAPER_ISA_AVX512:
@@ -1404,7 +1427,8 @@ static int paged_attention_impl(int isa,
                                 const int32_t* query_start_loc,  // (B+1,)
                                 int64_t T, int64_t B, int64_t Hq, int64_t Hkv, int64_t D,
                                 int64_t NB, int64_t BS, int64_t MB, float scale,
-                                int64_t sliding_window, float softcap, int nthreads) {
+                                int64_t sliding_window, float softcap, int batch_invariant,
+                                int nthreads) {
     if (!(softcap >= 0.0f)) return TAPER_ERR_ARG;
     if (query_start_loc[0] != 0 || query_start_loc[B] != T) return TAPER_ERR_ARG;
     for (int64_t b = 0; b < B; b++) {
@@ -1413,6 +1437,7 @@ static int paged_attention_impl(int isa,
         if (ql < 0 || sl < ql || sl > MB * BS) return TAPER_ERR_ARG;
         if (ql == 0) continue;
         int64_t first = sliding_window > 0 ? MAX(0, sl - ql - sliding_window + 1) : 0;
+        if (batch_invariant) first -= first % ATTN_KC;  // chunks aligned down (see the tiles)
         for (int64_t j = first / BS; j < (sl + BS - 1) / BS; j++) {
             int32_t blk = block_tables[b * MB + j];
             if (blk < 0 || blk >= NB) return TAPER_ERR_ARG;
@@ -1452,6 +1477,9 @@ static int paged_attention_impl(int isa,
                 t->i0 = (int32_t)i0;
                 t->nr = (int32_t)(ilast + 1 - i0);
                 t->ks = (int32_t)(sliding_window > 0 ? MAX(0, pfirst - sliding_window + 1) : 0);
+                // Invariant: chunks start at multiples of ATTN_KC, so a query meets the same
+                // chunks (and online-softmax rescales) whichever tile holds it.
+                if (batch_invariant) t->ks -= t->ks % ATTN_KC;
                 t->ke = (int32_t)(sl - (q1 - ilast));
                 t->part = -1;
             }
@@ -1460,6 +1488,7 @@ static int paged_attention_impl(int isa,
     // each at least 256 keys.
     const int64_t min_split = 256;
     int64_t want = nthreads > 1 && ntiles < 4 * (int64_t)nthreads ? (4 * nthreads + ntiles - 1) / ntiles : 1;
+    if (batch_invariant) want = 1;  // a split's merge reorders a query's sums
     int64_t npieces = 0, nsplit_tiles = 0;
     for (int64_t t = 0; t < ntiles; t++) {
         int64_t ns = MAX(1, MIN(want, (tiles[t].ke - tiles[t].ks + 1) / min_split));
@@ -1502,7 +1531,9 @@ static int paged_attention_impl(int isa,
     attn_piece_fn kernel = ISA_PICK(attn_piece_generic, isa), kernel_qt = NULL;
     if (D % 16 == 0 && isa == TAPER_ISA_AVX512) {
         kernel = attn_piece_avx512;
-        kernel_qt = attn_piece_avx512_qt;
+        // The queries-in-lanes kernel sums scores over d in another order than the decode
+        // kernel: invariant mode runs every tile through the one kernel.
+        kernel_qt = batch_invariant ? NULL : attn_piece_avx512_qt;
     }
     int failed = 0;
     int64_t qd = Mp * D;
@@ -1595,10 +1626,10 @@ int taper_paged_attention(int isa,
                           const int32_t* query_start_loc,  // (B+1,)
                           int64_t T, int64_t B, int64_t Hq, int64_t Hkv, int64_t D,
                           int64_t NB, int64_t BS, int64_t MB, float scale, int64_t sliding_window,
-                          float softcap, int nthreads) {
+                          float softcap, int batch_invariant, int nthreads) {
     return paged_attention_impl(isa, out, q, k_cache, v_cache, NULL, NULL, NULL, NULL, block_tables,
                                 seq_lens, query_start_loc, T, B, Hq, Hkv, D, NB, BS, MB, scale,
-                                sliding_window, softcap, nthreads);
+                                sliding_window, softcap, batch_invariant, nthreads);
 }
 
 int taper_paged_attention_fp8(int isa,
@@ -1613,10 +1644,11 @@ int taper_paged_attention_fp8(int isa,
                               const int32_t* query_start_loc,  // (B+1,)
                               int64_t T, int64_t B, int64_t Hq, int64_t Hkv, int64_t D,
                               int64_t NB, int64_t BS, int64_t MB, float scale,
-                              int64_t sliding_window, float softcap, int nthreads) {
+                              int64_t sliding_window, float softcap, int batch_invariant,
+                              int nthreads) {
     return paged_attention_impl(isa, out, q, NULL, NULL, k_cache, v_cache, k_scale, v_scale,
                                 block_tables, seq_lens, query_start_loc, T, B, Hq, Hkv, D, NB, BS,
-                                MB, scale, sliding_window, softcap, nthreads);
+                                MB, scale, sliding_window, softcap, batch_invariant, nthreads);
 }
 
 // ----------------------------------------------------------------------------
