@@ -27,6 +27,7 @@ class EngineConfig:
     isq: str | None = None               # quantize projections at load: q4_0 ... q6k, marlin
     tokenizer: str | None = None         # default: the model directory
     seed: int = 0                        # seeds per-request seeds when a request gives none
+    batch_invariant: bool = False        # CPU: a request's logits are the same bits in any batch
 
     def __post_init__(self):
         if self.block_size < 8 or self.block_size > 128 or self.block_size & (self.block_size - 1):
@@ -53,3 +54,7 @@ class EngineConfig:
             check_isq(self.isq)
         if self.prefill_chunk_size < 0:
             raise ValueError("prefill_chunk_size must be >= 0 (0 = off)")
+        if self.batch_invariant and self.backend != "cpu":
+            raise ValueError("batch_invariant is implemented on the CPU backend only: the CUDA "
+                             "kernels (cuBLAS GEMMs, split-K decode attention) reduce in an "
+                             "order that depends on the batch")
