@@ -184,3 +184,94 @@ def test_server_flag_sets_the_engine_config(models):
     assert engine_config(args).batch_invariant is True
     args = build_parser().parse_args(["--cpu", "--w", models["tiny f32 head_dim 24"]])
     assert engine_config(args).batch_invariant is False
+
+
+# ---- op level: one row alone vs. inside larger calls, for every weight format `linear` takes
+
+ROWS = (2, 5, 16, 17, 33, 65)     # token rows around the small-T / packed switch points
+
+
+def weights(rng, N=384, K=512):
+    """(name, weight) for each format of the CPU backend's `linear`."""
+    import ml_dtypes
+    from gguf import GGMLQuantizationType as QT
+
+    from engine.quant import quantize
+    from engine.quant_fp8 import Fp8Weight
+    from engine.quant_int4 import Int4Part, Int4Weight
+    w = (rng.standard_normal((N, K)) * 0.05).astype(np.float32)
+    codes = rng.integers(0, 16, (N, K)).astype(np.uint8)
+    int4 = Int4Weight([Int4Part.from_codes(codes, rng.uniform(0.01, 0.02, (N, K // 128)),
+                                           np.full((N, K // 128), 8.0), 128)], K)
+    # e4m3 codes without NaN (0x7f, 0xff), either sign; blocks of 128 x 128
+    fp8_codes = rng.integers(0, 0x7f, (N, K)).astype(np.uint8) | \
+        (rng.integers(0, 2, (N, K)).astype(np.uint8) << 7)
+    fp8 = Fp8Weight(fp8_codes, rng.uniform(0.01, 0.02, (N // 128, K // 128)), (128, 128))
+    return [("f32", w), ("bf16", w.astype(ml_dtypes.bfloat16)), ("f16", w.astype(np.float16)),
+            ("q8_0", quantize(w, QT.Q8_0)), ("q4_k", quantize(w, QT.Q4_K)), ("int4", int4),
+            ("fp8 block", fp8)]
+
+
+def linear_row_differs(backend, weight, x) -> list[int]:
+    """Token counts T for which row 0 of linear(x[:T]) differs in any bit from linear(x[:1])."""
+    N = weight.shape[0]
+    ref = np.empty((1, N), np.float32)
+    backend.linear(x[:1], weight, None, ref)
+    bad = []
+    for T in ROWS:
+        out = np.empty((T, N), np.float32)
+        backend.linear(np.ascontiguousarray(x[:T]), weight, None, out)
+        if not np.array_equal(out[:1].view(np.uint32), ref.view(np.uint32)):
+            bad.append(T)
+    return bad
+
+
+@pytest.mark.parametrize("isa", ["avx512", "avx2", "scalar"])
+def test_linear_row_is_invariant_in_every_format(isa):
+    from pyx.cpu_backend import CpuBackend, isa_supported
+    if not isa_supported(isa):
+        pytest.skip(f"this CPU has no {isa}")
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((max(ROWS), 512)).astype(np.float32)
+    on, off = CpuBackend(isa=isa, batch_invariant=True), CpuBackend(isa=isa)
+    differs_off = []
+    for name, w in weights(rng):
+        assert linear_row_differs(on, w, x) == [], f"{name} ({isa}) with the switch on"
+        if linear_row_differs(off, w, x):
+            differs_off.append(name)
+    # Switched off, the SIMD paths change kernels with T in every format; the scalar path's float
+    # and fp8 loops are the same for every T (invariant already), its ggml and int4 ones are not.
+    scalar_off = ["q8_0", "q4_k", "int4"]
+    assert differs_off == (scalar_off if isa == "scalar" else [n for n, _ in weights(rng)])
+
+
+def test_fp8_kv_cache_attention_is_invariant():
+    """paged_attention over an FP8 cache: a decode row alone, then the same query as the last row
+    of a prefill and beside other sequences."""
+    from pyx.cpu_backend import CpuBackend
+    rng = np.random.default_rng(8)
+    NB, BS, Hkv, Hq, D, L = 80, 16, 2, 4, 64, 600
+    kc = rng.integers(0, 0x7e, (NB, BS, Hkv, D)).astype(np.uint8)
+    vc = rng.integers(0, 0x7e, (NB, BS, Hkv, D)).astype(np.uint8)
+    scales = np.array([0.02, 0.03], np.float32)
+    tables = rng.permutation(np.arange(NB, dtype=np.int32))[:2 * 38].reshape(2, 38)
+    q = rng.standard_normal((L, Hq, D)).astype(np.float32)
+    q2 = rng.standard_normal((100, Hq, D)).astype(np.float32)
+
+    def attend(b, queries, lens, seqs):
+        qq = np.ascontiguousarray(np.concatenate(queries))
+        qsl = np.concatenate([[0], np.cumsum([len(a) for a in queries])]).astype(np.int32)
+        out = np.empty_like(qq)
+        b.paged_attention(out, qq, kc, vc, np.ascontiguousarray(tables[seqs]),
+                          np.array(lens, np.int32), qsl, D ** -0.5, 0, scales, scales)
+        return out
+
+    def runs(b):
+        alone = attend(b, [q[-1:]], [L], [0])[-1]
+        prefill = attend(b, [q], [L], [0])[-1]
+        beside = attend(b, [q2, q[-1:]], [100, L], [1, 0])[-1]
+        return [not np.array_equal(r.view(np.uint32), alone.view(np.uint32))
+                for r in (prefill, beside)]
+
+    assert runs(CpuBackend(batch_invariant=True)) == [False, False]
+    assert any(runs(CpuBackend()))
