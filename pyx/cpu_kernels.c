@@ -297,6 +297,41 @@ AVX2_TARGET static void avx2_micro(const float* x,        // (T, K), mr rows fro
     }
 }
 
+/* The AVX2 micro-kernel for a single token row (a decode step of the batch-invariant linear):
+ * the same FMA chain and stores as avx2_micro's row 0, without its five duplicate rows. */
+AVX2_TARGET static void avx2_micro1(const float* x, int64_t K, int mr, const float* packed,
+                                    int64_t kc, float* out, int64_t N, int nr, int first,
+                                    const float* bias_or_null) {
+    if (mr != 1) {
+        avx2_micro(x, K, mr, packed, kc, out, N, nr, first, bias_or_null);
+        return;
+    }
+    __m256 c0 = _mm256_setzero_ps(), c1 = c0;
+    for (int64_t kk = 0; kk < kc; kk++) {
+        __m256 a = _mm256_broadcast_ss(x + kk);
+        c0 = _mm256_fmadd_ps(a, _mm256_load_ps(packed + kk * AVX2_NR), c0);
+        c1 = _mm256_fmadd_ps(a, _mm256_load_ps(packed + kk * AVX2_NR + 8), c1);
+    }
+    float res[AVX2_NR] __attribute__((aligned(32)));
+    _mm256_store_ps(res, c0);
+    _mm256_store_ps(res + 8, c1);
+    if (nr == AVX2_NR) {
+        __m256 o0 = first ? _mm256_setzero_ps() : _mm256_loadu_ps(out);
+        __m256 o1 = first ? _mm256_setzero_ps() : _mm256_loadu_ps(out + 8);
+        o0 = _mm256_add_ps(o0, c0);
+        o1 = _mm256_add_ps(o1, c1);
+        if (bias_or_null) {
+            o0 = _mm256_add_ps(o0, _mm256_loadu_ps(bias_or_null));
+            o1 = _mm256_add_ps(o1, _mm256_loadu_ps(bias_or_null + 8));
+        }
+        _mm256_storeu_ps(out, o0);
+        _mm256_storeu_ps(out + 8, o1);
+    } else {
+        for (int j = 0; j < nr; j++)
+            out[j] = (first ? 0.0f : out[j]) + res[j] + (bias_or_null ? bias_or_null[j] : 0.0f);
+    }
+}
+
 /* AVX2 panel packing: widen 8 rows x 8 k-values into 8 ymm registers and transpose them in
  * registers (unpack / shuffle / permute2f128, 24 shuffles per 64 values), instead of 64 scalar
  * strided stores; conversion of bf16/f16 happens on the way in. */
@@ -335,21 +370,25 @@ AVX2_TARGET static void avx2_pack(const void* w, int dtype, int64_t K, int64_t n
 #define AVX512_NR 32
 
 /* AVX-512 micro-kernel: 8 token rows x 32 weight rows = 16 zmm accumulators; per k two 64-byte
- * panel loads from L1 and 8 broadcasts feed 16 FMAs, so the FMA ports, not loads, are the limit. */
-AVX512_TARGET static void avx512_micro(const float* x,        // (T, K), mr rows, at col k0
-                                       int64_t K, int mr,
-                                       const float* packed,  // (kc, 32)
-                                       int64_t kc,
-                                       float* out,           // (T, N), at (t, n0)
-                                       int64_t N, int nr, int first, const float* bias_or_null) {
+ * panel loads from L1 and 8 broadcasts feed 16 FMAs, so the FMA ports, not loads, are the limit.
+ * Compiled for each row count MRC (1..8): a short tile (a decode step's few rows, which the
+ * batch-invariant linear sends here) does only its own rows' FMAs. Each row's FMA chain is the
+ * same whatever MRC is, so every variant gives a row the same bits. */
+AVX512_TARGET INLINE void avx512_micro_rows(const float* x,        // (T, K), mr rows, at col k0
+                                            int64_t K, int mr,
+                                            const float* packed,  // (kc, 32)
+                                            int64_t kc,
+                                            float* out,           // (T, N), at (t, n0)
+                                            int64_t N, int nr, int first,
+                                            const float* bias_or_null, const int MRC) {
     const float* xr[AVX512_MR];
-    for (int i = 0; i < AVX512_MR; i++) xr[i] = x + MIN(i, mr - 1) * K;
+    for (int i = 0; i < MRC; i++) xr[i] = x + MIN(i, mr - 1) * K;
     __m512 c[AVX512_MR][2];
-    for (int i = 0; i < AVX512_MR; i++) c[i][0] = c[i][1] = _mm512_setzero_ps();
+    for (int i = 0; i < MRC; i++) c[i][0] = c[i][1] = _mm512_setzero_ps();
     for (int64_t kk = 0; kk < kc; kk++) {
         __m512 b0 = _mm512_load_ps(packed + kk * AVX512_NR);
         __m512 b1 = _mm512_load_ps(packed + kk * AVX512_NR + 16);
-        for (int i = 0; i < AVX512_MR; i++) {
+        for (int i = 0; i < MRC; i++) {
             __m512 a = _mm512_set1_ps(xr[i][kk]);
             c[i][0] = _mm512_fmadd_ps(a, b0, c[i][0]);
             c[i][1] = _mm512_fmadd_ps(a, b1, c[i][1]);
@@ -368,6 +407,19 @@ AVX512_TARGET static void avx512_micro(const float* x,        // (T, K), mr rows
         _mm512_mask_storeu_ps(o, m0, o0);
         _mm512_mask_storeu_ps(o + 16, m1, o1);
     }
+}
+
+AVX512_TARGET static void avx512_micro(const float* x, int64_t K, int mr, const float* packed,
+                                       int64_t kc, float* out, int64_t N, int nr, int first,
+                                       const float* bias_or_null) {
+#define AVX512_MICRO_CASE(R) \
+    case R: avx512_micro_rows(x, K, mr, packed, kc, out, N, nr, first, bias_or_null, R); break;
+    switch (mr) {
+        AVX512_MICRO_CASE(1) AVX512_MICRO_CASE(2) AVX512_MICRO_CASE(3) AVX512_MICRO_CASE(4)
+        AVX512_MICRO_CASE(5) AVX512_MICRO_CASE(6) AVX512_MICRO_CASE(7)
+        default: avx512_micro_rows(x, K, mr, packed, kc, out, N, nr, first, bias_or_null, AVX512_MR);
+    }
+#undef AVX512_MICRO_CASE
 }
 
 typedef void (*micro_fn)(const float*, int64_t, int, const float*, int64_t, float*, int64_t, int,
@@ -703,7 +755,7 @@ int taper_linear_ex(int isa,
         if (isa == TAPER_ISA_AVX512)
             return gemm_packed(avx512_micro, avx512_pack, AVX512_MR, AVX512_NR, x, weight, dtype, bias, out, T, K, N, nthreads);
         if (isa == TAPER_ISA_AVX2)
-            return gemm_packed(avx2_micro, avx2_pack, AVX2_MR, AVX2_NR, x, weight, dtype, bias, out, T, K, N, nthreads);
+            return gemm_packed(avx2_micro1, avx2_pack, AVX2_MR, AVX2_NR, x, weight, dtype, bias, out, T, K, N, nthreads);
         return linear_scalar(x, weight, dtype, bias, out, T, K, N, nthreads);
     }
     switch (isa) {
