@@ -1,4 +1,4 @@
-"""What `--batch-invariant` costs on the CPU backend: the throughput bench with the switch off and on.
+"""What `--batch-invariant` costs on the CPU backend: throughput with the switch off and on.
 
     python -m bench.invariance_cost [--dtype bf16 f32] [--batch 1 16] [--prompt-len 128]
         [--gen-len 32] [--reps 3] [--wait-quiet S] [--json out.json]

@@ -142,7 +142,8 @@ class Int4Weight:
                              f"{getattr(x, 'shape', x)} to out {getattr(out, 'shape', out)}")
         # Batch-invariant mode: the dense GEMM for every T (the int4 dot-product kernel of small
         # T sums in another order, so a row's bits would depend on T).
-        if x.shape[0] > GEMV_MAX_T.get(backend.isa, 16) or getattr(backend, "batch_invariant", False):
+        invariant = getattr(backend, "batch_invariant", False)
+        if x.shape[0] > GEMV_MAX_T.get(backend.isa, 16) or invariant:
             return self._dequant_gemm(backend, x, bias, out)
         from pyx.int4 import int4_linear
         col = 0

@@ -119,7 +119,8 @@ TARGETS = [("tiny f32 head_dim 24", "sampled"), ("tiny f32 head_dim 24", "greedy
 @pytest.fixture(scope="module")
 def alone(models, prompts):
     """Reference runs: the request alone, whole prompt in one step; switch off: greedy only."""
-    runs = {(m, kind, True): run_target(models[m], prompts, SAMPLED if kind == "sampled" else GREEDY)
+    runs = {(m, kind, True): run_target(models[m], prompts,
+                                        SAMPLED if kind == "sampled" else GREEDY)
             for m, kind in TARGETS}
     runs.update({(m, "greedy", False): run_target(models[m], prompts, GREEDY,
                                                   batch_invariant=False) for m in models})
@@ -275,3 +276,37 @@ def test_fp8_kv_cache_attention_is_invariant():
 
     assert runs(CpuBackend(batch_invariant=True)) == [False, False]
     assert any(runs(CpuBackend()))
+
+
+# ---- through the HTTP API, with the official client
+
+def test_http_seeded_request_alone_equals_in_a_crowd(tmp_path):
+    """`python -m server --batch-invariant`: a seeded sampled completion gives the same text alone
+    and while 16 other requests run beside it (the server batches them; prompts chunked by 16)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from server.demo_model import write_demo_checkpoint
+    from server_fakes import LiveServer, client_for
+    demo = write_demo_checkpoint(str(tmp_path / "demo"))
+    server = LiveServer(tmp_path, demo, "--mem", "64", "--batch-invariant",
+                        "--prefill-chunk-size", "16", "--max-num-batched-tokens", "64")
+    try:
+        client = client_for(server.port)
+        model = client.models.list().data[0].id
+
+        def complete(prompt, seed, max_tokens=16):
+            r = client.completions.create(model=model, prompt=prompt, seed=seed, temperature=0.9,
+                                          top_p=0.95, max_tokens=max_tokens)
+            return r.choices[0].text, r.usage.completion_tokens
+
+        target = " ".join(f"word{i}" for i in range(60))
+        alone = complete(target, 7)
+        assert alone[1] > 0
+        with ThreadPoolExecutor(17) as pool:
+            crowd = [pool.submit(complete, f"other prompt {i} " * (i + 1), i, 8 + i)
+                     for i in range(16)]
+            crowded = pool.submit(complete, target, 7)
+            assert crowded.result() == alone
+            assert all(f.result()[1] > 0 for f in crowd)
+    finally:
+        server.close()

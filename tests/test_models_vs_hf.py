@@ -3,7 +3,8 @@
 Each case first shows that transformers' own tokens change when its feature is switched off, so the
 comparison can fail. Prompts (48 and 33 tokens) are longer than the Mistral window (16) and than
 the RoPE original context (32). Comparison stops at the reference's first near-tie (top-two
-log-probs within 1e-4). Taper runs twice: through `LLM.generate` (the whole engine) and through a
+log-probs within 1e-4). Taper runs twice: through `LLM.generate` (the whole engine, with its default
+kernels and with the batch-invariant ones of `--batch-invariant`) and through a
 bare model harness here (prefill logits against transformers' too), so a model bug and an engine
 bug point at different tests.
 """
