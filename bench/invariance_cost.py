@@ -2,6 +2,7 @@
 
     python -m bench.invariance_cost [--dtype bf16 f32] [--batch 1 16] [--prompt-len 128]
         [--gen-len 32] [--reps 3] [--wait-quiet S] [--json out.json]
+    python -m bench.invariance_cost --ops [--threads N]   # linear and paged_attention alone
 
 The Qwen2.5-0.5B-shaped random checkpoints of bench/make_checkpoint.py and the measurement of
 bench/throughput.py (`taper_run`: prefill tokens/s over the steps that compute the prompts, decode
@@ -31,6 +32,62 @@ def make_llm(model_dir, dtype: str, batch_invariant: bool, max_b: int, prompt_le
     return llm
 
 
+def op_costs(reps: int = 15, threads: int | None = None) -> list[dict]:
+    """The two ops the switch changes, alone: best-of-`reps` milliseconds, off and on (the minimum
+    resists other load on a shared machine better than a mean). Qwen2.5-0.5B's projections and LM
+    head in bf16, and its attention (14 query heads, 2 KV heads of 64) over a 2048-token context:
+    one decode row, and a 512-token prefill chunk. threads: OpenMP threads per op (default all;
+    1 is the steadiest figure where other processes compete for the cores)."""
+    import time
+
+    import ml_dtypes
+    import numpy as np
+
+    from pyx.cpu_backend import CpuBackend
+    rng = np.random.default_rng(0)
+    backends = {inv: CpuBackend(batch_invariant=inv, num_threads=threads) for inv in (False, True)}
+
+    def best_ms(fn):
+        fn()
+        best = float("inf")
+        for _ in range(reps):
+            t = time.perf_counter()
+            fn()
+            best = min(best, time.perf_counter() - t)
+        return 1e3 * best
+
+    rows = []
+    for name, (N, K) in {"qkv 1152x896": (1152, 896), "gate_up 9728x896": (9728, 896),
+                         "down 896x4864": (896, 4864), "lm_head 151936x896": (151936, 896)}.items():
+        w = (rng.standard_normal((N, K)) * 0.05).astype(ml_dtypes.bfloat16)
+        for T in (1, 16, 128):
+            x = rng.standard_normal((T, K)).astype(np.float32)
+            out = np.empty((T, N), np.float32)
+            ms = {inv: best_ms(lambda: b.linear(x, w, None, out)) for inv, b in backends.items()}
+            rows.append({"op": f"linear bf16 {name}", "T": T, "off_ms": ms[False],
+                         "on_ms": ms[True]})
+    Hq, Hkv, D, BS, L = 14, 2, 64, 16, 2048
+    NB = L // BS + 1
+    kc = rng.standard_normal((NB, BS, Hkv, D)).astype(np.float32)
+    vc = rng.standard_normal((NB, BS, Hkv, D)).astype(np.float32)
+    table = np.arange(1, NB, dtype=np.int32)[None]
+    for label, T in (("decode row, context 2048", 1), ("prefill chunk 512, context 2048", 512)):
+        q = rng.standard_normal((T, Hq, D)).astype(np.float32)
+        out = np.empty_like(q)
+        qsl = np.array([0, T], np.int32)
+        ms = {inv: best_ms(lambda: b.paged_attention(out, q, kc, vc, table,
+                                                     np.array([L], np.int32), qsl, D ** -0.5, 0))
+              for inv, b in backends.items()}
+        rows.append({"op": f"paged_attention {label}", "T": T, "off_ms": ms[False],
+                     "on_ms": ms[True]})
+    print(f"threads per op: {backends[False].num_threads}")
+    print(f"{'op (best of ' + str(reps) + ', ms)':<52}{'T':>5}{'off':>9}{'on':>9}{'on/off':>8}")
+    for r in rows:
+        print(f"{r['op']:<52}{r['T']:>5}{r['off_ms']:>9.3f}{r['on_ms']:>9.3f}"
+              f"{r['on_ms'] / r['off_ms']:>8.2f}", flush=True)
+    return rows
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtype", nargs="+", default=["bf16", "f32"], choices=["f32", "bf16"])
@@ -39,11 +96,19 @@ def main(argv=None):
     ap.add_argument("--gen-len", type=int, default=32)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--wait-quiet", type=float, default=0.0, metavar="S")
+    ap.add_argument("--ops", action="store_true", help="only the op timings (linear, attention)")
+    ap.add_argument("--threads", type=int, default=None, help="with --ops: threads per op")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     info = machine_info()
     print(f"machine: {info['cpu']}, {info['cores']} cores; taper ISA {info['taper_isa']}; "
           "load average %.2f %.2f %.2f" % info["loadavg_start"])
+    if args.ops:
+        rows = op_costs(threads=args.threads)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"machine": info, "ops": rows}, f, indent=1, default=str)
+        return
     print(f"prompt {args.prompt_len} tokens, {args.gen_len} generated, greedy; best of "
           f"{args.reps}")
     dirs = make_checkpoints()
