@@ -297,7 +297,7 @@ AVX2_TARGET static void avx2_micro(const float* x,        // (T, K), mr rows fro
     }
 }
 
-/* The AVX2 micro-kernel for a single token row (a decode step of the batch-invariant linear):
+/* The AVX2 micro-kernel for a single token row (a decode step of the AVX2 batch-invariant linear):
  * the same FMA chain and stores as avx2_micro's row 0, without its five duplicate rows. */
 AVX2_TARGET static void avx2_micro1(const float* x, int64_t K, int mr, const float* packed,
                                     int64_t kc, float* out, int64_t N, int nr, int first,
@@ -371,9 +371,9 @@ AVX2_TARGET static void avx2_pack(const void* w, int dtype, int64_t K, int64_t n
 
 /* AVX-512 micro-kernel: 8 token rows x 32 weight rows = 16 zmm accumulators; per k two 64-byte
  * panel loads from L1 and 8 broadcasts feed 16 FMAs, so the FMA ports, not loads, are the limit.
- * Compiled for each row count MRC (1..8): a short tile (a decode step's few rows, which the
- * batch-invariant linear sends here) does only its own rows' FMAs. Each row's FMA chain is the
- * same whatever MRC is, so every variant gives a row the same bits. */
+ * Compiled for each row count MRC (1..8): a short tile (the last rows of a token range) does only
+ * its own rows' FMAs. Each row's FMA chain is the same whatever MRC is, so every variant gives a
+ * row the same bits. */
 AVX512_TARGET INLINE void avx512_micro_rows(const float* x,        // (T, K), mr rows, at col k0
                                             int64_t K, int mr,
                                             const float* packed,  // (kc, 32)
@@ -661,11 +661,14 @@ AVX512_TARGET INLINE void sk_block(const float* xd, int64_t Kp,  // (T, Kp) prep
     }
 
 AVX512_TARGET static int avx512_smallm(const float* x, const void* w, int dtype, const float* bias,
-                                       float* out, int64_t T, int64_t K, int64_t N, int nthreads) {
+                                       float* out, int64_t T, int64_t K, int64_t N,
+                                       int fixed_chunks, int nthreads) {
     const int64_t Kp = (K + 31) & ~(int64_t)31;
     // Balanced token blocks of <= SK_MAXNT tokens (T <= 8: one block).
     const int64_t ntb = T <= 8 ? 1 : (T + SK_MAXNT - 1) / SK_MAXNT, ntmax = (T + ntb - 1) / ntb;
-    int64_t nch = (ntmax * Kp * 4 + SK_XBYTES - 1) / SK_XBYTES;
+    // K chunks sized for the largest token block, or (fixed_chunks) for SK_MAXNT tokens whatever
+    // T is: then a row's sums never depend on T (see taper_linear_ex).
+    int64_t nch = ((fixed_chunks ? SK_MAXNT : ntmax) * Kp * 4 + SK_XBYTES - 1) / SK_XBYTES;
     const int64_t kc = ((Kp + nch - 1) / nch + 31) & ~(int64_t)31;
     float* xd = (float*)aligned_alloc(64, (size_t)(T * Kp) * sizeof(float));
     if (!xd) return TAPER_ERR_NOMEM;
@@ -731,12 +734,18 @@ int taper_linear(int isa,
     return taper_linear_ex(isa, x, weight, dtype, bias, out, T, K, N, 0, nthreads);
 }
 
-/* batch_invariant: every T takes the packed GEMM (or the scalar loop), whose output element
- * (t, n) is one FMA chain over k in fixed KC blocks, vectorized across n, the blocks summed in
- * order: the same bits for a row whatever T is, how tokens are split among threads, or which
- * rows share its micro-tile. The small-T kernels (GEMV tiles, small-M) reduce over k in lanes
- * with a horizontal sum at the end and cut K into chunks sized by the token count, so a row's
- * bits there depend on T (bench/invariance_probe.py). */
+/* batch_invariant: one kernel for every T, whose sums for a row never depend on T, on how the
+ * tokens are split among threads, or on which rows share its tile:
+ * - AVX-512: the small-M kernel with K chunks sized for SK_MAXNT tokens whatever T is. Each
+ *   output's k-sum is one 16-lane accumulator per chunk (two FMAs per 32 k), then the same
+ *   transpose-and-add tree whichever slot it sits in, the chunks added in order. Decode keeps the
+ *   GEMV speed; prefill pays for re-reading weight blocks per 16 tokens (bench/RESULTS.md).
+ * - AVX2: the packed GEMM, whose output element is one FMA chain over k in fixed KC blocks,
+ *   vectorized across n (its GEMV tiles re-stream the weights for every 4 tokens: too slow for
+ *   prefill to use for every T).
+ * - scalar: its one loop, the same for every T already.
+ * By default the small-T kernels (up to 8-32 rows) and the packed GEMM beyond sum in different
+ * orders, and the small-M kernel's K chunks depend on T (bench/invariance_probe.py). */
 int taper_linear_ex(int isa,
                     const float* x,      // (T, K)
                     const void* weight,  // (N, K)
@@ -753,7 +762,7 @@ int taper_linear_ex(int isa,
     }
     if (batch_invariant) {
         if (isa == TAPER_ISA_AVX512)
-            return gemm_packed(avx512_micro, avx512_pack, AVX512_MR, AVX512_NR, x, weight, dtype, bias, out, T, K, N, nthreads);
+            return avx512_smallm(x, weight, dtype, bias, out, T, K, N, 1, nthreads);
         if (isa == TAPER_ISA_AVX2)
             return gemm_packed(avx2_micro1, avx2_pack, AVX2_MR, AVX2_NR, x, weight, dtype, bias, out, T, K, N, nthreads);
         return linear_scalar(x, weight, dtype, bias, out, T, K, N, nthreads);
@@ -761,7 +770,7 @@ int taper_linear_ex(int isa,
     switch (isa) {
         case TAPER_ISA_AVX512:
             if (T <= SMALLM_MAX_T || (T <= SMALLM_MAX_T_SMALLK && K <= 2048))
-                return avx512_smallm(x, weight, dtype, bias, out, T, K, N, nthreads);
+                return avx512_smallm(x, weight, dtype, bias, out, T, K, N, 0, nthreads);
             return gemm_packed(avx512_micro, avx512_pack, AVX512_MR, AVX512_NR, x, weight, dtype, bias, out, T, K, N, nthreads);
         case TAPER_ISA_AVX2:
             if (T <= GEMV_MAX_T) { avx2_gemv(x, weight, dtype, bias, out, T, K, N, nthreads); return TAPER_OK; }

@@ -45,7 +45,7 @@ int taper_linear(int isa,
                  int64_t T, int64_t K, int64_t N, int nthreads);
 
 /* taper_linear with a switch: batch_invariant != 0 makes each output row's bits independent of T
- * (and of the other rows), at a cost for small T (one packed GEMM for every T). */
+ * (and of the other rows): one kernel for every T (see cpu_kernels.c). */
 int taper_linear_ex(int isa,
                     const float* x,       // (T, K)
                     const void* weight,   // (N, K) f32|bf16|f16
