@@ -289,7 +289,7 @@ cdef class CpuBackend(Backend):
     $OMP_NUM_THREADS). batch_invariant: every op computes a row (a token's activations, a
     query's attention) in an order that does not depend on the other rows of the call, so a
     request's logits are bit-identical alone or in any batch, however its prompt is chunked
-    (README: Batch invariance); it costs decode speed (bench/RESULTS.md).
+    (README: Batch invariance); it costs prefill speed (bench/RESULTS.md).
     """
     cdef int _isa
     cdef int _nthreads
