@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# One command for a GPU machine, from the repository root, in three suites of one 10-minute call
+# One command for a GPU machine, from the repository root, in four suites of one 10-minute call
 # each:
 #
 #     bash bench/gpu_check.sh                  # core: the float ops and models (issue 4)
 #     GPU_SUITE=quant bash bench/gpu_check.sh  # the quantized formats (issue 6)
 #     GPU_SUITE=serve bash bench/gpu_check.sh  # python -m server end to end (issue 11)
+#     GPU_SUITE=tuned bash bench/gpu_check.sh  # the tuned kernels behind switches (issue 12)
 #
 # The GPU machine has no network and lacks part of what Taper and its tests import (nvidia-cutlass
 # for the build, gguf, compressed-tensors, pydantic, the server stack, the openai client):
@@ -134,10 +135,13 @@ gpu_tests() {  # one process per file: a CUDA context broken by one cannot fail 
 }
 
 # The suite: "core" (default; issue 4: the float ops and models, every kernel benchmark but the
-# quantized GEMMs, bf16 throughput) or "quant" (issue 6: the quantized formats, their GEMM
-# benchmark, FP8 and int4 throughput). Each fits one 10-minute device call.
+# quantized GEMMs, bf16 throughput), "quant" (issue 6: the quantized formats, their GEMM
+# benchmark, FP8 and int4 throughput) or "tuned" (issue 12: the kernels behind switches, their
+# tests and benchmark rows). Each fits one 10-minute device call.
 SUITE="${GPU_SUITE:-core}"
 GPU_TESTS_CAP=180
+KERNEL_SHAPES=""
+THROUGHPUT_ENV=""
 if [ "$SUITE" = quant ]; then
     GPU_TESTS_CAP=240           # test_cuda_quant_gemm alone took ~90 s on the H100
     GPU_TEST_FILES="test_cuda_gguf.py test_cuda_marlin.py test_cuda_fp8.py test_cuda_quant_gemm.py test_cuda_quant_model.py"
@@ -145,14 +149,26 @@ if [ "$SUITE" = quant ]; then
     THROUGHPUT_ARGS="--quant fp8 int4"
 elif [ "$SUITE" = serve ]; then
     :
+elif [ "$SUITE" = tuned ]; then
+    # flash-decoding (TAPER_CUDA_SPLIT_K=1), the FP8 GEMV (TAPER_CUDA_FP8_GEMV=1) and the radix
+    # filter (TAPER_CUDA_RADIX_FILTER=1): their tests; decode attention over bf16 and FP8 caches
+    # with the rule's split count and forced ones beside it; the filter both ways; the quantized
+    # GEMMs (fp8-gemv rows beside bf16, fp8-cutlass) at small M
+    GPU_TESTS_CAP=240           # 32k-key decode batches and Llama-3-8B-sized FP8 weights
+    GPU_TEST_FILES="test_cuda_flash_decode.py test_cuda_fp8_gemv.py test_cuda_radix_filter.py"
+    KERNEL_OPS="decode_attention filter_logits qgemm"
+    KERNEL_SHAPES="--shape splits=2,4,8,16,32,64 --shape QM=1,4,16,64 --shape qlayers=gate_up,down"
+    THROUGHPUT_ARGS="--quant fp8"
+    THROUGHPUT_ENV="TAPER_CUDA_FP8_GEMV=1 TAPER_CUDA_SPLIT_K=1"   # FP8 decode with both on
 elif [ "$SUITE" = core ]; then
-    GPU_TEST_FILES="test_cuda_ops.py test_cuda_model.py"
-    KERNEL_OPS="embedding rms_norm fused_add_rms_norm rotary_embedding silu_and_mul"
+    GPU_TEST_FILES="test_cuda_ops.py test_cuda_model.py test_cuda_logprobs.py test_cuda_families.py"
+    KERNEL_OPS="embedding scale rms_norm fused_add_rms_norm layer_norm fused_add_layer_norm"
+    KERNEL_OPS="$KERNEL_OPS rotary_embedding silu_and_mul"
     KERNEL_OPS="$KERNEL_OPS reshape_and_cache decode_attention prefill_attention linear argmax"
-    KERNEL_OPS="$KERNEL_OPS gumbel_sample filter_logits"
+    KERNEL_OPS="$KERNEL_OPS gumbel_sample filter_logits apply_token_bitmask"
     THROUGHPUT_ARGS=""
 else
-    echo "GPU_SUITE=$SUITE: the suites are core, quant and serve" >&2
+    echo "GPU_SUITE=$SUITE: the suites are core, quant, serve and tuned" >&2
     exit 2
 fi
 export GPU_TEST_FILES
@@ -206,7 +222,8 @@ if ((SETUP_RC == 0)); then
     QUICK=""
     if ((END - SECONDS < 150)); then QUICK="--quick"; fi
     # shellcheck disable=SC2086
-    run_step kernels 150 40 "$PY" -m bench.kernels $KERNEL_OPS $QUICK --json "$OUT/kernels.json"
+    run_step kernels 150 40 "$PY" -m bench.kernels $KERNEL_OPS $KERNEL_SHAPES $QUICK \
+        --json "$OUT/kernels.json"
 else
     skip_step kernels "setup failed (no CUDA build or no device)"
 fi
@@ -229,8 +246,8 @@ fi
 : > "$OUT/throughput.log"
 if ((SETUP_RC == 0)); then
     # shellcheck disable=SC2086
-    run_step throughput 150 60 "$PY" -m bench.throughput --backend cuda $THROUGHPUT_ARGS \
-        --json "$OUT/throughput.json"
+    run_step throughput 150 60 env $THROUGHPUT_ENV "$PY" -m bench.throughput --backend cuda \
+        $THROUGHPUT_ARGS --json "$OUT/throughput.json"
 else
     skip_step throughput "setup failed (no CUDA build or no device)"
 fi

@@ -15,6 +15,7 @@
 #   openai (+ httpx2, httpcore2, truststore, jiter, sniffio, idna, h11)
 #                        the official client of the serve suite
 #   jsonschema (+ referencing, rpds-py, jsonschema-specifications, attrs)  test_server's schemas
+#   llguidance           structured outputs' grammars (the engine imports it on first use)
 #
 # Versions are the ones requirements-test.txt and a fresh `pip install .` resolve to on the
 # development machine, so the GPU machine runs what CI runs. One version of each: pip refuses two.
@@ -39,6 +40,7 @@ WHEELS=(
     sniffio==1.3.1 idna==3.20 h11==0.16.0
     jsonschema==4.26.0 referencing==0.37.0 rpds-py==2026.9.1 jsonschema-specifications==2025.9.1
     attrs==26.1.0
+    llguidance==1.9.1
 )
 # Binary wheels for CPython 3.12 on x86-64 Linux (manylinux tags pip must match exactly).
 PLATFORMS=()

@@ -16,10 +16,14 @@ the same run (a 2 GiB copy, counting read + write), and for GEMMs and prefill at
 
 Default shapes are Llama-3-8B's (H 4096, 32 query heads over 8 KV heads of 128, I 14336,
 V 128256): the fused element-wise ops at T 1, 64, 4096 tokens; decode attention at batch 1, 16,
-64 x context 1k, 8k, 32k with split-K off and on; prefill attention (simple and tensor-core
-kernels) at 1 x 4096 and 8 x 512 tokens; linear at M 1, 16, 64, 4096 for the qkv (6144 x 4096),
+64 x context 1k, 8k, 32k over a bf16 and an FP8 cache with split-K off and on (the variant names
+the split count pyx/decode_splits.py picks, "split-K x57"; --shape splits=2,8,64 adds rows with
+those counts forced, to compare the rule's pick with the best); prefill attention (simple and
+tensor-core kernels) at 1 x 4096 and 8 x 512 tokens; linear at M 1, 16, 64, 4096 for the qkv (6144 x 4096),
 o (4096 x 4096), gate_up (28672 x 4096) and down (4096 x 14336) projections; argmax, Gumbel
-sampling and the top-k/top-p/min-p filter at batch 1 and 64 over the vocabulary.
+sampling, the top-k/top-p/min-p filter (twice: the bisection kernel, and the radix-select one of
+TAPER_CUDA_RADIX_FILTER=1) and structured outputs' token bitmask (every row masked, about half
+the tokens allowed) at batch 1 and 64 over the vocabulary.
 
 qgemm (issue 6, item 7): the quantized GEMMs through `CudaBackend.linear` on the same four
 projections at M (QM) 1, 4, 16, 64, 4096 -- bf16 dense (cuBLAS, the reference), GGUF Q4_K and
@@ -32,9 +36,11 @@ weight copies and activations). Its row gives TFLOP/s (and % of the cuBLAS peak)
 bytes read over the time in GB/s (and % of the copy peak: decode at small M is bound by them), and
 the speed-up over bf16 dense at the same shape and M. FP8 rows also give % of an estimated FP8
 dense peak, twice the measured bf16 cuBLAS figure (Hopper's tensor-core ratio; cuBLAS FP8 is not
-reachable through this backend's GemmEx handle). --shape QM=1,16 and qlayers=gate_up,down select.
+reachable through this backend's GemmEx handle). fp8-gemv rows (M <= 64): the FP8 GEMV kernel of
+TAPER_CUDA_FP8_GEMV=1 on the e4m3 codes, any sm80+ device; the weight bytes over its time is its
+ratio to the copy ceiling. --shape QM=1,16 and qlayers=gate_up,down select.
 
---shape overrides a dimension: T, B, ctx, M, SB (sampling batch) take lists (T=1,64),
+--shape overrides a dimension: T, B, ctx, M, SB (sampling batch), splits take lists (T=1,64),
 prefill takes NxL items (prefill=1x4096,8x512), H Hq Hkv D I V BS take one value.
 --quick runs a small subset (well under a minute). Without a CUDA device it says so and exits 2.
 """
@@ -52,20 +58,22 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-OPS = ["embedding", "rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul",
+OPS = ["embedding", "scale", "rms_norm", "fused_add_rms_norm", "layer_norm",
+       "fused_add_layer_norm", "rotary_embedding", "silu_and_mul",
        "reshape_and_cache", "decode_attention", "prefill_attention", "linear", "argmax",
-       "gumbel_sample", "filter_logits", "qgemm"]
+       "gumbel_sample", "filter_logits", "apply_token_bitmask", "qgemm"]
 
 DEFAULT = dict(H=4096, Hq=32, Hkv=8, D=128, I=14336, V=128256, BS=16,
                T=[1, 64, 4096], B=[1, 16, 64], ctx=[1024, 8192, 32768],
                prefill=[(1, 4096), (8, 512)], M=[1, 16, 64, 4096], SB=[1, 64],
-               QM=[1, 4, 16, 64, 4096], qlayers=["qkv", "o", "gate_up", "down"])
+               QM=[1, 4, 16, 64, 4096], qlayers=["qkv", "o", "gate_up", "down"], splits=[])
 QUICK = dict(T=[1, 4096], B=[1, 64], ctx=[8192], prefill=[(1, 4096)], M=[1, 4096], SB=[64],
              QM=[1, 4096], qlayers=["gate_up"])
-LIST_KEYS = ("T", "B", "ctx", "M", "SB", "QM")
+LIST_KEYS = ("T", "B", "ctx", "M", "SB", "QM", "splits")
 QGEMM_SETS = 2          # weight copies + activations per quantized format (weights are large)
 QGEMM_GROUP = 128       # int4 group size
 FP8_BLOCK = (128, 128)
+FP8_GEMV_MAX_M = 64     # the FP8 GEMV kernel's largest M (cuda/fp8_gemv.cu)
 
 N_SETS = 4
 FLUSH_BYTES = 512 << 20
@@ -269,6 +277,36 @@ def cases_rms_norm(bench, c, fused: bool):
                    sets)
 
 
+def cases_scale(bench, c):
+    """Gemma's embedding times sqrt(hidden), in place."""
+    b, act = bench.b, bench.b.act_dtype
+    H = c["H"]
+    for T in c["T"]:
+        sets = [lambda x=bench.rand((T, H), act): b.scale(x, 64.0) for _ in range(N_SETS)]
+        yield Case("scale", f"T={T} H={H}", "", 2 * T * H * esize(act), 0, sets)
+
+
+def cases_layer_norm(bench, c, fused: bool):
+    """StableLM's LayerNorm with weight and bias (three reads of each row: two hit the cache)."""
+    b, act = bench.b, bench.b.act_dtype
+    H = c["H"]
+    w, bias = bench.rand((H,), np.float32), bench.rand((H,), np.float32)
+    for T in c["T"]:
+        sets = []
+        for _ in range(N_SETS):
+            x = bench.rand((T, H), act)
+            if fused:
+                r = bench.rand((T, H), act)
+                sets.append(lambda x=x, r=r: b.fused_add_layer_norm(x, r, w, bias, 1e-5))
+            else:
+                with bench.stream:
+                    out = bench.cp.empty((T, H), dtype=act)
+                sets.append(lambda x=x, out=out: b.layer_norm(x, w, bias, 1e-5, out))
+        moved = (4 if fused else 2) * T * H * esize(act) + 8 * H
+        yield Case("fused_add_layer_norm" if fused else "layer_norm", f"T={T} H={H}", "bias",
+                   moved, 0, sets)
+
+
 def cases_rotary(bench, c):
     b, act = bench.b, bench.b.act_dtype
     Hq, Hkv, D = c["Hq"], c["Hkv"], c["D"]
@@ -319,37 +357,79 @@ def kv_pool(bench, act, num_blocks, BS, Hkv, D):
     return (bench.rand((num_blocks, BS, Hkv, D), act), bench.rand((num_blocks, BS, Hkv, D), act))
 
 
+def fp8_pool(bench, num_blocks, BS, Hkv, D):
+    """K and V caches of e4m3 codes: random 2-byte values seen as bytes, masked to <= 0x77 so no
+    code is NaN (0x7f, 0xff)."""
+    pool = []
+    for _ in range(2):
+        codes = bench.rand((num_blocks, BS, Hkv, D // 2), np.float16).view(bench.cp.uint8)
+        codes &= 0x77
+        pool.append(codes.reshape(num_blocks, BS, Hkv, D))
+    return tuple(pool)
+
+
+def decode_call(b, args, scale, scales, splits=0):
+    """paged_attention on one input set; splits > 0 forces that many split-K partitions instead
+    of the rule's count."""
+    b.decode_splits = splits
+    try:
+        b.paged_attention(*args, scale, 0, *scales)
+    finally:
+        b.decode_splits = 0
+
+
 def cases_decode(bench, c):
+    """Decode attention over an activation-dtype cache and an FP8 one, one pass and split-K with
+    the count of pyx/decode_splits.py (the variant names it: "split-K x57"), plus the counts of
+    --shape splits=... forced, to see how far the rule's pick is from the best."""
     act = bench.b.act_dtype
     Hq, Hkv, D, BS = c["Hq"], c["Hkv"], c["D"], c["BS"]
-    e = esize(act)
-    for B in c["B"]:
-        for ctx in c["ctx"]:
-            per_seq = -(-ctx // BS)
-            pool_bytes = 2 * B * per_seq * BS * Hkv * D * e
-            # small pools: one per input set; large ones (well past L2): one, permuted per set
-            n_pools = N_SETS if pool_bytes < (1 << 30) else 1
-            pools = [kv_pool(bench, act, B * per_seq, BS, Hkv, D) for _ in range(n_pools)]
-            inputs = []
-            for i in range(N_SETS):
-                perm = np.random.default_rng(i).permutation(B * per_seq).astype(np.int32)
-                tables = bench.dev(perm.reshape(B, per_seq))
-                seq_lens = bench.dev(np.full(B, ctx, np.int32))
-                qsl = bench.dev(np.arange(B + 1, dtype=np.int32))
-                q = bench.rand((B, Hq, D), act)
-                with bench.stream:
-                    out = bench.cp.empty((B, Hq, D), dtype=act)
-                inputs.append((out, q, *pools[i % n_pools], tables, seq_lens, qsl))
-            moved = 2 * B * ctx * Hkv * D * e + 2 * B * Hq * D * e + B * per_seq * 4 + B * 8
-            for split_k in (False, True):
-                b = bench.backend(split_k=split_k)
-                sets = [lambda a=a, b=b: b.paged_attention(*a, 1.0 / np.sqrt(D), 0)
-                        for a in inputs]
-                yield Case("decode_attention", f"B={B} ctx={ctx} Hq={Hq} Hkv={Hkv} D={D}",
-                           "split-K" if split_k else "one-pass", moved, 0, sets, stream=b.stream)
-            sets = None
-            del pools, inputs
-            bench.free()
+    scale = 1.0 / np.sqrt(D)
+    for kv in ("act", "fp8"):
+        e = esize(act) if kv == "act" else 1
+        for B in c["B"]:
+            for ctx in c["ctx"]:
+                yield from decode_shape(bench, c, act, kv, e, B, ctx, Hq, Hkv, D, BS, scale)
+
+
+def decode_shape(bench, c, act, kv, e, B, ctx, Hq, Hkv, D, BS, scale):
+    per_seq = -(-ctx // BS)
+    pool_bytes = 2 * B * per_seq * BS * Hkv * D * e
+    # small pools: one per input set; large ones (well past L2): one, permuted per set
+    n_pools = N_SETS if pool_bytes < (1 << 30) else 1
+    if kv == "fp8":
+        pools = [fp8_pool(bench, B * per_seq, BS, Hkv, D) for _ in range(n_pools)]
+        scales = (bench.dev(np.full(Hkv, 0.05, np.float32)),
+                  bench.dev(np.full(Hkv, 0.05, np.float32)))
+    else:
+        pools = [kv_pool(bench, act, B * per_seq, BS, Hkv, D) for _ in range(n_pools)]
+        scales = ()
+    inputs = []
+    for i in range(N_SETS):
+        perm = np.random.default_rng(i).permutation(B * per_seq).astype(np.int32)
+        tables = bench.dev(perm.reshape(B, per_seq))
+        seq_lens = bench.dev(np.full(B, ctx, np.int32))
+        qsl = bench.dev(np.arange(B + 1, dtype=np.int32))
+        q = bench.rand((B, Hq, D), act)
+        with bench.stream:
+            out = bench.cp.empty((B, Hq, D), dtype=act)
+        inputs.append((out, q, *pools[i % n_pools], tables, seq_lens, qsl))
+    moved = 2 * B * ctx * Hkv * D * e + 2 * B * Hq * D * esize(act) + B * per_seq * 4 + B * 8
+    shape = f"B={B} ctx={ctx} Hq={Hq} Hkv={Hkv} D={D}" + (" fp8-kv" if kv == "fp8" else "")
+    for split_k in (False, True):
+        b = bench.backend(split_k=split_k)
+        n = b.decode_split_count(B, Hq, Hkv, D, BS, per_seq, kv == "fp8")
+        sets = [lambda a=a, b=b: decode_call(b, a, scale, scales) for a in inputs]
+        yield Case("decode_attention", shape, f"split-K x{n}" if split_k else "one-pass", moved,
+                   0, sets, stream=b.stream)
+    b = bench.backend(split_k=True)
+    for splits in c["splits"]:
+        sets = [lambda a=a, s=splits: decode_call(b, a, scale, scales, s) for a in inputs]
+        yield Case("decode_attention", shape, f"forced x{splits}", moved, 0, sets,
+                   stream=b.stream)
+    sets = None
+    del pools, inputs
+    bench.free()
 
 
 def cases_prefill(bench, c):
@@ -489,6 +569,17 @@ def qgemm_layers(c):
     return layers
 
 
+def fp8_gemv_linear(b, x, w, bias, out):
+    """linear through the FP8 GEMV (TAPER_CUDA_FP8_GEMV=1) at any M it takes, whatever the
+    backend's default crossover."""
+    saved = b.fp8_gemv, b.fp8_gemv_max_m
+    b.fp8_gemv, b.fp8_gemv_max_m = True, FP8_GEMV_MAX_M
+    try:
+        b.linear(x, w, bias, out)
+    finally:
+        b.fp8_gemv, b.fp8_gemv_max_m = saved
+
+
 def cases_qgemm(bench, c):
     """Per layer shape: place every format (QGEMM_SETS device copies), then per M one case per
     format, bf16 dense first (the baseline of the speed-ups)."""
@@ -511,12 +602,12 @@ def cases_qgemm(bench, c):
                                    f"{type(e).__name__}: {e}")
         host_s = time.time() - t0
         weights = {"bf16": [bench.rand((N, K), act, 1.0 / np.sqrt(K)) for _ in range(QGEMM_SETS)]}
-        saved_flag = b.fp8_cutlass
-        for f in ("q4k", "q8_0", "marlin", "fp8-cutlass"):
-            src = hosts.get("fp8" if f == "fp8-cutlass" else f)
+        saved_flags = b.fp8_cutlass, b.fp8_gemv
+        for f in ("q4k", "q8_0", "marlin", "fp8-cutlass", "fp8-gemv"):
+            src = hosts.get("fp8" if f.startswith("fp8") else f)
             if src is None or (f == "fp8-cutlass" and not cutlass):
                 continue
-            b.fp8_cutlass = f == "fp8-cutlass"
+            b.fp8_cutlass, b.fp8_gemv = f == "fp8-cutlass", f == "fp8-gemv"
             try:
                 with bench.stream:
                     placed = [b.place_weight(src) for _ in range(QGEMM_SETS)]
@@ -525,7 +616,7 @@ def cases_qgemm(bench, c):
                                    f"{type(e).__name__}: {e}")
                 continue
             finally:
-                b.fp8_cutlass = saved_flag
+                b.fp8_cutlass, b.fp8_gemv = saved_flags
             if f == "fp8-cutlass" and not all(isinstance(w, DeviceFp8Weight) for w in placed):
                 bench.notes.append(f"qgemm fp8-cutlass {name}: place_weight dequantized the codes "
                                    f"(activations {act.name}; the CUTLASS GEMM needs bf16)")
@@ -561,7 +652,10 @@ def cases_qgemm(bench, c):
                 with bench.stream:
                     outs.append(cp.empty((M, N), dtype=act))
             for f, ws in weights.items():
-                sets = [lambda x=xs[i], w=ws[i], out=outs[i]: b.linear(x, w, None, out)
+                if f == "fp8-gemv" and M > FP8_GEMV_MAX_M:
+                    continue
+                run = fp8_gemv_linear if f == "fp8-gemv" else type(b).linear
+                sets = [lambda x=xs[i], w=ws[i], out=outs[i], run=run: run(b, x, w, None, out)
                         for i in range(QGEMM_SETS)]
                 yield Case("qgemm", f"{name} M={M} N={N} K={K}", f, wbytes[f], 2 * M * N * K,
                            sets, stream=b.stream, baseline=f == "bf16", compare=f != "bf16",
@@ -570,6 +664,15 @@ def cases_qgemm(bench, c):
             del xs, outs, sets
         del weights
         bench.free()
+
+
+def with_radix_filter(b, launch):
+    """launch() with the backend's filter_logits on the radix-select kernel."""
+    b.radix_filter = True
+    try:
+        launch()
+    finally:
+        b.radix_filter = False
 
 
 def cases_sampling(bench, c, op):
@@ -600,7 +703,32 @@ def cases_sampling(bench, c, op):
         else:
             moved, variant = B * V * 4 + B * 8 + (16 * B if op == "gumbel_sample" else 0), ""
         yield Case(op, f"B={B} V={V}", variant, moved, 0, sets, prepare or None)
+        if op == "filter_logits":   # the same launches with TAPER_CUDA_RADIX_FILTER's kernel
+            radix = [lambda s=s: with_radix_filter(b, s) for s in sets]
+            yield Case(op, f"B={B} V={V}", "radix " + variant, moved, 0, radix, prepare)
         del sets, prepare
+        bench.free()
+
+
+def cases_token_bitmask(bench, c):
+    """Every row constrained, a random mask (about half the tokens allowed). In place but
+    idempotent, so the timed launches need no restore."""
+    b, cp = bench.b, bench.cp
+    V = c["V"]
+    W = (V + 31) // 32
+    rng = np.random.default_rng(0)
+    for B in c["SB"]:
+        sets = []
+        for _ in range(N_SETS):
+            logits = bench.rand((B, V), np.float32, 3.0)
+            mask = bench.dev(rng.integers(-2**31, 2**31, size=(B, W), dtype=np.int64)
+                             .astype(np.int32))
+            rows = bench.dev(np.arange(B, dtype=np.int32))
+            sets.append(lambda lg=logits, m=mask, r=rows: b.apply_token_bitmask(lg, m, r))
+        # logits read once, the masked half written, the mask read once
+        yield Case("apply_token_bitmask", f"B={B} V={V}", "", B * V * 4 + B * V * 2 + B * W * 4,
+                   0, sets)
+        del sets
         bench.free()
 
 
@@ -609,6 +737,9 @@ def all_cases(bench, c, ops):
         "embedding": lambda: cases_embedding(bench, c),
         "rms_norm": lambda: cases_rms_norm(bench, c, False),
         "fused_add_rms_norm": lambda: cases_rms_norm(bench, c, True),
+        "scale": lambda: cases_scale(bench, c),
+        "layer_norm": lambda: cases_layer_norm(bench, c, False),
+        "fused_add_layer_norm": lambda: cases_layer_norm(bench, c, True),
         "rotary_embedding": lambda: cases_rotary(bench, c),
         "silu_and_mul": lambda: cases_silu(bench, c),
         "reshape_and_cache": lambda: cases_reshape_and_cache(bench, c),
@@ -618,6 +749,7 @@ def all_cases(bench, c, ops):
         "argmax": lambda: cases_sampling(bench, c, "argmax"),
         "gumbel_sample": lambda: cases_sampling(bench, c, "gumbel_sample"),
         "filter_logits": lambda: cases_sampling(bench, c, "filter_logits"),
+        "apply_token_bitmask": lambda: cases_token_bitmask(bench, c),
         "qgemm": lambda: cases_qgemm(bench, c),
     }
     for op in ops:
@@ -660,7 +792,8 @@ def build_parser():
     ap.add_argument("ops", nargs="*", metavar="op",
                     help=f"ops to run (default all): {', '.join(OPS)}")
     ap.add_argument("--shape", action="append", metavar="k=v",
-                    help="override a dimension: T, B, ctx, M, SB, QM (qgemm's M) take lists "
+                    help="override a dimension: T, B, ctx, M, SB, QM (qgemm's M), splits "
+                         "(decode attention's forced split counts) take lists "
                          "(T=1,64); prefill=1x4096,8x512; qlayers=gate_up,down (qgemm's "
                          "projections); H, Hq, Hkv, D, I, V, BS one value")
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "f16", "f32"],

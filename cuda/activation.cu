@@ -4,6 +4,7 @@
 //     gelu_tanh(g) = 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))), PyTorch's
 //     gelu(approximate='tanh');
 //   softcap: x = cap * tanh(x / cap), in place (Gemma-2 logit soft-capping, F32 logits too);
+//   scale: x = x * s, in place (Gemma's embedding times sqrt(hidden));
 //   add_bias: out[t, n] += bias[n], in place.
 //
 // Grid-stride loops over 16-byte packs (8 bf16/f16 or 4 f32 per load and store) when the row
@@ -60,6 +61,19 @@ __global__ void softcap_kernel(T* __restrict__ x,  // (n,) viewed as (np, N)
 #pragma unroll
         for (int j = 0; j < N; j++)
             v.v[j] = taper::from_float<T>(cap * tanhf(taper::to_float(v.v[j]) / cap));
+        reinterpret_cast<V*>(x)[p] = v;
+    }
+}
+
+template <typename T, int N>
+__global__ void scale_kernel(T* __restrict__ x,  // (n,) viewed as (np, N)
+                             int64_t np, float s) {
+    using V = taper::Pack<T, N>;
+    const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+    for (int64_t p = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; p < np; p += stride) {
+        V v = reinterpret_cast<V*>(x)[p];
+#pragma unroll
+        for (int j = 0; j < N; j++) v.v[j] = taper::from_float<T>(taper::to_float(v.v[j]) * s);
         reinterpret_cast<V*>(x)[p] = v;
     }
 }
@@ -123,6 +137,19 @@ void launch_softcap(void* x, int64_t n, float cap, cudaStream_t s) {
 }
 
 template <typename T>
+void launch_scale(void* x, int64_t n, float scale, cudaStream_t s) {
+    constexpr int V = 16 / sizeof(T);
+    const bool vec = n % V == 0 && taper::aligned16(x);
+    const int64_t np = vec ? n / V : n;
+    int64_t blocks = taper::ceil_div(np, kThreads);
+    if (blocks > (1 << 20)) blocks = 1 << 20;  // the grid-stride loop covers the rest
+    if (vec)
+        scale_kernel<T, V><<<(unsigned)blocks, kThreads, 0, s>>>((T*)x, np, scale);
+    else
+        scale_kernel<T, 1><<<(unsigned)blocks, kThreads, 0, s>>>((T*)x, np, scale);
+}
+
+template <typename T>
 void launch_add_bias(void* out, const float* bias, int64_t T_, int64_t Nc, cudaStream_t s) {
     constexpr int V = 16 / sizeof(T);
     if (Nc % V == 0 && taper::aligned16(out) && taper::aligned16(bias))
@@ -165,6 +192,14 @@ extern "C" int taper_cuda_softcap(void* x,  // (n,) dtype
     if (n == 0) return TAPER_CUDA_OK;
     TAPER_DISPATCH_DTYPE(dtype, scalar_t,
                          launch_softcap<scalar_t>(x, n, cap, (cudaStream_t)stream));
+    return taper::launch_status();
+}
+
+extern "C" int taper_cuda_scale(void* x,  // (n,) dtype
+                                int64_t n, float s, int dtype, taper_stream_t stream) {
+    if (n < 0) return TAPER_CUDA_ERR_ARG;
+    if (n == 0) return TAPER_CUDA_OK;
+    TAPER_DISPATCH_DTYPE(dtype, scalar_t, launch_scale<scalar_t>(x, n, s, (cudaStream_t)stream));
     return taper::launch_status();
 }
 

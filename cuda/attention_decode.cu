@@ -24,6 +24,8 @@
 // multiple of BS; each writes its unnormalised output, max and sum per (sequence, query head) to
 // the workspace and a second kernel merges them (log-sum-exp). An empty partition writes
 // (0, -inf, 0); a row with no keys at all (seq_lens[b] <= 0) comes out as zeros.
+// The host picks the count (flash-decoding: enough partitions to fill every SM's resident
+// block slots when B * Hkv alone cannot; pyx/decode_splits.py).
 //
 // A device kernel cannot report per-row errors, so instead of rejecting the call as the CPU op
 // does it stays in bounds: a context longer than MB * BS is cut to MB * BS keys, and a block id
@@ -369,45 +371,74 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
     }
 }
 
-// Merges the nsplit partitions of each (sequence, query head): a warp per row of out,
+// Merges the nsplit partitions of each (sequence, query head): a block per row of out,
 // out = sum_s w_s o_s / sum_s w_s l_s with w_s = 2^(m_s - max m). Rows whose partitions are all
-// empty (no keys) come out as zeros.
+// empty (no keys) come out as zeros. At batch 1 there are only Hq rows but up to 64 partitions
+// each, so the partitions of a row are spread over the block too: thread (g, c) sums float4
+// column c of partitions g, g + groups, ... (loads unrolled, several in flight per thread), and
+// the groups meet in shared memory. A warp per row walking its partitions one after another
+// would leave a batch-1 step waiting on ~64 dependent rounds of L2 latency.
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
-    merge_kernel(T* __restrict__ out,       // (B, Hq, D)
+    merge_kernel(T* __restrict__ out,           // (B, Hq, D)
                  const float* __restrict__ ws,  // o (B, Hq, nsplit, D), m, l (B, Hq, nsplit)
                  int64_t rows, int D, int nsplit) {
-    __shared__ float w_s[kThreads / 32][kMaxSplits];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int64_t row = (int64_t)blockIdx.x * (kThreads / 32) + warp;
-    if (row >= rows) return;  // the whole warp; only warp-level sync follows
+    __shared__ float w_s[kMaxSplits];
+    __shared__ float inv_s;
+    __shared__ float4 red[kThreads];
+    const int tid = threadIdx.x;
+    const int64_t row = blockIdx.x;
     const float* o = ws + row * nsplit * D;
     const float* m = ws + rows * nsplit * D + row * nsplit;
     const float* l = ws + rows * nsplit * (D + 1) + row * nsplit;
-    const float m0 = lane < nsplit ? m[lane] : -INFINITY;
-    const float m1 = lane + 32 < nsplit ? m[lane + 32] : -INFINITY;
-    const float mx = taper::warp_max(fmaxf(m0, m1));
-    const float w0 = m0 == -INFINITY ? 0.f : exp2f(m0 - mx);
-    const float w1 = m1 == -INFINITY ? 0.f : exp2f(m1 - mx);
-    float lsum = 0.f;
-    if (lane < nsplit) {
-        lsum += w0 * l[lane];
-        w_s[warp][lane] = w0;
+    if (tid < 32) {  // the partitions' weights (kMaxSplits = 64: two per lane)
+        const float m0 = tid < nsplit ? m[tid] : -INFINITY;
+        const float m1 = tid + 32 < nsplit ? m[tid + 32] : -INFINITY;
+        const float mx = taper::warp_max(fmaxf(m0, m1));
+        const float w0 = m0 == -INFINITY ? 0.f : exp2f(m0 - mx);
+        const float w1 = m1 == -INFINITY ? 0.f : exp2f(m1 - mx);
+        float lsum = 0.f;
+        if (tid < nsplit) lsum += w0 * l[tid];
+        if (tid + 32 < nsplit) lsum += w1 * l[tid + 32];
+        w_s[tid] = w0;
+        w_s[tid + 32] = w1;
+        lsum = taper::warp_sum(lsum);
+        if (tid == 0) inv_s = lsum > 0.f ? 1.f / lsum : 0.f;
     }
-    if (lane + 32 < nsplit) {
-        lsum += w1 * l[lane + 32];
-        w_s[warp][lane + 32] = w1;
-    }
-    lsum = taper::warp_sum(lsum);
-    __syncwarp();
-    const float inv = lsum > 0.f ? 1.f / lsum : 0.f;
-    for (int d = lane; d < D; d += 32) {
-        float acc = 0.f;
-        for (int s = 0; s < nsplit; s++) {
-            const float w = w_s[warp][s];
-            if (w != 0.f) acc += w * o[(int64_t)s * D + d];
+    __syncthreads();
+    const int nvec = D / 4;               // float4 columns (D % 8 == 0, so rows stay aligned)
+    const int groups = kThreads / nvec;   // >= 2 for D <= 256
+    const int c = tid % nvec, g = tid / nvec;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (g < groups) {
+        const float4* o4 = reinterpret_cast<const float4*>(o) + c;
+        // Empty partitions wrote o = 0 and weigh 0: no branch, so the loads can be batched.
+#pragma unroll 4
+        for (int s = g; s < nsplit; s += groups) {
+            const float w = w_s[s];
+            const float4 v = o4[(int64_t)s * nvec];
+            acc.x += w * v.x;
+            acc.y += w * v.y;
+            acc.z += w * v.z;
+            acc.w += w * v.w;
         }
-        out[row * D + d] = taper::from_float<T>(acc * inv);
+    }
+    red[tid] = acc;
+    __syncthreads();
+    if (tid < nvec) {
+        for (int k = 1; k < groups; k++) {
+            const float4 v = red[k * nvec + tid];
+            acc.x += v.x;
+            acc.y += v.y;
+            acc.z += v.z;
+            acc.w += v.w;
+        }
+        const float inv = inv_s;
+        T* dst = out + row * D + 4 * tid;
+        dst[0] = taper::from_float<T>(acc.x * inv);
+        dst[1] = taper::from_float<T>(acc.y * inv);
+        dst[2] = taper::from_float<T>(acc.z * inv);
+        dst[3] = taper::from_float<T>(acc.w * inv);
     }
 }
 
@@ -439,9 +470,35 @@ int launch_decode(void* out, const void* q, const void* k_cache, const void* v_c
     int status = taper::launch_status();
     if (status != 0 || nsplit == 1) return status;
     const int64_t rows = B * Hq;
-    merge_kernel<T><<<(unsigned)taper::ceil_div(rows, kThreads / 32), kThreads, 0, stream>>>(
-        (T*)out, ws, rows, (int)D, nsplit);
+    merge_kernel<T><<<(unsigned)rows, kThreads, 0, stream>>>((T*)out, ws, rows, (int)D, nsplit);
     return taper::launch_status();
+}
+
+// Resident blocks per SM of the instance launch_decode would run, as the runtime computes it
+// from the kernel's registers and this shape's shared memory.
+template <typename T, typename CT, int kD>
+int decode_occupancy(int64_t D, int64_t G, int* blocks) {
+    const Layout L = make_layout((int)D, (int)G, (int)sizeof(CT), stages_for<CT>());
+    auto kernel = decode_kernel<T, CT, kD>;
+    cudaError_t e = cudaSuccess;
+    if (L.total > 48 * 1024)
+        e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, L.total);
+    if (e == cudaSuccess)
+        e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(blocks, kernel, kThreads, L.total);
+    if (e != cudaSuccess) cudaGetLastError();  // do not leave it for the next launcher's status
+    return (int)e;
+}
+
+template <typename T, typename CT>
+int occupancy_head_size(int64_t D, int64_t G, int* blocks) {
+    switch (D) {
+        case 64: return decode_occupancy<T, CT, 64>(D, G, blocks);
+        case 80: return decode_occupancy<T, CT, 80>(D, G, blocks);
+        case 96: return decode_occupancy<T, CT, 96>(D, G, blocks);
+        case 128: return decode_occupancy<T, CT, 128>(D, G, blocks);
+        case 256: return decode_occupancy<T, CT, 256>(D, G, blocks);
+        default: return decode_occupancy<T, CT, 0>(D, G, blocks);
+    }
 }
 
 // Head sizes with their own instances: 64 (Llama-3.2-1B, tiny-256 tests), 80 (Phi-2), 96 (Phi-3),
@@ -478,18 +535,18 @@ extern "C" int64_t taper_cuda_decode_workspace_bytes(int64_t B, int64_t Hq, int6
     return B * Hq * (int64_t)num_splits * (D + 2) * (int64_t)sizeof(float);
 }
 
-// 1 when the B * Hkv blocks of the one-pass kernel already fill the device (B * Hkv >= num_sms)
-// or the context is short (max_seq_len < 1024); otherwise the smallest count s with
-// B * Hkv * s >= 2 * num_sms (about two waves), capped at max_seq_len / 512 (partitions of at
-// least 512 keys) and at 64. Degenerate inputs (B * Hkv <= 0, num_sms <= 0) give 1.
-extern "C" int taper_cuda_decode_num_splits(int64_t B, int64_t Hkv, int64_t max_seq_len,
-                                            int num_sms) {
-    const int64_t blocks = B * Hkv;
-    if (blocks <= 0 || num_sms <= 0 || blocks >= num_sms || max_seq_len < 1024) return 1;
-    int64_t s = (2 * (int64_t)num_sms + blocks - 1) / blocks;
-    if (s > max_seq_len / 512) s = max_seq_len / 512;
-    if (s > kMaxSplits) s = kMaxSplits;
-    return s < 1 ? 1 : (int)s;
+extern "C" int taper_cuda_decode_blocks_per_sm(int64_t Hq, int64_t Hkv, int64_t D, int dtype,
+                                               int cache_dtype, int* blocks) {
+    if (!blocks || Hq < 1 || Hkv < 1 || Hq % Hkv != 0 || Hq / Hkv > kMaxGroup) return TAPER_CUDA_ERR_ARG;
+    if (D < 8 || D > 256 || D % 8 != 0) return TAPER_CUDA_ERR_ARG;
+    if (cache_dtype != dtype && cache_dtype != TAPER_DT_FP8) return TAPER_CUDA_ERR_ARG;
+    *blocks = 0;
+    if (cache_dtype == TAPER_DT_FP8) {
+        TAPER_DISPATCH_DTYPE(dtype, E, return occupancy_head_size<E, uint8_t>(D, Hq / Hkv, blocks));
+    } else {
+        TAPER_DISPATCH_DTYPE(dtype, E, return occupancy_head_size<E, E>(D, Hq / Hkv, blocks));
+    }
+    return TAPER_CUDA_ERR_ARG;
 }
 
 extern "C" int taper_cuda_paged_attention_decode(void* out,                    // (B, Hq, D)

@@ -159,6 +159,113 @@ __device__ __forceinline__ double mass_key_ge(const float* row, int n, float thr
     return block_sum_f64(s, scratch);
 }
 
+// ---- radix select (taper_cuda_filter_logits_radix): the same thresholds as the bisection, the
+// key decided 8 bits per pass (4 passes) instead of 1 (up to 32 passes)
+
+constexpr int kBins = 256;
+
+struct RadixScratch {
+    unsigned long long hist[kBins];  // this pass's weight per digit, prefix-matching keys only
+    unsigned long long above;        // weight of the keys above the current prefix's range
+    uint32_t digit;
+};
+
+__device__ __forceinline__ unsigned long long warp_sum_u64(unsigned long long v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// The largest key K with W(K) >= target, W(K) = the weight of the row elements with key >= K in
+// the set: for top-k (MASS false) every element weighs 1 (NaN included, the largest key) and
+// target = k; for top-p (MASS true) the set is x >= thr and x weighs expf(x - m) in fixed point
+// (m is the row's finite max, so each weight is in [0, 1]: times 2^fx_shift, truncated, with
+// fx_shift chosen so n of them stay below 2^62) and target = p * W(0). Pass `shift` histograms
+// digit (key >> shift) & 255 of the keys whose higher bits equal the prefix decided so far
+// (warp-aggregated shared atomics: one atomic per distinct digit in a warp, integer, so the
+// histogram is the same on every run); warp 0 then takes the largest digit whose suffix weight
+// plus `above` reaches the target. W(0) >= target holds on entry (k <= n; p < 1), and each pass
+// keeps it for the chosen digit's range, so a digit always exists and the result is a key present
+// in the set: what the bisection over W(K) >= target finds, W computed in another arithmetic.
+template <bool MASS>
+__device__ uint32_t radix_select(const float* row, int n, float thr, float m, double kval,
+                                 RadixScratch* rs) {
+    const int lane = threadIdx.x & 31;
+    const int fx_shift = 62 - (32 - __clz((unsigned)n));  // n * 2^fx_shift <= 2^62
+    uint32_t prefix = 0;
+    unsigned long long above = 0;
+    double target = kval;
+    for (int shift = 24; shift >= 0; shift -= 8) {
+        const uint32_t hi_mask = shift == 24 ? 0u : ~0u << (shift + 8);
+        for (int i = threadIdx.x; i < kBins; i += kRowThreads) rs->hist[i] = 0ull;
+        __syncthreads();
+        for (int64_t base = 0; base < n; base += kRowThreads) {  // whole warps: ballots below
+            const int64_t v = base + threadIdx.x;
+            bool in = false;
+            uint32_t bin = 0;
+            unsigned long long w = 1ull;
+            if (v < n) {
+                const float x = row[v];
+                const uint32_t key = float_key(x);
+                in = (key & hi_mask) == prefix;
+                if (MASS) {
+                    in = in && x >= thr;
+                    if (in) w = __double2ull_rz(ldexp((double)expf(__fsub_rn(x, m)), fx_shift));
+                }
+                bin = (key >> shift) & 0xFFu;
+            }
+            unsigned todo = __ballot_sync(0xffffffffu, in);
+            while (todo) {  // one atomic per distinct digit among the warp's elements
+                const int leader = __ffs(todo) - 1;
+                const uint32_t d = __shfl_sync(0xffffffffu, bin, leader);
+                const bool mine = in && bin == d;
+                const unsigned peers = __ballot_sync(0xffffffffu, mine);
+                const unsigned long long sum =
+                    MASS ? warp_sum_u64(mine ? w : 0ull) : (unsigned long long)__popc(peers);
+                if (lane == leader) atomicAdd(&rs->hist[d], sum);
+                todo &= ~peers;
+            }
+        }
+        __syncthreads();
+        if (threadIdx.x < 32) {
+            // lane l holds digits [8 l, 8 l + 8); suf = their weight plus every higher lane's
+            unsigned long long t = 0;
+#pragma unroll
+            for (int j = 0; j < 8; j++) t += rs->hist[8 * lane + j];
+            unsigned long long suf = t;
+#pragma unroll
+            for (int o = 1; o < 32; o <<= 1) {
+                const unsigned long long y = __shfl_down_sync(0xffffffffu, suf, o);
+                if (lane + o < 32) suf += y;
+            }
+            if (MASS && shift == 24) target = kval * (double)__shfl_sync(0xffffffffu, suf, 0);
+            // the lanes reaching the target are 0..L (suf shrinks with the lane); L's digits
+            // are walked from the top
+            const unsigned ok = __ballot_sync(0xffffffffu, (double)(above + suf) >= target);
+            const int L = 31 - __clz(ok);
+            if (lane == L) {
+                unsigned long long run = above + suf - t;
+                int d = 8 * L;
+                for (int j = 7; j >= 0; j--) {
+                    const unsigned long long h = rs->hist[8 * L + j];
+                    if ((double)(run + h) >= target) {
+                        d = 8 * L + j;
+                        break;
+                    }
+                    run += h;
+                }
+                rs->digit = (uint32_t)d;
+                rs->above = run;
+            }
+        }
+        __syncthreads();
+        prefix |= rs->digit << shift;
+        above = rs->above;
+        __syncthreads();  // every thread has read digit and above before the next pass's writes
+    }
+    return prefix;
+}
+
 // ---- kernels
 
 // One block per row: out[b] = the row's argmax, or its Gumbel-max sample with key seeds[b] and
@@ -253,6 +360,10 @@ __global__ void apply_penalties_kernel(float* __restrict__ logits,          // (
 // Launch bounds (1024, 1): under the default 2-blocks-per-SM target ptxas caps the kernel at 32
 // registers and spills around the expf of the top-p passes; 38 registers and one block of 32 warps
 // per SM keep it spill-free, and 32 warps still keep enough L2 loads in flight.
+// RADIX: the thresholds by radix select (radix_select above) instead of bisection; a top-p row
+// whose max is not finite, or that holds a NaN, still bisects (its weights would not be in
+// [0, 1]).
+template <bool RADIX>
 __global__ void __launch_bounds__(kRowThreads, 1)
 filter_logits_kernel(float* __restrict__ logits,             // (B, V)
                      const float* __restrict__ temperature,  // (B,)
@@ -262,6 +373,7 @@ filter_logits_kernel(float* __restrict__ logits,             // (B, V)
                      int64_t V) {
     __shared__ uint32_t s_u[32];
     __shared__ double s_d[32];
+    __shared__ RadixScratch s_radix;
     const int64_t b = blockIdx.x;
     float* row = logits + b * V;
     const int n = (int)V;
@@ -300,17 +412,25 @@ filter_logits_kernel(float* __restrict__ logits,             // (B, V)
         // <= kmin count all V >= k elements, those > kmax none, so those bits need no pass. The
         // branch conditions are the same in every thread, so the reductions are reached by all.
         uint32_t K = 0;
-        for (int bit = 31; bit >= 0; bit--) {
-            const uint32_t c = K | (1u << bit);
-            bool ok;
-            if (c <= kmin) ok = true;
-            else if (c > kmax) ok = false;
-            else ok = count_key_ge(row, n, c, s_u) >= (uint32_t)k;
-            if (ok) K = c;
+        if (RADIX) {
+            K = radix_select<false>(row, n, -INFINITY, 0.f, (double)k, &s_radix);
+        } else {
+            for (int bit = 31; bit >= 0; bit--) {
+                const uint32_t c = K | (1u << bit);
+                bool ok;
+                if (c <= kmin) ok = true;
+                else if (c > kmax) ok = false;
+                else ok = count_key_ge(row, n, c, s_u) >= (uint32_t)k;
+                if (ok) K = c;
+            }
         }
         thr = key_float(K);  // NaN when the k-th largest is NaN: no masking, as thr > -inf fails
     }
-    if (use_p && !isnan(thr) && kmax_num != 0) {
+    if (RADIX && use_p && !isnan(thr) && kmax != kNanKey && isfinite(maxnum) && p > 0.f) {
+        // m is the row's max, so every weight expf(x - m) of the set is in [0, 1]
+        thr = np_maximum(thr, key_float(radix_select<true>(row, n, thr, m, (double)p,
+                                                           &s_radix)));
+    } else if (use_p && !isnan(thr) && kmax_num != 0) {
         // The set: x >= thr (all non-NaN values without top-k), its keys in [lo, kmax_num]. The
         // threshold is the largest key K <= kmax_num with S(K) = mass(key >= K) >= top_p * Z: the
         // CPU's cand[searchsorted(cum, top_p * Z)], the whole tie group of that value counted, and
@@ -413,7 +533,22 @@ extern "C" int taper_cuda_filter_logits(float* logits,             // (B, V)
     if (!logits || !temperature || !top_k || !top_p || !min_p) return TAPER_CUDA_ERR_ARG;
     // 1024 threads per row: the bisection passes re-read the row (600 KB at V = 150k, resident in
     // L2 after the first pass), and the widest block keeps the most loads in flight on one SM.
-    filter_logits_kernel<<<(unsigned)B, kRowThreads, 0, (cudaStream_t)stream>>>(
+    filter_logits_kernel<false><<<(unsigned)B, kRowThreads, 0, (cudaStream_t)stream>>>(
+        logits, temperature, top_k, top_p, min_p, V);
+    return taper::launch_status();
+}
+
+extern "C" int taper_cuda_filter_logits_radix(float* logits,             // (B, V)
+                                              const float* temperature,  // (B,)
+                                              const int32_t* top_k,      // (B,)
+                                              const float* top_p,        // (B,)
+                                              const float* min_p,        // (B,)
+                                              int64_t B, int64_t V, taper_stream_t stream) {
+    if (check_rows(B, V)) return TAPER_CUDA_ERR_ARG;
+    if (B == 0 || V == 0) return TAPER_CUDA_OK;
+    if (!logits || !temperature || !top_k || !top_p || !min_p) return TAPER_CUDA_ERR_ARG;
+    // 1024 threads per row, as the bisection: 4 passes per threshold over the row (from L2).
+    filter_logits_kernel<true><<<(unsigned)B, kRowThreads, 0, (cudaStream_t)stream>>>(
         logits, temperature, top_k, top_p, min_p, V);
     return taper::launch_status();
 }

@@ -62,6 +62,21 @@ int taper_cuda_fused_add_rms_norm(void* x,              // (T, H) dtype
                                   int64_t T, int64_t H, float eps, int dtype,
                                   taper_stream_t stream);
 
+/* LayerNorm: out = (x - mean) / sqrt(var + eps) * weight + bias (bias NULL = none). */
+int taper_cuda_layer_norm(const void* x,        // (T, H) dtype
+                          const float* weight,  // (H,)
+                          const float* bias,    // (H,) or NULL
+                          void* out,            // (T, H) dtype
+                          int64_t T, int64_t H, float eps, int dtype, taper_stream_t stream);
+
+/* residual += x (kept in dtype); x = layer_norm(residual). */
+int taper_cuda_fused_add_layer_norm(void* x,              // (T, H) dtype
+                                    void* residual,       // (T, H) dtype
+                                    const float* weight,  // (H,)
+                                    const float* bias,    // (H,) or NULL
+                                    int64_t T, int64_t H, float eps, int dtype,
+                                    taper_stream_t stream);
+
 /* ---- rotary.cu: in place on the first rot_dim dims of every head (the CPU op's contract) */
 
 int taper_cuda_rotary_embedding(const int32_t* positions,    // (T,)
@@ -84,6 +99,10 @@ int taper_cuda_gelu_tanh_and_mul(const void* x,  // (T, 2I) dtype
 /* In place x = cap * tanh(x / cap) (Gemma-2 logit soft-capping); dtype may be F32 (logits). */
 int taper_cuda_softcap(void* x,  // (n,) dtype
                        int64_t n, float cap, int dtype, taper_stream_t stream);
+
+/* In place x *= s, computed in float (Gemma's embedding times sqrt(hidden)). */
+int taper_cuda_scale(void* x,  // (n,) dtype
+                     int64_t n, float s, int dtype, taper_stream_t stream);
 
 /* In place out[t, n] += bias[n]; out may be F32 (logits) or the activation dtype. */
 int taper_cuda_add_bias(void* out,          // (T, N) dtype
@@ -113,9 +132,11 @@ int taper_cuda_reshape_and_cache(const void* k,               // (T, Hkv, D) dty
 /* Bytes of workspace the decode launcher needs for (B, Hq, D, num_splits); 0 for num_splits 1. */
 int64_t taper_cuda_decode_workspace_bytes(int64_t B, int64_t Hq, int64_t D, int num_splits);
 
-/* The partition count the engine uses: 1 while B * Hkv blocks already fill the device, else
- * enough partitions of at least 512 keys to reach about two waves of num_sms blocks, at most 64. */
-int taper_cuda_decode_num_splits(int64_t B, int64_t Hkv, int64_t max_seq_len, int num_sms);
+/* The partition count is the caller's choice (1..64); the engine's rule is the pure function
+ * pyx/decode_splits.py, tested on the CPU, fed with the device's SM count and this: how many
+ * blocks of the decode kernel for (Hq, Hkv, D, dtype, cache_dtype) an SM holds at once. */
+int taper_cuda_decode_blocks_per_sm(int64_t Hq, int64_t Hkv, int64_t D, int dtype,
+                                    int cache_dtype, int* blocks);
 
 int taper_cuda_paged_attention_decode(void* out,                   // (B, Hq, D) dtype
                                       const void* q,               // (B, Hq, D) dtype
@@ -165,6 +186,14 @@ int taper_cuda_gumbel_sample(const float* logits,       // (B, V)
                              int64_t* out,              // (B,)
                              int64_t B, int64_t V, taper_stream_t stream);
 
+/* ---- token_bitmask.cu: structured outputs. For each listed row b = rows[r], logits[b, v] = -inf
+ * where bit v % 32 of bitmask[b, v / 32] is 0 (llguidance's layout); R <= 65535. Rows outside
+ * [0, B) are skipped (the CPU backend reports them). */
+int taper_cuda_apply_token_bitmask(float* logits,           // (B, V)
+                                   const int32_t* bitmask,  // (B, ceil(V / 32))
+                                   const int32_t* rows,     // (R,)
+                                   int64_t B, int64_t V, int64_t R, taper_stream_t stream);
+
 /* For each of N distinct (row, col) entries, in vLLM's order:
  * x = logits[row, col] + bias; x = x > 0 ? x / rep : x * rep; x -= pres_freq. */
 int taper_cuda_apply_penalties(float* logits,         // (B, V)
@@ -185,6 +214,15 @@ int taper_cuda_filter_logits(float* logits,             // (B, V)
                              const float* top_p,        // (B,) 1 = off
                              const float* min_p,        // (B,) 0 = off
                              int64_t B, int64_t V, taper_stream_t stream);
+
+/* taper_cuda_filter_logits with each threshold found by a radix select, 8 bits of the key per
+ * pass (4 passes) instead of bisection (up to 32): top-k the same; top-p's mass summed in 2^-k
+ * fixed point (k from V, so the sum stays exact integer arithmetic) instead of double, so the
+ * kept set can differ only where a prefix's mass lies within ~V^2 2^-62 of top_p times the total;
+ * rows with a NaN or a non-finite max bisect for top-p as before. */
+int taper_cuda_filter_logits_radix(float* logits, const float* temperature, const int32_t* top_k,
+                                   const float* top_p, const float* min_p, int64_t B, int64_t V,
+                                   taper_stream_t stream);
 
 /* ---- quant_gguf.cu: ggml's block formats on the GPU (issue 6). qtype: GGUF's
  * GGMLQuantizationType ids, the CPU's set: Q4_0 2, Q4_1 3, Q5_0 6, Q5_1 7, Q8_0 8, Q2_K 10,

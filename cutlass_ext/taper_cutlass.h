@@ -87,6 +87,19 @@ int taper_cuda_fp8_quantize_per_token_group(const void* x,  // (M, K) dtype
                                             int64_t M, int64_t K, int64_t group, int dtype,
                                             taper_stream_t stream);
 
+/* ---- cuda/fp8_gemv.cu: any sm80+ device, small M (the weights stay e4m3 at rest and in flight)
+ *
+ * out (M, N) = x (M, K) W^T for 0 <= M <= 64 with W e4m3 codes (N, K) and 128 x 128 block scales
+ * (ceil(N / 128), K / 128): each code read once with 16-byte loads, decoded in registers, the
+ * block scale applied to each 16-code partial dot product, float accumulation, out rounded to
+ * dtype (F32, BF16 or F16, as x). K % 128 == 0 and x, w 16-byte aligned, else
+ * TAPER_CUDA_ERR_ARG. Reference: tests/reference.py fp8_block_dequantize, then x W^T. */
+int taper_cuda_fp8_gemv(const void* x,        // (M, K) dtype
+                        const uint8_t* w,     // (N, K) e4m3
+                        const float* scales,  // (ceil(N / 128), K / 128)
+                        void* out,            // (M, N) dtype
+                        int64_t M, int64_t N, int64_t K, int dtype, taper_stream_t stream);
+
 #ifdef __cplusplus
 }
 #endif

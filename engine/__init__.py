@@ -4,8 +4,10 @@ from __future__ import annotations
 from engine.config import EngineConfig
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.structured_outputs import StructuredOutputsParams
 
-__all__ = ["LLM", "AsyncEngine", "EngineConfig", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "AsyncEngine", "EngineConfig", "RequestOutput", "SamplingParams",
+           "StructuredOutputsParams"]
 
 
 def __getattr__(name):  # keep `import engine` light: the model stack loads on first use

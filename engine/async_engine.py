@@ -30,8 +30,10 @@ class AsyncEngine:
             self.tokenizer.prepare_chat_guard()   # at load, not on the event loop's first chat
         self.model_config = self.engine.model_config
         self.max_model_len = self.engine.max_model_len
+        self.pooling = self.engine.pooling        # how /v1/embeddings pools (engine/pooling.py)
         self.model_name = default_model_name(config.model)
         self.generation_defaults = generation_config_defaults(self.engine.model_dir)
+        self.structured_outputs = self.engine.structured_outputs   # thread-safe, lazy
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopping = False
@@ -60,16 +62,20 @@ class AsyncEngine:
         # stream, then look at the mark. So either it sees this stream or we see the mark.
         if self._closed:
             stream.put_nowait(RuntimeError("the engine is not running"))
-        return self._iterate(request_id, stream)
+        return self._iterate(request_id, stream, params.n)
 
-    async def _iterate(self, request_id: str, stream: asyncio.Queue):
+    async def _iterate(self, request_id: str, stream: asyncio.Queue, n: int):
+        """The outputs of all n choices, interleaved; ends when each has finished."""
         done = False
+        unfinished = n
         try:
             while True:
                 item = await stream.get()
-                done = isinstance(item, BaseException) or item.finished
                 if isinstance(item, BaseException):
+                    done = True
                     raise item
+                unfinished -= item.finished
+                done = unfinished == 0
                 yield item
                 if done:
                     return
@@ -127,9 +133,9 @@ class AsyncEngine:
                 self._handle(("abort", request_id))
         elif command[0] == "abort":
             request_id = command[1]
-            if self.engine.abort(request_id):
+            for index in self.engine.abort(request_id):
                 self._deliver(request_id, RequestOutput(request_id, finished=True,
-                                                        finish_reason="abort"))
+                                                        finish_reason="abort", index=index))
             if self._streams.get(request_id) == (None, None):  # its consumer has left
                 del self._streams[request_id]
 

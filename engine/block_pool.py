@@ -93,8 +93,8 @@ class BlockPool:
     def get_computed_blocks(self, seq: Sequence) -> tuple[list[Block], int]:
         """The longest chain of cached blocks matching seq's tokens, and the tokens they hold.
         A pure lookup: `allocate_slots` takes the blocks, `record_lookup` counts an admission."""
-        if not self.enable_prefix_caching or seq.sampling_params.prompt_logprobs is not None:
-            return [], 0    # prompt logprobs need every prompt token's logits
+        if not self.enable_prefix_caching or seq.needs_every_prompt_token:
+            return [], 0    # prompt logprobs need every prompt token's logits, pooling its rows
         max_blocks = (seq.num_tokens - 1) // self.block_size
         blocks = []
         for h in self._block_hashes(seq, max_blocks)[:max_blocks]:
@@ -106,7 +106,7 @@ class BlockPool:
 
     def record_lookup(self, seq: Sequence, num_cached_tokens: int):
         """Count one admitted sequence's lookup (a sequence waiting for room is counted once)."""
-        if self.enable_prefix_caching and seq.sampling_params.prompt_logprobs is None:
+        if self.enable_prefix_caching and not seq.needs_every_prompt_token:
             self.prefix_cache_queries += seq.num_tokens
             self.prefix_cache_hits += num_cached_tokens
 
@@ -189,6 +189,29 @@ class BlockPool:
         for _ in range(self.num_blocks_for(num_tokens) - len(seq.block_table)):
             seq.block_table.append(self._pop_free().block_id)
         return True
+
+    def fork(self, parent: Sequence, child: Sequence) -> tuple[int, int] | None:
+        """Give `child` (a beam continuing `parent`, with nothing allocated) parent's computed
+        KV: the full blocks shared (one more reference each), a partly filled last block as a
+        fresh block, returned as (source, destination) for the caller to copy (the two will
+        write different tokens after it). Raises RuntimeError when no block is free."""
+        assert not child.block_table
+        n = parent.num_computed_tokens
+        full = n // self.block_size
+        for block_id in parent.block_table[:full]:
+            self.blocks[block_id].ref_count += 1
+            child.block_table.append(block_id)
+        child.block_hashes = parent.block_hashes[:full]
+        child.num_computed_tokens = n
+        self._num_hashed_blocks[child.seq_id] = min(
+            self._num_hashed_blocks.get(parent.seq_id, 0), full)
+        if n % self.block_size == 0:
+            return None
+        if not self.free_queue:
+            raise RuntimeError("no free KV block to fork a beam into")
+        dst = self._pop_free().block_id
+        child.block_table.append(dst)
+        return parent.block_table[full], dst
 
     def _pop_free(self) -> Block:
         _, block = self.free_queue.popitem(last=False)

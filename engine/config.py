@@ -28,6 +28,7 @@ class EngineConfig:
     tokenizer: str | None = None         # default: the model directory
     seed: int = 0                        # seeds per-request seeds when a request gives none
     batch_invariant: bool = False        # CPU: a request's logits are the same bits in any batch
+    logprobs_mode: str = "raw"           # raw: of the model's logits; processed: as sampled
 
     def __post_init__(self):
         if self.block_size < 8 or self.block_size > 128 or self.block_size & (self.block_size - 1):
@@ -52,6 +53,8 @@ class EngineConfig:
         if self.isq is not None:
             from engine.loader.isq import check_isq
             check_isq(self.isq)
+        if self.logprobs_mode not in ("raw", "processed"):
+            raise ValueError(f"logprobs_mode must be raw or processed, got {self.logprobs_mode!r}")
         if self.prefill_chunk_size < 0:
             raise ValueError("prefill_chunk_size must be >= 0 (0 = off)")
         if self.batch_invariant and self.backend != "cpu":

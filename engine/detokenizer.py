@@ -36,12 +36,20 @@ class IncrementalDetokenizer:
         self.read_offset = len(self._ids)
         self.num_output_tokens = 0
         self._pieces: list[str] = []   # deltas handed out
+        self.num_emitted_chars = 0      # their total length
+        # Characters decoded so far, emitted, held back or cut by a stop string (tokens waiting
+        # for the rest of a UTF-8 character not counted): a token's text ends here right after
+        # add_token.
+        self.num_decoded_chars = 0
         self._pending = ""              # decoded, held back: could start a stop string
         self.stopped = False
         self.stop_reason: str | None = None  # the matched stop string
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def decode_one(self, token_id: int) -> str:
+        return self._decode([token_id])
 
     def _next_text(self, token_id: int) -> str:
         self._ids.append(int(token_id))
@@ -63,6 +71,7 @@ class IncrementalDetokenizer:
             return "", True
         self.num_output_tokens += 1
         new = self._next_text(token_id)
+        self.num_decoded_chars += len(new)
         if not new:
             return "", False
         pending = self._pending + new
@@ -100,6 +109,12 @@ class IncrementalDetokenizer:
         return self._emit(pending)
 
     @property
+    def num_waiting_tokens(self) -> int:
+        """Tokens decoded to nothing yet: they wait for the rest of a UTF-8 character."""
+        return len(self._ids) - self.read_offset
+
+
+    @property
     def text(self) -> str:
         if len(self._pieces) > 1:
             self._pieces = ["".join(self._pieces)]
@@ -108,6 +123,7 @@ class IncrementalDetokenizer:
     def _emit(self, delta: str) -> str:
         if delta:
             self._pieces.append(delta)
+            self.num_emitted_chars += len(delta)
         return delta
 
 

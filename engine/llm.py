@@ -6,6 +6,7 @@ import itertools
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
+from engine.pooling import PoolingParams
 from engine.sampling_params import SamplingParams
 
 
@@ -14,9 +15,18 @@ class LLM:
         self.engine = LLMEngine(EngineConfig(model=model, **config))
         self._request_ids = itertools.count()
 
-    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None
+    def embed(self, prompts, dimensions: int | None = None) -> list[RequestOutput]:
+        """Embeddings (each output's `.embedding`) of strings or lists of token ids, in order,
+        pooled as the checkpoint says (engine/pooling.py)."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        return self.generate(prompts, [PoolingParams(dimensions)] * len(prompts))
+
+    def generate(self, prompts,
+                 sampling_params: SamplingParams | PoolingParams | list | None = None
                  ) -> list[RequestOutput]:
-        """prompts: strings or lists of token ids. Returns each request's final output, in order."""
+        """prompts: strings or lists of token ids. Returns each request's final output, in order;
+        for a request with n > 1, the list of its n choices' final outputs."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if not isinstance(sampling_params, list):
@@ -35,9 +45,18 @@ class LLM:
             for request_id in order:
                 self.engine.abort(request_id)
             raise
-        results: list[RequestOutput | None] = [None] * len(prompts)
+        results: list = [[None] * p.n for p in sampling_params]
+        logprobs: dict[tuple[str, int], list] = {}    # outputs carry theirs step by step
+        prompt_logprobs: dict[str, list] = {}
         while self.engine.has_unfinished():
             for out in self.engine.step():
+                key = (out.request_id, out.index)
+                if out.logprobs is not None:
+                    logprobs.setdefault(key, []).extend(out.logprobs)
+                if out.prompt_logprobs is not None:
+                    prompt_logprobs[out.request_id] = out.prompt_logprobs
                 if out.finished:
-                    results[order[out.request_id]] = out
-        return results
+                    out.logprobs = logprobs.pop(key, out.logprobs)
+                    out.prompt_logprobs = prompt_logprobs.get(out.request_id)
+                    results[order[out.request_id]][out.index] = out
+        return [r[0] if len(r) == 1 else r for r in results]

@@ -2,13 +2,17 @@
 call for every scheduled sequence, sample the ones that reached their last token, check stops."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import random
+import threading
 import time
 
+import numpy as np
 from threadpoolctl import threadpool_limits
 
+from engine.beam_search import BeamRequests
 from engine.block_pool import BlockPool
 from engine import cuda_memory
 from engine.config import EngineConfig
@@ -17,12 +21,15 @@ from engine.loader.hub import resolve_gguf, resolve_model
 from engine.loader.safetensors import mem_available_bytes
 from engine.model_runner import ModelRunner
 from engine.models.registry import load_gguf_model, load_model
-from engine.outputs import RequestOutput
+from engine.logprobs import gather_logprobs, to_entries
+from engine.outputs import RequestOutput, TokenLogprobs
+from engine.pooling import Pooler, PoolingParams, default_pooling_config, read_pooling_config
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 from engine.stats import EngineStats
+from engine.structured_outputs import GrammarCompiler, StructuredOutputs
 from engine.tokenizer import Tokenizer
 
 log = logging.getLogger("taper.engine")
@@ -56,8 +63,11 @@ class LLMEngine:
         if loaded is not None:
             self.backend, self.model, self.model_config = loaded
             self.model_dir, self.tokenizer = None, None
+            self.pooling_config = None
         else:
             self._load()
+        # How /v1/embeddings pools: the sentence-transformers config, else the last token.
+        self.pooling = self.pooling_config or default_pooling_config(self.model_dir)
         if config.tokenizer:        # an explicit tokenizer wins (a GGUF's own may be missing)
             self.tokenizer = Tokenizer.try_from_pretrained(config.tokenizer)
         self.eos_token_ids = set(self.model_config.eos_token_ids)
@@ -85,11 +95,15 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.model_config, self.backend, config.block_size,
                                   num_blocks, config.kv_cache_dtype)
         self.sampler = Sampler(self.backend)
-        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
-        self.requests: dict[str, Sequence] = {}      # unfinished requests by id
+        self.detokenizers: dict[int, IncrementalDetokenizer] = {}   # by seq_id
+        self.requests: dict[str, list[Sequence]] = {}  # unfinished requests' choices by id
+        self.forks: dict[str, list[Sequence]] = {}     # choices 1..n-1 waiting for choice 0
+        self.beams = BeamRequests(self)                # beam-search requests
         self.rng = random.Random(config.seed)        # seeds for requests that bring none
         self.num_prompt_tokens = 0                   # counters for EngineStats
         self.num_generation_tokens = 0
+        self._structured: StructuredOutputs | None = None    # built on first use
+        self._structured_lock = threading.Lock()
         log.info("KV cache: %d blocks of %d tokens; max model length %d", num_blocks,
                  config.block_size, self.max_model_len)
         if on_gpu:
@@ -109,12 +123,17 @@ class LLMEngine:
         if config.weight_file:
             path = resolve_gguf(config.model, config.weight_file)
             self.model_dir = os.path.dirname(os.path.abspath(path))
+            self.pooling_config = None
             self.model, self.model_config, self.tokenizer = load_gguf_model(
                 path, self.backend, **load_args)
         else:
             self.model_dir = resolve_model(config.model)
-            self.model, self.model_config = load_model(self.model_dir, self.backend, **load_args)
-            self.tokenizer = Tokenizer.try_from_pretrained(self.model_dir)
+            self.pooling_config = read_pooling_config(self.model_dir)
+            # old sentence-transformers saves keep the transformer in a subfolder
+            transformer_dir = os.path.join(self.model_dir, self.pooling_config.transformer_path
+                                           if self.pooling_config else "")
+            self.model, self.model_config = load_model(transformer_dir, self.backend, **load_args)
+            self.tokenizer = Tokenizer.try_from_pretrained(transformer_dir)
 
     def _capture_cuda_graphs(self):
         from engine.cuda_graph import CudaGraphRunner
@@ -178,34 +197,115 @@ class LLMEngine:
 
     # ---- requests
 
+    def structured_outputs(self) -> StructuredOutputs:
+        """Grammar compiler and matchers for structured outputs, built on first use (wrapping
+        the tokenizer for llguidance takes up to a second on a 150k vocabulary). Thread-safe: the
+        server compiles grammars from its worker threads."""
+        with self._structured_lock:
+            if self._structured is None:
+                if self.tokenizer is None:
+                    raise ValueError("structured outputs need the model's tokenizer, and this "
+                                     "model has none")
+                compiler = GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
+                                           self.eos_token_ids)
+                self._structured = StructuredOutputs(compiler, self.tokenizer)
+            return self._structured
+
     def add_request(self, request_id: str, prompt_token_ids: list[int],
-                    params: SamplingParams) -> Sequence:
+                    params: SamplingParams | PoolingParams) -> Sequence:
+        """Queue a generation request (SamplingParams) or an embedding request (PoolingParams);
+        returns its (first choice's) sequence. With n > 1, choice i samples with seed + i (a
+        seed of its own when the request has none), and choices 1..n-1 join once choice 0 has
+        computed the prompt, so their prefill finds its full blocks in the prefix cache (only
+        choice 0 reports prompt logprobs)."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if not prompt_token_ids:
             raise ValueError("the prompt is empty")
-        if params.n != 1 or params.logprobs is not None or params.prompt_logprobs is not None:
-            raise ValueError("n > 1, logprobs and prompt_logprobs are not yet supported")
+        if isinstance(params, PoolingParams):
+            return self._add_pooling_request(request_id, prompt_token_ids, params)
+        if not self.model_config.has_lm_head:
+            raise ValueError("this model has no lm_head (a headless embedding checkpoint): it "
+                             "serves embeddings only")
         if len(prompt_token_ids) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens; the maximum model "
                              f"length is {self.max_model_len}, which leaves no room to generate")
         vocab = self.model_config.vocab_size
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        bad = next((t for t in params.logit_bias or {} if not 0 <= int(t) < vocab), None)
+        if bad is not None:
+            raise ValueError(f"logit_bias: token id {bad} is not in the vocabulary [0, {vocab})")
+        if params.use_beam_search:
+            seq = Sequence(prompt_token_ids, params, request_id, arrival_time=time.monotonic())
+            self.requests[request_id] = [seq]
+            self.beams.add(seq, self.eos_token_ids)
+            self.scheduler.add(seq)
+            return seq
+        seqs = [self._new_sequence(request_id, prompt_token_ids, params, 0)]
+        for i in range(1, params.n):
+            sibling = dataclasses.replace(
+                params, prompt_logprobs=None,
+                seed=None if params.seed is None else (params.seed + i) % 2**64)
+            seqs.append(self._new_sequence(request_id, prompt_token_ids, sibling, i))
+        self.requests[request_id] = list(seqs)
+        if params.n > 1 and self.config.enable_prefix_caching:
+            self.forks[request_id] = seqs[1:]
+            seqs = seqs[:1]
+        for seq in seqs:
+            self.scheduler.add(seq)
+        return self.requests[request_id][0]
+
+    def _new_sequence(self, request_id, prompt_token_ids, params, index) -> Sequence:
         seq = Sequence(prompt_token_ids, params, request_id, arrival_time=time.monotonic(),
-                       default_seed=self.rng.getrandbits(64))
+                       default_seed=self.rng.getrandbits(64), index=index)
+        if params.structured_outputs is not None:
+            seq.grammar = self.structured_outputs().start(params.structured_outputs,
+                                                          prompt_token_ids)
         if self.tokenizer is not None:
-            self.detokenizers[request_id] = IncrementalDetokenizer(
+            self.detokenizers[seq.seq_id] = IncrementalDetokenizer(
                 self.tokenizer, prompt_token_ids, params.skip_special_tokens, params.stop,
                 params.include_stop_str_in_output, params.min_tokens)
-        self.scheduler.add(seq)
-        self.requests[request_id] = seq
         return seq
 
-    def abort(self, request_id: str) -> bool:
-        self.detokenizers.pop(request_id, None)
-        self.requests.pop(request_id, None)
-        return self.scheduler.abort(request_id)
+    def _release_forks(self, request_id: str):
+        for seq in self.forks.pop(request_id, []):
+            self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> list[int]:
+        """Finish every choice of the request; returns the indexes of those that were still
+        running or waiting (empty: unknown or already finished)."""
+        seqs = self.requests.pop(request_id, [])
+        self.forks.pop(request_id, None)
+        self.scheduler.abort(request_id)
+        if request_id in self.beams:
+            self.beams.searches.pop(request_id)
+            return list(range(seqs[0].sampling_params.n))
+        for seq in seqs:
+            self.detokenizers.pop(seq.seq_id, None)
+        return [seq.index for seq in seqs]
+
+    def _add_pooling_request(self, request_id: str, prompt_token_ids: list[int],
+                             params: PoolingParams) -> Sequence:
+        """An embedding: the prompt is computed (in chunks, batched with everything else) and
+        pooled; nothing is sampled."""
+        if len(prompt_token_ids) > self.max_model_len:
+            raise ValueError(f"the input has {len(prompt_token_ids)} tokens; the maximum model "
+                             f"length is {self.max_model_len}")
+        if params.dimensions is not None:
+            problem = self.pooling.check_dimensions(params.dimensions,
+                                                    self.model_config.hidden_size)
+            if problem:
+                raise ValueError(problem)
+        vocab = self.model_config.vocab_size
+        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
+            raise ValueError(f"token ids must be in [0, {vocab})")
+        seq = Sequence(prompt_token_ids, None, request_id, arrival_time=time.monotonic(),
+                       default_seed=0)
+        seq.pooler = Pooler(self.pooling, params, len(prompt_token_ids))
+        self.scheduler.add(seq)
+        self.requests[request_id] = [seq]
+        return seq
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -227,39 +327,115 @@ class LLMEngine:
             return []
         self.backend.bind_thread()   # CUDA: this thread's current device and stream
         try:
-            logits = self.runner.execute(sched)
-            sampled = [seq for seq, last in zip(sched.seqs, sched.sample) if last]
-            tokens = self.sampler.sample(logits, sampled, self.eos_token_ids) if sampled else []
+            logits, pooled = self.runner.execute(sched)
+            sampled = [seq for seq, last in zip(sched.seqs, sched.sample)
+                       if last and seq.pooler is None]
+            S = len(sampled)
+            beams_ready = self.beams.collect(sampled, logits[:S])
+            rows = [i for i, seq in enumerate(sampled) if seq.request_id not in self.beams]
+            if len(rows) < S:
+                sampled = [sampled[i] for i in rows]
+            mask = (self._structured.bitmask(sampled)
+                    if self._structured is not None and sampled else None)
+            tokens, logprobs = self.sampler.sample_with_logprobs(
+                logits[:S] if len(rows) == S else logits[self.backend.asarray(np.array(rows))],
+                sampled, self.eos_token_ids, self.config.logprobs_mode,
+                token_bitmask=mask) if sampled else ([], [])
+            self._record_prompt_logprobs(sched, logits[S:])
         except Exception as e:  # fail this step's requests, keep serving the others
             log.exception("step failed; finishing its %d requests with an error", len(sched.seqs))
-            return [self._finish_with_error(seq, e) for seq in sched.seqs]
+            return [out for seq in sched.seqs for out in self._finish_with_error(seq, e)]
         self.scheduler.update(sched)
-        return [self._append(seq, int(token)) for seq, token in zip(sampled, tokens)]
+        outputs = []
+        for seq, token, lp in zip(sampled, tokens, logprobs):
+            if StructuredOutputs.advance(seq, int(token)):
+                outputs.append(self._append(seq, int(token), lp))
+            else:      # the mask allowed it: a matcher and mask that disagree are a bug
+                outputs += self._finish_with_error(seq, RuntimeError(
+                    f"token {token} is outside the request's grammar"))
+        return (outputs + self.beams.advance(beams_ready)
+                + [out for out in map(self._pool, pooled) if out is not None])
+
+    def _record_prompt_logprobs(self, sched, logits):
+        """Prompt logprobs of this step's rows (runner.execute put them after the sampled rows),
+        appended to each sequence's list; computed before update() moves num_computed_tokens."""
+        spans = [(seq, seq.prompt_logprob_positions(n))
+                 for seq, n in zip(sched.seqs, sched.num_new_tokens)]
+        spans = [(seq, r) for seq, r in spans if r]
+        if not spans:
+            return
+        targets = [t for seq, r in spans for t in seq.token_ids[r.start + 1:r.stop + 1]]
+        ks = [seq.sampling_params.prompt_logprobs for seq, r in spans for _ in r]
+        entries = iter(to_entries(targets, *gather_logprobs(self.backend, logits, targets,
+                                                            max(ks)), ks))
+        for seq, r in spans:
+            seq.prompt_logprobs.extend(next(entries) for _ in r)
+
+    def _pool(self, pooled: tuple) -> RequestOutput | None:
+        """Feed an embedding request its chunk's rows; once its last token is computed, finish
+        it with the pooled vector."""
+        seq, start, rows = pooled
+        if seq.is_finished:          # aborted during the step
+            return None
+        seq.pooler.add(start, rows)
+        if seq.num_computed_tokens < seq.num_tokens:
+            return None
+        self._finish(seq, "stop")
+        self.num_prompt_tokens += seq.num_prompt_tokens
+        return RequestOutput(seq.request_id, finished=True, finish_reason="stop",
+                             num_prompt_tokens=seq.num_prompt_tokens,
+                             embedding=seq.pooler.result())
 
     def _finish(self, seq: Sequence, reason: str):
         self.scheduler.finish(seq, reason)
-        self.detokenizers.pop(seq.request_id, None)
-        self.requests.pop(seq.request_id, None)
+        self.detokenizers.pop(seq.seq_id, None)
+        seqs = self.requests.get(seq.request_id)
+        if seqs is not None and seq in seqs:
+            seqs.remove(seq)
+            if not seqs:
+                del self.requests[seq.request_id]
 
-    def _finish_with_error(self, seq: Sequence, error: Exception) -> RequestOutput:
-        self._finish(seq, "error")
-        return RequestOutput(seq.request_id, finished=True, finish_reason="error",
-                             error=f"{type(error).__name__}: {error}",
-                             num_prompt_tokens=seq.num_prompt_tokens,
-                             num_output_tokens=seq.num_output_tokens)
+    def _finish_with_error(self, seq: Sequence, error: Exception) -> list[RequestOutput]:
+        """Fail the sequence, and the choices still waiting to fork from it (a beam search:
+        all its beams)."""
+        if seq.request_id in self.beams:
+            return self.beams.finish(seq.request_id, error)
+        if seq.is_finished:       # a beam already failed with its search
+            return []
+        failed = [seq] + (self.forks.pop(seq.request_id, []) if seq.index == 0 else [])
+        for s in failed:
+            self._finish(s, "error")
+        return [RequestOutput(s.request_id, finished=True, finish_reason="error",
+                              error=f"{type(error).__name__}: {error}",
+                              num_prompt_tokens=s.num_prompt_tokens,
+                              num_output_tokens=s.num_output_tokens, index=s.index)
+                for s in failed]
 
-    def _append(self, seq: Sequence, token: int) -> RequestOutput:
+    def _append(self, seq: Sequence, token: int, logprob: TokenLogprobs | None = None
+                ) -> RequestOutput:
         seq.append_token(token)
         self.num_generation_tokens += 1
-        if seq.num_output_tokens == 1:
+        first = seq.num_output_tokens == 1
+        if first and seq.index == 0:     # the choices of a request share one prompt
             self.num_prompt_tokens += seq.num_prompt_tokens
+            self._release_forks(seq.request_id)
         params = seq.sampling_params
         text_delta, stop_string = "", None
-        detok = self.detokenizers.get(seq.request_id)
+        detok = self.detokenizers.get(seq.seq_id)
         if detok is not None:
+            start, waited = detok.num_decoded_chars, detok.num_waiting_tokens
             text_delta, stopped = detok.add_token(token)
             if stopped:
                 stop_string = detok.stop_reason
+            if logprob is not None:
+                end = detok.num_decoded_chars
+                if waited and end > start:  # the text of earlier tokens came out with this one
+                    own = detok.decode_one(token)
+                    start = max(start, end - len(own))
+                logprob.text_offset = start
+                seq.pending_logprobs.append((logprob, end))
+        elif logprob is not None:
+            seq.pending_logprobs.append((logprob, 0))
         reason = stop_reason = None
         if stop_string is not None:
             reason, stop_reason = "stop", stop_string
@@ -281,4 +457,27 @@ class LLMEngine:
             text=detok.text if finished and detok else "",
             finished=finished, finish_reason=reason, stop_reason=stop_reason,
             num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=seq.num_output_tokens,
-            num_cached_tokens=seq.num_cached_tokens)
+            num_cached_tokens=seq.num_cached_tokens, index=seq.index,
+            logprobs=(_released_logprobs(seq, detok, finished, stop_string is not None)
+                      if params.logprobs is not None else None),
+            prompt_logprobs=seq.prompt_logprobs if first else None)
+
+
+def _released_logprobs(seq: Sequence, detok, finished: bool, stopped_by_string: bool
+                       ) -> list[TokenLogprobs]:
+    """The pending logprobs whose token's text has been released: all of it, or at the end any
+    of it. A token whose text a stop string cut away entirely gets none."""
+    pending = seq.pending_logprobs
+    if detok is None or (finished and not stopped_by_string):
+        seq.pending_logprobs = []
+        return [lp for lp, _ in pending]
+    emitted = detok.num_emitted_chars
+    n = 0
+    while n < len(pending) and pending[n][1] <= emitted:
+        n += 1
+    out = [lp for lp, _ in pending[:n]]
+    if finished:      # stopped by a stop string: the tokens whose text starts before its cut
+        out += [lp for lp, _ in pending[n:] if lp.text_offset < emitted]
+        n = len(pending)
+    seq.pending_logprobs = pending[n:]
+    return out

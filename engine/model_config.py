@@ -1,8 +1,9 @@
-"""What a checkpoint's config.json says about the model graph, normalised for the Llama family.
+"""What a checkpoint's config.json says about the model graph, normalised across families.
 
 Reads both config styles transformers has used: legacy `rope_theta` + `rope_scaling` and the v5
 nested `rope_parameters`; the architecture-specific rules (Qwen2's fixed qkv bias, Qwen sliding
-window layers, Qwen3 q/k norm) follow transformers 5.x's own configuration and modeling code.
+window layers, Qwen3 and Gemma-3 q/k norm, Gemma's layer types, soft-caps and query scale, Gemma-3's
+local RoPE base, Phi-3's LongRoPE) follow transformers 5.x's own configuration and modeling code.
 """
 from __future__ import annotations
 
@@ -12,15 +13,29 @@ from dataclasses import dataclass, field
 
 # config.json without `architectures`: its model_type names the graph.
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+                "phi3": "Phi3ForCausalLM", "glm4": "Glm4ForCausalLM",
+                "stablelm": "StableLmForCausalLM", "mixtral": "MixtralForCausalLM",
+                "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 # Architectures whose attention applies RMSNorm to each q/k head before RoPE.
-_QK_NORM_ARCHS = ("Qwen3ForCausalLM",)
+_QK_NORM_ARCHS = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM")
+_GEMMA_ARCHS = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+
+# The configuration classes' head_dim when config.json has none (Qwen3Config and the Gemma
+# configs default to a fixed size, not hidden_size / heads).
+_DEFAULT_HEAD_DIM = {"Qwen3ForCausalLM": 128, "Qwen3MoeForCausalLM": 128, "Gemma2ForCausalLM": 256,
+                     "Gemma3ForCausalLM": 256, "Glm4ForCausalLM": 128}
+
+# hidden_act / hidden_activation names -> the gated activation op of the MLP.
+_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh",
+                "gelu_tanh": "gelu_tanh"}
 
 
 @dataclass(slots=True)
 class RopeConfig:
-    rope_type: str = "default"          # default | linear | dynamic | llama3 | yarn
+    rope_type: str = "default"          # default | linear | dynamic | llama3 | yarn | longrope
     theta: float = 10000.0
     rot_dim: int = 0                    # rotated dims per head (head_dim * partial_rotary_factor)
     factor: float = 1.0
@@ -34,6 +49,18 @@ class RopeConfig:
     attention_factor: float | None = None  # yarn: explicit cos/sin multiplier
     truncate: bool = True               # yarn: floor/ceil the correction range
     is_neox: bool = True                # rotate halves (HF rotate_half), not interleaved pairs
+    short_factor: tuple[float, ...] = ()  # longrope: per-frequency divisors up to the original
+    long_factor: tuple[float, ...] = ()   # context, and beyond it
+
+
+@dataclass(slots=True)
+class MoeConfig:
+    num_experts: int
+    top_k: int                          # experts per token
+    intermediate_size: int              # each expert's
+    normalize: bool                     # renormalise the top-k probabilities to sum to 1
+    sparse_layers: list[bool]           # per layer: MoE (True) or the dense MLP
+    shared_intermediate_size: int = 0   # Qwen2-MoE's sigmoid-gated shared expert (0: none)
 
 
 @dataclass(slots=True)
@@ -56,11 +83,19 @@ class ModelConfig:
     max_position_embeddings: int
     max_model_len: int                  # positions the RoPE cache covers (vLLM's derived length)
     rope: RopeConfig
+    local_rope: RopeConfig | None = None  # RoPE of the sliding-window layers when theirs differs
+    hidden_act: str = "silu"            # the MLP's gate activation: silu | gelu_tanh
+    query_pre_attn_scalar: float | None = None  # attention scale = this ** -0.5 (else head_dim's)
+    attn_softcap: float = 0.0           # attention scores capped to c * tanh(s / c); 0 = off
+    final_softcap: float = 0.0          # the same on the final logits
+    parallel_residual: bool = False     # h += attn(norm(h)) + mlp(norm(h)) (StableLM)
     dtype: str = "float32"              # the checkpoint's dtype name
     quantization: str | None = None     # quantization_config.quant_method, if any
     quantization_config: dict | None = None  # the whole quantization_config, for the loader
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    moe: MoeConfig | None = None        # mixture-of-experts layers, if any
+    has_lm_head: bool = True            # False: a headless transformer (LlamaModel, ...)
 
     @property
     def q_size(self) -> int:
@@ -87,51 +122,100 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, cfg: dict, yarn_scaling_factor: float | None = None) -> "ModelConfig":
-        from engine.models.registry import ARCHITECTURES
+        from engine.models.registry import ARCHITECTURES, BASE_MODELS
 
         archs = cfg.get("architectures") or []
         if not archs and cfg.get("model_type") in _MODEL_TYPES:
             archs = [_MODEL_TYPES[cfg["model_type"]]]
-        arch = next((a for a in archs if a in ARCHITECTURES), None)
+        arch = next((a for a in archs if a in ARCHITECTURES or a in BASE_MODELS), None)
         if arch is None:
             raise ValueError(f"unsupported architecture {', '.join(archs) or '(none given)'}; "
-                             f"supported: {', '.join(sorted(ARCHITECTURES))}")
+                             f"supported: {', '.join(sorted([*ARCHITECTURES, *BASE_MODELS]))}")
+        # A headless transformer follows its causal LM's config rules (biases, q/k norm, ...).
+        has_lm_head = arch not in BASE_MODELS
+        arch = BASE_MODELS.get(arch, arch)
         hidden = cfg["hidden_size"]
         num_heads = cfg["num_attention_heads"]
         num_layers = cfg["num_hidden_layers"]
         num_kv_heads = cfg.get("num_key_value_heads") or num_heads
-        # Qwen3Config's class default head_dim is 128, which its modeling code uses when absent.
-        default_head_dim = 128 if arch == "Qwen3ForCausalLM" else hidden // num_heads
-        head_dim = cfg.get("head_dim") or default_head_dim
+        head_dim = cfg.get("head_dim") or _DEFAULT_HEAD_DIM.get(arch, hidden // num_heads)
         if num_heads % num_kv_heads:
             raise ValueError(f"num_attention_heads {num_heads} is not a multiple of "
                              f"num_key_value_heads {num_kv_heads}")
         max_pos = cfg.get("max_position_embeddings", 2048)
 
-        if arch == "Qwen2ForCausalLM":
+        if arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM"):
             qkv_bias, o_bias = True, False
-        elif arch == "MistralForCausalLM":
+        elif arch in ("MistralForCausalLM", "MixtralForCausalLM"):
             qkv_bias = o_bias = False
+        elif arch == "Glm4ForCausalLM":     # attention_bias (default on) covers q/k/v only
+            qkv_bias, o_bias = bool(cfg.get("attention_bias", True)), False
+        elif arch == "StableLmForCausalLM":
+            qkv_bias, o_bias = bool(cfg.get("use_qkv_bias", False)), False
+            if cfg.get("qk_layernorm"):
+                raise ValueError("StableLM's per-head q/k LayerNorm (qk_layernorm) is not "
+                                 "supported yet")
         else:
             qkv_bias = o_bias = bool(cfg.get("attention_bias", False))
         mlp_bias = arch == "LlamaForCausalLM" and bool(cfg.get("mlp_bias", False))
 
-        rope = parse_rope(cfg, head_dim, max_pos, yarn_scaling_factor)
+        act_name = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
+        if act_name not in _ACTIVATIONS:
+            raise ValueError(f"unsupported hidden activation {act_name!r} for {arch}; "
+                             f"supported: {', '.join(sorted(_ACTIVATIONS))}")
+        rope, local_rope = _ropes(arch, cfg, head_dim, max_pos, yarn_scaling_factor)
+        gemma = arch in _GEMMA_ARCHS
         eos = _as_list(cfg.get("eos_token_id"))
         return cls(
             architecture=arch, hidden_size=hidden, num_hidden_layers=num_layers,
             num_attention_heads=num_heads, num_key_value_heads=num_kv_heads, head_dim=head_dim,
             intermediate_size=cfg["intermediate_size"], vocab_size=cfg["vocab_size"],
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=float(cfg.get("rms_norm_eps") or cfg.get("layer_norm_eps") or 1e-6),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=qkv_bias, o_bias=o_bias, mlp_bias=mlp_bias,
             qk_norm=arch in _QK_NORM_ARCHS,
             sliding_windows=_sliding_windows(arch, cfg, num_layers),
             max_position_embeddings=max_pos, max_model_len=_rope_max_len(rope, max_pos), rope=rope,
+            local_rope=local_rope, hidden_act=_ACTIVATIONS[act_name],
+            query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar") or head_dim) if gemma
+            else None,
+            attn_softcap=float(cfg.get("attn_logit_softcapping") or 0.0) if gemma else 0.0,
+            final_softcap=float(cfg.get("final_logit_softcapping") or 0.0) if gemma else 0.0,
+            parallel_residual=bool(cfg.get("use_parallel_residual", False)),
             dtype=_dtype_name(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"),
             quantization=(cfg.get("quantization_config") or {}).get("quant_method"),
             quantization_config=cfg.get("quantization_config"),
-            bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos)
+            bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos, has_lm_head=has_lm_head,
+            moe=parse_moe(arch, cfg, num_layers))
+
+
+# Config-class defaults transformers 5 fills in when config.json leaves a key out.
+_MOE_DEFAULTS = {
+    "Qwen2MoeForCausalLM": dict(num_experts=60, num_experts_per_tok=4, moe_intermediate_size=1408,
+                                norm_topk_prob=False, shared_expert_intermediate_size=5632),
+    "Qwen3MoeForCausalLM": dict(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+                                norm_topk_prob=False, shared_expert_intermediate_size=0),
+}
+
+
+def parse_moe(arch: str, cfg: dict, num_layers: int) -> MoeConfig | None:
+    """The MoE settings as transformers' Mixtral, Qwen2-MoE and Qwen3-MoE read them."""
+    if arch == "MixtralForCausalLM":      # softmax, top-k, always renormalised; every layer
+        return MoeConfig(int(cfg.get("num_local_experts", 8)), int(cfg.get("num_experts_per_tok", 2)),
+                         int(cfg["intermediate_size"]), True, [True] * num_layers)
+    if arch not in _MOE_DEFAULTS:
+        return None
+    get = {**_MOE_DEFAULTS[arch], **{k: v for k, v in cfg.items() if v is not None}}.get
+    # A layer is sparse unless listed in mlp_only_layers, and then only every
+    # decoder_sparse_step-th one (Qwen2MoeDecoderLayer / Qwen3MoeDecoderLayer).
+    step = int(get("decoder_sparse_step", 1) or 1)
+    dense = set(get("mlp_only_layers", []) or [])
+    # transformers 5 writes Qwen3-MoE's expert count as num_local_experts; checkpoints say
+    # num_experts.
+    num_experts = int(cfg.get("num_experts") or get("num_local_experts", get("num_experts")))
+    sparse = [i not in dense and num_experts > 0 and (i + 1) % step == 0 for i in range(num_layers)]
+    return MoeConfig(num_experts, int(get("num_experts_per_tok")), int(get("moe_intermediate_size")),
+                     bool(get("norm_topk_prob")), sparse, int(get("shared_expert_intermediate_size")))
 
 
 def _as_list(value) -> list[int]:
@@ -148,7 +232,17 @@ def _dtype_name(value) -> str:
 
 def _sliding_windows(arch: str, cfg: dict, num_layers: int) -> list[int]:
     """Per-layer attention window, as transformers' modeling code applies it (0 = full)."""
-    if arch == "MistralForCausalLM":
+    window = int(cfg.get("sliding_window") or 0) if cfg.get("use_sliding_window", False) else 0
+    if arch == "Qwen3MoeForCausalLM":     # one mask for every layer, as Mixtral and Mistral
+        return [window] * num_layers
+    if arch == "Qwen2MoeForCausalLM":
+        # Qwen2MoeConfig.__post_init__: layer_types, when absent, marks even-indexed layers
+        # below max_window_layers as sliding.
+        layer_types = cfg.get("layer_types") or [
+            "sliding_attention" if i % 2 == 0 and i < cfg.get("max_window_layers", 28) and window
+            else "full_attention" for i in range(num_layers)]
+        return [window if t == "sliding_attention" else 0 for t in layer_types]
+    if arch in ("MistralForCausalLM", "MixtralForCausalLM"):
         # MistralModel builds one mask from config.sliding_window for every layer (layer_types is
         # ignored by Mistral; transformers warns to use Ministral for alternating patterns).
         return [int(cfg.get("sliding_window") or 0)] * num_layers
@@ -162,7 +256,51 @@ def _sliding_windows(arch: str, cfg: dict, num_layers: int) -> list[int]:
         if len(layer_types) != num_layers:
             raise ValueError(f"layer_types has {len(layer_types)} entries for {num_layers} layers")
         return [int(window) if t == "sliding_attention" and window else 0 for t in layer_types]
+    if arch in _GEMMA_ARCHS:
+        # Gemma2Config / Gemma3TextConfig.__post_init__: absent layer_types make every
+        # `sliding_window_pattern`-th layer (2 for Gemma-2, 6 for Gemma-3) full, the rest sliding.
+        pattern = 2 if arch == "Gemma2ForCausalLM" else int(
+            cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6)
+        layer_types = cfg.get("layer_types") or [
+            "sliding_attention" if (i + 1) % pattern else "full_attention"
+            for i in range(num_layers)]
+        if len(layer_types) != num_layers:
+            raise ValueError(f"layer_types has {len(layer_types)} entries for {num_layers} layers")
+        window = int(cfg.get("sliding_window") or 0)
+        return [window if t == "sliding_attention" else 0 for t in layer_types]
+    if arch == "Phi3ForCausalLM":
+        # Phi3Attention passes config.sliding_window to every layer.
+        return [int(cfg.get("sliding_window") or 0)] * num_layers
     return [0] * num_layers
+
+
+def _ropes(arch: str, cfg: dict, head_dim: int, max_pos: int,
+           yarn_scaling_factor: float | None) -> tuple[RopeConfig, RopeConfig | None]:
+    """(RoPE of the full-attention layers, RoPE of the sliding layers when it differs)."""
+    if arch == "StableLmForCausalLM":     # StableLmConfig: a quarter of the head by default
+        cfg = {"partial_rotary_factor": 0.25, **cfg}
+    if arch == "Glm4ForCausalLM":
+        # Glm4Config: half the head rotates by default, in interleaved pairs (x[2i], x[2i+1]).
+        cfg = {"partial_rotary_factor": 0.5, **cfg}
+        rope = parse_rope(cfg, head_dim, max_pos, yarn_scaling_factor)
+        rope.is_neox = False
+        return rope, None
+    if arch != "Gemma3ForCausalLM":
+        return parse_rope(cfg, head_dim, max_pos, yarn_scaling_factor), None
+    # Gemma3TextConfig: nested per-layer-type rope_parameters, or the legacy rope_theta (global,
+    # default 1e6) + rope_local_base_freq (default 1e4), rope_scaling applying to global layers.
+    params = cfg.get("rope_parameters") or {}
+    if "full_attention" in params or "sliding_attention" in params:
+        full = dict(params.get("full_attention") or {})
+        local = dict(params.get("sliding_attention") or {})
+    else:
+        full = dict(cfg.get("rope_scaling") or {})
+        full.setdefault("rope_theta", cfg.get("rope_theta"))
+        local = {"rope_theta": cfg.get("rope_local_base_freq")}
+    full["rope_theta"] = full.get("rope_theta") or 1_000_000.0
+    local["rope_theta"] = local.get("rope_theta") or 10_000.0
+    return (parse_rope({"rope_parameters": full}, head_dim, max_pos, yarn_scaling_factor),
+            parse_rope({"rope_parameters": local}, head_dim, max_pos))
 
 
 def parse_rope(cfg: dict, head_dim: int, max_pos: int,
@@ -174,7 +312,9 @@ def parse_rope(cfg: dict, head_dim: int, max_pos: int,
     rope_type = params.get("rope_type", params.get("type", "default"))
     partial = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) or 1.0
     rope = RopeConfig(rope_type=rope_type, theta=theta, rot_dim=int(head_dim * partial))
-    if rope_type in ("llama3", "yarn"):
+    if rope_type == "su":           # Phi-3's early name for LongRoPE (Phi3Config renames it)
+        rope_type = rope.rope_type = "longrope"
+    if rope_type in ("llama3", "yarn", "longrope"):
         # A top-level original_max_position_embeddings takes priority (transformers, Phi3 case).
         rope.original_max_position_embeddings = int(
             cfg.get("original_max_position_embeddings")
@@ -205,9 +345,21 @@ def parse_rope(cfg: dict, head_dim: int, max_pos: int,
         rope.mscale_all_dim = params.get("mscale_all_dim")
         rope.attention_factor = params.get("attention_factor")
         rope.truncate = bool(params.get("truncate", True))
+    elif rope_type == "longrope":
+        # factor defaults to max_position_embeddings / original (transformers' Phi-3 note).
+        factor = params.get("factor")
+        rope.factor = float(factor if factor is not None
+                            else max_pos / rope.original_max_position_embeddings)
+        rope.attention_factor = params.get("attention_factor")
+        rope.short_factor = tuple(float(f) for f in params["short_factor"])
+        rope.long_factor = tuple(float(f) for f in params["long_factor"])
+        for name in ("short_factor", "long_factor"):
+            if len(getattr(rope, name)) != rope.rot_dim // 2:
+                raise ValueError(f"rope {name} has {len(getattr(rope, name))} entries, expected "
+                                 f"rotary dims / 2 = {rope.rot_dim // 2}")
     else:
         raise ValueError(f"unsupported rope type {rope_type!r}; "
-                         "supported: default, linear, dynamic, llama3, yarn")
+                         "supported: default, linear, dynamic, llama3, yarn, longrope")
     return rope
 
 

@@ -39,7 +39,9 @@ class ModelRunner:
 
     def prepare(self, sched: SchedulerOutput) -> ForwardBatch:
         """Each sequence computes tokens [num_computed, num_computed + n); the scheduler marks
-        those that reach their last token, whose last row is sampled."""
+        those that reach their last token, whose last row is sampled. logits_indices: the
+        sampled rows in sequence order, then the rows of prompt positions whose logprobs a
+        request asked for (Sequence.prompt_logprob_positions), in sequence order."""
         seqs, num_new_tokens = sched.seqs, sched.num_new_tokens
         bs = self.block_size
         total = sum(num_new_tokens)
@@ -50,7 +52,7 @@ class ModelRunner:
         seq_lens = np.empty(len(seqs), np.int32)
         max_blocks = max(len(seq.block_table) for seq in seqs)
         block_tables = np.zeros((len(seqs), max_blocks), np.int32)
-        logits_indices = []
+        logits_indices, prompt_rows = [], []
         row = 0
         for i, (seq, n, sample) in enumerate(zip(seqs, num_new_tokens, sched.sample)):
             start = seq.num_computed_tokens
@@ -61,19 +63,58 @@ class ModelRunner:
             slot_mapping[row:row + n] = table[pos // bs] * bs + pos % bs
             block_tables[i, :len(table)] = table
             seq_lens[i] = start + n
+            for p in seq.prompt_logprob_positions(n):
+                prompt_rows.append(row + p - start)
             row += n
             query_start_loc[i + 1] = row
-            if sample:
+            if sample and seq.pooler is None:
                 logits_indices.append(row - 1)
         return ForwardBatch(token_ids, positions, slot_mapping, query_start_loc, seq_lens,
-                            block_tables, np.asarray(logits_indices, np.int32))
+                            block_tables, np.asarray(logits_indices + prompt_rows, np.int32))
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]):
+        """KV block src -> dst in every layer (a beam's fork of a partly filled block)."""
+        if not pairs:
+            return
+        src = self.backend.asarray(np.array([p[0] for p in pairs], np.int64))
+        dst = self.backend.asarray(np.array([p[1] for p in pairs], np.int64))
+        for k, v in self.kv_caches:
+            k[dst] = k[src]
+            v[dst] = v[src]
+
+    @staticmethod
+    def pooled_rows(sched: SchedulerOutput) -> list[tuple]:
+        """(seq, chunk start, [first, end) batch rows) for each embedding request in the step:
+        the rows its Pooler reads (its mode decides which)."""
+        out, row = [], 0
+        for seq, n in zip(sched.seqs, sched.num_new_tokens):
+            if seq.pooler is not None:
+                first, end = seq.pooler.rows_wanted(seq.num_computed_tokens, n)
+                out.append((seq, seq.num_computed_tokens, row + first, row + end))
+            row += n
+        return out
 
     def execute(self, sched: SchedulerOutput):
-        """One forward call; returns the logits (S, V) of the sequences that sample this step
-        (on the backend's device). Pure decode steps replay a captured CUDA graph when one fits."""
+        """One forward call; returns the logits (S + P, V) of the S sequences that sample this
+        step, then of the P prompt-logprob rows (on the backend's device), and for each
+        embedding request in the step (seq, chunk start, its pooled rows' final-norm hidden
+        states as float32 on the host). Pure decode steps replay a captured CUDA graph when one
+        fits."""
         batch = self.prepare(sched)
+        pooled = self.pooled_rows(sched)
         self.num_forward_calls += 1
         self.num_forward_tokens += batch.num_tokens
-        if self.graph_runner is not None and self.graph_runner.can_run(batch):
-            return self.graph_runner.run(batch)
-        return self.model.forward(batch.map(self.backend.asarray), self.kv_caches)
+        if not pooled:
+            if self.graph_runner is not None and self.graph_runner.can_run(batch):
+                return self.graph_runner.run(batch), []
+            return self.model.forward(batch.map(self.backend.asarray), self.kv_caches), []
+        rows = np.concatenate([np.arange(first, end, dtype=np.int32)
+                               for _, _, first, end in pooled])
+        logits, hidden = self.model.forward(batch.map(self.backend.asarray), self.kv_caches,
+                                            hidden_indices=self.backend.asarray(rows))
+        hidden = np.asarray(self.backend.to_host(hidden), dtype=np.float32)
+        out, at = [], 0
+        for seq, start, first, end in pooled:
+            out.append((seq, start, hidden[at:at + end - first]))
+            at += end - first
+        return logits, out

@@ -1,6 +1,14 @@
 """RoPE cos/sin cache: (max_positions, rot_dim) float32, cos in the first rot_dim/2 columns, sin in
 the last rot_dim/2 (the layout the rotary_embedding op reads).
 
+LongRoPE (Phi-3) has two sets of frequencies: the short factors while a sequence fits the original
+context, the long ones beyond it. Its cache holds both, short rows then long rows, and
+`longrope_positions` sends each token to its sequence's set: a sequence whose context exceeds the
+original length reads the long rows for all of its new tokens. That is transformers' rule (the
+set is chosen per forward pass by the longest position), so a prompt longer than the original
+context is computed with the long factors throughout, and keys cached before a sequence grows past
+it keep the short ones, as they do in transformers' KV cache.
+
 inv_freq follows transformers' ROPE_INIT_FUNCTIONS (modeling_rope_utils.py) per rope type, except
 "dynamic", which is applied statically as vLLM does: the base is scaled once for the stretched
 context max_position_embeddings * factor. Everything is computed in float64 and cast at the end.
@@ -32,6 +40,8 @@ def inv_freq_and_scale(rope: RopeConfig, max_position_embeddings: int) -> tuple[
         return _llama3_inv_freq(rope, 1.0 / base ** exponents), 1.0
     if kind == "yarn":
         return _yarn_inv_freq(rope, base ** exponents), _yarn_attention_factor(rope)
+    if kind == "longrope":  # the short set; build_cos_sin_cache adds the long one
+        return 1.0 / (np.asarray(rope.short_factor) * base ** exponents), _longrope_attention_factor(rope)
     raise ValueError(f"unsupported rope type {kind!r}")
 
 
@@ -59,6 +69,14 @@ def _yarn_attention_factor(rope: RopeConfig) -> float:
     return get_mscale(rope.factor)
 
 
+def _longrope_attention_factor(rope: RopeConfig) -> float:
+    if rope.attention_factor is not None:
+        return float(rope.attention_factor)
+    if rope.factor <= 1.0:
+        return 1.0
+    return math.sqrt(1 + math.log(rope.factor) / math.log(rope.original_max_position_embeddings))
+
+
 def _yarn_inv_freq(rope: RopeConfig, pos_freqs: np.ndarray) -> np.ndarray:
     dim, base, orig = rope.rot_dim, rope.theta, rope.original_max_position_embeddings
 
@@ -78,7 +96,27 @@ def _yarn_inv_freq(rope: RopeConfig, pos_freqs: np.ndarray) -> np.ndarray:
 
 def build_cos_sin_cache(rope: RopeConfig, max_position_embeddings: int,
                         max_positions: int) -> np.ndarray:
-    """(max_positions, rot_dim) float32: [cos | sin] of position * inv_freq, times the scale."""
+    """(max_positions, rot_dim) float32: [cos | sin] of position * inv_freq, times the scale;
+    for LongRoPE (2 * max_positions, rot_dim), the short set's rows then the long set's."""
     inv_freq, scale = inv_freq_and_scale(rope, max_position_embeddings)
+    cache = _cos_sin(inv_freq, scale, max_positions)
+    if rope.rope_type != "longrope":
+        return cache
+    exponents = np.arange(0, rope.rot_dim, 2, dtype=np.float64) / rope.rot_dim
+    long_inv_freq = 1.0 / (np.asarray(rope.long_factor) * rope.theta ** exponents)
+    return np.concatenate([cache, _cos_sin(long_inv_freq, scale, max_positions)])
+
+
+def _cos_sin(inv_freq: np.ndarray, scale: float, max_positions: int) -> np.ndarray:
     angles = np.arange(max_positions, dtype=np.float64)[:, None] * inv_freq[None, :]
     return np.concatenate([np.cos(angles) * scale, np.sin(angles) * scale], axis=1).astype(np.float32)
+
+
+def longrope_positions(xp, positions, query_start_loc, seq_lens, original_max_len: int,
+                       max_positions: int):
+    """Rows of a LongRoPE cache for a batch's tokens (module docstring): each position, plus
+    max_positions where its sequence's context exceeds original_max_len. NumPy or CuPy arrays."""
+    token_seq = xp.searchsorted(query_start_loc[1:], xp.arange(len(positions)), side="right")
+    token_seq = xp.minimum(token_seq, len(seq_lens) - 1)  # padding rows past the last sequence
+    long = (seq_lens > original_max_len).astype(positions.dtype)
+    return positions + long[token_seq] * max_positions

@@ -1,7 +1,8 @@
 """Next-token sampling: logits (B, V) -> token ids (B,), per-row SamplingParams, on any backend.
 
-Order (vLLM's): logit_bias, min_tokens mask, repetition penalty (prompt + output), presence and
-frequency penalties (output only) -> greedy rows: argmax. Other rows: / temperature, top-k, top-p
+Order (vLLM's): the structured-output token mask (tokens outside the grammar -> -inf), logit_bias,
+min_tokens mask, repetition penalty (prompt + output), presence and frequency penalties (output
+only) -> greedy rows: argmax. Other rows: / temperature, top-k, top-p
 (on the top-k-renormalised distribution), min-p, dropped tokens -> -inf, then Gumbel-max with the
 counter-based RNG keyed by (seed, output position), so a row draws the same token alone or in any
 batch (DESIGN.md section 5, Randomness).
@@ -14,13 +15,17 @@ applies in the order above in one pass. The logits themselves stay where the bac
 are backend ops, and only the B token ids come back (`backend.to_host`). The caller's logits are
 never modified: the sampler works on a copy when some row needs penalties or filters.
 
-`apply_penalties` and `apply_filters` are public NumPy helpers so tests (and later logprobs) can
-see the processed logits; they run the CPU backend's code (pyx/cpu_sampling.py).
+`apply_penalties` and `apply_filters` are public NumPy helpers so tests can see the processed
+logits; they run the CPU backend's code (pyx/cpu_sampling.py).
+
+Logprobs (engine/logprobs.py) are gathered on the backend too, for the rows that ask for them:
+of the raw logits by default, of the processed ones with logprobs_mode "processed".
 """
 from __future__ import annotations
 
 import numpy as np
 
+from engine.logprobs import gather_logprobs, to_entries
 from pyx import cpu_sampling
 
 NEG_INF = np.float32(-np.inf)
@@ -30,17 +35,30 @@ class Sampler:
     def __init__(self, backend):
         self.backend = backend
 
-    def sample(self, logits, seqs: list, eos_token_ids: set[int]) -> np.ndarray:
+    def sample(self, logits, seqs: list, eos_token_ids: set[int],
+               token_bitmask: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
         """logits (B, V) float32 (a NumPy or CuPy array, the backend's), one row per sequence
-        (the row that samples its next token). Returns the B token ids, NumPy int64."""
+        (the row that samples its next token). token_bitmask: structured outputs' (bitmask
+        (B, ceil(V/32)) int32, rows (R,) int32) from the host, applied first, so greedy and
+        sampled rows both obey it. Returns the B token ids, NumPy int64."""
+        return self.sample_with_logprobs(logits, seqs, eos_token_ids,
+                                         token_bitmask=token_bitmask)[0]
+
+    def sample_with_logprobs(self, logits, seqs: list, eos_token_ids: set[int],
+                             logprobs_mode: str = "raw",
+                             token_bitmask: tuple[np.ndarray, np.ndarray] | None = None):
+        """The B token ids (as `sample`), and per row a TokenLogprobs (None for rows whose
+        request asked for none): of the raw logits, or with logprobs_mode "processed" of the
+        logits the token was drawn from (after the token mask, penalties, logit_bias,
+        temperature and the top-k/p, min-p filters)."""
         be = self.backend
         xp = be.xp
         B, V = logits.shape
         if B != len(seqs):
             raise ValueError(f"sample: {B} logits rows for {len(seqs)} sequences")
-        # Logprobs (a later issue) are of the raw distribution: take them from `logits` here,
-        # before any processing.
         params = [s.sampling_params for s in seqs]
+        lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        processed = bool(lp_rows) and logprobs_mode == "processed"
         entries = penalty_entries(seqs, eos_token_ids, V)
         greedy = np.fromiter((p.greedy for p in params), dtype=bool, count=B)
         g_rows, r_rows = np.flatnonzero(greedy), np.flatnonzero(~greedy)
@@ -57,11 +75,14 @@ class Sampler:
                 filters = temperature, top_k, top_p, min_p
 
         # A sub-batch (fancy indexing) is a copy already; the whole batch is copied only when
-        # an op would write to it.
-        if entries is not None or (filters is not None and r_rows.size == B):
+        # an op would write to it (processed logprobs write the filtered rows back).
+        if (entries is not None or token_bitmask is not None
+                or (filters is not None and (r_rows.size == B or processed))):
             work = xp.array(logits, dtype=xp.float32, order="C", copy=True)
         else:
             work = xp.ascontiguousarray(logits, dtype=xp.float32)
+        if token_bitmask is not None:
+            be.apply_token_bitmask(work, *(be.asarray(a) for a in token_bitmask))
         if entries is not None:
             be.apply_penalties(work, *(be.asarray(a) for a in entries))
 
@@ -79,13 +100,26 @@ class Sampler:
             sub = work if r_rows.size == B else work[idx]
             if filters is not None:
                 be.filter_logits(sub, *(be.asarray(a) for a in filters))
+                if processed and r_rows.size < B:
+                    work[idx] = sub
             seeds = np.array([seqs[i].seed for i in r_rows], dtype=np.uint64)
             positions = np.array([seqs[i].num_output_tokens for i in r_rows], dtype=np.int64)
             sub_out = out if r_rows.size == B else xp.empty(r_rows.size, dtype=xp.int64)
             be.gumbel_sample(sub, be.asarray(seeds), be.asarray(positions), sub_out)
             if r_rows.size < B:
                 out[idx] = sub_out
-        return np.asarray(be.to_host(out), dtype=np.int64)
+        tokens = np.asarray(be.to_host(out), dtype=np.int64)
+
+        logprobs = [None] * B
+        if lp_rows:
+            source = work if processed else logits
+            rows = source if len(lp_rows) == B else source[be.asarray(np.array(lp_rows))]
+            ks = [params[i].logprobs for i in lp_rows]
+            chosen = tokens[lp_rows]
+            for i, entry in zip(lp_rows, to_entries(chosen, *gather_logprobs(be, rows, chosen,
+                                                                                max(ks)), ks)):
+                logprobs[i] = entry
+        return tokens, logprobs
 
 
 # ---- penalties (before temperature)

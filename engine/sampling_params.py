@@ -6,6 +6,9 @@ import logging
 import os
 from dataclasses import dataclass, field
 
+from engine.logprobs import MAX_LOGPROBS
+from engine.structured_outputs import StructuredOutputsParams
+
 log = logging.getLogger("taper.engine")
 
 
@@ -26,10 +29,16 @@ class SamplingParams:
     ignore_eos: bool = False
     max_tokens: int | None = 16      # None: up to the model length
     min_tokens: int = 0
-    logprobs: int | None = None
-    prompt_logprobs: int | None = None
-    logit_bias: dict[int, float] | None = None
+    logprobs: int | None = None         # top logprobs per output token (0: the token's own only)
+    prompt_logprobs: int | None = None  # the same per prompt token
+    logit_bias: dict[int, float] | None = None   # token id -> added to its logit, in [-100, 100]
     skip_special_tokens: bool = True
+    # beam search (vLLM's names): best_of beams (default n), the n best hypotheses returned
+    use_beam_search: bool = False
+    best_of: int | None = None
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False     # True, False or "never", as transformers
+    structured_outputs: StructuredOutputsParams | None = None   # a grammar the output must match
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -51,6 +60,29 @@ class SamplingParams:
         self._check("min_tokens", self.max_tokens is None or self.min_tokens <= self.max_tokens,
                     "must not exceed max_tokens")
         self._check("seed", self.seed is None or 0 <= self.seed < 2**64, "must be in [0, 2^64)")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            self._check(name, value is None or 0 <= value <= MAX_LOGPROBS,
+                        f"must be in [0, {MAX_LOGPROBS}]")
+        if self.use_beam_search:
+            self._check("best_of", self.best_of is None or self.best_of >= self.n,
+                        "must be at least n with beam search")
+            self._check("early_stopping", self.early_stopping in (True, False, "never"),
+                        "must be true, false or \"never\"")
+            for name in ("logprobs", "prompt_logprobs", "logit_bias"):
+                self._check(name, not getattr(self, name), "is not supported with beam search")
+            self._check("stop", not self.stop, "strings are not supported with beam search")
+            self._check("min_tokens", not self.min_tokens, "is not supported with beam search")
+            self._check("repetition_penalty", self.repetition_penalty == 1.0
+                        and self.presence_penalty == 0.0 and self.frequency_penalty == 0.0,
+                        "and the other penalties are not supported with beam search")
+        for tid, bias in (self.logit_bias or {}).items():
+            self._check("logit_bias", -100.0 <= bias <= 100.0,
+                        f"value {bias} for token {tid} is outside [-100, 100]")
+
+    @property
+    def beam_width(self) -> int:
+        return self.best_of or self.n
 
     @property
     def greedy(self) -> bool:

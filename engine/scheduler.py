@@ -150,6 +150,17 @@ class Scheduler:
             seq.num_computed_tokens += n
             self.block_pool.cache_full_blocks(seq)
 
+    def replace(self, old: list[Sequence], new: list[Sequence]):
+        """Beam search: `new` (forked, blocks allocated) run in place of `old`, which finish
+        and free their blocks (the blocks `new` shares stay referenced)."""
+        at = min((self.running.index(s) for s in old if s in self.running),
+                 default=len(self.running))
+        for seq in old:
+            self.finish(seq, "beam")
+        for seq in new:
+            seq.status = SequenceStatus.RUNNING
+        self.running[at:at] = new
+
     def finish(self, seq: Sequence, reason: str):
         if seq.status == SequenceStatus.FINISHED:
             return

@@ -27,8 +27,9 @@ class Sequence:
 
     def __init__(self, token_ids: list[int], sampling_params: SamplingParams | None = None,
                  request_id: str | None = None, arrival_time: float = 0.0,
-                 default_seed: int | None = None):
+                 default_seed: int | None = None, index: int = 0):
         self.seq_id = next(_ids)
+        self.index = index              # the request's choice this sequence produces (n > 1)
         self.request_id = request_id if request_id is not None else str(self.seq_id)
         self.token_ids = list(token_ids)
         self.num_prompt_tokens = len(token_ids)
@@ -41,6 +42,14 @@ class Sequence:
         self.finish_reason: str | None = None
         self.arrival_time = arrival_time
         self.num_preemptions = 0
+        # Prompt logprobs so far (entry j for prompt token j; None for token 0), filled chunk by
+        # chunk as the prefill computes the rows; None when the request asked for none.
+        self.prompt_logprobs = None if self.sampling_params.prompt_logprobs is None else [None]
+        # Output logprobs waiting for their token's text to be released: (entry, text end).
+        self.pending_logprobs = []
+        self.beam_row = None            # beam search: next-token logprobs awaiting the others
+        self.pooler = None              # an embedding request's Pooler: pool, never sample
+        self.grammar = None             # structured outputs: engine.structured_outputs.GrammarState
         # The request's seed, else the engine's draw for it, else a random one.
         seed = self.sampling_params.seed
         if seed is None:
@@ -63,8 +72,23 @@ class Sequence:
         return self.token_ids[self.num_prompt_tokens:]
 
     @property
+    def needs_every_prompt_token(self) -> bool:
+        """Prompt logprobs and mean/CLS pooling read rows a prefix-cache hit would skip."""
+        return (self.sampling_params.prompt_logprobs is not None
+                or (self.pooler is not None and self.pooler.needs_every_token))
+
+    @property
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
+
+    def prompt_logprob_positions(self, num_new_tokens: int) -> range:
+        """Positions, among the next num_new_tokens to compute, whose logits give a prompt
+        token's logprob not yet known: position p predicts prompt token p + 1."""
+        if self.prompt_logprobs is None:
+            return range(0)
+        start = max(self.num_computed_tokens, len(self.prompt_logprobs) - 1)
+        end = min(self.num_computed_tokens + num_new_tokens, self.num_prompt_tokens - 1)
+        return range(start, max(start, end))
 
     def append_token(self, token_id: int):
         self.token_ids.append(token_id)

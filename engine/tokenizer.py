@@ -25,8 +25,15 @@ import threading
 from tokenizers import AddedToken, Tokenizer as RustTokenizer
 
 from engine.hf_tokenizers import PreTrainedTokenizerFast, auto_tokenizer
+from engine.loader.gguf_tokenizer import bytes_to_unicode
 
 log = logging.getLogger("taper.tokenizer")
+
+
+# Strings the server reads as structure in model output (tool-call parsers, reasoning).
+CONTROL_MARKERS = frozenset((
+    "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>",
+    "[TOOL_CALLS]", "[ARGS]", "<|python_tag|>", "<|python_start|>", "<|python_end|>"))
 
 
 class Tokenizer:
@@ -44,10 +51,16 @@ class Tokenizer:
             if tok.special:
                 self.all_special_ids.add(int(tid))
         # Special added tokens as the Rust tokenizer matches them (content and flags), for
-        # encode_chat's guard against special-token strings in message text.
+        # encode_chat's guard against their strings in message text; with them the added tokens
+        # that are markers the server reads (Qwen's <tool_call> and <think> are not flagged
+        # special), so no user or tool text can forge a call, a result or a reasoning block.
+        added = self._rust.get_added_tokens_decoder()
         self._specials: dict[int, AddedToken] = {
-            int(i): t for i, t in self._rust.get_added_tokens_decoder().items() if t.special}
+            int(i): t for i, t in added.items() if t.special or t.content in CONTROL_MARKERS}
+        self._special_strings = {t.content for t in added.values() if t.special}
         self._special_re = _literal_re(t.content for t in self._specials.values())
+        self._added_ids = set(int(i) for i in self._rust.get_added_tokens_decoder())
+        self._byte_level: bool | None = None     # token_bytes: is the decoder byte-level BPE?
         self._guard: _TextGuard | None = None   # built on the first conversation that needs it
         self._guard_lock = threading.Lock()
 
@@ -99,6 +112,14 @@ class Tokenizer:
     @property
     def has_chat_template(self) -> bool:
         return bool(getattr(self.hf, "chat_template", None))
+
+    def has_tokens(self, strings) -> bool:
+        """Whether each string is one token of this vocabulary."""
+        return all(self._rust.token_to_id(t) is not None for t in strings)
+
+    def has_special_tokens(self, strings) -> bool:
+        """Whether any of the strings is a special token (one that decoding may skip)."""
+        return any(t in self._special_strings for t in strings)
 
     # ---- encode
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -163,6 +184,32 @@ class Tokenizer:
     def convert_ids_to_tokens(self, ids) -> list[str]:
         return self.hf.convert_ids_to_tokens([int(i) for i in ids])
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The token's own bytes (OpenAI's logprobs `bytes`), not the text of decoding it
+        alone: one byte-level token of a split emoji holds just its part of the UTF-8 bytes.
+        Byte-level BPE maps its alphabet back to bytes; SentencePiece byte fallback
+        `<0xE2>` is that byte and "▁" a space; added tokens are their content."""
+        token_id = int(token_id)
+        piece = self._rust.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if token_id in self._added_ids:
+            return piece.encode()
+        if self._byte_level is None:
+            state = json.loads(self._rust.decoder.__getstate__()) if self._rust.decoder else {}
+            self._byte_level = '"ByteLevel"' in json.dumps(state)
+        if self._byte_level:
+            return bytes(_BYTE_DECODER.get(c, 0) for c in piece)
+        m = _BYTE_PIECE.fullmatch(piece)
+        if m:
+            return bytes([int(m.group(1), 16)])
+        return piece.replace("\u2581", " ").encode()
+
+
+# Byte-level BPE's alphabet back to bytes.
+_BYTE_DECODER = {c: b for b, c in bytes_to_unicode().items()}
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
 
 def _generation_eos_ids(path: str) -> list[int]:
     """eos_token_id from generation_config.json (int or list) when the directory has one."""
@@ -182,7 +229,8 @@ _INDEX_BASE = 0xF0000   # Supplementary Private Use Area-A: one character per sp
 
 
 class _TextGuard:
-    """What encode_chat needs to read special-token strings in client text as text.
+    """What encode_chat needs to read special-token strings (and the markers guarded with them)
+    in client text as text.
 
     A client occurrence of special token n becomes the marker `marker_nonce + chr(BASE + n)`
     before rendering; after rendering, each special token the template wrote (found where the
@@ -203,6 +251,12 @@ class _TextGuard:
         self.rust.no_truncation()
         self.rust.no_padding()
         self.rust.encode_special_tokens = True
+        # Guarded markers that are plain added tokens (Qwen's <think>) become special in the
+        # copy (same id), so that encode_special_tokens reads them as text too.
+        self.rust.add_special_tokens([
+            AddedToken(tok.content, single_word=tok.single_word, lstrip=tok.lstrip,
+                       rstrip=tok.rstrip, normalized=tok.normalized, special=True)
+            for tok in specials.values() if not tok.special])
         self.marker: dict[str, str] = {}        # special content -> marker
         self.literal: dict[str, str] = {}       # index character -> special content
         self.sentinel: dict[int, str] = {}      # special id -> sentinel

@@ -67,6 +67,15 @@ cdef class Backend:
         """In place: residual += x; x = rms_norm(residual) * weight.  x, residual (T, H) f32."""
         raise NotImplementedError
 
+    def layer_norm(self, x, weight, bias, eps, out):
+        """out = (x - mean(x)) / sqrt(var(x) + eps) * weight (+ bias), var the biased variance
+        (torch.nn.LayerNorm). x, out (T, H) f32; weight (H,) f32; bias (H,) f32 or None."""
+        raise NotImplementedError
+
+    def fused_add_layer_norm(self, x, residual, weight, bias, eps):
+        """In place: residual += x; x = layer_norm(residual) (as fused_add_rms_norm)."""
+        raise NotImplementedError
+
     def rotary_embedding(self, positions, q, k, cos_sin_cache, head_dim, is_neox):
         """In place RoPE on the first rot_dim dims of every head of q (T, Hq*D) and k (T, Hkv*D).
         positions (T,) int32; cos_sin_cache (max_pos, rot_dim) f32: cos in the first rot_dim/2
@@ -95,6 +104,12 @@ cdef class Backend:
     def softcap(self, x, cap):
         """In place x = cap * tanh(x / cap) (Gemma-2 soft-capping of final logits).
         x (T, N) f32; cap a float > 0 (ValueError otherwise)."""
+        raise NotImplementedError
+
+    def scale(self, x, s):
+        """In place x = x * s in x's dtype (Gemma's embedding times sqrt(hidden)); the caller
+        rounds s to that dtype first, as transformers does. x (T, H) f32; s a finite float
+        (ValueError otherwise)."""
         raise NotImplementedError
 
     def reshape_and_cache(self, k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None):
@@ -155,6 +170,14 @@ cdef class Backend:
         3. Every x < threshold becomes -inf (one pass); kept values are left exactly as scaled.
         logits (B, V) f32; temperature (B,) f32; top_k (B,) int32 (0 = off); top_p (B,) f32 in
         (0, 1] (1 = off); min_p (B,) f32 in [0, 1] (0 = off)."""
+        raise NotImplementedError
+
+    def apply_token_bitmask(self, logits, bitmask, rows):
+        """In place, structured outputs: for each row b in rows, logits[b, v] = -inf wherever bit
+        v % 32 of bitmask[b, v // 32] is 0 (bits are allowed tokens; llguidance's layout). Rows
+        not listed and allowed tokens are left exactly as they were.
+        logits (B, V) f32; bitmask (B, ceil(V/32)) int32; rows (R,) int32, each in [0, B)
+        (ValueError otherwise)."""
         raise NotImplementedError
 
     def gumbel_sample(self, logits, seeds, positions, out):

@@ -39,6 +39,11 @@ cdef extern from "cpu_kernels.h" nogil:
                        int64_t H, int nthreads)
     int taper_fused_add_rms_norm(float* x, float* residual, const float* weight, float eps,
                                  int64_t T, int64_t H, int nthreads)
+    int taper_layer_norm(const float* x, const float* weight, const float* bias, float eps,
+                         float* out, int64_t T, int64_t H, int nthreads)
+    int taper_fused_add_layer_norm(float* x, float* residual, const float* weight,
+                                   const float* bias, float eps, int64_t T, int64_t H,
+                                   int nthreads)
     int taper_rotary_embedding(const int32_t* positions, float* q, float* k,
                                const float* cos_sin_cache, int64_t T, int64_t Hq, int64_t Hkv,
                                int64_t D, int64_t rot_dim, int64_t max_pos, int is_neox,
@@ -47,6 +52,7 @@ cdef extern from "cpu_kernels.h" nogil:
     int taper_gelu_tanh_and_mul(int isa, const float* x, float* out, int64_t T, int64_t inter,
                                 int nthreads)
     int taper_softcap(int isa, float* x, int64_t n, float cap, int nthreads)
+    int taper_scale(float* x, int64_t n, float s, int nthreads)
     int taper_reshape_and_cache(const float* k, const float* v, float* k_cache, float* v_cache,
                                 const int32_t* slot_mapping, int64_t T, int64_t Hkv, int64_t D,
                                 int64_t NB, int64_t BS, int nthreads)
@@ -72,6 +78,8 @@ cdef extern from "cpu_kernels.h" nogil:
     int taper_gumbel_sample(const float* logits, const uint64_t* seeds, const int64_t* positions,
                             int64_t* out, int64_t B, int64_t V, int nthreads)
     void taper_philox4x32_10(uint32_t* ctr, const uint32_t* key)
+    int taper_apply_token_bitmask(float* logits, const int32_t* bitmask, const int32_t* rows,
+                                  int64_t B, int64_t V, int64_t R, int nthreads)
 
 
 cdef extern from "quant_kernels.h" nogil:
@@ -507,6 +515,55 @@ cdef class CpuBackend(Backend):
             st = taper_fused_add_rms_norm(xp, rp, wp, e, T, H, nt)
         _status(st, op, arrays)
 
+    def layer_norm(self, x, weight, bias, eps, out):
+        op = "layer_norm"
+        arrays = {"x": x, "weight": weight, "bias": bias, "out": out}
+        _check(op, arrays, "x", (_F32,), 2)
+        _check(op, arrays, "out", (_F32,), 2, True)
+        cdef const float* bp = self._norm_vectors(op, arrays, x.shape[1])
+        if out.shape[0] != x.shape[0] or out.shape[1] != x.shape[1]:
+            _fail(op, "need x, out (T, H)", arrays)
+        cdef int64_t T = x.shape[0], H = x.shape[1]
+        cdef float e = eps
+        cdef const float* xp = <const float*>_ptr(x)
+        cdef const float* wp = <const float*>_ptr(weight)
+        cdef float* outp = <float*>_ptr(out)
+        cdef int nt = self._nthreads, st
+        with nogil:
+            st = taper_layer_norm(xp, wp, bp, e, outp, T, H, nt)
+        _status(st, op, arrays)
+
+    def fused_add_layer_norm(self, x, residual, weight, bias, eps):
+        op = "fused_add_layer_norm"
+        arrays = {"x": x, "residual": residual, "weight": weight, "bias": bias}
+        _check(op, arrays, "x", (_F32,), 2, True)
+        _check(op, arrays, "residual", (_F32,), 2, True)
+        cdef const float* bp = self._norm_vectors(op, arrays, x.shape[1])
+        if residual.shape[0] != x.shape[0] or residual.shape[1] != x.shape[1]:
+            _fail(op, "need x, residual (T, H)", arrays)
+        cdef int64_t T = x.shape[0], H = x.shape[1]
+        cdef float e = eps
+        cdef float* xp = <float*>_ptr(x)
+        cdef float* rp = <float*>_ptr(residual)
+        cdef const float* wp = <const float*>_ptr(weight)
+        cdef int nt = self._nthreads, st
+        with nogil:
+            st = taper_fused_add_layer_norm(xp, rp, wp, bp, e, T, H, nt)
+        _status(st, op, arrays)
+
+    cdef const float* _norm_vectors(self, str op, dict arrays, int64_t H) except? NULL:
+        """Checks weight (H,) and bias (H,) or None; the bias pointer (NULL for None)."""
+        _check(op, arrays, "weight", (_F32,), 1)
+        if arrays["weight"].shape[0] != H:
+            _fail(op, "weight must be (H,)", arrays)
+        bias = arrays["bias"]
+        if bias is None:
+            return NULL
+        _check(op, arrays, "bias", (_F32,), 1)
+        if bias.shape[0] != H:
+            _fail(op, "bias must be (H,)", arrays)
+        return <const float*>_ptr(bias)
+
     def rotary_embedding(self, positions, q, k, cos_sin_cache, head_dim, is_neox):
         op = "rotary_embedding"
         arrays = {"positions": positions, "q": q, "k": k, "cos_sin_cache": cos_sin_cache,
@@ -565,6 +622,21 @@ cdef class CpuBackend(Backend):
         cdef int nt = self._nthreads, st
         with nogil:
             st = taper_softcap(self._isa, xp, n, cf, nt)
+        _status(st, op, arrays)
+
+    def scale(self, x, s):
+        op = "scale"
+        arrays = {"x": x, "s": s}
+        _check(op, arrays, "x", (_F32,), 2, True)
+        cdef double sd = float(s)
+        if not math.isfinite(sd):
+            _fail(op, "s must be a finite number", arrays)
+        cdef int64_t n = x.size
+        cdef float* xp = <float*>_ptr(x)
+        cdef float sf = <float>sd
+        cdef int nt = self._nthreads, st
+        with nogil:
+            st = taper_scale(xp, n, sf, nt)
         _status(st, op, arrays)
 
     def reshape_and_cache(self, k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None):
@@ -717,6 +789,25 @@ cdef class CpuBackend(Backend):
         cdef int nt = self._nthreads, st
         with nogil:
             st = taper_gumbel_sample(lp, sp, pp, outp, B, V, nt)
+        _status(st, op, arrays)
+
+    def apply_token_bitmask(self, logits, bitmask, rows):
+        op = "apply_token_bitmask"
+        arrays = {"logits": logits, "bitmask": bitmask, "rows": rows}
+        _check(op, arrays, "logits", (_F32,), 2, True)
+        _check(op, arrays, "bitmask", (_I32,), 2)
+        _check(op, arrays, "rows", (_I32,), 1)
+        cdef int64_t B = logits.shape[0], V = logits.shape[1], R = rows.shape[0]
+        if bitmask.shape[0] != B or bitmask.shape[1] != (V + 31) // 32:
+            _fail(op, "need bitmask (B, ceil(V / 32)) for logits (B, V)", arrays)
+        cdef float* lp = <float*>_ptr(logits)
+        cdef const int32_t* mp = <const int32_t*>_ptr(bitmask)
+        cdef const int32_t* rp = <const int32_t*>_ptr(rows)
+        cdef int nt = self._nthreads, st
+        with nogil:
+            st = taper_apply_token_bitmask(lp, mp, rp, B, V, R, nt)
+        if st == TAPER_ERR_ARG:
+            _fail(op, "a row index is outside [0, B)", arrays)
         _status(st, op, arrays)
 
     # ---- logits processing (NumPy, pyx/cpu_sampling.py)

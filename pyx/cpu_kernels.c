@@ -871,6 +871,53 @@ int taper_fused_add_rms_norm(float* x,             // (T, H)
     return TAPER_OK;
 }
 
+/* LayerNorm of one row: (x - mean) / sqrt(var + eps) * weight (+ bias), var the biased variance
+ * computed from the mean in a second pass (PyTorch's formula, no E[x^2] - mean^2 cancellation). */
+INLINE void layer_norm_row(const float* x, const float* weight, const float* bias, float eps,
+                           float* out, int64_t H) {
+    float sum = 0.0f, sq = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = 0; i < H; i++) sum += x[i];
+    const float mean = sum / (float)H;
+#pragma omp simd reduction(+ : sq)
+    for (int64_t i = 0; i < H; i++) sq += (x[i] - mean) * (x[i] - mean);
+    const float r = 1.0f / sqrtf(sq / (float)H + eps);
+    if (bias) {
+#pragma omp simd
+        for (int64_t i = 0; i < H; i++) out[i] = (x[i] - mean) * r * weight[i] + bias[i];
+    } else {
+#pragma omp simd
+        for (int64_t i = 0; i < H; i++) out[i] = (x[i] - mean) * r * weight[i];
+    }
+}
+
+int taper_layer_norm(const float* x,       // (T, H)
+                     const float* weight,  // (H,)
+                     const float* bias,    // (H,) or NULL
+                     float eps,
+                     float* out,           // (T, H)
+                     int64_t T, int64_t H, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (T * H > 16384)
+    for (int64_t t = 0; t < T; t++) layer_norm_row(x + t * H, weight, bias, eps, out + t * H, H);
+    return TAPER_OK;
+}
+
+int taper_fused_add_layer_norm(float* x,             // (T, H)
+                               float* residual,      // (T, H)
+                               const float* weight,  // (H,)
+                               const float* bias,    // (H,) or NULL
+                               float eps, int64_t T, int64_t H, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (T * H > 16384)
+    for (int64_t t = 0; t < T; t++) {
+        float* xr = x + t * H;
+        float* rr = residual + t * H;
+#pragma omp simd
+        for (int64_t i = 0; i < H; i++) rr[i] += xr[i];
+        layer_norm_row(rr, weight, bias, eps, xr, H);
+    }
+    return TAPER_OK;
+}
+
 /* SwiGLU gate: out = silu(gate) * up with gate = x[:, :I], up = x[:, I:]. */
 INLINE void silu_row_body(const float* g,  // (I,) gate; up follows at g + I
                           float* o,        // (I,)
@@ -930,6 +977,14 @@ int taper_softcap(int isa,
     const int64_t P = 4096;
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (n > 16384)
     for (int64_t i = 0; i < n; i += P) piece(x + i, MIN(P, n - i), cap);
+    return TAPER_OK;
+}
+
+/* x *= s in place, in float32 (Gemma's embedding scaled by sqrt(hidden)). */
+int taper_scale(float* x,  // (n,)
+                int64_t n, float s, int nthreads) {
+#pragma omp parallel for simd num_threads(nthreads) schedule(static) if (n > 16384)
+    for (int64_t i = 0; i < n; i++) x[i] *= s;
     return TAPER_OK;
 }
 
@@ -1805,4 +1860,42 @@ int taper_gumbel_sample(const float* logits,       // (B, V)
                         int64_t* out,              // (B,)
                         int64_t B, int64_t V, int nthreads) {
     return row_argmax(logits, seeds, positions, out, B, V, nthreads, 1);
+}
+
+/* Structured outputs: logits[rows[r], v] = -inf where bit v of bitmask[rows[r]] is clear.
+ * Bit v lives in word v / 32 at position v % 32 (llguidance's and xgrammar's layout); the words
+ * past ceil(V/32) do not exist, so every token id < V has a bit. Rows are independent, and each
+ * row is cut into chunks of 32-bit words so a single long row (B=1, V=150k) spreads too. */
+int taper_apply_token_bitmask(float* logits,            // (B, V)
+                              const int32_t* bitmask,   // (B, W) W = ceil(V / 32)
+                              const int32_t* rows,      // (R,) rows of logits to mask
+                              int64_t B, int64_t V, int64_t R, int nthreads) {
+    int64_t W = (V + 31) / 32;
+    for (int64_t r = 0; r < R; r++)
+        if (rows[r] < 0 || rows[r] >= B) return TAPER_ERR_ARG;
+    const int64_t words_per_chunk = 256;               // 8192 tokens per work item
+    int64_t nch = (W + words_per_chunk - 1) / words_per_chunk;
+    // One thread does ~1 G logits/s here, so threads only pay off past a few million logits:
+    // below that, waking the pool costs more than the pass (and on a loaded machine a
+    // descheduled worker stalls the whole op by a time slice: 12 ms for 8 x 32k, 2026-11-26).
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (R * V > (1 << 22))
+    for (int64_t item = 0; item < R * nch; item++) {
+        int64_t b = rows[item / nch], c = item % nch;
+        int64_t w0 = c * words_per_chunk, w1 = MIN(W, w0 + words_per_chunk);
+        float* row = logits + b * V;
+        const uint32_t* mask = (const uint32_t*)(bitmask + b * W);
+        for (int64_t w = w0; w < w1; w++) {
+            uint32_t bits = mask[w];
+            if (bits == 0xFFFFFFFFu) continue;        // all 32 allowed (free text, padding)
+            int64_t v0 = w * 32, n = MIN(32, V - v0);
+            if (bits == 0) {                          // none allowed: most words of a grammar
+                for (int64_t j = 0; j < n; j++) row[v0 + j] = -INFINITY;
+                continue;
+            }
+            // A select, not a branch per token: the compiler vectorizes it.
+            for (int64_t j = 0; j < n; j++)
+                row[v0 + j] = ((bits >> j) & 1u) ? row[v0 + j] : -INFINITY;
+        }
+    }
+    return TAPER_OK;
 }

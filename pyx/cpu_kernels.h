@@ -65,6 +65,21 @@ int taper_fused_add_rms_norm(float* x,             // (T, H) in: x, out: rms_nor
                              const float* weight,  // (H,)
                              float eps, int64_t T, int64_t H, int nthreads);
 
+/* LayerNorm (StableLM): out = (x - mean) / sqrt(var + eps) * weight + bias, bias NULL = none. */
+int taper_layer_norm(const float* x,       // (T, H)
+                     const float* weight,  // (H,)
+                     const float* bias,    // (H,) or NULL
+                     float eps,
+                     float* out,           // (T, H)
+                     int64_t T, int64_t H, int nthreads);
+
+/* residual += x; x = layer_norm(residual). */
+int taper_fused_add_layer_norm(float* x,             // (T, H)
+                               float* residual,      // (T, H)
+                               const float* weight,  // (H,)
+                               const float* bias,    // (H,) or NULL
+                               float eps, int64_t T, int64_t H, int nthreads);
+
 int taper_rotary_embedding(const int32_t* positions,     // (T,)
                            float* q,                     // (T, Hq, D)
                            float* k,                     // (T, Hkv, D)
@@ -88,6 +103,10 @@ int taper_gelu_tanh_and_mul(int isa,
 int taper_softcap(int isa,
                   float* x,  // (n,)
                   int64_t n, float cap, int nthreads);
+
+/* In place x *= s (Gemma's embedding scaled by sqrt(hidden)). */
+int taper_scale(float* x,  // (n,)
+                int64_t n, float s, int nthreads);
 
 int taper_reshape_and_cache(const float* k,              // (T, Hkv, D)
                             const float* v,              // (T, Hkv, D)
@@ -150,6 +169,13 @@ int taper_gumbel_sample(const float* logits,     // (B, V)
                         const int64_t* positions,// (B,)
                         int64_t* out,            // (B,)
                         int64_t B, int64_t V, int nthreads);
+
+/* Structured outputs: logits[rows[r], v] = -inf where bit v % 32 of word v / 32 of
+ * bitmask[rows[r]] is 0. Rows not listed are untouched. TAPER_ERR_ARG for a row outside [0, B). */
+int taper_apply_token_bitmask(float* logits,           // (B, V)
+                              const int32_t* bitmask,  // (B, ceil(V / 32))
+                              const int32_t* rows,     // (R,)
+                              int64_t B, int64_t V, int64_t R, int nthreads);
 
 /* Philox4x32-10 block (exposed for known-answer tests). ctr (4,) in place; key (2,). */
 void taper_philox4x32_10(uint32_t* ctr, const uint32_t* key);

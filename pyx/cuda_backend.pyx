@@ -11,11 +11,15 @@ biases, the RoPE cos/sin cache, FP8 scales, logits) are float32 as on the CPU. D
 through cuBLAS (the libcublas CuPy loads, on a handle of our own, so no extra link dependency).
 All work is queued on one stream, `backend.stream`, with no synchronization inside an op, so a
 decode step can be captured in a CUDA Graph. Tuned kernels stay behind switches until a GPU
-run has verified them: TAPER_CUDA_SPLIT_K=1 (split-K decode attention),
-TAPER_CUDA_MMA_PREFILL=1 (tensor-core prefill attention), TAPER_CUDA_MARLIN_PIPELINE=1 (the
-pipelined Marlin W4A16 GEMM) and TAPER_CUDA_FP8_CUTLASS=1 (FP8 block-wise weights through
-CUTLASS on sm_90a instead of dequantized once to bf16).
+run has verified them: TAPER_CUDA_SPLIT_K=1 (flash-decoding: split-K decode attention with
+the split count of pyx/decode_splits.py), TAPER_CUDA_MMA_PREFILL=1 (tensor-core prefill
+attention), TAPER_CUDA_MARLIN_PIPELINE=1 (the pipelined Marlin W4A16 GEMM),
+TAPER_CUDA_FP8_CUTLASS=1 (FP8 block-wise weights through CUTLASS on sm_90a instead of
+dequantized once to bf16), TAPER_CUDA_FP8_GEMV=1 (FP8 block-wise weights kept e4m3, read by
+the FP8 GEMV kernel for small M) and TAPER_CUDA_RADIX_FILTER=1 (the top-k / top-p thresholds of
+filter_logits by radix select instead of bisection).
 """
+import math
 import os
 
 import numpy as np
@@ -23,6 +27,7 @@ from libc.stdint cimport INT32_MAX, int32_t, int64_t, uint64_t
 
 from pyx.backend cimport Backend, describe_arrays as _desc, fail as _fail
 from pyx.cuda_launch cimport *
+from pyx.decode_splits import decode_num_splits
 
 
 class CudaError(RuntimeError):
@@ -47,10 +52,11 @@ include "cuda_launchers.pxi"
 
 class DeviceFp8Weight:
     """Block-wise FP8 codes (N, K) and their 128 x 128 block scales on the device, for the
-    CUTLASS GEMM (TAPER_CUDA_FP8_CUTLASS=1 on sm_90a)."""
+    CUTLASS GEMM (TAPER_CUDA_FP8_CUTLASS=1 on sm_90a; `cutlass`) and the small-M FP8 GEMV
+    (TAPER_CUDA_FP8_GEMV=1)."""
 
-    def __init__(self, codes, scales):
-        self.codes, self.scales = codes, scales
+    def __init__(self, codes, scales, cutlass=True):
+        self.codes, self.scales, self.cutlass = codes, scales, cutlass
 
     @property
     def shape(self):
@@ -82,6 +88,11 @@ _U8 = np.dtype(np.uint8)
 # go through weight panels of at most GGUF_PANEL_BYTES dequantized for cuBLAS (prefill).
 cdef int64_t GGUF_MMVQ_MAX_M = 16
 cdef int64_t GGUF_PANEL_BYTES = 64 << 20
+# FP8 GEMV (cuda/fp8_gemv.cu) up to this many rows by default (the kernel takes 64). An estimate
+# for an H100 until a GPU run measures the crossover: its float FMAs (M per weight byte) stay
+# under the time of the weight bytes to about M = 8-16, and it beats the dequantized bf16
+# weights through cuBLAS (twice the bytes) to about M = 20.
+FP8_GEMV_MAX_M = 16
 
 
 include "cuda_cublas.pxi"
@@ -137,10 +148,12 @@ cdef class CudaBackend(Backend):
     cdef readonly object xp, act_dtype, stream, device
     cdef readonly int num_sms
     cdef int _act_code
-    cdef object _cupy, _workspace, _panel, _retired, _cublas_workspace
+    cdef object _cupy, _workspace, _panel, _retired, _cublas_workspace, _decode_occupancy
     cdef void* _blas_handle
-    cdef public bint split_k, mma_prefill, fp8_cutlass, marlin_pipeline
+    cdef public bint split_k, mma_prefill, fp8_cutlass, marlin_pipeline, fp8_gemv, radix_filter
+    cdef public int fp8_gemv_max_m   # FP8 weights take the GEMV up to this many rows
     cdef public int64_t max_context  # decode split-K sizes its partitions for this many keys
+    cdef public int decode_splits    # > 0: this many split-K partitions (benchmarks); 0: the rule
 
     def __init__(self, dtype="bf16", device=0):
         cdef void* handle = NULL
@@ -188,7 +201,12 @@ cdef class CudaBackend(Backend):
         self.mma_prefill = _env_on("TAPER_CUDA_MMA_PREFILL")
         self.fp8_cutlass = _env_on("TAPER_CUDA_FP8_CUTLASS")
         self.marlin_pipeline = _env_on("TAPER_CUDA_MARLIN_PIPELINE")
+        self.fp8_gemv = _env_on("TAPER_CUDA_FP8_GEMV")
+        self.radix_filter = _env_on("TAPER_CUDA_RADIX_FILTER")
+        self.fp8_gemv_max_m = FP8_GEMV_MAX_M
         self.max_context = 0
+        self.decode_splits = 0
+        self._decode_occupancy = {}
 
     def __dealloc__(self):
         if self._blas_handle != NULL and _blas.destroy != NULL:
@@ -241,12 +259,16 @@ cdef class CudaBackend(Backend):
         """FP8 weights: by default dequantized once, on the device, to the activation dtype
         (cuBLAS then multiplies them: the simple path, twice the bytes of the codes). With
         TAPER_CUDA_FP8_CUTLASS=1 on an sm_90a device, 128 x 128 block-wise weights stay e4m3
-        for the CUTLASS block-scaled GEMM (the tuned path, until a GPU run verifies it)."""
+        for the CUTLASS block-scaled GEMM (the tuned path, until a GPU run verifies it). With
+        TAPER_CUDA_FP8_GEMV=1 they stay e4m3 too, for the small-M FP8 GEMV (any sm80+; larger M
+        then goes through CUTLASS where it applies, else panels dequantized for cuBLAS)."""
         n, k = w.shape
         codes, scales = self.asarray(w.weight), self.asarray(w.scale)
-        if (self.fp8_cutlass and tuple(w.block) == (128, 128) and k % 128 == 0 and n % 8 == 0
-                and self._act_code == TAPER_DT_BF16):
-            return DeviceFp8Weight(codes, scales)
+        blocks128 = tuple(w.block) == (128, 128) and k % 128 == 0
+        cutlass = (self.fp8_cutlass and blocks128 and n % 8 == 0
+                   and self._act_code == TAPER_DT_BF16)
+        if cutlass or (self.fp8_gemv and blocks128):
+            return DeviceFp8Weight(codes, scales, cutlass)
         out = self._cupy.empty((n, k), self.act_dtype)
         launch_fp8_dequantize(codes.data.ptr, scales.data.ptr, out.data.ptr, n, k, w.block[0],
                               w.block[1], self._act_code, self._sptr())
@@ -469,10 +491,19 @@ cdef class CudaBackend(Backend):
         launch_marlin_gemm(*args, 0, 0, 0, self._sptr())
 
     def _fp8_compute(self, x, weight, out):
-        """Activations quantized per token and group of 128 to e4m3, then the CUTLASS
-        block-scaled GEMM (bf16 out). One workspace holds the e4m3 activations, their
-        (T, K/128) scales and CUTLASS's own scratch, each part 16-byte aligned."""
+        """Up to fp8_gemv_max_m rows under TAPER_CUDA_FP8_GEMV=1: the FP8 GEMV on the codes.
+        Else, for a weight placed for CUTLASS: activations quantized per token and group of 128
+        to e4m3, then the CUTLASS block-scaled GEMM (bf16 out), one workspace holding the e4m3
+        activations, their (T, K/128) scales and CUTLASS's own scratch, each part 16-byte
+        aligned. Else panels of weight rows dequantized to the activation dtype for cuBLAS."""
         T, K, N = x.shape[0], x.shape[1], out.shape[1]
+        if self.fp8_gemv and T <= self.fp8_gemv_max_m:
+            launch_fp8_gemv(self._ptr(x), weight.codes.data.ptr, weight.scales.data.ptr,
+                            self._ptr(out), T, N, K, self._act_code, self._sptr())
+            return
+        if not weight.cutlass:
+            self._fp8_panels(x, weight, out)
+            return
         codes_bytes = -(-T * K // 16) * 16
         scale_bytes = -(-T * (K // 128) * 4 // 16) * 16
         gemm_ws = fp8_block_gemm_workspace_bytes(T, N, K)
@@ -483,6 +514,21 @@ cdef class CudaBackend(Backend):
         launch_fp8_block_gemm(q, scales, weight.codes.data.ptr, weight.scales.data.ptr,
                               self._ptr(out), T, N, K, scratch if gemm_ws else 0, gemm_ws,
                               self._sptr())
+
+    def _fp8_panels(self, x, weight, out):
+        """out = x W^T with W dequantized, whole 128-row scale blocks at a time, into the
+        panel buffer and multiplied by cuBLAS (the default path's arithmetic, in pieces)."""
+        cdef int64_t T = x.shape[0], K = x.shape[1], N = out.shape[1]
+        cdef int64_t item = self.act_dtype.itemsize, r0, rows
+        cdef int64_t panel_rows = min(N, max(128, GGUF_PANEL_BYTES // (K * item) // 128 * 128))
+        panel = self._panel_ptr(panel_rows * K * item)
+        for r0 in range(0, N, panel_rows):
+            rows = min(panel_rows, N - r0)
+            launch_fp8_dequantize(weight.codes.data.ptr + r0 * K,
+                                  weight.scales.data.ptr + (r0 // 128) * (K // 128) * 4, panel,
+                                  rows, K, 128, 128, self._act_code, self._sptr())
+            self._gemm(panel, self._ptr(x), self._ptr(out) + r0 * item, T, rows, K, N,
+                       self._act_code)
 
     def _quant_embedding(self, token_ids, table, out):
         """Rows of a ggml-block table: the token rows' blocks are gathered, then dequantized."""
@@ -523,6 +569,41 @@ cdef class CudaBackend(Backend):
             _fail(op, "need x, residual (T, H) and weight (H,)", arrays)
         launch_fused_add_rms_norm(self._ptr(x), self._ptr(residual), self._ptr(weight), T, H, eps,
                                   self._act_code, self._sptr())
+
+    def layer_norm(self, x, weight, bias, eps, out):
+        op, act = "layer_norm", (self.act_dtype,)
+        arrays = {"x": x, "weight": weight, "bias": bias, "out": out}
+        self._check(op, arrays, "x", act, 2)
+        self._check(op, arrays, "out", act, 2, True)
+        if out.shape != x.shape:
+            _fail(op, "need x, out (T, H)", arrays)
+        bias_ptr = self._norm_vectors(op, arrays, x.shape[1])
+        launch_layer_norm(self._ptr(x), self._ptr(weight), bias_ptr, self._ptr(out), x.shape[0],
+                          x.shape[1], eps, self._act_code, self._sptr())
+
+    def fused_add_layer_norm(self, x, residual, weight, bias, eps):
+        op, act = "fused_add_layer_norm", (self.act_dtype,)
+        arrays = {"x": x, "residual": residual, "weight": weight, "bias": bias}
+        self._check(op, arrays, "x", act, 2, True)
+        self._check(op, arrays, "residual", act, 2, True)
+        if residual.shape != x.shape:
+            _fail(op, "need x, residual (T, H)", arrays)
+        bias_ptr = self._norm_vectors(op, arrays, x.shape[1])
+        launch_fused_add_layer_norm(self._ptr(x), self._ptr(residual), self._ptr(weight),
+                                    bias_ptr, x.shape[0], x.shape[1], eps, self._act_code,
+                                    self._sptr())
+
+    def _norm_vectors(self, str op, dict arrays, H):
+        """Checks weight (H,) f32 and bias (H,) f32 or None; the bias pointer, 0 for None."""
+        self._check(op, arrays, "weight", (_F32,), 1)
+        if arrays["weight"].shape[0] != H:
+            _fail(op, "weight must be (H,)", arrays)
+        if arrays["bias"] is None:
+            return 0
+        self._check(op, arrays, "bias", (_F32,), 1)
+        if arrays["bias"].shape[0] != H:
+            _fail(op, "bias must be (H,)", arrays)
+        return self._ptr(arrays["bias"])
 
     def rotary_embedding(self, positions, q, k, cos_sin_cache, head_dim, is_neox):
         op, act = "rotary_embedding", (self.act_dtype,)
@@ -565,6 +646,14 @@ cdef class CudaBackend(Backend):
         if not cap > 0:
             _fail(op, "cap must be > 0", arrays)
         launch_softcap(self._ptr(x), x.size, cap, _dtype_code(x.dtype), self._sptr())
+
+    def scale(self, x, s):
+        op = "scale"
+        arrays = {"x": x, "s": s}
+        self._check(op, arrays, "x", (self.act_dtype,), 2, True)
+        if not math.isfinite(s):
+            _fail(op, "s must be a finite number", arrays)
+        launch_scale(self._ptr(x), x.size, s, self._act_code, self._sptr())
 
     cdef int _cache_code(self, str op, dict arrays, bint writable) except? -2:
         """The caches' TAPER_DT_* code; checks their dtype, shape and the FP8 scales."""
@@ -637,9 +726,8 @@ cdef class CudaBackend(Backend):
             _fail(op, f"softcap must be >= 0, got {softcap}", arrays)
         ks, vs = self._opt_ptr(k_scale), self._opt_ptr(v_scale)
         if T == B:
-            splits = 1
-            if self.split_k:
-                splits = decode_num_splits(B, Hkv, self.max_context or MB * BS, self.num_sms)
+            fp8 = cache_code == TAPER_DT_FP8
+            splits = self.decode_split_count(B, Hq, Hkv, D, BS, MB, fp8)
             ws_bytes = decode_workspace_bytes(B, Hq, D, splits)
             launch_paged_attention_decode(
                 self._ptr(out), self._ptr(q), self._ptr(k_cache), self._ptr(v_cache), ks, vs,
@@ -658,6 +746,22 @@ cdef class CudaBackend(Backend):
                 if "status -1" not in str(e):
                     raise
         launch_paged_attention_prefill(*args, 0, self._sptr())
+
+    def decode_split_count(self, B, Hq, Hkv, D, BS, MB, fp8_cache=False):
+        """Partitions per (sequence, KV head) that paged_attention gives a decode batch: 1
+        without the split-K switch, else `decode_splits` when set, else the rule of
+        pyx/decode_splits.py for this device's SMs and the kernel's occupancy at this shape."""
+        if not self.split_k:
+            return 1
+        if self.decode_splits:
+            return self.decode_splits
+        cache_code = TAPER_DT_FP8 if fp8_cache else self._act_code
+        key = (Hq, Hkv, D, cache_code)
+        if key not in self._decode_occupancy:
+            self._decode_occupancy[key] = decode_blocks_per_sm(Hq, Hkv, D, self._act_code,
+                                                               cache_code)
+        return decode_num_splits(B, Hkv, self.max_context or MB * BS, BS, self.num_sms,
+                                 self._decode_occupancy[key])
 
     def _workspace_ptr(self, int64_t nbytes):
         """Scratch of at least nbytes shared by the ops that need one (split-K decode, the
@@ -704,6 +808,18 @@ cdef class CudaBackend(Backend):
         launch_gumbel_sample(self._ptr(logits), self._ptr(seeds), self._ptr(positions),
                              self._ptr(out), B, V, self._sptr())
 
+    def apply_token_bitmask(self, logits, bitmask, rows):
+        op = "apply_token_bitmask"
+        arrays = {"logits": logits, "bitmask": bitmask, "rows": rows}
+        self._check(op, arrays, "logits", (_F32,), 2, True)
+        self._check(op, arrays, "bitmask", (_I32,), 2)
+        self._check(op, arrays, "rows", (_I32,), 1)
+        B, V = logits.shape
+        if bitmask.shape[0] != B or bitmask.shape[1] != (V + 31) // 32:
+            _fail(op, "need bitmask (B, ceil(V / 32)) for logits (B, V)", arrays)
+        launch_apply_token_bitmask(self._ptr(logits), self._ptr(bitmask), self._ptr(rows), B, V,
+                                   rows.shape[0], self._sptr())
+
     def apply_penalties(self, logits, rows, cols, bias, rep, pres_freq):
         op = "apply_penalties"
         arrays = {"logits": logits, "rows": rows, "cols": cols, "bias": bias, "rep": rep,
@@ -734,4 +850,5 @@ cdef class CudaBackend(Backend):
         if any(arrays[n].shape[0] != B for n in ("temperature", "top_k", "top_p", "min_p")):
             _fail(op, "temperature, top_k, top_p, min_p must be (B,)", arrays)
         launch_filter_logits(self._ptr(logits), self._ptr(temperature), self._ptr(top_k),
-                             self._ptr(top_p), self._ptr(min_p), B, V, self._sptr())
+                             self._ptr(top_p), self._ptr(min_p), B, V, self._sptr(),
+                             self.radix_filter)

@@ -16,6 +16,11 @@ cdef extern from "taper_cuda.h" nogil:
                             float eps, int dtype, taper_stream_t stream)
     int taper_cuda_fused_add_rms_norm(void* x, void* residual, const float* weight, int64_t T,
                                       int64_t H, float eps, int dtype, taper_stream_t stream)
+    int taper_cuda_layer_norm(const void* x, const float* weight, const float* bias, void* out,
+                              int64_t T, int64_t H, float eps, int dtype, taper_stream_t stream)
+    int taper_cuda_fused_add_layer_norm(void* x, void* residual, const float* weight,
+                                        const float* bias, int64_t T, int64_t H, float eps,
+                                        int dtype, taper_stream_t stream)
     int taper_cuda_rotary_embedding(const int32_t* positions, void* q, void* k,
                                     const float* cos_sin_cache, int64_t T, int64_t Hq,
                                     int64_t Hkv, int64_t D, int64_t rot_dim, int64_t max_pos,
@@ -25,6 +30,7 @@ cdef extern from "taper_cuda.h" nogil:
     int taper_cuda_gelu_tanh_and_mul(const void* x, void* out, int64_t T, int64_t I, int dtype,
                                      taper_stream_t stream)
     int taper_cuda_softcap(void* x, int64_t n, float cap, int dtype, taper_stream_t stream)
+    int taper_cuda_scale(void* x, int64_t n, float s, int dtype, taper_stream_t stream)
     int taper_cuda_add_bias(void* out, const float* bias, int64_t T, int64_t N, int dtype,
                             taper_stream_t stream)
     int taper_cuda_reshape_and_cache(const void* k, const void* v, void* k_cache, void* v_cache,
@@ -33,7 +39,8 @@ cdef extern from "taper_cuda.h" nogil:
                                      int64_t NB, int64_t BS, int dtype, int cache_dtype,
                                      taper_stream_t stream)
     int64_t taper_cuda_decode_workspace_bytes(int64_t B, int64_t Hq, int64_t D, int num_splits)
-    int taper_cuda_decode_num_splits(int64_t B, int64_t Hkv, int64_t max_seq_len, int num_sms)
+    int taper_cuda_decode_blocks_per_sm(int64_t Hq, int64_t Hkv, int64_t D, int dtype,
+                                        int cache_dtype, int* blocks)
     int taper_cuda_paged_attention_decode(void* out, const void* q, const void* k_cache,
                                           const void* v_cache, const float* k_scale,
                                           const float* v_scale, const int32_t* block_tables,
@@ -57,12 +64,18 @@ cdef extern from "taper_cuda.h" nogil:
     int taper_cuda_gumbel_sample(const float* logits, const uint64_t* seeds,
                                  const int64_t* positions, int64_t* out, int64_t B, int64_t V,
                                  taper_stream_t stream)
+    int taper_cuda_apply_token_bitmask(float* logits, const int32_t* bitmask, const int32_t* rows,
+                                       int64_t B, int64_t V, int64_t R, taper_stream_t stream)
     int taper_cuda_apply_penalties(float* logits, const int32_t* rows, const int32_t* cols,
                                    const float* bias, const float* rep, const float* pres_freq,
                                    int64_t B, int64_t V, int64_t N, taper_stream_t stream)
     int taper_cuda_filter_logits(float* logits, const float* temperature, const int32_t* top_k,
                                  const float* top_p, const float* min_p, int64_t B, int64_t V,
                                  taper_stream_t stream)
+    int taper_cuda_filter_logits_radix(float* logits, const float* temperature,
+                                       const int32_t* top_k, const float* top_p,
+                                       const float* min_p, int64_t B, int64_t V,
+                                       taper_stream_t stream)
     int taper_cuda_gguf_supported(int qtype)
     int taper_cuda_gguf_dequantize(int qtype, const void* w, void* out, int64_t N, int64_t K,
                                    int dtype, taper_stream_t stream)
@@ -89,3 +102,5 @@ cdef extern from "taper_cutlass.h" nogil:
     int taper_cuda_fp8_quantize_per_token_group(const void* x, uint8_t* q, float* scales,
                                                 int64_t M, int64_t K, int64_t group, int dtype,
                                                 taper_stream_t stream)
+    int taper_cuda_fp8_gemv(const void* x, const uint8_t* w, const float* scales, void* out,
+                            int64_t M, int64_t N, int64_t K, int dtype, taper_stream_t stream)

@@ -26,6 +26,25 @@ def launch_rms_norm(ptr_t x, ptr_t weight, ptr_t out, int64_t T, int64_t H, floa
     _check_status(st, "rms_norm", dict(T=T, H=H, dtype=dtype))
 
 
+def launch_layer_norm(ptr_t x, ptr_t weight, ptr_t bias, ptr_t out, int64_t T, int64_t H,
+                      float eps, int dtype, ptr_t stream):
+    cdef int st
+    with nogil:
+        st = taper_cuda_layer_norm(<const void*>x, <const float*>weight, <const float*>bias,
+                                   <void*>out, T, H, eps, dtype, <taper_stream_t>stream)
+    _check_status(st, "layer_norm", dict(T=T, H=H, dtype=dtype))
+
+
+def launch_fused_add_layer_norm(ptr_t x, ptr_t residual, ptr_t weight, ptr_t bias, int64_t T,
+                                int64_t H, float eps, int dtype, ptr_t stream):
+    cdef int st
+    with nogil:
+        st = taper_cuda_fused_add_layer_norm(<void*>x, <void*>residual, <const float*>weight,
+                                             <const float*>bias, T, H, eps, dtype,
+                                             <taper_stream_t>stream)
+    _check_status(st, "fused_add_layer_norm", dict(T=T, H=H, dtype=dtype))
+
+
 def launch_fused_add_rms_norm(ptr_t x, ptr_t residual, ptr_t weight, int64_t T, int64_t H,
                               float eps, int dtype, ptr_t stream):
     cdef int st
@@ -70,6 +89,13 @@ def launch_softcap(ptr_t x, int64_t n, float cap, int dtype, ptr_t stream):
     _check_status(st, "softcap", dict(n=n, cap=cap, dtype=dtype))
 
 
+def launch_scale(ptr_t x, int64_t n, float s, int dtype, ptr_t stream):
+    cdef int st
+    with nogil:
+        st = taper_cuda_scale(<void*>x, n, s, dtype, <taper_stream_t>stream)
+    _check_status(st, "scale", dict(n=n, s=s, dtype=dtype))
+
+
 def launch_add_bias(ptr_t out, ptr_t bias, int64_t T, int64_t N, int dtype, ptr_t stream):
     cdef int st
     with nogil:
@@ -96,9 +122,16 @@ def decode_workspace_bytes(int64_t B, int64_t Hq, int64_t D, int num_splits):
     return taper_cuda_decode_workspace_bytes(B, Hq, D, num_splits)
 
 
-def decode_num_splits(int64_t B, int64_t Hkv, int64_t max_seq_len, int num_sms):
-    """Partitions per sequence for split-K decode attention (cuda/attention_decode.cu)."""
-    return taper_cuda_decode_num_splits(B, Hkv, max_seq_len, num_sms)
+def decode_blocks_per_sm(int64_t Hq, int64_t Hkv, int64_t D, int dtype, int cache_dtype):
+    """Blocks of the decode attention kernel for this shape that one SM holds at once (the
+    runtime's occupancy calculator); the split rule fills num_sms times this many slots."""
+    cdef int blocks = 0
+    cdef int st
+    with nogil:
+        st = taper_cuda_decode_blocks_per_sm(Hq, Hkv, D, dtype, cache_dtype, &blocks)
+    _check_status(st, "decode_blocks_per_sm", dict(Hq=Hq, Hkv=Hkv, D=D, dtype=dtype,
+                                                   cache_dtype=cache_dtype))
+    return blocks
 
 
 def launch_paged_attention_decode(ptr_t out, ptr_t q, ptr_t k_cache, ptr_t v_cache,
@@ -157,6 +190,16 @@ def launch_gumbel_sample(ptr_t logits, ptr_t seeds, ptr_t positions, ptr_t out, 
     _check_status(st, "gumbel_sample", dict(B=B, V=V))
 
 
+def launch_apply_token_bitmask(ptr_t logits, ptr_t bitmask, ptr_t rows, int64_t B, int64_t V,
+                               int64_t R, ptr_t stream):
+    cdef int st
+    with nogil:
+        st = taper_cuda_apply_token_bitmask(<float*>logits, <const int32_t*>bitmask,
+                                            <const int32_t*>rows, B, V, R,
+                                            <taper_stream_t>stream)
+    _check_status(st, "apply_token_bitmask", dict(B=B, V=V, R=R))
+
+
 def launch_apply_penalties(ptr_t logits, ptr_t rows, ptr_t cols, ptr_t bias, ptr_t rep,
                            ptr_t pres_freq, int64_t B, int64_t V, int64_t N, ptr_t stream):
     cdef int st
@@ -169,13 +212,20 @@ def launch_apply_penalties(ptr_t logits, ptr_t rows, ptr_t cols, ptr_t bias, ptr
 
 
 def launch_filter_logits(ptr_t logits, ptr_t temperature, ptr_t top_k, ptr_t top_p, ptr_t min_p,
-                         int64_t B, int64_t V, ptr_t stream):
+                         int64_t B, int64_t V, ptr_t stream, bint radix=False):
+    """radix: thresholds by radix select (taper_cuda_filter_logits_radix), not bisection."""
     cdef int st
     with nogil:
-        st = taper_cuda_filter_logits(<float*>logits, <const float*>temperature,
-                                      <const int32_t*>top_k, <const float*>top_p,
-                                      <const float*>min_p, B, V, <taper_stream_t>stream)
-    _check_status(st, "filter_logits", dict(B=B, V=V))
+        if radix:
+            st = taper_cuda_filter_logits_radix(<float*>logits, <const float*>temperature,
+                                                <const int32_t*>top_k, <const float*>top_p,
+                                                <const float*>min_p, B, V,
+                                                <taper_stream_t>stream)
+        else:
+            st = taper_cuda_filter_logits(<float*>logits, <const float*>temperature,
+                                          <const int32_t*>top_k, <const float*>top_p,
+                                          <const float*>min_p, B, V, <taper_stream_t>stream)
+    _check_status(st, "filter_logits", dict(B=B, V=V, radix=radix))
 
 
 def gguf_supported(int qtype):
@@ -228,6 +278,15 @@ def launch_fp8_dequantize(ptr_t w, ptr_t scales, ptr_t out, int64_t N, int64_t K
         st = taper_cuda_fp8_dequantize(<const uint8_t*>w, <const float*>scales, <void*>out, N, K,
                                        bn, bk, dtype, <taper_stream_t>stream)
     _check_status(st, "fp8_dequantize", dict(N=N, K=K, bn=bn, bk=bk, dtype=dtype))
+
+
+def launch_fp8_gemv(ptr_t x, ptr_t w, ptr_t scales, ptr_t out, int64_t M, int64_t N, int64_t K,
+                    int dtype, ptr_t stream):
+    cdef int st
+    with nogil:
+        st = taper_cuda_fp8_gemv(<const void*>x, <const uint8_t*>w, <const float*>scales,
+                                 <void*>out, M, N, K, dtype, <taper_stream_t>stream)
+    _check_status(st, "fp8_gemv", dict(M=M, N=N, K=K, dtype=dtype))
 
 
 def launch_fp8_quantize_per_token_group(ptr_t x, ptr_t q, ptr_t scales, int64_t M, int64_t K,

@@ -32,21 +32,23 @@ cdef class Workspace:
 
 
 cdef class Attention:
-    """Fused qkv projection, optional per-head q/k RMSNorm, RoPE, KV cache write, paged attention,
-    output projection."""
+    """Fused qkv projection, optional per-head q/k RMSNorm, RoPE, KV cache write, paged attention
+    (optionally soft-capped), output projection."""
     cdef object backend, xp
     cdef object qkv_weight, qkv_bias, o_weight, o_bias, q_norm, k_norm, cos_sin_cache
     cdef readonly object k_scale, v_scale
     cdef readonly int num_heads, num_kv_heads, head_dim, sliding_window
     cdef int q_size, kv_size
-    cdef double scale, eps
+    cdef double scale, eps, softcap
     cdef bint is_neox
 
     def __init__(self, backend, qkv_weight, qkv_bias, o_weight, o_bias, q_norm, k_norm,
                  cos_sin_cache, int num_heads, int num_kv_heads, int head_dim, double eps,
-                 int sliding_window, bint is_neox=True, k_scale=None, v_scale=None):
+                 int sliding_window, bint is_neox=True, k_scale=None, v_scale=None,
+                 scale=None, double softcap=0.0):
         """k_scale, v_scale (Hkv,) f32: the FP8 KV cache's per-head scales, passed to the cache ops
-        when the caches are FP8 (uint8); None: 1.0."""
+        when the caches are FP8 (uint8); None: 1.0. scale: the attention scores' multiplier
+        (None: head_dim ** -0.5); softcap > 0 caps the scaled scores (Gemma-2)."""
         self.backend = backend
         self.xp = getattr(backend, "xp", np)
         self.qkv_weight, self.qkv_bias = qkv_weight, qkv_bias
@@ -55,7 +57,8 @@ cdef class Attention:
         self.cos_sin_cache = cos_sin_cache
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
-        self.scale = head_dim ** -0.5
+        self.scale = head_dim ** -0.5 if scale is None else scale
+        self.softcap = softcap
         self.eps = eps
         self.sliding_window = sliding_window
         self.is_neox = is_neox
@@ -98,25 +101,31 @@ cdef class Attention:
             b.paged_attention(attn.reshape(T, self.num_heads, D), q.reshape(T, self.num_heads, D),
                               k_cache, v_cache, batch.block_tables, batch.seq_lens,
                               batch.query_start_loc, self.scale, self.sliding_window,
-                              self.k_scale, self.v_scale)
+                              self.k_scale, self.v_scale, softcap=self.softcap)
         else:
             b.reshape_and_cache(k3, v3, k_cache, v_cache, batch.slot_mapping)
             b.paged_attention(attn.reshape(T, self.num_heads, D), q.reshape(T, self.num_heads, D),
                               k_cache, v_cache, batch.block_tables, batch.seq_lens,
-                              batch.query_start_loc, self.scale, self.sliding_window)
+                              batch.query_start_loc, self.scale, self.sliding_window,
+                              softcap=self.softcap)
         b.linear(attn, self.o_weight, self.o_bias, out)
 
 
 cdef class MLP:
-    """SwiGLU: down(silu(gate(x)) * up(x)) with gate and up fused into one (2I, H) matrix."""
-    cdef object backend, gate_up_weight, gate_up_bias, down_weight, down_bias
+    """Gated MLP: down(act(gate(x)) * up(x)) with gate and up fused into one (2I, H) matrix;
+    act "silu" (SwiGLU) or "gelu_tanh" (GeGLU, Gemma)."""
+    cdef object backend, gate_up_weight, gate_up_bias, down_weight, down_bias, act_and_mul
     cdef int intermediate_size
 
-    def __init__(self, backend, gate_up_weight, gate_up_bias, down_weight, down_bias):
+    def __init__(self, backend, gate_up_weight, gate_up_bias, down_weight, down_bias,
+                 str act="silu"):
         self.backend = backend
         self.gate_up_weight, self.gate_up_bias = gate_up_weight, gate_up_bias
         self.down_weight, self.down_bias = down_weight, down_bias
         self.intermediate_size = gate_up_weight.shape[0] // 2
+        if act not in ("silu", "gelu_tanh"):
+            raise ValueError(f"MLP: unknown activation {act!r}, expected silu or gelu_tanh")
+        self.act_and_mul = getattr(backend, f"{act}_and_mul")
 
     def forward(self, x, out, Workspace ws):
         """x (T, H) -> out (T, H)."""
@@ -125,7 +134,7 @@ cdef class MLP:
         gate_up = ws.get("gate_up", T, 2 * self.intermediate_size)
         b.linear(x, self.gate_up_weight, self.gate_up_bias, gate_up)
         act = ws.get("act", T, self.intermediate_size)
-        b.silu_and_mul(gate_up, act)
+        self.act_and_mul(gate_up, act)
         b.linear(act, self.down_weight, self.down_bias, out)
 
 
@@ -135,11 +144,11 @@ cdef class DecoderLayer:
     `residual` holds the running sum of everything before."""
     cdef object backend, input_norm, post_norm
     cdef readonly Attention attention
-    cdef readonly MLP mlp
+    cdef readonly object mlp          # an MLP, or any block with forward(x, out, ws) (pyx/moe.py)
     cdef double eps
     cdef bint first
 
-    def __init__(self, backend, Attention attention, MLP mlp, input_norm, post_norm, double eps,
+    def __init__(self, backend, Attention attention, mlp, input_norm, post_norm, double eps,
                  bint first):
         self.backend = backend
         self.attention, self.mlp = attention, mlp
@@ -157,6 +166,64 @@ cdef class DecoderLayer:
         self.attention.forward(batch, hidden, attn_out, k_cache, v_cache, ws)
         b.fused_add_rms_norm(attn_out, residual, self.post_norm, self.eps)
         self.mlp.forward(attn_out, hidden, ws)
+
+
+cdef class SandwichDecoderLayer(DecoderLayer):
+    """Pre- and post-norms around both blocks (Gemma-2/3; GLM-4's post norms too):
+    h += post_attn_norm(attn(input_norm(h))); h += post_mlp_norm(mlp(pre_mlp_norm(h))).
+    Same residual convention as DecoderLayer: `hidden` leaves holding the post-normed MLP output
+    that the next layer's fused add folds into `residual`."""
+    cdef object post_attn_norm, pre_mlp_norm, post_mlp_norm
+
+    def __init__(self, backend, Attention attention, mlp, input_norm, post_attn_norm,
+                 pre_mlp_norm, post_mlp_norm, double eps, bint first):
+        DecoderLayer.__init__(self, backend, attention, mlp, input_norm, pre_mlp_norm, eps, first)
+        self.post_attn_norm, self.pre_mlp_norm = post_attn_norm, pre_mlp_norm
+        self.post_mlp_norm = post_mlp_norm
+
+    def forward(self, batch, hidden, residual, k_cache, v_cache, Workspace ws):
+        b = self.backend
+        if self.first:
+            b.rms_norm(residual, self.input_norm, self.eps, hidden)
+        else:
+            b.fused_add_rms_norm(hidden, residual, self.input_norm, self.eps)
+        block_out = ws.get("attn_out", hidden.shape[0], hidden.shape[1])
+        self.attention.forward(batch, hidden, block_out, k_cache, v_cache, ws)
+        b.rms_norm(block_out, self.post_attn_norm, self.eps, hidden)
+        b.fused_add_rms_norm(hidden, residual, self.pre_mlp_norm, self.eps)
+        self.mlp.forward(hidden, block_out, ws)
+        b.rms_norm(block_out, self.post_mlp_norm, self.eps, hidden)
+
+
+cdef class LayerNormDecoderLayer(DecoderLayer):
+    """DecoderLayer with LayerNorm (weight and bias, StableLM) instead of RMSNorm. parallel
+    (GPT-NeoX's parallel residual): attention and MLP both read input_norm(h), h += attn + mlp."""
+    cdef object input_bias, post_bias
+    cdef bint parallel
+
+    def __init__(self, backend, Attention attention, mlp, input_norm, input_bias, post_norm,
+                 post_bias, double eps, bint first, bint parallel):
+        DecoderLayer.__init__(self, backend, attention, mlp, input_norm, post_norm, eps, first)
+        self.input_bias, self.post_bias = input_bias, post_bias
+        self.parallel = parallel
+
+    def forward(self, batch, hidden, residual, k_cache, v_cache, Workspace ws):
+        b = self.backend
+        if self.first:
+            b.layer_norm(residual, self.input_norm, self.input_bias, self.eps, hidden)
+        else:
+            b.fused_add_layer_norm(hidden, residual, self.input_norm, self.input_bias, self.eps)
+        attn_out = ws.get("attn_out", hidden.shape[0], hidden.shape[1])
+        self.attention.forward(batch, hidden, attn_out, k_cache, v_cache, ws)
+        if self.parallel:
+            # The MLP reads `hidden` only in its first GEMM, so it may write its output there.
+            self.mlp.forward(hidden, hidden, ws)
+            # residual += attn_out through the fused op, whose normalized output (left in
+            # attn_out) is unused: the op table has no plain add, and this is one pass over (T, H).
+            b.fused_add_layer_norm(attn_out, residual, self.input_norm, self.input_bias, self.eps)
+        else:
+            b.fused_add_layer_norm(attn_out, residual, self.post_norm, self.post_bias, self.eps)
+            self.mlp.forward(attn_out, hidden, ws)
 
 
 def run_layers(list layers, batch, hidden, residual, list kv_caches, Workspace ws):

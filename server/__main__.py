@@ -1,4 +1,5 @@
 """`python -m server` / `taper`: load a model and serve the OpenAI-compatible API with Hypercorn.
+`taper chat ...` is the terminal chat client instead (server/chat/).
 
 Flags follow candle-vllm's short names (`--w`, `--m`, `--p`, `--h`, `--mem`) with long names
 beside them. With neither `--w` nor `--m`, a tiny random-weight demo checkpoint is generated
@@ -15,8 +16,6 @@ import signal
 import sys
 import threading
 
-from engine.sampling_params import SamplingParams
-
 log = logging.getLogger("taper.server")
 
 DEMO_NAME = "taper-demo"
@@ -27,7 +26,8 @@ DEMO_WARNING = ("No model given: serving a locally generated demo checkpoint wit
 def build_parser() -> argparse.ArgumentParser:
     # add_help=False: `--h` is the host (candle-vllm's flag), so help is only `--help`.
     p = argparse.ArgumentParser(prog="taper", add_help=False, allow_abbrev=False,
-                                description="Taper: serve an LLM with an OpenAI-compatible API.")
+                                description="Taper: serve an LLM with an OpenAI-compatible API.",
+                                epilog="`taper chat --help`: the terminal chat client.")
     p.add_argument("--help", action="help", help="show this help and exit")
     g = p.add_argument_group("server")
     g.add_argument("--port", "--p", dest="port", type=int, default=2000, help="port (default 2000)")
@@ -51,9 +51,21 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--trust-request-chat-template", action="store_true",
                    help="let requests bring their own chat_template (a template is code the "
                         "server runs)")
-    g.add_argument("--ui-server", action="store_true", help="serve the web chat UI")
-    g.add_argument("--enforce-parser", metavar="NAME", help="tool-call parser to use")
-    g.add_argument("--mcp-config", metavar="FILE", help="MCP servers whose tools to offer")
+    g.add_argument("--responses-store-size", type=int, metavar="N", default=1000,
+                   help="Responses API responses kept for GET and previous_response_id, the "
+                        "oldest dropped first (default 1000; 0 keeps none)")
+    g.add_argument("--ui-server", action="store_true",
+                   help="candle-vllm's flag for the web chat UI, accepted for its scripts: the "
+                        "UI is always served at /ui on the API port")
+    g.add_argument("--structured-outputs-timeout", type=float, metavar="S", default=5.0,
+                   help="seconds a request's JSON schema, regex or grammar may take to compile "
+                        "before it is refused with a 400 (default 5)")
+    g.add_argument("--enforce-parser", metavar="NAME",
+                   help="tool-call parser (mistral, llama, pythonic, qwen, qwen_coder, json); "
+                        "default: chosen from the model type and chat template")
+    g.add_argument("--mcp-config", metavar="FILE",
+                   help="mcp.json naming MCP servers whose tools are offered to chat requests "
+                        "that send no tools")
     g.add_argument("--log", action="store_true", help="verbose logging (every request)")
     m = p.add_argument_group("model")
     src = m.add_mutually_exclusive_group()
@@ -105,8 +117,15 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--batch-invariant", action="store_true",
                    help="CPU backend: compute every request's logits with batch-invariant "
                         "kernels, so a seeded request gives the same tokens alone or in any "
-                        "batch, however its prompt is chunked or cached (slower decode; see "
-                        "README)")
+                        "batch, however its prompt is chunked or cached (slower prefill; "
+                        "see README)")
+    e.add_argument("--logprobs-mode", choices=["raw", "processed"], default="raw",
+                   help="logprobs of the model's distribution (raw, default) or of the one "
+                        "sampled from: after penalties, logit_bias, temperature and filters")
+    e.add_argument("--profile-steps", type=int, metavar="N", default=0,
+                   help="log every N steps where the engine's step time went (scheduling, batch "
+                        "preparation, forward, sampling, output processing); it synchronizes the "
+                        "device after each forward, so it slows a GPU")
     s = p.add_argument_group("generation defaults (requests override them; unset: the "
                              "checkpoint's generation_config.json)")
     s.add_argument("--max-gen-tokens", type=int, metavar="N", default=None,
@@ -121,13 +140,13 @@ SAMPLING_FLAGS = {"temperature": float, "top_p": float, "top_k": int, "min_p": f
                   "frequency_penalty": float, "presence_penalty": float}
 
 # Flags whose features later work brings: refused at start-up, never silently ignored.
-NOT_YET_SUPPORTED = {"enforce_parser": ("--enforce-parser", "tool calling"),
-                     "mcp_config": ("--mcp-config", "MCP tools"),
-                     "ui_server": ("--ui-server", "the web chat UI")}
+NOT_YET_SUPPORTED: dict[str, tuple[str, str]] = {}
 
 
 def check_args(args) -> str | None:
     """The first problem with the flags, as a message, or None."""
+    from engine.sampling_params import SamplingParams
+
     for dest, (flag, feature) in NOT_YET_SUPPORTED.items():
         if getattr(args, dest):
             return f"{flag}: {feature} is not yet supported"
@@ -141,6 +160,15 @@ def check_args(args) -> str | None:
         value = getattr(args, name)
         if value is not None and value < 1:
             return f"--{name.replace('_', '-')} must be at least 1"
+    if args.responses_store_size < 0:
+        return "--responses-store-size must be at least 0"
+    if args.enforce_parser is not None:
+        from server.tool_parsers import PARSERS
+        if args.enforce_parser not in PARSERS:
+            return (f"--enforce-parser: unknown tool parser {args.enforce_parser!r}; choose "
+                    f"one of {', '.join(sorted(PARSERS))}")
+    if args.profile_steps < 0:
+        return "--profile-steps must be 0 (off) or a number of steps"
     if args.max_request_mb <= 0 or args.shutdown_timeout < 0:
         return "--max-request-mb must be positive and --shutdown-timeout non-negative"
     try:
@@ -199,7 +227,7 @@ def engine_config(args):
         enable_prefix_caching=not args.disable_prefix_cache,
         prefix_cache_max_tokens=args.prefix_cache_max_tokens, max_model_len=args.max_model_len,
         yarn_scaling_factor=args.yarn_scaling_factor, isq=args.isq, seed=args.seed,
-        batch_invariant=args.batch_invariant)
+        batch_invariant=args.batch_invariant, logprobs_mode=args.logprobs_mode)
 
 
 def server_settings(args, config):
@@ -221,7 +249,9 @@ def server_settings(args, config):
         max_queued_requests=args.max_queued_requests, max_gen_tokens=args.max_gen_tokens,
         sampling_defaults=sampling_defaults(args), chat_template=template,
         trust_request_chat_template=args.trust_request_chat_template,
-        max_body_bytes=int(args.max_request_mb * 2**20), cors_origins=args.allowed_origins)
+        max_body_bytes=int(args.max_request_mb * 2**20), cors_origins=args.allowed_origins,
+        responses_store_size=args.responses_store_size,
+        structured_outputs_timeout=args.structured_outputs_timeout, tool_parser=args.enforce_parser)
 
 
 class Server:
@@ -233,6 +263,10 @@ class Server:
         self.app, self.state, self.config, self.args = app, app.taper, config, args
         self.stop = asyncio.Event()
         self.exit_code = 0
+        self.mcp_specs = []
+        if args.mcp_config:               # a bad file stops start-up, naming the problem
+            from server.mcp_tools import load_mcp_config
+            self.mcp_specs = load_mcp_config(args.mcp_config)
         self._drain_task: asyncio.Task | None = None
 
     async def run(self):
@@ -252,12 +286,26 @@ class Server:
         threading.Thread(target=self._load, args=(loop,), name="taper-load", daemon=True).start()
         log.info("serving on http://%s:%d (OpenAI API under /v1); loading the model",
                  args.host, args.port)
-        await hypercorn_serve(self.app, hc, shutdown_trigger=self.stop.wait)
+        if self.mcp_specs:
+            from server.mcp_tools import McpTools
+            self.state.mcp = McpTools(self.mcp_specs)
+            await self.state.mcp.start()
+        browse_host = "localhost" if args.host in ("0.0.0.0", "::") else args.host
+        log.info("web chat UI: http://%s:%d/ui/", f"[{browse_host}]" if ":" in browse_host
+                 else browse_host, args.port)
+        try:
+            await hypercorn_serve(self.app, hc, shutdown_trigger=self.stop.wait)
+        finally:
+            if self.state.mcp is not None:
+                await self.state.mcp.close()
 
     def _load(self, loop):
         from engine.async_engine import AsyncEngine
         try:
             engine = AsyncEngine(self.config)
+            if self.args.profile_steps > 0:
+                from engine.step_profile import StepProfile
+                StepProfile.attach(engine.engine, log_every=self.args.profile_steps)
         except Exception as e:        # no such model, unsupported, too big...: exit 1
             log.error("could not load %s: %s", self.config.model, e)
             loop.call_soon_threadsafe(self._fail)
@@ -269,6 +317,7 @@ class Server:
             engine.shutdown()
             return
         self.state.engine = engine
+        self.state.configure_chat()
         log.info("model %s ready, max_model_len %d", self.state.settings.served_model_names[0],
                  engine.max_model_len)
 
@@ -308,6 +357,10 @@ async def _wait_until(condition, timeout: float) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["chat"]:      # the client: none of the server's imports
+        from server.chat.cli import main as chat_main
+        return chat_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.log else logging.INFO,
@@ -324,7 +377,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as e:
         parser.error(str(e))
     log.info("loading %s (backend %s, dtype %s)", config.model, config.backend, config.dtype)
-    server = Server(create_app(None, settings), config, args)
+    try:
+        server = Server(create_app(None, settings), config, args)
+    except ValueError as e:           # --mcp-config's file
+        parser.error(str(e))
     try:
         asyncio.run(server.run())
     except KeyboardInterrupt:

@@ -1,13 +1,17 @@
 """The OpenAI-compatible HTTP API (Quart).
 
 Routes: /v1/chat/completions, /v1/completions, /v1/models, /tokenize, /detokenize, /health,
-/metrics, /version. Handlers validate (server/protocol.py), tokenize, check the context window,
-hand the request to the engine, and turn its outputs into chunks (server/streaming.py): sent as
-SSE when streaming, folded into one JSON response otherwise.
+/metrics, /version, and the web chat UI at /ui (server/ui.py). Handlers validate
+(server/protocol.py), tokenize, check the context window, hand the request to the engine, and turn
+its outputs into chunks (server/streaming.py): sent as SSE when streaming, folded into one JSON
+response otherwise.
 
 The app starts before the engine exists: `ServerState.engine` is None while the model loads
 (503s and /health says "loading"), and `draining` is set on SIGTERM (503s for new requests while
 the live ones finish).
+
+Routes kept in modules of their own are registered from create_app: /v1/embeddings
+(server/embeddings.py).
 """
 from __future__ import annotations
 
@@ -24,10 +28,17 @@ import jinja2
 from quart import Quart, Response, request
 from werkzeug.exceptions import HTTPException
 
-from server import streaming
+from server import streaming, structured_outputs
+from server.embeddings import register_embeddings
+from server.message_stream import MessageStream
+from server.reasoning import ReasoningSplitter, prompt_opens_reasoning
+from server.tool_calls import ChatTools, chat_tools
+from server.logprobs import prompt_text_offsets, token_text
 from server.metrics import Metrics
 from server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
                              DetokenizeRequest, TokenizeRequest, parse_json_body, parse_request)
+from server.responses import register_responses
+from server.ui import is_ui_path, register_ui
 
 log = logging.getLogger("taper.server")
 
@@ -43,6 +54,9 @@ class ServerSettings:
     trust_request_chat_template: bool = False  # a template is code: clients may not send one
     max_body_bytes: int = 32 * 2**20
     cors_origins: list[str] = field(default_factory=lambda: ["*"])
+    responses_store_size: int = 1000         # stored Responses API responses, oldest dropped
+    structured_outputs_timeout: float = 5.0  # seconds a grammar may take to compile
+    tool_parser: str | None = None           # --enforce-parser; else chosen for the model
 
 
 @dataclass
@@ -51,6 +65,27 @@ class ServerState:
     engine: object | None = None             # None while the model loads
     draining: bool = False                   # SIGTERM received: finish live requests, take no new
     metrics: Metrics | None = None
+    tool_parser: type | None = None          # the ToolParser class chat requests with tools use
+    reasoning_model: bool = False            # the tokenizer has <think> and </think>
+    mcp: object | None = None                # McpTools (--mcp-config): tools for tool-less requests
+
+    def configure_chat(self) -> None:
+        """How chat output is read for this model: its tool-call parser (--enforce-parser's,
+        else the one its architecture and chat template point to; logged) and whether it
+        reasons in <think> tags."""
+        from server.tool_parsers import choose_parser, get_parser
+        name, why = self.settings.tool_parser, "--enforce-parser"
+        if name is None:
+            tok = self.engine.tokenizer
+            template = self.settings.chat_template or getattr(getattr(tok, "hf", None),
+                                                              "chat_template", None)
+            if isinstance(template, dict):       # named templates (default, tool_use, ...)
+                template = "\n".join(template.values())
+            name, why = choose_parser(self.engine.model_config.architecture, template)
+        self.tool_parser = get_parser(name) if name else None
+        log.info("tool-call parser: %s (%s)", name or "none", why)
+        tok = self.engine.tokenizer
+        self.reasoning_model = tok is not None and tok.has_tokens(("<think>", "</think>"))
 
     def unavailable(self) -> APIError | None:
         """Why requests cannot be served now (as the 503 to send), or None."""
@@ -107,6 +142,8 @@ async def off_loop(fn, *args, param: str, **kwargs):
 def create_app(engine, settings: ServerSettings) -> Quart:
     """The app for `engine` (None: set `app.taper.engine` once loaded)."""
     state = ServerState(settings, engine)
+    if engine is not None:
+        state.configure_chat()
     names = settings.served_model_names
     state.metrics = Metrics(state.engine_stats, names[0])
     app = Quart("taper")
@@ -145,7 +182,7 @@ def create_app(engine, settings: ServerSettings) -> Quart:
             # SDKs add their own headers (openai-node: x-stainless-*): allow what is asked
             resp.headers["Access-Control-Allow-Headers"] = request.headers.get(
                 "Access-Control-Request-Headers", "Authorization, Content-Type")
-            resp.headers["Access-Control-Allow-Methods"] = "GET, POST, OPTIONS"
+            resp.headers["Access-Control-Allow-Methods"] = "GET, POST, DELETE, OPTIONS"
             resp.headers["Access-Control-Max-Age"] = "600"
             if "*" not in allowed:
                 resp.headers["Vary"] = "Origin"
@@ -155,7 +192,7 @@ def create_app(engine, settings: ServerSettings) -> Quart:
     async def _preflight_auth_drain():
         if request.method == "OPTIONS":         # CORS preflight carries no credentials
             return Response(status=204)
-        if request.path == "/health":
+        if request.path == "/health" or is_ui_path(request.path):   # public: no key, no 503
             return None
         if state.draining and request.path != "/metrics":
             return _error(state.unavailable())
@@ -172,6 +209,8 @@ def create_app(engine, settings: ServerSettings) -> Quart:
     @app.after_request
     async def _cors(resp: Response):
         return cors_headers(resp)
+
+    register_ui(app)                          # the web chat UI at /ui
 
     # ---- service routes
 
@@ -248,7 +287,16 @@ def create_app(engine, settings: ServerSettings) -> Quart:
                            f"{name}.", param=name, code="context_length_exceeded")
         default = room if settings.max_gen_tokens is None else min(room, settings.max_gen_tokens)
         defaults = {**getattr(engine, "generation_defaults", {}), **settings.sampling_defaults}
-        return req.to_sampling_params(default_max_tokens=default, defaults=defaults)
+        return req.to_sampling_params(default_max_tokens=default, defaults=defaults,
+                                      vocab_size=vocab_size(engine))
+
+    def vocab_size(engine) -> int:
+        model_config = getattr(engine, "model_config", None)
+        return model_config.vocab_size if model_config is not None else engine.tokenizer.vocab_size
+
+    def logprobs_options(engine, req) -> streaming.LogprobsOptions:
+        return streaming.LogprobsOptions(token_text(engine.tokenizer), req.output_logprobs(),
+                                         req.prompt_logprobs)
 
     def require_tokenizer(engine, param: str):
         if engine.tokenizer is None:
@@ -256,7 +304,8 @@ def create_app(engine, settings: ServerSettings) -> Quart:
                            param=param, code="no_tokenizer")
         return engine.tokenizer
 
-    async def chat_prompt_ids(engine, req, param: str = "messages") -> list[int]:
+    async def chat_prompt_ids(engine, req, param: str = "messages",
+                              tools: list[dict] | None = None) -> list[int]:
         tok = require_tokenizer(engine, param)
         if req.chat_template is not None and not settings.trust_request_chat_template:
             raise APIError("chat_template in a request is refused: a template is code the "
@@ -270,8 +319,9 @@ def create_app(engine, settings: ServerSettings) -> Quart:
         messages = req.template_messages()
         try:
             return await asyncio.to_thread(
-                tok.encode_chat, messages, add_generation_prompt=req.add_generation_prompt,
-                chat_template=template, **req.template_kwargs())
+                tok.encode_chat, messages, tools=tools,
+                add_generation_prompt=req.add_generation_prompt, chat_template=template,
+                **req.template_kwargs())
         except (ValueError, TypeError, KeyError, UnicodeError, jinja2.TemplateError) as e:
             # a template that rejects the conversation (e.g. roles out of order)
             raise APIError(f"The chat template could not render these messages: {e}",
@@ -305,17 +355,41 @@ def create_app(engine, settings: ServerSettings) -> Quart:
     @app.post("/v1/chat/completions")
     async def chat_completions():
         req, model, engine = await read_request(ChatCompletionRequest)
-        prompt_ids = await chat_prompt_ids(engine, req)
+        tools = chat_tools(req, state.tool_parser, state.mcp.tools() if state.mcp else None)
+        prompt_ids = await chat_prompt_ids(engine, req, tools=tools.rendered)
         params = fit_context(engine, req, len(prompt_ids), "messages")
+        await structured_outputs.prepare(engine, req, [params], settings)
         check_queue(engine)
         info = streaming.ResponseInfo(streaming.random_id("chatcmpl"), model,
                                       "chat.completion.chunk", stream=req.stream,
                                       include_usage=req.include_usage())
+        message = chat_message_streams(engine, info.id, prompt_ids, params, tools)
         timing = state.metrics.request()
         outputs = streaming.engine_outputs(engine, info.id, prompt_ids, params, timing,
                                            "messages")
-        chunks = streaming.chat_chunks(info, outputs, len(prompt_ids), timing)
+        chunks = streaming.chat_chunks(info, outputs, len(prompt_ids), timing, req.n,
+                                       logprobs_options(engine, req), message)
         return await respond(info, chunks, streaming.fold_chat)
+
+    def chat_message_streams(engine, request_id, prompt_ids, params, tools: ChatTools):
+        """The MessageStream factory for a chat request's choices, or None when its text is
+        plain content: reasoning is split for models with <think> tokens, tool calls are read
+        when the request has tools. A parser whose markers are special tokens needs them in the
+        text, so the request keeps special tokens and drops the stop token's text."""
+        reasoning = state.reasoning_model
+        if not reasoning and tools.parser is None:
+            return None
+        tok = engine.tokenizer
+        stop_texts = ()
+        if tools.parser is not None and tok.has_special_tokens(tools.parser.markers):
+            params.skip_special_tokens = False
+            stop_texts = tuple(tok.decode([t], skip_special_tokens=False)
+                               for t in sorted(tok.eos_token_ids))
+        opened = reasoning and prompt_opens_reasoning(
+            tok.decode(prompt_ids[-8:], skip_special_tokens=False))
+        return lambda i: MessageStream(f"{request_id}-{i}",
+                                       ReasoningSplitter(opened) if reasoning else None,
+                                       tools.parser, tools.parallel, stop_texts)
 
     @app.post("/v1/completions")
     async def completions():
@@ -329,10 +403,15 @@ def create_app(engine, settings: ServerSettings) -> Quart:
             return [tok.encode(p) if isinstance(p, str) else p for p in prompts]
         batch_ids = await off_loop(tokenize_batch, param="prompt")
         params_list = [fit_context(engine, req, len(ids), "prompt") for ids in batch_ids]
+        await structured_outputs.prepare(engine, req, params_list, settings)
         check_queue(engine, len(prompts))
-        echo = None
+        echo, echo_tokens = None, None
         if req.echo:
             echo = [p if isinstance(p, str) else tok.decode(p) for p in prompts]
+            if req.logprobs is not None:
+                echo_tokens = await off_loop(
+                    lambda: [(ids, prompt_text_offsets(tok, ids)) for ids in batch_ids],
+                    param="prompt")
         info = streaming.ResponseInfo(streaming.random_id("cmpl"), model, "text_completion",
                                       stream=req.stream, include_usage=req.include_usage())
         timings = [state.metrics.request() for _ in prompts]
@@ -340,11 +419,14 @@ def create_app(engine, settings: ServerSettings) -> Quart:
                                             "prompt")
                    for i, (ids, params, timing) in enumerate(zip(batch_ids, params_list, timings))]
         chunks = streaming.completion_chunks(info, streams, [len(ids) for ids in batch_ids],
-                                             timings, echo)
+                                             timings, echo, req.n, logprobs_options(engine, req),
+                                             echo_tokens)
 
         async def fold(info, chunks):
-            return await streaming.fold_completion(info, chunks, len(prompts))
+            return await streaming.fold_completion(info, chunks, len(prompts) * req.n)
         return await respond(info, chunks, fold)
+
+    register_embeddings(app, state)
 
     @app.post("/tokenize")
     async def tokenize():
@@ -370,4 +452,6 @@ def create_app(engine, settings: ServerSettings) -> Quart:
                            param=f"tokens[{bad}]", code="invalid_value")
         return _json({"prompt": tok.decode(req.tokens, skip_special_tokens=False)})
 
+    register_responses(app, read_request=read_request, check_queue=check_queue,
+                       fit_context=fit_context, chat_prompt_ids=chat_prompt_ids)
     return app

@@ -14,9 +14,12 @@ from typing import Any, Literal
 from pydantic import (BaseModel, ConfigDict, Field, ValidationError, field_validator,
                       model_validator)
 
+from engine.logprobs import MAX_LOGPROBS
 from engine.sampling_params import SamplingParams
 
 log = logging.getLogger("taper.server")
+
+MAX_N = 128      # choices per request, as OpenAI's chat API allows
 
 
 class APIError(Exception):
@@ -61,7 +64,10 @@ _UNION_HINTS = {
     "prompt": "must be a string, an array of strings, an array of token ids "
               "or an array of arrays of token ids",
     "stop": "must be a string or an array of strings",
+    "input": "must be a string, an array of strings, an array of token ids "
+             "or an array of arrays of token ids",
     "content": "must be a string or an array of content parts",
+    "input": "must be a string or an array of input items",
 }
 
 
@@ -126,16 +132,27 @@ class _SamplingRequest(_Request):
     skip_special_tokens: bool = True
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(default=1, ge=1)
+    n: int = Field(default=1, ge=1, le=MAX_N)
     user: str | None = None
-    # Accepted by the protocol, refused until a later issue implements them.
-    logprobs: Any = None
     logit_bias: dict[str, float] | None = None
-    response_format: Any = None
+    logprobs: Any = None          # chat: a bool, completions: a count (the subclasses say)
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)   # vLLM's field
+    # beam search (vLLM's names): best_of beams, the n best returned
     use_beam_search: bool = False
-    best_of: int | None = None
+    best_of: int | None = Field(default=None, ge=1, le=MAX_N)
+    length_penalty: float = 1.0
+    early_stopping: bool | Literal["never"] = False
+    response_format: Any = None                # server/structured_outputs.py reads it
+    # Accepted by the protocol, refused until a later issue implements them.
     functions: list[dict] | None = None        # the deprecated spelling of tools
     function_call: Any = None
+    # Structured outputs (server/structured_outputs.py reads them and response_format): vLLM's
+    # object and its older top-level spellings.
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -148,20 +165,11 @@ class _SamplingRequest(_Request):
         return data
 
     def check_supported(self):
-        if self.n != 1:
-            raise not_supported("n")
-        if self.logit_bias:
-            raise not_supported("logit_bias")
-        fmt = self.response_format
-        if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-            raise not_supported("response_format")
-        if self.use_beam_search:
-            raise not_supported("use_beam_search")
-        if self.best_of not in (None, 1):
-            raise not_supported("best_of")
-        for name in ("functions", "function_call"):
-            if getattr(self, name) not in (None, [], "none"):
-                raise not_supported(name)
+        if self.use_beam_search and self.stream:
+            raise APIError("streaming is not supported with beam search (use_beam_search)",
+                           param="stream", code="invalid_value")
+        if self.best_of not in (None, 1) and not self.use_beam_search:
+            raise not_supported("best_of")     # OpenAI's sampled best_of; beams are supported
         if self.stream_options is not None and not self.stream:
             raise APIError("stream_options is only allowed when stream is true",
                            param="stream_options")
@@ -169,14 +177,43 @@ class _SamplingRequest(_Request):
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
+    def output_logprobs(self) -> int | None:
+        """Top logprobs per output token the engine computes (None: no logprobs)."""
+        return None
+
+    def engine_prompt_logprobs(self) -> int | None:
+        return self.prompt_logprobs
+
+    def check_logit_bias(self, vocab_size: int) -> dict[int, float] | None:
+        """logit_bias with integer keys; 400 naming it for a key that is not a token id of this
+        model or a value outside [-100, 100]."""
+        if not self.logit_bias:
+            return None
+        out = {}
+        for key, value in self.logit_bias.items():
+            try:
+                tid = int(key)
+            except ValueError:
+                tid = None
+            if tid is None or not 0 <= tid < vocab_size:
+                raise APIError(f"logit_bias: {key!r} is not a token id of this model "
+                               f"(ids are 0 to {vocab_size - 1})", param="logit_bias",
+                               code="invalid_value")
+            if not -100.0 <= value <= 100.0:
+                raise APIError(f"logit_bias: the bias {value} for token {tid} is outside "
+                               "[-100, 100]", param="logit_bias", code="invalid_value")
+            out[tid] = out.get(tid, 0.0) + value
+        return out
+
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
     def to_sampling_params(self, default_max_tokens: int,
-                           defaults: dict[str, float] | None = None) -> SamplingParams:
+                           defaults: dict[str, float] | None = None,
+                           vocab_size: int | None = None) -> SamplingParams:
         """Engine parameters. `default_max_tokens` applies when the request gives none;
         `defaults` (the server's sampling flags over generation_config.json) fill in the sampling
-        fields the request leaves out."""
+        fields the request leaves out; `vocab_size` bounds logit_bias's token ids."""
         defaults = defaults or {}
         max_tokens = self.requested_max_tokens()
         kwargs: dict[str, Any] = dict(
@@ -189,6 +226,10 @@ class _SamplingRequest(_Request):
             skip_special_tokens=self.skip_special_tokens,
             # OpenAI's seed is a signed 64-bit int; the engine's generator takes an unsigned one.
             seed=None if self.seed is None else self.seed % 2**64,
+            logprobs=self.output_logprobs(), prompt_logprobs=self.engine_prompt_logprobs(),
+            use_beam_search=self.use_beam_search, best_of=self.best_of,
+            length_penalty=self.length_penalty, early_stopping=self.early_stopping,
+            logit_bias=self.check_logit_bias(vocab_size if vocab_size is not None else 2**31),
         )
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                      "frequency_penalty", "repetition_penalty"):
@@ -300,21 +341,20 @@ class _ChatInput(_Request):
 class ChatCompletionRequest(_SamplingRequest, _ChatInput):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    top_logprobs: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     tools: list[dict] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
 
     def check_supported(self):
         super().check_supported()
-        if self.logprobs:
-            raise not_supported("logprobs")
-        if self.top_logprobs is not None:
-            raise not_supported("top_logprobs")
-        if self.tools:
-            raise not_supported("tools")
-        if self.tool_choice not in (None, "none"):
-            raise not_supported("tool_choice")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError("top_logprobs needs logprobs: true", param="top_logprobs",
+                           code="invalid_value")
+
+    def output_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def requested_max_tokens(self) -> int | None:
         # max_completion_tokens replaces the deprecated max_tokens; it wins when both are given.
@@ -327,6 +367,8 @@ class ChatCompletionRequest(_SamplingRequest, _ChatInput):
 
 class CompletionRequest(_SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
+    # Top logprobs per token: OpenAI allows 0-5, we allow up to 20 as vLLM does.
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
 
@@ -345,10 +387,21 @@ class CompletionRequest(_SamplingRequest):
 
     def check_supported(self):
         super().check_supported()
-        if self.logprobs is not None:
-            raise not_supported("logprobs")
         if self.suffix:
             raise not_supported("suffix")
+        for name in ("functions", "function_call"):      # tools are for chat
+            if getattr(self, name) not in (None, [], "none"):
+                raise APIError(f"'{name}' is a chat parameter; /v1/completions has no tools",
+                               param=name, code="unsupported_parameter")
+
+    def output_logprobs(self) -> int | None:
+        return self.logprobs
+
+    def engine_prompt_logprobs(self) -> int | None:
+        # echo with logprobs shows the prompt tokens' logprobs too
+        if self.echo and self.logprobs is not None:
+            return max(self.logprobs, self.prompt_logprobs or 0)
+        return self.prompt_logprobs
 
     def prompts(self) -> list[str | list[int]]:
         """The batch: each element a text prompt or a list of token ids."""

@@ -12,14 +12,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from engine.outputs import RequestOutput
+from server.logprobs import (LogprobsOptions, chat_entries, completion_logprobs,
+                             join_completion_logprobs, vllm_prompt_logprobs)
+from server.message_stream import MessageStream
 from server.metrics import RequestTiming
 from server.protocol import APIError
 
@@ -55,12 +59,16 @@ async def engine_outputs(engine, request_id: str, prompt_ids: list[int], params,
     """The engine's outputs for one request, timed by `timing`. Closing this closes the engine's
     stream, which aborts the request unless it ran to its end. A refusal names `param`, the
     request field the prompt came from."""
+    unfinished = params.n        # the choices still running
     try:
         async with contextlib.aclosing(engine.add_request(request_id, prompt_ids, params)) as outs:
             async for out in outs:
-                timing.on_output(out)
+                unfinished -= out.finished
+                # the request's clock ends with its last choice
+                timing.on_output(out if not out.finished or not unfinished
+                                 else dataclasses.replace(out, finished=False))
                 yield out
-                if out.finished:
+                if not unfinished:
                     return
     except ValueError as e:          # the engine refused the request: the client's fault
         timing.discard()
@@ -89,16 +97,23 @@ class _Usage:
     prompt: int = 0
     completion: int = 0
     cached: int = 0
+    reasoning: int = 0
 
-    def add(self, out: RequestOutput, num_prompt_tokens: int):
-        self.prompt += out.num_prompt_tokens or num_prompt_tokens
+    def add(self, out: RequestOutput, num_prompt_tokens: int, num_reasoning_tokens: int = 0):
+        """A finished choice: its completion tokens (and how many of them reasoned); the
+        prompt once per request (choice 0), as the choices share it."""
         self.completion += out.num_output_tokens or len(out.token_ids)
-        self.cached += out.num_cached_tokens
+        self.reasoning += num_reasoning_tokens
+        if out.index == 0:
+            self.prompt += out.num_prompt_tokens or num_prompt_tokens
+            self.cached += out.num_cached_tokens
 
     def as_dict(self) -> dict:
         return {"prompt_tokens": self.prompt, "completion_tokens": self.completion,
                 "total_tokens": self.prompt + self.completion,
                 "prompt_tokens_details": {"cached_tokens": self.cached},
+                "completion_tokens_details": {"reasoning_tokens": min(self.reasoning,
+                                                                      self.completion)},
                 "prompt_time_costs": round(max(t.prompt_time_ms for t in self.timings)),
                 "completion_time_costs": round(max(t.completion_time_ms for t in self.timings))}
 
@@ -106,29 +121,58 @@ class _Usage:
 # ---- chat
 
 async def chat_chunks(info: ResponseInfo, outputs: AsyncIterator[RequestOutput],
-                      num_prompt_tokens: int, timing: RequestTiming) -> AsyncIterator[dict]:
-    """Chunks of one chat completion: role, content deltas, finish, usage.
+                      num_prompt_tokens: int, timing: RequestTiming, n: int = 1,
+                      logprobs: LogprobsOptions | None = None,
+                      message: Callable[[int], MessageStream] | None = None
+                      ) -> AsyncIterator[dict]:
+    """Chunks of one chat completion: per choice a role chunk, message deltas (content, or
+    through `message(index)`'s MessageStream reasoning, content and tool calls; with their
+    tokens' logprobs when asked), a finish chunk; then usage.
 
-    The role chunk waits for the engine's first output, so a request the engine refuses fails
-    before anything is sent (and can still get a proper HTTP status).
+    A choice's role chunk waits for its first output, so a request the engine refuses fails
+    before anything is sent (and can still get a proper HTTP status). vLLM's prompt_logprobs
+    ride on choice 0's role chunk, at the top level.
     """
-    def choice(delta: dict, finish_reason: str | None = None) -> dict:
-        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    def choice(i: int, delta: dict, finish_reason: str | None = None, lp=None) -> dict:
+        return {"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}
 
+    lp_opts = logprobs or LogprobsOptions(None)
     usage = _Usage([timing])
-    role_sent = False
+    streams: dict[int, MessageStream | None] = {}
+    unfinished = n
     async with contextlib.aclosing(outputs):
         async for out in outputs:
             _check_output(out)
-            if not role_sent:
-                yield info.chunk([choice({"role": "assistant", "content": ""})])
-                role_sent = True
-            if out.text_delta:
-                yield info.chunk([choice({"content": out.text_delta})])
+            i = out.index
+            if i not in streams:
+                streams[i] = ms = message(i) if message is not None else None
+                # A choice that may answer with tool calls starts with null content, as
+                # OpenAI's do: a message of calls alone has no content.
+                first = info.chunk([choice(i, {"role": "assistant",
+                                               "content": None if ms and ms.tools else ""})])
+                if out.prompt_logprobs is not None and lp_opts.prompt_logprobs is not None:
+                    first["prompt_logprobs"] = vllm_prompt_logprobs(
+                        out.prompt_logprobs, lp_opts.tt, lp_opts.prompt_logprobs)
+                yield first
+            entries = out.logprobs if lp_opts.logprobs is not None else None
+            ms = streams[i]
+            if ms is None:
+                delta = {"content": out.text_delta} if out.text_delta else {}
+            else:
+                delta = ms.feed(out.text_delta, len(out.new_token_ids), out.finished)
+            if delta or entries:
+                lp = None if entries is None else {
+                    "content": chat_entries(entries, lp_opts.tt), "refusal": None}
+                yield info.chunk([choice(i, delta or {"content": ""}, lp=lp)])
             if out.finished:
-                yield info.chunk([choice({}, _FINISH_REASONS[out.finish_reason])])
-                usage.add(out, num_prompt_tokens)
-                break
+                reason = _FINISH_REASONS[out.finish_reason]
+                if ms is not None and ms.called_tools and reason == "stop":
+                    reason = "tool_calls"
+                yield info.chunk([choice(i, {}, reason)])
+                usage.add(out, num_prompt_tokens, ms.num_reasoning_tokens if ms else 0)
+                unfinished -= 1
+                if not unfinished:
+                    break
         else:
             raise APIError("The engine ended the request without finishing it",
                            status=500, type="server_error", code="engine_error")
@@ -136,20 +180,50 @@ async def chat_chunks(info: ResponseInfo, outputs: AsyncIterator[RequestOutput],
 
 
 async def fold_chat(info: ResponseInfo, chunks: AsyncIterator[dict]) -> dict:
-    content: list[str] = []
-    finish_reason, usage = None, None
+    """The whole response from the chunks, as the OpenAI SDK's stream accumulator builds it:
+    content and reasoning concatenated, each tool call's argument text concatenated."""
+    choices: dict[int, dict] = {}
+    usage, prompt_logprobs = None, None
     async for c in chunks:
         if c.get("usage") is not None:
             usage = c["usage"]
+        prompt_logprobs = c.get("prompt_logprobs", prompt_logprobs)
         for ch in c["choices"]:
-            content.append(ch["delta"].get("content") or "")
-            finish_reason = ch["finish_reason"] or finish_reason
-    message = {"role": "assistant", "content": "".join(content), "refusal": None}
-    return {"id": info.id, "object": "chat.completion", "created": info.created,
-            "model": info.model,
-            "choices": [{"index": 0, "message": message, "logprobs": None,
-                         "finish_reason": finish_reason}],
-            "usage": usage}
+            acc = choices.setdefault(ch["index"], {"content": [], "reasoning": [], "calls": {},
+                                                   "logprobs": None, "finish_reason": None})
+            delta = ch["delta"]
+            acc["content"].append(delta.get("content") or "")
+            acc["reasoning"].append(delta.get("reasoning_content") or "")
+            for tc in delta.get("tool_calls") or []:
+                call = acc["calls"].setdefault(tc["index"], {
+                    "id": tc.get("id"), "type": "function",
+                    "function": {"name": tc["function"].get("name"), "arguments": ""}})
+                call["function"]["arguments"] += tc["function"].get("arguments") or ""
+            acc["finish_reason"] = ch["finish_reason"] or acc["finish_reason"]
+            if ch["logprobs"] is not None:
+                acc["logprobs"] = acc["logprobs"] or {"content": [], "refusal": None}
+                acc["logprobs"]["content"] += ch["logprobs"]["content"]
+    out = {"id": info.id, "object": "chat.completion", "created": info.created,
+           "model": info.model,
+           "choices": [{"index": i, "message": _message(acc),
+                        "logprobs": acc["logprobs"], "finish_reason": acc["finish_reason"]}
+                       for i, acc in sorted(choices.items())],
+           "usage": usage}
+    if prompt_logprobs is not None:
+        out["prompt_logprobs"] = prompt_logprobs
+    return out
+
+
+def _message(acc: dict) -> dict:
+    content = "".join(acc["content"])
+    message = {"role": "assistant", "content": content or (None if acc["calls"] else ""),
+               "refusal": None}
+    reasoning = "".join(acc["reasoning"])
+    if reasoning:
+        message["reasoning_content"] = message["reasoning"] = reasoning
+    if acc["calls"]:
+        message["tool_calls"] = [acc["calls"][k] for k in sorted(acc["calls"])]
+    return message
 
 
 # ---- completions
@@ -192,26 +266,53 @@ async def _merge(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, objec
 
 async def completion_chunks(info: ResponseInfo, streams: list[AsyncIterator[RequestOutput]],
                             num_prompt_tokens: list[int], timings: list[RequestTiming],
-                            echo: list[str] | None = None) -> AsyncIterator[dict]:
-    """Chunks of a (batched) completion: choice i is prompt i; text deltas, finish, usage."""
-    def choice(i: int, text: str, finish_reason: str | None = None) -> dict:
-        return {"index": i, "text": text, "logprobs": None, "finish_reason": finish_reason}
+                            echo: list[str] | None = None, n: int = 1,
+                            logprobs: LogprobsOptions | None = None,
+                            echo_tokens: list[tuple[list[int], list[int]]] | None = None
+                            ) -> AsyncIterator[dict]:
+    """Chunks of a (batched) completion: choice i * n + j is prompt i's choice j; text deltas
+    (with the legacy logprobs when asked), finish, usage. With echo, a choice's first chunk
+    starts with its prompt's text, and with logprobs too, its prompt tokens' logprobs
+    (echo_tokens: each prompt's ids and their text offsets)."""
+    def choice(i: int, text: str, finish_reason: str | None = None, lp=None) -> dict:
+        return {"index": i, "text": text, "logprobs": lp, "finish_reason": finish_reason}
 
+    lp_opts = logprobs or LogprobsOptions(None)
     usage = _Usage(timings)
-    pending_echo = list(echo) if echo else [""] * len(streams)
-    finished = [False] * len(streams)
+    started: set[int] = set()
+    prompt_lps: dict[int, list] = {}          # by prompt: the engine sends them with choice 0
+    unfinished = [n] * len(streams)
     async with contextlib.aclosing(_merge(streams)) as merged:
-        async for i, out in merged:
+        async for p, out in merged:
             _check_output(out)
-            text = pending_echo[i] + out.text_delta
-            pending_echo[i] = ""
-            if text:
-                yield info.chunk([choice(i, text)])
+            i = p * n + out.index
+            if out.prompt_logprobs is not None:
+                prompt_lps[p] = out.prompt_logprobs
+            text, lp, extra = out.text_delta, None, {}
+            base = len(echo[p]) if echo else 0
+            if lp_opts.logprobs is not None and out.logprobs:
+                ids = [e.token_id for e in out.logprobs]
+                lp = completion_logprobs(ids, out.logprobs,
+                                         [base + e.text_offset for e in out.logprobs], lp_opts.tt)
+            if i not in started:
+                started.add(i)
+                if echo:
+                    text = echo[p] + text
+                    if lp_opts.logprobs is not None and echo_tokens:
+                        ids, offsets = echo_tokens[p]
+                        lp = join_completion_logprobs(completion_logprobs(
+                            ids, prompt_lps.get(p, [None] * len(ids)), offsets, lp_opts.tt,
+                            lp_opts.logprobs), lp)
+                if lp_opts.prompt_logprobs is not None and p in prompt_lps:
+                    extra["prompt_logprobs"] = vllm_prompt_logprobs(
+                        prompt_lps[p], lp_opts.tt, lp_opts.prompt_logprobs)
+            if text or lp or extra:
+                yield info.chunk([{**choice(i, text, lp=lp), **extra}])
             if out.finished:
-                finished[i] = True
+                unfinished[p] -= 1
                 yield info.chunk([choice(i, "", _FINISH_REASONS[out.finish_reason])])
-                usage.add(out, num_prompt_tokens[i])
-    if not all(finished):
+                usage.add(out, num_prompt_tokens[p])
+    if any(unfinished):
         raise APIError("The engine ended a request without finishing it",
                        status=500, type="server_error", code="engine_error")
     yield info.chunk([], usage.as_dict())
@@ -220,15 +321,23 @@ async def completion_chunks(info: ResponseInfo, streams: list[AsyncIterator[Requ
 async def fold_completion(info: ResponseInfo, chunks: AsyncIterator[dict], n: int) -> dict:
     texts: list[list[str]] = [[] for _ in range(n)]
     reasons: list[str | None] = [None] * n
+    logprobs: list[dict | None] = [None] * n
+    prompt_logprobs: dict[int, list] = {}
     usage = None
     async for c in chunks:
         if c.get("usage") is not None:
             usage = c["usage"]
         for ch in c["choices"]:
-            texts[ch["index"]].append(ch["text"])
-            reasons[ch["index"]] = ch["finish_reason"] or reasons[ch["index"]]
-    choices = [{"index": i, "text": "".join(texts[i]), "logprobs": None,
+            i = ch["index"]
+            texts[i].append(ch["text"])
+            reasons[i] = ch["finish_reason"] or reasons[i]
+            logprobs[i] = join_completion_logprobs(logprobs[i], ch["logprobs"])
+            if "prompt_logprobs" in ch:
+                prompt_logprobs[i] = ch["prompt_logprobs"]
+    choices = [{"index": i, "text": "".join(texts[i]), "logprobs": logprobs[i],
                 "finish_reason": reasons[i]} for i in range(n)]
+    for i, pl in prompt_logprobs.items():
+        choices[i]["prompt_logprobs"] = pl
     return {"id": info.id, "object": "text_completion", "created": info.created,
             "model": info.model, "choices": choices, "usage": usage}
 

@@ -26,6 +26,50 @@ ARCHS = {
     # sliding window on every layer, smaller than the test prompts
     "mistral": ("MistralConfig", dict(num_attention_heads=6, num_key_value_heads=2, head_dim=16,
                                       sliding_window=16, tie_word_embeddings=False)),
+    # (1 + w) norms, sandwich norms, GeGLU, soft-caps, query_pre_attn_scalar != head_dim, the
+    # first of two layers sliding with a window shorter than the prompts. Untied embeddings: with
+    # the embedding scaled by sqrt(hidden) a tied random head mostly predicts the last token again.
+    "gemma2": ("Gemma2Config", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=24,
+                                    sliding_window=16, query_pre_attn_scalar=96,
+                                    attn_logit_softcapping=5.0, final_logit_softcapping=3.0,
+                                    pad_token_id=0, tie_word_embeddings=False)),
+    # Gemma-2's layout plus q/k norm, a sliding (local) layer with a RoPE base of its own and a
+    # full (global) one with linearly scaled RoPE, no soft-caps
+    "gemma3": ("Gemma3TextConfig", dict(
+        num_attention_heads=4, num_key_value_heads=2, head_dim=24, sliding_window=16,
+        query_pre_attn_scalar=24, layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0,
+                                            "rope_theta": 1_000_000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}},
+        pad_token_id=0, tie_word_embeddings=False)),
+    # fused qkv_proj / gate_up_proj; LongRoPE with the original context (32) under the prompts
+    "phi3": ("Phi3Config", dict(num_attention_heads=4, num_key_value_heads=2,
+                                original_max_position_embeddings=32, pad_token_id=0,
+                                tie_word_embeddings=False)),
+    # q/k/v bias, half of each head rotated in interleaved pairs, post-norms after attention and
+    # the MLP, fused gate_up_proj
+    "glm4": ("Glm4Config", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=24,
+                                partial_rotary_factor=0.5, attention_bias=True, pad_token_id=0,
+                                tie_word_embeddings=False)),
+    # LayerNorm with bias everywhere, a quarter of each head rotated, q/k/v bias
+    "stablelm": ("StableLmConfig", dict(num_attention_heads=4, num_key_value_heads=2,
+                                        use_qkv_bias=True, partial_rotary_factor=0.25,
+                                        layer_norm_eps=1e-5, tie_word_embeddings=False)),
+    # mixtures of experts: 4 experts, 2 per token
+    "mixtral": ("MixtralConfig", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=24,
+                                      num_local_experts=4, num_experts_per_tok=2,
+                                      sliding_window=None, tie_word_embeddings=False)),
+    # a sigmoid-gated shared expert beside the routed ones; top-k weights not renormalised
+    "qwen2_moe": ("Qwen2MoeConfig", dict(num_attention_heads=3, num_key_value_heads=1,
+                                         num_experts=4, num_experts_per_tok=2,
+                                         moe_intermediate_size=64,
+                                         shared_expert_intermediate_size=128,
+                                         norm_topk_prob=False, tie_word_embeddings=False)),
+    # renormalised top-k (norm_topk_prob); layer 0 keeps a dense MLP (mlp_only_layers)
+    "qwen3_moe": ("Qwen3MoeConfig", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                         num_experts=4, num_experts_per_tok=2,
+                                         moe_intermediate_size=64, norm_topk_prob=True,
+                                         mlp_only_layers=[0], tie_word_embeddings=True)),
 }
 
 
@@ -108,6 +152,24 @@ ARCHS_256 = {
     "qwen2": ("Qwen2Config", dict(tie_word_embeddings=False)),     # qkv bias
     "qwen3": ("Qwen3Config", dict(tie_word_embeddings=True)),      # q/k RMSNorm per head
     "mistral": ("MistralConfig", dict(sliding_window=16, tie_word_embeddings=False)),
+    # the families of issue 16 with the tiny family's quirks (head_dim 64 throughout)
+    "gemma2": ("Gemma2Config", dict(sliding_window=16, query_pre_attn_scalar=256,
+                                    attn_logit_softcapping=5.0, final_logit_softcapping=3.0,
+                                    pad_token_id=0, tie_word_embeddings=False)),
+    "gemma3": ("Gemma3TextConfig", dict(
+        sliding_window=16, query_pre_attn_scalar=64,
+        layer_types=["sliding_attention", "full_attention"], pad_token_id=0,
+        tie_word_embeddings=False)),
+    "phi3": ("Phi3Config", dict(
+        original_max_position_embeddings=32, pad_token_id=0, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                         "short_factor": [1.0 + 0.02 * i for i in range(32)],
+                         "long_factor": [1.0 + 0.25 * i for i in range(32)]})),
+    "glm4": ("Glm4Config", dict(partial_rotary_factor=0.5, attention_bias=True, pad_token_id=0,
+                                tie_word_embeddings=False)),
+    "stablelm": ("StableLmConfig", dict(use_qkv_bias=True, partial_rotary_factor=0.25,
+                                        use_parallel_residual=True, layer_norm_eps=1e-5,
+                                        tie_word_embeddings=False)),
 }
 
 # Scaling after transformers' init: linear weights x 4 (the tiny family's x 8 is tuned for hidden

@@ -42,6 +42,20 @@ def fused_add_rms_norm(x, residual, weight, eps):
     return rms_norm(r, weight, eps), r
 
 
+def layer_norm(x, weight, bias, eps):
+    """torch.nn.LayerNorm: biased variance; bias None = none."""
+    x = to_f64(x)
+    centred = x - x.mean(axis=-1, keepdims=True)
+    y = centred / np.sqrt(np.mean(centred * centred, axis=-1, keepdims=True) + eps) * to_f64(weight)
+    return y if bias is None else y + to_f64(bias)
+
+
+def fused_add_layer_norm(x, residual, weight, bias, eps):
+    """Returns (new_x, new_residual)."""
+    r = to_f64(residual) + to_f64(x)
+    return layer_norm(r, weight, bias, eps), r
+
+
 def rotary_embedding(positions, q, k, cos_sin_cache, head_dim, is_neox):
     """Returns rotated (q, k); q (T, Hq*D), k (T, Hkv*D)."""
     cache = to_f64(cos_sin_cache)
@@ -86,6 +100,10 @@ def gelu_tanh_and_mul(x):
 
 def softcap(x, cap):
     return cap * np.tanh(to_f64(x) / cap)
+
+
+def scale(x, s):
+    return to_f64(x) * s
 
 
 def reshape_and_cache(k, v, k_cache, v_cache, slot_mapping):
@@ -307,3 +325,15 @@ def fp8_quantize_per_token_group(x, group=128):
     s = np.where(s > 0, s, np.float32(1.0)).astype(np.float32)
     codes = e4m3_encode(fp8_quotient(g, s[:, :, None])).reshape(M, K)
     return codes, s
+
+
+def apply_token_bitmask(logits, bitmask, rows):
+    """logits[b, v] = -inf for b in rows where bit v % 32 of word bitmask[b, v // 32] is 0."""
+    out = to_f64(logits).copy()
+    words = np.asarray(bitmask).astype(np.int64) & 0xFFFFFFFF     # the 32 bits, unsigned
+    V = out.shape[1]
+    for b in rows:
+        for v in range(V):
+            if not (words[b, v // 32] >> (v % 32)) & 1:
+                out[b, v] = -np.inf
+    return out

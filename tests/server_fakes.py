@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 from pathlib import Path
 
 import jsonschema
@@ -105,6 +106,12 @@ class FakeTokenizer:
     def convert_ids_to_tokens(self, ids) -> list[str]:
         return [f"<{i}>" for i in ids]
 
+    def has_tokens(self, strings) -> bool:
+        return False
+
+    def has_special_tokens(self, strings) -> bool:
+        return False
+
 
 class FakeEngine:
     """Writes WORDS[i % len] for output position i; 'stop' on a stop string, else 'length'."""
@@ -114,6 +121,8 @@ class FakeEngine:
         self.tokenizer = FakeTokenizer()
         self.max_model_len = max_model_len
         self.model_name = "fake-model"
+        self.model_config = types.SimpleNamespace(architecture="FakeForCausalLM",
+                                                  vocab_size=FakeTokenizer.vocab_size)
         self.is_running = True
         self.delay = delay
         self.requests: dict[str, tuple[list[int], object]] = {}

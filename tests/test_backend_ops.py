@@ -153,6 +153,29 @@ def test_fused_add_rms_norm(be, T, H):
     np.testing.assert_allclose(x, want_x, rtol=RTOL, atol=ATOL)
 
 
+@pytest.mark.parametrize("with_bias", [True, False])
+@pytest.mark.parametrize("T,H", [(1, 96), (7, 37), (33, 896)])
+def test_layer_norm(be, T, H, with_bias):
+    rng = np.random.default_rng(T + H)
+    x = (rng.standard_normal((T, H)) * 3 + 5).astype(np.float32)    # a mean far from 0
+    w = rng.standard_normal(H).astype(np.float32)
+    bias = rng.standard_normal(H).astype(np.float32) if with_bias else None
+    out = np.empty_like(x)
+    be.layer_norm(x, w, bias, 1e-5, out)
+    np.testing.assert_allclose(out, ref.layer_norm(x, w, bias, 1e-5), rtol=RTOL, atol=ATOL)
+    assert np.abs(out - ref.rms_norm(x, w, 1e-5)).max() > 0.1       # not an RMSNorm
+    with pytest.raises(ValueError, match="layer_norm"):
+        be.layer_norm(x, w[:-1], bias, 1e-5, out)
+    with pytest.raises(ValueError, match="layer_norm"):
+        be.layer_norm(x, w, w[:-1], 1e-5, out)
+
+    r = rng.standard_normal((T, H)).astype(np.float32)
+    want_x, want_r = ref.fused_add_layer_norm(x, r, w, bias, 1e-5)
+    be.fused_add_layer_norm(x, r, w, bias, 1e-5)
+    np.testing.assert_allclose(r, want_r, rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(x, want_x, rtol=RTOL, atol=ATOL)
+
+
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("T,inter", [(1, 13), (9, 128), (40, 700)])
 def test_silu_and_mul(isa, T, inter):
@@ -183,6 +206,24 @@ def test_gelu_tanh_and_mul(isa, T, inter):
         be.gelu_tanh_and_mul(x, np.empty((T, inter + 1), np.float32))
     with pytest.raises(ValueError, match="gelu_tanh_and_mul"):
         be.gelu_tanh_and_mul(x.astype(np.float64), out)
+
+
+@pytest.mark.parametrize("T,N", [(1, 7), (5, 96), (9, 4000)])
+def test_scale(be, T, N):
+    """x * s rounded once to float32: the exact product of float64 rounded, as transformers'
+    float32 embedding times its float32 sqrt(hidden)."""
+    rng = np.random.default_rng(N)
+    x = rng.standard_normal((T, N)).astype(np.float32)
+    s = float(np.float32(np.sqrt(2304.0)))
+    want = ref.scale(x, s).astype(np.float32)
+    be.scale(x, s)
+    np.testing.assert_array_equal(x, want)
+    with pytest.raises(ValueError, match="scale"):
+        be.scale(x, np.nan)
+    with pytest.raises(ValueError, match="scale"):
+        be.scale(x.astype(np.float64), s)
+    with pytest.raises(ValueError, match="scale"):
+        be.scale(x[:, ::2], s)                          # not contiguous
 
 
 @pytest.mark.parametrize("isa", ISAS)

@@ -1,11 +1,11 @@
 """Batch invariance on the CPU backend (issue 14, item 5; README "Batch invariance").
 
 With `batch_invariant=True` a request's raw logits at every output position, and so its greedy and
-its seeded sampled tokens, are the same bits whether it runs alone or beside 16 other requests,
-whatever prefill chunk size the scheduler uses, and with or without a prefix-cache hit. The
-reference is the request alone in a fresh engine, its whole prompt in one step. With the switch
-off, this machine's kernels give different bits in some of those runs (the small-T GEMM and the
-prefill attention kernel sum in other orders), which shows the comparison can fail.
+its seeded sampled tokens and its logprobs, are the same bits whether it runs alone or beside 16
+other requests, whatever prefill chunk size the scheduler uses, and with or without a prefix-cache
+hit. The reference is the request alone in a fresh engine, its whole prompt in one step. With the
+switch off, this machine's kernels give different bits in some of those runs (the small-T GEMM and
+the prefill attention kernel sum in other orders), which shows the comparison can fail.
 
 Checkpoints: the tiny family (head_dim 24: the portable attention kernel; f32 weights), tiny-256
 (head_dim 64: the AVX-512 attention kernels; bf16 weights) and a tiny Mistral (sliding window 16,
@@ -24,8 +24,8 @@ GEN = 8
 PROMPT_LEN = 560            # > 2 x 256 keys: the default attention splits a lone decode row
 SHARED = 512                # the prefix a warm-up request leaves in the prefix cache
 SAMPLED = SamplingParams(temperature=0.9, top_p=0.9, top_k=60, seed=1234, max_tokens=GEN,
-                         ignore_eos=True)
-GREEDY = SamplingParams(temperature=0, max_tokens=GEN, ignore_eos=True)
+                         ignore_eos=True, logprobs=5)
+GREEDY = SamplingParams(temperature=0, max_tokens=GEN, ignore_eos=True, logprobs=5)
 
 # name -> LLM arguments beyond the model: how the target request's prompt is scheduled
 SCENARIOS = {
@@ -68,8 +68,9 @@ def other_params(i: int) -> SamplingParams:
 
 
 def run_target(model_dir, prompts, params, scenario=None, batch_invariant=True):
-    """The target request's tokens and its raw logits at every output position (copied before the
-    sampler touches them), and how many prompt tokens it found cached."""
+    """The target request's tokens, its raw logits at every output position (copied before the
+    sampler touches them), how many prompt tokens it found cached, and its logprobs (token,
+    logprob, top 5 ids and logprobs per position)."""
     target, warm, others = prompts
     config = SCENARIOS.get(scenario, {})
     llm = LLM(model_dir, batch_invariant=batch_invariant, max_num_seqs=32, **config)
@@ -81,11 +82,11 @@ def run_target(model_dir, prompts, params, scenario=None, batch_invariant=True):
     execute = eng.runner.execute
 
     def recording_execute(sched):
-        logits = execute(sched)
+        logits, pooled = execute(sched)
         sampled = [seq for seq, last in zip(sched.seqs, sched.sample) if last]
         for row, seq in enumerate(sampled):
             logits_of.setdefault(seq.request_id, []).append(np.array(logits[row], copy=True))
-        return logits
+        return logits, pooled
 
     eng.runner.execute = recording_execute
     batch = scenario is not None and "batch of 17" in scenario
@@ -93,14 +94,18 @@ def run_target(model_dir, prompts, params, scenario=None, batch_invariant=True):
     requests = crowd[:8] + [("target", target, params)] + crowd[8:]
     for rid, prompt, p in requests:
         eng.add_request(rid, prompt, p)
-    outputs = {}
+    outputs, logprobs = {}, []
     while eng.has_unfinished():
         for out in eng.step():
+            if out.request_id == "target":
+                logprobs += [(e.token_id, e.logprob, e.top_ids, e.top_logprobs)
+                             for e in out.logprobs or []]
             if out.finished:
                 outputs[out.request_id] = out
     out = outputs["target"]
     assert out.finish_reason == "length" and len(out.token_ids) == GEN
-    return list(out.token_ids), np.stack(logits_of["target"]), out.num_cached_tokens
+    assert [e[0] for e in logprobs] == list(out.token_ids)
+    return list(out.token_ids), np.stack(logits_of["target"]), out.num_cached_tokens, logprobs
 
 
 def differing_positions(a: np.ndarray, b: np.ndarray) -> list[int]:
@@ -131,16 +136,17 @@ def alone(models, prompts):
 @pytest.mark.parametrize("model,kind", TARGETS)
 def test_invariant_alone_vs_batch_chunks_prefix_cache(models, prompts, alone, model, kind,
                                                       scenario):
-    ref_tokens, ref_logits, ref_cached = alone[(model, kind, True)]
+    ref_tokens, ref_logits, ref_cached, ref_logprobs = alone[(model, kind, True)]
     assert ref_cached == 0
     params = SAMPLED if kind == "sampled" else GREEDY
-    tokens, logits, cached = run_target(models[model], prompts, params, scenario)
+    tokens, logits, cached, logprobs = run_target(models[model], prompts, params, scenario)
     if scenario.startswith("prefix-cache hit"):
         assert cached == SHARED          # 32 full blocks of 16 came from the cache
     else:
         assert cached == 0
     assert differing_positions(logits, ref_logits) == []
     assert tokens == ref_tokens
+    assert logprobs == ref_logprobs      # the same floats, exactly
 
 
 def test_sampled_and_greedy_targets_differ(alone):
@@ -155,9 +161,9 @@ def test_switch_off_is_not_invariant_here(models, prompts, alone):
     batch does on every checkpoint here (the small-T GEMM of a 16-token chunk against the packed
     GEMM of the whole prompt, and the prefill attention kernel against the decode one)."""
     for model in models:
-        ref_tokens, ref_logits, _ = alone[(model, "greedy", False)]
-        _, logits, _ = run_target(models[model], prompts, GREEDY, "batch of 17, chunks of 16",
-                                  batch_invariant=False)
+        ref_logits = alone[(model, "greedy", False)][1]
+        logits = run_target(models[model], prompts, GREEDY, "batch of 17, chunks of 16",
+                                  batch_invariant=False)[1]
         assert differing_positions(logits, ref_logits), \
             f"{model}: with the switch off the logits were the same bits in a batch, chunked"
 
@@ -166,8 +172,8 @@ def test_switch_changes_no_greedy_token_of_this_prompt(alone):
     """Both modes compute the same function up to float32 rounding: the greedy tokens agree and
     the logits are close (the invariant GEMM and attention are not a different model)."""
     for model in {m for m, kind in TARGETS if kind == "greedy"}:
-        on_tokens, on_logits, _ = alone[(model, "greedy", True)]
-        off_tokens, off_logits, _ = alone[(model, "greedy", False)]
+        on_tokens, on_logits = alone[(model, "greedy", True)][:2]
+        off_tokens, off_logits = alone[(model, "greedy", False)][:2]
         np.testing.assert_allclose(on_logits[0], off_logits[0], rtol=0, atol=1e-3)
         assert on_tokens[:4] == off_tokens[:4]
 
@@ -281,8 +287,9 @@ def test_fp8_kv_cache_attention_is_invariant():
 # ---- through the HTTP API, with the official client
 
 def test_http_seeded_request_alone_equals_in_a_crowd(tmp_path):
-    """`python -m server --batch-invariant`: a seeded sampled completion gives the same text alone
-    and while 16 other requests run beside it (the server batches them; prompts chunked by 16)."""
+    """`python -m server --batch-invariant`: a seeded sampled completion gives the same text and
+    logprobs alone and while 16 other requests run beside it (the server batches them; prompts
+    chunked by 16)."""
     from concurrent.futures import ThreadPoolExecutor
 
     from server.demo_model import write_demo_checkpoint
@@ -296,8 +303,10 @@ def test_http_seeded_request_alone_equals_in_a_crowd(tmp_path):
 
         def complete(prompt, seed, max_tokens=16):
             r = client.completions.create(model=model, prompt=prompt, seed=seed, temperature=0.9,
-                                          top_p=0.95, max_tokens=max_tokens)
-            return r.choices[0].text, r.usage.completion_tokens
+                                          top_p=0.95, max_tokens=max_tokens, logprobs=3)
+            lp = r.choices[0].logprobs
+            return (r.choices[0].text, r.usage.completion_tokens, lp.token_logprobs,
+                    lp.top_logprobs)
 
         target = " ".join(f"word{i}" for i in range(60))
         alone = complete(target, 7)

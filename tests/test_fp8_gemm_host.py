@@ -99,9 +99,9 @@ def test_abi_declarations_match_definitions():
     assert declared == {
         "taper_cutlass_fp8_block_gemm", "taper_cutlass_fp8_block_gemm_workspace_bytes",
         "taper_cuda_fp8_dequantize", "taper_cuda_fp8_dequantize_blockwise",
-        "taper_cuda_fp8_quantize_per_token_group"}
+        "taper_cuda_fp8_quantize_per_token_group", "taper_cuda_fp8_gemv"}
     defined = set()
-    for path in ("cutlass_ext/fp8_block_gemm.cu", "cuda/fp8_quant.cu"):
+    for path in ("cutlass_ext/fp8_block_gemm.cu", "cuda/fp8_quant.cu", "cuda/fp8_gemv.cu"):
         src = open(os.path.join(ROOT, path)).read()
         defined |= set(re.findall(r'extern "C" (?:int|int64_t) (taper_\w+)\(', src))
     assert defined == declared

@@ -28,8 +28,9 @@ from engine.quant_int4 import Int4Part, Int4Weight
 
 log = logging.getLogger("taper.loader")
 
-_PROJECTION = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)"
-                         r"\.weight$")
+# Phi-3 stores q/k/v and gate/up already fused (qkv_proj, gate_up_proj).
+_PROJECTION = re.compile(r"model\.layers\.\d+\."
+                         r"(self_attn\.(qkv|[qkvo])_proj|mlp\.(gate_up|gate|up|down)_proj)\.weight$")
 _FALLBACK = {QT.Q4_K: QT.Q5_0, QT.Q5_K: QT.Q5_1, QT.Q6_K: QT.Q8_0, QT.Q2_K: QT.Q4_0,
              QT.Q3_K: QT.Q4_0}
 MARLIN = "marlin"          # --isq marlin: int4 W4A16 (Int4Weight; Marlin on the GPU)

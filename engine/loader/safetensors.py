@@ -195,3 +195,9 @@ def load_safetensors(model_dir: str, dtype="auto", progress: bool = True,
                 weights[name] = arr if arr.dtype == want_dt else arr.astype(want_dt)
                 bar.update(1)
     return weights
+
+
+def add_model_prefix(weights: dict) -> dict:
+    """A headless transformer's tensors (LlamaModel.save_pretrained: `layers.0...`, `norm.weight`)
+    under the causal LM's names (`model.layers.0...`); an lm_head keeps its name."""
+    return {(n if n.startswith("lm_head.") else "model." + n): w for n, w in weights.items()}

@@ -1,11 +1,15 @@
 """One graph for Llama, Yi, Mistral, Qwen2 and Qwen3 (config flags cover the differences:
-attention biases, per-head q/k RMSNorm, per-layer sliding windows, RoPE variants).
+attention biases, per-head q/k RMSNorm, per-layer sliding windows, RoPE variants), and the base the
+other families' files build on: they override the hooks below (`_qkv`, `_gate_up`, `_layer`,
+`_mlp`, `_rope_cache`, `_final_norm`, `norm_offset`, `embedding_multiplier`, `expected_shapes`)
+with just their quirks.
 
 Weights use Hugging Face names. At load q/k/v are fused into one matrix and gate/up into another,
 popping the parts from the weight dict as each layer is built so two copies never coexist.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import numpy as np
@@ -13,7 +17,7 @@ import numpy as np
 from engine.forward_batch import ForwardBatch
 from engine.model_config import ModelConfig
 from engine.quant_fp8 import take_kv_scales
-from engine.rotary import build_cos_sin_cache
+from engine.rotary import build_cos_sin_cache, longrope_positions
 from pyx.layers import MLP, Attention, DecoderLayer, Workspace, run_layers
 
 logger = logging.getLogger("taper.models")
@@ -23,7 +27,7 @@ def expected_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor the graph reads, by its Hugging Face name."""
     H, I, D = c.hidden_size, c.intermediate_size, c.head_dim
     shapes = {"model.embed_tokens.weight": (c.vocab_size, H), "model.norm.weight": (H,)}
-    if not c.tie_word_embeddings:
+    if c.has_lm_head and not c.tie_word_embeddings:
         shapes["lm_head.weight"] = (c.vocab_size, H)
     for i in range(c.num_hidden_layers):
         p = f"model.layers.{i}."
@@ -48,9 +52,9 @@ def expected_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def check_weights(c: ModelConfig, weights: dict) -> None:
+def check_weights(c: ModelConfig, weights: dict, shapes: dict) -> None:
     problems = []
-    for name, shape in expected_shapes(c).items():
+    for name, shape in shapes.items():
         if name not in weights:
             problems.append(f"missing tensor {name} (expected shape {list(shape)})")
         elif tuple(weights[name].shape) != shape:
@@ -63,9 +67,12 @@ def check_weights(c: ModelConfig, weights: dict) -> None:
 
 
 class LlamaForCausalLM:
+    # Added to every RMSNorm weight at load (Gemma's norms multiply by 1 + w).
+    norm_offset = 0.0
+
     def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray], backend):
         """Takes ownership of `weights` (tensors are popped as they are placed)."""
-        check_weights(config, weights)
+        check_weights(config, weights, self.expected_shapes(config))
         self.config = config
         self.backend = backend
         self.xp = backend.xp
@@ -74,6 +81,11 @@ class LlamaForCausalLM:
         cache = build_cos_sin_cache(c.rope, c.max_position_embeddings, c.max_model_len)
         self.cos_sin_cache = self._to_device(cache)
         self.workspace = Workspace(self.xp, backend.act_dtype)
+        # The embedding's multiplier, rounded to the activation dtype as transformers rounds it
+        # to the weights' (None: 1).
+        self.embed_scale = self.embedding_multiplier(c)
+        if self.embed_scale is not None:
+            self.embed_scale = float(np.asarray(self.embed_scale, dtype=backend.act_dtype))
 
         self.layers = []
         # FP8 KV cache scales per layer and KV head (DESIGN.md section 5): the checkpoint's, else
@@ -86,30 +98,23 @@ class LlamaForCausalLM:
             if kv_scales is None:
                 kv_scales = (np.ones(c.num_key_value_heads, np.float32),) * 2
             attn = Attention(
-                backend,
-                self._fuse(weights, [f"{p}self_attn.{n}_proj.weight" for n in "qkv"]),
-                self._fuse(weights, [f"{p}self_attn.{n}_proj.bias" for n in "qkv"])
-                if c.qkv_bias else None,
+                backend, *self._qkv(weights, p),
                 self._take(weights, f"{p}self_attn.o_proj.weight"),
                 self._take(weights, f"{p}self_attn.o_proj.bias") if c.o_bias else None,
-                self._take(weights, f"{p}self_attn.q_norm.weight") if c.qk_norm else None,
-                self._take(weights, f"{p}self_attn.k_norm.weight") if c.qk_norm else None,
-                self.cos_sin_cache, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+                self._norm(weights, f"{p}self_attn.q_norm.weight") if c.qk_norm else None,
+                self._norm(weights, f"{p}self_attn.k_norm.weight") if c.qk_norm else None,
+                self._rope_cache(i), c.num_attention_heads, c.num_key_value_heads, c.head_dim,
                 c.rms_norm_eps, c.sliding_windows[i], c.rope.is_neox,
-                *(self._to_device(s) for s in kv_scales))
-            mlp = MLP(
-                backend,
-                self._fuse(weights, [f"{p}mlp.gate_proj.weight", f"{p}mlp.up_proj.weight"]),
-                self._fuse(weights, [f"{p}mlp.gate_proj.bias", f"{p}mlp.up_proj.bias"])
-                if c.mlp_bias else None,
-                self._take(weights, f"{p}mlp.down_proj.weight"),
-                self._take(weights, f"{p}mlp.down_proj.bias") if c.mlp_bias else None)
-            self.layers.append(DecoderLayer(
-                backend, attn, mlp, self._take(weights, f"{p}input_layernorm.weight"),
-                self._take(weights, f"{p}post_attention_layernorm.weight"), c.rms_norm_eps, i == 0))
+                *(self._to_device(s) for s in kv_scales),
+                scale=c.query_pre_attn_scalar ** -0.5 if c.query_pre_attn_scalar else None,
+                softcap=c.attn_softcap)
+            mlp = self._mlp(weights, p, i)
+            self.layers.append(self._layer(weights, p, i, attn, mlp))
         self.embed_tokens = self._take(weights, "model.embed_tokens.weight")
-        self.norm = self._take(weights, "model.norm.weight")
-        if c.tie_word_embeddings:
+        self.norm = self._norm(weights, "model.norm.weight")
+        if not c.has_lm_head:            # a headless transformer (LlamaModel, ...): embeddings only
+            self.lm_head = None
+        elif c.tie_word_embeddings:
             weights.pop("lm_head.weight", None)
             self.lm_head = self.embed_tokens
         else:
@@ -118,6 +123,56 @@ class LlamaForCausalLM:
         if unused:
             logger.warning("ignoring %d unused checkpoint tensors, e.g. %s", len(unused), unused[0])
         weights.clear()
+
+    # ---- hooks a family overrides
+
+    expected_shapes = staticmethod(expected_shapes)
+
+    @staticmethod
+    def embedding_multiplier(c: ModelConfig) -> float | None:
+        return None
+
+    def _qkv(self, weights: dict, p: str) -> tuple:
+        """(fused q/k/v weight (q_size + 2 kv_size, H), its bias or None) of layer prefix p."""
+        names = [f"{p}self_attn.{n}_proj" for n in "qkv"]
+        return (self._fuse(weights, [f"{n}.weight" for n in names]),
+                self._fuse(weights, [f"{n}.bias" for n in names]) if self.config.qkv_bias else None)
+
+    def _mlp(self, weights: dict, p: str, i: int):
+        """Layer i's feed-forward block (weights under prefix p)."""
+        c = self.config
+        return MLP(self.backend, *self._gate_up(weights, p),
+                   self._take(weights, f"{p}mlp.down_proj.weight"),
+                   self._take(weights, f"{p}mlp.down_proj.bias") if c.mlp_bias else None,
+                   act=c.hidden_act)
+
+    def _gate_up(self, weights: dict, p: str) -> tuple:
+        """(fused gate/up weight (2I, H), its bias or None) of layer prefix p."""
+        names = [f"{p}mlp.gate_proj", f"{p}mlp.up_proj"]
+        return (self._fuse(weights, [f"{n}.weight" for n in names]),
+                self._fuse(weights, [f"{n}.bias" for n in names]) if self.config.mlp_bias else None)
+
+    def _layer(self, weights: dict, p: str, i: int, attn: Attention, mlp):
+        return DecoderLayer(self.backend, attn, mlp, self._norm(weights, f"{p}input_layernorm.weight"),
+                            self._norm(weights, f"{p}post_attention_layernorm.weight"),
+                            self.config.rms_norm_eps, i == 0)
+
+    def _final_norm(self, hidden, residual):
+        """In place: residual += hidden; hidden = the final norm of residual."""
+        self.backend.fused_add_rms_norm(hidden, residual, self.norm, self.config.rms_norm_eps)
+
+    def _rope_cache(self, i: int):
+        """The cos/sin cache layer i rotates with."""
+        return self.cos_sin_cache
+
+    # ---- weight placement
+
+    def _norm(self, weights: dict, name: str):
+        """An RMSNorm weight, with the family's norm_offset added in float32."""
+        if not self.norm_offset:
+            return self._take(weights, name)
+        w = np.asarray(weights.pop(name), dtype=np.float32) + np.float32(self.norm_offset)
+        return self.backend.place_weight(w)
 
     def _take(self, weights: dict, name: str):
         w = weights.pop(name)
@@ -143,20 +198,40 @@ class LlamaForCausalLM:
         """Shape of each layer's K (and V) cache: float32, or uint8 e4m3 codes for an FP8 cache."""
         return (num_blocks, block_size, self.config.num_key_value_heads, self.config.head_dim)
 
-    def forward(self, batch: ForwardBatch, kv_caches: list) -> np.ndarray:
+    def forward(self, batch: ForwardBatch, kv_caches: list, hidden_indices=None):
         """Logits (len(batch.logits_indices), vocab) float32, a new array each call; the batch's
-        arrays and the logits live where the backend computes (NumPy or CuPy)."""
+        arrays and the logits live where the backend computes (NumPy or CuPy). With
+        `hidden_indices` (rows to pool for embeddings), returns (logits, their final-norm hidden
+        states (len(hidden_indices), hidden))."""
         c, b, ws = self.config, self.backend, self.workspace
         T = batch.num_tokens
         residual = ws.get("residual", T, c.hidden_size)
         hidden = ws.get("hidden", T, c.hidden_size)
         b.embedding(batch.token_ids, self.embed_tokens, residual)
+        if self.embed_scale is not None:
+            b.scale(residual, self.embed_scale)
+        if c.rope.rope_type == "longrope":
+            batch = dataclasses.replace(batch, positions=longrope_positions(
+                self.xp, batch.positions, batch.query_start_loc, batch.seq_lens,
+                c.rope.original_max_position_embeddings, c.max_model_len))
         run_layers(self.layers, batch, hidden, residual, kv_caches, ws)
-        # Only the sampled rows go through the final norm and the lm_head.
+        # Only the sampled (and pooled) rows go through the final norm, the sampled ones through
+        # the lm_head.
         idx = batch.logits_indices
+        num_logits = len(idx)
+        if hidden_indices is not None:
+            idx = self.xp.concatenate([idx, hidden_indices])
         rows_hidden = self.xp.ascontiguousarray(hidden[idx])
         rows_residual = self.xp.ascontiguousarray(residual[idx])
-        b.fused_add_rms_norm(rows_hidden, rows_residual, self.norm, c.rms_norm_eps)
-        logits = self.xp.empty((len(idx), c.vocab_size), dtype=np.float32)
-        b.linear(rows_hidden, self.lm_head, None, logits)
-        return logits
+        if len(idx):
+            self._final_norm(rows_hidden, rows_residual)
+        logits = self.xp.empty((num_logits, c.vocab_size), dtype=np.float32)
+        if num_logits:
+            if self.lm_head is None:
+                raise ValueError("this checkpoint has no lm_head: it computes embeddings only")
+            b.linear(rows_hidden[:num_logits], self.lm_head, None, logits)
+            if c.final_softcap:
+                b.softcap(logits, c.final_softcap)
+        if hidden_indices is None:
+            return logits
+        return logits, rows_hidden[num_logits:]

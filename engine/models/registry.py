@@ -10,6 +10,23 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "MistralForCausalLM": ("llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("llama", "LlamaForCausalLM"),
     "Qwen3ForCausalLM": ("llama", "LlamaForCausalLM"),
+    "Gemma2ForCausalLM": ("gemma", "Gemma2ForCausalLM"),
+    "Gemma3ForCausalLM": ("gemma", "Gemma3ForCausalLM"),
+    "Phi3ForCausalLM": ("phi3", "Phi3ForCausalLM"),
+    "Glm4ForCausalLM": ("glm4", "Glm4ForCausalLM"),
+    "StableLmForCausalLM": ("stablelm", "StableLmForCausalLM"),
+    "MixtralForCausalLM": ("moe", "MoeForCausalLM"),
+    "Qwen2MoeForCausalLM": ("moe", "MoeForCausalLM"),
+    "Qwen3MoeForCausalLM": ("moe", "MoeForCausalLM"),
+}
+
+# Headless transformers (embedding checkpoints: tensors without the "model." prefix, no lm_head)
+# -> the causal LM whose graph and config rules they share.
+BASE_MODELS: dict[str, str] = {
+    "LlamaModel": "LlamaForCausalLM",
+    "MistralModel": "MistralForCausalLM",
+    "Qwen2Model": "Qwen2ForCausalLM",
+    "Qwen3Model": "Qwen3ForCausalLM",
 }
 
 
@@ -31,6 +48,13 @@ def load_model(model_dir: str, backend, dtype: str = "auto", yarn_scaling_factor
     model_class = get_model_class(model_config.architecture)
     weights = load_safetensors(model_dir, dtype=dtype, progress=progress,
                                quantized=bool(model_config.quantization_config))
+    if not any(name.startswith("model.") for name in weights):
+        # The headless layout (LlamaModel.save_pretrained, and some embedding models that keep a
+        # *ForCausalLM config over it): without an lm_head, an untied one cannot generate.
+        from engine.loader.safetensors import add_model_prefix
+        weights = add_model_prefix(weights)
+        if "lm_head.weight" not in weights and not model_config.tie_word_embeddings:
+            model_config.has_lm_head = False
     if model_config.quantization_config:
         from engine.loader.quant_formats import convert_quantized
         convert_quantized(weights, model_config.quantization_config)

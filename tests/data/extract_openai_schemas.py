@@ -3,7 +3,8 @@
     python tests/data/extract_openai_schemas.py /path/to/openapi.yaml
 
 Copies the response schemas the server tests validate against, with every schema they reference,
-into one JSON Schema (draft 2020-12) document: descriptions dropped, OpenAPI's `nullable: true`
+into JSON Schema (draft 2020-12) documents (openai_schemas.json; the Responses API's, which
+reference much more, apart in openai_responses_schemas.json): descriptions dropped, OpenAPI's `nullable: true`
 rewritten as `anyOf [..., null]`. One addition: `CreateCompletionStreamResponse`, the spec's
 CreateCompletionResponse with a nullable `finish_reason` and `usage`, because the spec reuses that
 schema for streamed completion chunks, whose non-final chunks carry `finish_reason: null` (and,
@@ -18,6 +19,8 @@ import yaml
 
 ROOTS = ["CreateChatCompletionResponse", "CreateChatCompletionStreamResponse",
          "CreateCompletionResponse", "ListModelsResponse", "Model", "ErrorResponse"]
+RESPONSES_ROOTS = ["Response", "ResponseStreamEvent", "ResponseItemList"]
+ROOTS += ["CreateEmbeddingResponse"]      # /v1/embeddings (floats; base64 is a string)
 DROP = {"description", "x-oaiMeta", "example", "examples", "title", "deprecated",
         "x-stainless-const", "x-oaiTypeLabel", "x-oaiExpandable"}
 
@@ -34,9 +37,8 @@ def clean(node):
     return out
 
 
-def main(spec_path):
-    spec = yaml.safe_load(open(spec_path))
-    schemas = spec["components"]["schemas"]
+def pick(schemas, roots) -> dict:
+    """The `roots` and every schema they reference, cleaned."""
     picked = {}
 
     def walk(node):
@@ -53,25 +55,36 @@ def main(spec_path):
             for v in node:
                 walk(v)
 
-    for name in ROOTS:
+    for name in roots:
         picked[name] = schemas[name]
         walk(schemas[name])
-    defs = {name: clean(s) for name, s in sorted(picked.items())}
+    return {name: clean(s) for name, s in sorted(picked.items())}
+
+
+def write(defs: dict, spec: dict, name: str):
+    text = json.dumps(defs, indent=1, sort_keys=True)
+    text = text.replace("#/components/schemas/", "#/$defs/")
+    doc = {"$schema": "https://json-schema.org/draft/2020-12/schema",
+           "source": f"OpenAI OpenAPI {spec['info']['version']}", "$defs": json.loads(text)}
+    out = os.path.join(os.path.dirname(os.path.abspath(__file__)), name)
+    with open(out, "w") as f:
+        json.dump(doc, f, indent=1, sort_keys=True)
+        f.write("\n")
+    print(f"wrote {out}: {len(defs)} schemas")
+
+
+def main(spec_path):
+    spec = yaml.safe_load(open(spec_path))
+    schemas = spec["components"]["schemas"]
+    defs = pick(schemas, ROOTS)
     stream = copy.deepcopy(defs["CreateCompletionResponse"])
     reason = stream["properties"]["choices"]["items"]["properties"]["finish_reason"]
     stream["properties"]["choices"]["items"]["properties"]["finish_reason"] = {
         "anyOf": [reason, {"type": "null"}]}
     stream["properties"]["usage"] = {"anyOf": [stream["properties"]["usage"], {"type": "null"}]}
     defs["CreateCompletionStreamResponse"] = stream
-    text = json.dumps(defs, indent=1, sort_keys=True)
-    text = text.replace("#/components/schemas/", "#/$defs/")
-    doc = {"$schema": "https://json-schema.org/draft/2020-12/schema",
-           "source": f"OpenAI OpenAPI {spec['info']['version']}", "$defs": json.loads(text)}
-    out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "openai_schemas.json")
-    with open(out, "w") as f:
-        json.dump(doc, f, indent=1, sort_keys=True)
-        f.write("\n")
-    print(f"wrote {out}: {len(defs)} schemas")
+    write(defs, spec, "openai_schemas.json")
+    write(pick(schemas, RESPONSES_ROOTS), spec, "openai_responses_schemas.json")
 
 
 if __name__ == "__main__":

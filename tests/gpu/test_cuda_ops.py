@@ -178,6 +178,32 @@ def test_fused_add_rms_norm(cuda, T, H):
     assert_close(to_host(cuda, xd), want_x, TOL[dt], f"fused_add_rms_norm x {dt}")
 
 
+@pytest.mark.parametrize("with_bias", [True, False])
+@pytest.mark.parametrize("T,H", [(1, 256), (7, 4096), (64, 96), (5, 100)])
+def test_layer_norm(cuda, cpu, T, H, with_bias):
+    """LayerNorm and its fused residual add against the reference and the CPU backend."""
+    dt = dtype_name(cuda)
+    rng = np.random.default_rng(T * H)
+    x = rand(rng, (T, H), dt, 3.0)
+    r = rand(rng, (T, H), dt, 2.0)
+    w = rng.standard_normal(H).astype(np.float32)
+    b = rng.standard_normal(H).astype(np.float32) if with_bias else None
+    db = None if b is None else to_dev(cuda, b)
+    out = nan_dev(cuda, (T, H), ACT[dt])
+    cuda.layer_norm(to_dev(cuda, x), to_dev(cuda, w), db, 1e-5, out)
+    assert_close(to_host(cuda, out), ref.layer_norm(x, w, b, 1e-5), TOL[dt], f"layer_norm {dt}")
+    want_x, want_r = ref.fused_add_layer_norm(x, r, w, b, 1e-5)
+    xd, rd = to_dev(cuda, x), to_dev(cuda, r)
+    cuda.fused_add_layer_norm(xd, rd, to_dev(cuda, w), db, 1e-5)
+    got_r = to_host(cuda, rd)
+    assert got_r.dtype == np.dtype(ACT[dt])
+    assert_close(got_r, want_r, TOL[dt], f"fused_add_layer_norm residual {dt}")
+    assert_close(to_host(cuda, xd), want_x, TOL[dt], f"fused_add_layer_norm x {dt}")
+    on_cpu = np.empty((T, H), np.float32)
+    cpu.layer_norm(x.astype(np.float32), w, b, 1e-5, on_cpu)
+    assert_close(to_host(cuda, out), on_cpu, TOL[dt], "layer_norm vs CPU")
+
+
 def rope_cache(max_pos, rot_dim, base=10000.0):
     inv = 1.0 / base ** (np.arange(0, rot_dim, 2) / rot_dim)
     ang = np.arange(max_pos)[:, None] * inv[None, :]
@@ -251,6 +277,22 @@ def test_softcap(cuda, cpu, logits):
         on_cpu = x.copy()
         cpu.softcap(on_cpu, cap)
         assert_close(got, on_cpu, 1e-5, "softcap vs CPU")
+
+
+def test_scale(cuda, cpu):
+    """x * s with s already in the activation dtype (Gemma's sqrt(hidden)): the product of two
+    bf16/f16 values is exact in float, so one rounding gives exactly the reference."""
+    dt = dtype_name(cuda)
+    rng = np.random.default_rng(7)
+    x = rand(rng, (9, 2304), dt)
+    s = float(np.asarray(np.sqrt(2304.0), ACT[dt]))
+    xd = to_dev(cuda, x)
+    cuda.scale(xd, s)
+    got = to_host(cuda, xd)
+    np.testing.assert_array_equal(got, ref.scale(x, s).astype(np.float32).astype(ACT[dt]))
+    on_cpu = x.astype(np.float32)
+    cpu.scale(on_cpu, s)
+    np.testing.assert_array_equal(got.astype(np.float32), on_cpu.astype(ACT[dt]).astype(np.float32))
 
 
 # ---- KV cache writes
@@ -644,6 +686,39 @@ def test_apply_penalties(cuda_f32, cpu, B, V, N):
         np.testing.assert_array_equal(np.isneginf(got), np.isneginf(other), err_msg=name)
         fin = np.isfinite(other)
         np.testing.assert_allclose(got[fin], other[fin], rtol=1e-6, atol=1e-6, err_msg=name)
+
+
+@pytest.mark.parametrize("B,V,rows", [(1, 151936, [0]), (8, 32000, [0, 2, 3, 7]),
+                                      (5, 33, [4, 1]), (64, 128256, list(range(0, 64, 3))),
+                                      (3, 1000, [])])
+def test_apply_token_bitmask(cuda_f32, cpu, B, V, rows):
+    """Structured outputs' mask equals the CPU op bit for bit (and the oracle); rows not listed
+    and allowed tokens are untouched."""
+    b = cuda_f32
+    rng = np.random.default_rng(B + V)
+    logits = rng.standard_normal((B, V)).astype(np.float32)
+    W = (V + 31) // 32
+    bitmask = rng.integers(-2**31, 2**31, size=(B, W), dtype=np.int64).astype(np.int32)
+    bitmask[:, :W // 4] = -1                           # stretches of all-allowed words
+    bitmask[:, -1] = 1                                 # only the first id of the last word
+    rows = np.array(rows, dtype=np.int32)
+    ld = to_dev(b, logits)
+    b.apply_token_bitmask(ld, to_dev(b, bitmask), to_dev(b, rows))
+    got = to_host(b, ld)
+    want = logits.copy()
+    cpu.apply_token_bitmask(want, bitmask, rows)
+    assert got.tobytes() == want.tobytes()
+    if V <= 40000:
+        np.testing.assert_array_equal(got.astype(np.float64),
+                                      ref.apply_token_bitmask(logits, bitmask, rows))
+
+
+def test_apply_token_bitmask_rejects_bad_shapes(cuda_f32):
+    b = cuda_f32
+    with pytest.raises(ValueError, match="apply_token_bitmask"):
+        b.apply_token_bitmask(to_dev(b, np.zeros((2, 40), np.float32)),
+                              to_dev(b, np.zeros((2, 1), np.int32)),
+                              to_dev(b, np.zeros(1, np.int32)))
 
 
 FILTER_ROWS = [  # (temperature, top_k, top_p, min_p)

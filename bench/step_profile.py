@@ -1,0 +1,97 @@
+"""Where an engine step's time goes at each concurrency: host work against device work.
+
+    python -m bench.step_profile                       # demo checkpoint, CPU, 1/16/64/256
+    python -m bench.step_profile --model DIR --backend cuda --concurrency 1 64 256
+
+Runs the engine itself (no HTTP) with C requests added at once (random prompt ids, ignore_eos,
+greedy), `max_num_seqs` = C so all of them run together, prefix caching off, and prints for each
+C the mean milliseconds per step of each phase (engine/step_profile.py): schedule, prepare,
+forward (device), sample, outputs (append, detokenize, stop checks), other; separately for the
+decode-only steps (every sequence computes its next token) and for all steps. The host share is
+(schedule + prepare + outputs + other) / step: what an engine that overlaps host and device
+work (the next step prepared while this one runs) could hide.
+
+The default checkpoint is the server's demo model (4 layers, hidden 256, a real tokenizer, so
+detokenization is part of the outputs phase): a small model makes the host's share large, as
+a 1B model's is on a GPU.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+from bench.throughput import machine_info
+from engine.step_profile import PHASES, StepProfile
+
+
+def profile_run(engine, concurrency: int, prompt_len: int, gen_len: int, seed: int) -> tuple:
+    from engine.sampling_params import SamplingParams
+    rng = np.random.default_rng(seed)
+    vocab = engine.model_config.vocab_size
+    profile = StepProfile.attach(engine)
+    params = SamplingParams(temperature=0.0, max_tokens=gen_len, ignore_eos=True)
+    for i in range(concurrency):
+        engine.add_request(f"profile-{seed}-{i}", rng.integers(0, vocab, prompt_len).tolist(),
+                           params)
+    start = time.perf_counter()
+    done = 0
+    while engine.has_unfinished():
+        done += sum(o.finished for o in engine.step())
+    wall = time.perf_counter() - start
+    assert done == concurrency, f"{done} of {concurrency} requests finished"
+    return profile, wall
+
+
+def table_row(label: str, s: dict) -> str:
+    if not s.get("steps"):
+        return f"| {label} | 0 | | | | | | | | | |"
+    cells = " | ".join(f"{s[p]:.2f}" for p in (*PHASES, "other", "step"))
+    return (f"| {label} | {s['steps']} | {s['seqs']:.0f} | {s['tokens']:.0f} | {cells} | "
+            f"{100 * s['host_share']:.0f} % |")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None, help="checkpoint directory (default: the demo model)")
+    ap.add_argument("--backend", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--concurrency", nargs="+", type=int, default=[1, 16, 64, 256])
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--gen-len", type=int, default=128)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    args = ap.parse_args(argv)
+
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+    model = args.model
+    if model is None:
+        from server.demo_model import ensure_demo_checkpoint
+        model = ensure_demo_checkpoint()
+    max_c = max(args.concurrency)
+    per_seq_blocks = -(-(args.prompt_len + args.gen_len) // 16)
+    engine = LLMEngine(EngineConfig(
+        model=model, backend=args.backend, max_num_seqs=max_c,
+        max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False,
+        num_kv_blocks=max_c * per_seq_blocks + 1))
+    profile_run(engine, 2, 16, 4, seed=0)[0].detach()       # warm-up
+    info = machine_info()
+    print(f"# step profile: {model}, backend {args.backend}, {args.prompt_len} prompt + "
+          f"{args.gen_len} output tokens per request\n# machine: {info['cpu']}, "
+          f"{info['cores']} cores, load average at start {info['loadavg_start'][0]:.2f}")
+    header = ("| concurrency | steps | seqs/step | tokens/step | " + " | ".join(PHASES)
+              + " | other | step (ms) | host |\n|---|" + "---:|" * 11)
+    rows = []
+    for c in args.concurrency:
+        profile, wall = profile_run(engine, c, args.prompt_len, args.gen_len, seed=c)
+        profile.detach()
+        out_tok_s = c * args.gen_len / wall
+        rows.append(table_row(f"{c}, decode", profile.decode_summary()))
+        rows.append(table_row(f"{c}, all", profile.summary()))
+        print(f"concurrency {c}: {out_tok_s:.0f} output tok/s over {wall:.1f} s", flush=True)
+    print(header)
+    print("\n".join(rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+"""Mixtral, Qwen2-MoE and Qwen3-MoE: the Llama graph with a mixture-of-experts block (pyx/moe.py)
+in place of the MLP on the layers the config makes sparse.
+
+Only the names differ between the families: Mixtral keeps its experts under
+`block_sparse_moe.experts.{e}.w1/w3/w2` (gate, up, down), the Qwen models under
+`mlp.experts.{e}.gate_proj/up_proj/down_proj`, with Qwen2-MoE's shared expert under
+`mlp.shared_expert.*` and its gate `mlp.shared_expert_gate`.
+"""
+from __future__ import annotations
+
+from engine.model_config import ModelConfig
+from engine.models.llama import LlamaForCausalLM, expected_shapes
+from pyx.layers import MLP
+from pyx.moe import MoE
+
+
+def _names(c: ModelConfig) -> tuple[str, tuple[str, str, str]]:
+    """(the block's name under the layer, the expert projections' names: gate, up, down)."""
+    if c.architecture == "MixtralForCausalLM":
+        return "block_sparse_moe", ("w1", "w3", "w2")
+    return "mlp", ("gate_proj", "up_proj", "down_proj")
+
+
+def moe_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
+    shapes = expected_shapes(c)
+    m = c.moe
+    H = c.hidden_size
+    block, (gate, up, down) = _names(c)
+    for i, sparse in enumerate(m.sparse_layers):
+        if not sparse:
+            continue
+        p = f"model.layers.{i}."
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            del shapes[f"{p}mlp.{name}.weight"]
+        q = f"{p}{block}."
+        shapes[f"{q}gate.weight"] = (m.num_experts, H)
+        for e in range(m.num_experts):
+            shapes[f"{q}experts.{e}.{gate}.weight"] = (m.intermediate_size, H)
+            shapes[f"{q}experts.{e}.{up}.weight"] = (m.intermediate_size, H)
+            shapes[f"{q}experts.{e}.{down}.weight"] = (H, m.intermediate_size)
+        if m.shared_intermediate_size:
+            S = m.shared_intermediate_size
+            shapes[f"{q}shared_expert.gate_proj.weight"] = (S, H)
+            shapes[f"{q}shared_expert.up_proj.weight"] = (S, H)
+            shapes[f"{q}shared_expert.down_proj.weight"] = (H, S)
+            shapes[f"{q}shared_expert_gate.weight"] = (1, H)
+    return shapes
+
+
+class MoeForCausalLM(LlamaForCausalLM):
+    expected_shapes = staticmethod(moe_shapes)
+
+    def _mlp(self, weights: dict, p: str, i: int):
+        c, m = self.config, self.config.moe
+        if not m.sparse_layers[i]:
+            return super()._mlp(weights, p, i)
+        block, (gate, up, down) = _names(c)
+        q = f"{p}{block}."
+        gate_up = [self._fuse(weights, [f"{q}experts.{e}.{gate}.weight",
+                                        f"{q}experts.{e}.{up}.weight"])
+                   for e in range(m.num_experts)]
+        downs = [self._take(weights, f"{q}experts.{e}.{down}.weight")
+                 for e in range(m.num_experts)]
+        shared = shared_gate = None
+        if m.shared_intermediate_size:
+            s = f"{q}shared_expert."
+            shared = MLP(self.backend, self._fuse(weights, [f"{s}gate_proj.weight",
+                                                            f"{s}up_proj.weight"]),
+                         None, self._take(weights, f"{s}down_proj.weight"), None)
+            shared_gate = self._take(weights, f"{q}shared_expert_gate.weight")
+        return MoE(self.backend, self._take(weights, f"{q}gate.weight"), gate_up, downs, m.top_k,
+                   m.normalize, shared, shared_gate)

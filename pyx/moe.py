@@ -1,0 +1,87 @@
+"""The mixture-of-experts block, written once for Mixtral, Qwen2-MoE and Qwen3-MoE.
+
+    router logits = x @ gate.T;  p = softmax(logits) in float32;  the top_k experts per token,
+    their p renormalised to sum to 1 when `normalize` (Mixtral always, Qwen3-MoE by
+    norm_topk_prob, Qwen2-MoE usually not);  out = sum_k p_k * expert_k(x)
+    (+ sigmoid(x @ shared_gate.T) * shared_expert(x), Qwen2-MoE's shared expert)
+
+Each expert is a SwiGLU MLP (gate and up fused). Experts run only on the tokens routed to them:
+the (token, expert) pairs are sorted by expert, the tokens gathered in that order, each expert's
+contiguous run of rows goes through its two projections, and the results are put back in pair
+order and summed per token with their weights. The projections are the backend's `linear`, so
+every weight format (float, ggml blocks, int4, FP8) works for experts as for dense layers.
+
+Like pyx/layers.pyx, no device code: backend ops and the array API NumPy and CuPy share.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+
+def route(logits, top_k: int, normalize: bool, xp=np):
+    """logits (T, E) -> (expert ids (T, top_k) int64, weights (T, top_k) float32): the top_k
+    experts of each token by softmax probability (their order within a row is unspecified)."""
+    logits = logits.astype(xp.float32, copy=False)
+    probs = xp.exp(logits - logits.max(axis=1, keepdims=True))
+    probs /= probs.sum(axis=1, keepdims=True)
+    ids = xp.argpartition(-probs, top_k - 1, axis=1)[:, :top_k]
+    weights = xp.take_along_axis(probs, ids, axis=1)
+    if normalize:
+        weights /= weights.sum(axis=1, keepdims=True)
+    return ids.astype(xp.int64), weights
+
+
+class MoE:
+    def __init__(self, backend, router, experts_gate_up: list, experts_down: list, top_k: int,
+                 normalize: bool, shared=None, shared_gate=None):
+        """router (E, H); experts_gate_up[e] (2I, H) and experts_down[e] (H, I), placed weights;
+        shared: an MLP-like object with forward(x, out, ws) (the shared expert) and shared_gate
+        (1, H), or None."""
+        self.backend = backend
+        self.xp = getattr(backend, "xp", np)
+        self.router = router
+        self.gate_up, self.down = experts_gate_up, experts_down
+        self.num_experts = len(experts_gate_up)
+        self.top_k, self.normalize = top_k, normalize
+        self.intermediate_size = experts_gate_up[0].shape[0] // 2
+        self.shared, self.shared_gate = shared, shared_gate
+
+    def forward(self, x, out, ws):
+        """x (T, H) -> out (T, H)."""
+        b, xp = self.backend, self.xp
+        T, H = x.shape
+        k, I = self.top_k, self.intermediate_size
+        logits = ws.get("router_logits", T, self.num_experts)
+        b.linear(x, self.router, None, logits)
+        ids, weights = route(logits, k, self.normalize, xp)
+
+        # (token, expert) pairs, sorted by expert; a stable sort keeps token order per expert.
+        flat = ids.reshape(-1)
+        order = xp.argsort(flat, kind="stable")
+        counts = np.asarray(b.to_host(xp.bincount(flat, minlength=self.num_experts)))
+        x_sorted = ws.get("moe_x", T * k, H)
+        xp.take(x, order // k, axis=0, out=x_sorted)
+        y_sorted = ws.get("moe_y", T * k, H)
+        start = 0
+        for e in np.flatnonzero(counts):
+            end = start + int(counts[e])
+            gate_up = ws.get("moe_gate_up", end - start, 2 * I)
+            act = ws.get("moe_act", end - start, I)
+            b.linear(x_sorted[start:end], self.gate_up[e], None, gate_up)
+            b.silu_and_mul(gate_up, act)
+            b.linear(act, self.down[e], None, y_sorted[start:end])
+            start = end
+
+        y = ws.get("moe_pairs", T * k, H)
+        y[order] = y_sorted                               # back to (token, slot) order
+        y3 = y.reshape(T, k, H)
+        xp.multiply(y3, weights.astype(y.dtype)[:, :, None], out=y3)
+        y3.sum(axis=1, out=out)
+        if self.shared is not None:
+            shared_out = ws.get("moe_shared", T, H)
+            self.shared.forward(x, shared_out, ws)
+            gate = ws.get("moe_shared_gate", T, 1)
+            b.linear(x, self.shared_gate, None, gate)
+            g = gate.astype(xp.float32)
+            shared_out *= (1.0 / (1.0 + xp.exp(-g))).astype(shared_out.dtype)
+            out += shared_out

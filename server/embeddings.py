@@ -1,0 +1,152 @@
+"""POST /v1/embeddings: OpenAI's embeddings API over the engine's pooling (engine/pooling.py).
+
+Each input becomes one engine request that computes its prompt (chunked and batched with
+everything else) and pools it instead of sampling; the inputs of one call run concurrently. An
+embedding checkpoint (sentence-transformers' modules.json) pools as it says; any other model
+pools its last token and L2-normalizes, as vLLM does for decoder-only models.
+"""
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+from typing import Literal
+
+import numpy as np
+from pydantic import Field, field_validator
+from quart import Response, request
+
+from engine.pooling import PoolingParams
+from server import streaming
+from server.protocol import APIError, _Request, parse_json_body, parse_request
+
+MAX_INPUTS = 2048      # OpenAI's limit on the inputs of one request (a token-id input's length is
+                       # bounded by the model's context instead)
+
+
+class EmbeddingRequest(_Request):
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] | None = None     # None (or null): float
+    dimensions: int | None = Field(default=None, ge=1)
+    user: str | None = None
+
+    @field_validator("input")
+    @classmethod
+    def _input_not_empty(cls, v):
+        if v == "":
+            raise ValueError("must not be an empty string")
+        if isinstance(v, list):
+            if not v:
+                raise ValueError("must not be an empty array")
+            if not isinstance(v[0], int) and len(v) > MAX_INPUTS:   # inputs, not token ids
+                raise ValueError(f"must have at most {MAX_INPUTS} inputs, got {len(v)}")
+            if any(x == "" or x == [] for x in v):
+                raise ValueError("must not hold empty strings or empty token arrays")
+            flat = [t for x in v for t in x] if isinstance(v[0], list) else v
+            if isinstance(flat[0], int) and min(flat) < 0:
+                raise ValueError("token ids must be non-negative")
+        return v
+
+    def inputs(self) -> list[str | list[int]]:
+        """The batch: each element a text or a list of token ids."""
+        if isinstance(self.input, str):
+            return [self.input]
+        if isinstance(self.input[0], int):
+            return [list(self.input)]
+        return list(self.input)
+
+
+def encode(vector: np.ndarray, encoding_format: str):
+    """float: a list of numbers; base64: the little-endian float32 bytes, as OpenAI's SDK
+    decodes them (np.frombuffer(..., dtype="float32"))."""
+    vector = np.asarray(vector, dtype="<f4")
+    if encoding_format == "base64":
+        return base64.b64encode(vector.tobytes()).decode("ascii")
+    return vector.tolist()
+
+
+def register_embeddings(app, state) -> None:
+    """Adds POST /v1/embeddings to `app`, served from `state` (server/app.py's ServerState)."""
+    settings = state.settings
+
+    def resolve_model(name: str | None) -> str:
+        names = settings.served_model_names
+        if name is None:
+            return names[0]
+        if name not in names:
+            raise APIError(f"The model '{name}' does not exist; this server serves "
+                           + ", ".join(repr(n) for n in names), status=404,
+                           param="model", code="model_not_found")
+        return name
+
+    async def tokenize(engine, inputs: list) -> list[list[int]]:
+        if any(isinstance(x, str) for x in inputs) and engine.tokenizer is None:
+            raise APIError("This model has no tokenizer: send token ids", param="input",
+                           code="no_tokenizer")
+        try:   # off the event loop: a long input must not stall other streams
+            return await asyncio.to_thread(
+                lambda: [engine.tokenizer.encode(x) if isinstance(x, str) else x for x in inputs])
+        except (TypeError, ValueError, UnicodeError) as e:
+            raise APIError(f"input could not be tokenized: {e}", param="input",
+                           code="invalid_value") from None
+
+    def check_request(engine, req: EmbeddingRequest, batch_ids: list[list[int]]):
+        max_len = engine.max_model_len
+        for i, ids in enumerate(batch_ids):
+            if len(ids) > max_len:
+                where = "input" if len(batch_ids) == 1 else f"input[{i}]"
+                raise APIError(f"This model's maximum context length is {max_len} tokens, and "
+                               f"the {where} has {len(ids)} tokens. Please shorten it.",
+                               param="input", code="context_length_exceeded")
+        if req.dimensions is not None:
+            problem = engine.pooling.check_dimensions(req.dimensions,
+                                                      engine.model_config.hidden_size)
+            if problem:
+                raise APIError(problem, param="dimensions", code="invalid_value")
+        limit = settings.max_queued_requests
+        if limit is not None and engine.num_queued_requests() + len(batch_ids) > limit:
+            raise APIError(f"Too many requests are waiting ({limit}); retry shortly",
+                           status=429, type="rate_limit_error", code="queue_full",
+                           headers={"Retry-After": "1"})
+
+    async def embed_one(engine, request_id: str, ids: list[int], params: PoolingParams):
+        timing = state.metrics.request()
+        async for out in streaming.engine_outputs(engine, request_id, ids, params, timing,
+                                                  "input"):
+            if out.finish_reason == "error":
+                raise APIError(f"The engine failed on this request: {out.error}", status=500,
+                               type="server_error", code="engine_error")
+            if out.finish_reason == "abort":
+                raise APIError("The request was aborted by the engine (is the server shutting "
+                               "down?)", status=503, type="server_error", code="aborted")
+            if out.finished:
+                return out.embedding
+        raise APIError("The engine ended the request without an embedding", status=500,
+                       type="server_error", code="engine_error")
+
+    @app.post("/v1/embeddings")
+    async def create_embeddings():
+        req = parse_request(EmbeddingRequest, parse_json_body(await request.get_data()))
+        engine = state.ready_engine()
+        model = resolve_model(req.model)
+        batch_ids = await tokenize(engine, req.inputs())
+        check_request(engine, req, batch_ids)
+        request_id = streaming.random_id("embd")
+        params = PoolingParams(req.dimensions)
+        tasks = [asyncio.ensure_future(embed_one(engine, f"{request_id}-{i}", ids, params))
+                 for i, ids in enumerate(batch_ids)]
+        try:
+            vectors = await asyncio.gather(*tasks)
+        except BaseException:   # a failed input (or a client gone) cancels the others, whose
+            for task in tasks:  # streams then abort them in the engine
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+        num_tokens = sum(len(ids) for ids in batch_ids)
+        body = {"object": "list", "model": model,
+                "data": [{"object": "embedding", "index": i,
+                          "embedding": encode(vector, req.encoding_format)}
+                         for i, vector in enumerate(vectors)],
+                "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}}
+        return Response(json.dumps(body), status=200, content_type="application/json")

@@ -1,0 +1,363 @@
+"""OpenAI's Responses API: POST /v1/responses, GET and DELETE /v1/responses/{id}, and
+GET /v1/responses/{id}/input_items.
+
+One code path, as for chat: a request becomes an async stream of the Responses stream events
+(response.created, response.in_progress, output_item.added, content_part.added,
+output_text.delta..., output_text.done, content_part.done, output_item.done, then
+response.completed or response.incomplete), each with its sequence_number. Streaming sends them
+as server-sent events; a non-streamed response is the last event's `response`. A reasoning
+model's <think> text becomes a `reasoning` output item before the message (server/reasoning.py).
+
+Responses with `store` (the default) are kept in a bounded in-memory store
+(server/responses_store.py, `--responses-store-size`) for GET and `previous_response_id`.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import logging
+import time
+from typing import AsyncIterator
+
+from quart import Quart, Response, request
+
+from server import streaming
+from server.protocol import APIError, not_supported
+from server.reasoning import ReasoningSplitter, prompt_opens_reasoning
+from server.responses_protocol import CreateResponseRequest, input_messages, random_item_id
+from server.responses_store import ResponseStore, StoredResponse
+
+log = logging.getLogger("taper.server")
+
+
+def register_responses(app: Quart, *, read_request, check_queue, fit_context, chat_prompt_ids):
+    """The routes, on `app`; the helpers are create_app's, shared with the chat route."""
+    state = app.taper
+    store = ResponseStore(state.settings.responses_store_size)
+    app.taper_responses = store
+
+    def not_found(response_id: str, param: str | None = None) -> APIError:
+        return APIError(f"Response with id '{response_id}' not found.", status=404,
+                        param=param, code="response_not_found")
+
+    def stored(response_id: str, param: str | None = None) -> StoredResponse:
+        entry = store.get(response_id)
+        if entry is None:
+            raise not_found(response_id, param)
+        return entry
+
+    @app.post("/v1/responses")
+    async def create_response():
+        req, model, engine = await read_request(CreateResponseRequest)
+        earlier = []
+        if req.previous_response_id is not None:
+            earlier = stored(req.previous_response_id, "previous_response_id").conversation
+        turn, items = input_messages(req.input)
+        req.set_turns(earlier, turn)
+        prompt_ids = await chat_prompt_ids(engine, req, "input")
+        while req.truncation == "auto" and not fits(engine, req, len(prompt_ids)) \
+                and drop_oldest_turn(req):
+            prompt_ids = await chat_prompt_ids(engine, req, "input")
+        check_context(engine, req, len(prompt_ids))
+        params = fit_context(engine, req, len(prompt_ids), "input")
+        check_queue(engine)
+        tail = engine.tokenizer.decode(prompt_ids[-8:], skip_special_tokens=False)
+        builder = ResponseBuilder(req, model, params, prompt_opens_reasoning(tail))
+        timing = state.metrics.request()
+        outputs = streaming.engine_outputs(engine, builder.id, prompt_ids, params, timing,
+                                           "input")
+        events = response_events(builder, outputs, len(prompt_ids))
+        if req.store:
+            events = _store_when_done(events, store, items, req.turns())
+        try:
+            first = await anext(events)        # a refused request still gets an error status
+        except BaseException:
+            await events.aclose()
+            raise
+        if req.stream:
+            resp = Response(sse_events(builder, first, events), status=200,
+                            content_type="text/event-stream")
+            resp.headers["Cache-Control"] = "no-cache"
+            resp.headers["X-Accel-Buffering"] = "no"
+            resp.timeout = None
+            return resp
+        last = first
+        async with contextlib.aclosing(events):
+            async for last in events:
+                pass
+        return _json(last["response"])
+
+    @app.get("/v1/responses/<response_id>")
+    async def get_response(response_id: str):
+        if request.args.get("stream", "false").lower() not in ("false", "0"):
+            raise not_supported("stream")           # replaying a stored response's events
+        return _json(stored(response_id).response)
+
+    @app.delete("/v1/responses/<response_id>")
+    async def delete_response(response_id: str):
+        if not store.delete(response_id):
+            raise not_found(response_id)
+        return _json({"id": response_id, "object": "response.deleted", "deleted": True})
+
+    @app.get("/v1/responses/<response_id>/input_items")
+    async def list_input_items(response_id: str):
+        items = stored(response_id).input_items
+        order = request.args.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise APIError("order must be 'asc' or 'desc'", param="order", code="invalid_value")
+        try:
+            limit = int(request.args.get("limit", 20))
+        except ValueError:
+            limit = 0
+        if not 1 <= limit <= 100:
+            raise APIError("limit must be an integer from 1 to 100", param="limit",
+                           code="invalid_value")
+        items = items[::-1] if order == "desc" else list(items)
+        after = request.args.get("after")
+        if after is not None:
+            ids = [item["id"] for item in items]
+            if after not in ids:
+                raise APIError(f"no input item '{after}' in this response", param="after",
+                               code="invalid_value")
+            items = items[ids.index(after) + 1:]
+        page = items[:limit]
+        return _json({"object": "list", "data": page, "has_more": len(items) > limit,
+                      "first_id": page[0]["id"] if page else None,
+                      "last_id": page[-1]["id"] if page else None})
+
+
+def fits(engine, req: CreateResponseRequest, prompt_len: int) -> bool:
+    return prompt_len + max(req.max_output_tokens or 0, 1) <= engine.max_model_len
+
+
+def drop_oldest_turn(req: CreateResponseRequest) -> bool:
+    """truncation "auto": drop the conversation's oldest turn (the instructions stay), and the
+    assistant turns that would then open it; never the last turn. False: nothing left to drop."""
+    turns = req.turns()
+    if len(turns) < 2:
+        return False
+    turns = turns[1:]
+    while len(turns) > 1 and turns[0]["role"] == "assistant":
+        turns = turns[1:]
+    req.set_turns([], turns)
+    return True
+
+
+def check_context(engine, req: CreateResponseRequest, prompt_len: int):
+    """The context checks with the Responses API's names (fit_context names chat's)."""
+    if fits(engine, req, prompt_len):
+        return
+    max_len, asked = engine.max_model_len, req.max_output_tokens
+    if prompt_len >= max_len or asked is None:
+        raise APIError(f"This model's maximum context length is {max_len} tokens, and the "
+                       f"input has {prompt_len} tokens (at least one more is needed for the "
+                       "output). Please shorten it.", param="input",
+                       code="context_length_exceeded")
+    raise APIError(f"This model's maximum context length is {max_len} tokens. However, you "
+                   f"requested {prompt_len + asked} tokens ({prompt_len} in the input, {asked} "
+                   "for the output). Please reduce the input or max_output_tokens.",
+                   param="max_output_tokens", code="context_length_exceeded")
+
+
+def _json(obj, status: int = 200) -> Response:
+    return Response(json.dumps(obj, ensure_ascii=False), status=status,
+                    content_type="application/json")
+
+
+# ---- the response object and its events
+
+class ResponseBuilder:
+    """One response: the object every lifecycle event carries, and the numbered events."""
+
+    def __init__(self, req: CreateResponseRequest, model: str, params, reasoning_opened: bool):
+        self.id = random_item_id("resp")
+        self.reasoning_opened = reasoning_opened
+        self.sequence_number = 0
+        self.response = {
+            "id": self.id, "object": "response", "created_at": int(time.time()),
+            "status": "in_progress", "completed_at": None, "error": None,
+            "incomplete_details": None, "instructions": req.instructions,
+            "max_output_tokens": req.max_output_tokens, "model": model, "output": [],
+            "parallel_tool_calls": (True if req.parallel_tool_calls is None
+                                    else req.parallel_tool_calls),
+            "previous_response_id": req.previous_response_id,
+            "reasoning": {"effort": None, "summary": None}, "store": req.store,
+            "temperature": params.temperature, "top_p": params.top_p,
+            "text": {"format": {"type": "text"}}, "tool_choice": req.tool_choice or "auto",
+            "tools": [], "truncation": req.truncation or "disabled",
+            "metadata": req.metadata or {},
+        }
+        # `usage` comes once the response has ended; the schema's `user` is never null
+        if req.user is not None:
+            self.response["user"] = req.user
+
+    def event(self, kind: str, **fields) -> dict:
+        ev = {"type": kind, **fields, "sequence_number": self.sequence_number}
+        self.sequence_number += 1
+        return ev
+
+    def lifecycle(self, kind: str) -> dict:
+        return self.event(kind, response=copy.deepcopy(self.response))
+
+    def failed(self, error: APIError) -> dict:
+        self.response.update(status="failed", error={"code": "server_error",
+                                                     "message": error.message})
+        return self.lifecycle("response.failed")
+
+
+class _Item:
+    """An output item being streamed: a reasoning item (reasoning_text) or the assistant
+    message (output_text)."""
+
+    def __init__(self, builder: ResponseBuilder, kind: str, output_index: int):
+        self.builder, self.kind, self.output_index = builder, kind, output_index
+        self.id = random_item_id("rs" if kind == "reasoning" else "msg")
+        self.text = ""
+        self.part_type = "reasoning_text" if kind == "reasoning" else "output_text"
+
+    def part(self) -> dict:
+        if self.kind == "reasoning":
+            return {"type": "reasoning_text", "text": self.text}
+        return {"type": "output_text", "text": self.text, "annotations": [], "logprobs": []}
+
+    def item(self, status: str) -> dict:
+        if self.kind == "reasoning":
+            return {"id": self.id, "type": "reasoning", "summary": [],
+                    "content": [self.part()] if status != "in_progress" else [],
+                    "encrypted_content": None, "status": status}
+        return {"id": self.id, "type": "message", "role": "assistant", "status": status,
+                "content": [self.part()] if status != "in_progress" else []}
+
+    def _at(self) -> dict:
+        return {"item_id": self.id, "output_index": self.output_index, "content_index": 0}
+
+    def open(self) -> list[dict]:
+        b = self.builder
+        return [b.event("response.output_item.added", output_index=self.output_index,
+                        item=self.item("in_progress")),
+                b.event("response.content_part.added", **self._at(), part=self.part())]
+
+    def delta(self, text: str) -> dict:
+        self.text += text
+        extra = {"logprobs": []} if self.kind == "message" else {}
+        return self.builder.event(f"response.{self.part_type}.delta", **self._at(), delta=text,
+                                  **extra)
+
+    def close(self, status: str) -> list[dict]:
+        b = self.builder
+        extra = {"logprobs": []} if self.kind == "message" else {}
+        done = self.item(status)
+        b.response["output"].append(done)
+        return [b.event(f"response.{self.part_type}.done", **self._at(), text=self.text,
+                        **extra),
+                b.event("response.content_part.done", **self._at(), part=self.part()),
+                b.event("response.output_item.done", output_index=self.output_index,
+                        item=done)]
+
+
+async def response_events(builder: ResponseBuilder, outputs: AsyncIterator,
+                          num_prompt_tokens: int) -> AsyncIterator[dict]:
+    """The stream events of one response. The first waits for the engine's first output, so a
+    request the engine refuses fails before anything is sent."""
+    splitter = ReasoningSplitter(builder.reasoning_opened)
+    reasoning: _Item | None = None
+    message: _Item | None = None
+    reasoning_closed = False
+    num_reasoning_tokens = 0
+    started = False
+    async with contextlib.aclosing(outputs):
+        async for out in outputs:
+            streaming._check_output(out)
+            if not started:
+                yield builder.lifecycle("response.created")
+                yield builder.lifecycle("response.in_progress")
+                started = True
+            answering = splitter.state == "answer"      # before this delta
+            thought, answer = splitter.feed(out.text_delta, out.finished)
+            if splitter.has_reasoning and not answering:    # this delta's tokens reasoned
+                num_reasoning_tokens += len(out.new_token_ids)
+            if splitter.has_reasoning and reasoning is None:
+                reasoning = _Item(builder, "reasoning", 0)
+                for ev in reasoning.open():
+                    yield ev
+            if thought:
+                yield reasoning.delta(thought)
+            if answer or (out.finished and reasoning is None):
+                if reasoning is not None and not reasoning_closed:
+                    reasoning_closed = True
+                    for ev in reasoning.close("completed"):
+                        yield ev
+                if message is None:
+                    message = _Item(builder, "message", len(builder.response["output"]))
+                    for ev in message.open():
+                        yield ev
+                if answer:
+                    yield message.delta(answer)
+            status = "incomplete" if out.finish_reason == "length" else "completed"
+            if out.finished:
+                for item, closed in ((reasoning, reasoning_closed), (message, False)):
+                    if item is not None and not closed:
+                        for ev in item.close(status):
+                            yield ev
+                builder.response["usage"] = _usage(out, num_prompt_tokens, num_reasoning_tokens)
+                break
+        else:
+            raise APIError("The engine ended the request without finishing it",
+                           status=500, type="server_error", code="engine_error")
+    r = builder.response
+    if status == "incomplete":
+        r.update(status="incomplete", incomplete_details={"reason": "max_output_tokens"})
+        yield builder.lifecycle("response.incomplete")
+    else:
+        r.update(status="completed", completed_at=int(time.time()))
+        yield builder.lifecycle("response.completed")
+
+
+def _usage(out, num_prompt_tokens: int, num_reasoning_tokens: int) -> dict:
+    inp = out.num_prompt_tokens or num_prompt_tokens
+    output = out.num_output_tokens or len(out.token_ids)
+    return {"input_tokens": inp,
+            "input_tokens_details": {"cached_tokens": out.num_cached_tokens,
+                                     "cache_write_tokens": 0},
+            "output_tokens": output,
+            "output_tokens_details": {"reasoning_tokens": min(num_reasoning_tokens, output)},
+            "total_tokens": inp + output}
+
+
+async def _store_when_done(events: AsyncIterator[dict], store: ResponseStore,
+                           input_items: list[dict], turns: list[dict]) -> AsyncIterator[dict]:
+    """Pass the events on; once the response has ended, store it with the conversation it
+    ends (the earlier turns, this input, this answer)."""
+    async with contextlib.aclosing(events):
+        async for ev in events:
+            if ev["type"] in ("response.completed", "response.incomplete"):
+                response = ev["response"]
+                answer = "".join(item["content"][0]["text"] for item in response["output"]
+                                 if item["type"] == "message")
+                store.put(StoredResponse(response, input_items,
+                                         turns + [{"role": "assistant", "content": answer}]))
+            yield ev
+
+
+def sse_event(ev: dict) -> str:
+    data = json.dumps(ev, ensure_ascii=False, separators=(",", ":"))
+    return f"event: {ev['type']}\ndata: {data}\n\n"
+
+
+async def sse_events(builder: ResponseBuilder, first: dict,
+                     events: AsyncIterator[dict]) -> AsyncIterator[str]:
+    """SSE frames (`event:` the type, `data:` the event), as OpenAI sends them (no [DONE]). An
+    error after the stream started ends it with response.failed. Leaving early (client gone)
+    closes `events`, which aborts the engine request."""
+    async with contextlib.aclosing(events):
+        try:
+            yield sse_event(first)
+            async for ev in events:
+                yield sse_event(ev)
+        except APIError as e:
+            yield sse_event(builder.failed(e))
+        except Exception as e:
+            log.exception("response %s failed", builder.id)
+            yield sse_event(builder.failed(APIError(f"Internal server error: "
+                                                    f"{type(e).__name__}: {e}", status=500)))

@@ -1,0 +1,115 @@
+"""Tools in a chat request: the tool list and tool_choice checked, the deprecated `functions` /
+`function_call` spellings read as tools, and the conversation's earlier calls checked against
+the results that answer them. Every fault is a 400 naming the parameter."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from server.protocol import APIError
+
+
+@dataclass(slots=True)
+class ChatTools:
+    """What a chat request's tools mean for rendering and for reading the output."""
+    rendered: list[dict] | None       # the tools the chat template shows the model
+    choice: object                    # "none" | "auto" | "required" | ("function", name)
+    parser: object | None             # a ToolParser over the tools, when calls are read
+    parallel: bool = True             # parallel_tool_calls: more than one call may be returned
+
+
+def chat_tools(req, parser_class, mcp_tools: list[dict] | None = None) -> ChatTools:
+    """The request's tools (the MCP servers' when it sends none; `tools: []` opts out),
+    tool_choice and history checked; 400 when tools are asked for and the model has no parser."""
+    tools = request_tools(req.tools, req.functions)
+    if tools is None and mcp_tools:
+        tools = mcp_tools
+    choice = request_tool_choice(req.tool_choice, req.function_call, tools)
+    check_history(req.messages)
+    if not tools or choice == "none":
+        return ChatTools(None, "none", None)
+    if parser_class is None:
+        raise APIError("this model has no tool-call parser (no known format for its "
+                       "architecture or chat template); start the server with --enforce-parser "
+                       "NAME", param="tools", code="unsupported_parameter")
+    return ChatTools(tools, choice, parser_class(tools), req.parallel_tool_calls is not False)
+
+
+def request_tools(tools: list | None, functions: list | None) -> list[dict] | None:
+    """The request's tools in the `tools` shape; `functions` (deprecated) when no tools."""
+    if tools is None and functions:
+        tools = [{"type": "function", "function": f} for f in functions]
+    if tools is None:
+        return None
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type", "function") != "function" \
+                or not isinstance(fn, dict):
+            raise APIError("a tool needs type 'function' and a 'function' object", param=where,
+                           code="invalid_value")
+        if not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise APIError("a function needs a name", param=f"{where}.function.name",
+                           code="invalid_value")
+        params = fn.get("parameters")
+        if params is not None and not isinstance(params, dict):
+            raise APIError("function parameters must be a JSON Schema object",
+                           param=f"{where}.function.parameters", code="invalid_value")
+    names = [t["function"]["name"] for t in tools]
+    dup = next((n for n in names if names.count(n) > 1), None)
+    if dup is not None:
+        raise APIError(f"two tools are named {dup!r}", param="tools", code="invalid_value")
+    return tools
+
+
+def request_tool_choice(choice, function_call, tools: list[dict] | None):
+    """"none", "auto", "required", or the name of the one function to call (a str in a
+    tuple: ("function", name)). A named function that is not a tool is a 400."""
+    if choice is None and function_call is not None:       # the deprecated spelling
+        choice = function_call if isinstance(function_call, str) else \
+            {"type": "function", "function": function_call}
+    if choice is None:
+        return "auto" if tools else "none"
+    if isinstance(choice, str):
+        if choice not in ("none", "auto", "required"):
+            raise APIError(f"tool_choice {choice!r}: use none, auto, required or a named "
+                           "function", param="tool_choice", code="invalid_value")
+        if choice == "required" and not tools:
+            raise APIError("tool_choice 'required' needs tools", param="tool_choice",
+                           code="invalid_value")
+        return choice
+    name = (choice.get("function") or {}).get("name") if isinstance(choice, dict) else None
+    if not isinstance(name, str):
+        raise APIError("a named tool_choice is {\"type\": \"function\", \"function\": "
+                       "{\"name\": ...}}", param="tool_choice", code="invalid_value")
+    if name not in {t["function"]["name"] for t in tools or []}:
+        raise APIError(f"tool_choice names {name!r}, which is not in tools",
+                       param="tool_choice", code="invalid_value")
+    return ("function", name)
+
+
+def check_history(messages: list) -> None:
+    """Earlier assistant tool calls need JSON arguments and ids; each `tool` message answers
+    the id of a call made before it."""
+    open_ids: set[str] = set()
+    for i, m in enumerate(messages):
+        for k, call in enumerate(m.tool_calls or []):
+            where = f"messages[{i}].tool_calls[{k}]"
+            fn = call.get("function") if isinstance(call, dict) else None
+            args = fn.get("arguments") if isinstance(fn, dict) else None
+            if isinstance(args, str) and args.strip():
+                try:
+                    json.loads(args)
+                except ValueError:
+                    raise APIError("the arguments of an earlier tool call are not valid JSON",
+                                   param=f"{where}.function.arguments",
+                                   code="invalid_value") from None
+            if isinstance(call, dict) and isinstance(call.get("id"), str):
+                open_ids.add(call["id"])
+        if m.role == "tool":
+            if not m.tool_call_id:
+                raise APIError("a tool message needs the tool_call_id it answers",
+                               param=f"messages[{i}].tool_call_id", code="invalid_value")
+            if m.tool_call_id not in open_ids:
+                raise APIError(f"tool_call_id {m.tool_call_id!r} answers no earlier tool call",
+                               param=f"messages[{i}].tool_call_id", code="invalid_value")

@@ -1,0 +1,115 @@
+"""The Responses API on a real `python -m server` process with the generated demo checkpoint:
+the official SDK's `responses.create` (plain and streamed) and `responses.stream` agree under
+greedy decoding, every object is valid against OpenAI's schemas, the prompt the engine ran is
+the one an independent tokenizer makes of the conversation (previous_response_id included), and
+the store's size comes from the command line."""
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+
+from server_fakes import LiveServer, client_for, http_request, post_json
+from test_responses import post_events, validate, validate_event
+from test_server_live import chatml, demo_tokenizer
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory):
+    from server.demo_model import write_demo_checkpoint
+    demo = write_demo_checkpoint(str(tmp_path_factory.mktemp("demo") / "demo"))
+    server = LiveServer(tmp_path_factory.mktemp("live"), demo, "--mem", "64",
+                        "--served-model-name", "demo", "--responses-store-size", "2")
+    yield server
+    server.close()
+
+
+def input_tokens(live, messages) -> int:
+    return len(demo_tokenizer(live).encode(chatml(messages), add_special_tokens=False).ids)
+
+
+GREEDY = dict(model="demo", instructions="You are terse.", input="What is the capital of France?",
+              temperature=0.0, max_output_tokens=16, extra_body={"ignore_eos": True, "seed": 7})
+
+
+def test_live_create_stream_and_accumulator_agree(live):
+    client = client_for(live.port)
+    raw = client.responses.with_raw_response.create(**GREEDY)
+    validate(json.loads(raw.text), "Response")
+    cut = raw.parse()
+    assert (cut.status, cut.incomplete_details.reason) == ("incomplete", "max_output_tokens")
+    assert cut.usage.output_tokens == 16 and cut.output_text
+    messages = [{"role": "system", "content": "You are terse."},
+                {"role": "user", "content": "What is the capital of France?"}]
+    assert cut.usage.input_tokens == input_tokens(live, messages)
+
+    # a stop string from inside that text ends the same greedy run early: status completed,
+    # which the SDK's accumulator needs for its final response
+    stop = cut.output_text[len(cut.output_text) // 2:][:3]
+    args = {**GREEDY, "extra_body": {**GREEDY["extra_body"], "stop": [stop]}}
+    whole = client.responses.create(**args)
+    assert whole.status == "completed" and whole.output_text and stop not in whole.output_text
+    assert cut.output_text.startswith(whole.output_text)
+
+    events = list(client.responses.create(**args, stream=True))
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == whole.output_text and events[-1].type == "response.completed"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+
+    with client.responses.stream(**args) as stream:
+        streamed = [e.delta for e in stream if e.type == "response.output_text.delta"]
+        final = stream.get_final_response()
+    assert final.output_text == "".join(streamed) == whole.output_text
+    assert final.usage.output_tokens == whole.usage.output_tokens
+
+    for ev in post_events(live.port, {k: v for k, v in args.items() if k != "extra_body"}
+                          | args["extra_body"]):
+        validate_event(ev)
+
+
+def test_live_previous_response_id(live):
+    client = client_for(live.port)
+    first = client.responses.create(model="demo", input="Name a colour.", max_output_tokens=6,
+                                    instructions="Answer in one word.",
+                                    extra_body={"ignore_eos": True})
+    second = client.responses.create(model="demo", input="And another?", max_output_tokens=6,
+                                     previous_response_id=first.id,
+                                     extra_body={"ignore_eos": True})
+    turn = [{"role": "user", "content": "Name a colour."},
+            {"role": "assistant", "content": first.output_text},
+            {"role": "user", "content": "And another?"}]
+    # the engine ran the earlier turn and its answer, without the earlier instructions
+    assert second.usage.input_tokens == input_tokens(live, turn)
+    assert second.usage.input_tokens > input_tokens(live, turn[2:])
+    _, tokenized = post_json(live.port, "/tokenize", {"messages": turn})
+    assert tokenized["count"] == second.usage.input_tokens
+    assert client.responses.retrieve(second.id).output_text == second.output_text
+
+
+def test_live_store_size_flag(live):
+    client = client_for(live.port)
+    ids = [client.responses.create(model="demo", input=f"n{i}", max_output_tokens=1).id
+           for i in range(3)]
+    with pytest.raises(openai.NotFoundError):             # --responses-store-size 2
+        client.responses.retrieve(ids[0])
+    assert [client.responses.retrieve(i).id for i in ids[1:]] == ids[1:]
+    status, _, payload = http_request(live.port, "GET", f"/v1/responses/{ids[0]}")
+    assert status == 404 and json.loads(payload)["error"]["code"] == "response_not_found"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model="demo", input="x", tools=[
+            {"type": "function", "name": "f", "parameters": {"type": "object"}}])
+    assert e.value.param == "tools" and "tool calling" in e.value.message
+
+
+def test_store_size_flag_is_checked(tmp_path, capsys):
+    from server.__main__ import build_parser, main, server_settings
+    args = build_parser().parse_args(["--w", "/m", "--responses-store-size", "5"])
+    assert server_settings(args, type("Config", (), {"model": "/m"})).responses_store_size == 5
+    assert build_parser().parse_args([]).responses_store_size == 1000
+    with pytest.raises(SystemExit) as e:
+        main(["--cpu", "--w", str(tmp_path), "--responses-store-size", "-1"])
+    assert e.value.code == 2
+    assert "--responses-store-size must be at least 0" in capsys.readouterr().err
