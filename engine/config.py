@@ -27,6 +27,7 @@ class EngineConfig:
     isq: str | None = None               # quantize projections at load: q4_0 ... q6k, marlin
     tokenizer: str | None = None         # default: the model directory
     seed: int = 0                        # seeds per-request seeds when a request gives none
+    batch_invariant: bool = False        # CPU: a request's logits are the same bits in any batch
     logprobs_mode: str = "raw"           # raw: of the model's logits; processed: as sampled
 
     def __post_init__(self):
@@ -56,3 +57,7 @@ class EngineConfig:
             raise ValueError(f"logprobs_mode must be raw or processed, got {self.logprobs_mode!r}")
         if self.prefill_chunk_size < 0:
             raise ValueError("prefill_chunk_size must be >= 0 (0 = off)")
+        if self.batch_invariant and self.backend != "cpu":
+            raise ValueError("batch_invariant is implemented on the CPU backend only: the CUDA "
+                             "kernels (cuBLAS GEMMs, split-K decode attention) reduce in an "
+                             "order that depends on the batch")

@@ -44,7 +44,7 @@ def make_backend(config: EngineConfig):
     threadpool_limits(limits=1, user_api="blas")
     if config.backend == "cpu":
         from pyx.cpu_backend import CpuBackend
-        return CpuBackend()
+        return CpuBackend(batch_invariant=config.batch_invariant)
     if config.backend == "cuda":
         try:
             from pyx.cuda_backend import CudaBackend

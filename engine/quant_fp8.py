@@ -69,7 +69,7 @@ class Fp8Weight:
     def cpu_linear(self, backend, x, bias, out):
         from pyx.fp8 import fp8_linear
         fp8_linear(backend.isa, x, self.weight, self.scale, self.block, bias, out,
-                   backend.num_threads)
+                   backend.num_threads, getattr(backend, "batch_invariant", False))
 
     def dequantize(self) -> np.ndarray:
         """(N, K) float32 (tests, debugging)."""

@@ -140,7 +140,10 @@ class Int4Weight:
                 and out.ndim == 2 and x.shape[1] == k and out.shape == (x.shape[0], n)):
             raise ValueError(f"linear: int4 weight {self.shape} does not map x "
                              f"{getattr(x, 'shape', x)} to out {getattr(out, 'shape', out)}")
-        if x.shape[0] > GEMV_MAX_T.get(backend.isa, 16):
+        # Batch-invariant mode: the dense GEMM for every T (the int4 dot-product kernel of small
+        # T sums in another order, so a row's bits would depend on T).
+        invariant = getattr(backend, "batch_invariant", False)
+        if x.shape[0] > GEMV_MAX_T.get(backend.isa, 16) or invariant:
             return self._dequant_gemm(backend, x, bias, out)
         from pyx.int4 import int4_linear
         col = 0

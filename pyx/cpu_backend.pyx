@@ -32,8 +32,9 @@ cdef extern from "cpu_kernels.h" nogil:
     int taper_cpu_max_threads()
     int taper_embedding(const int32_t* token_ids, const void* table, int dtype, int64_t T,
                         int64_t V, int64_t H, float* out, int nthreads)
-    int taper_linear(int isa, const float* x, const void* weight, int dtype, const float* bias,
-                     float* out, int64_t T, int64_t K, int64_t N, int nthreads)
+    int taper_linear_ex(int isa, const float* x, const void* weight, int dtype, const float* bias,
+                        float* out, int64_t T, int64_t K, int64_t N, int batch_invariant,
+                        int nthreads)
     int taper_rms_norm(const float* x, const float* weight, float eps, float* out, int64_t T,
                        int64_t H, int nthreads)
     int taper_fused_add_rms_norm(float* x, float* residual, const float* weight, float eps,
@@ -60,7 +61,7 @@ cdef extern from "cpu_kernels.h" nogil:
                               const int32_t* seq_lens, const int32_t* query_start_loc, int64_t T,
                               int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t NB,
                               int64_t BS, int64_t MB, float scale, int64_t sliding_window,
-                              float softcap, int nthreads)
+                              float softcap, int batch_invariant, int nthreads)
     int taper_reshape_and_cache_fp8(const float* k, const float* v, uint8_t* k_cache,
                                     uint8_t* v_cache, const float* k_scale, const float* v_scale,
                                     const int32_t* slot_mapping, int64_t T, int64_t Hkv, int64_t D,
@@ -71,7 +72,8 @@ cdef extern from "cpu_kernels.h" nogil:
                                   const int32_t* seq_lens, const int32_t* query_start_loc,
                                   int64_t T, int64_t B, int64_t Hq, int64_t Hkv, int64_t D,
                                   int64_t NB, int64_t BS, int64_t MB, float scale,
-                                  int64_t sliding_window, float softcap, int nthreads)
+                                  int64_t sliding_window, float softcap, int batch_invariant,
+                                  int nthreads)
     int taper_argmax(const float* logits, int64_t* out, int64_t B, int64_t V, int nthreads)
     int taper_gumbel_sample(const float* logits, const uint64_t* seeds, const int64_t* positions,
                             int64_t* out, int64_t B, int64_t V, int nthreads)
@@ -87,7 +89,8 @@ cdef extern from "quant_kernels.h" nogil:
     int taper_quantize(int type, const float* src, void* dst, int64_t rows, int64_t k,
                        int nthreads)
     int taper_quant_linear(int isa, int type, const float* x, const void* w, const float* bias,
-                           float* out, int64_t T, int64_t K, int64_t N, int64_t ldo, int nthreads)
+                           float* out, int64_t T, int64_t K, int64_t N, int64_t ldo,
+                           int batch_invariant, int nthreads)
     int taper_quant_gemv_max_t()
 
 
@@ -291,16 +294,21 @@ cdef class CpuBackend(Backend):
 
     isa: "scalar" | "avx2" | "avx512" for `linear` (default: $TAPER_CPU_ISA, else the best the
     CPU supports). num_threads: OpenMP threads per op (default: OpenMP's, i.e. all cores or
-    $OMP_NUM_THREADS).
+    $OMP_NUM_THREADS). batch_invariant: every op computes a row (a token's activations, a
+    query's attention) in an order that does not depend on the other rows of the call, so a
+    request's logits are bit-identical alone or in any batch, however its prompt is chunked
+    (README: Batch invariance); it costs prefill speed (bench/RESULTS.md).
     """
     cdef int _isa
     cdef int _nthreads
+    cdef readonly bint batch_invariant
 
     xp = np                  # the array module of this backend's tensors
     act_dtype = np.float32   # activations are float32 here
 
-    def __init__(self, isa=None, num_threads=None):
+    def __init__(self, isa=None, num_threads=None, batch_invariant=False):
         Backend.__init__(self, "cpu")
+        self.batch_invariant = batch_invariant
         if isa is None:
             isa = os.environ.get("TAPER_CPU_ISA") or None
         if isa is None:
@@ -331,7 +339,8 @@ cdef class CpuBackend(Backend):
         self._nthreads = n
 
     def __repr__(self):
-        return f"CpuBackend(isa={self.isa!r}, num_threads={self._nthreads})"
+        inv = ", batch_invariant=True" if self.batch_invariant else ""
+        return f"CpuBackend(isa={self.isa!r}, num_threads={self._nthreads}{inv})"
 
     def asarray(self, a):
         """Host array -> this backend's array: `a` itself (np.asarray of it when not an ndarray)."""
@@ -402,11 +411,12 @@ cdef class CpuBackend(Backend):
                 _fail(op, "bias must be (N,)", arrays)
             bp = <const float*>_ptr(bias)
         cdef int dt = _wdtype(weight), isa = self._isa, nt = self._nthreads, st
+        cdef int inv = self.batch_invariant
         cdef const float* xp = <const float*>_ptr(x)
         cdef const void* wp = _ptr(weight)
         cdef float* outp = <float*>_ptr(out)
         with nogil:
-            st = taper_linear(isa, xp, wp, dt, bp, outp, T, K, N, nt)
+            st = taper_linear_ex(isa, xp, wp, dt, bp, outp, T, K, N, inv, nt)
         _status(st, op, arrays)
 
     def _quant_embedding(self, token_ids, table, out):
@@ -452,7 +462,7 @@ cdef class CpuBackend(Backend):
             if bias.shape[0] != N:
                 _fail(op, "bias must be (N,)", arrays)
             bp = <const float*>_ptr(bias)
-        cdef int isa = self._isa, nt = self._nthreads, st, qtype
+        cdef int isa = self._isa, nt = self._nthreads, st, qtype, inv = self.batch_invariant
         cdef const float* xp = <const float*>_ptr(x)
         cdef float* outp = <float*>_ptr(out)
         cdef cnp.ndarray blocks
@@ -465,7 +475,7 @@ cdef class CpuBackend(Backend):
             wp = _ptr(blocks)
             with nogil:
                 st = taper_quant_linear(isa, qtype, xp, wp, bp + col if bp != NULL else NULL,
-                                        outp + col, T, K, n, N, nt)
+                                        outp + col, T, K, n, N, inv, nt)
             _status(st, op, arrays)
             col += n
 
@@ -685,10 +695,10 @@ cdef class CpuBackend(Backend):
         cdef const int32_t* btp = <const int32_t*>_ptr(block_tables)
         cdef const int32_t* slp = <const int32_t*>_ptr(seq_lens)
         cdef const int32_t* qsp = <const int32_t*>_ptr(query_start_loc)
-        cdef int nt = self._nthreads, st
+        cdef int nt = self._nthreads, st, inv = self.batch_invariant
         with nogil:
             st = taper_paged_attention(self._isa, outp, qp, kcp, vcp, btp, slp, qsp, T, B, Hq, Hkv, D, NB,
-                                       BS, MB, sc, sw, cap, nt)
+                                       BS, MB, sc, sw, cap, inv, nt)
         _status(st, op, arrays)
 
     # ---- FP8 KV cache (uint8 e4m3 codes, per-KV-head scales): the same ops' fp8 variants
@@ -741,10 +751,10 @@ cdef class CpuBackend(Backend):
         cdef const int32_t* btp = <const int32_t*>_ptr(block_tables)
         cdef const int32_t* slp = <const int32_t*>_ptr(seq_lens)
         cdef const int32_t* qsp = <const int32_t*>_ptr(query_start_loc)
-        cdef int nt = self._nthreads, st
+        cdef int nt = self._nthreads, st, inv = self.batch_invariant
         with nogil:
             st = taper_paged_attention_fp8(self._isa, outp, qp, kcp, vcp, ksp, vsp, btp, slp, qsp,
-                                           T, B, Hq, Hkv, D, NB, BS, MB, sc, sw, cap, nt)
+                                           T, B, Hq, Hkv, D, NB, BS, MB, sc, sw, cap, inv, nt)
         _status(st, op, arrays)
 
     def argmax(self, logits, out):

@@ -297,6 +297,41 @@ AVX2_TARGET static void avx2_micro(const float* x,        // (T, K), mr rows fro
     }
 }
 
+/* The AVX2 micro-kernel for a single token row (a decode step of the AVX2 batch-invariant linear):
+ * the same FMA chain and stores as avx2_micro's row 0, without its five duplicate rows. */
+AVX2_TARGET static void avx2_micro1(const float* x, int64_t K, int mr, const float* packed,
+                                    int64_t kc, float* out, int64_t N, int nr, int first,
+                                    const float* bias_or_null) {
+    if (mr != 1) {
+        avx2_micro(x, K, mr, packed, kc, out, N, nr, first, bias_or_null);
+        return;
+    }
+    __m256 c0 = _mm256_setzero_ps(), c1 = c0;
+    for (int64_t kk = 0; kk < kc; kk++) {
+        __m256 a = _mm256_broadcast_ss(x + kk);
+        c0 = _mm256_fmadd_ps(a, _mm256_load_ps(packed + kk * AVX2_NR), c0);
+        c1 = _mm256_fmadd_ps(a, _mm256_load_ps(packed + kk * AVX2_NR + 8), c1);
+    }
+    float res[AVX2_NR] __attribute__((aligned(32)));
+    _mm256_store_ps(res, c0);
+    _mm256_store_ps(res + 8, c1);
+    if (nr == AVX2_NR) {
+        __m256 o0 = first ? _mm256_setzero_ps() : _mm256_loadu_ps(out);
+        __m256 o1 = first ? _mm256_setzero_ps() : _mm256_loadu_ps(out + 8);
+        o0 = _mm256_add_ps(o0, c0);
+        o1 = _mm256_add_ps(o1, c1);
+        if (bias_or_null) {
+            o0 = _mm256_add_ps(o0, _mm256_loadu_ps(bias_or_null));
+            o1 = _mm256_add_ps(o1, _mm256_loadu_ps(bias_or_null + 8));
+        }
+        _mm256_storeu_ps(out, o0);
+        _mm256_storeu_ps(out + 8, o1);
+    } else {
+        for (int j = 0; j < nr; j++)
+            out[j] = (first ? 0.0f : out[j]) + res[j] + (bias_or_null ? bias_or_null[j] : 0.0f);
+    }
+}
+
 /* AVX2 panel packing: widen 8 rows x 8 k-values into 8 ymm registers and transpose them in
  * registers (unpack / shuffle / permute2f128, 24 shuffles per 64 values), instead of 64 scalar
  * strided stores; conversion of bf16/f16 happens on the way in. */
@@ -335,21 +370,25 @@ AVX2_TARGET static void avx2_pack(const void* w, int dtype, int64_t K, int64_t n
 #define AVX512_NR 32
 
 /* AVX-512 micro-kernel: 8 token rows x 32 weight rows = 16 zmm accumulators; per k two 64-byte
- * panel loads from L1 and 8 broadcasts feed 16 FMAs, so the FMA ports, not loads, are the limit. */
-AVX512_TARGET static void avx512_micro(const float* x,        // (T, K), mr rows, at col k0
-                                       int64_t K, int mr,
-                                       const float* packed,  // (kc, 32)
-                                       int64_t kc,
-                                       float* out,           // (T, N), at (t, n0)
-                                       int64_t N, int nr, int first, const float* bias_or_null) {
+ * panel loads from L1 and 8 broadcasts feed 16 FMAs, so the FMA ports, not loads, are the limit.
+ * Compiled for each row count MRC (1..8): a short tile (the last rows of a token range) does only
+ * its own rows' FMAs. Each row's FMA chain is the same whatever MRC is, so every variant gives a
+ * row the same bits. */
+AVX512_TARGET INLINE void avx512_micro_rows(const float* x,        // (T, K), mr rows, at col k0
+                                            int64_t K, int mr,
+                                            const float* packed,  // (kc, 32)
+                                            int64_t kc,
+                                            float* out,           // (T, N), at (t, n0)
+                                            int64_t N, int nr, int first,
+                                            const float* bias_or_null, const int MRC) {
     const float* xr[AVX512_MR];
-    for (int i = 0; i < AVX512_MR; i++) xr[i] = x + MIN(i, mr - 1) * K;
+    for (int i = 0; i < MRC; i++) xr[i] = x + MIN(i, mr - 1) * K;
     __m512 c[AVX512_MR][2];
-    for (int i = 0; i < AVX512_MR; i++) c[i][0] = c[i][1] = _mm512_setzero_ps();
+    for (int i = 0; i < MRC; i++) c[i][0] = c[i][1] = _mm512_setzero_ps();
     for (int64_t kk = 0; kk < kc; kk++) {
         __m512 b0 = _mm512_load_ps(packed + kk * AVX512_NR);
         __m512 b1 = _mm512_load_ps(packed + kk * AVX512_NR + 16);
-        for (int i = 0; i < AVX512_MR; i++) {
+        for (int i = 0; i < MRC; i++) {
             __m512 a = _mm512_set1_ps(xr[i][kk]);
             c[i][0] = _mm512_fmadd_ps(a, b0, c[i][0]);
             c[i][1] = _mm512_fmadd_ps(a, b1, c[i][1]);
@@ -368,6 +407,19 @@ AVX512_TARGET static void avx512_micro(const float* x,        // (T, K), mr rows
         _mm512_mask_storeu_ps(o, m0, o0);
         _mm512_mask_storeu_ps(o + 16, m1, o1);
     }
+}
+
+AVX512_TARGET static void avx512_micro(const float* x, int64_t K, int mr, const float* packed,
+                                       int64_t kc, float* out, int64_t N, int nr, int first,
+                                       const float* bias_or_null) {
+#define AVX512_MICRO_CASE(R) \
+    case R: avx512_micro_rows(x, K, mr, packed, kc, out, N, nr, first, bias_or_null, R); break;
+    switch (mr) {
+        AVX512_MICRO_CASE(1) AVX512_MICRO_CASE(2) AVX512_MICRO_CASE(3) AVX512_MICRO_CASE(4)
+        AVX512_MICRO_CASE(5) AVX512_MICRO_CASE(6) AVX512_MICRO_CASE(7)
+        default: avx512_micro_rows(x, K, mr, packed, kc, out, N, nr, first, bias_or_null, AVX512_MR);
+    }
+#undef AVX512_MICRO_CASE
 }
 
 typedef void (*micro_fn)(const float*, int64_t, int, const float*, int64_t, float*, int64_t, int,
@@ -609,11 +661,14 @@ AVX512_TARGET INLINE void sk_block(const float* xd, int64_t Kp,  // (T, Kp) prep
     }
 
 AVX512_TARGET static int avx512_smallm(const float* x, const void* w, int dtype, const float* bias,
-                                       float* out, int64_t T, int64_t K, int64_t N, int nthreads) {
+                                       float* out, int64_t T, int64_t K, int64_t N,
+                                       int fixed_chunks, int nthreads) {
     const int64_t Kp = (K + 31) & ~(int64_t)31;
     // Balanced token blocks of <= SK_MAXNT tokens (T <= 8: one block).
     const int64_t ntb = T <= 8 ? 1 : (T + SK_MAXNT - 1) / SK_MAXNT, ntmax = (T + ntb - 1) / ntb;
-    int64_t nch = (ntmax * Kp * 4 + SK_XBYTES - 1) / SK_XBYTES;
+    // K chunks sized for the largest token block, or (fixed_chunks) for SK_MAXNT tokens whatever
+    // T is: then a row's sums never depend on T (see taper_linear_ex).
+    int64_t nch = ((fixed_chunks ? SK_MAXNT : ntmax) * Kp * 4 + SK_XBYTES - 1) / SK_XBYTES;
     const int64_t kc = ((Kp + nch - 1) / nch + 31) & ~(int64_t)31;
     float* xd = (float*)aligned_alloc(64, (size_t)(T * Kp) * sizeof(float));
     if (!xd) return TAPER_ERR_NOMEM;
@@ -676,6 +731,28 @@ int taper_linear(int isa,
                  const float* bias,   // (N,) or NULL
                  float* out,          // (T, N)
                  int64_t T, int64_t K, int64_t N, int nthreads) {
+    return taper_linear_ex(isa, x, weight, dtype, bias, out, T, K, N, 0, nthreads);
+}
+
+/* batch_invariant: one kernel for every T, whose sums for a row never depend on T, on how the
+ * tokens are split among threads, or on which rows share its tile:
+ * - AVX-512: the small-M kernel with K chunks sized for SK_MAXNT tokens whatever T is. Each
+ *   output's k-sum is one 16-lane accumulator per chunk (two FMAs per 32 k), then the same
+ *   transpose-and-add tree whichever slot it sits in, the chunks added in order. Decode keeps the
+ *   GEMV speed; prefill pays for re-reading weight blocks per 16 tokens (bench/RESULTS.md).
+ * - AVX2: the packed GEMM, whose output element is one FMA chain over k in fixed KC blocks,
+ *   vectorized across n (its GEMV tiles re-stream the weights for every 4 tokens: too slow for
+ *   prefill to use for every T).
+ * - scalar: its one loop, the same for every T already.
+ * By default the small-T kernels (up to 8-32 rows) and the packed GEMM beyond sum in different
+ * orders, and the small-M kernel's K chunks depend on T (bench/invariance_probe.py). */
+int taper_linear_ex(int isa,
+                    const float* x,      // (T, K)
+                    const void* weight,  // (N, K)
+                    int dtype,
+                    const float* bias,   // (N,) or NULL
+                    float* out,          // (T, N)
+                    int64_t T, int64_t K, int64_t N, int batch_invariant, int nthreads) {
     if (!taper_cpu_isa_supported(isa)) return TAPER_ERR_ISA;
     if (T == 0 || N == 0) return TAPER_OK;
     if (K == 0) {
@@ -683,10 +760,17 @@ int taper_linear(int isa,
             for (int64_t n = 0; n < N; n++) out[t * N + n] = bias ? bias[n] : 0.0f;
         return TAPER_OK;
     }
+    if (batch_invariant) {
+        if (isa == TAPER_ISA_AVX512)
+            return avx512_smallm(x, weight, dtype, bias, out, T, K, N, 1, nthreads);
+        if (isa == TAPER_ISA_AVX2)
+            return gemm_packed(avx2_micro1, avx2_pack, AVX2_MR, AVX2_NR, x, weight, dtype, bias, out, T, K, N, nthreads);
+        return linear_scalar(x, weight, dtype, bias, out, T, K, N, nthreads);
+    }
     switch (isa) {
         case TAPER_ISA_AVX512:
             if (T <= SMALLM_MAX_T || (T <= SMALLM_MAX_T_SMALLK && K <= 2048))
-                return avx512_smallm(x, weight, dtype, bias, out, T, K, N, nthreads);
+                return avx512_smallm(x, weight, dtype, bias, out, T, K, N, 0, nthreads);
             return gemm_packed(avx512_micro, avx512_pack, AVX512_MR, AVX512_NR, x, weight, dtype, bias, out, T, K, N, nthreads);
         case TAPER_ISA_AVX2:
             if (T <= GEMV_MAX_T) { avx2_gemv(x, weight, dtype, bias, out, T, K, N, nthreads); return TAPER_OK; }
@@ -1459,7 +1543,8 @@ static int paged_attention_impl(int isa,
                                 const int32_t* query_start_loc,  // (B+1,)
                                 int64_t T, int64_t B, int64_t Hq, int64_t Hkv, int64_t D,
                                 int64_t NB, int64_t BS, int64_t MB, float scale,
-                                int64_t sliding_window, float softcap, int nthreads) {
+                                int64_t sliding_window, float softcap, int batch_invariant,
+                                int nthreads) {
     if (!(softcap >= 0.0f)) return TAPER_ERR_ARG;
     if (query_start_loc[0] != 0 || query_start_loc[B] != T) return TAPER_ERR_ARG;
     for (int64_t b = 0; b < B; b++) {
@@ -1468,6 +1553,7 @@ static int paged_attention_impl(int isa,
         if (ql < 0 || sl < ql || sl > MB * BS) return TAPER_ERR_ARG;
         if (ql == 0) continue;
         int64_t first = sliding_window > 0 ? MAX(0, sl - ql - sliding_window + 1) : 0;
+        if (batch_invariant) first -= first % ATTN_KC;  // chunks aligned down (see the tiles)
         for (int64_t j = first / BS; j < (sl + BS - 1) / BS; j++) {
             int32_t blk = block_tables[b * MB + j];
             if (blk < 0 || blk >= NB) return TAPER_ERR_ARG;
@@ -1507,6 +1593,9 @@ static int paged_attention_impl(int isa,
                 t->i0 = (int32_t)i0;
                 t->nr = (int32_t)(ilast + 1 - i0);
                 t->ks = (int32_t)(sliding_window > 0 ? MAX(0, pfirst - sliding_window + 1) : 0);
+                // Invariant: chunks start at multiples of ATTN_KC, so a query meets the same
+                // chunks (and online-softmax rescales) whichever tile holds it.
+                if (batch_invariant) t->ks -= t->ks % ATTN_KC;
                 t->ke = (int32_t)(sl - (q1 - ilast));
                 t->part = -1;
             }
@@ -1515,6 +1604,7 @@ static int paged_attention_impl(int isa,
     // each at least 256 keys.
     const int64_t min_split = 256;
     int64_t want = nthreads > 1 && ntiles < 4 * (int64_t)nthreads ? (4 * nthreads + ntiles - 1) / ntiles : 1;
+    if (batch_invariant) want = 1;  // a split's merge reorders a query's sums
     int64_t npieces = 0, nsplit_tiles = 0;
     for (int64_t t = 0; t < ntiles; t++) {
         int64_t ns = MAX(1, MIN(want, (tiles[t].ke - tiles[t].ks + 1) / min_split));
@@ -1557,7 +1647,9 @@ static int paged_attention_impl(int isa,
     attn_piece_fn kernel = ISA_PICK(attn_piece_generic, isa), kernel_qt = NULL;
     if (D % 16 == 0 && isa == TAPER_ISA_AVX512) {
         kernel = attn_piece_avx512;
-        kernel_qt = attn_piece_avx512_qt;
+        // The queries-in-lanes kernel sums scores over d in another order than the decode
+        // kernel: invariant mode runs every tile through the one kernel.
+        kernel_qt = batch_invariant ? NULL : attn_piece_avx512_qt;
     }
     int failed = 0;
     int64_t qd = Mp * D;
@@ -1650,10 +1742,10 @@ int taper_paged_attention(int isa,
                           const int32_t* query_start_loc,  // (B+1,)
                           int64_t T, int64_t B, int64_t Hq, int64_t Hkv, int64_t D,
                           int64_t NB, int64_t BS, int64_t MB, float scale, int64_t sliding_window,
-                          float softcap, int nthreads) {
+                          float softcap, int batch_invariant, int nthreads) {
     return paged_attention_impl(isa, out, q, k_cache, v_cache, NULL, NULL, NULL, NULL, block_tables,
                                 seq_lens, query_start_loc, T, B, Hq, Hkv, D, NB, BS, MB, scale,
-                                sliding_window, softcap, nthreads);
+                                sliding_window, softcap, batch_invariant, nthreads);
 }
 
 int taper_paged_attention_fp8(int isa,
@@ -1668,10 +1760,11 @@ int taper_paged_attention_fp8(int isa,
                               const int32_t* query_start_loc,  // (B+1,)
                               int64_t T, int64_t B, int64_t Hq, int64_t Hkv, int64_t D,
                               int64_t NB, int64_t BS, int64_t MB, float scale,
-                              int64_t sliding_window, float softcap, int nthreads) {
+                              int64_t sliding_window, float softcap, int batch_invariant,
+                              int nthreads) {
     return paged_attention_impl(isa, out, q, NULL, NULL, k_cache, v_cache, k_scale, v_scale,
                                 block_tables, seq_lens, query_start_loc, T, B, Hq, Hkv, D, NB, BS,
-                                MB, scale, sliding_window, softcap, nthreads);
+                                MB, scale, sliding_window, softcap, batch_invariant, nthreads);
 }
 
 // ----------------------------------------------------------------------------

@@ -44,6 +44,16 @@ int taper_linear(int isa,
                  float* out,           // (T, N)
                  int64_t T, int64_t K, int64_t N, int nthreads);
 
+/* taper_linear with a switch: batch_invariant != 0 makes each output row's bits independent of T
+ * (and of the other rows): one kernel for every T (see cpu_kernels.c). */
+int taper_linear_ex(int isa,
+                    const float* x,       // (T, K)
+                    const void* weight,   // (N, K) f32|bf16|f16
+                    int dtype,
+                    const float* bias,    // (N,) or NULL
+                    float* out,           // (T, N)
+                    int64_t T, int64_t K, int64_t N, int batch_invariant, int nthreads);
+
 int taper_rms_norm(const float* x,       // (T, H)
                    const float* weight,  // (H,)
                    float eps,
@@ -119,7 +129,10 @@ int taper_reshape_and_cache_fp8(const float* k,              // (T, Hkv, D)
                                 int nthreads);
 
 /* Causal paged attention (pyx/backend.pyx). softcap > 0 caps every scaled score s to
- * softcap * tanh(s / softcap) before the softmax (Gemma-2); 0 = off (the other code is unchanged). */
+ * softcap * tanh(s / softcap) before the softmax (Gemma-2); 0 = off (the other code is unchanged).
+ * batch_invariant != 0: each query row is computed the same way whatever else the call holds
+ * (decode or prefill, chunking, other sequences, thread count): no split-K, key chunks aligned
+ * to absolute positions, one piece kernel for every tile. */
 int taper_paged_attention(int isa,
                           float* out,                    // (T, Hq, D)
                           const float* q,                // (T, Hq, D)
@@ -130,7 +143,7 @@ int taper_paged_attention(int isa,
                           const int32_t* query_start_loc,// (B+1,)
                           int64_t T, int64_t B, int64_t Hq, int64_t Hkv, int64_t D,
                           int64_t NB, int64_t BS, int64_t MB, float scale, int64_t sliding_window,
-                          float softcap, int nthreads);
+                          float softcap, int batch_invariant, int nthreads);
 
 /* The same over an FP8 cache: K/V read back as decode(code) * scale[h] of their KV head. */
 int taper_paged_attention_fp8(int isa,
@@ -145,7 +158,7 @@ int taper_paged_attention_fp8(int isa,
                               const int32_t* query_start_loc,// (B+1,)
                               int64_t T, int64_t B, int64_t Hq, int64_t Hkv, int64_t D,
                               int64_t NB, int64_t BS, int64_t MB, float scale,
-                              int64_t sliding_window, float softcap, int nthreads);
+                              int64_t sliding_window, float softcap, int batch_invariant, int nthreads);
 
 int taper_argmax(const float* logits,  // (B, V)
                  int64_t* out,         // (B,)

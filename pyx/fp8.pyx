@@ -20,7 +20,7 @@ cdef extern from "fp8_kernels.h" nogil:
     int taper_fp8_isa_supported(int isa)
     int taper_fp8_linear(int isa, const float* x, const uint8_t* w, const float* scale,
                          int64_t bn, int64_t bk, const float* bias, float* out, int64_t T,
-                         int64_t K, int64_t N, int nthreads)
+                         int64_t K, int64_t N, int batch_invariant, int nthreads)
     int taper_fp8_decode(int isa, const uint8_t* src, float* dst, int64_t n)
     void taper_fp8_encode(const float* src, uint8_t* dst, int64_t n)
 
@@ -69,10 +69,12 @@ def isa_supported(str isa):
     return isa in ISA_NAMES and bool(taper_fp8_isa_supported(ISA_NAMES[isa]))
 
 
-def fp8_linear(isa, x, weight, scale, block, bias, out, int num_threads=1):
+def fp8_linear(isa, x, weight, scale, block, bias, out, int num_threads=1,
+               bint batch_invariant=False):
     """out = x @ (decode(weight) * block scales).T (+ bias).
     x (T, K) f32; weight (N, K) uint8 e4m3 codes; scale (N / bn, ceil(K / bk)) f32 with
-    block = (bn, bk), N % bn == 0; bias (N,) f32 or None; out (T, N) f32."""
+    block = (bn, bk), N % bn == 0; bias (N,) f32 or None; out (T, N) f32.
+    batch_invariant: the packed GEMM for every T, so a row's bits do not depend on T."""
     op = "fp8_linear"
     arrays = {"x": x, "weight": weight, "scale": scale, "bias": bias, "out": out}
     cdef int isa_ = _isa(op, isa)
@@ -104,9 +106,9 @@ def fp8_linear(isa, x, weight, scale, block, bias, out, int num_threads=1):
     cdef const uint8_t* wp = <const uint8_t*>_ptr(weight)
     cdef const float* sp = <const float*>_ptr(scale)
     cdef float* outp = <float*>_ptr(out)
-    cdef int nt = num_threads, st
+    cdef int nt = num_threads, st, inv = batch_invariant
     with nogil:
-        st = taper_fp8_linear(isa_, xp, wp, sp, bn, bk, bp, outp, T, K, N, nt)
+        st = taper_fp8_linear(isa_, xp, wp, sp, bn, bk, bp, outp, T, K, N, inv, nt)
     _status(st, op, arrays)
 
 

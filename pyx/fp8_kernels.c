@@ -396,7 +396,7 @@ int taper_fp8_linear(int isa,
                      int64_t bn, int64_t bk,
                      const float* bias,   // (N,) or NULL
                      float* out,          // (T, N)
-                     int64_t T, int64_t K, int64_t N, int nthreads) {
+                     int64_t T, int64_t K, int64_t N, int batch_invariant, int nthreads) {
     if (!taper_fp8_isa_supported(isa)) return TAPER_ERR_ISA;
     if (T == 0 || N == 0) return TAPER_OK;
     if (K == 0) {
@@ -406,14 +406,14 @@ int taper_fp8_linear(int isa,
     }
     switch (isa) {
         case TAPER_ISA_AVX512:
-            if (T <= FP8_SMALL_T) {
+            if (T <= FP8_SMALL_T && !batch_invariant) {
                 fp8_small_avx512(x, w, scale, bn, bk, bias, out, T, K, N, nthreads);
                 return TAPER_OK;
             }
             return fp8_gemm(micro_avx512, pack_avx512, AVX512_MR, AVX512_NR, x, w, scale, bn, bk,
                             bias, out, T, K, N, nthreads);
         case TAPER_ISA_AVX2:
-            if (T <= FP8_SMALL_T) {
+            if (T <= FP8_SMALL_T && !batch_invariant) {
                 fp8_small_avx2(x, w, scale, bn, bk, bias, out, T, K, N, nthreads);
                 return TAPER_OK;
             }

@@ -25,7 +25,9 @@ int taper_fp8_linear(int isa,
                      int64_t bn, int64_t bk,
                      const float* bias,   // (N,) or NULL
                      float* out,          // (T, N)
-                     int64_t T, int64_t K, int64_t N, int nthreads);
+                     int64_t T, int64_t K, int64_t N,
+                     int batch_invariant,  // != 0: the packed GEMM for every T (row bits independent of T)
+                     int nthreads);
 
 /* dst = decode(src) with the ISA path's decoder (exposed for tests over all 256 codes). */
 int taper_fp8_decode(int isa, const uint8_t* src, float* dst, int64_t n);

@@ -52,7 +52,7 @@ static float *scratch(int i, size_t n) {
 /* out (T, ldo) = x (T, K) @ W.T + bias through float32 panels of W's rows (see the top). */
 static int quant_linear_panels(int isa, const taper_quant_traits *t, const float *x,
                                const void *w, const float *bias, float *out, int64_t T,
-                               int64_t K, int64_t N, int64_t ldo, int nt) {
+                               int64_t K, int64_t N, int64_t ldo, int inv, int nt) {
     const int64_t w_row = K / t->block_size * t->type_size;
     int64_t step = PANEL_BYTES / (4 * K) / 32 * 32;
     if (step < 32) step = 32;
@@ -70,13 +70,13 @@ static int quant_linear_panels(int isa, const taper_quant_traits *t, const float
         for (int64_t t0 = 0; t0 < T; t0 += tc) {
             const int64_t tr = T - t0 < tc ? T - t0 : tc;
             if (!tmp) {
-                const int st = taper_linear(isa, x + t0 * K, panel, TAPER_F32, bias,
-                                            out + t0 * ldo, tr, K, rows, nt);
+                const int st = taper_linear_ex(isa, x + t0 * K, panel, TAPER_F32, bias,
+                                               out + t0 * ldo, tr, K, rows, inv, nt);
                 if (st != TAPER_OK) return st;
                 continue;
             }
-            const int st = taper_linear(isa, x + t0 * K, panel, TAPER_F32,
-                                        bias ? bias + n0 : NULL, tmp, tr, K, rows, nt);
+            const int st = taper_linear_ex(isa, x + t0 * K, panel, TAPER_F32,
+                                           bias ? bias + n0 : NULL, tmp, tr, K, rows, inv, nt);
             if (st != TAPER_OK) return st;
             for (int64_t r = 0; r < tr; r++)
                 memcpy(out + (t0 + r) * ldo + n0, tmp + r * rows, (size_t)rows * sizeof(float));
@@ -119,8 +119,12 @@ int taper_quantize(int type, const float *src, void *dst, int64_t rows, int64_t 
 
 int taper_quant_gemv_max_t(void) { return QUANT_GEMV_MAX_T; }
 
+/* batch_invariant: every T takes the panel path with the invariant dense GEMM, so a row's bits
+ * do not depend on T (the vec_dot loop rounds the activations to Q8 and sums per block: its
+ * results differ from the panels', and the switch between the two depends on T). */
 int taper_quant_linear(int isa, int type, const float *x, const void *w, const float *bias,
-                       float *out, int64_t T, int64_t K, int64_t N, int64_t ldo, int nthreads) {
+                       float *out, int64_t T, int64_t K, int64_t N, int64_t ldo,
+                       int batch_invariant, int nthreads) {
     const taper_quant_traits *t = traits(type);
     if (!t || !t->vec_dot || K % t->block_size || ldo < N || T < 0 || N < 0) return TAPER_ERR_ARG;
     const taper_quant_traits *a = traits(t->vec_dot_type);
@@ -128,8 +132,8 @@ int taper_quant_linear(int isa, int type, const float *x, const void *w, const f
     if (!taper_cpu_isa_supported(isa)) return TAPER_ERR_ISA;
     if (T == 0 || N == 0) return TAPER_OK;
     const int nt = nthreads > 0 ? nthreads : 1;
-    if (T > QUANT_GEMV_MAX_T && t->dequantize)
-        return quant_linear_panels(isa, t, x, w, bias, out, T, K, N, ldo, nt);
+    if ((T > QUANT_GEMV_MAX_T || batch_invariant) && t->dequantize)
+        return quant_linear_panels(isa, t, x, w, bias, out, T, K, N, ldo, batch_invariant, nt);
     const int64_t w_row = K / t->block_size * t->type_size;
     const int64_t x_row = K / a->block_size * a->type_size;
     uint8_t *xq = malloc((size_t)(T * x_row));

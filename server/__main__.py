@@ -114,6 +114,11 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--prefix-cache-max-tokens", type=int, metavar="N", default=None,
                    help="most tokens the prefix cache keeps (default: as many as fit)")
     e.add_argument("--seed", type=int, metavar="N", default=0, help="seed for requests that give none")
+    e.add_argument("--batch-invariant", action="store_true",
+                   help="CPU backend: compute every request's logits with batch-invariant "
+                        "kernels, so a seeded request gives the same tokens alone or in any "
+                        "batch, however its prompt is chunked or cached (slower prefill; "
+                        "see README)")
     e.add_argument("--logprobs-mode", choices=["raw", "processed"], default="raw",
                    help="logprobs of the model's distribution (raw, default) or of the one "
                         "sampled from: after penalties, logit_bias, temperature and filters")
@@ -208,6 +213,9 @@ def engine_config(args):
         log.info("--disable-cuda-graph: the CPU backend runs no CUDA graphs anyway")
     if args.device_ids and backend == "cpu":
         raise ValueError("--device-ids: no CUDA device is usable here (or --cpu was given)")
+    if args.batch_invariant and backend != "cpu":
+        raise ValueError("--batch-invariant: batch-invariant kernels exist on the CPU backend "
+                         "only (add --cpu); the CUDA kernels' reduction order depends on the batch")
     return EngineConfig(
         model=model, weight_file=args.weight_file, dtype=args.dtype, backend=backend,
         device=args.device_ids[0] if args.device_ids else 0,
@@ -219,7 +227,7 @@ def engine_config(args):
         enable_prefix_caching=not args.disable_prefix_cache,
         prefix_cache_max_tokens=args.prefix_cache_max_tokens, max_model_len=args.max_model_len,
         yarn_scaling_factor=args.yarn_scaling_factor, isq=args.isq, seed=args.seed,
-        logprobs_mode=args.logprobs_mode)
+        batch_invariant=args.batch_invariant, logprobs_mode=args.logprobs_mode)
 
 
 def server_settings(args, config):

@@ -3,7 +3,8 @@
 Each case first shows that transformers' own tokens change when its feature is switched off, so the
 comparison can fail. Prompts (48 and 33 tokens) are longer than the Mistral window (16) and than
 the RoPE original context (32). Comparison stops at the reference's first near-tie (top-two
-log-probs within 1e-4). Taper runs twice: through `LLM.generate` (the whole engine) and through a
+log-probs within 1e-4). Taper runs twice: through `LLM.generate` (the whole engine, with its default
+kernels and with the batch-invariant ones of `--batch-invariant`) and through a
 bare model harness here (prefill logits against transformers' too), so a model bug and an engine
 bug point at different tests.
 """
@@ -193,10 +194,12 @@ def test_legacy_rope_form_reads_the_same_in_hf(cases, name):
 
 # ---- Taper through the whole engine
 
+@pytest.mark.parametrize("batch_invariant", [False, True], ids=["default", "batch_invariant"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_llm_greedy_matches_hf(cases, name):
+def test_llm_greedy_matches_hf(cases, name, batch_invariant):
     from engine import LLM, SamplingParams
-    llm = LLM(cases.dir(name), num_kv_blocks=32)  # dtype auto: bf16 cases stay bf16
+    # dtype auto: bf16 cases stay bf16; batch_invariant: the kernels of --batch-invariant
+    llm = LLM(cases.dir(name), num_kv_blocks=32, batch_invariant=batch_invariant)
     outs = llm.generate(prompts_for(), SamplingParams(temperature=0, max_tokens=GEN, ignore_eos=True))
     for i, (out, ref) in enumerate(zip(outs, cases.ref(name))):
         assert_matches(list(out.token_ids), ref, min_trusted=8, label=f"{name} prompt {i}")
