@@ -220,7 +220,8 @@ def test_live_tokenize_matches_an_independent_tokenizer(live):
 
 @pytest.mark.parametrize("flags, message", [
     (["--isq", "q4z"], "--isq q4z: unknown type"),
-    (["--mcp-config", "x.json"], "--mcp-config: MCP tools is not yet supported"),
+    (["--mcp-config", "x.json"], "--mcp-config x.json: cannot read it"),
+    (["--enforce-parser", "nope"], "--enforce-parser: unknown tool parser 'nope'"),
     (["--kvcache-dtype", "bf16"], "a bf16 KV cache is not yet supported on the CPU backend"),
     (["--temperature", "-1"], "--temperature must be in [0, 100]"),
     (["--max-queued-requests", "0"], "--max-queued-requests must be at least 1"),
