@@ -128,8 +128,8 @@ def test_mixtral_qk_rows_are_unpermuted():
 
 def test_routing_normalisation_follows_llama_cpp():
     """Qwen2-MoE files route without renormalising the top-k weights, as llama.cpp's qwen2moe
-    graph does and the source config says; renormalising moves the logits far past the
-    tolerance."""
+    graph does and the source config says; renormalising moves the first-step logits a hundred
+    times past the float files' tolerance (1e-4 of the largest logit)."""
     stem = "qwen2_moe-f16"
     m = FIX["models"]["qwen2_moe"]
     ref, n = reference(stem)
@@ -138,7 +138,8 @@ def test_routing_normalisation_follows_llama_cpp():
     assert read_gguf(path_of("qwen3_moe-f32"), progress=False).config["norm_topk_prob"] is True
     ck.config["norm_topk_prob"] = True
     first = greedy(ck.config, ck.weights, m["prompt_ids"], 1)[1]
-    assert np.abs(first - np.array(ref["first_logits"])).max() > 0.1
+    ref_first = np.array(ref["first_logits"])
+    assert np.abs(first - ref_first).max() > 100 * 1e-4 * max(1.0, np.abs(ref_first).max())
 
 
 @pytest.mark.parametrize("stem", ["mixtral-q8_0", "qwen2_moe-f16", "qwen3_moe-q8_0"])
