@@ -38,6 +38,10 @@ SHAPE = dict(hidden=2048, heads=32, kv_heads=4, head_dim=128, experts=128, top_k
              expert_ff=768, dense_ff=6144, vocab=151936, rope_theta=1e6, eps=1e-6)
 
 
+# The least a byte-level BPE vocabulary needs to load in both engines: merges whose pieces exist.
+PLACEHOLDER_PIECES, PLACEHOLDER_MERGES = ["a", "b", "ab"], ["a b"]
+
+
 def make_q8_0_gguf(path: Path, layers: int, seed: int = 0) -> Path:
     """The Q8_0 file (reused when present)."""
     from gguf import GGMLQuantizationType as QT
@@ -66,9 +70,9 @@ def make_q8_0_gguf(path: Path, layers: int, seed: int = 0) -> Path:
     # Placeholder vocabulary: one piece per id (the bench feeds ids, nothing is tokenized).
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("qwen2")
-    w.add_token_list([f"<t{i}>" for i in range(s["vocab"])])
+    w.add_token_list(PLACEHOLDER_PIECES + [f"<t{i}>" for i in range(3, s["vocab"])])
     w.add_token_types([1] * s["vocab"])
-    w.add_token_merges(["< t"])
+    w.add_token_merges(PLACEHOLDER_MERGES)
     w.add_bos_token_id(0)
     w.add_eos_token_id(1)
 
