@@ -149,6 +149,15 @@ def bytes_per_token(path: Path) -> dict:
     return out
 
 
+def read_through(path: Path) -> None:
+    """Read the whole file once, so its pages are cached: both engines map the file and a decode
+    step touches only the routed experts, so a cold cache turns the first hundreds of steps into
+    disk reads (measured: Taper 1.7 against 15.7 tok/s warm)."""
+    with open(path, "rb") as f:
+        while f.read(1 << 24):
+            pass
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--layers", type=int, default=2)
@@ -196,6 +205,7 @@ def main(argv=None) -> None:
               f"{b['total'] / 1e6:.1f} MB read ({b['experts'] / 1e6:.1f} MB routed experts, "
               f"{b['other'] / 1e6:.1f} MB the rest); bound {bound:.1f} tok/s at {copy:.1f} GB/s")
         run = {"bytes": b, "bound_tok_s": bound}
+        read_through(path)
         load = OtherLoad()
         run["taper"] = bench_taper(q, path.parent, [1], args.prompt_len, args.gen_len,
                                    args.reps, args.wait_quiet, weight_file=path.name)["b1"]
