@@ -4,12 +4,20 @@
 (`name-00001-of-00003.gguf`), through gguf.GGUFReader (the file memory-mapped):
 
 - config: a config.json-style dict for ModelConfig.from_dict, from the `{arch}.*` metadata. llama
-  files are LlamaForCausalLM (MistralForCausalLM when they carry a sliding window), qwen2 and
-  qwen3 files Qwen2/Qwen3ForCausalLM. A llama3 RoPE is stored as the per-frequency factors it
+  files are LlamaForCausalLM (MistralForCausalLM when they carry a sliding window, and
+  MixtralForCausalLM when they carry `llama.expert_count`), qwen2 and qwen3 files
+  Qwen2/Qwen3ForCausalLM, qwen2moe and qwen3moe files Qwen2Moe/Qwen3MoeForCausalLM. A llama3 RoPE is stored as the per-frequency factors it
   produces (tensor rope_freqs), so its parameters are recovered from them.
 - weights: Hugging Face names. F32/F16/BF16 tensors are float arrays, views of the mapping unless
   converted (the dtype policy of engine/loader/safetensors.py). Block-quantized tensors stay
   packed as QuantizedWeight (ggml blocks, one row of blocks per output row).
+- experts: the converter stacks each layer's experts into one tensor per projection,
+  `blk.N.ffn_{gate,up,down}_exps` of shape (E, rows, cols) (or gate and up in one
+  `ffn_gate_up_exps`, E, 2I, H); each expert becomes its Hugging Face matrix, a view of its slice
+  (float) or of its rows of blocks (ggml types), so the experts keep the file's quant type and
+  `backend.linear` runs them as it runs dense weights. Routing follows llama.cpp's graphs: the top
+  k probabilities are renormalised for llama (Mixtral) and qwen3moe, not for qwen2moe, unless
+  the file says otherwise (`{arch}.expert_weights_norm`).
 - tokenizer: engine.tokenizer.Tokenizer rebuilt from the tokenizer.ggml.* metadata
   (engine/loader/gguf_tokenizer.py), or None when the file has none we can rebuild.
 
@@ -45,7 +53,11 @@ logger = logging.getLogger("taper.loader")
 
 # general.architecture -> (Hugging Face architecture, model_type)
 _ARCHS = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2"),
-          "qwen3": ("Qwen3ForCausalLM", "qwen3")}
+          "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+          "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
+          "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe")}
+# Whether llama.cpp's graph renormalises the top-k routing weights (build_moe_ffn's norm_w).
+_MOE_NORM = {"llama": True, "qwen2moe": False, "qwen3moe": True}
 _PERMUTED_QK = ("llama",)       # architectures whose q/k rows the converter interleaves
 
 _FLOAT_TYPES = frozenset({QT.F32, QT.F16, QT.BF16, QT.F64})
@@ -58,7 +70,14 @@ _LAYER_NAMES = {
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate", "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj", "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
+# merged expert tensor -> the per-expert projections it holds, stacked along its rows
+_EXPERT_TENSORS = {"ffn_gate_exps": ("gate_proj",), "ffn_up_exps": ("up_proj",),
+                   "ffn_down_exps": ("down_proj",), "ffn_gate_up_exps": ("gate_proj", "up_proj")}
+_MIXTRAL_NAMES = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 _SHARD_RE = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 
@@ -80,6 +99,37 @@ def hf_name(name: str) -> str:
     if m and m.group(2) in _LAYER_NAMES:
         return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
     return name
+
+
+def expert_names(name: str, num_experts: int, mixtral: bool) -> list[list[str]] | None:
+    """For a merged expert tensor, the Hugging Face names of each expert's projections in the
+    order they are stacked along each expert's rows ([[gate, up], ...] for ffn_gate_up_exps);
+    None for any other tensor."""
+    m = _LAYER_RE.match(name)
+    if m is None or m.group(2) not in _EXPERT_TENSORS or m.group(3) != "weight":
+        return None
+    block = "block_sparse_moe" if mixtral else "mlp"
+    return [[f"model.layers.{m.group(1)}.{block}.experts.{e}."
+             f"{_MIXTRAL_NAMES[p] if mixtral else p}.weight" for p in _EXPERT_TENSORS[m.group(2)]]
+            for e in range(num_experts)]
+
+
+def split_experts(path: str, t, want: np.dtype | None, names: list[list[str]]) -> dict:
+    """A merged expert tensor (ReaderTensor, E x rows x cols) as {Hugging Face name: that
+    expert's matrix}, each a view of the file's data: a float array (dtype policy) or its rows of
+    ggml blocks."""
+    dims = [int(d) for d in t.shape]                    # GGUF order: (cols, rows, E)
+    if len(dims) != 3 or dims[2] != len(names):
+        raise ValueError(f"{path}: tensor {t.name} has dims {dims}; expected (cols, rows, "
+                         f"{len(names)}) for {len(names)} experts")
+    quantized = t.tensor_type in BLOCK_TYPES
+    data = t.data.reshape(dims[2], dims[1], -1) if quantized else _tensor(path, t, want)
+    out = {}
+    for e, projections in enumerate(names):
+        for name, rows in zip(projections, np.split(data[e], len(projections), axis=0)):
+            out[name] = QuantizedWeight.of(int(t.tensor_type), rows, dims[0]) if quantized \
+                else rows
+    return out
 
 
 def unpermute_rows(w, num_heads: int):
@@ -306,9 +356,15 @@ def build_config(path: str, metadata: dict, tensors: dict) -> dict:
         config["attention_bias"] = "blk.0.attn_q.bias" in tensors
         config["mlp_bias"] = "blk.0.ffn_gate.bias" in tensors
 
+    num_experts = int(meta.get("expert_count") or 0)
+    if num_experts:
+        config.update(_moe_config(path, meta, tensors, num_layers, num_experts))
+
     window = int(meta.get("attention.sliding_window") or 0)
     if window:
-        if arch == "llama":     # Mistral: one window on every layer
+        if arch == "llama" and num_experts:
+            config["sliding_window"] = window       # Mixtral: one window on every layer
+        elif arch == "llama":     # Mistral: one window on every layer
             config.update(architectures=["MistralForCausalLM"], model_type="mistral",
                           sliding_window=window)
         else:
@@ -337,6 +393,53 @@ def build_config(path: str, metadata: dict, tensors: dict) -> dict:
     return config
 
 
+def _moe_config(path: str, meta: _Meta, tensors: dict, num_layers: int,
+                num_experts: int) -> dict:
+    """The Mixtral / Qwen2-MoE / Qwen3-MoE keys of config.json. A layer without a router
+    (ffn_gate_inp) has a dense MLP, which transformers' Qwen MoE configs call mlp_only_layers."""
+    arch = meta.arch
+    if arch not in _MOE_NORM:
+        raise ValueError(f"{path}: {arch}.expert_count is set but Taper runs experts only for "
+                         f"{', '.join(_MOE_NORM)} files")
+    top_k = int(meta.require("expert_used_count"))
+    if not 0 < top_k <= num_experts:
+        raise ValueError(f"{path}: {arch}.expert_used_count {top_k} is not in 1..{num_experts}")
+    gating = meta.get("expert_gating_func")
+    if gating not in (None, 1):                 # llama.cpp: 1 = softmax
+        raise ValueError(f"{path}: {arch}.expert_gating_func {gating} is not supported "
+                         "(only softmax, 1)")
+    scale = meta.get("expert_weights_scale")
+    if scale not in (None, 0.0, 1.0):
+        raise ValueError(f"{path}: {arch}.expert_weights_scale {scale} is not supported")
+    normalize = bool(meta.get("expert_weights_norm", _MOE_NORM[arch]))
+    sparse = [f"blk.{i}.ffn_gate_inp.weight" in tensors for i in range(num_layers)]
+    if arch == "llama":
+        if not all(sparse):
+            raise ValueError(f"{path}: a Mixtral file needs experts (ffn_gate_inp) in every layer")
+        if not normalize:
+            raise ValueError(f"{path}: Mixtral always renormalises its top-k weights; "
+                             "llama.expert_weights_norm is false")
+        return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+                "num_local_experts": num_experts, "num_experts_per_tok": top_k}
+    moe_ff = int(meta.get("expert_feed_forward_length") or 0)
+    if not moe_ff:
+        first = next((i for i, s in enumerate(sparse) if s), None)
+        gate = tensors.get(f"blk.{first}.ffn_down_exps.weight")
+        if gate is None:
+            raise ValueError(f"{path}: metadata key {arch}.expert_feed_forward_length is missing")
+        moe_ff = int(gate.shape[0])             # down: (I, H, E) in GGUF order
+    shared = tensors.get("blk.%d.ffn_down_shexp.weight" % next(
+        (i for i, s in enumerate(sparse) if s), 0))
+    shared_ff = int(meta.get("expert_shared_feed_forward_length") or
+                    (shared.shape[0] if shared is not None else 0))
+    if arch == "qwen3moe" and shared_ff:
+        raise ValueError(f"{path}: qwen3moe with a shared expert is not supported")
+    return {"num_experts": num_experts, "num_experts_per_tok": top_k,
+            "moe_intermediate_size": moe_ff, "shared_expert_intermediate_size": shared_ff,
+            "norm_topk_prob": normalize, "decoder_sparse_step": 1,
+            "mlp_only_layers": [i for i, s in enumerate(sparse) if not s]}
+
+
 # ---- tensors
 
 def _tensor(path: str, t, want: np.dtype | None):
@@ -351,7 +454,7 @@ def _tensor(path: str, t, want: np.dtype | None):
         target = target_dtype(arr, want)
         return arr if arr.dtype == target else arr.astype(target)
     if qtype in BLOCK_TYPES:
-        if len(t.shape) != 2:
+        if len(t.shape) != 2:     # (merged experts are split by split_experts first)
             raise ValueError(f"{path}: tensor {t.name} is {qtype.name} with "
                              f"{len(t.shape)} dims; only matrices can be block-quantized")
         k, n = (int(d) for d in t.shape)
@@ -410,6 +513,8 @@ def read_gguf(path: str, dtype: str = "auto", progress: bool = True) -> GGUFChec
                 sum(t.n_bytes for t in tensors.values()) / 1e9)
     permute = metadata["general.architecture"] in _PERMUTED_QK
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
+    num_experts = int(config.get("num_local_experts") or config.get("num_experts") or 0)
+    mixtral = config["architectures"][0] == "MixtralForCausalLM"
 
     weights = {}
     with tqdm(total=len(tensors), desc="Loading weights", unit="tensor",
@@ -418,11 +523,20 @@ def read_gguf(path: str, dtype: str = "auto", progress: bool = True) -> GGUFChec
             bar.update(1)
             if name == "rope_freqs.weight":     # folded into config["rope_scaling"]
                 continue
+            experts = expert_names(name, num_experts, mixtral) if num_experts else None
+            if experts is not None:
+                weights.update(split_experts(owner[name], t, want, experts))
+                continue
             weight = _tensor(owner[name], t, want)
             m = _LAYER_RE.match(name)
             if permute and m and m.group(2) in heads:
                 weight = _unpermute(weight, heads[m.group(2)])
-            weights[hf_name(name)] = weight
+            hf = hf_name(name)
+            if mixtral:
+                hf = hf.replace(".mlp.gate.", ".block_sparse_moe.gate.")
+            if hf.endswith("shared_expert_gate.weight"):    # a vector in the file, (1, H) in HF
+                weight = weight.reshape(1, -1)
+            weights[hf] = weight
 
     tokenizer = build_tokenizer(metadata, path)
     return GGUFCheckpoint(config=config, weights=weights, tokenizer=tokenizer, files=paths)

@@ -1,6 +1,6 @@
 """In-situ quantization (--isq): a float checkpoint's projection matrices to ggml blocks at load.
 
-The seven projections of every layer are quantized (OpenMP over rows inside each tensor, a progress
+The seven projections of every layer, and of every expert, are quantized (OpenMP over rows inside each tensor, a progress
 bar over tensors); embeddings and lm_head keep the checkpoint's dtype, since they decide every
 token and are a lookup and one matmul per step. A row length the type's block does not divide
 falls back as llama.cpp's quantizer does (llama_tensor_get_type): Q4_K to Q5_0, Q5_K to Q5_1,
@@ -28,9 +28,12 @@ from engine.quant_int4 import Int4Part, Int4Weight
 
 log = logging.getLogger("taper.loader")
 
-# Phi-3 stores q/k/v and gate/up already fused (qkv_proj, gate_up_proj).
-_PROJECTION = re.compile(r"model\.layers\.\d+\."
-                         r"(self_attn\.(qkv|[qkvo])_proj|mlp\.(gate_up|gate|up|down)_proj)\.weight$")
+# attention (Phi-3's fused qkv_proj too), the dense MLP (Phi-3's fused gate_up_proj too), each
+# expert (Qwen MoE names, Mixtral's w1/w2/w3) and Qwen2-MoE's shared expert; the routers
+# (mlp.gate, shared_expert_gate) stay float, as llama.cpp keeps them F32.
+_PROJECTION = re.compile(r"model\.layers\.\d+\.(self_attn\.(qkv|[qkvo])_proj"
+                         r"|mlp\.((experts\.\d+\.|shared_expert\.)?(gate_up|gate|up|down)_proj)"
+                         r"|block_sparse_moe\.experts\.\d+\.w[123])\.weight$")
 _FALLBACK = {QT.Q4_K: QT.Q5_0, QT.Q5_K: QT.Q5_1, QT.Q6_K: QT.Q8_0, QT.Q2_K: QT.Q4_0,
              QT.Q3_K: QT.Q4_0}
 MARLIN = "marlin"          # --isq marlin: int4 W4A16 (Int4Weight; Marlin on the GPU)
