@@ -17,8 +17,9 @@ import openai
 import pytest
 
 from server.app import ServerSettings, create_app
-from server_fakes import (ROOT, FakeEngine, FakeTokenizer, ThreadedServer, assert_error,
-                          client_for, fake_text, http_request, post_json)
+from server_fakes import (ROOT, FakeEngine, FakeTokenizer, ThreadedServer,
+                          aborted_after_disconnect, assert_error, client_for, fake_text,
+                          http_request, post_json)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -481,18 +482,7 @@ def test_a_prompt_that_opens_the_reasoning():
 
 
 def test_client_disconnect_aborts_a_non_streamed_request(fake):
-    fake.engine.delay = 0.02
-    before = set(fake.engine.aborted)
-    sock = socket.create_connection(("127.0.0.1", fake.port))
-    body = json.dumps({**REQ, "max_output_tokens": 200}).encode()
-    sock.sendall(b"POST /v1/responses HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: %d\r\n\r\n" % len(body) + body)
-    time.sleep(0.3)                    # generating, nothing sent yet
-    sock.close()
-    deadline = time.time() + 10
-    while not set(fake.engine.aborted) - before:
-        assert time.time() < deadline, "the request was not aborted after the client left"
-        time.sleep(0.02)
-    [response_id] = set(fake.engine.aborted) - before
+    [response_id] = aborted_after_disconnect(fake, "/v1/responses",
+                                             {**REQ, "max_output_tokens": 200})
     assert response_id.startswith("resp_")
     assert http_request(fake.port, "GET", f"/v1/responses/{response_id}")[0] == 404
