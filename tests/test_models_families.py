@@ -88,12 +88,15 @@ def _norm_without_offset(cases, name):
     return model
 
 
-def _no_post_norms(cases, name):
-    model = load_hf(cases.dir(name))
-    for layer in model.model.layers:
-        layer.post_attention_layernorm = torch.nn.Identity()
-        layer.post_feedforward_layernorm = torch.nn.Identity()
-    return model
+def _without_layer_modules(*attrs):
+    """Switches off the named norms of every decoder layer (identity instead)."""
+    def switch_off(cases, name):
+        model = load_hf(cases.dir(name))
+        for layer in model.model.layers:
+            for attr in attrs:
+                setattr(layer, attr, torch.nn.Identity())
+        return model
+    return switch_off
 
 
 def _embed_unscaled(cases, name):
@@ -132,14 +135,6 @@ def _glm4_rotary_in_halves(cases, name):
     return model
 
 
-def _glm4_no_post_norms(cases, name):
-    model = load_hf(cases.dir(name))
-    for layer in model.model.layers:
-        layer.post_self_attn_layernorm = torch.nn.Identity()
-        layer.post_mlp_layernorm = torch.nn.Identity()
-    return model
-
-
 def _layer_norm_bias_off(cases, name):
     model = load_hf(cases.dir(name))
     with torch.no_grad():
@@ -152,7 +147,8 @@ def _layer_norm_bias_off(cases, name):
 # quirk -> (the case that has it, transformers' model with the quirk switched off)
 QUIRK_OFF = {
     "gemma2_norm_one_plus_w": ("gemma2", _norm_without_offset),
-    "gemma2_post_norms": ("gemma2", _no_post_norms),
+    "gemma2_post_norms": ("gemma2", _without_layer_modules("post_attention_layernorm",
+                                                           "post_feedforward_layernorm")),
     "gemma2_attn_softcap": ("gemma2",
                             lambda c, n: hf_with_config(c, n, attn_logit_softcapping=None)),
     "gemma2_sliding_window": ("gemma2", lambda c, n: hf_with_config(c, n, sliding_window=4096)),
@@ -167,7 +163,8 @@ QUIRK_OFF = {
     "phi3_partial_rotary": ("phi3_partial_rotary", _full_rotary),
     "glm4_interleaved_rotary": ("glm4", _glm4_rotary_in_halves),
     "glm4_partial_rotary": ("glm4", _full_rotary),
-    "glm4_post_norms": ("glm4", _glm4_no_post_norms),
+    "glm4_post_norms": ("glm4", _without_layer_modules("post_self_attn_layernorm",
+                                                       "post_mlp_layernorm")),
     "glm4_qkv_bias": ("glm4", qkv_bias_off),
     "stablelm_layer_norm_bias": ("stablelm", _layer_norm_bias_off),
     "stablelm_partial_rotary": ("stablelm", _full_rotary),
