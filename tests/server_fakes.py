@@ -205,6 +205,27 @@ class FakeEngine:
                            generation_tokens=45)
 
 
+def serve_fake(settings):
+    """A FakeEngine behind create_app(settings) on a ThreadedServer (`.engine` is the engine),
+    for a module fixture to `yield from`; closed when the module is done."""
+    from server.app import create_app
+    engine = FakeEngine()
+    server = ThreadedServer(create_app(engine, settings))
+    server.engine = engine
+    yield server
+    server.close()
+
+
+@pytest.fixture(autouse=True)
+def reset_fake(request):
+    """Undoes a test's scripting of the module's `fake` server engine (delay, failure, stopped);
+    active in a module that imports it."""
+    if "fake" in request.fixturenames:
+        eng = request.getfixturevalue("fake").engine
+        eng.delay, eng.fail_with, eng.is_running = 0.0, None, True
+    yield
+
+
 def fake_text(n: int) -> str:
     return "".join(FakeEngine.WORDS[i % len(FakeEngine.WORDS)] for i in range(n))
 

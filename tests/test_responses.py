@@ -19,7 +19,9 @@ import pytest
 from server.app import ServerSettings, create_app
 from server_fakes import (ROOT, FakeEngine, FakeTokenizer, ThreadedServer,
                           aborted_after_disconnect, assert_error, client_for, fake_text,
-                          http_request, post_json)
+                          http_request, post_json,
+                          reset_fake,  # noqa: F401 (autouse fixture)
+                          serve_fake)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -65,20 +67,7 @@ class ThinkingEngine(FakeEngine):
 
 @pytest.fixture(scope="module")
 def fake():
-    engine = FakeEngine()
-    server = ThreadedServer(create_app(engine, ServerSettings(["fake-model"],
-                                                              responses_store_size=50)))
-    server.engine = engine
-    yield server
-    server.close()
-
-
-@pytest.fixture(autouse=True)
-def _reset_fake(request):
-    if "fake" in request.fixturenames:
-        eng = request.getfixturevalue("fake").engine
-        eng.delay, eng.fail_with, eng.is_running = 0.0, None, True
-    yield
+    yield from serve_fake(ServerSettings(["fake-model"], responses_store_size=50))
 
 
 REQ = {"model": "fake-model", "input": "Hi", "max_output_tokens": 6}

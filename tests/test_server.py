@@ -12,29 +12,18 @@ import time
 import openai
 import pytest
 
-from server.app import ServerSettings, create_app
-from server_fakes import (CHAT, FakeEngine, FakeTokenizer, ThreadedServer,
-                          aborted_after_disconnect, assert_error, client_for, fake_text,
-                          http_request, post_json, post_sse, validate)
+from server.app import ServerSettings
+from server_fakes import (CHAT, FakeTokenizer, aborted_after_disconnect, assert_error,
+                          client_for, fake_text, http_request, post_json, post_sse,
+                          reset_fake,  # noqa: F401 (autouse fixture)
+                          serve_fake, validate)
 
 pytestmark = pytest.mark.timeout(300)
 
 
 @pytest.fixture(scope="module")
 def fake():
-    engine = FakeEngine()
-    server = ThreadedServer(create_app(engine, ServerSettings(["fake-model", "alias"])))
-    server.engine = engine
-    yield server
-    server.close()
-
-
-@pytest.fixture(autouse=True)
-def _reset_fake(request):
-    if "fake" in request.fixturenames:
-        eng = request.getfixturevalue("fake").engine
-        eng.delay, eng.fail_with, eng.is_running = 0.0, None, True
-    yield
+    yield from serve_fake(ServerSettings(["fake-model", "alias"]))
 
 
 # ---- fake engine: the wire format
