@@ -256,21 +256,29 @@ def cases_embedding(bench, c):
         yield Case("embedding", f"T={T} H={H}", "", T * 4 + 2 * T * H * esize(act), 0, sets)
 
 
+def _norm_sets(bench, T, H, fused: bool, plain, fused_add):
+    """N_SETS calls of a norm on fresh (T, H) rows: fused_add(x, r) in place, or plain(x, out)."""
+    act = bench.b.act_dtype
+    sets = []
+    for _ in range(N_SETS):
+        x = bench.rand((T, H), act)
+        if fused:
+            r = bench.rand((T, H), act)
+            sets.append(lambda x=x, r=r: fused_add(x, r))
+        else:
+            with bench.stream:
+                out = bench.cp.empty((T, H), dtype=act)
+            sets.append(lambda x=x, out=out: plain(x, out))
+    return sets
+
+
 def cases_rms_norm(bench, c, fused: bool):
     b, act = bench.b, bench.b.act_dtype
     H = c["H"]
     w = bench.rand((H,), np.float32)
     for T in c["T"]:
-        sets = []
-        for _ in range(N_SETS):
-            x = bench.rand((T, H), act)
-            if fused:
-                r = bench.rand((T, H), act)
-                sets.append(lambda x=x, r=r: b.fused_add_rms_norm(x, r, w, 1e-5))
-            else:
-                with bench.stream:
-                    out = bench.cp.empty((T, H), dtype=act)
-                sets.append(lambda x=x, out=out: b.rms_norm(x, w, 1e-5, out))
+        sets = _norm_sets(bench, T, H, fused, lambda x, out: b.rms_norm(x, w, 1e-5, out),
+                          lambda x, r: b.fused_add_rms_norm(x, r, w, 1e-5))
         e = esize(act)
         moved = (4 if fused else 2) * T * H * e + 4 * H
         yield Case("fused_add_rms_norm" if fused else "rms_norm", f"T={T} H={H}", "", moved, 0,
@@ -292,16 +300,8 @@ def cases_layer_norm(bench, c, fused: bool):
     H = c["H"]
     w, bias = bench.rand((H,), np.float32), bench.rand((H,), np.float32)
     for T in c["T"]:
-        sets = []
-        for _ in range(N_SETS):
-            x = bench.rand((T, H), act)
-            if fused:
-                r = bench.rand((T, H), act)
-                sets.append(lambda x=x, r=r: b.fused_add_layer_norm(x, r, w, bias, 1e-5))
-            else:
-                with bench.stream:
-                    out = bench.cp.empty((T, H), dtype=act)
-                sets.append(lambda x=x, out=out: b.layer_norm(x, w, bias, 1e-5, out))
+        sets = _norm_sets(bench, T, H, fused, lambda x, out: b.layer_norm(x, w, bias, 1e-5, out),
+                          lambda x, r: b.fused_add_layer_norm(x, r, w, bias, 1e-5))
         moved = (4 if fused else 2) * T * H * esize(act) + 8 * H
         yield Case("fused_add_layer_norm" if fused else "layer_norm", f"T={T} H={H}", "bias",
                    moved, 0, sets)

@@ -51,6 +51,17 @@ __global__ void rms_norm_kernel(const T* x,                        // (T, H)
     }
 }
 
+// residual + x of one pack, rounded to T (the fused-add norms' new residual).
+template <typename T, int N>
+__device__ __forceinline__ taper::Pack<T, N> add_packs(const taper::Pack<T, N> x,
+                                                       const taper::Pack<T, N> residual) {
+    taper::Pack<T, N> s;
+#pragma unroll
+    for (int j = 0; j < N; j++)
+        s.v[j] = taper::from_float<T>(taper::to_float(residual.v[j]) + taper::to_float(x.v[j]));
+    return s;
+}
+
 template <typename T, int N>
 __global__ void fused_add_rms_norm_kernel(T* x,                              // (T, H)
                                           T* residual,                       // (T, H)
@@ -63,11 +74,9 @@ __global__ void fused_add_rms_norm_kernel(T* x,                              // 
     const int np = H / N;
     float ss = 0.f;
     for (int p = threadIdx.x; p < np; p += blockDim.x) {
-        const P a = xr[p], b = rr[p];
-        P s;
+        const P s = add_packs<T, N>(xr[p], rr[p]);
 #pragma unroll
         for (int j = 0; j < N; j++) {
-            s.v[j] = taper::from_float<T>(taper::to_float(b.v[j]) + taper::to_float(a.v[j]));
             const float f = taper::to_float(s.v[j]);  // the rounded, stored value
             ss += f * f;
         }
@@ -154,14 +163,8 @@ __global__ void fused_add_layer_norm_kernel(T* x,                              /
     P* xr = reinterpret_cast<P*>(x + (int64_t)blockIdx.x * H);
     P* rr = reinterpret_cast<P*>(residual + (int64_t)blockIdx.x * H);
     const int np = H / N;
-    for (int p = threadIdx.x; p < np; p += blockDim.x) {
-        const P a = xr[p], b = rr[p];
-        P s;
-#pragma unroll
-        for (int j = 0; j < N; j++)
-            s.v[j] = taper::from_float<T>(taper::to_float(b.v[j]) + taper::to_float(a.v[j]));
-        rr[p] = s;  // the rounded, stored value is what gets normalized
-    }
+    for (int p = threadIdx.x; p < np; p += blockDim.x)
+        rr[p] = add_packs<T, N>(xr[p], rr[p]);  // the rounded, stored value is what gets normalized
     // Each thread re-reads only the packs it wrote, so no barrier is needed before the moments.
     const float2 m = row_moments<T, N>(rr, np, H, eps, scratch);
     write_layer_norm<T, N>(rr, xr, weight, bias, np, m);

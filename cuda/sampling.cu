@@ -522,20 +522,29 @@ extern "C" int taper_cuda_apply_penalties(float* logits,          // (B, V)
     return taper::launch_status();
 }
 
+// The two filters' entry points: kRadix picks the threshold search (bisection or radix select).
+template <bool kRadix>
+static int launch_filter_logits(float* logits, const float* temperature, const int32_t* top_k,
+                                const float* top_p, const float* min_p, int64_t B, int64_t V,
+                                taper_stream_t stream) {
+    if (check_rows(B, V)) return TAPER_CUDA_ERR_ARG;
+    if (B == 0 || V == 0) return TAPER_CUDA_OK;
+    if (!logits || !temperature || !top_k || !top_p || !min_p) return TAPER_CUDA_ERR_ARG;
+    // 1024 threads per row: the passes re-read the row (600 KB at V = 150k, resident in L2 after
+    // the first pass; the radix select makes 4 per threshold), and the widest block keeps the
+    // most loads in flight on one SM.
+    filter_logits_kernel<kRadix><<<(unsigned)B, kRowThreads, 0, (cudaStream_t)stream>>>(
+        logits, temperature, top_k, top_p, min_p, V);
+    return taper::launch_status();
+}
+
 extern "C" int taper_cuda_filter_logits(float* logits,             // (B, V)
                                         const float* temperature,  // (B,)
                                         const int32_t* top_k,      // (B,)
                                         const float* top_p,        // (B,)
                                         const float* min_p,        // (B,)
                                         int64_t B, int64_t V, taper_stream_t stream) {
-    if (check_rows(B, V)) return TAPER_CUDA_ERR_ARG;
-    if (B == 0 || V == 0) return TAPER_CUDA_OK;
-    if (!logits || !temperature || !top_k || !top_p || !min_p) return TAPER_CUDA_ERR_ARG;
-    // 1024 threads per row: the bisection passes re-read the row (600 KB at V = 150k, resident in
-    // L2 after the first pass), and the widest block keeps the most loads in flight on one SM.
-    filter_logits_kernel<false><<<(unsigned)B, kRowThreads, 0, (cudaStream_t)stream>>>(
-        logits, temperature, top_k, top_p, min_p, V);
-    return taper::launch_status();
+    return launch_filter_logits<false>(logits, temperature, top_k, top_p, min_p, B, V, stream);
 }
 
 extern "C" int taper_cuda_filter_logits_radix(float* logits,             // (B, V)
@@ -544,11 +553,5 @@ extern "C" int taper_cuda_filter_logits_radix(float* logits,             // (B, 
                                               const float* top_p,        // (B,)
                                               const float* min_p,        // (B,)
                                               int64_t B, int64_t V, taper_stream_t stream) {
-    if (check_rows(B, V)) return TAPER_CUDA_ERR_ARG;
-    if (B == 0 || V == 0) return TAPER_CUDA_OK;
-    if (!logits || !temperature || !top_k || !top_p || !min_p) return TAPER_CUDA_ERR_ARG;
-    // 1024 threads per row, as the bisection: 4 passes per threshold over the row (from L2).
-    filter_logits_kernel<true><<<(unsigned)B, kRowThreads, 0, (cudaStream_t)stream>>>(
-        logits, temperature, top_k, top_p, min_p, V);
-    return taper::launch_status();
+    return launch_filter_logits<true>(logits, temperature, top_k, top_p, min_p, B, V, stream);
 }

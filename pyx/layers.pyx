@@ -156,15 +156,23 @@ cdef class DecoderLayer:
         self.eps = eps
         self.first = first
 
-    def forward(self, batch, hidden, residual, k_cache, v_cache, Workspace ws):
-        b = self.backend
+    cdef norm_input(self, hidden, residual):
+        """hidden = input_norm(residual), residual += hidden first after the first layer."""
         if self.first:
-            b.rms_norm(residual, self.input_norm, self.eps, hidden)
+            self.backend.rms_norm(residual, self.input_norm, self.eps, hidden)
         else:
-            b.fused_add_rms_norm(hidden, residual, self.input_norm, self.eps)
+            self.backend.fused_add_rms_norm(hidden, residual, self.input_norm, self.eps)
+
+    cdef attend(self, batch, hidden, residual, k_cache, v_cache, Workspace ws):
+        """The input norm, then attention into the workspace's attn_out, which it returns."""
+        self.norm_input(hidden, residual)
         attn_out = ws.get("attn_out", hidden.shape[0], hidden.shape[1])
         self.attention.forward(batch, hidden, attn_out, k_cache, v_cache, ws)
-        b.fused_add_rms_norm(attn_out, residual, self.post_norm, self.eps)
+        return attn_out
+
+    def forward(self, batch, hidden, residual, k_cache, v_cache, Workspace ws):
+        attn_out = self.attend(batch, hidden, residual, k_cache, v_cache, ws)
+        self.backend.fused_add_rms_norm(attn_out, residual, self.post_norm, self.eps)
         self.mlp.forward(attn_out, hidden, ws)
 
 
@@ -183,12 +191,7 @@ cdef class SandwichDecoderLayer(DecoderLayer):
 
     def forward(self, batch, hidden, residual, k_cache, v_cache, Workspace ws):
         b = self.backend
-        if self.first:
-            b.rms_norm(residual, self.input_norm, self.eps, hidden)
-        else:
-            b.fused_add_rms_norm(hidden, residual, self.input_norm, self.eps)
-        block_out = ws.get("attn_out", hidden.shape[0], hidden.shape[1])
-        self.attention.forward(batch, hidden, block_out, k_cache, v_cache, ws)
+        block_out = self.attend(batch, hidden, residual, k_cache, v_cache, ws)
         b.rms_norm(block_out, self.post_attn_norm, self.eps, hidden)
         b.fused_add_rms_norm(hidden, residual, self.pre_mlp_norm, self.eps)
         self.mlp.forward(hidden, block_out, ws)
@@ -207,14 +210,16 @@ cdef class LayerNormDecoderLayer(DecoderLayer):
         self.input_bias, self.post_bias = input_bias, post_bias
         self.parallel = parallel
 
+    cdef norm_input(self, hidden, residual):
+        if self.first:
+            self.backend.layer_norm(residual, self.input_norm, self.input_bias, self.eps, hidden)
+        else:
+            self.backend.fused_add_layer_norm(hidden, residual, self.input_norm, self.input_bias,
+                                              self.eps)
+
     def forward(self, batch, hidden, residual, k_cache, v_cache, Workspace ws):
         b = self.backend
-        if self.first:
-            b.layer_norm(residual, self.input_norm, self.input_bias, self.eps, hidden)
-        else:
-            b.fused_add_layer_norm(hidden, residual, self.input_norm, self.input_bias, self.eps)
-        attn_out = ws.get("attn_out", hidden.shape[0], hidden.shape[1])
-        self.attention.forward(batch, hidden, attn_out, k_cache, v_cache, ws)
+        attn_out = self.attend(batch, hidden, residual, k_cache, v_cache, ws)
         if self.parallel:
             # The MLP reads `hidden` only in its first GEMM, so it may write its output there.
             self.mlp.forward(hidden, hidden, ws)

@@ -88,6 +88,18 @@ class ServerState:
         tok = self.engine.tokenizer
         self.reasoning_model = tok is not None and tok.has_tokens(("<think>", "</think>"))
 
+    def resolve_model(self, name: str | None) -> str:
+        """The served model a request names (the first served name when it names none); a 404
+        naming `model` for any other."""
+        names = self.settings.served_model_names
+        if name is None:
+            return names[0]
+        if name not in names:
+            raise APIError(f"The model '{name}' does not exist; this server serves "
+                           + ", ".join(repr(n) for n in names), status=404,
+                           param="model", code="model_not_found")
+        return name
+
     def unavailable(self) -> APIError | None:
         """Why requests cannot be served now (as the 503 to send), or None."""
         if self.draining:
@@ -244,22 +256,13 @@ def create_app(engine, settings: ServerSettings) -> Quart:
 
     @app.get("/v1/models/<path:name>")        # hub ids hold a slash
     async def retrieve_model(name: str):
-        return _json(model_card(resolve_model(name)))
-
-    def resolve_model(name: str | None) -> str:
-        if name is None:
-            return names[0]
-        if name not in names:
-            raise APIError(f"The model '{name}' does not exist; this server serves "
-                           + ", ".join(repr(n) for n in names), status=404,
-                           param="model", code="model_not_found")
-        return name
+        return _json(model_card(state.resolve_model(name)))
 
     async def read_request(cls):
         body = parse_json_body(await request.get_data())
         req = parse_request(cls, body)
         engine = state.ready_engine()
-        return req, resolve_model(req.model), engine
+        return req, state.resolve_model(req.model), engine
 
     def check_queue(engine, num_new: int = 1):
         limit = settings.max_queued_requests

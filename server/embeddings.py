@@ -70,16 +70,6 @@ def register_embeddings(app, state) -> None:
     """Adds POST /v1/embeddings to `app`, served from `state` (server/app.py's ServerState)."""
     settings = state.settings
 
-    def resolve_model(name: str | None) -> str:
-        names = settings.served_model_names
-        if name is None:
-            return names[0]
-        if name not in names:
-            raise APIError(f"The model '{name}' does not exist; this server serves "
-                           + ", ".join(repr(n) for n in names), status=404,
-                           param="model", code="model_not_found")
-        return name
-
     async def tokenize(engine, inputs: list) -> list[list[int]]:
         if any(isinstance(x, str) for x in inputs) and engine.tokenizer is None:
             raise APIError("This model has no tokenizer: send token ids", param="input",
@@ -129,7 +119,7 @@ def register_embeddings(app, state) -> None:
     async def create_embeddings():
         req = parse_request(EmbeddingRequest, parse_json_body(await request.get_data()))
         engine = state.ready_engine()
-        model = resolve_model(req.model)
+        model = state.resolve_model(req.model)
         batch_ids = await tokenize(engine, req.inputs())
         check_request(engine, req, batch_ids)
         request_id = streaming.random_id("embd")

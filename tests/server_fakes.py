@@ -72,6 +72,24 @@ def post_sse(port: int, path: str, body) -> list:
     return [e[6:] if e[6:] == "[DONE]" else json.loads(e[6:]) for e in events]
 
 
+def aborted_after_disconnect(fake, path: str, body: dict) -> set:
+    """POSTs a non-streamed request to the fake engine's server over a raw socket and leaves
+    while it generates (nothing sent yet); the ids the engine aborted for it, once it has."""
+    fake.engine.delay = 0.02
+    before = set(fake.engine.aborted)
+    sock = socket.create_connection(("127.0.0.1", fake.port))
+    data = json.dumps(body).encode()
+    sock.sendall(b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n" % (path.encode(), len(data)) + data)
+    time.sleep(0.3)                    # generating, nothing sent yet
+    sock.close()
+    deadline = time.time() + 10
+    while not set(fake.engine.aborted) - before:
+        assert time.time() < deadline, "the request was not aborted after the client left"
+        time.sleep(0.02)
+    return set(fake.engine.aborted) - before
+
+
 def assert_error(status: int, body: dict, want_status: int, param: str | None, code=None):
     assert status == want_status, body
     validate(body, "ErrorResponse")
@@ -185,6 +203,27 @@ class FakeEngine:
                            num_kv_blocks=100, num_free_kv_blocks=75, prefix_cache_queries=40,
                            prefix_cache_hits=30, num_preemptions=1, prompt_tokens=123,
                            generation_tokens=45)
+
+
+def serve_fake(settings):
+    """A FakeEngine behind create_app(settings) on a ThreadedServer (`.engine` is the engine),
+    for a module fixture to `yield from`; closed when the module is done."""
+    from server.app import create_app
+    engine = FakeEngine()
+    server = ThreadedServer(create_app(engine, settings))
+    server.engine = engine
+    yield server
+    server.close()
+
+
+@pytest.fixture(autouse=True)
+def reset_fake(request):
+    """Undoes a test's scripting of the module's `fake` server engine (delay, failure, stopped);
+    active in a module that imports it."""
+    if "fake" in request.fixturenames:
+        eng = request.getfixturevalue("fake").engine
+        eng.delay, eng.fail_with, eng.is_running = 0.0, None, True
+    yield
 
 
 def fake_text(n: int) -> str:

@@ -13,22 +13,13 @@ import openai
 import pytest
 import torch
 
-from checkpoints import tiny_checkpoint
+from demo_live import demo_dir  # noqa: F401 (fixture)
 from engine import LLM, SamplingParams
 from hf_oracle import load_hf
 from server_fakes import LiveServer, assert_error, client_for, post_json
+from tiny_llama import hf, model_dir  # noqa: F401 (fixtures)
 
 EOS = 2      # the tiny checkpoint's
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return tiny_checkpoint(tmp_path_factory.mktemp("llama"), "llama")
-
-
-@pytest.fixture(scope="module")
-def hf(model_dir):
-    return load_hf(model_dir)
 
 
 @pytest.fixture(scope="module")
@@ -113,12 +104,6 @@ def test_beam_search_refuses_what_it_does_not_do():
 
 
 # ---- through the server
-
-@pytest.fixture(scope="module")
-def demo_dir(tmp_path_factory) -> str:
-    from server.demo_model import write_demo_checkpoint
-    return write_demo_checkpoint(str(tmp_path_factory.mktemp("demo") / "demo"))
-
 
 def test_live_beam_search_equals_transformers(demo_dir, tmp_path):
     from tokenizers import Tokenizer

@@ -14,30 +14,12 @@ import openai
 import pytest
 import torch
 
-from server_fakes import LiveServer, assert_error, client_for, http_request, post_json, validate
+from demo_live import client, demo_dir, live  # noqa: F401 (fixtures)
+from server_fakes import assert_error, http_request, post_json, validate
 
 pytestmark = pytest.mark.timeout(300)
 TOL = 1e-4
 MSGS = [{"role": "user", "content": "What is the capital of France?"}]
-
-
-@pytest.fixture(scope="module")
-def demo_dir(tmp_path_factory) -> str:
-    from server.demo_model import write_demo_checkpoint
-    return write_demo_checkpoint(str(tmp_path_factory.mktemp("demo") / "demo"))
-
-
-@pytest.fixture(scope="module")
-def live(demo_dir, tmp_path_factory):
-    server = LiveServer(tmp_path_factory.mktemp("live"), demo_dir, "--mem", "64",
-                        "--served-model-name", "demo")
-    yield server
-    server.close()
-
-
-@pytest.fixture(scope="module")
-def client(live):
-    return client_for(live.port)
 
 
 @pytest.fixture(scope="module")

@@ -8,22 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from checkpoints import tiny_checkpoint
 from engine import LLM, SamplingParams
 from engine.logprobs import gather_logprobs
-from hf_oracle import load_hf
+from tiny_llama import hf, model_dir  # noqa: F401 (fixtures)
 
 TOL = 1e-4
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return tiny_checkpoint(tmp_path_factory.mktemp("llama"), "llama")
-
-
-@pytest.fixture(scope="module")
-def hf(model_dir):
-    return load_hf(model_dir)
 
 
 @pytest.fixture(scope="module")

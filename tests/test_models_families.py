@@ -7,21 +7,22 @@ comparison can fail: tokens for most quirks, the logits for the final soft-cap (
 so it never changes a greedy token). Prompts (48 and 33 tokens) are longer than the sliding windows
 (16) and than Phi-3's original context (32), so the windows and LongRoPE's long factors are
 exercised. Taper runs through `LLM.generate`, through the bare model harness of
-test_models_vs_hf.py (prefill logits against transformers' too, with chunked prefill), and, once
+model_cases.py (prefill logits against transformers' too, with chunked prefill), and, once
 per family, through a live `python -m server`.
 """
 from __future__ import annotations
 
 import os
-import shutil
 
 import numpy as np
 import pytest
 import torch
 
-from checkpoints import edit_config, tiny_checkpoint
+from checkpoints import tiny_checkpoint
 from hf_oracle import assert_matches, hf_greedy, load_hf
-from test_models_vs_hf import GEN, harness_greedy, prompts_for
+from model_cases import (GEN, Cases, assert_llm_greedy_matches, assert_model_forward_matches,
+                         harness_greedy, hf_tokens, hf_with_config, hf_with_rope_parameters,
+                         prompts_for, qk_norm_off, qkv_bias_off)
 
 SHORT = [1.0 + 0.05 * i for i in range(12)]       # LongRoPE factors for head_dim 24 (12 pairs)
 LONG = [1.0 + 0.6 * i for i in range(12)]
@@ -70,47 +71,12 @@ CASES = {
 }
 
 
-class Cases:
-    """Each case's checkpoint and transformers reference, built once per module."""
-
-    def __init__(self, root):
-        self.root = root
-        self.dirs, self.refs = {}, {}
-
-    def dir(self, name):
-        if name not in self.dirs:
-            kwargs, legacy = CASES[name]
-            path = os.path.join(self.root, name)
-            if legacy:
-                shutil.copytree(self.dir(legacy[0]), path)
-                edit_config(path, legacy[1])
-            else:
-                tiny_checkpoint(path, **kwargs)
-            self.dirs[name] = path
-        return self.dirs[name]
-
-    def ref(self, name):
-        if name not in self.refs:
-            model = load_hf(self.dir(name))
-            self.refs[name] = [hf_greedy(model, p, GEN) for p in prompts_for()]
-        return self.refs[name]
-
-
 @pytest.fixture(scope="module")
 def cases(tmp_path_factory):
-    return Cases(str(tmp_path_factory.mktemp("families")))
+    return Cases(str(tmp_path_factory.mktemp("families")), CASES)
 
 
 # ---- the quirks matter: transformers' output changes when each is switched off
-
-def _with_config(cases, name, **changes):
-    from transformers import AutoConfig, AutoModelForCausalLM
-    d = cases.dir(name)
-    config = AutoConfig.from_pretrained(d)
-    for key, value in changes.items():
-        setattr(config, key, value)
-    return AutoModelForCausalLM.from_pretrained(d, config=config, dtype=torch.float32).eval()
-
 
 def _norm_without_offset(cases, name):
     """Every RMSNorm multiplies by w instead of 1 + w."""
@@ -122,12 +88,15 @@ def _norm_without_offset(cases, name):
     return model
 
 
-def _no_post_norms(cases, name):
-    model = load_hf(cases.dir(name))
-    for layer in model.model.layers:
-        layer.post_attention_layernorm = torch.nn.Identity()
-        layer.post_feedforward_layernorm = torch.nn.Identity()
-    return model
+def _without_layer_modules(*attrs):
+    """Switches off the named norms of every decoder layer (identity instead)."""
+    def switch_off(cases, name):
+        model = load_hf(cases.dir(name))
+        for layer in model.model.layers:
+            for attr in attrs:
+                setattr(layer, attr, torch.nn.Identity())
+        return model
+    return switch_off
 
 
 def _embed_unscaled(cases, name):
@@ -136,45 +105,22 @@ def _embed_unscaled(cases, name):
     return model
 
 
-def _qk_norm_off(cases, name):
-    model = load_hf(cases.dir(name))
-    for layer in model.model.layers:
-        layer.self_attn.q_norm = torch.nn.Identity()
-        layer.self_attn.k_norm = torch.nn.Identity()
-    return model
-
-
 def _local_base_is_global(cases, name):
-    from transformers import AutoConfig, AutoModelForCausalLM
-    d = cases.dir(name)
-    config = AutoConfig.from_pretrained(d)
-    config.rope_parameters["sliding_attention"] = dict(config.rope_parameters["full_attention"])
-    return AutoModelForCausalLM.from_pretrained(d, config=config, dtype=torch.float32).eval()
+    return hf_with_rope_parameters(cases, name,
+                                   lambda p: {"sliding_attention": dict(p["full_attention"])})
 
 
 def _longrope_short_only(cases, name):
     """The short factors at every length (LongRoPE's long factors switched off)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-    d = cases.dir(name)
-    config = AutoConfig.from_pretrained(d)
-    config.rope_parameters["long_factor"] = list(config.rope_parameters["short_factor"])
-    return AutoModelForCausalLM.from_pretrained(d, config=config, dtype=torch.float32).eval()
+    return hf_with_rope_parameters(cases, name, lambda p: {"long_factor": list(p["short_factor"])})
 
 
 def _longrope_unscaled_attention(cases, name):
-    from transformers import AutoConfig, AutoModelForCausalLM
-    d = cases.dir(name)
-    config = AutoConfig.from_pretrained(d)
-    config.rope_parameters["attention_factor"] = 1.0
-    return AutoModelForCausalLM.from_pretrained(d, config=config, dtype=torch.float32).eval()
+    return hf_with_rope_parameters(cases, name, lambda p: {"attention_factor": 1.0})
 
 
 def _full_rotary(cases, name):
-    from transformers import AutoConfig, AutoModelForCausalLM
-    d = cases.dir(name)
-    config = AutoConfig.from_pretrained(d)
-    config.rope_parameters["partial_rotary_factor"] = 1.0
-    return AutoModelForCausalLM.from_pretrained(d, config=config, dtype=torch.float32).eval()
+    return hf_with_rope_parameters(cases, name, lambda p: {"partial_rotary_factor": 1.0})
 
 
 def _glm4_rotary_in_halves(cases, name):
@@ -186,23 +132,6 @@ def _glm4_rotary_in_halves(cases, name):
     original = modeling_glm4.apply_rotary_pos_emb
     modeling_glm4.apply_rotary_pos_emb = modeling_phi3.apply_rotary_pos_emb
     model._restore = lambda: setattr(modeling_glm4, "apply_rotary_pos_emb", original)
-    return model
-
-
-def _glm4_no_post_norms(cases, name):
-    model = load_hf(cases.dir(name))
-    for layer in model.model.layers:
-        layer.post_self_attn_layernorm = torch.nn.Identity()
-        layer.post_mlp_layernorm = torch.nn.Identity()
-    return model
-
-
-def _qkv_bias_off(cases, name):
-    model = load_hf(cases.dir(name))
-    with torch.no_grad():
-        for layer in model.model.layers:
-            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                proj.bias.zero_()
     return model
 
 
@@ -218,33 +147,31 @@ def _layer_norm_bias_off(cases, name):
 # quirk -> (the case that has it, transformers' model with the quirk switched off)
 QUIRK_OFF = {
     "gemma2_norm_one_plus_w": ("gemma2", _norm_without_offset),
-    "gemma2_post_norms": ("gemma2", _no_post_norms),
+    "gemma2_post_norms": ("gemma2", _without_layer_modules("post_attention_layernorm",
+                                                           "post_feedforward_layernorm")),
     "gemma2_attn_softcap": ("gemma2",
-                            lambda c, n: _with_config(c, n, attn_logit_softcapping=None)),
-    "gemma2_sliding_window": ("gemma2", lambda c, n: _with_config(c, n, sliding_window=4096)),
+                            lambda c, n: hf_with_config(c, n, attn_logit_softcapping=None)),
+    "gemma2_sliding_window": ("gemma2", lambda c, n: hf_with_config(c, n, sliding_window=4096)),
     "gemma2_embed_scale": ("gemma2", _embed_unscaled),
     "gemma2_query_pre_attn_scalar": ("gemma2",
-                                     lambda c, n: _with_config(c, n, query_pre_attn_scalar=24)),
-    "gemma3_qk_norm": ("gemma3", _qk_norm_off),
+                                     lambda c, n: hf_with_config(c, n, query_pre_attn_scalar=24)),
+    "gemma3_qk_norm": ("gemma3", qk_norm_off),
     "gemma3_local_rope_base": ("gemma3", _local_base_is_global),
-    "gemma3_sliding_window": ("gemma3", lambda c, n: _with_config(c, n, sliding_window=4096)),
+    "gemma3_sliding_window": ("gemma3", lambda c, n: hf_with_config(c, n, sliding_window=4096)),
     "phi3_longrope_long_factors": ("phi3_longrope", _longrope_short_only),
     "phi3_longrope_attention_factor": ("phi3_longrope", _longrope_unscaled_attention),
     "phi3_partial_rotary": ("phi3_partial_rotary", _full_rotary),
     "glm4_interleaved_rotary": ("glm4", _glm4_rotary_in_halves),
     "glm4_partial_rotary": ("glm4", _full_rotary),
-    "glm4_post_norms": ("glm4", _glm4_no_post_norms),
-    "glm4_qkv_bias": ("glm4", _qkv_bias_off),
+    "glm4_post_norms": ("glm4", _without_layer_modules("post_self_attn_layernorm",
+                                                       "post_mlp_layernorm")),
+    "glm4_qkv_bias": ("glm4", qkv_bias_off),
     "stablelm_layer_norm_bias": ("stablelm", _layer_norm_bias_off),
     "stablelm_partial_rotary": ("stablelm", _full_rotary),
-    "stablelm_qkv_bias": ("stablelm", _qkv_bias_off),
+    "stablelm_qkv_bias": ("stablelm", qkv_bias_off),
     "stablelm_parallel_residual": (
-        "stablelm_parallel", lambda c, n: _with_config(c, n, use_parallel_residual=False)),
+        "stablelm_parallel", lambda c, n: hf_with_config(c, n, use_parallel_residual=False)),
 }
-
-
-def _hf_tokens(model):
-    return [hf_greedy(model, p, GEN)[0] for p in prompts_for()]
 
 
 @pytest.mark.parametrize("quirk", sorted(QUIRK_OFF))
@@ -253,7 +180,7 @@ def test_quirk_changes_hf_tokens(cases, quirk):
     ref = [r[0] for r in cases.ref(name)]
     model = switch_off(cases, name)
     try:
-        off = _hf_tokens(model)
+        off = hf_tokens(model)
     finally:
         getattr(model, "_restore", lambda: None)()
     for a, b in zip(ref, off):
@@ -268,7 +195,7 @@ def _prefill_logits(model, prompt):
 def test_final_softcap_changes_hf_logits(cases):
     """tanh is monotonic, so the final cap shows in the logits (the harness test compares them),
     not in greedy tokens."""
-    off = _with_config(cases, "gemma2", final_logit_softcapping=None)
+    off = hf_with_config(cases, "gemma2", final_logit_softcapping=None)
     for prompt, r in zip(prompts_for(), cases.ref("gemma2")):
         assert np.abs(r[2]).max() < 3.0 < np.abs(_prefill_logits(off, prompt)).max()
 
@@ -276,7 +203,7 @@ def test_final_softcap_changes_hf_logits(cases):
 def test_gelu_tanh_changes_hf_logits(cases):
     """GeGLU's tanh GELU against SwiGLU's SiLU: the MLP output is post-normed, so the tokens of
     these prompts barely move; the prefill logits move far beyond the harness test's tolerance."""
-    off = _with_config(cases, "gemma2", hidden_activation="silu")
+    off = hf_with_config(cases, "gemma2", hidden_activation="silu")
     for prompt, r in zip(prompts_for(), cases.ref("gemma2")):
         tol = 1e-4 * max(1.0, np.abs(r[2]).max())
         assert np.abs(_prefill_logits(off, prompt) - r[2]).max() > 100 * tol
@@ -304,11 +231,7 @@ def test_phi3_su_is_longrope(cases):
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_llm_greedy_matches_hf(cases, name):
-    from engine import LLM, SamplingParams
-    llm = LLM(cases.dir(name), num_kv_blocks=32)
-    outs = llm.generate(prompts_for(), SamplingParams(temperature=0, max_tokens=GEN, ignore_eos=True))
-    for i, (out, ref) in enumerate(zip(outs, cases.ref(name))):
-        assert_matches(list(out.token_ids), ref, min_trusted=8, label=f"{name} prompt {i}")
+    assert_llm_greedy_matches(cases, name)
 
 
 @pytest.fixture(scope="module")
@@ -320,14 +243,8 @@ def backend():
 @pytest.mark.parametrize("name", ["gemma2", "gemma3", "phi3_longrope", "phi3_partial_rotary",
                                   "glm4", "stablelm", "stablelm_parallel"])
 def test_model_forward_matches_hf(cases, backend, name):
-    from engine.models.registry import load_model
-    model, _ = load_model(cases.dir(name), backend, progress=False)
     chunk = {"gemma2": 20, "gemma3": 7, "glm4": 9, "stablelm_parallel": 11}.get(name)
-    tokens, first_logits = harness_greedy(model, prompts_for(), chunk=chunk)
-    for i, ref in enumerate(cases.ref(name)):
-        np.testing.assert_allclose(first_logits[i], ref[2], rtol=0,
-                                   atol=1e-4 * max(1.0, np.abs(ref[2]).max()))
-        assert_matches(tokens[i], ref, min_trusted=8, label=f"{name} prompt {i}")
+    assert_model_forward_matches(cases, backend, name, chunk)
 
 
 # ---- through a live `python -m server`, one family after another
@@ -378,11 +295,8 @@ def test_longrope_factor_set_is_per_sequence(cases, backend):
     short_only = _longrope_short_only(cases, "phi3_longrope")
     assert hf_greedy(short_only, prompts[1], GEN)[0] == refs[1][0]   # the short set alone
     assert hf_greedy(short_only, prompts[0], GEN)[0] != refs[0][0]
-    from transformers import AutoConfig, AutoModelForCausalLM
-    config = AutoConfig.from_pretrained(cases.dir("phi3_longrope"))
-    config.rope_parameters["short_factor"] = list(config.rope_parameters["long_factor"])
-    long_only = AutoModelForCausalLM.from_pretrained(cases.dir("phi3_longrope"), config=config,
-                                                     dtype=torch.float32).eval()
+    long_only = hf_with_rope_parameters(cases, "phi3_longrope",
+                                        lambda p: {"short_factor": list(p["long_factor"])})
     assert hf_greedy(long_only, prompts[1], GEN)[0] != refs[1][0]    # the set matters for it
     tokens, _ = harness_greedy(model, prompts)
     for i, ref in enumerate(refs):

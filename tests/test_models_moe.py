@@ -11,7 +11,7 @@ import torch
 
 from checkpoints import tiny_checkpoint
 from hf_oracle import assert_matches, hf_greedy, load_hf
-from test_models_vs_hf import GEN, prompts_for
+from model_cases import GEN, prompts_for
 
 ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe")
 

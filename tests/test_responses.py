@@ -17,8 +17,11 @@ import openai
 import pytest
 
 from server.app import ServerSettings, create_app
-from server_fakes import (ROOT, FakeEngine, FakeTokenizer, ThreadedServer, assert_error,
-                          client_for, fake_text, http_request, post_json)
+from server_fakes import (ROOT, FakeEngine, FakeTokenizer, ThreadedServer,
+                          aborted_after_disconnect, assert_error, client_for, fake_text,
+                          http_request, post_json,
+                          reset_fake,  # noqa: F401 (autouse fixture)
+                          serve_fake)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -64,20 +67,7 @@ class ThinkingEngine(FakeEngine):
 
 @pytest.fixture(scope="module")
 def fake():
-    engine = FakeEngine()
-    server = ThreadedServer(create_app(engine, ServerSettings(["fake-model"],
-                                                              responses_store_size=50)))
-    server.engine = engine
-    yield server
-    server.close()
-
-
-@pytest.fixture(autouse=True)
-def _reset_fake(request):
-    if "fake" in request.fixturenames:
-        eng = request.getfixturevalue("fake").engine
-        eng.delay, eng.fail_with, eng.is_running = 0.0, None, True
-    yield
+    yield from serve_fake(ServerSettings(["fake-model"], responses_store_size=50))
 
 
 REQ = {"model": "fake-model", "input": "Hi", "max_output_tokens": 6}
@@ -481,18 +471,7 @@ def test_a_prompt_that_opens_the_reasoning():
 
 
 def test_client_disconnect_aborts_a_non_streamed_request(fake):
-    fake.engine.delay = 0.02
-    before = set(fake.engine.aborted)
-    sock = socket.create_connection(("127.0.0.1", fake.port))
-    body = json.dumps({**REQ, "max_output_tokens": 200}).encode()
-    sock.sendall(b"POST /v1/responses HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: %d\r\n\r\n" % len(body) + body)
-    time.sleep(0.3)                    # generating, nothing sent yet
-    sock.close()
-    deadline = time.time() + 10
-    while not set(fake.engine.aborted) - before:
-        assert time.time() < deadline, "the request was not aborted after the client left"
-        time.sleep(0.02)
-    [response_id] = set(fake.engine.aborted) - before
+    [response_id] = aborted_after_disconnect(fake, "/v1/responses",
+                                             {**REQ, "max_output_tokens": 200})
     assert response_id.startswith("resp_")
     assert http_request(fake.port, "GET", f"/v1/responses/{response_id}")[0] == 404

@@ -12,28 +12,18 @@ import time
 import openai
 import pytest
 
-from server.app import ServerSettings, create_app
-from server_fakes import (CHAT, FakeEngine, FakeTokenizer, ThreadedServer, assert_error, client_for, fake_text,
-                          http_request, post_json, post_sse, validate)
+from server.app import ServerSettings
+from server_fakes import (CHAT, FakeTokenizer, aborted_after_disconnect, assert_error,
+                          client_for, fake_text, http_request, post_json, post_sse,
+                          reset_fake,  # noqa: F401 (autouse fixture)
+                          serve_fake, validate)
 
 pytestmark = pytest.mark.timeout(300)
 
 
 @pytest.fixture(scope="module")
 def fake():
-    engine = FakeEngine()
-    server = ThreadedServer(create_app(engine, ServerSettings(["fake-model", "alias"])))
-    server.engine = engine
-    yield server
-    server.close()
-
-
-@pytest.fixture(autouse=True)
-def _reset_fake(request):
-    if "fake" in request.fixturenames:
-        eng = request.getfixturevalue("fake").engine
-        eng.delay, eng.fail_with, eng.is_running = 0.0, None, True
-    yield
+    yield from serve_fake(ServerSettings(["fake-model", "alias"]))
 
 
 # ---- fake engine: the wire format
@@ -303,19 +293,8 @@ def test_client_disconnect_aborts_the_request(fake):
 
 
 def test_client_disconnect_aborts_a_non_streamed_request(fake):
-    fake.engine.delay = 0.02
-    before = set(fake.engine.aborted)
-    sock = socket.create_connection(("127.0.0.1", fake.port))
-    body = json.dumps({**CHAT, "max_tokens": 200}).encode()
-    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
-                 b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
-    time.sleep(0.3)                    # generating, nothing sent yet
-    sock.close()
-    deadline = time.time() + 10
-    while not set(fake.engine.aborted) - before:
-        assert time.time() < deadline, "the request was not aborted after the client left"
-        time.sleep(0.02)
-    assert (set(fake.engine.aborted) - before) <= set(fake.engine.requests)
+    aborted = aborted_after_disconnect(fake, "/v1/chat/completions", {**CHAT, "max_tokens": 200})
+    assert aborted <= set(fake.engine.requests)
 
 
 def test_each_schema_rejects_a_broken_response(fake):

@@ -16,24 +16,11 @@ from pathlib import Path
 import openai
 import pytest
 
+from demo_live import demo_dir, live  # noqa: F401 (fixtures)
 from server_fakes import (LiveServer, assert_error, client_for, http_request, post_json,
                           validate)
 
 pytestmark = pytest.mark.timeout(300)
-
-
-@pytest.fixture(scope="module")
-def demo_dir(tmp_path_factory) -> str:
-    from server.demo_model import write_demo_checkpoint
-    return write_demo_checkpoint(str(tmp_path_factory.mktemp("demo") / "demo"))
-
-
-@pytest.fixture(scope="module")
-def live(demo_dir, tmp_path_factory):
-    server = LiveServer(tmp_path_factory.mktemp("live"), demo_dir, "--mem", "64",
-                        "--served-model-name", "demo")
-    yield server
-    server.close()
 
 
 # ---- the CLI and the demo checkpoint

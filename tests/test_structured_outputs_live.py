@@ -13,26 +13,12 @@ import jsonschema
 import openai
 import pytest
 
-from server_fakes import LiveServer, assert_error, client_for, post_json
+from demo_live import client, demo_dir, live  # noqa: F401 (fixtures)
+from server_fakes import assert_error, post_json
 
 pytestmark = pytest.mark.timeout(300)
 
 MSGS = [{"role": "user", "content": "Describe a person as JSON."}]
-
-
-@pytest.fixture(scope="module")
-def live(tmp_path_factory):
-    from server.demo_model import write_demo_checkpoint
-    model = write_demo_checkpoint(str(tmp_path_factory.mktemp("demo") / "demo"))
-    server = LiveServer(tmp_path_factory.mktemp("live"), model, "--mem", "64",
-                        "--served-model-name", "demo")
-    yield server
-    server.close()
-
-
-@pytest.fixture(scope="module")
-def client(live):
-    return client_for(live.port)
 
 
 # Bounded schemas: every string, array and number has a limit, so a random model finishes.
