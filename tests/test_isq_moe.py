@@ -22,7 +22,7 @@ from engine.loader.isq import quantize_weights
 from engine.quant import QuantizedWeight
 from hf_oracle import assert_matches, hf_greedy, load_hf
 from test_isq import MARGIN
-from test_models_vs_hf import prompts_for
+from model_cases import prompts_for
 
 ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe")
 GEN = 16
