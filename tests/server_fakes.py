@@ -109,9 +109,10 @@ class FakeTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return [1] * add_special_tokens + list(text.encode())
 
-    def encode_chat(self, messages, add_generation_prompt=True, chat_template=None,
+    def encode_chat(self, messages, tools=None, add_generation_prompt=True, chat_template=None,
                     **template_kwargs) -> list[int]:
         self.last_messages, self.last_chat_template = messages, chat_template
+        self.last_tools = tools
         self.last_template_kwargs = template_kwargs
         if messages[0]["role"] == "assistant":
             raise ValueError("Conversations must not start with an assistant message")
