@@ -152,7 +152,8 @@ def test_live_key_stream_stop_and_history(live, page, screenshot):
     page.fill("#system", "You are terse.")
     page.fill("#temperature", "0")
     page.fill("#top-p", "0.9")
-    page.fill("#max-tokens", "32")
+    # enough tokens to span several animation frames however fast this machine decodes
+    page.fill("#max-tokens", "200")
     sent = []
     page.on("request", lambda r: sent.append(r) if r.url.endswith("/v1/chat/completions") else None)
     count_text_updates(page)
@@ -162,18 +163,18 @@ def test_live_key_stream_stop_and_history(live, page, screenshot):
     body = json.loads(sent[-1].post_data)
     assert sent[-1].headers["authorization"] == f"Bearer {KEY}"
     assert (body["model"], body["temperature"], body["top_p"], body["max_tokens"],
-            body["stream"]) == ("demo", 0, 0.9, 32, True)
+            body["stream"]) == ("demo", 0, 0.9, 200, True)
     assert body["messages"] == [{"role": "system", "content": "You are terse."},
                                 {"role": "user", "content": "Tell me about France"}]
     texts = page.evaluate("window.__texts")
     assert len(texts) >= 3, texts                                     # several DOM updates
     # the streamed answer is what the official SDK gets for the same request (greedy)
     reference = client_for(live.port).with_options(api_key=KEY).chat.completions.create(
-        model="demo", messages=body["messages"], temperature=0, top_p=0.9, max_tokens=32)
+        model="demo", messages=body["messages"], temperature=0, top_p=0.9, max_tokens=200)
     reply = stored_conversations(page)[0]["messages"][-1]
     assert reply["content"] == reference.choices[0].message.content
     assert reply["status"] == "done"
-    sync_api.expect(page.locator(".msg.assistant .meta").last).to_contain_text("32 tokens")
+    sync_api.expect(page.locator(".msg.assistant .meta").last).to_contain_text("200 tokens")
     screenshot(page, "live-chat")
 
     # 3. stop: a long answer ends where it is, and the server aborts the request
