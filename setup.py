@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy
 from Cython.Build import cythonize
-from setuptools import Extension, setup
+from setuptools import Extension, find_packages, setup
 from setuptools.command.build_ext import build_ext
 
 OPENMP = ["-fopenmp"]
@@ -171,7 +171,9 @@ class BuildExt(build_ext):
 
 
 setup(
-    packages=["engine", "engine.loader", "engine.models", "server", "pyx"],
+    # Every package under engine/, server/ and pyx/ (server.chat, server.tool_parsers, ...): a
+    # hand-kept list forgot new subpackages, which a non-editable install then lacked.
+    packages=find_packages(include=["engine", "engine.*", "server", "server.*", "pyx"]),
     package_data={"server": ["static/*"], "pyx": ["*.pxd", "*.pxi", "*.h"]},
     ext_modules=cythonize(cpu_extensions() + cuda_extensions(),
                           compiler_directives={"language_level": "3", "boundscheck": False,
