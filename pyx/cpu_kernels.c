@@ -244,6 +244,27 @@ AVX2_TARGET static void avx2_gemv(const float* x, const void* w, int dtype, cons
 #define AVX2_MR 6
 #define AVX2_NR 16
 
+/* One output row of an AVX2 tile: out[0:nr] = (first ? 0 : out) + acc (+ bias), acc the row's
+ * accumulators spilled to memory. Shared by the micro-kernels so every row count stores alike. */
+AVX2_TARGET INLINE void avx2_store_row(float* o, const float* acc, int nr, int first,
+                                       const float* bias_or_null) {
+    if (nr == AVX2_NR) {
+        __m256 o0 = first ? _mm256_setzero_ps() : _mm256_loadu_ps(o);
+        __m256 o1 = first ? _mm256_setzero_ps() : _mm256_loadu_ps(o + 8);
+        o0 = _mm256_add_ps(o0, _mm256_load_ps(acc));
+        o1 = _mm256_add_ps(o1, _mm256_load_ps(acc + 8));
+        if (bias_or_null) {
+            o0 = _mm256_add_ps(o0, _mm256_loadu_ps(bias_or_null));
+            o1 = _mm256_add_ps(o1, _mm256_loadu_ps(bias_or_null + 8));
+        }
+        _mm256_storeu_ps(o, o0);
+        _mm256_storeu_ps(o + 8, o1);
+    } else {
+        for (int j = 0; j < nr; j++)
+            o[j] = (first ? 0.0f : o[j]) + acc[j] + (bias_or_null ? bias_or_null[j] : 0.0f);
+    }
+}
+
 /* AVX2 micro-kernel: 6 token rows x 16 weight rows = 12 ymm accumulators + 2 panel vectors +
  * 1 broadcast = 15 of 16 ymm registers. */
 AVX2_TARGET static void avx2_micro(const float* x,        // (T, K), mr rows from x, at col k0
@@ -277,24 +298,8 @@ AVX2_TARGET static void avx2_micro(const float* x,        // (T, K), mr rows fro
         _mm256_store_ps(res[i], c[i][0]);
         _mm256_store_ps(res[i] + 8, c[i][1]);
     }
-    for (int i = 0; i < mr; i++) {
-        float* o = out + i * N;
-        if (nr == AVX2_NR) {
-            __m256 o0 = first ? _mm256_setzero_ps() : _mm256_loadu_ps(o);
-            __m256 o1 = first ? _mm256_setzero_ps() : _mm256_loadu_ps(o + 8);
-            o0 = _mm256_add_ps(o0, _mm256_load_ps(res[i]));
-            o1 = _mm256_add_ps(o1, _mm256_load_ps(res[i] + 8));
-            if (bias_or_null) {
-                o0 = _mm256_add_ps(o0, _mm256_loadu_ps(bias_or_null));
-                o1 = _mm256_add_ps(o1, _mm256_loadu_ps(bias_or_null + 8));
-            }
-            _mm256_storeu_ps(o, o0);
-            _mm256_storeu_ps(o + 8, o1);
-        } else {
-            for (int j = 0; j < nr; j++)
-                o[j] = (first ? 0.0f : o[j]) + res[i][j] + (bias_or_null ? bias_or_null[j] : 0.0f);
-        }
-    }
+    for (int i = 0; i < mr; i++)
+        avx2_store_row(out + i * N, res[i], nr, first, bias_or_null);
 }
 
 /* The AVX2 micro-kernel for a single token row (a decode step of the AVX2 batch-invariant linear):
@@ -315,21 +320,7 @@ AVX2_TARGET static void avx2_micro1(const float* x, int64_t K, int mr, const flo
     float res[AVX2_NR] __attribute__((aligned(32)));
     _mm256_store_ps(res, c0);
     _mm256_store_ps(res + 8, c1);
-    if (nr == AVX2_NR) {
-        __m256 o0 = first ? _mm256_setzero_ps() : _mm256_loadu_ps(out);
-        __m256 o1 = first ? _mm256_setzero_ps() : _mm256_loadu_ps(out + 8);
-        o0 = _mm256_add_ps(o0, c0);
-        o1 = _mm256_add_ps(o1, c1);
-        if (bias_or_null) {
-            o0 = _mm256_add_ps(o0, _mm256_loadu_ps(bias_or_null));
-            o1 = _mm256_add_ps(o1, _mm256_loadu_ps(bias_or_null + 8));
-        }
-        _mm256_storeu_ps(out, o0);
-        _mm256_storeu_ps(out + 8, o1);
-    } else {
-        for (int j = 0; j < nr; j++)
-            out[j] = (first ? 0.0f : out[j]) + res[j] + (bias_or_null ? bias_or_null[j] : 0.0f);
-    }
+    avx2_store_row(out, res, nr, first, bias_or_null);
 }
 
 /* AVX2 panel packing: widen 8 rows x 8 k-values into 8 ymm registers and transpose them in
