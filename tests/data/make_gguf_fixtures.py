@@ -218,10 +218,11 @@ def build_sentencepiece_tokenizer(directory: str) -> dict:
 
 # ---- source checkpoints
 
-def source_config(name: str, token_ids: dict | None = None):
+def source_config(name: str, token_ids: dict | None = None, models: dict | None = None):
+    """The transformers config of `name` in `models` (default this file's MODELS)."""
     import transformers
 
-    spec = MODELS[name]
+    spec = (models or MODELS)[name]
     kwargs = dict(spec["kwargs"])
     if token_ids is not None:
         kwargs.update(bos_token_id=token_ids["bos_token_id"],

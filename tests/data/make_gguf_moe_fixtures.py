@@ -80,14 +80,7 @@ NEW_TOKENS = 24
 
 
 def source_config(name: str, token_ids: dict | None = None):
-    import transformers
-
-    spec = MODELS[name]
-    kwargs = dict(spec["kwargs"])
-    if token_ids is not None:
-        kwargs.update(bos_token_id=token_ids["bos_token_id"],
-                      eos_token_id=token_ids["eos_token_id"])
-    return getattr(transformers, spec["config"])(**kwargs)
+    return maker.source_config(name, token_ids, MODELS)
 
 
 def source_model(name: str, config=None):
