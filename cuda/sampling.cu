@@ -53,6 +53,34 @@ constexpr uint32_t kNanKey = 0xFFFFFFFFu;  // every NaN: above +inf, as np.parti
 
 // ---- helpers
 
+// Row loaders: the threshold searches and the argmax / Gumbel scan read a row through one of
+// these, so the filter kernel (row in memory) and the fused sampler (temperature and mask applied
+// on the fly, nothing written back) share them.
+struct RawRow {  // the row as it is in memory
+    const float* p;
+    __device__ __forceinline__ float operator()(int v) const { return p[v]; }
+};
+
+struct ScaledRow {  // x / max(t, 1e-5) when t != 1, as filter_logits writes it back
+    const float* p;
+    float div;
+    bool scale;
+    __device__ __forceinline__ float operator()(int v) const {
+        const float x = p[v];
+        return scale ? __fdiv_rn(x, div) : x;
+    }
+};
+
+struct MaskedRow {  // ScaledRow after filter_logits' masking pass: x + log(x >= thr)
+    ScaledRow row;
+    float thr;
+    bool mask;
+    __device__ __forceinline__ float operator()(int v) const {
+        const float x = row(v);
+        return mask ? __fadd_rn(x, x >= thr ? 0.f : -INFINITY) : x;
+    }
+};
+
 // First word of Philox4x32-10 (Salmon et al. 2011) on counter (c0, c1, c2, c3), key (k0, k1):
 // the CPU's philox10 with the 32x32->64 products split into lo (mul) and hi (__umulhi).
 __device__ __forceinline__ uint32_t philox_x0(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3,
@@ -140,20 +168,22 @@ __device__ __forceinline__ double block_sum_f64(double v, double* scratch) {
 }
 
 // Number of row elements with key >= c (NaN counts, as the largest key).
-__device__ __forceinline__ uint32_t count_key_ge(const float* row, int n, uint32_t c,
+template <class Row>
+__device__ __forceinline__ uint32_t count_key_ge(const Row& row, int n, uint32_t c,
                                                  uint32_t* scratch) {
     uint32_t cnt = 0;
-    for (int v = threadIdx.x; v < n; v += kRowThreads) cnt += float_key(row[v]) >= c;
+    for (int v = threadIdx.x; v < n; v += kRowThreads) cnt += float_key(row(v)) >= c;
     return block_count(cnt, scratch);
 }
 
 // sum of expf(x - m) in double over the top-p set (x >= thr, so never NaN) with key(x) >= c. Each
 // term is float32, as NumPy's np.exp(cand - rowmax) is, and is accumulated in double.
-__device__ __forceinline__ double mass_key_ge(const float* row, int n, float thr, float m,
+template <class Row>
+__device__ __forceinline__ double mass_key_ge(const Row& row, int n, float thr, float m,
                                                uint32_t c, double* scratch) {
     double s = 0.0;
     for (int v = threadIdx.x; v < n; v += kRowThreads) {
-        const float x = row[v];
+        const float x = row(v);
         if (x >= thr && float_key(x) >= c) s += (double)expf(__fsub_rn(x, m));
     }
     return block_sum_f64(s, scratch);
@@ -187,8 +217,8 @@ __device__ __forceinline__ unsigned long long warp_sum_u64(unsigned long long v)
 // plus `above` reaches the target. W(0) >= target holds on entry (k <= n; p < 1), and each pass
 // keeps it for the chosen digit's range, so a digit always exists and the result is a key present
 // in the set: what the bisection over W(K) >= target finds, W computed in another arithmetic.
-template <bool MASS>
-__device__ uint32_t radix_select(const float* row, int n, float thr, float m, double kval,
+template <bool MASS, class Row>
+__device__ uint32_t radix_select(const Row& row, int n, float thr, float m, double kval,
                                  RadixScratch* rs) {
     const int lane = threadIdx.x & 31;
     const int fx_shift = 62 - (32 - __clz((unsigned)n));  // n * 2^fx_shift <= 2^62
@@ -205,7 +235,7 @@ __device__ uint32_t radix_select(const float* row, int n, float thr, float m, do
             uint32_t bin = 0;
             unsigned long long w = 1ull;
             if (v < n) {
-                const float x = row[v];
+                const float x = row((int)v);
                 const uint32_t key = float_key(x);
                 in = (key & hi_mask) == prefix;
                 if (MASS) {
@@ -266,36 +296,24 @@ __device__ uint32_t radix_select(const float* row, int n, float thr, float m, do
     return prefix;
 }
 
-// ---- kernels
+// ---- row building blocks: the kernels below are compositions of these
 
-// One block per row: out[b] = the row's argmax, or its Gumbel-max sample with key seeds[b] and
-// counter (v, positions[b]). GUMBEL is a template flag so argmax carries no Philox code.
-template <bool GUMBEL>
-__global__ void __launch_bounds__(kRowThreads)
-row_argmax_kernel(const float* __restrict__ logits,       // (B, V)
-                  const uint64_t* __restrict__ seeds,     // (B,), GUMBEL only
-                  const int64_t* __restrict__ positions,  // (B,), GUMBEL only
-                  int64_t* __restrict__ out,              // (B,)
-                  int64_t V) {
+// The row's argmax (GUMBEL false) or Gumbel-max sample with key `seed`, counter (v, pos)
+// (GUMBEL true), read through `row`; the result is valid in thread 0. Every thread of the block
+// must call it (block reductions).
+template <bool GUMBEL, class Row>
+__device__ int64_t row_best(const Row& row, int n, uint64_t seed, uint64_t pos) {
     __shared__ double s_val[32];
     __shared__ int s_idx[32];
     __shared__ uint32_t s_first[32];
-    const int64_t b = blockIdx.x;
-    const float* row = logits + b * V;
-    const int n = (int)V;
-
-    uint32_t k0 = 0, k1 = 0, p0 = 0, p1 = 0;
-    if (GUMBEL) {
-        const uint64_t seed = seeds[b], pos = (uint64_t)positions[b];
-        k0 = (uint32_t)seed; k1 = (uint32_t)(seed >> 32);
-        p0 = (uint32_t)pos; p1 = (uint32_t)(pos >> 32);
-    }
+    const uint32_t k0 = (uint32_t)seed, k1 = (uint32_t)(seed >> 32);
+    const uint32_t p0 = (uint32_t)pos, p1 = (uint32_t)(pos >> 32);
 
     double best = -INFINITY;
     int bi = -1;
     uint32_t first = 0xFFFFFFFFu;  // GUMBEL: this thread's first column whose logit is not -inf
     for (int v = threadIdx.x; v < n; v += kRowThreads) {
-        const float x = row[v];
+        const float x = row(v);
         if (!GUMBEL) {
             if (!isnan(x) && (bi < 0 || x > best)) { best = x; bi = v; }
         } else {
@@ -320,19 +338,145 @@ row_argmax_kernel(const float* __restrict__ logits,       // (B, V)
     if ((threadIdx.x & 31) == 0) { s_val[threadIdx.x >> 5] = best; s_idx[threadIdx.x >> 5] = bi; }
     if (GUMBEL) first = block_min_u32(first, s_first);  // its barriers order the stores above
     __syncthreads();
-    if (threadIdx.x >= 32) return;
-    best = s_val[threadIdx.x];
-    bi = s_idx[threadIdx.x];
+    int64_t r = 0;
+    if (threadIdx.x < 32) {
+        best = s_val[threadIdx.x];
+        bi = s_idx[threadIdx.x];
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1)
-        take_better(best, bi, __shfl_xor_sync(0xffffffffu, best, o),
-                    __shfl_xor_sync(0xffffffffu, bi, o));
-    if (threadIdx.x == 0) {
-        int64_t r = bi < 0 ? 0 : bi;
-        if (!GUMBEL && n > 0 && isnan(row[0])) r = 0;
-        if (GUMBEL && first != 0xFFFFFFFFu && isnan(row[first])) r = first;
-        out[b] = r;
+        for (int o = 16; o > 0; o >>= 1)
+            take_better(best, bi, __shfl_xor_sync(0xffffffffu, best, o),
+                        __shfl_xor_sync(0xffffffffu, bi, o));
+        r = bi < 0 ? 0 : bi;
+        if (threadIdx.x == 0) {
+            if (!GUMBEL && n > 0 && isnan(row(0))) r = 0;
+            if (GUMBEL && first != 0xFFFFFFFFu && isnan(row((int)first))) r = first;
+        }
     }
+    return r;
+}
+
+// The row's smallest and largest keys, with and without NaN: filter_logits' first pass.
+struct KeyRange {
+    uint32_t kmin = kNanKey, kmax = 0, kmax_num = 0;
+
+    __device__ __forceinline__ void add(float x) {
+        const uint32_t key = float_key(x);
+        kmin = min(kmin, key);
+        kmax = max(kmax, key);
+        if (key != kNanKey) kmax_num = max(kmax_num, key);
+    }
+
+    __device__ __forceinline__ void reduce(uint32_t* scratch) {
+        kmin = block_min_u32(kmin, scratch);
+        kmax = block_max_u32(kmax, scratch);
+        kmax_num = block_max_u32(kmax_num, scratch);  // 0 (no float's key) when all are NaN
+    }
+};
+
+// Shared memory of row_threshold.
+struct ThresholdScratch {
+    uint32_t u[32];
+    double d[32];
+    RadixScratch radix;
+};
+
+// The row's filter threshold (read through `row`, temperature already applied, keys range `kr`
+// reduced): the largest of the top-k, top-p and min-p thresholds; -inf when none masks, NaN when
+// the k-th largest is NaN. Callers mask only when thr > -inf, the CPU's thr > NEG_INF test, so a
+// NaN threshold masks nothing. Every thread must call it with the same arguments (block
+// reductions).
+// RADIX: the thresholds by radix select (radix_select above) instead of bisection; a top-p row
+// whose max is not finite, or that holds a NaN, still bisects (its weights would not be in
+// [0, 1]).
+template <bool RADIX, class Row>
+__device__ float row_threshold(const Row& row, int n, const KeyRange& kr, int32_t k, float p,
+                               float mp, ThresholdScratch* s) {
+    const bool use_k = k > 0 && k < n;
+    const bool use_p = p < 1.f;
+    const bool use_m = mp > 0.f;
+    const uint32_t kmin = kr.kmin, kmax = kr.kmax, kmax_num = kr.kmax_num;
+
+    // x.max(axis=1) propagates NaN; the sampler replaces a non-finite max (NaN, +-inf) by 0.
+    const float maxnum = key_float(kmax_num);
+    const float m = (kmax == kNanKey || !isfinite(maxnum)) ? 0.f : maxnum;
+
+    float thr = -INFINITY;
+    if (use_k) {
+        // The largest key K with count(key >= K) >= k: the k-th largest, ties counted. Candidates
+        // <= kmin count all V >= k elements, those > kmax none, so those bits need no pass. The
+        // branch conditions are the same in every thread, so the reductions are reached by all.
+        uint32_t K = 0;
+        if (RADIX) {
+            K = radix_select<false>(row, n, -INFINITY, 0.f, (double)k, &s->radix);
+        } else {
+            for (int bit = 31; bit >= 0; bit--) {
+                const uint32_t c = K | (1u << bit);
+                bool ok;
+                if (c <= kmin) ok = true;
+                else if (c > kmax) ok = false;
+                else ok = count_key_ge(row, n, c, s->u) >= (uint32_t)k;
+                if (ok) K = c;
+            }
+        }
+        thr = key_float(K);  // NaN when the k-th largest is NaN: no masking, as thr > -inf fails
+    }
+    if (RADIX && use_p && !isnan(thr) && kmax != kNanKey && isfinite(maxnum) && p > 0.f) {
+        // m is the row's max, so every weight expf(x - m) of the set is in [0, 1]
+        thr = np_maximum(thr, key_float(radix_select<true>(row, n, thr, m, (double)p,
+                                                           &s->radix)));
+    } else if (use_p && !isnan(thr) && kmax_num != 0) {
+        // The set: x >= thr (all non-NaN values without top-k), its keys in [lo, kmax_num]. The
+        // threshold is the largest key K <= kmax_num with S(K) = mass(key >= K) >= top_p * Z: the
+        // CPU's cand[searchsorted(cum, top_p * Z)], the whole tie group of that value counted, and
+        // the set's max when top_p * Z <= 0. For K <= lo, S(K) is Z itself (the same terms in the
+        // same order), so those bits need no pass. When Z >= top_p * Z fails (only 0 * inf = NaN),
+        // the CPU clamps to the set's smallest value, which moves no threshold: thr stays.
+        const uint32_t lo = max(kmin, float_key(thr));
+        const double Z = mass_key_ge(row, n, thr, m, 0u, s->d);
+        const double target = (double)p * Z;
+        if (Z >= target) {
+            uint32_t K = 0;
+            for (int bit = 31; bit >= 0; bit--) {
+                const uint32_t c = K | (1u << bit);
+                bool ok;
+                if (c <= lo) ok = true;
+                else if (c > kmax_num) ok = false;
+                else ok = mass_key_ge(row, n, thr, m, c, s->d) >= target;
+                if (ok) K = c;
+            }
+            thr = np_maximum(thr, key_float(K));
+        }
+    }
+    if (use_m) {
+        // min-p: prob < min_p * max prob <=> logit < max + log(min_p), log in double then float32.
+        thr = np_maximum(thr, __fadd_rn(m, (float)log((double)mp)));
+    }
+    return thr;
+}
+
+// The penalty update of one entry (vLLM's order), shared by apply_penalties and the fused sampler.
+__device__ __forceinline__ void apply_penalty(float* p, float bias, float rep, float pres_freq) {
+    float x = __fadd_rn(*p, bias);
+    if (rep != 1.f) x = x > 0.f ? __fdiv_rn(x, rep) : __fmul_rn(x, rep);
+    *p = __fsub_rn(x, pres_freq);
+}
+
+// ---- kernels
+
+// One block per row: out[b] = the row's argmax, or its Gumbel-max sample with key seeds[b] and
+// counter (v, positions[b]). GUMBEL is a template flag so argmax carries no Philox code.
+template <bool GUMBEL>
+__global__ void __launch_bounds__(kRowThreads)
+row_argmax_kernel(const float* __restrict__ logits,       // (B, V)
+                  const uint64_t* __restrict__ seeds,     // (B,), GUMBEL only
+                  const int64_t* __restrict__ positions,  // (B,), GUMBEL only
+                  int64_t* __restrict__ out,              // (B,)
+                  int64_t V) {
+    const int64_t b = blockIdx.x;
+    const RawRow row{logits + b * V};
+    const uint64_t seed = GUMBEL ? seeds[b] : 0, pos = GUMBEL ? (uint64_t)positions[b] : 0;
+    const int64_t r = row_best<GUMBEL>(row, (int)V, seed, pos);
+    if (threadIdx.x == 0) out[b] = r;
 }
 
 // One thread per entry; the N (row, col) pairs are distinct, so no two threads touch one logit.
@@ -347,11 +491,7 @@ __global__ void apply_penalties_kernel(float* __restrict__ logits,          // (
     if (i >= N) return;
     const int64_t r = rows[i], c = cols[i];
     if (r < 0 || r >= B || c < 0 || c >= V) return;  // a bad entry is dropped, never written
-    float* p = logits + r * V + c;
-    float x = __fadd_rn(*p, bias[i]);
-    const float pen = rep[i];
-    if (pen != 1.f) x = x > 0.f ? __fdiv_rn(x, pen) : __fmul_rn(x, pen);
-    *p = __fsub_rn(x, pres_freq[i]);
+    apply_penalty(logits + r * V + c, bias[i], rep[i], pres_freq[i]);
 }
 
 // One block per row, in place: temperature, then the top-k / top-p / min-p threshold, then the
@@ -360,9 +500,6 @@ __global__ void apply_penalties_kernel(float* __restrict__ logits,          // (
 // Launch bounds (1024, 1): under the default 2-blocks-per-SM target ptxas caps the kernel at 32
 // registers and spills around the expf of the top-p passes; 38 registers and one block of 32 warps
 // per SM keep it spill-free, and 32 warps still keep enough L2 loads in flight.
-// RADIX: the thresholds by radix select (radix_select above) instead of bisection; a top-p row
-// whose max is not finite, or that holds a NaN, still bisects (its weights would not be in
-// [0, 1]).
 template <bool RADIX>
 __global__ void __launch_bounds__(kRowThreads, 1)
 filter_logits_kernel(float* __restrict__ logits,             // (B, V)
@@ -371,9 +508,7 @@ filter_logits_kernel(float* __restrict__ logits,             // (B, V)
                      const float* __restrict__ top_p,        // (B,)
                      const float* __restrict__ min_p,        // (B,)
                      int64_t V) {
-    __shared__ uint32_t s_u[32];
-    __shared__ double s_d[32];
-    __shared__ RadixScratch s_radix;
+    __shared__ ThresholdScratch s;
     const int64_t b = blockIdx.x;
     float* row = logits + b * V;
     const int n = (int)V;
@@ -383,86 +518,95 @@ filter_logits_kernel(float* __restrict__ logits,             // (B, V)
     const float p = top_p[b], mp = min_p[b];
     const bool scale = t != 1.f;
     const float div = t < 1e-5f ? 1e-5f : t;  // np.maximum(t, 1e-5): a NaN t stays NaN
-    const bool use_k = k > 0 && (int64_t)k < V;
-    const bool use_p = p < 1.f;
-    const bool use_m = mp > 0.f;
 
     // Pass 1: temperature, and the row's smallest and largest keys (with and without NaN).
-    uint32_t kmin = kNanKey, kmax = 0, kmax_num = 0;
+    KeyRange kr;
     for (int v = threadIdx.x; v < n; v += kRowThreads) {
         float x = row[v];
         if (scale) { x = __fdiv_rn(x, div); row[v] = x; }
-        const uint32_t key = float_key(x);
-        kmin = min(kmin, key);
-        kmax = max(kmax, key);
-        if (key != kNanKey) kmax_num = max(kmax_num, key);
+        kr.add(x);
     }
-    if (!(use_k || use_p || use_m)) return;
-    kmin = block_min_u32(kmin, s_u);
-    kmax = block_max_u32(kmax, s_u);
-    kmax_num = block_max_u32(kmax_num, s_u);  // 0 (no float's key) when every value is NaN
-
-    // x.max(axis=1) propagates NaN; the sampler replaces a non-finite max (NaN, +-inf) by 0.
-    const float maxnum = key_float(kmax_num);
-    const float m = (kmax == kNanKey || !isfinite(maxnum)) ? 0.f : maxnum;
-
-    float thr = -INFINITY;
-    if (use_k) {
-        // The largest key K with count(key >= K) >= k: the k-th largest, ties counted. Candidates
-        // <= kmin count all V >= k elements, those > kmax none, so those bits need no pass. The
-        // branch conditions are the same in every thread, so the reductions are reached by all.
-        uint32_t K = 0;
-        if (RADIX) {
-            K = radix_select<false>(row, n, -INFINITY, 0.f, (double)k, &s_radix);
-        } else {
-            for (int bit = 31; bit >= 0; bit--) {
-                const uint32_t c = K | (1u << bit);
-                bool ok;
-                if (c <= kmin) ok = true;
-                else if (c > kmax) ok = false;
-                else ok = count_key_ge(row, n, c, s_u) >= (uint32_t)k;
-                if (ok) K = c;
-            }
-        }
-        thr = key_float(K);  // NaN when the k-th largest is NaN: no masking, as thr > -inf fails
-    }
-    if (RADIX && use_p && !isnan(thr) && kmax != kNanKey && isfinite(maxnum) && p > 0.f) {
-        // m is the row's max, so every weight expf(x - m) of the set is in [0, 1]
-        thr = np_maximum(thr, key_float(radix_select<true>(row, n, thr, m, (double)p,
-                                                           &s_radix)));
-    } else if (use_p && !isnan(thr) && kmax_num != 0) {
-        // The set: x >= thr (all non-NaN values without top-k), its keys in [lo, kmax_num]. The
-        // threshold is the largest key K <= kmax_num with S(K) = mass(key >= K) >= top_p * Z: the
-        // CPU's cand[searchsorted(cum, top_p * Z)], the whole tie group of that value counted, and
-        // the set's max when top_p * Z <= 0. For K <= lo, S(K) is Z itself (the same terms in the
-        // same order), so those bits need no pass. When Z >= top_p * Z fails (only 0 * inf = NaN),
-        // the CPU clamps to the set's smallest value, which moves no threshold: thr stays.
-        const uint32_t lo = max(kmin, float_key(thr));
-        const double Z = mass_key_ge(row, n, thr, m, 0u, s_d);
-        const double target = (double)p * Z;
-        if (Z >= target) {
-            uint32_t K = 0;
-            for (int bit = 31; bit >= 0; bit--) {
-                const uint32_t c = K | (1u << bit);
-                bool ok;
-                if (c <= lo) ok = true;
-                else if (c > kmax_num) ok = false;
-                else ok = mass_key_ge(row, n, thr, m, c, s_d) >= target;
-                if (ok) K = c;
-            }
-            thr = np_maximum(thr, key_float(K));
-        }
-    }
-    if (use_m) {
-        // min-p: prob < min_p * max prob <=> logit < max + log(min_p), log in double then float32.
-        thr = np_maximum(thr, __fadd_rn(m, (float)log((double)mp)));
-    }
+    if (!((k > 0 && k < n) || p < 1.f || mp > 0.f)) return;
+    kr.reduce(s.u);
+    const float thr = row_threshold<RADIX>(RawRow{row}, n, kr, k, p, mp, &s);
     if (!(thr > -INFINITY)) return;
     // x += log(x >= thr), as the CPU's _mask_below does: 0 keeps x, -inf drops it, NaN stays NaN.
     for (int v = threadIdx.x; v < n; v += kRowThreads) {
         const float x = row[v];
         row[v] = __fadd_rn(x, x >= thr ? 0.f : -INFINITY);
     }
+}
+
+// The whole sampler for one row per block (TAPER_CUDA_FUSED_SAMPLING=1): this row's penalty
+// entries, then for a greedy row the argmax, for the others temperature, the filter threshold
+// (radix select) and the Gumbel-max draw over the kept tokens. Exactly apply_penalties, then
+// argmax or filter_logits_radix and gumbel_sample: the same arithmetic on the same values, but
+// temperature and the mask are applied as the row is read instead of written back, so the row
+// is read once from memory (the first pass) and then from L2, and written only at the penalty
+// entries. Passes over the row: 1 for greedy or unfiltered rows; with filters 1 (key range)
+// + 4 (top-k) + 4 (top-p) + 1 (the draw), each present only when its filter is.
+// Penalty entries are sorted by row (engine/sampler.py's penalty_entries), so a block finds its
+// own by binary search; the columns are distinct within a row, and the barrier after the update
+// makes the writes visible to the whole block before the row is read.
+__global__ void __launch_bounds__(kRowThreads, 1)
+sample_fused_kernel(float* __restrict__ logits,               // (B, V), penalised in place
+                    const uint8_t* __restrict__ greedy,       // (B,)
+                    const float* __restrict__ temperature,    // (B,)
+                    const int32_t* __restrict__ top_k,        // (B,)
+                    const float* __restrict__ top_p,          // (B,)
+                    const float* __restrict__ min_p,          // (B,)
+                    const uint64_t* __restrict__ seeds,       // (B,)
+                    const int64_t* __restrict__ positions,    // (B,)
+                    const int32_t* __restrict__ pen_rows,     // (N,) sorted
+                    const int32_t* __restrict__ pen_cols,     // (N,)
+                    const float* __restrict__ pen_bias,       // (N,)
+                    const float* __restrict__ pen_rep,        // (N,)
+                    const float* __restrict__ pen_pres_freq,  // (N,)
+                    int64_t* __restrict__ out,                // (B,)
+                    int64_t V, int64_t N) {
+    __shared__ ThresholdScratch s;
+    __shared__ int64_t s_range[2];
+    const int64_t b = blockIdx.x;
+    float* row = logits + b * V;
+    const int n = (int)V;
+
+    if (N > 0) {
+        if (threadIdx.x < 2) {  // lower_bound(pen_rows, b + threadIdx.x)
+            const int64_t want = b + threadIdx.x;
+            int64_t lo = 0, hi = N;
+            while (lo < hi) {
+                const int64_t mid = (lo + hi) >> 1;
+                if (pen_rows[mid] < want) lo = mid + 1; else hi = mid;
+            }
+            s_range[threadIdx.x] = lo;
+        }
+        __syncthreads();
+        for (int64_t i = s_range[0] + threadIdx.x; i < s_range[1]; i += kRowThreads) {
+            const int64_t c = pen_cols[i];
+            if (c >= 0 && c < V) apply_penalty(row + c, pen_bias[i], pen_rep[i], pen_pres_freq[i]);
+        }
+        __syncthreads();
+    }
+
+    int64_t r;
+    if (greedy[b]) {
+        r = row_best<false>(RawRow{row}, n, 0, 0);
+    } else {
+        const float t = temperature[b];
+        const int32_t k = top_k[b];
+        const float p = top_p[b], mp = min_p[b];
+        const ScaledRow scaled{row, t < 1e-5f ? 1e-5f : t, t != 1.f};
+        float thr = -INFINITY;
+        if ((k > 0 && k < n) || p < 1.f || mp > 0.f) {
+            KeyRange kr;
+            for (int v = threadIdx.x; v < n; v += kRowThreads) kr.add(scaled(v));
+            kr.reduce(s.u);
+            thr = row_threshold<true>(scaled, n, kr, k, p, mp, &s);
+        }
+        const MaskedRow kept{scaled, thr, thr > -INFINITY};
+        r = row_best<true>(kept, n, seeds[b], (uint64_t)positions[b]);
+    }
+    if (threadIdx.x == 0) out[b] = r;
 }
 
 // Shared argument check for the row kernels: one block per row (B fits the grid) and int columns.
@@ -554,4 +698,34 @@ extern "C" int taper_cuda_filter_logits_radix(float* logits,             // (B, 
                                               const float* min_p,        // (B,)
                                               int64_t B, int64_t V, taper_stream_t stream) {
     return launch_filter_logits<true>(logits, temperature, top_k, top_p, min_p, B, V, stream);
+}
+
+extern "C" int taper_cuda_sample_fused(float* logits,                // (B, V)
+                                       const uint8_t* greedy,        // (B,)
+                                       const float* temperature,     // (B,)
+                                       const int32_t* top_k,         // (B,)
+                                       const float* top_p,           // (B,)
+                                       const float* min_p,           // (B,)
+                                       const uint64_t* seeds,        // (B,)
+                                       const int64_t* positions,     // (B,)
+                                       const int32_t* pen_rows,      // (N,)
+                                       const int32_t* pen_cols,      // (N,)
+                                       const float* pen_bias,        // (N,)
+                                       const float* pen_rep,         // (N,)
+                                       const float* pen_pres_freq,   // (N,)
+                                       int64_t* out,                 // (B,)
+                                       int64_t B, int64_t V, int64_t N, taper_stream_t stream) {
+    if (check_rows(B, V) || N < 0) return TAPER_CUDA_ERR_ARG;
+    if (B == 0) return TAPER_CUDA_OK;
+    if (V == 0 || !logits || !greedy || !temperature || !top_k || !top_p || !min_p || !seeds ||
+        !positions || !out)
+        return TAPER_CUDA_ERR_ARG;
+    if (N > 0 && (!pen_rows || !pen_cols || !pen_bias || !pen_rep || !pen_pres_freq))
+        return TAPER_CUDA_ERR_ARG;
+    // 1024 threads per row, as the filter: up to 10 passes over the row, all but the first from
+    // L2, and the widest block keeps the most loads in flight on one SM.
+    sample_fused_kernel<<<(unsigned)B, kRowThreads, 0, (cudaStream_t)stream>>>(
+        logits, greedy, temperature, top_k, top_p, min_p, seeds, positions, pen_rows, pen_cols,
+        pen_bias, pen_rep, pen_pres_freq, out, V, N);
+    return taper::launch_status();
 }

@@ -224,6 +224,29 @@ int taper_cuda_filter_logits_radix(float* logits, const float* temperature, cons
                                    const float* top_p, const float* min_p, int64_t B, int64_t V,
                                    taper_stream_t stream);
 
+/* The whole sampler in one launch, one block per row (TAPER_CUDA_FUSED_SAMPLING=1): the row's
+ * penalty entries (as taper_cuda_apply_penalties, written in place; pen_rows sorted ascending),
+ * then out[b] = the argmax for a greedy row, else the Gumbel-max draw (key seeds[b], counter
+ * positions[b]) over the row after temperature and the top-k / top-p / min-p filter of
+ * taper_cuda_filter_logits_radix. The same token as those ops one after the other; temperature
+ * and the mask are applied as the row is read, not written back. N = 0: no penalties (the pen_*
+ * pointers may be NULL). */
+int taper_cuda_sample_fused(float* logits,               // (B, V)
+                            const uint8_t* greedy,       // (B,) nonzero: argmax
+                            const float* temperature,    // (B,)
+                            const int32_t* top_k,        // (B,) 0 = off
+                            const float* top_p,          // (B,) 1 = off
+                            const float* min_p,          // (B,) 0 = off
+                            const uint64_t* seeds,       // (B,)
+                            const int64_t* positions,    // (B,)
+                            const int32_t* pen_rows,     // (N,) sorted
+                            const int32_t* pen_cols,     // (N,)
+                            const float* pen_bias,       // (N,)
+                            const float* pen_rep,        // (N,)
+                            const float* pen_pres_freq,  // (N,)
+                            int64_t* out,                // (B,)
+                            int64_t B, int64_t V, int64_t N, taper_stream_t stream);
+
 /* ---- quant_gguf.cu: ggml's block formats on the GPU (issue 6). qtype: GGUF's
  * GGMLQuantizationType ids, the CPU's set: Q4_0 2, Q4_1 3, Q5_0 6, Q5_1 7, Q8_0 8, Q2_K 10,
  * Q3_K 11, Q4_K 12, Q5_K 13, Q6_K 14. A weight is N rows of K / block_elems blocks, each row

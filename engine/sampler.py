@@ -74,6 +74,11 @@ class Sampler:
                     or np.any(min_p > 0.0)):
                 filters = temperature, top_k, top_p, min_p
 
+        if getattr(be, "fused_sampling", False) and not processed:
+            out = self._sample_fused(logits, seqs, params, greedy, entries, token_bitmask)
+            return self._with_logprobs(np.asarray(be.to_host(out), dtype=np.int64), logits,
+                                       params, lp_rows)
+
         # A sub-batch (fancy indexing) is a copy already; the whole batch is copied only when
         # an op would write to it (processed logprobs write the filtered rows back).
         if (entries is not None or token_bitmask is not None
@@ -109,11 +114,42 @@ class Sampler:
             if r_rows.size < B:
                 out[idx] = sub_out
         tokens = np.asarray(be.to_host(out), dtype=np.int64)
+        return self._with_logprobs(tokens, work if processed else logits, params, lp_rows)
 
-        logprobs = [None] * B
+    def _sample_fused(self, logits, seqs: list, params: list, greedy: np.ndarray, entries,
+                      token_bitmask):
+        """The tokens (B,) on the device from the backend's one-launch sampler (CUDA's
+        TAPER_CUDA_FUSED_SAMPLING=1): the token mask, then penalties, argmax or filters and the
+        Gumbel draw in one kernel; the same tokens as the op-by-op path."""
+        be = self.backend
+        xp = be.xp
+        # The kernel writes the penalties into the logits: only then (or for the mask) a copy.
+        if entries is not None or token_bitmask is not None:
+            work = xp.array(logits, dtype=xp.float32, order="C", copy=True)
+        else:
+            work = xp.ascontiguousarray(logits, dtype=xp.float32)
+        if token_bitmask is not None:
+            be.apply_token_bitmask(work, *(be.asarray(a) for a in token_bitmask))
+        B = len(seqs)
+        rows = (greedy.astype(np.uint8),
+                np.array([p.temperature for p in params], dtype=np.float32),
+                np.array([p.top_k for p in params], dtype=np.int32),
+                np.array([p.top_p for p in params], dtype=np.float32),
+                np.array([p.min_p for p in params], dtype=np.float32),
+                np.array([s.seed for s in seqs], dtype=np.uint64),
+                np.array([s.num_output_tokens for s in seqs], dtype=np.int64))
+        out = xp.empty(B, dtype=xp.int64)
+        be.sample_fused(work, *(be.asarray(a) for a in rows), out,
+                        penalties=None if entries is None else tuple(be.asarray(a)
+                                                                     for a in entries))
+        return out
+
+    def _with_logprobs(self, tokens: np.ndarray, source, params: list, lp_rows: list):
+        """(tokens, per-row TokenLogprobs or None) with the logprobs of `source`'s rows."""
+        be = self.backend
+        logprobs = [None] * len(tokens)
         if lp_rows:
-            source = work if processed else logits
-            rows = source if len(lp_rows) == B else source[be.asarray(np.array(lp_rows))]
+            rows = source if len(lp_rows) == len(tokens) else source[be.asarray(np.array(lp_rows))]
             ks = [params[i].logprobs for i in lp_rows]
             chosen = tokens[lp_rows]
             for i, entry in zip(lp_rows, to_entries(chosen, *gather_logprobs(be, rows, chosen,

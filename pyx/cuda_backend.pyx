@@ -16,8 +16,9 @@ the split count of pyx/decode_splits.py), TAPER_CUDA_MMA_PREFILL=1 (tensor-core 
 attention), TAPER_CUDA_MARLIN_PIPELINE=1 (the pipelined Marlin W4A16 GEMM),
 TAPER_CUDA_FP8_CUTLASS=1 (FP8 block-wise weights through CUTLASS on sm_90a instead of
 dequantized once to bf16), TAPER_CUDA_FP8_GEMV=1 (FP8 block-wise weights kept e4m3, read by
-the FP8 GEMV kernel for small M) and TAPER_CUDA_RADIX_FILTER=1 (the top-k / top-p thresholds of
-filter_logits by radix select instead of bisection).
+the FP8 GEMV kernel for small M), TAPER_CUDA_RADIX_FILTER=1 (the top-k / top-p thresholds of
+filter_logits by radix select instead of bisection) and TAPER_CUDA_FUSED_SAMPLING=1 (the
+sampler's penalties, argmax, filter and Gumbel draw in one launch, `sample_fused`).
 """
 import math
 import os
@@ -151,6 +152,7 @@ cdef class CudaBackend(Backend):
     cdef object _cupy, _workspace, _panel, _retired, _cublas_workspace, _decode_occupancy
     cdef void* _blas_handle
     cdef public bint split_k, mma_prefill, fp8_cutlass, marlin_pipeline, fp8_gemv, radix_filter
+    cdef public bint fused_sampling  # engine/sampler.py calls sample_fused
     cdef public int fp8_gemv_max_m   # FP8 weights take the GEMV up to this many rows
     cdef public int64_t max_context  # decode split-K sizes its partitions for this many keys
     cdef public int decode_splits    # > 0: this many split-K partitions (benchmarks); 0: the rule
@@ -203,6 +205,7 @@ cdef class CudaBackend(Backend):
         self.marlin_pipeline = _env_on("TAPER_CUDA_MARLIN_PIPELINE")
         self.fp8_gemv = _env_on("TAPER_CUDA_FP8_GEMV")
         self.radix_filter = _env_on("TAPER_CUDA_RADIX_FILTER")
+        self.fused_sampling = _env_on("TAPER_CUDA_FUSED_SAMPLING")
         self.fp8_gemv_max_m = FP8_GEMV_MAX_M
         self.max_context = 0
         self.decode_splits = 0
@@ -852,3 +855,43 @@ cdef class CudaBackend(Backend):
         launch_filter_logits(self._ptr(logits), self._ptr(temperature), self._ptr(top_k),
                              self._ptr(top_p), self._ptr(min_p), B, V, self._sptr(),
                              self.radix_filter)
+
+    def sample_fused(self, logits, greedy, temperature, top_k, top_p, min_p, seeds, positions,
+                     out, penalties=None):
+        """out (B,) = the sampler's tokens in one launch: `penalties` (rows, cols, bias, rep,
+        pres_freq, as apply_penalties, rows sorted ascending) applied to `logits` in place, then
+        per row the argmax where greedy[b], else the Gumbel-max draw after temperature and the
+        top-k / top-p / min-p filter (radix select). Temperature and the filter are not written
+        back, so logits hold only the penalised values afterwards."""
+        op = "sample_fused"
+        arrays = {"logits": logits, "greedy": greedy, "temperature": temperature,
+                  "top_k": top_k, "top_p": top_p, "min_p": min_p, "seeds": seeds,
+                  "positions": positions, "out": out}
+        self._check(op, arrays, "logits", (_F32,), 2, True)
+        self._check(op, arrays, "greedy", (_U8,), 1)
+        for name in ("temperature", "top_p", "min_p"):
+            self._check(op, arrays, name, (_F32,), 1)
+        self._check(op, arrays, "top_k", (_I32,), 1)
+        self._check(op, arrays, "seeds", (_U64,), 1)
+        self._check(op, arrays, "positions", (_I64,), 1)
+        self._check(op, arrays, "out", (_I64,), 1, True)
+        B, V = logits.shape
+        if V == 0 or any(arrays[n].shape[0] != B for n in arrays if n != "logits"):
+            _fail(op, "need logits (B, V) with V > 0 and every per-row array (B,)", arrays)
+        cdef int64_t N = 0
+        cdef ptr_t pr = 0, pc = 0, pb = 0, pp = 0, pf = 0
+        if penalties is not None:
+            names = ("rows", "cols", "bias", "rep", "pres_freq")
+            if len(penalties) != 5:
+                _fail(op, "penalties must be (rows, cols, bias, rep, pres_freq)", arrays)
+            arrays.update(zip(names, penalties))
+            for name in names:
+                self._check(op, arrays, name, (_I32,) if name in ("rows", "cols") else (_F32,), 1)
+            N = arrays["rows"].shape[0]
+            if any(arrays[n].shape[0] != N for n in names):
+                _fail(op, "rows, cols, bias, rep, pres_freq must all be (N,)", arrays)
+            pr, pc, pb, pp, pf = (self._ptr(arrays[n]) for n in names)
+        launch_sample_fused(self._ptr(logits), self._ptr(greedy), self._ptr(temperature),
+                            self._ptr(top_k), self._ptr(top_p), self._ptr(min_p),
+                            self._ptr(seeds), self._ptr(positions), pr, pc, pb, pp, pf,
+                            self._ptr(out), B, V, N, self._sptr())

@@ -76,6 +76,13 @@ cdef extern from "taper_cuda.h" nogil:
                                        const int32_t* top_k, const float* top_p,
                                        const float* min_p, int64_t B, int64_t V,
                                        taper_stream_t stream)
+    int taper_cuda_sample_fused(float* logits, const uint8_t* greedy, const float* temperature,
+                                const int32_t* top_k, const float* top_p, const float* min_p,
+                                const uint64_t* seeds, const int64_t* positions,
+                                const int32_t* pen_rows, const int32_t* pen_cols,
+                                const float* pen_bias, const float* pen_rep,
+                                const float* pen_pres_freq, int64_t* out, int64_t B, int64_t V,
+                                int64_t N, taper_stream_t stream)
     int taper_cuda_gguf_supported(int qtype)
     int taper_cuda_gguf_dequantize(int qtype, const void* w, void* out, int64_t N, int64_t K,
                                    int dtype, taper_stream_t stream)

@@ -228,6 +228,23 @@ def launch_filter_logits(ptr_t logits, ptr_t temperature, ptr_t top_k, ptr_t top
     _check_status(st, "filter_logits", dict(B=B, V=V, radix=radix))
 
 
+def launch_sample_fused(ptr_t logits, ptr_t greedy, ptr_t temperature, ptr_t top_k, ptr_t top_p,
+                        ptr_t min_p, ptr_t seeds, ptr_t positions, ptr_t pen_rows, ptr_t pen_cols,
+                        ptr_t pen_bias, ptr_t pen_rep, ptr_t pen_pres_freq, ptr_t out, int64_t B,
+                        int64_t V, int64_t N, ptr_t stream):
+    cdef int st
+    with nogil:
+        st = taper_cuda_sample_fused(<float*>logits, <const uint8_t*>greedy,
+                                     <const float*>temperature, <const int32_t*>top_k,
+                                     <const float*>top_p, <const float*>min_p,
+                                     <const uint64_t*>seeds, <const int64_t*>positions,
+                                     <const int32_t*>pen_rows, <const int32_t*>pen_cols,
+                                     <const float*>pen_bias, <const float*>pen_rep,
+                                     <const float*>pen_pres_freq, <int64_t*>out, B, V, N,
+                                     <taper_stream_t>stream)
+    _check_status(st, "sample_fused", dict(B=B, V=V, N=N))
+
+
 def gguf_supported(int qtype):
     """Whether the GPU kernels handle this ggml block type (GGUF's type id)."""
     return bool(taper_cuda_gguf_supported(qtype))
