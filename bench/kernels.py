@@ -22,8 +22,10 @@ those counts forced, to compare the rule's pick with the best); prefill attentio
 tensor-core kernels) at 1 x 4096 and 8 x 512 tokens; linear at M 1, 16, 64, 4096 for the qkv (6144 x 4096),
 o (4096 x 4096), gate_up (28672 x 4096) and down (4096 x 14336) projections; argmax, Gumbel
 sampling, the top-k/top-p/min-p filter (twice: the bisection kernel, and the radix-select one of
-TAPER_CUDA_RADIX_FILTER=1) and structured outputs' token bitmask (every row masked, about half
-the tokens allowed) at batch 1 and 64 over the vocabulary.
+TAPER_CUDA_RADIX_FILTER=1), the one-launch sampler of TAPER_CUDA_FUSED_SAMPLING=1 (sample_fused:
+penalties + filters + Gumbel draw, and greedy, against the op-by-op path as baseline) and
+structured outputs' token bitmask (every row masked, about half the tokens allowed) at batch 1
+and 64 over the vocabulary.
 
 qgemm (issue 6, item 7): the quantized GEMMs through `CudaBackend.linear` on the same four
 projections at M (QM) 1, 4, 16, 64, 4096 -- bf16 dense (cuBLAS, the reference), GGUF Q4_K and
@@ -61,7 +63,7 @@ import numpy as np
 OPS = ["embedding", "scale", "rms_norm", "fused_add_rms_norm", "layer_norm",
        "fused_add_layer_norm", "rotary_embedding", "silu_and_mul",
        "reshape_and_cache", "decode_attention", "prefill_attention", "linear", "argmax",
-       "gumbel_sample", "filter_logits", "apply_token_bitmask", "qgemm"]
+       "gumbel_sample", "filter_logits", "sample_fused", "apply_token_bitmask", "qgemm"]
 
 DEFAULT = dict(H=4096, Hq=32, Hkv=8, D=128, I=14336, V=128256, BS=16,
                T=[1, 64, 4096], B=[1, 16, 64], ctx=[1024, 8192, 32768],
@@ -710,6 +712,61 @@ def cases_sampling(bench, c, op):
         bench.free()
 
 
+SAMPLE_PARAMS = "t=0.7 k=50 p=0.9 min_p=0.05, 16 penalties/row"
+
+
+def cases_sample_fused(bench, c):
+    """The whole sampling step of TAPER_CUDA_FUSED_SAMPLING=1 (penalties, temperature, top-k,
+    top-p, min-p, Gumbel draw) in one launch, greedy rows (penalties + argmax) in one launch, and
+    as baseline the op-by-op path it replaces (apply_penalties, the radix filter_logits,
+    gumbel_sample). Bytes: the logits read once (the bound the issue's 40 us at V = 128k, B = 1
+    is measured against). Penalties write in place, so each timed launch gets the pristine
+    logits back first."""
+    b, cp = bench.b, bench.cp
+    V = c["V"]
+    rng = np.random.default_rng(0)
+    for B in c["SB"]:
+        fused, greedy_sets, op_by_op, prepare = [], [], [], []
+        for i in range(N_SETS):
+            logits = bench.rand((B, V), np.float32, 3.0)
+            work = bench.rand((B, V), np.float32)
+            with bench.stream:
+                out = cp.empty(B, dtype=cp.int64)
+            cols = np.sort(rng.choice(V, (B, 16)), axis=1)
+            pen = [bench.dev(a) for a in (
+                np.repeat(np.arange(B, dtype=np.int32), 16), cols.ravel().astype(np.int32),
+                np.full(16 * B, -0.0, np.float32), np.full(16 * B, 1.3, np.float32),
+                np.full(16 * B, 0.5, np.float32))]
+            t, k, p, m = (bench.dev(np.full(B, v, dt)) for v, dt in
+                          ((0.7, np.float32), (50, np.int32), (0.9, np.float32),
+                           (0.05, np.float32)))
+            seeds = bench.dev(np.arange(i * B, (i + 1) * B, dtype=np.uint64))
+            pos = bench.dev(np.full(B, 17, np.int64))
+            sampled, greedy = (bench.dev(np.full(B, g, np.uint8)) for g in (0, 1))
+            prepare.append(lambda w=work, lg=logits: bench.copy_async(w, lg))
+            fused.append(lambda w=work, g=sampled, t=t, k=k, p=p, m=m, s=seeds, q=pos, o=out,
+                         pen=pen: b.sample_fused(w, g, t, k, p, m, s, q, o, penalties=pen))
+            greedy_sets.append(lambda w=work, g=greedy, t=t, k=k, p=p, m=m, s=seeds, q=pos,
+                               o=out, pen=pen: b.sample_fused(w, g, t, k, p, m, s, q, o,
+                                                              penalties=pen))
+
+            def separate(w=work, t=t, k=k, p=p, m=m, s=seeds, q=pos, o=out, pen=pen):
+                b.apply_penalties(w, *pen)
+                with_radix_filter(b, lambda: b.filter_logits(w, t, k, p, m))
+                b.gumbel_sample(w, s, q, o)
+            op_by_op.append(separate)
+        moved = B * V * 4
+        shape = f"B={B} V={V}"
+        yield Case("sample_fused", shape, "op-by-op " + SAMPLE_PARAMS, moved, 0, op_by_op,
+                   prepare, baseline=True)
+        yield Case("sample_fused", shape, "fused " + SAMPLE_PARAMS, moved, 0, fused, prepare,
+                   compare=True)
+        yield Case("sample_fused", shape, "fused greedy, 16 penalties/row", moved, 0,
+                   greedy_sets, prepare, compare=True)
+        del fused, greedy_sets, op_by_op, prepare
+        bench.free()
+
+
 def cases_token_bitmask(bench, c):
     """Every row constrained, a random mask (about half the tokens allowed). In place but
     idempotent, so the timed launches need no restore."""
@@ -749,6 +806,7 @@ def all_cases(bench, c, ops):
         "argmax": lambda: cases_sampling(bench, c, "argmax"),
         "gumbel_sample": lambda: cases_sampling(bench, c, "gumbel_sample"),
         "filter_logits": lambda: cases_sampling(bench, c, "filter_logits"),
+        "sample_fused": lambda: cases_sample_fused(bench, c),
         "apply_token_bitmask": lambda: cases_token_bitmask(bench, c),
         "qgemm": lambda: cases_qgemm(bench, c),
     }
@@ -955,8 +1013,9 @@ def main(argv=None) -> int:
                   f"{row['gbps']:7.0f} GB/s ({row['pct_bw']:3.0f}% BW)"
                   + (f" {row['tflops']:6.1f} TFLOP/s ({row['pct_gemm']:3.0f}% GEMM)"
                      if case.flops else "")
-                  + (f" {row['speedup_vs_bf16']:5.2f}x bf16" if "speedup_vs_bf16" in row
-                     else ""), flush=True)
+                  + (f" {row['speedup_vs_bf16']:5.2f}x "
+                     + ("bf16" if case.op == "qgemm" else "baseline")
+                     if "speedup_vs_bf16" in row else ""), flush=True)
         bench.free()
 
     print(f"\n== {name}, {date}: peak copy {bw:.0f} GB/s, cuBLAS bf16 GEMM {gemm:.1f} TFLOP/s "
