@@ -717,22 +717,22 @@ SAMPLE_PARAMS = "t=0.7 k=50 p=0.9 min_p=0.05, 16 penalties/row"
 
 def cases_sample_fused(bench, c):
     """The whole sampling step of TAPER_CUDA_FUSED_SAMPLING=1 (penalties, temperature, top-k,
-    top-p, min-p, Gumbel draw) in one launch, greedy rows (penalties + argmax) in one launch, and
-    as baseline the op-by-op path it replaces (apply_penalties, the radix filter_logits,
-    gumbel_sample). Bytes: the logits read once (the bound the issue's 40 us at V = 128k, B = 1
+    top-p, min-p, Gumbel draw) in one launch, the same with top-p alone (its fallback path
+    here), greedy rows (penalties + argmax) in one launch, and as baseline the op-by-op path it
+    replaces (apply_penalties, the radix filter_logits, gumbel_sample). Bytes: the logits read once (the bound the issue's 40 us at V = 128k, B = 1
     is measured against). Penalties write in place, so each timed launch gets the pristine
     logits back first."""
     b, cp = bench.b, bench.cp
     V = c["V"]
     rng = np.random.default_rng(0)
     for B in c["SB"]:
-        fused, greedy_sets, op_by_op, prepare = [], [], [], []
+        fused, top_p_only, greedy_sets, op_by_op, prepare = [], [], [], [], []
         for i in range(N_SETS):
             logits = bench.rand((B, V), np.float32, 3.0)
             work = bench.rand((B, V), np.float32)
             with bench.stream:
                 out = cp.empty(B, dtype=cp.int64)
-            cols = np.sort(rng.choice(V, (B, 16)), axis=1)
+            cols = np.stack([np.sort(rng.choice(V, 16, replace=False)) for _ in range(B)])
             pen = [bench.dev(a) for a in (
                 np.repeat(np.arange(B, dtype=np.int32), 16), cols.ravel().astype(np.int32),
                 np.full(16 * B, -0.0, np.float32), np.full(16 * B, 1.3, np.float32),
@@ -746,6 +746,11 @@ def cases_sample_fused(bench, c):
             prepare.append(lambda w=work, lg=logits: bench.copy_async(w, lg))
             fused.append(lambda w=work, g=sampled, t=t, k=k, p=p, m=m, s=seeds, q=pos, o=out,
                          pen=pen: b.sample_fused(w, g, t, k, p, m, s, q, o, penalties=pen))
+            one, no_k, p_only = (bench.dev(np.full(B, v, dt)) for v, dt in
+                                 ((1.0, np.float32), (0, np.int32), (0.0, np.float32)))
+            top_p_only.append(lambda w=work, g=sampled, t=one, k=no_k, p=p, m=p_only, s=seeds,
+                              q=pos, o=out, pen=pen: b.sample_fused(w, g, t, k, p, m, s, q, o,
+                                                                    penalties=pen))
             greedy_sets.append(lambda w=work, g=greedy, t=t, k=k, p=p, m=m, s=seeds, q=pos,
                                o=out, pen=pen: b.sample_fused(w, g, t, k, p, m, s, q, o,
                                                               penalties=pen))
@@ -761,9 +766,13 @@ def cases_sample_fused(bench, c):
                    prepare, baseline=True)
         yield Case("sample_fused", shape, "fused " + SAMPLE_PARAMS, moved, 0, fused, prepare,
                    compare=True)
+        # top-p alone over these N(0, 3^2) logits keeps ~10k tokens: more candidates than fit,
+        # so this row times the fallback (the filter's passes over the whole row)
+        yield Case("sample_fused", shape, "fused t=1 p=0.9 only, 16 penalties/row", moved, 0,
+                   top_p_only, prepare, compare=True)
         yield Case("sample_fused", shape, "fused greedy, 16 penalties/row", moved, 0,
                    greedy_sets, prepare, compare=True)
-        del fused, greedy_sets, op_by_op, prepare
+        del fused, top_p_only, greedy_sets, op_by_op, prepare
         bench.free()
 
 

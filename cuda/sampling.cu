@@ -55,13 +55,17 @@ constexpr uint32_t kNanKey = 0xFFFFFFFFu;  // every NaN: above +inf, as np.parti
 
 // Row loaders: the threshold searches and the argmax / Gumbel scan read a row through one of
 // these, so the filter kernel (row in memory) and the fused sampler (temperature and mask applied
-// on the fly, nothing written back) share them.
+// on the fly, nothing written back; or its candidates in shared memory) share them. row(i) is
+// the value at position i, row.index(i) its token id; kPositional: position i is token i.
 struct RawRow {  // the row as it is in memory
+    static constexpr bool kPositional = true;
     const float* p;
     __device__ __forceinline__ float operator()(int v) const { return p[v]; }
+    __device__ __forceinline__ int index(int v) const { return v; }
 };
 
 struct ScaledRow {  // x / max(t, 1e-5) when t != 1, as filter_logits writes it back
+    static constexpr bool kPositional = true;
     const float* p;
     float div;
     bool scale;
@@ -69,16 +73,28 @@ struct ScaledRow {  // x / max(t, 1e-5) when t != 1, as filter_logits writes it 
         const float x = p[v];
         return scale ? __fdiv_rn(x, div) : x;
     }
+    __device__ __forceinline__ int index(int v) const { return v; }
 };
 
-struct MaskedRow {  // ScaledRow after filter_logits' masking pass: x + log(x >= thr)
-    ScaledRow row;
+struct Candidates {  // the fused sampler's compacted (scaled value, token) pairs, any order
+    static constexpr bool kPositional = false;
+    const float* val;
+    const int* idx;
+    __device__ __forceinline__ float operator()(int i) const { return val[i]; }
+    __device__ __forceinline__ int index(int i) const { return idx[i]; }
+};
+
+template <class Row>
+struct Masked {  // Row after filter_logits' masking pass: x + log(x >= thr)
+    static constexpr bool kPositional = Row::kPositional;
+    Row row;
     float thr;
     bool mask;
     __device__ __forceinline__ float operator()(int v) const {
         const float x = row(v);
         return mask ? __fadd_rn(x, x >= thr ? 0.f : -INFINITY) : x;
     }
+    __device__ __forceinline__ int index(int v) const { return row.index(v); }
 };
 
 // First word of Philox4x32-10 (Salmon et al. 2011) on counter (c0, c1, c2, c3), key (k0, k1):
@@ -206,22 +222,91 @@ __device__ __forceinline__ unsigned long long warp_sum_u64(unsigned long long v)
     return v;
 }
 
+// The top-p weight of x: expf(x - m) (in [0, 1] for x <= m) times 2^fx_shift, truncated. With
+// fx_shift = fixed_point_shift(V), V of them stay below 2^62, so sums of them are exact integers
+// whatever their order.
+__device__ __forceinline__ int fixed_point_shift(int V) {
+    return 62 - (32 - __clz((unsigned)V));  // V * 2^fx_shift <= 2^62
+}
+__device__ __forceinline__ unsigned long long mass_weight(float x, float m, int fx_shift) {
+    return __double2ull_rz(ldexp((double)expf(__fsub_rn(x, m)), fx_shift));
+}
+
+// hist[bin] += w for this warp's lanes with `in` (integer, so the histogram is the same on every
+// run): one shared atomic per distinct bin among them. Every lane of the warp must call it.
+// MASS false: every weight is 1 (the lanes are counted). T: uint32 counts or uint64 weights.
+template <bool MASS, class T>
+__device__ __forceinline__ void warp_hist_add(T* hist, bool in, uint32_t bin,
+                                              unsigned long long w) {
+    const int lane = threadIdx.x & 31;
+    unsigned todo = __ballot_sync(0xffffffffu, in);
+    while (todo) {
+        const int leader = __ffs(todo) - 1;
+        const uint32_t d = __shfl_sync(0xffffffffu, bin, leader);
+        const bool mine = in && bin == d;
+        const unsigned peers = __ballot_sync(0xffffffffu, mine);
+        const unsigned long long sum =
+            MASS ? warp_sum_u64(mine ? w : 0ull) : (unsigned long long)__popc(peers);
+        if (lane == leader) atomicAdd(&hist[d], (T)sum);
+        todo &= ~peers;
+    }
+}
+
+// Run by warp 0 on a finished histogram: the largest digit d whose weight at or above it plus
+// `above` (the weight above the histogram's range) reaches `target`; writes d and the weight
+// strictly above d's bin (plus `above`) to rs. Lane l holds digits [8 l, 8 l + 8); suf = their
+// weight plus every higher lane's. The lanes reaching the target are 0..L (suf shrinks with the
+// lane); L's digits are walked from the top. from_total: target becomes kval times the
+// histogram's total weight (top-p's W(0)), or times `total` when that is given (nonzero).
+__device__ __forceinline__ void warp_pick_digit(RadixScratch* rs, unsigned long long above,
+                                                double& target, bool from_total, double kval,
+                                                unsigned long long total) {
+    const int lane = threadIdx.x & 31;
+    unsigned long long t = 0;
+#pragma unroll
+    for (int j = 0; j < 8; j++) t += rs->hist[8 * lane + j];
+    unsigned long long suf = t;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const unsigned long long y = __shfl_down_sync(0xffffffffu, suf, o);
+        if (lane + o < 32) suf += y;
+    }
+    if (from_total)
+        target = kval * (double)(total ? total : __shfl_sync(0xffffffffu, suf, 0));
+    const unsigned ok = __ballot_sync(0xffffffffu, (double)(above + suf) >= target);
+    const int L = 31 - __clz(ok);
+    if (lane == L) {
+        unsigned long long run = above + suf - t;
+        int d = 8 * L;
+        for (int j = 7; j >= 0; j--) {
+            const unsigned long long h = rs->hist[8 * L + j];
+            if ((double)(run + h) >= target) {
+                d = 8 * L + j;
+                break;
+            }
+            run += h;
+        }
+        rs->digit = (uint32_t)d;
+        rs->above = run;
+    }
+}
+
 // The largest key K with W(K) >= target, W(K) = the weight of the row elements with key >= K in
 // the set: for top-k (MASS false) every element weighs 1 (NaN included, the largest key) and
-// target = k; for top-p (MASS true) the set is x >= thr and x weighs expf(x - m) in fixed point
-// (m is the row's finite max, so each weight is in [0, 1]: times 2^fx_shift, truncated, with
-// fx_shift chosen so n of them stay below 2^62) and target = p * W(0). Pass `shift` histograms
-// digit (key >> shift) & 255 of the keys whose higher bits equal the prefix decided so far
-// (warp-aggregated shared atomics: one atomic per distinct digit in a warp, integer, so the
-// histogram is the same on every run); warp 0 then takes the largest digit whose suffix weight
-// plus `above` reaches the target. W(0) >= target holds on entry (k <= n; p < 1), and each pass
-// keeps it for the chosen digit's range, so a digit always exists and the result is a key present
-// in the set: what the bisection over W(K) >= target finds, W computed in another arithmetic.
+// target = k; for top-p (MASS true) the set is x >= thr and x weighs mass_weight(x, m, fx_shift)
+// (m is the row's finite max, so each weight is in [0, 1]; fx_shift = fixed_point_shift(V)) and
+// target = p * W(0), W(0) summed here unless `total` gives it (0: not given). Pass `shift`
+// histograms digit (key >> shift) & 255 of the keys whose higher bits equal the prefix decided
+// so far; warp 0 then takes the largest digit whose suffix weight plus `above` reaches the
+// target. W(0) >= target holds on entry (k <= n; p < 1), and each pass keeps it for the chosen
+// digit's range, so a digit always exists and the result is a key present in the set: what the
+// bisection over W(K) >= target finds, W computed in another arithmetic. The integer weights make
+// the result independent of the order of the row's elements, so `row` may be any arrangement of
+// a superset of the keys >= the answer (the fused sampler's candidates) as long as `total` is
+// the whole set's W(0) there.
 template <bool MASS, class Row>
 __device__ uint32_t radix_select(const Row& row, int n, float thr, float m, double kval,
-                                 RadixScratch* rs) {
-    const int lane = threadIdx.x & 31;
-    const int fx_shift = 62 - (32 - __clz((unsigned)n));  // n * 2^fx_shift <= 2^62
+                                 int fx_shift, unsigned long long total, RadixScratch* rs) {
     uint32_t prefix = 0;
     unsigned long long above = 0;
     double target = kval;
@@ -229,7 +314,7 @@ __device__ uint32_t radix_select(const Row& row, int n, float thr, float m, doub
         const uint32_t hi_mask = shift == 24 ? 0u : ~0u << (shift + 8);
         for (int i = threadIdx.x; i < kBins; i += kRowThreads) rs->hist[i] = 0ull;
         __syncthreads();
-        for (int64_t base = 0; base < n; base += kRowThreads) {  // whole warps: ballots below
+        for (int64_t base = 0; base < n; base += kRowThreads) {  // whole warps: ballots inside
             const int64_t v = base + threadIdx.x;
             bool in = false;
             uint32_t bin = 0;
@@ -240,54 +325,15 @@ __device__ uint32_t radix_select(const Row& row, int n, float thr, float m, doub
                 in = (key & hi_mask) == prefix;
                 if (MASS) {
                     in = in && x >= thr;
-                    if (in) w = __double2ull_rz(ldexp((double)expf(__fsub_rn(x, m)), fx_shift));
+                    if (in) w = mass_weight(x, m, fx_shift);
                 }
                 bin = (key >> shift) & 0xFFu;
             }
-            unsigned todo = __ballot_sync(0xffffffffu, in);
-            while (todo) {  // one atomic per distinct digit among the warp's elements
-                const int leader = __ffs(todo) - 1;
-                const uint32_t d = __shfl_sync(0xffffffffu, bin, leader);
-                const bool mine = in && bin == d;
-                const unsigned peers = __ballot_sync(0xffffffffu, mine);
-                const unsigned long long sum =
-                    MASS ? warp_sum_u64(mine ? w : 0ull) : (unsigned long long)__popc(peers);
-                if (lane == leader) atomicAdd(&rs->hist[d], sum);
-                todo &= ~peers;
-            }
+            warp_hist_add<MASS>(rs->hist, in, bin, w);
         }
         __syncthreads();
-        if (threadIdx.x < 32) {
-            // lane l holds digits [8 l, 8 l + 8); suf = their weight plus every higher lane's
-            unsigned long long t = 0;
-#pragma unroll
-            for (int j = 0; j < 8; j++) t += rs->hist[8 * lane + j];
-            unsigned long long suf = t;
-#pragma unroll
-            for (int o = 1; o < 32; o <<= 1) {
-                const unsigned long long y = __shfl_down_sync(0xffffffffu, suf, o);
-                if (lane + o < 32) suf += y;
-            }
-            if (MASS && shift == 24) target = kval * (double)__shfl_sync(0xffffffffu, suf, 0);
-            // the lanes reaching the target are 0..L (suf shrinks with the lane); L's digits
-            // are walked from the top
-            const unsigned ok = __ballot_sync(0xffffffffu, (double)(above + suf) >= target);
-            const int L = 31 - __clz(ok);
-            if (lane == L) {
-                unsigned long long run = above + suf - t;
-                int d = 8 * L;
-                for (int j = 7; j >= 0; j--) {
-                    const unsigned long long h = rs->hist[8 * L + j];
-                    if ((double)(run + h) >= target) {
-                        d = 8 * L + j;
-                        break;
-                    }
-                    run += h;
-                }
-                rs->digit = (uint32_t)d;
-                rs->above = run;
-            }
-        }
+        if (threadIdx.x < 32)
+            warp_pick_digit(rs, above, target, MASS && shift == 24, kval, total);
         __syncthreads();
         prefix |= rs->digit << shift;
         above = rs->above;
@@ -298,9 +344,12 @@ __device__ uint32_t radix_select(const Row& row, int n, float thr, float m, doub
 
 // ---- row building blocks: the kernels below are compositions of these
 
-// The row's argmax (GUMBEL false) or Gumbel-max sample with key `seed`, counter (v, pos)
-// (GUMBEL true), read through `row`; the result is valid in thread 0. Every thread of the block
-// must call it (block reductions).
+// The row's argmax (GUMBEL false) or Gumbel-max sample with key `seed`, counter (token, pos)
+// (GUMBEL true), read through `row` (n positions); the token is valid in thread 0. Every thread
+// of the block must call it (block reductions). The order (value, then the lower token) is
+// total, so the answer does not depend on how tokens are spread over positions or threads. The
+// NaN rules below (a NaN at token 0 for argmax, a NaN first non -inf token for Gumbel) need
+// positional rows; the fused sampler's candidates never hold a NaN.
 template <bool GUMBEL, class Row>
 __device__ int64_t row_best(const Row& row, int n, uint64_t seed, uint64_t pos) {
     __shared__ double s_val[32];
@@ -311,22 +360,22 @@ __device__ int64_t row_best(const Row& row, int n, uint64_t seed, uint64_t pos) 
 
     double best = -INFINITY;
     int bi = -1;
-    uint32_t first = 0xFFFFFFFFu;  // GUMBEL: this thread's first column whose logit is not -inf
+    uint32_t first = 0xFFFFFFFFu;  // GUMBEL: this thread's first token whose logit is not -inf
     for (int v = threadIdx.x; v < n; v += kRowThreads) {
         const float x = row(v);
+        const int idx = row.index(v);
         if (!GUMBEL) {
-            if (!isnan(x) && (bi < 0 || x > best)) { best = x; bi = v; }
+            if (!isnan(x)) take_better(best, bi, x, idx);
         } else {
             if (x == -INFINITY) continue;
-            if (first == 0xFFFFFFFFu) first = (uint32_t)v;
+            first = min(first, (uint32_t)idx);
             if (isnan(x)) continue;
-            // Rounding is monotone: x - g <= x + kGumbelBound, so this token cannot beat `best`
-            // (ties go to the lower index, which `best` already has).
+            // x - g <= x + 22.8737... < x + kGumbelBound <= best: this token cannot reach
+            // `best`, whatever the tie order (exact, rounding is monotone).
             if (bi >= 0 && (double)x + kGumbelBound <= best) continue;
-            const uint32_t r = philox_x0((uint32_t)v, p0, p1, 0u, k0, k1);
+            const uint32_t r = philox_x0((uint32_t)idx, p0, p1, 0u, k0, k1);
             const double u = ((double)r + 0.5) * (1.0 / 4294967296.0);
-            const double val = (double)x - log(-log(u));
-            if (bi < 0 || val > best) { best = val; bi = v; }
+            take_better(best, bi, (double)x - log(-log(u)), idx);
         }
     }
 
@@ -347,7 +396,7 @@ __device__ int64_t row_best(const Row& row, int n, uint64_t seed, uint64_t pos) 
             take_better(best, bi, __shfl_xor_sync(0xffffffffu, best, o),
                         __shfl_xor_sync(0xffffffffu, bi, o));
         r = bi < 0 ? 0 : bi;
-        if (threadIdx.x == 0) {
+        if constexpr (Row::kPositional) {
             if (!GUMBEL && n > 0 && isnan(row(0))) r = 0;
             if (GUMBEL && first != 0xFFFFFFFFu && isnan(row((int)first))) r = first;
         }
@@ -407,7 +456,7 @@ __device__ float row_threshold(const Row& row, int n, const KeyRange& kr, int32_
         // branch conditions are the same in every thread, so the reductions are reached by all.
         uint32_t K = 0;
         if (RADIX) {
-            K = radix_select<false>(row, n, -INFINITY, 0.f, (double)k, &s->radix);
+            K = radix_select<false>(row, n, -INFINITY, 0.f, (double)k, 0, 0ull, &s->radix);
         } else {
             for (int bit = 31; bit >= 0; bit--) {
                 const uint32_t c = K | (1u << bit);
@@ -423,6 +472,7 @@ __device__ float row_threshold(const Row& row, int n, const KeyRange& kr, int32_
     if (RADIX && use_p && !isnan(thr) && kmax != kNanKey && isfinite(maxnum) && p > 0.f) {
         // m is the row's max, so every weight expf(x - m) of the set is in [0, 1]
         thr = np_maximum(thr, key_float(radix_select<true>(row, n, thr, m, (double)p,
+                                                           fixed_point_shift(n), 0ull,
                                                            &s->radix)));
     } else if (use_p && !isnan(thr) && kmax_num != 0) {
         // The set: x >= thr (all non-NaN values without top-k), its keys in [lo, kmax_num]. The
@@ -537,14 +587,142 @@ filter_logits_kernel(float* __restrict__ logits,             // (B, V)
     }
 }
 
-// The whole sampler for one row per block (TAPER_CUDA_FUSED_SAMPLING=1): this row's penalty
-// entries, then for a greedy row the argmax, for the others temperature, the filter threshold
-// (radix select) and the Gumbel-max draw over the kept tokens. Exactly apply_penalties, then
-// argmax or filter_logits_radix and gumbel_sample: the same arithmetic on the same values, but
-// temperature and the mask are applied as the row is read instead of written back, so the row
-// is read once from memory (the first pass) and then from L2, and written only at the penalty
-// entries. Passes over the row: 1 for greedy or unfiltered rows; with filters 1 (key range)
-// + 4 (top-k) + 4 (top-p) + 1 (the draw), each present only when its filter is.
+// ---- the fused sampler (TAPER_CUDA_FUSED_SAMPLING=1)
+
+// Shared-memory candidates per row: 32 KB of (value, token) pairs. A top-k of up to a few
+// thousand, or a min-p / top-p cut on a peaked row, fits; a row whose bound lets more through
+// falls back to the filter's passes over the whole row.
+constexpr int kMaxCandidates = 4096;
+// Pass 1's histogram: the top 12 bits of the key (sign, exponent, 3 mantissa bits), so a bin
+// spans an eighth of a binade; 4 bins per thread.
+constexpr int kFineShift = 20;
+constexpr int kFineBins = 4096;
+constexpr int kBinsPerThread = kFineBins / kRowThreads;
+// Slack for the top-p bound: it must hold against expf's, float subtraction's and the fixed
+// point's rounding (each ~1e-5 relative or less), so it keeps 0.1 % of the budget unused.
+constexpr double kTopPBoundSlack = 1e-3;
+
+struct FusedScratch {
+    ThresholdScratch t;
+    union {
+        uint32_t fine_hist[kFineBins];  // pass 1
+        struct {                        // pass 2 on: (scaled value, token), any order
+            float val[kMaxCandidates];
+            int idx[kMaxCandidates];
+        } cand;
+    };
+    unsigned long long sum[32];
+    double dsum[32];
+    uint32_t count;
+    int64_t range[2];
+};
+
+__device__ __forceinline__ unsigned long long block_sum_u64(unsigned long long v,
+                                                            unsigned long long* scratch) {
+    v = warp_sum_u64(v);
+    __syncthreads();
+    if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = v;
+    __syncthreads();
+    return warp_sum_u64(scratch[threadIdx.x & 31]);
+}
+
+// Sum of v over the block's threads before this one (thread order; a fixed tree, so a double
+// sum is the same on every run). For blockDim.x == kRowThreads.
+template <class T>
+__device__ __forceinline__ T block_prefix_excl(T v, T* scratch) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    T incl = v;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const T y = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += y;
+    }
+    T excl = __shfl_up_sync(0xffffffffu, incl, 1);
+    if (lane == 0) excl = T(0);
+    __syncthreads();
+    if (lane == 31) scratch[warp] = incl;
+    __syncthreads();
+    T before = T(0);
+    for (int w = 0; w < warp; w++) before += scratch[w];
+    return before + excl;
+}
+
+// From pass 1's histogram of the top 12 key bits (`h`: this thread's kBinsPerThread bins, from
+// bin kBinsPerThread * threadIdx.x), a key every token below which the final threshold drops
+// (0: none known). Every thread must call it (block reductions); all get the result.
+// - top-k: the start of the bin holding the k-th largest key (the largest bin whose count at or
+//   above it reaches k; all n tokens are counted, n > k);
+// - top-p without top-k: the start of the largest bin d whose mass below, bounded above by
+//   count x exp(the bin's largest value - m) per bin, is at most (1 - p) times a lower bound of
+//   the total mass (count x exp(smallest - m) per bin, and at least the max's weight 1), less
+//   kTopPBoundSlack. Then W(d) >= p W(0) in the radix select's fixed point, so its threshold is
+//   >= the bin start;
+// - min-p without top-p: the min-p threshold itself.
+// The top-p set (x >= the top-k threshold) must lie whole above the bound unless its total is
+// summed separately, so with top-p the min-p bound is not used, and with top-k neither is the
+// top-p one.
+__device__ uint32_t fine_bound(const uint32_t (&h)[kBinsPerThread], int n, bool use_k, int32_t k,
+                               bool use_p, float p, bool use_m, float min_p_thr, float m,
+                               FusedScratch* s) {
+    const int first_bin = kBinsPerThread * threadIdx.x;
+    uint32_t best = 0;  // 1 + the largest qualifying bin, 0 for none
+    if (use_k) {
+        uint32_t c = 0;
+#pragma unroll
+        for (int j = 0; j < kBinsPerThread; j++) c += h[j];
+        uint32_t below = block_prefix_excl<uint32_t>(c, s->t.u);
+#pragma unroll
+        for (int j = 0; j < kBinsPerThread; j++) {
+            if ((uint32_t)n - below >= (uint32_t)k) best = first_bin + j + 1;  // count at/above
+            below += h[j];
+        }
+    } else if (use_p) {
+        double up[kBinsPerThread], lo = 0.0, u = 0.0;
+#pragma unroll
+        for (int j = 0; j < kBinsPerThread; j++) {
+            const uint32_t b0 = (uint32_t)(first_bin + j) << kFineShift;
+            const uint32_t b1 = b0 + ((1u << kFineShift) - 1u);
+            // The bin's smallest and largest values (x <= m). Keys below -inf's and above +inf's
+            // are NaN patterns no token has (float_key maps NaN to kNanKey, and this row holds
+            // none): bin 0 holds only -inf, the top bins nothing.
+            float vlo = key_float(b0), vhi = key_float(b1);
+            if (isnan(vlo)) vlo = -INFINITY;
+            if (isnan(vhi)) vhi = b0 < 0x80000000u ? -INFINITY : m;
+            vhi = fminf(vhi, m);
+            up[j] = h[j] ? (double)h[j] * exp((double)vhi - (double)m) : 0.0;
+            if (h[j]) lo += (double)h[j] * exp((double)vlo - (double)m);
+            u += up[j];
+        }
+        const double z_lo = fmax(block_sum_f64(lo, s->t.d), 1.0);
+        const double budget = (1.0 - (double)p) * z_lo * (1.0 - kTopPBoundSlack);
+        double below = block_prefix_excl<double>(u, s->dsum);
+#pragma unroll
+        for (int j = 0; j < kBinsPerThread; j++) {
+            if (below <= budget) best = first_bin + j + 1;
+            below += up[j];
+        }
+    }
+    uint32_t lb = use_k || use_p ? (block_max_u32(best, s->t.u) - 1u) << kFineShift : 0u;
+    if (use_m && !use_p) lb = max(lb, float_key(min_p_thr));
+    return lb;
+}
+
+// The whole sampler for one row per block: this row's penalty entries, then for a greedy row the
+// argmax, for the others temperature, the top-k / top-p / min-p threshold and the Gumbel-max
+// draw over the kept tokens. The same token as apply_penalties, then argmax or
+// filter_logits_radix and gumbel_sample, bit for bit: the same arithmetic on the same values,
+// with temperature and the mask applied as the row is read instead of written back.
+//
+// Passes over a filtered row: (1) from memory, the key range and a histogram of the keys' top 12
+// bits, which bound the final threshold from below (fine_bound); (2) from L2, the tokens at or
+// above the bound are compacted into shared memory (and, for top-p without top-k, the total mass
+// summed). The thresholds and the draw then run on the candidates alone. Everything that decides
+// a result there is an integer (counts, fixed-point masses) or a total order (value, then
+// token), so the candidates' order, set by shared atomics, changes nothing; and every token
+// below the bound is one the full filter drops. A row with a NaN or a non-finite max, a
+// top-p <= 0, or more candidates than fit, runs the filter's passes over the whole row instead
+// (up to 4 + 4), then one for the draw. Unfiltered rows: one pass (the draw); greedy rows: one
+// (the argmax).
 // Penalty entries are sorted by row (engine/sampler.py's penalty_entries), so a block finds its
 // own by binary search; the columns are distinct within a row, and the barrier after the update
 // makes the writes visible to the whole block before the row is read.
@@ -564,11 +742,11 @@ sample_fused_kernel(float* __restrict__ logits,               // (B, V), penalis
                     const float* __restrict__ pen_pres_freq,  // (N,)
                     int64_t* __restrict__ out,                // (B,)
                     int64_t V, int64_t N) {
-    __shared__ ThresholdScratch s;
-    __shared__ int64_t s_range[2];
+    __shared__ FusedScratch s;
     const int64_t b = blockIdx.x;
     float* row = logits + b * V;
     const int n = (int)V;
+    const int lane = threadIdx.x & 31;
 
     if (N > 0) {
         if (threadIdx.x < 2) {  // lower_bound(pen_rows, b + threadIdx.x)
@@ -578,37 +756,110 @@ sample_fused_kernel(float* __restrict__ logits,               // (B, V), penalis
                 const int64_t mid = (lo + hi) >> 1;
                 if (pen_rows[mid] < want) lo = mid + 1; else hi = mid;
             }
-            s_range[threadIdx.x] = lo;
+            s.range[threadIdx.x] = lo;
         }
         __syncthreads();
-        for (int64_t i = s_range[0] + threadIdx.x; i < s_range[1]; i += kRowThreads) {
+        for (int64_t i = s.range[0] + threadIdx.x; i < s.range[1]; i += kRowThreads) {
             const int64_t c = pen_cols[i];
             if (c >= 0 && c < V) apply_penalty(row + c, pen_bias[i], pen_rep[i], pen_pres_freq[i]);
         }
         __syncthreads();
     }
 
-    int64_t r;
     if (greedy[b]) {
-        r = row_best<false>(RawRow{row}, n, 0, 0);
-    } else {
-        const float t = temperature[b];
-        const int32_t k = top_k[b];
-        const float p = top_p[b], mp = min_p[b];
-        const ScaledRow scaled{row, t < 1e-5f ? 1e-5f : t, t != 1.f};
-        float thr = -INFINITY;
-        if ((k > 0 && k < n) || p < 1.f || mp > 0.f) {
-            KeyRange kr;
-            for (int v = threadIdx.x; v < n; v += kRowThreads) kr.add(scaled(v));
-            kr.reduce(s.u);
-            thr = row_threshold<true>(scaled, n, kr, k, p, mp, &s);
+        const int64_t r = row_best<false>(RawRow{row}, n, 0, 0);
+        if (threadIdx.x == 0) out[b] = r;
+        return;
+    }
+    const float t = temperature[b];
+    const int32_t k = top_k[b];
+    const float p = top_p[b], mp = min_p[b];
+    const uint64_t seed = seeds[b], pos = (uint64_t)positions[b];
+    const ScaledRow scaled{row, t < 1e-5f ? 1e-5f : t, t != 1.f};
+    const bool use_k = k > 0 && k < n, use_p = p < 1.f, use_m = mp > 0.f;
+    if (!(use_k || use_p || use_m)) {
+        const int64_t r = row_best<true>(scaled, n, seed, pos);
+        if (threadIdx.x == 0) out[b] = r;
+        return;
+    }
+
+    // Pass 1, from memory: the key range and the top 12 bits' histogram.
+#pragma unroll
+    for (int j = 0; j < kBinsPerThread; j++) s.fine_hist[kBinsPerThread * threadIdx.x + j] = 0u;
+    __syncthreads();
+    KeyRange kr;
+    for (int64_t base = 0; base < n; base += kRowThreads) {  // whole warps: ballots inside
+        const int64_t v = base + threadIdx.x;
+        uint32_t bin = 0;
+        if (v < n) {
+            const float x = scaled((int)v);
+            kr.add(x);
+            bin = float_key(x) >> kFineShift;
         }
-        const MaskedRow kept{scaled, thr, thr > -INFINITY};
-        r = row_best<true>(kept, n, seeds[b], (uint64_t)positions[b]);
+        warp_hist_add<false>(s.fine_hist, v < n, bin, 1ull);
+    }
+    kr.reduce(s.t.u);  // its barriers also complete the histogram
+    const float maxnum = key_float(kr.kmax_num);
+    const float m = (kr.kmax == kNanKey || !isfinite(maxnum)) ? 0.f : maxnum;
+    const float min_p_thr = use_m ? __fadd_rn(m, (float)log((double)mp)) : -INFINITY;
+    bool compact = kr.kmax != kNanKey && isfinite(maxnum) && (!use_p || p > 0.f);
+
+    // Pass 2, from L2: the candidates (key >= lb), and top-p's total mass when they may not
+    // hold the whole top-p set (no top-k).
+    const int fx_shift = fixed_point_shift(n);
+    unsigned long long total = 0;
+    uint32_t C = 0;
+    if (compact) {
+        uint32_t h[kBinsPerThread];
+#pragma unroll
+        for (int j = 0; j < kBinsPerThread; j++) h[j] = s.fine_hist[kBinsPerThread * threadIdx.x + j];
+        const uint32_t lb = fine_bound(h, n, use_k, k, use_p, p, use_m, min_p_thr, m, &s);
+        const bool need_total = use_p && !use_k;
+        if (threadIdx.x == 0) s.count = 0;
+        __syncthreads();  // the histogram is read and count is 0 before any candidate is stored
+        for (int64_t base = 0; base < n; base += kRowThreads) {
+            const int64_t v = base + threadIdx.x;
+            float x = 0.f;
+            bool in = false;
+            if (v < n) {
+                x = scaled((int)v);
+                in = float_key(x) >= lb;
+                if (need_total) total += mass_weight(x, m, fx_shift);  // the set: every token
+            }
+            const unsigned ballot = __ballot_sync(0xffffffffu, in);
+            uint32_t slot = 0;
+            if (lane == 0 && ballot) slot = atomicAdd(&s.count, (uint32_t)__popc(ballot));
+            slot = __shfl_sync(0xffffffffu, slot, 0) + __popc(ballot & ((1u << lane) - 1u));
+            if (in && slot < (uint32_t)kMaxCandidates) {
+                s.cand.val[slot] = x;
+                s.cand.idx[slot] = (int)v;
+            }
+        }
+        if (need_total) total = block_sum_u64(total, s.sum);
+        __syncthreads();
+        C = s.count;
+        compact = C <= (uint32_t)kMaxCandidates;
+    }
+
+    int64_t r;
+    if (compact) {
+        const Candidates cand{s.cand.val, s.cand.idx};
+        float thr = -INFINITY;
+        // k > C only when the min-p bound lies above the k-th largest, which then drops nothing
+        if (use_k && (uint32_t)k <= C)
+            thr = key_float(radix_select<false>(cand, (int)C, -INFINITY, 0.f, (double)k, 0, 0ull,
+                                                &s.t.radix));
+        if (use_p)
+            thr = np_maximum(thr, key_float(radix_select<true>(cand, (int)C, thr, m, (double)p,
+                                                               fx_shift, total, &s.t.radix)));
+        if (use_m) thr = np_maximum(thr, min_p_thr);
+        r = row_best<true>(Masked<Candidates>{cand, thr, thr > -INFINITY}, (int)C, seed, pos);
+    } else {
+        const float thr = row_threshold<true>(scaled, n, kr, k, p, mp, &s.t);
+        r = row_best<true>(Masked<ScaledRow>{scaled, thr, thr > -INFINITY}, n, seed, pos);
     }
     if (threadIdx.x == 0) out[b] = r;
 }
-
 // Shared argument check for the row kernels: one block per row (B fits the grid) and int columns.
 int check_rows(int64_t B, int64_t V) {
     if (B < 0 || V < 0 || B > INT32_MAX || V > INT32_MAX) return TAPER_CUDA_ERR_ARG;

@@ -2,7 +2,9 @@
 CUDA backend with `fused_sampling` on, against the same Sampler on the CPU backend
 (pyx/cpu_sampling.py, pyx/cpu_kernels.c) with the same seeds and positions.
 
-The fused kernel draws with the CPU's counter-based RNG, so the tokens must be the CPU's: greedy
+The fused kernel draws with the CPU's counter-based RNG, so the tokens must be the CPU's, on both
+of its paths (the filtered row's candidates compacted into shared memory, or, when they do not
+fit or the row holds a NaN, the filter's passes over the whole row): greedy
 rows bit for bit always, sampled rows except where a filter threshold or the top two Gumbel values
 tie within float rounding (filter_ambiguous, as the radix filter's own tests). Batches mix greedy
 rows (temperature 0 and top_k 1), every filter, logit_bias, min_tokens, repetition, presence and
@@ -34,6 +36,9 @@ PARAMS = [  # one row each, repeated over the batch with fresh seeds
     dict(temperature=1.0, presence_penalty=1.5, frequency_penalty=0.5, top_p=0.95),
     dict(temperature=0.0, repetition_penalty=2.0, frequency_penalty=1.0),
     dict(temperature=0.8, min_tokens=10, logit_bias={2: 30.0}),  # EOS masked despite its bias
+    dict(temperature=1.0, top_k=6000),                        # more candidates than fit
+    dict(temperature=1.1, top_p=0.5, min_p=0.1),              # top-p bound, min-p after it
+    dict(temperature=0.9, top_k=3000, min_p=0.2),             # min-p bound above the k-th
 ]
 
 
@@ -96,10 +101,13 @@ def assert_cpu_tokens(got, want, logits, seqs, max_differ=2):
     assert len(differ) <= max_differ, f"{len(differ)} of {len(got)} tokens differ"
 
 
-@pytest.mark.parametrize("B,V", [(12, 1000), (48, 32000), (24, 128256), (1, 128256)])
-def test_fused_sampler_matches_cpu(cuda_f32, cpu, B, V):
-    rng = np.random.default_rng(B * V)
-    logits = (rng.standard_normal((B, V)) * 4).astype(np.float32)
+@pytest.mark.parametrize("spread", [0.5, 4.0, 30.0])
+@pytest.mark.parametrize("B,V", [(15, 1000), (45, 32000), (30, 128256), (2, 128256)])
+def test_fused_sampler_matches_cpu(cuda_f32, cpu, B, V, spread):
+    """Flat rows (spread 0.5: top-p and min-p keep too many tokens to compact, so the kernel
+    falls back to passes over the row), typical ones (4) and peaked ones (30: a few candidates)."""
+    rng = np.random.default_rng(B * V + int(spread * 10))
+    logits = (rng.standard_normal((B, V)) * spread).astype(np.float32)
     seqs = make_seqs(rng, B, V)
     want = Sampler(cpu).sample(logits, seqs, EOS)
     got = fused_sample(cuda_f32, logits, seqs)
