@@ -20,6 +20,11 @@
 // of the different summation order, which can only matter when the mass of a prefix lands within
 // a few ulps of top_p * Z.
 //
+// The trick, for the fused sampler (sample_fused_kernel, TAPER_CUDA_FUSED_SAMPLING=1): the ops
+// above in one launch, the filtered row read from memory once; a histogram of that pass bounds
+// the final threshold from below, so a second pass (from L2) leaves only the few tokens above
+// the bound, in shared memory, for the radix selects and the draw.
+//
 // Semantics at the edges, the serial scans of pyx/cpu_kernels.c row_argmax:
 // - argmax: NaN never wins; a NaN in column 0 gives 0 (the scan's first element sticks); an
 //   all -inf row gives 0. (The CPU scans chunks of 8192 and a NaN at a chunk start hides that

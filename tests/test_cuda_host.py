@@ -32,6 +32,22 @@ def test_launch_without_device_names_op(cb):
 
 
 @needs_ext
+def test_sample_fused_launch_checks_and_names_op(cb):
+    """The fused sampler's launcher: a missing array is an argument error before any launch,
+    and without a device the launch fails naming the op and the sizes."""
+    if cb.device_count():
+        pytest.skip("a GPU is present: tests/gpu covers the launches")
+    fake = [8] * 8   # logits, greedy, temperature, top_k, top_p, min_p, seeds, positions
+    no_pen = [0] * 5
+    with pytest.raises(cb.CudaError, match=r"^sample_fused: arguments the kernel cannot run "
+                                            r"with \(status -1\) \[B=1, V=10, N=2\]"):
+        cb.launch_sample_fused(*fake, *no_pen, 8, 1, 10, 2, 0)   # N = 2 entries, no arrays
+    with pytest.raises(cb.CudaError, match=r"^sample_fused: .*\(status [1-9]\d*\) "
+                                            r"\[B=1, V=10, N=0\]"):
+        cb.launch_sample_fused(*fake, *no_pen, 8, 1, 10, 0, 0)
+
+
+@needs_ext
 def test_backend_needs_a_device(cb):
     if cb.device_count():
         pytest.skip("a GPU is present")
