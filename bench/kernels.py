@@ -719,9 +719,9 @@ def cases_sample_fused(bench, c):
     """The whole sampling step of TAPER_CUDA_FUSED_SAMPLING=1 (penalties, temperature, top-k,
     top-p, min-p, Gumbel draw) in one launch, the same with top-p alone (its fallback path
     here), greedy rows (penalties + argmax) in one launch, and as baseline the op-by-op path it
-    replaces (apply_penalties, the radix filter_logits, gumbel_sample). Bytes: the logits read once (the bound the issue's 40 us at V = 128k, B = 1
-    is measured against). Penalties write in place, so each timed launch gets the pristine
-    logits back first."""
+    replaces (apply_penalties, the radix filter_logits, gumbel_sample). Bytes: the logits read
+    once (the bound the issue's 40 us at V = 128k, B = 1 is measured against). Penalties write
+    in place, so each timed launch gets the pristine logits back first."""
     b, cp = bench.b, bench.cp
     V = c["V"]
     rng = np.random.default_rng(0)

@@ -689,7 +689,8 @@ __device__ uint32_t fine_bound(const uint32_t (&h)[kBinsPerThread], int n, bool 
             const uint32_t b1 = b0 + ((1u << kFineShift) - 1u);
             // The bin's smallest and largest values (x <= m). Keys below -inf's and above +inf's
             // are NaN patterns no token has (float_key maps NaN to kNanKey, and this row holds
-            // none): bin 0 holds only -inf, the top bins nothing.
+            // none): -inf's bin (7) holds no other value, the bins below it and the top ones
+            // nothing.
             float vlo = key_float(b0), vhi = key_float(b1);
             if (isnan(vlo)) vlo = -INFINITY;
             if (isnan(vhi)) vhi = b0 < 0x80000000u ? -INFINITY : m;
@@ -817,7 +818,8 @@ sample_fused_kernel(float* __restrict__ logits,               // (B, V), penalis
     if (compact) {
         uint32_t h[kBinsPerThread];
 #pragma unroll
-        for (int j = 0; j < kBinsPerThread; j++) h[j] = s.fine_hist[kBinsPerThread * threadIdx.x + j];
+        for (int j = 0; j < kBinsPerThread; j++)
+            h[j] = s.fine_hist[kBinsPerThread * threadIdx.x + j];
         const uint32_t lb = fine_bound(h, n, use_k, k, use_p, p, use_m, min_p_thr, m, &s);
         const bool need_total = use_p && !use_k;
         if (threadIdx.x == 0) s.count = 0;

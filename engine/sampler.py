@@ -15,6 +15,10 @@ applies in the order above in one pass. The logits themselves stay where the bac
 are backend ops, and only the B token ids come back (`backend.to_host`). The caller's logits are
 never modified: the sampler works on a copy when some row needs penalties or filters.
 
+With a backend whose `fused_sampling` is on (CUDA's TAPER_CUDA_FUSED_SAMPLING=1), the penalties,
+argmax, filters and the Gumbel draw are one `sample_fused` launch for the whole batch instead,
+for the same tokens; processed logprobs keep the op-by-op path, which writes the filtered logits.
+
 `apply_penalties` and `apply_filters` are public NumPy helpers so tests can see the processed
 logits; they run the CPU backend's code (pyx/cpu_sampling.py).
 
@@ -131,15 +135,15 @@ class Sampler:
         if token_bitmask is not None:
             be.apply_token_bitmask(work, *(be.asarray(a) for a in token_bitmask))
         B = len(seqs)
-        rows = (greedy.astype(np.uint8),
-                np.array([p.temperature for p in params], dtype=np.float32),
-                np.array([p.top_k for p in params], dtype=np.int32),
-                np.array([p.top_p for p in params], dtype=np.float32),
-                np.array([p.min_p for p in params], dtype=np.float32),
-                np.array([s.seed for s in seqs], dtype=np.uint64),
-                np.array([s.num_output_tokens for s in seqs], dtype=np.int64))
+        per_row = (greedy.astype(np.uint8),
+                   np.array([p.temperature for p in params], dtype=np.float32),
+                   np.array([p.top_k for p in params], dtype=np.int32),
+                   np.array([p.top_p for p in params], dtype=np.float32),
+                   np.array([p.min_p for p in params], dtype=np.float32),
+                   np.array([s.seed for s in seqs], dtype=np.uint64),
+                   np.array([s.num_output_tokens for s in seqs], dtype=np.int64))
         out = xp.empty(B, dtype=xp.int64)
-        be.sample_fused(work, *(be.asarray(a) for a in rows), out,
+        be.sample_fused(work, *(be.asarray(a) for a in per_row), out,
                         penalties=None if entries is None else tuple(be.asarray(a)
                                                                      for a in entries))
         return out

@@ -78,8 +78,9 @@ def row_params(seqs):
 
 def assert_cpu_tokens(got, want, logits, seqs, max_differ=2):
     """got == want on every greedy row; a sampled row may differ only where one of the two tokens
-    sits at a threshold tie (the penalised logits' filter_ambiguous) or a Gumbel near-tie between the two tokens (of the CPU's
-    filtered logits). `logits`: the sampler's input after any token mask."""
+    sits at a threshold tie (the penalised logits' filter_ambiguous) or at a Gumbel near-tie
+    between the two (of the CPU's filtered logits). `logits`: the sampler's input after any
+    token mask."""
     greedy = np.array([s.sampling_params.greedy for s in seqs])
     np.testing.assert_array_equal(got[greedy], want[greedy])
     differ = np.flatnonzero(got != want)
