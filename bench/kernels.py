@@ -18,8 +18,9 @@ Default shapes are Llama-3-8B's (H 4096, 32 query heads over 8 KV heads of 128, 
 V 128256): the fused element-wise ops at T 1, 64, 4096 tokens; decode attention at batch 1, 16,
 64 x context 1k, 8k, 32k over a bf16 and an FP8 cache with split-K off and on (the variant names
 the split count pyx/decode_splits.py picks, "split-K x57"; --shape splits=2,8,64 adds rows with
-those counts forced, to compare the rule's pick with the best); prefill attention (simple and
-tensor-core kernels) at 1 x 4096 and 8 x 512 tokens; linear at M 1, 16, 64, 4096 for the qkv (6144 x 4096),
+those counts forced, to compare the rule's pick with the best); prefill attention (the simple
+kernel, and the tensor-core ones of TAPER_CUDA_PREFILL=mma and =fa2; causal, FLOPs over the
+triangle) at 1 x 4096 and 8 x 512 tokens; linear at M 1, 16, 64, 4096 for the qkv (6144 x 4096),
 o (4096 x 4096), gate_up (28672 x 4096) and down (4096 x 14336) projections; argmax, Gumbel
 sampling, the top-k/top-p/min-p filter (twice: the bisection kernel, and the radix-select one of
 TAPER_CUDA_RADIX_FILTER=1) and structured outputs' token bitmask (every row masked, about half
@@ -106,14 +107,13 @@ class Bench:
     flush_buf: object = None
     notes: list = field(default_factory=list)   # skipped cases and why
 
-    def backend(self, split_k: bool = False, mma_prefill: bool = False, dtype: str | None = None):
+    def backend(self, split_k: bool = False, prefill: str = "simple", dtype: str | None = None):
         """A CudaBackend built with the env switches it reads at construction."""
         from pyx.cuda_backend import CudaBackend
 
-        key = (dtype or self.dtype, split_k, mma_prefill)
+        key = (dtype or self.dtype, split_k, prefill)
         if key not in self.backends:
-            env = {"TAPER_CUDA_SPLIT_K": "1" if split_k else "0",
-                   "TAPER_CUDA_MMA_PREFILL": "1" if mma_prefill else "0"}
+            env = {"TAPER_CUDA_SPLIT_K": "1" if split_k else "0", "TAPER_CUDA_PREFILL": prefill}
             saved = {k: os.environ.get(k) for k in env}
             os.environ.update(env)
             try:
@@ -452,11 +452,11 @@ def cases_prefill(bench, c):
             inputs.append((out, q, k_cache, v_cache, tables, seq_lens, qsl))
         flops = 4 * D * Hq * n * (L * (L + 1) // 2)  # QK^T and PV over the causal triangle
         moved = 2 * T * Hq * D * e + 2 * T * Hkv * D * e + n * per_seq * 4
-        for mma in (False, True):
-            b = bench.backend(mma_prefill=mma)
+        for kernel in ("simple", "mma", "fa2"):
+            b = bench.backend(prefill=kernel)
             sets = [lambda a=a, b=b: b.paged_attention(*a, 1.0 / np.sqrt(D), 0) for a in inputs]
-            yield Case("prefill_attention", f"{n}x{L} Hq={Hq} Hkv={Hkv} D={D}",
-                       "mma" if mma else "simple", moved, flops, sets, stream=b.stream)
+            yield Case("prefill_attention", f"{n}x{L} Hq={Hq} Hkv={Hkv} D={D}", kernel, moved,
+                       flops, sets, stream=b.stream)
         sets = None
         del k_cache, v_cache, inputs
         bench.free()
