@@ -129,13 +129,14 @@ def cpu_reference(q, kc, vc, tables, seq_lens, qsl, scale, window, softcap):
 
 SEQS = [(300, 300), (500, 77), (129, 1), (64, 64), (1000, 130), (33, 17), (1, 1), (65, 65),
         (257, 3)]
-# (Hq, Hkv, BS): groups 1, 2, 3, 4, 5, 8 and multi-query; blocks that divide the 64-key tile
-# and blocks that do not
-LAYOUTS = [(2, 2, 16), (4, 2, 32), (6, 2, 24), (8, 2, 16), (10, 2, 48), (16, 2, 128), (32, 1, 16)]
+# (Hq, Hkv, BS, window, softcap): groups 1, 2, 3, 4, 5, 8 and multi-query; blocks that divide
+# the 64-key tile and blocks that do not; no window, a window of 1 (the diagonal alone), windows
+# shorter and longer than a tile; soft-cap on and off
+CASES = [(2, 2, 16, 0, 0.0), (4, 2, 32, 100, 0.0), (6, 2, 24, 37, 3.0), (8, 2, 16, 0, 0.0),
+         (8, 2, 16, 100, 0.0), (10, 2, 48, 1, 0.0), (16, 2, 128, 0, 5.0), (32, 1, 16, 37, 0.0)]
 
 
-@pytest.mark.parametrize("window,softcap", [(0, 0.0), (100, 0.0), (1, 0.0), (37, 3.0)])
-@pytest.mark.parametrize("Hq,Hkv,BS", LAYOUTS)
+@pytest.mark.parametrize("Hq,Hkv,BS,window,softcap", CASES)
 def test_schedule_matches_cpu_attention(Hq, Hkv, BS, window, softcap):
     rng = np.random.default_rng(Hq * 100 + BS + window)
     D = 16  # the schedule does not depend on D; small keeps the replay fast
