@@ -7,13 +7,16 @@ lengths, chunks at an offset into a longer context read from the paged cache (pr
 and chunked prefill), decode rows mixed in; block sizes 16, 32, 128 and 24 (not a divisor of the
 64-key tile); sliding window and soft-cap; cache memory the batch does not own holding large
 finite garbage or NaN; a Llama-3-8B-shaped 2k prompt and its continuation chunk. Batches the
-kernel lacks (FP8 cache, D 96) must still give the right answer through the simple kernel.
+kernel lacks (FP8 cache, D 96) must still give the right answer through the simple kernel. At
+model level, test_cuda_model's greedy comparison with the CPU engine runs with the switch on.
 """
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
+import test_cuda_model as model_tests
+from test_cuda_model import checkpoints  # noqa: F401 (the tiny-256 checkpoints fixture)
 from test_cuda_ops import TOL, check_attention, cpu_attention, cuda_attention, paged_batch, rel_diff
 
 # (seq_len, q_len): whole prompts of odd lengths, chunks whose rows sit at an offset into a longer
@@ -93,3 +96,22 @@ def test_fa2_switch_falls_back_for_other_batches(make_cuda, cpu, case):
     D = 96 if case == "D96" else 64
     p = paged_batch(rng, SEQS, 16, 4, 2, D, dt, fp8=case == "fp8")
     check_attention(b, cpu, p, 0, 0.0, f"fa2 switch, {case}")
+
+
+@pytest.mark.parametrize("case", ["llama", "mistral_window16"])
+def test_fa2_engine_greedy_matches_cpu(checkpoints, monkeypatch, case):  # noqa: F811
+    """test_cuda_model's greedy comparison (chunked prefill mixed with decodes, a round that hits
+    the prefix cache; tiny-256 llama with GQA 4:2, mistral with a window of 16) with the engine's
+    CUDA backend built under TAPER_CUDA_PREFILL=fa2."""
+    monkeypatch.setenv("TAPER_CUDA_PREFILL", "fa2")
+    made = []
+
+    def make_llm(path, backend, **config):
+        made.append(original(path, backend, **config))
+        return made[-1]
+
+    original = model_tests.make_llm
+    monkeypatch.setattr(model_tests, "make_llm", make_llm)
+    model_tests.test_greedy_matches_cpu(checkpoints, case)
+    kernels = [getattr(llm.engine.backend, "prefill_kernel", "cpu") for llm in made]
+    assert sorted(kernels) == ["cpu", "fa2"], kernels
