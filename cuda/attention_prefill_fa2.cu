@@ -119,14 +119,17 @@ prefill_attention_fa2_kernel(T* __restrict__ out,                          // (T
         T* sK = smem + 2 * stage * TILE;
         T* sV = sK + TILE;
         for (int r = tid / CHUNKS; r < FA_N; r += ROWS_PER_PASS) {
+            // Key positions in unsigned 32 bits (the launcher checked MB * BS < 2^31; j >= 0 in
+            // the range): 64-bit divisions here would cost more instructions than the MMAs.
             const int64_t j = kt + r;
             int64_t off = 0;
             bool valid = false;
             if (j >= k_lo && j <= k_hi) {
-                const int32_t blk = bt[j / BS];
+                const unsigned ju = (unsigned)j, page = ju / (unsigned)BS, slot = ju % (unsigned)BS;
+                const int32_t blk = bt[page];
                 if (blk >= 0 && blk < NB) {
                     valid = true;
-                    off = (((int64_t)blk * BS + j % BS) * Hkv + kvh) * D + part * 8;
+                    off = (((int64_t)blk * BS + slot) * Hkv + kvh) * D + part * 8;
                 }
             }
             cp_async_16(smem_addr(sK + r * LD + part * 8), k_cache + off, valid);
@@ -358,6 +361,7 @@ int prefill_attention_fa2(void* out, const void* q, const void* k_cache, const v
     // start aligned when the base is); the output is written in 32-bit pairs.
     if (!aligned(q, 16) || !aligned(k_cache, 16) || !aligned(v_cache, 16) || !aligned(out, 4))
         return TAPER_CUDA_ERR_ARG;
+    if (MB * BS > INT32_MAX) return TAPER_CUDA_ERR_ARG;  // key positions are 32-bit in the kernel
     if (dtype == TAPER_DT_BF16)
         return launch_fa2_dim<__nv_bfloat16>(out, q, k_cache, v_cache, block_tables, seq_lens,
                                              query_start_loc, T, B, Hq, Hkv, D, NB, BS, MB,
