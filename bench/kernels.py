@@ -18,8 +18,9 @@ Default shapes are Llama-3-8B's (H 4096, 32 query heads over 8 KV heads of 128, 
 V 128256): the fused element-wise ops at T 1, 64, 4096 tokens; decode attention at batch 1, 16,
 64 x context 1k, 8k, 32k over a bf16 and an FP8 cache with split-K off and on (the variant names
 the split count pyx/decode_splits.py picks, "split-K x57"; --shape splits=2,8,64 adds rows with
-those counts forced, to compare the rule's pick with the best); prefill attention (simple and
-tensor-core kernels) at 1 x 4096 and 8 x 512 tokens; linear at M 1, 16, 64, 4096 for the qkv (6144 x 4096),
+those counts forced, to compare the rule's pick with the best); prefill attention (the simple
+kernel, and the tensor-core ones of TAPER_CUDA_PREFILL=mma and =fa2; causal, FLOPs over the
+triangle) at 1 x 4096 and 8 x 512 tokens; linear at M 1, 16, 64, 4096 for the qkv (6144 x 4096),
 o (4096 x 4096), gate_up (28672 x 4096) and down (4096 x 14336) projections; argmax, Gumbel
 sampling, the top-k/top-p/min-p filter (twice: the bisection kernel, and the radix-select one of
 TAPER_CUDA_RADIX_FILTER=1), the one-launch sampler of TAPER_CUDA_FUSED_SAMPLING=1 (sample_fused:
@@ -43,7 +44,8 @@ TAPER_CUDA_FP8_GEMV=1 on the e4m3 codes, any sm80+ device; the weight bytes over
 ratio to the copy ceiling. --shape QM=1,16 and qlayers=gate_up,down select.
 
 --shape overrides a dimension: T, B, ctx, M, SB (sampling batch), splits take lists (T=1,64),
-prefill takes NxL items (prefill=1x4096,8x512), H Hq Hkv D I V BS take one value.
+prefill takes NxL items, or NxL+P for chunks of L rows after P cached tokens (prefill=1x4096,
+1x1024+3072), H Hq Hkv D I V BS take one value.
 --quick runs a small subset (well under a minute). Without a CUDA device it says so and exits 2.
 """
 from __future__ import annotations
@@ -67,9 +69,9 @@ OPS = ["embedding", "scale", "rms_norm", "fused_add_rms_norm", "layer_norm",
 
 DEFAULT = dict(H=4096, Hq=32, Hkv=8, D=128, I=14336, V=128256, BS=16,
                T=[1, 64, 4096], B=[1, 16, 64], ctx=[1024, 8192, 32768],
-               prefill=[(1, 4096), (8, 512)], M=[1, 16, 64, 4096], SB=[1, 64],
+               prefill=[(1, 4096, 0), (8, 512, 0)], M=[1, 16, 64, 4096], SB=[1, 64],
                QM=[1, 4, 16, 64, 4096], qlayers=["qkv", "o", "gate_up", "down"], splits=[])
-QUICK = dict(T=[1, 4096], B=[1, 64], ctx=[8192], prefill=[(1, 4096)], M=[1, 4096], SB=[64],
+QUICK = dict(T=[1, 4096], B=[1, 64], ctx=[8192], prefill=[(1, 4096, 0)], M=[1, 4096], SB=[64],
              QM=[1, 4096], qlayers=["gate_up"])
 LIST_KEYS = ("T", "B", "ctx", "M", "SB", "QM", "splits")
 QGEMM_SETS = 2          # weight copies + activations per quantized format (weights are large)
@@ -108,14 +110,13 @@ class Bench:
     flush_buf: object = None
     notes: list = field(default_factory=list)   # skipped cases and why
 
-    def backend(self, split_k: bool = False, mma_prefill: bool = False, dtype: str | None = None):
+    def backend(self, split_k: bool = False, prefill: str = "simple", dtype: str | None = None):
         """A CudaBackend built with the env switches it reads at construction."""
         from pyx.cuda_backend import CudaBackend
 
-        key = (dtype or self.dtype, split_k, mma_prefill)
+        key = (dtype or self.dtype, split_k, prefill)
         if key not in self.backends:
-            env = {"TAPER_CUDA_SPLIT_K": "1" if split_k else "0",
-                   "TAPER_CUDA_MMA_PREFILL": "1" if mma_prefill else "0"}
+            env = {"TAPER_CUDA_SPLIT_K": "1" if split_k else "0", "TAPER_CUDA_PREFILL": prefill}
             saved = {k: os.environ.get(k) for k in env}
             os.environ.update(env)
             try:
@@ -438,27 +439,29 @@ def cases_prefill(bench, c):
     act = bench.b.act_dtype
     Hq, Hkv, D, BS = c["Hq"], c["Hkv"], c["D"], c["BS"]
     e = esize(act)
-    for n, L in c["prefill"]:
-        per_seq = -(-L // BS)
+    for n, L, P in c["prefill"]:
+        per_seq = -(-(P + L) // BS)
         T = n * L
         k_cache, v_cache = kv_pool(bench, act, n * per_seq, BS, Hkv, D)
         inputs = []
         for i in range(N_SETS):
             perm = np.random.default_rng(i).permutation(n * per_seq).astype(np.int32)
             tables = bench.dev(perm.reshape(n, per_seq))
-            seq_lens = bench.dev(np.full(n, L, np.int32))
+            seq_lens = bench.dev(np.full(n, P + L, np.int32))
             qsl = bench.dev((np.arange(n + 1) * L).astype(np.int32))
             q = bench.rand((T, Hq, D), act)
             with bench.stream:
                 out = bench.cp.empty((T, Hq, D), dtype=act)
             inputs.append((out, q, k_cache, v_cache, tables, seq_lens, qsl))
-        flops = 4 * D * Hq * n * (L * (L + 1) // 2)  # QK^T and PV over the causal triangle
-        moved = 2 * T * Hq * D * e + 2 * T * Hkv * D * e + n * per_seq * 4
-        for mma in (False, True):
-            b = bench.backend(mma_prefill=mma)
+        # QK^T and PV over the causal triangle after the P cached keys (a rectangle)
+        flops = 4 * D * Hq * n * (L * P + L * (L + 1) // 2)
+        moved = 2 * T * Hq * D * e + 2 * n * (P + L) * Hkv * D * e + n * per_seq * 4
+        for kernel in ("simple", "mma", "fa2"):
+            b = bench.backend(prefill=kernel)
             sets = [lambda a=a, b=b: b.paged_attention(*a, 1.0 / np.sqrt(D), 0) for a in inputs]
-            yield Case("prefill_attention", f"{n}x{L} Hq={Hq} Hkv={Hkv} D={D}",
-                       "mma" if mma else "simple", moved, flops, sets, stream=b.stream)
+            chunk = f"{n}x{L}+{P}" if P else f"{n}x{L}"
+            yield Case("prefill_attention", f"{chunk} Hq={Hq} Hkv={Hkv} D={D}", kernel, moved,
+                       flops, sets, stream=b.stream)
         sets = None
         del k_cache, v_cache, inputs
         bench.free()
@@ -826,6 +829,20 @@ def all_cases(bench, c, ops):
 # ---- command line
 
 
+def parse_prefill(item: str, v: str) -> tuple[int, int, int]:
+    """NxL (N prompts of L tokens) or NxL+P (N chunks of L rows after P cached tokens each)."""
+    try:
+        n, rest = v.lower().split("x")
+        L, _, P = rest.partition("+")
+        shape = (int(n), int(L), int(P or 0))
+    except ValueError:
+        raise SystemExit(f"--shape {item!r}: prefill takes NxL or NxL+P items, e.g. "
+                         "1x4096,8x512,1x1024+3072") from None
+    if shape[0] < 1 or shape[1] < 1 or shape[2] < 0:
+        raise SystemExit(f"--shape {item!r}: prefill needs N, L >= 1 and P >= 0")
+    return shape
+
+
 def parse_shapes(items) -> dict:
     out = {}
     for item in items or []:
@@ -833,12 +850,7 @@ def parse_shapes(items) -> dict:
             raise SystemExit(f"--shape {item!r}: expected key=value")
         key, value = item.split("=", 1)
         if key == "prefill":
-            try:
-                out[key] = [tuple(int(p) for p in v.lower().split("x")) for v in value.split(",")]
-            except ValueError:
-                raise SystemExit(f"--shape {item!r}: prefill takes NxL items, e.g. 1x4096,8x512")
-            if any(len(p) != 2 for p in out[key]):
-                raise SystemExit(f"--shape {item!r}: prefill takes NxL items")
+            out[key] = [parse_prefill(item, v) for v in value.split(",")]
         elif key in LIST_KEYS:
             out[key] = [int(v) for v in value.split(",")]
         elif key == "qlayers":
@@ -861,7 +873,8 @@ def build_parser():
     ap.add_argument("--shape", action="append", metavar="k=v",
                     help="override a dimension: T, B, ctx, M, SB, QM (qgemm's M), splits "
                          "(decode attention's forced split counts) take lists "
-                         "(T=1,64); prefill=1x4096,8x512; qlayers=gate_up,down (qgemm's "
+                         "(T=1,64); prefill=1x4096,8x512,1x1024+3072 (N chunks of L rows "
+                         "after P cached tokens); qlayers=gate_up,down (qgemm's "
                          "projections); H, Hq, Hkv, D, I, V, BS one value")
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "f16", "f32"],
                     help="activation dtype (default bf16)")

@@ -7,7 +7,8 @@
 // scale * dot(q, k), soft-capped when softcap > 0, softmaxed in float. FP8 caches are read back as
 // decode(code) * k_scale[kv head] (v_scale). A row whose key range is empty writes zeros.
 //
-// Two kernels:
+// Three kernels (variant 2, FlashAttention-2 style with GQA packing and a cp.async ring, lives
+// in attention_prefill_fa2.cu; the two here stay as its references):
 // - variant 0, the reference: one warp per (query row, query head). The warp finds its sequence
 //   by a binary search over query_start_loc, then walks its keys one at a time with an online
 //   softmax (running max m, running sum l, output accumulator spread over the lanes). The lanes
@@ -28,7 +29,9 @@
 // from its own block tables), so the kernels only keep a bad batch in bounds: key positions are clipped
 // to the block table's MB * BS slots and a block id outside [0, NB) reads as missing (variant 0
 // skips the key, variant 1 reads zeros).
+#include "attention_prefill_fa2.cuh"
 #include "common.cuh"
+#include "mma.cuh"
 
 namespace {
 
@@ -155,46 +158,9 @@ constexpr int V1_N = 64;       // keys per tile
 constexpr int V1_WARPS = V1_M / 16;
 constexpr int V1_THREADS = V1_WARPS * 32;
 
-__device__ __forceinline__ uint32_t pack_pair(float lo, float hi, __nv_bfloat16*) {
-    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // .x (lo) is the low half
-    uint32_t u;
-    memcpy(&u, &v, 4);
-    return u;
-}
-__device__ __forceinline__ uint32_t pack_pair(float lo, float hi, __half*) {
-    __half2 v = __floats2half2_rn(lo, hi);
-    uint32_t u;
-    memcpy(&u, &v, 4);
-    return u;
-}
-
-// c += a (16x16, row major) * b (16x8, column major), f32 accumulators. mma.sync m16n8k16 with
-// 16-bit inputs exists from sm_80 on and runs unchanged on sm_90a (Hopper keeps the warp-level
-// MMA path beside wgmma), so one kernel serves both targets.
-__device__ __forceinline__ void mma_16816(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1,
-                                          __nv_bfloat16*) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-#else
-    __trap();  // the launcher never runs variant 1 below sm_80 (it is not compiled for it)
-#endif
-}
-__device__ __forceinline__ void mma_16816(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1,
-                                          __half*) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-#else
-    __trap();
-#endif
-}
+// pack_pair and mma_16816 (mma.sync m16n8k16, sm_80 and up, unchanged on sm_90a): cuda/mma.cuh.
+using taper::mma_16816;
+using taper::pack_pair;
 
 __device__ __forceinline__ uint32_t load_u32(const void* p) { return *(const uint32_t*)p; }
 
@@ -502,13 +468,19 @@ extern "C" int taper_cuda_paged_attention_prefill(
         return TAPER_CUDA_ERR_ARG;
     const bool fp8 = cache_dtype == TAPER_DT_FP8;
     if (fp8 ? (!k_scale || !v_scale) : cache_dtype != dtype) return TAPER_CUDA_ERR_ARG;
-    if (variant != 0 && variant != 1) return TAPER_CUDA_ERR_ARG;
+    if (variant < 0 || variant > 2) return TAPER_CUDA_ERR_ARG;
 
     const PrefillArgs a = {out, q, k_cache, v_cache, fp8 ? k_scale : nullptr,
                            fp8 ? v_scale : nullptr, block_tables, seq_lens, query_start_loc,
                            T, B, Hq, Hkv, D, NB, BS, MB, scale, sliding_window, softcap};
     cudaStream_t s = (cudaStream_t)stream;
 
+    if (variant == 2) {  // attention_prefill_fa2.cu: bf16/f16 with a same-type cache
+        if (fp8) return TAPER_CUDA_ERR_ARG;
+        return taper::prefill_attention_fa2(out, q, k_cache, v_cache, block_tables, seq_lens,
+                                            query_start_loc, T, B, Hq, Hkv, D, NB, BS, MB, scale,
+                                            sliding_window, softcap, dtype, s);
+    }
     if (variant == 1) {
         // The tensor-core kernel moves K/V in 16-byte chunks and Q/out in 32-bit pairs.
         if (fp8 || !aligned(k_cache, 16) || !aligned(v_cache, 16) || !aligned(q, 4) ||

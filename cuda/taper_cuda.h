@@ -156,7 +156,9 @@ int taper_cuda_paged_attention_decode(void* out,                   // (B, Hq, D)
  * row i of sequence b sits at position seq_lens[b] - (query_start_loc[b+1] - i)).
  * variant 0: the simple kernel (reference; one warp per (row, head), online softmax).
  * variant 1: flash-style tensor-core (mma.sync m16n8k16) kernel for sm80+, bf16/f16, D in
- * {64, 128}; other inputs return TAPER_CUDA_ERR_ARG (the caller falls back to variant 0). */
+ * {64, 128}; other inputs return TAPER_CUDA_ERR_ARG (the caller falls back to variant 0).
+ * variant 2: FlashAttention-2 style (attention_prefill_fa2.cu: the query heads of one KV head
+ * packed into one block, cp.async double-buffered K/V, ldmatrix, mma.sync), same inputs as 1. */
 
 int taper_cuda_paged_attention_prefill(void* out,                      // (T, Hq, D) dtype
                                        const void* q,                  // (T, Hq, D) dtype

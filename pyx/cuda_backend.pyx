@@ -12,8 +12,10 @@ through cuBLAS (the libcublas CuPy loads, on a handle of our own, so no extra li
 All work is queued on one stream, `backend.stream`, with no synchronization inside an op, so a
 decode step can be captured in a CUDA Graph. Tuned kernels stay behind switches until a GPU
 run has verified them: TAPER_CUDA_SPLIT_K=1 (flash-decoding: split-K decode attention with
-the split count of pyx/decode_splits.py), TAPER_CUDA_MMA_PREFILL=1 (tensor-core prefill
-attention), TAPER_CUDA_MARLIN_PIPELINE=1 (the pipelined Marlin W4A16 GEMM),
+the split count of pyx/decode_splits.py), TAPER_CUDA_PREFILL=mma|fa2 (tensor-core prefill
+attention: the first flash-style kernel, or the FlashAttention-2 one with GQA packing and a
+cp.async ring; TAPER_CUDA_MMA_PREFILL=1 is the older spelling of mma),
+TAPER_CUDA_MARLIN_PIPELINE=1 (the pipelined Marlin W4A16 GEMM),
 TAPER_CUDA_FP8_CUTLASS=1 (FP8 block-wise weights through CUTLASS on sm_90a instead of
 dequantized once to bf16), TAPER_CUDA_FP8_GEMV=1 (FP8 block-wise weights kept e4m3, read by
 the FP8 GEMV kernel for small M), TAPER_CUDA_RADIX_FILTER=1 (the top-k / top-p thresholds of
@@ -141,6 +143,22 @@ def _env_on(name):
     return os.environ.get(name, "0") not in ("", "0", "false", "False")
 
 
+# The prefill attention kernels (taper_cuda_paged_attention_prefill's variants); the tensor-core
+# ones take bf16/f16 with a same-type cache and D 64 or 128, other batches the simple one.
+PREFILL_VARIANTS = {"simple": 0, "mma": 1, "fa2": 2}
+
+
+def _prefill_kernel():
+    """TAPER_CUDA_PREFILL's kernel; unset: "mma" under TAPER_CUDA_MMA_PREFILL=1, else "simple"."""
+    name = os.environ.get("TAPER_CUDA_PREFILL", "")
+    if not name:
+        return "mma" if _env_on("TAPER_CUDA_MMA_PREFILL") else "simple"
+    if name not in PREFILL_VARIANTS:
+        raise ValueError(f"TAPER_CUDA_PREFILL must be one of {', '.join(PREFILL_VARIANTS)}, "
+                         f"got {name!r}")
+    return name
+
+
 cdef class CudaBackend(Backend):
     """Backend on CuPy arrays of one device with the kernels of cuda/.
 
@@ -151,6 +169,7 @@ cdef class CudaBackend(Backend):
     cdef int _act_code
     cdef object _cupy, _workspace, _panel, _retired, _cublas_workspace, _decode_occupancy
     cdef void* _blas_handle
+    cdef public str prefill_kernel   # a PREFILL_VARIANTS name: TAPER_CUDA_PREFILL
     cdef public bint split_k, mma_prefill, fp8_cutlass, marlin_pipeline, fp8_gemv, radix_filter
     cdef public bint fused_sampling  # engine/sampler.py calls sample_fused
     cdef public int fp8_gemv_max_m   # FP8 weights take the GEMV up to this many rows
@@ -200,7 +219,8 @@ cdef class CudaBackend(Backend):
         self._panel = None
         self._retired = []
         self.split_k = _env_on("TAPER_CUDA_SPLIT_K")
-        self.mma_prefill = _env_on("TAPER_CUDA_MMA_PREFILL")
+        self.prefill_kernel = _prefill_kernel()
+        self.mma_prefill = self.prefill_kernel == "mma"
         self.fp8_cutlass = _env_on("TAPER_CUDA_FP8_CUTLASS")
         self.marlin_pipeline = _env_on("TAPER_CUDA_MARLIN_PIPELINE")
         self.fp8_gemv = _env_on("TAPER_CUDA_FP8_GEMV")
@@ -218,7 +238,7 @@ cdef class CudaBackend(Backend):
 
     def __repr__(self):
         return (f"CudaBackend(device={self.device.id}, dtype={self.act_dtype.name}, "
-                f"split_k={self.split_k}, mma_prefill={self.mma_prefill})")
+                f"split_k={self.split_k}, prefill_kernel={self.prefill_kernel!r})")
 
     # ---- arrays
 
@@ -741,11 +761,12 @@ cdef class CudaBackend(Backend):
         args = (self._ptr(out), self._ptr(q), self._ptr(k_cache), self._ptr(v_cache), ks, vs,
                 self._ptr(block_tables), self._ptr(seq_lens), self._ptr(query_start_loc), T, B,
                 Hq, Hkv, D, NB, BS, MB, scale, sw, softcap, self._act_code, cache_code)
-        if self.mma_prefill:
+        variant = PREFILL_VARIANTS[self.prefill_kernel]
+        if variant:
             try:
-                launch_paged_attention_prefill(*args, 1, self._sptr())
+                launch_paged_attention_prefill(*args, variant, self._sptr())
                 return
-            except CudaError as e:  # shapes the tensor-core kernel lacks: the simple one runs
+            except CudaError as e:  # shapes the tensor-core kernels lack: the simple one runs
                 if "status -1" not in str(e):
                     raise
         launch_paged_attention_prefill(*args, 0, self._sptr())

@@ -14,7 +14,8 @@ under a running kernel.
 Backends are cached for the whole session and never freed: each CudaBackend gives the device's
 shared cuBLAS handle its own workspace, so a backend must outlive every other one that uses the
 handle after it. Tests that need an environment switch (TAPER_CUDA_SPLIT_K, TAPER_CUDA_MMA_PREFILL,
-read when a backend is built) get a backend built under that environment, cached the same way.
+TAPER_CUDA_PREFILL, read when a backend is built) get a backend built under that environment,
+cached the same way.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ import pathlib
 import pytest
 
 HERE = pathlib.Path(__file__).resolve().parent
-SWITCHES = ("TAPER_CUDA_SPLIT_K", "TAPER_CUDA_MMA_PREFILL")
+SWITCHES = ("TAPER_CUDA_SPLIT_K", "TAPER_CUDA_MMA_PREFILL", "TAPER_CUDA_PREFILL")
 
 
 def _why_no_gpu() -> str | None:
@@ -64,11 +65,13 @@ _BACKENDS: dict = {}
 def cuda_backend(dtype: str, **switches):
     """The session's CudaBackend for activation `dtype` ("f32" | "bf16" | "f16") built with the
     given env switches on (split_k=True -> TAPER_CUDA_SPLIT_K=1, mma_prefill=True ->
-    TAPER_CUDA_MMA_PREFILL=1) and every other switch off."""
+    TAPER_CUDA_MMA_PREFILL=1, prefill="fa2" -> TAPER_CUDA_PREFILL=fa2) and every other switch
+    off."""
     from pyx.cuda_backend import CudaBackend
 
     env = {"TAPER_CUDA_SPLIT_K": "1" if switches.pop("split_k", False) else "0",
-           "TAPER_CUDA_MMA_PREFILL": "1" if switches.pop("mma_prefill", False) else "0"}
+           "TAPER_CUDA_MMA_PREFILL": "1" if switches.pop("mma_prefill", False) else "0",
+           "TAPER_CUDA_PREFILL": switches.pop("prefill", "")}
     if switches:
         raise TypeError(f"unknown switches {sorted(switches)}")
     key = (dtype, tuple(sorted(env.items())))
