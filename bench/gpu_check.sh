@@ -150,14 +150,17 @@ if [ "$SUITE" = quant ]; then
 elif [ "$SUITE" = serve ]; then
     :
 elif [ "$SUITE" = tuned ]; then
-    # flash-decoding (TAPER_CUDA_SPLIT_K=1), the FP8 GEMV (TAPER_CUDA_FP8_GEMV=1) and the radix
-    # filter (TAPER_CUDA_RADIX_FILTER=1): their tests; decode attention over bf16 and FP8 caches
-    # with the rule's split count and forced ones beside it; the filter both ways; the quantized
-    # GEMMs (fp8-gemv rows beside bf16, fp8-cutlass) at small M
+    # flash-decoding (TAPER_CUDA_SPLIT_K=1), the FP8 GEMV (TAPER_CUDA_FP8_GEMV=1), the radix
+    # filter (TAPER_CUDA_RADIX_FILTER=1) and the fused MoE grouped GEMM (TAPER_CUDA_FUSED_MOE=1):
+    # their tests; decode attention over bf16 and FP8 caches with the rule's split count and
+    # forced ones beside it; the filter both ways; the quantized GEMMs (fp8-gemv rows beside
+    # bf16, fp8-cutlass) at small M; the MoE grouped GEMM against the active experts' bytes
     GPU_TESTS_CAP=240           # 32k-key decode batches and Llama-3-8B-sized FP8 weights
     GPU_TEST_FILES="test_cuda_flash_decode.py test_cuda_fp8_gemv.py test_cuda_radix_filter.py"
-    KERNEL_OPS="decode_attention filter_logits qgemm"
+    GPU_TEST_FILES="$GPU_TEST_FILES test_cuda_moe.py"
+    KERNEL_OPS="decode_attention filter_logits qgemm moe"
     KERNEL_SHAPES="--shape splits=2,4,8,16,32,64 --shape QM=1,4,16,64 --shape qlayers=gate_up,down"
+    KERNEL_SHAPES="$KERNEL_SHAPES --shape MT=1,64,4096"
     THROUGHPUT_ARGS="--quant fp8"
     THROUGHPUT_ENV="TAPER_CUDA_FP8_GEMV=1 TAPER_CUDA_SPLIT_K=1"   # FP8 decode with both on
 elif [ "$SUITE" = core ]; then

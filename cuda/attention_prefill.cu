@@ -168,33 +168,7 @@ __device__ __forceinline__ uint32_t pack_pair(float lo, float hi, __half*) {
     return u;
 }
 
-// c += a (16x16, row major) * b (16x8, column major), f32 accumulators. mma.sync m16n8k16 with
-// 16-bit inputs exists from sm_80 on and runs unchanged on sm_90a (Hopper keeps the warp-level
-// MMA path beside wgmma), so one kernel serves both targets.
-__device__ __forceinline__ void mma_16816(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1,
-                                          __nv_bfloat16*) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-#else
-    __trap();  // the launcher never runs variant 1 below sm_80 (it is not compiled for it)
-#endif
-}
-__device__ __forceinline__ void mma_16816(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1,
-                                          __half*) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-#else
-    __trap();
-#endif
-}
+using taper::mma_16816;  // common.cuh
 
 __device__ __forceinline__ uint32_t load_u32(const void* p) { return *(const uint32_t*)p; }
 
