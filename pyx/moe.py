@@ -53,13 +53,24 @@ def moe_block_m(P: int, E: int) -> int:
     return 64 if P >= 64 * E else 16
 
 
-def route(logits, top_k: int, normalize: bool, xp=np):
+def route(logits, top_k: int, normalize: bool, xp=np, graph_safe: bool = False):
     """logits (T, E) -> (expert ids (T, top_k) int64, weights (T, top_k) float32): the top_k
-    experts of each token by softmax probability (their order within a row is unspecified)."""
+    experts of each token by softmax probability (their order within a row is unspecified).
+    graph_safe: select by top_k argmax passes (lowest index on ties) instead of a partition,
+    because CuPy's argpartition is a Thrust sort, which synchronizes the stream and so cannot be
+    captured in a CUDA graph."""
     logits = logits.astype(xp.float32, copy=False)
     probs = xp.exp(logits - logits.max(axis=1, keepdims=True))
     probs /= probs.sum(axis=1, keepdims=True)
-    ids = xp.argpartition(-probs, top_k - 1, axis=1)[:, :top_k]
+    if graph_safe:
+        ids = xp.empty((probs.shape[0], top_k), xp.int64)
+        left = probs.copy()
+        rows = xp.arange(probs.shape[0])
+        for j in range(top_k):
+            ids[:, j] = left.argmax(axis=1)
+            left[rows, ids[:, j]] = -1.0                # below every probability
+    else:
+        ids = xp.argpartition(-probs, top_k - 1, axis=1)[:, :top_k]
     weights = xp.take_along_axis(probs, ids, axis=1)
     if normalize:
         weights /= weights.sum(axis=1, keepdims=True)
@@ -92,7 +103,7 @@ class MoE:
         T, H = x.shape
         logits = ws.get("router_logits", T, self.num_experts)
         b.linear(x, self.router, None, logits)
-        ids, weights = route(logits, self.top_k, self.normalize, xp)
+        ids, weights = route(logits, self.top_k, self.normalize, xp, graph_safe=self.fused)
         if self.fused:
             self._experts_fused(x, ids, weights, out, ws)
         else:

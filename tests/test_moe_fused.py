@@ -54,8 +54,8 @@ def test_align_literal():
     P = 6
     assert total == 48 and offsets.tolist() == [0, 16, 32, 48, 48]
     assert sorted_ids.tolist() == ([1, 4] + [P] * 14 + [3] + [P] * 15 + [0, 2, 5] + [P] * 13
-                                   + [P] * 48)   # capacity: ceil((6 + 4 * 15) / 16) * 16 = 96
-    assert block_expert.tolist() == [0, 1, 2, -1, -1, -1]
+                                   + [P] * 32)   # capacity: ceil((6 + 4 * 15) / 16) * 16 = 80
+    assert block_expert.tolist() == [0, 1, 2, -1, -1]
 
 
 def test_align_skips_ids_outside_the_experts():
@@ -80,6 +80,19 @@ def test_align_matches_the_per_pair_loop(T, k, E, block_m):
     assert block_expert.tolist() == blocks
     assert offsets.tolist() == offs and total == offs[-1]
     assert total % block_m == 0 and total <= sorted_ids.size
+
+
+def test_graph_safe_routing_picks_the_same_experts():
+    """The fused path's top-k by argmax passes against the partition's, on ties-free logits."""
+    from pyx.moe import route
+    logits = np.random.default_rng(9).normal(size=(50, 16)).astype(np.float32)
+    for normalize in (False, True):
+        ids, w = route(logits, 4, normalize)
+        ids2, w2 = route(logits, 4, normalize, graph_safe=True)
+        for a, wa, b, wb in zip(ids, w, ids2, w2):
+            assert sorted(a.tolist()) == sorted(b.tolist())
+            np.testing.assert_allclose(sorted(wa), sorted(wb), rtol=1e-6)
+        assert (np.diff(w2, axis=1) <= 0).all()        # by probability, highest first
 
 
 def test_block_m_rule():
@@ -135,6 +148,25 @@ def test_bad_shapes_name_the_op():
     with pytest.raises(ValueError, match=r"^moe_combine: need y"):
         b.moe_combine(np.zeros((5, 4), np.float32), np.zeros((3, 2), np.float32), ids, 4,
                       np.zeros((3, 4), np.float32))
+
+
+def test_cuda_launchers_refuse_bad_sizes_naming_the_op():
+    """Host side of cuda/moe.cu, on any machine with the extension built: the launchers check
+    their sizes before touching the device, and a failure names the op and the sizes."""
+    import importlib.util
+    if importlib.util.find_spec("pyx.cuda_backend") is None:
+        pytest.skip("pyx.cuda_backend was not built (no nvcc here, or TAPER_CUDA=0)")
+    import pyx.cuda_backend as cb
+    if not hasattr(cb, "launch_moe_grouped_gemm"):
+        pytest.skip("pyx.cuda_backend predates cuda/moe.cu (rebuild with nvcc)")
+    with pytest.raises(cb.CudaError, match=r"^moe_align: .*status -1.*E=5000"):
+        cb.launch_moe_align(0, 0, 0, 0, 0, 4, 5000, 16, 0)          # E over 4096
+    with pytest.raises(cb.CudaError, match=r"^moe_grouped_gemm: .*status -1.*block_m=32"):
+        cb.launch_moe_grouped_gemm(8, 8, 0, 8, 8, 8, 8, 4, 2, 16, 64, 2, 32, 1, 0)
+    with pytest.raises(cb.CudaError, match=r"^moe_grouped_gemm: .*K=40.*wtype=8"):
+        cb.launch_moe_grouped_gemm(8, 8, 8, 8, 8, 8, 8, 4, 2, 16, 40, 2, 16, 1, 0)  # Q8_0 K%32
+    with pytest.raises(cb.CudaError, match=r"^moe_combine: .*status -1"):
+        cb.launch_moe_combine(8, 8, 8, 8, 2, 0, 16, 4, 1, 0)          # top_k 0
 
 
 # ---- the block, fused, against transformers (tests/test_moe.py's models and helpers)
