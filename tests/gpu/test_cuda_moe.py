@@ -248,3 +248,24 @@ def test_fused_graph_replay_equals_eager(moe_checkpoints, monkeypatch, arch):
     eager = greedy(fused_llm(moe_checkpoints[arch], monkeypatch, cuda_graph=False), prompts())
     graphs = greedy(fused_llm(moe_checkpoints[arch], monkeypatch, cuda_graph=True), prompts())
     assert graphs == eager
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "qwen3_moe"])
+def test_fused_q8_0_gguf_matches_transformers_on_the_file_weights(monkeypatch, name):
+    """llama.cpp's own Q8_0 files (tests/data/gguf, made by its converter and quantizer): the
+    experts stay Q8_0 blocks in the grouped GEMM, and the greedy tokens are those recorded from
+    transformers on the file's dequantized weights (tests/test_gguf_moe.py), up to its first
+    top-two margin under 0.05."""
+    import json
+    data = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data",
+                        "gguf")
+    with open(os.path.join(data, "moe_fixtures.json")) as f:
+        model = json.load(f)["models"][name]
+    ref = model["files"]["q8_0"]["transformers"]
+    n = next((i for i, m in enumerate(ref["margins"]) if m < TIE), len(ref["margins"]))
+    assert n >= 4, "reference near-tie too early"
+    llm = fused_llm(data, monkeypatch, weight_file=f"{name}-q8_0.gguf", cuda_graph=False)
+    from pyx.moe import MoE
+    blocks = [layer.mlp for layer in llm.engine.model.layers if isinstance(layer.mlp, MoE)]
+    assert all(m.gate_up.qtype == 8 and m.down.qtype == 8 for m in blocks)
+    assert greedy(llm, [model["prompt_ids"]], n)[0] == ref["tokens"][:n]
