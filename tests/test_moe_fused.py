@@ -206,3 +206,33 @@ def test_a_wrong_alignment_leaves_transformers(tmp_path, monkeypatch):
     out = np.empty((T, H), np.float32)
     block.forward(x, out, Workspace(np))
     assert np.abs(out - want).max() > 1e-2
+
+
+# ---- the whole engine on the fused path (CPU reference ops) against transformers
+
+from test_models_moe import ARCHS, dirs, hf_tokens  # noqa: E402,F401 (dirs is a fixture)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_engine_on_the_fused_path_equals_transformers(dirs, arch, monkeypatch):
+    """The family code's MoE blocks forced onto the fused path (as TAPER_CUDA_FUSED_MOE=1 does
+    on CUDA), run by the CPU backend's reference ops: greedy tokens equal transformers'."""
+    import engine.models.moe as family
+    from engine import LLM, SamplingParams
+    from hf_oracle import assert_matches, load_hf
+    from model_cases import GEN, prompts_for
+    from pyx.moe import MoE
+
+    made = []
+
+    def fused_moe(*args, fused=False, **kwargs):
+        made.append(MoE(*args, fused=True, **kwargs))
+        return made[-1]
+    monkeypatch.setattr(family, "MoE", fused_moe)
+    refs = hf_tokens(load_hf(dirs[arch]))
+    llm = LLM(dirs[arch], kv_cache_memory_mb=16, max_num_batched_tokens=32)
+    assert made and all(m.fused for m in made)
+    outs = llm.generate(prompts_for(), SamplingParams(temperature=0.0, max_tokens=GEN,
+                                                       ignore_eos=True))
+    for out, ref in zip(outs, refs):
+        assert_matches(out.token_ids, ref, label=arch)
