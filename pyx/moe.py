@@ -56,9 +56,9 @@ def moe_block_m(P: int, E: int) -> int:
 def route(logits, top_k: int, normalize: bool, xp=np, graph_safe: bool = False):
     """logits (T, E) -> (expert ids (T, top_k) int64, weights (T, top_k) float32): the top_k
     experts of each token by softmax probability (their order within a row is unspecified).
-    graph_safe: select by top_k argmax passes (lowest index on ties) instead of a partition,
-    because CuPy's argpartition is a Thrust sort, which synchronizes the stream and so cannot be
-    captured in a CUDA graph."""
+    graph_safe: select by top_k argmax passes (lowest index on ties) instead of a partition:
+    argmax is a plain reduction kernel a CUDA graph can capture, while CuPy's argpartition sorts
+    through Thrust, which may synchronize the stream (not yet checked on a GPU)."""
     logits = logits.astype(xp.float32, copy=False)
     probs = xp.exp(logits - logits.max(axis=1, keepdims=True))
     probs /= probs.sum(axis=1, keepdims=True)
