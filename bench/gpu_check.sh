@@ -151,18 +151,20 @@ elif [ "$SUITE" = serve ]; then
     :
 elif [ "$SUITE" = tuned ]; then
     # flash-decoding (TAPER_CUDA_SPLIT_K=1), the FP8 GEMV (TAPER_CUDA_FP8_GEMV=1), the radix
-    # filter (TAPER_CUDA_RADIX_FILTER=1), the fused sampler (TAPER_CUDA_FUSED_SAMPLING=1) and the
-    # FlashAttention-2 prefill (TAPER_CUDA_PREFILL=fa2): their tests; decode attention over bf16
-    # and FP8 caches with the rule's split count and forced ones beside it; the filter both ways;
-    # the fused sampler beside the op-by-op path; the quantized GEMMs (fp8-gemv rows beside bf16,
-    # fp8-cutlass) at small M; prefill attention (simple, mma, fa2) at 1x4096, 4x2048 and a
-    # 1024-row chunk after 3072 cached tokens
-    GPU_TESTS_CAP=300           # 32k-key decode batches and Llama-3-8B-sized FP8 weights
+    # filter (TAPER_CUDA_RADIX_FILTER=1), the fused sampler (TAPER_CUDA_FUSED_SAMPLING=1), the
+    # FlashAttention-2 prefill (TAPER_CUDA_PREFILL=fa2) and the fused MoE grouped GEMM
+    # (TAPER_CUDA_FUSED_MOE=1): their tests; decode attention over bf16 and FP8 caches with the
+    # rule's split count and forced ones beside it; the filter both ways; the fused sampler beside
+    # the op-by-op path; the quantized GEMMs (fp8-gemv rows beside bf16, fp8-cutlass) at small M;
+    # prefill attention (simple, mma, fa2) at 1x4096, 4x2048 and a 1024-row chunk after 3072
+    # cached tokens; the MoE grouped GEMM against the active experts' bytes
+    GPU_TESTS_CAP=360           # 32k-key decode batches and Llama-3-8B-sized FP8 weights
     GPU_TEST_FILES="test_cuda_flash_decode.py test_cuda_fp8_gemv.py test_cuda_radix_filter.py"
     GPU_TEST_FILES="$GPU_TEST_FILES test_cuda_fused_sampling.py test_cuda_prefill_fa2.py"
-    KERNEL_OPS="decode_attention filter_logits sample_fused qgemm prefill_attention"
+    GPU_TEST_FILES="$GPU_TEST_FILES test_cuda_moe.py"
+    KERNEL_OPS="decode_attention filter_logits sample_fused qgemm prefill_attention moe"
     KERNEL_SHAPES="--shape splits=2,4,8,16,32,64 --shape QM=1,4,16,64 --shape qlayers=gate_up,down"
-    KERNEL_SHAPES="$KERNEL_SHAPES --shape prefill=1x4096,4x2048,1x1024+3072"
+    KERNEL_SHAPES="$KERNEL_SHAPES --shape prefill=1x4096,4x2048,1x1024+3072 --shape MT=1,64,4096"
     THROUGHPUT_ARGS="--quant fp8"
     THROUGHPUT_ENV="TAPER_CUDA_FP8_GEMV=1 TAPER_CUDA_SPLIT_K=1"   # FP8 decode with both on
 elif [ "$SUITE" = core ]; then

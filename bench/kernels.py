@@ -43,6 +43,15 @@ reachable through this backend's GemmEx handle). fp8-gemv rows (M <= 64): the FP
 TAPER_CUDA_FP8_GEMV=1 on the e4m3 codes, any sm80+ device; the weight bytes over its time is its
 ratio to the copy ceiling. --shape QM=1,16 and qlayers=gate_up,down select.
 
+moe (issue 16, TAPER_CUDA_FUSED_MOE=1): the fused MoE grouped GEMM (cuda/moe.cu) for the gate_up
+and down projections of Qwen3-30B-A3B (H 2048, experts of 768, top-8 of 128) and Mixtral-8x7B
+(H 4096, experts of 14336, top-2 of 8) at MT (default 1, 16, 64, 512, 4096) tokens routed
+uniformly at random, bf16 and GGUF Q8_0 experts (random codes, one valid fp16 scale): one launch
+over all experts after moe_align (not timed). Its bytes are the ACTIVE experts' weights (those
+holding a token) plus activations and output, so GB/s against the copy peak says how close a
+decode step is to its bandwidth bound; "per-expert" rows (the baseline) time the unfused path's
+GEMMs, one linear per active expert on its rows.
+
 --shape overrides a dimension: T, B, ctx, M, SB (sampling batch), splits take lists (T=1,64),
 prefill takes NxL items, or NxL+P for chunks of L rows after P cached tokens (prefill=1x4096,
 1x1024+3072), H Hq Hkv D I V BS take one value.
@@ -65,15 +74,17 @@ import numpy as np
 OPS = ["embedding", "scale", "rms_norm", "fused_add_rms_norm", "layer_norm",
        "fused_add_layer_norm", "rotary_embedding", "silu_and_mul",
        "reshape_and_cache", "decode_attention", "prefill_attention", "linear", "argmax",
-       "gumbel_sample", "filter_logits", "sample_fused", "apply_token_bitmask", "qgemm"]
+       "gumbel_sample", "filter_logits", "sample_fused", "apply_token_bitmask", "qgemm", "moe"]
 
 DEFAULT = dict(H=4096, Hq=32, Hkv=8, D=128, I=14336, V=128256, BS=16,
                T=[1, 64, 4096], B=[1, 16, 64], ctx=[1024, 8192, 32768],
                prefill=[(1, 4096, 0), (8, 512, 0)], M=[1, 16, 64, 4096], SB=[1, 64],
-               QM=[1, 4, 16, 64, 4096], qlayers=["qkv", "o", "gate_up", "down"], splits=[])
+               QM=[1, 4, 16, 64, 4096], qlayers=["qkv", "o", "gate_up", "down"], splits=[],
+               MT=[1, 16, 64, 512, 4096])
 QUICK = dict(T=[1, 4096], B=[1, 64], ctx=[8192], prefill=[(1, 4096, 0)], M=[1, 4096], SB=[64],
-             QM=[1, 4096], qlayers=["gate_up"])
-LIST_KEYS = ("T", "B", "ctx", "M", "SB", "QM", "splits")
+             QM=[1, 4096], qlayers=["gate_up"], MT=[1, 512])
+LIST_KEYS = ("T", "B", "ctx", "M", "SB", "QM", "splits", "MT")
+MOE_MODELS = {"qwen3-30b-a3b": (2048, 768, 128, 8), "mixtral-8x7b": (4096, 14336, 8, 2)}
 QGEMM_SETS = 2          # weight copies + activations per quantized format (weights are large)
 QGEMM_GROUP = 128       # int4 group size
 FP8_BLOCK = (128, 128)
@@ -671,6 +682,74 @@ def cases_qgemm(bench, c):
         bench.free()
 
 
+# ---- fused MoE grouped GEMM (issue 16)
+
+def moe_q8_0_stack(cp, E, N, K):
+    """(E, N, K / 32 * 34) Q8_0 blocks: random int8 codes, every scale 2^-7 (fp16 0x2000)."""
+    blocks = cp.random.randint(0, 256, size=(E, N, K // 32, 34), dtype=cp.int32).astype(cp.uint8)
+    blocks[..., 0] = 0x00
+    blocks[..., 1] = 0x20
+    return blocks.reshape(E, N, K // 32 * 34)
+
+
+def cases_moe(bench, c):
+    from pyx.moe import StackedExperts, moe_align_capacity, moe_block_m
+
+    b, act, cp = bench.b, bench.b.act_dtype, bench.cp
+    e = esize(act)
+    if e != 2:
+        bench.notes.append("moe skipped: the grouped GEMM runs on bf16/f16 activations")
+        return
+    rng = np.random.default_rng(0)
+    for model, (H, I, E, k) in MOE_MODELS.items():
+        for proj, N, K in (("gate_up", 2 * I, H), ("down", H, I)):
+            with bench.stream:
+                dense = bench.rand((E, N, K), act, 1.0 / np.sqrt(K))
+                stacks = {"bf16": StackedExperts((E, N, K), None, dense, 0),
+                          "q8_0": StackedExperts((E, N, K), None, moe_q8_0_stack(cp, E, N, K),
+                                                 8)}
+            row_bytes = {"bf16": K * e, "q8_0": K // 32 * 34}
+            for T in c["MT"]:
+                P = T * k
+                ids = np.stack([rng.choice(E, k, replace=False) for _ in range(T)]).astype(np.int64)
+                active = np.unique(ids)
+                bm = moe_block_m(P, E)
+                cap = moe_align_capacity(P, E, bm)
+                with bench.stream:
+                    d_ids = cp.asarray(ids)
+                    align = (cp.empty(cap, cp.int32), cp.empty(cap // bm, cp.int32),
+                             cp.empty(E + 1, cp.int32), cp.empty(1, cp.int32))
+                    x = bench.rand((T if proj == "gate_up" else P, K), act)
+                    out = cp.empty((P, N), dtype=act)
+                b.moe_align(d_ids, E, bm, *align)
+                x_div = k if proj == "gate_up" else 1
+                shape = f"{model} {proj} T={T} P={P} N={N} K={K} active={active.size}/{E}"
+                # the unfused path's GEMMs: one cuBLAS linear per active expert on its rows
+                counts = np.bincount(ids.reshape(-1), minlength=E)
+                with bench.stream:
+                    xs = {int(j): bench.rand((int(counts[j]), K), act) for j in active}
+                    outs = {int(j): cp.empty((int(counts[j]), N), dtype=act) for j in active}
+
+                def per_expert(xs=xs, outs=outs):
+                    for j, xj in xs.items():
+                        b.linear(xj, dense[j], None, outs[j])
+                moved = active.size * N * row_bytes["bf16"] + (x.size + out.size) * e
+                yield Case("moe", shape, "per-expert bf16", moved, 2 * P * N * K, [per_expert],
+                           stream=b.stream, baseline=True,
+                           extra=dict(model=model, proj=proj, T=T, weight_bytes=moved))
+                for f, st in stacks.items():
+                    moved = active.size * N * row_bytes[f] + (x.size + out.size) * e
+                    yield Case("moe", shape, f"grouped {f}", moved, 2 * P * N * K,
+                               [lambda st=st: b.moe_grouped_linear(x, st, align[0], align[1],
+                                                                   align[3], x_div, bm, out)],
+                               stream=b.stream, compare=True,
+                               extra=dict(model=model, proj=proj, T=T, format=f,
+                                          weight_bytes=moved))
+                del xs, outs, x, out, align
+            del dense, stacks
+            bench.free()
+
+
 def with_radix_filter(b, launch):
     """launch() with the backend's filter_logits on the radix-select kernel."""
     b.radix_filter = True
@@ -821,6 +900,7 @@ def all_cases(bench, c, ops):
         "sample_fused": lambda: cases_sample_fused(bench, c),
         "apply_token_bitmask": lambda: cases_token_bitmask(bench, c),
         "qgemm": lambda: cases_qgemm(bench, c),
+        "moe": lambda: cases_moe(bench, c),
     }
     for op in ops:
         yield op, gens[op]
@@ -875,7 +955,8 @@ def build_parser():
                          "(decode attention's forced split counts) take lists "
                          "(T=1,64); prefill=1x4096,8x512,1x1024+3072 (N chunks of L rows "
                          "after P cached tokens); qlayers=gate_up,down (qgemm's "
-                         "projections); H, Hq, Hkv, D, I, V, BS one value")
+                         "projections); MT (moe's token counts) a list; H, Hq, Hkv, D, I, V, "
+                         "BS one value")
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "f16", "f32"],
                     help="activation dtype (default bf16)")
     ap.add_argument("--quick", action="store_true", help="a small subset, well under a minute")

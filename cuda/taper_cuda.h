@@ -311,6 +311,53 @@ int taper_cuda_marlin_gemm(const void* x,            // (M, K) dtype
                            int variant, void* workspace, int64_t workspace_bytes,
                            taper_stream_t stream);
 
+/* ---- moe.cu: the fused mixture-of-experts path (pyx/moe.py; issue 16). P = T * top_k (token,
+ * slot) pairs, pair p = t * top_k + j; E experts; pair rows are sorted by expert and each
+ * expert's run padded to a multiple of block_m (16 or 64 for the GEMM). */
+
+/* Rows of sorted_ids for the worst case: P + min(E, P) * (block_m - 1), rounded up to a multiple
+ * of block_m (block_expert then has capacity / block_m entries). */
+int64_t taper_cuda_moe_align_capacity(int64_t P, int64_t E, int64_t block_m);
+
+/* sorted_ids[expert_offsets[e] + i] = the i-th pair routed to expert e (order within the run
+ * unspecified), the rest of each padded run and of the buffer = P; block_expert[b] = the expert
+ * of rows [b * block_m, (b + 1) * block_m), -1 past *num_padded (the padded total). Expert ids
+ * outside [0, E) are left out. E <= 4096. */
+int taper_cuda_moe_align(const int64_t* topk_ids,  // (P,)
+                         int32_t* sorted_ids,      // (capacity,)
+                         int32_t* block_expert,    // (capacity / block_m,)
+                         int32_t* expert_offsets,  // (E + 1,)
+                         int32_t* num_padded,      // (1,)
+                         int64_t P, int64_t E, int64_t block_m, taper_stream_t stream);
+
+/* Weight formats of the grouped GEMM: the activation dtype (E, N, K), or GGUF Q8_0 blocks
+ * (E, N, K / 32 * 34 bytes, byte-identical to the file). */
+#define TAPER_MOE_W_DTYPE 0
+#define TAPER_MOE_W_Q8_0 8
+
+/* One launch for all experts: out[p, n] = sum_k x[p / x_div, k] * W[e(p)][n, k] for every pair
+ * row p of moe_align's output (x_div = top_k for gate_up on the tokens, 1 for down on the pair
+ * rows). dtype BF16 or F16 (mma.sync, float accumulation); block_m 16 or 64, as given to
+ * moe_align. Rows of out whose pair is not routed (an expert id outside [0, E)) are not written. */
+int taper_cuda_moe_grouped_gemm(const void* x,               // (rows, K) dtype
+                                const void* w,               // (E, N, K) dtype or Q8_0 blocks
+                                int wtype,                   // TAPER_MOE_W_*
+                                const int32_t* sorted_ids,   // (capacity,)
+                                const int32_t* block_expert, // (capacity / block_m,)
+                                const int32_t* num_padded,   // (1,)
+                                void* out,                   // (P, N) dtype
+                                int64_t P, int64_t E, int64_t N, int64_t K, int64_t x_div,
+                                int64_t block_m, int dtype, taper_stream_t stream);
+
+/* out[t, h] = sum_j weights[t, j] * y[t * top_k + j, h] in float, j in slot order, pairs whose
+ * expert id lies outside [0, E) skipped. */
+int taper_cuda_moe_combine(const void* y,            // (T * top_k, H) dtype
+                           const float* weights,     // (T, top_k)
+                           const int64_t* topk_ids,  // (T, top_k)
+                           void* out,                // (T, H) dtype
+                           int64_t T, int64_t top_k, int64_t H, int64_t E, int dtype,
+                           taper_stream_t stream);
+
 #ifdef __cplusplus
 }
 #endif

@@ -101,6 +101,41 @@ cdef class Backend:
         x (T, 2I) f32; out (T, I) f32."""
         raise NotImplementedError
 
+    def stack_experts(self, weights):
+        """E experts' weights of one projection, each (N, K) as place_weight returned it, as one
+        moe_grouped_linear operand: a pyx.moe.StackedExperts of shape (E, N, K). CPU: the list
+        (every format linear takes); CUDA: one stack of the activation dtype or of GGUF Q8_0
+        blocks (other formats are a ValueError naming them)."""
+        raise NotImplementedError
+
+    def moe_align(self, topk_ids, num_experts, block_m, sorted_ids, block_expert, expert_offsets,
+                  num_padded):
+        """Top-k routing's P = T * top_k pairs (pair p = t * top_k + j) sorted by expert, each
+        expert's run padded to a multiple of block_m (vLLM's moe_align_block_size):
+        expert_offsets[e] = the padded start of expert e's run (expert_offsets[E] = the padded
+        total = num_padded[0]); sorted_ids[expert_offsets[e] + i] = the i-th pair routed to e
+        (pair order on the CPU, unspecified on CUDA), every other entry P; block_expert[b] = the
+        expert of rows [b * block_m, (b + 1) * block_m) below the total, -1 above. Ids outside
+        [0, E) are routed nowhere. topk_ids (T, top_k) int64; block_m 16 or 64; 1 <= E <= 4096;
+        sorted_ids (C,), block_expert (C / block_m,), expert_offsets (E + 1,), num_padded (1,),
+        all int32, C = pyx.moe.moe_align_capacity(P, E, block_m)."""
+        raise NotImplementedError
+
+    def moe_grouped_linear(self, x, weights, sorted_ids, block_expert, num_padded, x_div,
+                           block_m, out):
+        """out[p] = x[p // x_div] @ weights[e].T for every pair p that moe_align put in expert e's
+        run (x_div = top_k: x holds the tokens; 1: x holds the pair rows); rows of unrouted pairs
+        are left as they were. x (P / x_div, K) f32; weights a StackedExperts (E, N, K); out
+        (P, N) f32; the moe_align outputs for the same P, E and block_m."""
+        raise NotImplementedError
+
+    def moe_combine(self, y, topk_weights, topk_ids, num_experts, out):
+        """out[t] = sum over slots j, in order, of topk_weights[t, j] * y[t * top_k + j], in
+        float32, skipping slots whose expert id lies outside [0, num_experts).
+        y (T * top_k, H) f32; topk_weights (T, top_k) f32; topk_ids (T, top_k) int64;
+        out (T, H) f32."""
+        raise NotImplementedError
+
     def softcap(self, x, cap):
         """In place x = cap * tanh(x / cap) (Gemma-2 soft-capping of final logits).
         x (T, N) f32; cap a float > 0 (ValueError otherwise)."""

@@ -16,7 +16,8 @@ cimport numpy as cnp
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t
 
 from pyx.backend cimport Backend, describe_arrays as _desc, fail as _fail
-from pyx import cpu_sampling
+from pyx import cpu_moe, cpu_sampling
+from pyx.moe import StackedExperts
 
 cnp.import_array()
 
@@ -593,6 +594,25 @@ cdef class CpuBackend(Backend):
 
     def gelu_tanh_and_mul(self, x, out):
         self._gated("gelu_tanh_and_mul", x, out, taper_gelu_tanh_and_mul)
+
+    # ---- fused MoE (pyx/cpu_moe.py: the reference of cuda/moe.cu)
+
+    def stack_experts(self, weights):
+        w0 = weights[0]
+        return StackedExperts((len(weights), w0.shape[0], w0.shape[1]), list(weights))
+
+    def moe_align(self, topk_ids, num_experts, block_m, sorted_ids, block_expert, expert_offsets,
+                  num_padded):
+        cpu_moe.moe_align(topk_ids, num_experts, block_m, sorted_ids, block_expert,
+                          expert_offsets, num_padded)
+
+    def moe_grouped_linear(self, x, weights, sorted_ids, block_expert, num_padded, x_div,
+                           block_m, out):
+        cpu_moe.moe_grouped_linear(self.linear, x, weights, sorted_ids, block_expert, num_padded,
+                                   x_div, block_m, out)
+
+    def moe_combine(self, y, topk_weights, topk_ids, num_experts, out):
+        cpu_moe.moe_combine(y, topk_weights, topk_ids, num_experts, out)
 
     cdef _gated(self, str op, x, out, gated_kernel kernel):
         """out = act(x[:, :I]) * x[:, I:] through one of the gated-activation kernels."""

@@ -19,8 +19,9 @@ TAPER_CUDA_MARLIN_PIPELINE=1 (the pipelined Marlin W4A16 GEMM),
 TAPER_CUDA_FP8_CUTLASS=1 (FP8 block-wise weights through CUTLASS on sm_90a instead of
 dequantized once to bf16), TAPER_CUDA_FP8_GEMV=1 (FP8 block-wise weights kept e4m3, read by
 the FP8 GEMV kernel for small M), TAPER_CUDA_RADIX_FILTER=1 (the top-k / top-p thresholds of
-filter_logits by radix select instead of bisection) and TAPER_CUDA_FUSED_SAMPLING=1 (the
-sampler's penalties, argmax, filter and Gumbel draw in one launch, `sample_fused`).
+filter_logits by radix select instead of bisection), TAPER_CUDA_FUSED_SAMPLING=1 (the
+sampler's penalties, argmax, filter and Gumbel draw in one launch, `sample_fused`) and
+TAPER_CUDA_FUSED_MOE=1 (`fused_moe`: MoE blocks take the grouped-GEMM path of cuda/moe.cu instead of one linear per expert).
 """
 import math
 import os
@@ -30,7 +31,9 @@ from libc.stdint cimport INT32_MAX, int32_t, int64_t, uint64_t
 
 from pyx.backend cimport Backend, describe_arrays as _desc, fail as _fail
 from pyx.cuda_launch cimport *
+from pyx import cpu_moe
 from pyx.decode_splits import decode_num_splits
+from pyx.moe import StackedExperts
 
 
 class CudaError(RuntimeError):
@@ -172,6 +175,7 @@ cdef class CudaBackend(Backend):
     cdef public str prefill_kernel   # a PREFILL_VARIANTS name: TAPER_CUDA_PREFILL
     cdef public bint split_k, mma_prefill, fp8_cutlass, marlin_pipeline, fp8_gemv, radix_filter
     cdef public bint fused_sampling  # engine/sampler.py calls sample_fused
+    cdef public bint fused_moe      # MoE blocks built on this backend take the grouped GEMMs
     cdef public int fp8_gemv_max_m   # FP8 weights take the GEMV up to this many rows
     cdef public int64_t max_context  # decode split-K sizes its partitions for this many keys
     cdef public int decode_splits    # > 0: this many split-K partitions (benchmarks); 0: the rule
@@ -226,6 +230,7 @@ cdef class CudaBackend(Backend):
         self.fp8_gemv = _env_on("TAPER_CUDA_FP8_GEMV")
         self.radix_filter = _env_on("TAPER_CUDA_RADIX_FILTER")
         self.fused_sampling = _env_on("TAPER_CUDA_FUSED_SAMPLING")
+        self.fused_moe = _env_on("TAPER_CUDA_FUSED_MOE")
         self.fp8_gemv_max_m = FP8_GEMV_MAX_M
         self.max_context = 0
         self.decode_splits = 0
@@ -677,6 +682,76 @@ cdef class CudaBackend(Backend):
         if not math.isfinite(s):
             _fail(op, "s must be a finite number", arrays)
         launch_scale(self._ptr(x), x.size, s, self._act_code, self._sptr())
+
+    # ---- fused MoE (cuda/moe.cu; shapes checked by pyx/cpu_moe.py's checks, shared with the CPU)
+
+    def stack_experts(self, weights):
+        """One (E, N, K) stack of activation-dtype experts, or (E, N, K / 32 * 34) bytes of Q8_0
+        blocks (a fused gate_up's two parts joined row-wise, as linear reads them)."""
+        E, (N, K) = len(weights), weights[0].shape
+        cp = self._cupy
+        if all(isinstance(w, cp.ndarray) and w.dtype == self.act_dtype and w.shape == (N, K)
+               for w in weights):
+            return StackedExperts((E, N, K), None, cp.stack(weights), TAPER_MOE_W_DTYPE)
+        if (K % 32 == 0 and all(hasattr(w, "quant_parts") and tuple(w.shape) == (N, K)
+                                and all(t == TAPER_MOE_W_Q8_0 for t, _ in w.quant_parts)
+                                for w in weights)):
+            data = cp.stack([cp.concatenate([b for _, b in w.quant_parts]) for w in weights])
+            if data.shape == (E, N, K // 32 * 34) and data.dtype == _U8:
+                return StackedExperts((E, N, K), None, data, TAPER_MOE_W_Q8_0)
+        kinds = sorted({type(w).__name__ if not hasattr(w, "quant_parts") else
+                        "ggml types " + ",".join(str(t) for t, _ in w.quant_parts)
+                        for w in weights})
+        raise ValueError(f"stack_experts: the fused MoE path (TAPER_CUDA_FUSED_MOE=1) takes "
+                         f"{self.act_dtype.name} or GGUF Q8_0 experts (K % 32 == 0 for Q8_0), "
+                         f"not {kinds} of shape {(N, K)}; unset TAPER_CUDA_FUSED_MOE for these")
+
+    def _need(self, str op, dict arrays, str name, dtype, tuple shape):
+        self._check(op, arrays, name, (dtype,), len(shape), True)
+        if tuple(arrays[name].shape) != shape:
+            _fail(op, f"{name} must be {shape}", arrays)
+
+    def moe_align(self, topk_ids, num_experts, block_m, sorted_ids, block_expert, expert_offsets,
+                  num_padded):
+        op = "moe_align"
+        self._check(op, {"topk_ids": topk_ids}, "topk_ids", (_I64,), 2)
+        cpu_moe.check_align(op, topk_ids, num_experts, block_m, sorted_ids, block_expert,
+                            expert_offsets, num_padded, need=self._need)
+        launch_moe_align(self._ptr(topk_ids), self._ptr(sorted_ids), self._ptr(block_expert),
+                         self._ptr(expert_offsets), self._ptr(num_padded), topk_ids.size,
+                         num_experts, block_m, self._sptr())
+
+    def moe_grouped_linear(self, x, weights, sorted_ids, block_expert, num_padded, x_div,
+                           block_m, out):
+        op = "moe_grouped_linear"
+        arrays = {"x": x, "weights": weights, "sorted_ids": sorted_ids,
+                  "block_expert": block_expert, "num_padded": num_padded, "out": out}
+        if not isinstance(weights, StackedExperts) or weights.data is None:
+            _fail(op, "weights must come from this backend's stack_experts", arrays)
+        if self._act_code == TAPER_DT_F32:
+            _fail(op, "the grouped GEMM runs on tensor cores: bf16 or f16 activations", arrays)
+        for name, dtypes in (("x", (self.act_dtype,)), ("out", (self.act_dtype,)),
+                             ("sorted_ids", (_I32,)), ("block_expert", (_I32,)),
+                             ("num_padded", (_I32,))):
+            self._check(op, arrays, name, dtypes, 1 if arrays[name].ndim == 1 else 2)
+        P, E, N, K = cpu_moe.check_grouped(op, x, weights, sorted_ids, block_expert, num_padded,
+                                           x_div, block_m, out, (self.act_dtype,))
+        launch_moe_grouped_gemm(self._ptr(x), weights.data.data.ptr, weights.qtype,
+                                self._ptr(sorted_ids), self._ptr(block_expert),
+                                self._ptr(num_padded), self._ptr(out), P, E, N, K, x_div,
+                                block_m, self._act_code, self._sptr())
+
+    def moe_combine(self, y, topk_weights, topk_ids, num_experts, out):
+        op = "moe_combine"
+        arrays = {"y": y, "topk_weights": topk_weights, "topk_ids": topk_ids, "out": out}
+        self._check(op, arrays, "y", (self.act_dtype,), 2)
+        self._check(op, arrays, "topk_weights", (_F32,), 2)
+        self._check(op, arrays, "topk_ids", (_I64,), 2)
+        self._check(op, arrays, "out", (self.act_dtype,), 2, True)
+        T, k, H = cpu_moe.check_combine(op, y, topk_weights, topk_ids, num_experts, out,
+                                        (self.act_dtype,))
+        launch_moe_combine(self._ptr(y), self._ptr(topk_weights), self._ptr(topk_ids),
+                           self._ptr(out), T, k, H, num_experts, self._act_code, self._sptr())
 
     cdef int _cache_code(self, str op, dict arrays, bint writable) except? -2:
         """The caches' TAPER_DT_* code; checks their dtype, shape and the FP8 scales."""

@@ -95,6 +95,19 @@ cdef extern from "taper_cuda.h" nogil:
                                int64_t group_size, int dtype, int variant, void* workspace,
                                int64_t workspace_bytes, taper_stream_t stream)
     int64_t taper_cuda_marlin_workspace_bytes(int64_t M, int64_t N, int64_t K, int variant)
+    int TAPER_MOE_W_DTYPE, TAPER_MOE_W_Q8_0
+    int64_t taper_cuda_moe_align_capacity(int64_t P, int64_t E, int64_t block_m)
+    int taper_cuda_moe_align(const int64_t* topk_ids, int32_t* sorted_ids, int32_t* block_expert,
+                             int32_t* expert_offsets, int32_t* num_padded, int64_t P, int64_t E,
+                             int64_t block_m, taper_stream_t stream)
+    int taper_cuda_moe_grouped_gemm(const void* x, const void* w, int wtype,
+                                    const int32_t* sorted_ids, const int32_t* block_expert,
+                                    const int32_t* num_padded, void* out, int64_t P, int64_t E,
+                                    int64_t N, int64_t K, int64_t x_div, int64_t block_m,
+                                    int dtype, taper_stream_t stream)
+    int taper_cuda_moe_combine(const void* y, const float* weights, const int64_t* topk_ids,
+                               void* out, int64_t T, int64_t top_k, int64_t H, int64_t E,
+                               int dtype, taper_stream_t stream)
 
 
 cdef extern from "taper_cutlass.h" nogil:

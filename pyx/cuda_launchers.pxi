@@ -329,3 +329,36 @@ def launch_fp8_block_gemm(ptr_t a, ptr_t a_scales, ptr_t b, ptr_t b_scales, ptr_
                                           M, N, K, <void*>workspace, workspace_bytes,
                                           <taper_stream_t>stream)
     _check_status(st, "linear (fp8_block_gemm)", dict(M=M, N=N, K=K))
+
+
+def launch_moe_align(ptr_t topk_ids, ptr_t sorted_ids, ptr_t block_expert, ptr_t expert_offsets,
+                     ptr_t num_padded, int64_t P, int64_t E, int64_t block_m, ptr_t stream):
+    cdef int st
+    with nogil:
+        st = taper_cuda_moe_align(<const int64_t*>topk_ids, <int32_t*>sorted_ids,
+                                  <int32_t*>block_expert, <int32_t*>expert_offsets,
+                                  <int32_t*>num_padded, P, E, block_m, <taper_stream_t>stream)
+    _check_status(st, "moe_align", dict(P=P, E=E, block_m=block_m))
+
+
+def launch_moe_grouped_gemm(ptr_t x, ptr_t w, int wtype, ptr_t sorted_ids, ptr_t block_expert,
+                            ptr_t num_padded, ptr_t out, int64_t P, int64_t E, int64_t N,
+                            int64_t K, int64_t x_div, int64_t block_m, int dtype, ptr_t stream):
+    cdef int st
+    with nogil:
+        st = taper_cuda_moe_grouped_gemm(<const void*>x, <const void*>w, wtype,
+                                         <const int32_t*>sorted_ids, <const int32_t*>block_expert,
+                                         <const int32_t*>num_padded, <void*>out, P, E, N, K,
+                                         x_div, block_m, dtype, <taper_stream_t>stream)
+    _check_status(st, "moe_grouped_gemm", dict(P=P, E=E, N=N, K=K, x_div=x_div,
+                                               block_m=block_m, wtype=wtype, dtype=dtype))
+
+
+def launch_moe_combine(ptr_t y, ptr_t weights, ptr_t topk_ids, ptr_t out, int64_t T,
+                       int64_t top_k, int64_t H, int64_t E, int dtype, ptr_t stream):
+    cdef int st
+    with nogil:
+        st = taper_cuda_moe_combine(<const void*>y, <const float*>weights,
+                                    <const int64_t*>topk_ids, <void*>out, T, top_k, H, E, dtype,
+                                    <taper_stream_t>stream)
+    _check_status(st, "moe_combine", dict(T=T, top_k=top_k, H=H, E=E, dtype=dtype))

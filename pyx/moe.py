@@ -11,20 +11,66 @@ contiguous run of rows goes through its two projections, and the results are put
 order and summed per token with their weights. The projections are the backend's `linear`, so
 every weight format (float, ggml blocks, int4, FP8) works for experts as for dense layers.
 
+The fused path (`fused`, the CUDA backend's TAPER_CUDA_FUSED_MOE=1) takes the same steps with no
+per-expert loop and no host round trip: moe_align sorts the pairs by expert on the device, padded
+to the grouped GEMM's M tile; moe_grouped_linear runs gate_up for every expert in one launch, then
+silu_and_mul, then down in one launch; moe_combine sums each token's top_k rows with their weights.
+The experts' weights are stacked once at load (backend.stack_experts). The CPU backend implements
+those ops as the reference (each expert through its own `linear`).
+
 Like pyx/layers.pyx, no device code: backend ops and the array API NumPy and CuPy share.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 
-def route(logits, top_k: int, normalize: bool, xp=np):
+@dataclass(slots=True)
+class StackedExperts:
+    """E experts' weights of one projection, each (N, K), as one moe_grouped_linear operand.
+    `experts`: the placed weights one by one (the CPU reference runs each through linear);
+    `data`: the CUDA backend's stack, (E, N, K) in the activation dtype or, for Q8_0 experts
+    (`qtype` 8), (E, N, K / 32 * 34) bytes of ggml blocks; `qtype` 0 means the activation dtype."""
+    shape: tuple[int, int, int]
+    experts: list | None = None
+    data: object = None
+    qtype: int = 0
+
+
+def moe_align_capacity(P: int, E: int, block_m: int) -> int:
+    """Rows of moe_align's sorted_ids for P pairs: each expert holding a pair pads its run by at
+    most block_m - 1 rows, rounded up to whole tiles (cuda/moe.cu computes the same)."""
+    rows = P + min(E, P) * (block_m - 1)
+    return -(-rows // block_m) * block_m
+
+
+def moe_block_m(P: int, E: int) -> int:
+    """The grouped GEMM's M tile: 64 once experts average 64 pair rows (prefill: each weight tile
+    loaded feeds 4x the rows), else 16 (decode: less padding, and the weight bytes read are the
+    same either way)."""
+    return 64 if P >= 64 * E else 16
+
+
+def route(logits, top_k: int, normalize: bool, xp=np, graph_safe: bool = False):
     """logits (T, E) -> (expert ids (T, top_k) int64, weights (T, top_k) float32): the top_k
-    experts of each token by softmax probability (their order within a row is unspecified)."""
+    experts of each token by softmax probability (their order within a row is unspecified).
+    graph_safe: select by top_k argmax passes (lowest index on ties) instead of a partition:
+    argmax is a plain reduction kernel a CUDA graph can capture, while CuPy's argpartition sorts
+    through Thrust, which may synchronize the stream (not yet checked on a GPU)."""
     logits = logits.astype(xp.float32, copy=False)
     probs = xp.exp(logits - logits.max(axis=1, keepdims=True))
     probs /= probs.sum(axis=1, keepdims=True)
-    ids = xp.argpartition(-probs, top_k - 1, axis=1)[:, :top_k]
+    if graph_safe:
+        ids = xp.empty((probs.shape[0], top_k), xp.int64)
+        left = probs.copy()
+        rows = xp.arange(probs.shape[0])
+        for j in range(top_k):
+            ids[:, j] = left.argmax(axis=1)
+            left[rows, ids[:, j]] = -1.0                # below every probability
+    else:
+        ids = xp.argpartition(-probs, top_k - 1, axis=1)[:, :top_k]
     weights = xp.take_along_axis(probs, ids, axis=1)
     if normalize:
         weights /= weights.sum(axis=1, keepdims=True)
@@ -33,27 +79,71 @@ def route(logits, top_k: int, normalize: bool, xp=np):
 
 class MoE:
     def __init__(self, backend, router, experts_gate_up: list, experts_down: list, top_k: int,
-                 normalize: bool, shared=None, shared_gate=None):
+                 normalize: bool, shared=None, shared_gate=None, fused: bool = False):
         """router (E, H); experts_gate_up[e] (2I, H) and experts_down[e] (H, I), placed weights;
         shared: an MLP-like object with forward(x, out, ws) (the shared expert) and shared_gate
-        (1, H), or None."""
+        (1, H), or None. fused: the grouped-GEMM path (the experts are stacked here)."""
         self.backend = backend
         self.xp = getattr(backend, "xp", np)
         self.router = router
-        self.gate_up, self.down = experts_gate_up, experts_down
         self.num_experts = len(experts_gate_up)
         self.top_k, self.normalize = top_k, normalize
         self.intermediate_size = experts_gate_up[0].shape[0] // 2
         self.shared, self.shared_gate = shared, shared_gate
+        self.fused = fused
+        if fused:   # the stacks replace the per-expert weights (no second copy kept)
+            self.gate_up = backend.stack_experts(experts_gate_up)
+            self.down = backend.stack_experts(experts_down)
+        else:
+            self.gate_up, self.down = experts_gate_up, experts_down
 
     def forward(self, x, out, ws):
         """x (T, H) -> out (T, H)."""
         b, xp = self.backend, self.xp
         T, H = x.shape
-        k, I = self.top_k, self.intermediate_size
         logits = ws.get("router_logits", T, self.num_experts)
         b.linear(x, self.router, None, logits)
-        ids, weights = route(logits, k, self.normalize, xp)
+        ids, weights = route(logits, self.top_k, self.normalize, xp, graph_safe=self.fused)
+        if self.fused:
+            self._experts_fused(x, ids, weights, out, ws)
+        else:
+            self._experts_one_by_one(x, ids, weights, out, ws)
+        if self.shared is not None:
+            shared_out = ws.get("moe_shared", T, H)
+            self.shared.forward(x, shared_out, ws)
+            gate = ws.get("moe_shared_gate", T, 1)
+            b.linear(x, self.shared_gate, None, gate)
+            g = gate.astype(xp.float32)
+            shared_out *= (1.0 / (1.0 + xp.exp(-g))).astype(shared_out.dtype)
+            out += shared_out
+
+    def _experts_fused(self, x, ids, weights, out, ws):
+        """The grouped-GEMM path: no host round trip, a fixed number of launches."""
+        b, xp = self.backend, self.xp
+        T, H = x.shape
+        k, I, E = self.top_k, self.intermediate_size, self.num_experts
+        P = T * k
+        block_m = moe_block_m(P, E)
+        capacity = moe_align_capacity(P, E, block_m)
+        sorted_ids = xp.empty(capacity, xp.int32)
+        block_expert = xp.empty(capacity // block_m, xp.int32)
+        offsets = xp.empty(E + 1, xp.int32)
+        num_padded = xp.empty(1, xp.int32)
+        ids = xp.ascontiguousarray(ids)
+        b.moe_align(ids, E, block_m, sorted_ids, block_expert, offsets, num_padded)
+        gate_up = ws.get("moe_gate_up", P, 2 * I)
+        act = ws.get("moe_act", P, I)
+        y = ws.get("moe_pairs", P, H)
+        align = (sorted_ids, block_expert, num_padded)
+        b.moe_grouped_linear(x, self.gate_up, *align, k, block_m, gate_up)
+        b.silu_and_mul(gate_up, act)
+        b.moe_grouped_linear(act, self.down, *align, 1, block_m, y)
+        b.moe_combine(y, weights, ids, E, out)
+
+    def _experts_one_by_one(self, x, ids, weights, out, ws):
+        b, xp = self.backend, self.xp
+        T, H = x.shape
+        k, I = self.top_k, self.intermediate_size
 
         # (token, expert) pairs, sorted by expert; a stable sort keeps token order per expert.
         flat = ids.reshape(-1)
@@ -77,11 +167,3 @@ class MoE:
         y3 = y.reshape(T, k, H)
         xp.multiply(y3, weights.astype(y.dtype)[:, :, None], out=y3)
         y3.sum(axis=1, out=out)
-        if self.shared is not None:
-            shared_out = ws.get("moe_shared", T, H)
-            self.shared.forward(x, shared_out, ws)
-            gate = ws.get("moe_shared_gate", T, 1)
-            b.linear(x, self.shared_gate, None, gate)
-            g = gate.astype(xp.float32)
-            shared_out *= (1.0 / (1.0 + xp.exp(-g))).astype(shared_out.dtype)
-            out += shared_out

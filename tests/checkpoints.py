@@ -170,6 +170,13 @@ ARCHS_256 = {
     "stablelm": ("StableLmConfig", dict(use_qkv_bias=True, partial_rotary_factor=0.25,
                                         use_parallel_residual=True, layer_norm_eps=1e-5,
                                         tie_word_embeddings=False)),
+    # mixture of experts for the fused CUDA path (issue 16): Mixtral's top-2 of 8 (experts of the
+    # family's intermediate 768), Qwen3-MoE's renormalised top-4 of 16 (experts of 128)
+    "mixtral": ("MixtralConfig", dict(num_local_experts=8, num_experts_per_tok=2,
+                                      sliding_window=None, tie_word_embeddings=False)),
+    "qwen3_moe": ("Qwen3MoeConfig", dict(num_experts=16, num_experts_per_tok=4,
+                                         moe_intermediate_size=128, norm_topk_prob=True,
+                                         tie_word_embeddings=True)),
 }
 
 # Scaling after transformers' init: linear weights x 4 (the tiny family's x 8 is tuned for hidden

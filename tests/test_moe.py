@@ -44,7 +44,7 @@ def saved_weights(model, tmp_path) -> dict[str, np.ndarray]:
     return load_file(str(tmp_path / "model.safetensors"))
 
 
-def our_block(arch: str, model, w: dict, backend) -> MoE:
+def our_block(arch: str, model, w: dict, backend, fused: bool = False) -> MoE:
     if arch == "mixtral":
         p = "model.layers.0.block_sparse_moe."
         names = ("w1", "w3", "w2")
@@ -64,7 +64,7 @@ def our_block(arch: str, model, w: dict, backend) -> MoE:
         shared_gate = np.ascontiguousarray(w[f"{p}shared_expert_gate.weight"])
     normalize = arch == "mixtral" or bool(getattr(cfg, "norm_topk_prob", False))
     return MoE(backend, np.ascontiguousarray(w[f"{p}gate.weight"]), gate_up, downs, K, normalize,
-               shared, shared_gate)
+               shared, shared_gate, fused=fused)
 
 
 def torch_block(arch: str, model):
