@@ -140,12 +140,25 @@ def _byte_level(meta: dict, tokens: list[str], types: list[int], path: str):
         if cut < 0:
             raise ValueError(f"{path}: malformed merge {m!r} in tokenizer.ggml.merges")
         merges.append((m[:cut], m[cut + 1:]))
+    _check_merges(merges, vocab, path)
     tok = RustTokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=ignore_merges))
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in regexes]
         + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
     return tok, add_bos
+
+
+def _check_merges(merges: list[tuple[str, str]], vocab: dict[str, int], path: str) -> None:
+    """ValueError naming the file and the first merge whose parts or result are not tokens of
+    the vocabulary (the tokenizers library would raise a bare Exception, or panic, on it)."""
+    for i, (left, right) in enumerate(merges):
+        missing = [p for p in (left, right, left + right) if p not in vocab]
+        if missing:
+            raise ValueError(
+                f"{path}: corrupt tokenizer: tokenizer.ggml.merges[{i}] {left + ' ' + right!r} "
+                f"names {', '.join(repr(p) for p in dict.fromkeys(missing))}, not in "
+                f"tokenizer.ggml.tokens ({len(vocab)} tokens)")
 
 
 def _sentencepiece(meta: dict, tokens: list[str], types: list[int], path: str):
