@@ -170,6 +170,10 @@ ARCHS_256 = {
     "stablelm": ("StableLmConfig", dict(use_qkv_bias=True, partial_rotary_factor=0.25,
                                         use_parallel_residual=True, layer_norm_eps=1e-5,
                                         tie_word_embeddings=False)),
+    # StableLM-2 12B's per-head q/k LayerNorm
+    "stablelm_qk": ("StableLmConfig", dict(qk_layernorm=True, partial_rotary_factor=0.25,
+                                           use_parallel_residual=True, layer_norm_eps=1e-5,
+                                           tie_word_embeddings=False)),
 }
 
 # Scaling after transformers' init: linear weights x 4 (the tiny family's x 8 is tuned for hidden
