@@ -21,7 +21,10 @@ derives a setting instead of reading it from the file (Gemma's attention scale f
 Gemma-2's alternating and Gemma-3's 5-local-1-global layer pattern, StableLM's RoPE base), the
 source config holds that value. Gemma-2's converter drops lm_head, so its embeddings are tied.
 
-Neither this script nor the tests import llama_cpp.
+When llama-cpp-python is installed, llama.cpp's own greedy tokens, top-two margins and first-step
+logits (f32 KV cache) on each file are recorded too (`llama_cpp`; `llama_cpp_error` where
+llama.cpp cannot load the file); `--llama-cpp-greedy-only` adds just those to an existing
+dense_fixtures.json. The tests never import llama_cpp.
 """
 from __future__ import annotations
 
@@ -252,13 +255,37 @@ def reference(model, path: str, prompt_ids: list[int]) -> dict:
     return maker.transformers_greedy(m, prompt_ids, NEW_TOKENS)
 
 
+def record_llama_cpp(record: dict) -> None:
+    """In place: llama.cpp's greedy data on every file of `record` (needs llama_cpp)."""
+    for entry in record["models"].values():
+        for f in entry["files"].values():
+            path = os.path.join(OUT_DIR, f["file"])
+            f.pop("llama_cpp", None)
+            f.pop("llama_cpp_error", None)
+            try:
+                f["llama_cpp"] = maker.llama_cpp_greedy(path, entry["prompt_ids"], NEW_TOKENS)
+            except ValueError as e:     # llama_cpp's "Failed to load model from file"
+                f["llama_cpp_error"] = str(e).replace(OUT_DIR + os.sep, "")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--llama-cpp", required=True,
                         help="llama.cpp source tree (vendor/llama.cpp of the llama-cpp-python "
                              "sdist)")
     parser.add_argument("--only", nargs="*", help="remake only these models (others are kept)")
+    parser.add_argument("--llama-cpp-greedy-only", action="store_true",
+                        help="only record llama.cpp's greedy data in dense_fixtures.json")
     args = parser.parse_args()
+    if args.llama_cpp_greedy_only:
+        import importlib.metadata as md
+        with open(FIXTURES_JSON) as f:
+            record = json.load(f)
+        record["versions"]["llama_cpp_python"] = md.version("llama_cpp_python")
+        record_llama_cpp(record)
+        with open(FIXTURES_JSON, "w") as f:
+            json.dump(record, f, indent=1, ensure_ascii=False)
+        return
     src_root = tempfile.mkdtemp(prefix="gguf-dense-src-")
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
@@ -306,6 +333,9 @@ def main() -> None:
         record["models"][name] = entry
         print(f"{name}: " + ", ".join(f"{k} {v['bytes'] / 1e6:.2f} MB"
                                       for k, v in entry["files"].items()))
+    if importlib.util.find_spec("llama_cpp") is not None:
+        record["versions"]["llama_cpp_python"] = md.version("llama_cpp_python")
+        record_llama_cpp(record)
     with open(FIXTURES_JSON, "w") as f:
         json.dump(record, f, indent=1, ensure_ascii=False)
     shutil.rmtree(src_root)
