@@ -160,11 +160,40 @@ def test_gguf_greedy_matches_llama_cpp(stem):
 
 
 def test_llama_cpp_covers_the_families():
-    """Every family but Phi-3 has llama.cpp's run recorded; llama.cpp 0.3.36 cannot load the
-    Phi-3 files (its vocabulary loader fails on the toy SentencePiece vocabulary with
-    'unordered_map::at'), which the maker records instead."""
-    assert {FILES[s][0] for s in LLAMA_CPP_FILES} == set(ARCH) - {"phi3"}
-    assert all("llama_cpp_error" in f for f in FIX["models"]["phi3"]["files"].values())
+    assert {FILES[s][0] for s in LLAMA_CPP_FILES} == set(ARCH)
+    assert set(TOKENIZE_MODELS) == set(ARCH)
+
+
+TOKENIZE_MODELS = [n for n, m in FIX["models"].items() if "llama_cpp_tokenize" in m]
+
+
+@pytest.mark.parametrize("name", TOKENIZE_MODELS)
+def test_tokenizer_matches_llama_cpp(name):
+    """The file's tokenizer splits text as llama.cpp does (special tokens parsed), with and
+    without BOS: Gemma's SentencePiece without a space prefix, GLM-4's and StableLM's byte-level
+    BPE, and Phi-3's special tokens taking the whitespace after them (llama.cpp's rule for files
+    named Phi-3)."""
+    m = FIX["models"][name]
+    stem = f"{name}-{next(iter(m['files']))}"
+    ours = read_gguf(path_of(stem), progress=False).tokenizer
+    for r in m["llama_cpp_tokenize"]:
+        for add, expected in ((True, r["ids"]), (False, r["ids_no_special"])):
+            got = ours.encode(r["text"], add_special_tokens=add)
+            assert got == expected, f"{r['text']!r} (add_special_tokens={add}): llama.cpp"
+
+
+def test_phi3_rstrip_is_needed():
+    """Without Phi-3's rstrip the whitespace after <|user|> and <|end|> becomes tokens, which
+    llama.cpp does not make."""
+    from engine.loader import gguf_tokenizer
+    from engine.loader.gguf import open_reader, read_metadata
+    meta = read_metadata(open_reader(path_of("phi3-f16")))
+    text = "<|user|>\n  hi there<|end|>\n<|assistant|>  ok</s>  x"
+    want = next(r["ids"] for r in FIX["models"]["phi3"]["llama_cpp_tokenize"]
+                if r["text"] == text)
+    assert gguf_tokenizer.build_tokenizer(meta).encode(text) == want
+    meta["general.name"] = "Some Model"
+    assert gguf_tokenizer.build_tokenizer(meta).encode(text) != want
 
 
 def _add_one_to_norms(ck):

@@ -83,7 +83,7 @@ MODELS = {
     # fused qkv and gate_up, LongRoPE (original context 64, under the prompt) with partial rotary
     # 0.75 (Phi-4-mini's), so the converter writes rope_factors_long/short of 24 entries; F16
     # and the converter's Q8_0.
-    "phi3": dict(config="Phi3Config", tokenizer="sentencepiece", outtypes=("f16", "q8_0"),
+    "phi3": dict(config="Phi3Config", tokenizer="sentencepiece-phi3", outtypes=("f16", "q8_0"),
                  seed=0, scale=2.0,
                  kwargs=dict(TINY_256, rms_norm_eps=1e-5, tie_word_embeddings=False,
                              original_max_position_embeddings=64, bos_token_id=1, eos_token_id=2,
@@ -177,7 +177,34 @@ def build_tokenizer(kind: str, directory: str) -> dict:
         return maker.build_bytelevel_tokenizer(directory, extra_special=("<|user|>",))
     if kind == "sentencepiece-gemma":
         return maker.build_sentencepiece_tokenizer(directory, add_dummy_prefix=False)
+    if kind == "sentencepiece-phi3":
+        return build_phi3_tokenizer(directory)
     return maker.build_sentencepiece_tokenizer(directory)
+
+
+PHI3_SPECIAL = ("<|endoftext|>", "<|end|>", "<|user|>", "<|assistant|>")
+# Text whose tokenization shows how special tokens take the whitespace after them (llama.cpp
+# strips it after Phi-3's special tokens, except <unk> <s> <|endoftext|>, and after </s>).
+SPECIAL_TEXTS = ["<|user|>\n  hi there<|end|>\n<|assistant|>  ok</s>  x",
+                 "<|endoftext|>  a [INST]  b [/INST]\n c", "<s>  d<unk>  e"]
+
+
+def build_phi3_tokenizer(directory: str) -> dict:
+    """The SentencePiece vocabulary with Phi-3's added special tokens after it (ids 480-483, in
+    tokenizer_config.json's added_tokens_decoder, where Phi-3's converter reads them; llama.cpp
+    needs <|endoftext|> in a file it names Phi-3)."""
+    ids = maker.build_sentencepiece_tokenizer(directory)
+    path = os.path.join(directory, "tokenizer_config.json")
+    with open(path) as f:
+        config = json.load(f)
+    first = 480
+    for i, text in enumerate(PHI3_SPECIAL):
+        config["added_tokens_decoder"][str(first + i)] = dict(
+            content=text, lstrip=False, rstrip=False, normalized=False, single_word=False,
+            special=True)
+    with open(path, "w") as f:
+        json.dump(config, f, indent=2, ensure_ascii=False)
+    return ids
 
 
 # GGUF tensor (per layer) -> transformers parameter, per family where it differs from the
@@ -258,6 +285,12 @@ def reference(model, path: str, prompt_ids: list[int]) -> dict:
 def record_llama_cpp(record: dict) -> None:
     """In place: llama.cpp's greedy data on every file of `record` (needs llama_cpp)."""
     for entry in record["models"].values():
+        first = os.path.join(OUT_DIR, next(iter(entry["files"].values()))["file"])
+        try:
+            entry["llama_cpp_tokenize"] = maker.llama_cpp_tokenize(
+                first, maker.TOKENIZER_TEXTS + SPECIAL_TEXTS)
+        except ValueError:
+            entry.pop("llama_cpp_tokenize", None)
         for f in entry["files"].values():
             path = os.path.join(OUT_DIR, f["file"])
             f.pop("llama_cpp", None)
