@@ -327,3 +327,23 @@ def test_merges_outside_the_vocabulary_name_the_file(tmp_path):
             read_gguf(dst, progress=False)
         msg = str(e.value)
         assert dst in msg and f"tokenizer.ggml.merges[{i}]" in msg and repr(missing) in msg, msg
+
+
+@pytest.mark.parametrize("arch,meta,tensors,match", [
+    ("glm4", {"rope.dimension_sections": [8, 12, 12, 0]}, {}, "M-RoPE"),
+    ("phi3", {"rope.scaling.original_context_length": 64}, {"rope_factors_long.weight": object()},
+     "rope_factors_short"),
+    ("gemma3", {"attention.sliding_window": 16, "attention.sliding_window_pattern": [1, 0, 1]},
+     {}, "3 entries for 2 layers"),
+    ("gemma2", {"rope.freq_base_swa": 5.0}, {}, "one RoPE base"),
+    ("stablelm", {}, {}, "layer_norm_epsilon"),
+])
+def test_family_refusals_name_the_file_and_key(arch, meta, tensors, match):
+    from engine.loader.gguf import _Meta
+    from engine.loader.gguf_dense import family_config
+    config = {"head_dim": 64, "num_hidden_layers": 2, "hidden_size": 256,
+              "num_attention_heads": 4, "rope_theta": 10000.0, "rope_scaling": None}
+    with pytest.raises(ValueError, match=match) as e:
+        family_config("x.gguf", _Meta("x.gguf", {f"{arch}.{k}": v for k, v in meta.items()}, arch),
+                      tensors, config, 64)
+    assert "x.gguf" in str(e.value)

@@ -60,6 +60,9 @@ def family_config(path: str, meta, tensors: dict, config: dict, rot_dim: int) ->
     elif arch == "phi3":
         _phi3(path, meta, tensors, config, rot_dim)
     elif arch == "glm4":
+        if meta.get("rope.dimension_sections") is not None:
+            raise ValueError(f"{path}: glm4.rope.dimension_sections is set (M-RoPE, GLM-4V: the "
+                             "converter reorders its q/k rows); only text GLM-4 is supported")
         config["attention_bias"] = "blk.0.attn_q.bias" in tensors
     elif arch == "stablelm":
         eps = meta.get("attention.layer_norm_epsilon")
