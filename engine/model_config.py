@@ -89,6 +89,7 @@ class ModelConfig:
     attn_softcap: float = 0.0           # attention scores capped to c * tanh(s / c); 0 = off
     final_softcap: float = 0.0          # the same on the final logits
     parallel_residual: bool = False     # h += attn(norm(h)) + mlp(norm(h)) (StableLM)
+    qk_layernorm: bool = False          # q/k LayerNorm with a weight per head (StableLM)
     dtype: str = "float32"              # the checkpoint's dtype name
     quantization: str | None = None     # quantization_config.quant_method, if any
     quantization_config: dict | None = None  # the whole quantization_config, for the loader
@@ -152,9 +153,6 @@ class ModelConfig:
             qkv_bias, o_bias = bool(cfg.get("attention_bias", True)), False
         elif arch == "StableLmForCausalLM":
             qkv_bias, o_bias = bool(cfg.get("use_qkv_bias", False)), False
-            if cfg.get("qk_layernorm"):
-                raise ValueError("StableLM's per-head q/k LayerNorm (qk_layernorm) is not "
-                                 "supported yet")
         else:
             qkv_bias = o_bias = bool(cfg.get("attention_bias", False))
         mlp_bias = arch == "LlamaForCausalLM" and bool(cfg.get("mlp_bias", False))
@@ -182,6 +180,7 @@ class ModelConfig:
             attn_softcap=float(cfg.get("attn_logit_softcapping") or 0.0) if gemma else 0.0,
             final_softcap=float(cfg.get("final_logit_softcapping") or 0.0) if gemma else 0.0,
             parallel_residual=bool(cfg.get("use_parallel_residual", False)),
+            qk_layernorm=arch == "StableLmForCausalLM" and bool(cfg.get("qk_layernorm", False)),
             dtype=_dtype_name(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"),
             quantization=(cfg.get("quantization_config") or {}).get("quant_method"),
             quantization_config=cfg.get("quantization_config"),

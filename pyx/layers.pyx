@@ -32,7 +32,8 @@ cdef class Workspace:
 
 
 cdef class Attention:
-    """Fused qkv projection, optional per-head q/k RMSNorm, RoPE, KV cache write, paged attention
+    """Fused qkv projection, optional per-head q/k RMSNorm (one weight for all heads) or
+    LayerNorm (StableLM: one weight per head, no bias), RoPE, KV cache write, paged attention
     (optionally soft-capped), output projection."""
     cdef object backend, xp
     cdef object qkv_weight, qkv_bias, o_weight, o_bias, q_norm, k_norm, cos_sin_cache
@@ -40,15 +41,16 @@ cdef class Attention:
     cdef readonly int num_heads, num_kv_heads, head_dim, sliding_window
     cdef int q_size, kv_size
     cdef double scale, eps, softcap
-    cdef bint is_neox
+    cdef bint is_neox, qk_layernorm
 
     def __init__(self, backend, qkv_weight, qkv_bias, o_weight, o_bias, q_norm, k_norm,
                  cos_sin_cache, int num_heads, int num_kv_heads, int head_dim, double eps,
                  int sliding_window, bint is_neox=True, k_scale=None, v_scale=None,
-                 scale=None, double softcap=0.0):
+                 scale=None, double softcap=0.0, bint qk_layernorm=False):
         """k_scale, v_scale (Hkv,) f32: the FP8 KV cache's per-head scales, passed to the cache ops
         when the caches are FP8 (uint8); None: 1.0. scale: the attention scores' multiplier
-        (None: head_dim ** -0.5); softcap > 0 caps the scaled scores (Gemma-2)."""
+        (None: head_dim ** -0.5); softcap > 0 caps the scaled scores (Gemma-2). qk_layernorm:
+        q_norm and k_norm are lists of per-head (D,) LayerNorm weights, not one RMSNorm weight."""
         self.backend = backend
         self.xp = getattr(backend, "xp", np)
         self.qkv_weight, self.qkv_bias = qkv_weight, qkv_bias
@@ -62,6 +64,7 @@ cdef class Attention:
         self.eps = eps
         self.sliding_window = sliding_window
         self.is_neox = is_neox
+        self.qk_layernorm = qk_layernorm
         ones = np.ones(num_kv_heads, np.float32)
         self.k_scale = ones if k_scale is None else k_scale
         self.v_scale = ones if v_scale is None else v_scale
@@ -83,10 +86,14 @@ cdef class Attention:
             raw_k = ws.get("raw_k", T, kvs)
             xp.copyto(raw_q, qkv[:, :qs])
             xp.copyto(raw_k, qkv[:, qs:qs + kvs])
-            b.rms_norm(raw_q.reshape(T * self.num_heads, D), self.q_norm, self.eps,
-                       q.reshape(T * self.num_heads, D))
-            b.rms_norm(raw_k.reshape(T * self.num_kv_heads, D), self.k_norm, self.eps,
-                       k.reshape(T * self.num_kv_heads, D))
+            if self.qk_layernorm:
+                self._per_head_layer_norm(raw_q, q, self.q_norm, self.num_heads, ws, "q")
+                self._per_head_layer_norm(raw_k, k, self.k_norm, self.num_kv_heads, ws, "k")
+            else:
+                b.rms_norm(raw_q.reshape(T * self.num_heads, D), self.q_norm, self.eps,
+                           q.reshape(T * self.num_heads, D))
+                b.rms_norm(raw_k.reshape(T * self.num_kv_heads, D), self.k_norm, self.eps,
+                           k.reshape(T * self.num_kv_heads, D))
         else:
             xp.copyto(q, qkv[:, :qs])
             xp.copyto(k, qkv[:, qs:qs + kvs])
@@ -109,6 +116,18 @@ cdef class Attention:
                               batch.query_start_loc, self.scale, self.sliding_window,
                               softcap=self.softcap)
         b.linear(attn, self.o_weight, self.o_bias, out)
+
+    def _per_head_layer_norm(self, x, out, norms, int heads, Workspace ws, str name):
+        """out (T, heads*D) = each head of x LayerNormed with its own weight: the layer_norm op
+        once per head on a head-major copy, whose per-head (T, D) slices are contiguous."""
+        cdef Py_ssize_t T = x.shape[0]
+        cdef int D = self.head_dim, h
+        xh = ws.get(name + "_heads", heads * T, D).reshape(heads, T, D)
+        yh = ws.get(name + "_heads_out", heads * T, D).reshape(heads, T, D)
+        self.xp.copyto(xh, x.reshape(T, heads, D).transpose(1, 0, 2))
+        for h in range(heads):
+            self.backend.layer_norm(xh[h], norms[h], None, self.eps, yh[h])
+        self.xp.copyto(out.reshape(T, heads, D), yh.transpose(1, 0, 2))
 
 
 cdef class MLP:

@@ -177,6 +177,10 @@ ARCHS_256 = {
     "qwen3_moe": ("Qwen3MoeConfig", dict(num_experts=16, num_experts_per_tok=4,
                                          moe_intermediate_size=128, norm_topk_prob=True,
                                          tie_word_embeddings=True)),
+    # StableLM-2 12B's per-head q/k LayerNorm
+    "stablelm_qk": ("StableLmConfig", dict(qk_layernorm=True, partial_rotary_factor=0.25,
+                                           use_parallel_residual=True, layer_norm_eps=1e-5,
+                                           tie_word_embeddings=False)),
 }
 
 # Scaling after transformers' init: linear weights x 4 (the tiny family's x 8 is tuned for hidden

@@ -216,7 +216,7 @@ def test_config_variants_from_metadata():
 
 @pytest.mark.parametrize("meta,match", [
     (_meta(**{"rope.scaling.type": "longrope", "rope.scaling.factor": 4.0}), "longrope"),
-    (_meta("phi3"), "unsupported GGUF architecture 'phi3'"),
+    (_meta("falcon"), "unsupported GGUF architecture 'falcon'"),
     ({k: v for k, v in _meta().items() if k != "llama.block_count"}, "llama.block_count"),
     (_meta(**{"attention.head_count_kv": [2, 4]}), "differs between layers"),
 ])
@@ -525,8 +525,8 @@ def test_bad_files_raise_value_error_naming_the_file(tmp_path):
 
 
 def test_unsupported_architecture_and_tensor_type(tmp_path):
-    dst = maker.copy_gguf(path_of("qwen3-bf16"), str(tmp_path / "phi.gguf"), arch="phi3")[0]
-    with pytest.raises(ValueError, match="unsupported GGUF architecture 'phi3'") as e:
+    dst = maker.copy_gguf(path_of("qwen3-bf16"), str(tmp_path / "falcon.gguf"), arch="falcon")[0]
+    with pytest.raises(ValueError, match="unsupported GGUF architecture 'falcon'") as e:
         read_gguf(dst, progress=False)
     assert dst in str(e.value)
 

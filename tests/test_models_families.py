@@ -65,6 +65,9 @@ CASES = {
     "glm4": (dict(arch="glm4"), None),
     "stablelm": (dict(arch="stablelm"), None),
     "stablelm_parallel": (dict(arch="stablelm", use_parallel_residual=True), None),
+    # StableLM-2 12B's layout: a LayerNorm (own weight, no bias) on each q and k head
+    "stablelm_qk": (dict(arch="stablelm", qk_layernorm=True, use_parallel_residual=True,
+                         use_qkv_bias=False), None),
     # Yi's checkpoints say LlamaForCausalLM: its shape (GQA 4:1, rope_theta 5e6, untied head)
     "yi": (dict(arch="llama", num_key_value_heads=1, tie_word_embeddings=False,
                 rope_parameters={"rope_type": "default", "rope_theta": 5_000_000.0}), None),
@@ -209,6 +212,16 @@ def test_gelu_tanh_changes_hf_logits(cases):
         assert np.abs(_prefill_logits(off, prompt) - r[2]).max() > 100 * tol
 
 
+def test_qk_layernorm_changes_hf_logits(cases):
+    """StableLM's per-head q/k LayerNorm: this tiny model's greedy tokens settle on one token
+    with or without it, so the prefill logits show it (far beyond the harness test's
+    tolerance)."""
+    off = hf_with_config(cases, "stablelm_qk", qk_layernorm=False)
+    for prompt, r in zip(prompts_for(), cases.ref("stablelm_qk")):
+        tol = 1e-4 * max(1.0, np.abs(r[2]).max())
+        assert np.abs(_prefill_logits(off, prompt) - r[2]).max() > 100 * tol
+
+
 @pytest.mark.parametrize("name", ["gemma3", "phi3_longrope"])
 def test_legacy_config_reads_the_same_in_hf(cases, name):
     assert [r[0] for r in cases.ref(name + "_legacy")] == [r[0] for r in cases.ref(name)]
@@ -241,7 +254,7 @@ def backend():
 
 
 @pytest.mark.parametrize("name", ["gemma2", "gemma3", "phi3_longrope", "phi3_partial_rotary",
-                                  "glm4", "stablelm", "stablelm_parallel"])
+                                  "glm4", "stablelm", "stablelm_parallel", "stablelm_qk"])
 def test_model_forward_matches_hf(cases, backend, name):
     chunk = {"gemma2": 20, "gemma3": 7, "glm4": 9, "stablelm_parallel": 11}.get(name)
     assert_model_forward_matches(cases, backend, name, chunk)

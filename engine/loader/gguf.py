@@ -6,8 +6,11 @@
 - config: a config.json-style dict for ModelConfig.from_dict, from the `{arch}.*` metadata. llama
   files are LlamaForCausalLM (MistralForCausalLM when they carry a sliding window, and
   MixtralForCausalLM when they carry `llama.expert_count`), qwen2 and qwen3 files
-  Qwen2/Qwen3ForCausalLM, qwen2moe and qwen3moe files Qwen2Moe/Qwen3MoeForCausalLM. A llama3 RoPE is stored as the per-frequency factors it
-  produces (tensor rope_freqs), so its parameters are recovered from them.
+  Qwen2/Qwen3ForCausalLM, qwen2moe and qwen3moe files Qwen2Moe/Qwen3MoeForCausalLM, and the
+  gemma2, gemma3, phi3, glm4 and stablelm files their families (the keys, names and converter
+  transforms of each: engine/loader/gguf_dense.py). A llama3 RoPE is stored as the
+  per-frequency factors it produces (tensor rope_freqs), so its parameters are recovered from
+  them.
 - weights: Hugging Face names. F32/F16/BF16 tensors are float arrays, views of the mapping unless
   converted (the dtype policy of engine/loader/safetensors.py). Block-quantized tensors stay
   packed as QuantizedWeight (ggml blocks, one row of blocks per output row).
@@ -42,6 +45,7 @@ from gguf import GGMLQuantizationType as QT
 from gguf import GGUFReader, GGUFValueType
 from tqdm import tqdm
 
+from engine.loader import gguf_dense
 from engine.loader.gguf_tokenizer import build_tokenizer, special_id
 from engine.loader.safetensors import resolve_dtype, target_dtype
 from engine.quant import BLOCK_TYPES, QuantizedWeight
@@ -55,7 +59,7 @@ logger = logging.getLogger("taper.loader")
 _ARCHS = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2"),
           "qwen3": ("Qwen3ForCausalLM", "qwen3"),
           "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
-          "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe")}
+          "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"), **gguf_dense.ARCHS}
 # Whether llama.cpp's graph renormalises the top-k routing weights (build_moe_ffn's norm_w).
 _MOE_NORM = {"llama": True, "qwen2moe": False, "qwen3moe": True}
 _PERMUTED_QK = ("llama",)       # architectures whose q/k rows the converter interleaves
@@ -90,14 +94,18 @@ class GGUFCheckpoint:
     files: list[str] = field(default_factory=list)      # the shards read, in order
 
 
-def hf_name(name: str) -> str:
-    """The Hugging Face name of a GGUF tensor name (unknown names pass through)."""
+def hf_name(name: str, arch: str = "llama") -> str:
+    """The Hugging Face name of a GGUF tensor name in a file of `arch` (unknown names pass
+    through)."""
     stem, _, kind = name.rpartition(".")
     if stem in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[stem]}.{kind}"
     m = _LAYER_RE.match(name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    if m:
+        names = gguf_dense.LAYER_NAMES.get(arch, {})
+        hf = names.get(m.group(2)) or _LAYER_NAMES.get(m.group(2))
+        if hf:
+            return f"model.layers.{m.group(1)}.{hf}.{m.group(3)}"
     return name
 
 
@@ -361,7 +369,9 @@ def build_config(path: str, metadata: dict, tensors: dict) -> dict:
         config.update(_moe_config(path, meta, tensors, num_layers, num_experts))
 
     window = int(meta.get("attention.sliding_window") or 0)
-    if window:
+    if arch in gguf_dense.ARCHS:
+        gguf_dense.family_config(path, meta, tensors, config, rot_dim)
+    elif window:
         if arch == "llama" and num_experts:
             config["sliding_window"] = window       # Mixtral: one window on every layer
         elif arch == "llama":     # Mistral: one window on every layer
@@ -511,7 +521,8 @@ def read_gguf(path: str, dtype: str = "auto", progress: bool = True) -> GGUFChec
     logger.info("loading %s: %s, %d tensors (%s), %.2f GB", path, config["architectures"][0],
                 len(tensors), ", ".join(f"{n} {k}" for k, n in sorted(counts.items())),
                 sum(t.n_bytes for t in tensors.values()) / 1e9)
-    permute = metadata["general.architecture"] in _PERMUTED_QK
+    arch = metadata["general.architecture"]
+    permute = arch in _PERMUTED_QK
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
     num_experts = int(config.get("num_local_experts") or config.get("num_experts") or 0)
     mixtral = config["architectures"][0] == "MixtralForCausalLM"
@@ -521,8 +532,8 @@ def read_gguf(path: str, dtype: str = "auto", progress: bool = True) -> GGUFChec
               disable=not progress or None, leave=False) as bar:
         for name, t in tensors.items():
             bar.update(1)
-            if name == "rope_freqs.weight":     # folded into config["rope_scaling"]
-                continue
+            if name == "rope_freqs.weight" or name in gguf_dense.CONFIG_TENSORS:
+                continue                        # folded into config["rope_scaling"]
             experts = expert_names(name, num_experts, mixtral) if num_experts else None
             if experts is not None:
                 weights.update(split_experts(owner[name], t, want, experts))
@@ -531,12 +542,12 @@ def read_gguf(path: str, dtype: str = "auto", progress: bool = True) -> GGUFChec
             m = _LAYER_RE.match(name)
             if permute and m and m.group(2) in heads:
                 weight = _unpermute(weight, heads[m.group(2)])
-            hf = hf_name(name)
+            hf = hf_name(name, arch)
             if mixtral:
                 hf = hf.replace(".mlp.gate.", ".block_sparse_moe.gate.")
             if hf.endswith("shared_expert_gate.weight"):    # a vector in the file, (1, H) in HF
                 weight = weight.reshape(1, -1)
-            weights[hf] = weight
+            weights.update(gguf_dense.hf_weights(arch, name, hf, weight))
 
     tokenizer = build_tokenizer(metadata, path)
     return GGUFCheckpoint(config=config, weights=weights, tokenizer=tokenizer, files=paths)

@@ -15,7 +15,8 @@ and special ids, and picks the rest of the pipeline by name. We rebuild that pip
   (add_space_prefix); characters without a piece fall back to <0xXX> byte tokens.
 
 Token types: CONTROL and UNKNOWN tokens become special added tokens, USER_DEFINED ones plain
-added tokens (llama.cpp matches both whole, before splitting). BOS/EOS follow add_bos_token /
+added tokens (llama.cpp matches both whole, before splitting); for Phi-3 (by general.name, as
+llama.cpp decides) they take the whitespace after them (rstrip). BOS/EOS follow add_bos_token /
 add_eos_token (llama.cpp's defaults when absent); EOT/EOM ids count as end of generation.
 """
 from __future__ import annotations
@@ -140,12 +141,25 @@ def _byte_level(meta: dict, tokens: list[str], types: list[int], path: str):
         if cut < 0:
             raise ValueError(f"{path}: malformed merge {m!r} in tokenizer.ggml.merges")
         merges.append((m[:cut], m[cut + 1:]))
+    _check_merges(merges, vocab, path)
     tok = RustTokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=ignore_merges))
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in regexes]
         + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
     return tok, add_bos
+
+
+def _check_merges(merges: list[tuple[str, str]], vocab: dict[str, int], path: str) -> None:
+    """ValueError naming the file and the first merge whose parts or result are not tokens of
+    the vocabulary (the tokenizers library would raise a bare Exception, or panic, on it)."""
+    for i, (left, right) in enumerate(merges):
+        missing = [p for p in (left, right, left + right) if p not in vocab]
+        if missing:
+            raise ValueError(
+                f"{path}: corrupt tokenizer: tokenizer.ggml.merges[{i}] {left + ' ' + right!r} "
+                f"names {', '.join(repr(p) for p in dict.fromkeys(missing))}, not in "
+                f"tokenizer.ggml.tokens ({len(vocab)} tokens)")
 
 
 def _sentencepiece(meta: dict, tokens: list[str], types: list[int], path: str):
@@ -167,6 +181,17 @@ def _sentencepiece(meta: dict, tokens: list[str], types: list[int], path: str):
         tok.normalizer = replace
     tok.decoder = decoders.Sequence(decoder)
     return tok, True
+
+
+def rstrip_tokens(meta: dict, tokens: list[str], types: list[int]) -> set[str]:
+    """The added tokens that take the whitespace after them, as llama-vocab.cpp sets by model
+    name (the file has no per-token attributes): for a model named Phi-3 every special token
+    but <unk>, <s> and <|endoftext|>, and </s>."""
+    name = str(meta.get("general.name") or "").lower()
+    if "phi-3" not in name and "phi3" not in name:
+        return set()
+    special = {t for t, ty in zip(tokens, types) if ty in (CONTROL, USER_DEFINED, UNKNOWN)}
+    return (special | {"</s>"}) - {"<unk>", "<s>", "<|endoftext|>"}
 
 
 def build_tokenizer(meta: dict, path: str = "GGUF file"):
@@ -191,9 +216,10 @@ def build_tokenizer(meta: dict, path: str = "GGUF file"):
     build = _byte_level if model == "gpt2" else _sentencepiece
     tok, add_bos_default = build(meta, tokens, types, path)
 
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+    rstrip = rstrip_tokens(meta, tokens, types)
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False, rstrip=t in rstrip)
                             for t, ty in zip(tokens, types) if ty in (CONTROL, UNKNOWN)])
-    tok.add_tokens([AddedToken(t, special=False, normalized=False)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False, rstrip=t in rstrip)
                     for t, ty in zip(tokens, types) if ty == USER_DEFINED])
 
     def token(key):

@@ -1,8 +1,8 @@
 """One graph for Llama, Yi, Mistral, Qwen2 and Qwen3 (config flags cover the differences:
 attention biases, per-head q/k RMSNorm, per-layer sliding windows, RoPE variants), and the base the
-other families' files build on: they override the hooks below (`_qkv`, `_gate_up`, `_layer`,
-`_mlp`, `_rope_cache`, `_final_norm`, `norm_offset`, `embedding_multiplier`, `expected_shapes`)
-with just their quirks.
+other families' files build on: they override the hooks below (`_qkv`, `_qk_norms`, `_gate_up`,
+`_layer`, `_mlp`, `_rope_cache`, `_final_norm`, `norm_offset`, `embedding_multiplier`,
+`expected_shapes`) with just their quirks.
 
 Weights use Hugging Face names. At load q/k/v are fused into one matrix and gate/up into another,
 popping the parts from the weight dict as each layer is built so two copies never coexist.
@@ -101,13 +101,12 @@ class LlamaForCausalLM:
                 backend, *self._qkv(weights, p),
                 self._take(weights, f"{p}self_attn.o_proj.weight"),
                 self._take(weights, f"{p}self_attn.o_proj.bias") if c.o_bias else None,
-                self._norm(weights, f"{p}self_attn.q_norm.weight") if c.qk_norm else None,
-                self._norm(weights, f"{p}self_attn.k_norm.weight") if c.qk_norm else None,
+                *self._qk_norms(weights, p),
                 self._rope_cache(i), c.num_attention_heads, c.num_key_value_heads, c.head_dim,
                 c.rms_norm_eps, c.sliding_windows[i], c.rope.is_neox,
                 *(self._to_device(s) for s in kv_scales),
                 scale=c.query_pre_attn_scalar ** -0.5 if c.query_pre_attn_scalar else None,
-                softcap=c.attn_softcap)
+                softcap=c.attn_softcap, qk_layernorm=c.qk_layernorm)
             mlp = self._mlp(weights, p, i)
             self.layers.append(self._layer(weights, p, i, attn, mlp))
         self.embed_tokens = self._take(weights, "model.embed_tokens.weight")
@@ -137,6 +136,12 @@ class LlamaForCausalLM:
         names = [f"{p}self_attn.{n}_proj" for n in "qkv"]
         return (self._fuse(weights, [f"{n}.weight" for n in names]),
                 self._fuse(weights, [f"{n}.bias" for n in names]) if self.config.qkv_bias else None)
+
+    def _qk_norms(self, weights: dict, p: str) -> tuple:
+        """(q norm, k norm) of layer prefix p: per-head RMSNorm weights, or None."""
+        if not self.config.qk_norm:
+            return None, None
+        return tuple(self._norm(weights, f"{p}self_attn.{n}_norm.weight") for n in "qk")
 
     def _mlp(self, weights: dict, p: str, i: int):
         """Layer i's feed-forward block (weights under prefix p)."""

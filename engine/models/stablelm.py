@@ -1,6 +1,7 @@
 """StableLM (StableLmForCausalLM): the Llama graph (engine/models/llama.py) with LayerNorm (weight
 and bias) for every norm and, where configured, GPT-NeoX's parallel residual
-(LayerNormDecoderLayer). Partial rotary and the q/k/v bias are config flags (ModelConfig).
+(LayerNormDecoderLayer) and a bias-free LayerNorm on each q and k head with a weight per head
+(qk_layernorm, StableLM-2 12B). Partial rotary and the q/k/v bias are config flags (ModelConfig).
 """
 from __future__ import annotations
 
@@ -21,7 +22,19 @@ class StableLmForCausalLM(LlamaForCausalLM):
             else:
                 norms.append(f"model.layers.{i}.post_attention_layernorm")
         shapes.update({f"{n}.bias": (c.hidden_size,) for n in norms})
+        if c.qk_layernorm:
+            for i in range(c.num_hidden_layers):
+                for name, heads in _qk_heads(c):
+                    for h in range(heads):
+                        shapes[f"model.layers.{i}.self_attn.{name}.norms.{h}.weight"] = \
+                            (c.head_dim,)
         return shapes
+
+    def _qk_norms(self, weights, p):
+        if not self.config.qk_layernorm:
+            return None, None
+        return tuple([self._take(weights, f"{p}self_attn.{name}.norms.{h}.weight")
+                      for h in range(heads)] for name, heads in _qk_heads(self.config))
 
     def _layer(self, weights, p, i, attn, mlp):
         c = self.config
@@ -33,11 +46,15 @@ class StableLmForCausalLM(LlamaForCausalLM):
             c.parallel_residual)
 
     def _norm(self, weights, name):
-        # Only the final norm comes through here (the layers' norms are taken in _layer and there
-        # is no q/k norm): its bias, model.norm.bias, is taken alongside.
+        # Only the final norm comes through here (the layers' norms are taken in _layer, the q/k
+        # ones in _qk_norms): its bias, model.norm.bias, is taken alongside.
         self.norm_bias = self._take(weights, name.removesuffix("weight") + "bias")
         return self._take(weights, name)
 
     def _final_norm(self, hidden, residual):
         self.backend.fused_add_layer_norm(hidden, residual, self.norm, self.norm_bias,
                                           self.config.rms_norm_eps)
+
+
+def _qk_heads(c: ModelConfig) -> tuple:
+    return ("q_layernorm", c.num_attention_heads), ("k_layernorm", c.num_key_value_heads)

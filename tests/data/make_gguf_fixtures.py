@@ -154,10 +154,10 @@ LLAMA_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'use
 
 # ---- tokenizers
 
-def build_bytelevel_tokenizer(directory: str) -> dict:
+def build_bytelevel_tokenizer(directory: str, extra_special: tuple[str, ...] = ()) -> dict:
     """Qwen2-style byte-level BPE (NFC normaliser, Qwen2's split regex), trained on CORPUS, with
-    special <|endoftext|> <|im_start|> <|im_end|> and a plain added token <think>/</think>.
-    Returns the token ids config.json needs."""
+    special <|endoftext|> <|im_start|> <|im_end|> (then `extra_special`) and a plain added token
+    <think>/</think>. Returns the token ids config.json needs."""
     from tokenizers import AddedToken, Regex, Tokenizer
     from tokenizers import decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -172,7 +172,8 @@ def build_bytelevel_tokenizer(directory: str) -> dict:
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(CORPUS * 4, trainer)
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                            for t in ("<|endoftext|>", "<|im_start|>", "<|im_end|>")])
+                            for t in ("<|endoftext|>", "<|im_start|>", "<|im_end|>",
+                                      *extra_special)])
     tok.add_tokens([AddedToken(t, special=False, normalized=False)
                     for t in ("<think>", "</think>")])
     hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
@@ -184,11 +185,12 @@ def build_bytelevel_tokenizer(directory: str) -> dict:
                 generation_eos=[tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")])
 
 
-def build_sentencepiece_tokenizer(directory: str) -> dict:
+def build_sentencepiece_tokenizer(directory: str, add_dummy_prefix: bool = True) -> dict:
     """Llama-style SentencePiece BPE with byte fallback (identity normalisation, digits split,
     whitespace-only pieces), control symbols [INST] [/INST] and a user-defined <sep> (which the
     converter stores as a NORMAL piece), written as tokenizer.model plus a
-    tokenizer_config.json with the chat template."""
+    tokenizer_config.json with the chat template. Gemma's vocabularies have no dummy prefix
+    (add_dummy_prefix=False, which Gemma's converter writes as add_space_prefix false)."""
     import io
 
     import sentencepiece as spm
@@ -198,7 +200,7 @@ def build_sentencepiece_tokenizer(directory: str) -> dict:
         sentence_iterator=iter(CORPUS * 4), model_writer=model, vocab_size=480, model_type="bpe",
         byte_fallback=True, character_coverage=1.0, normalization_rule_name="identity",
         remove_extra_whitespaces=False, split_digits=True, allow_whitespace_only_pieces=True,
-        add_dummy_prefix=True, unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
+        add_dummy_prefix=add_dummy_prefix, unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
         control_symbols=["[INST]", "[/INST]"], user_defined_symbols=["<sep>"],
         hard_vocab_limit=False, num_threads=1, minloglevel=2)
     with open(os.path.join(directory, "tokenizer.model"), "wb") as f:

@@ -7,7 +7,7 @@ Exercised on the GPU: the scale op (Gemma's embedding), GeGLU, attention soft-ca
 prefill and decode kernels, the final soft-cap, sliding windows of 16 under 70-token prompts,
 Gemma-3's two RoPE caches, LongRoPE's per-sequence long rows (prompts on both sides of the
 original context of 32), partial and interleaved rotary, layer_norm with bias and the parallel
-residual; and CUDA Graph replay against eager decode for Phi-3, whose LongRoPE positions are
+residual, StableLM-2 12B's per-head q/k LayerNorm (the layer_norm op per head); and CUDA Graph replay against eager decode for Phi-3, whose LongRoPE positions are
 computed inside the captured forward.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ import pytest
 from checkpoints import tiny256_checkpoint
 from test_cuda_model import MIN_COMPARED, compare, cpu_margins, greedy, make_llm, random_prompts
 
-FAMILIES = ["gemma2", "gemma3", "phi3", "glm4", "stablelm"]
+FAMILIES = ["gemma2", "gemma3", "phi3", "glm4", "stablelm", "stablelm_qk"]
 
 
 @pytest.fixture(scope="module")
