@@ -13,9 +13,9 @@ continuation), so every step sees the same inputs: Taper and llama.cpp take the 
 batch, then one token per step (the decode path), with an f32 KV cache on both.
 
 Distances per step between each engine's logits and the reference's: max |diff| and RMS, and
-whether the argmax agrees; the table shows their mean and worst over the steps. `--old`
-switches Taper's decode matmul back to 8-bit activations (TAPER_QUANT_ACT_Q8=1) for a before /
-after comparison.
+whether the argmax agrees; the table shows their mean and worst over the steps. Taper runs twice:
+as it computes by default (the decode matmul rounds each activation row to 8 bits once, as
+llama.cpp does) and with TAPER_QUANT_ACT_SPLIT=1 (each row as two 8-bit rows, pyx/quant_kernels.c).
 
 llama.cpp (llama-cpp-python) and torch are bench-only dependencies; nothing in the test suite
 imports this file.
@@ -169,8 +169,6 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=48)
     ap.add_argument("--llama-threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--no-llama", action="store_true", help="Taper and the reference only")
-    ap.add_argument("--old", action="store_true",
-                    help="also Taper with 8-bit activations in the decode matmul (the old way)")
     args = ap.parse_args(argv)
     from pyx.cpu_backend import cpu_isa
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
@@ -187,15 +185,14 @@ def main(argv=None):
         tokens = reference_greedy(config, deq, prompt, args.steps)
         ref = reference_logits(config, deq, tokens, args.prompt_len)
         margins = top2_margins(ref)
-        engines = {"taper": lambda: taper_logits(config, weights, tokens, args.prompt_len)}
-        if args.old:
-            def old():
-                os.environ["TAPER_QUANT_ACT_Q8"] = "1"
-                try:
-                    return taper_logits(config, weights, tokens, args.prompt_len)
-                finally:
-                    del os.environ["TAPER_QUANT_ACT_Q8"]
-            engines["taper (8-bit activations)"] = old
+        def split():
+            os.environ["TAPER_QUANT_ACT_SPLIT"] = "1"
+            try:
+                return taper_logits(config, weights, tokens, args.prompt_len)
+            finally:
+                del os.environ["TAPER_QUANT_ACT_SPLIT"]
+        engines = {"taper": lambda: taper_logits(config, weights, tokens, args.prompt_len),
+                   "taper, TAPER_QUANT_ACT_SPLIT=1": split}
         if not args.no_llama:
             for th in args.llama_threads:
                 engines[f"llama.cpp {th} thr"] = (

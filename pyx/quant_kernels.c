@@ -85,10 +85,13 @@ static int quant_linear_panels(int isa, const taper_quant_traits *t, const float
     return TAPER_OK;
 }
 
-/* TAPER_QUANT_ACT_Q8=1: the decode loop rounds each activation row to 8 bits once, as ggml
-   does (the arithmetic before the two-part split below); for before / after comparisons. */
-static int act_q8_only(void) {
-    const char *v = getenv("TAPER_QUANT_ACT_Q8");
+/* TAPER_QUANT_ACT_SPLIT=1: the decode loop writes each activation row as two 8-bit rows (below)
+   instead of rounding it to 8 bits once, as ggml does. Off by default: the loop is compute-bound
+   on its integer dot products (Q8_0 4864x896 at T = 1: 19 GB/s on one core from cache), and two
+   rows double them (bench/RESULTS.md, numerics against llama.cpp). Read per call, so a test or
+   bench can switch it in-process. */
+static int act_split(void) {
+    const char *v = getenv("TAPER_QUANT_ACT_SPLIT");
     return v && v[0] == '1';
 }
 
@@ -96,9 +99,9 @@ static int act_q8_only(void) {
  * it, lo = the rounding residual x - hi rounded the same way, so hi + lo is x to about 1/250 of
  * one rounding step (|x - hi - lo| <= ~0.003 amax/127 per block instead of 0.56 amax/127).
  * The matmul dots every weight row with both, which keeps the exact integer block dot products
- * of the vec_dot kernels while its result stays within float32 accumulation of x @ W.T
- * (bench/RESULTS.md, numerics against llama.cpp: one 8-bit rounding of the activations moved
- * the logits of a 4-layer model by ~0.01-0.03, several times its distance to float64 otherwise).
+ * of the vec_dot kernels while its result comes ~250x closer to x @ W.T (one 8-bit rounding
+ * moves the logits of the 2-layer GGUF fixtures 0.03-0.05 from float64 on the same weights,
+ * two rows 1-2e-4; bench/RESULTS.md).
  * For Q8_1 (the Q4_1/Q5_1 weights' minimum term) lo's block sum s carries what hi's f16 s lost,
  * so s_hi + s_lo is the block's sum of x, not just of its rounded levels. `res`: K floats. */
 static void quantize_act_split(const taper_quant_traits *a, const float *x, uint8_t *hi,
@@ -167,7 +170,7 @@ int taper_quant_linear(int isa, int type, const float *x, const void *w, const f
         return quant_linear_panels(isa, t, x, w, bias, out, T, K, N, ldo, batch_invariant, nt);
     const int64_t w_row = K / t->block_size * t->type_size;
     const int64_t x_row = K / a->block_size * a->type_size;
-    const int parts = act_q8_only() ? 1 : 2;
+    const int parts = act_split() ? 2 : 1;
     uint8_t *xq = malloc((size_t)(parts * T * x_row));
     float *res = parts == 2 ? malloc((size_t)(T * K) * sizeof(float)) : NULL;
     if (!xq || (parts == 2 && !res)) {

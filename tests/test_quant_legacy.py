@@ -2,11 +2,11 @@
 
 Quantize is pinned byte for byte to the gguf package (what a GGUF file written by llama.cpp's
 tools holds), dequantize bit for bit. `linear` runs on every ISA path this CPU has and is held to
-two references: float64 x @ dequantize(W).T within a worst-case bound on what writing x as two
-8-bit rows adds (hi = Q8(x), lo = Q8(x - hi); derived at `activation_error_bound`), and float64 on
-an emulation of that activation quantization, where only float32 accumulation is left. With
-TAPER_QUANT_ACT_Q8=1 (one 8-bit row, ggml's arithmetic) the result is the emulation of one row
-and outside the two-row bound. Beyond `quant_gemv_max_t()` token rows
+two references: float64 x @ dequantize(W).T within a worst-case bound on what quantizing x to
+8 bits adds (derived at `activation_error_bound`), and float64 on an emulation of that activation
+quantization, where only float32 accumulation is left. With TAPER_QUANT_ACT_SPLIT=1 each row is
+written as two 8-bit rows (hi = Q8(x), lo = Q8(x - hi)): the same checks with the two-row bound
+and emulation, which the default one-row arithmetic misses. Beyond `quant_gemv_max_t()` token rows
 (prefill) `linear` multiplies float32 panels of dequantize(W) with the float32 x instead, and is
 held to float64 x @ dequantize(W).T within float32 accumulation alone. The last tests show the
 checks can fail.
@@ -135,18 +135,18 @@ def random_blocks(rng, qtype, rows, k):
 # ---- linear against float64
 
 
-def activation_error_bound(x, blocks, qtype, k, parts=2):
+def activation_error_bound(x, blocks, qtype, k, parts=1):
     """Worst case of |linear - x @ W.T| that the 8-bit activation rows allow, per (t, n).
 
-    One row (parts=1, ggml's): x is quantized per 32-element block with d = amax / 127 and
+    One row (the default, ggml's): x is quantized per 32-element block with d = amax / 127 and
     stored as q * f16(d), so each element is off by at most d/2 (rounding; x * id is exact to
     3e-5) plus 127 d 2^-11 (the f16 rounding of d): 0.5625 d. The _1 types compute
     sum_k (w_k - m) x~_k + m s with s = f16(d sum q), and |s - sum_k x_k| <= 16 d + 2 d, so a
     block contributes d (0.5625 sum_k |w_k| + (0.5625 * 32 + 18) |m|) = d (0.5625 sum_k |w_k| +
     36 |m|).
-    Two rows (the default): lo quantizes the residual r = x - hi, whose amax is <= 0.5625 d, so
-    each element is off by 0.5625 * 0.5625 d / 127 < 0.0025 d; lo's s is f16(sum x - s_hi), off
-    by 2^-11 |sum x - s_hi| <= 2^-11 * 20 d = 0.01 d: a block contributes
+    Two rows (parts=2, TAPER_QUANT_ACT_SPLIT=1): lo quantizes the residual r = x - hi, whose
+    amax is <= 0.5625 d, so each element is off by 0.5625 * 0.5625 d / 127 < 0.0025 d; lo's s
+    is f16(sum x - s_hi), off by 2^-11 |sum x - s_hi| <= 2^-11 * 20 d = 0.01 d: a block gives
     d (0.0025 sum_k |w_k| + (0.0025 * 32 + 0.01) |m|) < d (0.0025 sum_k |w_k| + 0.1 |m|).
     """
     T, N, nb = x.shape[0], blocks.shape[0], k // QK
@@ -179,7 +179,7 @@ def q8_rows(x):
     return q, dd, d32
 
 
-def act_rows(x, parts=2):
+def act_rows(x, parts=1):
     """The activations as the kernel multiplies them: [(x~ (T, k), s (T, nb))] per 8-bit row,
     float64. parts=2: hi, then lo = the rows of the float32 residual x - hi, whose s is
     f16(sum x - s_hi) (the float32 sum in element order, as the C loop adds)."""
@@ -197,7 +197,7 @@ def act_rows(x, parts=2):
     return rows + [((lq * ldd).reshape(T, k), s_lo.astype(np.float64))]
 
 
-def emulated_linear(x, blocks, qtype, k, parts=2):
+def emulated_linear(x, blocks, qtype, k, parts=1):
     """ggml's computation in float64 on exactly the values it multiplies, once per activation
     row of act_rows: weights as d_w q_w (dequantized with m zeroed) plus m * s per block.
     Returns the result and the sum of |terms|, the scale of float32 accumulation error."""
@@ -222,7 +222,7 @@ def run_linear(isa, qtype, x, blocks, k, bias):
     return out
 
 
-def check_linear(out, x, blocks, qtype, k, bias, parts=2):
+def check_linear(out, x, blocks, qtype, k, bias, parts=1):
     """Asserts out against both float64 references (see the module docstring); with more than
     GEMV_MAX_T rows, against x @ dequantize(W).T within float32 accumulation only."""
     w = dequantize(int(qtype), blocks, k).astype(np.float64)
@@ -244,7 +244,10 @@ def check_linear(out, x, blocks, qtype, k, bias, parts=2):
 
 @pytest.mark.parametrize("qtype", TYPES, ids=ids(TYPES))
 @pytest.mark.parametrize("T,K", [(1, 32), (3, 256), (17, 768), (17, 32), (1, 768), (3, 96)])
-def test_linear_every_isa(qtype, T, K):
+@pytest.mark.parametrize("parts", [1, 2])
+def test_linear_every_isa(qtype, T, K, parts, monkeypatch):
+    if parts == 2:
+        monkeypatch.setenv("TAPER_QUANT_ACT_SPLIT", "1")
     rng = np.random.default_rng(T * 1000 + K)
     N = 64
     w = (rng.standard_normal((N, K)) * 0.5 + 0.1).astype(np.float32)   # offset: nonzero mins
@@ -253,11 +256,11 @@ def test_linear_every_isa(qtype, T, K):
     bias = rng.standard_normal(N).astype(np.float32)
     blocks = quantize(int(qtype), w)
     scalar = run_linear("scalar", qtype, x, blocks, K, bias)
-    check_linear(scalar, x, blocks, qtype, K, bias)
-    _, scale = emulated_linear(x, blocks, qtype, K)
+    check_linear(scalar, x, blocks, qtype, K, bias, parts)
+    _, scale = emulated_linear(x, blocks, qtype, K, parts)
     for isa in ISAS[1:]:
         out = run_linear(isa, qtype, x, blocks, K, bias)
-        check_linear(out, x, blocks, qtype, K, bias)
+        check_linear(out, x, blocks, qtype, K, bias, parts)
         # same integers per block, float sums in another order; past GEMV_MAX_T (if a case
         # has that many rows) the float32 GEMMs of the ISAs sum K float products in different orders
         rtol = ACCUM_RTOL if T <= GEMV_MAX_T else 2 * f32_rtol(K)
@@ -310,22 +313,23 @@ def test_linear_arbitrary_codes_every_isa(qtype):
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=ids(TYPES))
-def test_one_8bit_activation_row_is_ggml_arithmetic_and_misses_the_bound(qtype, monkeypatch):
-    """TAPER_QUANT_ACT_Q8=1 (the decode loop before the two-part split, and ggml's arithmetic):
-    the result is the one-row emulation within float32 accumulation and fails check_linear's
-    default two-row bound, so test_linear_every_isa fails with this arithmetic."""
+def test_one_8bit_activation_row_misses_the_two_row_bound(qtype, monkeypatch):
+    """The default (one 8-bit row, ggml's arithmetic) fails check_linear's two-row bound, so
+    test_linear_every_isa[parts=2] fails without TAPER_QUANT_ACT_SPLIT=1."""
     rng = np.random.default_rng(12)
     K, N = 256, 64
     w = (rng.standard_normal((N, K)) * 0.5 + 0.1).astype(np.float32)
     x = rng.standard_normal((2, K)).astype(np.float32)
     bias = np.zeros(N, np.float32)
     blocks = quantize(int(qtype), w)
-    monkeypatch.setenv("TAPER_QUANT_ACT_Q8", "1")
     for isa in ISAS:
-        out = run_linear(isa, qtype, x, blocks, K, bias)
-        check_linear(out, x, blocks, qtype, K, bias, parts=1)
         with pytest.raises(AssertionError, match="max err/bound"):
-            check_linear(out, x, blocks, qtype, K, bias)
+            check_linear(run_linear(isa, qtype, x, blocks, K, bias), x, blocks, qtype, K, bias,
+                         parts=2)
+    monkeypatch.setenv("TAPER_QUANT_ACT_SPLIT", "1")
+    for isa in ISAS:
+        check_linear(run_linear(isa, qtype, x, blocks, K, bias), x, blocks, qtype, K, bias,
+                     parts=2)
 
 
 @pytest.mark.parametrize("qtype", list(NIBBLES), ids=ids(NIBBLES))
