@@ -49,8 +49,8 @@ QUANTS = ["q8_0", "q6_k", "q4_k_m"]
 
 # ---- the three engines, teacher-forced on `tokens`; rows = logits predicting tokens[p+1:]
 
-def reference_logits(config: dict, weights: dict, tokens: list[int], prompt_len: int) -> np.ndarray:
-    """transformers in float64 on the file's dequantized weights (one causal pass)."""
+def reference_model(config: dict, weights: dict):
+    """transformers' Qwen2 in float64 on the file's dequantized weights."""
     import torch
     import transformers
     cfg = transformers.Qwen2Config(**{k: v for k, v in config.items()
@@ -61,21 +61,28 @@ def reference_logits(config: dict, weights: dict, tokens: list[int], prompt_len:
         state.pop("lm_head.weight", None)
     missing, unexpected = model.load_state_dict(state, strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    return model
+
+
+def reference_logits(model, tokens: list[int], prompt_len: int) -> np.ndarray:
+    """One causal pass; rows predict tokens[prompt_len:] (and one past the end)."""
+    import torch
     with torch.no_grad():
-        out = model(torch.tensor([tokens])).logits[0].numpy()
-    return out[prompt_len - 1:-1]
+        return model(torch.tensor([tokens])).logits[0, prompt_len - 1:].numpy()
 
 
-def reference_greedy(config: dict, weights: dict, prompt: list[int], n: int) -> list[int]:
-    tokens = list(prompt)
-    for _ in range(n):    # no KV cache: a handful of full passes over a short sequence
-        tokens.append(int(np.argmax(reference_logits(config, weights, tokens + [0],
-                                                     len(tokens) + 1)[-1])))
-    return tokens
+def reference_greedy(model, prompt: list[int], n: int) -> list[int]:
+    import torch
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
+                             min_new_tokens=n)
+    return [int(t) for t in out[0]]
 
 
-def taper_logits(config: dict, weights: dict, tokens: list[int], prompt_len: int) -> np.ndarray:
-    """Taper's CPU backend: the prompt in one forward, then one token per forward."""
+def taper_logits(config: dict, weights: dict, tokens: list[int], prompt_len: int,
+                 step_ms: list | None = None) -> np.ndarray:
+    """Taper's CPU backend: the prompt in one forward, then one token per forward (each decode
+    forward's wall time appended to step_ms)."""
     from engine.forward_batch import ForwardBatch
     from engine.model_config import ModelConfig
     from engine.models.registry import get_model_class
@@ -98,7 +105,10 @@ def taper_logits(config: dict, weights: dict, tokens: list[int], prompt_len: int
             query_start_loc=np.array([0, len(pos)], np.int32),
             seq_lens=np.array([end], np.int32), block_tables=table,
             logits_indices=np.array([len(pos) - 1], np.int32))
+        t0 = time.perf_counter()
         rows.append(np.array(model.forward(batch, kv)[0], np.float64))
+        if step_ms is not None and end > prompt_len:
+            step_ms.append(1e3 * (time.perf_counter() - t0))
         done = end
     return np.stack(rows)
 
@@ -151,6 +161,14 @@ def dequantized_weights(path: Path):
     return ck.config, ck.weights, deq
 
 
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(l.split(":", 1)[1].strip() for l in f if l.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.machine()
+
+
 def versions() -> str:
     import importlib.metadata as md
     out = []
@@ -169,29 +187,37 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=48)
     ap.add_argument("--llama-threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--no-llama", action="store_true", help="Taper and the reference only")
+    ap.add_argument("--speed-reps", type=int, default=2,
+                    help="extra teacher-forced runs of each Taper mode for the step times")
     args = ap.parse_args(argv)
-    from pyx.cpu_backend import cpu_isa
-    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-          f"Taper ISA {cpu_isa()}; {versions()}")
+    from pyx.cpu_backend import CpuBackend
+    print(f"machine: {cpu_model()}, {len(os.sched_getaffinity(0))} cores, "
+          f"Taper ISA {CpuBackend().isa}; {versions()}")
     print(f"model: {NAME} ({sum(int(np.prod(s)) for _, s in tensor_shapes(CONFIG)) / 1e6:.0f}M "
           f"parameters); prompt {args.prompt_len} random tokens, {args.steps} teacher-forced steps")
     rng = np.random.default_rng(SEED)
     prompt = [int(t) for t in rng.integers(3, CONFIG["vocab_size"], args.prompt_len)]
-    rows = []
+    rows, speed = [], []
     for q in args.quant:
         path = make_quant_gguf(q, name=NAME, config=CONFIG)
         t0 = time.time()
         config, weights, deq = dequantized_weights(path)
-        tokens = reference_greedy(config, deq, prompt, args.steps)
-        ref = reference_logits(config, deq, tokens, args.prompt_len)
+        model = reference_model(config, deq)
+        tokens = reference_greedy(model, prompt, args.steps)
+        ref = reference_logits(model, tokens, args.prompt_len)[:-1]
+        del model
         margins = top2_margins(ref)
+        times = {"taper": [], "taper, TAPER_QUANT_ACT_SPLIT=1": []}
+
         def split():
             os.environ["TAPER_QUANT_ACT_SPLIT"] = "1"
             try:
-                return taper_logits(config, weights, tokens, args.prompt_len)
+                return taper_logits(config, weights, tokens, args.prompt_len,
+                                    times["taper, TAPER_QUANT_ACT_SPLIT=1"])
             finally:
                 del os.environ["TAPER_QUANT_ACT_SPLIT"]
-        engines = {"taper": lambda: taper_logits(config, weights, tokens, args.prompt_len),
+        engines = {"taper": lambda: taper_logits(config, weights, tokens, args.prompt_len,
+                                                 times["taper"]),
                    "taper, TAPER_QUANT_ACT_SPLIT=1": split}
         if not args.no_llama:
             for th in args.llama_threads:
@@ -200,6 +226,10 @@ def main(argv=None):
         for label, fn in engines.items():
             d = distances(fn(), ref)
             rows.append((q, label, d, float(np.median(margins))))
+        for _ in range(args.speed_reps):    # more decode steps, the two modes interleaved
+            engines["taper"]()
+            split()
+        speed.append((q, {k: float(np.percentile(v, 25)) for k, v in times.items()}))
         print(f"  {q}: done in {time.time() - t0:.0f}s", flush=True)
     print()
     print("| file | engine | max-abs mean / worst | RMS mean / worst | argmax = ref | ref top-2 margin (median) |")
@@ -207,6 +237,12 @@ def main(argv=None):
     for q, label, d, m in rows:
         print(f"| {q} | {label} | {d['max_mean']:.4f} / {d['max_worst']:.4f} | "
               f"{d['rms_mean']:.5f} / {d['rms_worst']:.5f} | {d['agree']}/{d['steps']} | {m:.3f} |")
+    print()
+    print(f"Taper decode step, batch 1, {os.environ.get('OMP_NUM_THREADS', 'all')} threads "
+          "(ms, 25th percentile of all steps; the machine is shared):")
+    for q, t in speed:
+        print(f"  {q}: " + ", ".join(f"{k} {v:.2f}" for k, v in t.items())
+              + f" (x{t['taper, TAPER_QUANT_ACT_SPLIT=1'] / t['taper']:.2f})")
 
 
 if __name__ == "__main__":
