@@ -203,8 +203,11 @@ int taper_quant_linear(int isa, int type, const float *x, const void *w, const f
                 for (int64_t o = 0; o < w_row; o += 64) __builtin_prefetch(pf + o, 0, 3);
             }
             for (int64_t r = 0; r < T; r++) {
-                float v = t->vec_dot(isa, K, wr, xq + r * x_row);
-                if (parts == 2) v += t->vec_dot(isa, K, wr, lo + r * x_row);
+                const uint8_t *xr = xq + r * x_row, *lr = lo + r * x_row;
+                float v;
+                if (parts == 1) v = t->vec_dot(isa, K, wr, xr);
+                else if (t->vec_dot2) v = t->vec_dot2(isa, K, wr, xr, lr);
+                else v = t->vec_dot(isa, K, wr, xr) + t->vec_dot(isa, K, wr, lr);
                 out[r * ldo + n] = v + b;
             }
         }
