@@ -132,27 +132,28 @@ def write_safetensors(path: Path, tensors: list[tuple[str, np.ndarray]], dtype: 
     tmp.rename(path)
 
 
-def make_checkpoints(cache: Path = CACHE) -> dict[str, Path]:
-    dirs = {dt: cache / f"{NAME}-{dt}" for dt in ("f32", "bf16")}
+def make_checkpoints(cache: Path = CACHE, name: str = NAME, config: dict = CONFIG,
+                     seed: int = SEED) -> dict[str, Path]:
+    dirs = {dt: cache / f"{name}-{dt}" for dt in ("f32", "bf16")}
     if all((d / "model.safetensors").is_file() and (d / "config.json").is_file()
            for d in dirs.values()):
         return dirs
     t0 = time.time()
-    rng = np.random.default_rng(SEED)
+    rng = np.random.default_rng(seed)
     f32, bf16 = [], []
-    for name, shape in tensor_shapes():
-        bits = f32_to_bf16_bits(make_tensor(rng, name, shape))
-        bf16.append((name, bits))
-        f32.append((name, (bits.astype(np.uint32) << 16).view(np.float32)))
+    for tname, shape in tensor_shapes(config):
+        bits = f32_to_bf16_bits(make_tensor(rng, tname, shape))
+        bf16.append((tname, bits))
+        f32.append((tname, (bits.astype(np.uint32) << 16).view(np.float32)))
     for dt, tensors, st_dtype in (("f32", f32, "F32"), ("bf16", bf16, "BF16")):
         d = dirs[dt]
         d.mkdir(parents=True, exist_ok=True)
-        cfg = dict(CONFIG, torch_dtype="float32" if dt == "f32" else "bfloat16")
+        cfg = dict(config, torch_dtype="float32" if dt == "f32" else "bfloat16")
         (d / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
         (d / "generation_config.json").write_text(json.dumps(
-            {"bos_token_id": CONFIG["bos_token_id"], "eos_token_id": CONFIG["eos_token_id"]}) + "\n")
+            {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]}) + "\n")
         write_safetensors(d / "model.safetensors", tensors, st_dtype)
-    n = sum(int(np.prod(s)) for _, s in tensor_shapes())
+    n = sum(int(np.prod(s)) for _, s in tensor_shapes(config))
     print(f"wrote {n / 1e6:.1f}M-parameter checkpoints to {cache} in {time.time() - t0:.0f}s")
     return dirs
 
@@ -187,13 +188,13 @@ def make_spm_tokenizer(cache: Path = CACHE, vocab_size: int = 1000) -> Path:
     return out
 
 
-def make_gguf(dtype: str, cache: Path = CACHE) -> Path:
-    out = cache / f"{NAME}-{dtype}.gguf"
+def make_gguf(dtype: str, cache: Path = CACHE, name: str = NAME, config: dict = CONFIG) -> Path:
+    out = cache / f"{name}-{dtype}.gguf"
     if out.is_file():
         return out
-    ckpt = make_checkpoints(cache)[dtype]
+    ckpt = make_checkpoints(cache, name, config)[dtype]
     tok = make_spm_tokenizer(cache)
-    src = cache / f"gguf-src-{dtype}"
+    src = cache / (f"gguf-src-{dtype}" if name == NAME else f"gguf-src-{name}-{dtype}")
     src.mkdir(parents=True, exist_ok=True)
     for f in (ckpt / "config.json", ckpt / "model.safetensors", tok):
         link = src / f.name
@@ -216,18 +217,20 @@ def make_gguf(dtype: str, cache: Path = CACHE) -> Path:
     return out
 
 
-QUANT_FTYPES = {"q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M"}
+QUANT_FTYPES = {"q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "q6_k": "LLAMA_FTYPE_MOSTLY_Q6_K",
+                "q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M"}
 
 
-def make_quant_gguf(qtype: str, cache: Path = CACHE, threads: int | None = None) -> Path:
+def make_quant_gguf(qtype: str, cache: Path = CACHE, threads: int | None = None,
+                    name: str = NAME, config: dict = CONFIG) -> Path:
     """The f32 GGUF quantized by llama.cpp's own quantizer (llama_model_quantize with its default
     parameters: no imatrix, output/embedding types chosen by the ftype), cached."""
-    out = cache / f"{NAME}-{qtype}.gguf"
+    out = cache / f"{name}-{qtype}.gguf"
     if out.is_file():
         return out
     import ctypes
     import llama_cpp
-    src = make_gguf("f32", cache)
+    src = make_gguf("f32", cache, name, config)
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = getattr(llama_cpp, QUANT_FTYPES[qtype])
     params.nthread = threads or len(os.sched_getaffinity(0))

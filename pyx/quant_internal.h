@@ -14,6 +14,9 @@
 typedef void (*taper_dequant_fn)(const void *src, float *dst, int64_t n);
 typedef void (*taper_quant_fn)(const float *src, void *dst, int64_t n);
 typedef float (*taper_vec_dot_fn)(int isa, int64_t n, const void *w, const void *xq);
+/* w against two activation rows, summed (TAPER_QUANT_ACT_SPLIT's hi and lo) */
+typedef float (*taper_vec_dot2_fn)(int isa, int64_t n, const void *w, const void *xq,
+                                   const void *xq2);
 
 typedef struct {
     int type;
@@ -23,6 +26,7 @@ typedef struct {
     taper_dequant_fn dequantize;
     taper_quant_fn quantize;
     taper_vec_dot_fn vec_dot;  /* NULL for the activation-only types (Q8_1, Q8_K) */
+    taper_vec_dot2_fn vec_dot2;  /* NULL where none is fused: two vec_dot calls instead */
 } taper_quant_traits;
 
 /* Each file fills the entries of its types; quant_kernels.c looks them up by type id. */

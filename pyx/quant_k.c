@@ -718,7 +718,7 @@ INLINE int32_t group_dot(const uint8_t *u, const int8_t *q8, int size) {
 
 /* Integer parts of one super-block, scalar: isum (levels times scales, offsets removed) and
    summs (the minimum term, before d_min). These are the reference for the SIMD bodies. */
-static void ints_q2_K_scalar(const bq2_K *b, const bq8_K *a, int32_t *isum, int32_t *summs) {
+INLINE void ints_q2_K_scalar(const bq2_K *b, const bq8_K *a, int32_t *isum, int32_t *summs) {
     uint8_t u[QK_K];
     int8_t mn[16];
     unpack_q2_K(b, u);
@@ -731,7 +731,7 @@ static void ints_q2_K_scalar(const bq2_K *b, const bq8_K *a, int32_t *isum, int3
     *summs = bsum_dot16(a->bsums, mn);
 }
 
-static void ints_q3_K_scalar(const bq3_K *b, const bq8_K *a, int32_t *isum, int32_t *summs) {
+INLINE void ints_q3_K_scalar(const bq3_K *b, const bq8_K *a, int32_t *isum, int32_t *summs) {
     uint8_t u[QK_K];
     int8_t sc[16];
     unpack_q3_K(b, u);
@@ -742,7 +742,7 @@ static void ints_q3_K_scalar(const bq3_K *b, const bq8_K *a, int32_t *isum, int3
     *summs = 0;
 }
 
-static void ints_q4_K_scalar(const bq4_K *b, const bq8_K *a, int32_t *isum, int32_t *summs) {
+INLINE void ints_q4_K_scalar(const bq4_K *b, const bq8_K *a, int32_t *isum, int32_t *summs) {
     uint8_t u[QK_K], sc[8], mn[8];
     unpack_q4_K(b, u);
     k4_scales(b->scales, sc, mn);
@@ -752,7 +752,7 @@ static void ints_q4_K_scalar(const bq4_K *b, const bq8_K *a, int32_t *isum, int3
     *summs = bsum_dot8(a->bsums, mn);
 }
 
-static void ints_q5_K_scalar(const bq5_K *b, const bq8_K *a, int32_t *isum, int32_t *summs) {
+INLINE void ints_q5_K_scalar(const bq5_K *b, const bq8_K *a, int32_t *isum, int32_t *summs) {
     uint8_t u[QK_K], sc[8], mn[8];
     unpack_q5_K(b, u);
     k4_scales(b->scales, sc, mn);
@@ -762,7 +762,7 @@ static void ints_q5_K_scalar(const bq5_K *b, const bq8_K *a, int32_t *isum, int3
     *summs = bsum_dot8(a->bsums, mn);
 }
 
-static void ints_q6_K_scalar(const bq6_K *b, const bq8_K *a, int32_t *isum, int32_t *summs) {
+INLINE void ints_q6_K_scalar(const bq6_K *b, const bq8_K *a, int32_t *isum, int32_t *summs) {
     uint8_t u[QK_K];
     unpack_q6_K(b, u);
     int32_t s = 0;
@@ -821,7 +821,7 @@ AVX2_TARGET INLINE __m256i chunk_avx2(__m256i acc, __m256i u, const int8_t *q8, 
     return _mm256_add_epi32(acc, _mm256_madd_epi16(p, sv));
 }
 
-AVX2_TARGET static void ints_q2_K_avx2(const bq2_K *b, const bq8_K *a, int32_t *isum,
+AVX2_TARGET INLINE void ints_q2_K_avx2(const bq2_K *b, const bq8_K *a, int32_t *isum,
                                        int32_t *summs) {
     const __m256i m3 = _mm256_set1_epi8(3);
     const __m128i sb = _mm_loadu_si128((const __m128i *)b->scales), m4 = _mm_set1_epi8(0xF);
@@ -841,7 +841,7 @@ AVX2_TARGET static void ints_q2_K_avx2(const bq2_K *b, const bq8_K *a, int32_t *
     *summs = hsum_i32_avx2(_mm256_madd_epi16(bsums_avx2(a), mn16));
 }
 
-AVX2_TARGET static void ints_q3_K_avx2(const bq3_K *b, const bq8_K *a, int32_t *isum,
+AVX2_TARGET INLINE void ints_q3_K_avx2(const bq3_K *b, const bq8_K *a, int32_t *isum,
                                        int32_t *summs) {
     const __m256i m3 = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
     const __m256i s16 = _mm256_cvtepi8_epi16(q3_K_scales_sse(b->scales));
@@ -864,7 +864,7 @@ AVX2_TARGET static void ints_q3_K_avx2(const bq3_K *b, const bq8_K *a, int32_t *
     *summs = 0;
 }
 
-AVX2_TARGET static void ints_q4_K_avx2(const bq4_K *b, const bq8_K *a, int32_t *isum,
+AVX2_TARGET INLINE void ints_q4_K_avx2(const bq4_K *b, const bq8_K *a, int32_t *isum,
                                        int32_t *summs) {
     const __m256i m4 = _mm256_set1_epi8(0xF);
     uint8_t sc[8], mn[8];
@@ -882,7 +882,7 @@ AVX2_TARGET static void ints_q4_K_avx2(const bq4_K *b, const bq8_K *a, int32_t *
     *summs = hsum_i32_avx2(_mm256_madd_epi16(bsums_avx2(a), dup8_avx2(mn)));
 }
 
-AVX2_TARGET static void ints_q5_K_avx2(const bq5_K *b, const bq8_K *a, int32_t *isum,
+AVX2_TARGET INLINE void ints_q5_K_avx2(const bq5_K *b, const bq8_K *a, int32_t *isum,
                                        int32_t *summs) {
     const __m256i m4 = _mm256_set1_epi8(0xF), one = _mm256_set1_epi8(1);
     uint8_t sc[8], mn[8];
@@ -904,7 +904,7 @@ AVX2_TARGET static void ints_q5_K_avx2(const bq5_K *b, const bq8_K *a, int32_t *
     *summs = hsum_i32_avx2(_mm256_madd_epi16(bsums_avx2(a), dup8_avx2(mn)));
 }
 
-AVX2_TARGET static void ints_q6_K_avx2(const bq6_K *b, const bq8_K *a, int32_t *isum,
+AVX2_TARGET INLINE void ints_q6_K_avx2(const bq6_K *b, const bq8_K *a, int32_t *isum,
                                        int32_t *summs) {
     const __m256i m4 = _mm256_set1_epi8(0xF), m30 = _mm256_set1_epi8(0x30);
     const __m256i s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)b->scales));
@@ -967,7 +967,7 @@ AVX512_TARGET INLINE int32_t hsum_512(__m512i acc, __m256i extra) {
     return hsum_i32_avx2(_mm256_add_epi32(v, extra));
 }
 
-AVX512_TARGET static void ints_q2_K_avx512(const bq2_K *b, const bq8_K *a, int32_t *isum,
+AVX512_TARGET INLINE void ints_q2_K_avx512(const bq2_K *b, const bq8_K *a, int32_t *isum,
                                            int32_t *summs) {
     const __m512i m3 = _mm512_set1_epi8(3);
     const __m128i sb = _mm_loadu_si128((const __m128i *)b->scales), m4 = _mm_set1_epi8(0xF);
@@ -987,7 +987,7 @@ AVX512_TARGET static void ints_q2_K_avx512(const bq2_K *b, const bq8_K *a, int32
     *summs = hsum_i32_avx2(_mm256_madd_epi16(bsums_avx2(a), mn16));
 }
 
-AVX512_TARGET static void ints_q3_K_avx512(const bq3_K *b, const bq8_K *a, int32_t *isum,
+AVX512_TARGET INLINE void ints_q3_K_avx512(const bq3_K *b, const bq8_K *a, int32_t *isum,
                                            int32_t *summs) {
     const __m512i m3 = _mm512_set1_epi8(3), one = _mm512_set1_epi8(1);
     const __m256i s16y = _mm256_cvtepi8_epi16(q3_K_scales_sse(b->scales));
@@ -1011,7 +1011,7 @@ AVX512_TARGET static void ints_q3_K_avx512(const bq3_K *b, const bq8_K *a, int32
     *summs = 0;
 }
 
-AVX512_TARGET static void ints_q4_K_avx512(const bq4_K *b, const bq8_K *a, int32_t *isum,
+AVX512_TARGET INLINE void ints_q4_K_avx512(const bq4_K *b, const bq8_K *a, int32_t *isum,
                                            int32_t *summs) {
     const __m512i m4 = _mm512_set1_epi8(0xF), shifts = pair16_512(0, 4);
     uint8_t sc[8], mn[8];
@@ -1027,7 +1027,7 @@ AVX512_TARGET static void ints_q4_K_avx512(const bq4_K *b, const bq8_K *a, int32
     *summs = hsum_i32_avx2(_mm256_madd_epi16(bsums_avx2(a), dup8_avx2(mn)));
 }
 
-AVX512_TARGET static void ints_q5_K_avx512(const bq5_K *b, const bq8_K *a, int32_t *isum,
+AVX512_TARGET INLINE void ints_q5_K_avx512(const bq5_K *b, const bq8_K *a, int32_t *isum,
                                            int32_t *summs) {
     const __m512i m4 = _mm512_set1_epi8(0xF), one = _mm512_set1_epi8(1), shifts = pair16_512(0, 4);
     uint8_t sc[8], mn[8];
@@ -1046,7 +1046,7 @@ AVX512_TARGET static void ints_q5_K_avx512(const bq5_K *b, const bq8_K *a, int32
     *summs = hsum_i32_avx2(_mm256_madd_epi16(bsums_avx2(a), dup8_avx2(mn)));
 }
 
-AVX512_TARGET static void ints_q6_K_avx512(const bq6_K *b, const bq8_K *a, int32_t *isum,
+AVX512_TARGET INLINE void ints_q6_K_avx512(const bq6_K *b, const bq8_K *a, int32_t *isum,
                                            int32_t *summs) {
     const __m512i m4 = _mm512_set1_epi8(0xF), m3 = _mm512_set1_epi8(3);
     const __m256i s16y = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)b->scales));
@@ -1088,6 +1088,25 @@ AVX512_TARGET static void ints_q6_K_avx512(const bq6_K *b, const bq8_K *a, int32
         return acc;                                                                            \
     }
 
+/* Two activation rows at once (TAPER_QUANT_ACT_SPLIT's hi and lo): the integer bodies are
+   inlined twice on the same block, so the compiler unpacks its weights once for both. */
+#define K_VEC_DOT2(T, isa_name, TARGET, HALF)                                                  \
+    TARGET static float vec_dot2_##T##_##isa_name(int64_t n, const void *w, const void *xq,    \
+                                                  const void *xq2) {                           \
+        const b##T *b = w;                                                                     \
+        const bq8_K *a = xq, *a2 = xq2;                                                        \
+        float acc = 0, acc2 = 0;                                                               \
+        for (int64_t i = 0; i < n / QK_K; i++) {                                               \
+            int32_t isum, summs, isum2, summs2;                                                \
+            ints_##T##_##isa_name(&b[i], &a[i], &isum, &summs);                                \
+            ints_##T##_##isa_name(&b[i], &a2[i], &isum2, &summs2);                             \
+            const float d = HALF(b[i].d), dmin = K_DMIN_##T(b[i], HALF);                       \
+            acc = kacc(acc, a[i].d, d, dmin, isum, summs);                                     \
+            acc2 = kacc(acc2, a2[i].d, d, dmin, isum2, summs2);                                \
+        }                                                                                      \
+        return acc + acc2;                                                                     \
+    }
+
 #define K_DMIN_q2_K(blk, HALF) HALF((blk).dmin)
 #define K_DMIN_q3_K(blk, HALF) 0.0f
 #define K_DMIN_q4_K(blk, HALF) HALF((blk).dmin)
@@ -1105,6 +1124,17 @@ AVX512_TARGET static void ints_q6_K_avx512(const bq6_K *b, const bq8_K *a, int32
             case TAPER_ISA_AVX2: return vec_dot_##T##_avx2(n, w, xq);            \
             default: return vec_dot_##T##_scalar(n, w, xq);                      \
         }                                                                        \
+    }                                                                            \
+    K_VEC_DOT2(T, scalar, , H2F)                                                 \
+    K_VEC_DOT2(T, avx2, AVX2_TARGET, F16C_H2F)                                   \
+    K_VEC_DOT2(T, avx512, AVX512_TARGET, F16C_H2F)                               \
+    static float vec_dot2_##T(int isa, int64_t n, const void *w, const void *xq, \
+                              const void *xq2) {                                 \
+        switch (isa) {                                                           \
+            case TAPER_ISA_AVX512: return vec_dot2_##T##_avx512(n, w, xq, xq2);  \
+            case TAPER_ISA_AVX2: return vec_dot2_##T##_avx2(n, w, xq, xq2);      \
+            default: return vec_dot2_##T##_scalar(n, w, xq, xq2);               \
+        }                                                                        \
     }
 
 K_VEC_DOT_ALL(q2_K)
@@ -1117,12 +1147,12 @@ K_VEC_DOT_ALL(q6_K)
 // ---- traits
 
 static const taper_quant_traits K_TRAITS[] = {
-    {TAPER_Q2_K, QK_K, sizeof(bq2_K), TAPER_Q8_K, dequantize_q2_K, quantize_q2_K, vec_dot_q2_K},
-    {TAPER_Q3_K, QK_K, sizeof(bq3_K), TAPER_Q8_K, dequantize_q3_K, quantize_q3_K, vec_dot_q3_K},
-    {TAPER_Q4_K, QK_K, sizeof(bq4_K), TAPER_Q8_K, dequantize_q4_K, quantize_q4_K, vec_dot_q4_K},
-    {TAPER_Q5_K, QK_K, sizeof(bq5_K), TAPER_Q8_K, dequantize_q5_K, quantize_q5_K, vec_dot_q5_K},
-    {TAPER_Q6_K, QK_K, sizeof(bq6_K), TAPER_Q8_K, dequantize_q6_K, quantize_q6_K, vec_dot_q6_K},
-    {TAPER_Q8_K, QK_K, sizeof(bq8_K), TAPER_Q8_K, dequantize_q8_K, quantize_q8_K, NULL},
+    {TAPER_Q2_K, QK_K, sizeof(bq2_K), TAPER_Q8_K, dequantize_q2_K, quantize_q2_K, vec_dot_q2_K, vec_dot2_q2_K},
+    {TAPER_Q3_K, QK_K, sizeof(bq3_K), TAPER_Q8_K, dequantize_q3_K, quantize_q3_K, vec_dot_q3_K, vec_dot2_q3_K},
+    {TAPER_Q4_K, QK_K, sizeof(bq4_K), TAPER_Q8_K, dequantize_q4_K, quantize_q4_K, vec_dot_q4_K, vec_dot2_q4_K},
+    {TAPER_Q5_K, QK_K, sizeof(bq5_K), TAPER_Q8_K, dequantize_q5_K, quantize_q5_K, vec_dot_q5_K, vec_dot2_q5_K},
+    {TAPER_Q6_K, QK_K, sizeof(bq6_K), TAPER_Q8_K, dequantize_q6_K, quantize_q6_K, vec_dot_q6_K, vec_dot2_q6_K},
+    {TAPER_Q8_K, QK_K, sizeof(bq8_K), TAPER_Q8_K, dequantize_q8_K, quantize_q8_K, NULL, NULL},
 };
 
 const taper_quant_traits *taper_k_traits(int type) {

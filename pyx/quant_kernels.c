@@ -7,6 +7,8 @@
  * GEMM of taper_linear with the float32 activations, as the int4 path does for GPTQ
  * (engine/quant_int4.py, GEMV_MAX_T / PANEL_BYTES): the activations are not rounded to Q8 there,
  * so results differ from the decode path's by that rounding (they are closer to x @ W.T).
+ * TAPER_QUANT_ACT_SPLIT=1 makes the loop nearly as exact, at twice its integer work: each
+ * activation row becomes two 8-bit rows (quantize_act_split).
  */
 #include <stdlib.h>
 #include <string.h>
@@ -85,6 +87,40 @@ static int quant_linear_panels(int isa, const taper_quant_traits *t, const float
     return TAPER_OK;
 }
 
+/* TAPER_QUANT_ACT_SPLIT=1: the decode loop writes each activation row as two 8-bit rows (below)
+   instead of rounding it to 8 bits once, as ggml does. Off by default: the loop is compute-bound
+   on its integer dot products (Q8_0 4864x896 at T = 1: 19 GB/s on one core from cache), and two
+   rows double them (bench/RESULTS.md, numerics against llama.cpp). Read per call, so a test or
+   bench can switch it in-process. */
+static int act_split(void) {
+    const char *v = getenv("TAPER_QUANT_ACT_SPLIT");
+    return v && v[0] == '1';
+}
+
+/* One activation row as two 8-bit rows of the activation format: hi = x rounded as ggml rounds
+ * it, lo = the rounding residual x - hi rounded the same way, so hi + lo is x to about 1/250 of
+ * one rounding step (|x - hi - lo| <= 0.0025 amax/127 per block instead of 0.5625 amax/127).
+ * The matmul dots every weight row with both, which keeps the exact integer block dot products
+ * of the vec_dot kernels while its result comes ~250x closer to x @ W.T (one 8-bit rounding
+ * moves the logits of the 2-layer GGUF fixtures 0.03-0.05 from float64 on the same weights,
+ * two rows 1-2e-4; bench/RESULTS.md).
+ * For Q8_1 (the Q4_1/Q5_1 weights' minimum term) lo's block sum s carries what hi's f16 s lost,
+ * so s_hi + s_lo is the block's sum of x, not just of its rounded levels. `res`: K floats. */
+static void quantize_act_split(const taper_quant_traits *a, const float *x, uint8_t *hi,
+                               uint8_t *lo, float *res, int64_t K) {
+    a->quantize(x, hi, K);
+    a->dequantize(hi, res, K);
+    for (int64_t k = 0; k < K; k++) res[k] = x[k] - res[k];
+    a->quantize(res, lo, K);
+    if (a->type != TAPER_Q8_1) return;
+    taper_block_q8_1 *bh = (taper_block_q8_1 *)hi, *bl = (taper_block_q8_1 *)lo;
+    for (int64_t i = 0; i < K / TAPER_QK; i++) {
+        float sum = 0.0f;
+        for (int j = 0; j < TAPER_QK; j++) sum += x[i * TAPER_QK + j];
+        bl[i].s = taper_float_to_half(sum - taper_half_to_float(bh[i].s));
+    }
+}
+
 static const taper_quant_traits *traits(int type) {
     const taper_quant_traits *t = taper_legacy_traits(type);
     return t ? t : taper_k_traits(type);
@@ -136,12 +172,24 @@ int taper_quant_linear(int isa, int type, const float *x, const void *w, const f
         return quant_linear_panels(isa, t, x, w, bias, out, T, K, N, ldo, batch_invariant, nt);
     const int64_t w_row = K / t->block_size * t->type_size;
     const int64_t x_row = K / a->block_size * a->type_size;
-    uint8_t *xq = malloc((size_t)(T * x_row));
-    if (!xq) return TAPER_ERR_NOMEM;
+    const int parts = act_split() ? 2 : 1;
+    uint8_t *xq = malloc((size_t)(parts * T * x_row));
+    float *res = parts == 2 ? malloc((size_t)(T * K) * sizeof(float)) : NULL;
+    if (!xq || (parts == 2 && !res)) {
+        free(xq);
+        free(res);
+        return TAPER_ERR_NOMEM;
+    }
+    uint8_t *lo = xq + T * x_row;   /* the residual rows, when parts == 2 */
     #pragma omp parallel num_threads(nt)
     {
         #pragma omp for schedule(static)
-        for (int64_t r = 0; r < T; r++) a->quantize(x + r * K, xq + r * x_row, K);
+        for (int64_t r = 0; r < T; r++) {
+            if (parts == 2)
+                quantize_act_split(a, x + r * K, xq + r * x_row, lo + r * x_row, res + r * K, K);
+            else
+                a->quantize(x + r * K, xq + r * x_row, K);
+        }
         /* guided: each thread streams long runs of consecutive rows (which the hardware
            prefetcher follows, and few scheduling atomics), shrinking to 16 rows at the end to
            balance the threads. dynamic,16 interleaved the threads' 16-row chunks and streamed
@@ -154,10 +202,17 @@ int taper_quant_linear(int isa, int type, const float *x, const void *w, const f
                 const char *pf = (const char *)wr + PF_ROWS * w_row;
                 for (int64_t o = 0; o < w_row; o += 64) __builtin_prefetch(pf + o, 0, 3);
             }
-            for (int64_t r = 0; r < T; r++)
-                out[r * ldo + n] = t->vec_dot(isa, K, wr, xq + r * x_row) + b;
+            for (int64_t r = 0; r < T; r++) {
+                const uint8_t *xr = xq + r * x_row, *lr = lo + r * x_row;
+                float v;
+                if (parts == 1) v = t->vec_dot(isa, K, wr, xr);
+                else if (t->vec_dot2) v = t->vec_dot2(isa, K, wr, xr, lr);
+                else v = t->vec_dot(isa, K, wr, xr) + t->vec_dot(isa, K, wr, lr);
+                out[r * ldo + n] = v + b;
+            }
         }
     }
+    free(res);
     free(xq);
     return TAPER_OK;
 }

@@ -10,7 +10,10 @@
    is bounded by sum over blocks of amax/254 * sum |W|; and against the same float64 product on
    the Q8_K-rounded activations, where only float32 accumulation is left (rtol 1e-5). ISA paths
    agree with the scalar one to 1e-5 relative (they do the integer work exactly and the float
-   work in the same order, so in practice they are bit-identical).
+   work in the same order, so in practice they are bit-identical). With TAPER_QUANT_ACT_SPLIT=1
+   it writes each row as two Q8_K rows, hi = Q8_K(x) and lo = Q8_K(x - hi) (|x - hi - lo| <=
+   amax/254^2) and dots the weights with both: the same checks with that bound, which the one-row
+   arithmetic misses.
 4. The checks can fail: one corrupted scale byte changes the dequantized weights, breaks byte
    identity with llama.cpp and moves `linear` outside its tolerance.
 """
@@ -132,16 +135,26 @@ def test_q8_K_dequantize_and_bsums(inputs):
 # ---- 3. linear on the packed blocks, every ISA
 
 
-def q8_K_round(x):
-    """The activations as the kernel sees them: x quantized to Q8_K and back (float64)."""
-    return dequantize(QT.Q8_K, quantize(QT.Q8_K, x), x.shape[1]).astype(np.float64)
+def q8_K_once(x):
+    """x quantized to Q8_K and back, in float32 as the kernel computes it (ggml's rounding)."""
+    return dequantize(QT.Q8_K, quantize(QT.Q8_K, x), x.shape[1])
 
 
-def q8_K_bound(x, w):
+def q8_K_round(x, parts=1):
+    """The activations as the kernel sees them (float64): Q8_K(x); with parts=2, hi = Q8_K(x)
+    plus lo = Q8_K of the float32 residual x - hi."""
+    hi = q8_K_once(x)
+    if parts == 1:
+        return hi.astype(np.float64)
+    return hi.astype(np.float64) + q8_K_once(x - hi).astype(np.float64)
+
+
+def q8_K_bound(x, w, parts=1):
     """Worst-case |x @ w.T - Q8_K(x) @ w.T|: per 256-block |x - d q| <= d/2 = amax/254 (with
-    1e-4 slack for the float rounding of d and of the products)."""
+    1e-4 slack for the float rounding of d and of the products). parts=2: the residual's amax
+    is at most amax/254, so hi + lo leave amax/254^2."""
     T, K = x.shape
-    half_step = np.abs(x.reshape(T, K // 256, 256)).max(-1) / 254.0 * (1 + 1e-4)   # (T, nb)
+    half_step = np.abs(x.reshape(T, K // 256, 256)).max(-1) / 254.0 ** parts * (1 + 1e-4)
     wsum = np.abs(w.reshape(w.shape[0], K // 256, 256)).sum(-1)                      # (N, nb)
     return half_step @ wsum.T
 
@@ -167,15 +180,18 @@ def linear_case(name, T, K, N, seed):
 @pytest.mark.parametrize("name", list(WEIGHT_TYPES))
 @pytest.mark.parametrize("K", [256, 768])
 @pytest.mark.parametrize("T", [1, 3, 17])
-def test_linear_every_isa(name, T, K):
+@pytest.mark.parametrize("parts", [1, 2])
+def test_linear_every_isa(name, T, K, parts, monkeypatch):
     N = 67
     x, blocks = linear_case(name, T, K, N, seed=T * 1000 + K + len(name) + int(WEIGHT_TYPES[name]))
+    if parts == 2:
+        monkeypatch.setenv("TAPER_QUANT_ACT_SPLIT", "1")
     w = dequantize(WEIGHT_TYPES[name], blocks, K).astype(np.float64)
     exact = x.astype(np.float64) @ w.T
-    xq = q8_K_round(x)
+    xq = q8_K_round(x, parts)
     on_q8 = xq @ w.T
     scale = np.abs(xq) @ np.abs(w).T  # what float32 accumulation error is relative to
-    bound = q8_K_bound(x.astype(np.float64), w) + 1e-5 * scale
+    bound = q8_K_bound(x.astype(np.float64), w, parts) + 1e-5 * scale
     scalar = run_linear("scalar", name, blocks, K, x)
     if T > GEMV_MAX_T:   # panel path (if the threshold were below 17): float32 activations,
         # so no Q8_K bound applies
@@ -190,6 +206,22 @@ def test_linear_every_isa(name, T, K):
         assert (np.abs(out - exact) <= bound).all(), f"{isa}: outside the Q8_K bound"
         assert (np.abs(out - on_q8) <= 1e-5 * scale).all(), f"{isa}: beyond f32 accumulation"
         assert (np.abs(out - scalar) <= 1e-5 * scale).all(), f"{isa} differs from scalar"
+
+
+@pytest.mark.parametrize("name", list(WEIGHT_TYPES))
+def test_one_q8_K_row_misses_the_two_row_bound(name, monkeypatch):
+    """The default (one Q8_K row, ggml's arithmetic) is outside the bound that
+    TAPER_QUANT_ACT_SPLIT=1 is held to, so test_linear_every_isa[parts=2] fails without it."""
+    T, K, N = 2, 768, 67
+    x, blocks = linear_case(name, T, K, N, seed=11 + int(WEIGHT_TYPES[name]))
+    w = dequantize(WEIGHT_TYPES[name], blocks, K).astype(np.float64)
+    exact = x.astype(np.float64) @ w.T
+    tol = q8_K_bound(x, w, parts=2) + 1e-5 * (np.abs(x.astype(np.float64)) @ np.abs(w).T)
+    for isa in ISAS:
+        assert not (np.abs(run_linear(isa, name, blocks, K, x) - exact) <= tol).all(), isa
+    monkeypatch.setenv("TAPER_QUANT_ACT_SPLIT", "1")
+    for isa in ISAS:
+        assert (np.abs(run_linear(isa, name, blocks, K, x) - exact) <= tol).all(), isa
 
 
 @pytest.mark.parametrize("name", list(WEIGHT_TYPES))

@@ -4,7 +4,9 @@ Quantize is pinned byte for byte to the gguf package (what a GGUF file written b
 tools holds), dequantize bit for bit. `linear` runs on every ISA path this CPU has and is held to
 two references: float64 x @ dequantize(W).T within a worst-case bound on what quantizing x to
 8 bits adds (derived at `activation_error_bound`), and float64 on an emulation of that activation
-quantization, where only float32 accumulation is left. Beyond `quant_gemv_max_t()` token rows
+quantization, where only float32 accumulation is left. With TAPER_QUANT_ACT_SPLIT=1 each row is
+written as two 8-bit rows (hi = Q8(x), lo = Q8(x - hi)): the same checks with the two-row bound
+and emulation, which the default one-row arithmetic misses. Beyond `quant_gemv_max_t()` token rows
 (prefill) `linear` multiplies float32 panels of dequantize(W) with the float32 x instead, and is
 held to float64 x @ dequantize(W).T within float32 accumulation alone. The last tests show the
 checks can fail.
@@ -133,21 +135,27 @@ def random_blocks(rng, qtype, rows, k):
 # ---- linear against float64
 
 
-def activation_error_bound(x, blocks, qtype, k):
-    """Worst case of |linear - x @ W.T| that 8-bit activations allow, per (t, n).
+def activation_error_bound(x, blocks, qtype, k, parts=1):
+    """Worst case of |linear - x @ W.T| that the 8-bit activation rows allow, per (t, n).
 
-    x is quantized per 32-element block with d = amax / 127 and stored as q * f16(d), so each
-    element is off by at most d/2 (rounding; x * id is exact to 3e-5) plus 127 d 2^-11 (the f16
-    rounding of d): 0.5625 d. The _1 types compute sum_k (w_k - m) x~_k + m s with s =
-    f16(d sum q), and |s - sum_k x_k| <= 16 d + 2 d, so a block contributes
-    d (0.5625 sum_k |w_k| + (0.5625 * 32 + 18) |m|) = d (0.5625 sum_k |w_k| + 36 |m|).
+    One row (the default, ggml's): x is quantized per 32-element block with d = amax / 127 and
+    stored as q * f16(d), so each element is off by at most d/2 (rounding; x * id is exact to
+    3e-5) plus 127 d 2^-11 (the f16 rounding of d): 0.5625 d. The _1 types compute
+    sum_k (w_k - m) x~_k + m s with s = f16(d sum q), and |s - sum_k x_k| <= 16 d + 2 d, so a
+    block contributes d (0.5625 sum_k |w_k| + (0.5625 * 32 + 18) |m|) = d (0.5625 sum_k |w_k| +
+    36 |m|).
+    Two rows (parts=2, TAPER_QUANT_ACT_SPLIT=1): lo quantizes the residual r = x - hi, whose
+    amax is <= 0.5625 d, so each element is off by 0.5625 * 0.5625 d / 127 < 0.0025 d; lo's s
+    is f16(sum x - s_hi), off by 2^-11 |sum x - s_hi| <= 2^-11 * 20 d = 0.01 d: a block gives
+    d (0.0025 sum_k |w_k| + (0.0025 * 32 + 0.01) |m|) < d (0.0025 sum_k |w_k| + 0.1 |m|).
     """
     T, N, nb = x.shape[0], blocks.shape[0], k // QK
     d = np.abs(x.astype(np.float64)).reshape(T, nb, QK).max(-1) / 127         # (T, nb)
     w = dequantize(int(qtype), blocks, k).astype(np.float64)
     wabs = np.abs(w).reshape(N, nb, QK).sum(-1)                               # (N, nb)
     m = np.abs(block_mins(blocks, qtype)).astype(np.float64)                  # (N, nb)
-    return d @ (0.5625 * wabs + 36 * m).T
+    cw, cm = (0.5625, 36) if parts == 1 else (0.0025, 0.1)
+    return d @ (cw * wabs + cm * m).T
 
 
 def block_mins(blocks, qtype):
@@ -158,28 +166,52 @@ def block_mins(blocks, qtype):
     return np.ascontiguousarray(b[..., 2:4]).view(np.float16)[..., 0].astype(np.float32)
 
 
-def emulated_linear(x, blocks, qtype, k):
-    """ggml's computation in float64 on exactly the values it multiplies: activations quantized
-    as quantize_row_q8_0/q8_1_ref do (the gguf Q8_0 quantizer is the same formula; Q8_1 adds
-    s = f16(d * sum q)), weights as d_w q_w (dequantized with m zeroed) plus m * s per block.
-    Returns the result and the sum of |terms|, the scale of float32 accumulation error."""
-    T, N, nb = x.shape[0], blocks.shape[0], k // QK
-    xb = x.reshape(T, nb, QK)
-    d = np.abs(xb).max(-1, keepdims=True) / np.float32(127)                   # float32, as in C
+def q8_rows(x):
+    """x quantized per 32 as quantize_row_q8_0/q8_1_ref do (the gguf Q8_0 quantizer is the same
+    formula): float64 levels q (T, nb, 32), f16 scales d (T, nb, 1), and the float32 d before
+    its f16 rounding, which Q8_1's s = f16(d * sum q) uses."""
+    T, k = x.shape
+    nb = k // QK
+    d32 = np.abs(x.reshape(T, nb, QK)).max(-1, keepdims=True) / np.float32(127)
     q8 = quants.quantize(x, QT.Q8_0).reshape(T, nb, 34)
-    q = q8[..., 2:].view(np.int8).astype(np.float64)                          # (T, nb, 32)
-    dd = np.ascontiguousarray(q8[..., :2]).view(np.float16).astype(np.float64)  # (T, nb, 1)
-    xq = (q * dd).reshape(T, k)
+    q = q8[..., 2:].view(np.int8).astype(np.float64)
+    dd = np.ascontiguousarray(q8[..., :2]).view(np.float16).astype(np.float64)
+    return q, dd, d32
+
+
+def act_rows(x, parts=1):
+    """The activations as the kernel multiplies them: [(x~ (T, k), s (T, nb))] per 8-bit row,
+    float64. parts=2: hi, then lo = the rows of the float32 residual x - hi, whose s is
+    f16(sum x - s_hi) (the float32 sum in element order, as the C loop adds)."""
+    T, k = x.shape
+    nb = k // QK
+    q, dd, d32 = q8_rows(x)
+    s_hi = (q.sum(-1, keepdims=True).astype(np.float32) * d32).astype(np.float16)[..., 0]
+    rows = [((q * dd).reshape(T, k), s_hi.astype(np.float64))]
+    if parts == 1:
+        return rows
+    hi32 = (q.astype(np.float32) * dd.astype(np.float32)).reshape(T, k)
+    lq, ldd, _ = q8_rows(x - hi32)
+    sum_x = np.cumsum(x.reshape(T, nb, QK), -1, dtype=np.float32)[..., -1]
+    s_lo = (sum_x - s_hi.astype(np.float32)).astype(np.float16)
+    return rows + [((lq * ldd).reshape(T, k), s_lo.astype(np.float64))]
+
+
+def emulated_linear(x, blocks, qtype, k, parts=1):
+    """ggml's computation in float64 on exactly the values it multiplies, once per activation
+    row of act_rows: weights as d_w q_w (dequantized with m zeroed) plus m * s per block.
+    Returns the result and the sum of |terms|, the scale of float32 accumulation error."""
+    N, nb = blocks.shape[0], k // QK
     ts = GGML_QUANT_SIZES[qtype][1]
     w0 = blocks.reshape(N, nb, ts).copy()
     if qtype in WITH_MIN:
         w0[..., 2:4] = 0
     wq = dequantize(int(qtype), w0.reshape(N, -1), k).astype(np.float64)      # d_w q_w exactly
     m = block_mins(blocks, qtype).astype(np.float64)                          # (N, nb)
-    s = (q.sum(-1, keepdims=True).astype(np.float32) * d).astype(np.float16)[..., 0]
-    s = s.astype(np.float64)                                                  # (T, nb)
-    out = xq @ wq.T + s @ m.T
-    scale = np.abs(xq) @ np.abs(wq).T + np.abs(s) @ np.abs(m).T
+    out = scale = 0
+    for xq, s in act_rows(x, parts):
+        out = out + xq @ wq.T + s @ m.T
+        scale = scale + np.abs(xq) @ np.abs(wq).T + np.abs(s) @ np.abs(m).T
     return out, scale
 
 
@@ -190,7 +222,7 @@ def run_linear(isa, qtype, x, blocks, k, bias):
     return out
 
 
-def check_linear(out, x, blocks, qtype, k, bias):
+def check_linear(out, x, blocks, qtype, k, bias, parts=1):
     """Asserts out against both float64 references (see the module docstring); with more than
     GEMV_MAX_T rows, against x @ dequantize(W).T within float32 accumulation only."""
     w = dequantize(int(qtype), blocks, k).astype(np.float64)
@@ -201,10 +233,10 @@ def check_linear(out, x, blocks, qtype, k, bias):
         tol = f32_rtol(k) * sum_abs + 1e-6
         assert np.all(err <= tol), f"panel path: max err/tol {np.max(err / tol):.3g}"
         return
-    bound = activation_error_bound(x, blocks, qtype, k) + ACCUM_RTOL * sum_abs + 1e-6
+    bound = activation_error_bound(x, blocks, qtype, k, parts) + ACCUM_RTOL * sum_abs + 1e-6
     err = np.abs(out - exact)
     assert np.all(err <= bound), f"max err/bound {np.max(err / bound):.3g}"
-    emu, scale = emulated_linear(x, blocks, qtype, k)
+    emu, scale = emulated_linear(x, blocks, qtype, k, parts)
     emu_err = np.abs(out - (emu + bias))
     emu_tol = ACCUM_RTOL * (scale + np.abs(bias)) + 1e-6
     assert np.all(emu_err <= emu_tol), f"max err/tol vs emulation {np.max(emu_err / emu_tol):.3g}"
@@ -212,7 +244,10 @@ def check_linear(out, x, blocks, qtype, k, bias):
 
 @pytest.mark.parametrize("qtype", TYPES, ids=ids(TYPES))
 @pytest.mark.parametrize("T,K", [(1, 32), (3, 256), (17, 768), (17, 32), (1, 768), (3, 96)])
-def test_linear_every_isa(qtype, T, K):
+@pytest.mark.parametrize("parts", [1, 2])
+def test_linear_every_isa(qtype, T, K, parts, monkeypatch):
+    if parts == 2:
+        monkeypatch.setenv("TAPER_QUANT_ACT_SPLIT", "1")
     rng = np.random.default_rng(T * 1000 + K)
     N = 64
     w = (rng.standard_normal((N, K)) * 0.5 + 0.1).astype(np.float32)   # offset: nonzero mins
@@ -221,11 +256,11 @@ def test_linear_every_isa(qtype, T, K):
     bias = rng.standard_normal(N).astype(np.float32)
     blocks = quantize(int(qtype), w)
     scalar = run_linear("scalar", qtype, x, blocks, K, bias)
-    check_linear(scalar, x, blocks, qtype, K, bias)
-    _, scale = emulated_linear(x, blocks, qtype, K)
+    check_linear(scalar, x, blocks, qtype, K, bias, parts)
+    _, scale = emulated_linear(x, blocks, qtype, K, parts)
     for isa in ISAS[1:]:
         out = run_linear(isa, qtype, x, blocks, K, bias)
-        check_linear(out, x, blocks, qtype, K, bias)
+        check_linear(out, x, blocks, qtype, K, bias, parts)
         # same integers per block, float sums in another order; past GEMV_MAX_T (if a case
         # has that many rows) the float32 GEMMs of the ISAs sum K float products in different orders
         rtol = ACCUM_RTOL if T <= GEMV_MAX_T else 2 * f32_rtol(K)
@@ -275,6 +310,26 @@ def test_linear_arbitrary_codes_every_isa(qtype):
 
 
 # ---- the checks can fail
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=ids(TYPES))
+def test_one_8bit_activation_row_misses_the_two_row_bound(qtype, monkeypatch):
+    """The default (one 8-bit row, ggml's arithmetic) fails check_linear's two-row bound, so
+    test_linear_every_isa[parts=2] fails without TAPER_QUANT_ACT_SPLIT=1."""
+    rng = np.random.default_rng(12)
+    K, N = 256, 64
+    w = (rng.standard_normal((N, K)) * 0.5 + 0.1).astype(np.float32)
+    x = rng.standard_normal((2, K)).astype(np.float32)
+    bias = np.zeros(N, np.float32)
+    blocks = quantize(int(qtype), w)
+    for isa in ISAS:
+        with pytest.raises(AssertionError, match="max err/bound"):
+            check_linear(run_linear(isa, qtype, x, blocks, K, bias), x, blocks, qtype, K, bias,
+                         parts=2)
+    monkeypatch.setenv("TAPER_QUANT_ACT_SPLIT", "1")
+    for isa in ISAS:
+        check_linear(run_linear(isa, qtype, x, blocks, K, bias), x, blocks, qtype, K, bias,
+                     parts=2)
 
 
 @pytest.mark.parametrize("qtype", list(NIBBLES), ids=ids(NIBBLES))
