@@ -33,7 +33,7 @@ from server.embeddings import register_embeddings
 from server.message_stream import MessageStream
 from server.reasoning import ReasoningSplitter, prompt_opens_reasoning
 from server.tool_calls import ChatTools, chat_tools
-from server.tool_grammar import tool_call_constraint
+from server.tool_grammar import strict_call_constraint, tool_call_constraint
 from server.logprobs import prompt_text_offsets, token_text
 from server.metrics import Metrics
 from server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
@@ -363,7 +363,7 @@ def create_app(engine, settings: ServerSettings) -> Quart:
         prompt_ids = await chat_prompt_ids(engine, req, tools=tools.rendered)
         params = fit_context(engine, req, len(prompt_ids), "messages")
         await structured_outputs.prepare(engine, req, [params], settings,
-                                         required_call(engine, tools))
+                                         tool_constraint(engine, req, tools))
         check_queue(engine)
         info = streaming.ResponseInfo(streaming.random_id("chatcmpl"), model,
                                       "chat.completion.chunk", stream=req.stream,
@@ -376,11 +376,16 @@ def create_app(engine, settings: ServerSettings) -> Quart:
                                        logprobs_options(engine, req), message)
         return await respond(info, chunks, streaming.fold_chat)
 
-    def required_call(engine, tools: ChatTools):
-        """The grammar that makes the model call a tool, when tool_choice requires one."""
+    def tool_constraint(engine, req, tools: ChatTools):
+        """The grammar that makes the model call a tool, when tool_choice requires one; under
+        "auto", the lazy one that holds a started call to its strict tool's schema (unless the
+        request constrains its output itself: then that constraint rules the answer)."""
         if tools.choice == "required" or isinstance(tools.choice, tuple):
             return tool_call_constraint(tools.parser, tools.rendered, tools.choice,
                                         tools.parallel, engine.tokenizer)
+        if tools.choice == "auto" and structured_outputs.request_constraint(req) is None:
+            return strict_call_constraint(tools.parser, tools.rendered, tools.parallel,
+                                          engine.tokenizer)
         return None
 
     def chat_message_streams(engine, request_id, prompt_ids, params, tools: ChatTools):
