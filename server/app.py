@@ -388,12 +388,14 @@ def create_app(engine, settings: ServerSettings) -> Quart:
                                           engine.tokenizer)
         return None
 
-    def chat_message_streams(engine, request_id, prompt_ids, params, tools: ChatTools):
+    def chat_message_streams(engine, request_id, prompt_ids, params, tools: ChatTools,
+                             reasoning: bool | None = None):
         """The MessageStream factory for a chat request's choices, or None when its text is
-        plain content: reasoning is split for models with <think> tokens, tool calls are read
-        when the request has tools. A parser whose markers are special tokens needs them in the
-        text, so the request keeps special tokens and drops the stop token's text."""
-        reasoning = state.reasoning_model
+        plain content: reasoning is split for models with <think> tokens (or as `reasoning`
+        says), tool calls are read when the request has tools. A parser whose markers are
+        special tokens needs them in the text, so the request keeps special tokens and drops
+        the stop token's text."""
+        reasoning = state.reasoning_model if reasoning is None else reasoning
         if not reasoning and tools.parser is None:
             return None
         tok = engine.tokenizer
@@ -470,5 +472,6 @@ def create_app(engine, settings: ServerSettings) -> Quart:
         return _json({"prompt": tok.decode(req.tokens, skip_special_tokens=False)})
 
     register_responses(app, read_request=read_request, check_queue=check_queue,
-                       fit_context=fit_context, chat_prompt_ids=chat_prompt_ids)
+                       fit_context=fit_context, chat_prompt_ids=chat_prompt_ids,
+                       tool_constraint=tool_constraint, message_streams=chat_message_streams)
     return app
