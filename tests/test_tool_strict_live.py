@@ -133,3 +133,27 @@ def test_a_request_constraint_rules_over_strict_tools(clients):
     held = ask(clients["qwen"], WEATHER, max_tokens=80, response_format={"type": "json_object"})
     assert held.message.tool_calls is None
     assert isinstance(json.loads(held.message.content), dict)
+
+
+def test_responses_function_tools_on_the_real_engine(engine, clients):
+    """The Responses API: function tools are strict by default, so a forced start under "auto"
+    becomes a valid function_call item, and "required" makes one; streamed and not alike."""
+    client = clients["qwen"]
+    tool = {"type": "function", "name": "get_weather",
+            "parameters": WEATHER["function"]["parameters"]}
+    args = dict(model="demo", input="What is the weather like?", tools=[tool], temperature=1.0,
+                parallel_tool_calls=False, max_output_tokens=200)
+    started = {"seed": 7, "logit_bias": {str(opener_id(engine, "qwen")): 100}}
+    for kwargs in ({"extra_body": started}, {"tool_choice": "required",
+                                             "extra_body": {"seed": 7}}):
+        whole = client.responses.create(**args, **kwargs)
+        [call] = [item for item in whole.output if item.type == "function_call"]
+        assert call.name == "get_weather" and call.status == "completed"
+        jsonschema.validate(json.loads(call.arguments), tool["parameters"])
+        with client.responses.stream(**args, **kwargs) as stream:
+            final = stream.get_final_response()
+        assert [(i.name, i.arguments) for i in final.output if i.type == "function_call"] == \
+            [(call.name, call.arguments)]
+    loose = client.responses.create(**{**args, "tools": [{**tool, "strict": False}]},
+                                    extra_body={**started})
+    assert not [item for item in loose.output if item.type == "function_call"]
