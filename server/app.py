@@ -32,7 +32,7 @@ from server import streaming, structured_outputs
 from server.embeddings import register_embeddings
 from server.message_stream import MessageStream
 from server.reasoning import ReasoningSplitter, prompt_opens_reasoning
-from server.tool_calls import ChatTools, chat_tools
+from server.tool_calls import ChatTools, chat_tools, template_call_ids
 from server.tool_grammar import strict_call_constraint, tool_call_constraint
 from server.logprobs import prompt_text_offsets, token_text
 from server.metrics import Metrics
@@ -321,6 +321,8 @@ def create_app(engine, settings: ServerSettings) -> Quart:
                            "server with --chat-template FILE", param=param,
                            code="no_chat_template")
         messages = req.template_messages()
+        if state.tool_parser is not None:
+            messages = template_call_ids(messages, state.tool_parser.id_style)
         try:
             return await asyncio.to_thread(
                 tok.encode_chat, messages, tools=tools,

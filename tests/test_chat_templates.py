@@ -145,3 +145,23 @@ def test_the_golden_renderings_can_fail(tokenizer):
                     for m in conversation(template, "calls", client_side=False)]
     assert tokenizer.hf.apply_chat_template(no_reasoning, tools=TOOLS, chat_template=text,
                                             add_generation_prompt=True, tokenize=False) != golden
+
+
+def test_other_clients_call_ids_fit_mistrals_template(servers, tokenizer):  # noqa: F811
+    """Mistral's template refuses ids that are not 9 alphanumerics; OpenAI clients send
+    `call_...`. Each is mapped to 9 characters of its own, the same in the call and in its
+    result: the rendering is the golden one with the ids replaced."""
+    import re
+    template = "mistralai-Mistral-Nemo-Instruct-2407.jinja"
+    messages = json.loads(json.dumps(conversation(template, "answer", client_side=True))
+                          .replace("a1b2c3d4e", "call_8f2a61c0de").replace("f5g6h7i8j", "call_2"))
+    server, engine, _ = servers[template]
+    status, body = post_json(server.port, "/v1/chat/completions", {
+        "model": "m", "messages": messages, "tools": TOOLS, "max_tokens": 2})
+    assert status == 200, body
+    text = tokenizer.decode(engine.requests[body["id"]][0], skip_special_tokens=False)
+    ids = re.findall(r'"id": "([^"]*)"', text)
+    assert ids == re.findall(r'"call_id": "([^"]*)"', text)       # each result answers its call
+    assert len(set(ids)) == 2 and all(re.fullmatch(r"[A-Za-z0-9]{9}", i) for i in ids)
+    golden = golden_path(template, "answer").read_text()
+    assert text == golden.replace("a1b2c3d4e", ids[0]).replace("f5g6h7i8j", ids[1])
