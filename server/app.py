@@ -365,7 +365,8 @@ def create_app(engine, settings: ServerSettings) -> Quart:
         prompt_ids = await chat_prompt_ids(engine, req, tools=tools.rendered)
         params = fit_context(engine, req, len(prompt_ids), "messages")
         await structured_outputs.prepare(engine, req, [params], settings,
-                                         tool_constraint(engine, req, tools))
+                                         tool_constraint(engine, req, tools),
+                                         "tools" if tools.choice == "auto" else "tool_choice")
         check_queue(engine)
         info = streaming.ResponseInfo(streaming.random_id("chatcmpl"), model,
                                       "chat.completion.chunk", stream=req.stream,

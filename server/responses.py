@@ -68,7 +68,8 @@ def register_responses(app: Quart, *, read_request, check_queue, fit_context, ch
         check_context(engine, req, len(prompt_ids))
         params = fit_context(engine, req, len(prompt_ids), "input")
         await structured_outputs.prepare(engine, req, [params], state.settings,
-                                         tool_constraint(engine, req, tools))
+                                         tool_constraint(engine, req, tools),
+                                         "tools" if tools.choice == "auto" else "tool_choice")
         check_queue(engine)
         builder = ResponseBuilder(req, model, params)
         message = message_streams(engine, builder.id, prompt_ids, params, tools,

@@ -211,3 +211,15 @@ def test_bad_tool_input_is_a_400_naming_it(serve, body, param):
     _, _, server = serve("qwen", "hi")
     status, out = post_json(server.port, "/v1/responses", {"model": "m", "input": ASK, **body})
     assert_error(status, out, 400, param)
+
+
+def test_a_strict_schema_the_grammar_cannot_enforce_is_a_400_naming_tools(serve):
+    """`not` is a keyword llguidance refuses: under auto the strict tool's grammar fails to
+    compile, and the 400 names `tools` (under required, `tool_choice`)."""
+    _, _, server = serve("qwen", "hi")
+    bad = {**WEATHER, "parameters": {"type": "object", "properties": {
+        "city": {"not": {"type": "string"}}}}}
+    for choice, param in (("auto", "tools"), ("required", "tool_choice")):
+        status, out = post_json(server.port, "/v1/responses", {
+            "model": "m", "input": ASK, "tools": [bad], "tool_choice": choice})
+        assert_error(status, out, 400, param)
