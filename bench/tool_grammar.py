@@ -5,8 +5,8 @@
 Two grammars per format (server/tool_grammar.py) over two tools with schemas: `required` (the
 whole answer is calls) and `strict` under tool_choice auto (free text, a started call held to
 its schema; a lazy grammar). Compile: cold (no cache), median and max of --repeats, in ms. Mask:
-llguidance filling the bitmask for one row, median us per step, in free text (strict: the
-state where the model writes prose) and inside a call's arguments. The tokenizer is the demo
+llguidance filling the bitmask for one row, median us per step over the tokens of a piece of
+prose (strict only: the state where the model answers in text) and of a call. The tokenizer is the demo
 model's BPE trained to about --vocab tokens (bench/structured_outputs.py), markers plain text.
 Prints numbers; it is not a test.
 """
@@ -29,14 +29,16 @@ TOOLS = [
                                          "limit": {"type": "integer"}},
         "required": ["query"], "additionalProperties": False}}},
 ]
-# format -> (text in prose, text inside a call) to advance the matcher before timing the mask
-PREFIXES = {
-    "qwen": ("Let me look that up", '<tool_call>\n{"name":"search","arguments":{"query":"a'),
-    "qwen_coder": ("Let me look that up", "<tool_call>\n<function=search>\n<parameter=query>\nab"),
-    "mistral": ("Let me look that up", '[TOOL_CALLS][{"name":"search","arguments":{"query":"a'),
-    "llama": ("Let me look that up", '{"name":"search","parameters":{"query":"a'),
-    "json": ("Let me look that up", '{"name":"search","arguments":{"query":"a'),
-    "pythonic": ("Let me look that up", '[search(query="a'),
+PROSE = ("The forecast for the coming days depends on the city; tell me which one and I will "
+         "look it up for you right away")
+CALLS = {
+    "qwen": '<tool_call>\n{"name":"search","arguments":{"query":"weather in oslo","limit":3}}',
+    "qwen_coder": "<tool_call>\n<function=search>\n<parameter=query>\nweather in oslo\n"
+                  "</parameter>\n<parameter=limit>\n3\n</parameter>\n</function>",
+    "mistral": '[TOOL_CALLS][{"name":"search","arguments":{"query":"weather in oslo","limit":3}}',
+    "llama": '{"name":"search","parameters":{"query":"weather in oslo","limit":3}}',
+    "json": '{"name":"search","arguments":{"query":"weather in oslo","limit":3}}',
+    "pythonic": '[search(query="weather in oslo", limit=3)',
 }
 
 
@@ -60,7 +62,8 @@ def main():
     print(f"vocabulary {rust.get_vocab_size()} tokens, {args.repeats} repeats")
     print(f"{'format':<11} {'grammar':<9} {'compile p50/max ms':>19} {'mask prose us':>14} "
           f"{'mask in call us':>16}")
-    for fmt, (prose, in_call) in PREFIXES.items():
+    for fmt, in_call in CALLS.items():
+        prose = PROSE
         parser = get_parser(fmt)(TOOLS)
         for kind in ("required", "strict"):
             so = (tool_call_constraint(parser, TOOLS, "required", True, plain) if kind == "required"
@@ -77,14 +80,13 @@ def main():
             cells = []
             for text in ((prose,) if kind == "strict" else ()) + (in_call,):
                 m = template.deep_copy()
-                ids = rust.encode(text).ids
-                if not m.consume_tokens(ids):
-                    raise SystemExit(f"{fmt} {kind}: {text!r} refused: {m.get_error()}")
                 steps = []
-                for _ in range(args.repeats):
+                for token in rust.encode(text).ids:    # one fill per step, as the engine does
                     t = time.perf_counter()
                     fill_next_token_bitmask(m, mask, 0)
                     steps.append((time.perf_counter() - t) * 1e6)
+                    if not m.consume_token(token):
+                        raise SystemExit(f"{fmt} {kind}: {text!r} refused: {m.get_error()}")
                 cells.append(f"{statistics.median(steps):.0f}")
             prose_us = cells[0] if kind == "strict" else "-"
             print(f"{fmt:<11} {kind:<9} {statistics.median(times):>10.1f} / {max(times):<6.1f} "

@@ -31,6 +31,10 @@ COMPACT = {"x-guidance": {"whitespace_flexible": False}}
 # Text the model may write before a call, or instead of one.
 TEXT = r"TEXT: /(.|\n)*/"
 KW_SEP = '"," " "?'           # between a Python call's keyword arguments
+# An XML parameter's text value with its closing tag, as one lazy lexeme: it ends at the first
+# closing tag, as the parser reads it. (A value regex followed by the tag as its own lexeme
+# could never end: the greedy value would swallow the newline before the tag.)
+XML_TEXT = r"xml_text[lazy]: /(.|\n)*\n<\/parameter>\n/"
 
 
 @dataclass(slots=True)
@@ -106,9 +110,10 @@ def call_grammar(kind: str, fns: list[dict], many: bool, tokenizer,
                            f'{marker("[TOOL_CALLS]")} " "? arr', "[TOOL_CALLS]", '" "? arr')
     if kind == "qwen_coder":
         rules = [f'call: {marker("<tool_call>")} body',
-                 f'body: "\\n" ({" | ".join(_ids(fns))}) {marker("</tool_call>")} "\\n"?']
+                 f'body: "\\n" ({" | ".join(_ids(fns))}) {marker("</tool_call>")} "\\n"?',
+                 XML_TEXT]
         for rule, f in zip(_ids(fns), fns):
-            params = [(f'"<parameter={p}>\\n" {_value(schema, "xml")} "\\n</parameter>\\n"', req)
+            params = [(f'"<parameter={p}>\\n" {_xml_value(schema)}', req)
                       for p, schema, req in _properties(f)]
             rules.append(f'{rule}: "<function={f["name"]}>\\n" {_sequence(params, "")} '
                          '"</function>\\n"')
@@ -161,9 +166,16 @@ def _sequence(items: list[tuple[str, bool]], sep: str) -> str:
     return " ".join([f" {sep}".join(required)] + [f"({sep}{rule})?" for rule in optional])
 
 
+def _xml_value(schema: dict) -> str:
+    """An XML parameter's value and closing tag: typed values by their rule, text lazily."""
+    typed = (isinstance(schema.get("enum"), list) and schema["enum"]) or \
+        schema.get("type") in ("integer", "number", "boolean")
+    return f'{_value(schema, "xml")} "\\n</parameter>\\n"' if typed else "xml_text"
+
+
 def _value(schema: dict, style: str) -> str:
     """A parameter value's rule by its schema: an enum's values, integers, numbers, booleans,
-    else a string (quoted in Python, raw text up to the closing tag in XML)."""
+    else (Python only; XML text is `xml_text`) a quoted string."""
     if isinstance(schema.get("enum"), list) and schema["enum"]:
         values = [json.dumps(v) if style == "python" else str(v) for v in schema["enum"]]
         return "(" + " | ".join(json.dumps(v) for v in values) + ")"
@@ -174,9 +186,7 @@ def _value(schema: dict, style: str) -> str:
         return f"%json {json.dumps({'type': kind, **bounds})}"
     if kind == "boolean":
         return '("True" | "False")' if style == "python" else '("true" | "false")'
-    if style == "python":
-        return r'/"([^"\\\n]|\\.)*"/'
-    return r"/[^<]*/"
+    return r'/"([^"\\\n]|\\.)*"/'
 
 
 def _calls_schema(fns: list[dict], args_key: str, schemas: bool) -> dict:
