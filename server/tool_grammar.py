@@ -76,7 +76,7 @@ def strict_call_constraint(parser, tools: list[dict], parallel: bool,
     # The call is the whole answer: any text that does not open with it, or the calls.
     plain = f"/\\s*([^\\s{re.escape(g.openers)}](.|\\n)*)?/"
     if g.opener_marker and not tokenizer.has_special_tokens([g.opener_marker]):
-        plain += f" & ~/\\s*{_regex_literal(g.opener_marker)}(.|\\n)*/"
+        plain += f" & ~/\\s*{re.escape(g.opener_marker)}(.|\\n)*/"
     return _grammar("\n".join(["%llguidance {}", f"start: PLAIN | {g.calls}",
                                f"PLAIN: {plain}", *g.rules]))
 
@@ -132,10 +132,6 @@ def _marker(text: str, tokenizer) -> str:
     if tokenizer.has_special_tokens([text]):
         return f"<[{tokenizer.hf.convert_tokens_to_ids(text)}]>"
     return json.dumps(text)
-
-
-def _regex_literal(text: str) -> str:
-    return re.sub(r"([\\.^$|?*+()\[\]{}/])", r"\\\1", text)
 
 
 def _ids(fns: list[dict]) -> list[str]:

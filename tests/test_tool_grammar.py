@@ -82,6 +82,9 @@ def test_grammars_accept_valid_calls_and_refuse_broken_ones(tok, fmt):
     if fmt in ("qwen", "qwen_coder", "mistral"):           # a marker anywhere starts a call
         assert accepts(tok, strict, "Let me look. " + valid)
         assert not accepts(tok, strict, "Let me look. " + broken, whole=False)
+    if fmt == "llama":                                     # or the python tag, at the start
+        assert accepts(tok, strict, "<|python_tag|>" + valid)
+        assert not accepts(tok, strict, "<|python_tag|>" + broken, whole=False)
 
 
 def test_only_strict_tools_make_a_grammar_under_auto():
