@@ -67,11 +67,16 @@ def strict_call_constraint(parser, tools: list[dict], parallel: bool,
         return None
     g = call_grammar(parser.name, fns, parallel, tokenizer, schemas=False)
     if g.marker is not None:
+        # A marker inside the model's own <think> reasoning starts no call (parsers read none
+        # there): the text before a call is not an open <think>.
+        thinks = tokenizer.has_tokens(("<think>", "</think>")) and \
+            not tokenizer.has_special_tokens(["<think>", "</think>"])
         if tokenizer.has_special_tokens([g.marker]):   # free text cannot hold a special token
-            start = [f"start: TEXT | TEXT {_marker(g.marker, tokenizer)} {g.after_marker}"]
+            start = [f"start: TEXT | BEFORE {_marker(g.marker, tokenizer)} {g.after_marker}",
+                     f"BEFORE: {_text_ending(thinks, '')}"]
         else:
             start = [f"start: TEXT | trigger {g.after_marker}",
-                     f"trigger[lazy]: TEXT {json.dumps(g.marker)}"]
+                     f"trigger[lazy]: {_text_ending(thinks, re.escape(g.marker))}"]
         return _grammar("\n".join(["%llguidance {}", *start, TEXT, *g.rules]))
     # The call is the whole answer: any text that does not open with it, or the calls.
     plain = f"/\\s*([^\\s{re.escape(g.openers)}](.|\\n)*)?/"
@@ -126,6 +131,15 @@ def call_grammar(kind: str, fns: list[dict], many: bool, tokenizer,
             rules.append(f'{rule}: "{f["name"]}(" {_sequence(kws, KW_SEP)} ")"')
         return CallGrammar(rules, "calls", openers="[", opener_marker="<|python_start|>")
     raise ValueError(f"tool calls cannot be enforced for the {kind!r} format")
+
+
+def _text_ending(thinks: bool, end: str) -> str:
+    """A lexeme: any text that ends with the regex `end`; where the model reasons in plain
+    <think> tags, one whose end is not inside an open <think>."""
+    if not thinks:
+        return f"/(.|\\n)*{end}/"
+    return (f"/(.|\\n)*{end}/ & ~/\\s*<think>(.|\\n)*/ | "
+            f"/\\s*<think>(.|\\n)*<\\/think>(.|\\n)*{end}/")
 
 
 def _marker(text: str, tokenizer) -> str:

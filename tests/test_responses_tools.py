@@ -183,7 +183,7 @@ def test_tool_choice_and_strict_reach_the_engine_as_grammars(serve):
     assert '"get_time"' in spec and '"get_weather"' not in spec
     assert r.tool_choice.name == "get_time" and r.parallel_tool_calls is False
     _, spec = grammar(tools=TOOLS)                          # auto: strict by default
-    assert spec.startswith("%llguidance {}\nstart: TEXT | TEXT <[")
+    assert spec.startswith("%llguidance {}\nstart: TEXT | BEFORE <[")
     _, spec = grammar(tools=[{**t, "strict": False} for t in TOOLS])
     assert spec is None
     _, spec = grammar(tools=TOOLS, tool_choice="none")

@@ -52,7 +52,11 @@ def tok():
     return rust, LLTokenizer(rust.to_str(), eos_token=[eos]), eos
 
 
-PLAIN_MARKERS = types.SimpleNamespace(has_special_tokens=lambda strings: False)
+PLAIN_MARKERS = types.SimpleNamespace(has_special_tokens=lambda strings: False,
+                                      has_tokens=lambda strings: False)
+# A reasoning model's tokenizer: <think> and </think> are tokens, as plain text (Qwen3's).
+THINKING = types.SimpleNamespace(has_special_tokens=lambda strings: False,
+                                 has_tokens=lambda strings: True)
 
 
 def accepts(tok, spec: str, text: str, whole: bool = True) -> bool:
@@ -94,3 +98,19 @@ def test_only_strict_tools_make_a_grammar_under_auto():
     mixed = [TOOLS[0], loose[1]]
     spec = strict_call_constraint(get_parser("json")(mixed), mixed, True, PLAIN_MARKERS).spec
     assert '"enum": ["Paris", "Oslo"]' in spec and '"query"' not in spec
+
+
+@pytest.mark.parametrize("fmt", ["qwen", "qwen_coder", "mistral"])
+def test_a_marker_inside_the_reasoning_starts_no_call(tok, fmt):
+    valid, broken = CALLS[fmt]
+    marker = {"mistral": "[TOOL_CALLS]"}.get(fmt, "<tool_call>")
+    musing = f"<think>Should I write {marker} now? No.</think>The answer is Paris."
+    parser = get_parser(fmt)(TOOLS)
+    assert parser.parse(musing)[1] == []                    # the parser reads no call there
+    thinking = strict_call_constraint(parser, TOOLS, False, THINKING).spec
+    assert accepts(tok, thinking, musing)
+    assert accepts(tok, thinking, "<think>Look it up.</think>\n" + valid)
+    assert not accepts(tok, thinking, "<think>Look it up.</think>\n" + broken, whole=False)
+    # without knowing the model reasons, the marker in its reasoning would force a call
+    plain = strict_call_constraint(parser, TOOLS, False, PLAIN_MARKERS).spec
+    assert not accepts(tok, plain, musing)
