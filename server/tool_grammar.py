@@ -7,7 +7,8 @@ format, compiled by structured outputs (engine/structured_outputs.py).
   llama.cpp's grammar triggers are. The model may answer in text, but once it writes the
   format's start (a marker such as `<tool_call>` anywhere in the text, or for the formats whose
   call is the whole answer, `{` / `[` as its first character) the call must follow its
-  function's schema.
+  function's schema. A marker inside the model's own plain-text `<think>` reasoning starts no
+  call, as the parsers read none there.
 
 Each call's arguments follow its function's JSON schema where the format writes JSON (qwen,
 mistral, llama, json); qwen_coder and pythonic calls are held to the tool's name, its parameter
