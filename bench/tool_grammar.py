@@ -4,10 +4,11 @@
 
 Two grammars per format (server/tool_grammar.py) over two tools with schemas: `required` (the
 whole answer is calls) and `strict` under tool_choice auto (free text, a started call held to
-its schema; a lazy grammar). Compile: cold (no cache), median and max of --repeats, in ms. Mask:
-llguidance filling the bitmask for one row, median us per step over the tokens of a piece of
-prose (strict only: the state where the model answers in text) and of a call. The tokenizer is the demo
-model's BPE trained to about --vocab tokens (bench/structured_outputs.py), markers plain text.
+its schema; a lazy grammar). Compile: cold (no cache), median and max of --repeats, in ms.
+Mask: llguidance filling the bitmask for one row, median us per step over the tokens of a piece
+of prose (strict only: the state where the model answers in text) and of a call. The tokenizer
+is the demo model's BPE trained to about --vocab tokens (bench/structured_outputs.py), markers
+plain text.
 Prints numbers; it is not a test.
 """
 from __future__ import annotations
