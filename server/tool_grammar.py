@@ -31,6 +31,8 @@ OBJECT = {"type": "object"}
 COMPACT = {"x-guidance": {"whitespace_flexible": False}}
 # Text the model may write before a call, or instead of one.
 TEXT = r"TEXT: /(.|\n)*/"
+# A reasoning model's <think>...</think> before its call.
+THOUGHT = "thought[lazy]: /\\s*<think>(.|\\n)*<\\/think>/"
 KW_SEP = '"," " "?'           # between a Python call's keyword arguments
 # An XML parameter's text value with its closing tag, as one lazy lexeme: it ends at the first
 # closing tag, as the parser reads it. (A value regex followed by the tag as its own lexeme
@@ -55,6 +57,9 @@ def tool_call_constraint(parser, tools: list[dict], choice, parallel: bool,
     named = choice[1] if isinstance(choice, tuple) else None
     fns = [t["function"] for t in tools if named is None or t["function"]["name"] == named]
     g = call_grammar(parser.name, fns, parallel and named is None, tokenizer, schemas=True)
+    if _thinks(tokenizer):       # the model may reason first, then it must call
+        return _grammar("\n".join(["%llguidance {}", f"start: thought? WS? {g.calls}",
+                                   "WS: /\\s+/", THOUGHT, *g.rules]))
     return _grammar("\n".join([f"start: {g.calls}", *g.rules]))
 
 
@@ -70,8 +75,7 @@ def strict_call_constraint(parser, tools: list[dict], parallel: bool,
     if g.marker is not None:
         # A marker inside the model's own <think> reasoning starts no call (parsers read none
         # there): the text before a call is not an open <think>.
-        thinks = tokenizer.has_tokens(("<think>", "</think>")) and \
-            not tokenizer.has_special_tokens(["<think>", "</think>"])
+        thinks = _thinks(tokenizer)
         if tokenizer.has_special_tokens([g.marker]):   # free text cannot hold a special token
             start = [f"start: TEXT | BEFORE {_marker(g.marker, tokenizer)} {g.after_marker}",
                      f"BEFORE: {_text_ending(thinks, '')}"]
@@ -79,12 +83,18 @@ def strict_call_constraint(parser, tools: list[dict], parallel: bool,
             start = [f"start: TEXT | trigger {g.after_marker}",
                      f"trigger[lazy]: {_text_ending(thinks, re.escape(g.marker))}"]
         return _grammar("\n".join(["%llguidance {}", *start, TEXT, *g.rules]))
-    # The call is the whole answer: any text that does not open with it, or the calls.
+    # The call is the whole answer (after the reasoning, if any): any text that does not open
+    # with it, or the calls. Plain text never opens with <think>, so the reasoning is
+    # `thought`'s alone.
     plain = f"/\\s*([^\\s{re.escape(g.openers)}](.|\\n)*)?/"
     if g.opener_marker and not tokenizer.has_special_tokens([g.opener_marker]):
         plain += f" & ~/\\s*{re.escape(g.opener_marker)}(.|\\n)*/"
-    return _grammar("\n".join(["%llguidance {}", f"start: PLAIN | {g.calls}",
-                               f"PLAIN: {plain}", *g.rules]))
+    if not _thinks(tokenizer):
+        return _grammar("\n".join(["%llguidance {}", f"start: PLAIN | {g.calls}",
+                                   f"PLAIN: {plain}", *g.rules]))
+    plain += " & ~/\\s*<think>(.|\\n)*/"
+    return _grammar("\n".join(["%llguidance {}", f"start: thought? (PLAIN | WS? {g.calls})",
+                               f"PLAIN: {plain}", "WS: /\\s+/", THOUGHT, *g.rules]))
 
 
 def call_grammar(kind: str, fns: list[dict], many: bool, tokenizer,
@@ -132,6 +142,12 @@ def call_grammar(kind: str, fns: list[dict], many: bool, tokenizer,
             rules.append(f'{rule}: "{f["name"]}(" {_sequence(kws, KW_SEP)} ")"')
         return CallGrammar(rules, "calls", openers="[", opener_marker="<|python_start|>")
     raise ValueError(f"tool calls cannot be enforced for the {kind!r} format")
+
+
+def _thinks(tokenizer) -> bool:
+    """Whether the model reasons in <think> tags that are plain text (Qwen3's)."""
+    return tokenizer.has_tokens(("<think>", "</think>")) and \
+        not tokenizer.has_special_tokens(["<think>", "</think>"])
 
 
 def _text_ending(thinks: bool, end: str) -> str:

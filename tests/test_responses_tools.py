@@ -177,7 +177,7 @@ def test_tool_choice_and_strict_reach_the_engine_as_grammars(serve):
         return r, so and so.spec
     r, spec = grammar(tools=TOOLS, tool_choice="required")
     assert r.tool_choice == "required" and "<tool_call>" not in (spec or "")  # a special token
-    assert spec.startswith("start: call+")
+    assert "start: thought? WS? call+" in spec      # this tokenizer's model reasons first
     r, spec = grammar(tools=TOOLS, tool_choice={"type": "function", "name": "get_time"},
                       parallel_tool_calls=False)
     assert '"get_time"' in spec and '"get_weather"' not in spec

@@ -114,3 +114,22 @@ def test_a_marker_inside_the_reasoning_starts_no_call(tok, fmt):
     # without knowing the model reasons, the marker in its reasoning would force a call
     plain = strict_call_constraint(parser, TOOLS, False, PLAIN_MARKERS).spec
     assert not accepts(tok, plain, musing)
+
+
+@pytest.mark.parametrize("fmt", list(CALLS))
+def test_a_reasoning_model_may_think_before_it_calls(tok, fmt):
+    """Qwen3-style models open <think> themselves: required lets them reason first, then
+    holds them to a call; strict auto holds a call after the reasoning as one without."""
+    valid, broken = CALLS[fmt]
+    parser = get_parser(fmt)(TOOLS)
+    thought = "<think>The user wants the weather.</think>\n\n"
+    required = tool_call_constraint(parser, TOOLS, "required", False, THINKING).spec
+    strict = strict_call_constraint(parser, TOOLS, False, THINKING).spec
+    for spec in (required, strict):
+        assert accepts(tok, spec, thought + valid) and accepts(tok, spec, valid)
+        assert not accepts(tok, spec, thought + broken, whole=False)
+    assert not accepts(tok, required, thought + PROSE, whole=False)
+    assert accepts(tok, strict, thought + PROSE) and accepts(tok, strict, PROSE)
+    # a model that does not reason gets no room for it under required
+    plain = tool_call_constraint(parser, TOOLS, "required", False, PLAIN_MARKERS).spec
+    assert not accepts(tok, plain, thought + valid, whole=False)
