@@ -2,7 +2,8 @@
 format, compiled by structured outputs (engine/structured_outputs.py).
 
 - tool_choice "required" or a named function (`tool_call_constraint`): the whole output is the
-  call(s), so the model has no answer but a valid call.
+  call(s), so the model has no answer but a valid call (a model that reasons in plain-text
+  `<think>` tags, as Qwen3 does, may reason first).
 - `strict: true` tools under tool_choice "auto" (`strict_call_constraint`): a lazy grammar, as
   llama.cpp's grammar triggers are. The model may answer in text, but once it writes the
   format's start (a marker such as `<tool_call>` anywhere in the text, or for the formats whose
