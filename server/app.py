@@ -32,8 +32,8 @@ from server import streaming, structured_outputs
 from server.embeddings import register_embeddings
 from server.message_stream import MessageStream
 from server.reasoning import ReasoningSplitter, prompt_opens_reasoning
-from server.tool_calls import ChatTools, chat_tools
-from server.tool_grammar import tool_call_constraint
+from server.tool_calls import ChatTools, chat_tools, template_call_ids
+from server.tool_grammar import strict_call_constraint, tool_call_constraint
 from server.logprobs import prompt_text_offsets, token_text
 from server.metrics import Metrics
 from server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
@@ -321,6 +321,8 @@ def create_app(engine, settings: ServerSettings) -> Quart:
                            "server with --chat-template FILE", param=param,
                            code="no_chat_template")
         messages = req.template_messages()
+        if state.tool_parser is not None:
+            messages = template_call_ids(messages, state.tool_parser.id_style)
         try:
             return await asyncio.to_thread(
                 tok.encode_chat, messages, tools=tools,
@@ -363,7 +365,8 @@ def create_app(engine, settings: ServerSettings) -> Quart:
         prompt_ids = await chat_prompt_ids(engine, req, tools=tools.rendered)
         params = fit_context(engine, req, len(prompt_ids), "messages")
         await structured_outputs.prepare(engine, req, [params], settings,
-                                         required_call(engine, tools))
+                                         tool_constraint(engine, req, tools),
+                                         "tools" if tools.choice == "auto" else "tool_choice")
         check_queue(engine)
         info = streaming.ResponseInfo(streaming.random_id("chatcmpl"), model,
                                       "chat.completion.chunk", stream=req.stream,
@@ -376,19 +379,26 @@ def create_app(engine, settings: ServerSettings) -> Quart:
                                        logprobs_options(engine, req), message)
         return await respond(info, chunks, streaming.fold_chat)
 
-    def required_call(engine, tools: ChatTools):
-        """The grammar that makes the model call a tool, when tool_choice requires one."""
+    def tool_constraint(engine, req, tools: ChatTools):
+        """The grammar that makes the model call a tool, when tool_choice requires one; under
+        "auto", the lazy one that holds a started call to its strict tool's schema (unless the
+        request constrains its output itself: then that constraint rules the answer)."""
         if tools.choice == "required" or isinstance(tools.choice, tuple):
             return tool_call_constraint(tools.parser, tools.rendered, tools.choice,
                                         tools.parallel, engine.tokenizer)
+        if tools.choice == "auto" and structured_outputs.request_constraint(req) is None:
+            return strict_call_constraint(tools.parser, tools.rendered, tools.parallel,
+                                          engine.tokenizer)
         return None
 
-    def chat_message_streams(engine, request_id, prompt_ids, params, tools: ChatTools):
+    def chat_message_streams(engine, request_id, prompt_ids, params, tools: ChatTools,
+                             reasoning: bool | None = None):
         """The MessageStream factory for a chat request's choices, or None when its text is
-        plain content: reasoning is split for models with <think> tokens, tool calls are read
-        when the request has tools. A parser whose markers are special tokens needs them in the
-        text, so the request keeps special tokens and drops the stop token's text."""
-        reasoning = state.reasoning_model
+        plain content: reasoning is split for models with <think> tokens (or as `reasoning`
+        says), tool calls are read when the request has tools. A parser whose markers are
+        special tokens needs them in the text, so the request keeps special tokens and drops
+        the stop token's text."""
+        reasoning = state.reasoning_model if reasoning is None else reasoning
         if not reasoning and tools.parser is None:
             return None
         tok = engine.tokenizer
@@ -465,5 +475,6 @@ def create_app(engine, settings: ServerSettings) -> Quart:
         return _json({"prompt": tok.decode(req.tokens, skip_special_tokens=False)})
 
     register_responses(app, read_request=read_request, check_queue=check_queue,
-                       fit_context=fit_context, chat_prompt_ids=chat_prompt_ids)
+                       fit_context=fit_context, chat_prompt_ids=chat_prompt_ids,
+                       tool_constraint=tool_constraint, message_streams=chat_message_streams)
     return app

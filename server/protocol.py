@@ -290,6 +290,12 @@ class ChatMessage(BaseModel):
         if self.tool_calls:
             msg["tool_calls"] = [_template_tool_call(c, f"{where}.tool_calls[{k}]")
                                  for k, c in enumerate(self.tool_calls)]
+        # An earlier answer's reasoning, under either name this server sends it by; templates
+        # (Qwen3's) read `reasoning_content` and show it in the turns after the last question.
+        extra = self.model_extra or {}
+        reasoning = extra.get("reasoning_content", extra.get("reasoning"))
+        if self.role == "assistant" and isinstance(reasoning, str):
+            msg["reasoning_content"] = reasoning
         return msg
 
 

@@ -5,8 +5,11 @@ One code path, as for chat: a request becomes an async stream of the Responses s
 (response.created, response.in_progress, output_item.added, content_part.added,
 output_text.delta..., output_text.done, content_part.done, output_item.done, then
 response.completed or response.incomplete), each with its sequence_number. Streaming sends them
-as server-sent events; a non-streamed response is the last event's `response`. A reasoning
-model's <think> text becomes a `reasoning` output item before the message (server/reasoning.py).
+as server-sent events; a non-streamed response is the last event's `response`. The text is read
+as chat's is (server/message_stream.py): a reasoning model's <think> text becomes a `reasoning`
+output item, and with function tools (server/responses_tools.py) each call the model makes
+becomes a `function_call` item (output_item.added, function_call_arguments.delta...,
+function_call_arguments.done, output_item.done).
 
 Responses with `store` (the default) are kept in a bounded in-memory store
 (server/responses_store.py, `--responses-store-size`) for GET and `previous_response_id`.
@@ -22,16 +25,18 @@ from typing import AsyncIterator
 
 from quart import Quart, Response, request
 
-from server import streaming
-from server.protocol import APIError, not_supported
-from server.reasoning import ReasoningSplitter, prompt_opens_reasoning
+from server import streaming, structured_outputs
+from server.message_stream import MessageStream
+from server.protocol import APIError, _template_tool_call, not_supported
 from server.responses_protocol import CreateResponseRequest, input_messages, random_item_id
 from server.responses_store import ResponseStore, StoredResponse
+from server.responses_tools import call_ids, echoed_tools, response_tools
 
 log = logging.getLogger("taper.server")
 
 
-def register_responses(app: Quart, *, read_request, check_queue, fit_context, chat_prompt_ids):
+def register_responses(app: Quart, *, read_request, check_queue, fit_context, chat_prompt_ids,
+                       tool_constraint, message_streams):
     """The routes, on `app`; the helpers are create_app's, shared with the chat route."""
     state = app.taper
     store = ResponseStore(state.settings.responses_store_size)
@@ -50,24 +55,29 @@ def register_responses(app: Quart, *, read_request, check_queue, fit_context, ch
     @app.post("/v1/responses")
     async def create_response():
         req, model, engine = await read_request(CreateResponseRequest)
+        tools = response_tools(req, state.tool_parser)
         earlier = []
         if req.previous_response_id is not None:
             earlier = stored(req.previous_response_id, "previous_response_id").conversation
-        turn, items = input_messages(req.input)
+        turn, items = input_messages(req.input, call_ids(earlier))
         req.set_turns(earlier, turn)
-        prompt_ids = await chat_prompt_ids(engine, req, "input")
+        prompt_ids = await chat_prompt_ids(engine, req, "input", tools.rendered)
         while req.truncation == "auto" and not fits(engine, req, len(prompt_ids)) \
                 and drop_oldest_turn(req):
-            prompt_ids = await chat_prompt_ids(engine, req, "input")
+            prompt_ids = await chat_prompt_ids(engine, req, "input", tools.rendered)
         check_context(engine, req, len(prompt_ids))
         params = fit_context(engine, req, len(prompt_ids), "input")
+        await structured_outputs.prepare(engine, req, [params], state.settings,
+                                         tool_constraint(engine, req, tools),
+                                         "tools" if tools.choice == "auto" else "tool_choice")
         check_queue(engine)
-        tail = engine.tokenizer.decode(prompt_ids[-8:], skip_special_tokens=False)
-        builder = ResponseBuilder(req, model, params, prompt_opens_reasoning(tail))
+        builder = ResponseBuilder(req, model, params)
+        message = message_streams(engine, builder.id, prompt_ids, params, tools,
+                                  reasoning=True)(0)
         timing = state.metrics.request()
         outputs = streaming.engine_outputs(engine, builder.id, prompt_ids, params, timing,
                                            "input")
-        events = response_events(builder, outputs, len(prompt_ids))
+        events = response_events(builder, outputs, len(prompt_ids), message)
         if req.store:
             events = _store_when_done(events, store, items, req.turns())
         try:
@@ -170,9 +180,8 @@ def _json(obj, status: int = 200) -> Response:
 class ResponseBuilder:
     """One response: the object every lifecycle event carries, and the numbered events."""
 
-    def __init__(self, req: CreateResponseRequest, model: str, params, reasoning_opened: bool):
+    def __init__(self, req: CreateResponseRequest, model: str, params):
         self.id = random_item_id("resp")
-        self.reasoning_opened = reasoning_opened
         self.sequence_number = 0
         self.response = {
             "id": self.id, "object": "response", "created_at": int(time.time()),
@@ -185,7 +194,7 @@ class ResponseBuilder:
             "reasoning": {"effort": None, "summary": None}, "store": req.store,
             "temperature": params.temperature, "top_p": params.top_p,
             "text": {"format": {"type": "text"}}, "tool_choice": req.tool_choice or "auto",
-            "tools": [], "truncation": req.truncation or "disabled",
+            "tools": echoed_tools(req), "truncation": req.truncation or "disabled",
             "metadata": req.metadata or {},
         }
         # `usage` comes once the response has ended; the schema's `user` is never null
@@ -256,16 +265,59 @@ class _Item:
                         item=done)]
 
 
+class _FunctionCall:
+    """A function_call output item being streamed: its arguments arrive as deltas."""
+    kind = "function_call"
+
+    def __init__(self, builder: ResponseBuilder, output_index: int, call_id: str, name: str):
+        self.builder, self.output_index = builder, output_index
+        self.id = random_item_id("fc")
+        self.call_id, self.name, self.arguments = call_id, name, ""
+
+    def item(self, status: str) -> dict:
+        return {"id": self.id, "type": "function_call", "status": status,
+                "arguments": self.arguments, "call_id": self.call_id, "name": self.name}
+
+    def open(self) -> list[dict]:
+        return [self.builder.event("response.output_item.added", output_index=self.output_index,
+                                   item=self.item("in_progress"))]
+
+    def delta(self, text: str) -> dict:
+        self.arguments += text
+        return self.builder.event("response.function_call_arguments.delta", item_id=self.id,
+                                  output_index=self.output_index, delta=text)
+
+    def close(self, status: str) -> list[dict]:
+        b = self.builder
+        done = self.item(status)
+        b.response["output"].append(done)
+        return [b.event("response.function_call_arguments.done", item_id=self.id,
+                        output_index=self.output_index, name=self.name,
+                        arguments=self.arguments),
+                b.event("response.output_item.done", output_index=self.output_index, item=done)]
+
+
 async def response_events(builder: ResponseBuilder, outputs: AsyncIterator,
-                          num_prompt_tokens: int) -> AsyncIterator[dict]:
-    """The stream events of one response. The first waits for the engine's first output, so a
-    request the engine refuses fails before anything is sent."""
-    splitter = ReasoningSplitter(builder.reasoning_opened)
-    reasoning: _Item | None = None
-    message: _Item | None = None
-    reasoning_closed = False
-    num_reasoning_tokens = 0
+                          num_prompt_tokens: int, message: MessageStream) -> AsyncIterator[dict]:
+    """The stream events of one response: its text read by `message` (reasoning, answer text,
+    function calls), each part an output item of its own, in the order they come. The first
+    event waits for the engine's first output, so a request the engine refuses fails before
+    anything is sent."""
+    current = None                      # the output item being streamed
+    calls: dict[int, _FunctionCall] = {}
     started = False
+
+    def switch(kind: str, make) -> list[dict]:
+        """Close the current item unless it is of `kind`; open a new one made by `make`."""
+        nonlocal current
+        events = []
+        if current is not None and current.kind == kind != "function_call":
+            return events
+        if current is not None:
+            events += current.close("completed")
+        current = make(len(builder.response["output"]))
+        return events + current.open()
+
     async with contextlib.aclosing(outputs):
         async for out in outputs:
             streaming._check_output(out)
@@ -273,34 +325,34 @@ async def response_events(builder: ResponseBuilder, outputs: AsyncIterator,
                 yield builder.lifecycle("response.created")
                 yield builder.lifecycle("response.in_progress")
                 started = True
-            answering = splitter.state == "answer"      # before this delta
-            thought, answer = splitter.feed(out.text_delta, out.finished)
-            if splitter.has_reasoning and not answering:    # this delta's tokens reasoned
-                num_reasoning_tokens += len(out.new_token_ids)
-            if splitter.has_reasoning and reasoning is None:
-                reasoning = _Item(builder, "reasoning", 0)
-                for ev in reasoning.open():
+            delta = message.feed(out.text_delta, len(out.new_token_ids), out.finished)
+            if thought := delta.get("reasoning_content"):
+                for ev in switch("reasoning", lambda i: _Item(builder, "reasoning", i)):
                     yield ev
-            if thought:
-                yield reasoning.delta(thought)
-            if answer or (out.finished and reasoning is None):
-                if reasoning is not None and not reasoning_closed:
-                    reasoning_closed = True
-                    for ev in reasoning.close("completed"):
-                        yield ev
-                if message is None:
-                    message = _Item(builder, "message", len(builder.response["output"]))
-                    for ev in message.open():
-                        yield ev
+                yield current.delta(thought)
+            answer = delta.get("content")
+            if answer or (out.finished and current is None and not delta.get("tool_calls")
+                          and not builder.response["output"]):
+                for ev in switch("message", lambda i: _Item(builder, "message", i)):
+                    yield ev
                 if answer:
-                    yield message.delta(answer)
+                    yield current.delta(answer)
+            for c in delta.get("tool_calls") or []:
+                if c["index"] not in calls:
+                    fn = c["function"]
+                    for ev in switch("function_call", lambda i: _FunctionCall(
+                            builder, i, c["id"], fn["name"])):
+                        yield ev
+                    calls[c["index"]] = current
+                if c["function"]["arguments"]:
+                    yield calls[c["index"]].delta(c["function"]["arguments"])
             status = "incomplete" if out.finish_reason == "length" else "completed"
             if out.finished:
-                for item, closed in ((reasoning, reasoning_closed), (message, False)):
-                    if item is not None and not closed:
-                        for ev in item.close(status):
-                            yield ev
-                builder.response["usage"] = _usage(out, num_prompt_tokens, num_reasoning_tokens)
+                if current is not None:
+                    for ev in current.close(status):
+                        yield ev
+                builder.response["usage"] = _usage(out, num_prompt_tokens,
+                                                   message.num_reasoning_tokens)
                 break
         else:
             raise APIError("The engine ended the request without finishing it",
@@ -328,16 +380,27 @@ def _usage(out, num_prompt_tokens: int, num_reasoning_tokens: int) -> dict:
 async def _store_when_done(events: AsyncIterator[dict], store: ResponseStore,
                            input_items: list[dict], turns: list[dict]) -> AsyncIterator[dict]:
     """Pass the events on; once the response has ended, store it with the conversation it
-    ends (the earlier turns, this input, this answer)."""
+    ends (the earlier turns, this input, this answer and its function calls)."""
     async with contextlib.aclosing(events):
         async for ev in events:
             if ev["type"] in ("response.completed", "response.incomplete"):
                 response = ev["response"]
-                answer = "".join(item["content"][0]["text"] for item in response["output"]
-                                 if item["type"] == "message")
                 store.put(StoredResponse(response, input_items,
-                                         turns + [{"role": "assistant", "content": answer}]))
+                                         turns + [_assistant_turn(response["output"])]))
             yield ev
+
+
+def _assistant_turn(output: list[dict]) -> dict:
+    """The response's output as the assistant message a chat template renders."""
+    answer = "".join(item["content"][0]["text"] for item in output
+                     if item["type"] == "message")
+    turn = {"role": "assistant", "content": answer}
+    calls = [_template_tool_call({"id": item["call_id"], "type": "function", "function": {
+        "name": item["name"], "arguments": item["arguments"]}}, "output")
+        for item in output if item["type"] == "function_call"]
+    if calls:
+        turn["tool_calls"] = calls
+    return turn
 
 
 def sse_event(ev: dict) -> str:

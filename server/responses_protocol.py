@@ -3,8 +3,9 @@ chat-template messages.
 
 The sampling fields and vLLM's extras (top_k, min_p, seed, chat_template_kwargs, ...) are the
 chat route's; the Responses API's own names are `input`, `instructions` and `max_output_tokens`.
-A field whose feature this server lacks and that would change the output (function tools,
-structured outputs, logprobs, background mode, ...) is refused with a 400 naming it; fields that
+Function tools are server/responses_tools.py's. A field whose feature this server lacks and
+that would change the output (other tools, structured outputs, logprobs, background mode, ...)
+is refused with a 400 naming it; fields that
 cannot change the output here (parallel_tool_calls, tool_choice "auto" with no tools, ...) are
 accepted and echoed.
 """
@@ -16,10 +17,10 @@ from typing import Any, Literal
 from pydantic import Field, PrivateAttr, field_validator
 
 from server.protocol import APIError, _ChatInput, _SamplingRequest, not_supported
+from server.responses_tools import call_message, output_message
 
 _ROLES = ("user", "assistant", "system", "developer")
-_TOOL_ITEMS = {"function_call", "function_call_output", "custom_tool_call",
-               "custom_tool_call_output"}
+_CUSTOM_TOOL_ITEMS = {"custom_tool_call", "custom_tool_call_output"}
 _MEDIA_PARTS = {"input_image", "input_file", "input_audio", "image_url", "file"}
 
 
@@ -75,14 +76,6 @@ class CreateResponseRequest(_SamplingRequest, _ChatInput):
             raise APIError("the Responses API takes the conversation as 'input' (a string or "
                            "a list of message items)", param="messages",
                            code="unknown_parameter")
-        if self.tools:
-            raise APIError("'tools' is not yet supported: function tools come with tool "
-                           "calling, which this server does not have yet", param="tools",
-                           code="unsupported_parameter")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise APIError("tool_choice other than 'auto' or 'none' needs tools, which come "
-                           "with tool calling (not yet supported)", param="tool_choice",
-                           code="unsupported_parameter")
         fmt = (self.text or {}).get("format")
         if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
             raise APIError("text.format: only {'type': 'text'} is supported; structured outputs "
@@ -120,19 +113,42 @@ class CreateResponseRequest(_SamplingRequest, _ChatInput):
         self._turns = earlier + turn
 
 
-def input_messages(value: str | list[dict]) -> tuple[list[dict], list[dict]]:
-    """(template messages, input items as GET .../input_items lists them) of `input`."""
+def input_messages(value: str | list[dict],
+                   earlier_call_ids: set[str] = frozenset()) -> tuple[list[dict], list[dict]]:
+    """(template messages, input items as GET .../input_items lists them) of `input`.
+    function_call items join the assistant message before them as its tool calls;
+    function_call_output items become `tool` messages and must answer a call made before
+    (in this input or, by id, in `earlier_call_ids`)."""
     if isinstance(value, str):
         value = [{"role": "user", "content": value}]
     messages, items = [], []
+    open_ids = set(earlier_call_ids)
     for i, item in enumerate(value):
         where = f"input[{i}]"
         kind = item.get("type", "message")
         if kind == "reasoning":          # an earlier turn's reasoning: templates drop it
             continue
-        if kind in _TOOL_ITEMS:
-            raise APIError(f"input items of type '{kind}' come with tool calling, which this "
-                           "server does not have yet", param=f"{where}.type",
+        if kind == "function_call":
+            call, stored = call_message(item, where)
+            last = messages[-1] if messages else None
+            if last is None or last["role"] != "assistant":
+                last = {"role": "assistant", "content": ""}
+                messages.append(last)
+            last.setdefault("tool_calls", []).append(call)
+            open_ids.add(call["id"])
+            items.append(stored)
+            continue
+        if kind == "function_call_output":
+            message, stored = output_message(item, where)
+            if message["tool_call_id"] not in open_ids:
+                raise APIError(f"call_id {message['tool_call_id']!r} answers no earlier "
+                               "function_call", param=f"{where}.call_id", code="invalid_value")
+            messages.append(message)
+            items.append(stored)
+            continue
+        if kind in _CUSTOM_TOOL_ITEMS:
+            raise APIError(f"input items of type '{kind}' need custom tools, which this server "
+                           "does not run (function tools only)", param=f"{where}.type",
                            code="unsupported_parameter")
         if kind != "message":
             raise APIError(f"input item type '{kind}' is not supported (give messages: "

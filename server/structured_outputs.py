@@ -105,9 +105,10 @@ def _spec(param: str, kind: str, value) -> str:
 
 
 async def prepare(engine, req, params_list: list, settings,
-                  tool_constraint: StructuredOutputsParams | None = None) -> None:
+                  tool_constraint: StructuredOutputsParams | None = None,
+                  tool_param: str = "tool_choice") -> None:
     """Reads the request's constraint (or takes `tool_constraint`, the grammar that enforces
-    its tool_choice), compiles it on the engine's grammar pool (a cache hit for a grammar seen
+    its tool_choice or strict tools, named `tool_param` in errors), compiles it on the engine's grammar pool (a cache hit for a grammar seen
     before) within the timeout, and attaches it to every SamplingParams of the request. Raises
     APIError (400) for any problem with it."""
     found = request_constraint(req)
@@ -116,7 +117,7 @@ async def prepare(engine, req, params_list: list, settings,
             raise APIError(f"{found[1]} cannot be combined with a tool_choice that requires a "
                            "call (each constrains the whole output)", param=found[1],
                            code="invalid_value")
-        found = tool_constraint, "tool_choice"
+        found = tool_constraint, tool_param
     if found is None:
         return
     so, param = found

@@ -7,6 +7,7 @@ import json
 from dataclasses import dataclass
 
 from server.protocol import APIError
+from server.tool_parsers import tool_call_id
 
 
 @dataclass(slots=True)
@@ -113,3 +114,26 @@ def check_history(messages: list) -> None:
             if m.tool_call_id not in open_ids:
                 raise APIError(f"tool_call_id {m.tool_call_id!r} answers no earlier tool call",
                                param=f"messages[{i}].tool_call_id", code="invalid_value")
+
+
+def template_call_ids(messages: list[dict], style: str) -> list[dict]:
+    """The conversation with its tool-call ids in the model's style. Mistral's templates
+    refuse any id but 9 alphanumerics, so another client's ids (OpenAI's `call_...`) are
+    mapped to 9 derived from each; an id maps the same in the call and in its result."""
+    if style != "mistral":
+        return messages
+
+    def fit(call_id):
+        if not isinstance(call_id, str) or (len(call_id) == 9 and call_id.isascii()
+                                            and call_id.isalnum()):
+            return call_id
+        return tool_call_id("mistral", call_id, 0)
+    out = []
+    for m in messages:
+        if m.get("tool_calls"):
+            m = {**m, "tool_calls": [{**c, "id": fit(c.get("id"))} if isinstance(c, dict) else c
+                                     for c in m["tool_calls"]]}
+        if "tool_call_id" in m:
+            m = {**m, "tool_call_id": fit(m["tool_call_id"])}
+        out.append(m)
+    return out

@@ -43,16 +43,20 @@ ASK = [{"role": "user", "content": "Weather in Paris and the time?"}]
 
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
+    return make_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+def make_tokenizer(path):
     """A byte-level BPE with the formats' markers as special tokens and Qwen3-style <think>
     tags as plain added tokens."""
-    tok = build_byte_level(tmp_path_factory.mktemp("tok"))
+    tok = build_byte_level(path / "base")
     hf = tok.hf
     hf.add_special_tokens({"additional_special_tokens": SPECIAL_MARKERS + ["<|im_start|>",
                                                                            "<|im_end|>"]})
     hf.add_tokens([AddedToken("<think>", special=False), AddedToken("</think>", special=False)])
     hf.eos_token = "<|im_end|>"
     hf.chat_template = TEMPLATE
-    path = tmp_path_factory.mktemp("tok2")
+    path = path / "markers"
     hf.save_pretrained(str(path))
     from engine.tokenizer import Tokenizer
     return Tokenizer.from_pretrained(str(path))

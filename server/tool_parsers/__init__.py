@@ -20,10 +20,11 @@ PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (
     MistralToolParser, LlamaToolParser, PythonicToolParser, QwenToolParser, QwenCoderToolParser,
     JsonToolParser)}
 
-# Markers a chat template writes, most specific first, and the parser that reads them.
+# Markers a chat template writes, most specific first, and the parser that reads them. Llama
+# 3.2's pythonic templates (vLLM's) name no marker: they ask for "a python list" of calls.
 TEMPLATE_MARKERS = (("<parameter=", "qwen_coder"), ("<tool_call>", "qwen"),
                     ("[TOOL_CALLS]", "mistral"), ("<|python_start|>", "pythonic"),
-                    ("<|python_tag|>", "llama"))
+                    ("python list", "pythonic"), ("<|python_tag|>", "llama"))
 
 # Architecture (config.json) -> its family's parsers, the usual one first.
 FAMILIES = {"MistralForCausalLM": ("mistral",), "MixtralForCausalLM": ("mistral",),
