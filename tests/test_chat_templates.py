@@ -3,7 +3,7 @@ licences in its README) render an OpenAI-style multi-turn tool conversation exac
 transformers' apply_chat_template renders the same conversation written the templates' way.
 
 The conversation: a system message, a user question, an assistant turn with text, reasoning
-(Qwen3) and two parallel calls (one for the Llama 3.1 JSON template, which takes one), the tool
+(Qwen3) and two parallel calls (one for the Llama 3.1 and 3.2 templates, which take one), the tool
 results, then (second case) the final answer and a follow-up question. Taper gets it as a client
 sends it, through /v1/chat/completions: argument strings, `tool_call_id`s, `reasoning_content`;
 transformers gets it as the templates expect it: arguments as objects. The golden renderings
@@ -31,8 +31,8 @@ TEMPLATES = {
     "Qwen-Qwen3-0.6B.jinja": ("Qwen3ForCausalLM", "qwen", 2),
     "Qwen3-Coder.jinja": ("Qwen3MoeForCausalLM", "qwen_coder", 2),
     "mistralai-Mistral-Nemo-Instruct-2407.jinja": ("MistralForCausalLM", "mistral", 2),
-    "vllm-llama3.1_json.jinja": ("LlamaForCausalLM", "llama", 1),
-    "vllm-llama3.2_pythonic.jinja": ("LlamaForCausalLM", "pythonic", 2),
+    "meta-llama-Llama-3.1-8B-Instruct.jinja": ("LlamaForCausalLM", "llama", 1),
+    "meta-llama-Llama-3.2-3B-Instruct.jinja": ("LlamaForCausalLM", "llama", 1),
 }
 REASONING = {"Qwen-Qwen3-0.6B.jinja"}
 CASES = ("calls", "answer")
