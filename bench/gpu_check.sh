@@ -152,10 +152,11 @@ elif [ "$SUITE" = serve ]; then
 elif [ "$SUITE" = tuned ]; then
     # flash-decoding (TAPER_CUDA_SPLIT_K=1), the FP8 GEMV (TAPER_CUDA_FP8_GEMV=1), the radix
     # filter (TAPER_CUDA_RADIX_FILTER=1), the fused sampler (TAPER_CUDA_FUSED_SAMPLING=1) and the
-    # FlashAttention-2 prefill (TAPER_CUDA_PREFILL=fa2): their tests; decode attention over bf16
+    # FlashAttention-2 prefill (TAPER_CUDA_PREFILL=fa2) and its Hopper form (=fa3, the same test
+    # file runs both): their tests; decode attention over bf16
     # and FP8 caches with the rule's split count and forced ones beside it; the filter both ways;
     # the fused sampler beside the op-by-op path; the quantized GEMMs (fp8-gemv rows beside bf16,
-    # fp8-cutlass) at small M; prefill attention (simple, mma, fa2) at 1x4096, 4x2048 and a
+    # fp8-cutlass) at small M; prefill attention (simple, mma, fa2, fa3) at 1x4096, 4x2048 and a
     # 1024-row chunk after 3072 cached tokens
     GPU_TESTS_CAP=300           # 32k-key decode batches and Llama-3-8B-sized FP8 weights
     GPU_TEST_FILES="test_cuda_flash_decode.py test_cuda_fp8_gemv.py test_cuda_radix_filter.py"
