@@ -365,8 +365,14 @@ int launch_fa3_dim(void* out, const void* q, const void* k_cache, const void* v_
 
 bool aligned(const void* p, uintptr_t n) { return ((uintptr_t)p & (n - 1)) == 0; }
 
-// Compute capability 9.0 (H100, H200: the devices sm_90a code runs on), per device, once.
-bool device_is_sm90() {
+// 1 in the sm_90a code only: an sm_90 device given a build without 90a in TAPER_CUDA_ARCHS
+// would run the trapping stub.
+__device__ const int fa3_kernel_built = TAPER_SM90A;
+
+// Compute capability 9.0 (H100, H200: the devices sm_90a code runs on), and the code loaded
+// for it is the sm_90a build. The symbol is read once per process (a synchronous copy: the
+// engine's warm-up gets here before it captures graphs), the device asked on every call.
+bool fa3_runs_here() {
     int dev = 0, major = 0, minor = 0;
     if (cudaGetDevice(&dev) != cudaSuccess ||
         cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
@@ -374,7 +380,16 @@ bool device_is_sm90() {
         cudaGetLastError();
         return false;
     }
-    return major == 9 && minor == 0;
+    if (major != 9 || minor != 0) return false;
+    static const bool built = [] {
+        int v = 0;
+        if (cudaMemcpyFromSymbol(&v, fa3_kernel_built, sizeof v) != cudaSuccess) {
+            cudaGetLastError();
+            return false;
+        }
+        return v == 1;
+    }();
+    return built;
 }
 
 }  // namespace
@@ -386,7 +401,7 @@ int prefill_attention_fa3(void* out, const void* q, const void* k_cache, const v
                           const int32_t* query_start_loc, int64_t T, int64_t B, int64_t Hq,
                           int64_t Hkv, int64_t D, int64_t NB, int64_t BS, int64_t MB, float scale,
                           int64_t sliding_window, float softcap, int dtype, cudaStream_t stream) {
-    if (!device_is_sm90()) return TAPER_CUDA_ERR_ARG;
+    if (!fa3_runs_here()) return TAPER_CUDA_ERR_ARG;
     if (!aligned(q, 16) || !aligned(k_cache, 16) || !aligned(v_cache, 16) || !aligned(out, 4))
         return TAPER_CUDA_ERR_ARG;
     if (MB * BS > INT32_MAX) return TAPER_CUDA_ERR_ARG;

@@ -7,8 +7,10 @@ cp.async writers put element (row, column) of a Q, K or V tile (fa3_tile_offset)
 descriptors it builds (wgmma_desc) and the start offsets of each k16 slice, and which
 accumulator registers it packs into P's A fragments. The hardware's side, from the PTX ISA
 ("Shared Memory Matrix Layout": the canonical layouts as CuTe layouts, the Swizzle<3,4,3> of the
-128-byte mode on byte addresses, the descriptor's bit fields; "Register Fragments": the
-accumulator and A layouts of m64nNk16): what a wgmma reading those descriptors multiplies. The
+128-byte mode on byte addresses, the descriptor's bit fields) and CUTLASS's thread-value layouts
+of the m64nNk16 register fragments (cute/atom/mma_traits_sm90_gmma.hpp: CLayout_64xN for the f32
+accumulators, ALayout_64x16 for a 16-bit A from registers): what a wgmma reading those
+descriptors and registers multiplies. The
 replay multiplies what the hardware would read and compares it with NumPy's Q K^T and P V; the
 controls show that an unswizzled writer, exchanged LBO / SBO, or a mis-packed P all break it.
 """
@@ -111,16 +113,22 @@ def read_mn_major(smem, desc, cols, dt):
     return out
 
 
+# CUTLASS's (thread, value) -> column-major (M = 64) index layouts
+TV_THREADS = ((4, 8, 4), (128, 1, 16))
+
+
 def acc_coord(thread, r):
-    """Accumulator register r of warpgroup thread `thread` (m64nNk16, f32 D)."""
-    warp, lane = divmod(thread, 32)
-    return 16 * warp + lane // 4 + 8 * ((r // 2) % 2), 2 * (lane % 4) + r % 2 + 8 * (r // 4)
+    """(row, column) of accumulator register r of warpgroup thread `thread`: CLayout_64xN =
+    ((4, 8, 4), (2, 2, N / 8)) : ((128, 1, 16), (64, 8, 512))."""
+    idx = layout((TV_THREADS[0], (2, 2, 32)), (TV_THREADS[1], (64, 8, 512)), (thread, r))
+    return idx % 64, idx // 64
 
 
 def a_coord(thread, i, h):
-    """Element h (low, high) of A register i of thread `thread` (m64nNk16, 16-bit A)."""
-    warp, lane = divmod(thread, 32)
-    return 16 * warp + lane // 4 + 8 * (i % 2), 2 * (lane % 4) + h + 8 * (i // 2)
+    """(row, k) of element h (low, high half) of A register i: ALayout_64x16 =
+    ((4, 8, 4), (2, 2, 2)) : ((128, 1, 16), (64, 8, 512)), values 2 i + h."""
+    idx = layout((TV_THREADS[0], (2, 2, 2)), (TV_THREADS[1], (64, 8, 512)), (thread, 2 * i + h))
+    return idx % 64, idx // 64
 
 
 # ---- the replay
@@ -219,3 +227,21 @@ def test_controls_break_the_replay(broken):
     s_ok = np.allclose(s, q.astype(np.float64) @ k.astype(np.float64).T)
     o_ok = np.allclose(o, p @ v.astype(np.float64))
     assert not (s_ok and o_ok), f"{broken}: the replay did not notice"
+
+
+def test_softmax_and_epilogue_indexing_matches_the_accumulator_layout():
+    """The consumer's masks, quad reductions and output stores treat s[4 n + e] / o[4 n + e] of
+    lane (g = lane / 4, c = lane % 4) in warp w as row 16 w + g + 8 (e / 2), column
+    8 n + 2 c + e % 2 (fa2's mma.sync convention): CUTLASS's accumulator layout must agree, and a
+    row's columns must live in one quad (the shuffles over lane ^ 1, lane ^ 2)."""
+    for t in range(128):
+        w, lane = divmod(t, 32)
+        g, c = divmod(lane, 4)
+        for n in range(128 // 8):
+            for e in range(4):
+                assert acc_coord(t, 4 * n + e) == (16 * w + g + 8 * (e // 2), 8 * n + 2 * c + e % 2)
+    rows = {}
+    for t in range(128):
+        for r in range(32):
+            rows.setdefault(acc_coord(t, r)[0], set()).add(t // 4)
+    assert all(len(quads) == 1 for quads in rows.values())
