@@ -102,6 +102,16 @@ PY
     echo "== build (TAPER_CUDA_ARCHS=90a)"
     TAPER_CUDA_ARCHS=90a "$PY" -m pip install --no-build-isolation --no-deps -e . || return 1
     cat build/nvcc-times.txt 2>/dev/null
+    local fa3_obj
+    fa3_obj=$(ls build/temp.*/cuda/attention_prefill_fa3.cu.o 2>/dev/null | head -1)
+    if [ "$SUITE" = tuned ]; then  # TAPER_CUDA_PREFILL=fa3: HGMMA in its SASS, no local memory
+        if [ -n "$fa3_obj" ] && command -v cuobjdump > /dev/null; then
+            echo "== fa3 SASS: $(cuobjdump -sass "$fa3_obj" | grep -c HGMMA) HGMMA," \
+                 "$(cuobjdump -sass "$fa3_obj" | grep -cE '\b(LDL|STL)\b') LDL/STL"
+        else
+            echo "== fa3 SASS: not checked (object '${fa3_obj}' or cuobjdump missing)"
+        fi
+    fi
     "$PY" - <<'PY' || return 1
 import importlib
 need = {"gguf": "gguf", "compressed_tensors": "compressed-tensors", "pydantic": "pydantic",
