@@ -315,8 +315,11 @@ prefill_attention_fa3_kernel(T* __restrict__ out,                          // (T
 #pragma unroll
     for (int n = 0; n < D / 8; n++) {
         const int col = n * 8 + 2 * c;
-        if (ok_a) *(uint32_t*)(oa + col) = pack_pair(o[4 * n] * inv_a, o[4 * n + 1] * inv_a, (T*)nullptr);
-        if (ok_b) *(uint32_t*)(ob + col) = pack_pair(o[4 * n + 2] * inv_b, o[4 * n + 3] * inv_b, (T*)nullptr);
+        if (ok_a)
+            *(uint32_t*)(oa + col) = pack_pair(o[4 * n] * inv_a, o[4 * n + 1] * inv_a, (T*)nullptr);
+        if (ok_b)
+            *(uint32_t*)(ob + col) =
+                pack_pair(o[4 * n + 2] * inv_b, o[4 * n + 3] * inv_b, (T*)nullptr);
     }
 #else
     __trap();  // not an sm_90a build: the launcher never gets here
