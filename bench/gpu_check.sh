@@ -102,6 +102,16 @@ PY
     echo "== build (TAPER_CUDA_ARCHS=90a)"
     TAPER_CUDA_ARCHS=90a "$PY" -m pip install --no-build-isolation --no-deps -e . || return 1
     cat build/nvcc-times.txt 2>/dev/null
+    local fa3_obj
+    fa3_obj=$(ls build/temp.*/cuda/attention_prefill_fa3.cu.o 2>/dev/null | head -1)
+    if [ "$SUITE" = tuned ]; then  # TAPER_CUDA_PREFILL=fa3: HGMMA in its SASS, no local memory
+        if [ -n "$fa3_obj" ] && command -v cuobjdump > /dev/null; then
+            echo "== fa3 SASS: $(cuobjdump -sass "$fa3_obj" | grep -c HGMMA) HGMMA," \
+                 "$(cuobjdump -sass "$fa3_obj" | grep -cE '\b(LDL|STL)\b') LDL/STL"
+        else
+            echo "== fa3 SASS: not checked (object '${fa3_obj}' or cuobjdump missing)"
+        fi
+    fi
     "$PY" - <<'PY' || return 1
 import importlib
 need = {"gguf": "gguf", "compressed_tensors": "compressed-tensors", "pydantic": "pydantic",
@@ -152,13 +162,14 @@ elif [ "$SUITE" = serve ]; then
 elif [ "$SUITE" = tuned ]; then
     # flash-decoding (TAPER_CUDA_SPLIT_K=1), the FP8 GEMV (TAPER_CUDA_FP8_GEMV=1), the radix
     # filter (TAPER_CUDA_RADIX_FILTER=1), the fused sampler (TAPER_CUDA_FUSED_SAMPLING=1), the
-    # FlashAttention-2 prefill (TAPER_CUDA_PREFILL=fa2) and the fused MoE grouped GEMM
-    # (TAPER_CUDA_FUSED_MOE=1): their tests; decode attention over bf16 and FP8 caches with the
-    # rule's split count and forced ones beside it; the filter both ways; the fused sampler beside
-    # the op-by-op path; the quantized GEMMs (fp8-gemv rows beside bf16, fp8-cutlass) at small M;
-    # prefill attention (simple, mma, fa2) at 1x4096, 4x2048 and a 1024-row chunk after 3072
-    # cached tokens; the MoE grouped GEMM against the active experts' bytes
-    GPU_TESTS_CAP=360           # 32k-key decode batches and Llama-3-8B-sized FP8 weights
+    # FlashAttention-2 prefill (TAPER_CUDA_PREFILL=fa2) and its Hopper form (=fa3, the same test
+    # file runs both) and the fused MoE grouped GEMM (TAPER_CUDA_FUSED_MOE=1): their tests;
+    # decode attention over bf16 and FP8 caches with the rule's split count and forced ones beside
+    # it; the filter both ways; the fused sampler beside the op-by-op path; the quantized GEMMs
+    # (fp8-gemv rows beside bf16, fp8-cutlass) at small M; prefill attention (simple, mma, fa2,
+    # fa3) at 1x4096, 4x2048 and a 1024-row chunk after 3072 cached tokens; the MoE grouped GEMM
+    # against the active experts' bytes
+    GPU_TESTS_CAP=420           # 32k-key decode batches and Llama-3-8B-sized FP8 weights
     GPU_TEST_FILES="test_cuda_flash_decode.py test_cuda_fp8_gemv.py test_cuda_radix_filter.py"
     GPU_TEST_FILES="$GPU_TEST_FILES test_cuda_fused_sampling.py test_cuda_prefill_fa2.py"
     GPU_TEST_FILES="$GPU_TEST_FILES test_cuda_moe.py"

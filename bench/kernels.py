@@ -19,7 +19,8 @@ V 128256): the fused element-wise ops at T 1, 64, 4096 tokens; decode attention 
 64 x context 1k, 8k, 32k over a bf16 and an FP8 cache with split-K off and on (the variant names
 the split count pyx/decode_splits.py picks, "split-K x57"; --shape splits=2,8,64 adds rows with
 those counts forced, to compare the rule's pick with the best); prefill attention (the simple
-kernel, and the tensor-core ones of TAPER_CUDA_PREFILL=mma and =fa2; causal, FLOPs over the
+kernel, and the tensor-core ones of TAPER_CUDA_PREFILL=mma, =fa2 and =fa3, fa3 on compute
+capability 9.0 only; causal, FLOPs over the
 triangle) at 1 x 4096 and 8 x 512 tokens; linear at M 1, 16, 64, 4096 for the qkv (6144 x 4096),
 o (4096 x 4096), gate_up (28672 x 4096) and down (4096 x 14336) projections; argmax, Gumbel
 sampling, the top-k/top-p/min-p filter (twice: the bisection kernel, and the radix-select one of
@@ -467,8 +468,10 @@ def cases_prefill(bench, c):
         # QK^T and PV over the causal triangle after the P cached keys (a rectangle)
         flops = 4 * D * Hq * n * (L * P + L * (L + 1) // 2)
         moved = 2 * T * Hq * D * e + 2 * n * (P + L) * Hkv * D * e + n * per_seq * 4
-        for kernel in ("simple", "mma", "fa2"):
+        for kernel in ("simple", "mma", "fa2", "fa3"):
             b = bench.backend(prefill=kernel)
+            if b.prefill_kernel != kernel:  # fa3 off compute capability 9.0 runs fa2: no row
+                continue
             sets = [lambda a=a, b=b: b.paged_attention(*a, 1.0 / np.sqrt(D), 0) for a in inputs]
             chunk = f"{n}x{L}+{P}" if P else f"{n}x{L}"
             yield Case("prefill_attention", f"{chunk} Hq={Hq} Hkv={Hkv} D={D}", kernel, moved,

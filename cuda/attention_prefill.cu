@@ -8,7 +8,9 @@
 // decode(code) * k_scale[kv head] (v_scale). A row whose key range is empty writes zeros.
 //
 // Three kernels (variant 2, FlashAttention-2 style with GQA packing and a cp.async ring, lives
-// in attention_prefill_fa2.cu; the two here stay as its references):
+// in attention_prefill_fa2.cu, and variant 3, its warp-specialized wgmma form for Hopper, in
+// attention_prefill_fa3.cu, falling back to variant 2 off compute capability 9.0; the two here
+// stay as their references):
 // - variant 0, the reference: one warp per (query row, query head). The warp finds its sequence
 //   by a binary search over query_start_loc, then walks its keys one at a time with an online
 //   softmax (running max m, running sum l, output accumulator spread over the lanes). The lanes
@@ -30,6 +32,7 @@
 // to the block table's MB * BS slots and a block id outside [0, NB) reads as missing (variant 0
 // skips the key, variant 1 reads zeros).
 #include "attention_prefill_fa2.cuh"
+#include "attention_prefill_fa3.cuh"
 #include "common.cuh"
 #include "mma.cuh"
 
@@ -468,14 +471,20 @@ extern "C" int taper_cuda_paged_attention_prefill(
         return TAPER_CUDA_ERR_ARG;
     const bool fp8 = cache_dtype == TAPER_DT_FP8;
     if (fp8 ? (!k_scale || !v_scale) : cache_dtype != dtype) return TAPER_CUDA_ERR_ARG;
-    if (variant < 0 || variant > 2) return TAPER_CUDA_ERR_ARG;
+    if (variant < 0 || variant > 3) return TAPER_CUDA_ERR_ARG;
 
     const PrefillArgs a = {out, q, k_cache, v_cache, fp8 ? k_scale : nullptr,
                            fp8 ? v_scale : nullptr, block_tables, seq_lens, query_start_loc,
                            T, B, Hq, Hkv, D, NB, BS, MB, scale, sliding_window, softcap};
     cudaStream_t s = (cudaStream_t)stream;
 
-    if (variant == 2) {  // attention_prefill_fa2.cu: bf16/f16 with a same-type cache
+    if (variant == 3 && !fp8) {  // attention_prefill_fa3.cu: as fa2, on sm_90 only
+        const int r = taper::prefill_attention_fa3(out, q, k_cache, v_cache, block_tables, seq_lens,
+                                                   query_start_loc, T, B, Hq, Hkv, D, NB, BS, MB,
+                                                   scale, sliding_window, softcap, dtype, s);
+        if (r != TAPER_CUDA_ERR_ARG) return r;  // else another arch or shape: fa2 tries
+    }
+    if (variant >= 2) {  // attention_prefill_fa2.cu: bf16/f16 with a same-type cache
         if (fp8) return TAPER_CUDA_ERR_ARG;
         return taper::prefill_attention_fa2(out, q, k_cache, v_cache, block_tables, seq_lens,
                                             query_start_loc, T, B, Hq, Hkv, D, NB, BS, MB, scale,

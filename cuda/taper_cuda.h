@@ -158,7 +158,10 @@ int taper_cuda_paged_attention_decode(void* out,                   // (B, Hq, D)
  * variant 1: flash-style tensor-core (mma.sync m16n8k16) kernel for sm80+, bf16/f16, D in
  * {64, 128}; other inputs return TAPER_CUDA_ERR_ARG (the caller falls back to variant 0).
  * variant 2: FlashAttention-2 style (attention_prefill_fa2.cu: the query heads of one KV head
- * packed into one block, cp.async double-buffered K/V, ldmatrix, mma.sync), same inputs as 1. */
+ * packed into one block, cp.async double-buffered K/V, ldmatrix, mma.sync), same inputs as 1.
+ * variant 3: warp-specialized Hopper form of 2 (attention_prefill_fa3.cu: a producer warpgroup
+ * filling an mbarrier ring, wgmma in the consumer warpgroup), same inputs, on compute capability
+ * 9.0 with the sm_90a build; elsewhere it runs variant 2. */
 
 int taper_cuda_paged_attention_prefill(void* out,                      // (T, Hq, D) dtype
                                        const void* q,                  // (T, Hq, D) dtype

@@ -12,9 +12,10 @@ through cuBLAS (the libcublas CuPy loads, on a handle of our own, so no extra li
 All work is queued on one stream, `backend.stream`, with no synchronization inside an op, so a
 decode step can be captured in a CUDA Graph. Tuned kernels stay behind switches until a GPU
 run has verified them: TAPER_CUDA_SPLIT_K=1 (flash-decoding: split-K decode attention with
-the split count of pyx/decode_splits.py), TAPER_CUDA_PREFILL=mma|fa2 (tensor-core prefill
-attention: the first flash-style kernel, or the FlashAttention-2 one with GQA packing and a
-cp.async ring; TAPER_CUDA_MMA_PREFILL=1 is the older spelling of mma),
+the split count of pyx/decode_splits.py), TAPER_CUDA_PREFILL=mma|fa2|fa3 (tensor-core prefill
+attention: the first flash-style kernel, the FlashAttention-2 one with GQA packing and a
+cp.async ring, or its warp-specialized wgmma form for Hopper, which runs fa2 on other GPUs;
+TAPER_CUDA_MMA_PREFILL=1 is the older spelling of mma),
 TAPER_CUDA_MARLIN_PIPELINE=1 (the pipelined Marlin W4A16 GEMM),
 TAPER_CUDA_FP8_CUTLASS=1 (FP8 block-wise weights through CUTLASS on sm_90a instead of
 dequantized once to bf16), TAPER_CUDA_FP8_GEMV=1 (FP8 block-wise weights kept e4m3, read by
@@ -23,6 +24,7 @@ filter_logits by radix select instead of bisection), TAPER_CUDA_FUSED_SAMPLING=1
 sampler's penalties, argmax, filter and Gumbel draw in one launch, `sample_fused`) and
 TAPER_CUDA_FUSED_MOE=1 (`fused_moe`: MoE blocks take the grouped-GEMM path of cuda/moe.cu instead of one linear per expert).
 """
+import logging
 import math
 import os
 
@@ -148,7 +150,10 @@ def _env_on(name):
 
 # The prefill attention kernels (taper_cuda_paged_attention_prefill's variants); the tensor-core
 # ones take bf16/f16 with a same-type cache and D 64 or 128, other batches the simple one.
-PREFILL_VARIANTS = {"simple": 0, "mma": 1, "fa2": 2}
+PREFILL_VARIANTS = {"simple": 0, "mma": 1, "fa2": 2, "fa3": 3}
+
+
+log = logging.getLogger("taper.cuda")
 
 
 def _prefill_kernel():
@@ -224,6 +229,11 @@ cdef class CudaBackend(Backend):
         self._retired = []
         self.split_k = _env_on("TAPER_CUDA_SPLIT_K")
         self.prefill_kernel = _prefill_kernel()
+        if self.prefill_kernel == "fa3" and self.device.compute_capability != "90":
+            # fa3's wgmma / setmaxnreg exist only in sm_90a code (H100, H200)
+            log.warning("TAPER_CUDA_PREFILL=fa3 needs compute capability 9.0, device %d has %s: "
+                        "running fa2", device, self.device.compute_capability)
+            self.prefill_kernel = "fa2"
         self.mma_prefill = self.prefill_kernel == "mma"
         self.fp8_cutlass = _env_on("TAPER_CUDA_FP8_CUTLASS")
         self.marlin_pipeline = _env_on("TAPER_CUDA_MARLIN_PIPELINE")

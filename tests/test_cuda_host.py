@@ -73,27 +73,29 @@ def test_prefill_kernel_switch(cb, monkeypatch):
     assert cb._prefill_kernel() == "simple"
     monkeypatch.setenv("TAPER_CUDA_MMA_PREFILL", "1")
     assert cb._prefill_kernel() == "mma"
-    for name, variant in [("simple", 0), ("mma", 1), ("fa2", 2)]:
+    for name, variant in [("simple", 0), ("mma", 1), ("fa2", 2), ("fa3", 3)]:
         monkeypatch.setenv("TAPER_CUDA_PREFILL", name)
         assert cb._prefill_kernel() == name and cb.PREFILL_VARIANTS[name] == variant
     monkeypatch.setenv("TAPER_CUDA_PREFILL", "fa9")
     with pytest.raises(ValueError, match=r"TAPER_CUDA_PREFILL must be one of simple, mma, fa2, "
-                                         r"got 'fa9'"):
+                                         r"fa3, got 'fa9'"):
         cb._prefill_kernel()
 
 
 @needs_ext
 def test_prefill_variant_launch_without_device_names_op(cb):
-    """Variant 2 (fa2) passes the launcher's argument checks and reaches the device (absent
-    here), while a variant number the launcher lacks is an argument error."""
+    """Variants 2 (fa2) and 3 (fa3, which falls back to fa2 off compute capability 9.0) pass
+    the launcher's argument checks and reach the device (absent here), while a variant number
+    the launcher lacks is an argument error."""
     if cb.device_count():
         pytest.skip("a GPU is present: tests/gpu covers the launches")
     args = (16, 16, 16, 16, 0, 0, 16, 16, 16, 64, 1, 4, 2, 64, 4, 16, 2, 0.125, 0, 0.0, 1, 1)
-    with pytest.raises(cb.CudaError, match=r"paged_attention \(prefill\)") as e:
-        cb.launch_paged_attention_prefill(*args, 2, 0)
-    assert "status -1" not in str(e.value)
+    for variant in (2, 3):
+        with pytest.raises(cb.CudaError, match=r"paged_attention \(prefill\)") as e:
+            cb.launch_paged_attention_prefill(*args, variant, 0)
+        assert "status -1" not in str(e.value)
     with pytest.raises(cb.CudaError, match="status -1"):
-        cb.launch_paged_attention_prefill(*args, 3, 0)
+        cb.launch_paged_attention_prefill(*args, 4, 0)
 
 
 def _cupy_cublas_importable():

@@ -7,7 +7,10 @@ warp skips, and which it leaves unmasked. `replay` follows those decisions exact
 mathematics in float64 NumPy, and the CPU backend's paged attention (pyx/cpu_kernels.c) is the
 reference. A schedule that dropped a row, skipped a tile some row needs, or left a tile unmasked
 that straddles a row's causal or window edge fails here; the control test shows that leaving every
-tile unmasked does change the answer on these batches.
+tile unmasked does change the answer on these batches. The same schedule runs in the Hopper kernel
+(cuda/attention_prefill_fa3.cu, TAPER_CUDA_PREFILL=fa3) with one difference, replayed with
+warp_skips=False: its four warps issue the warpgroup's wgmmas together, so no warp skips a tile
+(a tile none of a warp's rows attends is masked whole) and an idle warp's rows mask everything.
 """
 from __future__ import annotations
 
@@ -18,7 +21,8 @@ M = N = 64        # packed query rows per block, keys per tile (FA_M, FA_N)
 WARP_ROWS = 16    # rows per warp (one mma M)
 
 
-def replay(q, kc, vc, tables, seq_lens, qsl, scale, window, softcap, mask_all_edges=True):
+def replay(q, kc, vc, tables, seq_lens, qsl, scale, window, softcap, mask_all_edges=True,
+           warp_skips=True):
     """The kernel's output (float64) and how many times each (token, head) row was written."""
     T, Hq, D = q.shape
     NB, BS, Hkv, _ = kc.shape
@@ -44,8 +48,9 @@ def replay(q, kc, vc, tables, seq_lens, qsl, scale, window, softcap, mask_all_ed
             n_kv = (k_hi - k_start) // N + 1 if k_hi >= k_lo else 0
             for w in range(M // WARP_ROWS):
                 w_r0 = r0 + w * WARP_ROWS
-                if w_r0 >= r1:
+                if w_r0 >= r1 and warp_skips:
                     continue
+                active = w_r0 < r1
                 w_r_last = min(w_r0 + WARP_ROWS - 1, r1 - 1)
                 w_p_min, w_p_max = w_r0 // G + pos_off, w_r_last // G + pos_off
                 w_k_min = w_p_min - window + 1 if window else 0
@@ -65,8 +70,8 @@ def replay(q, kc, vc, tables, seq_lens, qsl, scale, window, softcap, mask_all_ed
                 o = np.zeros((WARP_ROWS, D))
                 for it in range(n_kv):
                     kt = k_start + it * N
-                    if kt > w_k_max or kt + N - 1 < w_k_min:
-                        continue  # no row of the warp attends this tile
+                    if warp_skips and (kt > w_k_max or kt + N - 1 < w_k_min):
+                        continue  # no row of the warp attends this tile (fa2)
                     j = kt + np.arange(N)
                     blk = np.full(N, -1)
                     inside = (j >= k_lo) & (j <= k_hi)
@@ -78,7 +83,7 @@ def replay(q, kc, vc, tables, seq_lens, qsl, scale, window, softcap, mask_all_ed
                     s = qr @ kt_rows.T * scale
                     if softcap:
                         s = softcap * np.tanh(s / softcap)
-                    full = kt >= w_all_lo and kt + N - 1 <= w_all_hi
+                    full = active and kt >= w_all_lo and kt + N - 1 <= w_all_hi
                     if mask_all_edges and not full:
                         keep = ok[:, None] & (j[None] >= lo[:, None]) & (j[None] <= hi[:, None])
                         s = np.where(keep, s, -np.inf)
@@ -136,26 +141,28 @@ CASES = [(2, 2, 16, 0, 0.0), (4, 2, 32, 100, 0.0), (6, 2, 24, 37, 3.0), (8, 2, 1
          (8, 2, 16, 100, 0.0), (10, 2, 48, 1, 0.0), (16, 2, 128, 0, 5.0), (32, 1, 16, 37, 0.0)]
 
 
+@pytest.mark.parametrize("kernel", ["fa2", "fa3"])
 @pytest.mark.parametrize("Hq,Hkv,BS,window,softcap", CASES)
-def test_schedule_matches_cpu_attention(Hq, Hkv, BS, window, softcap):
+def test_schedule_matches_cpu_attention(Hq, Hkv, BS, window, softcap, kernel):
     rng = np.random.default_rng(Hq * 100 + BS + window)
     D = 16  # the schedule does not depend on D; small keeps the replay fast
     batch = paged(rng, SEQS, BS, Hq, Hkv, D)
     scale = 1 / np.sqrt(D)
-    got, writes = replay(*batch, scale, window, softcap)
+    got, writes = replay(*batch, scale, window, softcap, warp_skips=kernel == "fa2")
     assert (writes == 1).all(), f"rows written {writes.min()}..{writes.max()} times, not once"
     want = cpu_reference(*batch, scale, window, softcap)
     err = np.abs(got - want).max() / np.abs(want).max()
     assert err < 1e-5, f"schedule replay vs CPU attention: max relative error {err:.3g}"
 
 
+@pytest.mark.parametrize("warp_skips", [True, False])
 @pytest.mark.parametrize("window", [0, 100])
-def test_unmasked_edges_change_the_answer(window):
+def test_unmasked_edges_change_the_answer(window, warp_skips):
     """The control: the replay without the masking of straddling tiles is wrong on the same
     batches, so the test above sees the masking decisions."""
     rng = np.random.default_rng(window)
     batch = paged(rng, SEQS, 16, 8, 2, 16)
     scale = 0.25
-    got, _ = replay(*batch, scale, window, 0.0, mask_all_edges=False)
+    got, _ = replay(*batch, scale, window, 0.0, mask_all_edges=False, warp_skips=warp_skips)
     want = cpu_reference(*batch, scale, window, 0.0)
     assert np.abs(got - want).max() / np.abs(want).max() > 0.1

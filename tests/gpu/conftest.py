@@ -65,8 +65,8 @@ _BACKENDS: dict = {}
 def cuda_backend(dtype: str, **switches):
     """The session's CudaBackend for activation `dtype` ("f32" | "bf16" | "f16") built with the
     given env switches on (split_k=True -> TAPER_CUDA_SPLIT_K=1, mma_prefill=True ->
-    TAPER_CUDA_MMA_PREFILL=1, prefill="fa2" -> TAPER_CUDA_PREFILL=fa2) and every other switch
-    off."""
+    TAPER_CUDA_MMA_PREFILL=1, prefill="fa2" -> TAPER_CUDA_PREFILL=fa2, likewise "fa3") and every
+    other switch off."""
     from pyx.cuda_backend import CudaBackend
 
     env = {"TAPER_CUDA_SPLIT_K": "1" if switches.pop("split_k", False) else "0",

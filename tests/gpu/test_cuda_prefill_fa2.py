@@ -1,5 +1,7 @@
-"""The FlashAttention-2 style prefill kernel (TAPER_CUDA_PREFILL=fa2, issue 12 item 2) against the
-CPU backend's paged attention, and beside the simple CUDA kernel (the default).
+"""The FlashAttention-2 style prefill kernel (TAPER_CUDA_PREFILL=fa2, issue 12 item 2) and its
+warp-specialized Hopper form (TAPER_CUDA_PREFILL=fa3: wgmma, an mbarrier ring; on a GPU other than
+compute capability 9.0 the backend runs fa2 instead), every test for both, against the CPU
+backend's paged attention, and beside the simple CUDA kernel (the default).
 
 Shapes: D 64 and 128; GQA groups 1, 2, 4, 8, an odd group (5: a block's 64 packed rows split a
 token's heads across blocks) and multi-query (32 heads over one KV head); causal prompts of odd
@@ -25,9 +27,18 @@ SEQS = [(300, 300), (500, 77), (129, 1), (64, 64), (1000, 130), (33, 17), (1, 1)
         (257, 3)]
 
 
-def fa2_backend(make_cuda, dt):
-    b = make_cuda(dt, prefill="fa2")
-    assert b.prefill_kernel == "fa2"
+@pytest.fixture(params=["fa2", "fa3"])
+def kernel(request):
+    return request.param
+
+
+def fa2_backend(make_cuda, dt, kernel="fa2"):
+    """The backend under TAPER_CUDA_PREFILL=kernel; fa3 is fa3 on compute capability 9.0 only."""
+    b = make_cuda(dt, prefill=kernel)
+    want = kernel
+    if kernel == "fa3" and b.device.compute_capability != "90":
+        want = "fa2"
+    assert b.prefill_kernel == want
     return b
 
 
@@ -35,75 +46,75 @@ def fa2_backend(make_cuda, dt):
 @pytest.mark.parametrize("group", [1, 2, 4, 5, 8])
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("dt", ["bf16", "f16"])
-def test_fa2_prefill_matches_cpu(make_cuda, cpu, dt, D, group, window, softcap):
-    b = fa2_backend(make_cuda, dt)
+def test_fa2_prefill_matches_cpu(make_cuda, kernel, cpu, dt, D, group, window, softcap):
+    b = fa2_backend(make_cuda, dt, kernel)
     rng = np.random.default_rng(D + 10 * group + window + int(softcap))
     BS = {1: 16, 2: 32, 4: 16, 5: 24, 8: 128}[group]
     p = paged_batch(rng, SEQS, BS, 2 * group, 2, D, dt)
-    check_attention(b, cpu, p, window, softcap, f"fa2 D={D} group={group} BS={BS}")
+    check_attention(b, cpu, p, window, softcap, f"{kernel} D={D} group={group} BS={BS}")
 
 
 @pytest.mark.parametrize("D", [64, 128])
-def test_fa2_prefill_matches_simple_kernel(make_cuda, cpu, D):
+def test_fa2_prefill_matches_simple_kernel(make_cuda, kernel, cpu, D):
     """The same batch through the simple kernel (the default) and fa2: both within the dtype's
     tolerance of the CPU, and of each other."""
     rng = np.random.default_rng(D)
     p = paged_batch(rng, SEQS, 16, 8, 2, D, "bf16")
     simple = cuda_attention(make_cuda("bf16"), p, 0, 0.0)
-    fa2 = cuda_attention(fa2_backend(make_cuda, "bf16"), p, 0, 0.0)
+    fa2 = cuda_attention(fa2_backend(make_cuda, "bf16", kernel), p, 0, 0.0)
     want = cpu_attention(cpu, p, 0, 0.0)
     assert rel_diff(simple, want) < TOL["bf16"]
     assert rel_diff(fa2, want) < TOL["bf16"]
     assert rel_diff(fa2, simple) < TOL["bf16"]
 
 
-def test_fa2_prefill_multi_query(make_cuda, cpu):
+def test_fa2_prefill_multi_query(make_cuda, kernel, cpu):
     """32 query heads over one KV head: a block's 64 packed rows are two tokens."""
-    b = fa2_backend(make_cuda, "bf16")
+    b = fa2_backend(make_cuda, "bf16", kernel)
     rng = np.random.default_rng(32)
     p = paged_batch(rng, [(200, 200), (150, 45), (7, 1)], 16, 32, 1, 128, "bf16")
-    check_attention(b, cpu, p, 0, 0.0, "fa2 MQA")
+    check_attention(b, cpu, p, 0, 0.0, f"{kernel} MQA")
 
 
 @pytest.mark.parametrize("chunk", [False, True])
-def test_fa2_prefill_llama3_8b_shape(make_cuda, cpu, chunk):
+def test_fa2_prefill_llama3_8b_shape(make_cuda, kernel, cpu, chunk):
     """Llama-3-8B's heads (32 over 8, D 128): a 2k prompt, or its 700-token continuation chunk
     whose first 1400 keys come from the paged cache."""
-    b = fa2_backend(make_cuda, "bf16")
+    b = fa2_backend(make_cuda, "bf16", kernel)
     rng = np.random.default_rng(8 + chunk)
     seqs = [(2100, 700)] if chunk else [(2048, 2048)]
     p = paged_batch(rng, seqs, 16, 32, 8, 128, "bf16")
-    check_attention(b, cpu, p, 0, 0.0, f"fa2 Llama-3-8B chunk={chunk}")
+    check_attention(b, cpu, p, 0, 0.0, f"{kernel} Llama-3-8B chunk={chunk}")
 
 
 @pytest.mark.parametrize("D", [64, 128])
-def test_fa2_prefill_nan_in_unused_slots(make_cuda, cpu, D):
+def test_fa2_prefill_nan_in_unused_slots(make_cuda, kernel, cpu, D):
     """NaN in every slot and block the batch does not own (past each context, padded table
     entries): keys outside a row's range must contribute exact zeros, not 0 * NaN."""
-    b = fa2_backend(make_cuda, "bf16")
+    b = fa2_backend(make_cuda, "bf16", kernel)
     rng = np.random.default_rng(D + 1)
     p = paged_batch(rng, SEQS, 16, 8, 2, D, "bf16", garbage="nan")
-    check_attention(b, cpu, p, 0, 0.0, f"fa2 NaN garbage D={D}")
-    check_attention(b, cpu, p, 50, 0.0, f"fa2 NaN garbage D={D}")
+    check_attention(b, cpu, p, 0, 0.0, f"{kernel} NaN garbage D={D}")
+    check_attention(b, cpu, p, 50, 0.0, f"{kernel} NaN garbage D={D}")
 
 
 @pytest.mark.parametrize("case", ["fp8", "D96", "f32"])
-def test_fa2_switch_falls_back_for_other_batches(make_cuda, cpu, case):
+def test_fa2_switch_falls_back_for_other_batches(make_cuda, kernel, cpu, case):
     """With the switch on, batches fa2 lacks still give the right answer (the simple kernel)."""
     dt = "f32" if case == "f32" else "bf16"
-    b = fa2_backend(make_cuda, dt)
+    b = fa2_backend(make_cuda, dt, kernel)
     rng = np.random.default_rng(len(case))
     D = 96 if case == "D96" else 64
     p = paged_batch(rng, SEQS, 16, 4, 2, D, dt, fp8=case == "fp8")
-    check_attention(b, cpu, p, 0, 0.0, f"fa2 switch, {case}")
+    check_attention(b, cpu, p, 0, 0.0, f"{kernel} switch, {case}")
 
 
 @pytest.mark.parametrize("case", ["llama", "mistral_window16"])
-def test_fa2_engine_greedy_matches_cpu(checkpoints, monkeypatch, case):  # noqa: F811
+def test_fa2_engine_greedy_matches_cpu(checkpoints, monkeypatch, case, kernel):  # noqa: F811
     """test_cuda_model's greedy comparison (chunked prefill mixed with decodes, a round that hits
     the prefix cache; tiny-256 llama with GQA 4:2, mistral with a window of 16) with the engine's
-    CUDA backend built under TAPER_CUDA_PREFILL=fa2."""
-    monkeypatch.setenv("TAPER_CUDA_PREFILL", "fa2")
+    CUDA backend built under TAPER_CUDA_PREFILL=fa2 or fa3."""
+    monkeypatch.setenv("TAPER_CUDA_PREFILL", kernel)
     made = []
 
     def make_llm(path, backend, **config):
@@ -114,4 +125,6 @@ def test_fa2_engine_greedy_matches_cpu(checkpoints, monkeypatch, case):  # noqa:
     monkeypatch.setattr(model_tests, "make_llm", make_llm)
     model_tests.test_greedy_matches_cpu(checkpoints, case)
     kernels = [getattr(llm.engine.backend, "prefill_kernel", "cpu") for llm in made]
-    assert sorted(kernels) == ["cpu", "fa2"], kernels
+    import cupy
+    want = kernel if cupy.cuda.Device(0).compute_capability == "90" else "fa2"
+    assert sorted(kernels) == ["cpu", want], kernels
