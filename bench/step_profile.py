@@ -17,7 +17,8 @@ a 1B model's is on a GPU.
 
 The profile runs the engine synchronously (it must separate the phases). A second table then
 times the same runs without it, with async scheduling (LLMEngine.step) off and on: the median
-wall time of a decode step and the output tokens per second.
+wall time of a decode step and the output tokens per second (medians over --repeat runs,
+alternating off and on).
 """
 from __future__ import annotations
 
@@ -100,6 +101,8 @@ def main(argv=None):
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--gen-len", type=int, default=128)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="timed runs per concurrency and setting (medians are printed)")
     args = ap.parse_args(argv)
 
     from engine.config import EngineConfig
@@ -134,9 +137,13 @@ def main(argv=None):
     print("\n| concurrency | async scheduling | decode step (ms, median) | output tok/s |\n"
           "|---:|---|---:|---:|")
     for c in args.concurrency:
+        runs = {False: [], True: []}
+        for _ in range(args.repeat):       # alternated, so a change in load hits both alike
+            for on in (False, True):
+                runs[on].append(timed_run(engine, c, args.prompt_len, args.gen_len, seed=c,
+                                          async_scheduling=on))
         for on in (False, True):
-            step_ms, tok_s = timed_run(engine, c, args.prompt_len, args.gen_len, seed=c,
-                                       async_scheduling=on)
+            step_ms, tok_s = np.median(np.array(runs[on]), axis=0)
             print(f"| {c} | {'on' if on else 'off'} | {step_ms:.2f} | {tok_s:.0f} |", flush=True)
 
 
