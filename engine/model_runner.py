@@ -69,7 +69,8 @@ class ModelRunner:
                 seq.token_ids[a:a + k] for seq, a, k in zip(seqs, starts.tolist(), num_new_tokens)),
                 np.int32, total)
         width = max(len(seq.block_table) for seq in seqs)
-        block_tables = self.block_tables.table[self.block_tables.rows_for(seqs), :width]
+        rows = self.block_tables.rows_for(seqs)    # may grow the table: index it after
+        block_tables = self.block_tables.table[rows, :width]
         slot_mapping = block_tables[seq_of_row, positions // bs] * bs + positions % bs
         sampled = np.fromiter((s and seq.pooler is None for seq, s in zip(seqs, sched.sample)),
                               bool, B)

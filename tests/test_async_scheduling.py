@@ -276,6 +276,7 @@ def test_prepare_matches_the_sequences(model_dir, prompts):
     llm = LLM(model_dir, block_size=8, prefill_chunk_size=16, max_num_batched_tokens=40,
               async_scheduling=False)
     engine = llm.engine
+    engine.runner.block_tables = BlockTables(num_rows=2, width=1)   # it must grow, twice
     for i, p in enumerate(prompts[:4]):
         engine.add_request(str(i), p, GREEDY)
     checked = 0
