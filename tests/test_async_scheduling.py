@@ -220,26 +220,28 @@ def test_the_forward_releases_the_gil(model_dir):
     big = rng.integers(0, 10**9, 2_000_000).tolist()
 
     def progress_during(fn) -> float:
-        """Python loop iterations per ms on this thread while fn runs on another."""
-        started = threading.Event()
+        """Python loop iterations per ms this thread makes while fn runs on another (the worker
+        reads the counter and the clock right before and after the call; at most a switch
+        interval or two around the call can count without the GIL being released)."""
+        counter, seen = [0], []
 
         def worker():
-            started.set()
+            before, t0 = counter[0], time.perf_counter()
             fn()
+            seen.append((counter[0] - before) / (1e3 * (time.perf_counter() - t0)))
         t = threading.Thread(target=worker)
-        count, t0 = 0, time.perf_counter()
         t.start()
-        started.wait()
         while t.is_alive():
-            count += 1
-        return count / (1e3 * (time.perf_counter() - t0))
+            counter[0] += 1
+        t.join()
+        return seen[0]
 
     def forward():
         for _ in range(8):
             backend.linear(x, w, None, out)
     held = progress_during(lambda: sorted(big))
     free = progress_during(forward)
-    assert free > 20 * max(held, 1.0), (free, held)
+    assert free > 10 * held, (free, held)
 
 
 class FakeSeq:
