@@ -105,10 +105,12 @@ class LLMEngine:
         self.num_generation_tokens = 0
         self._structured: StructuredOutputs | None = None    # built on first use
         self._structured_lock = threading.Lock()
-        # Async scheduling: a step runs on this thread while the next is prepared (step()).
-        self._forward_thread: ThreadPoolExecutor | None = None
+        # Every step's forward and sampling run on this one thread, overlapped or not (OpenMP
+        # keeps a thread pool per thread that starts parallel regions, CuPy a current device
+        # and stream per thread). Async scheduling: it runs step N+1 while step() finishes N.
+        self._forward_thread = ThreadPoolExecutor(1, thread_name_prefix="taper-forward")
         self._inflight: tuple | None = None       # (SchedulerOutput, Future) of that step
-        self.async_scheduling = config.async_scheduling
+        self.async_scheduling = config.async_scheduling   # may be switched between steps
         log.info("KV cache: %d blocks of %d tokens; max model length %d", num_blocks,
                  config.block_size, self.max_model_len)
         if on_gpu:
@@ -336,6 +338,7 @@ class LLMEngine:
         model computes. A sequence finished by a stop string during that time was already in the
         launched step: its row is computed and dropped. Beam search steps run synchronously (a
         beam's fork copies KV blocks, which must not happen under a running forward)."""
+        self.backend.bind_thread()   # CUDA: block copies and pooled rows on this thread too
         outputs, pending = [], []
         if self._inflight is not None:
             sched, future = self._inflight
@@ -353,27 +356,14 @@ class LLMEngine:
                                                                      batch))
             else:
                 outputs += [self._append(*p) for p in pending]  # before their sequences move on
-                more, pending = self._commit(sched, self._run_step(sched, batch))
+                result = self._forward_thread.submit(self._run_step, sched, batch).result()
+                more, pending = self._commit(sched, result)
                 outputs += more
         return outputs + [self._append(*p) for p in pending]
 
     def _can_overlap(self, sched) -> bool:
-        return (self._forward_thread is not None
+        return (self.async_scheduling
                 and not any(seq.request_id in self.beams for seq in sched.seqs))
-
-    @property
-    def async_scheduling(self) -> bool:
-        return self._forward_thread is not None
-
-    @async_scheduling.setter
-    def async_scheduling(self, on: bool):
-        """Switch overlap on or off between steps (a step in flight is committed by the next
-        call either way)."""
-        if on and self._forward_thread is None:
-            self._forward_thread = ThreadPoolExecutor(1, thread_name_prefix="taper-forward")
-        elif not on and self._forward_thread is not None:
-            self._forward_thread.shutdown(wait=True)   # a step in flight keeps its result
-            self._forward_thread = None
 
     def _prepare(self, sched):
         try:
