@@ -14,6 +14,11 @@ work (the next step prepared while this one runs) could hide.
 The default checkpoint is the server's demo model (4 layers, hidden 256, a real tokenizer, so
 detokenization is part of the outputs phase): a small model makes the host's share large, as
 a 1B model's is on a GPU.
+
+The profile runs the engine synchronously (it must separate the phases). A second table then
+times the same runs without it, with async scheduling (LLMEngine.step) off and on: the median
+wall time of a decode step and the output tokens per second (medians over --repeat runs,
+alternating off and on).
 """
 from __future__ import annotations
 
@@ -44,6 +49,42 @@ def profile_run(engine, concurrency: int, prompt_len: int, gen_len: int, seed: i
     return profile, wall
 
 
+def timed_run(engine, concurrency: int, prompt_len: int, gen_len: int, seed: int,
+              async_scheduling: bool) -> tuple[float, float]:
+    """(median ms of a step() call that scheduled decodes only, output tok/s) without the
+    profile. With async scheduling a step() call commits the previous step and launches this
+    one, so in steady state it lasts one forward period, as a synchronous step does."""
+    from engine.sampling_params import SamplingParams
+    engine.async_scheduling = async_scheduling
+    rng = np.random.default_rng(seed)
+    vocab = engine.model_config.vocab_size
+    params = SamplingParams(temperature=0.0, max_tokens=gen_len, ignore_eos=True)
+    for i in range(concurrency):
+        engine.add_request(f"timed-{seed}-{async_scheduling}-{i}",
+                           rng.integers(0, vocab, prompt_len).tolist(), params)
+    schedule = engine.scheduler.schedule
+    decode_only = []
+
+    def recording_schedule():
+        out = schedule()
+        decode_only.append(out.num_seqs > 0 and out.num_decodes == out.num_seqs)
+        return out
+    engine.scheduler.schedule = recording_schedule
+    step_ms, done = [], 0
+    start = time.perf_counter()
+    try:
+        while engine.has_unfinished():
+            t0, n = time.perf_counter(), len(decode_only)
+            done += sum(o.finished for o in engine.step())
+            if len(decode_only) > n and decode_only[-1]:
+                step_ms.append(1e3 * (time.perf_counter() - t0))
+    finally:
+        del engine.scheduler.schedule
+    wall = time.perf_counter() - start
+    assert done == concurrency, f"{done} of {concurrency} requests finished"
+    return float(np.median(step_ms)), concurrency * gen_len / wall
+
+
 def table_row(label: str, s: dict) -> str:
     if not s.get("steps"):
         return f"| {label} | 0 | | | | | | | | | |"
@@ -60,6 +101,8 @@ def main(argv=None):
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--gen-len", type=int, default=128)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="timed runs per concurrency and setting (medians are printed)")
     args = ap.parse_args(argv)
 
     from engine.config import EngineConfig
@@ -91,6 +134,17 @@ def main(argv=None):
         print(f"concurrency {c}: {out_tok_s:.0f} output tok/s over {wall:.1f} s", flush=True)
     print(header)
     print("\n".join(rows))
+    print("\n| concurrency | async scheduling | decode step (ms, median) | output tok/s |\n"
+          "|---:|---|---:|---:|")
+    for c in args.concurrency:
+        runs = {False: [], True: []}
+        for _ in range(args.repeat):       # alternated, so a change in load hits both alike
+            for on in (False, True):
+                runs[on].append(timed_run(engine, c, args.prompt_len, args.gen_len, seed=c,
+                                          async_scheduling=on))
+        for on in (False, True):
+            step_ms, tok_s = np.median(np.array(runs[on]), axis=0)
+            print(f"| {c} | {'on' if on else 'off'} | {step_ms:.2f} | {tok_s:.0f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ import os
 import random
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 from threadpoolctl import threadpool_limits
@@ -104,6 +105,12 @@ class LLMEngine:
         self.num_generation_tokens = 0
         self._structured: StructuredOutputs | None = None    # built on first use
         self._structured_lock = threading.Lock()
+        # Every step's forward and sampling run on this one thread, overlapped or not (OpenMP
+        # keeps a thread pool per thread that starts parallel regions, CuPy a current device
+        # and stream per thread). Async scheduling: it runs step N+1 while step() finishes N.
+        self._forward_thread = ThreadPoolExecutor(1, thread_name_prefix="taper-forward")
+        self._inflight: tuple | None = None       # (SchedulerOutput, Future) of that step
+        self.async_scheduling = config.async_scheduling   # may be switched between steps
         log.info("KV cache: %d blocks of %d tokens; max model length %d", num_blocks,
                  config.block_size, self.max_model_len)
         if on_gpu:
@@ -322,12 +329,58 @@ class LLMEngine:
     # ---- one step
 
     def step(self) -> list[RequestOutput]:
+        """Schedule, run and sample one batch; returns the outputs of the tokens sampled.
+
+        With async scheduling the batch runs on the forward thread and its outputs come from the
+        next call: each call first commits the step in flight (its tokens appended, token-level
+        stops applied, KV blocks of finished sequences freed), schedules and launches the next
+        step, and only then detokenizes and builds the outputs of the committed one, while the
+        model computes. A sequence finished by a stop string during that time was already in the
+        launched step: its row is computed and dropped. Beam search steps run synchronously (a
+        beam's fork copies KV blocks, which must not happen under a running forward)."""
+        self.backend.bind_thread()   # CUDA: block copies and pooled rows on this thread too
+        outputs, pending = [], []
+        if self._inflight is not None:
+            sched, future = self._inflight
+            self._inflight = None
+            outputs, pending = self._commit(sched, future.result())
+        if not self.scheduler.has_unfinished():    # that commit finished everything
+            return outputs + [self._append(*p) for p in pending]
         sched = self.scheduler.schedule()
-        if not sched.seqs:
-            return []
+        if sched.seqs:
+            # The batch arrays are built here, before the outputs below may finish sequences
+            # (and free their block tables) while the forward thread runs.
+            batch = self._prepare(sched)
+            if self._can_overlap(sched) and not isinstance(batch, Exception):
+                self._inflight = (sched, self._forward_thread.submit(self._run_step, sched,
+                                                                     batch))
+            else:
+                outputs += [self._append(*p) for p in pending]  # before their sequences move on
+                result = self._forward_thread.submit(self._run_step, sched, batch).result()
+                more, pending = self._commit(sched, result)
+                outputs += more
+        return outputs + [self._append(*p) for p in pending]
+
+    def _can_overlap(self, sched) -> bool:
+        return (self.async_scheduling
+                and not any(seq.request_id in self.beams for seq in sched.seqs))
+
+    def _prepare(self, sched):
+        try:
+            return self.runner.prepare(sched)
+        except Exception as e:
+            log.exception("preparing a step failed")
+            return e
+
+    def _run_step(self, sched, batch):
+        """The device part of a step (on the forward thread with async scheduling): the forward,
+        beam-search rows, the grammar masks, sampling and prompt logprobs. Returns (sampled
+        sequences, tokens, logprobs, beam requests ready, pooled rows), or the exception."""
+        if isinstance(batch, Exception):
+            return batch
         self.backend.bind_thread()   # CUDA: this thread's current device and stream
         try:
-            logits, pooled = self.runner.execute(sched)
+            logits, pooled = self.runner.execute(sched, batch)
             sampled = [seq for seq, last in zip(sched.seqs, sched.sample)
                        if last and seq.pooler is None]
             S = len(sampled)
@@ -342,19 +395,54 @@ class LLMEngine:
                 sampled, self.eos_token_ids, self.config.logprobs_mode,
                 token_bitmask=mask) if sampled else ([], [])
             self._record_prompt_logprobs(sched, logits[S:])
+            return sampled, tokens, logprobs, beams_ready, pooled
         except Exception as e:  # fail this step's requests, keep serving the others
             log.exception("step failed; finishing its %d requests with an error", len(sched.seqs))
-            return [out for seq in sched.seqs for out in self._finish_with_error(seq, e)]
+            return e
+
+    def _commit(self, sched, result) -> tuple[list[RequestOutput], list[tuple]]:
+        """Apply a step's results to the engine's state before the next schedule: computed
+        tokens, sampled tokens appended (and fed to their grammars), token-level stops (stop
+        token ids, EOS, length) finishing their sequences so their blocks are free, forks
+        released, beams advanced, embeddings pooled. Sequences finished or aborted while the
+        step ran are dropped. Returns the outputs ready now, and (seq, token, logprobs, finish
+        reason) per sampled token for _append."""
+        if isinstance(result, Exception):
+            return [out for seq in sched.seqs if not seq.is_finished
+                    for out in self._finish_with_error(seq, result)], []
+        sampled, tokens, logprobs, beams_ready, pooled = result
         self.scheduler.update(sched)
-        outputs = []
+        outputs, pending = [], []
         for seq, token, lp in zip(sampled, tokens, logprobs):
-            if StructuredOutputs.advance(seq, int(token)):
-                outputs.append(self._append(seq, int(token), lp))
-            else:      # the mask allowed it: a matcher and mask that disagree are a bug
+            token = int(token)
+            if seq.is_finished:
+                continue
+            if not StructuredOutputs.advance(seq, token):
+                # the mask allowed it: a matcher and mask that disagree are a bug
                 outputs += self._finish_with_error(seq, RuntimeError(
                     f"token {token} is outside the request's grammar"))
+                continue
+            seq.append_token(token)
+            self.num_generation_tokens += 1
+            if seq.num_output_tokens == 1 and seq.index == 0:  # the choices share one prompt
+                self.num_prompt_tokens += seq.num_prompt_tokens
+                self._release_forks(seq.request_id)
+            reason = self._token_finish_reason(seq, token)
+            if reason is not None:
+                self.scheduler.finish(seq, reason)
+            pending.append((seq, token, lp, reason))
         return (outputs + self.beams.advance(beams_ready)
-                + [out for out in map(self._pool, pooled) if out is not None])
+                + [out for out in map(self._pool, pooled) if out is not None]), pending
+
+    def _token_finish_reason(self, seq: Sequence, token: int) -> str | None:
+        params = seq.sampling_params
+        if token in params.stop_token_ids:
+            return "stop"
+        if token in self.eos_token_ids and not params.ignore_eos:
+            return "stop"
+        if seq.num_output_tokens == params.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
 
     def _record_prompt_logprobs(self, sched, logits):
         """Prompt logprobs of this step's rows (runner.execute put them after the sampled rows),
@@ -411,14 +499,11 @@ class LLMEngine:
                               num_output_tokens=s.num_output_tokens, index=s.index)
                 for s in failed]
 
-    def _append(self, seq: Sequence, token: int, logprob: TokenLogprobs | None = None
-                ) -> RequestOutput:
-        seq.append_token(token)
-        self.num_generation_tokens += 1
+    def _append(self, seq: Sequence, token: int, logprob: TokenLogprobs | None = None,
+                token_reason: str | None = None) -> RequestOutput:
+        """The output of a token _commit appended: its text (a stop string in it finishes the
+        sequence, and wins over token_reason, the stop _commit found), logprobs, finish."""
         first = seq.num_output_tokens == 1
-        if first and seq.index == 0:     # the choices of a request share one prompt
-            self.num_prompt_tokens += seq.num_prompt_tokens
-            self._release_forks(seq.request_id)
         params = seq.sampling_params
         text_delta, stop_string = "", None
         detok = self.detokenizers.get(seq.seq_id)
@@ -436,18 +521,15 @@ class LLMEngine:
                 seq.pending_logprobs.append((logprob, end))
         elif logprob is not None:
             seq.pending_logprobs.append((logprob, 0))
-        reason = stop_reason = None
+        reason, stop_reason = token_reason, None
         if stop_string is not None:
             reason, stop_reason = "stop", stop_string
-        elif token in params.stop_token_ids:
-            reason, stop_reason = "stop", token
-        elif token in self.eos_token_ids and not params.ignore_eos:
-            reason = "stop"
-        elif seq.num_output_tokens == params.max_tokens or seq.num_tokens >= self.max_model_len:
-            reason = "length"
+        elif token_reason == "stop" and token in params.stop_token_ids:
+            stop_reason = token
         finished = reason is not None
         if finished:
             self._finish(seq, reason)
+            seq.finish_reason = reason
             if detok is not None:
                 text_delta += detok.flush() if stop_string is None else ""
         # The whole output is filled in once, at the end (copying it every token is quadratic).
@@ -481,3 +563,4 @@ def _released_logprobs(seq: Sequence, detok, finished: bool, stopped_by_string: 
         n = len(pending)
     seq.pending_logprobs = pending[n:]
     return out
+

@@ -1,9 +1,12 @@
 """Turns a scheduler step into the flat batch arrays and runs one forward call for all of it."""
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 
 from engine.forward_batch import ForwardBatch
+from engine.input_buffers import BlockTables
 from engine.scheduler import SchedulerOutput
 
 
@@ -25,6 +28,7 @@ class ModelRunner:
         xp = backend.xp
         self.kv_caches = [(xp.zeros(shape, dtype), xp.zeros(shape, dtype))
                           for _ in range(model_config.num_hidden_layers)]
+        self.block_tables = BlockTables()   # persistent: updated with each step's new blocks
         self.graph_runner = None      # a CudaGraphRunner once decode graphs are captured
         self.num_forward_calls = 0    # counted for tests and metrics
         self.num_forward_tokens = 0
@@ -41,36 +45,45 @@ class ModelRunner:
         """Each sequence computes tokens [num_computed, num_computed + n); the scheduler marks
         those that reach their last token, whose last row is sampled. logits_indices: the
         sampled rows in sequence order, then the rows of prompt positions whose logprobs a
-        request asked for (Sequence.prompt_logprob_positions), in sequence order."""
+        request asked for (Sequence.prompt_logprob_positions), in sequence order.
+
+        One pass over the sequences for their scalars, array arithmetic for the per-token
+        arrays, and the persistent block tables (engine/input_buffers.py) for the tables."""
         seqs, num_new_tokens = sched.seqs, sched.num_new_tokens
-        bs = self.block_size
-        total = sum(num_new_tokens)
-        token_ids = np.empty(total, np.int32)
-        positions = np.empty(total, np.int32)
-        slot_mapping = np.empty(total, np.int32)
-        query_start_loc = np.zeros(len(seqs) + 1, np.int32)
-        seq_lens = np.empty(len(seqs), np.int32)
-        max_blocks = max(len(seq.block_table) for seq in seqs)
-        block_tables = np.zeros((len(seqs), max_blocks), np.int32)
-        logits_indices, prompt_rows = [], []
-        row = 0
-        for i, (seq, n, sample) in enumerate(zip(seqs, num_new_tokens, sched.sample)):
-            start = seq.num_computed_tokens
-            pos = np.arange(start, start + n, dtype=np.int32)
-            table = np.asarray(seq.block_table, np.int32)
-            token_ids[row:row + n] = seq.token_ids[start:start + n]
-            positions[row:row + n] = pos
-            slot_mapping[row:row + n] = table[pos // bs] * bs + pos % bs
-            block_tables[i, :len(table)] = table
-            seq_lens[i] = start + n
-            for p in seq.prompt_logprob_positions(n):
-                prompt_rows.append(row + p - start)
-            row += n
-            query_start_loc[i + 1] = row
-            if sample and seq.pooler is None:
-                logits_indices.append(row - 1)
-        return ForwardBatch(token_ids, positions, slot_mapping, query_start_loc, seq_lens,
-                            block_tables, np.asarray(logits_indices + prompt_rows, np.int32))
+        B, bs = len(seqs), self.block_size
+        n = np.array(num_new_tokens, np.int32)
+        starts = np.fromiter((seq.num_computed_tokens for seq in seqs), np.int32, B)
+        query_start_loc = np.zeros(B + 1, np.int32)
+        np.cumsum(n, out=query_start_loc[1:])
+        total = int(query_start_loc[-1])
+        if total == B:      # one token each: the usual decode step
+            seq_of_row = np.arange(B)
+            positions = starts.copy()
+            token_ids = np.fromiter((seq.token_ids[p] for seq, p in zip(seqs, starts.tolist())),
+                                    np.int32, B)
+        else:
+            seq_of_row = np.repeat(np.arange(B), n)
+            positions = (np.arange(total, dtype=np.int32) - query_start_loc[seq_of_row]
+                         + starts[seq_of_row])
+            token_ids = np.fromiter(itertools.chain.from_iterable(
+                seq.token_ids[a:a + k] for seq, a, k in zip(seqs, starts.tolist(), num_new_tokens)),
+                np.int32, total)
+        width = max(len(seq.block_table) for seq in seqs)
+        rows = self.block_tables.rows_for(seqs)    # may grow the table: index it after
+        block_tables = self.block_tables.table[rows, :width]
+        slot_mapping = block_tables[seq_of_row, positions // bs] * bs + positions % bs
+        sampled = np.fromiter((s and seq.pooler is None for seq, s in zip(seqs, sched.sample)),
+                              bool, B)
+        logits_indices = query_start_loc[1:][sampled] - 1
+        prompt_rows = [int(query_start_loc[i]) + p - seq.num_computed_tokens
+                       for i, (seq, k) in enumerate(zip(seqs, num_new_tokens))
+                       if seq.prompt_logprobs is not None
+                       for p in seq.prompt_logprob_positions(k)]
+        if prompt_rows:
+            logits_indices = np.concatenate([logits_indices, np.array(prompt_rows, np.int32)])
+        return ForwardBatch(token_ids, positions, slot_mapping.astype(np.int32, copy=False),
+                            query_start_loc, starts + n, block_tables,
+                            logits_indices.astype(np.int32, copy=False))
 
     def copy_blocks(self, pairs: list[tuple[int, int]]):
         """KV block src -> dst in every layer (a beam's fork of a partly filled block)."""
@@ -94,13 +107,14 @@ class ModelRunner:
             row += n
         return out
 
-    def execute(self, sched: SchedulerOutput):
+    def execute(self, sched: SchedulerOutput, batch: ForwardBatch | None = None):
         """One forward call; returns the logits (S + P, V) of the S sequences that sample this
         step, then of the P prompt-logprob rows (on the backend's device), and for each
         embedding request in the step (seq, chunk start, its pooled rows' final-norm hidden
         states as float32 on the host). Pure decode steps replay a captured CUDA graph when one
-        fits."""
-        batch = self.prepare(sched)
+        fits. batch: this step's arrays when the caller prepared them already."""
+        if batch is None:
+            batch = self.prepare(sched)
         pooled = self.pooled_rows(sched)
         self.num_forward_calls += 1
         self.num_forward_tokens += batch.num_tokens

@@ -197,10 +197,10 @@ def penalty_entries(seqs: list, eos_token_ids: set[int], V: int):
             mask_c += stops
         if p.repetition_penalty != 1.0 and seq.num_tokens:
             rep_rows.append(b)
-            rep_ids.append(np.asarray(seq.token_ids, dtype=np.int64))
+            rep_ids.append(token_counts(seq, prompt=True).below(V)[0])
         if (p.presence_penalty != 0.0 or p.frequency_penalty != 0.0) and seq.num_output_tokens:
             pf_rows.append(b)
-            pf_ids.append(np.asarray(seq.output_token_ids, dtype=np.int64))
+            pf_ids.append(token_counts(seq, prompt=False).below(V))
     if not (bias_r or mask_r or rep_rows or pf_rows):
         return None
 
@@ -212,10 +212,11 @@ def penalty_entries(seqs: list, eos_token_ids: set[int], V: int):
         mask_keys = np.array(mask_r, dtype=np.int64) * V + np.array(mask_c, dtype=np.int64)
         parts.append(mask_keys)
     if rep_rows:
-        rep_keys, _ = _unique_pairs(rep_rows, rep_ids, V)
+        rep_keys = _row_keys(rep_rows, rep_ids, V)
         parts.append(rep_keys)
     if pf_rows:
-        pf_keys, pf_counts = _unique_pairs(pf_rows, pf_ids, V)
+        pf_keys = _row_keys(pf_rows, [ids for ids, _ in pf_ids], V)
+        pf_counts = np.concatenate([counts for _, counts in pf_ids])
         parts.append(pf_keys)
     if len(parts) == 1 and (rep_rows or pf_rows):
         keys = parts[0]                 # already sorted and distinct
@@ -248,14 +249,56 @@ def _sorted_unique(a: np.ndarray) -> np.ndarray:
     return a[np.concatenate(([True], a[1:] != a[:-1]))] if a.size else a
 
 
-def _unique_pairs(rows: list[int], ids: list[np.ndarray], V: int):
-    """Distinct (row, token id) pairs over all rows as keys row * V + id (sorted), with
-    occurrence counts."""
+def _row_keys(rows: list[int], ids: list[np.ndarray], V: int) -> np.ndarray:
+    """Keys row * V + id over the rows (ascending) of each row's sorted distinct ids: sorted."""
     lens = [len(a) for a in ids]
-    r = np.repeat(np.array(rows, dtype=np.int64), lens)
-    c = np.concatenate(ids)
-    keep = (c >= 0) & (c < V)
-    return np.unique(r[keep] * V + c[keep], return_counts=True)
+    return np.repeat(np.array(rows, dtype=np.int64), lens) * V + np.concatenate(ids)
+
+
+class TokenCounts:
+    """A sequence's distinct token ids (sorted) and their counts, over its prompt and output or
+    its output alone, brought up to date with the tokens appended since the last step: the
+    penalties cost the new tokens per step, not the whole history."""
+    __slots__ = ("seen", "ids", "counts")
+
+    def __init__(self, start: int):
+        self.seen = start                 # token_ids[:seen] are counted (from start)
+        self.ids = np.empty(0, np.int64)
+        self.counts = np.empty(0, np.int64)
+
+    def update(self, token_ids: list[int]) -> "TokenCounts":
+        new = token_ids[self.seen:]
+        self.seen = len(token_ids)
+        if len(new) == 1:                 # a decode step: one insertion into the sorted ids
+            t = new[0]
+            i = int(np.searchsorted(self.ids, t))
+            if i < self.ids.size and self.ids[i] == t:
+                self.counts[i] += 1
+            else:
+                self.ids = np.insert(self.ids, i, t)
+                self.counts = np.insert(self.counts, i, 1)
+        elif new:
+            ids, counts = np.unique(np.asarray(new, np.int64), return_counts=True)
+            ids = np.concatenate([self.ids, ids])
+            counts = np.concatenate([self.counts, counts])
+            order = np.argsort(ids, kind="stable")     # two sorted runs: a linear merge
+            ids, counts = ids[order], counts[order]
+            first = np.flatnonzero(np.concatenate(([True], ids[1:] != ids[:-1])))
+            self.ids, self.counts = ids[first], np.add.reduceat(counts, first)
+        return self
+
+    def below(self, V: int) -> tuple[np.ndarray, np.ndarray]:
+        """(ids, counts) of the ids < V (ids past the model's vocabulary cannot be sampled)."""
+        n = int(np.searchsorted(self.ids, V))
+        return self.ids[:n], self.counts[:n]
+
+
+def token_counts(seq, prompt: bool) -> TokenCounts:
+    """The sequence's TokenCounts over prompt + output (prompt=True) or its output, updated."""
+    counts = seq.token_counts
+    if counts is None:
+        counts = seq.token_counts = (TokenCounts(0), TokenCounts(seq.num_prompt_tokens))
+    return counts[0 if prompt else 1].update(seq.token_ids)
 
 
 def apply_penalties(logits: np.ndarray, seqs: list, eos_token_ids: set[int]) -> np.ndarray:

@@ -50,6 +50,7 @@ class Sequence:
         self.beam_row = None            # beam search: next-token logprobs awaiting the others
         self.pooler = None              # an embedding request's Pooler: pool, never sample
         self.grammar = None             # structured outputs: engine.structured_outputs.GrammarState
+        self.token_counts = None        # the sampler's penalty counts (engine/sampler.py)
         # The request's seed, else the engine's draw for it, else a random one.
         seed = self.sampling_params.seed
         if seed is None:

@@ -10,7 +10,8 @@ profile costs nothing when it is not attached.
 On a GPU the forward call only enqueues kernels; the profile synchronizes after it so that
 `forward` is the device's time and `prepare` + `schedule` + `outputs` the host's. That removes
 whatever overlap a run would otherwise get, which is the point: it shows how much host work an
-overlapped engine would have to hide. `other` is the step's time outside the five phases (the
+overlapped engine would have to hide; for the same reason the engine runs its steps
+synchronously while a profile is attached (async scheduling off, restored by detach). `other` is the step's time outside the five phases (the
 scheduler's update, block caching, the loop itself).
 """
 from __future__ import annotations
@@ -49,10 +50,12 @@ class StepProfile:
         self.records: list[StepRecord] = []
         self._current: StepRecord | None = None
         self._wrapped: list[tuple] = []   # (object, name, its own attribute or None)
+        self._async_scheduling = engine.async_scheduling
 
     @classmethod
     def attach(cls, engine, log_every: int = 0) -> "StepProfile":
         profile = cls(engine, log_every)
+        engine.async_scheduling = False
         backend = engine.backend
         profile._wrap(engine.scheduler, "schedule", "schedule", after=profile._record_schedule)
         profile._wrap(engine.runner, "prepare", "prepare")
@@ -84,6 +87,7 @@ class StepProfile:
             else:
                 setattr(obj, name, own)
         self._wrapped.clear()
+        self.engine.async_scheduling = self._async_scheduling
 
     def _replace(self, obj, name: str, fn) -> None:
         self._wrapped.append((obj, name, vars(obj).get(name)))

@@ -122,6 +122,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--logprobs-mode", choices=["raw", "processed"], default="raw",
                    help="logprobs of the model's distribution (raw, default) or of the one "
                         "sampled from: after penalties, logit_bias, temperature and filters")
+    e.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
+                   help="run each step's output processing (detokenization, stop strings, "
+                        "building responses) after its forward instead of while the next "
+                        "step's forward runs (see README: async scheduling)")
     e.add_argument("--profile-steps", type=int, metavar="N", default=0,
                    help="log every N steps where the engine's step time went (scheduling, batch "
                         "preparation, forward, sampling, output processing); it synchronizes the "
@@ -227,7 +231,8 @@ def engine_config(args):
         enable_prefix_caching=not args.disable_prefix_cache,
         prefix_cache_max_tokens=args.prefix_cache_max_tokens, max_model_len=args.max_model_len,
         yarn_scaling_factor=args.yarn_scaling_factor, isq=args.isq, seed=args.seed,
-        batch_invariant=args.batch_invariant, logprobs_mode=args.logprobs_mode)
+        batch_invariant=args.batch_invariant, logprobs_mode=args.logprobs_mode,
+        async_scheduling=args.async_scheduling)
 
 
 def server_settings(args, config):

@@ -81,8 +81,8 @@ def run_target(model_dir, prompts, params, scenario=None, batch_invariant=True):
     logits_of = {}
     execute = eng.runner.execute
 
-    def recording_execute(sched):
-        logits, pooled = execute(sched)
+    def recording_execute(sched, *batch):
+        logits, pooled = execute(sched, *batch)
         sampled = [seq for seq, last in zip(sched.seqs, sched.sample) if last]
         for row, seq in enumerate(sampled):
             logits_of.setdefault(seq.request_id, []).append(np.array(logits[row], copy=True))

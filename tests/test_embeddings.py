@@ -155,10 +155,10 @@ def test_embeddings_batch_with_generation_and_preemption(ckpt_dirs):
     mixed_steps = []
     execute = engine.runner.execute
 
-    def watched(sched):
+    def watched(sched, *batch):
         kinds = {seq.pooler is None for seq in sched.seqs}
         mixed_steps.append(kinds == {True, False})
-        return execute(sched)
+        return execute(sched, *batch)
     engine.runner.execute = watched
     engine.add_request("gen", prompt, greedy)
     for i, text in enumerate(TEXTS):

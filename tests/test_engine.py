@@ -49,7 +49,7 @@ class StressRunner:
         self.steps = []  # (rows in the forward call, scheduled tokens, has decode, has prefill chunk)
         execute = runner.execute
 
-        def stressed_execute(sched):
+        def stressed_execute(sched, *batch):
             seqs, num_new_tokens = sched.seqs, sched.num_new_tokens
             live = {b for seq in seqs for b in seq.block_table}
             live |= {block.block_id for block in block_pool.cached_blocks.values()}
@@ -58,7 +58,7 @@ class StressRunner:
                 k[dead] = np.nan
                 v[dead] = np.nan
             calls = runner.num_forward_calls
-            logits = execute(sched)
+            logits = execute(sched, *batch)
             assert runner.num_forward_calls == calls + 1
             decode = any(n == 1 and s.num_computed_tokens >= s.num_prompt_tokens
                          for s, n in zip(seqs, num_new_tokens))
@@ -192,13 +192,13 @@ def test_failed_step_fails_only_its_requests(model_dir, prompts, reference):
     engine = llm.engine
     execute = engine.runner.execute
 
-    def broken_execute(sched):
+    def broken_execute(sched, *batch):
         engine.runner.execute = execute  # fail once
         raise RuntimeError("kernel exploded")
 
     engine.runner.execute = broken_execute
     engine.add_request("victim", prompts[0], GREEDY)
-    outs = engine.step()
+    outs = engine.step() or engine.step()   # async scheduling: the step's outputs come next
     assert [(o.request_id, o.finish_reason) for o in outs] == [("victim", "error")]
     assert "kernel exploded" in outs[0].error
     assert engine.block_pool.num_free_blocks == engine.block_pool.num_blocks

@@ -547,3 +547,20 @@ def test_filter_logits_op_matches_full_sort_reference():
     NumpyBackend().filter_logits(b, temperature, top_k, top_p, min_p)
     np.testing.assert_array_equal(np.isfinite(a), np.isfinite(b))
     np.testing.assert_array_equal(a, b)
+
+
+def test_penalty_counts_follow_the_history_incrementally():
+    """The sampler's per-sequence counts, updated step by step (one token, or a chunk), equal
+    np.unique over the whole history at every step, so the penalties read the same history."""
+    from engine.sampler import token_counts
+    rng = np.random.default_rng(4)
+    s = seq(prompt=rng.integers(0, 50, 30).tolist())
+    for step in range(40):
+        for t in rng.integers(0, 50, 1 if step % 7 else 5).tolist():
+            s.append_token(t)
+        for prompt, history in ((True, s.token_ids), (False, s.output_token_ids)):
+            ids, counts = token_counts(s, prompt).below(50)
+            want_ids, want_counts = np.unique(history, return_counts=True)
+            np.testing.assert_array_equal(ids, want_ids)
+            np.testing.assert_array_equal(counts, want_counts)
+    assert token_counts(s, True).below(10)[0].max() < 10          # ids past V are left out
