@@ -151,15 +151,19 @@ elif [ "$SUITE" = serve ]; then
     :
 elif [ "$SUITE" = tuned ]; then
     # flash-decoding (TAPER_CUDA_SPLIT_K=1), the FP8 GEMV (TAPER_CUDA_FP8_GEMV=1) and the radix
-    # filter (TAPER_CUDA_RADIX_FILTER=1): their tests; decode attention over bf16 and FP8 caches
-    # with the rule's split count and forced ones beside it; the filter both ways; the quantized
-    # GEMMs (fp8-gemv rows beside bf16, fp8-cutlass) at small M
-    GPU_TESTS_CAP=240           # 32k-key decode batches and Llama-3-8B-sized FP8 weights
+    # filter (TAPER_CUDA_RADIX_FILTER=1), Marlin v2 (TAPER_CUDA_MARLIN=v2): their tests; decode
+    # attention over bf16 and FP8 caches with the rule's split count and forced ones beside it;
+    # the filter both ways; the quantized GEMMs (fp8-gemv and marlin-v2 rows beside bf16,
+    # fp8-cutlass) at small M and at M = 1024 (TFLOP/s against cuBLAS bf16)
+    GPU_TESTS_CAP=300           # 32k-key decode batches, Llama-3-8B-sized FP8 and int4 weights
     GPU_TEST_FILES="test_cuda_flash_decode.py test_cuda_fp8_gemv.py test_cuda_radix_filter.py"
+    GPU_TEST_FILES="$GPU_TEST_FILES test_cuda_marlin_v2.py"
     KERNEL_OPS="decode_attention filter_logits qgemm"
-    KERNEL_SHAPES="--shape splits=2,4,8,16,32,64 --shape QM=1,4,16,64 --shape qlayers=gate_up,down"
-    THROUGHPUT_ARGS="--quant fp8"
-    THROUGHPUT_ENV="TAPER_CUDA_FP8_GEMV=1 TAPER_CUDA_SPLIT_K=1"   # FP8 decode with both on
+    KERNEL_SHAPES="--shape splits=2,4,8,16,32,64 --shape QM=1,4,16,64,1024"
+    KERNEL_SHAPES="$KERNEL_SHAPES --shape qlayers=gate_up,down"
+    THROUGHPUT_ARGS="--quant fp8 int4"
+    # FP8 decode with both on, int4 decode on Marlin v2
+    THROUGHPUT_ENV="TAPER_CUDA_FP8_GEMV=1 TAPER_CUDA_SPLIT_K=1 TAPER_CUDA_MARLIN=v2"
 elif [ "$SUITE" = core ]; then
     GPU_TEST_FILES="test_cuda_ops.py test_cuda_model.py test_cuda_logprobs.py test_cuda_families.py"
     KERNEL_OPS="embedding scale rms_norm fused_add_rms_norm layer_norm fused_add_layer_norm"
