@@ -610,14 +610,16 @@ struct V2Shape {
     static constexpr int STAGE_BYTES = A_BYTES + B_BYTES + S_BYTES + Z_BYTES;
     static constexpr int SMEM_BYTES = V2_STAGES * STAGE_BYTES;
     static constexpr int TILE_FLOATS = MB * 16 * V2_NB * 64;  // one partial in the workspace
-    static constexpr int MIN_BLOCKS = MB == 1 ? 4 : 3;
+    static constexpr int MIN_BLOCKS = MB == 1 ? 4 : 2;  // 3 for MB = 2 spilled on sm_90a (f16)
     static_assert(TILE_FLOATS == V2_THREADS * MB * 32, "a partial is every thread's accumulators");
 };
 
 // (a & b) | c in one instruction (the LUT of lop3: 0xf0 = a, 0xcc = b, 0xaa = c).
 __device__ __forceinline__ uint32_t and_or(uint32_t a, uint32_t b, uint32_t c) {
     uint32_t d;
-    asm("lop3.b32 %0, %1, %2, %3, %4;\n" : "=r"(d) : "r"(a), "r"(b), "r"(c), "n"((0xf0 & 0xcc) | 0xaa));
+    asm("lop3.b32 %0, %1, %2, %3, %4;\n"
+        : "=r"(d)
+        : "r"(a), "r"(b), "r"(c), "n"((0xf0 & 0xcc) | 0xaa));
     return d;
 }
 
@@ -750,7 +752,8 @@ marlin_gemm_v2_kernel(const T* __restrict__ x,             // (M, K)
     for (int i = 0; i < n; i++) {
         cp_async_wait<V2_STAGES - 2>();
         __syncthreads();  // k-tile i landed everywhere; every warp is done with k-tile i - 1
-        if (i + V2_STAGES - 1 < n) load_stage((i + V2_STAGES - 1) % V2_STAGES, start + i + V2_STAGES - 1);
+        if (i + V2_STAGES - 1 < n)
+            load_stage((i + V2_STAGES - 1) % V2_STAGES, start + i + V2_STAGES - 1);
         cp_async_commit();
 
         const int idx = start + i, col = idx / KT, kt = idx - col * KT;
@@ -781,7 +784,8 @@ marlin_gemm_v2_kernel(const T* __restrict__ x,             // (M, K)
                 uint32_t breg[8][2];
 #pragma unroll
                 for (int j = 0; j < 4; j++)
-                    D::dequant(words[j], cols[2 * j], cols[2 * j + 1], breg[2 * j], breg[2 * j + 1]);
+                    D::dequant(words[j], cols[2 * j], cols[2 * j + 1], breg[2 * j],
+                               breg[2 * j + 1]);
 #pragma unroll
                 for (int mi = 0; mi < MB; mi++) {
                     const int row = mi * 16 + (lane & 15), chunk = ks * 2 + (lane >> 4);
@@ -854,9 +858,11 @@ marlin_gemm_v2_kernel(const T* __restrict__ x,             // (M, K)
 #pragma unroll
                     for (int e = 0; e < 2; e++) {
                         if (cn + e >= N) continue;
-                        if (r0 < M) out[(int64_t)r0 * N + cn + e] = taper::from_float<T>(acc[mi][blk][e]);
+                        if (r0 < M)
+                            out[(int64_t)r0 * N + cn + e] = taper::from_float<T>(acc[mi][blk][e]);
                         if (r1 < M)
-                            out[(int64_t)r1 * N + cn + e] = taper::from_float<T>(acc[mi][blk][2 + e]);
+                            out[(int64_t)r1 * N + cn + e] =
+                                taper::from_float<T>(acc[mi][blk][2 + e]);
                     }
                 }
             }

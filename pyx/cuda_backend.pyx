@@ -13,10 +13,10 @@ All work is queued on one stream, `backend.stream`, with no synchronization insi
 decode step can be captured in a CUDA Graph. Tuned kernels stay behind switches until a GPU
 run has verified them: TAPER_CUDA_SPLIT_K=1 (flash-decoding: split-K decode attention with
 the split count of pyx/decode_splits.py), TAPER_CUDA_MMA_PREFILL=1 (tensor-core prefill
-attention), TAPER_CUDA_MARLIN_PIPELINE=1 (the pipelined Marlin W4A16 GEMM), TAPER_CUDA_MARLIN=v2 (the
-Marlin GEMM with striped partitioning, ldmatrix and lop3 dequantization; it wins over the former),
-TAPER_CUDA_FP8_CUTLASS=1 (FP8 block-wise weights through CUTLASS on sm_90a instead of
-dequantized once to bf16), TAPER_CUDA_FP8_GEMV=1 (FP8 block-wise weights kept e4m3, read by
+attention), TAPER_CUDA_MARLIN_PIPELINE=1 (the pipelined Marlin W4A16 GEMM), TAPER_CUDA_MARLIN=v2
+(the Marlin GEMM with striped partitioning, ldmatrix and lop3 dequantization; it wins over
+the former), TAPER_CUDA_FP8_CUTLASS=1 (FP8 block-wise weights through CUTLASS on sm_90a
+instead of dequantized once to bf16), TAPER_CUDA_FP8_GEMV=1 (FP8 block-wise weights kept e4m3, read by
 the FP8 GEMV kernel for small M) and TAPER_CUDA_RADIX_FILTER=1 (the top-k / top-p thresholds of
 filter_logits by radix select instead of bisection).
 """
