@@ -806,6 +806,8 @@ marlin_gemm_v2_kernel(const T* __restrict__ x,             // (M, K)
             const int which = col == first_col ? 0 : 1;
             const int64_t slot_base = (int64_t)blockIdx.y * gridDim.x * 2;
             float* mine = partials + (slot_base + blockIdx.x * 2 + which) * Sh::TILE_FLOATS;
+            // Only the rows below M travel (at M = 1, an eighth of the tile): the reader skips
+            // the same registers, and the output never holds the others.
             if (warp_valid) {
 #pragma unroll
                 for (int mi = 0; mi < MB; mi++)
@@ -813,7 +815,9 @@ marlin_gemm_v2_kernel(const T* __restrict__ x,             // (M, K)
                     for (int b = 0; b < 8; b++)
 #pragma unroll
                         for (int e = 0; e < 4; e++)
-                            __stcg(mine + ((mi * 8 + b) * 4 + e) * V2_THREADS + tid, acc[mi][b][e]);
+                            if (m0 + mi * 16 + c + (e >> 1) * 8 < M)
+                                __stcg(mine + ((mi * 8 + b) * 4 + e) * V2_THREADS + tid,
+                                       acc[mi][b][e]);
             }
             __threadfence();  // the partial is visible device-wide before the counter moves
             __syncthreads();
@@ -834,6 +838,7 @@ marlin_gemm_v2_kernel(const T* __restrict__ x,             // (M, K)
                     for (int b = 0; b < 8; b++)
 #pragma unroll
                         for (int e = 0; e < 4; e++) {
+                            if (m0 + mi * 16 + c + (e >> 1) * 8 >= M) continue;
                             float sum = 0.f;
                             for (int bb = b_first; bb <= b_last; bb++) {
                                 const int w = (int)((int64_t)bb * iters / KT) == col ? 0 : 1;

@@ -185,7 +185,10 @@ def emulate_v2(x, m, dtype, sms=132, arrival_seed=0, read_swizzle=True):
             if b_first != b_last:
                 which = 0 if col == first_col else 1
                 base = (by * gx * 2 + bx * 2 + which) * TF
-                partials[base + reg_idx] = acc32
+                rows = (m0 + np.arange(mb)[:, None, None, None] * 16
+                        + (np.arange(4)[:, None] >> 1) * 8 + c)  # (mi, 1, e, lane)
+                live = np.broadcast_to(rows < M, reg_idx.shape)
+                partials[(base + reg_idx)[live]] = acc32[live]   # rows past M stay NaN
                 counters[by * ncols + col] += 1
                 write = counters[by * ncols + col] == b_last - b_first + 1
                 if write:
