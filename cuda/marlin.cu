@@ -1120,8 +1120,10 @@ extern "C" int taper_cuda_marlin_gemm(const void* x,            // (M, K) dtype
     const cudaStream_t s = (cudaStream_t)stream;
     if (variant == 2) {
         if (dtype != TAPER_DT_BF16 && dtype != TAPER_DT_F16) return TAPER_CUDA_ERR_ARG;
+        // The kernel counts the (column slice, k-tile) sequence in int.
         if (K % V2_KT || group_size % V2_KT || !aligned(x, 16) || !aligned(scales, 16) ||
-            (zeros && !aligned(zeros, 16)) || (M + 15) / 16 > 65535)
+            (zeros && !aligned(zeros, 16)) || (M + 15) / 16 > 65535 ||
+            taper::ceil_div(Np, TILE_N * V2_NB) * (K / V2_KT) > INT32_MAX / 2)
             return TAPER_CUDA_ERR_ARG;
         const V2Plan p = v2_plan(M, N, K);
         const int64_t need = p.counter_bytes + p.partial_bytes;

@@ -79,8 +79,9 @@ def test_marlin_v2_matches_cpu_dequantize_matmul(make_cuda, layer, M, g, asym):
     got = b.to_host(out).astype(np.float32)
     assert np.isfinite(got).all()
     assert rel_err(got, want) < 2e-2
-    if M <= 16:
-        assert marlin_workspace_bytes(M, n, k, 2) > 0   # stripes share columns: the reduce ran
+    if M <= 16 and 2 * b.num_sms > -(-n // 256):
+        # more stripes than 256-column slices: stripes share columns, the reduce ran
+        assert marlin_workspace_bytes(M, n, k, 2) > 0
         out2 = b.xp.full((M, n), np.nan, b.act_dtype)
         v2_linear(b, b.asarray(x), placed, out2)
         np.testing.assert_array_equal(b.to_host(out2).view(np.uint16),
