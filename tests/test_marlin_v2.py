@@ -235,6 +235,7 @@ def test_plan_stripes_small_m_and_whole_columns_at_large_m():
     ("gptq-v1-asym-g64", 16, 296, 640, "bf16", 3),  # zero 16, a stripe across 2 slices
     ("ct-asym-group", 40, 264, 1024, "f16", 4),     # 32-row chunks, 2 slices, shared
     ("gptq-sym-g128", 33, 72, 128, "f16", 64),      # chunks fill the GPU: whole columns
+    ("ct-sym-group", 1, 1280, 512, "bf16", 4),      # stripes of 5 over 5 slices of 8 k-tiles
 ])
 def test_device_gemm_v2_emulation(case, M, n, k, dtype, sms):
     w = CASES[case](n, k, 13)
@@ -257,6 +258,7 @@ def test_plans_of_the_emulation_cases_share_columns():
     assert v2_plan(16, 296, 640, 3)[3] == 4 and v2_plan(16, 296, 640, 3)[4] > 0  # 8..12
     assert v2_plan(40, 264, 1024, 4)[4] > 0
     assert v2_plan(33, 72, 128, 64)[4] == 0
+    assert v2_plan(1, 1280, 512, 4)[1:4] == (8, 1, 5)
 
 
 def test_reading_without_the_swizzle_breaks_it():
