@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# One command for a GPU machine, from the repository root, in four suites of one 10-minute call
+# One command for a GPU machine, from the repository root, in five suites of one 10-minute call
 # each:
 #
 #     bash bench/gpu_check.sh                  # core: the float ops and models (issue 4)
 #     GPU_SUITE=quant bash bench/gpu_check.sh  # the quantized formats (issue 6)
 #     GPU_SUITE=serve bash bench/gpu_check.sh  # python -m server end to end (issue 11)
-#     GPU_SUITE=tuned bash bench/gpu_check.sh  # the tuned kernels behind switches (issue 12)
+#     GPU_SUITE=tuned bash bench/gpu_check.sh  # the tuned decode kernels behind switches (issue 12)
+#     GPU_SUITE=tuned_prefill bash bench/gpu_check.sh  # prefill attention fa2/fa3, fused MoE
 #
 # The GPU machine has no network and lacks part of what Taper and its tests import (nvidia-cutlass
 # for the build, gguf, compressed-tensors, pydantic, the server stack, the openai client):
@@ -104,7 +105,7 @@ PY
     cat build/nvcc-times.txt 2>/dev/null
     local fa3_obj
     fa3_obj=$(ls build/temp.*/cuda/attention_prefill_fa3.cu.o 2>/dev/null | head -1)
-    if [ "$SUITE" = tuned ]; then  # TAPER_CUDA_PREFILL=fa3: HGMMA in its SASS, no local memory
+    if [ "$SUITE" = tuned_prefill ]; then  # TAPER_CUDA_PREFILL=fa3: HGMMA in its SASS, no local memory
         if [ -n "$fa3_obj" ] && command -v cuobjdump > /dev/null; then
             echo "== fa3 SASS: $(cuobjdump -sass "$fa3_obj" | grep -c HGMMA) HGMMA," \
                  "$(cuobjdump -sass "$fa3_obj" | grep -cE '\b(LDL|STL)\b') LDL/STL"
@@ -160,24 +161,33 @@ if [ "$SUITE" = quant ]; then
 elif [ "$SUITE" = serve ]; then
     :
 elif [ "$SUITE" = tuned ]; then
-    # flash-decoding (TAPER_CUDA_SPLIT_K=1), the FP8 GEMV (TAPER_CUDA_FP8_GEMV=1), the radix
-    # filter (TAPER_CUDA_RADIX_FILTER=1), the fused sampler (TAPER_CUDA_FUSED_SAMPLING=1), the
-    # FlashAttention-2 prefill (TAPER_CUDA_PREFILL=fa2) and its Hopper form (=fa3, the same test
-    # file runs both) and the fused MoE grouped GEMM (TAPER_CUDA_FUSED_MOE=1): their tests;
-    # decode attention over bf16 and FP8 caches with the rule's split count and forced ones beside
-    # it; the filter both ways; the fused sampler beside the op-by-op path; the quantized GEMMs
-    # (fp8-gemv rows beside bf16, fp8-cutlass) at small M; prefill attention (simple, mma, fa2,
-    # fa3) at 1x4096, 4x2048 and a 1024-row chunk after 3072 cached tokens; the MoE grouped GEMM
-    # against the active experts' bytes
-    GPU_TESTS_CAP=420           # 32k-key decode batches and Llama-3-8B-sized FP8 weights
+    # the decode-side kernels behind switches: flash-decoding (TAPER_CUDA_SPLIT_K=1), the FP8 GEMV
+    # (TAPER_CUDA_FP8_GEMV=1), the radix filter (TAPER_CUDA_RADIX_FILTER=1), the fused sampler
+    # (TAPER_CUDA_FUSED_SAMPLING=1) and Marlin v2 (TAPER_CUDA_MARLIN=v2): their tests; decode
+    # attention over bf16 and FP8 caches with the rule's split count and forced ones beside it;
+    # the filter both ways; the fused sampler beside the op-by-op path; the quantized GEMMs
+    # (fp8-gemv and marlin-v2 rows beside bf16, fp8-cutlass) at small M and at M = 1024
+    GPU_TESTS_CAP=300           # 32k-key decode batches, Llama-3-8B-sized FP8 and int4 weights
     GPU_TEST_FILES="test_cuda_flash_decode.py test_cuda_fp8_gemv.py test_cuda_radix_filter.py"
-    GPU_TEST_FILES="$GPU_TEST_FILES test_cuda_fused_sampling.py test_cuda_prefill_fa2.py"
-    GPU_TEST_FILES="$GPU_TEST_FILES test_cuda_moe.py"
-    KERNEL_OPS="decode_attention filter_logits sample_fused qgemm prefill_attention moe"
-    KERNEL_SHAPES="--shape splits=2,4,8,16,32,64 --shape QM=1,4,16,64 --shape qlayers=gate_up,down"
-    KERNEL_SHAPES="$KERNEL_SHAPES --shape prefill=1x4096,4x2048,1x1024+3072 --shape MT=1,64,4096"
-    THROUGHPUT_ARGS="--quant fp8"
-    THROUGHPUT_ENV="TAPER_CUDA_FP8_GEMV=1 TAPER_CUDA_SPLIT_K=1"   # FP8 decode with both on
+    GPU_TEST_FILES="$GPU_TEST_FILES test_cuda_fused_sampling.py test_cuda_marlin_v2.py"
+    KERNEL_OPS="decode_attention filter_logits sample_fused qgemm"
+    KERNEL_SHAPES="--shape splits=2,4,8,16,32,64 --shape QM=1,4,16,64,1024"
+    KERNEL_SHAPES="$KERNEL_SHAPES --shape qlayers=gate_up,down"
+    THROUGHPUT_ARGS="--quant fp8 int4"
+    # FP8 decode with both on, int4 decode on Marlin v2
+    THROUGHPUT_ENV="TAPER_CUDA_FP8_GEMV=1 TAPER_CUDA_SPLIT_K=1 TAPER_CUDA_MARLIN=v2"
+elif [ "$SUITE" = tuned_prefill ]; then
+    # the prefill-side kernels behind switches: the FlashAttention-2 prefill
+    # (TAPER_CUDA_PREFILL=fa2) and its Hopper form (=fa3; the same test file runs both), and the
+    # fused MoE grouped GEMM (TAPER_CUDA_FUSED_MOE=1): their tests; prefill attention (simple,
+    # mma, fa2, fa3) at 1x4096, 4x2048 and a 1024-row chunk after 3072 cached tokens; the MoE
+    # grouped GEMM against the active experts' bytes; bf16 throughput with fa2 prefill
+    GPU_TESTS_CAP=300
+    GPU_TEST_FILES="test_cuda_prefill_fa2.py test_cuda_moe.py"
+    KERNEL_OPS="prefill_attention moe"
+    KERNEL_SHAPES="--shape prefill=1x4096,4x2048,1x1024+3072 --shape MT=1,64,4096"
+    THROUGHPUT_ARGS=""
+    THROUGHPUT_ENV="TAPER_CUDA_PREFILL=fa2"
 elif [ "$SUITE" = core ]; then
     GPU_TEST_FILES="test_cuda_ops.py test_cuda_model.py test_cuda_logprobs.py test_cuda_families.py"
     KERNEL_OPS="embedding scale rms_norm fused_add_rms_norm layer_norm fused_add_layer_norm"
@@ -186,7 +196,7 @@ elif [ "$SUITE" = core ]; then
     KERNEL_OPS="$KERNEL_OPS gumbel_sample filter_logits apply_token_bitmask"
     THROUGHPUT_ARGS=""
 else
-    echo "GPU_SUITE=$SUITE: the suites are core, quant, serve and tuned" >&2
+    echo "GPU_SUITE=$SUITE: the suites are core, quant, serve, tuned and tuned_prefill" >&2
     exit 2
 fi
 export GPU_TEST_FILES

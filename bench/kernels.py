@@ -42,7 +42,9 @@ the speed-up over bf16 dense at the same shape and M. FP8 rows also give % of an
 dense peak, twice the measured bf16 cuBLAS figure (Hopper's tensor-core ratio; cuBLAS FP8 is not
 reachable through this backend's GemmEx handle). fp8-gemv rows (M <= 64): the FP8 GEMV kernel of
 TAPER_CUDA_FP8_GEMV=1 on the e4m3 codes, any sm80+ device; the weight bytes over its time is its
-ratio to the copy ceiling. --shape QM=1,16 and qlayers=gate_up,down select.
+ratio to the copy ceiling. marlin-v2 rows: the same int4 weights through Marlin v2
+(TAPER_CUDA_MARLIN=v2: striped partitioning, ldmatrix, lop3 dequantization), beside the default
+marlin row. --shape QM=1,16 and qlayers=gate_up,down select.
 
 moe (issue 16, TAPER_CUDA_FUSED_MOE=1): the fused MoE grouped GEMM (cuda/moe.cu) for the gate_up
 and down projections of Qwen3-30B-A3B (H 2048, experts of 768, top-8 of 128) and Mixtral-8x7B
@@ -599,6 +601,15 @@ def fp8_gemv_linear(b, x, w, bias, out):
         b.fp8_gemv, b.fp8_gemv_max_m = saved
 
 
+def marlin_v2_linear(b, x, w, bias, out):
+    """linear through Marlin v2 (TAPER_CUDA_MARLIN=v2) beside the default Marlin row."""
+    b.marlin_v2 = True
+    try:
+        b.linear(x, w, bias, out)
+    finally:
+        b.marlin_v2 = False
+
+
 def cases_qgemm(bench, c):
     """Per layer shape: place every format (QGEMM_SETS device copies), then per M one case per
     format, bf16 dense first (the baseline of the speed-ups)."""
@@ -622,8 +633,8 @@ def cases_qgemm(bench, c):
         host_s = time.time() - t0
         weights = {"bf16": [bench.rand((N, K), act, 1.0 / np.sqrt(K)) for _ in range(QGEMM_SETS)]}
         saved_flags = b.fp8_cutlass, b.fp8_gemv
-        for f in ("q4k", "q8_0", "marlin", "fp8-cutlass", "fp8-gemv"):
-            src = hosts.get("fp8" if f.startswith("fp8") else f)
+        for f in ("q4k", "q8_0", "marlin", "marlin-v2", "fp8-cutlass", "fp8-gemv"):
+            src = hosts.get("fp8" if f.startswith("fp8") else f.split("-")[0])
             if src is None or (f == "fp8-cutlass" and not cutlass):
                 continue
             b.fp8_cutlass, b.fp8_gemv = f == "fp8-cutlass", f == "fp8-gemv"
@@ -673,7 +684,8 @@ def cases_qgemm(bench, c):
             for f, ws in weights.items():
                 if f == "fp8-gemv" and M > FP8_GEMV_MAX_M:
                     continue
-                run = fp8_gemv_linear if f == "fp8-gemv" else type(b).linear
+                run = {"fp8-gemv": fp8_gemv_linear, "marlin-v2": marlin_v2_linear}.get(
+                    f, type(b).linear)
                 sets = [lambda x=xs[i], w=ws[i], out=outs[i], run=run: run(b, x, w, None, out)
                         for i in range(QGEMM_SETS)]
                 yield Case("qgemm", f"{name} M={M} N={N} K={K}", f, wbytes[f], 2 * M * N * K,

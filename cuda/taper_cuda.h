@@ -303,7 +303,12 @@ int taper_cuda_marlin_repack(const uint8_t* qs,      // (N, K/2) packed codes
  * a global reduce for M <= 16; needs K and G multiples of 64 and x, scales, zeros 16-byte
  * aligned, else TAPER_CUDA_ERR_ARG (fall back to variant 0). Its workspace (counters, then
  * float partial tiles) is workspace_bytes(M, N, K, 1), 0 when it does not split; the counters
- * are zeroed on the stream by each call, so the workspace may be shared and hold garbage. */
+ * are zeroed on the stream by each call, so the workspace may be shared and hold garbage.
+ * variant 2 (Marlin v2, behind a switch until a GPU run verifies it): variant 1's ring (4
+ * stages) and rounding, with striped partitioning of the (column slice, k-tile) sequence
+ * across SMs and a deterministic global reduce of the columns stripes share, A read by
+ * ldmatrix from XOR-swizzled shared memory, lop3 magic-number dequantization; same needs as
+ * variant 1; its workspace is workspace_bytes(M, N, K, 2). */
 int64_t taper_cuda_marlin_workspace_bytes(int64_t M, int64_t N, int64_t K, int variant);
 int taper_cuda_marlin_gemm(const void* x,            // (M, K) dtype
                            const uint32_t* qweight,  // (K/16, Np*2) Marlin tiles

@@ -16,7 +16,9 @@ the split count of pyx/decode_splits.py), TAPER_CUDA_PREFILL=mma|fa2|fa3 (tensor
 attention: the first flash-style kernel, the FlashAttention-2 one with GQA packing and a
 cp.async ring, or its warp-specialized wgmma form for Hopper, which runs fa2 on other GPUs;
 TAPER_CUDA_MMA_PREFILL=1 is the older spelling of mma),
-TAPER_CUDA_MARLIN_PIPELINE=1 (the pipelined Marlin W4A16 GEMM),
+TAPER_CUDA_MARLIN_PIPELINE=1 (the pipelined Marlin W4A16 GEMM), TAPER_CUDA_MARLIN=v2
+(the Marlin GEMM with striped partitioning, ldmatrix and lop3 dequantization; it wins over
+the former),
 TAPER_CUDA_FP8_CUTLASS=1 (FP8 block-wise weights through CUTLASS on sm_90a instead of
 dequantized once to bf16), TAPER_CUDA_FP8_GEMV=1 (FP8 block-wise weights kept e4m3, read by
 the FP8 GEMV kernel for small M), TAPER_CUDA_RADIX_FILTER=1 (the top-k / top-p thresholds of
@@ -167,6 +169,18 @@ def _prefill_kernel():
     return name
 
 
+MARLIN_KERNELS = ("", "v2")   # TAPER_CUDA_MARLIN: unset (the default kernels) or "v2"
+
+
+def _marlin_kernel():
+    """TAPER_CUDA_MARLIN, checked: a mistyped value fails the backend's start, not silently."""
+    value = os.environ.get("TAPER_CUDA_MARLIN", "")
+    if value not in MARLIN_KERNELS:
+        raise ValueError(f"TAPER_CUDA_MARLIN must be unset or one of {list(MARLIN_KERNELS[1:])}, "
+                         f"got {value!r}")
+    return value
+
+
 cdef class CudaBackend(Backend):
     """Backend on CuPy arrays of one device with the kernels of cuda/.
 
@@ -181,6 +195,7 @@ cdef class CudaBackend(Backend):
     cdef public bint split_k, mma_prefill, fp8_cutlass, marlin_pipeline, fp8_gemv, radix_filter
     cdef public bint fused_sampling  # engine/sampler.py calls sample_fused
     cdef public bint fused_moe      # MoE blocks built on this backend take the grouped GEMMs
+    cdef public bint marlin_v2       # TAPER_CUDA_MARLIN=v2
     cdef public int fp8_gemv_max_m   # FP8 weights take the GEMV up to this many rows
     cdef public int64_t max_context  # decode split-K sizes its partitions for this many keys
     cdef public int decode_splits    # > 0: this many split-K partitions (benchmarks); 0: the rule
@@ -237,6 +252,7 @@ cdef class CudaBackend(Backend):
         self.mma_prefill = self.prefill_kernel == "mma"
         self.fp8_cutlass = _env_on("TAPER_CUDA_FP8_CUTLASS")
         self.marlin_pipeline = _env_on("TAPER_CUDA_MARLIN_PIPELINE")
+        self.marlin_v2 = _marlin_kernel() == "v2"
         self.fp8_gemv = _env_on("TAPER_CUDA_FP8_GEMV")
         self.radix_filter = _env_on("TAPER_CUDA_RADIX_FILTER")
         self.fused_sampling = _env_on("TAPER_CUDA_FUSED_SAMPLING")
@@ -511,19 +527,21 @@ cdef class CudaBackend(Backend):
             col += n
 
     def _marlin_compute(self, x, weight, out):
-        """W4A16 through the Marlin-layout GEMM: the simple kernel by default, the pipelined one
-        with a global reduce for small M under TAPER_CUDA_MARLIN_PIPELINE=1 (falling back to
-        the simple one for shapes it lacks)."""
+        """W4A16 through the Marlin-layout GEMM: the simple kernel by default, the striped v2
+        under TAPER_CUDA_MARLIN=v2, else the pipelined one with a global reduce for small M
+        under TAPER_CUDA_MARLIN_PIPELINE=1 (each falling back to the simple one for shapes it
+        lacks)."""
         T, K, N = x.shape[0], x.shape[1], out.shape[1]
         args = (self._ptr(x), weight.qweight.data.ptr, weight.scales.data.ptr,
                 self._opt_ptr(weight.zeros), self._ptr(out), T, N, K, weight.group_size,
                 self._act_code)
-        if self.marlin_pipeline:
-            ws = taper_cuda_marlin_workspace_bytes(T, N, K, 1)
+        if self.marlin_v2 or self.marlin_pipeline:
+            variant = 2 if self.marlin_v2 else 1
+            ws = taper_cuda_marlin_workspace_bytes(T, N, K, variant)
             try:
-                launch_marlin_gemm(*args, 1, self._workspace_ptr(ws), ws, self._sptr())
+                launch_marlin_gemm(*args, variant, self._workspace_ptr(ws), ws, self._sptr())
                 return
-            except CudaError as e:  # shapes the pipelined kernel lacks: the simple one runs
+            except CudaError as e:  # shapes the tuned kernel lacks: the simple one runs
                 if "status -1" not in str(e):
                     raise
         launch_marlin_gemm(*args, 0, 0, 0, self._sptr())

@@ -288,6 +288,10 @@ def launch_marlin_gemm(ptr_t x, ptr_t qweight, ptr_t scales, ptr_t zeros, ptr_t 
                                                    dtype=dtype, variant=variant))
 
 
+def marlin_workspace_bytes(int64_t M, int64_t N, int64_t K, int variant):
+    return taper_cuda_marlin_workspace_bytes(M, N, K, variant)
+
+
 def launch_fp8_dequantize(ptr_t w, ptr_t scales, ptr_t out, int64_t N, int64_t K, int64_t bn,
                           int64_t bk, int dtype, ptr_t stream):
     cdef int st

@@ -19,13 +19,14 @@ def rel_err(got, want) -> float:
     return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
 
 
-@pytest.mark.parametrize("pipeline", [False, True], ids=["simple", "pipelined"])
+@pytest.mark.parametrize("kernel", ["simple", "pipelined", "v2"])
 @pytest.mark.parametrize("M", [1, 5, 16, 33, 128])
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize("dtype", ["bf16", "f16"])
-def test_marlin_linear_matches_cpu(make_cuda, cpu, case, M, dtype, pipeline):
-    """Both kernels: the simple one (default) and the pipelined one with its global reduce
-    (TAPER_CUDA_MARLIN_PIPELINE; shapes it lacks fall back to the simple one)."""
+def test_marlin_linear_matches_cpu(make_cuda, cpu, case, M, dtype, kernel):
+    """Every kernel: the simple one (default), the pipelined one with its global reduce
+    (TAPER_CUDA_MARLIN_PIPELINE) and Marlin v2 (TAPER_CUDA_MARLIN=v2); shapes the last two lack
+    (group size 32) fall back to the simple one."""
     b = make_cuda(dtype)
     n, k = 200, 512
     weight = CASES[case](n, k, M)
@@ -35,11 +36,11 @@ def test_marlin_linear_matches_cpu(make_cuda, cpu, case, M, dtype, pipeline):
     want = np.empty((M, n), np.float32)
     cpu.linear(x, weight, bias, want)
     out = b.xp.full((M, n), np.nan, b.act_dtype)
-    b.marlin_pipeline = pipeline
+    b.marlin_pipeline, b.marlin_v2 = kernel == "pipelined", kernel == "v2"
     try:
         b.linear(b.asarray(x.astype(b.act_dtype)), b.place_weight(weight), b.asarray(bias), out)
     finally:
-        b.marlin_pipeline = False
+        b.marlin_pipeline = b.marlin_v2 = False
     got = b.to_host(out).astype(np.float32)
     assert np.isfinite(got).all()
     assert rel_err(got, want) < (1e-2 if dtype == "f16" else 2e-2)
