@@ -364,7 +364,10 @@ def test_can_run_and_run_refusals(setup):
     assert not runner.can_run(hand_batch(9))                      # past the largest bucket
     assert not runner.can_run(hand_batch(2, width=MAX_BLOCKS + 1))  # table too wide
     assert not runner.can_run(hand_batch(2, logits_indices=[0]))  # not every row sampled
-    prefill = setup.eager.prepare(schedule([seqs[0], seqs[1]], [1, 2]))
+    # a decode beside a 3-token prompt (a fresh sequence: every prefilled one has a single
+    # uncomputed token left)
+    prompt = make_seq([5, 6, 7], 0, seqs[1].block_table)
+    prefill = setup.eager.prepare(schedule([seqs[0], prompt], [1, 3]))
     assert not runner.can_run(prefill)
     with pytest.raises(ValueError, match="9 sequences"):
         runner.run(hand_batch(9))
