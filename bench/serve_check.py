@@ -167,7 +167,7 @@ def run_bench(base_url: str, tokenizer: str, concurrency: int, num_prompts: int,
         "--base-url", base_url, "--tokenizer", tokenizer, "--random-input-len", str(input_len),
         "--random-output-len", str(output_len), "--ignore-eos", "--num-prompts",
         str(num_prompts), "--max-concurrency", str(concurrency), "--disable-tqdm"])
-    return asyncio.run(serve.main_async(args))
+    return asyncio.run(serve.main_async(args))[0]
 
 
 def metric_values(text: str, name: str) -> list[float]:
