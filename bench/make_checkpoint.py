@@ -219,15 +219,18 @@ def make_gguf(dtype: str, cache: Path = CACHE) -> Path:
 QUANT_FTYPES = {"q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M"}
 
 
-def make_quant_gguf(qtype: str, cache: Path = CACHE, threads: int | None = None) -> Path:
-    """The f32 GGUF quantized by llama.cpp's own quantizer (llama_model_quantize with its default
-    parameters: no imatrix, output/embedding types chosen by the ftype), cached."""
-    out = cache / f"{NAME}-{qtype}.gguf"
+def make_quant_gguf(qtype: str, cache: Path = CACHE, threads: int | None = None,
+                    src: Path | None = None) -> Path:
+    """An f32 GGUF (default: this checkpoint's) quantized by llama.cpp's own quantizer
+    (llama_model_quantize with its default parameters: no imatrix, output/embedding types chosen
+    by the ftype), cached beside it."""
+    out = (cache / f"{NAME}-{qtype}.gguf" if src is None
+           else src.with_name(src.name.replace("-f32.gguf", f"-{qtype}.gguf")))
     if out.is_file():
         return out
     import ctypes
     import llama_cpp
-    src = make_gguf("f32", cache)
+    src = src or make_gguf("f32", cache)
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = getattr(llama_cpp, QUANT_FTYPES[qtype])
     params.nthread = threads or len(os.sched_getaffinity(0))
