@@ -163,8 +163,8 @@ class LLMEngine:
             if config.cuda_graph:
                 from engine.cuda_graph import estimate_graph_memory_bytes
                 reserved = estimate_graph_memory_bytes(   # max_num_seqs unknown yet: the cap
-                    config.max_num_seqs or MAX_NUM_SEQS_CAP, -(-self.model_config.max_model_len // config.block_size),
-                    self.model_config)
+                    config.max_num_seqs or MAX_NUM_SEQS_CAP,
+                    -(-self.model_config.max_model_len // config.block_size), self.model_config)
             budget, what = cuda_memory.kv_budget_bytes(free, reserved, config.kv_fraction,
                                                        config.kv_cache_memory_mb)
         elif config.kv_cache_memory_mb is not None:
