@@ -21,7 +21,9 @@
 
 llama-cpp-python's server holds one llama context behind a lock: it runs one request at a time
 (no parallel slots, no continuous batching; the C++ llama-server with -np N batches N slots). So
-16 clients there queue, and the ratio measures batching as much as kernels. llama.cpp's KV cache
+16 clients there queue, and the ratio measures batching as much as kernels. Its default
+interrupt_requests=True would end the streaming request with [DONE] as soon as another one
+waits; it is turned off, and a run whose streams came back short fails. llama.cpp's KV cache
 is f16 (its default), Taper's f32 on the CPU. The GGUF files and checkpoints are cached in
 bench/.cache/ (about 5 GB with the quantized files).
 """
@@ -115,6 +117,9 @@ def bench_server(name: str, cmd: list[str], env: dict, port: int, ready: str, to
         errors = sorted({e for e in result["errors"] if e})[:3]
         raise SystemExit(f"{name}: {result['completed']} of {expected} requests completed "
                          f"({'; '.join(errors)})")
+    if result["total_output_tokens"] != expected * args.output_len:
+        raise SystemExit(f"{name}: {result['total_output_tokens']} output tokens, not "
+                         f"{expected * args.output_len}: streams ended early")
     return result
 
 
@@ -139,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="threads for each server (default: the usable cores)")
     p.add_argument("--port", type=int, default=2170)
     p.add_argument("--start-timeout", type=float, default=600.0)
+    p.add_argument("--servers", nargs="+", default=["taper", "llama_cpp"],
+                   choices=["taper", "llama_cpp"], help="which to run (default both)")
     p.add_argument("--out", default=None, help="also write the report to this markdown file")
     args = p.parse_args(argv)
 
@@ -151,19 +158,28 @@ def main(argv: list[str] | None = None) -> int:
     for fmt in args.formats:
         path = gguf(fmt, src)
         weights = ["--w", str(src)] if fmt == "f32" else ["--w", str(path.parent), "--f", str(path)]
-        taper = bench_server(
-            f"taper-{fmt}", [sys.executable, "-m", "server", *weights, "--cpu",
-                             "--h", "127.0.0.1", "--p", str(args.port)],
-            {"OMP_NUM_THREADS": threads}, args.port, "/health", src, args, log_dir)
-        llama = bench_server(
-            f"llama_cpp-{fmt}", [sys.executable, "-m", "llama_cpp.server", "--model", str(path),
-                                 "--host", "127.0.0.1", "--port", str(args.port + 1),
-                                 "--n_threads", threads, "--n_threads_batch", threads,
-                                 "--n_ctx", n_ctx, "--n_batch", "512"],
-            {}, args.port + 1, "/v1/models", src, args, log_dir)
-        rows.append((fmt, "Taper (python -m server)", taper,
-                     taper["output_throughput"] / llama["output_throughput"]))
-        rows.append((fmt, "llama-cpp-python (python -m llama_cpp.server)", llama, None))
+        taper = llama = None
+        if "taper" in args.servers:
+            taper = bench_server(
+                f"taper-{fmt}", [sys.executable, "-m", "server", *weights, "--cpu",
+                                 "--h", "127.0.0.1", "--p", str(args.port)],
+                {"OMP_NUM_THREADS": threads}, args.port, "/health", src, args, log_dir)
+        if "llama_cpp" in args.servers:
+            llama = bench_server(
+                f"llama_cpp-{fmt}", [sys.executable, "-m", "llama_cpp.server", "--model",
+                                     str(path), "--host", "127.0.0.1", "--port",
+                                     str(args.port + 1), "--n_threads", threads,
+                                     "--n_threads_batch", threads, "--n_ctx", n_ctx,
+                                     "--n_batch", "512",
+                                     # else a waiting request ends the one streaming ([DONE])
+                                     "--interrupt_requests", "False"],
+                {}, args.port + 1, "/v1/models", src, args, log_dir)
+        if taper:
+            rows.append((fmt, "Taper (python -m server)", taper,
+                         taper["output_throughput"] / llama["output_throughput"] if llama
+                         else None))
+        if llama:
+            rows.append((fmt, "llama-cpp-python (python -m llama_cpp.server)", llama, None))
     m = serve.machine_info()
     report = "\n".join([
         f"{args.clients} streaming clients x {args.prompts_per_client} prompts, "
