@@ -222,15 +222,17 @@ QUANT_FTYPES = {"q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "q6_k": "LLAMA_FTYPE_MOSTLY_Q
 
 
 def make_quant_gguf(qtype: str, cache: Path = CACHE, threads: int | None = None,
-                    name: str = NAME, config: dict = CONFIG) -> Path:
-    """The f32 GGUF quantized by llama.cpp's own quantizer (llama_model_quantize with its default
-    parameters: no imatrix, output/embedding types chosen by the ftype), cached."""
-    out = cache / f"{name}-{qtype}.gguf"
+                    name: str = NAME, config: dict = CONFIG, src: Path | None = None) -> Path:
+    """An f32 GGUF (default: the named checkpoint's) quantized by llama.cpp's own quantizer
+    (llama_model_quantize with its default parameters: no imatrix, output/embedding types chosen
+    by the ftype), cached beside it."""
+    out = (cache / f"{name}-{qtype}.gguf" if src is None
+           else src.with_name(src.name.replace("-f32.gguf", f"-{qtype}.gguf")))
     if out.is_file():
         return out
     import ctypes
     import llama_cpp
-    src = make_gguf("f32", cache, name, config)
+    src = src or make_gguf("f32", cache, name, config)
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = getattr(llama_cpp, QUANT_FTYPES[qtype])
     params.nthread = threads or len(os.sched_getaffinity(0))

@@ -493,7 +493,11 @@ def build_parser() -> argparse.ArgumentParser:
       help="requests per second (default inf: all at once)")
     a("--burstiness", type=float, default=1.0,
       help="gamma shape of the arrival gaps: 1 = Poisson, <1 burstier, >1 more regular")
-    a("--max-concurrency", type=int, default=None, help="most requests in flight")
+    a("--max-concurrency", type=int, nargs="+", default=None, metavar="N",
+      help="most requests in flight; several values run one benchmark each and print the "
+           "table of output tok/s, median TTFT and median TPOT by concurrency")
+    a("--prompts-per-concurrency", type=int, default=None, metavar="K",
+      help="send K x concurrency prompts at each concurrency instead of --num-prompts")
     a("--num-warmups", type=int, default=0, help="untimed requests (the first prompt) first")
     a("--seed", type=int, default=0)
     a("--ignore-eos", action="store_true", help="send ignore_eos (a vLLM extension)")
@@ -509,20 +513,34 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-async def main_async(args: argparse.Namespace) -> dict:
+def concurrency_table(results: list[dict]) -> str:
+    """The serving table by concurrency (issue 13's): output tok/s, median TTFT, median TPOT."""
+    lines = ["| concurrency | output tok/s | median TTFT | median TPOT |", "|---:|---:|---:|---:|"]
+    for r in results:
+        c = r["max_concurrency"] if r["max_concurrency"] is not None else "unbounded"
+        lines.append(f"| {c} | {r['output_throughput']:,.0f} | {r['median_ttft_ms']:,.0f} ms | "
+                     f"{r['median_tpot_ms']:.2f} ms |")
+    return "\n".join(lines)
+
+
+async def main_async(args: argparse.Namespace) -> list[dict]:
+    """One benchmark per --max-concurrency value (one unbounded run without it); their results."""
     if args.dataset_name != "random":
         raise SystemExit(f"bench.serve: --dataset-name {args.dataset_name!r} is not supported "
                          "(only 'random')")
-    if args.max_concurrency is not None and args.max_concurrency <= 0:
+    levels = args.max_concurrency or [None]
+    if any(c is not None and c <= 0 for c in levels):
         raise SystemExit("bench.serve: --max-concurrency must be positive")
+    if args.prompts_per_concurrency is not None and (args.prompts_per_concurrency <= 0
+                                                     or levels == [None]):
+        raise SystemExit("bench.serve: --prompts-per-concurrency wants a positive K and "
+                         "--max-concurrency")
     metadata = {}
     for item in args.metadata or []:
         key, eq, value = item.partition("=")
         if not eq:
             raise SystemExit(f"bench.serve: --metadata wants KEY=VALUE, got {item!r}")
         metadata[key.strip()] = value.strip()
-    input_len = args.input_len if args.input_len is not None else args.random_input_len
-    output_len = args.output_len if args.output_len is not None else args.random_output_len
     host = f"[{args.host}]" if ":" in args.host else args.host      # an IPv6 literal
     base_url = (args.base_url or f"http://{host}:{args.port}").rstrip("/")
     api_url = base_url + (args.endpoint or DEFAULT_ENDPOINTS[args.backend])
@@ -543,28 +561,44 @@ async def main_async(args: argparse.Namespace) -> dict:
     except (OSError, ValueError) as e:
         raise SystemExit(f"bench.serve: cannot load tokenizer {tokenizer_id!r} ({e}); "
                          "pass --tokenizer DIR") from None
-    requests = sample_random_requests(tokenizer, args.num_prompts, input_len, output_len,
+    version = await get_json(base_url + "/version", headers, timeout=5.0)
+    if isinstance(version, dict):
+        version = version.get("version", json.dumps(version))
+    results = []
+    for concurrency in levels:
+        results.append(await bench_one(args, concurrency, api_url, model, tokenizer,
+                                       tokenizer_id, version, headers, metadata))
+    if len(levels) > 1:
+        print(concurrency_table(results))
+    return results
+
+
+async def bench_one(args: argparse.Namespace, concurrency: int | None, api_url: str,
+                    model: str, tokenizer, tokenizer_id: str, version, headers: dict,
+                    metadata: dict) -> dict:
+    input_len = args.input_len if args.input_len is not None else args.random_input_len
+    output_len = args.output_len if args.output_len is not None else args.random_output_len
+    num_prompts = (args.num_prompts if args.prompts_per_concurrency is None
+                   else args.prompts_per_concurrency * concurrency)
+    requests = sample_random_requests(tokenizer, num_prompts, input_len, output_len,
                                       args.random_range_ratio, args.random_prefix_len, args.seed)
     print(f"#Input tokens: {sum(r.prompt_len for r in requests)}")
     print(f"#Output tokens: {sum(r.expected_output_len for r in requests)}")
 
-    version = await get_json(base_url + "/version", headers, timeout=5.0)
-    if isinstance(version, dict):
-        version = version.get("version", json.dumps(version))
     common = dict(ignore_eos=args.ignore_eos, temperature=args.temperature, headers=headers)
     if args.num_warmups > 0 and requests:
         print(f"Warming up with {args.num_warmups} requests...")
         warm, _ = await run_requests(requests[:1] * args.num_warmups, api_url, args.backend,
-                                     model, max_concurrency=args.max_concurrency, **common)
+                                     model, max_concurrency=concurrency, **common)
         if not any(o.success for o in warm):
             raise SystemExit(f"bench.serve: the warm-up failed: {warm[0].error}")
     dist = "Poisson process" if args.burstiness == 1.0 else "Gamma distribution"
     print(f"Traffic request rate: {args.request_rate}")
     print(f"Burstiness factor: {args.burstiness} ({dist})")
-    print(f"Maximum request concurrency: {args.max_concurrency}")
+    print(f"Maximum request concurrency: {concurrency}")
     outputs, duration = await run_requests(
         requests, api_url, args.backend, model, request_rate=args.request_rate,
-        burstiness=args.burstiness, max_concurrency=args.max_concurrency, seed=args.seed,
+        burstiness=args.burstiness, max_concurrency=concurrency, seed=args.seed,
         progress=not args.disable_tqdm, **common)
 
     selected = [m.strip() for m in args.percentile_metrics.split(",") if m.strip()]
@@ -572,18 +606,21 @@ async def main_async(args: argparse.Namespace) -> dict:
     now = datetime.now().strftime("%Y%m%d-%H%M%S")
     result = {"date": now, "endpoint_type": args.backend, "backend": args.backend,
               "label": args.label, "model_id": model, "tokenizer_id": tokenizer_id,
-              "num_prompts": args.num_prompts, **metadata,
+              "num_prompts": num_prompts, **metadata,
               "request_rate": "inf" if math.isinf(args.request_rate) else args.request_rate,
-              "burstiness": args.burstiness, "max_concurrency": args.max_concurrency,
+              "burstiness": args.burstiness, "max_concurrency": concurrency,
               "machine": machine_info(), "server_version": version,
               **compute_metrics(outputs, duration, selected, percentiles)}
-    print_summary(result, args.max_concurrency, args.request_rate, selected, percentiles)
+    print_summary(result, concurrency, args.request_rate, selected, percentiles)
 
     if args.save_result:
-        concurrency = (f"-concurrency{args.max_concurrency}"
-                       if args.max_concurrency is not None else "")
-        name = args.result_filename or (f"{args.label or args.backend}-{args.request_rate}qps"
-                                        f"{concurrency}-{model.split('/')[-1]}-{now}.json")
+        suffix = f"-concurrency{concurrency}" if concurrency is not None else ""
+        name = (f"{args.label or args.backend}-{args.request_rate}qps"
+                f"{suffix}-{model.split('/')[-1]}-{now}.json")
+        if args.result_filename:     # several concurrencies: one file each
+            stem, ext = os.path.splitext(args.result_filename)
+            name = (args.result_filename if len(args.max_concurrency or [None]) == 1
+                    else f"{stem}{suffix}{ext}")
         if args.result_dir:
             os.makedirs(args.result_dir, exist_ok=True)
             name = os.path.join(args.result_dir, name)
@@ -594,8 +631,8 @@ async def main_async(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    result = asyncio.run(main_async(build_parser().parse_args(argv)))
-    return 0 if result["completed"] else 1
+    results = asyncio.run(main_async(build_parser().parse_args(argv)))
+    return 0 if all(r["completed"] for r in results) else 1
 
 
 if __name__ == "__main__":

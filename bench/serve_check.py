@@ -118,20 +118,26 @@ def get(url: str, timeout: float = 5.0) -> tuple[int, str]:
 def start_server(model_dir: str, port: int, extra: list[str], log_path: str,
                  timeout: float) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "server", "--w", model_dir, "--p", str(port), *extra]
+    return start_process(cmd, f"http://127.0.0.1:{port}/health", log_path, timeout)
+
+
+def start_process(cmd: list[str], ready_url: str, log_path: str, timeout: float,
+                  env: dict | None = None) -> subprocess.Popen:
+    """Start a server process, its output in log_path, and wait until ready_url answers 200."""
     print("$ " + " ".join(cmd), flush=True)
     log = open(log_path, "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, "PYTHONFAULTHANDLER": "1"})
+                            env={**os.environ, "PYTHONFAULTHANDLER": "1", **(env or {})})
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise SystemExit(f"the server exited with status {proc.returncode} before /health "
-                             f"answered; its log:\n{open(log_path).read()[-4000:]}")
-        if get(f"http://127.0.0.1:{port}/health")[0] == 200:
+            raise SystemExit(f"the server exited with status {proc.returncode} before "
+                             f"{ready_url} answered; its log:\n{open(log_path).read()[-4000:]}")
+        if get(ready_url)[0] == 200:
             return proc
         time.sleep(0.5)
     proc.kill()
-    raise SystemExit(f"/health did not answer 200 within {timeout:.0f} s; the server's log:\n"
+    raise SystemExit(f"{ready_url} did not answer 200 within {timeout:.0f} s; the server's log:\n"
                      f"{open(log_path).read()[-4000:]}")
 
 
@@ -167,7 +173,7 @@ def run_bench(base_url: str, tokenizer: str, concurrency: int, num_prompts: int,
         "--base-url", base_url, "--tokenizer", tokenizer, "--random-input-len", str(input_len),
         "--random-output-len", str(output_len), "--ignore-eos", "--num-prompts",
         str(num_prompts), "--max-concurrency", str(concurrency), "--disable-tqdm"])
-    return asyncio.run(serve.main_async(args))
+    return asyncio.run(serve.main_async(args))[0]
 
 
 def metric_values(text: str, name: str) -> list[float]:

@@ -17,7 +17,7 @@ class EngineConfig:
     kv_cache_memory_mb: int | None = None  # KV pool size in MB; wins over kv_fraction
     kv_fraction: float | None = None     # else this fraction of the memory free after loading
     kv_cache_dtype: str = "auto"         # auto: the backend's (f32 on CPU); fp8: e4m3 codes
-    max_num_seqs: int = 64
+    max_num_seqs: int | None = None      # None: sized from the KV pool (max_num_seqs.py)
     max_num_batched_tokens: int = 2048   # per-step token budget
     prefill_chunk_size: int = 0          # max prompt tokens per sequence per step; 0 = budget only
     enable_prefix_caching: bool = True
@@ -41,8 +41,13 @@ class EngineConfig:
         if self.dtype not in ("auto", "f32", "bf16", "f16", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, f32, bf16 or f16, got {self.dtype!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
+        if self.max_num_seqs is not None and self.max_num_seqs > self.max_num_batched_tokens:
+            # Decodes are scheduled first, one token each: a budget below the sequence count
+            # would leave some running sequences without a token, and prefills without any.
+            raise ValueError(f"max_num_seqs ({self.max_num_seqs}) must be at most "
+                             f"max_num_batched_tokens ({self.max_num_batched_tokens})")
         if self.kv_cache_memory_mb is not None and self.kv_cache_memory_mb < 1:
             raise ValueError("kv_cache_memory_mb must be at least 1")
         if self.kv_fraction is not None and not 0.0 < self.kv_fraction <= 1.0:

@@ -23,6 +23,7 @@ from engine.loader.safetensors import mem_available_bytes
 from engine.model_runner import ModelRunner
 from engine.models.registry import load_gguf_model, load_model
 from engine.logprobs import gather_logprobs, to_entries
+from engine.max_num_seqs import MAX_NUM_SEQS_CAP, default_max_num_seqs
 from engine.outputs import RequestOutput, TokenLogprobs
 from engine.pooling import Pooler, PoolingParams, default_pooling_config, read_pooling_config
 from engine.sampler import Sampler
@@ -85,13 +86,17 @@ class LLMEngine:
             # CuPy's current device and stream are per thread: this one profiles and captures.
             self.backend.bind_thread()
             cuda_memory.profile_forward(self.model, self.backend, config.max_num_batched_tokens,
-                                        config.max_num_seqs, config.block_size)
+                                        config.max_num_seqs or MAX_NUM_SEQS_CAP, config.block_size)
         num_blocks = config.num_kv_blocks or self._num_kv_blocks(kv_dtype)
         max_cached = (None if config.prefix_cache_max_tokens is None
                       else config.prefix_cache_max_tokens // config.block_size)
         self.block_pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching,
                                     max_cached_blocks=max_cached)
         self.max_model_len = self._max_model_len(num_blocks * config.block_size)
+        if config.max_num_seqs is None:
+            config.max_num_seqs, why = default_max_num_seqs(
+                num_blocks * config.block_size, self.max_model_len, config.max_num_batched_tokens)
+            log.info("max_num_seqs %d: %s; --max-num-seqs sets it", config.max_num_seqs, why)
         self.scheduler = Scheduler(config, self.block_pool)
         self.runner = ModelRunner(self.model, self.model_config, self.backend, config.block_size,
                                   num_blocks, config.kv_cache_dtype)
@@ -164,9 +169,9 @@ class LLMEngine:
             reserved = 0
             if config.cuda_graph:
                 from engine.cuda_graph import estimate_graph_memory_bytes
-                reserved = estimate_graph_memory_bytes(
-                    config.max_num_seqs, -(-self.model_config.max_model_len // config.block_size),
-                    self.model_config)
+                reserved = estimate_graph_memory_bytes(   # max_num_seqs unknown yet: the cap
+                    config.max_num_seqs or MAX_NUM_SEQS_CAP,
+                    -(-self.model_config.max_model_len // config.block_size), self.model_config)
             budget, what = cuda_memory.kv_budget_bytes(free, reserved, config.kv_fraction,
                                                        config.kv_cache_memory_mb)
         elif config.kv_cache_memory_mb is not None:

@@ -1,16 +1,21 @@
 """Which sequences run this step, and how many tokens each computes.
 
-The single rule: every sequence has `num_computed_tokens` catching up to `num_tokens`. Each step,
-the running sequences (oldest first), then the waiting ones (FIFO), each get
+The single rule: every sequence has `num_computed_tokens` catching up to `num_tokens`. Each step
+gives, while budget remains (max_num_batched_tokens per step) and at most max_num_seqs run,
     min(num_tokens - num_computed_tokens, remaining token budget, prefill_chunk_size if > 0)
-new tokens while budget remains (max_num_batched_tokens per step) and at most max_num_seqs run.
-A decode is just a sequence with one uncomputed token, so prefill chunks and decodes share a step.
+new tokens to: first the running sequences with one token left (decodes), then the other running
+sequences (prefill chunks), oldest first, then the waiting ones (FIFO). A decode is just a
+sequence with one uncomputed token, so prefill chunks and decodes share a step; serving decodes
+first means a long prompt, even one admitted before them, never stalls sequences that are
+generating, and the budget left after the decodes (max_num_batched_tokens >= max_num_seqs) always
+moves prefills on.
 
 Memory: a running sequence that cannot get blocks preempts the NEWEST running sequence (it may be
-itself) by recompute: its blocks are freed, num_computed_tokens drops to 0 and it goes to the
-front of the waiting queue, keeping its output tokens. A waiting sequence is admitted only if its
-blocks fit (after a prefix-cache lookup); the first that does not fit stops admission, and no
-admission happens in a step that had to preempt.
+itself, or one already scheduled this step, which is then taken out of the step) by recompute:
+its blocks are freed, num_computed_tokens drops to 0 and it goes to the front of the waiting
+queue, keeping its output tokens. A waiting sequence is admitted only if its blocks fit (after a
+prefix-cache lookup); the first that does not fit stops admission, and no admission happens in a
+step that had to preempt.
 """
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ from dataclasses import dataclass, field
 
 from engine.block_pool import BlockPool
 from engine.config import EngineConfig
+from engine.max_num_seqs import MAX_NUM_SEQS_CAP
 from engine.sequence import Sequence, SequenceStatus
 
 
@@ -61,11 +67,18 @@ class SchedulerOutput:
         self.is_decode.append(n == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens)
         self.sample.append(seq.num_computed_tokens + n == seq.num_tokens)
 
+    def _remove(self, seq: Sequence) -> int:
+        """Take a preempted sequence out of the step; returns its number of tokens."""
+        i = self.seqs.index(seq)
+        for column in (self.seqs, self.is_decode, self.sample):
+            del column[i]
+        return self.num_new_tokens.pop(i)
+
 
 class Scheduler:
 
     def __init__(self, config: EngineConfig, block_pool: BlockPool):
-        self.max_num_seqs = config.max_num_seqs
+        self.max_num_seqs = config.max_num_seqs or MAX_NUM_SEQS_CAP   # the engine sizes None
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.prefill_chunk_size = config.prefill_chunk_size
         self.block_pool = block_pool
@@ -99,23 +112,30 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         pool = self.block_pool
 
-        i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            n = self._num_new_tokens(seq, seq.num_computed_tokens, budget)
-            if n <= 0:
-                i += 1
-                continue
-            while not pool.allocate_slots(seq, n):
-                victim = self.running.pop()     # newest; always at or after index i
-                self._preempt(victim)
-                out.preempted.append(victim)
-                if victim is seq:
-                    break
-            else:
-                out._add(seq, n)
-                budget -= n
-                i += 1
+        scheduled: set[int] = set()      # seq_ids in `out`
+        for decodes in (True, False):
+            i = 0
+            while i < len(self.running) and budget > 0:
+                seq = self.running[i]
+                left = seq.num_tokens - seq.num_computed_tokens
+                if seq.seq_id in scheduled or left <= 0 or (left == 1) != decodes:
+                    i += 1
+                    continue
+                n = self._num_new_tokens(seq, seq.num_computed_tokens, budget)
+                while not pool.allocate_slots(seq, n):
+                    victim = self.running.pop()     # newest; always at or after index i
+                    if victim.seq_id in scheduled:
+                        scheduled.discard(victim.seq_id)
+                        budget += out._remove(victim)
+                    self._preempt(victim)
+                    out.preempted.append(victim)
+                    if victim is seq:
+                        break
+                else:
+                    out._add(seq, n)
+                    scheduled.add(seq.seq_id)
+                    budget -= n
+                    i += 1
 
         if out.preempted:
             return out

@@ -94,7 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--disable-cuda-graph", action="store_true",
                    help="run decode without CUDA graphs")
     e.add_argument("--block-size", type=int, metavar="N", default=16, help="tokens per KV-cache block (8-128)")
-    e.add_argument("--max-num-seqs", type=int, metavar="N", default=64, help="most sequences per step")
+    e.add_argument("--max-num-seqs", type=int, metavar="N", default=None,
+                   help="most sequences per step (default: what the KV cache holds at 1024 "
+                        "tokens each, up to 256)")
     e.add_argument("--max-num-batched-tokens", type=int, metavar="N", default=2048, help="token budget per step")
     e.add_argument("--kvcache-mem-gpu", "--mem", dest="kvcache_mem", type=int, default=None,
                    metavar="MB", help="KV-cache memory in MB; wins over --kv-fraction "

@@ -60,9 +60,10 @@ def count_launches(engine) -> list:
 @pytest.mark.parametrize("async_scheduling", [True, False])
 def test_greedy_with_chunks_and_preemption_equals_transformers(model_dir, prompts, reference,
                                                                async_scheduling):
-    # 20 blocks of 8 tokens cannot hold the six sequences: preemption happens mid-run.
+    # 20 blocks of 8 tokens cannot hold the six sequences: preemption happens mid-run (the
+    # automatic max_num_seqs would admit one sequence at a time into so small a pool).
     llm = LLM(model_dir, block_size=8, num_kv_blocks=20, prefill_chunk_size=16,
-              max_num_batched_tokens=48, enable_prefix_caching=False,
+              max_num_batched_tokens=48, enable_prefix_caching=False, max_num_seqs=8,
               async_scheduling=async_scheduling)
     engine = llm.engine
     engine.block_pool.shuffle_free_blocks(random.Random(1))
@@ -160,7 +161,7 @@ def test_stop_string_hit_while_next_step_runs_drops_that_row(demo_dir):
 
 
 def test_abort_while_a_step_is_in_flight(model_dir, prompts, reference):
-    llm = LLM(model_dir, block_size=8, num_kv_blocks=64)
+    llm = LLM(model_dir, block_size=8, num_kv_blocks=64, max_num_seqs=8)
     engine = llm.engine
     engine.add_request("a", prompts[1], GREEDY)
     engine.add_request("b", prompts[2], GREEDY)

@@ -136,7 +136,7 @@ def test_end_to_end_counts_and_json(tmp_path, tok_dir, backend):
 
     async def go(url):
         return await serve.main_async(serve.build_parser().parse_args(args + ["--base-url", url]))
-    res = run_with_stub(stub, go)
+    [res] = run_with_stub(stub, go)
 
     saved = json.loads((tmp_path / "r.json").read_text())
     assert REQUIRED_KEYS <= saved.keys()
@@ -160,6 +160,33 @@ def test_end_to_end_counts_and_json(tmp_path, tok_dir, backend):
     assert body["ignore_eos"] is True and body["temperature"] == 0.0
     assert ("messages" in body) == (backend == "openai-chat")
     assert stub.headers[0]["authorization"] == "Bearer sk-test"
+
+
+def test_several_concurrencies_print_the_table(tmp_path, tok_dir, capsys):
+    stub = Stub()
+    args = ["--tokenizer", tok_dir, "--random-input-len", "16", "--random-output-len", "6",
+            "--max-concurrency", "1", "4", "--prompts-per-concurrency", "2", "--ignore-eos",
+            "--save-result", "--result-dir", str(tmp_path), "--result-filename", "r.json",
+            "--disable-tqdm"]
+
+    async def go(url):
+        return await serve.main_async(serve.build_parser().parse_args(args + ["--base-url", url]))
+    results = run_with_stub(stub, go)
+
+    assert [r["max_concurrency"] for r in results] == [1, 4]
+    assert [r["num_prompts"] for r in results] == [2, 8] and stub.max_active == 4
+    assert [r["completed"] for r in results] == [2, 8]
+    for r, c in zip(results, (1, 4)):
+        assert json.loads((tmp_path / f"r-concurrency{c}.json").read_text())["num_prompts"] == 2 * c
+    table = capsys.readouterr().out.split("| concurrency |", 1)[1].splitlines()
+    assert table[0] == " output tok/s | median TTFT | median TPOT |"
+    assert table[1] == "|---:|---:|---:|---:|"
+    for line, r in zip(table[2:4], results):
+        tpot = np.median([(lat - t) / 5 for lat, t in zip(r["latencies"], r["ttfts"])]) * 1000
+        ttft = np.median(r["ttfts"]) * 1000
+        assert line == (f"| {r['max_concurrency']} | "
+                        f"{r['total_output_tokens'] / r['duration']:,.0f} | {ttft:,.0f} ms | "
+                        f"{tpot:.2f} ms |")
 
 
 def test_without_usage_counts_chunks_and_failures_are_left_out():

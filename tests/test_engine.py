@@ -73,7 +73,7 @@ class StressRunner:
 def test_batch_chunked_preempted_equals_transformers(model_dir, prompts, reference):
     # 24 blocks of 8 tokens cannot hold all eight sequences (~400 tokens): preemption must happen.
     llm = LLM(model_dir, block_size=8, num_kv_blocks=24, prefill_chunk_size=16,
-              max_num_batched_tokens=64, enable_prefix_caching=False)
+              max_num_batched_tokens=64, enable_prefix_caching=False, max_num_seqs=8)
     llm.engine.block_pool.shuffle_free_blocks(random.Random(3))
     stress = StressRunner(llm.engine.runner, llm.engine.block_pool)
     outs = llm.generate(prompts, GREEDY)
@@ -94,7 +94,7 @@ def test_preemption_with_prefix_caching_equals_transformers(model_dir, shared_pr
     model = load_hf(model_dir)
     reference = [hf_greedy(model, p, GEN) for p in shared_prefix_prompts]
     llm = LLM(model_dir, block_size=8, num_kv_blocks=32, prefill_chunk_size=16,
-              max_num_batched_tokens=64)
+              max_num_batched_tokens=64, max_num_seqs=8)
     llm.engine.block_pool.shuffle_free_blocks(random.Random(5))
     StressRunner(llm.engine.runner, llm.engine.block_pool)
     outs = llm.generate(shared_prefix_prompts, GREEDY)

@@ -49,9 +49,9 @@ def test_budget_split_with_chunk_size():
     assert ids(out.seqs) == ["a", "b", "c"] and out.num_new_tokens == [16, 4, 16]
     assert out.sample == [False, True, False]
 
-    out = step(sched)
-    assert out.num_new_tokens == [8, 1, 6]
-    assert out.is_decode == [False, True, False] and out.sample == [True, True, True]
+    out = step(sched)       # b decodes first, ahead of the older a's prefill chunk
+    assert ids(out.seqs) == ["b", "a", "c"] and out.num_new_tokens == [1, 8, 6]
+    assert out.is_decode == [True, False, False] and out.sample == [True, True, True]
 
     out = step(sched)
     assert out.num_new_tokens == [1, 1, 1] and out.is_decode == [True, True, True]
@@ -262,3 +262,63 @@ def test_a_sequence_waiting_for_room_is_counted_once_in_prefix_stats():
     sched.finish(a, "stop")
     assert ids(step(sched).seqs) == ["b"]
     assert (pool.prefix_cache_queries, pool.prefix_cache_hits) == (60, 0)
+
+
+def test_preempting_a_decode_scheduled_earlier_in_the_step_takes_it_out():
+    sched = make(4, block_size=8, max_num_batched_tokens=64, prefill_chunk_size=8)
+    p, d = seq(24, 0, "p"), seq(7, 100, "d")
+    sched.add(p)
+    sched.add(d)
+    assert step(sched).num_new_tokens == [8, 7]
+    out = step(sched)                   # d's 8th token fits its block; p takes block 2
+    assert ids(out.seqs) == ["d", "p"] and out.num_new_tokens == [1, 8]
+    assert (p.block_table, d.block_table) == ([0, 2], [1])
+    out = step(sched)   # d (decode, first) takes the last block; p then needs one: d is newest
+    assert ids(out.seqs) == ["p"] and out.num_new_tokens == [8] and ids(out.preempted) == ["d"]
+    assert out.is_decode == [False] and out.sample == [True] and out.total_num_tokens == 8
+    assert p.block_table == [0, 2, 3] and d.block_table == [] and ids(sched.waiting) == ["d"]
+    assert d.num_computed_tokens == 0 and d.output_token_ids == [SAMPLED, SAMPLED]
+
+
+def run_to_decoding(sched, seqs):
+    for s in seqs:
+        sched.add(s)
+    while any(s.num_computed_tokens < s.num_prompt_tokens for s in seqs):
+        step(sched)
+
+
+def test_256_decodes_are_not_stalled_by_an_older_long_prefill():
+    # Two long prompts arrive first (chunks of 768), then 254 short ones: every step after the
+    # short ones' prefill decodes all of them beside both long prompts' chunks, so each short
+    # sequence gets one token per step (its TPOT is one step) while the long prompts prefill.
+    sched = make(4096, max_num_seqs=256, max_num_batched_tokens=2048, prefill_chunk_size=768)
+    longs = [seq(6000, 0, "L1"), seq(6000, 6000, "L2")]
+    short = [seq(2, 20_000 + 2 * i, f"s{i}") for i in range(254)]
+    for s in longs + short:
+        sched.add(s)
+    out = step(sched)               # 768 + 768 + 256 short prompts of 2 tokens: 254 fit
+    assert out.total_num_tokens == 2044 and out.num_seqs == 256
+    steps = 1
+    while any(s.num_computed_tokens < s.num_prompt_tokens for s in longs):
+        out = step(sched)
+        steps += 1
+        assert out.num_decodes == 254 and out.is_decode[:254] == [True] * 254
+        assert out.num_new_tokens[254:] == ([768, 768] if steps < 8 else [624, 624])
+    assert steps == 8                   # ceil(6000 / 768) chunks each
+    assert all(s.num_output_tokens == steps for s in short)
+
+
+def test_a_prefill_moves_on_beside_255_decodes():
+    # 255 sequences decoding and one new 4000-token prompt: the decodes take 255 tokens of each
+    # step's 2048, the prompt the other 1793, so its first token comes on the third step.
+    sched = make(4096, max_num_seqs=256, max_num_batched_tokens=2048)
+    decoding = [seq(4, 4 * i, f"d{i}") for i in range(255)]
+    run_to_decoding(sched, decoding)
+    prompt = seq(4000, 50_000, "p")
+    sched.add(prompt)
+    chunks = []
+    while prompt.num_output_tokens == 0:
+        out = step(sched)
+        assert out.num_decodes == 255 and out.total_num_tokens <= 2048
+        chunks.append(out.num_new_tokens[out.seqs.index(prompt)])
+    assert chunks == [1793, 1793, 414]

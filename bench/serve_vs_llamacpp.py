@@ -1,0 +1,196 @@
+"""CPU serving against llama.cpp on the same weights (issue 13, item 5; a bench, not a test).
+
+    python -m bench.serve_vs_llamacpp                        # f32, 16 clients, 2 threads each
+    python -m bench.serve_vs_llamacpp --formats f32 q8_0 q4_k_m --input-len 256 --output-len 64
+
+1. The checkpoint: Qwen2.5-0.5B's shapes with random f32 weights (bench.make_checkpoint) and the
+   byte-level BPE tokenizer of bench.make_serve_checkpoint (151,643 ids + Qwen2's specials), so
+   both servers turn the same prompt text into the same tokens.
+2. GGUF: llama.cpp's own convert_hf_to_gguf.py (--outtype f32) on that directory, tokenizer
+   included. The toy vocabulary cannot match the converter's table of known pre-tokenizers
+   (hashes of real vocabularies' output), so the converter is told "gpt-2": the regex the toy
+   was trained with (ByteLevel use_regex). Q8_0 and Q4_K_M: that f32 file through llama.cpp's
+   own quantizer (llama_model_quantize in llama-cpp-python).
+3. Per format, one server at a time, each with the same number of threads:
+   `python -m server` (f32: the safetensors; Q8_0 / Q4_K_M: the same GGUF file llama.cpp runs,
+   its tokenizer rebuilt from the file), then `python -m llama_cpp.server` on the GGUF.
+4. The same bench.serve load on each: --clients streaming clients, --prompts-per-client prompts
+   each, random prompts of --input-len tokens, --output-len tokens out, ignore_eos, greedy, after
+   one untimed warm-up request.
+5. Both tables, the ratio of output tok/s, and the machine; --out FILE keeps them as markdown.
+
+llama-cpp-python's server holds one llama context behind a lock: it runs one request at a time
+(no parallel slots, no continuous batching; the C++ llama-server with -np N batches N slots). So
+16 clients there queue, and the ratio measures batching as much as kernels. Its default
+interrupt_requests=True would end the streaming request with [DONE] as soon as another one
+waits; it is turned off, and a run whose streams came back short fails. llama.cpp's KV cache
+is f16 (its default), Taper's f32 on the CPU. The GGUF files and checkpoints are cached in
+bench/.cache/ (about 5 GB with the quantized files).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from bench import make_checkpoint, make_serve_checkpoint, serve
+from bench.serve_check import start_process
+
+LLAMACPP_SRC = Path(os.environ.get("LLAMACPP_SRC",
+                                   "/tmp/lcp/llama_cpp_python-0.3.36/vendor/llama.cpp"))
+SERVE_DIR = make_checkpoint.CACHE / "qwen2.5-0.5b-random-f32-tok"
+
+CONVERT = """
+import sys
+sys.argv = ["convert_hf_to_gguf.py"] + sys.argv[1:]
+sys.path.insert(0, {src!r})
+import convert_hf_to_gguf as convert
+from conversion.base import TextModel
+# A toy vocabulary cannot match the converter's hash table of known pre-tokenizers; it was
+# trained with the GPT-2 split regex.
+TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
+convert.main()
+"""
+
+
+def serving_checkpoint() -> Path:
+    """The f32 weights with the serving tokenizer, as symlinks in one directory."""
+    f32 = make_checkpoint.make_checkpoints()["f32"]
+    tok = Path(make_serve_checkpoint.HERE)
+    if not (tok / "tokenizer.json").is_file():
+        make_serve_checkpoint.main()
+    SERVE_DIR.mkdir(parents=True, exist_ok=True)
+    for src in (f32 / "config.json", f32 / "generation_config.json", f32 / "model.safetensors",
+                tok / "tokenizer.json", tok / "tokenizer_config.json"):
+        link = SERVE_DIR / src.name
+        if not link.exists():
+            link.symlink_to(src)
+    return SERVE_DIR
+
+
+def gguf(fmt: str, src: Path) -> Path:
+    f32 = src.with_name(src.name + "-f32.gguf")
+    if not f32.is_file():
+        env = {k: v for k, v in os.environ.items() if k != "NO_LOCAL_GGUF"}
+        tmp = f32.with_suffix(".tmp.gguf")
+        t0 = time.time()
+        subprocess.run([sys.executable, "-c", CONVERT.format(src=str(LLAMACPP_SRC)),
+                        "--outtype", "f32", "--outfile", str(tmp), str(src)],
+                       check=True, env=env, cwd=LLAMACPP_SRC, stdout=subprocess.DEVNULL,
+                       stderr=subprocess.DEVNULL)
+        tmp.rename(f32)
+        print(f"converted {src.name} to {f32.name} in {time.time() - t0:.0f} s", flush=True)
+    if fmt == "f32":
+        return f32
+    return make_checkpoint.make_quant_gguf(fmt, src=f32)
+
+
+def run_load(port: int, tokenizer: Path, args) -> dict:
+    [result] = asyncio.run(serve.main_async(serve.build_parser().parse_args([
+        "--base-url", f"http://127.0.0.1:{port}", "--tokenizer", str(tokenizer),
+        "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
+        "--ignore-eos", "--num-prompts", str(args.clients * args.prompts_per_client),
+        "--max-concurrency", str(args.clients), "--num-warmups", "1", "--disable-tqdm"])))
+    return result
+
+
+def bench_server(name: str, cmd: list[str], env: dict, port: int, ready: str, tokenizer: Path,
+                 args, log_dir: Path) -> dict:
+    proc = start_process(cmd, f"http://127.0.0.1:{port}{ready}",
+                         str(log_dir / f"{name}.log"), args.start_timeout, env)
+    try:
+        t0 = time.monotonic()
+        result = run_load(port, tokenizer, args)
+        print(f"{name}: {time.monotonic() - t0:.0f} s", flush=True)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    expected = args.clients * args.prompts_per_client
+    if result["completed"] != expected:
+        errors = sorted({e for e in result["errors"] if e})[:3]
+        raise SystemExit(f"{name}: {result['completed']} of {expected} requests completed "
+                         f"({'; '.join(errors)})")
+    if result["total_output_tokens"] != expected * args.output_len:
+        raise SystemExit(f"{name}: {result['total_output_tokens']} output tokens, not "
+                         f"{expected * args.output_len}: streams ended early")
+    return result
+
+
+def table(rows: list[tuple[str, str, dict, float | None]]) -> str:
+    lines = ["| weights | server | output tok/s | median TTFT | median TPOT | output tokens "
+             "| Taper / llama.cpp |", "|---|---|---:|---:|---:|---:|---:|"]
+    for fmt, name, r, ratio in rows:
+        lines.append(f"| {fmt} | {name} | {r['output_throughput']:.1f} | "
+                     f"{r['median_ttft_ms']:,.0f} ms | {r['median_tpot_ms']:.1f} ms | "
+                     f"{r['total_output_tokens']} | {f'**{ratio:.2f}x**' if ratio else ''} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--formats", nargs="+", default=["f32"], choices=["f32", "q8_0", "q4_k_m"])
+    p.add_argument("--clients", type=int, default=16)
+    p.add_argument("--prompts-per-client", type=int, default=2)
+    p.add_argument("--input-len", type=int, default=256)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
+                   help="threads for each server (default: the usable cores)")
+    p.add_argument("--port", type=int, default=2170)
+    p.add_argument("--start-timeout", type=float, default=600.0)
+    p.add_argument("--servers", nargs="+", default=["taper", "llama_cpp"],
+                   choices=["taper", "llama_cpp"], help="which to run (default both)")
+    p.add_argument("--out", default=None, help="also write the report to this markdown file")
+    args = p.parse_args(argv)
+
+    src = serving_checkpoint()
+    log_dir = make_checkpoint.CACHE / "serve_vs_llamacpp"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    threads = str(args.threads)
+    n_ctx = str(max(512, 2 * (args.input_len + args.output_len)))
+    rows = []
+    for fmt in args.formats:
+        path = gguf(fmt, src)
+        weights = ["--w", str(src)] if fmt == "f32" else ["--w", str(path.parent), "--f", str(path)]
+        taper = llama = None
+        if "taper" in args.servers:
+            taper = bench_server(
+                f"taper-{fmt}", [sys.executable, "-m", "server", *weights, "--cpu",
+                                 "--h", "127.0.0.1", "--p", str(args.port)],
+                {"OMP_NUM_THREADS": threads}, args.port, "/health", src, args, log_dir)
+        if "llama_cpp" in args.servers:
+            llama = bench_server(
+                f"llama_cpp-{fmt}", [sys.executable, "-m", "llama_cpp.server", "--model",
+                                     str(path), "--host", "127.0.0.1", "--port",
+                                     str(args.port + 1), "--n_threads", threads,
+                                     "--n_threads_batch", threads, "--n_ctx", n_ctx,
+                                     "--n_batch", "512",
+                                     # else a waiting request ends the one streaming ([DONE])
+                                     "--interrupt_requests", "False"],
+                {}, args.port + 1, "/v1/models", src, args, log_dir)
+        if taper:
+            rows.append((fmt, "Taper (python -m server)", taper,
+                         taper["output_throughput"] / llama["output_throughput"] if llama
+                         else None))
+        if llama:
+            rows.append((fmt, "llama-cpp-python (python -m llama_cpp.server)", llama, None))
+    m = serve.machine_info()
+    report = "\n".join([
+        f"{args.clients} streaming clients x {args.prompts_per_client} prompts, "
+        f"{args.input_len} tokens in, {args.output_len} out (ignore_eos, greedy), "
+        f"{threads} threads per server; {m['cpu']}, {m['usable_cores']} of {m['cpu_count']} "
+        f"cores, load average {os.getloadavg()[0]:.1f} at the end", "", table(rows)])
+    print(report)
+    if args.out:
+        Path(args.out).write_text(report + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
