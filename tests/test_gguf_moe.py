@@ -11,9 +11,6 @@ stops where the reference's top two are within 0.05 (test_gguf.py's QUANT_TIE).
 """
 from __future__ import annotations
 
-import json
-import os
-
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
@@ -23,35 +20,16 @@ from engine.loader.gguf import read_gguf
 from engine.model_config import ModelConfig
 from engine.quant import QuantizedWeight
 from server_fakes import LiveServer, client_for, post_json
-from test_gguf import QUANT_TIE, TIE, greedy, trusted
+from gguf_fixtures import DATA, QUANT_TIE, RecordedFixtures, path_of, source_config
+from test_gguf import greedy
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-DATA = os.path.join(HERE, "data", "gguf")
-with open(os.path.join(DATA, "moe_fixtures.json")) as f:
-    FIX = json.load(f)
-
-FILES = {f"{name}-{kind}": (name, kind) for name, m in FIX["models"].items() for kind in m["files"]}
-FLOAT_FILES = [s for s, (_, k) in FILES.items() if k in ("f32", "f16", "bf16")]
-QUANT_FILES = [s for s, (_, k) in FILES.items() if k == "q8_0"]
+RECORDED = RecordedFixtures("moe_fixtures.json", min_trusted_steps=4)
+FIX, FILES = RECORDED.fix, RECORDED.files
+FLOAT_FILES, QUANT_FILES = RECORDED.float_files, RECORDED.quant_files
+reference = RECORDED.reference
 EXPERT_BLOCK = {"mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
                 "qwen2_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
                 "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj"))}
-
-
-def path_of(stem: str) -> str:
-    return os.path.join(DATA, f"{stem}.gguf")
-
-
-def source_config(name: str) -> ModelConfig:
-    return ModelConfig.from_pretrained(os.path.join(DATA, f"{name}-source"))
-
-
-def reference(stem: str) -> tuple[dict, int]:
-    name, kind = FILES[stem]
-    ref = FIX["models"][name]["files"][kind]["transformers"]
-    n = trusted(ref["margins"], TIE if stem in FLOAT_FILES else QUANT_TIE)
-    assert n >= 4, f"{stem}: reference near-tie at step {n}; change the seed"
-    return ref, n
 
 
 @pytest.mark.parametrize("stem", list(FILES))
