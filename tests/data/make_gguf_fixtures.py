@@ -232,20 +232,22 @@ def source_config(name: str, token_ids: dict | None = None, models: dict | None 
     return getattr(transformers, spec["config"])(**kwargs)
 
 
-def source_model(name: str, config=None):
-    """The transformers model of `name` with its scaled random weights (deterministic on CPU).
-    Tests call this with the committed config.json to rebuild the weights."""
+def source_model(name: str, config=None, models: dict | None = None):
+    """The transformers model of `name` in `models` (default this file's MODELS) with its scaled
+    random weights (deterministic on CPU). Tests call this with the committed config.json to
+    rebuild the weights."""
     import torch
     from transformers import AutoModelForCausalLM
 
     sys.path.insert(0, os.path.dirname(HERE))
     from checkpoints import scale_weights
 
-    seed, scale = MODELS[name]["seed"], MODELS[name]["scale"]
-    config = config if config is not None else source_config(name)
-    torch.manual_seed(seed)
+    spec = (models or MODELS)[name]
+    config = config if config is not None else source_config(name, None, models)
+    torch.manual_seed(spec["seed"])
     model = AutoModelForCausalLM.from_config(config)
-    scale_weights(model, scale=scale, seed=seed)
+    scale_weights(model, scale=spec["scale"], seed=spec["seed"],
+                  embed_std=spec.get("embed_std", 0.15))
     return model.eval()
 
 

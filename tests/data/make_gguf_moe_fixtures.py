@@ -85,19 +85,7 @@ def source_config(name: str, token_ids: dict | None = None):
 
 def source_model(name: str, config=None):
     """The transformers model of `name` with its scaled random weights (deterministic on CPU)."""
-    import sys
-
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    sys.path.insert(0, os.path.dirname(HERE))
-    from checkpoints import scale_weights
-
-    spec = MODELS[name]
-    torch.manual_seed(spec["seed"])
-    model = AutoModelForCausalLM.from_config(config if config is not None else source_config(name))
-    scale_weights(model, scale=spec["scale"], seed=spec["seed"])
-    return model.eval()
+    return maker.source_model(name, config, MODELS)
 
 
 # GGUF tensor (per layer) -> transformers parameter (per layer, the names transformers 5 uses
