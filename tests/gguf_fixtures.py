@@ -57,3 +57,25 @@ class RecordedFixtures:
         n = trusted(ref["margins"], TIE if stem in self.float_files else QUANT_TIE)
         assert n >= self.min_trusted_steps, f"{stem}: reference near-tie at step {n}; change the seed"
         return ref, n
+
+    def atol(self, stem: str, ref_first) -> float:
+        """First-step logits tolerance: float32 rounding for a float file, QUANT_TIE for Q8_0."""
+        import numpy as np
+        return 1e-4 * max(1.0, np.abs(ref_first).max()) if stem in self.float_files else QUANT_TIE
+
+    def assert_greedy_matches_reference(self, stem: str) -> dict:
+        """Taper's greedy run of the file equals transformers' on the file's weights (tokens up
+        to the first near-tie, first-step logits within atol); returns that reference."""
+        import numpy as np
+
+        from engine.loader.gguf import read_gguf
+        from test_gguf import greedy  # (here, not above: test_gguf imports this module)
+
+        name, _ = self.files[stem]
+        ref, n = self.reference(stem)
+        ck = read_gguf(path_of(stem), progress=False)
+        tokens, first = greedy(ck.config, ck.weights, self.fix["models"][name]["prompt_ids"], n)
+        ref_first = np.array(ref["first_logits"])
+        np.testing.assert_allclose(first, ref_first, rtol=0, atol=self.atol(stem, ref_first))
+        assert tokens == ref["tokens"][:n]
+        return ref

@@ -27,14 +27,10 @@ from test_gguf import greedy, maker
 RECORDED = RecordedFixtures("dense_fixtures.json", min_trusted_steps=8)
 FIX, FILES = RECORDED.fix, RECORDED.files
 FLOAT_FILES, QUANT_FILES = RECORDED.float_files, RECORDED.quant_files
-reference = RECORDED.reference
+reference, atol = RECORDED.reference, RECORDED.atol
 ARCH = {"gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
         "glm4": "Glm4ForCausalLM", "stablelm": "StableLmForCausalLM",
         "stablelm_qk": "StableLmForCausalLM"}
-
-
-def atol(stem: str, ref_first: np.ndarray) -> float:
-    return 1e-4 * max(1.0, np.abs(ref_first).max()) if stem in FLOAT_FILES else QUANT_TIE
 
 
 def first_logits(ck, stem: str) -> np.ndarray:
@@ -102,15 +98,9 @@ def test_float_weights_equal_the_source_checkpoint():
 @pytest.mark.parametrize("stem", FLOAT_FILES + QUANT_FILES)
 def test_gguf_greedy_matches_transformers_on_the_file_weights(stem):
     name, kind = FILES[stem]
-    m = FIX["models"][name]
-    ref, n = reference(stem)
-    ck = read_gguf(path_of(stem), progress=False)
-    tokens, first = greedy(ck.config, ck.weights, m["prompt_ids"], n)
-    ref_first = np.array(ref["first_logits"])
-    np.testing.assert_allclose(first, ref_first, rtol=0, atol=atol(stem, ref_first))
-    assert tokens == ref["tokens"][:n]
+    ref = RECORDED.assert_greedy_matches_reference(stem)
     if kind == "f32":       # the file's weights are the source's: the same tokens
-        assert ref["tokens"] == m["transformers"]["tokens"]
+        assert ref["tokens"] == FIX["models"][name]["transformers"]["tokens"]
 
 
 LLAMA_CPP_FILES = [s for s, (n, k) in FILES.items()

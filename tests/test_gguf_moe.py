@@ -7,7 +7,7 @@ The reference, recorded in tests/data/gguf/moe_fixtures.json, is transformers on
 each file holds (gguf-py's dequantization of every tensor, put back in the source model).
 Float files: tokens and first-step logits as the float GGUF tests. Q8_0 files: Taper quantizes
 activations to 8 bits (as llama.cpp does), which moves logits by a few hundredths, so comparison
-stops where the reference's top two are within 0.05 (test_gguf.py's QUANT_TIE).
+stops where the reference's top two are within 0.05 (QUANT_TIE in tests/gguf_fixtures.py).
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from engine.loader.gguf import read_gguf
 from engine.model_config import ModelConfig
 from engine.quant import QuantizedWeight
 from server_fakes import LiveServer, client_for, post_json
-from gguf_fixtures import DATA, QUANT_TIE, RecordedFixtures, path_of, source_config
+from gguf_fixtures import DATA, RecordedFixtures, path_of, source_config
 from test_gguf import greedy
 
 RECORDED = RecordedFixtures("moe_fixtures.json", min_trusted_steps=4)
@@ -69,15 +69,7 @@ def test_each_expert_is_its_slice_of_the_merged_tensor(stem):
 
 @pytest.mark.parametrize("stem", FLOAT_FILES + QUANT_FILES)
 def test_gguf_greedy_matches_transformers_on_the_file_weights(stem):
-    name, kind = FILES[stem]
-    m = FIX["models"][name]
-    ref, n = reference(stem)
-    ck = read_gguf(path_of(stem), progress=False)
-    tokens, first = greedy(ck.config, ck.weights, m["prompt_ids"], n)
-    ref_first = np.array(ref["first_logits"])
-    atol = 1e-4 * max(1.0, np.abs(ref_first).max()) if stem in FLOAT_FILES else QUANT_TIE
-    np.testing.assert_allclose(first, ref_first, rtol=0, atol=atol)
-    assert tokens == ref["tokens"][:n]
+    RECORDED.assert_greedy_matches_reference(stem)
 
 
 def test_the_q8_0_reference_sees_the_quantization():
