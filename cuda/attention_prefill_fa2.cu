@@ -27,6 +27,7 @@
 // Shared memory: 2 stages x (K + V) x 64 keys x (D + 8) x 2 bytes = 36 KiB (D = 64) or 68 KiB
 // (D = 128), Q staged in stage 1 before the loop; two blocks fit an SM on A100 and H100.
 #include "attention_prefill_fa2.cuh"
+#include "attention_prefill_schedule.cuh"
 #include "mma.cuh"
 
 namespace {
@@ -67,33 +68,16 @@ prefill_attention_fa2_kernel(T* __restrict__ out,                          // (T
     const int g = lane >> 2, c = lane & 3;
     const int G = Hq / Hkv;
 
-    // ---- which (KV head, sequence, packed rows) this block owns
-    const int64_t ntiles = gridDim.x / Hkv;
-    const int kvh = (int)(blockIdx.x / ntiles);
-    const int64_t tile = ntiles - 1 - blockIdx.x % ntiles;
-    int b = 0;
-    {
-        int lo = 0, hi = B - 1;
-        while (lo < hi) {
-            const int mid = (lo + hi + 1) >> 1;
-            if ((int64_t)query_start_loc[mid] * G / FA_M + mid <= tile) lo = mid;
-            else hi = mid - 1;
-        }
-        b = lo;
-    }
-    const int64_t q_begin = query_start_loc[b], q_end_raw = query_start_loc[b + 1];
-    const int64_t q_end = min(q_end_raw, num_tokens);
-    const int64_t r0 = q_begin * G + (tile - (q_begin * G / FA_M + b)) * FA_M;
-    if (r0 < 0 || r0 >= q_end * G) return;  // a surplus tile (block-uniform, before any barrier)
-    const int64_t r1 = min(r0 + FA_M, q_end * G);
-    const int64_t pos_off = (int64_t)seq_lens[b] - q_end_raw;  // token t sits at t + pos_off
-    const int32_t* bt = block_tables + (int64_t)b * MB;
-
-    // The block's keys: from its first row's window start to its last row's position.
-    const int64_t k_lo = window > 0 ? max((int64_t)0, r0 / G + pos_off - window + 1) : 0;
-    const int64_t k_hi = min((r1 - 1) / G + pos_off, (int64_t)MB * BS - 1);  // inclusive
-    const int64_t k_start = k_lo / FA_N * FA_N;
-    const int n_kv = k_hi >= k_lo ? (int)((k_hi - k_start) / FA_N + 1) : 0;
+    // ---- which (KV head, sequence, packed rows) this block owns, and its keys
+    PrefillBlock sched;
+    if (!prefill_block<FA_M, FA_N>(sched, block_tables, seq_lens, query_start_loc, num_tokens,
+                                   B, G, Hkv, BS, MB, window))
+        return;  // a surplus tile (block-uniform, before any barrier)
+    const int kvh = sched.kvh;
+    const int64_t r0 = sched.r0, r1 = sched.r1, pos_off = sched.pos_off;
+    const int32_t* bt = sched.bt;
+    const int64_t k_lo = sched.k_lo, k_hi = sched.k_hi, k_start = sched.k_start;
+    const int n_kv = sched.n_kv;
 
     // ---- this warp's 16 rows and this lane's two (g and g + 8, "a" and "b")
     const int64_t w_r0 = r0 + warp * 16;

@@ -29,6 +29,7 @@
 // plus 1 KiB of alignment: 3 stages = 57 KiB at D = 64, 2 stages = 81 KiB at D = 128; two blocks
 // per SM.
 #include "attention_prefill_fa3.cuh"
+#include "attention_prefill_schedule.cuh"
 #include "mma.cuh"
 #include "wgmma.cuh"
 
@@ -87,32 +88,16 @@ prefill_attention_fa3_kernel(T* __restrict__ out,                          // (T
 
     const int G = Hq / Hkv;
 
-    // ---- which (KV head, sequence, packed rows) this block owns: fa2's schedule
-    const int64_t ntiles = gridDim.x / Hkv;
-    const int kvh = (int)(blockIdx.x / ntiles);
-    const int64_t tile = ntiles - 1 - blockIdx.x % ntiles;
-    int b = 0;
-    {
-        int lo = 0, hi = B - 1;
-        while (lo < hi) {
-            const int mid = (lo + hi + 1) >> 1;
-            if ((int64_t)query_start_loc[mid] * G / F3_M + mid <= tile) lo = mid;
-            else hi = mid - 1;
-        }
-        b = lo;
-    }
-    const int64_t q_begin = query_start_loc[b], q_end_raw = query_start_loc[b + 1];
-    const int64_t q_end = min(q_end_raw, num_tokens);
-    const int64_t r0 = q_begin * G + (tile - (q_begin * G / F3_M + b)) * F3_M;
-    if (r0 < 0 || r0 >= q_end * G) return;  // a surplus tile (block-uniform, before any barrier)
-    const int64_t r1 = min(r0 + F3_M, q_end * G);
-    const int64_t pos_off = (int64_t)seq_lens[b] - q_end_raw;  // token t sits at t + pos_off
-    const int32_t* bt = block_tables + (int64_t)b * MB;
-
-    const int64_t k_lo = window > 0 ? max((int64_t)0, r0 / G + pos_off - window + 1) : 0;
-    const int64_t k_hi = min((r1 - 1) / G + pos_off, (int64_t)MB * BS - 1);  // inclusive
-    const int64_t k_start = k_lo / F3_N * F3_N;
-    const int n_kv = k_hi >= k_lo ? (int)((k_hi - k_start) / F3_N + 1) : 0;
+    // ---- which (KV head, sequence, packed rows) this block owns, and its keys: fa2's schedule
+    PrefillBlock sched;
+    if (!prefill_block<F3_M, F3_N>(sched, block_tables, seq_lens, query_start_loc, num_tokens,
+                                   B, G, Hkv, BS, MB, window))
+        return;  // a surplus tile (block-uniform, before any barrier)
+    const int kvh = sched.kvh;
+    const int64_t r0 = sched.r0, r1 = sched.r1, pos_off = sched.pos_off;
+    const int32_t* bt = sched.bt;
+    const int64_t k_lo = sched.k_lo, k_hi = sched.k_hi, k_start = sched.k_start;
+    const int n_kv = sched.n_kv;
 
     if (threadIdx.x == 0) {
         for (int s = 0; s < STAGES; s++) {

@@ -45,6 +45,7 @@
 #include <algorithm>
 
 #include "common.cuh"
+#include "mma.cuh"
 
 namespace {
 
@@ -107,45 +108,10 @@ __global__ void marlin_repack_groups_kernel(const float* __restrict__ scales,  /
 
 // ---- kernels: GEMM variant 0
 
-__device__ __forceinline__ uint32_t pack2(float lo, float hi, __nv_bfloat16*) {
-    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // .x (low half) = lo
-    uint32_t u;
-    memcpy(&u, &v, 4);
-    return u;
-}
-__device__ __forceinline__ uint32_t pack2(float lo, float hi, __half*) {
-    const __half2 v = __floats2half2_rn(lo, hi);
-    uint32_t u;
-    memcpy(&u, &v, 4);
-    return u;
-}
-
-// c += a (16x16, row major) * b (16x8, column major), f32 accumulators. mma.sync m16n8k16 with
-// 16-bit inputs exists from sm_80 on and runs unchanged on sm_90a (Hopper keeps the warp-level
-// MMA path beside wgmma), so one kernel serves both targets. Not volatile: it has no side
-// effects, so the compiler may move the next k-step's loads above it.
-__device__ __forceinline__ void mma_16816(float c[4], const uint32_t a[4], uint32_t b0,
-                                          uint32_t b1, __nv_bfloat16*) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-#else
-    __trap();  // only sm_80 and sm_90a are compiled
-#endif
-}
-__device__ __forceinline__ void mma_16816(float c[4], const uint32_t a[4], uint32_t b0,
-                                          uint32_t b1, __half*) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-#else
-    __trap();
-#endif
-}
+// pack_pair and mma_16816 (mma.sync m16n8k16 with 16-bit inputs, sm_80 and up, unchanged on
+// sm_90a, so one kernel serves both targets): cuda/mma.cuh.
+using taper::mma_16816;
+using taper::pack_pair;
 
 // Two consecutive activations (4-byte aligned: K is even and the launcher checked x).
 template <typename T>
@@ -226,8 +192,8 @@ marlin_gemm_simple_kernel(const T* __restrict__ x,             // (M, K)
                         const int p = 2 * b + h;  // nibbles p (lower k) and p + 4
                         const float lo = (float)((words[j] >> (4 * p)) & 15u);
                         const float hi = (float)((words[j] >> (4 * p + 16)) & 15u);
-                        breg[h] = pack2((lo - z[blk]) * s[blk], (hi - z[blk]) * s[blk],
-                                        (T*)nullptr);
+                        breg[h] = pack_pair((lo - z[blk]) * s[blk], (hi - z[blk]) * s[blk],
+                                            (T*)nullptr);
                     }
                     mma_16816(acc[blk], a, breg[0], breg[1], (T*)nullptr);
                 }

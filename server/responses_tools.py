@@ -13,7 +13,7 @@ import json
 import uuid
 
 from server.protocol import APIError, _template_tool_call
-from server.tool_calls import ChatTools, request_tool_choice, request_tools
+from server.tool_calls import ChatTools, request_tool_choice, request_tools, tools_in_use
 
 
 def response_tools(req, parser_class) -> ChatTools:
@@ -22,13 +22,7 @@ def response_tools(req, parser_class) -> ChatTools:
     tools = None if req.tools is None else [_chat_tool(t, i) for i, t in enumerate(req.tools)]
     tools = request_tools(tools or None, None)
     choice = request_tool_choice(_chat_choice(req.tool_choice), None, tools)
-    if not tools or choice == "none":
-        return ChatTools(None, "none", None)
-    if parser_class is None:
-        raise APIError("this model has no tool-call parser (no known format for its "
-                       "architecture or chat template); start the server with --enforce-parser "
-                       "NAME", param="tools", code="unsupported_parameter")
-    return ChatTools(tools, choice, parser_class(tools), req.parallel_tool_calls is not False)
+    return tools_in_use(tools, choice, parser_class, req.parallel_tool_calls)
 
 
 def echoed_tools(req) -> list[dict]:

@@ -27,13 +27,20 @@ def chat_tools(req, parser_class, mcp_tools: list[dict] | None = None) -> ChatTo
         tools = mcp_tools
     choice = request_tool_choice(req.tool_choice, req.function_call, tools)
     check_history(req.messages)
+    return tools_in_use(tools, choice, parser_class, req.parallel_tool_calls)
+
+
+def tools_in_use(tools: list[dict] | None, choice, parser_class, parallel) -> ChatTools:
+    """Checked tools and tool_choice as what rendering and output reading use (nothing when
+    there are no tools or the choice is "none"); 400 when tools are asked for and the model has
+    no parser."""
     if not tools or choice == "none":
         return ChatTools(None, "none", None)
     if parser_class is None:
         raise APIError("this model has no tool-call parser (no known format for its "
                        "architecture or chat template); start the server with --enforce-parser "
                        "NAME", param="tools", code="unsupported_parameter")
-    return ChatTools(tools, choice, parser_class(tools), req.parallel_tool_calls is not False)
+    return ChatTools(tools, choice, parser_class(tools), parallel is not False)
 
 
 def request_tools(tools: list | None, functions: list | None) -> list[dict] | None:

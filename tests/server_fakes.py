@@ -227,6 +227,21 @@ def reset_fake(request):
     yield
 
 
+def clients_per_tool_parser(engine, parsers):
+    """{parser: an OpenAI client} for each tool-call format, each on its own ThreadedServer over
+    the same engine, for a module fixture to `yield from`; closed when the module is done."""
+    from server.app import ServerSettings, create_app
+    servers, out = [], {}
+    for name in parsers:
+        server = ThreadedServer(create_app(engine, ServerSettings(["demo"], tool_parser=name)))
+        servers.append(server)
+        out[name] = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="x",
+                                  max_retries=0, timeout=300)
+    yield out
+    for s in servers:
+        s.close()
+
+
 def fake_text(n: int) -> str:
     return "".join(FakeEngine.WORDS[i % len(FakeEngine.WORDS)] for i in range(n))
 

@@ -14,7 +14,6 @@ written in the tests with gguf-py's GGUFWriter and reference quantizer, llama.cp
 from __future__ import annotations
 
 import functools
-import importlib.util
 import json
 import os
 import subprocess
@@ -32,9 +31,8 @@ from engine.loader.gguf import (build_config, hf_name, llama3_rope, read_gguf, r
 from engine.loader.gguf_tokenizer import build_tokenizer
 from engine.model_config import ModelConfig
 from engine.quant import QuantizedWeight
+from gguf_fixtures import DATA, HERE, QUANT_TIE, TIE, load_script, path_of, trusted
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-DATA = os.path.join(HERE, "data", "gguf")
 REPO_ROOT = os.path.dirname(HERE)
 with open(os.path.join(DATA, "fixtures.json")) as f:
     FIX = json.load(f)
@@ -45,26 +43,12 @@ FILES = {"qwen2-f32": ("qwen2", "f32"), "qwen2-q8_0": ("qwen2", "q8_0"),
          "qwen3-bf16": ("qwen3", "bf16")}
 FLOAT_FILES = ["llama-f32", "qwen2-f32", "qwen3-bf16"]
 QUANT_FILES = ["qwen2-q8_0", "qwen2-q4_k_m"]
-TIE = 1e-4          # float files: comparison stops where transformers' top two are this close
-QUANT_TIE = 0.05    # quantized files: ... where llama.cpp's top two are this close
 # Relative RMS error of llama.cpp's blocks against the source weights, per type (measured:
 # Q8_0 0.005, Q6_K 0.018, Q4_K 0.071; a row permutation or a wrong scale gives ~1.4).
 DEQUANT_TOL = {QT.Q8_0: 0.01, QT.Q6_K: 0.03, QT.Q4_K: 0.1}
 
 
-def path_of(stem: str) -> str:
-    return os.path.join(DATA, f"{stem}.gguf")
-
-
-def _load_maker():
-    spec = importlib.util.spec_from_file_location(
-        "make_gguf_fixtures", os.path.join(HERE, "data", "make_gguf_fixtures.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-maker = _load_maker()
+maker = load_script(os.path.join(HERE, "data", "make_gguf_fixtures.py"))
 
 
 @functools.lru_cache(maxsize=None)
@@ -97,11 +81,6 @@ def source_weights(name: str) -> dict[str, np.ndarray]:
 def source_config(name: str) -> ModelConfig:
     with open(os.path.join(DATA, f"{name}-source", "config.json")) as f:
         return ModelConfig.from_dict(json.load(f))
-
-
-def trusted(margins: list[float], tie: float) -> int:
-    """Leading steps before the first near-tie."""
-    return next((i for i, m in enumerate(margins) if m < tie), len(margins))
 
 
 # ---- the fixtures are what fixtures.json describes

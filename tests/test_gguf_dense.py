@@ -20,39 +20,17 @@ from gguf import GGUFReader
 from engine.loader.gguf import read_gguf
 from engine.model_config import ModelConfig
 from server_fakes import LiveServer, client_for, post_json
-from test_gguf import QUANT_TIE, TIE, greedy, maker, trusted
+from gguf_fixtures import (DATA, HERE, QUANT_TIE, RecordedFixtures, load_script, path_of,
+                           source_config, trusted)
+from test_gguf import greedy, maker
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-DATA = os.path.join(HERE, "data", "gguf")
-with open(os.path.join(DATA, "dense_fixtures.json")) as f:
-    FIX = json.load(f)
-
-FILES = {f"{name}-{kind}": (name, kind) for name, m in FIX["models"].items() for kind in m["files"]}
-FLOAT_FILES = [s for s, (_, k) in FILES.items() if k in ("f32", "f16", "bf16")]
-QUANT_FILES = [s for s, (_, k) in FILES.items() if k == "q8_0"]
+RECORDED = RecordedFixtures("dense_fixtures.json", min_trusted_steps=8)
+FIX, FILES = RECORDED.fix, RECORDED.files
+FLOAT_FILES, QUANT_FILES = RECORDED.float_files, RECORDED.quant_files
+reference, atol = RECORDED.reference, RECORDED.atol
 ARCH = {"gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
         "glm4": "Glm4ForCausalLM", "stablelm": "StableLmForCausalLM",
         "stablelm_qk": "StableLmForCausalLM"}
-
-
-def path_of(stem: str) -> str:
-    return os.path.join(DATA, f"{stem}.gguf")
-
-
-def source_config(name: str) -> ModelConfig:
-    return ModelConfig.from_pretrained(os.path.join(DATA, f"{name}-source"))
-
-
-def reference(stem: str) -> tuple[dict, int]:
-    name, kind = FILES[stem]
-    ref = FIX["models"][name]["files"][kind]["transformers"]
-    n = trusted(ref["margins"], TIE if stem in FLOAT_FILES else QUANT_TIE)
-    assert n >= 8, f"{stem}: reference near-tie at step {n}; change the seed"
-    return ref, n
-
-
-def atol(stem: str, ref_first: np.ndarray) -> float:
-    return 1e-4 * max(1.0, np.abs(ref_first).max()) if stem in FLOAT_FILES else QUANT_TIE
 
 
 def first_logits(ck, stem: str) -> np.ndarray:
@@ -92,15 +70,6 @@ def test_config_matches_the_source_config(stem):
         np.testing.assert_allclose(mine.long_factor, theirs.long_factor, rtol=1e-6)
 
 
-def _dense_maker():
-    import importlib.util
-    spec = importlib.util.spec_from_file_location(
-        "make_gguf_dense_fixtures", os.path.join(HERE, "data", "make_gguf_dense_fixtures.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_float_weights_equal_the_source_checkpoint():
     """gemma2-f32 holds the source weights (rebuilt by transformers here) with 1 added to every
     norm; subtracting it again gives the source values to the float32 rounding of w + 1, and
@@ -110,7 +79,8 @@ def test_float_weights_equal_the_source_checkpoint():
     with open(os.path.join(DATA, "gemma2-source", "config.json")) as f:
         cfg = transformers.Gemma2Config(**{k: v for k, v in json.load(f).items()
                                            if k not in ("architectures", "transformers_version")})
-    model = _dense_maker().source_model("gemma2", cfg)
+    dense_maker = load_script(os.path.join(HERE, "data", "make_gguf_dense_fixtures.py"))
+    model = dense_maker.source_model("gemma2", cfg)
     state = {k: v.float().numpy() for k, v in model.state_dict().items()}
     ck = read_gguf(path_of("gemma2-f32"), progress=False)
     raw = {t.name: np.asarray(t.data) for t in GGUFReader(path_of("gemma2-f32")).tensors}
@@ -128,15 +98,9 @@ def test_float_weights_equal_the_source_checkpoint():
 @pytest.mark.parametrize("stem", FLOAT_FILES + QUANT_FILES)
 def test_gguf_greedy_matches_transformers_on_the_file_weights(stem):
     name, kind = FILES[stem]
-    m = FIX["models"][name]
-    ref, n = reference(stem)
-    ck = read_gguf(path_of(stem), progress=False)
-    tokens, first = greedy(ck.config, ck.weights, m["prompt_ids"], n)
-    ref_first = np.array(ref["first_logits"])
-    np.testing.assert_allclose(first, ref_first, rtol=0, atol=atol(stem, ref_first))
-    assert tokens == ref["tokens"][:n]
+    ref = RECORDED.assert_greedy_matches_reference(stem)
     if kind == "f32":       # the file's weights are the source's: the same tokens
-        assert ref["tokens"] == m["transformers"]["tokens"]
+        assert ref["tokens"] == FIX["models"][name]["transformers"]["tokens"]
 
 
 LLAMA_CPP_FILES = [s for s, (n, k) in FILES.items()

@@ -7,12 +7,9 @@ The reference, recorded in tests/data/gguf/moe_fixtures.json, is transformers on
 each file holds (gguf-py's dequantization of every tensor, put back in the source model).
 Float files: tokens and first-step logits as the float GGUF tests. Q8_0 files: Taper quantizes
 activations to 8 bits (as llama.cpp does), which moves logits by a few hundredths, so comparison
-stops where the reference's top two are within 0.05 (test_gguf.py's QUANT_TIE).
+stops where the reference's top two are within 0.05 (QUANT_TIE in tests/gguf_fixtures.py).
 """
 from __future__ import annotations
-
-import json
-import os
 
 import numpy as np
 import pytest
@@ -23,35 +20,16 @@ from engine.loader.gguf import read_gguf
 from engine.model_config import ModelConfig
 from engine.quant import QuantizedWeight
 from server_fakes import LiveServer, client_for, post_json
-from test_gguf import QUANT_TIE, TIE, greedy, trusted
+from gguf_fixtures import DATA, RecordedFixtures, path_of, source_config
+from test_gguf import greedy
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-DATA = os.path.join(HERE, "data", "gguf")
-with open(os.path.join(DATA, "moe_fixtures.json")) as f:
-    FIX = json.load(f)
-
-FILES = {f"{name}-{kind}": (name, kind) for name, m in FIX["models"].items() for kind in m["files"]}
-FLOAT_FILES = [s for s, (_, k) in FILES.items() if k in ("f32", "f16", "bf16")]
-QUANT_FILES = [s for s, (_, k) in FILES.items() if k == "q8_0"]
+RECORDED = RecordedFixtures("moe_fixtures.json", min_trusted_steps=4)
+FIX, FILES = RECORDED.fix, RECORDED.files
+FLOAT_FILES, QUANT_FILES = RECORDED.float_files, RECORDED.quant_files
+reference = RECORDED.reference
 EXPERT_BLOCK = {"mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
                 "qwen2_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
                 "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj"))}
-
-
-def path_of(stem: str) -> str:
-    return os.path.join(DATA, f"{stem}.gguf")
-
-
-def source_config(name: str) -> ModelConfig:
-    return ModelConfig.from_pretrained(os.path.join(DATA, f"{name}-source"))
-
-
-def reference(stem: str) -> tuple[dict, int]:
-    name, kind = FILES[stem]
-    ref = FIX["models"][name]["files"][kind]["transformers"]
-    n = trusted(ref["margins"], TIE if stem in FLOAT_FILES else QUANT_TIE)
-    assert n >= 4, f"{stem}: reference near-tie at step {n}; change the seed"
-    return ref, n
 
 
 @pytest.mark.parametrize("stem", list(FILES))
@@ -91,15 +69,7 @@ def test_each_expert_is_its_slice_of_the_merged_tensor(stem):
 
 @pytest.mark.parametrize("stem", FLOAT_FILES + QUANT_FILES)
 def test_gguf_greedy_matches_transformers_on_the_file_weights(stem):
-    name, kind = FILES[stem]
-    m = FIX["models"][name]
-    ref, n = reference(stem)
-    ck = read_gguf(path_of(stem), progress=False)
-    tokens, first = greedy(ck.config, ck.weights, m["prompt_ids"], n)
-    ref_first = np.array(ref["first_logits"])
-    atol = 1e-4 * max(1.0, np.abs(ref_first).max()) if stem in FLOAT_FILES else QUANT_TIE
-    np.testing.assert_allclose(first, ref_first, rtol=0, atol=atol)
-    assert tokens == ref["tokens"][:n]
+    RECORDED.assert_greedy_matches_reference(stem)
 
 
 def test_the_q8_0_reference_sees_the_quantization():

@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import json
 
-import openai
 import pytest
 
-from server.app import ServerSettings, create_app
-from server_fakes import ThreadedServer, assert_error, http_request, post_json
+from server_fakes import assert_error, http_request, post_json
 from test_responses import validate, validate_event
-from test_tool_calls_server import FORMATS, ScriptedEngine, tokenizer  # noqa: F401 (fixture)
+from test_tool_calls_server import FORMATS, ScriptedEngine, scripted_servers
+from test_tool_calls_server import tokenizer  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -52,19 +51,7 @@ class ToolEngine(ScriptedEngine):
 
 @pytest.fixture
 def serve(tokenizer):  # noqa: F811
-    servers = []
-
-    def start(parser: str | None, script: str):
-        engine = ToolEngine(tokenizer)
-        engine.script = script
-        server = ThreadedServer(create_app(engine, ServerSettings(["m"], tool_parser=parser)))
-        servers.append(server)
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="x",
-                               max_retries=0)
-        return client, engine, server
-    yield start
-    for s in servers:
-        s.close()
+    yield from scripted_servers(tokenizer, ToolEngine)
 
 
 def post_events(port: int, body: dict) -> list[dict]:

@@ -106,12 +106,13 @@ class ScriptedEngine:
         return None
 
 
-@pytest.fixture
-def serve(tokenizer):
+def scripted_servers(tokenizer, engine_class=ScriptedEngine):
+    """A function starting a server over a fresh `engine_class` that answers `script`, giving
+    (client, engine, server), for a fixture to `yield from`; the servers close at the end."""
     servers = []
 
     def start(parser: str | None, script: str, architecture="Qwen3ForCausalLM", mcp=None):
-        engine = ScriptedEngine(tokenizer, architecture)
+        engine = engine_class(tokenizer, architecture)
         engine.script = script
         app = create_app(engine, ServerSettings(["m"], tool_parser=parser))
         app.taper.mcp = mcp
@@ -123,6 +124,11 @@ def serve(tokenizer):
     yield start
     for s in servers:
         s.close()
+
+
+@pytest.fixture
+def serve(tokenizer):
+    yield from scripted_servers(tokenizer)
 
 
 # (parser, scripted answer, expected content, expected [(name, arguments)])

@@ -9,8 +9,7 @@ import jsonschema
 import openai
 import pytest
 
-from server.app import ServerSettings, create_app
-from server_fakes import ThreadedServer
+from server_fakes import clients_per_tool_parser
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -41,15 +40,7 @@ def engine(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def clients(engine):
-    servers, out = [], {}
-    for name in FORMATS:
-        server = ThreadedServer(create_app(engine, ServerSettings(["demo"], tool_parser=name)))
-        servers.append(server)
-        out[name] = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="x",
-                                  max_retries=0, timeout=300)
-    yield out
-    for s in servers:
-        s.close()
+    yield from clients_per_tool_parser(engine, FORMATS)
 
 
 def ask(client, **kwargs):

@@ -232,20 +232,22 @@ def source_config(name: str, token_ids: dict | None = None, models: dict | None 
     return getattr(transformers, spec["config"])(**kwargs)
 
 
-def source_model(name: str, config=None):
-    """The transformers model of `name` with its scaled random weights (deterministic on CPU).
-    Tests call this with the committed config.json to rebuild the weights."""
+def source_model(name: str, config=None, models: dict | None = None):
+    """The transformers model of `name` in `models` (default this file's MODELS) with its scaled
+    random weights (deterministic on CPU). Tests call this with the committed config.json to
+    rebuild the weights."""
     import torch
     from transformers import AutoModelForCausalLM
 
     sys.path.insert(0, os.path.dirname(HERE))
     from checkpoints import scale_weights
 
-    seed, scale = MODELS[name]["seed"], MODELS[name]["scale"]
-    config = config if config is not None else source_config(name)
-    torch.manual_seed(seed)
+    spec = (models or MODELS)[name]
+    config = config if config is not None else source_config(name, None, models)
+    torch.manual_seed(spec["seed"])
     model = AutoModelForCausalLM.from_config(config)
-    scale_weights(model, scale=scale, seed=seed)
+    scale_weights(model, scale=spec["scale"], seed=spec["seed"],
+                  embed_std=spec.get("embed_std", 0.15))
     return model.eval()
 
 
@@ -367,6 +369,60 @@ def transformers_greedy(model, prompt_ids: list[int], steps: int) -> dict:
     return dict(tokens=tokens, margins=margins, first_logits=first)
 
 
+def commit_source(name: str, src: str) -> None:
+    """What the tests compare against: the source's config and tokenizer files (not the
+    weights), copied to OUT_DIR/<name>-source/."""
+    committed = os.path.join(OUT_DIR, f"{name}-source")
+    shutil.rmtree(committed, ignore_errors=True)
+    os.makedirs(committed)
+    for f in ("config.json", "generation_config.json", "tokenizer.json",
+              "tokenizer_config.json", "chat_template.jinja", "tokenizer.model"):
+        if os.path.isfile(os.path.join(src, f)):
+            shutil.copy(os.path.join(src, f), committed)
+
+
+def prompt_ids_of(src: str, bytelevel: bool) -> list[int]:
+    """PROMPT's ids by the source's own tokenizer (SentencePiece ones with BOS 1 first)."""
+    if bytelevel:
+        from transformers import PreTrainedTokenizerFast
+        return PreTrainedTokenizerFast.from_pretrained(src).encode(PROMPT)
+    import sentencepiece as spm
+    sp = spm.SentencePieceProcessor(model_file=os.path.join(src, "tokenizer.model"))
+    return [1] + sp.encode(PROMPT)
+
+
+def checked_against_source(out: dict, model, path: str) -> dict:
+    """`out` ({transformers parameter: a GGUF file's values}) reshaped to `model`'s parameters,
+    after checking it names every one of them (a tied lm_head taken from the embedding) and each
+    is close to the source value, so a file-to-parameter mapping can not be silently wrong."""
+    import numpy as np
+
+    state = model.state_dict()
+    if "lm_head.weight" not in out and model.config.tie_word_embeddings:
+        out["lm_head.weight"] = out["model.embed_tokens.weight"]
+    assert set(out) == set(state), (set(out) ^ set(state))
+    for k, v in out.items():
+        src = state[k].float().numpy()
+        v = v.reshape(src.shape)
+        out[k] = v
+        err = np.sqrt(np.mean((v - src) ** 2) / max(np.mean(src ** 2), 1e-30))
+        assert err < 0.02, f"{path}: {k} differs from the source by {err:.3f} (relative RMS)"
+    return out
+
+
+def transformers_greedy_on(model, weights: dict, prompt_ids: list[int], steps: int) -> dict:
+    """transformers_greedy on a copy of `model` holding `weights` (a GGUF file's values)."""
+    import copy
+
+    import torch
+
+    m = copy.deepcopy(model)
+    with torch.no_grad():
+        for k, v in weights.items():
+            m.state_dict()[k].copy_(torch.from_numpy(v))
+    return transformers_greedy(m, prompt_ids, steps)
+
+
 def copy_gguf(src: str, dst: str, tensor=None, arch: str | None = None, overrides=None,
               tensors: bool = True, split_max_tensors: int = 0) -> list[str]:
     """Rewrite GGUF `src` as `dst` with gguf-py's GGUFWriter: the same metadata (values of the
@@ -438,7 +494,7 @@ def main() -> None:
     src_root = args.keep or tempfile.mkdtemp(prefix="gguf-src-")
     os.makedirs(OUT_DIR, exist_ok=True)
 
-    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+    from transformers import AutoModelForCausalLM
 
     record = dict(versions=versions(args.llama_cpp), llama_cpp_context=LLAMA_CPP_CONTEXT,
                   prompt=PROMPT, new_tokens=NEW_TOKENS,
@@ -446,21 +502,8 @@ def main() -> None:
     for name, spec in MODELS.items():
         src = os.path.join(src_root, name)
         hashes = write_source(name, src)
-        # What the tests compare against: config, tokenizer files (not the weights).
-        committed = os.path.join(OUT_DIR, f"{name}-source")
-        shutil.rmtree(committed, ignore_errors=True)
-        os.makedirs(committed)
-        for f in ("config.json", "generation_config.json", "tokenizer.json",
-                  "tokenizer_config.json", "chat_template.jinja", "tokenizer.model"):
-            if os.path.isfile(os.path.join(src, f)):
-                shutil.copy(os.path.join(src, f), committed)
-
-        if spec["tokenizer"] == "bytelevel":
-            prompt_ids = PreTrainedTokenizerFast.from_pretrained(src).encode(PROMPT)
-        else:
-            import sentencepiece as spm
-            sp = spm.SentencePieceProcessor(model_file=os.path.join(src, "tokenizer.model"))
-            prompt_ids = [1] + sp.encode(PROMPT)
+        commit_source(name, src)
+        prompt_ids = prompt_ids_of(src, spec["tokenizer"] == "bytelevel")
         model = AutoModelForCausalLM.from_pretrained(src, dtype="float32").eval()
         if spec["outtype"] == "bf16":   # the reference for a BF16 file: its weights, rounded
             round_matrices_to_bf16(model)

@@ -85,19 +85,7 @@ def source_config(name: str, token_ids: dict | None = None):
 
 def source_model(name: str, config=None):
     """The transformers model of `name` with its scaled random weights (deterministic on CPU)."""
-    import sys
-
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    sys.path.insert(0, os.path.dirname(HERE))
-    from checkpoints import scale_weights
-
-    spec = MODELS[name]
-    torch.manual_seed(spec["seed"])
-    model = AutoModelForCausalLM.from_config(config if config is not None else source_config(name))
-    scale_weights(model, scale=spec["scale"], seed=spec["seed"])
-    return model.eval()
+    return maker.source_model(name, config, MODELS)
 
 
 # GGUF tensor (per layer) -> transformers parameter (per layer, the names transformers 5 uses
@@ -156,30 +144,12 @@ def file_weights(path: str, model) -> dict:
             out[p + "mlp.experts.gate_up_proj"] = np.concatenate(
                 [raw[f"blk.{layer}.ffn_gate_exps.weight"], raw[f"blk.{layer}.ffn_up_exps.weight"]],
                 axis=1)
-    state = model.state_dict()
-    if "lm_head.weight" not in out and cfg.tie_word_embeddings:
-        out["lm_head.weight"] = out["model.embed_tokens.weight"]
-    assert set(out) == set(state), (set(out) ^ set(state))
-    for k, v in out.items():
-        src = state[k].float().numpy()
-        v = v.reshape(src.shape)
-        out[k] = v
-        err = np.sqrt(np.mean((v - src) ** 2) / max(np.mean(src ** 2), 1e-30))
-        assert err < 0.02, f"{path}: {k} differs from the source by {err:.3f} (relative RMS)"
-    return out
+    return maker.checked_against_source(out, model, path)
 
 
 def reference(model, path: str, prompt_ids: list[int]) -> dict:
     """transformers' greedy data on the weights the GGUF file holds."""
-    import copy
-
-    import torch
-
-    m = copy.deepcopy(model)
-    with torch.no_grad():
-        for k, v in file_weights(path, m).items():
-            m.state_dict()[k].copy_(torch.from_numpy(v))
-    return maker.transformers_greedy(m, prompt_ids, NEW_TOKENS)
+    return maker.transformers_greedy_on(model, file_weights(path, model), prompt_ids, NEW_TOKENS)
 
 
 def main() -> None:
@@ -189,7 +159,7 @@ def main() -> None:
                              "sdist)")
     args = parser.parse_args()
     src_root = tempfile.mkdtemp(prefix="gguf-moe-src-")
-    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+    from transformers import AutoModelForCausalLM
 
     import importlib.metadata as md
     versions = {p: md.version(p) for p in ("transformers", "torch", "tokenizers",
@@ -206,19 +176,8 @@ def main() -> None:
         model.generation_config.eos_token_id = ids["generation_eos"]
         model.generation_config.bos_token_id = ids["bos_token_id"]
         model.save_pretrained(src)
-        committed = os.path.join(OUT_DIR, f"{name}-source")
-        shutil.rmtree(committed, ignore_errors=True)
-        os.makedirs(committed)
-        for f in ("config.json", "generation_config.json", "tokenizer.json",
-                  "tokenizer_config.json", "chat_template.jinja", "tokenizer.model"):
-            if os.path.isfile(os.path.join(src, f)):
-                shutil.copy(os.path.join(src, f), committed)
-        if spec["tokenizer"] == "bytelevel":
-            prompt_ids = PreTrainedTokenizerFast.from_pretrained(src).encode(maker.PROMPT)
-        else:
-            import sentencepiece as spm
-            sp = spm.SentencePieceProcessor(model_file=os.path.join(src, "tokenizer.model"))
-            prompt_ids = [1] + sp.encode(maker.PROMPT)
+        maker.commit_source(name, src)
+        prompt_ids = maker.prompt_ids_of(src, spec["tokenizer"] == "bytelevel")
         source = AutoModelForCausalLM.from_pretrained(src, dtype="float32").eval()
         entry = dict(prompt_ids=prompt_ids, files={},
                      transformers=maker.transformers_greedy(source, prompt_ids, NEW_TOKENS))
