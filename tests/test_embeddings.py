@@ -150,7 +150,7 @@ def test_embeddings_batch_with_generation_and_preemption(ckpt_dirs):
     prompt = tokenizer().encode(TEXTS[0])
     alone = LLM(model_dir, **CHUNKED).generate([prompt], greedy)[0].token_ids
     llm = LLM(model_dir, block_size=8, num_kv_blocks=10, prefill_chunk_size=8,
-              max_num_batched_tokens=32, enable_prefix_caching=False)
+              max_num_batched_tokens=32, enable_prefix_caching=False, max_num_seqs=8)
     engine, tok = llm.engine, tokenizer()
     mixed_steps = []
     execute = engine.runner.execute
