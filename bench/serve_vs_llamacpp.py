@@ -20,8 +20,10 @@
 5. Both tables, the ratio of output tok/s, and the machine; --out FILE keeps them as markdown.
 
 llama-cpp-python's server holds one llama context behind a lock: it runs one request at a time
-(no parallel slots, no continuous batching; the C++ llama-server with -np N batches N slots). So
-16 clients there queue, and the ratio measures batching as much as kernels. Its default
+(no parallel slots, no continuous batching). So 16 clients there queue, and the ratio measures
+batching as much as kernels. The fair peer is llama.cpp's C++ llama-server with one slot per
+client and continuous batching: build it from the same source (cmake with the AMX-off flags of
+DEVELOPERS.md, target llama-server) and pass --llama-server PATH. Its default
 interrupt_requests=True would end the streaming request with [DONE] as soon as another one
 waits; it is turned off, and a run whose streams came back short fails. llama.cpp's KV cache
 is f16 (its default), Taper's f32 on the CPU. The GGUF files and checkpoints are cached in
@@ -146,6 +148,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--start-timeout", type=float, default=600.0)
     p.add_argument("--servers", nargs="+", default=["taper", "llama_cpp"],
                    choices=["taper", "llama_cpp"], help="which to run (default both)")
+    p.add_argument("--llama-server", default=None, metavar="PATH",
+                   help="llama.cpp's C++ llama-server binary (built from the same llama.cpp "
+                        "source, AMX off): run it with one slot per client instead of "
+                        "llama-cpp-python's one-request-at-a-time server")
     p.add_argument("--out", default=None, help="also write the report to this markdown file")
     args = p.parse_args(argv)
 
@@ -164,7 +170,15 @@ def main(argv: list[str] | None = None) -> int:
                 f"taper-{fmt}", [sys.executable, "-m", "server", *weights, "--cpu",
                                  "--h", "127.0.0.1", "--p", str(args.port)],
                 {"OMP_NUM_THREADS": threads}, args.port, "/health", src, args, log_dir)
-        if "llama_cpp" in args.servers:
+        if "llama_cpp" in args.servers and args.llama_server:
+            # the C++ server: one slot per client, continuous batching, each slot its context
+            llama = bench_server(
+                f"llama-server-{fmt}", [args.llama_server, "-m", str(path), "--host", "127.0.0.1",
+                                        "--port", str(args.port + 1), "-t", threads, "-tb", threads,
+                                        "-np", str(args.clients), "-cb", "-b", "512",
+                                        "-c", str(int(n_ctx) * args.clients)],
+                {}, args.port + 1, "/health", src, args, log_dir)
+        elif "llama_cpp" in args.servers:
             llama = bench_server(
                 f"llama_cpp-{fmt}", [sys.executable, "-m", "llama_cpp.server", "--model",
                                      str(path), "--host", "127.0.0.1", "--port",
@@ -179,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
                          taper["output_throughput"] / llama["output_throughput"] if llama
                          else None))
         if llama:
-            rows.append((fmt, "llama-cpp-python (python -m llama_cpp.server)", llama, None))
+            rows.append((fmt, f"llama.cpp ({args.llama_server or 'python -m llama_cpp.server'})",
+                         llama, None))
     m = serve.machine_info()
     report = "\n".join([
         f"{args.clients} streaming clients x {args.prompts_per_client} prompts, "
