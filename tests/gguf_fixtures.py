@@ -79,3 +79,16 @@ class RecordedFixtures:
         np.testing.assert_allclose(first, ref_first, rtol=0, atol=self.atol(stem, ref_first))
         assert tokens == ref["tokens"][:n]
         return ref
+
+    def assert_llm_generates(self, stem: str):
+        """The whole engine on the file: its own tokenizer encodes the prompt text as the source
+        tokenizer did, and LLM's greedy tokens equal transformers' up to the first near-tie."""
+        from engine import LLM, SamplingParams
+        name, _ = self.files[stem]
+        ref, n = self.reference(stem)
+        llm = LLM(DATA, weight_file=f"{stem}.gguf", num_kv_blocks=64)
+        assert llm.engine.tokenizer.encode(self.fix["prompt"]) == \
+            self.fix["models"][name]["prompt_ids"]
+        out = llm.generate([self.fix["prompt"]], SamplingParams(temperature=0, max_tokens=n,
+                                                                ignore_eos=True))[0]
+        assert list(out.token_ids) == ref["tokens"][:n]

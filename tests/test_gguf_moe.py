@@ -116,15 +116,7 @@ def test_routing_normalisation_follows_llama_cpp():
 def test_llm_generates_from_a_moe_gguf_file(stem):
     """The whole engine: the file's own tokenizer encodes the prompt text; greedy tokens as
     above."""
-    from engine import LLM, SamplingParams
-    name, _ = FILES[stem]
-    m = FIX["models"][name]
-    ref, n = reference(stem)
-    llm = LLM(DATA, weight_file=f"{stem}.gguf", num_kv_blocks=64)
-    assert llm.engine.tokenizer.encode(FIX["prompt"]) == m["prompt_ids"]
-    out = llm.generate([FIX["prompt"]], SamplingParams(temperature=0, max_tokens=n,
-                                                       ignore_eos=True))[0]
-    assert list(out.token_ids) == ref["tokens"][:n]
+    RECORDED.assert_llm_generates(stem)
 
 
 def test_server_serves_a_moe_gguf_file(tmp_path):
