@@ -568,4 +568,3 @@ def _released_logprobs(seq: Sequence, detok, finished: bool, stopped_by_string: 
         n = len(pending)
     seq.pending_logprobs = pending[n:]
     return out
-
