@@ -523,10 +523,19 @@ AVX512_TARGET static void avx512_pack(const void* w, int dtype, int64_t K, int64
  *   the W block from L2. Partial sums of later chunks are added into out.
  * - Software prefetch: while on a tile, the same K position of the next tile's rows (every line:
  *   without it bf16 GEMV streams at ~23 GB/s and f32 T=16 runs ~1.6x slower).
+ * - Batched decode (SK_TILE_MIN_T <= T <= SMALLM_MAX_T, not batch-invariant): one tile shape,
+ *   4 rows x 4 tokens, T padded to a multiple of 4, and every token tile of a row group runs
+ *   before the next group. A tile loads 8 vectors (4 rows' weights, 4 tokens' x) per 32 FMAs,
+ *   where 1 row x 16 tokens loads 34: the FMA units, not the load ports, set the pace, and the
+ *   group's 4 weight rows come from L1 for its later tiles. K chunks only past SK_TILE_KC (x of
+ *   32 tokens stays in L2). On this 2-core AMD EPYC (Zen 4, 32 KiB L1) f32 T=16 went from 45-51
+ *   to 57-70 GFLOP/s per core, T=32 (K=896) from 56-58 to 79-84 (bench/RESULTS.md).
  * Measured on this 2-core SPR-class VM (bench/RESULTS.md): bf16 GEMV 23 -> 30-32 GB/s. */
 #define SK_NB 64
 #define SK_XBYTES 28672  // x chunk of one token block: 28 KiB of the 48 KiB L1
 #define SK_MAXNT 16
+#define SK_TILE_MIN_T 8
+#define SK_TILE_KC 4096
 
 AVX512_TARGET INLINE void sk_wload(const void* w, const int DT, int64_t off, int masked, __mmask32 m,
                                    __m512* a, __m512* b) {
@@ -563,18 +572,25 @@ AVX512_TARGET INLINE __m512 sk_reduce16(const __m512* v) {
     return _mm512_add_ps(_mm512_shuffle_ps(q[0], q[1], 0x44), _mm512_shuffle_ps(q[0], q[1], 0xEE));
 }
 
-/* One K chunk [k0, k1) of the rows n0..n1 (a row block) for tokens t0..t0+NT, R rows at a time. */
-AVX512_TARGET INLINE void sk_block(const float* xd, int64_t Kp,  // (T, Kp) prepared x
+/* One K chunk [k0, k1) of the rows n0..n1 (a row block), R rows at a time, for ntiles token tiles
+ * of NT tokens from t0 (rows of x at or past T are zero padding: computed, never stored). A row
+ * group runs all its token tiles before the next group, so its R weight rows come from memory
+ * once and from L1 for the other tiles; the prefetch of the next group's rows is spread over the
+ * tiles (tile i fetches rows i, i + ntiles, ...). */
+AVX512_TARGET INLINE void sk_block(const float* xd, int64_t Kp,  // (Tp, Kp) prepared x
                                    const void* w, const int DT, const float* bias,
                                    float* out,                   // (T, N)
                                    int64_t K, int64_t N, int64_t n0, int64_t n1, int64_t t0,
+                                   int64_t ntiles, int64_t T,
                                    int64_t k0, int64_t k1, const int R, const int NT) {
     const int es = DT == TAPER_F32 ? 4 : 2;
     const int first = k0 == 0;
     const int64_t kfull = k0 + ((k1 - k0) & ~(int64_t)31);
     const __mmask32 tail = (__mmask32)((1ull << ((k1 - kfull) & 31)) - 1);
-    const float* xt = xd + t0 * Kp;
-    for (int64_t g = n0; g < n1; g += R) {
+    for (int64_t g = n0; g < n1; g += R)
+    for (int64_t tile = 0; tile < ntiles; tile++) {
+        const int64_t tt = t0 + tile * NT;
+        const float* xt = xd + tt * Kp;
         int64_t ro[8], po[8];  // offsets of the tile's rows and of the rows to prefetch
 #pragma GCC unroll 8
         for (int r = 0; r < R; r++) {
@@ -590,8 +606,8 @@ AVX512_TARGET INLINE void sk_block(const float* xd, int64_t Kp,  // (T, Kp) prep
         for (; k < kfull; k += 32) {
             __m512 wa[8], wb[8];
 #pragma GCC unroll 8
-            for (int r = 0; r < R; r++) {
-                sk_wload(w, DT, ro[r] + k, 0, 0, &wa[r], &wb[r]);
+            for (int r = 0; r < R; r++) sk_wload(w, DT, ro[r] + k, 0, 0, &wa[r], &wb[r]);
+            for (int r = (int)tile; r < R; r += (int)ntiles) {
                 _mm_prefetch((const char*)w + (po[r] + k) * es, _MM_HINT_T0);
                 if (DT == TAPER_F32) _mm_prefetch((const char*)w + (po[r] + k) * es + 64, _MM_HINT_T0);
             }
@@ -633,8 +649,9 @@ AVX512_TARGET INLINE void sk_block(const float* xd, int64_t Kp,  // (T, Kp) prep
         __m512 bv = first && bias ? _mm512_maskz_loadu_ps(mrow, bias + g) : _mm512_setzero_ps();
 #pragma GCC unroll 16
         for (int j = 0; j < NT; j++) {
+            if (tt + j >= T) break;  // zero-padded token rows
             __m512 s = j == 0 ? sums : _mm512_maskz_compress_ps((__mmask16)(((1u << R) - 1) << (j * R)), sums);
-            float* o = out + (t0 + j) * N + g;
+            float* o = out + (tt + j) * N + g;
             s = _mm512_add_ps(s, first ? bv : _mm512_maskz_loadu_ps(mrow, o));
             _mm512_mask_storeu_ps(o, mrow, s);
         }
@@ -642,7 +659,7 @@ AVX512_TARGET INLINE void sk_block(const float* xd, int64_t Kp,  // (T, Kp) prep
 }
 
 #define SK_CASE(DT, NT, R) \
-    case NT: sk_block(xd, Kp, w, DT, bias, out, K, N, n0, n1, t0, k0, k1, R, NT); break;
+    case NT: sk_block(xd, Kp, w, DT, bias, out, K, N, n0, n1, t0, 1, T, k0, k1, R, NT); break;
 #define SK_DISPATCH(DT)                                                                              \
     switch (nt) {                                                                                    \
         SK_CASE(DT, 1, 8) SK_CASE(DT, 2, 4) SK_CASE(DT, 3, 4) SK_CASE(DT, 4, 4) SK_CASE(DT, 5, 2)   \
@@ -651,18 +668,13 @@ AVX512_TARGET INLINE void sk_block(const float* xd, int64_t Kp,  // (T, Kp) prep
         SK_CASE(DT, 15, 1) default: SK_CASE(DT, 16, 1)                                               \
     }
 
-AVX512_TARGET static int avx512_smallm(const float* x, const void* w, int dtype, const float* bias,
-                                       float* out, int64_t T, int64_t K, int64_t N,
-                                       int fixed_chunks, int nthreads) {
-    const int64_t Kp = (K + 31) & ~(int64_t)31;
-    // Balanced token blocks of <= SK_MAXNT tokens (T <= 8: one block).
-    const int64_t ntb = T <= 8 ? 1 : (T + SK_MAXNT - 1) / SK_MAXNT, ntmax = (T + ntb - 1) / ntb;
-    // K chunks sized for the largest token block, or (fixed_chunks) for SK_MAXNT tokens whatever
-    // T is: then a row's sums never depend on T (see taper_linear_ex).
-    int64_t nch = ((fixed_chunks ? SK_MAXNT : ntmax) * Kp * 4 + SK_XBYTES - 1) / SK_XBYTES;
-    const int64_t kc = ((Kp + nch - 1) / nch + 31) & ~(int64_t)31;
-    float* xd = (float*)aligned_alloc(64, (size_t)(T * Kp) * sizeof(float));
-    if (!xd) return TAPER_ERR_NOMEM;
+/* x for the small-M kernel: (Tp, Kp) rows zero-padded past K (and past T: the rows T..Tp-1 of a
+ * last, partial token tile), bf16's halves de-interleaved to line up with sk_wload. */
+AVX512_TARGET static float* sk_prepare_x(const float* x, int dtype, int64_t T, int64_t Tp, int64_t K,
+                                         int64_t Kp) {
+    float* xd = (float*)aligned_alloc(64, (size_t)(Tp * Kp) * sizeof(float));
+    if (!xd) return NULL;
+    memset(xd + T * Kp, 0, (size_t)((Tp - T) * Kp) * sizeof(float));
     for (int64_t t = 0; t < T; t++) {
         const float* xs = x + t * K;
         float* xr = xd + t * Kp;
@@ -681,12 +693,38 @@ AVX512_TARGET static int avx512_smallm(const float* x, const void* w, int dtype,
             memcpy(xr, xs, (size_t)K * sizeof(float));
         }
     }
+    return xd;
+}
+
+#define SK_TILED(DT) sk_block(xd, Kp, w, DT, bias, out, K, N, n0, n1, 0, Tp / 4, T, k0, k1, 4, 4)
+
+AVX512_TARGET static int avx512_smallm(const float* x, const void* w, int dtype, const float* bias,
+                                       float* out, int64_t T, int64_t K, int64_t N,
+                                       int fixed_chunks, int nthreads) {
+    const int64_t Kp = (K + 31) & ~(int64_t)31;
+    // Batched decode: 4 x 4 tiles over every token, T padded to a multiple of 4 (see SK_TILE_MIN_T).
+    const int tiled = !fixed_chunks && T >= SK_TILE_MIN_T;
+    const int64_t Tp = tiled ? (T + 3) & ~(int64_t)3 : T;
+    // Otherwise balanced token blocks of <= SK_MAXNT tokens (T <= 8: one block).
+    const int64_t ntb = tiled || T <= 8 ? 1 : (T + SK_MAXNT - 1) / SK_MAXNT, ntmax = (T + ntb - 1) / ntb;
+    // K chunks sized for the largest token block, or (fixed_chunks) for SK_MAXNT tokens whatever
+    // T is: then a row's sums never depend on T (see taper_linear_ex).
+    int64_t nch = ((fixed_chunks ? SK_MAXNT : ntmax) * Kp * 4 + SK_XBYTES - 1) / SK_XBYTES;
+    const int64_t kc = tiled ? MIN(Kp, SK_TILE_KC) : ((Kp + nch - 1) / nch + 31) & ~(int64_t)31;
+    float* xd = sk_prepare_x(x, dtype, T, Tp, K, Kp);
+    if (!xd) return TAPER_ERR_NOMEM;
     const int64_t nblocks = (N + SK_NB - 1) / SK_NB;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t b = 0; b < nblocks; b++) {
         const int64_t n0 = b * SK_NB, n1 = MIN(N, n0 + SK_NB);
         for (int64_t k0 = 0; k0 < K; k0 += kc) {
             const int64_t k1 = MIN(K, k0 + kc);
+            if (tiled) {
+                if (dtype == TAPER_BF16) SK_TILED(TAPER_BF16);
+                else if (dtype == TAPER_F16) SK_TILED(TAPER_F16);
+                else SK_TILED(TAPER_F32);
+                continue;
+            }
             for (int64_t tb = 0; tb < ntb; tb++) {
                 const int64_t t0 = tb * T / ntb;
                 const int nt = (int)((tb + 1) * T / ntb - t0);
@@ -710,10 +748,9 @@ AVX512_TARGET static int avx512_smallm(const float* x, const void* w, int dtype,
 // AVX2: up to this many token rows the GEMV tiles (4 weight rows x 4 tokens, weights streamed once
 // and reused from L1 for the next 4 tokens) beat packing; measured crossover ~8-12.
 #define GEMV_MAX_T 8
-// AVX-512 uses its small-M kernel (no packing) up to SMALLM_MAX_T token rows, and up to
-// SMALLM_MAX_T_SMALLK when K <= 2048 (with longer rows the packed GEMM wins from T ~ 24).
-#define SMALLM_MAX_T 16
-#define SMALLM_MAX_T_SMALLK 32
+// AVX-512 uses its small-M kernel (no packing) up to SMALLM_MAX_T token rows: its 4 x 4 tiles
+// matched or beat the packed GEMM at T = 24 and 32 for K = 896 and 4864 on the Zen 4 VM.
+#define SMALLM_MAX_T 32
 
 int taper_linear(int isa,
                  const float* x,      // (T, K)
@@ -760,7 +797,7 @@ int taper_linear_ex(int isa,
     }
     switch (isa) {
         case TAPER_ISA_AVX512:
-            if (T <= SMALLM_MAX_T || (T <= SMALLM_MAX_T_SMALLK && K <= 2048))
+            if (T <= SMALLM_MAX_T)
                 return avx512_smallm(x, weight, dtype, bias, out, T, K, N, 0, nthreads);
             return gemm_packed(avx512_micro, avx512_pack, AVX512_MR, AVX512_NR, x, weight, dtype, bias, out, T, K, N, nthreads);
         case TAPER_ISA_AVX2:

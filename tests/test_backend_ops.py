@@ -63,10 +63,11 @@ LINEAR_SHAPES = [  # (T, K, N)
     (1, 37, 13), (3, 37, 13), (17, 37, 13), (64, 37, 13),
     (1, 64, 32), (4, 64, 33), (5, 64, 33), (17, 300, 70), (64, 600, 47),
     (1, 1000, 130), (200, 80, 40),
-    # AVX-512 small-M kernel: every token-block width (R x NT tiles), row tails, K tails,
-    # several K chunks (8x1600, 16x1000), two token blocks (20, 32), packed path for long K (24x2100)
+    # AVX-512 small-M kernel: every token-block width (R x NT tiles) below 8 tokens, row tails,
+    # K tails; from 8 to 32 tokens its 4 x 4 tiles: T padded (9, 13, 30), K chunks (10x4200)
     (1, 31, 200), (2, 45, 19), (7, 100, 21), (8, 1600, 67), (9, 77, 35), (12, 130, 70),
-    (16, 33, 9), (16, 1000, 75), (20, 300, 65), (32, 64, 129), (24, 2100, 17),
+    (13, 250, 66), (16, 33, 9), (16, 1000, 75), (20, 300, 65), (32, 64, 129), (24, 2100, 17),
+    (30, 96, 70), (10, 4200, 37), (33, 100, 20),
 ]
 
 
