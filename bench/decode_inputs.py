@@ -14,7 +14,7 @@ version on a fake backend whose "graph" does nothing and whose host-to-device co
 (a copy from pinned memory costs the host an enqueue, whatever its size). Timed per step, as
 ModelRunner.execute does it for a decode step: prepare, the block-table update (after only; its
 scatter is a NumPy op here, a CuPy launch on a GPU), CudaGraphRunner.run (pack the static
-inputs, copy, launch). The two versions alternate step by step; medians. Also printed: the
+inputs, copy, launch). The two versions alternate in turns of --run steps; medians. Also printed: the
 bytes the eager CUDA path copies per step (every batch array, plus the update).
 """
 from __future__ import annotations
@@ -165,16 +165,22 @@ class Setup:
 
 
 def measure(versions: dict, num_seqs: int, max_model_len: int, context: int, steps: int,
-            warmup: int) -> dict:
+            warmup: int, run: int) -> dict:
+    """Each version runs `run` steps in turn (the first of each turn not timed: the other
+    version's megabytes of packing leave it a cold cache), until each timed `steps`."""
     setups = {name: Setup(v, num_seqs, max_model_len, context) for name, v in versions.items()}
     results = {name: ([], [], []) for name in versions}
-    for k in range(warmup + steps):
-        for name, setup in setups.items():     # alternating, step by step
-            sched = setup.schedule()
-            seconds, graph_bytes, eager_bytes = setup.step(sched)
-            if k >= warmup:
-                for column, value in zip(results[name], (seconds, graph_bytes, eager_bytes)):
-                    column.append(value)
+    for name, setup in setups.items():
+        for _ in range(warmup):
+            setup.step(setup.schedule())
+    while len(results[next(iter(versions))][0]) < steps:
+        for name, setup in setups.items():
+            for k in range(run + 1):
+                seconds, graph_bytes, eager_bytes = setup.step(setup.schedule())
+                if k:
+                    for column, value in zip(results[name], (seconds, graph_bytes,
+                                                             eager_bytes)):
+                        column.append(value)
     return {name: (float(np.median(t)) * 1e6, float(np.mean(g)), float(np.mean(e)))
             for name, (t, g, e) in results.items()}
 
@@ -188,6 +194,8 @@ def main(argv=None):
                         help="tokens of context per sequence (default 2000)")
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--run", type=int, default=10,
+                        help="steps of one version before the other's turn (default 10)")
     args = parser.parse_args(argv)
     versions = {}
     if args.before:
@@ -203,7 +211,7 @@ def main(argv=None):
     for max_model_len in args.max_model_len:
         for num_seqs in args.seqs:
             got = measure(versions, num_seqs, max_model_len, args.context, args.steps,
-                          args.warmup)
+                          args.warmup, args.run)
             row = f"| {num_seqs} | {max_model_len} |"
             for name in versions:
                 us, graph_bytes, eager_bytes = got[name]

@@ -91,20 +91,15 @@ class BlockTables:
         rows, width = self.table.shape
         if self._resized:
             update = BlockTableUpdate((rows, width), self.table.copy(), np.zeros(0, np.int32), 0)
-        else:
-            cleared = np.fromiter(self._cleared, np.int32, len(self._cleared))
+        else:       # a step writes a few ids: Python lists, then one array
+            cleared = list(self._cleared)
             index, ids = [], []
             for row, segments in self._written.items():
                 for first, blocks in segments:
-                    index.append(np.arange(row * width + first, row * width + first + len(blocks),
-                                           dtype=np.int32))
-                    ids.append(blocks)
-            n = sum(len(i) for i in index)
-            packed = np.empty(len(cleared) + 2 * n, np.int32)
-            packed[:len(cleared)] = cleared
-            if n:
-                packed[len(cleared):len(cleared) + n] = np.concatenate(index)
-                packed[len(cleared) + n:] = np.concatenate([np.asarray(b, np.int32) for b in ids])
+                    start = row * width + first
+                    index.extend(range(start, start + len(blocks)))
+                    ids.extend(blocks)
+            packed = np.array(cleared + index + ids, np.int32)
             update = BlockTableUpdate((rows, width), None, packed, len(cleared))
         self._resized = False
         self._cleared.clear()
