@@ -24,6 +24,10 @@ with one launch. A graph replays fixed work on fixed addresses, so:
   `capture` reserves it at (max_num_seqs rows, max_blocks_per_seq) first, which the host table
   never outgrows (it takes back the rows of finished and preempted sequences before growing);
   should it be reallocated anyway, `can_run` turns false and decode runs eagerly (logged).
+  Positions and slot mappings stay computed on the host and copied: unlike a block table they
+  change for every sequence every step, so a device-resident copy would still take B new values
+  a step; deriving them in the graph from seq_lens and the table would save 8 bytes a sequence
+  (2 KiB at 256) for two more kernels and a second definition of the slot beside prepare's.
 - **Padding rows** are all-zero decode rows that write slot -1 (the KV contract's "do not write",
   DESIGN.md section 5), so they never touch a live sequence's cache; their block-table row is
   the device table's zero row, and they read a context of length 1 from key 0 of block 0
