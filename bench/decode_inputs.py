@@ -14,8 +14,8 @@ version on a fake backend whose "graph" does nothing and whose host-to-device co
 (a copy from pinned memory costs the host an enqueue, whatever its size). Timed per step, as
 ModelRunner.execute does it for a decode step: prepare, the block-table update (after only; its
 scatter is a NumPy op here, a CuPy launch on a GPU), CudaGraphRunner.run (pack the static
-inputs, copy, launch). The two versions alternate in turns of --run steps; medians. Also printed: the
-bytes the eager CUDA path copies per step (every batch array, plus the update).
+inputs, copy, launch). The two versions alternate in turns of --run steps; medians. Also
+printed: the bytes the eager CUDA path copies per step (every batch array, plus the update).
 """
 from __future__ import annotations
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from test_cuda_model import TIE, checkpoints, cpu_margins, random_prompts, trusted_prefix  # noqa: F401
+from test_cuda_model import checkpoints  # noqa: F401  (the fixture)
+from test_cuda_model import TIE, cpu_margins, random_prompts, trusted_prefix
 
 
 class FakeSeq:
