@@ -34,7 +34,10 @@ class ForwardBatch:
         return len(self.seq_lens)
 
     def map(self, fn) -> "ForwardBatch":
-        """The same batch with fn applied to every array (e.g. a copy to the device); fields
-        that are not arrays (None, the width, the update) are kept as they are."""
-        return ForwardBatch(*(fn(v) if isinstance(v, np.ndarray) else v
-                              for v in (getattr(self, f.name) for f in fields(self))))
+        """The same batch with fn applied to every array (e.g. a copy to the device); the
+        width, the update and absent arrays (None) are kept as they are."""
+        return ForwardBatch(*(v if v is None or f.name in _NOT_ARRAYS else fn(v)
+                              for f, v in ((f, getattr(self, f.name)) for f in fields(self))))
+
+
+_NOT_ARRAYS = ("block_table_width", "block_table_update")
