@@ -190,6 +190,7 @@ elif [ "$SUITE" = tuned_prefill ]; then
     THROUGHPUT_ENV="TAPER_CUDA_PREFILL=fa2"
 elif [ "$SUITE" = core ]; then
     GPU_TEST_FILES="test_cuda_ops.py test_cuda_model.py test_cuda_logprobs.py test_cuda_families.py"
+    GPU_TEST_FILES="$GPU_TEST_FILES test_cuda_block_tables.py"   # device block tables, graphs
     KERNEL_OPS="embedding scale rms_norm fused_add_rms_norm layer_norm fused_add_layer_norm"
     KERNEL_OPS="$KERNEL_OPS rotary_embedding silu_and_mul"
     KERNEL_OPS="$KERNEL_OPS reshape_and_cache decode_attention prefill_attention linear argmax"

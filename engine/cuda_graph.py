@@ -10,14 +10,29 @@ with one launch. A graph replays fixed work on fixed addresses, so:
   bucket >= B, its extra rows padded.
 - **Static inputs.** A graph reads its batch arrays from buffers whose addresses it baked in. One
   int32 device buffer holds every bucket's inputs (each bucket has its own packed layout at the
-  start of it, `input_layout`); a step packs the padded arrays into one pinned host buffer and
-  fills the device buffer with ONE async copy of just that bucket's prefix, then launches.
+  start of it, `input_layout`): token_ids, positions, slot_mapping, query_start_loc, seq_lens,
+  block_table_rows and logits_indices, a few ints per row. A step packs the padded arrays into
+  one pinned host buffer and fills the device buffer with ONE async copy of just that bucket's
+  prefix, then launches.
+- **Block tables** are not copied: the device keeps the persistent block tables
+  (engine/device_block_tables.py: the host's rows, updated each step by a small scatter of the
+  step's new blocks, applied by ModelRunner.execute before the launch), and each graph begins
+  with a gather of its bucket's rows, `table[block_table_rows, :max_blocks_per_seq]`, into a
+  (size, max_blocks_per_seq) table of the graph's pool that the attention kernels read. So a
+  step's copy no longer grows with max_model_len (it used to carry a (size, max_blocks) table:
+  8 MiB a step for 256 sequences at 128k tokens). The graphs bake in the device table's address:
+  `capture` reserves it at (max_num_seqs rows, max_blocks_per_seq) first, which the host table
+  never outgrows (it takes back the rows of finished and preempted sequences before growing);
+  should it be reallocated anyway, `can_run` turns false and decode runs eagerly (logged).
+  Positions and slot mappings stay computed on the host and copied: unlike a block table they
+  change for every sequence every step, so a device-resident copy would still take B new values
+  a step; deriving them in the graph from seq_lens and the table would save 8 bytes a sequence
+  (2 KiB at 256) for two more kernels and a second definition of the slot beside prepare's.
 - **Padding rows** are all-zero decode rows that write slot -1 (the KV contract's "do not write",
-  DESIGN.md section 5), so they never touch a live sequence's cache, and read a context of
-  length 1 from key 0 of block 0 (always a valid address; whatever is there, their output rows
-  are dropped: rows never mix in a forward).
-- **Block tables** are (size, max_blocks_per_seq) wide, enough for the longest sequence; the
-  decode kernel reads only the first ceil(seq_len / block_size) entries of a row.
+  DESIGN.md section 5), so they never touch a live sequence's cache; their block-table row is
+  the device table's zero row, and they read a context of length 1 from key 0 of block 0
+  (always a valid address; whatever is there, their output rows are dropped: rows never mix in a
+  forward). The decode kernel reads only the first ceil(seq_len / block_size) entries of a row.
 
 Memory. Everything a graph touches must stay allocated, at the same address, for the graph's
 life, and nobody else may reuse it while the graph could still write it:
@@ -61,9 +76,9 @@ MiB = 1 << 20
 GRAPH_OVERHEAD_BYTES = 16 * MiB   # per captured graph: graph exec, cuBLAS and scratch headroom
 _ALIGN = 16                       # int32 elements: each static input starts on a 64-byte boundary
 
-# The static inputs, in ForwardBatch's field order.
+# The static inputs, in ForwardBatch's field order (the block tables are gathered on the device).
 FIELDS = ("token_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens",
-          "block_tables", "logits_indices")
+          "block_table_rows", "logits_indices")
 
 
 # ---- buckets and padding (host side, pure NumPy)
@@ -95,12 +110,12 @@ def is_pure_decode(batch: ForwardBatch) -> bool:
             and np.array_equal(batch.logits_indices, rows[:B]))
 
 
-def input_layout(size: int, max_blocks: int) -> tuple[dict[str, tuple[int, tuple]], int]:
+def input_layout(size: int) -> tuple[dict[str, tuple[int, tuple]], int]:
     """Where each static input of a `size` bucket lives in the packed int32 buffer:
     ({name: (offset, shape)}, number of int32 elements up to the end of the last one)."""
     shapes = {"token_ids": (size,), "positions": (size,), "slot_mapping": (size,),
               "query_start_loc": (size + 1,), "seq_lens": (size,),
-              "block_tables": (size, max_blocks), "logits_indices": (size,)}
+              "block_table_rows": (size,), "logits_indices": (size,)}
     layout, end = {}, 0
     for name in FIELDS:
         offset = -(-end // _ALIGN) * _ALIGN
@@ -123,43 +138,45 @@ def _check_fits(batch: ForwardBatch, size: int, max_blocks: int) -> None:
                          "compute exactly one token and sample it")
     if batch.num_seqs > size:
         raise ValueError(f"{batch.num_seqs} sequences do not fit a graph of {size} rows")
-    if batch.block_tables.shape[1] > max_blocks:
-        raise ValueError(f"block tables are {batch.block_tables.shape[1]} blocks wide, more than "
+    if batch.block_table_rows is None:
+        raise ValueError("the batch has no block_table_rows: the decode graphs gather the block "
+                         "tables on the device from the persistent table's rows")
+    if batch.block_table_width > max_blocks:
+        raise ValueError(f"block tables are {batch.block_table_width} blocks wide, more than "
                          f"the graphs' max_blocks={max_blocks}")
 
 
-def _write_inputs(views: dict, size: int, batch: ForwardBatch | None = None) -> None:
+def _write_inputs(views: dict, size: int, zero_row: int, batch: ForwardBatch | None = None):
     """Every element of a bucket's static inputs: the batch's rows, then padding rows (all
     padding when batch is None)."""
     B = 0 if batch is None else batch.num_seqs
     rows = np.arange(size + 1, dtype=np.int32)
-    tables = views["block_tables"]
     if B:
-        K = batch.block_tables.shape[1]
         views["token_ids"][:B] = batch.token_ids
         views["positions"][:B] = batch.positions
         views["slot_mapping"][:B] = batch.slot_mapping
         views["seq_lens"][:B] = batch.seq_lens
-        tables[:B, :K] = batch.block_tables
-        tables[:B, K:] = 0
+        views["block_table_rows"][:B] = batch.block_table_rows
     views["token_ids"][B:] = 0
     views["positions"][B:] = 0
     views["slot_mapping"][B:] = -1     # padding rows write no KV slot
     views["seq_lens"][B:] = 1          # ... and attend to key 0 of block 0; their rows are dropped
-    tables[B:] = 0
+    views["block_table_rows"][B:] = zero_row
     views["query_start_loc"][:] = rows
     views["logits_indices"][:] = rows[:size]
 
 
-def pad_decode_inputs(batch: ForwardBatch, size: int, max_blocks: int) -> dict[str, np.ndarray]:
+def pad_decode_inputs(batch: ForwardBatch, size: int, max_blocks: int,
+                      zero_row: int) -> dict[str, np.ndarray]:
     """The static-input contents of a `size` bucket for a pure decode batch (host arrays):
     token_ids/positions padded with 0, slot_mapping with -1, seq_lens with 1, query_start_loc =
-    arange(size + 1), block_tables (size, max_blocks) with the real rows left-aligned and zeros
-    elsewhere, logits_indices = arange(size). ValueError if the batch does not fit."""
+    arange(size + 1), block_table_rows padded with zero_row (the device table's all-zero row),
+    logits_indices = arange(size). ValueError if the batch does not fit (more sequences than
+    `size`, wider than max_blocks, not a pure decode)."""
     _check_fits(batch, size, max_blocks)
-    layout, n = input_layout(size, max_blocks)
+    layout, n = input_layout(size)
     views = _views(np.zeros(n, np.int32), layout)
-    _write_inputs(views, size, batch)
+    _write_inputs(views, size, zero_row, batch)
     return views
 
 
@@ -167,14 +184,17 @@ def estimate_graph_memory_bytes(max_num_seqs: int, max_blocks_per_seq: int,
                                 model_config=None) -> int:
     """Device memory to reserve for the decode graphs before the KV pool is sized: a conservative
     16 MiB per captured graph (graph exec objects, cuBLAS and attention scratch), the static
-    inputs, and, given the model's config, the memory that grows with max_num_seqs: the static
-    logits plus the forward's own logits (2 * vocab floats a row), and the graphs' activation
-    workspace with the gathered rows (bounded by 18 * hidden + 3 * intermediate floats a row,
-    which covers q_size <= 2 * hidden). An estimate: `CudaGraphRunner.capture` measures the real
+    inputs, the device block table reserved at capture (max_num_seqs + 1 rows of
+    max_blocks_per_seq ids) and the largest graph's gather of it (max_num_seqs rows), and,
+    given the model's config, the memory that grows with max_num_seqs: the static logits plus
+    the forward's own logits (2 * vocab floats a row), and the graphs' activation workspace with
+    the gathered rows (bounded by 18 * hidden + 3 * intermediate floats a row, which covers
+    q_size <= 2 * hidden). An estimate: `CudaGraphRunner.capture` measures the real
     figure (graph_memory_bytes) and the engine logs both."""
     sizes = capture_sizes(max_num_seqs)
-    _, n = input_layout(max_num_seqs, max_blocks_per_seq)
-    total = len(sizes) * GRAPH_OVERHEAD_BYTES + 4 * n
+    _, n = input_layout(max_num_seqs)
+    tables = (max_num_seqs + 1 + max_num_seqs) * max_blocks_per_seq
+    total = len(sizes) * GRAPH_OVERHEAD_BYTES + 4 * (n + tables)
     if model_config is not None:
         per_row = (2 * model_config.vocab_size + 18 * model_config.hidden_size
                    + 3 * model_config.intermediate_size)
@@ -209,17 +229,24 @@ class CudaGraphRunner:
       copy_to_device_async(dst, src)  enqueue a host-to-device copy on backend.stream
       synchronize()                wait for backend.stream
     and optionally memory_info() -> (free, total) bytes, for the device-wide figure.
+    `block_tables` is the device's copy of the persistent block tables
+    (engine/device_block_tables.py) whose rows the batches name.
 
-    Usage: capture() once after the KV caches exist; then per step, if can_run(batch):
+    Usage: capture() once after the KV caches exist; then per step, once the batch's
+    block-table update is applied (ModelRunner.execute does it), if can_run(batch):
     logits = run(batch). `batch` is the host batch (ModelRunner.prepare's NumPy arrays).
     """
 
-    def __init__(self, model, backend, kv_caches, max_num_seqs: int, max_blocks_per_seq: int):
+    def __init__(self, model, backend, kv_caches, max_num_seqs: int, max_blocks_per_seq: int,
+                 block_tables):
         if max_blocks_per_seq < 1:
             raise ValueError(f"max_blocks_per_seq must be >= 1, got {max_blocks_per_seq}")
+        if block_tables is None:
+            raise ValueError("decode graphs need the device's block tables (DeviceBlockTables)")
         self.model = model
         self.backend = backend
         self.kv_caches = kv_caches
+        self.block_tables = block_tables
         self.max_num_seqs = max_num_seqs
         self.max_blocks_per_seq = max_blocks_per_seq
         self.sizes = capture_sizes(max_num_seqs)
@@ -232,6 +259,9 @@ class CudaGraphRunner:
         self._device = None                  # static int32 input buffer
         self._logits = None                  # static (max_num_seqs, V) output
         self._workspace = None               # the graphs' own activation workspace
+        self._table = None                   # the device block table the graphs gather from
+        self._zero_row = None                # ... and its all-zero row, the padding rows' row
+        self._warned_table = False
 
     @property
     def captured(self) -> bool:
@@ -244,9 +274,11 @@ class CudaGraphRunner:
             raise RuntimeError("CudaGraphRunner.capture() runs once")
         b = self.backend
         xp = b.xp
-        K = self.max_blocks_per_seq
-        _, total = input_layout(self.max_num_seqs, K)
+        _, total = input_layout(self.max_num_seqs)
         free_before = b.memory_info()[0] if hasattr(b, "memory_info") else None
+        # The graphs bake in the table's address: give it its final size now.
+        self.block_tables.reserve(self.max_num_seqs, self.max_blocks_per_seq)
+        self._table, self._zero_row = self.block_tables.table, self.block_tables.zero_row
         self._pool = b.new_graph_pool()
         self._host = b.pinned_empty(total, np.int32)
         ws = getattr(self.model, "workspace", None)
@@ -266,13 +298,14 @@ class CudaGraphRunner:
 
     def _capture_one(self, size: int) -> None:
         b, xp = self.backend, self.backend.xp
-        layout, n = input_layout(size, self.max_blocks_per_seq)
+        layout, n = input_layout(size)
         host = _views(self._host, layout)
-        batch = ForwardBatch(**_views(self._device, layout))
-        _write_inputs(host, size)                                 # a dummy batch: all padding
+        batch = ForwardBatch(block_tables=None, block_table_width=self.max_blocks_per_seq,
+                             **_views(self._device, layout))
+        _write_inputs(host, size, self._zero_row)                 # a dummy batch: all padding
         b.copy_to_device_async(self._device[:n], self._host[:n])
         if self._logits is None:                                  # the largest bucket: learn V
-            first = self._forward(batch)
+            first = self._forward(self._inputs(batch))
             self._logits = xp.empty((self.max_num_seqs, first.shape[1]), first.dtype)
             del first
         bucket = _Bucket(size, n, host, batch, self._logits[:size])
@@ -297,17 +330,41 @@ class CudaGraphRunner:
         finally:
             self.model.workspace = eager
 
+    def _inputs(self, batch: ForwardBatch) -> ForwardBatch:
+        """The forward's inputs: the static ones, and the block tables gathered from the device
+        table by the bucket's rows (a device op: inside a graph, it is replayed too)."""
+        tables = self._table[batch.block_table_rows, :self.max_blocks_per_seq]
+        return ForwardBatch(batch.token_ids, batch.positions, batch.slot_mapping,
+                            batch.query_start_loc, batch.seq_lens, tables, batch.logits_indices)
+
     def _step(self, batch: ForwardBatch, out) -> None:
-        """What a graph holds: the forward on the static inputs, its logits copied to the static
-        output (the forward's own array is a pool temporary)."""
-        self.backend.xp.copyto(out, self._forward(batch))
+        """What a graph holds: the gather of its rows' block tables, the forward, its logits
+        copied to the static output (the forward's own array and the gathered tables are pool
+        temporaries)."""
+        self.backend.xp.copyto(out, self._forward(self._inputs(batch)))
 
     # ---- replay
 
     def can_run(self, batch: ForwardBatch) -> bool:
         return (self.captured and is_pure_decode(batch)
                 and bucket_for(batch.num_seqs, self.sizes) is not None
-                and batch.block_tables.shape[1] <= self.max_blocks_per_seq)
+                and batch.block_table_rows is not None
+                and batch.block_table_width <= self.max_blocks_per_seq
+                and self._table_unmoved())
+
+    def _table_unmoved(self) -> bool:
+        """The device block table is still the one the graphs gather from. It is reserved for
+        max_num_seqs running sequences and should never move; if it did (a bug in that bound),
+        the graphs would gather stale rows from the old one, so decode runs eagerly from then
+        on."""
+        if self.block_tables.table is self._table:
+            return True
+        if not self._warned_table:
+            self._warned_table = True
+            log.warning("the device block table was reallocated after the decode graphs were "
+                        "captured (%s -> %s): decode runs without CUDA graphs from now on",
+                        self._table.shape, self.block_tables.table.shape)
+        return False
 
     def run(self, batch: ForwardBatch):
         """Logits (B, V) of a pure decode batch, by replaying its bucket's graph: a view of the
@@ -324,8 +381,10 @@ class CudaGraphRunner:
         if size is None:
             raise ValueError(f"{B} sequences: the decode graphs hold 1 to {self.max_num_seqs}")
         _check_fits(batch, size, self.max_blocks_per_seq)
+        if not self._table_unmoved():
+            raise RuntimeError("the device block table moved after capture: run eagerly")
         bucket = self.buckets[size]
-        _write_inputs(bucket.host, size, batch)
+        _write_inputs(bucket.host, size, self._zero_row, batch)
         n = bucket.num_ints
         self.backend.copy_to_device_async(self._device[:n], self._host[:n])
         bucket.graph.launch()

@@ -13,8 +13,17 @@ class ForwardBatch:
     slot_mapping: np.ndarray     # (T,) int32, KV slot of each token, -1 = do not write
     query_start_loc: np.ndarray  # (B+1,) int32, row offsets of each sequence in token_ids
     seq_lens: np.ndarray         # (B,) int32, context length including this step's tokens
-    block_tables: np.ndarray     # (B, max_blocks) int32, padded with 0
+    # (B, max_blocks) int32, padded with 0; None in a batch prepared for a device that keeps the
+    # block tables itself (engine/device_block_tables.py): it gathers block_table_rows there.
+    block_tables: np.ndarray | None
     logits_indices: np.ndarray   # (S,) int32, rows whose logits are sampled
+    # Where the batch's tables come from (ModelRunner.prepare sets them; hand-made batches that
+    # give block_tables need not): each sequence's row of the persistent table
+    # (engine/input_buffers.py), the batch's width (its longest block table), and the table's
+    # changes the device must apply before this batch runs (None on the CPU).
+    block_table_rows: np.ndarray | None = None    # (B,) int32
+    block_table_width: int = 0
+    block_table_update: object = None             # an input_buffers.BlockTableUpdate
 
     @property
     def num_tokens(self) -> int:
@@ -25,5 +34,10 @@ class ForwardBatch:
         return len(self.seq_lens)
 
     def map(self, fn) -> "ForwardBatch":
-        """The same batch with fn applied to every array (e.g. a copy to the device)."""
-        return ForwardBatch(*(fn(getattr(self, f.name)) for f in fields(self)))
+        """The same batch with fn applied to every array (e.g. a copy to the device); the
+        width, the update and absent arrays (None) are kept as they are."""
+        return ForwardBatch(*(v if v is None or f.name in _NOT_ARRAYS else fn(v)
+                              for f, v in ((f, getattr(self, f.name)) for f in fields(self))))
+
+
+_NOT_ARRAYS = ("block_table_width", "block_table_update")

@@ -151,7 +151,8 @@ class LLMEngine:
         from engine.cuda_graph import CudaGraphRunner
         bs = self.config.block_size
         runner = CudaGraphRunner(self.model, self.backend, self.runner.kv_caches,
-                                 self.config.max_num_seqs, -(-self.max_model_len // bs))
+                                 self.config.max_num_seqs, -(-self.max_model_len // bs),
+                                 self.runner.device_block_tables)
         start = time.monotonic()
         runner.capture()
         self.runner.graph_runner = runner

@@ -5,6 +5,7 @@ import itertools
 
 import numpy as np
 
+from engine.device_block_tables import DeviceBlockTables
 from engine.forward_batch import ForwardBatch
 from engine.input_buffers import BlockTables
 from engine.scheduler import SchedulerOutput
@@ -29,6 +30,10 @@ class ModelRunner:
         self.kv_caches = [(xp.zeros(shape, dtype), xp.zeros(shape, dtype))
                           for _ in range(model_config.num_hidden_layers)]
         self.block_tables = BlockTables()   # persistent: updated with each step's new blocks
+        # A backend whose arrays live apart from the host's (CUDA) keeps its own copy of the
+        # tables, updated with each step's changes; on the CPU the host table is the device's.
+        self.device_block_tables = (DeviceBlockTables(backend, self.block_tables)
+                                    if backend.xp is not np else None)
         self.graph_runner = None      # a CudaGraphRunner once decode graphs are captured
         self.num_forward_calls = 0    # counted for tests and metrics
         self.num_forward_tokens = 0
@@ -48,7 +53,9 @@ class ModelRunner:
         request asked for (Sequence.prompt_logprob_positions), in sequence order.
 
         One pass over the sequences for their scalars, array arithmetic for the per-token
-        arrays, and the persistent block tables (engine/input_buffers.py) for the tables."""
+        arrays, and the persistent block tables (engine/input_buffers.py) for the tables: on a
+        device that keeps them (engine/device_block_tables.py) the batch carries the rows and
+        the table's changes instead of a (B, width) table."""
         seqs, num_new_tokens = sched.seqs, sched.num_new_tokens
         B, bs = len(seqs), self.block_size
         n = np.array(num_new_tokens, np.int32)
@@ -70,8 +77,10 @@ class ModelRunner:
                 np.int32, total)
         width = max(len(seq.block_table) for seq in seqs)
         rows = self.block_tables.rows_for(seqs)    # may grow the table: index it after
-        block_tables = self.block_tables.table[rows, :width]
-        slot_mapping = block_tables[seq_of_row, positions // bs] * bs + positions % bs
+        table = self.block_tables.table
+        slot_mapping = table[rows[seq_of_row], positions // bs] * bs + positions % bs
+        on_device = self.device_block_tables is not None
+        block_tables = None if on_device else table[rows, :width]
         sampled = np.fromiter((s and seq.pooler is None for seq, s in zip(seqs, sched.sample)),
                               bool, B)
         logits_indices = query_start_loc[1:][sampled] - 1
@@ -83,7 +92,9 @@ class ModelRunner:
             logits_indices = np.concatenate([logits_indices, np.array(prompt_rows, np.int32)])
         return ForwardBatch(token_ids, positions, slot_mapping.astype(np.int32, copy=False),
                             query_start_loc, starts + n, block_tables,
-                            logits_indices.astype(np.int32, copy=False))
+                            logits_indices.astype(np.int32, copy=False),
+                            rows.astype(np.int32), width,
+                            self.block_tables.take_update() if on_device else None)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]):
         """KV block src -> dst in every layer (a beam's fork of a partly filled block)."""
@@ -107,6 +118,15 @@ class ModelRunner:
             row += n
         return out
 
+    def _to_device(self, batch: ForwardBatch) -> ForwardBatch:
+        """The batch's arrays on the backend, its block tables gathered there when the device
+        keeps them."""
+        on_device = batch.map(self.backend.asarray)
+        if on_device.block_tables is None:
+            on_device.block_tables = self.device_block_tables.gather(
+                on_device.block_table_rows, batch.block_table_width)
+        return on_device
+
     def execute(self, sched: SchedulerOutput, batch: ForwardBatch | None = None):
         """One forward call; returns the logits (S + P, V) of the S sequences that sample this
         step, then of the P prompt-logprob rows (on the backend's device), and for each
@@ -115,16 +135,18 @@ class ModelRunner:
         fits. batch: this step's arrays when the caller prepared them already."""
         if batch is None:
             batch = self.prepare(sched)
+        if self.device_block_tables is not None:   # the table's changes, before anything reads it
+            self.device_block_tables.apply(batch.block_table_update)
         pooled = self.pooled_rows(sched)
         self.num_forward_calls += 1
         self.num_forward_tokens += batch.num_tokens
         if not pooled:
             if self.graph_runner is not None and self.graph_runner.can_run(batch):
                 return self.graph_runner.run(batch), []
-            return self.model.forward(batch.map(self.backend.asarray), self.kv_caches), []
+            return self.model.forward(self._to_device(batch), self.kv_caches), []
         rows = np.concatenate([np.arange(first, end, dtype=np.int32)
                                for _, _, first, end in pooled])
-        logits, hidden = self.model.forward(batch.map(self.backend.asarray), self.kv_caches,
+        logits, hidden = self.model.forward(self._to_device(batch), self.kv_caches,
                                             hidden_indices=self.backend.asarray(rows))
         hidden = np.asarray(self.backend.to_host(hidden), dtype=np.float32)
         out, at = [], 0

@@ -19,6 +19,8 @@ import pytest
 from engine import cuda_memory
 from engine.config import EngineConfig
 from engine.cuda_graph import estimate_graph_memory_bytes
+from engine.device_block_tables import DeviceBlockTables
+from engine.input_buffers import BlockTables
 from engine.llm_engine import LLMEngine
 from engine.model_runner import ModelRunner
 from engine.models.registry import load_model
@@ -139,3 +141,54 @@ def test_eager_cuda_path_matches_too(model_dir):
     backend = CpuAsCuda()
     got = run(engine_for(model_dir, backend, num_kv_blocks=64, cuda_graph=False), PROMPTS[:2])
     assert got == want and backend.replays == 0
+
+
+def run_varied(engine, prompts, max_tokens):
+    for i, (p, n) in enumerate(zip(prompts, max_tokens)):
+        engine.add_request(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=n,
+                                                      ignore_eos=True))
+    tokens = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                tokens[out.request_id] = out.token_ids
+    return [tokens[f"r{i}"] for i in range(len(prompts))]
+
+
+MANY = [list(np.random.default_rng(10 + s).integers(3, 500, n))
+        for s, n in enumerate([7, 30, 3, 19, 11, 25, 5, 14, 9, 22, 4, 17])]
+LENGTHS = [40, 26, 53, 32, 23, 47, 36, 29, 50, 25, 44, 31]   # finishing at different steps
+
+
+@pytest.mark.parametrize("cuda_graph", [True, False])
+def test_preemption_and_reused_rows_match_the_cpu_engine(model_dir, cuda_graph):
+    """Twelve requests through eight sequence slots and a KV pool too small for them all: rows
+    of finished sequences are reused, preempted sequences' rows are rewritten, and the device's
+    block tables (engine/device_block_tables.py), updated step by step, must give exactly the
+    CPU engine's tokens, whose batches carry the host table itself. The tables start at 2 rows
+    of 1 block: the eager path grows and widens them; the graphs reserve 8 rows (max_num_seqs)
+    at capture and the twelve requests must fit them."""
+    cpu = engine_for(model_dir, CpuBackend(), num_kv_blocks=10)
+    want = run_varied(cpu, MANY, LENGTHS)
+    assert cpu.scheduler.num_preemptions > 0
+    backend = CpuAsCuda()
+    engine = engine_for(model_dir, backend, num_kv_blocks=10, cuda_graph=False)
+    runner = engine.runner
+    runner.block_tables = BlockTables(num_rows=2, width=1)
+    tables = runner.device_block_tables = DeviceBlockTables(backend, runner.block_tables)
+    if cuda_graph:
+        engine._capture_cuda_graphs()               # as the engine does when it starts
+        assert runner.block_tables.table.shape == (8, 10)    # 160 tokens of 16
+    reallocations = tables.num_reallocations
+    got = run_varied(engine, MANY, LENGTHS)
+    assert got == want
+    assert engine.scheduler.num_preemptions > 0
+    assert np.array_equal(tables.table[:-1], runner.block_tables.table)
+    if cuda_graph:
+        # the reserved table held every running sequence: it never moved (rows were reused),
+        # and decode steps kept replaying graphs to the end
+        assert runner.block_tables.table.shape == (8, 10)
+        assert tables.num_reallocations == reallocations
+        assert backend.replays == runner.graph_runner.num_replays > 20
+    else:
+        assert tables.num_reallocations > reallocations and backend.replays == 0

@@ -13,6 +13,7 @@ from checkpoints import tiny_checkpoint
 from engine.cuda_graph import (CudaGraphRunner, bucket_for, capture_sizes,
                                estimate_graph_memory_bytes, input_layout, is_pure_decode,
                                pad_decode_inputs)
+from engine.device_block_tables import DeviceBlockTables
 from engine.forward_batch import ForwardBatch
 from engine.model_runner import ModelRunner
 from engine.models.registry import load_model
@@ -54,7 +55,8 @@ def hand_batch(num_seqs, width=1, logits_indices=None):
         slot_mapping=np.arange(B, dtype=I32) * 8 + 4, query_start_loc=np.arange(B + 1, dtype=I32),
         seq_lens=np.full(B, 5, I32), block_tables=np.ones((B, width), I32),
         logits_indices=np.arange(B, dtype=I32) if logits_indices is None
-        else np.asarray(logits_indices, I32))
+        else np.asarray(logits_indices, I32),
+        block_table_rows=np.zeros(B, I32), block_table_width=width)
 
 
 @pytest.fixture(scope="module")
@@ -131,26 +133,29 @@ def test_is_pure_decode_by_hand():
 # ---- padded static inputs
 
 def test_input_layout():
-    layout, n = input_layout(2, 3)
+    layout, n = input_layout(2)
     assert layout == {"token_ids": (0, (2,)), "positions": (16, (2,)),
                       "slot_mapping": (32, (2,)), "query_start_loc": (48, (3,)),
-                      "seq_lens": (64, (2,)), "block_tables": (80, (2, 3)),
+                      "seq_lens": (64, (2,)), "block_table_rows": (80, (2,)),
                       "logits_indices": (96, (2,))}
     assert n == 98
-    assert input_layout(12, 5)[1] == 156
+    assert input_layout(12)[1] == 108
 
 
 def test_pad_decode_inputs(runner4):
     batch = runner4.prepare(schedule(two_decodes(), [1, 1]))
     assert batch.block_tables.tolist() == [[3, 5, 7], [2, 4, 0]]
-    got = pad_decode_inputs(batch, 4, 5)
+    a, b = batch.block_table_rows.tolist()     # the rows of the persistent table
+    assert runner4.block_tables.table[[a, b], :3].tolist() == [[3, 5, 7], [2, 4, 0]]
+    assert batch.block_table_width == 3
+    got = pad_decode_inputs(batch, 4, 5, zero_row=99)
     want = {
         "token_ids": [109, 205, 0, 0],
         "positions": [9, 5, 0, 0],
         "slot_mapping": [29, 17, -1, -1],
         "query_start_loc": [0, 1, 2, 3, 4],
         "seq_lens": [10, 6, 1, 1],
-        "block_tables": [[3, 5, 7, 0, 0], [2, 4, 0, 0, 0], [0, 0, 0, 0, 0], [0, 0, 0, 0, 0]],
+        "block_table_rows": [a, b, 99, 99],
         "logits_indices": [0, 1, 2, 3],
     }
     assert set(got) == set(want)
@@ -158,9 +163,9 @@ def test_pad_decode_inputs(runner4):
         assert got[name].dtype == I32, name
         assert got[name].tolist() == value, name
     # an exact fit: no padding rows, the table exactly max_blocks wide
-    exact = pad_decode_inputs(batch, 2, 3)
+    exact = pad_decode_inputs(batch, 2, 3, zero_row=99)
     assert exact["slot_mapping"].tolist() == [29, 17]
-    assert exact["block_tables"].tolist() == [[3, 5, 7], [2, 4, 0]]
+    assert exact["block_table_rows"].tolist() == [a, b]
     assert exact["query_start_loc"].tolist() == [0, 1, 2]
 
 
@@ -168,22 +173,28 @@ def test_pad_decode_inputs_errors(runner4):
     a, b = two_decodes()
     batch = runner4.prepare(schedule([a, b], [1, 1]))
     with pytest.raises(ValueError, match="3 blocks wide, more than the graphs' max_blocks=2"):
-        pad_decode_inputs(batch, 4, 2)
+        pad_decode_inputs(batch, 4, 2, 0)
     with pytest.raises(ValueError, match="2 sequences do not fit a graph of 1 rows"):
-        pad_decode_inputs(batch, 1, 5)
+        pad_decode_inputs(batch, 1, 5, 0)
     fresh = make_seq(range(300, 305), 0, [9, 10])
     with pytest.raises(ValueError, match="not a pure decode batch"):
-        pad_decode_inputs(runner4.prepare(schedule([a, fresh], [1, 5])), 4, 5)
+        pad_decode_inputs(runner4.prepare(schedule([a, fresh], [1, 5])), 4, 5, 0)
     with pytest.raises(ValueError, match="not a pure decode batch"):
-        pad_decode_inputs(hand_batch(2, logits_indices=[1, 0]), 4, 5)
+        pad_decode_inputs(hand_batch(2, logits_indices=[1, 0]), 4, 5, 0)
+    rowless = hand_batch(2)
+    rowless.block_table_rows = None          # a hand-made batch with only block_tables
+    with pytest.raises(ValueError, match="no block_table_rows"):
+        pad_decode_inputs(rowless, 4, 5, 0)
 
 
 def test_estimate_graph_memory_bytes():
-    # 5 graphs (1, 2, 4, 8, 12) and 156 int32 static inputs
-    assert estimate_graph_memory_bytes(12, 5) == 5 * 16 * 2**20 + 4 * 156
+    # 5 graphs (1, 2, 4, 8, 12), 108 int32 static inputs, the device table (13 rows of 5) and
+    # the largest gather of it (12 rows of 5)
+    fixed = 5 * 16 * 2**20 + 4 * (108 + 13 * 5 + 12 * 5)
+    assert estimate_graph_memory_bytes(12, 5) == fixed
     cfg = types.SimpleNamespace(vocab_size=512, hidden_size=96, intermediate_size=192)
     per_row = 2 * 512 + 18 * 96 + 3 * 192
-    assert estimate_graph_memory_bytes(12, 5, cfg) == 5 * 16 * 2**20 + 4 * 156 + 4 * per_row * 12
+    assert estimate_graph_memory_bytes(12, 5, cfg) == fixed + 4 * per_row * 12
 
 
 # ---- the runner, against a fake backend
@@ -211,6 +222,10 @@ class FakeGraphBackend:
         self.capturing = False
         self.pool = None
         self.xp = types.SimpleNamespace(empty=self._empty, copyto=np.copyto)
+
+    @staticmethod
+    def asarray(a):
+        return np.array(a)      # a "device" copy
 
     @staticmethod
     def _empty(shape, dtype):
@@ -288,9 +303,11 @@ def setup(tiny):
         kb[...] = ka
         vb[...] = va
     backend = FakeGraphBackend()
-    runner = CudaGraphRunner(model, backend, graphed.kv_caches, MAX_SEQS, MAX_BLOCKS)
+    # The graphs' device tables mirror the eager runner's host tables, which prepare the batches.
+    tables = DeviceBlockTables(backend, eager.block_tables)
+    runner = CudaGraphRunner(model, backend, graphed.kv_caches, MAX_SEQS, MAX_BLOCKS, tables)
     return types.SimpleNamespace(model=model, eager=eager, graphed=graphed, seqs=seqs,
-                                 backend=backend, runner=runner)
+                                 backend=backend, runner=runner, tables=tables)
 
 
 def test_capture_bookkeeping(setup):
@@ -301,7 +318,7 @@ def test_capture_bookkeeping(setup):
     assert runner.captured and sorted(runner.buckets) == [1, 2, 4, 8]
     # largest first; each bucket: its inputs copied, warm-up, capture, then a sync before the
     # pinned buffer is rewritten for the next bucket; all inside the private pool
-    n = {s: input_layout(s, MAX_BLOCKS)[1] for s in (1, 2, 4, 8)}
+    n = {s: input_layout(s)[1] for s in (1, 2, 4, 8)}
     assert backend.events == [("pool", "on")] + [
         e for s in (8, 4, 2, 1) for e in (("copy", n[s]), ("begin_capture",), ("end_capture",),
                                           ("sync",))] + [("pool", "off"), ("sync",)]
@@ -327,6 +344,8 @@ def test_replay_equals_eager(setup):
         sched = schedule(group, [1] * len(group))
         assert sched.is_decode == [True] * len(group)
         batch = setup.eager.prepare(sched)
+        setup.tables.apply(setup.eager.block_tables.take_update())  # as ModelRunner.execute
+        assert np.array_equal(setup.tables.table[:-1], setup.eager.block_tables.table)
         assert runner.can_run(batch)
         want = model.forward(batch, setup.eager.kv_caches)
         del backend.events[:]
@@ -334,13 +353,13 @@ def test_replay_equals_eager(setup):
         size = bucket_for(len(step), [1, 2, 4, 8])
         bucket = runner.buckets[size]
         # one copy of exactly this bucket's inputs, one launch of this bucket's graph
-        assert backend.events == [("copy", input_layout(size, MAX_BLOCKS)[1]),
+        assert backend.events == [("copy", input_layout(size)[1]),
                                   ("launch", bucket.graph)], step
         assert got.shape == want.shape == (len(step), 512)
         assert np.shares_memory(got, bucket.logits)
         # the static inputs (pinned staging and device buffer alike) hold exactly the padded
         # batch, stale rows and columns of earlier, larger or wider, batches included
-        padded = pad_decode_inputs(batch, size, MAX_BLOCKS)
+        padded = pad_decode_inputs(batch, size, MAX_BLOCKS, setup.tables.zero_row)
         for name, value in padded.items():
             assert np.array_equal(bucket.host[name], value), (step, name)
             assert np.array_equal(getattr(bucket.batch, name), value), (step, name)
@@ -380,3 +399,58 @@ def test_can_run_and_run_refusals(setup):
 def test_run_before_capture(setup):
     with pytest.raises(RuntimeError, match="before capture"):
         setup.runner.run(hand_batch(1))
+
+
+def decode_batch(setup, step):
+    sched = schedule([setup.seqs[i] for i in step], [1] * len(step))
+    return setup.eager.prepare(sched)
+
+
+def test_a_steps_copy_does_not_grow_with_max_blocks(setup):
+    """The block tables stay on the device: a replay copies a few ints per row, the same for
+    graphs 6 blocks wide as for graphs 4096 blocks wide (64k tokens at block size 8)."""
+    model, host = setup.model, setup.eager.block_tables
+    wide_backend = FakeGraphBackend()
+    wide_tables = DeviceBlockTables(wide_backend, host)
+    wide = CudaGraphRunner(model, wide_backend, setup.graphed.kv_caches, MAX_SEQS, 4096,
+                           wide_tables)
+    wide.capture()                       # reserves: the host table is 4096 wide from here on
+    assert host.table.shape[1] == 4096 and wide_tables.table.shape == (65, 4096)
+    narrow_tables = DeviceBlockTables(setup.backend, host)
+    narrow = CudaGraphRunner(model, setup.backend, setup.graphed.kv_caches, MAX_SEQS, MAX_BLOCKS,
+                             narrow_tables)
+    narrow.capture()
+    for step in ([0], [1, 2, 3], list(range(8))):
+        batch = decode_batch(setup, step)
+        update = host.take_update()
+        copied = {}
+        for runner, tables, backend in ((narrow, narrow_tables, setup.backend),
+                                        (wide, wide_tables, wide_backend)):
+            del backend.events[:]
+            tables.apply(update)
+            logits = runner.run(batch).copy()
+            copied[runner.max_blocks_per_seq] = sum(e[1] for e in backend.events
+                                                    if e[0] == "copy")
+            assert np.isfinite(logits).all()
+        size = bucket_for(len(step), narrow.sizes)
+        assert copied == {MAX_BLOCKS: input_layout(size)[1], 4096: input_layout(size)[1]}, step
+        assert input_layout(size)[1] <= 7 * size + 7 * 16     # 7 arrays of <= size + 1 ints
+        for seq in (setup.seqs[i] for i in step):
+            seq.num_computed_tokens += 1
+            seq.append_token(7)
+
+
+def test_a_moved_device_table_turns_the_graphs_off(setup, caplog):
+    runner, host = setup.runner, setup.eager.block_tables
+    runner.capture()
+    batch = decode_batch(setup, [0, 1])
+    setup.tables.apply(host.take_update())
+    assert runner.can_run(batch)
+    host.reserve(host.table.shape[0] * 2, MAX_BLOCKS)   # more rows than reserved: reallocated
+    setup.tables.apply(host.take_update())
+    with caplog.at_level("WARNING", logger="taper.engine"):
+        assert not runner.can_run(batch)
+        assert not runner.can_run(batch)
+    assert sum("reallocated" in r.message for r in caplog.records) == 1   # said once
+    with pytest.raises(RuntimeError, match="moved after capture"):
+        runner.run(batch)
