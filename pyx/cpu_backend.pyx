@@ -92,7 +92,7 @@ cdef extern from "quant_kernels.h" nogil:
     int taper_quant_linear(int isa, int type, const float* x, const void* w, const float* bias,
                            float* out, int64_t T, int64_t K, int64_t N, int64_t ldo,
                            int batch_invariant, int nthreads)
-    int taper_quant_gemv_max_t()
+    int taper_quant_gemv_max_t(int isa, int type)
 
 
 ctypedef int (*gated_kernel)(int isa, const float* x, float* out, int64_t T, int64_t inter,
@@ -110,11 +110,12 @@ _U64 = np.dtype(np.uint64)
 _U8 = np.dtype(np.uint8)
 
 
-def quant_gemv_max_t():
-    """Token rows up to which a quantized `linear` dots Q8-quantized activation rows with the
-    quantized weight rows (decode); longer inputs go through float32 panels of the weight and
-    the dense GEMM, with float32 activations (pyx/quant_kernels.c)."""
-    return taper_quant_gemv_max_t()
+def quant_gemv_max_t(int qtype, str isa):
+    """Token rows up to which a quantized `linear` of this type, on this ISA path, dots
+    Q8-quantized activation rows with the quantized weight rows (decode); longer inputs go
+    through float32 panels of the weight and the dense GEMM, with float32 activations
+    (pyx/quant_kernels.c)."""
+    return taper_quant_gemv_max_t(ISA_NAMES[isa], qtype)
 
 
 def isa_supported(str isa):

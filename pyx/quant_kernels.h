@@ -101,12 +101,12 @@ int taper_quantize(int type, const float *src /* (rows, k) */, void *dst, int64_
                    int64_t k, int nthreads);
 
 /* out[t, n] = sum_k x[t, k] * W[n, k] (+ bias[n]), W quantized row-major: row n is k/B blocks.
- * Up to taper_quant_gemv_max_t() token rows, x is quantized per row to the type's activation
+ * Up to taper_quant_gemv_max_t(isa, type) token rows, x is quantized per row to the type's activation
  * format first (decode); beyond, panels of W are dequantized to float32 and multiplied with the
  * float32 x by taper_linear's GEMM (prefill). `ldo` is out's row stride in floats (>= N), so
  * parts of a fused weight can write column slices of one output. batch_invariant != 0: the
  * panel path for every T, through the batch-invariant GEMM (taper_linear_ex). */
-int taper_quant_gemv_max_t(void);
+int taper_quant_gemv_max_t(int isa, int type);
 int taper_quant_linear(int isa, int type, const float *x /* (T, K) */,
                        const void *w /* (N, K/B blocks) */, const float *bias /* (N) or NULL */,
                        float *out /* (T, ldo) */, int64_t T, int64_t K, int64_t N, int64_t ldo,

@@ -42,7 +42,7 @@ SCALE_BYTE = {"q2_K": 0, "q3_K": 96, "q4_K": 4, "q5_K": 4, "q6_K": 192}
 ISAS = [isa for isa in ("scalar", "avx2", "avx512") if isa_supported(isa)]
 # More token rows than this: `linear` multiplies float32 panels of dequantize(W) with the float32
 # x (no Q8_K rounding), held to float64 within k unit roundoffs of float32 accumulation.
-GEMV_MAX_T = quant_gemv_max_t()
+GEMV_MAX_T, = {quant_gemv_max_t(int(t), isa) for t in WEIGHT_TYPES.values() for isa in ISAS}
 
 
 def _load_fixture_script():

@@ -6,8 +6,8 @@ two references: float64 x @ dequantize(W).T within a worst-case bound on what qu
 8 bits adds (derived at `activation_error_bound`), and float64 on an emulation of that activation
 quantization, where only float32 accumulation is left. With TAPER_QUANT_ACT_SPLIT=1 each row is
 written as two 8-bit rows (hi = Q8(x), lo = Q8(x - hi)): the same checks with the two-row bound
-and emulation, which the default one-row arithmetic misses. Beyond `quant_gemv_max_t()` token rows
-(prefill) `linear` multiplies float32 panels of dequantize(W) with the float32 x instead, and is
+and emulation, which the default one-row arithmetic misses. Beyond `quant_gemv_max_t(type, isa)`
+token rows (prefill; Q8_0 under AVX-512 from 5 rows) `linear` multiplies float32 panels of dequantize(W) with the float32 x instead, and is
 held to float64 x @ dequantize(W).T within float32 accumulation alone. The last tests show the
 checks can fail.
 """
@@ -27,7 +27,11 @@ ISAS = [i for i in ("scalar", "avx2", "avx512") if isa_supported(i)]
 QK = 32
 ACCUM_RTOL = 2e-6   # float32 accumulation over <= 24 blocks, relative to the sum of |terms|;
 #                     measured <= 4e-8
-GEMV_MAX_T = quant_gemv_max_t()   # more token rows: the float32 panel + GEMM path
+PANEL_T = 33   # past every type's and ISA's quant_gemv_max_t: the float32 panel + GEMM path
+
+
+def takes_panels(qtype, isa, T) -> bool:
+    return T > quant_gemv_max_t(int(qtype), isa)
 
 
 def f32_rtol(k):
@@ -222,13 +226,14 @@ def run_linear(isa, qtype, x, blocks, k, bias):
     return out
 
 
-def check_linear(out, x, blocks, qtype, k, bias, parts=1):
-    """Asserts out against both float64 references (see the module docstring); with more than
-    GEMV_MAX_T rows, against x @ dequantize(W).T within float32 accumulation only."""
+def check_linear(out, x, blocks, qtype, k, bias, isa, parts=1):
+    """Asserts out against both float64 references (see the module docstring); where the ISA
+    takes the panel path for these rows, against x @ dequantize(W).T within float32
+    accumulation only."""
     w = dequantize(int(qtype), blocks, k).astype(np.float64)
     exact = x.astype(np.float64) @ w.T + bias
     sum_abs = np.abs(x.astype(np.float64)) @ np.abs(w).T + np.abs(bias)
-    if x.shape[0] > GEMV_MAX_T:   # panel path: float32 activations, no Q8 rounding to emulate
+    if takes_panels(qtype, isa, x.shape[0]):   # float32 activations, no Q8 rounding to emulate
         err = np.abs(out - exact)
         tol = f32_rtol(k) * sum_abs + 1e-6
         assert np.all(err <= tol), f"panel path: max err/tol {np.max(err / tol):.3g}"
@@ -256,21 +261,23 @@ def test_linear_every_isa(qtype, T, K, parts, monkeypatch):
     bias = rng.standard_normal(N).astype(np.float32)
     blocks = quantize(int(qtype), w)
     scalar = run_linear("scalar", qtype, x, blocks, K, bias)
-    check_linear(scalar, x, blocks, qtype, K, bias, parts)
+    check_linear(scalar, x, blocks, qtype, K, bias, "scalar", parts)
     _, scale = emulated_linear(x, blocks, qtype, K, parts)
     for isa in ISAS[1:]:
         out = run_linear(isa, qtype, x, blocks, K, bias)
-        check_linear(out, x, blocks, qtype, K, bias, parts)
-        # same integers per block, float sums in another order; past GEMV_MAX_T (if a case
-        # has that many rows) the float32 GEMMs of the ISAs sum K float products in different orders
-        rtol = ACCUM_RTOL if T <= GEMV_MAX_T else 2 * f32_rtol(K)
+        check_linear(out, x, blocks, qtype, K, bias, isa, parts)
+        if takes_panels(qtype, isa, T) != takes_panels(qtype, "scalar", T):
+            continue   # one rounds x to Q8, the other not: each was held to its reference above
+        # same integers per block, float sums in another order; on the panel path the float32
+        # GEMMs of the ISAs sum K float products in different orders
+        rtol = 2 * f32_rtol(K) if takes_panels(qtype, isa, T) else ACCUM_RTOL
         assert np.all(np.abs(out - scalar) <= rtol * (scale + np.abs(bias)) + 1e-6), isa
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=ids(TYPES))
-@pytest.mark.parametrize("T,K,N", [(GEMV_MAX_T + 1, 96, 37), (64, 768, 70), (130, 256, 2300)])
+@pytest.mark.parametrize("T,K,N", [(PANEL_T, 96, 37), (64, 768, 70), (130, 256, 2300)])
 def test_linear_panel_path_every_isa(qtype, T, K, N):
-    """Prefill (T > GEMV_MAX_T): float32 panels of dequantize(W) times the float32 x, on every
+    """Prefill (T > every quant_gemv_max_t): float32 panels of dequantize(W) times the float32 x, on every
     ISA, with a bias, writing a column slice of a wider output (a fused weight's part: ldo > N).
     N = 2300 at K = 256 spans two panels (8 MB of float32 rows each)."""
     rng = np.random.default_rng(T + K + N)
@@ -303,10 +310,11 @@ def test_linear_arbitrary_codes_every_isa(qtype):
     rng = np.random.default_rng(3)
     for K in (32, 96, 288):
         blocks = random_blocks(rng, qtype, rows=37, k=K)
-        x = rng.standard_normal((5, K)).astype(np.float32)
+        x = rng.standard_normal((3, K)).astype(np.float32)   # 3 rows: every type's vec_dot loop
         bias = np.zeros(37, np.float32)
         for isa in ISAS:
-            check_linear(run_linear(isa, qtype, x, blocks, K, bias), x, blocks, qtype, K, bias)
+            check_linear(run_linear(isa, qtype, x, blocks, K, bias), x, blocks, qtype, K, bias,
+                         isa)
 
 
 # ---- the checks can fail
@@ -325,11 +333,11 @@ def test_one_8bit_activation_row_misses_the_two_row_bound(qtype, monkeypatch):
     for isa in ISAS:
         with pytest.raises(AssertionError, match="max err/bound"):
             check_linear(run_linear(isa, qtype, x, blocks, K, bias), x, blocks, qtype, K, bias,
-                         parts=2)
+                         isa, parts=2)
     monkeypatch.setenv("TAPER_QUANT_ACT_SPLIT", "1")
     for isa in ISAS:
         check_linear(run_linear(isa, qtype, x, blocks, K, bias), x, blocks, qtype, K, bias,
-                     parts=2)
+                     isa, parts=2)
 
 
 @pytest.mark.parametrize("qtype", list(NIBBLES), ids=ids(NIBBLES))
@@ -378,6 +386,8 @@ def test_linear_check_catches_a_wrong_element_order(qtype):
     else:
         wrong[..., 2:] = np.roll(wrong[..., 2:], 16, axis=-1)
     wrong = wrong.reshape(N, -1)
-    check_linear(run_linear("scalar", qtype, x, blocks, K, bias), x, blocks, qtype, K, bias)
+    check_linear(run_linear("scalar", qtype, x, blocks, K, bias), x, blocks, qtype, K, bias,
+                 "scalar")
     with pytest.raises(AssertionError):
-        check_linear(run_linear("scalar", qtype, x, wrong, K, bias), x, blocks, qtype, K, bias)
+        check_linear(run_linear("scalar", qtype, x, wrong, K, bias), x, blocks, qtype, K, bias,
+                     "scalar")
