@@ -643,8 +643,8 @@ QUANT_SPLIT_TOL = 1e-3     # measured max 1.9e-4 (Q4_K_M), 1.4e-4 (Q8_0)
 @pytest.mark.parametrize("stem", QUANT_FILES)
 def test_quantized_decode_logits_against_float64_on_the_file_weights(stem, monkeypatch):
     """Taper's matmuls on the packed blocks with T <= quant_gemv_max_t(type, isa) token rows
-    (decode) against the exact reference, teacher-forced: an 8-token prompt, then one prompt token per
-    step. By default they round each activation row to 8 bits once, as llama.cpp does: the
+    (decode) against the exact reference, teacher-forced: an 8-token prompt, then one prompt
+    token per step. By default they round each activation row to 8 bits once, as llama.cpp does: the
     logits are 0.03-0.05 off float64. With TAPER_QUANT_ACT_SPLIT=1 each row is two 8-bit rows
     (pyx/quant_kernels.c): every step within QUANT_SPLIT_TOL.
     After the whole prompt (a float32 prefill, then the LM head on one row) Taper's default is
