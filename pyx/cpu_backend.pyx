@@ -86,7 +86,7 @@ cdef extern from "cpu_kernels.h" nogil:
 cdef extern from "quant_kernels.h" nogil:
     int taper_quant_block_size(int type)
     int taper_quant_type_size(int type)
-    int taper_dequantize(int type, const void* src, float* dst, int64_t n)
+    int taper_dequantize(int isa, int type, const void* src, float* dst, int64_t n)
     int taper_quantize(int type, const float* src, void* dst, int64_t rows, int64_t k,
                        int nthreads)
     int taper_quant_linear(int isa, int type, const float* x, const void* w, const float* bias,
@@ -152,17 +152,20 @@ def _row_bytes(int qtype, int64_t k):
     return k // bs * ts
 
 
-def dequantize(int qtype, data, int64_t k):
-    """Blocks (rows, row_bytes) uint8 -> (rows, k) float32: the scalar reference."""
+def dequantize(int qtype, data, int64_t k, str isa="scalar"):
+    """Blocks (rows, row_bytes) uint8 -> (rows, k) float32: the scalar reference, or the type's
+    SIMD body on another ISA path (bit-identical; the panel path of a quantized `linear`)."""
+    if not isa_supported(isa):
+        raise ValueError(f"dequantize: ISA {isa!r} is not supported on this CPU")
     data = np.ascontiguousarray(data, dtype=np.uint8).reshape(-1, _row_bytes(qtype, k))
     cdef cnp.ndarray out = np.empty((data.shape[0], k), np.float32)
     cdef cnp.ndarray src = data
     cdef int64_t n = data.shape[0] * k
-    cdef int st
+    cdef int st, code = ISA_NAMES[isa]
     cdef const void* sp = _ptr(src)
     cdef float* dp = <float*>_ptr(out)
     with nogil:
-        st = taper_dequantize(qtype, sp, dp, n)
+        st = taper_dequantize(code, qtype, sp, dp, n)
     if st:
         raise ValueError(f"dequantize: bad arguments (type {qtype}, k {k})")
     return out
@@ -443,7 +446,8 @@ cdef class CpuBackend(Backend):
             i = int(np.searchsorted(starts, tok, side="right")) - 1
             qtype_, blocks_ = parts[i]
             row = tok - starts[i]
-            st = taper_dequantize(qtype_, <const char*>_ptr(blocks_) + row * blocks_.shape[1],
+            st = taper_dequantize(self._isa, qtype_,
+                                  <const char*>_ptr(blocks_) + row * blocks_.shape[1],
                                   <float*>_ptr(out) + t * H, H)
             _status(st, op, arrays)
 

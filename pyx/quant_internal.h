@@ -12,6 +12,8 @@
 #include "quant_kernels.h"
 
 typedef void (*taper_dequant_fn)(const void *src, float *dst, int64_t n);
+/* the SIMD dequantizer for an ISA above scalar, bit-identical to the reference */
+typedef void (*taper_dequant_isa_fn)(int isa, const void *src, float *dst, int64_t n);
 typedef void (*taper_quant_fn)(const float *src, void *dst, int64_t n);
 typedef float (*taper_vec_dot_fn)(int isa, int64_t n, const void *w, const void *xq);
 /* w against two activation rows, summed (TAPER_QUANT_ACT_SPLIT's hi and lo) */
@@ -27,6 +29,7 @@ typedef struct {
     taper_quant_fn quantize;
     taper_vec_dot_fn vec_dot;  /* NULL for the activation-only types (Q8_1, Q8_K) */
     taper_vec_dot2_fn vec_dot2;  /* NULL where none is fused: two vec_dot calls instead */
+    taper_dequant_isa_fn dequantize_simd;  /* NULL where the reference is all there is */
 } taper_quant_traits;
 
 /* Each file fills the entries of its types; quant_kernels.c looks them up by type id. */

@@ -32,11 +32,14 @@
  * at T = 32 vs panels at T = 33: Q8_0 4.38 vs 2.54, Q5_0 4.56 vs 3.33, Q4_K 2.81 vs 2.09, Q6_K
  * 2.70 vs 3.98). bench/RESULTS.md: 128-token prefill 0.45-0.50x -> 1.09-1.30x llama.cpp. */
 #define QUANT_GEMV_MAX_T 32
-/* Q8_0 under AVX-512 takes the panels from 5 rows: its blocks dequantize with a copy and a scale,
- * and the AVX-512 small-M float32 kernel on the panel beats one int8 dot product per block and
- * row (9728x896 on one Zen 4 core: T=8 3.69 -> 2.83 ms, T=16 7.37 -> 4.01 ms; T=4 even, T=2 the
- * loop 1.7x faster). Under AVX2 the loop stays ahead up to ~12 rows, so the common cap holds. */
-#define QUANT_GEMV_MAX_T_Q8_0_AVX512 4
+/* Under AVX-512 the legacy types (Q4_0 .. Q8_0, which have a SIMD dequantizer) take the panels
+ * from 5 rows: a block dequantizes with a few shuffles and a scale, and the AVX-512 small-M
+ * float32 kernel on the panel beats one int8 dot product per block and row. 9728x896 on one
+ * Zen 4 core, loop -> panels: Q8_0 T=8 3.69 -> 2.2-2.8 ms, T=16 7.37 -> 3.5-4.1; Q5_0 T=8
+ * 4.97 -> 2.87, T=16 9.27 -> 4.44; T=4 about even, T=2 the loop 1.7x faster (Q8_0). Under AVX2
+ * the loop stays ahead up to ~12 rows (Q8_0), and the K types dequantize with the scalar
+ * reference: the common cap holds for them. */
+#define QUANT_GEMV_MAX_T_SIMD_PANELS 4
 /* Weight rows per dequantized panel: at most this many bytes of float32 (as the int4 path). */
 #define PANEL_BYTES (8 << 20)
 /* Token rows per GEMM call, which bounds the panel's output scratch (T_CHUNK x panel rows). */
@@ -56,6 +59,13 @@ static float *scratch(int i, size_t n) {
     return scratch_buf[i];
 }
 
+/* The type's dequantizer for this ISA: its SIMD body above scalar where it has one. */
+static void dequantize_row(int isa, const taper_quant_traits *t, const void *src, float *dst,
+                           int64_t n) {
+    if (isa != TAPER_ISA_SCALAR && t->dequantize_simd) t->dequantize_simd(isa, src, dst, n);
+    else t->dequantize(src, dst, n);
+}
+
 /* out (T, ldo) = x (T, K) @ W.T + bias through float32 panels of W's rows (see the top). */
 static int quant_linear_panels(int isa, const taper_quant_traits *t, const float *x,
                                const void *w, const float *bias, float *out, int64_t T,
@@ -73,7 +83,7 @@ static int quant_linear_panels(int isa, const taper_quant_traits *t, const float
         const int64_t rows = N - n0 < step ? N - n0 : step;
         #pragma omp parallel for schedule(static) num_threads(nt)
         for (int64_t r = 0; r < rows; r++)
-            t->dequantize((const uint8_t *)w + (n0 + r) * w_row, panel + r * K, K);
+            dequantize_row(isa, t, (const uint8_t *)w + (n0 + r) * w_row, panel + r * K, K);
         for (int64_t t0 = 0; t0 < T; t0 += tc) {
             const int64_t tr = T - t0 < tc ? T - t0 : tc;
             if (!tmp) {
@@ -141,10 +151,11 @@ int taper_quant_type_size(int type) {
     return t ? t->type_size : 0;
 }
 
-int taper_dequantize(int type, const void *src, float *dst, int64_t n) {
+int taper_dequantize(int isa, int type, const void *src, float *dst, int64_t n) {
     const taper_quant_traits *t = traits(type);
     if (!t || !t->dequantize || n % t->block_size) return TAPER_ERR_ARG;
-    t->dequantize(src, dst, n);
+    if (!taper_cpu_isa_supported(isa)) return TAPER_ERR_ISA;
+    dequantize_row(isa, t, src, dst, n);
     return TAPER_OK;
 }
 
@@ -159,8 +170,9 @@ int taper_quantize(int type, const float *src, void *dst, int64_t rows, int64_t 
 }
 
 int taper_quant_gemv_max_t(int isa, int type) {
-    return type == TAPER_Q8_0 && isa == TAPER_ISA_AVX512 ? QUANT_GEMV_MAX_T_Q8_0_AVX512
-                                                         : QUANT_GEMV_MAX_T;
+    const taper_quant_traits *t = traits(type);
+    return t && t->dequantize_simd && isa == TAPER_ISA_AVX512 ? QUANT_GEMV_MAX_T_SIMD_PANELS
+                                                              : QUANT_GEMV_MAX_T;
 }
 
 /* batch_invariant: every T takes the panel path with the invariant dense GEMM, so a row's bits

@@ -91,8 +91,9 @@ TAPER_STATIC_ASSERT(sizeof(taper_block_q8_K) == 292, "q8_K is 292 bytes");
 int taper_quant_block_size(int type);  /* elements per block; 0 for an unknown type */
 int taper_quant_type_size(int type);   /* bytes per block; 0 for an unknown type */
 
-/* n elements (a multiple of the block size) of `type` to float: the scalar reference. */
-int taper_dequantize(int type, const void *src, float *dst, int64_t n);
+/* n elements (a multiple of the block size) of `type` to float: the scalar reference with
+ * TAPER_ISA_SCALAR, else the type's SIMD body where it has one (bit-identical). */
+int taper_dequantize(int isa, int type, const void *src, float *dst, int64_t n);
 
 /* ISQ: `rows` rows of k floats (k a multiple of the block size) to blocks, row after row.
  * Legacy types are byte-identical to gguf.quants.quantize; K types follow llama.cpp's reference

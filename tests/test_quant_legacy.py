@@ -7,7 +7,7 @@ two references: float64 x @ dequantize(W).T within a worst-case bound on what qu
 quantization, where only float32 accumulation is left. With TAPER_QUANT_ACT_SPLIT=1 each row is
 written as two 8-bit rows (hi = Q8(x), lo = Q8(x - hi)): the same checks with the two-row bound
 and emulation, which the default one-row arithmetic misses. Beyond `quant_gemv_max_t(type, isa)`
-token rows (prefill; Q8_0 under AVX-512 from 5 rows) `linear` multiplies float32 panels of dequantize(W) with the float32 x instead, and is
+token rows (prefill; under AVX-512 from 5 rows) `linear` multiplies float32 panels of dequantize(W) with the float32 x instead, and is
 held to float64 x @ dequantize(W).T within float32 accumulation alone. The last tests show the
 checks can fail.
 """
@@ -124,6 +124,20 @@ def test_dequantize_arbitrary_blocks_matches_gguf(qtype):
     blocks = random_blocks(rng, qtype, rows=8, k=256)
     np.testing.assert_array_equal(dequantize(int(qtype), blocks, 256),
                                   quants.dequantize(blocks, qtype))
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=ids(TYPES))
+def test_simd_dequantize_is_bit_identical(qtype):
+    """The SIMD dequantizer the panel path uses (AVX2, and AVX-512 machines) against gguf's,
+    on every code, with f16 scales of every exponent range, subnormals included."""
+    rng = np.random.default_rng(2)
+    blocks = random_blocks(rng, qtype, rows=16, k=256).reshape(16, 8, -1)
+    scales = np.array([6e-8, 1e-5, 0.5, 3.0, 900.0, -2e-3, 65504.0, -1.0], np.float16)
+    blocks[:, :, 0:2] = np.resize(scales, (16, 8, 1)).view(np.uint8)
+    blocks = blocks.reshape(16, -1)
+    ref = quants.dequantize(blocks, qtype)
+    for isa in ISAS:
+        np.testing.assert_array_equal(dequantize(int(qtype), blocks, 256, isa), ref, err_msg=isa)
 
 
 def random_blocks(rng, qtype, rows, k):
