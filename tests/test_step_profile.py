@@ -9,7 +9,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.detokenizer import IncrementalDetokenizer
-from engine.step_profile import PHASES, StepProfile
+from engine.step_profile import PHASES, ForwardTimeline, StepProfile
 from server_fakes import LiveServer, client_for
 
 DELAY_S = 0.05
@@ -80,6 +80,35 @@ def test_a_slow_phase_shows_in_that_phase_alone(llm, monkeypatch, phase):
 def median_ms(profile) -> dict:
     return {p: 1e3 * statistics.median(r.seconds[p] for r in profile.records)
             for p in (*PHASES, "other")}
+
+
+def test_the_forward_thread_does_not_wait_for_the_commit_when_scheduling_ahead(demo_dir):
+    """A slow commit (DELAY_S) sits between two forwards when the next step is scheduled after
+    it, and not when it is scheduled ahead: then only the next step's sampling waits for it."""
+    llm = LLM(demo_dir, kv_cache_memory_mb=16, enable_prefix_caching=False)
+    engine = llm.engine
+    commit = engine._commit
+
+    def slow_commit(*args):
+        time.sleep(DELAY_S)
+        return commit(*args)
+    engine._commit = slow_commit
+    summaries = {}
+    for ahead in (False, True):
+        engine.schedule_ahead = ahead
+        timeline = ForwardTimeline.attach(engine)
+        try:
+            plain = llm.generate([[5, 6, 7, 8], [9, 10]], PARAMS)
+        finally:
+            timeline.detach()
+        summaries[ahead] = timeline.decode_summary()
+    assert vars(engine).get("_run_step") is None and vars(engine.runner).get("execute") is None
+    after_commit, ahead = summaries[False], summaries[True]
+    assert after_commit["pairs"] >= 5 and ahead["pairs"] >= 5
+    assert after_commit["gap"] > 1e3 * DELAY_S and after_commit["commit_wait"] == 0
+    assert ahead["gap"] < 1e3 * DELAY_S / 2 and ahead["commit_wait"] > 1e3 * DELAY_S / 2
+    assert [o.token_ids for o in plain] == [o.token_ids for o in llm.generate(
+        [[5, 6, 7, 8], [9, 10]], PARAMS)]
 
 
 def test_the_server_logs_the_profile(demo_dir, tmp_path):
