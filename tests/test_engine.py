@@ -43,21 +43,26 @@ class StressRunner:
     """Wraps the model runner: before each step, every KV block outside the step's block tables
     (as prepared: with async scheduling the engine may already have preempted a sequence of
     this step and given its blocks to the next one, which runs after it) is filled with NaN
-    (except blocks the prefix cache holds), so reading a stray block poisons the logits; records
-    each step."""
+    (except blocks the prefix cache holds, and the previous step's, which the engine's commit
+    may be registering in the prefix cache meanwhile), so reading a stray block poisons the
+    logits; records each step."""
 
     def __init__(self, runner, block_pool):
         self.runner = runner
         self.steps = []  # (rows in the forward call, scheduled tokens, has decode, has prefill chunk)
+        self.previous_blocks = set()
         execute = runner.execute
 
         def stressed_execute(sched, *batch):
             seqs, num_new_tokens = sched.seqs, sched.num_new_tokens
             tables = batch[0].block_tables if batch else runner.prepare(sched).block_tables
             bs = runner.block_size
-            live = {int(b) for row, start, n in zip(tables, sched.num_computed, num_new_tokens)
-                    for b in row[:-(-(start + n) // bs)]}
+            step_blocks = {int(b) for row, start, n in zip(tables, sched.num_computed,
+                                                           num_new_tokens)
+                           for b in row[:-(-(start + n) // bs)]}
+            live = step_blocks | self.previous_blocks
             live |= {block.block_id for block in list(block_pool.cached_blocks.values())}
+            self.previous_blocks = step_blocks
             dead = np.array(sorted(set(range(runner.num_blocks)) - live), dtype=np.int64)
             for k, v in runner.kv_caches:
                 k[dead] = np.nan
