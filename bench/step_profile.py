@@ -16,9 +16,13 @@ detokenization is part of the outputs phase): a small model makes the host's sha
 a 1B model's is on a GPU.
 
 The profile runs the engine synchronously (it must separate the phases). A second table then
-times the same runs without it, with async scheduling (LLMEngine.step) off and on: the median
-wall time of a decode step and the output tokens per second (medians over --repeat runs,
-alternating off and on).
+times the same runs without it, in three settings: async scheduling (LLMEngine.step) off; on, with
+each step scheduled after the previous one's commit (`schedule_ahead` off: the overlap before
+output placeholders); and on, scheduled ahead with placeholders (the default). Per setting: the
+median wall time of a decode step, the output tokens per second, and from the forward thread's
+timeline (engine/step_profile.py ForwardTimeline, decode steps) the median idle gap between one
+step's sampling and the next step's forward, and the median time a step's sampling waited for the
+previous step's commit (medians over --repeat runs, the settings alternated in each).
 """
 from __future__ import annotations
 
@@ -28,7 +32,10 @@ import time
 import numpy as np
 
 from bench.throughput import machine_info
-from engine.step_profile import PHASES, StepProfile
+from engine.step_profile import PHASES, ForwardTimeline, StepProfile
+
+# (label, async_scheduling, schedule_ahead) of the timed settings
+SETTINGS = (("off", False, False), ("on, after commit", True, False), ("on, ahead", True, True))
 
 
 def profile_run(engine, concurrency: int, prompt_len: int, gen_len: int, seed: int) -> tuple:
@@ -50,17 +57,19 @@ def profile_run(engine, concurrency: int, prompt_len: int, gen_len: int, seed: i
 
 
 def timed_run(engine, concurrency: int, prompt_len: int, gen_len: int, seed: int,
-              async_scheduling: bool) -> tuple[float, float]:
-    """(median ms of a step() call that scheduled decodes only, output tok/s) without the
-    profile. With async scheduling a step() call commits the previous step and launches this
-    one, so in steady state it lasts one forward period, as a synchronous step does."""
+              async_scheduling: bool, schedule_ahead: bool = True) -> tuple:
+    """(median ms of a step() call that scheduled decodes only, output tok/s, median forward
+    gap ms, median commit wait ms) without the profile. With async scheduling a step() call
+    commits the previous step and launches this one, so in steady state it lasts one forward
+    period, as a synchronous step does. The gap and wait are NaN without async scheduling."""
     from engine.sampling_params import SamplingParams
     engine.async_scheduling = async_scheduling
+    engine.schedule_ahead = schedule_ahead
     rng = np.random.default_rng(seed)
     vocab = engine.model_config.vocab_size
     params = SamplingParams(temperature=0.0, max_tokens=gen_len, ignore_eos=True)
     for i in range(concurrency):
-        engine.add_request(f"timed-{seed}-{async_scheduling}-{i}",
+        engine.add_request(f"timed-{seed}-{async_scheduling}-{schedule_ahead}-{i}",
                            rng.integers(0, vocab, prompt_len).tolist(), params)
     schedule = engine.scheduler.schedule
     decode_only = []
@@ -70,6 +79,7 @@ def timed_run(engine, concurrency: int, prompt_len: int, gen_len: int, seed: int
         decode_only.append(out.num_seqs > 0 and out.num_decodes == out.num_seqs)
         return out
     engine.scheduler.schedule = recording_schedule
+    timeline = ForwardTimeline.attach(engine)
     step_ms, done = [], 0
     start = time.perf_counter()
     try:
@@ -80,9 +90,13 @@ def timed_run(engine, concurrency: int, prompt_len: int, gen_len: int, seed: int
                 step_ms.append(1e3 * (time.perf_counter() - t0))
     finally:
         del engine.scheduler.schedule
+        timeline.detach()
+        engine.schedule_ahead = True
     wall = time.perf_counter() - start
     assert done == concurrency, f"{done} of {concurrency} requests finished"
-    return float(np.median(step_ms)), concurrency * gen_len / wall
+    gaps = timeline.decode_summary() if async_scheduling else {}
+    return (float(np.median(step_ms)), concurrency * gen_len / wall,
+            gaps.get("gap", float("nan")), gaps.get("commit_wait", float("nan")))
 
 
 def table_row(label: str, s: dict) -> str:
@@ -103,6 +117,8 @@ def main(argv=None):
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--repeat", type=int, default=1,
                     help="timed runs per concurrency and setting (medians are printed)")
+    ap.add_argument("--no-profile", action="store_true",
+                    help="skip the (synchronous) phase profile; print the timed table only")
     args = ap.parse_args(argv)
 
     from engine.config import EngineConfig
@@ -125,26 +141,28 @@ def main(argv=None):
     header = ("| concurrency | steps | seqs/step | tokens/step | " + " | ".join(PHASES)
               + " | other | step (ms) | host |\n|---|" + "---:|" * 11)
     rows = []
-    for c in args.concurrency:
+    for c in ([] if args.no_profile else args.concurrency):
         profile, wall = profile_run(engine, c, args.prompt_len, args.gen_len, seed=c)
         profile.detach()
         out_tok_s = c * args.gen_len / wall
         rows.append(table_row(f"{c}, decode", profile.decode_summary()))
         rows.append(table_row(f"{c}, all", profile.summary()))
         print(f"concurrency {c}: {out_tok_s:.0f} output tok/s over {wall:.1f} s", flush=True)
-    print(header)
-    print("\n".join(rows))
-    print("\n| concurrency | async scheduling | decode step (ms, median) | output tok/s |\n"
-          "|---:|---|---:|---:|")
+    if rows:
+        print(header)
+        print("\n".join(rows))
+    print("\n| concurrency | async scheduling | decode step (ms, median) | output tok/s "
+          "| forward gap (ms) | commit wait (ms) |\n|---:|---|---:|---:|---:|---:|")
     for c in args.concurrency:
-        runs = {False: [], True: []}
-        for _ in range(args.repeat):       # alternated, so a change in load hits both alike
-            for on in (False, True):
-                runs[on].append(timed_run(engine, c, args.prompt_len, args.gen_len, seed=c,
-                                          async_scheduling=on))
-        for on in (False, True):
-            step_ms, tok_s = np.median(np.array(runs[on]), axis=0)
-            print(f"| {c} | {'on' if on else 'off'} | {step_ms:.2f} | {tok_s:.0f} |", flush=True)
+        runs = {label: [] for label, _, _ in SETTINGS}
+        for _ in range(args.repeat):       # alternated, so a change in load hits all alike
+            for label, on, ahead in SETTINGS:
+                runs[label].append(timed_run(engine, c, args.prompt_len, args.gen_len, seed=c,
+                                             async_scheduling=on, schedule_ahead=ahead))
+        for label, _, _ in SETTINGS:
+            step_ms, tok_s, gap, wait = np.median(np.array(runs[label]), axis=0)
+            print(f"| {c} | {label} | {step_ms:.2f} | {tok_s:.0f} | {gap:.3f} | {wait:.3f} |",
+                  flush=True)
 
 
 if __name__ == "__main__":

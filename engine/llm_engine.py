@@ -8,7 +8,8 @@ import os
 import random
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 import numpy as np
 from threadpoolctl import threadpool_limits
@@ -25,10 +26,11 @@ from engine.models.registry import load_gguf_model, load_model
 from engine.logprobs import gather_logprobs, to_entries
 from engine.max_num_seqs import MAX_NUM_SEQS_CAP, default_max_num_seqs
 from engine.outputs import RequestOutput, TokenLogprobs
+from engine.placeholders import PlaceholderRows
 from engine.pooling import Pooler, PoolingParams, default_pooling_config, read_pooling_config
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence
 from engine.stats import EngineStats
 from engine.structured_outputs import GrammarCompiler, StructuredOutputs
@@ -55,6 +57,25 @@ def make_backend(config: EngineConfig):
                              "nvcc, or with TAPER_CUDA=0); reinstall where nvcc is on PATH") from e
         return CudaBackend(dtype=CUDA_ACT_DTYPES[config.dtype], device=config.device)
     raise ValueError(f"unknown backend {config.backend!r}: cpu or cuda")
+
+
+@dataclass(slots=True)
+class InflightStep:
+    """A step submitted to the forward thread."""
+    sched: SchedulerOutput
+    future: Future | None = None  # its _run_step result
+    # The same result, set by the forward thread itself: the step queued behind reads its tokens
+    # there, without the future's lock (which step() holds while it wakes up on the result).
+    result: object = None
+    prepare_failed: bool = False  # its batch is the exception: it fails at once
+    advanced: bool = False        # the next step was scheduled ahead of it (scheduler.advance)
+    # Set once step() has committed it (tokens appended): the step queued behind it may sample.
+    committed: threading.Event = field(default_factory=threading.Event)
+
+
+def sampled_seqs(sched: SchedulerOutput) -> list[Sequence]:
+    """The sequences a step samples (beams included), in the order of its logits rows."""
+    return [seq for seq, last in zip(sched.seqs, sched.sample) if last and seq.pooler is None]
 
 
 class LLMEngine:
@@ -97,7 +118,7 @@ class LLMEngine:
             config.max_num_seqs, why = default_max_num_seqs(
                 num_blocks * config.block_size, self.max_model_len, config.max_num_batched_tokens)
             log.info("max_num_seqs %d: %s; --max-num-seqs sets it", config.max_num_seqs, why)
-        self.scheduler = Scheduler(config, self.block_pool)
+        self.scheduler = Scheduler(config, self.block_pool, self.max_model_len)
         self.runner = ModelRunner(self.model, self.model_config, self.backend, config.block_size,
                                   num_blocks, config.kv_cache_dtype)
         self.sampler = Sampler(self.backend)
@@ -114,8 +135,13 @@ class LLMEngine:
         # keeps a thread pool per thread that starts parallel regions, CuPy a current device
         # and stream per thread). Async scheduling: it runs step N+1 while step() finishes N.
         self._forward_thread = ThreadPoolExecutor(1, thread_name_prefix="taper-forward")
-        self._inflight: tuple | None = None       # (SchedulerOutput, Future) of that step
+        self._inflight: InflightStep | None = None     # that step
         self.async_scheduling = config.async_scheduling   # may be switched between steps
+        # With async scheduling: schedule step N+1 before step N's tokens are known (output
+        # placeholders), not after N's commit. May be switched between steps (benchmarks).
+        self.schedule_ahead = True
+        self.num_scheduled_ahead = 0      # steps scheduled ahead, and their placeholder rows
+        self.num_placeholder_rows = 0
         log.info("KV cache: %d blocks of %d tokens; max model length %d", num_blocks,
                  config.block_size, self.max_model_len)
         if on_gpu:
@@ -338,38 +364,113 @@ class LLMEngine:
         """Schedule, run and sample one batch; returns the outputs of the tokens sampled.
 
         With async scheduling the batch runs on the forward thread and its outputs come from the
-        next call: each call first commits the step in flight (its tokens appended, token-level
-        stops applied, KV blocks of finished sequences freed), schedules and launches the next
-        step, and only then detokenizes and builds the outputs of the committed one, while the
-        model computes. A sequence finished by a stop string during that time was already in the
-        launched step: its row is computed and dropped. Beam search steps run synchronously (a
-        beam's fork copies KV blocks, which must not happen under a running forward)."""
+        next call. A call with step N in flight first schedules and prepares step N+1 ahead of N
+        (each sequence N samples decodes a placeholder in N+1: engine/placeholders.py), submits
+        it (it queues behind N on the one forward thread, so the forward thread goes from N to
+        N+1 without waiting for this one), and only then waits for N and commits it (tokens
+        appended, token-level stops applied, KV blocks of finished sequences freed), and
+        detokenizes and builds N's outputs while N+1 computes.
+
+        Why that is exact:
+        - N+1's sampling waits until N is committed (InflightStep.committed), so it sees N's
+          tokens in the output history as the synchronous engine does: penalties count them,
+          and the Philox draw and min_tokens use the same output position. Only the forward
+          (which needs N's tokens as input ids and nothing else of the host's) runs earlier.
+        - A sequence that N's token finishes (EOS, stop token, stop string, abort) was already
+          in N+1: its row is computed and dropped when N+1 commits. One that N's token ends by
+          length is not scheduled (the scheduler knows that in advance).
+        - Freed blocks are never written by their next owner's steps out of order: a block freed
+          on this thread (a finish, an abort, a preemption while N was in flight) goes to a
+          sequence only in a later schedule, whose step runs after every step already submitted
+          (one forward thread, in order; on CUDA one stream). A stale write by such an earlier
+          step lands before the new owner writes, and the new owner reads only positions it has
+          written, or prefix-cache blocks: those are registered only once their step has run,
+          and never hold a position an in-flight step writes.
+        - A sequence preempted while N was in flight keeps N's token (N's commit appends it to
+          the waiting sequence), as the synchronous engine keeps output tokens across a recompute
+          preemption; N+1 admits nobody (no admission in a step that preempts), so it cannot run
+          again before that commit.
+
+        The fallback (schedule after the commit, today's order) is taken when a sequence N
+        samples has a grammar (its matcher must take N's token before N+1's mask is computed),
+        and a beam-search step runs synchronously (a beam's fork copies KV blocks, which must
+        not happen under a running forward)."""
         self.backend.bind_thread()   # CUDA: block copies and pooled rows on this thread too
+        outputs = self._step()
+        if self._inflight is not None and not self.scheduler.has_unfinished():
+            # Every sequence of the step in flight has finished meanwhile: collect it (its rows
+            # are dropped), so that nothing runs on once the engine is idle.
+            last, self._inflight = self._inflight, None
+            more, pending = self._collect(last)
+            outputs += more + [self._append(*p) for p in pending]
+        return outputs
+
+    def _step(self) -> list[RequestOutput]:
         outputs, pending = [], []
-        if self._inflight is not None:
-            sched, future = self._inflight
-            self._inflight = None
-            outputs, pending = self._commit(sched, future.result())
+        prev, self._inflight = self._inflight, None
+        if prev is not None:
+            ahead = self._launch(after=prev) if self._can_schedule_ahead(prev) else None
+            outputs, pending = self._collect(prev)
+            if ahead is not None:
+                return outputs + self._keep_or_collect(ahead, pending)
         if not self.scheduler.has_unfinished():    # that commit finished everything
             return outputs + [self._append(*p) for p in pending]
-        sched = self.scheduler.schedule()
-        if sched.seqs:
-            # The batch arrays are built here, before the outputs below may finish sequences
-            # (and free their block tables) while the forward thread runs.
-            batch = self._prepare(sched)
-            if self._can_overlap(sched) and not isinstance(batch, Exception):
-                self._inflight = (sched, self._forward_thread.submit(self._run_step, sched,
-                                                                     batch))
-            else:
-                outputs += [self._append(*p) for p in pending]  # before their sequences move on
-                result = self._forward_thread.submit(self._run_step, sched, batch).result()
-                more, pending = self._commit(sched, result)
-                outputs += more
-        return outputs + [self._append(*p) for p in pending]
+        # Schedule after the commit: synchronous engine, first step, the fallback above, or
+        # nothing was schedulable ahead (say every sequence was finishing).
+        launched = self._launch()
+        if launched is None:
+            return outputs + [self._append(*p) for p in pending]
+        return outputs + self._keep_or_collect(launched, pending)
+
+    def _keep_or_collect(self, step: InflightStep, pending: list) -> list[RequestOutput]:
+        """Leave the launched step running (async scheduling), or wait for it and commit it now;
+        then the outputs of `pending` (and of the step, when committed)."""
+        if self._can_overlap(step.sched) and not step.prepare_failed:
+            self._inflight = step
+            return [self._append(*p) for p in pending]
+        outputs = [self._append(*p) for p in pending]   # before their sequences move on
+        more, pending = self._collect(step)
+        return outputs + more + [self._append(*p) for p in pending]
 
     def _can_overlap(self, sched) -> bool:
         return (self.async_scheduling
                 and not any(seq.request_id in self.beams for seq in sched.seqs))
+
+    def _can_schedule_ahead(self, prev: InflightStep) -> bool:
+        return (self.async_scheduling and self.schedule_ahead
+                and not any(seq.grammar is not None for seq in sampled_seqs(prev.sched)))
+
+    def _launch(self, after: InflightStep | None = None) -> InflightStep | None:
+        """Schedule, prepare and submit a step to the forward thread; None when nothing is
+        schedulable. after: the step in flight that this one is scheduled ahead of."""
+        placeholders = None
+        if after is not None:
+            self.scheduler.advance(after.sched)
+            after.advanced = True
+        sched = self.scheduler.schedule()
+        if not sched.seqs:
+            return None
+        # The batch arrays are built here, before the outputs may finish sequences (and free
+        # their block tables) while the forward thread runs.
+        batch = self._prepare(sched)
+        failed = isinstance(batch, Exception)
+        if after is not None and not failed:
+            self.num_scheduled_ahead += 1
+            placeholders = PlaceholderRows.find(batch, sched, sampled_seqs(after.sched))
+            if placeholders is not None:
+                self.num_placeholder_rows += len(placeholders.rows)
+        step = InflightStep(sched, prepare_failed=failed)
+        step.future = self._forward_thread.submit(self._run_step, sched, batch, placeholders,
+                                                  after, step)
+        return step
+
+    def _collect(self, step: InflightStep) -> tuple[list[RequestOutput], list[tuple]]:
+        """Wait for the step's result and commit it; the step queued behind it (if any) may
+        sample from then on, and must be let go even if the commit raises."""
+        try:
+            return self._commit(step.sched, step.future.result(), step.advanced)
+        finally:
+            step.committed.set()
 
     def _prepare(self, sched):
         try:
@@ -378,17 +479,30 @@ class LLMEngine:
             log.exception("preparing a step failed")
             return e
 
-    def _run_step(self, sched, batch):
+    def _run_step(self, sched, batch, placeholders: PlaceholderRows | None = None,
+                  after: InflightStep | None = None, step: InflightStep | None = None):
         """The device part of a step (on the forward thread with async scheduling): the forward,
         beam-search rows, the grammar masks, sampling and prompt logprobs. Returns (sampled
-        sequences, tokens, logprobs, beam requests ready, pooled rows), or the exception."""
+        sequences, tokens, logprobs, beam requests ready, pooled rows), or the exception, and
+        keeps it in `step`. after: the step this one was scheduled ahead of; it ran just before
+        on this thread. Its tokens fill the placeholder rows, and this step samples only once
+        it is committed."""
+        result = self._device_step(sched, batch, placeholders, after)
+        if step is not None:
+            step.result = result
+        return result
+
+    def _device_step(self, sched, batch, placeholders, after):
         if isinstance(batch, Exception):
             return batch
         self.backend.bind_thread()   # CUDA: this thread's current device and stream
         try:
+            if placeholders is not None:
+                placeholders.fill(batch.token_ids, after.result)
             logits, pooled = self.runner.execute(sched, batch)
-            sampled = [seq for seq, last in zip(sched.seqs, sched.sample)
-                       if last and seq.pooler is None]
+            if after is not None:
+                self._await_commit(after)
+            sampled = sampled_seqs(sched)
             S = len(sampled)
             beams_ready = self.beams.collect(sampled, logits[:S])
             rows = [i for i, seq in enumerate(sampled) if seq.request_id not in self.beams]
@@ -406,21 +520,31 @@ class LLMEngine:
             log.exception("step failed; finishing its %d requests with an error", len(sched.seqs))
             return e
 
-    def _commit(self, sched, result) -> tuple[list[RequestOutput], list[tuple]]:
+    @staticmethod
+    def _await_commit(step: InflightStep):
+        """Until the main thread has committed `step` (normally at once: a commit is short)."""
+        step.committed.wait()
+
+    def _commit(self, sched, result, advanced: bool = False
+                ) -> tuple[list[RequestOutput], list[tuple]]:
         """Apply a step's results to the engine's state before the next schedule: computed
         tokens, sampled tokens appended (and fed to their grammars), token-level stops (stop
         token ids, EOS, length) finishing their sequences so their blocks are free, forks
         released, beams advanced, embeddings pooled. Sequences finished or aborted while the
-        step ran are dropped. Returns the outputs ready now, and (seq, token, logprobs, finish
-        reason) per sampled token for _append."""
+        step ran are dropped. advanced: the next step was scheduled ahead of this one
+        (scheduler.advance counted its tokens, and a placeholder for each it samples, which the
+        appended token now replaces). Returns the outputs ready now, and (seq, token, logprobs,
+        finish reason) per sampled token for _append."""
         if isinstance(result, Exception):
             return [out for seq in sched.seqs if not seq.is_finished
                     for out in self._finish_with_error(seq, result)], []
         sampled, tokens, logprobs, beams_ready, pooled = result
-        self.scheduler.update(sched)
+        self.scheduler.update(sched, advanced)
         outputs, pending = [], []
         for seq, token, lp in zip(sampled, tokens, logprobs):
             token = int(token)
+            if advanced:
+                seq.num_output_placeholders -= 1
             if seq.is_finished:
                 continue
             if not StructuredOutputs.advance(seq, token):
@@ -452,9 +576,10 @@ class LLMEngine:
 
     def _record_prompt_logprobs(self, sched, logits):
         """Prompt logprobs of this step's rows (runner.execute put them after the sampled rows),
-        appended to each sequence's list; computed before update() moves num_computed_tokens."""
-        spans = [(seq, seq.prompt_logprob_positions(n))
-                 for seq, n in zip(sched.seqs, sched.num_new_tokens)]
+        appended to each sequence's list; positions from the schedule-time num_computed (the
+        main thread may move num_computed_tokens on meanwhile)."""
+        spans = [(seq, seq.prompt_logprob_positions(a, n))
+                 for seq, a, n in zip(sched.seqs, sched.num_computed, sched.num_new_tokens)]
         spans = [(seq, r) for seq, r in spans if r]
         if not spans:
             return

@@ -47,10 +47,13 @@ class ModelRunner:
         return per_token * block_size * model_config.num_hidden_layers
 
     def prepare(self, sched: SchedulerOutput) -> ForwardBatch:
-        """Each sequence computes tokens [num_computed, num_computed + n); the scheduler marks
-        those that reach their last token, whose last row is sampled. logits_indices: the
-        sampled rows in sequence order, then the rows of prompt positions whose logprobs a
-        request asked for (Sequence.prompt_logprob_positions), in sequence order.
+        """Each sequence computes tokens [num_computed, num_computed + n) (its num_computed_tokens
+        when scheduled); the scheduler marks those that reach their last token, whose last row is
+        sampled. logits_indices: the sampled rows in sequence order, then the rows of prompt
+        positions whose logprobs a request asked for (Sequence.prompt_logprob_positions), in
+        sequence order. A row whose token is an output placeholder (scheduled ahead of the step
+        that samples it: engine/scheduler.py) gets token id -1; the engine fills it before the
+        forward (engine/placeholders.py). Positions, slots and tables never depend on it.
 
         One pass over the sequences for their scalars, array arithmetic for the per-token
         arrays, and the persistent block tables (engine/input_buffers.py) for the tables: on a
@@ -59,22 +62,24 @@ class ModelRunner:
         seqs, num_new_tokens = sched.seqs, sched.num_new_tokens
         B, bs = len(seqs), self.block_size
         n = np.array(num_new_tokens, np.int32)
-        starts = np.fromiter((seq.num_computed_tokens for seq in seqs), np.int32, B)
+        starts = np.array(sched.num_computed, np.int32)
         query_start_loc = np.zeros(B + 1, np.int32)
         np.cumsum(n, out=query_start_loc[1:])
         total = int(query_start_loc[-1])
         if total == B:      # one token each: the usual decode step
             seq_of_row = np.arange(B)
             positions = starts.copy()
-            token_ids = np.fromiter((seq.token_ids[p] for seq, p in zip(seqs, starts.tolist())),
+            token_ids = np.fromiter((ids[p] if p < len(ids) else -1 for ids, p in
+                                     zip((seq.token_ids for seq in seqs), sched.num_computed)),
                                     np.int32, B)
         else:
             seq_of_row = np.repeat(np.arange(B), n)
             positions = (np.arange(total, dtype=np.int32) - query_start_loc[seq_of_row]
                          + starts[seq_of_row])
+            # a placeholder is a sequence's one new token, past its known ones
             token_ids = np.fromiter(itertools.chain.from_iterable(
-                seq.token_ids[a:a + k] for seq, a, k in zip(seqs, starts.tolist(), num_new_tokens)),
-                np.int32, total)
+                seq.token_ids[a:a + k] if a < seq.num_tokens else (-1,)
+                for seq, a, k in zip(seqs, sched.num_computed, num_new_tokens)), np.int32, total)
         width = max(len(seq.block_table) for seq in seqs)
         rows = self.block_tables.rows_for(seqs)    # may grow the table: index it after
         table = self.block_tables.table
@@ -84,10 +89,11 @@ class ModelRunner:
         sampled = np.fromiter((s and seq.pooler is None for seq, s in zip(seqs, sched.sample)),
                               bool, B)
         logits_indices = query_start_loc[1:][sampled] - 1
-        prompt_rows = [int(query_start_loc[i]) + p - seq.num_computed_tokens
-                       for i, (seq, k) in enumerate(zip(seqs, num_new_tokens))
+        prompt_rows = [int(query_start_loc[i]) + p - a
+                       for i, (seq, a, k) in enumerate(zip(seqs, sched.num_computed,
+                                                           num_new_tokens))
                        if seq.prompt_logprobs is not None
-                       for p in seq.prompt_logprob_positions(k)]
+                       for p in seq.prompt_logprob_positions(a, k)]
         if prompt_rows:
             logits_indices = np.concatenate([logits_indices, np.array(prompt_rows, np.int32)])
         return ForwardBatch(token_ids, positions, slot_mapping.astype(np.int32, copy=False),
@@ -111,10 +117,10 @@ class ModelRunner:
         """(seq, chunk start, [first, end) batch rows) for each embedding request in the step:
         the rows its Pooler reads (its mode decides which)."""
         out, row = [], 0
-        for seq, n in zip(sched.seqs, sched.num_new_tokens):
+        for seq, start, n in zip(sched.seqs, sched.num_computed, sched.num_new_tokens):
             if seq.pooler is not None:
-                first, end = seq.pooler.rows_wanted(seq.num_computed_tokens, n)
-                out.append((seq, seq.num_computed_tokens, row + first, row + end))
+                first, end = seq.pooler.rows_wanted(start, n)
+                out.append((seq, start, row + first, row + end))
             row += n
         return out
 

@@ -16,6 +16,15 @@ its blocks are freed, num_computed_tokens drops to 0 and it goes to the front of
 queue, keeping its output tokens. A waiting sequence is admitted only if its blocks fit (after a
 prefix-cache lookup); the first that does not fit stops admission, and no admission happens in a
 step that had to preempt.
+
+Scheduling ahead (LLMEngine.step with async scheduling): the next step is scheduled while the
+one in flight still runs. `advance(out)` first counts the in-flight step's tokens as computed and,
+for each sequence it samples, one output placeholder (`num_output_placeholders`): a token that
+exists but is not known yet. A placeholder counts as a token here (its KV slot is allocated and
+its decode scheduled; the engine fills its row once the in-flight step has sampled it), except
+that a sequence the pending token finishes by length (max_tokens, the maximum model length) is not
+scheduled: that finish is known before the token is. `update(out, advanced=True)` then only
+registers the computed blocks once the step has really run.
 """
 from __future__ import annotations
 
@@ -35,6 +44,7 @@ class SchedulerOutput:
     # taken at schedule time (update() moves num_computed_tokens on):
     is_decode: list[bool] = field(default_factory=list)  # one token, past the prompt
     sample: list[bool] = field(default_factory=list)     # this step computes the last token
+    num_computed: list[int] = field(default_factory=list)  # its num_computed_tokens then
     preempted: list[Sequence] = field(default_factory=list)
 
     @property
@@ -65,19 +75,22 @@ class SchedulerOutput:
         self.seqs.append(seq)
         self.num_new_tokens.append(n)
         self.is_decode.append(n == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens)
-        self.sample.append(seq.num_computed_tokens + n == seq.num_tokens)
+        self.sample.append(seq.num_computed_tokens + n == seq.num_tokens_scheduled)
+        self.num_computed.append(seq.num_computed_tokens)
 
     def _remove(self, seq: Sequence) -> int:
         """Take a preempted sequence out of the step; returns its number of tokens."""
         i = self.seqs.index(seq)
-        for column in (self.seqs, self.is_decode, self.sample):
+        for column in (self.seqs, self.is_decode, self.sample, self.num_computed):
             del column[i]
         return self.num_new_tokens.pop(i)
 
 
 class Scheduler:
 
-    def __init__(self, config: EngineConfig, block_pool: BlockPool):
+    def __init__(self, config: EngineConfig, block_pool: BlockPool,
+                 max_model_len: int | None = None):
+        self.max_model_len = max_model_len    # None: no limit (the engine finishes "length")
         self.max_num_seqs = config.max_num_seqs or MAX_NUM_SEQS_CAP   # the engine sizes None
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.prefill_chunk_size = config.prefill_chunk_size
@@ -102,7 +115,7 @@ class Scheduler:
         self.waiting.append(seq)
 
     def _num_new_tokens(self, seq: Sequence, num_computed: int, budget: int) -> int:
-        n = min(seq.num_tokens - num_computed, budget)
+        n = min(seq.num_tokens_scheduled - num_computed, budget)
         if self.prefill_chunk_size > 0:
             n = min(n, self.prefill_chunk_size)
         return n
@@ -117,8 +130,9 @@ class Scheduler:
             i = 0
             while i < len(self.running) and budget > 0:
                 seq = self.running[i]
-                left = seq.num_tokens - seq.num_computed_tokens
-                if seq.seq_id in scheduled or left <= 0 or (left == 1) != decodes:
+                left = seq.num_tokens_scheduled - seq.num_computed_tokens
+                if (seq.seq_id in scheduled or left <= 0 or (left == 1) != decodes
+                        or self._finishes_by_length(seq)):
                     i += 1
                     continue
                 n = self._num_new_tokens(seq, seq.num_computed_tokens, budget)
@@ -153,6 +167,17 @@ class Scheduler:
             budget -= n
         return out
 
+    def _finishes_by_length(self, seq: Sequence) -> bool:
+        """The pending token (a placeholder) ends the sequence at max_tokens or the maximum model
+        length, as the engine's commit will find: nothing to schedule after it."""
+        if not seq.num_output_placeholders:
+            return False
+        max_tokens = seq.sampling_params.max_tokens
+        return ((max_tokens is not None
+                 and seq.num_output_tokens + seq.num_output_placeholders >= max_tokens)
+                or (self.max_model_len is not None
+                    and seq.num_tokens_scheduled >= self.max_model_len))
+
     def _preempt(self, seq: Sequence):
         self.block_pool.free(seq)
         seq.num_computed_tokens = 0
@@ -161,14 +186,28 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
-    def update(self, out: SchedulerOutput):
-        """After the forward: the scheduled tokens are computed and full blocks are cacheable.
-        Sequences finished or aborted meanwhile are skipped."""
+    def update(self, out: SchedulerOutput, advanced: bool = False):
+        """After the forward: the scheduled tokens are computed (advanced: advance() counted them
+        already) and full blocks are cacheable. Sequences finished, aborted or preempted
+        meanwhile are skipped."""
         for seq, n in zip(out.seqs, out.num_new_tokens):
             if seq.status != SequenceStatus.RUNNING:
                 continue
-            seq.num_computed_tokens += n
+            if not advanced:
+                seq.num_computed_tokens += n
             self.block_pool.cache_full_blocks(seq)
+
+    def advance(self, out: SchedulerOutput):
+        """Before scheduling ahead of the step `out` still in flight: its tokens count as
+        computed, and each sequence it samples gets an output placeholder (the engine's commit
+        resolves it). Blocks are registered for the prefix cache only by update(), once the
+        step has run: a failed step must not leave its blocks findable."""
+        for seq, n, sample in zip(out.seqs, out.num_new_tokens, out.sample):
+            if seq.status != SequenceStatus.RUNNING:
+                continue
+            seq.num_computed_tokens += n
+            if sample and seq.pooler is None:
+                seq.num_output_placeholders += 1
 
     def replace(self, old: list[Sequence], new: list[Sequence]):
         """Beam search: `new` (forked, blocks allocated) run in place of `old`, which finish

@@ -36,6 +36,9 @@ class Sequence:
         self.sampling_params = sampling_params or SamplingParams()
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
+        # Tokens sampled by a step still in flight, not appended yet (the scheduler ran ahead of
+        # that step: engine/scheduler.py); 0 or 1.
+        self.num_output_placeholders = 0
         self.num_cached_tokens = 0      # prompt tokens served from the prefix cache (first hit)
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # hash chain of this sequence's full blocks
@@ -65,6 +68,11 @@ class Sequence:
         return len(self.token_ids)
 
     @property
+    def num_tokens_scheduled(self) -> int:
+        """num_tokens with the placeholders: what the scheduler schedules towards."""
+        return len(self.token_ids) + self.num_output_placeholders
+
+    @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
 
@@ -82,13 +90,14 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
 
-    def prompt_logprob_positions(self, num_new_tokens: int) -> range:
-        """Positions, among the next num_new_tokens to compute, whose logits give a prompt
-        token's logprob not yet known: position p predicts prompt token p + 1."""
+    def prompt_logprob_positions(self, num_computed: int, num_new_tokens: int) -> range:
+        """Positions, among the num_new_tokens a step computes from num_computed (its
+        num_computed_tokens when scheduled), whose logits give a prompt token's logprob not yet
+        known: position p predicts prompt token p + 1."""
         if self.prompt_logprobs is None:
             return range(0)
-        start = max(self.num_computed_tokens, len(self.prompt_logprobs) - 1)
-        end = min(self.num_computed_tokens + num_new_tokens, self.num_prompt_tokens - 1)
+        start = max(num_computed, len(self.prompt_logprobs) - 1)
+        end = min(num_computed + num_new_tokens, self.num_prompt_tokens - 1)
         return range(start, max(start, end))
 
     def append_token(self, token_id: int):

@@ -13,6 +13,12 @@ whatever overlap a run would otherwise get, which is the point: it shows how muc
 overlapped engine would have to hide; for the same reason the engine runs its steps
 synchronously while a profile is attached (async scheduling off, restored by detach). `other` is the step's time outside the five phases (the
 scheduler's update, block caching, the loop itself).
+
+`ForwardTimeline.attach(engine)` measures the overlapped engine instead (async scheduling on):
+when each step's forward starts and its sampling ends on the forward thread, so the forward
+thread's idle gap between two steps (from the end of step N's forward + sampling to the start of
+N+1's forward: the host work still on the critical path), and how long a step scheduled ahead
+waited before sampling for the previous step's commit.
 """
 from __future__ import annotations
 
@@ -152,3 +158,74 @@ def format_summary(s: dict) -> str:
     phases = " ".join(f"{p} {s[p]:.2f}" for p in (*PHASES, "other"))
     return (f"{s['steps']} steps, {s['seqs']:.1f} seqs/{s['tokens']:.0f} tokens per step; "
             f"ms per step: {phases}, total {s['step']:.2f} (host {100 * s['host_share']:.0f} %)")
+
+
+@dataclass(slots=True)
+class StepTimes:
+    num_seqs: int
+    num_decodes: int
+    forward_start: float = 0.0     # perf_counter when its forward began (placeholders filled)
+    end: float = 0.0               # when its _run_step returned (sampling done)
+    commit_wait: float = 0.0       # seconds its sampling waited for the previous step's commit
+
+
+class ForwardTimeline:
+    """The forward thread's view of an engine running with async scheduling: `steps` in the
+    order they ran (one forward thread runs them in order)."""
+
+    def __init__(self):
+        self.steps: list[StepTimes] = []
+        self._wrapped: list[tuple] = []
+
+    @classmethod
+    def attach(cls, engine) -> "ForwardTimeline":
+        timeline = cls()
+        run_step, execute, await_commit = engine._run_step, engine.runner.execute, \
+            engine._await_commit
+        current = {}      # the step running now (only the forward thread touches it)
+
+        def timed_run_step(sched, *args):
+            current["step"] = times = StepTimes(sched.num_seqs, sched.num_decodes)
+            try:
+                return run_step(sched, *args)
+            finally:
+                times.end = time.perf_counter()
+                timeline.steps.append(times)
+
+        def timed_execute(*args, **kwargs):
+            current["step"].forward_start = time.perf_counter()
+            return execute(*args, **kwargs)
+
+        def timed_await_commit(step):
+            start = time.perf_counter()
+            await_commit(step)
+            current["step"].commit_wait = time.perf_counter() - start
+        for obj, name, fn in ((engine, "_run_step", timed_run_step),
+                              (engine.runner, "execute", timed_execute),
+                              (engine, "_await_commit", timed_await_commit)):
+            timeline._wrapped.append((obj, name, vars(obj).get(name)))
+            setattr(obj, name, fn)
+        return timeline
+
+    def detach(self) -> None:
+        for obj, name, own in reversed(self._wrapped):
+            if own is None:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, own)
+        self._wrapped.clear()
+
+    def decode_summary(self) -> dict:
+        """Medians in ms over consecutive pairs of decode-only steps (N, N+1): the idle gap
+        between N's end and N+1's forward, N+1's commit wait, and the step period (forward start
+        to forward start)."""
+        pairs = [(a, b) for a, b in zip(self.steps, self.steps[1:])
+                 if a.num_seqs and a.num_decodes == a.num_seqs and b.num_seqs
+                 and b.num_decodes == b.num_seqs and a.forward_start and b.forward_start]
+        if not pairs:
+            return {"pairs": 0}
+        return {"pairs": len(pairs),
+                "gap": 1e3 * float(np.median([b.forward_start - a.end for a, b in pairs])),
+                "commit_wait": 1e3 * float(np.median([b.commit_wait for _, b in pairs])),
+                "period": 1e3 * float(np.median([b.forward_start - a.forward_start
+                                                 for a, b in pairs]))}

@@ -1,5 +1,6 @@
-"""Async scheduling (LLMEngine.step): step N+1 is scheduled and launched on the forward thread
-before step N's outputs are processed. Greedy tokens must still equal transformers', seeded runs
+"""Async scheduling (LLMEngine.step): step N+1 is scheduled (ahead of step N's tokens, with output
+placeholders: tests/test_schedule_ahead.py) and launched on the forward thread before step N's
+outputs are processed. Greedy tokens must still equal transformers', seeded runs
 must be identical with the switch on and off, and a sequence finished or aborted while the next
 step is in flight must be dropped from that step with its KV blocks freed."""
 from __future__ import annotations
@@ -131,6 +132,7 @@ def test_seeded_outputs_identical_with_overlap_on_and_off(demo_dir):
     expected = run(off, mixed_requests())
     assert run(on, mixed_requests()) == expected
     assert launched, "the overlapped engine never launched a step on its forward thread"
+    assert on.engine.num_placeholder_rows > 0, "no step was scheduled ahead with placeholders"
     assert any(o[2] == "stop" and isinstance(o[3], str) for o in expected)  # a stop string hit
     # The comparison notices a single wrong token (the kind an off-by-one step would make).
     assert run(on, mixed_requests(), shift_at=5) != expected
@@ -154,6 +156,7 @@ def test_stop_string_hit_while_next_step_runs_drops_that_row(demo_dir):
         assert engine.block_pool.num_free_blocks == engine.block_pool.num_blocks
         results[mode] = ([(o.token_ids, o.text, o.finish_reason, o.stop_reason) for o in outs],
                          engine.runner.num_forward_tokens)
+        assert (engine.num_placeholder_rows > 0) == mode
     (outs_on, tokens_on), (outs_off, tokens_off) = results[True], results[False]
     assert outs_on == outs_off
     assert outs_on[0][2:] == ("stop", "e")
@@ -170,6 +173,8 @@ def test_abort_while_a_step_is_in_flight(model_dir, prompts, reference):
         for out in engine.step():
             seen[out.request_id] += out.new_token_ids
     assert engine._inflight is not None          # a's next token is being computed
+    a = engine.requests["a"][0]
+    assert a in engine._inflight.sched.seqs and a.num_output_placeholders == 0   # resolved
     assert engine.abort("a") == [0]
     after_abort = []
     while engine.has_unfinished():

@@ -40,19 +40,29 @@ def test_alone_equals_transformers(model_dir, prompts, reference):
 
 
 class StressRunner:
-    """Wraps the model runner: before each step, every KV block outside the scheduled sequences'
-    tables is filled with NaN (except blocks the prefix cache holds), so reading a stray block
-    poisons the logits; records each step."""
+    """Wraps the model runner: before each step, every KV block outside the step's block tables
+    (as prepared: with async scheduling the engine may already have preempted a sequence of
+    this step and given its blocks to the next one, which runs after it) is filled with NaN
+    (except blocks the prefix cache holds, and the previous step's, which the engine's commit
+    may be registering in the prefix cache meanwhile), so reading a stray block poisons the
+    logits; records each step."""
 
     def __init__(self, runner, block_pool):
         self.runner = runner
         self.steps = []  # (rows in the forward call, scheduled tokens, has decode, has prefill chunk)
+        self.previous_blocks = set()
         execute = runner.execute
 
         def stressed_execute(sched, *batch):
             seqs, num_new_tokens = sched.seqs, sched.num_new_tokens
-            live = {b for seq in seqs for b in seq.block_table}
-            live |= {block.block_id for block in block_pool.cached_blocks.values()}
+            tables = batch[0].block_tables if batch else runner.prepare(sched).block_tables
+            bs = runner.block_size
+            step_blocks = {int(b) for row, start, n in zip(tables, sched.num_computed,
+                                                           num_new_tokens)
+                           for b in row[:-(-(start + n) // bs)]}
+            live = step_blocks | self.previous_blocks
+            live |= {block.block_id for block in list(block_pool.cached_blocks.values())}
+            self.previous_blocks = step_blocks
             dead = np.array(sorted(set(range(runner.num_blocks)) - live), dtype=np.int64)
             for k, v in runner.kv_caches:
                 k[dead] = np.nan
@@ -60,10 +70,8 @@ class StressRunner:
             calls = runner.num_forward_calls
             logits = execute(sched, *batch)
             assert runner.num_forward_calls == calls + 1
-            decode = any(n == 1 and s.num_computed_tokens >= s.num_prompt_tokens
-                         for s, n in zip(seqs, num_new_tokens))
-            prefill = any(s.num_computed_tokens < s.num_prompt_tokens
-                          for s in seqs)
+            decode = any(sched.is_decode)
+            prefill = any(a < s.num_prompt_tokens for s, a in zip(seqs, sched.num_computed))
             self.steps.append((len(seqs), sum(num_new_tokens), decode, prefill))
             return logits
 
@@ -123,7 +131,8 @@ def test_one_forward_call_per_step(model_dir, prompts):
 
     def recording_schedule():
         out = schedule()
-        scheduled.append(sum(out.num_new_tokens))
+        if out.seqs:   # scheduled ahead while every sequence was ending: nothing to run
+            scheduled.append(sum(out.num_new_tokens))
         return out
 
     engine.scheduler.schedule = recording_schedule

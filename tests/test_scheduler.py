@@ -322,3 +322,36 @@ def test_a_prefill_moves_on_beside_255_decodes():
         assert out.num_decodes == 255 and out.total_num_tokens <= 2048
         chunks.append(out.num_new_tokens[out.seqs.index(prompt)])
     assert chunks == [1793, 1793, 414]
+
+
+def test_scheduling_ahead_counts_a_placeholder_for_each_sampled_token():
+    """advance() counts the step in flight as computed, with a placeholder for the token it
+    samples: the next schedule decodes that token (its slot allocated: a third block once the
+    position crosses into it) and does not schedule a sequence the token ends by length."""
+    from engine.sampling_params import SamplingParams
+    config = EngineConfig(model="unused", block_size=8)
+    sched = Scheduler(config, BlockPool(10, 8, False), max_model_len=21)
+    a = Sequence(list(range(16)), request_id="a")                               # 2 full blocks
+    b = Sequence(list(range(5)), SamplingParams(max_tokens=2), request_id="b")
+    c = Sequence(list(range(20)), request_id="c")                               # 20 + 1 = 21
+    for s in (a, b, c):
+        sched.add(s)
+    first = sched.schedule()
+    assert first.num_new_tokens == [16, 5, 20] and first.sample == [True, True, True]
+    sched.advance(first)
+    assert [s.num_computed_tokens for s in (a, b, c)] == [16, 5, 20]
+    assert [s.num_output_placeholders for s in (a, b, c)] == [1, 1, 1]
+    ahead = sched.schedule()       # c's token reaches the maximum model length: not scheduled
+    assert ids(ahead.seqs) == ["a", "b"] and ahead.num_new_tokens == [1, 1]
+    assert ahead.num_computed == [16, 5] and ahead.is_decode == [True, True]
+    assert ahead.sample == [True, True]
+    assert len(a.block_table) == 3 and len(b.block_table) == 1  # position 16: a third block
+    sched.update(first, advanced=True)                # step 1 ran: nothing moves again
+    assert [s.num_computed_tokens for s in (a, b, c)] == [16, 5, 20]
+    for s in (a, b, c):                               # the engine's commit of step 1
+        s.num_output_placeholders -= 1
+        s.append_token(SAMPLED)
+    sched.finish(c, "length")
+    sched.advance(ahead)
+    assert ids(sched.schedule().seqs) == ["a"]        # b's second token is its max_tokens
+    assert b.num_output_placeholders == 1 and c.num_output_placeholders == 0

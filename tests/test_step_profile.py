@@ -9,7 +9,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.detokenizer import IncrementalDetokenizer
-from engine.step_profile import PHASES, StepProfile
+from engine.step_profile import PHASES, ForwardTimeline, StepProfile
 from server_fakes import LiveServer, client_for
 
 DELAY_S = 0.05
@@ -80,6 +80,41 @@ def test_a_slow_phase_shows_in_that_phase_alone(llm, monkeypatch, phase):
 def median_ms(profile) -> dict:
     return {p: 1e3 * statistics.median(r.seconds[p] for r in profile.records)
             for p in (*PHASES, "other")}
+
+
+def test_scheduling_ahead_keeps_the_host_off_the_forward_threads_path(demo_dir):
+    """Host work slowed down (schedule and commit DELAY_S / 2 each) behind a slower forward
+    (2 * DELAY_S): scheduled after the commit, the next forward waits for both; scheduled ahead,
+    both run while a forward computes, so the forward thread goes from step to step with no gap
+    and a step's sampling does not wait for the previous commit."""
+    llm = LLM(demo_dir, kv_cache_memory_mb=16, enable_prefix_caching=False)
+    engine = llm.engine
+    expected = [o.token_ids for o in llm.generate([[5, 6, 7, 8], [9, 10]], PARAMS)]
+    commit, schedule, execute = engine._commit, engine.scheduler.schedule, engine.runner.execute
+
+    def slow(fn, seconds):
+        def slowed(*args):
+            time.sleep(seconds)
+            return fn(*args)
+        return slowed
+    engine._commit = slow(commit, DELAY_S / 2)
+    engine.scheduler.schedule = slow(schedule, DELAY_S / 2)
+    engine.runner.execute = slow(execute, 2 * DELAY_S)
+    summaries = {}
+    for ahead in (False, True):
+        engine.schedule_ahead = ahead
+        timeline = ForwardTimeline.attach(engine)
+        try:
+            outs = llm.generate([[5, 6, 7, 8], [9, 10]], PARAMS)
+        finally:
+            timeline.detach()
+        assert [o.token_ids for o in outs] == expected
+        summaries[ahead] = timeline.decode_summary()
+    assert vars(engine).get("_run_step") is None and vars(engine).get("_await_commit") is None
+    after_commit, ahead = summaries[False], summaries[True]
+    assert after_commit["pairs"] >= 5 and ahead["pairs"] >= 5
+    assert after_commit["gap"] > 1e3 * DELAY_S
+    assert ahead["gap"] < 1e3 * DELAY_S / 4 and ahead["commit_wait"] < 1e3 * DELAY_S / 4
 
 
 def test_the_server_logs_the_profile(demo_dir, tmp_path):
