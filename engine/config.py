@@ -30,6 +30,7 @@ class EngineConfig:
     batch_invariant: bool = False        # CPU: a request's logits are the same bits in any batch
     logprobs_mode: str = "raw"           # raw: of the model's logits; processed: as sampled
     async_scheduling: bool = True        # prepare step N+1 while step N runs (LLMEngine.step)
+    schedule_ahead: bool = True          # ... and schedule it before N's tokens are known
 
     def __post_init__(self):
         if self.block_size < 8 or self.block_size > 128 or self.block_size & (self.block_size - 1):

@@ -139,7 +139,7 @@ class LLMEngine:
         self.async_scheduling = config.async_scheduling   # may be switched between steps
         # With async scheduling: schedule step N+1 before step N's tokens are known (output
         # placeholders), not after N's commit. May be switched between steps (benchmarks).
-        self.schedule_ahead = True
+        self.schedule_ahead = config.schedule_ahead
         self.num_scheduled_ahead = 0      # steps scheduled ahead, and their placeholder rows
         self.num_placeholder_rows = 0
         log.info("KV cache: %d blocks of %d tokens; max model length %d", num_blocks,

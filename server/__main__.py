@@ -128,6 +128,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run each step's output processing (detokenization, stop strings, "
                         "building responses) after its forward instead of while the next "
                         "step's forward runs (see README: async scheduling)")
+    e.add_argument("--no-schedule-ahead", dest="schedule_ahead", action="store_false",
+                   help="with async scheduling, schedule each step after the previous step's "
+                        "tokens are committed instead of ahead of them with placeholder tokens "
+                        "(see README: async scheduling)")
     e.add_argument("--profile-steps", type=int, metavar="N", default=0,
                    help="log every N steps where the engine's step time went (scheduling, batch "
                         "preparation, forward, sampling, output processing); it synchronizes the "
@@ -234,7 +238,7 @@ def engine_config(args):
         prefix_cache_max_tokens=args.prefix_cache_max_tokens, max_model_len=args.max_model_len,
         yarn_scaling_factor=args.yarn_scaling_factor, isq=args.isq, seed=args.seed,
         batch_invariant=args.batch_invariant, logprobs_mode=args.logprobs_mode,
-        async_scheduling=args.async_scheduling)
+        async_scheduling=args.async_scheduling, schedule_ahead=args.schedule_ahead)
 
 
 def server_settings(args, config):

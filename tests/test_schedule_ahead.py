@@ -187,6 +187,17 @@ def test_request_arriving_while_a_step_is_in_flight(model_dir, prompts, referenc
     assert engine.block_pool.num_free_blocks == 64 and engine._inflight is None
 
 
+@pytest.mark.parametrize("ahead", [True, False])
+def test_schedule_ahead_config_switch(model_dir, prompts, reference, ahead):
+    """EngineConfig.schedule_ahead (--no-schedule-ahead) decides whether steps are scheduled
+    ahead; the tokens are transformers' either way."""
+    llm = LLM(model_dir, block_size=8, num_kv_blocks=64, max_num_seqs=8, schedule_ahead=ahead)
+    outs = llm.generate([prompts[1], prompts[2]], GREEDY)
+    for out, ref in zip(outs, reference[1:3]):
+        assert_matches(out.token_ids, ref)
+    assert (llm.engine.num_scheduled_ahead > 0) == ahead
+
+
 def test_failed_step_fails_its_requests_and_the_step_behind_it_goes_on(model_dir, prompts,
                                                                        reference):
     """Step 2 fails while step 3, scheduled ahead of it, holds a placeholder for "a" (filled with
