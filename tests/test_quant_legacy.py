@@ -318,6 +318,28 @@ def test_linear_panel_path_every_isa(qtype, T, K, N):
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=ids(TYPES))
+def test_linear_batched_decode_chunks_every_isa(qtype):
+    """Batched decode (16 rows) on a weight of several of quant_linear_chunks' per-thread chunks
+    (256 float32 rows of K = 256, the last one partial) and as one part of a fused weight
+    (ldo > N), with a bias; on the ISAs whose loop it is, the Q8 references hold instead."""
+    rng = np.random.default_rng(16)
+    T, K, N = 16, 256, 700
+    w = (rng.standard_normal((N, K)) * 0.5 + 0.1).astype(np.float32)
+    x = rng.standard_normal((T, K)).astype(np.float32)
+    bias = rng.standard_normal(N).astype(np.float32)
+    blocks = quantize(int(qtype), w)
+    other = QuantizedWeight.of(QT.Q8_0, quantize(int(QT.Q8_0), w[:3]), K)
+    fused = QuantizedWeight.concat([other, QuantizedWeight.of(qtype, blocks, K)])
+    for isa in ISAS:
+        out = run_linear(isa, qtype, x, blocks, K, bias)
+        check_linear(out, x, blocks, qtype, K, bias, isa)
+        wide = np.full((T, N + 3), np.nan, np.float32)
+        CpuBackend(isa=isa).linear(x, fused, np.concatenate([np.zeros(3, np.float32), bias]),
+                                   wide)
+        np.testing.assert_array_equal(wide[:, 3:], out, err_msg=isa)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=ids(TYPES))
 def test_linear_arbitrary_codes_every_isa(qtype):
     """Weights with every code (Q8_0 -128, nibble 0 and 15, all qh bits) and odd block counts,
     which the AVX-512 bodies finish with one AVX2 block."""
