@@ -46,16 +46,36 @@ class StepRecord:
         return self.num_seqs > 0 and self.num_decodes == self.num_seqs
 
 
-class StepProfile:
+class _Patches:
+    """Engine methods replaced by timed ones, and put back by detach()."""
+
+    def __init__(self):
+        self._wrapped: list[tuple] = []   # (object, name, its own attribute or None)
+
+    def _replace(self, obj, name: str, fn) -> None:
+        self._wrapped.append((obj, name, vars(obj).get(name)))
+        setattr(obj, name, fn)
+
+    def detach(self) -> None:
+        """Put the engine's own methods back."""
+        for obj, name, own in reversed(self._wrapped):
+            if own is None:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, own)
+        self._wrapped.clear()
+
+
+class StepProfile(_Patches):
     """Per-step phase times of one LLMEngine. `records` holds every profiled step;
     `summary()` the mean milliseconds per phase over a selection of them."""
 
     def __init__(self, engine, log_every: int = 0):
+        super().__init__()
         self.engine = engine
         self.log_every = log_every    # > 0: log a summary of the last N steps every N steps
         self.records: list[StepRecord] = []
         self._current: StepRecord | None = None
-        self._wrapped: list[tuple] = []   # (object, name, its own attribute or None)
         self._async_scheduling = engine.async_scheduling
 
     @classmethod
@@ -86,18 +106,8 @@ class StepProfile:
         return profile
 
     def detach(self) -> None:
-        """Put the engine's own methods back."""
-        for obj, name, own in reversed(self._wrapped):
-            if own is None:
-                delattr(obj, name)
-            else:
-                setattr(obj, name, own)
-        self._wrapped.clear()
+        super().detach()
         self.engine.async_scheduling = self._async_scheduling
-
-    def _replace(self, obj, name: str, fn) -> None:
-        self._wrapped.append((obj, name, vars(obj).get(name)))
-        setattr(obj, name, fn)
 
     def _wrap(self, obj, name: str, phase: str, sync=None, after=None, exclusive_of=None):
         fn = getattr(obj, name)
@@ -169,13 +179,13 @@ class StepTimes:
     commit_wait: float = 0.0       # seconds its sampling waited for the previous step's commit
 
 
-class ForwardTimeline:
+class ForwardTimeline(_Patches):
     """The forward thread's view of an engine running with async scheduling: `steps` in the
     order they ran (one forward thread runs them in order)."""
 
     def __init__(self):
+        super().__init__()
         self.steps: list[StepTimes] = []
-        self._wrapped: list[tuple] = []
 
     @classmethod
     def attach(cls, engine) -> "ForwardTimeline":
@@ -203,17 +213,8 @@ class ForwardTimeline:
         for obj, name, fn in ((engine, "_run_step", timed_run_step),
                               (engine.runner, "execute", timed_execute),
                               (engine, "_await_commit", timed_await_commit)):
-            timeline._wrapped.append((obj, name, vars(obj).get(name)))
-            setattr(obj, name, fn)
+            timeline._replace(obj, name, fn)
         return timeline
-
-    def detach(self) -> None:
-        for obj, name, own in reversed(self._wrapped):
-            if own is None:
-                delattr(obj, name)
-            else:
-                setattr(obj, name, own)
-        self._wrapped.clear()
 
     def decode_summary(self) -> dict:
         """Medians in ms over consecutive pairs of decode-only steps (N, N+1): the idle gap

@@ -92,16 +92,20 @@ def engine_for(model_dir, backend, **config):
     return LLMEngine(cfg, loaded=(backend, model, model_config))
 
 
-def run(engine, prompts, n=12):
-    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-    for i, p in enumerate(prompts):
-        engine.add_request(f"r{i}", p, params)
+def run_varied(engine, prompts, max_tokens):
+    for i, (p, n) in enumerate(zip(prompts, max_tokens)):
+        engine.add_request(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=n,
+                                                      ignore_eos=True))
     tokens = {}
     while engine.has_unfinished():
         for out in engine.step():
             if out.finished:
                 tokens[out.request_id] = out.token_ids
     return [tokens[f"r{i}"] for i in range(len(prompts))]
+
+
+def run(engine, prompts, n=12):
+    return run_varied(engine, prompts, [n] * len(prompts))
 
 
 PROMPTS = [list(np.random.default_rng(s).integers(3, 500, n)) for s, n in
@@ -141,18 +145,6 @@ def test_eager_cuda_path_matches_too(model_dir):
     backend = CpuAsCuda()
     got = run(engine_for(model_dir, backend, num_kv_blocks=64, cuda_graph=False), PROMPTS[:2])
     assert got == want and backend.replays == 0
-
-
-def run_varied(engine, prompts, max_tokens):
-    for i, (p, n) in enumerate(zip(prompts, max_tokens)):
-        engine.add_request(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=n,
-                                                      ignore_eos=True))
-    tokens = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                tokens[out.request_id] = out.token_ids
-    return [tokens[f"r{i}"] for i in range(len(prompts))]
 
 
 MANY = [list(np.random.default_rng(10 + s).integers(3, 500, n))

@@ -7,9 +7,9 @@ two references: float64 x @ dequantize(W).T within a worst-case bound on what qu
 quantization, where only float32 accumulation is left. With TAPER_QUANT_ACT_SPLIT=1 each row is
 written as two 8-bit rows (hi = Q8(x), lo = Q8(x - hi)): the same checks with the two-row bound
 and emulation, which the default one-row arithmetic misses. Beyond `quant_gemv_max_t(type, isa)`
-token rows (prefill; under AVX-512 from 5 rows) `linear` multiplies float32 panels of dequantize(W) with the float32 x instead, and is
-held to float64 x @ dequantize(W).T within float32 accumulation alone. The last tests show the
-checks can fail.
+token rows (prefill; batched decode from 5 rows under AVX-512) `linear` multiplies float32
+dequantize(W) with the float32 x instead, and is held to float64 x @ dequantize(W).T within
+float32 accumulation alone. The last tests show the checks can fail.
 """
 import numpy as np
 import pytest

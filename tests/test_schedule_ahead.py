@@ -13,39 +13,21 @@ import time
 import numpy as np
 import pytest
 
-from checkpoints import tiny_checkpoint
-from hf_oracle import assert_matches, hf_greedy, load_hf
+from hf_oracle import assert_matches
 from engine import LLM, SamplingParams
 from engine.sequence import SequenceStatus
 from engine.structured_outputs import StructuredOutputsParams
-from test_async_scheduling import mixed_requests, run
+# The tiny model, its transformers reference for this file's prompts, the demo checkpoint and
+# the seeded mixed batch are test_async_scheduling's (a fixture resolves `prompts` here).
+from test_async_scheduling import (GEN, GREEDY, demo_dir, mixed_requests, model_dir,  # noqa: F401
+                                   reference, run)
 from test_engine import StressRunner
-
-GEN = 12
-GREEDY = SamplingParams(temperature=0, max_tokens=GEN, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return tiny_checkpoint(tmp_path_factory.mktemp("llama"), "llama")
 
 
 @pytest.fixture(scope="module")
 def prompts():
     rng = np.random.default_rng(17)
     return [rng.integers(0, 500, n).tolist() for n in (9, 70, 23, 41, 3, 55, 31, 12)]
-
-
-@pytest.fixture(scope="module")
-def reference(model_dir, prompts):
-    model = load_hf(model_dir)
-    return [hf_greedy(model, p, GEN) for p in prompts]
-
-
-@pytest.fixture(scope="module")
-def demo_dir(tmp_path_factory) -> str:
-    from server.demo_model import write_demo_checkpoint
-    return write_demo_checkpoint(str(tmp_path_factory.mktemp("demo") / "demo"))
 
 
 def record_rows(engine) -> list:
