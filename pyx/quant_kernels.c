@@ -32,10 +32,11 @@
  * at T = 32 vs panels at T = 33: Q8_0 4.38 vs 2.54, Q5_0 4.56 vs 3.33, Q4_K 2.81 vs 2.09, Q6_K
  * 2.70 vs 3.98). bench/RESULTS.md: 128-token prefill 0.45-0.50x -> 1.09-1.30x llama.cpp. */
 #define QUANT_GEMV_MAX_T 32
-/* Under AVX-512 the legacy types (Q4_0 .. Q8_0, which have a SIMD dequantizer) take the panels
- * from 5 rows: a block dequantizes with a few shuffles and a scale, and the AVX-512 small-M
- * float32 kernel on the panel beats one int8 dot product per block and row. 9728x896 on one
- * Zen 4 core, loop -> panels: Q8_0 T=8 3.69 -> 2.2-2.8 ms, T=16 7.37 -> 3.5-4.1; Q5_0 T=8
+/* Under AVX-512 the legacy types (Q4_0 .. Q8_0, which have a SIMD dequantizer) leave the loop
+ * from 5 rows for float32 weights (quant_linear_chunks up to QUANT_GEMV_MAX_T rows, the panels
+ * beyond): a block dequantizes with a few shuffles and a scale, and the AVX-512 small-M float32
+ * kernel beats one int8 dot product per block and row. 9728x896 on one Zen 4 core, loop ->
+ * dequantized: Q8_0 T=8 3.69 -> 2.2-2.8 ms, T=16 7.37 -> 3.5-4.1; Q5_0 T=8
  * 4.97 -> 2.87, T=16 9.27 -> 4.44; T=4 about even, T=2 the loop 1.7x faster (Q8_0). Under AVX2
  * the loop stays ahead up to ~12 rows (Q8_0), and the K types dequantize with the scalar
  * reference: the common cap holds for them. */
