@@ -637,6 +637,72 @@ static void dequantize_q6_K(const void *src, float *y, int64_t n) {
     }
 }
 
+/* ---- dequantize, AVX2 (the batched-decode chunks and prefill panels of quant_kernels.c; AVX-512
+ * machines run it too): the scalar bodies above, eight lanes at a time, bit-identical to them
+ * (an exact int -> float, then the same products and differences in the same order). */
+
+/* 8 codes (bytes at q, >> shift, & mask) -> floats times d minus m, stored at y. */
+AVX2_TARGET static inline void k_dequant8(const uint8_t *q, int shift, int mask, float d, float m,
+                                          float *y) {
+    __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)q));
+    v = _mm256_and_si256(_mm256_srli_epi32(v, shift), _mm256_set1_epi32(mask));
+    const __m256 f = _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(v));
+    _mm256_storeu_ps(y, _mm256_sub_ps(f, _mm256_set1_ps(m)));
+}
+
+AVX2_TARGET static void dequantize_q4_K_avx2(int isa, const void *src, float *y, int64_t n) {
+    (void)isa;
+    const bq4_K *x = src;
+    for (int64_t i = 0; i < n / QK_K; i++) {
+        const float d = H2F(x[i].d), min = H2F(x[i].dmin);
+        const uint8_t *q = x[i].qs;
+        for (int is = 0; is < 8; is += 2, q += 32, y += 64) {
+            uint8_t sc, m;
+            get_scale_min_k4(is + 0, x[i].scales, &sc, &m);
+            const float d1 = d * sc, m1 = min * m;
+            get_scale_min_k4(is + 1, x[i].scales, &sc, &m);
+            const float d2 = d * sc, m2 = min * m;
+            for (int l = 0; l < 32; l += 8) {
+                k_dequant8(q + l, 0, 0xF, d1, m1, y + l);
+                k_dequant8(q + l, 4, 0xF, d2, m2, y + 32 + l);
+            }
+        }
+    }
+}
+
+/* 8 Q6_K values: low nibble (ql >> lshift) with 2 high bits (qh >> hshift), minus 32, times the
+ * sub-block's d * scale (ggml's association, as dequantize_q6_K). */
+AVX2_TARGET static inline void q6_dequant8(const uint8_t *ql, int lshift, const uint8_t *qh,
+                                           int hshift, float ds, float *y) {
+    const __m256i l = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)ql));
+    const __m256i h = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)qh));
+    const __m256i q = _mm256_sub_epi32(
+        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(l, lshift), _mm256_set1_epi32(0xF)),
+                        _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(h, hshift),
+                                                           _mm256_set1_epi32(3)), 4)),
+        _mm256_set1_epi32(32));
+    _mm256_storeu_ps(y, _mm256_mul_ps(_mm256_set1_ps(ds), _mm256_cvtepi32_ps(q)));
+}
+
+AVX2_TARGET static void dequantize_q6_K_avx2(int isa, const void *src, float *y, int64_t n) {
+    (void)isa;
+    const bq6_K *x = src;
+    for (int64_t i = 0; i < n / QK_K; i++) {
+        const float d = H2F(x[i].d);
+        const uint8_t *ql = x[i].ql, *qh = x[i].qh;
+        const int8_t *sc = x[i].scales;
+        for (int h = 0; h < QK_K; h += 128, y += 128, ql += 64, qh += 32, sc += 8) {
+            for (int l = 0; l < 32; l += 8) {
+                const int is = l / 16;
+                q6_dequant8(ql + l, 0, qh + l, 0, d * sc[is + 0], y + l);
+                q6_dequant8(ql + l + 32, 0, qh + l, 2, d * sc[is + 2], y + l + 32);
+                q6_dequant8(ql + l, 4, qh + l, 4, d * sc[is + 4], y + l + 64);
+                q6_dequant8(ql + l + 32, 4, qh + l, 6, d * sc[is + 6], y + l + 96);
+            }
+        }
+    }
+}
+
 /* unsigned level 0..63; the value is u - 32 */
 static void unpack_q6_K(const bq6_K *b, uint8_t *u) {
     for (int h = 0; h < 2; h++) {
@@ -1149,9 +1215,11 @@ K_VEC_DOT_ALL(q6_K)
 static const taper_quant_traits K_TRAITS[] = {
     {TAPER_Q2_K, QK_K, sizeof(bq2_K), TAPER_Q8_K, dequantize_q2_K, quantize_q2_K, vec_dot_q2_K, vec_dot2_q2_K},
     {TAPER_Q3_K, QK_K, sizeof(bq3_K), TAPER_Q8_K, dequantize_q3_K, quantize_q3_K, vec_dot_q3_K, vec_dot2_q3_K},
-    {TAPER_Q4_K, QK_K, sizeof(bq4_K), TAPER_Q8_K, dequantize_q4_K, quantize_q4_K, vec_dot_q4_K, vec_dot2_q4_K},
+    {TAPER_Q4_K, QK_K, sizeof(bq4_K), TAPER_Q8_K, dequantize_q4_K, quantize_q4_K, vec_dot_q4_K, vec_dot2_q4_K,
+     dequantize_q4_K_avx2},
     {TAPER_Q5_K, QK_K, sizeof(bq5_K), TAPER_Q8_K, dequantize_q5_K, quantize_q5_K, vec_dot_q5_K, vec_dot2_q5_K},
-    {TAPER_Q6_K, QK_K, sizeof(bq6_K), TAPER_Q8_K, dequantize_q6_K, quantize_q6_K, vec_dot_q6_K, vec_dot2_q6_K},
+    {TAPER_Q6_K, QK_K, sizeof(bq6_K), TAPER_Q8_K, dequantize_q6_K, quantize_q6_K, vec_dot_q6_K, vec_dot2_q6_K,
+     dequantize_q6_K_avx2},
     {TAPER_Q8_K, QK_K, sizeof(bq8_K), TAPER_Q8_K, dequantize_q8_K, quantize_q8_K, NULL, NULL},
 };
 

@@ -32,15 +32,18 @@
  * at T = 32 vs panels at T = 33: Q8_0 4.38 vs 2.54, Q5_0 4.56 vs 3.33, Q4_K 2.81 vs 2.09, Q6_K
  * 2.70 vs 3.98). bench/RESULTS.md: 128-token prefill 0.45-0.50x -> 1.09-1.30x llama.cpp. */
 #define QUANT_GEMV_MAX_T 32
-/* Under AVX-512 the legacy types (Q4_0 .. Q8_0, which have a SIMD dequantizer) leave the loop
- * from 5 rows for float32 weights (quant_linear_chunks up to QUANT_GEMV_MAX_T rows, the panels
- * beyond): a block dequantizes with a few shuffles and a scale, and the AVX-512 small-M float32
- * kernel beats one int8 dot product per block and row. 9728x896 on one Zen 4 core, loop ->
- * dequantized: Q8_0 T=8 3.69 -> 2.2-2.8 ms, T=16 7.37 -> 3.5-4.1; Q5_0 T=8
- * 4.97 -> 2.87, T=16 9.27 -> 4.44; T=4 about even, T=2 the loop 1.7x faster (Q8_0). Under AVX2
- * the loop stays ahead up to ~12 rows (Q8_0), and the K types dequantize with the scalar
- * reference: the common cap holds for them. */
-#define QUANT_GEMV_MAX_T_SIMD_PANELS 4
+/* Under AVX-512 the types with a SIMD dequantizer leave the loop for float32 weights
+ * (quant_linear_chunks up to QUANT_GEMV_MAX_T rows, the panels beyond) from fewer rows: a block
+ * dequantizes with a few shuffles and scales, and the AVX-512 small-M float32 kernel beats one
+ * int8 dot product per block and row. One Zen 4 core, loop -> float32:
+ * - legacy (Q4_0 .. Q8_0), from 5 rows: 9728x896 Q8_0 T=8 3.69 -> 2.2-2.8 ms, T=16 7.37 ->
+ *   3.5-4.1; Q5_0 T=8 4.97 -> 2.87, T=16 9.27 -> 4.44; T=4 about even, T=2 the loop 1.7x faster.
+ * - Q4_K and Q6_K, from 13 rows (their loop unpacks a 256-value super-block more cheaply):
+ *   896x4864 T=16 Q4_K 2.52-2.65 -> 2.18-2.29 ms, Q6_K 2.79-3.61 -> 2.78-2.82; at T=8 the loop
+ *   is as fast or faster.
+ * Under AVX2 the loop stays ahead up to ~12 rows (Q8_0): the common cap holds there. */
+#define QUANT_GEMV_MAX_T_SIMD_LEGACY 4
+#define QUANT_GEMV_MAX_T_SIMD_K 12
 /* Weight rows per dequantized panel: at most this many bytes of float32 (as the int4 path). */
 #define PANEL_BYTES (8 << 20)
 /* Batched decode's per-thread chunk of dequantized rows (quant_linear_chunks): a quarter of a
@@ -215,8 +218,8 @@ int taper_quantize(int type, const float *src, void *dst, int64_t rows, int64_t 
 
 int taper_quant_gemv_max_t(int isa, int type) {
     const taper_quant_traits *t = traits(type);
-    return t && t->dequantize_simd && isa == TAPER_ISA_AVX512 ? QUANT_GEMV_MAX_T_SIMD_PANELS
-                                                              : QUANT_GEMV_MAX_T;
+    if (!t || !t->dequantize_simd || isa != TAPER_ISA_AVX512) return QUANT_GEMV_MAX_T;
+    return t->block_size == TAPER_QK ? QUANT_GEMV_MAX_T_SIMD_LEGACY : QUANT_GEMV_MAX_T_SIMD_K;
 }
 
 /* batch_invariant: every T takes the panel path with the invariant dense GEMM, so a row's bits

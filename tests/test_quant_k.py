@@ -40,9 +40,15 @@ HALF_FIELDS = {"q2_K": (80, 82), "q3_K": (108,), "q4_K": (0, 2), "q5_K": (0, 2),
 # a byte holding (part of) the first group's scale
 SCALE_BYTE = {"q2_K": 0, "q3_K": 96, "q4_K": 4, "q5_K": 4, "q6_K": 192}
 ISAS = [isa for isa in ("scalar", "avx2", "avx512") if isa_supported(isa)]
-# More token rows than this: `linear` multiplies float32 panels of dequantize(W) with the float32
-# x (no Q8_K rounding), held to float64 within k unit roundoffs of float32 accumulation.
-GEMV_MAX_T, = {quant_gemv_max_t(int(t), isa) for t in WEIGHT_TYPES.values() for isa in ISAS}
+# More token rows than every type's and ISA's quant_gemv_max_t: `linear` multiplies float32 panels
+# of dequantize(W) with the float32 x (no Q8_K rounding), held to float64 within k unit roundoffs
+# of float32 accumulation.
+PANEL_T = 33
+
+
+def takes_float32(name, isa, T) -> bool:
+    """Whether `linear` multiplies float32 dequantize(W) for T rows (else the Q8_K loop)."""
+    return T > quant_gemv_max_t(int(WEIGHT_TYPES[name]), isa)
 
 
 def _load_fixture_script():
@@ -119,6 +125,8 @@ def test_dequantize_matches_gguf(name, inputs):
         ours = dequantize(t, b, 768)
         theirs = gguf_dequantize(b, t).reshape(ours.shape)
         np.testing.assert_array_equal(ours, theirs)
+        for isa in ISAS[1:]:   # the SIMD dequantizers of the batched decode and prefill paths
+            np.testing.assert_array_equal(dequantize(t, b, 768, isa), theirs, err_msg=isa)
 
 
 def test_q8_K_dequantize_and_bsums(inputs):
@@ -193,16 +201,13 @@ def test_linear_every_isa(name, T, K, parts, monkeypatch):
     scale = np.abs(xq) @ np.abs(w).T  # what float32 accumulation error is relative to
     bound = q8_K_bound(x.astype(np.float64), w, parts) + 1e-5 * scale
     scalar = run_linear("scalar", name, blocks, K, x)
-    if T > GEMV_MAX_T:   # panel path (if the threshold were below 17): float32 activations,
-        # so no Q8_K bound applies
-        abs_scale = np.abs(x.astype(np.float64)) @ np.abs(w).T
-        for isa in ISAS:
-            out = scalar if isa == "scalar" else run_linear(isa, name, blocks, K, x)
-            assert (np.abs(out - exact) <= K * 2.0 ** -24 * abs_scale + 1e-6).all(), isa
-        return
+    abs_scale = np.abs(x.astype(np.float64)) @ np.abs(w).T
     for isa in ISAS:
         out = scalar if isa == "scalar" else run_linear(isa, name, blocks, K, x)
         assert np.isfinite(out).all()
+        if takes_float32(name, isa, T):   # float32 activations: no Q8_K bound applies
+            assert (np.abs(out - exact) <= K * 2.0 ** -24 * abs_scale + 1e-6).all(), isa
+            continue
         assert (np.abs(out - exact) <= bound).all(), f"{isa}: outside the Q8_K bound"
         assert (np.abs(out - on_q8) <= 1e-5 * scale).all(), f"{isa}: beyond f32 accumulation"
         assert (np.abs(out - scalar) <= 1e-5 * scale).all(), f"{isa} differs from scalar"
@@ -225,9 +230,10 @@ def test_one_q8_K_row_misses_the_two_row_bound(name, monkeypatch):
 
 
 @pytest.mark.parametrize("name", list(WEIGHT_TYPES))
-@pytest.mark.parametrize("T,N", [(GEMV_MAX_T + 1, 67), (100, 600)])
+@pytest.mark.parametrize("T,N", [(PANEL_T, 67), (100, 600), (16, 600)])
 def test_linear_panel_path_every_isa(name, T, N):
-    """Prefill (T > GEMV_MAX_T): float32 panels of dequantize(W) times the float32 x, with a
+    """Prefill (T > every quant_gemv_max_t), and 16 rows where an ISA takes the batched decode's
+    float32 chunks (quant_linear_chunks): float32 panels of dequantize(W) times the float32 x, with a
     bias, on every ISA, against float64 within float32 accumulation (K = 4864 spans 19 blocks,
     ffn_down's rows; N = 600 makes two 8 MB panels there)."""
     K = 4864
@@ -236,7 +242,7 @@ def test_linear_panel_path_every_isa(name, T, N):
     w = dequantize(WEIGHT_TYPES[name], blocks, K).astype(np.float64)
     exact = x.astype(np.float64) @ w.T + bias
     tol = K * 2.0 ** -24 * (np.abs(x.astype(np.float64)) @ np.abs(w).T + np.abs(bias)) + 1e-6
-    for isa in ISAS:
+    for isa in [i for i in ISAS if takes_float32(name, i, T)]:
         out = run_linear(isa, name, blocks, K, x, bias)
         assert np.isfinite(out).all()
         err = np.abs(out - exact)
