@@ -14,6 +14,7 @@ import http.server
 import json
 import os
 import re
+import signal
 import sys
 import threading
 import time
@@ -201,8 +202,14 @@ def test_ctrl_c_stops_a_long_answer_and_the_next_message_is_answered(live, chat)
     c.proc.sendline("Tell me a long story.")
     c.proc.expect(r"Tell me a long story\.\r*\n")
     c.proc.expect(r".{40}")                      # the answer has started
-    c.proc.sendintr()                             # Ctrl-C
-    c.proc.expect(r"\[stopped\]")
+    # The demo writes 3000 tokens in a second or two: freeze the server mid-answer, so the
+    # Ctrl-C lands while the client still waits for the stream, however late this test runs.
+    live.proc.send_signal(signal.SIGSTOP)
+    try:
+        c.proc.sendintr()                         # Ctrl-C
+        c.proc.expect(r"\[stopped\]")
+    finally:
+        live.proc.send_signal(signal.SIGCONT)
     c.proc.expect(PROMPT)
     deadline = time.time() + 60                   # the closed stream aborts the request
     while aborted(live) != before + 1 or running(live) != 0:
