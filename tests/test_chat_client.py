@@ -14,7 +14,6 @@ import http.server
 import json
 import os
 import re
-import signal
 import sys
 import threading
 import time
@@ -196,20 +195,21 @@ def aborted(live) -> float:
 
 
 def test_ctrl_c_stops_a_long_answer_and_the_next_message_is_answered(live, chat):
-    before = aborted(live)
-    c = chat("--temperature", "0", "--max-tokens", "3000", "--extra-body",
-             '{"ignore_eos": true}')
-    c.proc.sendline("Tell me a long story.")
-    c.proc.expect(r"Tell me a long story\.\r*\n")
-    c.proc.expect(r".{40}")                      # the answer has started
-    # The demo writes 3000 tokens in a second or two: freeze the server mid-answer, so the
-    # Ctrl-C lands while the client still waits for the stream, however late this test runs.
-    live.proc.send_signal(signal.SIGSTOP)
-    try:
+    # The demo writes its 3000 tokens in a second or two: on a loaded machine this process may
+    # see the answer start only once it has ended by length, and the Ctrl-C then lands at the
+    # prompt. Such an attempt starts over in a new session; one that never stops fails.
+    for _ in range(3):
+        before = aborted(live)
+        c = chat("--temperature", "0", "--max-tokens", "3000", "--extra-body",
+                 '{"ignore_eos": true}')
+        c.proc.sendline("Tell me a long story.")
+        c.proc.expect(r"Tell me a long story\.\r*\n")
+        c.proc.expect(r".{40}")                  # the answer has started
         c.proc.sendintr()                         # Ctrl-C
-        c.proc.expect(r"\[stopped\]")
-    finally:
-        live.proc.send_signal(signal.SIGCONT)
+        if c.proc.expect([r"\[stopped\]", r"\[cut at max_tokens\]"]) == 0:
+            break
+    else:
+        pytest.fail("every answer ran to max_tokens: Ctrl-C never stopped one")
     c.proc.expect(PROMPT)
     deadline = time.time() + 60                   # the closed stream aborts the request
     while aborted(live) != before + 1 or running(live) != 0:
