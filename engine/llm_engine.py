@@ -64,9 +64,6 @@ class InflightStep:
     """A step submitted to the forward thread."""
     sched: SchedulerOutput
     future: Future | None = None  # its _run_step result
-    # The same result, set by the forward thread itself: the step queued behind reads its tokens
-    # there, without the future's lock (which step() holds while it wakes up on the result).
-    result: object = None
     prepare_failed: bool = False  # its batch is the exception: it fails at once
     advanced: bool = False        # the next step was scheduled ahead of it (scheduler.advance)
     # Set once step() has committed it (tokens appended): the step queued behind it may sample.
@@ -461,7 +458,7 @@ class LLMEngine:
                 self.num_placeholder_rows += len(placeholders.rows)
         step = InflightStep(sched, prepare_failed=failed)
         step.future = self._forward_thread.submit(self._run_step, sched, batch, placeholders,
-                                                  after, step)
+                                                  after)
         return step
 
     def _collect(self, step: InflightStep) -> tuple[list[RequestOutput], list[tuple]]:
@@ -480,25 +477,19 @@ class LLMEngine:
             return e
 
     def _run_step(self, sched, batch, placeholders: PlaceholderRows | None = None,
-                  after: InflightStep | None = None, step: InflightStep | None = None):
+                  after: InflightStep | None = None):
         """The device part of a step (on the forward thread with async scheduling): the forward,
         beam-search rows, the grammar masks, sampling and prompt logprobs. Returns (sampled
-        sequences, tokens, logprobs, beam requests ready, pooled rows), or the exception, and
-        keeps it in `step`. after: the step this one was scheduled ahead of; it ran just before
-        on this thread. Its tokens fill the placeholder rows, and this step samples only once
-        it is committed."""
-        result = self._device_step(sched, batch, placeholders, after)
-        if step is not None:
-            step.result = result
-        return result
-
-    def _device_step(self, sched, batch, placeholders, after):
+        sequences, tokens, logprobs, beam requests ready, pooled rows), or the exception.
+        after: the step this one was scheduled ahead of; it ran just before on this thread, so
+        its future is done. Its tokens fill the placeholder rows, and this step samples only
+        once it is committed."""
         if isinstance(batch, Exception):
             return batch
         self.backend.bind_thread()   # CUDA: this thread's current device and stream
         try:
             if placeholders is not None:
-                placeholders.fill(batch.token_ids, after.result)
+                placeholders.fill(batch.token_ids, after.future.result())
             logits, pooled = self.runner.execute(sched, batch)
             if after is not None:
                 self._await_commit(after)
