@@ -1,6 +1,6 @@
 """The host side of a CUDA decode step's inputs, measured on the CPU: bytes copied host-to-device
 per step and host time to prepare and pack a step, with the device-resident block tables
-(engine/device_block_tables.py) and, given --before REV, with the code of git revision REV
+(engine/runner/device_block_tables.py) and, given --before REV, with the code of git revision REV
 beside them (its engine/{forward_batch,input_buffers,cuda_graph,model_runner}.py, loaded under
 another package name).
 
@@ -104,7 +104,7 @@ class Setup:
     """One version's runner, graph runner and sequences."""
 
     def __init__(self, version, num_seqs: int, max_model_len: int, context: int):
-        from engine.sequence import Sequence
+        from engine.core.sequence import Sequence
         self.version = version
         self.backend = CountingBackend()
         config = types.SimpleNamespace(num_hidden_layers=1)
@@ -132,7 +132,7 @@ class Setup:
         return self.next_block
 
     def schedule(self):
-        from engine.scheduler import SchedulerOutput
+        from engine.core.scheduler import SchedulerOutput
         out = SchedulerOutput()
         for seq in self.seqs:
             out._add(seq, 1)

@@ -220,10 +220,10 @@ def run(batches=(1, 16, 64), prompt_len: int = 128, gen_len: int = 128,
     import cupy as cp
 
     from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
-    from engine.model_config import ModelConfig
+    from engine.core.llm_engine import LLMEngine
+    from engine.models.model_config import ModelConfig
     from engine.models.llama import LlamaForCausalLM, expected_shapes
-    from engine.sampling_params import SamplingParams
+    from engine.sampling.sampling_params import SamplingParams
     from pyx.cuda_backend import CudaBackend
 
     if quant not in QUANTS:

@@ -83,8 +83,8 @@ def taper_logits(config: dict, weights: dict, tokens: list[int], prompt_len: int
                  step_ms: list | None = None) -> np.ndarray:
     """Taper's CPU backend: the prompt in one forward, then one token per forward (each decode
     forward's wall time appended to step_ms)."""
-    from engine.forward_batch import ForwardBatch
-    from engine.model_config import ModelConfig
+    from engine.runner.forward_batch import ForwardBatch
+    from engine.models.model_config import ModelConfig
     from engine.models.registry import get_model_class
     from pyx.cpu_backend import CpuBackend
 

@@ -317,7 +317,7 @@ def sample_random_requests(tokenizer, num_prompts: int, input_len: int, output_l
 
 
 def load_tokenizer(name: str):
-    from engine.tokenizer import Tokenizer   # transformers' fast tokenizer, never torch
+    from engine.text.tokenizer import Tokenizer   # transformers' fast tokenizer, never torch
     # A local directory never touches the network; a hub id may be downloaded, as vLLM does.
     return Tokenizer.from_pretrained(name, local_files_only=os.path.isdir(name)).hf
 

@@ -5,7 +5,7 @@
 
 Runs the engine itself (no HTTP) with C requests added at once (random prompt ids, ignore_eos,
 greedy), `max_num_seqs` = C so all of them run together, prefix caching off, and prints for each
-C the mean milliseconds per step of each phase (engine/step_profile.py): schedule, prepare,
+C the mean milliseconds per step of each phase (engine/core/step_profile.py): schedule, prepare,
 forward (device), sample, outputs (append, detokenize, stop checks), other; separately for the
 decode-only steps (every sequence computes its next token) and for all steps. The host share is
 (schedule + prepare + outputs + other) / step: what an engine that overlaps host and device
@@ -20,7 +20,7 @@ times the same runs without it, in three settings: async scheduling (LLMEngine.s
 each step scheduled after the previous one's commit (`schedule_ahead` off: the overlap before
 output placeholders); and on, scheduled ahead with placeholders (the default). Per setting: the
 median wall time of a decode step, the output tokens per second, and from the forward thread's
-timeline (engine/step_profile.py ForwardTimeline, decode steps) the median idle gap between one
+timeline (engine/core/step_profile.py ForwardTimeline, decode steps) the median idle gap between one
 step's sampling and the next step's forward, and the median time a step's sampling waited for the
 previous step's commit (medians over --repeat runs, the settings alternated in each).
 """
@@ -32,14 +32,14 @@ import time
 import numpy as np
 
 from bench.throughput import machine_info
-from engine.step_profile import PHASES, ForwardTimeline, StepProfile
+from engine.core.step_profile import PHASES, ForwardTimeline, StepProfile
 
 # (label, async_scheduling, schedule_ahead) of the timed settings
 SETTINGS = (("off", False, False), ("on, after commit", True, False), ("on, ahead", True, True))
 
 
 def profile_run(engine, concurrency: int, prompt_len: int, gen_len: int, seed: int) -> tuple:
-    from engine.sampling_params import SamplingParams
+    from engine.sampling.sampling_params import SamplingParams
     rng = np.random.default_rng(seed)
     vocab = engine.model_config.vocab_size
     profile = StepProfile.attach(engine)
@@ -62,7 +62,7 @@ def timed_run(engine, concurrency: int, prompt_len: int, gen_len: int, seed: int
     gap ms, median commit wait ms) without the profile. With async scheduling a step() call
     commits the previous step and launches this one, so in steady state it lasts one forward
     period, as a synchronous step does. The gap and wait are NaN without async scheduling."""
-    from engine.sampling_params import SamplingParams
+    from engine.sampling.sampling_params import SamplingParams
     engine.async_scheduling = async_scheduling
     engine.schedule_ahead = schedule_ahead
     rng = np.random.default_rng(seed)
@@ -122,7 +122,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
 
     from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
+    from engine.core.llm_engine import LLMEngine
     model = args.model
     if model is None:
         from server.demo_model import ensure_demo_checkpoint

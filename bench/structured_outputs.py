@@ -46,7 +46,7 @@ LONG_TEXT = {"type": "object", "properties": {"text": {"type": "string", "maxLen
 
 def run_batch(llm, B: int, tokens: int, constrained: bool) -> tuple[float, int]:
     from engine import SamplingParams
-    from engine.structured_outputs import StructuredOutputsParams, json_spec
+    from engine.sampling.structured_outputs import StructuredOutputsParams, json_spec
     prompts = [f"Request {i}: write something." for i in range(B)]
     params = [SamplingParams(temperature=1.0, seed=i, max_tokens=tokens, ignore_eos=True,
                              structured_outputs=StructuredOutputsParams("json", json_spec(
@@ -78,7 +78,7 @@ def overhead(llm, tokens: int, repeats: int):
             fills.append(time.perf_counter() - t)
         return out
     structured.bitmask = timed
-    from engine import structured_outputs as so_module
+    from engine.sampling import structured_outputs as so_module
     advances: list[float] = []
     inner_advance = so_module.StructuredOutputs.advance
 
@@ -199,7 +199,7 @@ def schemas() -> list[dict]:
 
 
 def compile_times(llm, runs: int = 5):
-    from engine.structured_outputs import GrammarCompiler, StructuredOutputsParams, json_spec
+    from engine.sampling.structured_outputs import GrammarCompiler, StructuredOutputsParams, json_spec
     engine = llm.engine
     start = time.perf_counter()
     compiler = GrammarCompiler(engine.tokenizer, engine.model_config.vocab_size,

@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 from engine.config import EngineConfig
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
-from engine.structured_outputs import StructuredOutputsParams
+from engine.core.outputs import RequestOutput
+from engine.sampling.sampling_params import SamplingParams
+from engine.sampling.structured_outputs import StructuredOutputsParams
 
 __all__ = ["LLM", "AsyncEngine", "EngineConfig", "RequestOutput", "SamplingParams",
            "StructuredOutputsParams"]

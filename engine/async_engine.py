@@ -14,10 +14,10 @@ import threading
 from typing import AsyncIterator
 
 from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams, generation_config_defaults
-from engine.stats import EngineStats
+from engine.core.llm_engine import LLMEngine
+from engine.core.outputs import RequestOutput
+from engine.sampling.sampling_params import SamplingParams, generation_config_defaults
+from engine.core.stats import EngineStats
 
 log = logging.getLogger("taper.engine")
 
@@ -30,7 +30,7 @@ class AsyncEngine:
             self.tokenizer.prepare_chat_guard()   # at load, not on the event loop's first chat
         self.model_config = self.engine.model_config
         self.max_model_len = self.engine.max_model_len
-        self.pooling = self.engine.pooling        # how /v1/embeddings pools (engine/pooling.py)
+        self.pooling = self.engine.pooling        # how /v1/embeddings pools (engine/sampling/pooling.py)
         self.model_name = default_model_name(config.model)
         self.generation_defaults = generation_config_defaults(self.engine.model_dir)
         self.structured_outputs = self.engine.structured_outputs   # thread-safe, lazy

@@ -4,10 +4,10 @@ from __future__ import annotations
 import itertools
 
 from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
-from engine.pooling import PoolingParams
-from engine.sampling_params import SamplingParams
+from engine.core.llm_engine import LLMEngine
+from engine.core.outputs import RequestOutput
+from engine.sampling.pooling import PoolingParams
+from engine.sampling.sampling_params import SamplingParams
 
 
 class LLM:
@@ -17,7 +17,7 @@ class LLM:
 
     def embed(self, prompts, dimensions: int | None = None) -> list[RequestOutput]:
         """Embeddings (each output's `.embedding`) of strings or lists of token ids, in order,
-        pooled as the checkpoint says (engine/pooling.py)."""
+        pooled as the checkpoint says (engine/sampling/pooling.py)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         return self.generate(prompts, [PoolingParams(dimensions)] * len(prompts))

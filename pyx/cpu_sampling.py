@@ -1,6 +1,6 @@
 """The CPU backend's sampling ops in NumPy: `apply_penalties` and `filter_logits` (pyx/backend.pyx).
 
-CpuBackend validates the arguments and calls these; engine/sampler.py's public NumPy helpers call
+CpuBackend validates the arguments and calls these; engine/sampling/sampler.py's public NumPy helpers call
 them too. They work in place on a (B, V) float32 array.
 
 `filter_logits` is vectorised over rows and sparse in the vocabulary: top-k partitions only values

@@ -193,7 +193,7 @@ cdef class CudaBackend(Backend):
     cdef void* _blas_handle
     cdef public str prefill_kernel   # a PREFILL_VARIANTS name: TAPER_CUDA_PREFILL
     cdef public bint split_k, mma_prefill, fp8_cutlass, marlin_pipeline, fp8_gemv, radix_filter
-    cdef public bint fused_sampling  # engine/sampler.py calls sample_fused
+    cdef public bint fused_sampling  # engine/sampling/sampler.py calls sample_fused
     cdef public bint fused_moe      # MoE blocks built on this backend take the grouped GEMMs
     cdef public bint marlin_v2       # TAPER_CUDA_MARLIN=v2
     cdef public int fp8_gemv_max_m   # FP8 weights take the GEMV up to this many rows
@@ -334,7 +334,7 @@ cdef class CudaBackend(Backend):
     def synchronize(self):
         self.stream.synchronize()
 
-    # ---- CUDA graphs (engine/cuda_graph.py)
+    # ---- CUDA graphs (engine/runner/cuda_graph.py)
 
     def new_graph_pool(self):
         """A private device memory pool for the graphs' allocations (a plain cudaMalloc pool:

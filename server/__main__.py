@@ -155,7 +155,7 @@ NOT_YET_SUPPORTED: dict[str, tuple[str, str]] = {}
 
 def check_args(args) -> str | None:
     """The first problem with the flags, as a message, or None."""
-    from engine.sampling_params import SamplingParams
+    from engine.sampling.sampling_params import SamplingParams
 
     for dest, (flag, feature) in NOT_YET_SUPPORTED.items():
         if getattr(args, dest):
@@ -315,7 +315,7 @@ class Server:
         try:
             engine = AsyncEngine(self.config)
             if self.args.profile_steps > 0:
-                from engine.step_profile import StepProfile
+                from engine.core.step_profile import StepProfile
                 StepProfile.attach(engine.engine, log_every=self.args.profile_steps)
         except Exception as e:        # no such model, unsupported, too big...: exit 1
             log.error("could not load %s: %s", self.config.model, e)

@@ -1,4 +1,4 @@
-"""POST /v1/embeddings: OpenAI's embeddings API over the engine's pooling (engine/pooling.py).
+"""POST /v1/embeddings: OpenAI's embeddings API over the engine's pooling (engine/sampling/pooling.py).
 
 Each input becomes one engine request that computes its prompt (chunked and batched with
 everything else) and pools it instead of sampling; the inputs of one call run concurrently. An
@@ -16,7 +16,7 @@ import numpy as np
 from pydantic import Field, field_validator
 from quart import Response, request
 
-from engine.pooling import PoolingParams
+from engine.sampling.pooling import PoolingParams
 from server import streaming
 from server.protocol import APIError, _Request, parse_json_body, parse_request
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.outputs import TokenLogprobs
+from engine.core.outputs import TokenLogprobs
 
 # -inf (a token a filter removed, with --logprobs-mode processed) is not JSON; vLLM writes this.
 FLOOR = -9999.0

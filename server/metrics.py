@@ -14,8 +14,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from engine.outputs import RequestOutput
-from engine.stats import EngineStats
+from engine.core.outputs import RequestOutput
+from engine.core.stats import EngineStats
 
 PREFIX = "taper:"
 

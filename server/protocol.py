@@ -14,8 +14,8 @@ from typing import Any, Literal
 from pydantic import (BaseModel, ConfigDict, Field, ValidationError, field_validator,
                       model_validator)
 
-from engine.logprobs import MAX_LOGPROBS
-from engine.sampling_params import SamplingParams
+from engine.sampling.logprobs import MAX_LOGPROBS
+from engine.sampling.sampling_params import SamplingParams
 
 log = logging.getLogger("taper.server")
 

@@ -20,7 +20,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
-from engine.outputs import RequestOutput
+from engine.core.outputs import RequestOutput
 from server.logprobs import (LogprobsOptions, chat_entries, completion_logprobs,
                              join_completion_logprobs, vllm_prompt_logprobs)
 from server.message_stream import MessageStream

@@ -13,7 +13,7 @@ import asyncio
 import json
 import re
 
-from engine.structured_outputs import StructuredOutputsParams, json_spec
+from engine.sampling.structured_outputs import StructuredOutputsParams, json_spec
 from server.protocol import APIError
 
 # vLLM's structured_outputs keys this server enforces, and its older top-level fields.

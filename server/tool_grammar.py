@@ -1,5 +1,5 @@
 """Tool calls enforced by the token mask: a grammar (llguidance's Lark) for the model's own call
-format, compiled by structured outputs (engine/structured_outputs.py).
+format, compiled by structured outputs (engine/sampling/structured_outputs.py).
 
 - tool_choice "required" or a named function (`tool_call_constraint`): the whole output is the
   call(s), so the model has no answer but a valid call (a model that reasons in plain-text
@@ -25,7 +25,7 @@ import json
 import re
 from dataclasses import dataclass
 
-from engine.structured_outputs import StructuredOutputsParams
+from engine.sampling.structured_outputs import StructuredOutputsParams
 
 OBJECT = {"type": "object"}
 # Compact JSON: with free whitespace a weak model pads the call until max_tokens.

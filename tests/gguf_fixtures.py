@@ -7,7 +7,7 @@ import importlib.util
 import json
 import os
 
-from engine.model_config import ModelConfig
+from engine.models.model_config import ModelConfig
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DATA = os.path.join(HERE, "data", "gguf")

@@ -103,7 +103,7 @@ def assert_llm_greedy_matches(cases, name, **llm_kwargs):
 
 def assert_model_forward_matches(cases, backend, name, chunk=None):
     """Taper's model alone through the harness: prefill logits and greedy tokens."""
-    from engine.models.registry import load_model
+    from engine.loader.model_loader import load_model
     model, _ = load_model(cases.dir(name), backend, progress=False)
     tokens, first_logits = harness_greedy(model, prompts_for(), chunk=chunk)
     for i, ref in enumerate(cases.ref(name)):
@@ -118,7 +118,7 @@ def assert_model_forward_matches(cases, backend, name, chunk=None):
 def harness_greedy(model, prompts, n=GEN, block_size=16, chunk=None):
     """Greedy tokens and each prompt's last-row prefill logits. `chunk` caps the tokens a sequence
     computes per step (chunked prefill mixed with other sequences' decodes)."""
-    from engine.forward_batch import ForwardBatch
+    from engine.runner.forward_batch import ForwardBatch
     max_blocks = -(-(max(map(len, prompts)) + n) // block_size)
     shape = model.kv_cache_shape(max_blocks * len(prompts) + 1, block_size)
     kv = [(np.zeros(shape, np.float32), np.zeros(shape, np.float32)) for _ in range(model.num_layers)]

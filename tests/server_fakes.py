@@ -19,7 +19,7 @@ import jsonschema
 import openai
 import pytest
 
-from engine.outputs import RequestOutput
+from engine.core.outputs import RequestOutput
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMAS = json.loads((ROOT / "tests" / "data" / "openai_schemas.json").read_text())["$defs"]
@@ -199,7 +199,7 @@ class FakeEngine:
         return self.queued
 
     def stats(self):
-        from engine.stats import EngineStats
+        from engine.core.stats import EngineStats
         return EngineStats(num_requests_running=2, num_requests_waiting=self.queued,
                            num_kv_blocks=100, num_free_kv_blocks=75, prefix_cache_queries=40,
                            prefix_cache_hits=30, num_preemptions=1, prompt_tokens=123,

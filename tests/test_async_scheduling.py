@@ -15,7 +15,7 @@ import pytest
 from checkpoints import tiny_checkpoint
 from hf_oracle import assert_matches, hf_greedy, load_hf
 from engine import LLM, SamplingParams
-from engine.input_buffers import BlockTables
+from engine.runner.input_buffers import BlockTables
 
 GEN = 12
 GREEDY = SamplingParams(temperature=0, max_tokens=GEN, ignore_eos=True)

@@ -3,9 +3,9 @@ import random
 
 import pytest
 
-from engine.block_pool import BlockPool, hash_block
-from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
+from engine.core.block_pool import BlockPool, hash_block
+from engine.sampling.sampling_params import SamplingParams
+from engine.core.sequence import Sequence
 
 BS = 4
 

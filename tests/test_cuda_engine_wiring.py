@@ -16,15 +16,15 @@ import types
 import numpy as np
 import pytest
 
-from engine import cuda_memory
+from engine.runner import cuda_memory
 from engine.config import EngineConfig
-from engine.cuda_graph import estimate_graph_memory_bytes
-from engine.device_block_tables import DeviceBlockTables
-from engine.input_buffers import BlockTables
-from engine.llm_engine import LLMEngine
-from engine.model_runner import ModelRunner
-from engine.models.registry import load_model
-from engine.sampling_params import SamplingParams
+from engine.runner.cuda_graph import estimate_graph_memory_bytes
+from engine.runner.device_block_tables import DeviceBlockTables
+from engine.runner.input_buffers import BlockTables
+from engine.core.llm_engine import LLMEngine
+from engine.runner.model_runner import ModelRunner
+from engine.loader.model_loader import load_model
+from engine.sampling.sampling_params import SamplingParams
 from pyx.cpu_backend import CpuBackend
 
 FREE_BYTES = 256 << 20
@@ -156,7 +156,7 @@ LENGTHS = [40, 26, 53, 32, 23, 47, 36, 29, 50, 25, 44, 31]   # finishing at diff
 def test_preemption_and_reused_rows_match_the_cpu_engine(model_dir, cuda_graph):
     """Twelve requests through eight sequence slots and a KV pool too small for them all: rows
     of finished sequences are reused, preempted sequences' rows are rewritten, and the device's
-    block tables (engine/device_block_tables.py), updated step by step, must give exactly the
+    block tables (engine/runner/device_block_tables.py), updated step by step, must give exactly the
     CPU engine's tokens, whose batches carry the host table itself. The tables start at 2 rows
     of 1 block: the eager path grows and widens them; the graphs reserve 8 rows (max_num_seqs)
     at capture and the twelve requests must fit them."""

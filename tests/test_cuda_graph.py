@@ -1,4 +1,4 @@
-"""CUDA Graph decode (engine/cuda_graph.py), host side, on the CPU: bucket sizes and choice, which
+"""CUDA Graph decode (engine/runner/cuda_graph.py), host side, on the CPU: bucket sizes and choice, which
 batches a graph can run, the padded static inputs, and the runner's bookkeeping. The runner is
 driven through a fake backend whose xp is NumPy and whose "graph" replays the captured callable
 (the forward on the static buffers, as a real graph replays its kernels on their addresses), so
@@ -10,15 +10,15 @@ import numpy as np
 import pytest
 
 from checkpoints import tiny_checkpoint
-from engine.cuda_graph import (CudaGraphRunner, bucket_for, capture_sizes,
+from engine.runner.cuda_graph import (CudaGraphRunner, bucket_for, capture_sizes,
                                estimate_graph_memory_bytes, input_layout, is_pure_decode,
                                pad_decode_inputs)
-from engine.device_block_tables import DeviceBlockTables
-from engine.forward_batch import ForwardBatch
-from engine.model_runner import ModelRunner
-from engine.models.registry import load_model
-from engine.scheduler import SchedulerOutput
-from engine.sequence import Sequence
+from engine.runner.device_block_tables import DeviceBlockTables
+from engine.runner.forward_batch import ForwardBatch
+from engine.runner.model_runner import ModelRunner
+from engine.loader.model_loader import load_model
+from engine.core.scheduler import SchedulerOutput
+from engine.core.sequence import Sequence
 from pyx.cpu_backend import CpuBackend
 
 I32 = np.int32

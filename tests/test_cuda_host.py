@@ -7,7 +7,7 @@ import importlib.util
 import numpy as np
 import pytest
 
-from engine import cuda_memory
+from engine.runner import cuda_memory
 
 needs_ext = pytest.mark.skipif(importlib.util.find_spec("pyx.cuda_backend") is None,
                                reason="pyx.cuda_backend was not built (no nvcc here, "
@@ -136,7 +136,7 @@ def test_profile_forward_runs_on_cpu(tmp_path):
     """The profiling batch is valid input for the real graph (run here on the CPU backend):
     several sequences when the step is longer than the context, nothing written to the cache."""
     from checkpoints import tiny_checkpoint
-    from engine.models.registry import load_model
+    from engine.loader.model_loader import load_model
     from pyx.cpu_backend import CpuBackend
 
     backend = CpuBackend()

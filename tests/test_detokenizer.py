@@ -1,7 +1,7 @@
-"""engine/detokenizer.py: streamed text never shows a broken character or part of a stop string."""
+"""engine/text/detokenizer.py: streamed text never shows a broken character or part of a stop string."""
 import pytest
 
-from engine.detokenizer import IncrementalDetokenizer
+from engine.text.detokenizer import IncrementalDetokenizer
 
 from tiny_tokenizers import bytes_to_unicode
 

@@ -1,13 +1,13 @@
-"""The device copy of the persistent block tables (engine/device_block_tables.py) against the host
-table it mirrors (engine/input_buffers.py), on a NumPy "device" that counts what it is sent: the
+"""The device copy of the persistent block tables (engine/runner/device_block_tables.py) against the host
+table it mirrors (engine/runner/input_buffers.py), on a NumPy "device" that counts what it is sent: the
 exact updates a host table records, and, over seeded random runs with sequences arriving,
 growing, being preempted (rows rewritten), finishing (rows reused) and the table growing and
 widening, the device table equal to the host table after every step, element for element."""
 import numpy as np
 import pytest
 
-from engine.device_block_tables import DeviceBlockTables
-from engine.input_buffers import BlockTables
+from engine.runner.device_block_tables import DeviceBlockTables
+from engine.runner.input_buffers import BlockTables
 
 I32 = np.int32
 

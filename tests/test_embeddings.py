@@ -143,7 +143,7 @@ def test_embeddings_batch_with_generation_and_preemption(ckpt_dirs):
     """Embedding and generation requests share steps; a pool too small for all of them preempts,
     and a recomputed embedding starts its pooling over."""
     from engine import LLM, SamplingParams
-    from engine.pooling import PoolingParams
+    from engine.sampling.pooling import PoolingParams
     model_dir = ckpt_dirs["lasttoken"]
     want = st_encode(model_dir, TEXTS)
     greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)

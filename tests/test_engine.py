@@ -236,7 +236,7 @@ def test_max_tokens_and_stop_token_ids(model_dir, prompts, reference):
 # transformers 5.17's tokenizer import chain, replayed on any release: before
 # transformers.tokenization_utils_tokenizers runs, the statement its import of
 # modeling_gguf_pytorch_utils executed at module level there. Torch must be installed (it is the
-# test oracle), so this imports it unless Taper's guard (engine/hf_tokenizers.py) stops it.
+# test oracle), so this imports it unless Taper's guard (engine/text/hf_tokenizers.py) stops it.
 TRANSFORMERS_517_TORCH_IMPORT = """
 import importlib.abc, importlib.machinery, sys
 class ImportsTorchLike517(importlib.abc.MetaPathFinder):
@@ -274,8 +274,8 @@ def test_the_517_replay_imports_torch_without_the_guard():
 
 
 def test_kv_budget_mem_wins_over_fraction_of_free_memory(model_dir, monkeypatch):
-    import engine.llm_engine as llm_engine
-    from engine.model_runner import ModelRunner
+    import engine.core.llm_engine as llm_engine
+    from engine.runner.model_runner import ModelRunner
     monkeypatch.setattr(llm_engine, "mem_available_bytes", lambda: 2**30)
     llm = LLM(model_dir, block_size=8, kv_fraction=0.01)
     per_block = ModelRunner.kv_bytes_per_block(llm.engine.model_config, 8)

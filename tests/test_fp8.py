@@ -420,7 +420,7 @@ def hf_fp8kv(model_dir, scales):
 
 
 def prefill_logits(model, kv_dtype):
-    from engine.forward_batch import ForwardBatch
+    from engine.runner.forward_batch import ForwardBatch
     L = len(PROMPT)
     shape = model.kv_cache_shape(2, 16)
     kv = [(np.zeros(shape, kv_dtype), np.zeros(shape, kv_dtype)) for _ in range(model.num_layers)]
@@ -500,8 +500,8 @@ def test_kv_scale_names_and_bad_values():
 
 def test_fp8_kv_block_bytes_and_bf16_on_cpu(llama_dir):
     from engine import LLM
-    from engine.model_config import ModelConfig
-    from engine.model_runner import ModelRunner
+    from engine.models.model_config import ModelConfig
+    from engine.runner.model_runner import ModelRunner
     mc = ModelConfig.from_pretrained(llama_dir)
     assert ModelRunner.kv_bytes_per_block(mc, 16, "fp8") * 4 == ModelRunner.kv_bytes_per_block(mc, 16)
     llm = LLM(llama_dir, kv_cache_memory_mb=1, kv_cache_dtype="fp8")

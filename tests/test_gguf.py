@@ -28,8 +28,8 @@ from gguf import GGUFReader, quants
 
 from engine.loader.gguf import (build_config, hf_name, llama3_rope, read_gguf, read_metadata,
                                 unpermute_rows)
-from engine.loader.gguf_tokenizer import build_tokenizer
-from engine.model_config import ModelConfig
+from engine.text.gguf_tokenizer import build_tokenizer
+from engine.models.model_config import ModelConfig
 from engine.quant import QuantizedWeight
 from gguf_fixtures import DATA, HERE, QUANT_TIE, TIE, load_script, path_of, trusted
 
@@ -540,7 +540,7 @@ class PagedRun:
         self.seq: list[int] = []
 
     def step(self, tokens: list[int]) -> np.ndarray:
-        from engine.forward_batch import ForwardBatch
+        from engine.runner.forward_batch import ForwardBatch
         done, block = len(self.seq), self.block
         self.seq += tokens
         pos = np.arange(done, len(self.seq), dtype=np.int32)

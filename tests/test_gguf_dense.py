@@ -18,7 +18,7 @@ import pytest
 from gguf import GGUFReader
 
 from engine.loader.gguf import read_gguf
-from engine.model_config import ModelConfig
+from engine.models.model_config import ModelConfig
 from server_fakes import LiveServer, client_for, post_json
 from gguf_fixtures import (DATA, HERE, QUANT_TIE, RecordedFixtures, load_script, path_of,
                            source_config, trusted)

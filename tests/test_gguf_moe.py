@@ -17,7 +17,7 @@ from gguf import GGMLQuantizationType as QT
 from gguf import GGUFReader, quants
 
 from engine.loader.gguf import read_gguf
-from engine.model_config import ModelConfig
+from engine.models.model_config import ModelConfig
 from engine.quant import QuantizedWeight
 from server_fakes import LiveServer, client_for, post_json
 from gguf_fixtures import DATA, RecordedFixtures, path_of, source_config

@@ -9,7 +9,7 @@ import pytest
 
 from checkpoints import tiny_checkpoint
 from engine import LLM, SamplingParams
-from engine.scheduler import SchedulerOutput
+from engine.core.scheduler import SchedulerOutput
 from hf_oracle import assert_matches, hf_greedy, load_hf
 from test_engine import StressRunner
 

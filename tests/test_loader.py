@@ -106,7 +106,7 @@ def test_misshaped_tensor_in_file_names_file_and_tensor(tmp_path):
 
 
 def test_misshaped_and_missing_tensors_for_the_model(tmp_path):
-    from engine.models.registry import load_model
+    from engine.loader.model_loader import load_model
     from pyx.backend import Backend
     d = tiny_checkpoint(tmp_path, "llama")
     path = os.path.join(d, "model.safetensors")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.logprobs import gather_logprobs
+from engine.sampling.logprobs import gather_logprobs
 from tiny_llama import hf, model_dir  # noqa: F401 (fixtures)
 
 TOL = 1e-4
@@ -180,7 +180,7 @@ def test_token_bytes_of_split_characters(bl, sp):
     byte-level BPE, every non-ASCII character in SentencePiece's byte fallback) is split across
     their bytes, and the bytes join into the text."""
     from server.logprobs import TokenText, chat_entries
-    from engine.outputs import TokenLogprobs
+    from engine.core.outputs import TokenLogprobs
     for tok, text in ((bl, "a😀🎉 café"), (sp, "hi 😀 café")):
         ids = tok.encode(text, add_special_tokens=False)
         entries = chat_entries([TokenLogprobs(i, -1.0) for i in ids], TokenText(tok))

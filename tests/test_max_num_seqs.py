@@ -8,13 +8,13 @@ import logging
 import numpy as np
 import pytest
 
-from engine import cuda_memory
+from engine.runner import cuda_memory
 from engine.config import EngineConfig
-from engine.cuda_graph import capture_sizes, estimate_graph_memory_bytes
-from engine.llm_engine import LLMEngine
-from engine.max_num_seqs import MAX_NUM_SEQS_CAP, TYPICAL_SEQ_LEN, default_max_num_seqs
-from engine.model_runner import ModelRunner
-from engine.models.registry import load_model
+from engine.runner.cuda_graph import capture_sizes, estimate_graph_memory_bytes
+from engine.core.llm_engine import LLMEngine
+from engine.core.max_num_seqs import MAX_NUM_SEQS_CAP, TYPICAL_SEQ_LEN, default_max_num_seqs
+from engine.runner.model_runner import ModelRunner
+from engine.loader.model_loader import load_model
 from pyx.cpu_backend import CpuBackend
 from test_cuda_engine_wiring import CpuAsCuda
 

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from engine.model_config import ModelConfig
-from engine.rotary import build_cos_sin_cache
+from engine.models.model_config import ModelConfig
+from engine.models.rotary import build_cos_sin_cache
 
 BASE = dict(hidden_size=96, intermediate_size=192, num_hidden_layers=3, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=512, max_position_embeddings=128, rms_norm_eps=1e-5)

@@ -231,7 +231,7 @@ def test_phi3_su_is_longrope(cases):
     """Phi-3's first configs named LongRoPE "su" (transformers 5.23 renames it only after its
     key check, so it cannot load them: compared with the "longrope" reading instead)."""
     import json
-    from engine.model_config import ModelConfig
+    from engine.models.model_config import ModelConfig
     with open(os.path.join(cases.dir("phi3_longrope"), "config.json")) as f:
         config = json.load(f)
     su = ModelConfig.from_dict(phi3_legacy(dict(config), "su"))
@@ -300,7 +300,7 @@ def test_longrope_factor_set_is_per_sequence(cases, backend):
     """One batch, a sequence past the original context (long factors) beside one that stays
     under it through its 16 tokens (short factors): each gets transformers' tokens. A rule for
     the whole batch (any long sequence switching every row) fails the short one."""
-    from engine.models.registry import load_model
+    from engine.loader.model_loader import load_model
     model, _ = load_model(cases.dir("phi3_longrope"), backend, progress=False)
     prompts = [prompts_for()[0], prompts_for()[1][:10]]     # 48 and 10 tokens; 10 + 16 < 32
     hf = load_hf(cases.dir("phi3_longrope"))

@@ -38,7 +38,7 @@ def test_greedy_tokens_equal_transformers(dirs, arch):
 
 
 def test_moe_config_is_read_as_transformers_reads_it(dirs):
-    from engine.model_config import ModelConfig
+    from engine.models.model_config import ModelConfig
     q2 = ModelConfig.from_pretrained(dirs["qwen2_moe"]).moe
     assert (q2.num_experts, q2.top_k, q2.intermediate_size, q2.normalize,
             q2.shared_intermediate_size, q2.sparse_layers) == (4, 2, 64, False, 128, [True, True])

@@ -42,7 +42,7 @@ class ToolEngine(ScriptedEngine):
 
     def structured_outputs(self):
         if self._structured is None:
-            from engine.structured_outputs import GrammarCompiler, StructuredOutputs
+            from engine.sampling.structured_outputs import GrammarCompiler, StructuredOutputs
             tok = self.tokenizer
             self._structured = StructuredOutputs(
                 GrammarCompiler(tok, tok.vocab_size, [tok.eos_token_id]), tok)

@@ -1,4 +1,4 @@
-"""engine/sampler.py: penalties and filters against hand-computed logits, seeded Gumbel-max.
+"""engine/sampling/sampler.py: penalties and filters against hand-computed logits, seeded Gumbel-max.
 
 Runs with a NumPy backend written here from the op table's spec (Philox4x32-10, checked against
 Random123's known answers; per-entry penalties; filters by full sorts) and, once built, with the
@@ -10,9 +10,9 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from engine.sampler import Sampler, apply_filters, apply_penalties, penalty_entries
-from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
+from engine.sampling.sampler import Sampler, apply_filters, apply_penalties, penalty_entries
+from engine.sampling.sampling_params import SamplingParams
+from engine.core.sequence import Sequence
 
 NEG_INF = -np.inf
 
@@ -552,7 +552,7 @@ def test_filter_logits_op_matches_full_sort_reference():
 def test_penalty_counts_follow_the_history_incrementally():
     """The sampler's per-sequence counts, updated step by step (one token, or a chunk), equal
     np.unique over the whole history at every step, so the penalties read the same history."""
-    from engine.sampler import token_counts
+    from engine.sampling.sampler import token_counts
     rng = np.random.default_rng(4)
     s = seq(prompt=rng.integers(0, 50, 30).tolist())
     for step in range(40):

@@ -1,4 +1,4 @@
-"""Scheduling ahead with output placeholders (LLMEngine.step, engine/placeholders.py): step N+1
+"""Scheduling ahead with output placeholders (LLMEngine.step, engine/core/placeholders.py): step N+1
 is scheduled, prepared and submitted while step N runs, with a placeholder row for each token N
 samples, filled on the forward thread. Every row must compute the token it stands for, greedy
 tokens must equal transformers' under chunking and preemption (a sequence preempted while in
@@ -15,8 +15,8 @@ import pytest
 
 from hf_oracle import assert_matches
 from engine import LLM, SamplingParams
-from engine.sequence import SequenceStatus
-from engine.structured_outputs import StructuredOutputsParams
+from engine.core.sequence import SequenceStatus
+from engine.sampling.structured_outputs import StructuredOutputsParams
 # The tiny model, its transformers reference for this file's prompts, the demo checkpoint and
 # the seeded mixed batch are test_async_scheduling's (a fixture resolves `prompts` here).
 from test_async_scheduling import (GEN, GREEDY, demo_dir, mixed_requests, model_dir,  # noqa: F401
@@ -91,7 +91,7 @@ def test_greedy_with_chunks_and_in_flight_preemption_equals_transformers(model_d
               max_num_batched_tokens=48, enable_prefix_caching=False, max_num_seqs=8)
     engine = llm.engine
     engine.block_pool.shuffle_free_blocks(random.Random(2))
-    StressRunner(engine.runner, engine.block_pool)     # stray block reads poison the logits
+    StressRunner(engine.runner, engine.core.block_pool)     # stray block reads poison the logits
     steps = record_rows(engine)
     preempted = count_in_flight_preemptions(engine)
     outs = llm.generate(prompts, GREEDY)

@@ -3,10 +3,10 @@
 Each test drives fake model steps: schedule(), update(), then "sample" one token for every
 sequence whose computed tokens caught up with its tokens.
 """
-from engine.block_pool import BlockPool
+from engine.core.block_pool import BlockPool
 from engine.config import EngineConfig
-from engine.scheduler import Scheduler, SchedulerOutput
-from engine.sequence import Sequence, SequenceStatus
+from engine.core.scheduler import Scheduler, SchedulerOutput
+from engine.core.sequence import Sequence, SequenceStatus
 
 SAMPLED = 7
 
@@ -328,7 +328,7 @@ def test_scheduling_ahead_counts_a_placeholder_for_each_sampled_token():
     """advance() counts the step in flight as computed, with a placeholder for the token it
     samples: the next schedule decodes that token (its slot allocated: a third block once the
     position crosses into it) and does not schedule a sequence the token ends by length."""
-    from engine.sampling_params import SamplingParams
+    from engine.sampling.sampling_params import SamplingParams
     config = EngineConfig(model="unused", block_size=8)
     sched = Scheduler(config, BlockPool(10, 8, False), max_model_len=21)
     a = Sequence(list(range(16)), request_id="a")                               # 2 full blocks

@@ -1,4 +1,4 @@
-"""The step profile (engine/step_profile.py): each phase's time lands in that phase, the profile
+"""The step profile (engine/core/step_profile.py): each phase's time lands in that phase, the profile
 changes nothing about the outputs, and the server logs it with --profile-steps."""
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import time
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.detokenizer import IncrementalDetokenizer
-from engine.step_profile import PHASES, ForwardTimeline, StepProfile
+from engine.text.detokenizer import IncrementalDetokenizer
+from engine.core.step_profile import PHASES, ForwardTimeline, StepProfile
 from server_fakes import LiveServer, client_for
 
 DELAY_S = 0.05

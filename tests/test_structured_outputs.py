@@ -21,7 +21,7 @@ from llguidance import LLMatcher, LLTokenizer
 
 import reference as ref
 from engine import LLM, SamplingParams
-from engine.structured_outputs import (JSON_DEFAULTS, GrammarCompiler, StructuredOutputsParams,
+from engine.sampling.structured_outputs import (JSON_DEFAULTS, GrammarCompiler, StructuredOutputsParams,
                                        json_spec)
 from pyx.cpu_backend import CpuBackend
 
@@ -238,7 +238,7 @@ def test_compiler_caches_by_hash_and_names_errors(llm):
 
 
 def test_compiler_lru_is_bounded(llm):
-    from engine.structured_outputs import GrammarCompiler
+    from engine.sampling.structured_outputs import GrammarCompiler
     engine = llm.engine
     compiler = GrammarCompiler(engine.tokenizer, engine.model_config.vocab_size,
                                engine.eos_token_ids, cache_size=3)

@@ -1,4 +1,4 @@
-"""engine/tokenizer.py on tokenizers built offline in the test (no network).
+"""engine/text/tokenizer.py on tokenizers built offline in the test (no network).
 
 Three tokenizers: a byte-level BPE trained with the `tokenizers` library on text with 3-byte (CJK)
 and 4-byte (emoji) characters, adding BOS by default and carrying a ChatML template; a
@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from engine.tokenizer import Tokenizer
+from engine.text.tokenizer import Tokenizer
 from tiny_tokenizers import build_byte_level, build_metaspace
 
 REPO_ROOT = str(pathlib.Path(__file__).resolve().parents[1])
@@ -113,7 +113,7 @@ def test_missing_path_does_not_reach_network(tmp_path):
 
 def test_loading_does_not_import_torch(bl):
     # AutoTokenizer would import torch whenever it is installed; Taper must never need it.
-    code = ("import sys; from engine.tokenizer import Tokenizer; "
+    code = ("import sys; from engine.text.tokenizer import Tokenizer; "
             f"t = Tokenizer.from_pretrained({bl.hf.name_or_path!r}); "
             "t.encode_chat([{'role': 'user', 'content': 'x'}]); t.decode([1]); "
             "assert 'torch' not in sys.modules, 'torch imported'")

@@ -16,8 +16,8 @@ import openai
 import pytest
 from tokenizers import AddedToken
 
-from engine.detokenizer import IncrementalDetokenizer
-from engine.outputs import RequestOutput
+from engine.text.detokenizer import IncrementalDetokenizer
+from engine.core.outputs import RequestOutput
 from server.app import ServerSettings, create_app
 from server.tool_parsers import get_parser
 from server_fakes import ThreadedServer, http_request, validate
@@ -58,7 +58,7 @@ def make_tokenizer(path):
     hf.chat_template = TEMPLATE
     path = path / "markers"
     hf.save_pretrained(str(path))
-    from engine.tokenizer import Tokenizer
+    from engine.text.tokenizer import Tokenizer
     return Tokenizer.from_pretrained(str(path))
 
 

@@ -9,7 +9,7 @@ from tokenizers import AddedToken, Tokenizer as RustTokenizer
 from tokenizers import decoders, models, normalizers, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
-from engine.tokenizer import Tokenizer
+from engine.text.tokenizer import Tokenizer
 
 TRAIN_TEXT = ["你好世界你好世界 😀🎉😀🎉 hello world café STOP", "世界你好😀😀 你好 world"] * 10
 CHAT_TEMPLATE = (

@@ -1,0 +1,1 @@
+"""Reading checkpoints (safetensors, GGUF, the hub), converting quantized formats, --isq."""

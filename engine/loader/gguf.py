@@ -22,7 +22,7 @@
   k probabilities are renormalised for llama (Mixtral) and qwen3moe, not for qwen2moe, unless
   the file says otherwise (`{arch}.expert_weights_norm`).
 - tokenizer: engine.tokenizer.Tokenizer rebuilt from the tokenizer.ggml.* metadata
-  (engine/loader/gguf_tokenizer.py), or None when the file has none we can rebuild.
+  (engine/text/gguf_tokenizer.py), or None when the file has none we can rebuild.
 
 llama.cpp's convert_hf_to_gguf.py permutes the rows of q_proj/k_proj (weights and biases) for the
 llama architecture, within each head, from Hugging Face's rotate-half layout to the interleaved
@@ -46,12 +46,12 @@ from gguf import GGUFReader, GGUFValueType
 from tqdm import tqdm
 
 from engine.loader import gguf_dense
-from engine.loader.gguf_tokenizer import build_tokenizer, special_id
+from engine.text.gguf_tokenizer import build_tokenizer, special_id
 from engine.loader.safetensors import resolve_dtype, target_dtype
 from engine.quant import BLOCK_TYPES, QuantizedWeight
 
 if TYPE_CHECKING:
-    from engine.tokenizer import Tokenizer
+    from engine.text.tokenizer import Tokenizer
 
 logger = logging.getLogger("taper.loader")
 

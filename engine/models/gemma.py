@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import math
 
-from engine.model_config import ModelConfig
+from engine.models.model_config import ModelConfig
 from engine.models.llama import LlamaForCausalLM, expected_shapes
-from engine.rotary import build_cos_sin_cache
+from engine.models.rotary import build_cos_sin_cache
 from pyx.layers import SandwichDecoderLayer
 
 

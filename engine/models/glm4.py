@@ -4,7 +4,7 @@ partial rotary in interleaved pairs and its q/k/v-only bias are config flags (Mo
 """
 from __future__ import annotations
 
-from engine.model_config import ModelConfig
+from engine.models.model_config import ModelConfig
 from engine.models.llama import LlamaForCausalLM, expected_shapes
 from pyx.layers import SandwichDecoderLayer
 

@@ -14,10 +14,10 @@ import logging
 
 import numpy as np
 
-from engine.forward_batch import ForwardBatch
-from engine.model_config import ModelConfig
+from engine.runner.forward_batch import ForwardBatch
+from engine.models.model_config import ModelConfig
 from engine.quant_fp8 import take_kv_scales
-from engine.rotary import build_cos_sin_cache, longrope_positions
+from engine.models.rotary import build_cos_sin_cache, longrope_positions
 from pyx.layers import MLP, Attention, DecoderLayer, Workspace, run_layers
 
 logger = logging.getLogger("taper.models")

@@ -8,7 +8,7 @@ Only the names differ between the families: Mixtral keeps its experts under
 """
 from __future__ import annotations
 
-from engine.model_config import ModelConfig
+from engine.models.model_config import ModelConfig
 from engine.models.llama import LlamaForCausalLM, expected_shapes
 from pyx.layers import MLP
 from pyx.moe import MoE

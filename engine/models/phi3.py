@@ -1,10 +1,10 @@
 """Phi-3 / Phi-3.5: the Llama graph (engine/models/llama.py) reading weights that the checkpoint
 already fuses (self_attn.qkv_proj, mlp.gate_up_proj). LongRoPE and partial rotary are RoPE
-settings (engine/model_config.py, engine/rotary.py) that every family can use.
+settings (engine/models/model_config.py, engine/models/rotary.py) that every family can use.
 """
 from __future__ import annotations
 
-from engine.model_config import ModelConfig
+from engine.models.model_config import ModelConfig
 from engine.models.llama import LlamaForCausalLM
 
 

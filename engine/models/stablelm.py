@@ -5,7 +5,7 @@ and bias) for every norm and, where configured, GPT-NeoX's parallel residual
 """
 from __future__ import annotations
 
-from engine.model_config import ModelConfig
+from engine.models.model_config import ModelConfig
 from engine.models.llama import LlamaForCausalLM, expected_shapes
 from pyx.layers import LayerNormDecoderLayer
 

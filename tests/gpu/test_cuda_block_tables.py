@@ -1,4 +1,4 @@
-"""GPU: the device-resident block tables (engine/device_block_tables.py) on the real CUDA backend.
+"""GPU: the device-resident block tables (engine/runner/device_block_tables.py) on the real CUDA backend.
 
 The CPU tests (tests/test_device_block_tables.py, tests/test_cuda_engine_wiring.py) drive the same
 code on NumPy "device" arrays; what only a GPU shows: CuPy's scatters (`table[rows] = 0`,
@@ -26,8 +26,8 @@ class FakeSeq:
 def test_device_table_equals_host_table_on_cupy(cuda_bf16, seed):
     import cupy
 
-    from engine.device_block_tables import DeviceBlockTables
-    from engine.input_buffers import BlockTables
+    from engine.runner.device_block_tables import DeviceBlockTables
+    from engine.runner.input_buffers import BlockTables
 
     rng = np.random.default_rng(seed)
     host = BlockTables(num_rows=2, width=2)

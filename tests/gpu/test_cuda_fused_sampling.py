@@ -1,4 +1,4 @@
-"""The one-launch sampler (TAPER_CUDA_FUSED_SAMPLING=1, issue 12 item 5): engine/sampler.py on the
+"""The one-launch sampler (TAPER_CUDA_FUSED_SAMPLING=1, issue 12 item 5): engine/sampling/sampler.py on the
 CUDA backend with `fused_sampling` on, against the same Sampler on the CPU backend
 (pyx/cpu_sampling.py, pyx/cpu_kernels.c) with the same seeds and positions.
 
@@ -16,9 +16,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine.sampler import Sampler, apply_filters, apply_penalties
-from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
+from engine.sampling.sampler import Sampler, apply_filters, apply_penalties
+from engine.sampling.sampling_params import SamplingParams
+from engine.core.sequence import Sequence
 from test_cuda_ops import filter_ambiguous, gumbel_values, to_dev, to_host
 
 EOS = {2}

@@ -1,4 +1,4 @@
-"""The logprobs gather on CUDA (engine/logprobs.py on CuPy arrays) against the CPU backend and a
+"""The logprobs gather on CUDA (engine/sampling/logprobs.py on CuPy arrays) against the CPU backend and a
 float64 NumPy reference: chosen logprobs, ranks, top-k ids (ties by id) and values, over a real
 vocabulary size, with filtered (-inf) rows as processed logprobs have; and the sampler's
 logprobs, raw and processed, equal on both backends for the same logits."""
@@ -7,10 +7,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine.logprobs import gather_logprobs
-from engine.sampler import Sampler
-from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
+from engine.sampling.logprobs import gather_logprobs
+from engine.sampling.sampler import Sampler
+from engine.sampling.sampling_params import SamplingParams
+from engine.core.sequence import Sequence
 
 
 def log_softmax64(x: np.ndarray) -> np.ndarray:

@@ -79,7 +79,7 @@ def greedy(llm, prompts, n: int = GEN):
 def cpu_logits(cpu_llm, ids: list[int]) -> np.ndarray:
     """(len(ids), V) float64: the CPU engine's model on the whole sequence in one forward call,
     fresh KV caches of the engine's element type, logits at every row."""
-    from engine.forward_batch import ForwardBatch
+    from engine.runner.forward_batch import ForwardBatch
 
     engine = cpu_llm.engine
     model, bs = engine.model, engine.config.block_size

@@ -5,10 +5,10 @@ import itertools
 
 import numpy as np
 
-from engine.device_block_tables import DeviceBlockTables
-from engine.forward_batch import ForwardBatch
-from engine.input_buffers import BlockTables
-from engine.scheduler import SchedulerOutput
+from engine.runner.device_block_tables import DeviceBlockTables
+from engine.runner.forward_batch import ForwardBatch
+from engine.runner.input_buffers import BlockTables
+from engine.core.scheduler import SchedulerOutput
 
 
 # KV cache element type per EngineConfig.kv_cache_dtype on the CPU: fp8 is OCP e4m3 codes (uint8)
@@ -52,12 +52,12 @@ class ModelRunner:
         sampled. logits_indices: the sampled rows in sequence order, then the rows of prompt
         positions whose logprobs a request asked for (Sequence.prompt_logprob_positions), in
         sequence order. A row whose token is an output placeholder (scheduled ahead of the step
-        that samples it: engine/scheduler.py) gets token id -1; the engine fills it before the
-        forward (engine/placeholders.py). Positions, slots and tables never depend on it.
+        that samples it: engine/core/scheduler.py) gets token id -1; the engine fills it before the
+        forward (engine/core/placeholders.py). Positions, slots and tables never depend on it.
 
         One pass over the sequences for their scalars, array arithmetic for the per-token
-        arrays, and the persistent block tables (engine/input_buffers.py) for the tables: on a
-        device that keeps them (engine/device_block_tables.py) the batch carries the rows and
+        arrays, and the persistent block tables (engine/runner/input_buffers.py) for the tables: on a
+        device that keeps them (engine/runner/device_block_tables.py) the batch carries the rows and
         the table's changes instead of a (B, width) table."""
         seqs, num_new_tokens = sched.seqs, sched.num_new_tokens
         B, bs = len(seqs), self.block_size

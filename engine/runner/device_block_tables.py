@@ -1,4 +1,4 @@
-"""The persistent block tables (engine/input_buffers.py) kept on the device, so a step sends the
+"""The persistent block tables (engine/runner/input_buffers.py) kept on the device, so a step sends the
 device only what changed instead of the batch's whole (B, width) table.
 
 Without it every CUDA step copies its block table to the device, and a decode graph's static
@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.input_buffers import BlockTables, BlockTableUpdate
+from engine.runner.input_buffers import BlockTables, BlockTableUpdate
 
 
 class DeviceBlockTables:

@@ -9,7 +9,7 @@ generated_length ** length_penalty; the W best that do not end run on. The searc
 running beam can beat the worst finished hypothesis (transformers' heuristic, by early_stopping),
 when early_stopping is True and W hypotheses are finished, or when every candidate ended.
 
-Only the K candidates (ids and scores) come back from the device (engine/logprobs.py's top-k on
+Only the K candidates (ids and scores) come back from the device (engine/sampling/logprobs.py's top-k on
 the W x V scores); the engine forks the KV blocks of the chosen parents (BlockPool.fork).
 """
 from __future__ import annotations
@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.logprobs import log_softmax, top_k_flat
-from engine.outputs import RequestOutput
-from engine.sequence import Sequence
+from engine.sampling.logprobs import log_softmax, top_k_flat
+from engine.core.outputs import RequestOutput
+from engine.core.sequence import Sequence
 
 NEG = np.float32(-1.0e9)     # transformers' "never pick this"
 

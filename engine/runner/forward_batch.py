@@ -14,12 +14,12 @@ class ForwardBatch:
     query_start_loc: np.ndarray  # (B+1,) int32, row offsets of each sequence in token_ids
     seq_lens: np.ndarray         # (B,) int32, context length including this step's tokens
     # (B, max_blocks) int32, padded with 0; None in a batch prepared for a device that keeps the
-    # block tables itself (engine/device_block_tables.py): it gathers block_table_rows there.
+    # block tables itself (engine/runner/device_block_tables.py): it gathers block_table_rows there.
     block_tables: np.ndarray | None
     logits_indices: np.ndarray   # (S,) int32, rows whose logits are sampled
     # Where the batch's tables come from (ModelRunner.prepare sets them; hand-made batches that
     # give block_tables need not): each sequence's row of the persistent table
-    # (engine/input_buffers.py), the batch's width (its longest block table), and the table's
+    # (engine/runner/input_buffers.py), the batch's width (its longest block table), and the table's
     # changes the device must apply before this batch runs (None on the CPU).
     block_table_rows: np.ndarray | None = None    # (B,) int32
     block_table_width: int = 0

@@ -23,7 +23,7 @@ from collections.abc import Sequence as SequenceLike
 from dataclasses import dataclass
 import random
 
-from engine.sequence import Sequence
+from engine.core.sequence import Sequence
 
 
 @dataclass(slots=True)

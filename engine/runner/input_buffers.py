@@ -10,7 +10,7 @@ reserved for them never grows. Rows are padded with 0 past a sequence's blocks, 
 ForwardBatch.block_tables is.
 
 With `record_updates`, the table also records what changed, for a device copy of it
-(engine/device_block_tables.py): `take_update()` returns the changes since the previous call,
+(engine/runner/device_block_tables.py): `take_update()` returns the changes since the previous call,
 the rows zeroed and the entries written, or the whole table after it was resized.
 """
 from __future__ import annotations

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.outputs import TokenLogprobs
+from engine.core.outputs import TokenLogprobs
 
 MAX_LOGPROBS = 20      # top logprobs per token, as OpenAI's chat API allows
 

@@ -19,7 +19,7 @@ import math
 
 import numpy as np
 
-from engine.model_config import RopeConfig
+from engine.models.model_config import RopeConfig
 
 
 def inv_freq_and_scale(rope: RopeConfig, max_position_embeddings: int) -> tuple[np.ndarray, float]:

@@ -31,10 +31,10 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.block_pool import BlockPool
+from engine.core.block_pool import BlockPool
 from engine.config import EngineConfig
-from engine.max_num_seqs import MAX_NUM_SEQS_CAP
-from engine.sequence import Sequence, SequenceStatus
+from engine.core.max_num_seqs import MAX_NUM_SEQS_CAP
+from engine.core.sequence import Sequence, SequenceStatus
 
 
 @dataclass(slots=True)

@@ -15,7 +15,7 @@ with one launch. A graph replays fixed work on fixed addresses, so:
   one pinned host buffer and fills the device buffer with ONE async copy of just that bucket's
   prefix, then launches.
 - **Block tables** are not copied: the device keeps the persistent block tables
-  (engine/device_block_tables.py: the host's rows, updated each step by a small scatter of the
+  (engine/runner/device_block_tables.py: the host's rows, updated each step by a small scatter of the
   step's new blocks, applied by ModelRunner.execute before the launch), and each graph begins
   with a gather of its bucket's rows, `table[block_table_rows, :max_blocks_per_seq]`, into a
   (size, max_blocks_per_seq) table of the graph's pool that the attention kernels read. So a
@@ -68,7 +68,7 @@ import logging
 
 import numpy as np
 
-from engine.forward_batch import ForwardBatch
+from engine.runner.forward_batch import ForwardBatch
 
 log = logging.getLogger("taper.engine")
 
@@ -230,7 +230,7 @@ class CudaGraphRunner:
       synchronize()                wait for backend.stream
     and optionally memory_info() -> (free, total) bytes, for the device-wide figure.
     `block_tables` is the device's copy of the persistent block tables
-    (engine/device_block_tables.py) whose rows the batches name.
+    (engine/runner/device_block_tables.py) whose rows the batches name.
 
     Usage: capture() once after the KV caches exist; then per step, once the batch's
     block-table update is applied (ModelRunner.execute does it), if can_run(batch):

@@ -6,8 +6,8 @@ import logging
 import os
 from dataclasses import dataclass, field
 
-from engine.logprobs import MAX_LOGPROBS
-from engine.structured_outputs import StructuredOutputsParams
+from engine.sampling.logprobs import MAX_LOGPROBS
+from engine.sampling.structured_outputs import StructuredOutputsParams
 
 log = logging.getLogger("taper.engine")
 

@@ -22,14 +22,14 @@ for the same tokens; processed logprobs keep the op-by-op path, which writes the
 `apply_penalties` and `apply_filters` are public NumPy helpers so tests can see the processed
 logits; they run the CPU backend's code (pyx/cpu_sampling.py).
 
-Logprobs (engine/logprobs.py) are gathered on the backend too, for the rows that ask for them:
+Logprobs (engine/sampling/logprobs.py) are gathered on the backend too, for the rows that ask for them:
 of the raw logits by default, of the processed ones with logprobs_mode "processed".
 """
 from __future__ import annotations
 
 import numpy as np
 
-from engine.logprobs import gather_logprobs, to_entries
+from engine.sampling.logprobs import gather_logprobs, to_entries
 from pyx import cpu_sampling
 
 NEG_INF = np.float32(-np.inf)

@@ -5,7 +5,7 @@ import enum
 import itertools
 import random
 
-from engine.sampling_params import SamplingParams
+from engine.sampling.sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):
@@ -37,7 +37,7 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
         # Tokens sampled by a step still in flight, not appended yet (the scheduler ran ahead of
-        # that step: engine/scheduler.py); 0 or 1.
+        # that step: engine/core/scheduler.py); 0 or 1.
         self.num_output_placeholders = 0
         self.num_cached_tokens = 0      # prompt tokens served from the prefix cache (first hit)
         self.block_table: list[int] = []
@@ -52,8 +52,8 @@ class Sequence:
         self.pending_logprobs = []
         self.beam_row = None            # beam search: next-token logprobs awaiting the others
         self.pooler = None              # an embedding request's Pooler: pool, never sample
-        self.grammar = None             # structured outputs: engine.structured_outputs.GrammarState
-        self.token_counts = None        # the sampler's penalty counts (engine/sampler.py)
+        self.grammar = None             # structured outputs: engine.sampling.structured_outputs.GrammarState
+        self.token_counts = None        # the sampler's penalty counts (engine/sampling/sampler.py)
         # The request's seed, else the engine's draw for it, else a random one.
         seed = self.sampling_params.seed
         if seed is None:

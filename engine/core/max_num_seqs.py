@@ -7,7 +7,7 @@ batch (the weights are read once per step). More running sequences than the KV p
 only preempt each other, so the default is what the pool holds at TYPICAL_SEQ_LEN tokens each
 (a prompt and its answer; the model's context when that is shorter), capped at 256 (CUDA graphs
 are captured for every bucket up to it) and at the step's token budget (every running decode
-gets its token each step, engine/scheduler.py). An explicit --max-num-seqs wins.
+gets its token each step, engine/core/scheduler.py). An explicit --max-num-seqs wins.
 """
 from __future__ import annotations
 

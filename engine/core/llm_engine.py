@@ -14,27 +14,27 @@ from dataclasses import dataclass, field
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-from engine.beam_search import BeamRequests
-from engine.block_pool import BlockPool
-from engine import cuda_memory
+from engine.sampling.beam_search import BeamRequests
+from engine.core.block_pool import BlockPool
+from engine.runner import cuda_memory
 from engine.config import EngineConfig
-from engine.detokenizer import IncrementalDetokenizer
+from engine.text.detokenizer import IncrementalDetokenizer
 from engine.loader.hub import resolve_gguf, resolve_model
 from engine.loader.safetensors import mem_available_bytes
-from engine.model_runner import ModelRunner
-from engine.models.registry import load_gguf_model, load_model
-from engine.logprobs import gather_logprobs, to_entries
-from engine.max_num_seqs import MAX_NUM_SEQS_CAP, default_max_num_seqs
-from engine.outputs import RequestOutput, TokenLogprobs
-from engine.placeholders import PlaceholderRows
-from engine.pooling import Pooler, PoolingParams, default_pooling_config, read_pooling_config
-from engine.sampler import Sampler
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput
-from engine.sequence import Sequence
-from engine.stats import EngineStats
-from engine.structured_outputs import GrammarCompiler, StructuredOutputs
-from engine.tokenizer import Tokenizer
+from engine.runner.model_runner import ModelRunner
+from engine.loader.model_loader import load_gguf_model, load_model
+from engine.sampling.logprobs import gather_logprobs, to_entries
+from engine.core.max_num_seqs import MAX_NUM_SEQS_CAP, default_max_num_seqs
+from engine.core.outputs import RequestOutput, TokenLogprobs
+from engine.core.placeholders import PlaceholderRows
+from engine.sampling.pooling import Pooler, PoolingParams, default_pooling_config, read_pooling_config
+from engine.sampling.sampler import Sampler
+from engine.sampling.sampling_params import SamplingParams
+from engine.core.scheduler import Scheduler, SchedulerOutput
+from engine.core.sequence import Sequence
+from engine.core.stats import EngineStats
+from engine.sampling.structured_outputs import GrammarCompiler, StructuredOutputs
+from engine.text.tokenizer import Tokenizer
 
 log = logging.getLogger("taper.engine")
 
@@ -171,7 +171,7 @@ class LLMEngine:
             self.tokenizer = Tokenizer.try_from_pretrained(transformer_dir)
 
     def _capture_cuda_graphs(self):
-        from engine.cuda_graph import CudaGraphRunner
+        from engine.runner.cuda_graph import CudaGraphRunner
         bs = self.config.block_size
         runner = CudaGraphRunner(self.model, self.backend, self.runner.kv_caches,
                                  self.config.max_num_seqs, -(-self.max_model_len // bs),
@@ -192,7 +192,7 @@ class LLMEngine:
             free, _ = self.backend.memory_info()
             reserved = 0
             if config.cuda_graph:
-                from engine.cuda_graph import estimate_graph_memory_bytes
+                from engine.runner.cuda_graph import estimate_graph_memory_bytes
                 reserved = estimate_graph_memory_bytes(   # max_num_seqs unknown yet: the cap
                     config.max_num_seqs or MAX_NUM_SEQS_CAP,
                     -(-self.model_config.max_model_len // config.block_size), self.model_config)
@@ -362,7 +362,7 @@ class LLMEngine:
 
         With async scheduling the batch runs on the forward thread and its outputs come from the
         next call. A call with step N in flight first schedules and prepares step N+1 ahead of N
-        (each sequence N samples decodes a placeholder in N+1: engine/placeholders.py), submits
+        (each sequence N samples decodes a placeholder in N+1: engine/core/placeholders.py), submits
         it (it queues behind N on the one forward thread, so the forward thread goes from N to
         N+1 without waiting for this one), and only then waits for N and commits it (tokens
         appended, token-level stops applied, KV blocks of finished sequences freed), and

@@ -13,7 +13,7 @@ import math
 
 import numpy as np
 
-from engine.forward_batch import ForwardBatch
+from engine.runner.forward_batch import ForwardBatch
 
 log = logging.getLogger("taper.engine")
 

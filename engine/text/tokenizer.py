@@ -24,8 +24,8 @@ import threading
 
 from tokenizers import AddedToken, Tokenizer as RustTokenizer
 
-from engine.hf_tokenizers import PreTrainedTokenizerFast, auto_tokenizer
-from engine.loader.gguf_tokenizer import bytes_to_unicode
+from engine.text.hf_tokenizers import PreTrainedTokenizerFast, auto_tokenizer
+from engine.text.byte_level import bytes_to_unicode
 
 log = logging.getLogger("taper.tokenizer")
 

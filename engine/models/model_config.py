@@ -11,6 +11,8 @@ import json
 import os
 from dataclasses import dataclass, field
 
+from engine.models.registry import ARCHITECTURES, BASE_MODELS
+
 # config.json without `architectures`: its model_type names the graph.
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
@@ -123,8 +125,6 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, cfg: dict, yarn_scaling_factor: float | None = None) -> "ModelConfig":
-        from engine.models.registry import ARCHITECTURES, BASE_MODELS
-
         archs = cfg.get("architectures") or []
         if not archs and cfg.get("model_type") in _MODEL_TYPES:
             archs = [_MODEL_TYPES[cfg["model_type"]]]

@@ -27,7 +27,9 @@ from tokenizers import AddedToken, Regex
 from tokenizers import Tokenizer as RustTokenizer
 from tokenizers import decoders, models, normalizers, pre_tokenizers
 # Not transformers' GGUF integration: it imports torch when torch is installed.
-from engine.hf_tokenizers import PreTrainedTokenizerFast
+from engine.text.byte_level import bytes_to_unicode
+from engine.text.hf_tokenizers import PreTrainedTokenizerFast
+from engine.text.tokenizer import Tokenizer
 
 logger = logging.getLogger("taper.tokenizer")
 
@@ -73,19 +75,6 @@ PRE_TOKENIZERS: dict[str, tuple[list[str], bool, bool]] = {
     **_table("tekken", [_TEKKEN], ignore_merges=True, add_bos=True),
     **_table("gpt-4o llama4", [_GPT4O]),
 }
-
-
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable character map (the ByteLevel alphabet)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
-        list(range(ord("®"), ord("ÿ") + 1))
-    cs, n = bs[:], 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, map(chr, cs)))
 
 
 def _vocab(tokens: list[str]) -> dict[str, int]:
@@ -195,10 +184,8 @@ def rstrip_tokens(meta: dict, tokens: list[str], types: list[int]) -> set[str]:
 
 
 def build_tokenizer(meta: dict, path: str = "GGUF file"):
-    """engine.tokenizer.Tokenizer from GGUF metadata, or None when the file carries none (or one
+    """engine.text.tokenizer.Tokenizer from GGUF metadata, or None when the file carries none (or one
     of a kind we cannot rebuild: logged)."""
-    from engine.tokenizer import Tokenizer
-
     model = meta.get("tokenizer.ggml.model")
     tokens = meta.get("tokenizer.ggml.tokens")
     if model in (None, "none", "no_vocab") or not tokens:

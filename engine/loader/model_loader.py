@@ -1,0 +1,45 @@
+"""The one-call loaders: a checkpoint (safetensors directory or GGUF file) read, its quantized
+formats converted, --isq applied, and the model graph built on a backend."""
+from __future__ import annotations
+
+from engine.loader.gguf import read_gguf
+from engine.loader.isq import quantize_weights
+from engine.loader.quant_formats import convert_quantized
+from engine.loader.safetensors import add_model_prefix, load_safetensors
+from engine.models.model_config import ModelConfig
+from engine.models.registry import get_model_class
+
+
+def load_model(model_dir: str, backend, dtype: str = "auto", yarn_scaling_factor: float | None = None,
+               progress: bool = True, isq: str | None = None):
+    """(model, model_config) for a local checkpoint directory; `isq` quantizes its projection
+    matrices at load (engine/loader/isq.py)."""
+    model_config = ModelConfig.from_pretrained(model_dir, yarn_scaling_factor=yarn_scaling_factor)
+    model_class = get_model_class(model_config.architecture)
+    weights = load_safetensors(model_dir, dtype=dtype, progress=progress,
+                               quantized=bool(model_config.quantization_config))
+    if not any(name.startswith("model.") for name in weights):
+        # The headless layout (LlamaModel.save_pretrained, and some embedding models that keep a
+        # *ForCausalLM config over it): without an lm_head, an untied one cannot generate.
+        weights = add_model_prefix(weights)
+        if "lm_head.weight" not in weights and not model_config.tie_word_embeddings:
+            model_config.has_lm_head = False
+    if model_config.quantization_config:
+        convert_quantized(weights, model_config.quantization_config)
+    if isq:
+        quantize_weights(weights, isq, progress=progress)
+    model = model_class(model_config, weights, backend)
+    return model, model_config
+
+
+def load_gguf_model(path: str, backend, dtype: str = "auto",
+                    yarn_scaling_factor: float | None = None, progress: bool = True,
+                    isq: str | None = None):
+    """(model, model_config, tokenizer or None) for a GGUF file (its first shard if split)."""
+    ckpt = read_gguf(path, dtype=dtype, progress=progress)
+    model_config = ModelConfig.from_dict(ckpt.config, yarn_scaling_factor=yarn_scaling_factor)
+    if isq:
+        quantize_weights(ckpt.weights, isq, progress=progress)
+    model = get_model_class(model_config.architecture)(model_config, ckpt.weights, backend)
+    return model, model_config, ckpt.tokenizer
+

@@ -1,0 +1,1 @@
+"""Running a scheduled step on a backend: batch arrays, KV caches, CUDA graphs and memory."""

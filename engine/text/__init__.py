@@ -1,0 +1,1 @@
+"""Text in and out: tokenizers (Hugging Face and GGUF) and incremental detokenization."""
