@@ -55,7 +55,7 @@ def run_batch(llm, B: int, tokens: int, constrained: bool) -> tuple[float, int]:
     for i, (p, sp) in enumerate(zip(prompts, params)):
         engine.add_request(f"r{time.monotonic_ns()}-{i}", engine.tokenizer.encode(p), sp)
     # prefill first (not timed: it is the same with and without the mask)
-    while any(s.num_output_tokens == 0 for s in engine.requests.values()):
+    while any(s.num_output_tokens == 0 for r in engine.requests.values() for s in r.seqs):
         engine.step()
     start = time.perf_counter()
     produced = 0

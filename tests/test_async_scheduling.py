@@ -173,7 +173,7 @@ def test_abort_while_a_step_is_in_flight(model_dir, prompts, reference):
         for out in engine.step():
             seen[out.request_id] += out.new_token_ids
     assert engine._inflight is not None          # a's next token is being computed
-    a = engine.requests["a"][0]
+    a = engine.requests["a"].seqs[0]
     assert a in engine._inflight.sched.seqs and a.num_output_placeholders == 0   # resolved
     assert engine.abort("a") == [0]
     after_abort = []

@@ -23,6 +23,7 @@ from engine.runner.device_block_tables import DeviceBlockTables
 from engine.runner.input_buffers import BlockTables
 from engine.core.llm_engine import LLMEngine
 from engine.runner.model_runner import ModelRunner
+from engine.core.builder import capture_cuda_graphs
 from engine.loader.model_loader import load_model
 from engine.sampling.sampling_params import SamplingParams
 from pyx.cpu_backend import CpuBackend
@@ -169,7 +170,8 @@ def test_preemption_and_reused_rows_match_the_cpu_engine(model_dir, cuda_graph):
     runner.block_tables = BlockTables(num_rows=2, width=1)
     tables = runner.device_block_tables = DeviceBlockTables(backend, runner.block_tables)
     if cuda_graph:
-        engine._capture_cuda_graphs()               # as the engine does when it starts
+        capture_cuda_graphs(engine.config, engine.model, backend, runner,   # as at start-up
+                            engine.max_model_len)
         assert runner.block_tables.table.shape == (8, 10)    # 160 tokens of 16
     reallocations = tables.num_reallocations
     got = run_varied(engine, MANY, LENGTHS)

@@ -274,9 +274,9 @@ def test_the_517_replay_imports_torch_without_the_guard():
 
 
 def test_kv_budget_mem_wins_over_fraction_of_free_memory(model_dir, monkeypatch):
-    import engine.core.llm_engine as llm_engine
+    import engine.core.builder as builder
     from engine.runner.model_runner import ModelRunner
-    monkeypatch.setattr(llm_engine, "mem_available_bytes", lambda: 2**30)
+    monkeypatch.setattr(builder, "mem_available_bytes", lambda: 2**30)
     llm = LLM(model_dir, block_size=8, kv_fraction=0.01)
     per_block = ModelRunner.kv_bytes_per_block(llm.engine.model_config, 8)
     assert llm.engine.block_pool.num_blocks == int(2**30 * 0.01) // per_block

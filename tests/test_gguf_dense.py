@@ -149,7 +149,7 @@ def test_tokenizer_matches_llama_cpp(name):
 def test_phi3_rstrip_is_needed():
     """Without Phi-3's rstrip the whitespace after <|user|> and <|end|> becomes tokens, which
     llama.cpp does not make."""
-    from engine.loader import gguf_tokenizer
+    from engine.text import gguf_tokenizer
     from engine.loader.gguf import open_reader, read_metadata
     meta = read_metadata(open_reader(path_of("phi3-f16")))
     text = "<|user|>\n  hi there<|end|>\n<|assistant|>  ok</s>  x"

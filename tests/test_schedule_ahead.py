@@ -91,7 +91,7 @@ def test_greedy_with_chunks_and_in_flight_preemption_equals_transformers(model_d
               max_num_batched_tokens=48, enable_prefix_caching=False, max_num_seqs=8)
     engine = llm.engine
     engine.block_pool.shuffle_free_blocks(random.Random(2))
-    StressRunner(engine.runner, engine.core.block_pool)     # stray block reads poison the logits
+    StressRunner(engine.runner, engine.block_pool)     # stray block reads poison the logits
     steps = record_rows(engine)
     preempted = count_in_flight_preemptions(engine)
     outs = llm.generate(prompts, GREEDY)
@@ -162,8 +162,8 @@ def test_request_arriving_while_a_step_is_in_flight(model_dir, prompts, referenc
             seen[out.request_id] += out.new_token_ids
         # Between calls every placeholder is resolved: the commit in the call that scheduled
         # ahead appended its token.
-        assert all(s.num_output_placeholders == 0 for seqs in engine.requests.values()
-                   for s in seqs)
+        assert all(s.num_output_placeholders == 0 for request in engine.requests.values()
+                   for s in request.seqs)
     assert_matches(seen["a"], reference[1])
     assert_matches(seen["b"], reference[2])
     assert engine.block_pool.num_free_blocks == 64 and engine._inflight is None

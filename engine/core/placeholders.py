@@ -8,6 +8,31 @@ prepared ahead. `PlaceholderRows` says which rows of N+1's token_ids take which 
 tokens; the forward thread fills them right before N+1's forward. N's tokens are there by then:
 the one forward thread runs N (forward and sampling, which returns host arrays) before it starts
 N+1.
+
+Why that is exact:
+- N+1's sampling waits until N is committed (InflightStep.committed), so it sees N's
+  tokens in the output history as the synchronous engine does: penalties count them,
+  and the Philox draw and min_tokens use the same output position. Only the forward
+  (which needs N's tokens as input ids and nothing else of the host's) runs earlier.
+- A sequence that N's token finishes (EOS, stop token, stop string, abort) was already
+  in N+1: its row is computed and dropped when N+1 commits. One that N's token ends by
+  length is not scheduled (the scheduler knows that in advance).
+- Freed blocks are never written by their next owner's steps out of order: a block freed
+  on this thread (a finish, an abort, a preemption while N was in flight) goes to a
+  sequence only in a later schedule, whose step runs after every step already submitted
+  (one forward thread, in order; on CUDA one stream). A stale write by such an earlier
+  step lands before the new owner writes, and the new owner reads only positions it has
+  written, or prefix-cache blocks: those are registered only once their step has run,
+  and never hold a position an in-flight step writes.
+- A sequence preempted while N was in flight keeps N's token (N's commit appends it to
+  the waiting sequence), as the synchronous engine keeps output tokens across a recompute
+  preemption; N+1 admits nobody (no admission in a step that preempts), so it cannot run
+  again before that commit.
+
+The fallback (schedule after the commit, today's order) is taken when a sequence N
+samples has a grammar (its matcher must take N's token before N+1's mask is computed),
+and a beam-search step runs synchronously (a beam's fork copies KV blocks, which must
+not happen under a running forward).
 """
 from __future__ import annotations
 

@@ -45,14 +45,9 @@ class Sequence:
         self.finish_reason: str | None = None
         self.arrival_time = arrival_time
         self.num_preemptions = 0
-        # Prompt logprobs so far (entry j for prompt token j; None for token 0), filled chunk by
-        # chunk as the prefill computes the rows; None when the request asked for none.
-        self.prompt_logprobs = None if self.sampling_params.prompt_logprobs is None else [None]
-        # Output logprobs waiting for their token's text to be released: (entry, text end).
-        self.pending_logprobs = []
-        self.beam_row = None            # beam search: next-token logprobs awaiting the others
+        self.request = None             # the engine.core.request.Request it belongs to
         self.pooler = None              # an embedding request's Pooler: pool, never sample
-        self.grammar = None             # structured outputs: engine.sampling.structured_outputs.GrammarState
+        self.grammar = None             # structured outputs: a structured_outputs.GrammarState
         self.token_counts = None        # the sampler's penalty counts (engine/sampling/sampler.py)
         # The request's seed, else the engine's draw for it, else a random one.
         seed = self.sampling_params.seed
@@ -87,18 +82,13 @@ class Sequence:
                 or (self.pooler is not None and self.pooler.needs_every_token))
 
     @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Choice 0 of a request that asked for prompt logprobs (its Request keeps them)."""
+        return self.sampling_params.prompt_logprobs is not None and self.request is not None
+
+    @property
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
-
-    def prompt_logprob_positions(self, num_computed: int, num_new_tokens: int) -> range:
-        """Positions, among the num_new_tokens a step computes from num_computed (its
-        num_computed_tokens when scheduled), whose logits give a prompt token's logprob not yet
-        known: position p predicts prompt token p + 1."""
-        if self.prompt_logprobs is None:
-            return range(0)
-        start = max(num_computed, len(self.prompt_logprobs) - 1)
-        end = min(num_computed + num_new_tokens, self.num_prompt_tokens - 1)
-        return range(start, max(start, end))
 
     def append_token(self, token_id: int):
         self.token_ids.append(token_id)

@@ -20,3 +20,15 @@ class EngineStats:
     def kv_cache_usage(self) -> float:
         """Fraction of KV blocks held by some request, in [0, 1] (vLLM's kv_cache_usage_perc)."""
         return 1.0 - self.num_free_kv_blocks / self.num_kv_blocks
+
+    @classmethod
+    def of(cls, engine) -> "EngineStats":
+        """The snapshot of an LLMEngine now."""
+        pool, sched = engine.block_pool, engine.scheduler
+        return cls(
+            num_requests_running=sched.num_running, num_requests_waiting=sched.num_waiting,
+            num_kv_blocks=pool.num_blocks, num_free_kv_blocks=pool.num_free_blocks,
+            prefix_cache_queries=pool.prefix_cache_queries,
+            prefix_cache_hits=pool.prefix_cache_hits, num_preemptions=sched.num_preemptions,
+            prompt_tokens=engine.num_prompt_tokens,
+            generation_tokens=engine.num_generation_tokens)

@@ -92,8 +92,8 @@ class ModelRunner:
         prompt_rows = [int(query_start_loc[i]) + p - a
                        for i, (seq, a, k) in enumerate(zip(seqs, sched.num_computed,
                                                            num_new_tokens))
-                       if seq.prompt_logprobs is not None
-                       for p in seq.prompt_logprob_positions(a, k)]
+                       if seq.wants_prompt_logprobs
+                       for p in seq.request.prompt_logprob_positions(a, k)]
         if prompt_rows:
             logits_indices = np.concatenate([logits_indices, np.array(prompt_rows, np.int32)])
         return ForwardBatch(token_ids, positions, slot_mapping.astype(np.int32, copy=False),

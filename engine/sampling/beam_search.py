@@ -46,6 +46,7 @@ class BeamSearch:
         self.finished_real = [False] * width
         self.improvable = True         # transformers' is_early_stop_heuristic_unsatisfied
         self.done = False
+        self.rows = {}                 # seq_id -> a beam's next-token logprobs, awaiting the rest
 
     def step(self, backend, logprobs, beam_tokens: list[list[int]]) -> list[tuple[int, int]]:
         """logprobs (R, V) float32 on the backend: the running beams' next-token logprobs, in
@@ -55,7 +56,6 @@ class BeamSearch:
         R, V = logprobs.shape
         cur = len(beam_tokens[0])                       # generated tokens so far
         K = max(2, 1 + len(self.eos_ids)) * W
-        xp = backend.xp
         acc = logprobs + backend.asarray(self.running_scores)[:, None]
         idx, scores = top_k_flat(backend, acc.reshape(1, R * V), K)
         parents, tokens = idx // V, idx % V
@@ -103,44 +103,30 @@ class BeamSearch:
 
 
 class BeamRequests:
-    """The engine's beam-search requests: their running beams (Sequences sharing KV blocks),
-    stepped when every beam of a request has its next-token logprobs."""
+    """Steps the engine's beam searches (each a Request with a `beam`, its running beams the
+    request's sequences, sharing KV blocks) once every beam of a request has its next-token
+    logprobs."""
 
     def __init__(self, engine):
         self.engine = engine
-        self.searches: dict[str, tuple[BeamSearch, list]] = {}   # request id -> (search, beams)
-
-    def add(self, seq, eos_ids: set[int]):
-        p = seq.sampling_params
-        limit = p.max_tokens if p.max_tokens is not None else \
-            self.engine.max_model_len - seq.num_prompt_tokens
-        ends = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_ids))
-        search = BeamSearch(p.beam_width, seq.num_prompt_tokens, limit, ends, p.length_penalty,
-                            p.early_stopping)
-        self.searches[seq.request_id] = (search, [seq])
-
-    def __contains__(self, request_id: str) -> bool:
-        return request_id in self.searches
 
     def collect(self, sampled: list, logits) -> list:
         """Keep the beams' logprob rows (on the device); returns the requests whose beams all
-        have theirs, with the new beams each search chose: [(request id, [(parent, token)])]."""
+        have theirs, with the new beams each search chose: [(request, [(parent, token)])]."""
         be = self.engine.backend
-        rows = [i for i, seq in enumerate(sampled) if seq.request_id in self.searches]
+        rows = [i for i, seq in enumerate(sampled) if seq.request.beam is not None]
         if not rows:
             return []
         lps = log_softmax(be, logits[be.asarray(np.array(rows))])
         for j, i in enumerate(rows):
-            sampled[i].beam_row = lps[j]
+            sampled[i].request.beam.rows[sampled[i].seq_id] = lps[j]
         ready = []
-        for request_id in dict.fromkeys(sampled[i].request_id for i in rows):
-            search, beams = self.searches[request_id]
-            if all(b.beam_row is not None for b in beams):
-                stacked = be.xp.stack([b.beam_row for b in beams])
+        for request in dict.fromkeys(sampled[i].request for i in rows):
+            search, beams = request.beam, request.seqs
+            if all(b.seq_id in search.rows for b in beams):
+                stacked = be.xp.stack([search.rows.pop(b.seq_id) for b in beams])
                 chosen = search.step(be, stacked, [b.output_token_ids for b in beams])
-                for b in beams:
-                    b.beam_row = None
-                ready.append((request_id, chosen))
+                ready.append((request, chosen))
         return ready
 
     def advance(self, ready: list) -> list:
@@ -149,38 +135,39 @@ class BeamRequests:
         best hypotheses as outputs."""
         eng = self.engine
         outputs = []
-        for request_id, chosen in ready:
-            search, beams = self.searches[request_id]
-            if search.done:
-                outputs += self.finish(request_id)
+        for request, chosen in ready:
+            if request.beam.done:
+                outputs += self.finish(request)
                 continue
-            children, pairs = [], []
+            beams, children, pairs = request.seqs, [], []
             for parent_row, token in chosen:
                 parent = beams[parent_row]
                 child = Sequence(parent.token_ids[:parent.num_prompt_tokens],
-                                 parent.sampling_params, request_id, parent.arrival_time,
+                                 parent.sampling_params, request.request_id, parent.arrival_time,
                                  default_seed=0)
                 child.token_ids = parent.token_ids + [token]
+                child.request = request
                 pair = eng.block_pool.fork(parent, child)
                 if pair is not None:
                     pairs.append(pair)
                 children.append(child)
             eng.runner.copy_blocks(pairs)
             eng.scheduler.replace(beams, children)
-            self.searches[request_id] = (search, children)
-            eng.requests[request_id] = children
+            request.seqs = children
         return outputs
 
-    def finish(self, request_id: str, error: Exception | None = None) -> list:
-        """End the search: free its beams; its n best hypotheses (or n errors) as outputs."""
+    def finish(self, request, error: Exception | None = None) -> list:
+        """End the search: free its beams and remove the request; its n best hypotheses (or n
+        errors) as outputs."""
         eng = self.engine
-        search, beams = self.searches.pop(request_id)
+        search, beams = request.beam, request.seqs
         eng.scheduler.replace(beams, [])
-        eng.requests.pop(request_id, None)
-        params = beams[0].sampling_params
-        P = beams[0].num_prompt_tokens
+        request.seqs, request.beam = [], None
+        eng.requests.pop(request.request_id, None)
+        params = request.params
+        P = request.num_prompt_tokens
         if error is not None:
-            return [RequestOutput(request_id, finished=True, finish_reason="error",
+            return [RequestOutput(request.request_id, finished=True, finish_reason="error",
                                   error=f"{type(error).__name__}: {error}", index=i,
                                   num_prompt_tokens=P) for i in range(params.n)]
         eng.num_prompt_tokens += P
@@ -191,7 +178,7 @@ class BeamRequests:
                 h.tokens, skip_special_tokens=params.skip_special_tokens)
             ended = bool(h.tokens) and h.tokens[-1] in search.eos_ids
             outs.append(RequestOutput(
-                request_id, new_token_ids=list(h.tokens), text_delta=text,
+                request.request_id, new_token_ids=list(h.tokens), text_delta=text,
                 token_ids=list(h.tokens), text=text, finished=True,
                 finish_reason="stop" if ended else "length", index=i,
                 num_prompt_tokens=P, num_output_tokens=len(h.tokens)))

@@ -82,3 +82,21 @@ def top_k_flat(backend, x, k: int):
     vals = backend.xp.take_along_axis(x, ids, axis=1)
     return (np.asarray(backend.to_host(ids[0]), np.int64),
             np.asarray(backend.to_host(vals[0]), np.float32))
+
+
+def record_prompt_logprobs(backend, sched, logits):
+    """Prompt logprobs of this step's rows (runner.execute put them after the sampled rows),
+    appended to each request's list; positions from the schedule-time num_computed (the
+    main thread may move num_computed_tokens on meanwhile)."""
+    spans = [(seq, seq.request.prompt_logprob_positions(a, n))
+             for seq, a, n in zip(sched.seqs, sched.num_computed, sched.num_new_tokens)
+             if seq.wants_prompt_logprobs]
+    spans = [(seq, r) for seq, r in spans if r]
+    if not spans:
+        return
+    targets = [t for seq, r in spans for t in seq.token_ids[r.start + 1:r.stop + 1]]
+    ks = [seq.sampling_params.prompt_logprobs for seq, r in spans for _ in r]
+    entries = iter(to_entries(targets, *gather_logprobs(backend, logits, targets,
+                                                        max(ks)), ks))
+    for seq, r in spans:
+        seq.request.prompt_logprobs.extend(next(entries) for _ in r)

@@ -1,0 +1,193 @@
+"""Everything an engine is built from, in start-up order: the backend, the model (loaded, or given
+by the caller), the tokenizer and pooling, the KV pool's size and the maximum model length, the
+concurrency (max_num_seqs), the model runner and, on CUDA, the captured decode graphs."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+from threadpoolctl import threadpool_limits
+
+from engine.config import EngineConfig
+from engine.core.block_pool import BlockPool
+from engine.core.max_num_seqs import MAX_NUM_SEQS_CAP, default_max_num_seqs
+from engine.loader.hub import resolve_gguf, resolve_model
+from engine.loader.model_loader import load_gguf_model, load_model
+from engine.loader.safetensors import mem_available_bytes
+from engine.models.model_config import ModelConfig
+from engine.runner import cuda_memory
+from engine.runner.cuda_graph import CudaGraphRunner, estimate_graph_memory_bytes
+from engine.runner.model_runner import ModelRunner
+from engine.sampling.pooling import PoolingConfig, default_pooling_config, read_pooling_config
+from engine.text.tokenizer import Tokenizer
+
+log = logging.getLogger("taper.engine")
+
+CUDA_ACT_DTYPES = {"auto": "bf16", "bf16": "bf16", "bfloat16": "bf16", "f16": "f16",
+                   "float16": "f16", "f32": "f32", "float32": "f32"}
+
+
+def make_backend(config: EngineConfig):
+    # Our OpenMP kernels use every core; NumPy's BLAS must not start a second pool beside them.
+    threadpool_limits(limits=1, user_api="blas")
+    if config.backend == "cpu":
+        from pyx.cpu_backend import CpuBackend
+        return CpuBackend(batch_invariant=config.batch_invariant)
+    if config.backend == "cuda":
+        try:   # an optional extension: only builds with nvcc have it
+            from pyx.cuda_backend import CudaBackend
+        except ImportError as e:
+            raise ValueError("this build of Taper has no CUDA backend (it was installed without "
+                             "nvcc, or with TAPER_CUDA=0); reinstall where nvcc is on PATH") from e
+        return CudaBackend(dtype=CUDA_ACT_DTYPES[config.dtype], device=config.device)
+    raise ValueError(f"unknown backend {config.backend!r}: cpu or cuda")
+
+
+@dataclass(slots=True)
+class EngineParts:
+    config: EngineConfig          # the caller's, with max_num_seqs resolved (a copy)
+    backend: object
+    model: object
+    model_config: ModelConfig
+    model_dir: str | None
+    tokenizer: Tokenizer | None
+    pooling: PoolingConfig        # how /v1/embeddings pools
+    eos_token_ids: set[int]
+    block_pool: BlockPool
+    max_model_len: int
+    runner: ModelRunner
+
+
+def build(config: EngineConfig, loaded=None) -> EngineParts:
+    """loaded: (backend, model, model_config) built by the caller (benchmarks that generate
+    weights on the device) instead of loading config.model; there is no tokenizer then."""
+    if loaded is not None:
+        backend, model, model_config = loaded
+        model_dir, tokenizer, pooling_config = None, None, None
+    else:
+        backend = make_backend(config)
+        model, model_config, model_dir, tokenizer, pooling_config = _load(config, backend)
+    if config.tokenizer:        # an explicit tokenizer wins (a GGUF's own may be missing)
+        tokenizer = Tokenizer.try_from_pretrained(config.tokenizer)
+    eos_token_ids = set(model_config.eos_token_ids)
+    if tokenizer is not None:
+        eos_token_ids |= tokenizer.eos_token_ids
+
+    kv_dtype = backend.kv_cache_dtype(config.kv_cache_dtype)
+    if config.kv_cache_dtype == "fp8":
+        log.info("FP8 (e4m3) KV cache with %s", "the checkpoint's k/v scales"
+                 if getattr(model, "kv_scales_from_checkpoint", False)
+                 else "scale 1.0 (the checkpoint has no k_scale/v_scale)")
+    on_gpu = config.backend == "cuda"
+    if on_gpu:
+        # CuPy's current device and stream are per thread: this one profiles and captures.
+        backend.bind_thread()
+        cuda_memory.profile_forward(model, backend, config.max_num_batched_tokens,
+                                    config.max_num_seqs or MAX_NUM_SEQS_CAP, config.block_size)
+    num_blocks = config.num_kv_blocks or _num_kv_blocks(config, backend, model_config, kv_dtype)
+    max_cached = (None if config.prefix_cache_max_tokens is None
+                  else config.prefix_cache_max_tokens // config.block_size)
+    block_pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching,
+                           max_cached_blocks=max_cached)
+    max_model_len = _max_model_len(config, model_config, num_blocks * config.block_size)
+    if config.max_num_seqs is None:
+        max_num_seqs, why = default_max_num_seqs(
+            num_blocks * config.block_size, max_model_len, config.max_num_batched_tokens)
+        log.info("max_num_seqs %d: %s; --max-num-seqs sets it", max_num_seqs, why)
+        config = dataclasses.replace(config, max_num_seqs=max_num_seqs)
+    runner = ModelRunner(model, model_config, backend, config.block_size, num_blocks,
+                         config.kv_cache_dtype)
+    log.info("KV cache: %d blocks of %d tokens; max model length %d", num_blocks,
+             config.block_size, max_model_len)
+    if on_gpu:
+        cuda_memory.log_pool(num_blocks, config.block_size,
+                             ModelRunner.kv_bytes_per_block(model_config, config.block_size,
+                                                            kv_dtype),
+                             max_model_len, config.max_num_seqs)
+        backend.max_context = max_model_len
+        if config.cuda_graph:
+            capture_cuda_graphs(config, model, backend, runner, max_model_len)
+    return EngineParts(config, backend, model, model_config, model_dir, tokenizer,
+                       pooling_config or default_pooling_config(model_dir), eos_token_ids,
+                       block_pool, max_model_len, runner)
+
+
+def _load(config: EngineConfig, backend):
+    """(model, model_config, model_dir, tokenizer, pooling config) of config.model."""
+    load_args = dict(dtype=config.dtype, yarn_scaling_factor=config.yarn_scaling_factor,
+                     isq=config.isq)
+    if config.weight_file:
+        path = resolve_gguf(config.model, config.weight_file)
+        model, model_config, tokenizer = load_gguf_model(path, backend, **load_args)
+        return model, model_config, os.path.dirname(os.path.abspath(path)), tokenizer, None
+    model_dir = resolve_model(config.model)
+    pooling_config = read_pooling_config(model_dir)
+    # old sentence-transformers saves keep the transformer in a subfolder
+    transformer_dir = os.path.join(model_dir, pooling_config.transformer_path
+                                   if pooling_config else "")
+    model, model_config = load_model(transformer_dir, backend, **load_args)
+    return (model, model_config, model_dir, Tokenizer.try_from_pretrained(transformer_dir),
+            pooling_config)
+
+
+def capture_cuda_graphs(config: EngineConfig, model, backend, runner: ModelRunner,
+                         max_model_len: int):
+    graphs = CudaGraphRunner(model, backend, runner.kv_caches, config.max_num_seqs,
+                             -(-max_model_len // config.block_size), runner.device_block_tables)
+    start = time.monotonic()
+    graphs.capture()
+    runner.graph_runner = graphs
+    log.info("CUDA graphs: captured decode for batch sizes %s in %.1f s, %.0f MiB",
+             graphs.sizes, time.monotonic() - start, graphs.graph_memory_bytes / 2**20)
+
+
+def _num_kv_blocks(config: EngineConfig, backend, model_config: ModelConfig, kv_dtype) -> int:
+    """Blocks in the KV budget: --mem MB, else --kv-fraction of the memory left after loading
+    the weights (on a GPU: after activations and CUDA graphs too), else 1 GiB on the CPU."""
+    per_block = ModelRunner.kv_bytes_per_block(model_config, config.block_size, kv_dtype)
+    if config.backend == "cuda":
+        backend.xp.get_default_memory_pool().free_all_blocks()
+        free, _ = backend.memory_info()
+        reserved = 0
+        if config.cuda_graph:
+            reserved = estimate_graph_memory_bytes(   # max_num_seqs unknown yet: the cap
+                config.max_num_seqs or MAX_NUM_SEQS_CAP,
+                -(-model_config.max_model_len // config.block_size), model_config)
+        budget, what = cuda_memory.kv_budget_bytes(free, reserved, config.kv_fraction,
+                                                   config.kv_cache_memory_mb)
+    elif config.kv_cache_memory_mb is not None:
+        budget, what = config.kv_cache_memory_mb * 2**20, f"{config.kv_cache_memory_mb} MB"
+    elif config.kv_fraction is not None:
+        available = mem_available_bytes()
+        if available is None:
+            raise ValueError("--kv-fraction needs to know the free memory, which this system "
+                             "does not report; give --mem in MB instead")
+        budget = int(available * config.kv_fraction)
+        what = f"{config.kv_fraction:g} of {available / 2**30:.1f} GiB free"
+    else:
+        budget, what = 1024 * 2**20, "the default 1024 MB"
+    num_blocks = budget // per_block
+    if num_blocks < 1:
+        raise ValueError(f"the KV cache budget ({what}) holds no block")
+    return num_blocks
+
+
+def _max_model_len(config: EngineConfig, model_config: ModelConfig, pool_tokens: int) -> int:
+    model_max = model_config.max_model_len
+    if config.max_model_len is not None:
+        if config.max_model_len > model_max:
+            raise ValueError(
+                f"--max-model-len {config.max_model_len} is larger than the model's "
+                f"context ({model_max} positions, RoPE scaling included)")
+        if config.max_model_len > pool_tokens:
+            raise ValueError(
+                f"--max-model-len {config.max_model_len} is larger than the KV cache can "
+                f"ever hold ({pool_tokens} tokens); raise the KV cache memory or lower it")
+        return config.max_model_len
+    if model_max > pool_tokens:
+        log.warning("max model length limited to %d tokens by the KV cache (model allows %d)",
+                    pool_tokens, model_max)
+    return min(model_max, pool_tokens)
