@@ -529,8 +529,8 @@ AVX512_TARGET static void avx512_pack(const void* w, int dtype, int64_t K, int64
  *   where 1 row x 16 tokens loads 34: the FMA units, not the load ports, set the pace, and the
  *   group's 4 weight rows come from L1 for its later tiles. K chunks only past SK_TILE_KC (x of
  *   32 tokens stays in L2). On this 2-core AMD EPYC (Zen 4, 32 KiB L1) f32 T=16 went from 45-53
- *   to 62-69 GFLOP/s per core, T=32 (K=896) from 56-58 to 79-84 (bench/RESULTS.md).
- * Measured on this 2-core SPR-class VM (bench/RESULTS.md): bf16 GEMV 23 -> 30-32 GB/s. */
+ *   to 62-69 GFLOP/s per core, T=32 (K=896) from 56-58 to 79-84 (bench/HISTORY.md, 2026-11-28).
+ * On the 2-core SPR-class VM (bench/HISTORY.md, 2026-11-22): bf16 GEMV 23 -> 30-32 GB/s. */
 #define SK_NB 64
 #define SK_XBYTES 28672  // x chunk of one token block: 28 KiB of the 48 KiB L1
 #define SK_MAXNT 16

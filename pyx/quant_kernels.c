@@ -30,7 +30,8 @@
  * per token stays flat, so the break-even is below 17 for Q8_0, ~22-25 for Q5_0 / Q4_K and
  * ~60 for Q6_K; at T = 128 the panels are 3-4x faster for all four. 32 is the compromise (loop
  * at T = 32 vs panels at T = 33: Q8_0 4.38 vs 2.54, Q5_0 4.56 vs 3.33, Q4_K 2.81 vs 2.09, Q6_K
- * 2.70 vs 3.98). bench/RESULTS.md: 128-token prefill 0.45-0.50x -> 1.09-1.30x llama.cpp. */
+ * 2.70 vs 3.98). bench/HISTORY.md (2026-11-22): 128-token prefill 0.45-0.50x -> 1.09-1.30x
+ * llama.cpp. */
 #define QUANT_GEMV_MAX_T 32
 /* Under AVX-512 the types with a SIMD dequantizer leave the loop for float32 weights
  * (quant_linear_chunks up to QUANT_GEMV_MAX_T rows, the panels beyond) from fewer rows: a block

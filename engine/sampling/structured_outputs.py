@@ -179,7 +179,7 @@ def _plain_tokenizer_json(rust) -> str:
 # Up to this many constrained rows, masks are filled on the engine thread, one after another
 # (~30 us a row at V = 32k). The executor's worker threads must wake up and compete with the
 # OpenMP threads still spinning after the forward pass: on the 2-core test machine a batch of 8
-# took a median 3-9 ms that way against 0.27 ms serially (bench/RESULTS.md, 2026-11-26).
+# took a median 3-9 ms that way against 0.27 ms serially (bench/HISTORY.md, 2026-11-26).
 SERIAL_FILL_ROWS = 32
 
 
