@@ -3,13 +3,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.runner.backends import detect_backend
+
 
 @dataclass(slots=True)
 class EngineConfig:
     model: str                           # a local directory or a Hugging Face hub id
     weight_file: str | None = None       # a GGUF file: a path, or a name in `model` (dir or hub)
     dtype: str = "auto"                  # auto (the checkpoint's) | f32 | bf16 | f16
-    backend: str = "cpu"                 # cpu | cuda
+    backend: str = "auto"                # auto (CUDA where a device is visible) | cpu | cuda
     device: int = 0                      # the CUDA device index
     cuda_graph: bool = True              # capture decode steps in CUDA graphs (CUDA backend)
     block_size: int = 16                 # tokens per KV block, a power of two in [8, 128]
@@ -35,8 +37,10 @@ class EngineConfig:
     def __post_init__(self):
         if self.block_size < 8 or self.block_size > 128 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two in [8, 128], got {self.block_size}")
-        if self.backend not in ("cpu", "cuda"):
-            raise ValueError(f"backend must be cpu or cuda, got {self.backend!r}")
+        if self.backend not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"backend must be auto, cpu or cuda, got {self.backend!r}")
+        if self.backend == "auto":
+            self.backend = detect_backend()
         if self.device < 0:
             raise ValueError(f"device must be >= 0, got {self.device}")
         if self.dtype not in ("auto", "f32", "bf16", "f16", "float32", "bfloat16", "float16"):

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
 import logging
 import os
 import signal
@@ -194,16 +193,9 @@ def sampling_defaults(args) -> dict:
             if getattr(args, name) is not None}
 
 
-def default_backend(args) -> str:
-    """CUDA when our CUDA extension was built and a GPU is visible, else CPU."""
-    if args.cpu or importlib.util.find_spec("pyx.cuda_backend") is None:
-        return "cpu"
-    from pyx.cuda_backend import device_count
-    return "cuda" if device_count() > 0 else "cpu"
-
-
 def engine_config(args):
     from engine.config import EngineConfig
+    from engine.runner.backends import detect_backend
 
     if args.weight_path:
         model = args.weight_path
@@ -215,7 +207,7 @@ def engine_config(args):
         from server.demo_model import ensure_demo_checkpoint
         log.warning(DEMO_WARNING)
         model = ensure_demo_checkpoint()
-    backend = default_backend(args)
+    backend = "cpu" if args.cpu else detect_backend()
     if args.kvcache_dtype == "bf16" and backend == "cpu":
         raise ValueError("--kvcache-dtype bf16: a bf16 KV cache is not yet supported on the CPU "
                          "backend (f32, or fp8)")

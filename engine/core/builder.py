@@ -9,8 +9,6 @@ import os
 import time
 from dataclasses import dataclass
 
-from threadpoolctl import threadpool_limits
-
 from engine.config import EngineConfig
 from engine.core.block_pool import BlockPool
 from engine.core.max_num_seqs import MAX_NUM_SEQS_CAP, default_max_num_seqs
@@ -19,32 +17,13 @@ from engine.loader.model_loader import load_gguf_model, load_model
 from engine.loader.safetensors import mem_available_bytes
 from engine.models.model_config import ModelConfig
 from engine.runner import cuda_memory
+from engine.runner.backends import make_backend
 from engine.runner.cuda_graph import CudaGraphRunner, estimate_graph_memory_bytes
 from engine.runner.model_runner import ModelRunner
 from engine.sampling.pooling import PoolingConfig, default_pooling_config, read_pooling_config
 from engine.text.tokenizer import Tokenizer
 
 log = logging.getLogger("taper.engine")
-
-CUDA_ACT_DTYPES = {"auto": "bf16", "bf16": "bf16", "bfloat16": "bf16", "f16": "f16",
-                   "float16": "f16", "f32": "f32", "float32": "f32"}
-
-
-def make_backend(config: EngineConfig):
-    # Our OpenMP kernels use every core; NumPy's BLAS must not start a second pool beside them.
-    threadpool_limits(limits=1, user_api="blas")
-    if config.backend == "cpu":
-        from pyx.cpu_backend import CpuBackend
-        return CpuBackend(batch_invariant=config.batch_invariant)
-    if config.backend == "cuda":
-        try:   # an optional extension: only builds with nvcc have it
-            from pyx.cuda_backend import CudaBackend
-        except ImportError as e:
-            raise ValueError("this build of Taper has no CUDA backend (it was installed without "
-                             "nvcc, or with TAPER_CUDA=0); reinstall where nvcc is on PATH") from e
-        return CudaBackend(dtype=CUDA_ACT_DTYPES[config.dtype], device=config.device)
-    raise ValueError(f"unknown backend {config.backend!r}: cpu or cuda")
-
 
 @dataclass(slots=True)
 class EngineParts:
