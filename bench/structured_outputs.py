@@ -199,7 +199,8 @@ def schemas() -> list[dict]:
 
 
 def compile_times(llm, runs: int = 5):
-    from engine.sampling.structured_outputs import GrammarCompiler, StructuredOutputsParams, json_spec
+    from engine.sampling.structured_outputs import (GrammarCompiler, StructuredOutputsParams,
+                                                    json_spec)
     engine = llm.engine
     start = time.perf_counter()
     compiler = GrammarCompiler(engine.tokenizer, engine.model_config.vocab_size,

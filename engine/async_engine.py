@@ -30,7 +30,7 @@ class AsyncEngine:
             self.tokenizer.prepare_chat_guard()   # at load, not on the event loop's first chat
         self.model_config = self.engine.model_config
         self.max_model_len = self.engine.max_model_len
-        self.pooling = self.engine.pooling        # how /v1/embeddings pools (engine/sampling/pooling.py)
+        self.pooling = self.engine.pooling        # how /v1/embeddings pools (sampling/pooling.py)
         self.model_name = default_model_name(config.model)
         self.generation_defaults = generation_config_defaults(self.engine.model_dir)
         self.structured_outputs = self.engine.structured_outputs   # thread-safe, lazy

@@ -11,8 +11,8 @@ import pytest
 
 from checkpoints import tiny_checkpoint
 from engine.runner.cuda_graph import (CudaGraphRunner, bucket_for, capture_sizes,
-                               estimate_graph_memory_bytes, input_layout, is_pure_decode,
-                               pad_decode_inputs)
+                                      estimate_graph_memory_bytes, input_layout, is_pure_decode,
+                                      pad_decode_inputs)
 from engine.runner.device_block_tables import DeviceBlockTables
 from engine.runner.forward_batch import ForwardBatch
 from engine.runner.model_runner import ModelRunner

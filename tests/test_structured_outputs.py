@@ -21,8 +21,8 @@ from llguidance import LLMatcher, LLTokenizer
 
 import reference as ref
 from engine import LLM, SamplingParams
-from engine.sampling.structured_outputs import (JSON_DEFAULTS, GrammarCompiler, StructuredOutputsParams,
-                                       json_spec)
+from engine.sampling.structured_outputs import (JSON_DEFAULTS, GrammarCompiler,
+                                                StructuredOutputsParams, json_spec)
 from pyx.cpu_backend import CpuBackend
 
 pytestmark = pytest.mark.timeout(300)

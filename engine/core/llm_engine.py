@@ -53,7 +53,8 @@ class LLMEngine:
         parts = build(config, loaded)
         self.config = parts.config
         self.backend, self.model, self.model_config = parts.backend, parts.model, parts.model_config
-        self.model_dir, self.tokenizer, self.pooling = parts.model_dir, parts.tokenizer, parts.pooling
+        self.model_dir, self.tokenizer = parts.model_dir, parts.tokenizer
+        self.pooling = parts.pooling
         self.eos_token_ids, self.max_model_len = parts.eos_token_ids, parts.max_model_len
         self.block_pool, self.runner = parts.block_pool, parts.runner
         self.scheduler = Scheduler(self.config, self.block_pool, self.max_model_len)

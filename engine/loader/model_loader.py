@@ -10,8 +10,9 @@ from engine.models.model_config import ModelConfig
 from engine.models.registry import get_model_class
 
 
-def load_model(model_dir: str, backend, dtype: str = "auto", yarn_scaling_factor: float | None = None,
-               progress: bool = True, isq: str | None = None):
+def load_model(model_dir: str, backend, dtype: str = "auto",
+               yarn_scaling_factor: float | None = None, progress: bool = True,
+               isq: str | None = None):
     """(model, model_config) for a local checkpoint directory; `isq` quantizes its projection
     matrices at load (engine/loader/isq.py)."""
     model_config = ModelConfig.from_pretrained(model_dir, yarn_scaling_factor=yarn_scaling_factor)

@@ -1,4 +1,4 @@
-"""Architecture name (config.json `architectures`) -> model class. Loading is engine/loader/'s job."""
+"""Architecture name (config.json `architectures`) -> model class (loading: engine/loader/)."""
 from __future__ import annotations
 
 import importlib
