@@ -22,6 +22,9 @@ log = logging.getLogger("taper.server")
 DEMO_NAME = "taper-demo"
 DEMO_WARNING = ("No model given: serving a locally generated demo checkpoint with RANDOM weights; "
                 "its text is gibberish. Use --m <hub id> or --w <dir> for a real model.")
+# What the web UI and `taper chat` show while the demo is served (its model object's "notice").
+DEMO_NOTICE = ("Demo model with random weights: its answers are gibberish. Serve a real one "
+               "with --m or --w.")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -259,8 +262,10 @@ def server_settings(args, config):
     if args.chat_template:
         with open(args.chat_template, encoding="utf-8") as f:   # OSError names the file
             template = f.read()
+    from server.demo_model import is_demo_checkpoint
     return ServerSettings(
         served_model_names=names, api_key=args.api_key or None,
+        model_notice=DEMO_NOTICE if is_demo_checkpoint(config.model) else None,
         max_queued_requests=args.max_queued_requests, max_gen_tokens=args.max_gen_tokens,
         sampling_defaults=sampling_defaults(args), chat_template=template,
         trust_request_chat_template=args.trust_request_chat_template,
