@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import logging
 import os
 import signal
@@ -20,6 +21,9 @@ log = logging.getLogger("taper.server")
 DEMO_NAME = "taper-demo"
 DEMO_WARNING = ("No model given: serving a locally generated demo checkpoint with RANDOM weights; "
                 "its text is gibberish. Use --m <hub id> or --w <dir> for a real model.")
+# What the web UI and `taper chat` show while the demo is served (its model object's "notice").
+DEMO_NOTICE = ("Demo model with random weights: its answers are gibberish. Serve a real one "
+               "with --m or --w.")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -66,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="mcp.json naming MCP servers whose tools are offered to chat requests "
                         "that send no tools")
     g.add_argument("--log", action="store_true", help="verbose logging (every request)")
+    g.add_argument("--debug", action="store_true",
+                   help="debug logging, and the traceback of a start-up error (without it, "
+                        "one line says what failed)")
     m = p.add_argument_group("model")
     src = m.add_mutually_exclusive_group()
     src.add_argument("--weight-path", "--w", dest="weight_path", metavar="DIR",
@@ -247,8 +254,10 @@ def server_settings(args, config):
     if args.chat_template:
         with open(args.chat_template, encoding="utf-8") as f:   # OSError names the file
             template = f.read()
+    from server.demo_model import is_demo_checkpoint
     return ServerSettings(
         served_model_names=names, api_key=args.api_key or None,
+        model_notice=DEMO_NOTICE if is_demo_checkpoint(config.model) else None,
         max_queued_requests=args.max_queued_requests, max_gen_tokens=args.max_gen_tokens,
         sampling_defaults=sampling_defaults(args), chat_template=template,
         trust_request_chat_template=args.trust_request_chat_template,
@@ -260,7 +269,11 @@ def server_settings(args, config):
 class Server:
     """Hypercorn serving the app while the engine loads beside it, and the SIGTERM drain: new
     requests get 503, live ones get `shutdown_timeout` seconds to finish and are then aborted
-    (their streams still end with [DONE]), then the process exits 0."""
+    (their streams still end with [DONE]), then the process exits 0.
+
+    Start-up order: `bind` takes the port first (a port in use is said before any loading), the
+    app then answers on it (503 while the model loads, /health "loading"), and "serving on" is
+    logged only once the model is loaded; a load failure stops the server with one line."""
 
     def __init__(self, app, config, args):
         self.app, self.state, self.config, self.args = app, app.taper, config, args
@@ -271,33 +284,45 @@ class Server:
             from server.mcp_tools import load_mcp_config
             self.mcp_specs = load_mcp_config(args.mcp_config)
         self._drain_task: asyncio.Task | None = None
+        self.hypercorn_config = None
 
-    async def run(self):
-        from hypercorn.asyncio import serve as hypercorn_serve
+    def bind(self) -> bool:
+        """Bind the port now, before the model loads; False (said in one line) if it cannot."""
         from hypercorn.config import Config
 
         args = self.args
         hc = Config()
         hc.bind = [f"[{args.host}]:{args.port}" if ":" in args.host else f"{args.host}:{args.port}"]
+        try:
+            sockets = hc.create_sockets()
+        except OSError as e:
+            hint = (" (another server has it: --p picks another port)"
+                    if e.errno == errno.EADDRINUSE else "")
+            startup_error(f"cannot listen on {hc.bind[0]}: {e.strerror or e}{hint}", e)
+            return False
+        # Hypercorn serves the sockets bound here, passed by file descriptor.
+        hc.bind = [f"fd://{sock.detach()}" for sock in sockets.insecure_sockets]
         hc.accesslog = logging.getLogger("taper.access") if args.log else None
-        hc.errorlog = logging.getLogger("taper.server")
+        # its own log says "Running on ..." as it starts: before the model is loaded, so not ours
+        hc.errorlog = logging.getLogger("taper.hypercorn")
         hc.graceful_timeout = 2.0           # for connections still open after the drain
+        self.hypercorn_config = hc
+        return True
+
+    async def run(self):
+        from hypercorn.asyncio import serve as hypercorn_serve
+
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self._on_signal)
         # A daemon thread, not an executor: a SIGTERM during loading must not wait for it.
         threading.Thread(target=self._load, args=(loop,), name="taper-load", daemon=True).start()
-        log.info("serving on http://%s:%d (OpenAI API under /v1); loading the model",
-                 args.host, args.port)
         if self.mcp_specs:
             from server.mcp_tools import McpTools
             self.state.mcp = McpTools(self.mcp_specs)
             await self.state.mcp.start()
-        browse_host = "localhost" if args.host in ("0.0.0.0", "::") else args.host
-        log.info("web chat UI: http://%s:%d/ui/", f"[{browse_host}]" if ":" in browse_host
-                 else browse_host, args.port)
         try:
-            await hypercorn_serve(self.app, hc, shutdown_trigger=self.stop.wait)
+            await hypercorn_serve(self.app, self.hypercorn_config, shutdown_trigger=self.stop.wait)
         finally:
             if self.state.mcp is not None:
                 await self.state.mcp.close()
@@ -309,8 +334,8 @@ class Server:
             if self.args.profile_steps > 0:
                 from engine.core.step_profile import StepProfile
                 StepProfile.attach(engine.engine, log_every=self.args.profile_steps)
-        except Exception as e:        # no such model, unsupported, too big...: exit 1
-            log.error("could not load %s: %s", self.config.model, e)
+        except Exception as e:        # no such model, corrupt, unsupported, too big...: exit 1
+            startup_error(f"could not load {self.config.model}: {one_line(e)}", e)
             loop.call_soon_threadsafe(self._fail)
             return
         loop.call_soon_threadsafe(self._ready, engine)
@@ -321,8 +346,13 @@ class Server:
             return
         self.state.engine = engine
         self.state.configure_chat()
+        args = self.args
         log.info("model %s ready, max_model_len %d", self.state.settings.served_model_names[0],
                  engine.max_model_len)
+        log.info("serving on http://%s:%d (OpenAI API under /v1)", args.host, args.port)
+        browse_host = "localhost" if args.host in ("0.0.0.0", "::") else args.host
+        log.info("web chat UI: http://%s:%d/ui/", f"[{browse_host}]" if ":" in browse_host
+                 else browse_host, args.port)
 
     def _fail(self):
         self.exit_code = 1
@@ -359,6 +389,21 @@ async def _wait_until(condition, timeout: float) -> bool:
     return True
 
 
+def one_line(e: BaseException) -> str:
+    """An exception as one line: its message, after its type where the message alone would not
+    say what happened (a KeyError's bare key, an empty MemoryError)."""
+    text = " ".join(str(e).split())
+    if isinstance(e, (ValueError, OSError)) and text:
+        return text
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def startup_error(message: str, e: BaseException) -> None:
+    """The one line a start-up failure gets; its traceback only at debug level (--debug)."""
+    log.error(message)
+    log.debug("the traceback of that error:", exc_info=e)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["chat"]:      # the client: none of the server's imports
@@ -366,10 +411,13 @@ def main(argv: list[str] | None = None) -> int:
         return chat_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.log else logging.INFO,
+    debug = args.log or args.debug
+    logging.basicConfig(level=logging.DEBUG if debug else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not args.log:
         logging.getLogger("taper.access").setLevel(logging.WARNING)
+    if not debug:
+        logging.getLogger("taper.hypercorn").setLevel(logging.WARNING)
     if problem := check_args(args):
         parser.error(problem)
     from server.app import create_app
@@ -379,18 +427,23 @@ def main(argv: list[str] | None = None) -> int:
         settings = server_settings(args, config)
     except (ValueError, OSError) as e:
         parser.error(str(e))
-    log.info("loading %s (backend %s, dtype %s)", config.model, config.backend, config.dtype)
     try:
         server = Server(create_app(None, settings), config, args)
     except ValueError as e:           # --mcp-config's file
         parser.error(str(e))
+    if not server.bind():
+        return 1
+    log.info("loading %s (backend %s, dtype %s)", config.model, config.backend, config.dtype)
     try:
         asyncio.run(server.run())
     except KeyboardInterrupt:
         pass
+    except Exception as e:           # e.g. an MCP server that would not start
+        startup_error(f"the server stopped: {one_line(e)}", e)
+        server.exit_code = 1
     finally:
-        log.info("shutting down")
         if server.state.engine is not None:
+            log.info("shutting down")
             server.state.engine.shutdown()
     return server.exit_code
 

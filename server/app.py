@@ -58,6 +58,7 @@ class ServerSettings:
     responses_store_size: int = 1000         # stored Responses API responses, oldest dropped
     structured_outputs_timeout: float = 5.0  # seconds a grammar may take to compile
     tool_parser: str | None = None           # --enforce-parser; else chosen for the model
+    model_notice: str | None = None          # one line clients show beside the model (the demo's)
 
 
 @dataclass
@@ -247,8 +248,11 @@ def create_app(engine, settings: ServerSettings) -> Quart:
 
     def model_card(name: str) -> dict:
         max_len = None if state.engine is None else state.engine.max_model_len
-        return {"id": name, "object": "model", "created": created, "owned_by": "taper",
+        card = {"id": name, "object": "model", "created": created, "owned_by": "taper",
                 "max_model_len": max_len}
+        if settings.model_notice:      # an extra field, as max_model_len: SDKs keep it
+            card["notice"] = settings.model_notice
+        return card
 
     @app.get("/v1/models")
     async def list_models():

@@ -148,12 +148,24 @@ def write_demo_checkpoint(path: str, seed: int = 0) -> str:
     return path
 
 
-def _is_complete(path: str, seed: int) -> bool:
+def _demo_stamp(path: str) -> dict:
+    """The `taper_demo` entry of the config.json in `path`; {} for any other directory."""
     try:
         with open(os.path.join(path, "config.json")) as f:
             stamp = json.load(f).get("taper_demo", {})
-    except (OSError, ValueError):
-        return False
+    except (OSError, ValueError, AttributeError):
+        return {}
+    return stamp if isinstance(stamp, dict) else {}
+
+
+def is_demo_checkpoint(path: str) -> bool:
+    """Whether `path` holds a checkpoint this module wrote (random weights), however it is
+    served: by default or with --w."""
+    return bool(_demo_stamp(path))
+
+
+def _is_complete(path: str, seed: int) -> bool:
+    stamp = _demo_stamp(path)
     files = ("model.safetensors", "tokenizer.json", "tokenizer_config.json")
     return (stamp.get("version") == DEMO_VERSION and stamp.get("seed") == seed
             and all(os.path.exists(os.path.join(path, f)) for f in files))

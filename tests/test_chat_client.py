@@ -261,6 +261,19 @@ def test_a_wrong_api_key_prints_the_401_and_the_client_stays(chat):
     assert c.exit() == 0
 
 
+def test_the_demo_model_says_so_once(live, chat):
+    c = chat("--max-tokens", "4")
+    banner = c.proc.before.replace("\r", "")
+    assert f"demo at http://127.0.0.1:{live.port}/v1: /help for commands" in banner
+    from server.__main__ import DEMO_NOTICE
+    assert f"notice: {DEMO_NOTICE}" in banner and "random weights" in DEMO_NOTICE
+    assert "notice:" not in c.say(QUESTION)              # once a session
+    assert c.exit() == 0
+    named = chat("--model", "demo", "--max-tokens", "4")  # named by a flag, not picked: told too
+    assert f"notice: {DEMO_NOTICE}" in named.proc.before
+    assert named.exit() == 0
+
+
 # ---- against the real app with a scripted engine
 
 class ThinkingEngine(FakeEngine):
@@ -275,6 +288,7 @@ def test_think_tags_go_to_the_reasoning_panel(chat, tmp_path):
     try:
         c = chat("--max-tokens", str(len(ThinkingEngine.WORDS)),
                  url=f"http://127.0.0.1:{server.port}/v1")
+        assert "notice:" not in c.proc.before         # a model the server says nothing of
         lines = c.say(QUESTION).splitlines()
         top = next(i for i, line in enumerate(lines) if "reasoning" in line)
         assert lines[top].startswith(("╭", "+"))

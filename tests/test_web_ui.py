@@ -137,6 +137,7 @@ def test_live_key_stream_stop_and_history(live, page, screenshot):
     # 1. without the key: /v1/models and a message are refused, and the page says why
     notice = page.locator("#notice")
     sync_api.expect(notice).to_contain_text("needs an API key (401)")
+    sync_api.expect(page.locator("#model-notice")).to_be_hidden()   # no model list, no notice
     page.fill("#prompt", "Hello")
     page.press("#prompt", "Enter")
     wait_idle(page)
@@ -148,6 +149,10 @@ def test_live_key_stream_stop_and_history(live, page, screenshot):
     page.press("#api-key", "Tab")                                     # "change" fires
     sync_api.expect(page.locator("#model")).to_have_value("demo")
     sync_api.expect(notice).to_be_hidden()
+    # the demo checkpoint: the server says its weights are random, and the page shows it
+    from server.__main__ import DEMO_NOTICE
+    sync_api.expect(page.locator("#model-notice")).to_have_text(DEMO_NOTICE)
+    assert "random weights" in DEMO_NOTICE
     page.click("#new-chat")
     page.fill("#system", "You are terse.")
     page.fill("#temperature", "0")
@@ -250,6 +255,8 @@ def test_model_markup_stays_text_and_reasoning_folds(scripted, page, screenshot)
     page.fill("#prompt", "Show me some HTML")
     page.press("#prompt", "Enter")
     wait_idle(page)
+    sync_api.expect(page.locator("#model")).to_have_value("scripted")
+    sync_api.expect(page.locator("#model-notice")).to_be_hidden()   # nothing said of this model
     messages = page.locator("#messages")
     answer = assistant_bodies(page).last
     # the markup is on screen as characters, and nothing of it became an element or ran

@@ -46,6 +46,7 @@ from gguf import GGUFReader, GGUFValueType
 from tqdm import tqdm
 
 from engine.loader import gguf_dense
+from engine.loader.gguf_check import check_layout, read_version
 from engine.text.gguf_tokenizer import build_tokenizer, special_id
 from engine.loader.safetensors import resolve_dtype, target_dtype
 from engine.quant import BLOCK_TYPES, QuantizedWeight
@@ -153,21 +154,24 @@ def unpermute_rows(w, num_heads: int):
 # ---- files
 
 def open_reader(path: str) -> GGUFReader:
-    """A GGUFReader whose tensors all lie inside the file; ValueError naming the file otherwise."""
+    """A GGUFReader whose tensors all lie inside the file; ValueError naming the file and what is
+    wrong with it otherwise (the magic, the version, or the metadata key or tensor that is cut:
+    engine/loader/gguf_check.py)."""
     try:
         with open(path, "rb") as f:
-            magic = f.read(4)
+            head = f.read(8)
     except OSError as e:
         raise ValueError(f"{path}: cannot open GGUF file ({e.strerror})") from None
-    if magic != b"GGUF":
-        raise ValueError(f"{path}: not a GGUF file (starts with {magic!r}, expected b'GGUF')")
+    if head[:4] != b"GGUF":
+        raise ValueError(f"{path}: not a GGUF file (starts with {head[:4]!r}, expected b'GGUF')")
+    read_version(path, head)
     size = os.path.getsize(path)
     try:
         reader = GGUFReader(path)
     except (ValueError, IndexError, KeyError, OverflowError, UnicodeDecodeError, TypeError,
             MemoryError) as e:
-        raise ValueError(f"{path}: truncated or corrupt GGUF file ({type(e).__name__}: {e})") \
-            from None
+        check_layout(path)          # raises, naming the key or tensor that does not fit
+        raise ValueError(f"{path}: corrupt GGUF file ({type(e).__name__}: {e})") from None
     for t in reader.tensors:
         end = t.data_offset + t.n_bytes
         if end > size or t.data.nbytes != t.n_bytes:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import struct
 
@@ -67,30 +68,65 @@ def target_dtype(array: np.ndarray, dtype: np.dtype | None) -> np.dtype:
 
 
 def read_header(path: str) -> tuple[dict, int]:
-    """(header without __metadata__, byte offset where the data starts)."""
+    """(header without __metadata__, byte offset where the data starts). The header's length and
+    every entry are checked before use, so a corrupt file is named with what is wrong with it;
+    the data is not read."""
+    size = os.path.getsize(path)
     with open(path, "rb") as f:
         head = f.read(8)
         if len(head) < 8:
-            raise CheckpointError(f"{path}: not a safetensors file (shorter than 8 bytes)")
+            raise CheckpointError(f"{path}: not a safetensors file ({size} bytes: shorter than "
+                                  "the 8-byte header length)")
         (n,) = struct.unpack("<Q", head)
+        if n > size - 8:       # garbage reads as a huge length: never try to allocate it
+            raise CheckpointError(f"{path}: not a safetensors file, or truncated: its first 8 "
+                                  f"bytes give a header length of {n} bytes, beyond the file's "
+                                  f"{size}")
         raw = f.read(n)
-    if len(raw) < n:
-        raise CheckpointError(f"{path}: truncated header ({len(raw)} of {n} bytes)")
     try:
         header = json.loads(raw)
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path}: unreadable safetensors header ({e})") from None
+    except ValueError as e:     # JSONDecodeError, or UnicodeDecodeError for bytes that are not UTF-8
+        raise CheckpointError(f"{path}: the {n}-byte JSON header cannot be parsed "
+                              f"({type(e).__name__}: {e}): not a safetensors file, or corrupt") \
+            from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: the JSON header is a {type(header).__name__}, not an "
+                              "object of tensors")
     header.pop("__metadata__", None)
+    for name, info in header.items():
+        _check_entry(path, name, info)
     return header, 8 + n
+
+
+def _check_entry(path: str, name: str, info) -> None:
+    """A header entry is {dtype, shape, data_offsets} with non-negative integers in order."""
+    def is_count(x):
+        return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+    if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= info.keys():
+        raise CheckpointError(f"{path}: header entry {name!r} is not "
+                              f"{{dtype, shape, data_offsets}}: {str(info)[:200]}")
+    shape, offsets = info["shape"], info["data_offsets"]
+    if not isinstance(shape, list) or not all(map(is_count, shape)):
+        raise CheckpointError(f"{path}: tensor {name} has shape {shape!r}; expected a list of "
+                              "non-negative integers")
+    if (not isinstance(offsets, list) or len(offsets) != 2 or not all(map(is_count, offsets))
+            or offsets[0] > offsets[1]):
+        raise CheckpointError(f"{path}: tensor {name} has data_offsets {offsets!r}; expected "
+                              "[begin, end] with 0 <= begin <= end")
 
 
 def checkpoint_files(model_dir: str) -> tuple[list[str], dict[str, str] | None]:
     """(safetensors files, weight_map from the index or None for a single file)."""
     index = os.path.join(model_dir, "model.safetensors.index.json")
     if os.path.isfile(index):
-        with open(index) as f:
-            weight_map = json.load(f)["weight_map"]
-        files = sorted(set(weight_map.values()))
+        try:
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+            files = sorted(set(weight_map.values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise CheckpointError(f"{index}: not a safetensors index: {type(e).__name__}: "
+                                  f"{e}") from None
         for name in files:
             if not os.path.isfile(os.path.join(model_dir, name)):
                 raise CheckpointError(f"{model_dir}: shard {name} listed in "
@@ -115,18 +151,19 @@ def open_file(path: str) -> dict[str, np.ndarray]:
     mm = np.memmap(path, dtype=np.uint8, mode="r") if data_size > 0 else np.zeros(0, np.uint8)
     tensors = {}
     for name, info in header.items():
-        if info["dtype"] not in _DTYPES:
+        if not isinstance(info["dtype"], str) or info["dtype"] not in _DTYPES:
             raise CheckpointError(f"{path}: tensor {name} has unsupported dtype {info['dtype']}")
         dt = _DTYPES[info["dtype"]]
         shape = tuple(info["shape"])
         begin, end = info["data_offsets"]
-        expected = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+        expected = math.prod(shape) * dt.itemsize
         if end - begin != expected:
             raise CheckpointError(f"{path}: tensor {name} has shape {list(shape)} {info['dtype']} "
                                   f"({expected} bytes) but its data_offsets span {end - begin} bytes")
         if end > data_size:
-            raise CheckpointError(f"{path}: file is truncated: tensor {name} needs data bytes "
-                                  f"[{begin}, {end}) but the file holds only {data_size}")
+            raise CheckpointError(f"{path}: file is truncated, or its header corrupt: tensor "
+                                  f"{name} needs data bytes [{begin}, {end}) but the file holds "
+                                  f"only {data_size} after its header")
         offset = data_start + begin
         if offset % dt.itemsize:
             arr = np.frombuffer(mm[offset:offset + expected].tobytes(), dtype=dt).reshape(shape)

@@ -113,8 +113,11 @@ class ModelConfig:
         path = os.path.join(model_dir, "config.json")
         if not os.path.isfile(path):
             raise FileNotFoundError(f"no config.json in {model_dir}")
-        with open(path) as f:
-            config = cls.from_dict(json.load(f), yarn_scaling_factor=yarn_scaling_factor)
+        try:            # a bad config (not JSON, an unknown architecture) names its file
+            with open(path) as f:
+                config = cls.from_dict(json.load(f), yarn_scaling_factor=yarn_scaling_factor)
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
         gen_path = os.path.join(model_dir, "generation_config.json")
         if os.path.isfile(gen_path):
             with open(gen_path) as f:

@@ -13,11 +13,33 @@ torch imports; nothing they do for a tokenizer needs torch. The rest of transfor
 imported after this, sees the real answer. The price, where a release does import torch there:
 in the same process, the torch-only functions of the modules imported under the guard (5.17:
 transformers' GGUF model-weight loader) cannot run; loading models is not their job here.
+
+Where torch is not installed (Taper's own install), `import transformers` warns "PyTorch was not
+found. Models won't be available ..." on every start: true of transformers' models, which Taper
+never uses, and alarming in an engine that runs without PyTorch by design. That one notice is
+dropped while transformers is first imported here; its other warnings pass.
 """
 from __future__ import annotations
 
 import contextlib
+import logging
 import sys
+
+NO_TORCH_NOTICE = "PyTorch was not found. Models won't be available"
+
+
+def _not_the_no_torch_notice(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith(NO_TORCH_NOTICE)
+
+
+@contextlib.contextmanager
+def _no_torch_notice_dropped():
+    logger = logging.getLogger("transformers")     # transformers/__init__.py's logger
+    logger.addFilter(_not_the_no_torch_notice)
+    try:
+        yield
+    finally:
+        logger.removeFilter(_not_the_no_torch_notice)
 
 
 @contextlib.contextmanager
@@ -35,7 +57,7 @@ def _torch_hidden_from_transformers():
         utils.is_torch_available, import_utils.is_torch_available = saved
 
 
-with _torch_hidden_from_transformers():
+with _no_torch_notice_dropped(), _torch_hidden_from_transformers():
     from transformers import PreTrainedTokenizerFast  # noqa: E402
 
 

@@ -102,6 +102,9 @@ class Chat:
         self.client = openai.OpenAI(base_url=args.url, api_key=args.api_key or "none",
                                     max_retries=0)  # errors show at once, not after retries
         self.model: str | None = args.model
+        self.listed = False               # /v1/models read (for the model's notice)
+        self.notice: str | None = None
+        self.notice_shown = False
         self.conversation = Conversation(system=args.system, sampling={
             name: getattr(args, name) for name in SETTINGS if getattr(args, name) is not None})
 
@@ -113,22 +116,38 @@ class Chat:
 
     def find_model(self) -> bool:
         """The first served model, unless --model named one. False (said why) if unreachable;
-        asked again before the next message, so a server that was down or loading is fine."""
+        asked again before the next message, so a server that was down or loading is fine.
+        A model object's `notice` (Taper's random-weight demo has one) is kept to show."""
+        if self.model is not None and self.listed:
+            return True
+        try:
+            models = self.client.models.list().data
+        except openai.APIError as e:
+            if self.model is not None:    # named by --model: the request will say what is wrong
+                self.listed = True
+                return True
+            self.error(describe(e, self.args.url))
+            return False
+        self.listed = True
         if self.model is None:
-            try:
-                models = self.client.models.list().data
-            except openai.APIError as e:
-                self.error(describe(e, self.args.url))
-                return False
             if not models:
                 self.error(f"{self.args.url}/models lists no model")
                 return False
             self.model = models[0].id
+        notice = next((getattr(m, "notice", None) for m in models if m.id == self.model), None)
+        self.notice = notice if isinstance(notice, str) and notice else None
         return True
+
+    def show_notice(self):
+        """The model's notice, once per session."""
+        if self.notice and not self.notice_shown:
+            self.notice_shown = True
+            self.note(f"notice: {self.notice}", "bold yellow")
 
     def send(self, text: str):
         if not self.find_model():
             return
+        self.show_notice()
         conversation = self.conversation
         conversation.ask(text)
         view, stream, note, failure = AnswerView(self.console), None, None, None
@@ -200,6 +219,7 @@ class Chat:
         session = PromptSession(history=history)
         if self.find_model():
             self.note(f"{self.model} at {self.args.url}: /help for commands, Ctrl-D to leave")
+            self.show_notice()
         while True:
             try:
                 line = session.prompt("> ").strip()

@@ -22,6 +22,7 @@ const state = {
               ...load(STORE.settings, {}) },
   apiKey: localStorage.getItem(STORE.apiKey) || "",
   running: null,          // {controller, reply} while an answer streams
+  modelNotices: new Map(), // model id -> the one line the server gives about it (the demo's)
   nodes: new WeakMap(),   // message -> its DOM parts
   health: null,
 };
@@ -50,6 +51,13 @@ function notify(message, kind = "error") {
   box.textContent = message;
   box.className = kind;
   box.hidden = !message;
+}
+
+function showModelNotice(model) {
+  const box = $("model-notice");
+  const text = state.modelNotices.get(model) ?? "";
+  box.textContent = text;
+  box.hidden = !text;
 }
 
 // ---- conversations
@@ -303,15 +311,21 @@ async function loadModels() {
   const select = $("model");
   try {
     const resp = await apiFetch("/v1/models", { apiKey: state.apiKey });
-    const names = (await resp.json()).data.map((m) => m.id);
+    const models = (await resp.json()).data;
+    const names = models.map((m) => m.id);
+    // Taper's extra `notice` field on a model object (the random-weight demo has one)
+    state.modelNotices = new Map(
+      models.filter((m) => typeof m.notice === "string").map((m) => [m.id, m.notice]));
     const keep = names.includes(state.settings.model) ? state.settings.model : names[0] ?? "";
     select.replaceChildren(...names.map((n) => el("option", null, n)));
     select.value = keep;
     state.settings.model = keep;
     $("model-name").textContent = keep;
+    showModelNotice(keep);
   } catch (e) {
     select.replaceChildren(el("option", null, "(unavailable)"));
     $("model-name").textContent = "";
+    showModelNotice("");
     notify(e.message);
     if (e.status === 401) openSettings(true);
   }
@@ -399,7 +413,10 @@ function start() {
     document.body.classList.toggle("sidebar-open");
   });
   $("chat").addEventListener("click", () => document.body.classList.remove("sidebar-open"));
-  $("model").addEventListener("change", () => { $("model-name").textContent = $("model").value; });
+  $("model").addEventListener("change", () => {
+    $("model-name").textContent = $("model").value;
+    showModelNotice($("model").value);
+  });
   watchHealth();
   loadModels();
   $("prompt").focus();
