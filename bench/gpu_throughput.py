@@ -214,7 +214,7 @@ def step_bytes(config, expected_shapes, quant: str, fp8_codes: bool) -> int:
 
 def run(batches=(1, 16, 64), prompt_len: int = 128, gen_len: int = 128,
         cuda_graph: bool = True, json_rows: list | None = None,
-        quant: str = "bf16") -> list[dict]:
+        quant: str = "bf16", kernels=None) -> list[dict]:
     import gc
 
     import cupy as cp
@@ -228,12 +228,12 @@ def run(batches=(1, 16, 64), prompt_len: int = 128, gen_len: int = 128,
 
     if quant not in QUANTS:
         raise ValueError(f"quant must be one of {QUANTS}, got {quant!r}")
-    backend = CudaBackend(dtype="bf16")
+    backend = CudaBackend(dtype="bf16", kernels=kernels)
     props = cp.cuda.runtime.getDeviceProperties(backend.device.id)
     name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
     cc = str(backend.device.compute_capability)
     print(f"device: {name}, {backend.num_sms} SMs, sm_{cc}; {datetime.date.today()}; "
-          f"projections {quant}")
+          f"projections {quant}; kernels {backend.kernels}")
     fp8_codes = quant == "fp8" and cc == "90"
     if quant == "fp8":
         backend.fp8_cutlass = fp8_codes
@@ -257,7 +257,8 @@ def run(batches=(1, 16, 64), prompt_len: int = 128, gen_len: int = 128,
     config = EngineConfig(model=f"llama3-8b-random-{quant}", backend="cuda", dtype="bf16",
                           max_num_seqs=max(batches), cuda_graph=cuda_graph,
                           max_num_batched_tokens=max(2048, max(batches) * prompt_len),
-                          enable_prefix_caching=False, max_model_len=prompt_len + gen_len + 16)
+                          enable_prefix_caching=False, max_model_len=prompt_len + gen_len + 16,
+                          kernels=backend.kernels)
     engine = LLMEngine(config, loaded=(backend, model, model_config))
     rng = np.random.default_rng(0)
     params = SamplingParams(max_tokens=gen_len, temperature=0.0, ignore_eos=True)

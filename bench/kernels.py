@@ -19,12 +19,12 @@ V 128256): the fused element-wise ops at T 1, 64, 4096 tokens; decode attention 
 64 x context 1k, 8k, 32k over a bf16 and an FP8 cache with split-K off and on (the variant names
 the split count pyx/decode_splits.py picks, "split-K x57"; --shape splits=2,8,64 adds rows with
 those counts forced, to compare the rule's pick with the best); prefill attention (the simple
-kernel, and the tensor-core ones of TAPER_CUDA_PREFILL=mma, =fa2 and =fa3, fa3 on compute
+kernel, and the tensor-core ones of kernels prefill=mma, =fa2 and =fa3, fa3 on compute
 capability 9.0 only; causal, FLOPs over the
 triangle) at 1 x 4096 and 8 x 512 tokens; linear at M 1, 16, 64, 4096 for the qkv (6144 x 4096),
 o (4096 x 4096), gate_up (28672 x 4096) and down (4096 x 14336) projections; argmax, Gumbel
 sampling, the top-k/top-p/min-p filter (twice: the bisection kernel, and the radix-select one of
-TAPER_CUDA_RADIX_FILTER=1), the one-launch sampler of TAPER_CUDA_FUSED_SAMPLING=1 (sample_fused:
+kernels filter=radix), the one-launch sampler of sampling=fused (sample_fused:
 penalties + filters + Gumbel draw, and greedy, against the op-by-op path as baseline) and
 structured outputs' token bitmask (every row masked, about half the tokens allowed) at batch 1
 and 64 over the vocabulary.
@@ -41,12 +41,12 @@ bytes read over the time in GB/s (and % of the copy peak: decode at small M is b
 the speed-up over bf16 dense at the same shape and M. FP8 rows also give % of an estimated FP8
 dense peak, twice the measured bf16 cuBLAS figure (Hopper's tensor-core ratio; cuBLAS FP8 is not
 reachable through this backend's GemmEx handle). fp8-gemv rows (M <= 64): the FP8 GEMV kernel of
-TAPER_CUDA_FP8_GEMV=1 on the e4m3 codes, any sm80+ device; the weight bytes over its time is its
+kernels fp8_gemv=on on the e4m3 codes, any sm80+ device; the weight bytes over its time is its
 ratio to the copy ceiling. marlin-v2 rows: the same int4 weights through Marlin v2
-(TAPER_CUDA_MARLIN=v2: striped partitioning, ldmatrix, lop3 dequantization), beside the default
+(kernels marlin=v2: striped partitioning, ldmatrix, lop3 dequantization), beside the default
 marlin row. --shape QM=1,16 and qlayers=gate_up,down select.
 
-moe (issue 16, TAPER_CUDA_FUSED_MOE=1): the fused MoE grouped GEMM (cuda/moe.cu) for the gate_up
+moe (issue 16, kernels moe=fused): the fused MoE grouped GEMM (cuda/moe.cu) for the gate_up
 and down projections of Qwen3-30B-A3B (H 2048, experts of 768, top-8 of 128) and Mixtral-8x7B
 (H 4096, experts of 14336, top-2 of 8) at MT (default 1, 16, 64, 512, 4096) tokens routed
 uniformly at random, bf16 and GGUF Q8_0 experts (random codes, one valid fp16 scale): one launch
@@ -125,22 +125,14 @@ class Bench:
     notes: list = field(default_factory=list)   # skipped cases and why
 
     def backend(self, split_k: bool = False, prefill: str = "simple", dtype: str | None = None):
-        """A CudaBackend built with the env switches it reads at construction."""
+        """A CudaBackend built with these kernel choices (the others at their defaults)."""
         from pyx.cuda_backend import CudaBackend
+        from pyx.kernel_config import KernelConfig
 
         key = (dtype or self.dtype, split_k, prefill)
         if key not in self.backends:
-            env = {"TAPER_CUDA_SPLIT_K": "1" if split_k else "0", "TAPER_CUDA_PREFILL": prefill}
-            saved = {k: os.environ.get(k) for k in env}
-            os.environ.update(env)
-            try:
-                self.backends[key] = CudaBackend(dtype=key[0], device=0)
-            finally:
-                for k, v in saved.items():
-                    if v is None:
-                        os.environ.pop(k, None)
-                    else:
-                        os.environ[k] = v
+            kernels = KernelConfig(decode="split" if split_k else "simple", prefill=prefill)
+            self.backends[key] = CudaBackend(dtype=key[0], device=0, kernels=kernels)
         self.backends[key].bind_thread()   # CuPy's allocations and copies go to its stream
         return self.backends[key]
 
@@ -591,7 +583,7 @@ def qgemm_layers(c):
 
 
 def fp8_gemv_linear(b, x, w, bias, out):
-    """linear through the FP8 GEMV (TAPER_CUDA_FP8_GEMV=1) at any M it takes, whatever the
+    """linear through the FP8 GEMV (kernels fp8_gemv=on) at any M it takes, whatever the
     backend's default crossover."""
     saved = b.fp8_gemv, b.fp8_gemv_max_m
     b.fp8_gemv, b.fp8_gemv_max_m = True, FP8_GEMV_MAX_M
@@ -602,7 +594,7 @@ def fp8_gemv_linear(b, x, w, bias, out):
 
 
 def marlin_v2_linear(b, x, w, bias, out):
-    """linear through Marlin v2 (TAPER_CUDA_MARLIN=v2) beside the default Marlin row."""
+    """linear through Marlin v2 (kernels marlin=v2) beside the default Marlin row."""
     b.marlin_v2 = True
     try:
         b.linear(x, w, bias, out)
@@ -802,7 +794,7 @@ def cases_sampling(bench, c, op):
         else:
             moved, variant = B * V * 4 + B * 8 + (16 * B if op == "gumbel_sample" else 0), ""
         yield Case(op, f"B={B} V={V}", variant, moved, 0, sets, prepare or None)
-        if op == "filter_logits":   # the same launches with TAPER_CUDA_RADIX_FILTER's kernel
+        if op == "filter_logits":   # the same launches with filter=radix's kernel
             radix = [lambda s=s: with_radix_filter(b, s) for s in sets]
             yield Case(op, f"B={B} V={V}", "radix " + variant, moved, 0, radix, prepare)
         del sets, prepare
@@ -813,7 +805,7 @@ SAMPLE_PARAMS = "t=0.7 k=50 p=0.9 min_p=0.05, 16 penalties/row"
 
 
 def cases_sample_fused(bench, c):
-    """The whole sampling step of TAPER_CUDA_FUSED_SAMPLING=1 (penalties, temperature, top-k,
+    """The whole sampling step of kernels sampling=fused (penalties, temperature, top-k,
     top-p, min-p, Gumbel draw) in one launch, the same with top-p alone (its fallback path
     here), greedy rows (penalties + argmax) in one launch, and as baseline the op-by-op path it
     replaces (apply_penalties, the radix filter_logits, gumbel_sample). Bytes: the logits read

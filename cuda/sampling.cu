@@ -20,7 +20,7 @@
 // of the different summation order, which can only matter when the mass of a prefix lands within
 // a few ulps of top_p * Z.
 //
-// The trick, for the fused sampler (sample_fused_kernel, TAPER_CUDA_FUSED_SAMPLING=1): the ops
+// The trick, for the fused sampler (sample_fused_kernel, kernels sampling=fused): the ops
 // above in one launch, the filtered row read from memory once; a histogram of that pass bounds
 // the final threshold from below, so a second pass (from L2) leaves only the few tokens above
 // the bound, in shared memory, for the radix selects and the draw.
@@ -592,7 +592,7 @@ filter_logits_kernel(float* __restrict__ logits,             // (B, V)
     }
 }
 
-// ---- the fused sampler (TAPER_CUDA_FUSED_SAMPLING=1)
+// ---- the fused sampler (kernels sampling=fused)
 
 // Shared-memory candidates per row: 32 KB of (value, token) pairs. A top-k of up to a few
 // thousand, or a min-p / top-p cut on a peaked row, fits; a row whose bound lets more through

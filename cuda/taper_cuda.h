@@ -229,7 +229,7 @@ int taper_cuda_filter_logits_radix(float* logits, const float* temperature, cons
                                    const float* top_p, const float* min_p, int64_t B, int64_t V,
                                    taper_stream_t stream);
 
-/* The whole sampler in one launch, one block per row (TAPER_CUDA_FUSED_SAMPLING=1): the row's
+/* The whole sampler in one launch, one block per row (kernels sampling=fused): the row's
  * penalty entries (as taper_cuda_apply_penalties, written in place; pen_rows sorted ascending),
  * then out[b] = the argmax for a greedy row, else the Gumbel-max draw (key seeds[b], counter
  * positions[b]) over the row after temperature and the top-k / top-p / min-p filter of

@@ -5,10 +5,8 @@ then calls one C kernel inside `with nogil:` and turns a nonzero status into an 
 The two sampling ops on logits, `apply_penalties` and `filter_logits`, are NumPy code in
 pyx/cpu_sampling.py (sparse, data-dependent work that NumPy's sorts and partitions do well).
 `linear` has three ISA paths (scalar, avx2, avx512) picked at construction: the `isa` argument,
-else the TAPER_CPU_ISA environment variable, else the best the CPU supports.
+else the KernelConfig's cpu_isa, whose default (auto) is the best the CPU supports.
 """
-import os
-
 import math
 
 import numpy as np
@@ -91,7 +89,7 @@ cdef extern from "quant_kernels.h" nogil:
                        int nthreads)
     int taper_quant_linear(int isa, int type, const float* x, const void* w, const float* bias,
                            float* out, int64_t T, int64_t K, int64_t N, int64_t ldo,
-                           int batch_invariant, int nthreads)
+                           int batch_invariant, int act_split, int nthreads)
     int taper_quant_gemv_max_t(int isa, int type)
 
 
@@ -297,32 +295,36 @@ cdef _status(int st, str op, dict arrays):
 cdef class CpuBackend(Backend):
     """Backend on NumPy arrays with OpenMP C kernels.
 
-    isa: "scalar" | "avx2" | "avx512" for `linear` (default: $TAPER_CPU_ISA, else the best the
-    CPU supports). num_threads: OpenMP threads per op (default: OpenMP's, i.e. all cores or
-    $OMP_NUM_THREADS). batch_invariant: every op computes a row (a token's activations, a
-    query's attention) in an order that does not depend on the other rows of the call, so a
-    request's logits are bit-identical alone or in any batch, however its prompt is chunked
-    (README: Batch invariance); it costs prefill speed (bench/RESULTS.md).
+    isa: "scalar" | "avx2" | "avx512" for `linear` (default: the kernels' cpu_isa, whose auto is
+    the best the CPU supports). num_threads: OpenMP threads per op (default: OpenMP's, i.e. all
+    cores or $OMP_NUM_THREADS). batch_invariant: every op computes a row (a token's
+    activations, a query's attention) in an order that does not depend on the other rows of
+    the call, so a request's logits are bit-identical alone or in any batch, however its prompt
+    is chunked (README: Batch invariance); it costs prefill speed (bench/RESULTS.md).
+    kernels: a pyx.kernel_config.KernelConfig (or its string / dict form); this backend reads
+    cpu_isa, act_split (ggml decode matmuls round each activation row to two 8-bit rows) and
+    moe.
     """
     cdef int _isa
     cdef int _nthreads
-    cdef readonly bint batch_invariant
+    cdef readonly bint act_split     # kernels act_split=on
 
-    xp = np                  # the array module of this backend's tensors
-    act_dtype = np.float32   # activations are float32 here
-
-    def __init__(self, isa=None, num_threads=None, batch_invariant=False):
-        Backend.__init__(self, "cpu")
+    def __init__(self, isa=None, num_threads=None, batch_invariant=False, kernels=None):
+        Backend.__init__(self, "cpu", kernels)
+        self.xp = np                  # the array module of this backend's tensors
+        self.act_dtype = np.float32   # activations are float32 here
         self.batch_invariant = batch_invariant
-        if isa is None:
-            isa = os.environ.get("TAPER_CPU_ISA") or None
+        self.act_split = self.kernels.act_split == "on"
+        if isa is None and self.kernels.cpu_isa != "auto":
+            isa = self.kernels.cpu_isa
         if isa is None:
             self._isa = taper_cpu_best_isa()
         else:
             if isa not in ISA_NAMES:
                 raise ValueError(f"CpuBackend: unknown isa {isa!r}, expected one of {list(ISA_NAMES)}")
             if not taper_cpu_isa_supported(ISA_NAMES[isa]):
-                raise ValueError(f"CpuBackend: isa {isa!r} is not supported by this CPU")
+                raise ValueError(f"CpuBackend: isa {isa!r} is not supported by this CPU (kernels "
+                                 f"cpu_isa=auto picks the best it runs)")
             self._isa = ISA_NAMES[isa]
         self.num_threads = num_threads if num_threads is not None else taper_cpu_max_threads()
 
@@ -345,7 +347,8 @@ cdef class CpuBackend(Backend):
 
     def __repr__(self):
         inv = ", batch_invariant=True" if self.batch_invariant else ""
-        return f"CpuBackend(isa={self.isa!r}, num_threads={self._nthreads}{inv})"
+        split = ", act_split=True" if self.act_split else ""
+        return f"CpuBackend(isa={self.isa!r}, num_threads={self._nthreads}{inv}{split})"
 
     def asarray(self, a):
         """Host array -> this backend's array: `a` itself (np.asarray of it when not an ndarray)."""
@@ -469,6 +472,7 @@ cdef class CpuBackend(Backend):
                 _fail(op, "bias must be (N,)", arrays)
             bp = <const float*>_ptr(bias)
         cdef int isa = self._isa, nt = self._nthreads, st, qtype, inv = self.batch_invariant
+        cdef int split = self.act_split
         cdef const float* xp = <const float*>_ptr(x)
         cdef float* outp = <float*>_ptr(out)
         cdef cnp.ndarray blocks
@@ -481,7 +485,7 @@ cdef class CpuBackend(Backend):
             wp = _ptr(blocks)
             with nogil:
                 st = taper_quant_linear(isa, qtype, xp, wp, bp + col if bp != NULL else NULL,
-                                        outp + col, T, K, n, N, inv, nt)
+                                        outp + col, T, K, n, N, inv, split, nt)
             _status(st, op, arrays)
             col += n
 

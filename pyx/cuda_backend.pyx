@@ -10,21 +10,21 @@ Activations are bf16, f16 or f32 (`dtype`), accumulated in float32; vectors (nor
 biases, the RoPE cos/sin cache, FP8 scales, logits) are float32 as on the CPU. Dense GEMMs go
 through cuBLAS (the libcublas CuPy loads, on a handle of our own, so no extra link dependency).
 All work is queued on one stream, `backend.stream`, with no synchronization inside an op, so a
-decode step can be captured in a CUDA Graph. Tuned kernels stay behind switches until a GPU
-run has verified them: TAPER_CUDA_SPLIT_K=1 (flash-decoding: split-K decode attention with
-the split count of pyx/decode_splits.py), TAPER_CUDA_PREFILL=mma|fa2|fa3 (tensor-core prefill
-attention: the first flash-style kernel, the FlashAttention-2 one with GQA packing and a
-cp.async ring, or its warp-specialized wgmma form for Hopper, which runs fa2 on other GPUs;
-TAPER_CUDA_MMA_PREFILL=1 is the older spelling of mma),
-TAPER_CUDA_MARLIN_PIPELINE=1 (the pipelined Marlin W4A16 GEMM), TAPER_CUDA_MARLIN=v2
-(the Marlin GEMM with striped partitioning, ldmatrix and lop3 dequantization; it wins over
-the former),
-TAPER_CUDA_FP8_CUTLASS=1 (FP8 block-wise weights through CUTLASS on sm_90a instead of
-dequantized once to bf16), TAPER_CUDA_FP8_GEMV=1 (FP8 block-wise weights kept e4m3, read by
-the FP8 GEMV kernel for small M), TAPER_CUDA_RADIX_FILTER=1 (the top-k / top-p thresholds of
-filter_logits by radix select instead of bisection), TAPER_CUDA_FUSED_SAMPLING=1 (the
-sampler's penalties, argmax, filter and Gumbel draw in one launch, `sample_fused`) and
-TAPER_CUDA_FUSED_MOE=1 (`fused_moe`: MoE blocks take the grouped-GEMM path of cuda/moe.cu instead of one linear per expert).
+decode step can be captured in a CUDA Graph. Tuned kernels stay behind switches of the
+KernelConfig it is built with (pyx/kernel_config.py) until a GPU run has verified them:
+decode=split (flash-decoding: split-K decode attention with the split count of
+pyx/decode_splits.py), prefill=mma|fa2|fa3 (tensor-core prefill attention: the first
+flash-style kernel, the FlashAttention-2 one with GQA packing and a cp.async ring, or its
+warp-specialized wgmma form for Hopper, which runs fa2 on other GPUs), marlin=pipeline (the
+pipelined Marlin W4A16 GEMM) or marlin=v2 (the Marlin GEMM with striped partitioning, ldmatrix
+and lop3 dequantization), fp8=cutlass (FP8 block-wise weights through CUTLASS on sm_90a
+instead of dequantized once to bf16), fp8_gemv=on (FP8 block-wise weights kept e4m3, read by
+the FP8 GEMV kernel for small M), filter=radix (the top-k / top-p thresholds of filter_logits
+by radix select instead of bisection), sampling=fused (the sampler's penalties, argmax, filter
+and Gumbel draw in one launch, `sample_fused`) and moe=fused (`fused_moe`: MoE blocks take the
+grouped-GEMM path of cuda/moe.cu instead of one linear per expert). Each choice is also a
+public attribute (split_k, prefill_kernel, marlin_v2, ...) that tests and benchmarks may flip
+on a built backend.
 """
 import logging
 import math
@@ -62,8 +62,8 @@ include "cuda_launchers.pxi"
 
 class DeviceFp8Weight:
     """Block-wise FP8 codes (N, K) and their 128 x 128 block scales on the device, for the
-    CUTLASS GEMM (TAPER_CUDA_FP8_CUTLASS=1 on sm_90a; `cutlass`) and the small-M FP8 GEMV
-    (TAPER_CUDA_FP8_GEMV=1)."""
+    CUTLASS GEMM (kernels fp8=cutlass on sm_90a; `cutlass`) and the small-M FP8 GEMV
+    (fp8_gemv=on)."""
 
     def __init__(self, codes, scales, cutlass=True):
         self.codes, self.scales, self.cutlass = codes, scales, cutlass
@@ -146,63 +146,42 @@ class _StreamGraph:
         self.graph.launch(stream=self.stream)
 
 
-def _env_on(name):
-    return os.environ.get(name, "0") not in ("", "0", "false", "False")
-
-
-# The prefill attention kernels (taper_cuda_paged_attention_prefill's variants); the tensor-core
-# ones take bf16/f16 with a same-type cache and D 64 or 128, other batches the simple one.
+# The prefill attention kernels (taper_cuda_paged_attention_prefill's variants) by their
+# KernelConfig names; the tensor-core ones take bf16/f16 with a same-type cache and D 64 or 128,
+# other batches the simple one.
 PREFILL_VARIANTS = {"simple": 0, "mma": 1, "fa2": 2, "fa3": 3}
 
 
 log = logging.getLogger("taper.cuda")
 
 
-def _prefill_kernel():
-    """TAPER_CUDA_PREFILL's kernel; unset: "mma" under TAPER_CUDA_MMA_PREFILL=1, else "simple"."""
-    name = os.environ.get("TAPER_CUDA_PREFILL", "")
-    if not name:
-        return "mma" if _env_on("TAPER_CUDA_MMA_PREFILL") else "simple"
-    if name not in PREFILL_VARIANTS:
-        raise ValueError(f"TAPER_CUDA_PREFILL must be one of {', '.join(PREFILL_VARIANTS)}, "
-                         f"got {name!r}")
-    return name
-
-
-MARLIN_KERNELS = ("", "v2")   # TAPER_CUDA_MARLIN: unset (the default kernels) or "v2"
-
-
-def _marlin_kernel():
-    """TAPER_CUDA_MARLIN, checked: a mistyped value fails the backend's start, not silently."""
-    value = os.environ.get("TAPER_CUDA_MARLIN", "")
-    if value not in MARLIN_KERNELS:
-        raise ValueError(f"TAPER_CUDA_MARLIN must be unset or one of {list(MARLIN_KERNELS[1:])}, "
-                         f"got {value!r}")
-    return value
-
-
 cdef class CudaBackend(Backend):
     """Backend on CuPy arrays of one device with the kernels of cuda/.
 
     dtype: activation type, "bf16" (default), "f16" or "f32". device: the CUDA device index.
+    kernels: a pyx.kernel_config.KernelConfig (or its string / dict form): the kernel choices
+    above, read here once.
     """
-    cdef readonly object xp, act_dtype, stream, device
+    cdef readonly object stream, device
     cdef readonly int num_sms
     cdef int _act_code
     cdef object _cupy, _workspace, _panel, _retired, _cublas_workspace, _decode_occupancy
     cdef void* _blas_handle
-    cdef public str prefill_kernel   # a PREFILL_VARIANTS name: TAPER_CUDA_PREFILL
-    cdef public bint split_k, mma_prefill, fp8_cutlass, marlin_pipeline, fp8_gemv, radix_filter
-    cdef public bint fused_sampling  # engine/sampler.py calls sample_fused
-    cdef public bint fused_moe      # MoE blocks built on this backend take the grouped GEMMs
-    cdef public bint marlin_v2       # TAPER_CUDA_MARLIN=v2
+    cdef public str prefill_kernel   # a PREFILL_VARIANTS name: kernels prefill
+    cdef public bint split_k         # decode=split
+    cdef public bint mma_prefill     # prefill=mma
+    cdef public bint fp8_cutlass     # fp8=cutlass
+    cdef public bint fp8_gemv        # fp8_gemv=on
+    cdef public bint radix_filter    # filter=radix
+    cdef public bint marlin_pipeline # marlin=pipeline
+    cdef public bint marlin_v2       # marlin=v2
     cdef public int fp8_gemv_max_m   # FP8 weights take the GEMV up to this many rows
     cdef public int64_t max_context  # decode split-K sizes its partitions for this many keys
     cdef public int decode_splits    # > 0: this many split-K partitions (benchmarks); 0: the rule
 
-    def __init__(self, dtype="bf16", device=0):
+    def __init__(self, dtype="bf16", device=0, kernels=None):
         cdef void* handle = NULL
-        Backend.__init__(self, "cuda")
+        Backend.__init__(self, "cuda", kernels)
         if dtype not in ACT_DTYPES:
             raise ValueError(f"CudaBackend: dtype must be one of {list(ACT_DTYPES)}, got {dtype!r}")
         if taper_cuda_device_count() <= device:
@@ -242,21 +221,21 @@ cdef class CudaBackend(Backend):
         self._workspace = None
         self._panel = None
         self._retired = []
-        self.split_k = _env_on("TAPER_CUDA_SPLIT_K")
-        self.prefill_kernel = _prefill_kernel()
+        k = self.kernels
+        self.split_k = k.decode == "split"
+        self.prefill_kernel = k.prefill
         if self.prefill_kernel == "fa3" and self.device.compute_capability != "90":
             # fa3's wgmma / setmaxnreg exist only in sm_90a code (H100, H200)
-            log.warning("TAPER_CUDA_PREFILL=fa3 needs compute capability 9.0, device %d has %s: "
+            log.warning("kernels prefill=fa3 needs compute capability 9.0, device %d has %s: "
                         "running fa2", device, self.device.compute_capability)
             self.prefill_kernel = "fa2"
         self.mma_prefill = self.prefill_kernel == "mma"
-        self.fp8_cutlass = _env_on("TAPER_CUDA_FP8_CUTLASS")
-        self.marlin_pipeline = _env_on("TAPER_CUDA_MARLIN_PIPELINE")
-        self.marlin_v2 = _marlin_kernel() == "v2"
-        self.fp8_gemv = _env_on("TAPER_CUDA_FP8_GEMV")
-        self.radix_filter = _env_on("TAPER_CUDA_RADIX_FILTER")
-        self.fused_sampling = _env_on("TAPER_CUDA_FUSED_SAMPLING")
-        self.fused_moe = _env_on("TAPER_CUDA_FUSED_MOE")
+        self.fp8_cutlass = k.fp8 == "cutlass"
+        self.marlin_pipeline = k.marlin == "pipeline"
+        self.marlin_v2 = k.marlin == "v2"
+        self.fp8_gemv = k.fp8_gemv == "on"
+        self.radix_filter = k.filter == "radix"
+        self.fused_sampling = k.sampling == "fused"
         self.fp8_gemv_max_m = FP8_GEMV_MAX_M
         self.max_context = 0
         self.decode_splits = 0
@@ -312,9 +291,9 @@ cdef class CudaBackend(Backend):
     def _place_fp8(self, w):
         """FP8 weights: by default dequantized once, on the device, to the activation dtype
         (cuBLAS then multiplies them: the simple path, twice the bytes of the codes). With
-        TAPER_CUDA_FP8_CUTLASS=1 on an sm_90a device, 128 x 128 block-wise weights stay e4m3
+        kernels fp8=cutlass on an sm_90a device, 128 x 128 block-wise weights stay e4m3
         for the CUTLASS block-scaled GEMM (the tuned path, until a GPU run verifies it). With
-        TAPER_CUDA_FP8_GEMV=1 they stay e4m3 too, for the small-M FP8 GEMV (any sm80+; larger M
+        fp8_gemv=on they stay e4m3 too, for the small-M FP8 GEMV (any sm80+; larger M
         then goes through CUTLASS where it applies, else panels dequantized for cuBLAS)."""
         n, k = w.shape
         codes, scales = self.asarray(w.weight), self.asarray(w.scale)
@@ -528,8 +507,8 @@ cdef class CudaBackend(Backend):
 
     def _marlin_compute(self, x, weight, out):
         """W4A16 through the Marlin-layout GEMM: the simple kernel by default, the striped v2
-        under TAPER_CUDA_MARLIN=v2, else the pipelined one with a global reduce for small M
-        under TAPER_CUDA_MARLIN_PIPELINE=1 (each falling back to the simple one for shapes it
+        under kernels marlin=v2, else the pipelined one with a global reduce for small M
+        under marlin=pipeline (each falling back to the simple one for shapes it
         lacks)."""
         T, K, N = x.shape[0], x.shape[1], out.shape[1]
         args = (self._ptr(x), weight.qweight.data.ptr, weight.scales.data.ptr,
@@ -547,7 +526,7 @@ cdef class CudaBackend(Backend):
         launch_marlin_gemm(*args, 0, 0, 0, self._sptr())
 
     def _fp8_compute(self, x, weight, out):
-        """Up to fp8_gemv_max_m rows under TAPER_CUDA_FP8_GEMV=1: the FP8 GEMV on the codes.
+        """Up to fp8_gemv_max_m rows under kernels fp8_gemv=on: the FP8 GEMV on the codes.
         Else, for a weight placed for CUTLASS: activations quantized per token and group of 128
         to e4m3, then the CUTLASS block-scaled GEMM (bf16 out), one workspace holding the e4m3
         activations, their (T, K/128) scales and CUTLASS's own scratch, each part 16-byte
@@ -730,9 +709,9 @@ cdef class CudaBackend(Backend):
         kinds = sorted({type(w).__name__ if not hasattr(w, "quant_parts") else
                         "ggml types " + ",".join(str(t) for t, _ in w.quant_parts)
                         for w in weights})
-        raise ValueError(f"stack_experts: the fused MoE path (TAPER_CUDA_FUSED_MOE=1) takes "
+        raise ValueError(f"stack_experts: the fused MoE path (kernels moe=fused) takes "
                          f"{self.act_dtype.name} or GGUF Q8_0 experts (K % 32 == 0 for Q8_0), "
-                         f"not {kinds} of shape {(N, K)}; unset TAPER_CUDA_FUSED_MOE for these")
+                         f"not {kinds} of shape {(N, K)}; use moe=simple for these")
 
     def _need(self, str op, dict arrays, str name, dtype, tuple shape):
         self._check(op, arrays, name, (dtype,), len(shape), True)

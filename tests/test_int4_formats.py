@@ -402,8 +402,8 @@ def oracle(float_dir, deq):
     return hf
 
 
-def taper_greedy(model_dir, n=24):
-    llm = LLM(model_dir, num_kv_blocks=32)
+def taper_greedy(model_dir, n=24, **config):
+    llm = LLM(model_dir, num_kv_blocks=32, **config)
     out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
     return out[0].token_ids
 
@@ -428,11 +428,10 @@ def test_gptq_model_every_isa_with_prefill_through_the_gemm_path(float_dir, tmp_
                                                                  isa):
     """The 20-token prefill goes through dequantize + dense GEMM, decode through the int4 kernel."""
     import engine.quant_int4 as qi
-    monkeypatch.setenv("TAPER_CPU_ISA", isa)
     monkeypatch.setitem(qi.GEMV_MAX_T, isa, 8)
     qdir, deq = write_gptq_awq(float_dir, tmp_path / "q", "gptq", False, 128, "gptq")
     reference = hf_greedy(oracle(float_dir, deq), PROMPT, 24, tie=MARGIN)
-    assert_matches(taper_greedy(qdir), reference, label=isa)
+    assert_matches(taper_greedy(qdir, kernels=f"cpu_isa={isa}"), reference, label=isa)
 
 
 @pytest.mark.parametrize("symmetric,strategy", [(True, "group"), (False, "group"),

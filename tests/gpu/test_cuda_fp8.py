@@ -1,7 +1,7 @@
 """FP8 weights on the GPU (issue 6, items 2 and 4) against the CPU backend and the float64 oracle.
 
 Default path: block-wise (and per-channel) e4m3 weights dequantized once on the device to the
-activation dtype, then cuBLAS. Switch TAPER_CUDA_FP8_CUTLASS=1 (sm_90a): activations quantized per
+activation dtype, then cuBLAS. Switch kernels fp8=cutlass (sm_90a): activations quantized per
 token and group of 128, then the CUTLASS block-scaled GEMM. Outputs are poisoned first.
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The small-M FP8 GEMV (cuda/fp8_gemv.cu; TAPER_CUDA_FP8_GEMV=1, issue 12 item 2) against the
+"""The small-M FP8 GEMV (cuda/fp8_gemv.cu; kernels fp8_gemv=on, issue 12 item 2) against the
 float64 oracle (tests/reference.py fp8_block_dequantize, then x W^T) and the CPU backend's FP8
 linear (dequantize, then an f32 GEMM).
 
@@ -93,7 +93,7 @@ def test_fp8_gemv_llama3_8b_shapes_match_cpu(cuda_bf16, cpu, layer, M):
 
 @pytest.mark.parametrize("M", [1, 5, 16, 17, 64, 65, 300])
 def test_fp8_linear_with_the_switch(make_cuda, cpu, M):
-    """TAPER_CUDA_FP8_GEMV=1: weights stay e4m3 (a DeviceFp8Weight, not a dequantized array);
+    """fp8_gemv=on: weights stay e4m3 (a DeviceFp8Weight, not a dequantized array);
     up to fp8_gemv_max_m rows take the GEMV, more take dequantized panels and cuBLAS, both with
     the bias, equal to the CPU backend's FP8 linear."""
     from engine.quant_fp8 import Fp8Weight
