@@ -30,21 +30,21 @@ structured outputs' token bitmask (every row masked, about half the tokens allow
 and 64 over the vocabulary.
 
 qgemm (issue 6, item 7): the quantized GEMMs through `CudaBackend.linear` on the same four
-projections at M (QM) 1, 4, 16, 64, 4096 -- bf16 dense (cuBLAS, the reference), GGUF Q4_K and
-Q8_0 (host `engine.quant.quantize` of random f32, cached per shape), int4 W4A16 through the Marlin
-kernel (random codes and f32 scales, group 128, symmetric: `Int4Part.from_codes`, repacked once
-per shape), FP8 block-wise (128 x 128 scales) through the CUTLASS GEMM (sm_90 only; skipped with a
-note elsewhere), and the one-time cost of the default FP8 path, which dequantizes at load and then
-IS the bf16 GEMM (so only that dequantize is timed). Each format rotates 2 input sets (separate
-weight copies and activations). Its row gives TFLOP/s (and % of the cuBLAS peak), the WEIGHT
-bytes read over the time in GB/s (and % of the copy peak: decode at small M is bound by them), and
-the speed-up over bf16 dense at the same shape and M. FP8 rows also give % of an estimated FP8
-dense peak, twice the measured bf16 cuBLAS figure (Hopper's tensor-core ratio; cuBLAS FP8 is not
-reachable through this backend's GemmEx handle). fp8-gemv rows (M <= 64): the FP8 GEMV kernel of
-kernels fp8_gemv=on on the e4m3 codes, any sm80+ device; the weight bytes over its time is its
-ratio to the copy ceiling. marlin-v2 rows: the same int4 weights through Marlin v2
-(kernels marlin=v2: striped partitioning, ldmatrix, lop3 dequantization), beside the default
-marlin row. --shape QM=1,16 and qlayers=gate_up,down select.
+projections at M (QM) 1, 4, 16, 64, 4096 -- bf16 dense (cuBLAS, the reference), GGUF Q4_K and Q8_0
+(host `pyx.cpu_backend.quantize_weight` of random f32, cached per shape), int4 W4A16 through the
+Marlin kernel (random codes and f32 scales, group 128, symmetric: `Int4Part.from_codes`, repacked
+once per shape), FP8 block-wise (128 x 128 scales) through the CUTLASS GEMM (sm_90 only; skipped
+with a note elsewhere), and the one-time cost of the default FP8 path, which dequantizes at load and
+then IS the bf16 GEMM (so only that dequantize is timed). Each format rotates 2 input sets (separate
+weight copies and activations). Its row gives TFLOP/s (and % of the cuBLAS peak), the WEIGHT bytes
+read over the time in GB/s (and % of the copy peak: decode at small M is bound by them), and the
+speed-up over bf16 dense at the same shape and M. FP8 rows also give % of an estimated FP8 dense
+peak, twice the measured bf16 cuBLAS figure (Hopper's tensor-core ratio; cuBLAS FP8 is not reachable
+through this backend's GemmEx handle). fp8-gemv rows (M <= 64): the FP8 GEMV kernel of kernels
+fp8_gemv=on on the e4m3 codes, any sm80+ device; the weight bytes over its time is its ratio to the
+copy ceiling. marlin-v2 rows: the same int4 weights through Marlin v2 (kernels marlin=v2: striped
+partitioning, ldmatrix, lop3 dequantization), beside the default marlin row. --shape QM=1,16 and
+qlayers=gate_up,down select.
 
 moe (issue 16, kernels moe=fused): the fused MoE grouped GEMM (cuda/moe.cu) for the gate_up
 and down projections of Qwen3-30B-A3B (H 2048, experts of 768, top-8 of 128) and Mixtral-8x7B
@@ -505,38 +505,26 @@ def cases_linear(bench, c):
 _HOST_QUANT: dict = {}
 
 
-class _Repacked:
-    """A host MarlinWeight that `CudaBackend.place_weight` takes like an Int4Weight (it calls
-    `.marlin()`), without repacking again for every device copy."""
-
-    def __init__(self, m):
-        self.m = m
-
-    @property
-    def shape(self):
-        return self.m.shape
-
-    def marlin(self):
-        return self.m
-
-
 def host_quant(fmt: str, N: int, K: int, seed: int = 0):
     """The host-side weight of one format for an (N, K) projection, made once per shape: "q4k" and
-    "q8_0" ggml blocks (engine.quant.quantize of random normal f32), "marlin" (random int4 codes,
-    f32 group-128 scales, symmetric zeros 8, repacked to the Marlin layout), "fp8" (random e4m3
+    "q8_0" ggml blocks (quantize_weight of random normal f32), "marlin" (random int4 codes,
+    f32 group-128 scales, symmetric zeros 8, repacked once to the Marlin layout, which
+    place_weight takes as it is), "fp8" (random e4m3
     codes without the NaN codes 0x7f / 0xff, random 128 x 128 block scales)."""
     key = (fmt, N, K, seed)
     if key in _HOST_QUANT:
         return _HOST_QUANT[key]
     rng = np.random.default_rng(seed)
     if fmt in ("q4k", "q8_0"):
-        from engine.quant import ISQ_TYPES, quantize
+        from pyx.cpu_backend import quantize_weight
+        from pyx.weights.ggml import ISQ_TYPES
         w = rng.standard_normal((N, K), dtype=np.float32)
         w *= 1.0 / np.sqrt(K)
-        obj = quantize(w, ISQ_TYPES[fmt])
+        obj = quantize_weight(w, ISQ_TYPES[fmt])
         del w
     elif fmt == "marlin":
-        from engine.quant_int4 import Int4Part, Int4Weight
+        from pyx.weights.int4 import Int4Part, Int4Weight
+        from pyx.weights.marlin import repack_int4
         g = QGEMM_GROUP
         if K % g:
             raise ValueError(f"int4 group {g} must divide K = {K}")
@@ -544,10 +532,10 @@ def host_quant(fmt: str, N: int, K: int, seed: int = 0):
         scales = rng.uniform(0.5, 1.5, (N, K // g)).astype(np.float32)
         scales *= 2.0 / (15.0 * np.sqrt(K))
         zeros = np.full((N, K // g), 8.0, np.float32)
-        obj = _Repacked(Int4Weight([Int4Part.from_codes(codes, scales, zeros, g)], K).marlin())
+        obj = repack_int4(Int4Weight([Int4Part.from_codes(codes, scales, zeros, g)], K))
         del codes
     elif fmt == "fp8":
-        from engine.quant_fp8 import Fp8Weight
+        from pyx.weights.fp8 import Fp8Weight
         bn, bk = FP8_BLOCK
         if N % bn:
             raise ValueError(f"FP8 block rows {bn} must divide N = {N}")

@@ -151,7 +151,7 @@ def dequantized_weights(path: Path):
     """(config, Taper's weights as loaded, the same weights dequantized by gguf to float32)."""
     from gguf import quants
     from engine.loader.gguf import read_gguf
-    from engine.quant import QuantizedWeight
+    from pyx.weights.ggml import QuantizedWeight
     ck = read_gguf(str(path), progress=False)
     deq = {}
     for k, v in ck.weights.items():

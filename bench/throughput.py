@@ -311,8 +311,8 @@ def quant_linear_probe(batches, quiet_s: float = 0.0) -> list[dict]:
     """Taper's quantized `linear` alone, per ISA, on the model shapes where each type occurs in
     the Q8_0 / Q4_K_M files (Q8_0, Q5_0: gate+up and the LM head; Q4_K, Q6_K: down), weights
     rotated over copies (~600 MB a round) so caches do not flatter them."""
-    from engine.quant import ISQ_TYPES, quantize
-    from pyx.cpu_backend import CpuBackend, isa_supported
+    from pyx.cpu_backend import CpuBackend, isa_supported, quantize_weight
+    from pyx.weights.ggml import ISQ_TYPES
     c = CONFIG
     h, i = c["hidden_size"], c["intermediate_size"]
     shapes = {"q8_0": [("lm_head", c["vocab_size"], h), ("gate+up", 2 * i, h)],
@@ -321,7 +321,8 @@ def quant_linear_probe(batches, quiet_s: float = 0.0) -> list[dict]:
     rows = []
     for qname, shp in shapes.items():
         for name, n, k in shp:
-            w = quantize(0.02 * rng.standard_normal((n, k), dtype=np.float32), ISQ_TYPES[qname])
+            w = quantize_weight(0.02 * rng.standard_normal((n, k), dtype=np.float32),
+                                ISQ_TYPES[qname])
             nbytes = sum(b.nbytes for _, b in w.quant_parts)
             ws = [w] + [type(w)([(t, b.copy()) for t, b in w.quant_parts], w.k)
                         for _ in range(int(6e8 // nbytes) - 1)]

@@ -279,13 +279,13 @@ int taper_cuda_gguf_mmvq(int qtype,
                          int64_t M, int64_t N, int64_t K, int64_t ldo, int dtype,
                          void* workspace, int64_t workspace_bytes, taper_stream_t stream);
 
-/* ---- marlin.cu: W4A16 GEMM on the Marlin layout (issue 6; engine/marlin.py defines the
+/* ---- marlin.cu: W4A16 GEMM on the Marlin layout (issue 6; pyx/weights/marlin.py defines the
  * layout). W (N, K) is int4 codes with float32 scales and optional uint8 zeros per group of G
  * along K (G = K per channel): W[n, k] = scale[g, n] * (code[n, k] - zero[g, n]), zero 8 when
  * zeros is NULL. Np = ceil(N / 64) * 64; K and G multiples of 16, G dividing K. */
 
 /* One Int4Weight part (canonical layout of pyx/int4_kernels.h, one group size) -> the Marlin
- * layout, bit-identical to engine/marlin.py repack_int4. Pass zeros NULL (and m_zeros NULL)
+ * layout, bit-identical to pyx/weights/marlin.py repack_int4. Pass zeros NULL (and m_zeros NULL)
  * exactly when repack_int4 gives zeros None (every zero 8); zeros must be integers 0..255. */
 int taper_cuda_marlin_repack(const uint8_t* qs,      // (N, K/2) packed codes
                              const float* scales,    // (N, K/G)

@@ -5,7 +5,10 @@ then calls one C kernel inside `with nogil:` and turns a nonzero status into an 
 The two sampling ops on logits, `apply_penalties` and `filter_logits`, are NumPy code in
 pyx/cpu_sampling.py (sparse, data-dependent work that NumPy's sorts and partitions do well).
 `linear` has three ISA paths (scalar, avx2, avx512) picked at construction: the `isa` argument,
-else the KernelConfig's cpu_isa, whose default (auto) is the best the CPU supports.
+else the KernelConfig's cpu_isa, whose default (auto) is the best the CPU supports. Besides float
+matrices `linear` takes the packed formats of pyx/weights/, recognised with isinstance: ggml
+blocks (pyx/quant_kernels.c, whose host functions quantize_weight / dequantize_weight are here
+too), FP8 codes (pyx/fp8.pyx) and int4 codes (pyx/cpu_int4.py over pyx/int4.pyx).
 """
 import math
 
@@ -14,8 +17,12 @@ cimport numpy as cnp
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t
 
 from pyx.backend cimport Backend, describe_arrays as _desc, fail as _fail
-from pyx import cpu_moe, cpu_sampling
+from pyx import cpu_int4, cpu_moe, cpu_sampling
+from pyx.fp8 import fp8_linear
 from pyx.moe import StackedExperts
+from pyx.weights.fp8 import Fp8Weight
+from pyx.weights.ggml import QuantizedWeight
+from pyx.weights.int4 import Int4Weight
 
 cnp.import_array()
 
@@ -167,6 +174,20 @@ def dequantize(int qtype, data, int64_t k, str isa="scalar"):
     if st:
         raise ValueError(f"dequantize: bad arguments (type {qtype}, k {k})")
     return out
+
+
+def quantize_weight(weight, int qtype, num_threads=None):
+    """In-situ quantization of a float (N, K) matrix (bf16/f16/f32) to one ggml type (--isq)."""
+    x = np.asarray(weight, dtype=np.float32)
+    return QuantizedWeight.of(qtype, quantize(qtype, x, num_threads), x.shape[1])
+
+
+def dequantize_weight(w, str isa="scalar"):
+    """A QuantizedWeight -> (N, K) float32, through the kernels' scalar reference (or the given
+    ISA's bit-identical SIMD bodies)."""
+    if not isinstance(w, QuantizedWeight):
+        raise TypeError(f"dequantize_weight: expected a QuantizedWeight, got {type(w).__name__}")
+    return np.concatenate([dequantize(t, b, w.k, isa) for t, b in w.quant_parts])
 
 
 def quantize(int qtype, x, num_threads=None):
@@ -380,7 +401,7 @@ cdef class CpuBackend(Backend):
     def embedding(self, token_ids, table, out):
         op = "embedding"
         arrays = {"token_ids": token_ids, "table": table, "out": out}
-        if hasattr(table, "quant_parts"):
+        if isinstance(table, QuantizedWeight):
             return self._quant_embedding(token_ids, table, out)
         _check(op, arrays, "token_ids", (_I32,), 1)
         _check(op, arrays, "table", _WDT, 2)
@@ -400,10 +421,13 @@ cdef class CpuBackend(Backend):
     def linear(self, x, weight, bias, out):
         op = "linear"
         arrays = {"x": x, "weight": weight, "bias": bias, "out": out}
-        if hasattr(weight, "quant_parts"):
+        if isinstance(weight, QuantizedWeight):
             return self._quant_linear(x, weight, bias, out)
-        if hasattr(weight, "cpu_linear"):     # other packed formats compute themselves
-            return weight.cpu_linear(self, x, bias, out)
+        if isinstance(weight, Fp8Weight):
+            return fp8_linear(self.isa, x, weight.weight, weight.scale, weight.block, bias, out,
+                              self._nthreads, self.batch_invariant)
+        if isinstance(weight, Int4Weight):
+            return cpu_int4.linear(self, weight, x, bias, out)
         _check(op, arrays, "x", (_F32,), 2)
         _check(op, arrays, "weight", _WDT, 2)
         _check(op, arrays, "out", (_F32,), 2, True)
@@ -455,8 +479,9 @@ cdef class CpuBackend(Backend):
             _status(st, op, arrays)
 
     def _quant_linear(self, x, weight, bias, out):
-        """`weight.quant_parts`: (qtype, blocks (n_i, row_bytes)) stacked along N; each part
-        writes its column slice of out (a fused weight may mix types, as GGUF files do)."""
+        """A QuantizedWeight's quant_parts: (qtype, blocks (n_i, row_bytes)) stacked along N;
+        each part writes its column slice of out (a fused weight may mix types, as GGUF files
+        do)."""
         op = "linear"
         arrays = {"x": x, "out": out}
         _check(op, arrays, "x", (_F32,), 2)

@@ -38,6 +38,10 @@ from pyx.cuda_launch cimport *
 from pyx import cpu_moe
 from pyx.decode_splits import decode_num_splits
 from pyx.moe import StackedExperts
+from pyx.weights.fp8 import Fp8Weight
+from pyx.weights.ggml import QuantizedWeight
+from pyx.weights.int4 import Int4Weight
+from pyx.weights.marlin import MarlinWeight, repack_int4
 
 
 class CudaError(RuntimeError):
@@ -74,7 +78,7 @@ class DeviceFp8Weight:
 
 
 class DeviceMarlinWeight:
-    """An int4 weight on the device in the Marlin layout (engine/marlin.py MarlinWeight)."""
+    """An int4 weight on the device in the Marlin layout (pyx/weights/marlin.py MarlinWeight)."""
 
     def __init__(self, qweight, scales, zeros, n, k, group_size):
         self.qweight, self.scales, self.zeros = qweight, scales, zeros
@@ -267,16 +271,17 @@ cdef class CudaBackend(Backend):
 
     def place_weight(self, a):
         """A weight on the device: matrices in the activation dtype, vectors in float32. Takes
-        a NumPy array (copied over) or a CuPy one (cast in place on the device)."""
-        if hasattr(a, "quant_parts"):      # ggml blocks (GGUF, --isq): the same bytes, moved
+        a NumPy array (copied over), a CuPy one (cast in place on the device) or a packed
+        format of pyx/weights/."""
+        if isinstance(a, QuantizedWeight):  # ggml blocks (GGUF, --isq): the same bytes, moved
             for qtype, _ in a.quant_parts:
                 if not taper_cuda_gguf_supported(qtype):
                     raise ValueError(f"ggml type {qtype} has no CUDA kernel")
-            return type(a)([(t, self.asarray(b)) for t, b in a.quant_parts], a.k)
-        if hasattr(a, "block") and hasattr(a, "scale"):    # FP8 codes with block scales
+            return QuantizedWeight([(t, self.asarray(b)) for t, b in a.quant_parts], a.k)
+        if isinstance(a, Fp8Weight):       # FP8 codes with block scales
             return self._place_fp8(a)
-        if hasattr(a, "marlin"):           # int4 (GPTQ, AWQ, compressed-tensors): Marlin
-            m = a.marlin()
+        if isinstance(a, (Int4Weight, MarlinWeight)):  # int4 (GPTQ, AWQ, ...): Marlin
+            m = repack_int4(a) if isinstance(a, Int4Weight) else a
             return DeviceMarlinWeight(self.asarray(m.qweight), self.asarray(m.scales),
                                       None if m.zeros is None else self.asarray(m.zeros),
                                       m.n, m.k, m.group_size)
@@ -392,7 +397,7 @@ cdef class CudaBackend(Backend):
     def embedding(self, token_ids, table, out):
         op, act = "embedding", (self.act_dtype,)
         arrays = {"token_ids": token_ids, "table": table, "out": out}
-        if hasattr(table, "quant_parts"):
+        if isinstance(table, QuantizedWeight):
             return self._quant_embedding(token_ids, table, out)
         self._check(op, arrays, "token_ids", (_I32,), 1)
         self._check(op, arrays, "table", act, 2)
@@ -407,7 +412,7 @@ cdef class CudaBackend(Backend):
         """cuBLAS GEMM, float32 accumulation; out may be the activation dtype or float32."""
         op, act = "linear", (self.act_dtype,)
         arrays = {"x": x, "weight": weight, "bias": bias, "out": out}
-        if hasattr(weight, "quant_parts"):
+        if isinstance(weight, QuantizedWeight):
             return self._packed_linear(x, weight, bias, out, self._ggml_compute)
         if isinstance(weight, DeviceMarlinWeight):
             return self._packed_linear(x, weight, bias, out, self._marlin_compute)
@@ -700,13 +705,13 @@ cdef class CudaBackend(Backend):
         if all(isinstance(w, cp.ndarray) and w.dtype == self.act_dtype and w.shape == (N, K)
                for w in weights):
             return StackedExperts((E, N, K), None, cp.stack(weights), TAPER_MOE_W_DTYPE)
-        if (K % 32 == 0 and all(hasattr(w, "quant_parts") and tuple(w.shape) == (N, K)
+        if (K % 32 == 0 and all(isinstance(w, QuantizedWeight) and tuple(w.shape) == (N, K)
                                 and all(t == TAPER_MOE_W_Q8_0 for t, _ in w.quant_parts)
                                 for w in weights)):
             data = cp.stack([cp.concatenate([b for _, b in w.quant_parts]) for w in weights])
             if data.shape == (E, N, K // 32 * 34) and data.dtype == _U8:
                 return StackedExperts((E, N, K), None, data, TAPER_MOE_W_Q8_0)
-        kinds = sorted({type(w).__name__ if not hasattr(w, "quant_parts") else
+        kinds = sorted({type(w).__name__ if not isinstance(w, QuantizedWeight) else
                         "ggml types " + ",".join(str(t) for t, _ in w.quant_parts)
                         for w in weights})
         raise ValueError(f"stack_experts: the fused MoE path (kernels moe=fused) takes "

@@ -5,7 +5,7 @@
  * is dotted with it. Beyond that (prefill) it would unpack every weight block T times, so panels
  * of weight rows are dequantized to float32 once (per-thread scratch) and go through the dense
  * GEMM of taper_linear with the float32 activations, as the int4 path does for GPTQ
- * (engine/quant_int4.py, GEMV_MAX_T / PANEL_BYTES): the activations are not rounded to Q8 there,
+ * (pyx/cpu_int4.py, GEMV_MAX_T / PANEL_BYTES): the activations are not rounded to Q8 there,
  * so results differ from the decode path's by that rounding (they are closer to x @ W.T).
  * act_split (the CPU backend's kernels act_split=on) makes the loop nearly as exact, at twice its
  * integer work: each activation row becomes two 8-bit rows (quantize_act_split).

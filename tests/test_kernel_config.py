@@ -12,7 +12,7 @@ import pytest
 
 from engine import KernelConfig
 from engine.config import EngineConfig
-from pyx.cpu_backend import CpuBackend, quantize
+from pyx.cpu_backend import CpuBackend, dequantize_weight, quantize_weight
 from pyx.kernel_config import CHOICES, RETIRED_VARIABLES, retired_variables
 
 # Today's kernels: what every engine ran before the choices were data (issue 25).
@@ -125,10 +125,9 @@ def test_act_split_reaches_the_quantized_matmul():
     float64 product than the one-row (ggml) rounding."""
     rng = np.random.default_rng(3)
     K, N = 256, 64
-    from engine.quant import QuantizedWeight
-    w = QuantizedWeight.of(8, quantize(8, rng.standard_normal((N, K)).astype(np.float32)), K)
+    w = quantize_weight(rng.standard_normal((N, K)).astype(np.float32), 8)   # Q8_0
     x = rng.standard_normal((1, K)).astype(np.float32)
-    exact = x.astype(np.float64) @ w.dequantize().astype(np.float64).T
+    exact = x.astype(np.float64) @ dequantize_weight(w).astype(np.float64).T
     err = {}
     for split in ("off", "on"):
         out = np.empty((1, N), np.float32)

@@ -25,9 +25,9 @@ import pytest
 from gguf import GGMLQuantizationType as QT
 from gguf.quants import dequantize as gguf_dequantize
 
-from engine.quant import QuantizedWeight
-from pyx.cpu_backend import (CpuBackend, dequantize, isa_supported, quant_block_size,
-                              quant_gemv_max_t, quantize)
+from pyx.cpu_backend import (CpuBackend, dequantize, dequantize_weight, isa_supported,
+                              quant_block_size, quant_gemv_max_t, quantize)
+from pyx.weights.ggml import QuantizedWeight
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 FIXTURES = os.path.join(DATA, "quant_k")
@@ -262,7 +262,7 @@ def test_linear_bias_and_fused_parts(isa):
     bias = rng.standard_normal(32).astype(np.float32)
     out = np.zeros((4, 32), np.float32)
     CpuBackend(isa=isa).linear(x, w, bias, out)
-    wd = w.dequantize().astype(np.float64)
+    wd = dequantize_weight(w).astype(np.float64)
     xq = q8_K_round(x)
     np.testing.assert_allclose(out, xq @ wd.T + bias, rtol=0,
                                atol=1e-5 * (np.abs(xq) @ np.abs(wd).T).max())

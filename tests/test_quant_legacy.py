@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT, quants
 
-from engine.quant import QuantizedWeight
 from pyx.cpu_backend import (CpuBackend, dequantize, isa_supported, quant_block_size,
                               quant_gemv_max_t, quantize)
+from pyx.weights.ggml import QuantizedWeight
 
 TYPES = [QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0]
 WITH_MIN = {QT.Q4_1, QT.Q5_1}       # blocks (d, m, ...) that dot with Q8_1 activations

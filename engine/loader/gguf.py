@@ -48,7 +48,7 @@ from tqdm import tqdm
 from engine.loader import gguf_dense
 from engine.loader.gguf_tokenizer import build_tokenizer, special_id
 from engine.loader.safetensors import resolve_dtype, target_dtype
-from engine.quant import BLOCK_TYPES, QuantizedWeight
+from pyx.weights.ggml import BLOCK_TYPES, QuantizedWeight
 
 if TYPE_CHECKING:
     from engine.tokenizer import Tokenizer

@@ -58,7 +58,7 @@ def test_quantize_per_token_group_equals_reference(cuda, M):
 @pytest.mark.parametrize("M", [1, 2, 16, 33, 128, 1024])
 @pytest.mark.parametrize("cutlass", [False, True])
 def test_fp8_linear_matches_cpu(make_cuda, cpu, M, cutlass):
-    from engine.quant_fp8 import Fp8Weight
+    from pyx.weights.fp8 import Fp8Weight
     b = make_cuda("bf16")
     if cutlass:
         if not sm90(b):

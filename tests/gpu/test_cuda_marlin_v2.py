@@ -1,5 +1,5 @@
 """Marlin v2 (kernels marlin=v2: striped partitioning, ldmatrix A, lop3 dequantization; issue
-12 item 4) against the CPU: the int4 weight dequantized by engine.quant_int4 (Int4Weight, checked
+12 item 4) against the CPU: the int4 weight dequantized by pyx.weights.int4 (Int4Weight, checked
 bit for bit against the checkpoint formats' packers in tests/test_int4_formats.py) times the
 activations, in float32 NumPy. Llama-3-8B's projection shapes, M from decode (1, 7, 16) to
 prefill (33, 64, 1024); group size 128 (asymmetric zeros) and channel-wise (symmetric).
@@ -29,7 +29,7 @@ def rel_err(got, want) -> float:
 def int4_weight(n, k, g, asym, seed=0):
     """Random codes, scales and zeros as an Int4Weight and its float32 dequantization (cached:
     gate_up's is 470 MB)."""
-    from engine.quant_int4 import Int4Part, Int4Weight
+    from pyx.weights.int4 import Int4Part, Int4Weight
     key = (n, k, g, asym, seed)
     if key not in _WEIGHTS:
         _WEIGHTS.clear()

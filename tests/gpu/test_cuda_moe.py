@@ -71,9 +71,8 @@ def q8_0_experts(rng, E, N, K):
     from gguf import GGMLQuantizationType as QT
     from gguf.quants import quantize as gguf_quantize
 
-    from engine.quant import quantize
-    cls = type(quantize(np.zeros((1, 32), np.float32), int(QT.Q8_0)))
-    return [cls([(int(QT.Q8_0), gguf_quantize(
+    from pyx.weights.ggml import QuantizedWeight
+    return [QuantizedWeight([(int(QT.Q8_0), gguf_quantize(
         (rng.standard_normal((N, K)) * 0.05).astype(np.float32), QT.Q8_0))], K)
         for _ in range(E)]
 
@@ -95,7 +94,8 @@ def test_grouped_gemm_matches_cpu(make_cuda, cpu, dt, shape, fmt):
     ids = skewed_ids(rng, T, k, E)
     if fmt == "q8_0":   # the reference multiplies the CPU's scalar dequantization in float
         host_w = q8_0_experts(rng, E, N, K)
-        ref_w = [w.dequantize() for w in host_w]
+        from pyx.cpu_backend import dequantize_weight
+        ref_w = [dequantize_weight(w) for w in host_w]
     else:  # weights and activations rounded to the device dtype, so both sides see the same
         host_w = [rng.standard_normal((N, K)).astype(b.act_dtype).astype(np.float32) * 0.05
                   for _ in range(E)]
