@@ -173,7 +173,7 @@ class BuildExt(build_ext):
 setup(
     # Every package under engine/, server/ and pyx/ (server.chat, server.tool_parsers, ...): a
     # hand-kept list forgot new subpackages, which a non-editable install then lacked.
-    packages=find_packages(include=["engine", "engine.*", "server", "server.*", "pyx"]),
+    packages=find_packages(include=["engine", "engine.*", "server", "server.*", "pyx", "pyx.*"]),
     package_data={"server": ["static/*"], "pyx": ["*.pxd", "*.pxi", "*.h"]},
     ext_modules=cythonize(cpu_extensions() + cuda_extensions(),
                           compiler_directives={"language_level": "3", "boundscheck": False,

@@ -5,7 +5,7 @@
 #     bash bench/gpu_check.sh                  # core: the float ops and models (issue 4)
 #     GPU_SUITE=quant bash bench/gpu_check.sh  # the quantized formats (issue 6)
 #     GPU_SUITE=serve bash bench/gpu_check.sh  # python -m server end to end (issue 11)
-#     GPU_SUITE=tuned bash bench/gpu_check.sh  # the tuned decode kernels behind switches (issue 12)
+#     GPU_SUITE=tuned bash bench/gpu_check.sh  # the tuned decode kernels behind --kernels (issue 12)
 #     GPU_SUITE=tuned_prefill bash bench/gpu_check.sh  # prefill attention fa2/fa3, fused MoE
 #
 # The GPU machine has no network and lacks part of what Taper and its tests import (nvidia-cutlass
@@ -105,7 +105,7 @@ PY
     cat build/nvcc-times.txt 2>/dev/null
     local fa3_obj
     fa3_obj=$(ls build/temp.*/cuda/attention_prefill_fa3.cu.o 2>/dev/null | head -1)
-    if [ "$SUITE" = tuned_prefill ]; then  # TAPER_CUDA_PREFILL=fa3: HGMMA in its SASS, no local memory
+    if [ "$SUITE" = tuned_prefill ]; then  # kernels prefill=fa3: HGMMA in its SASS, no local memory
         if [ -n "$fa3_obj" ] && command -v cuobjdump > /dev/null; then
             echo "== fa3 SASS: $(cuobjdump -sass "$fa3_obj" | grep -c HGMMA) HGMMA," \
                  "$(cuobjdump -sass "$fa3_obj" | grep -cE '\b(LDL|STL)\b') LDL/STL"
@@ -147,12 +147,12 @@ gpu_tests() {  # one process per file: a CUDA context broken by one cannot fail 
 
 # The suite: "core" (default; issue 4: the float ops and models, every kernel benchmark but the
 # quantized GEMMs, bf16 throughput), "quant" (issue 6: the quantized formats, their GEMM
-# benchmark, FP8 and int4 throughput) or "tuned" (issue 12: the kernels behind switches, their
-# tests and benchmark rows). Each fits one 10-minute device call.
+# benchmark, FP8 and int4 throughput) or "tuned" (issue 12: the kernels behind KernelConfig
+# switches, their tests and benchmark rows). Each fits one 10-minute device call.
 SUITE="${GPU_SUITE:-core}"
 GPU_TESTS_CAP=180
 KERNEL_SHAPES=""
-THROUGHPUT_ENV=""
+THROUGHPUT_KERNELS=""         # bench.throughput --kernels: the KernelConfig of its engine
 if [ "$SUITE" = quant ]; then
     GPU_TESTS_CAP=240           # test_cuda_quant_gemm alone took ~90 s on the H100
     GPU_TEST_FILES="test_cuda_gguf.py test_cuda_marlin.py test_cuda_fp8.py test_cuda_quant_gemm.py test_cuda_quant_model.py"
@@ -161,9 +161,9 @@ if [ "$SUITE" = quant ]; then
 elif [ "$SUITE" = serve ]; then
     :
 elif [ "$SUITE" = tuned ]; then
-    # the decode-side kernels behind switches: flash-decoding (TAPER_CUDA_SPLIT_K=1), the FP8 GEMV
-    # (TAPER_CUDA_FP8_GEMV=1), the radix filter (TAPER_CUDA_RADIX_FILTER=1), the fused sampler
-    # (TAPER_CUDA_FUSED_SAMPLING=1) and Marlin v2 (TAPER_CUDA_MARLIN=v2): their tests; decode
+    # the decode-side kernels behind --kernels switches: flash-decoding (decode=split), the FP8
+    # GEMV (fp8_gemv=on), the radix filter (filter=radix), the fused sampler (sampling=fused)
+    # and Marlin v2 (marlin=v2): their tests; decode
     # attention over bf16 and FP8 caches with the rule's split count and forced ones beside it;
     # the filter both ways; the fused sampler beside the op-by-op path; the quantized GEMMs
     # (fp8-gemv and marlin-v2 rows beside bf16, fp8-cutlass) at small M and at M = 1024
@@ -175,11 +175,11 @@ elif [ "$SUITE" = tuned ]; then
     KERNEL_SHAPES="$KERNEL_SHAPES --shape qlayers=gate_up,down"
     THROUGHPUT_ARGS="--quant fp8 int4"
     # FP8 decode with both on, int4 decode on Marlin v2
-    THROUGHPUT_ENV="TAPER_CUDA_FP8_GEMV=1 TAPER_CUDA_SPLIT_K=1 TAPER_CUDA_MARLIN=v2"
+    THROUGHPUT_KERNELS="fp8_gemv=on,decode=split,marlin=v2"
 elif [ "$SUITE" = tuned_prefill ]; then
-    # the prefill-side kernels behind switches: the FlashAttention-2 prefill
-    # (TAPER_CUDA_PREFILL=fa2) and its Hopper form (=fa3; the same test file runs both), and the
-    # fused MoE grouped GEMM (TAPER_CUDA_FUSED_MOE=1): their tests; prefill attention (simple,
+    # the prefill-side kernels behind --kernels switches: the FlashAttention-2 prefill
+    # (prefill=fa2) and its Hopper form (=fa3; the same test file runs both), and the fused MoE
+    # grouped GEMM (moe=fused): their tests; prefill attention (simple,
     # mma, fa2, fa3) at 1x4096, 4x2048 and a 1024-row chunk after 3072 cached tokens; the MoE
     # grouped GEMM against the active experts' bytes; bf16 throughput with fa2 prefill
     GPU_TESTS_CAP=300
@@ -187,7 +187,7 @@ elif [ "$SUITE" = tuned_prefill ]; then
     KERNEL_OPS="prefill_attention moe"
     KERNEL_SHAPES="--shape prefill=1x4096,4x2048,1x1024+3072 --shape MT=1,64,4096"
     THROUGHPUT_ARGS=""
-    THROUGHPUT_ENV="TAPER_CUDA_PREFILL=fa2"
+    THROUGHPUT_KERNELS="prefill=fa2"
 elif [ "$SUITE" = core ]; then
     GPU_TEST_FILES="test_cuda_ops.py test_cuda_model.py test_cuda_logprobs.py test_cuda_families.py"
     GPU_TEST_FILES="$GPU_TEST_FILES test_cuda_block_tables.py"   # device block tables, graphs
@@ -275,8 +275,8 @@ fi
 : > "$OUT/throughput.log"
 if ((SETUP_RC == 0)); then
     # shellcheck disable=SC2086
-    run_step throughput 150 60 env $THROUGHPUT_ENV "$PY" -m bench.throughput --backend cuda \
-        $THROUGHPUT_ARGS --json "$OUT/throughput.json"
+    run_step throughput 150 60 "$PY" -m bench.throughput --backend cuda \
+        --kernels "$THROUGHPUT_KERNELS" $THROUGHPUT_ARGS --json "$OUT/throughput.json"
 else
     skip_step throughput "setup failed (no CUDA build or no device)"
 fi

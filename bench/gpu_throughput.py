@@ -61,7 +61,7 @@ def copy_bandwidth(cp, nbytes: int = 2 << 30, reps: int = 20) -> float:
 QUANTS = ("bf16", "fp8", "int4")
 FP8_BLOCK = (128, 128)
 INT4_GROUP = 128
-MARLIN_TILE_N = 64          # engine/marlin.py TILE_N: N is padded to a multiple of it
+MARLIN_TILE_N = 64          # pyx/weights/marlin.py TILE_N: N is padded to a multiple of it
 
 
 def is_projection(name: str) -> bool:
@@ -83,35 +83,27 @@ _CLASSES = {}
 def device_weight_classes():
     """Random packed weights made on the device, as LlamaForCausalLM takes them: `_take` hands
     each to CudaBackend.place_weight, `_fuse` stacks q/k/v and gate/up with the type's `concat`
-    and places the result."""
+    and places the result. Each is its pyx/weights/ type (so place_weight recognises it) holding
+    CuPy arrays, which place_weight reads as they are (CudaBackend.asarray takes a CuPy array
+    without a copy)."""
     if _CLASSES:
         return _CLASSES["fp8"], _CLASSES["int4"]
     import cupy as cp
 
-    from pyx.cuda_backend import DeviceMarlinWeight
+    from pyx.weights.fp8 import Fp8Weight
+    from pyx.weights.marlin import MarlinWeight
 
-    class DeviceFp8Codes:
-        """engine.quant_fp8.Fp8Weight's fields (codes, scales, block) as CuPy arrays: place_weight
-        reads them the same (CudaBackend.asarray takes a CuPy array as it is)."""
-        kind = "block"
-        input_scale = None
-        block = FP8_BLOCK
+    class DeviceFp8Codes(Fp8Weight):
+        """Block-wise e4m3 codes and scales on the device; Fp8Weight's host checks are skipped."""
+        __slots__ = ()
 
-        def __init__(self, weight, scale):
-            self.weight, self.scale = weight, scale
-
-        @property
-        def shape(self):
-            return tuple(self.weight.shape)
-
-        @property
-        def nbytes(self):
-            return int(self.weight.nbytes) + int(self.scale.nbytes)
+        def __post_init__(self):
+            pass
 
         @staticmethod
         def concat(weights):
             return DeviceFp8Codes(cp.concatenate([w.weight for w in weights]),
-                                  cp.concatenate([w.scale for w in weights]))
+                                  cp.concatenate([w.scale for w in weights]), FP8_BLOCK)
 
         @classmethod
         def random(cls, backend, rng, shape):
@@ -122,19 +114,13 @@ def device_weight_classes():
                 codes = cp.where((codes & 0x7F) == 0x7F, codes - 1, codes).astype(cp.uint8)
                 scale = cp.abs(rng.standard_normal((n // bn, -(-k // bk)), dtype=cp.float32))
                 scale = (scale * 1e-3 + 5e-4).astype(cp.float32)
-                return cls(codes.reshape(n, k), scale)
+                return cls(codes.reshape(n, k), scale, FP8_BLOCK)
 
-    class RandomMarlin(DeviceMarlinWeight):
-        """Random int4 words already in the Marlin layout (engine/marlin.py: qweight (K/16, Np*2)
-        uint32, scales (K/G, Np) f32, zeros None = symmetric 8); N a multiple of 64, so stacking
-        along N is stacking tile columns."""
-
-        def marlin(self):           # place_weight re-wraps the same device arrays
-            return self
-
-        @property
-        def nbytes(self):
-            return int(self.qweight.nbytes) + int(self.scales.nbytes)
+    class RandomMarlin(MarlinWeight):
+        """Random int4 words already in the Marlin layout (pyx/weights/marlin.py: qweight
+        (K/16, Np*2) uint32, scales (K/G, Np) f32, zeros None = symmetric 8), on the device; N a
+        multiple of 64, so stacking along N is stacking tile columns."""
+        __slots__ = ()
 
         @staticmethod
         def concat(weights):
@@ -143,7 +129,7 @@ def device_weight_classes():
                 raise ValueError("random Marlin weights stack along N in whole 64-column tiles")
             return RandomMarlin(cp.concatenate([w.qweight for w in weights], axis=1),
                                 cp.concatenate([w.scales for w in weights], axis=1), None,
-                                sum(w.n for w in weights), k, g)
+                                k, sum(w.n for w in weights), g)
 
         @classmethod
         def random(cls, backend, rng, shape):
@@ -157,7 +143,7 @@ def device_weight_classes():
                 # W = scale * (code - 8), codes uniform in 0..15: std ~ 4.6 scale; aim at 0.02
                 scale = cp.abs(rng.standard_normal((k // g, n), dtype=cp.float32))
                 scale = (scale * 0.002 + 0.003).astype(cp.float32)
-                return cls(words, scale, None, n, k, g)
+                return cls(words, scale, None, k, n, g)
 
     _CLASSES.update(fp8=DeviceFp8Codes, int4=RandomMarlin)
     return DeviceFp8Codes, RandomMarlin
@@ -214,7 +200,7 @@ def step_bytes(config, expected_shapes, quant: str, fp8_codes: bool) -> int:
 
 def run(batches=(1, 16, 64), prompt_len: int = 128, gen_len: int = 128,
         cuda_graph: bool = True, json_rows: list | None = None,
-        quant: str = "bf16") -> list[dict]:
+        quant: str = "bf16", kernels=None) -> list[dict]:
     import gc
 
     import cupy as cp
@@ -228,12 +214,12 @@ def run(batches=(1, 16, 64), prompt_len: int = 128, gen_len: int = 128,
 
     if quant not in QUANTS:
         raise ValueError(f"quant must be one of {QUANTS}, got {quant!r}")
-    backend = CudaBackend(dtype="bf16")
+    backend = CudaBackend(dtype="bf16", kernels=kernels)
     props = cp.cuda.runtime.getDeviceProperties(backend.device.id)
     name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
     cc = str(backend.device.compute_capability)
     print(f"device: {name}, {backend.num_sms} SMs, sm_{cc}; {datetime.date.today()}; "
-          f"projections {quant}")
+          f"projections {quant}; kernels {backend.kernels}")
     fp8_codes = quant == "fp8" and cc == "90"
     if quant == "fp8":
         backend.fp8_cutlass = fp8_codes
@@ -257,7 +243,8 @@ def run(batches=(1, 16, 64), prompt_len: int = 128, gen_len: int = 128,
     config = EngineConfig(model=f"llama3-8b-random-{quant}", backend="cuda", dtype="bf16",
                           max_num_seqs=max(batches), cuda_graph=cuda_graph,
                           max_num_batched_tokens=max(2048, max(batches) * prompt_len),
-                          enable_prefix_caching=False, max_model_len=prompt_len + gen_len + 16)
+                          enable_prefix_caching=False, max_model_len=prompt_len + gen_len + 16,
+                          kernels=backend.kernels)
     engine = LLMEngine(config, loaded=(backend, model, model_config))
     rng = np.random.default_rng(0)
     params = SamplingParams(max_tokens=gen_len, temperature=0.0, ignore_eos=True)

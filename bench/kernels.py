@@ -19,34 +19,34 @@ V 128256): the fused element-wise ops at T 1, 64, 4096 tokens; decode attention 
 64 x context 1k, 8k, 32k over a bf16 and an FP8 cache with split-K off and on (the variant names
 the split count pyx/decode_splits.py picks, "split-K x57"; --shape splits=2,8,64 adds rows with
 those counts forced, to compare the rule's pick with the best); prefill attention (the simple
-kernel, and the tensor-core ones of TAPER_CUDA_PREFILL=mma, =fa2 and =fa3, fa3 on compute
+kernel, and the tensor-core ones of kernels prefill=mma, =fa2 and =fa3, fa3 on compute
 capability 9.0 only; causal, FLOPs over the
 triangle) at 1 x 4096 and 8 x 512 tokens; linear at M 1, 16, 64, 4096 for the qkv (6144 x 4096),
 o (4096 x 4096), gate_up (28672 x 4096) and down (4096 x 14336) projections; argmax, Gumbel
 sampling, the top-k/top-p/min-p filter (twice: the bisection kernel, and the radix-select one of
-TAPER_CUDA_RADIX_FILTER=1), the one-launch sampler of TAPER_CUDA_FUSED_SAMPLING=1 (sample_fused:
+kernels filter=radix), the one-launch sampler of sampling=fused (sample_fused:
 penalties + filters + Gumbel draw, and greedy, against the op-by-op path as baseline) and
 structured outputs' token bitmask (every row masked, about half the tokens allowed) at batch 1
 and 64 over the vocabulary.
 
 qgemm (issue 6, item 7): the quantized GEMMs through `CudaBackend.linear` on the same four
-projections at M (QM) 1, 4, 16, 64, 4096 -- bf16 dense (cuBLAS, the reference), GGUF Q4_K and
-Q8_0 (host `engine.quant.quantize` of random f32, cached per shape), int4 W4A16 through the Marlin
-kernel (random codes and f32 scales, group 128, symmetric: `Int4Part.from_codes`, repacked once
-per shape), FP8 block-wise (128 x 128 scales) through the CUTLASS GEMM (sm_90 only; skipped with a
-note elsewhere), and the one-time cost of the default FP8 path, which dequantizes at load and then
-IS the bf16 GEMM (so only that dequantize is timed). Each format rotates 2 input sets (separate
-weight copies and activations). Its row gives TFLOP/s (and % of the cuBLAS peak), the WEIGHT
-bytes read over the time in GB/s (and % of the copy peak: decode at small M is bound by them), and
-the speed-up over bf16 dense at the same shape and M. FP8 rows also give % of an estimated FP8
-dense peak, twice the measured bf16 cuBLAS figure (Hopper's tensor-core ratio; cuBLAS FP8 is not
-reachable through this backend's GemmEx handle). fp8-gemv rows (M <= 64): the FP8 GEMV kernel of
-TAPER_CUDA_FP8_GEMV=1 on the e4m3 codes, any sm80+ device; the weight bytes over its time is its
-ratio to the copy ceiling. marlin-v2 rows: the same int4 weights through Marlin v2
-(TAPER_CUDA_MARLIN=v2: striped partitioning, ldmatrix, lop3 dequantization), beside the default
-marlin row. --shape QM=1,16 and qlayers=gate_up,down select.
+projections at M (QM) 1, 4, 16, 64, 4096 -- bf16 dense (cuBLAS, the reference), GGUF Q4_K and Q8_0
+(host `pyx.cpu_backend.quantize_weight` of random f32, cached per shape), int4 W4A16 through the
+Marlin kernel (random codes and f32 scales, group 128, symmetric: `Int4Part.from_codes`, repacked
+once per shape), FP8 block-wise (128 x 128 scales) through the CUTLASS GEMM (sm_90 only; skipped
+with a note elsewhere), and the one-time cost of the default FP8 path, which dequantizes at load and
+then IS the bf16 GEMM (so only that dequantize is timed). Each format rotates 2 input sets (separate
+weight copies and activations). Its row gives TFLOP/s (and % of the cuBLAS peak), the WEIGHT bytes
+read over the time in GB/s (and % of the copy peak: decode at small M is bound by them), and the
+speed-up over bf16 dense at the same shape and M. FP8 rows also give % of an estimated FP8 dense
+peak, twice the measured bf16 cuBLAS figure (Hopper's tensor-core ratio; cuBLAS FP8 is not reachable
+through this backend's GemmEx handle). fp8-gemv rows (M <= 64): the FP8 GEMV kernel of kernels
+fp8_gemv=on on the e4m3 codes, any sm80+ device; the weight bytes over its time is its ratio to the
+copy ceiling. marlin-v2 rows: the same int4 weights through Marlin v2 (kernels marlin=v2: striped
+partitioning, ldmatrix, lop3 dequantization), beside the default marlin row. --shape QM=1,16 and
+qlayers=gate_up,down select.
 
-moe (issue 16, TAPER_CUDA_FUSED_MOE=1): the fused MoE grouped GEMM (cuda/moe.cu) for the gate_up
+moe (issue 16, kernels moe=fused): the fused MoE grouped GEMM (cuda/moe.cu) for the gate_up
 and down projections of Qwen3-30B-A3B (H 2048, experts of 768, top-8 of 128) and Mixtral-8x7B
 (H 4096, experts of 14336, top-2 of 8) at MT (default 1, 16, 64, 512, 4096) tokens routed
 uniformly at random, bf16 and GGUF Q8_0 experts (random codes, one valid fp16 scale): one launch
@@ -125,22 +125,14 @@ class Bench:
     notes: list = field(default_factory=list)   # skipped cases and why
 
     def backend(self, split_k: bool = False, prefill: str = "simple", dtype: str | None = None):
-        """A CudaBackend built with the env switches it reads at construction."""
+        """A CudaBackend built with these kernel choices (the others at their defaults)."""
         from pyx.cuda_backend import CudaBackend
+        from pyx.kernel_config import KernelConfig
 
         key = (dtype or self.dtype, split_k, prefill)
         if key not in self.backends:
-            env = {"TAPER_CUDA_SPLIT_K": "1" if split_k else "0", "TAPER_CUDA_PREFILL": prefill}
-            saved = {k: os.environ.get(k) for k in env}
-            os.environ.update(env)
-            try:
-                self.backends[key] = CudaBackend(dtype=key[0], device=0)
-            finally:
-                for k, v in saved.items():
-                    if v is None:
-                        os.environ.pop(k, None)
-                    else:
-                        os.environ[k] = v
+            kernels = KernelConfig(decode="split" if split_k else "simple", prefill=prefill)
+            self.backends[key] = CudaBackend(dtype=key[0], device=0, kernels=kernels)
         self.backends[key].bind_thread()   # CuPy's allocations and copies go to its stream
         return self.backends[key]
 
@@ -513,38 +505,26 @@ def cases_linear(bench, c):
 _HOST_QUANT: dict = {}
 
 
-class _Repacked:
-    """A host MarlinWeight that `CudaBackend.place_weight` takes like an Int4Weight (it calls
-    `.marlin()`), without repacking again for every device copy."""
-
-    def __init__(self, m):
-        self.m = m
-
-    @property
-    def shape(self):
-        return self.m.shape
-
-    def marlin(self):
-        return self.m
-
-
 def host_quant(fmt: str, N: int, K: int, seed: int = 0):
     """The host-side weight of one format for an (N, K) projection, made once per shape: "q4k" and
-    "q8_0" ggml blocks (engine.quant.quantize of random normal f32), "marlin" (random int4 codes,
-    f32 group-128 scales, symmetric zeros 8, repacked to the Marlin layout), "fp8" (random e4m3
+    "q8_0" ggml blocks (quantize_weight of random normal f32), "marlin" (random int4 codes,
+    f32 group-128 scales, symmetric zeros 8, repacked once to the Marlin layout, which
+    place_weight takes as it is), "fp8" (random e4m3
     codes without the NaN codes 0x7f / 0xff, random 128 x 128 block scales)."""
     key = (fmt, N, K, seed)
     if key in _HOST_QUANT:
         return _HOST_QUANT[key]
     rng = np.random.default_rng(seed)
     if fmt in ("q4k", "q8_0"):
-        from engine.quant import ISQ_TYPES, quantize
+        from pyx.cpu_backend import quantize_weight
+        from pyx.weights.ggml import ISQ_TYPES
         w = rng.standard_normal((N, K), dtype=np.float32)
         w *= 1.0 / np.sqrt(K)
-        obj = quantize(w, ISQ_TYPES[fmt])
+        obj = quantize_weight(w, ISQ_TYPES[fmt])
         del w
     elif fmt == "marlin":
-        from engine.quant_int4 import Int4Part, Int4Weight
+        from pyx.weights.int4 import Int4Part, Int4Weight
+        from pyx.weights.marlin import repack_int4
         g = QGEMM_GROUP
         if K % g:
             raise ValueError(f"int4 group {g} must divide K = {K}")
@@ -552,10 +532,10 @@ def host_quant(fmt: str, N: int, K: int, seed: int = 0):
         scales = rng.uniform(0.5, 1.5, (N, K // g)).astype(np.float32)
         scales *= 2.0 / (15.0 * np.sqrt(K))
         zeros = np.full((N, K // g), 8.0, np.float32)
-        obj = _Repacked(Int4Weight([Int4Part.from_codes(codes, scales, zeros, g)], K).marlin())
+        obj = repack_int4(Int4Weight([Int4Part.from_codes(codes, scales, zeros, g)], K))
         del codes
     elif fmt == "fp8":
-        from engine.quant_fp8 import Fp8Weight
+        from pyx.weights.fp8 import Fp8Weight
         bn, bk = FP8_BLOCK
         if N % bn:
             raise ValueError(f"FP8 block rows {bn} must divide N = {N}")
@@ -591,7 +571,7 @@ def qgemm_layers(c):
 
 
 def fp8_gemv_linear(b, x, w, bias, out):
-    """linear through the FP8 GEMV (TAPER_CUDA_FP8_GEMV=1) at any M it takes, whatever the
+    """linear through the FP8 GEMV (kernels fp8_gemv=on) at any M it takes, whatever the
     backend's default crossover."""
     saved = b.fp8_gemv, b.fp8_gemv_max_m
     b.fp8_gemv, b.fp8_gemv_max_m = True, FP8_GEMV_MAX_M
@@ -602,7 +582,7 @@ def fp8_gemv_linear(b, x, w, bias, out):
 
 
 def marlin_v2_linear(b, x, w, bias, out):
-    """linear through Marlin v2 (TAPER_CUDA_MARLIN=v2) beside the default Marlin row."""
+    """linear through Marlin v2 (kernels marlin=v2) beside the default Marlin row."""
     b.marlin_v2 = True
     try:
         b.linear(x, w, bias, out)
@@ -802,7 +782,7 @@ def cases_sampling(bench, c, op):
         else:
             moved, variant = B * V * 4 + B * 8 + (16 * B if op == "gumbel_sample" else 0), ""
         yield Case(op, f"B={B} V={V}", variant, moved, 0, sets, prepare or None)
-        if op == "filter_logits":   # the same launches with TAPER_CUDA_RADIX_FILTER's kernel
+        if op == "filter_logits":   # the same launches with filter=radix's kernel
             radix = [lambda s=s: with_radix_filter(b, s) for s in sets]
             yield Case(op, f"B={B} V={V}", "radix " + variant, moved, 0, radix, prepare)
         del sets, prepare
@@ -813,7 +793,7 @@ SAMPLE_PARAMS = "t=0.7 k=50 p=0.9 min_p=0.05, 16 penalties/row"
 
 
 def cases_sample_fused(bench, c):
-    """The whole sampling step of TAPER_CUDA_FUSED_SAMPLING=1 (penalties, temperature, top-k,
+    """The whole sampling step of kernels sampling=fused (penalties, temperature, top-k,
     top-p, min-p, Gumbel draw) in one launch, the same with top-p alone (its fallback path
     here), greedy rows (penalties + argmax) in one launch, and as baseline the op-by-op path it
     replaces (apply_penalties, the radix filter_logits, gumbel_sample). Bytes: the logits read

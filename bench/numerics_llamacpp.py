@@ -15,7 +15,7 @@ batch, then one token per step (the decode path), with an f32 KV cache on both.
 Distances per step between each engine's logits and the reference's: max |diff| and RMS, and
 whether the argmax agrees; the table shows their mean and worst over the steps. Taper runs twice:
 as it computes by default (the decode matmul rounds each activation row to 8 bits once, as
-llama.cpp does) and with TAPER_QUANT_ACT_SPLIT=1 (each row as two 8-bit rows, pyx/quant_kernels.c).
+llama.cpp does) and with kernels act_split=on (each row as two 8-bit rows, pyx/quant_kernels.c).
 
 llama.cpp (llama-cpp-python) and torch are bench-only dependencies; nothing in the test suite
 imports this file.
@@ -45,6 +45,7 @@ CONFIG = {
     "use_cache": True, "transformers_version": "4.43.1",
 }
 QUANTS = ["q8_0", "q6_k", "q4_k_m"]
+SPLIT = "act_split=on"        # the KernelConfig of the second Taper mode
 
 
 # ---- the three engines, teacher-forced on `tokens`; rows = logits predicting tokens[p+1:]
@@ -80,16 +81,17 @@ def reference_greedy(model, prompt: list[int], n: int) -> list[int]:
 
 
 def taper_logits(config: dict, weights: dict, tokens: list[int], prompt_len: int,
-                 step_ms: list | None = None) -> np.ndarray:
-    """Taper's CPU backend: the prompt in one forward, then one token per forward (each decode
-    forward's wall time appended to step_ms)."""
+                 step_ms: list | None = None, kernels: str | None = None) -> np.ndarray:
+    """Taper's CPU backend built with `kernels`: the prompt in one forward, then one token per
+    forward (each decode forward's wall time appended to step_ms)."""
     from engine.runner.forward_batch import ForwardBatch
     from engine.models.model_config import ModelConfig
     from engine.models.registry import get_model_class
     from pyx.cpu_backend import CpuBackend
 
     mc = ModelConfig.from_dict(config)
-    model = get_model_class(mc.architecture)(mc, dict(weights), CpuBackend())  # it takes the dict
+    model = get_model_class(mc.architecture)(mc, dict(weights),   # it takes the dict
+                                             CpuBackend(kernels=kernels))
     block = 16
     num_blocks = -(-len(tokens) // block)
     shape = model.kv_cache_shape(num_blocks, block)
@@ -149,7 +151,7 @@ def dequantized_weights(path: Path):
     """(config, Taper's weights as loaded, the same weights dequantized by gguf to float32)."""
     from gguf import quants
     from engine.loader.gguf import read_gguf
-    from engine.quant import QuantizedWeight
+    from pyx.weights.ggml import QuantizedWeight
     ck = read_gguf(str(path), progress=False)
     deq = {}
     for k, v in ck.weights.items():
@@ -207,18 +209,14 @@ def main(argv=None):
         ref = reference_logits(model, tokens, args.prompt_len)[:-1]
         del model
         margins = top2_margins(ref)
-        times = {"taper": [], "taper, TAPER_QUANT_ACT_SPLIT=1": []}
+        times = {"taper": [], f"taper, {SPLIT}": []}
 
         def split():
-            os.environ["TAPER_QUANT_ACT_SPLIT"] = "1"
-            try:
-                return taper_logits(config, weights, tokens, args.prompt_len,
-                                    times["taper, TAPER_QUANT_ACT_SPLIT=1"])
-            finally:
-                del os.environ["TAPER_QUANT_ACT_SPLIT"]
+            return taper_logits(config, weights, tokens, args.prompt_len,
+                                times[f"taper, {SPLIT}"], kernels=SPLIT)
         engines = {"taper": lambda: taper_logits(config, weights, tokens, args.prompt_len,
                                                  times["taper"]),
-                   "taper, TAPER_QUANT_ACT_SPLIT=1": split}
+                   f"taper, {SPLIT}": split}
         if not args.no_llama:
             for th in args.llama_threads:
                 engines[f"llama.cpp {th} thr"] = (
@@ -242,7 +240,7 @@ def main(argv=None):
           "(ms, 25th percentile of all steps; the machine is shared):")
     for q, t in speed:
         print(f"  {q}: " + ", ".join(f"{k} {v:.2f}" for k, v in t.items())
-              + f" (x{t['taper, TAPER_QUANT_ACT_SPLIT=1'] / t['taper']:.2f})")
+              + f" (x{t[f'taper, {SPLIT}'] / t['taper']:.2f})")
 
 
 if __name__ == "__main__":

@@ -311,8 +311,8 @@ def quant_linear_probe(batches, quiet_s: float = 0.0) -> list[dict]:
     """Taper's quantized `linear` alone, per ISA, on the model shapes where each type occurs in
     the Q8_0 / Q4_K_M files (Q8_0, Q5_0: gate+up and the LM head; Q4_K, Q6_K: down), weights
     rotated over copies (~600 MB a round) so caches do not flatter them."""
-    from engine.quant import ISQ_TYPES, quantize
-    from pyx.cpu_backend import CpuBackend, isa_supported
+    from pyx.cpu_backend import CpuBackend, isa_supported, quantize_weight
+    from pyx.weights.ggml import ISQ_TYPES
     c = CONFIG
     h, i = c["hidden_size"], c["intermediate_size"]
     shapes = {"q8_0": [("lm_head", c["vocab_size"], h), ("gate+up", 2 * i, h)],
@@ -321,7 +321,8 @@ def quant_linear_probe(batches, quiet_s: float = 0.0) -> list[dict]:
     rows = []
     for qname, shp in shapes.items():
         for name, n, k in shp:
-            w = quantize(0.02 * rng.standard_normal((n, k), dtype=np.float32), ISQ_TYPES[qname])
+            w = quantize_weight(0.02 * rng.standard_normal((n, k), dtype=np.float32),
+                                ISQ_TYPES[qname])
             nbytes = sum(b.nbytes for _, b in w.quant_parts)
             ws = [w] + [type(w)([(t, b.copy()) for t, b in w.quant_parts], w.k)
                         for _ in range(int(6e8 // nbytes) - 1)]
@@ -401,7 +402,8 @@ def taper_run(llm, prompts: list[list[int]], gen_len: int) -> dict:
 
 def bench_taper(label: str, model_dir, batches, prompt_len, gen_len, reps, quiet_s,
                 **load) -> dict:
-    """`load`: LLM's weight arguments (dtype=..., or weight_file=..., or dtype + isq=...)."""
+    """`load`: LLM's weight arguments (dtype=..., or weight_file=..., or dtype + isq=...) and
+    its kernels."""
     from engine import LLM
     max_b = max(batches)
     t = time.perf_counter()
@@ -536,7 +538,15 @@ def main(argv=None):
                     help="cuda: Llama-3-8B-shaped random bf16 weights made on the GPU, batches "
                          "1 16 64 by default (bench/gpu_throughput.py)")
     ap.add_argument("--disable-cuda-graph", action="store_true", help="with --backend cuda")
+    ap.add_argument("--kernels", default="", metavar="KEY=VALUE,...",
+                    help="Taper's kernel choices, as the server's --kernels (e.g. "
+                         "cpu_isa=avx2,act_split=on; decode=split,marlin=v2 on CUDA)")
     args = ap.parse_args(argv)
+    from engine import KernelConfig
+    try:
+        args.kernels = KernelConfig.parse(args.kernels, "--kernels")
+    except ValueError as e:
+        ap.error(str(e))
     if args.backend == "cuda":
         from bench import gpu_throughput
         quants = args.quant or ["bf16"]
@@ -546,7 +556,7 @@ def main(argv=None):
         for q in quants:
             rows += gpu_throughput.run(args.batch or (1, 16, 64), args.prompt_len,
                                        args.gen_len, cuda_graph=not args.disable_cuda_graph,
-                                       quant=q)
+                                       quant=q, kernels=args.kernels)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(rows, f, indent=1)
@@ -586,7 +596,8 @@ def main(argv=None):
     for dt in args.dtype:
         if not args.no_taper:
             results["taper"][dt] = bench_taper(dt, dirs[dt], args.batch, args.prompt_len,
-                                               args.gen_len, args.reps, args.wait_quiet, dtype=dt)
+                                               args.gen_len, args.reps, args.wait_quiet, dtype=dt,
+                                               kernels=args.kernels)
         if args.llama:
             results["llama"][dt] = run_llama(dt, make_gguf(dt), args, info["cores"])
 
@@ -608,7 +619,8 @@ def main(argv=None):
               f"per token", flush=True)
         if not args.no_taper:
             results["taper"][mode] = bench_taper(mode, model_dir, args.batch, args.prompt_len,
-                                                 args.gen_len, args.reps, args.wait_quiet, **load)
+                                                 args.gen_len, args.reps, args.wait_quiet,
+                                                 kernels=args.kernels, **load)
         if args.llama and lfile not in results["llama"]:
             lpath = make_quant_gguf(lfile)
             lcounts = gguf_type_counts(lpath)

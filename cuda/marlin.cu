@@ -1,7 +1,7 @@
 // W4A16 GEMM on the Marlin layout: out (M, N) = x (M, K) @ W.T, with W (N, K) held as int4
-// codes, float32 group scales and optional uint8 zeros (engine/marlin.py defines and documents
-// the layout; it is the CPU reference of the repack here), plus the repack itself from the
-// canonical int4 layout that engine/quant_int4.py keeps for GPTQ, AWQ and compressed-tensors.
+// codes, float32 group scales and optional uint8 zeros (pyx/weights/marlin.py defines and
+// documents the layout; it is the CPU reference of the repack here), plus the repack itself from
+// the canonical int4 layout that pyx/weights/int4.py keeps for GPTQ, AWQ and compressed-tensors.
 //
 // The trick (Marlin, Frantar et al.): the codes are stored in the order in which mma.sync
 // m16n8k16 consumes its B operand, so that one lane's 16-byte load brings exactly the 32 codes

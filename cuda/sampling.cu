@@ -1,6 +1,6 @@
 // Sampling on the device (logits float32, one row per sequence): greedy argmax, Gumbel-max
 // sampling with the CPU backend's counter-based RNG, the sparse penalty update, and the
-// temperature / top-k / top-p / min-p filter (engine/sampler.py's semantics, DESIGN.md section 5).
+// temperature / top-k / top-p / min-p filter (engine/sampling/sampler.py's semantics, DESIGN.md section 5).
 //
 // The trick, for argmax and Gumbel-max: one block per row, each thread strides over the row keeping
 // its best (value, index), and a block reduction keeps the larger value and, on ties, the lower
@@ -20,7 +20,7 @@
 // of the different summation order, which can only matter when the mass of a prefix lands within
 // a few ulps of top_p * Z.
 //
-// The trick, for the fused sampler (sample_fused_kernel, TAPER_CUDA_FUSED_SAMPLING=1): the ops
+// The trick, for the fused sampler (sample_fused_kernel, kernels sampling=fused): the ops
 // above in one launch, the filtered row read from memory once; a histogram of that pass bounds
 // the final threshold from below, so a second pass (from L2) leaves only the few tokens above
 // the bound, in shared memory, for the radix selects and the draw.
@@ -592,7 +592,7 @@ filter_logits_kernel(float* __restrict__ logits,             // (B, V)
     }
 }
 
-// ---- the fused sampler (TAPER_CUDA_FUSED_SAMPLING=1)
+// ---- the fused sampler (kernels sampling=fused)
 
 // Shared-memory candidates per row: 32 KB of (value, token) pairs. A top-k of up to a few
 // thousand, or a min-p / top-p cut on a peaked row, fits; a row whose bound lets more through
@@ -729,7 +729,7 @@ __device__ uint32_t fine_bound(const uint32_t (&h)[kBinsPerThread], int n, bool 
 // top-p <= 0, or more candidates than fit, runs the filter's passes over the whole row instead
 // (up to 4 + 4), then one for the draw. Unfiltered rows: one pass (the draw); greedy rows: one
 // (the argmax).
-// Penalty entries are sorted by row (engine/sampler.py's penalty_entries), so a block finds its
+// Penalty entries are sorted by row (engine/sampling/sampler.py's penalty_entries), so a block finds its
 // own by binary search; the columns are distinct within a row, and the barrier after the update
 // makes the writes visible to the whole block before the row is read.
 __global__ void __launch_bounds__(kRowThreads, 1)

@@ -229,7 +229,7 @@ int taper_cuda_filter_logits_radix(float* logits, const float* temperature, cons
                                    const float* top_p, const float* min_p, int64_t B, int64_t V,
                                    taper_stream_t stream);
 
-/* The whole sampler in one launch, one block per row (TAPER_CUDA_FUSED_SAMPLING=1): the row's
+/* The whole sampler in one launch, one block per row (kernels sampling=fused): the row's
  * penalty entries (as taper_cuda_apply_penalties, written in place; pen_rows sorted ascending),
  * then out[b] = the argmax for a greedy row, else the Gumbel-max draw (key seeds[b], counter
  * positions[b]) over the row after temperature and the top-k / top-p / min-p filter of
@@ -279,13 +279,13 @@ int taper_cuda_gguf_mmvq(int qtype,
                          int64_t M, int64_t N, int64_t K, int64_t ldo, int dtype,
                          void* workspace, int64_t workspace_bytes, taper_stream_t stream);
 
-/* ---- marlin.cu: W4A16 GEMM on the Marlin layout (issue 6; engine/marlin.py defines the
+/* ---- marlin.cu: W4A16 GEMM on the Marlin layout (issue 6; pyx/weights/marlin.py defines the
  * layout). W (N, K) is int4 codes with float32 scales and optional uint8 zeros per group of G
  * along K (G = K per channel): W[n, k] = scale[g, n] * (code[n, k] - zero[g, n]), zero 8 when
  * zeros is NULL. Np = ceil(N / 64) * 64; K and G multiples of 16, G dividing K. */
 
 /* One Int4Weight part (canonical layout of pyx/int4_kernels.h, one group size) -> the Marlin
- * layout, bit-identical to engine/marlin.py repack_int4. Pass zeros NULL (and m_zeros NULL)
+ * layout, bit-identical to pyx/weights/marlin.py repack_int4. Pass zeros NULL (and m_zeros NULL)
  * exactly when repack_int4 gives zeros None (every zero 8); zeros must be integers 0..255. */
 int taper_cuda_marlin_repack(const uint8_t* qs,      // (N, K/2) packed codes
                              const float* scales,    // (N, K/G)

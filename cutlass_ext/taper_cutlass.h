@@ -6,7 +6,7 @@
  *
  * FP8 here is OCP e4m3fn (DESIGN.md section 5), one code per byte; a value is
  * decode(code) * scale. Weights (N, K) carry one float scale per 128 x 128 block,
- * scales (ceil(N/128), ceil(K/128)) row-major (engine/quant_fp8.py's "block" kind, DeepSeek-V3 /
+ * scales (ceil(N/128), ceil(K/128)) row-major (pyx/weights/fp8.py's "block" kind, DeepSeek-V3 /
  * Qwen3-FP8); activations (M, K) carry one float scale per token and group of 128 columns,
  * scales (M, K/128) row-major (taper_cuda_fp8_quantize_per_token_group makes them).
  *

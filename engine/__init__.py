@@ -5,8 +5,9 @@ from engine.config import EngineConfig
 from engine.core.outputs import RequestOutput
 from engine.sampling.sampling_params import SamplingParams
 from engine.sampling.structured_outputs import StructuredOutputsParams
+from pyx.kernel_config import KernelConfig
 
-__all__ = ["LLM", "AsyncEngine", "EngineConfig", "RequestOutput", "SamplingParams",
+__all__ = ["LLM", "AsyncEngine", "EngineConfig", "KernelConfig", "RequestOutput", "SamplingParams",
            "StructuredOutputsParams"]
 
 

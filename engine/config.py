@@ -1,9 +1,10 @@
 """Engine configuration: what to load, on which backend, and how large the KV pool is."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.runner.backends import detect_backend
+from pyx.kernel_config import KernelConfig
 
 
 @dataclass(slots=True)
@@ -33,8 +34,12 @@ class EngineConfig:
     logprobs_mode: str = "raw"           # raw: of the model's logits; processed: as sampled
     async_scheduling: bool = True        # prepare step N+1 while step N runs (LLMEngine.step)
     schedule_ahead: bool = True          # ... and schedule it before N's tokens are known
+    # Kernel choices (pyx/kernel_config.py): a KernelConfig, or a "prefill=fa2,decode=split"
+    # string or a dict, made a KernelConfig here (--kernels, LLM(kernels=...)).
+    kernels: KernelConfig = field(default_factory=KernelConfig)
 
     def __post_init__(self):
+        self.kernels = KernelConfig.parse(self.kernels)
         if self.block_size < 8 or self.block_size > 128 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two in [8, 128], got {self.block_size}")
         if self.backend not in ("auto", "cpu", "cuda"):

@@ -11,25 +11,25 @@ naming the op and the shapes. No op silently falls back to another implementatio
 Shapes: T tokens in the step, B sequences, H hidden size, D head dim, Hq/Hkv query/KV heads,
 NB blocks, BS block size, MB max blocks per sequence, V vocabulary, N penalty entries.
 
-Besides the ops, every backend has these members, so that code above it (layers, the sampler) is
-written once:
+Besides the ops, every backend has these members, so that code above it (layers, the sampler,
+the MoE block) is written once and never probes for one with getattr:
+  name       "cpu" or "cuda".
+  kernels    the pyx.kernel_config.KernelConfig it was built with (EngineConfig.kernels).
   xp         the array module of its tensors: numpy (CPU) or cupy (CUDA).
   act_dtype  the activation dtype: numpy.float32 on the CPU.
-  asarray(a) a host NumPy array as this backend's array: `a` itself on the CPU, a device copy on
-             CUDA (small per-step arrays: token ids, sampling parameters, penalty entries).
-  to_host(a) this backend's array as a NumPy array: `a` itself on the CPU, a copy on CUDA (which
-             waits for the work that writes it).
-  place_weight(a)       a checkpoint tensor as the graph keeps it: as loaded on the CPU; on CUDA
-                        matrices in act_dtype and vectors in float32, on the device.
-  kv_cache_dtype(kind)  the KV cache element type for EngineConfig.kv_cache_dtype ("auto",
-                        "fp8": uint8 e4m3 codes, ...); ValueError for one the backend lacks.
-  bind_thread()         makes the backend usable from the calling thread (CUDA: its device and
-                        stream become current there); the engine calls it each step. Call it
-                        again after using another backend on the same thread: CuPy allocates,
-                        copies and frees on the current stream, so work of this backend queued
-                        while another one's stream is current races with its own kernels.
-  synchronize()         waits for all queued work.
+  batch_invariant  every op computes a row in an order independent of the other rows (CPU
+             only; always False on CUDA).
+  fused_moe  MoE blocks built on it stack their experts for moe_align / moe_grouped_linear /
+             moe_combine instead of one linear per expert (kernels moe=fused).
+  fused_sampling   the sampler calls sample_fused (CUDA, kernels sampling=fused; always False on
+             the CPU, which has no sample_fused).
+The weight formats `linear`, `embedding` and `place_weight` take besides float arrays are the
+types of pyx/weights/ (ggml blocks, FP8, int4), recognised with isinstance.
+
+The device half (memory_info and the graph ops) is CUDA's; the CPU backend raises
+NotImplementedError for it, and the engine calls it on a CUDA backend only.
 """
+from pyx.kernel_config import KernelConfig
 
 
 cdef str describe_arrays(dict arrays):
@@ -46,8 +46,76 @@ cdef fail(str op, str msg, dict arrays):
 
 
 cdef class Backend:
-    def __init__(self, name):
+    def __init__(self, name, kernels=None):
+        """kernels: a KernelConfig, or what KernelConfig.parse takes (None: every default)."""
         self.name = name
+        self.kernels = KernelConfig.parse(kernels, f"{type(self).__name__}(kernels=...)")
+        self.batch_invariant = False
+        self.fused_moe = self.kernels.moe == "fused"
+        self.fused_sampling = False
+
+    # ---- arrays and weights
+
+    def asarray(self, a):
+        """A host NumPy array as this backend's array: `a` itself on the CPU, a device copy on
+        CUDA (small per-step arrays: token ids, sampling parameters, penalty entries)."""
+        raise NotImplementedError
+
+    def to_host(self, a):
+        """This backend's array as a NumPy array: `a` itself on the CPU, a copy on CUDA (which
+        waits for the work that writes it)."""
+        raise NotImplementedError
+
+    def place_weight(self, a):
+        """A checkpoint tensor as the graph keeps it: as loaded on the CPU; on CUDA matrices in
+        act_dtype and vectors in float32, on the device (a pyx/weights/ type in the device form
+        its kernels read)."""
+        raise NotImplementedError
+
+    def kv_cache_dtype(self, kind):
+        """The KV cache element type for EngineConfig.kv_cache_dtype ("auto", "fp8": uint8 e4m3
+        codes, ...); ValueError for one the backend lacks."""
+        raise NotImplementedError
+
+    def bind_thread(self):
+        """Makes the backend usable from the calling thread (CUDA: its device and stream become
+        current there); the engine calls it each step. Call it again after using another
+        backend on the same thread: CuPy allocates, copies and frees on the current stream, so
+        work of this backend queued while another one's stream is current races with its own
+        kernels."""
+        raise NotImplementedError
+
+    def synchronize(self):
+        """Waits for all queued work."""
+        raise NotImplementedError
+
+    # ---- the device half (CUDA): memory, CUDA graphs, async copies
+
+    def memory_info(self):
+        """(free, total) bytes of the device."""
+        raise NotImplementedError(f"the {self.name} backend has no device memory")
+
+    def new_graph_pool(self):
+        """A private device memory pool for CUDA graphs' allocations, with total_bytes()."""
+        raise NotImplementedError(f"the {self.name} backend has no CUDA graphs")
+
+    def use_graph_pool(self, pool):
+        """Context manager: device allocations inside come from `pool`."""
+        raise NotImplementedError(f"the {self.name} backend has no CUDA graphs")
+
+    def capture_graph(self, fn):
+        """Calls fn() under stream capture and returns the graph (.launch() replays it)."""
+        raise NotImplementedError(f"the {self.name} backend has no CUDA graphs")
+
+    def pinned_empty(self, n, dtype):
+        """A NumPy array of n elements in page-locked host memory."""
+        raise NotImplementedError(f"the {self.name} backend has no pinned host memory")
+
+    def copy_to_device_async(self, dst, src):
+        """Enqueues a host-to-device copy of `src` into `dst` without synchronizing."""
+        raise NotImplementedError(f"the {self.name} backend has no device memory")
+
+    # ---- the ops
 
     def embedding(self, token_ids, table, out):
         """out[t] = table[token_ids[t]] as float32.
@@ -81,14 +149,6 @@ cdef class Backend:
         positions (T,) int32; cos_sin_cache (max_pos, rot_dim) f32: cos in the first rot_dim/2
         columns, sin in the last rot_dim/2. is_neox: rotate halves (x[i], x[i + rot_dim/2]),
         else interleaved pairs (x[2i], x[2i+1])."""
-        raise NotImplementedError
-
-    def asarray(self, a):
-        """Host array -> this backend's array (see the module docstring)."""
-        raise NotImplementedError
-
-    def to_host(self, a):
-        """This backend's array -> NumPy array (see the module docstring)."""
         raise NotImplementedError
 
     def silu_and_mul(self, x, out):
@@ -223,3 +283,13 @@ cdef class Backend:
         Rows hold already-filtered, temperature-scaled logits; -inf never wins.
         logits (B, V) f32; seeds (B,) uint64; positions (B,) int64 (output position); out (B,) int64."""
         raise NotImplementedError
+
+    def sample_fused(self, logits, greedy, temperature, top_k, top_p, min_p, seeds, positions,
+                     out, penalties=None):
+        """The sampler's whole step in one launch, where `fused_sampling` is on (CUDA): the
+        penalties (rows, cols, bias, rep, pres_freq as apply_penalties, rows ascending) applied
+        to logits in place, then per row the argmax where greedy[b], else gumbel_sample after
+        filter_logits' temperature and thresholds (not written back).
+        logits (B, V) f32; greedy (B,) uint8; temperature, top_p, min_p (B,) f32; top_k (B,)
+        int32; seeds (B,) uint64; positions (B,) int64; out (B,) int64."""
+        raise NotImplementedError(f"the {self.name} backend has no fused sampler")

@@ -5,10 +5,11 @@ then calls one C kernel inside `with nogil:` and turns a nonzero status into an 
 The two sampling ops on logits, `apply_penalties` and `filter_logits`, are NumPy code in
 pyx/cpu_sampling.py (sparse, data-dependent work that NumPy's sorts and partitions do well).
 `linear` has three ISA paths (scalar, avx2, avx512) picked at construction: the `isa` argument,
-else the TAPER_CPU_ISA environment variable, else the best the CPU supports.
+else the KernelConfig's cpu_isa, whose default (auto) is the best the CPU supports. Besides float
+matrices `linear` takes the packed formats of pyx/weights/, recognised with isinstance: ggml
+blocks (pyx/quant_kernels.c, whose host functions quantize_weight / dequantize_weight are here
+too), FP8 codes (pyx/fp8.pyx) and int4 codes (pyx/cpu_int4.py over pyx/int4.pyx).
 """
-import os
-
 import math
 
 import numpy as np
@@ -16,8 +17,12 @@ cimport numpy as cnp
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t
 
 from pyx.backend cimport Backend, describe_arrays as _desc, fail as _fail
-from pyx import cpu_moe, cpu_sampling
+from pyx import cpu_int4, cpu_moe, cpu_sampling
+from pyx.fp8 import fp8_linear
 from pyx.moe import StackedExperts
+from pyx.weights.fp8 import Fp8Weight
+from pyx.weights.ggml import QuantizedWeight
+from pyx.weights.int4 import Int4Weight
 
 cnp.import_array()
 
@@ -91,7 +96,7 @@ cdef extern from "quant_kernels.h" nogil:
                        int nthreads)
     int taper_quant_linear(int isa, int type, const float* x, const void* w, const float* bias,
                            float* out, int64_t T, int64_t K, int64_t N, int64_t ldo,
-                           int batch_invariant, int nthreads)
+                           int batch_invariant, int act_split, int nthreads)
     int taper_quant_gemv_max_t(int isa, int type)
 
 
@@ -169,6 +174,20 @@ def dequantize(int qtype, data, int64_t k, str isa="scalar"):
     if st:
         raise ValueError(f"dequantize: bad arguments (type {qtype}, k {k})")
     return out
+
+
+def quantize_weight(weight, int qtype, num_threads=None):
+    """In-situ quantization of a float (N, K) matrix (bf16/f16/f32) to one ggml type (--isq)."""
+    x = np.asarray(weight, dtype=np.float32)
+    return QuantizedWeight.of(qtype, quantize(qtype, x, num_threads), x.shape[1])
+
+
+def dequantize_weight(w, str isa="scalar"):
+    """A QuantizedWeight -> (N, K) float32, through the kernels' scalar reference (or the given
+    ISA's bit-identical SIMD bodies)."""
+    if not isinstance(w, QuantizedWeight):
+        raise TypeError(f"dequantize_weight: expected a QuantizedWeight, got {type(w).__name__}")
+    return np.concatenate([dequantize(t, b, w.k, isa) for t, b in w.quant_parts])
 
 
 def quantize(int qtype, x, num_threads=None):
@@ -297,32 +316,36 @@ cdef _status(int st, str op, dict arrays):
 cdef class CpuBackend(Backend):
     """Backend on NumPy arrays with OpenMP C kernels.
 
-    isa: "scalar" | "avx2" | "avx512" for `linear` (default: $TAPER_CPU_ISA, else the best the
-    CPU supports). num_threads: OpenMP threads per op (default: OpenMP's, i.e. all cores or
-    $OMP_NUM_THREADS). batch_invariant: every op computes a row (a token's activations, a
-    query's attention) in an order that does not depend on the other rows of the call, so a
-    request's logits are bit-identical alone or in any batch, however its prompt is chunked
-    (README: Batch invariance); it costs prefill speed (bench/RESULTS.md).
+    isa: "scalar" | "avx2" | "avx512" for `linear` (default: the kernels' cpu_isa, whose auto is
+    the best the CPU supports). num_threads: OpenMP threads per op (default: OpenMP's, i.e. all
+    cores or $OMP_NUM_THREADS). batch_invariant: every op computes a row (a token's
+    activations, a query's attention) in an order that does not depend on the other rows of
+    the call, so a request's logits are bit-identical alone or in any batch, however its prompt
+    is chunked (README: Batch invariance); it costs prefill speed (bench/RESULTS.md).
+    kernels: a pyx.kernel_config.KernelConfig (or its string / dict form); this backend reads
+    cpu_isa, act_split (ggml decode matmuls round each activation row to two 8-bit rows) and
+    moe.
     """
     cdef int _isa
     cdef int _nthreads
-    cdef readonly bint batch_invariant
+    cdef readonly bint act_split     # kernels act_split=on
 
-    xp = np                  # the array module of this backend's tensors
-    act_dtype = np.float32   # activations are float32 here
-
-    def __init__(self, isa=None, num_threads=None, batch_invariant=False):
-        Backend.__init__(self, "cpu")
+    def __init__(self, isa=None, num_threads=None, batch_invariant=False, kernels=None):
+        Backend.__init__(self, "cpu", kernels)
+        self.xp = np                  # the array module of this backend's tensors
+        self.act_dtype = np.float32   # activations are float32 here
         self.batch_invariant = batch_invariant
-        if isa is None:
-            isa = os.environ.get("TAPER_CPU_ISA") or None
+        self.act_split = self.kernels.act_split == "on"
+        if isa is None and self.kernels.cpu_isa != "auto":
+            isa = self.kernels.cpu_isa
         if isa is None:
             self._isa = taper_cpu_best_isa()
         else:
             if isa not in ISA_NAMES:
                 raise ValueError(f"CpuBackend: unknown isa {isa!r}, expected one of {list(ISA_NAMES)}")
             if not taper_cpu_isa_supported(ISA_NAMES[isa]):
-                raise ValueError(f"CpuBackend: isa {isa!r} is not supported by this CPU")
+                raise ValueError(f"CpuBackend: isa {isa!r} is not supported by this CPU (kernels "
+                                 f"cpu_isa=auto picks the best it runs)")
             self._isa = ISA_NAMES[isa]
         self.num_threads = num_threads if num_threads is not None else taper_cpu_max_threads()
 
@@ -345,7 +368,8 @@ cdef class CpuBackend(Backend):
 
     def __repr__(self):
         inv = ", batch_invariant=True" if self.batch_invariant else ""
-        return f"CpuBackend(isa={self.isa!r}, num_threads={self._nthreads}{inv})"
+        split = ", act_split=True" if self.act_split else ""
+        return f"CpuBackend(isa={self.isa!r}, num_threads={self._nthreads}{inv}{split})"
 
     def asarray(self, a):
         """Host array -> this backend's array: `a` itself (np.asarray of it when not an ndarray)."""
@@ -377,7 +401,7 @@ cdef class CpuBackend(Backend):
     def embedding(self, token_ids, table, out):
         op = "embedding"
         arrays = {"token_ids": token_ids, "table": table, "out": out}
-        if hasattr(table, "quant_parts"):
+        if isinstance(table, QuantizedWeight):
             return self._quant_embedding(token_ids, table, out)
         _check(op, arrays, "token_ids", (_I32,), 1)
         _check(op, arrays, "table", _WDT, 2)
@@ -397,10 +421,13 @@ cdef class CpuBackend(Backend):
     def linear(self, x, weight, bias, out):
         op = "linear"
         arrays = {"x": x, "weight": weight, "bias": bias, "out": out}
-        if hasattr(weight, "quant_parts"):
+        if isinstance(weight, QuantizedWeight):
             return self._quant_linear(x, weight, bias, out)
-        if hasattr(weight, "cpu_linear"):     # other packed formats compute themselves
-            return weight.cpu_linear(self, x, bias, out)
+        if isinstance(weight, Fp8Weight):
+            return fp8_linear(self.isa, x, weight.weight, weight.scale, weight.block, bias, out,
+                              self._nthreads, self.batch_invariant)
+        if isinstance(weight, Int4Weight):
+            return cpu_int4.linear(self, weight, x, bias, out)
         _check(op, arrays, "x", (_F32,), 2)
         _check(op, arrays, "weight", _WDT, 2)
         _check(op, arrays, "out", (_F32,), 2, True)
@@ -452,8 +479,9 @@ cdef class CpuBackend(Backend):
             _status(st, op, arrays)
 
     def _quant_linear(self, x, weight, bias, out):
-        """`weight.quant_parts`: (qtype, blocks (n_i, row_bytes)) stacked along N; each part
-        writes its column slice of out (a fused weight may mix types, as GGUF files do)."""
+        """A QuantizedWeight's quant_parts: (qtype, blocks (n_i, row_bytes)) stacked along N;
+        each part writes its column slice of out (a fused weight may mix types, as GGUF files
+        do)."""
         op = "linear"
         arrays = {"x": x, "out": out}
         _check(op, arrays, "x", (_F32,), 2)
@@ -469,6 +497,7 @@ cdef class CpuBackend(Backend):
                 _fail(op, "bias must be (N,)", arrays)
             bp = <const float*>_ptr(bias)
         cdef int isa = self._isa, nt = self._nthreads, st, qtype, inv = self.batch_invariant
+        cdef int split = self.act_split
         cdef const float* xp = <const float*>_ptr(x)
         cdef float* outp = <float*>_ptr(out)
         cdef cnp.ndarray blocks
@@ -481,7 +510,7 @@ cdef class CpuBackend(Backend):
             wp = _ptr(blocks)
             with nogil:
                 st = taper_quant_linear(isa, qtype, xp, wp, bp + col if bp != NULL else NULL,
-                                        outp + col, T, K, n, N, inv, nt)
+                                        outp + col, T, K, n, N, inv, split, nt)
             _status(st, op, arrays)
             col += n
 

@@ -3,8 +3,8 @@
  * The performance-critical op is `linear` (decode = memory-bound GEMV, prefill = GEMM). It has
  * three ISA paths compiled side by side with __attribute__((target(...))) — no -march=native in
  * the build — and chosen at run time by the caller (CpuBackend reads __builtin_cpu_supports and
- * TAPER_CPU_ISA). 16-bit weights (bf16, f16) stay 16-bit in memory and are widened to f32 in
- * registers; accumulation is always f32. AMX and AVX512-BF16 are deliberately not used.
+ * the KernelConfig's cpu_isa). 16-bit weights (bf16, f16) stay 16-bit in memory and are widened
+ * to f32 in registers; accumulation is always f32. AMX and AVX512-BF16 are deliberately not used.
  * Paged attention has AVX-512 tile kernels (GQA groups share K/V loads) and a portable kernel;
  * SiLU, GeGLU, soft-capping and the portable attention are compiled per ISA from one body
  * (ISA_VARIANTS). The other ops are plain C loops with `omp simd` hints, parallel over rows with
@@ -813,7 +813,7 @@ int taper_linear_ex(int isa,
 //
 // The row kernels below are written once as an always-inline body and compiled three times
 // (AVX-512, AVX2+FMA, baseline SSE2) by ISA_VARIANTS, so `omp simd` loops use the widest vectors
-// without -march=native, and the caller's ISA choice (TAPER_CPU_ISA, CpuBackend(isa=)) picks the
+// without -march=native, and the caller's ISA choice (kernels cpu_isa, CpuBackend(isa=)) picks the
 // variant exactly as it does for `linear` -- which is what lets the tests run every path. libm's expf does not vectorize without -ffast-math,
 // hence fast_expf: Cody-Waite reduction x = n ln2 + r, |r| <= ln2/2, a degree-6 Taylor polynomial
 // (truncation error < 2e-7 relative) and 2^n built in the exponent bits.

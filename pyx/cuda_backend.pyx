@@ -10,21 +10,21 @@ Activations are bf16, f16 or f32 (`dtype`), accumulated in float32; vectors (nor
 biases, the RoPE cos/sin cache, FP8 scales, logits) are float32 as on the CPU. Dense GEMMs go
 through cuBLAS (the libcublas CuPy loads, on a handle of our own, so no extra link dependency).
 All work is queued on one stream, `backend.stream`, with no synchronization inside an op, so a
-decode step can be captured in a CUDA Graph. Tuned kernels stay behind switches until a GPU
-run has verified them: TAPER_CUDA_SPLIT_K=1 (flash-decoding: split-K decode attention with
-the split count of pyx/decode_splits.py), TAPER_CUDA_PREFILL=mma|fa2|fa3 (tensor-core prefill
-attention: the first flash-style kernel, the FlashAttention-2 one with GQA packing and a
-cp.async ring, or its warp-specialized wgmma form for Hopper, which runs fa2 on other GPUs;
-TAPER_CUDA_MMA_PREFILL=1 is the older spelling of mma),
-TAPER_CUDA_MARLIN_PIPELINE=1 (the pipelined Marlin W4A16 GEMM), TAPER_CUDA_MARLIN=v2
-(the Marlin GEMM with striped partitioning, ldmatrix and lop3 dequantization; it wins over
-the former),
-TAPER_CUDA_FP8_CUTLASS=1 (FP8 block-wise weights through CUTLASS on sm_90a instead of
-dequantized once to bf16), TAPER_CUDA_FP8_GEMV=1 (FP8 block-wise weights kept e4m3, read by
-the FP8 GEMV kernel for small M), TAPER_CUDA_RADIX_FILTER=1 (the top-k / top-p thresholds of
-filter_logits by radix select instead of bisection), TAPER_CUDA_FUSED_SAMPLING=1 (the
-sampler's penalties, argmax, filter and Gumbel draw in one launch, `sample_fused`) and
-TAPER_CUDA_FUSED_MOE=1 (`fused_moe`: MoE blocks take the grouped-GEMM path of cuda/moe.cu instead of one linear per expert).
+decode step can be captured in a CUDA Graph. Tuned kernels stay behind switches of the
+KernelConfig it is built with (pyx/kernel_config.py) until a GPU run has verified them:
+decode=split (flash-decoding: split-K decode attention with the split count of
+pyx/decode_splits.py), prefill=mma|fa2|fa3 (tensor-core prefill attention: the first
+flash-style kernel, the FlashAttention-2 one with GQA packing and a cp.async ring, or its
+warp-specialized wgmma form for Hopper, which runs fa2 on other GPUs), marlin=pipeline (the
+pipelined Marlin W4A16 GEMM) or marlin=v2 (the Marlin GEMM with striped partitioning, ldmatrix
+and lop3 dequantization), fp8=cutlass (FP8 block-wise weights through CUTLASS on sm_90a
+instead of dequantized once to bf16), fp8_gemv=on (FP8 block-wise weights kept e4m3, read by
+the FP8 GEMV kernel for small M), filter=radix (the top-k / top-p thresholds of filter_logits
+by radix select instead of bisection), sampling=fused (the sampler's penalties, argmax, filter
+and Gumbel draw in one launch, `sample_fused`) and moe=fused (`fused_moe`: MoE blocks take the
+grouped-GEMM path of cuda/moe.cu instead of one linear per expert). Each choice is also a
+public attribute (split_k, prefill_kernel, marlin_v2, ...) that tests and benchmarks may flip
+on a built backend.
 """
 import logging
 import math
@@ -38,6 +38,10 @@ from pyx.cuda_launch cimport *
 from pyx import cpu_moe
 from pyx.decode_splits import decode_num_splits
 from pyx.moe import StackedExperts
+from pyx.weights.fp8 import Fp8Weight
+from pyx.weights.ggml import QuantizedWeight
+from pyx.weights.int4 import Int4Weight
+from pyx.weights.marlin import MarlinWeight, repack_int4
 
 
 class CudaError(RuntimeError):
@@ -62,8 +66,8 @@ include "cuda_launchers.pxi"
 
 class DeviceFp8Weight:
     """Block-wise FP8 codes (N, K) and their 128 x 128 block scales on the device, for the
-    CUTLASS GEMM (TAPER_CUDA_FP8_CUTLASS=1 on sm_90a; `cutlass`) and the small-M FP8 GEMV
-    (TAPER_CUDA_FP8_GEMV=1)."""
+    CUTLASS GEMM (kernels fp8=cutlass on sm_90a; `cutlass`) and the small-M FP8 GEMV
+    (fp8_gemv=on)."""
 
     def __init__(self, codes, scales, cutlass=True):
         self.codes, self.scales, self.cutlass = codes, scales, cutlass
@@ -74,7 +78,7 @@ class DeviceFp8Weight:
 
 
 class DeviceMarlinWeight:
-    """An int4 weight on the device in the Marlin layout (engine/marlin.py MarlinWeight)."""
+    """An int4 weight on the device in the Marlin layout (pyx/weights/marlin.py MarlinWeight)."""
 
     def __init__(self, qweight, scales, zeros, n, k, group_size):
         self.qweight, self.scales, self.zeros = qweight, scales, zeros
@@ -146,63 +150,42 @@ class _StreamGraph:
         self.graph.launch(stream=self.stream)
 
 
-def _env_on(name):
-    return os.environ.get(name, "0") not in ("", "0", "false", "False")
-
-
-# The prefill attention kernels (taper_cuda_paged_attention_prefill's variants); the tensor-core
-# ones take bf16/f16 with a same-type cache and D 64 or 128, other batches the simple one.
+# The prefill attention kernels (taper_cuda_paged_attention_prefill's variants) by their
+# KernelConfig names; the tensor-core ones take bf16/f16 with a same-type cache and D 64 or 128,
+# other batches the simple one.
 PREFILL_VARIANTS = {"simple": 0, "mma": 1, "fa2": 2, "fa3": 3}
 
 
 log = logging.getLogger("taper.cuda")
 
 
-def _prefill_kernel():
-    """TAPER_CUDA_PREFILL's kernel; unset: "mma" under TAPER_CUDA_MMA_PREFILL=1, else "simple"."""
-    name = os.environ.get("TAPER_CUDA_PREFILL", "")
-    if not name:
-        return "mma" if _env_on("TAPER_CUDA_MMA_PREFILL") else "simple"
-    if name not in PREFILL_VARIANTS:
-        raise ValueError(f"TAPER_CUDA_PREFILL must be one of {', '.join(PREFILL_VARIANTS)}, "
-                         f"got {name!r}")
-    return name
-
-
-MARLIN_KERNELS = ("", "v2")   # TAPER_CUDA_MARLIN: unset (the default kernels) or "v2"
-
-
-def _marlin_kernel():
-    """TAPER_CUDA_MARLIN, checked: a mistyped value fails the backend's start, not silently."""
-    value = os.environ.get("TAPER_CUDA_MARLIN", "")
-    if value not in MARLIN_KERNELS:
-        raise ValueError(f"TAPER_CUDA_MARLIN must be unset or one of {list(MARLIN_KERNELS[1:])}, "
-                         f"got {value!r}")
-    return value
-
-
 cdef class CudaBackend(Backend):
     """Backend on CuPy arrays of one device with the kernels of cuda/.
 
     dtype: activation type, "bf16" (default), "f16" or "f32". device: the CUDA device index.
+    kernels: a pyx.kernel_config.KernelConfig (or its string / dict form): the kernel choices
+    above, read here once.
     """
-    cdef readonly object xp, act_dtype, stream, device
+    cdef readonly object stream, device
     cdef readonly int num_sms
     cdef int _act_code
     cdef object _cupy, _workspace, _panel, _retired, _cublas_workspace, _decode_occupancy
     cdef void* _blas_handle
-    cdef public str prefill_kernel   # a PREFILL_VARIANTS name: TAPER_CUDA_PREFILL
-    cdef public bint split_k, mma_prefill, fp8_cutlass, marlin_pipeline, fp8_gemv, radix_filter
-    cdef public bint fused_sampling  # engine/sampling/sampler.py calls sample_fused
-    cdef public bint fused_moe      # MoE blocks built on this backend take the grouped GEMMs
-    cdef public bint marlin_v2       # TAPER_CUDA_MARLIN=v2
+    cdef public str prefill_kernel   # a PREFILL_VARIANTS name: kernels prefill
+    cdef public bint split_k         # decode=split
+    cdef public bint mma_prefill     # prefill=mma
+    cdef public bint fp8_cutlass     # fp8=cutlass
+    cdef public bint fp8_gemv        # fp8_gemv=on
+    cdef public bint radix_filter    # filter=radix
+    cdef public bint marlin_pipeline # marlin=pipeline
+    cdef public bint marlin_v2       # marlin=v2
     cdef public int fp8_gemv_max_m   # FP8 weights take the GEMV up to this many rows
     cdef public int64_t max_context  # decode split-K sizes its partitions for this many keys
     cdef public int decode_splits    # > 0: this many split-K partitions (benchmarks); 0: the rule
 
-    def __init__(self, dtype="bf16", device=0):
+    def __init__(self, dtype="bf16", device=0, kernels=None):
         cdef void* handle = NULL
-        Backend.__init__(self, "cuda")
+        Backend.__init__(self, "cuda", kernels)
         if dtype not in ACT_DTYPES:
             raise ValueError(f"CudaBackend: dtype must be one of {list(ACT_DTYPES)}, got {dtype!r}")
         if taper_cuda_device_count() <= device:
@@ -242,21 +225,21 @@ cdef class CudaBackend(Backend):
         self._workspace = None
         self._panel = None
         self._retired = []
-        self.split_k = _env_on("TAPER_CUDA_SPLIT_K")
-        self.prefill_kernel = _prefill_kernel()
+        k = self.kernels
+        self.split_k = k.decode == "split"
+        self.prefill_kernel = k.prefill
         if self.prefill_kernel == "fa3" and self.device.compute_capability != "90":
             # fa3's wgmma / setmaxnreg exist only in sm_90a code (H100, H200)
-            log.warning("TAPER_CUDA_PREFILL=fa3 needs compute capability 9.0, device %d has %s: "
+            log.warning("kernels prefill=fa3 needs compute capability 9.0, device %d has %s: "
                         "running fa2", device, self.device.compute_capability)
             self.prefill_kernel = "fa2"
         self.mma_prefill = self.prefill_kernel == "mma"
-        self.fp8_cutlass = _env_on("TAPER_CUDA_FP8_CUTLASS")
-        self.marlin_pipeline = _env_on("TAPER_CUDA_MARLIN_PIPELINE")
-        self.marlin_v2 = _marlin_kernel() == "v2"
-        self.fp8_gemv = _env_on("TAPER_CUDA_FP8_GEMV")
-        self.radix_filter = _env_on("TAPER_CUDA_RADIX_FILTER")
-        self.fused_sampling = _env_on("TAPER_CUDA_FUSED_SAMPLING")
-        self.fused_moe = _env_on("TAPER_CUDA_FUSED_MOE")
+        self.fp8_cutlass = k.fp8 == "cutlass"
+        self.marlin_pipeline = k.marlin == "pipeline"
+        self.marlin_v2 = k.marlin == "v2"
+        self.fp8_gemv = k.fp8_gemv == "on"
+        self.radix_filter = k.filter == "radix"
+        self.fused_sampling = k.sampling == "fused"
         self.fp8_gemv_max_m = FP8_GEMV_MAX_M
         self.max_context = 0
         self.decode_splits = 0
@@ -288,16 +271,17 @@ cdef class CudaBackend(Backend):
 
     def place_weight(self, a):
         """A weight on the device: matrices in the activation dtype, vectors in float32. Takes
-        a NumPy array (copied over) or a CuPy one (cast in place on the device)."""
-        if hasattr(a, "quant_parts"):      # ggml blocks (GGUF, --isq): the same bytes, moved
+        a NumPy array (copied over), a CuPy one (cast in place on the device) or a packed
+        format of pyx/weights/."""
+        if isinstance(a, QuantizedWeight):  # ggml blocks (GGUF, --isq): the same bytes, moved
             for qtype, _ in a.quant_parts:
                 if not taper_cuda_gguf_supported(qtype):
                     raise ValueError(f"ggml type {qtype} has no CUDA kernel")
-            return type(a)([(t, self.asarray(b)) for t, b in a.quant_parts], a.k)
-        if hasattr(a, "block") and hasattr(a, "scale"):    # FP8 codes with block scales
+            return QuantizedWeight([(t, self.asarray(b)) for t, b in a.quant_parts], a.k)
+        if isinstance(a, Fp8Weight):       # FP8 codes with block scales
             return self._place_fp8(a)
-        if hasattr(a, "marlin"):           # int4 (GPTQ, AWQ, compressed-tensors): Marlin
-            m = a.marlin()
+        if isinstance(a, (Int4Weight, MarlinWeight)):  # int4 (GPTQ, AWQ, ...): Marlin
+            m = repack_int4(a) if isinstance(a, Int4Weight) else a
             return DeviceMarlinWeight(self.asarray(m.qweight), self.asarray(m.scales),
                                       None if m.zeros is None else self.asarray(m.zeros),
                                       m.n, m.k, m.group_size)
@@ -312,9 +296,9 @@ cdef class CudaBackend(Backend):
     def _place_fp8(self, w):
         """FP8 weights: by default dequantized once, on the device, to the activation dtype
         (cuBLAS then multiplies them: the simple path, twice the bytes of the codes). With
-        TAPER_CUDA_FP8_CUTLASS=1 on an sm_90a device, 128 x 128 block-wise weights stay e4m3
+        kernels fp8=cutlass on an sm_90a device, 128 x 128 block-wise weights stay e4m3
         for the CUTLASS block-scaled GEMM (the tuned path, until a GPU run verifies it). With
-        TAPER_CUDA_FP8_GEMV=1 they stay e4m3 too, for the small-M FP8 GEMV (any sm80+; larger M
+        fp8_gemv=on they stay e4m3 too, for the small-M FP8 GEMV (any sm80+; larger M
         then goes through CUTLASS where it applies, else panels dequantized for cuBLAS)."""
         n, k = w.shape
         codes, scales = self.asarray(w.weight), self.asarray(w.scale)
@@ -413,7 +397,7 @@ cdef class CudaBackend(Backend):
     def embedding(self, token_ids, table, out):
         op, act = "embedding", (self.act_dtype,)
         arrays = {"token_ids": token_ids, "table": table, "out": out}
-        if hasattr(table, "quant_parts"):
+        if isinstance(table, QuantizedWeight):
             return self._quant_embedding(token_ids, table, out)
         self._check(op, arrays, "token_ids", (_I32,), 1)
         self._check(op, arrays, "table", act, 2)
@@ -428,7 +412,7 @@ cdef class CudaBackend(Backend):
         """cuBLAS GEMM, float32 accumulation; out may be the activation dtype or float32."""
         op, act = "linear", (self.act_dtype,)
         arrays = {"x": x, "weight": weight, "bias": bias, "out": out}
-        if hasattr(weight, "quant_parts"):
+        if isinstance(weight, QuantizedWeight):
             return self._packed_linear(x, weight, bias, out, self._ggml_compute)
         if isinstance(weight, DeviceMarlinWeight):
             return self._packed_linear(x, weight, bias, out, self._marlin_compute)
@@ -528,8 +512,8 @@ cdef class CudaBackend(Backend):
 
     def _marlin_compute(self, x, weight, out):
         """W4A16 through the Marlin-layout GEMM: the simple kernel by default, the striped v2
-        under TAPER_CUDA_MARLIN=v2, else the pipelined one with a global reduce for small M
-        under TAPER_CUDA_MARLIN_PIPELINE=1 (each falling back to the simple one for shapes it
+        under kernels marlin=v2, else the pipelined one with a global reduce for small M
+        under marlin=pipeline (each falling back to the simple one for shapes it
         lacks)."""
         T, K, N = x.shape[0], x.shape[1], out.shape[1]
         args = (self._ptr(x), weight.qweight.data.ptr, weight.scales.data.ptr,
@@ -547,7 +531,7 @@ cdef class CudaBackend(Backend):
         launch_marlin_gemm(*args, 0, 0, 0, self._sptr())
 
     def _fp8_compute(self, x, weight, out):
-        """Up to fp8_gemv_max_m rows under TAPER_CUDA_FP8_GEMV=1: the FP8 GEMV on the codes.
+        """Up to fp8_gemv_max_m rows under kernels fp8_gemv=on: the FP8 GEMV on the codes.
         Else, for a weight placed for CUTLASS: activations quantized per token and group of 128
         to e4m3, then the CUTLASS block-scaled GEMM (bf16 out), one workspace holding the e4m3
         activations, their (T, K/128) scales and CUTLASS's own scratch, each part 16-byte
@@ -721,18 +705,18 @@ cdef class CudaBackend(Backend):
         if all(isinstance(w, cp.ndarray) and w.dtype == self.act_dtype and w.shape == (N, K)
                for w in weights):
             return StackedExperts((E, N, K), None, cp.stack(weights), TAPER_MOE_W_DTYPE)
-        if (K % 32 == 0 and all(hasattr(w, "quant_parts") and tuple(w.shape) == (N, K)
+        if (K % 32 == 0 and all(isinstance(w, QuantizedWeight) and tuple(w.shape) == (N, K)
                                 and all(t == TAPER_MOE_W_Q8_0 for t, _ in w.quant_parts)
                                 for w in weights)):
             data = cp.stack([cp.concatenate([b for _, b in w.quant_parts]) for w in weights])
             if data.shape == (E, N, K // 32 * 34) and data.dtype == _U8:
                 return StackedExperts((E, N, K), None, data, TAPER_MOE_W_Q8_0)
-        kinds = sorted({type(w).__name__ if not hasattr(w, "quant_parts") else
+        kinds = sorted({type(w).__name__ if not isinstance(w, QuantizedWeight) else
                         "ggml types " + ",".join(str(t) for t, _ in w.quant_parts)
                         for w in weights})
-        raise ValueError(f"stack_experts: the fused MoE path (TAPER_CUDA_FUSED_MOE=1) takes "
+        raise ValueError(f"stack_experts: the fused MoE path (kernels moe=fused) takes "
                          f"{self.act_dtype.name} or GGUF Q8_0 experts (K % 32 == 0 for Q8_0), "
-                         f"not {kinds} of shape {(N, K)}; unset TAPER_CUDA_FUSED_MOE for these")
+                         f"not {kinds} of shape {(N, K)}; use moe=simple for these")
 
     def _need(self, str op, dict arrays, str name, dtype, tuple shape):
         self._check(op, arrays, name, (dtype,), len(shape), True)

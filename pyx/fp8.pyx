@@ -1,6 +1,6 @@
 """FP8 (OCP e4m3) weight kernels: the Cython side of pyx/fp8_kernels.c.
 
-`fp8_linear` is what engine.quant_fp8.Fp8Weight.cpu_linear calls from the CPU backend's `linear`;
+`fp8_linear` is what the CPU backend's `linear` calls on a pyx.weights.fp8.Fp8Weight;
 `decode` / `encode` expose the kernels' e4m3 conversions for tests. Every entry validates dtypes,
 shapes and contiguity (ValueError naming the op and the shapes), then calls one C function inside
 `with nogil:` and turns a nonzero status into an exception.

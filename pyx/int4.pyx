@@ -1,6 +1,7 @@
 """W4A16 linear and dequantization on the canonical packed int4 layout (pyx/int4_kernels.h):
-codes (N, K/2) uint8, scales and zeros (N, K/G) float32. engine/quant_int4.py builds that layout
-from GPTQ, AWQ and compressed-tensors checkpoints and calls these from `Int4Weight.cpu_linear`.
+codes (N, K/2) uint8, scales and zeros (N, K/G) float32. pyx/weights/int4.py holds that layout
+(engine/loader/ builds it from GPTQ, AWQ and compressed-tensors checkpoints) and pyx/cpu_int4.py
+calls these for the CPU backend's `linear`.
 
 Every function validates dtypes, shapes and contiguity here (ValueError naming the arrays), calls
 one C kernel inside `with nogil:` and turns a nonzero status into an exception.

@@ -52,7 +52,7 @@ cdef class Attention:
         (None: head_dim ** -0.5); softcap > 0 caps the scaled scores (Gemma-2). qk_layernorm:
         q_norm and k_norm are lists of per-head (D,) LayerNorm weights, not one RMSNorm weight."""
         self.backend = backend
-        self.xp = getattr(backend, "xp", np)
+        self.xp = backend.xp
         self.qkv_weight, self.qkv_bias = qkv_weight, qkv_bias
         self.o_weight, self.o_bias = o_weight, o_bias
         self.q_norm, self.k_norm = q_norm, k_norm
@@ -142,9 +142,12 @@ cdef class MLP:
         self.gate_up_weight, self.gate_up_bias = gate_up_weight, gate_up_bias
         self.down_weight, self.down_bias = down_weight, down_bias
         self.intermediate_size = gate_up_weight.shape[0] // 2
-        if act not in ("silu", "gelu_tanh"):
+        if act == "silu":
+            self.act_and_mul = backend.silu_and_mul
+        elif act == "gelu_tanh":
+            self.act_and_mul = backend.gelu_tanh_and_mul
+        else:
             raise ValueError(f"MLP: unknown activation {act!r}, expected silu or gelu_tanh")
-        self.act_and_mul = getattr(backend, f"{act}_and_mul")
 
     def forward(self, x, out, Workspace ws):
         """x (T, H) -> out (T, H)."""

@@ -11,7 +11,7 @@ contiguous run of rows goes through its two projections, and the results are put
 order and summed per token with their weights. The projections are the backend's `linear`, so
 every weight format (float, ggml blocks, int4, FP8) works for experts as for dense layers.
 
-The fused path (`fused`, the CUDA backend's TAPER_CUDA_FUSED_MOE=1) takes the same steps with no
+The fused path (`fused`, the backend's fused_moe: kernels moe=fused) takes the same steps with no
 per-expert loop and no host round trip: moe_align sorts the pairs by expert on the device, padded
 to the grouped GEMM's M tile; moe_grouped_linear runs gate_up for every expert in one launch, then
 silu_and_mul, then down in one launch; moe_combine sums each token's top_k rows with their weights.
@@ -84,7 +84,7 @@ class MoE:
         shared: an MLP-like object with forward(x, out, ws) (the shared expert) and shared_gate
         (1, H), or None. fused: the grouped-GEMM path (the experts are stacked here)."""
         self.backend = backend
-        self.xp = getattr(backend, "xp", np)
+        self.xp = backend.xp
         self.router = router
         self.num_experts = len(experts_gate_up)
         self.top_k, self.normalize = top_k, normalize

@@ -16,7 +16,7 @@ typedef void (*taper_dequant_fn)(const void *src, float *dst, int64_t n);
 typedef void (*taper_dequant_isa_fn)(int isa, const void *src, float *dst, int64_t n);
 typedef void (*taper_quant_fn)(const float *src, void *dst, int64_t n);
 typedef float (*taper_vec_dot_fn)(int isa, int64_t n, const void *w, const void *xq);
-/* w against two activation rows, summed (TAPER_QUANT_ACT_SPLIT's hi and lo) */
+/* w against two activation rows, summed (act_split's hi and lo, quant_kernels.c) */
 typedef float (*taper_vec_dot2_fn)(int isa, int64_t n, const void *w, const void *xq,
                                    const void *xq2);
 

@@ -1154,7 +1154,7 @@ AVX512_TARGET INLINE void ints_q6_K_avx512(const bq6_K *b, const bq8_K *a, int32
         return acc;                                                                            \
     }
 
-/* Two activation rows at once (TAPER_QUANT_ACT_SPLIT's hi and lo): the integer bodies are
+/* Two activation rows at once (act_split's hi and lo, quant_kernels.c): the integer bodies are
    inlined twice on the same block, so the compiler unpacks its weights once for both. */
 #define K_VEC_DOT2(T, isa_name, TARGET, HALF)                                                  \
     TARGET static float vec_dot2_##T##_##isa_name(int64_t n, const void *w, const void *xq,    \

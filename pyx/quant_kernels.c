@@ -5,10 +5,10 @@
  * is dotted with it. Beyond that (prefill) it would unpack every weight block T times, so panels
  * of weight rows are dequantized to float32 once (per-thread scratch) and go through the dense
  * GEMM of taper_linear with the float32 activations, as the int4 path does for GPTQ
- * (engine/quant_int4.py, GEMV_MAX_T / PANEL_BYTES): the activations are not rounded to Q8 there,
+ * (pyx/cpu_int4.py, GEMV_MAX_T / PANEL_BYTES): the activations are not rounded to Q8 there,
  * so results differ from the decode path's by that rounding (they are closer to x @ W.T).
- * TAPER_QUANT_ACT_SPLIT=1 makes the loop nearly as exact, at twice its integer work: each
- * activation row becomes two 8-bit rows (quantize_act_split).
+ * act_split (the CPU backend's kernels act_split=on) makes the loop nearly as exact, at twice its
+ * integer work: each activation row becomes two 8-bit rows (quantize_act_split).
  */
 #include <stdlib.h>
 #include <string.h>
@@ -150,15 +150,10 @@ static int quant_linear_chunks(int isa, const taper_quant_traits *t, const float
     return status;
 }
 
-/* TAPER_QUANT_ACT_SPLIT=1: the decode loop writes each activation row as two 8-bit rows (below)
-   instead of rounding it to 8 bits once, as ggml does. Off by default: the loop is compute-bound
-   on its integer dot products (Q8_0 4864x896 at T = 1: 19 GB/s on one core from cache), and two
-   rows double them (bench/RESULTS.md, numerics against llama.cpp). Read per call, so a test or
-   bench can switch it in-process. */
-static int act_split(void) {
-    const char *v = getenv("TAPER_QUANT_ACT_SPLIT");
-    return v && v[0] == '1';
-}
+/* act_split != 0: the decode loop writes each activation row as two 8-bit rows (below) instead of
+   rounding it to 8 bits once, as ggml does. Off by default: the loop is compute-bound on its
+   integer dot products (Q8_0 4864x896 at T = 1: 19 GB/s on one core from cache), and two rows
+   double them (bench/RESULTS.md, numerics against llama.cpp). */
 
 /* One activation row as two 8-bit rows of the activation format: hi = x rounded as ggml rounds
  * it, lo = the rounding residual x - hi rounded the same way, so hi + lo is x to about 1/250 of
@@ -228,7 +223,7 @@ int taper_quant_gemv_max_t(int isa, int type) {
  * results differ from the panels', and the switch between the two depends on T). */
 int taper_quant_linear(int isa, int type, const float *x, const void *w, const float *bias,
                        float *out, int64_t T, int64_t K, int64_t N, int64_t ldo,
-                       int batch_invariant, int nthreads) {
+                       int batch_invariant, int act_split, int nthreads) {
     const taper_quant_traits *t = traits(type);
     if (!t || !t->vec_dot || K % t->block_size || ldo < N || T < 0 || N < 0) return TAPER_ERR_ARG;
     const taper_quant_traits *a = traits(t->vec_dot_type);
@@ -242,7 +237,7 @@ int taper_quant_linear(int isa, int type, const float *x, const void *w, const f
             : quant_linear_panels(isa, t, x, w, bias, out, T, K, N, ldo, batch_invariant, nt);
     const int64_t w_row = K / t->block_size * t->type_size;
     const int64_t x_row = K / a->block_size * a->type_size;
-    const int parts = act_split() ? 2 : 1;
+    const int parts = act_split ? 2 : 1;
     uint8_t *xq = malloc((size_t)(parts * T * x_row));
     float *res = parts == 2 ? malloc((size_t)(T * K) * sizeof(float)) : NULL;
     if (!xq || (parts == 2 && !res)) {

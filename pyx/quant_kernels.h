@@ -106,11 +106,13 @@ int taper_quantize(int type, const float *src /* (rows, k) */, void *dst, int64_
  * format first (decode); beyond, panels of W are dequantized to float32 and multiplied with the
  * float32 x by taper_linear's GEMM (prefill). `ldo` is out's row stride in floats (>= N), so
  * parts of a fused weight can write column slices of one output. batch_invariant != 0: the
- * panel path for every T, through the batch-invariant GEMM (taper_linear_ex). */
+ * panel path for every T, through the batch-invariant GEMM (taper_linear_ex). act_split != 0:
+ * the decode path writes each activation row as two 8-bit rows, the value and its rounding
+ * residual (~250x closer to x @ W.T, twice the integer work); 0 rounds it once, as ggml. */
 int taper_quant_gemv_max_t(int isa, int type);
 int taper_quant_linear(int isa, int type, const float *x /* (T, K) */,
                        const void *w /* (N, K/B blocks) */, const float *bias /* (N) or NULL */,
                        float *out /* (T, ldo) */, int64_t T, int64_t K, int64_t N, int64_t ldo,
-                       int batch_invariant, int nthreads);
+                       int batch_invariant, int act_split, int nthreads);
 
 #endif

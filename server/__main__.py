@@ -27,6 +27,8 @@ DEMO_NOTICE = ("Demo model with random weights: its answers are gibberish. Serve
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from engine import KernelConfig
+
     # add_help=False: `--h` is the host (candle-vllm's flag), so help is only `--help`.
     p = argparse.ArgumentParser(prog="taper", add_help=False, allow_abbrev=False,
                                 description="Taper: serve an LLM with an OpenAI-compatible API.",
@@ -138,6 +140,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with async scheduling, schedule each step after the previous step's "
                         "tokens are committed instead of ahead of them with placeholder tokens "
                         "(see README: async scheduling)")
+    e.add_argument("--kernels", metavar="KEY=VALUE,...", default="",
+                   help="kernel choices, e.g. prefill=fa2,decode=split,marlin=v2; each key's "
+                        "first value is its default, the backends that read it in parentheses: "
+                        + KernelConfig.choices_help())
     e.add_argument("--profile-steps", type=int, metavar="N", default=0,
                    help="log every N steps where the engine's step time went (scheduling, batch "
                         "preparation, forward, sampling, output processing); it synchronizes the "
@@ -161,6 +167,7 @@ NOT_YET_SUPPORTED: dict[str, tuple[str, str]] = {}
 
 def check_args(args) -> str | None:
     """The first problem with the flags, as a message, or None."""
+    from engine import KernelConfig
     from engine.sampling.sampling_params import SamplingParams
 
     for dest, (flag, feature) in NOT_YET_SUPPORTED.items():
@@ -183,6 +190,10 @@ def check_args(args) -> str | None:
         if args.enforce_parser not in PARSERS:
             return (f"--enforce-parser: unknown tool parser {args.enforce_parser!r}; choose "
                     f"one of {', '.join(sorted(PARSERS))}")
+    try:
+        KernelConfig.parse(args.kernels, "--kernels")
+    except ValueError as e:
+        return str(e)
     if args.profile_steps < 0:
         return "--profile-steps must be 0 (off) or a number of steps"
     if args.max_request_mb <= 0 or args.shutdown_timeout < 0:
@@ -201,6 +212,7 @@ def sampling_defaults(args) -> dict:
 
 
 def engine_config(args):
+    from engine import KernelConfig
     from engine.config import EngineConfig
     from engine.runner.backends import detect_backend
 
@@ -237,7 +249,8 @@ def engine_config(args):
         prefix_cache_max_tokens=args.prefix_cache_max_tokens, max_model_len=args.max_model_len,
         yarn_scaling_factor=args.yarn_scaling_factor, isq=args.isq, seed=args.seed,
         batch_invariant=args.batch_invariant, logprobs_mode=args.logprobs_mode,
-        async_scheduling=args.async_scheduling, schedule_ahead=args.schedule_ahead)
+        async_scheduling=args.async_scheduling, schedule_ahead=args.schedule_ahead,
+        kernels=KernelConfig.parse(args.kernels, "--kernels"))
 
 
 def server_settings(args, config):

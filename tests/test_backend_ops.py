@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from pyx.cpu_backend import CpuBackend, isa_supported, philox4x32_10
+from pyx.kernel_config import KernelConfig
 import reference as ref
 
 ISAS = ["scalar", "avx2", "avx512"]
@@ -33,18 +34,35 @@ def be():
 # ---- backend construction
 
 
-def test_isa_choice_and_env(monkeypatch):
+def test_isa_choice_and_kernel_config(monkeypatch):
+    """The isa argument, else the KernelConfig's cpu_isa, else (auto) the best this CPU runs;
+    the environment is not read (TAPER_CPU_ISA is retired)."""
     assert CpuBackend().name == "cpu"
     assert CpuBackend(isa="scalar").isa == "scalar"
-    monkeypatch.setenv("TAPER_CPU_ISA", "scalar")
-    assert CpuBackend().isa == "scalar"
-    monkeypatch.setenv("TAPER_CPU_ISA", "sse9")
+    assert CpuBackend(kernels="cpu_isa=scalar").isa == "scalar"
+    assert CpuBackend(kernels=KernelConfig(cpu_isa="scalar")).isa == "scalar"
+    assert CpuBackend(isa="scalar", kernels="cpu_isa=auto").isa == "scalar"
+    with pytest.raises(ValueError, match=r"cpu_isa='sse9' is not a choice; cpu_isa takes auto \| "
+                                         r"scalar \| avx2 \| avx512"):
+        CpuBackend(kernels="cpu_isa=sse9")
     with pytest.raises(ValueError, match="sse9"):
-        CpuBackend()
-    monkeypatch.delenv("TAPER_CPU_ISA")
+        CpuBackend(isa="sse9")
     best = CpuBackend().isa
     assert isa_supported(best)
     assert best == [i for i in ISAS if isa_supported(i)][-1]
+    assert CpuBackend(kernels="cpu_isa=auto").isa == best
+    monkeypatch.setenv("TAPER_CPU_ISA", "scalar")
+    assert CpuBackend().isa == best
+    if best != "scalar":
+        assert CpuBackend(kernels=f"cpu_isa={best}").isa == best
+
+
+def test_unsupported_isa_names_it():
+    missing = [i for i in ISAS if not isa_supported(i)]
+    if not missing:
+        pytest.skip("this CPU runs every ISA path")
+    with pytest.raises(ValueError, match=f"isa '{missing[0]}' is not supported by this CPU"):
+        CpuBackend(kernels={"cpu_isa": missing[0]})
 
 
 def test_num_threads():

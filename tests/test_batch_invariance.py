@@ -203,9 +203,9 @@ def weights(rng, N=384, K=512):
     import ml_dtypes
     from gguf import GGMLQuantizationType as QT
 
-    from engine.quant import quantize
-    from engine.quant_fp8 import Fp8Weight
-    from engine.quant_int4 import Int4Part, Int4Weight
+    from pyx.cpu_backend import quantize_weight
+    from pyx.weights.fp8 import Fp8Weight
+    from pyx.weights.int4 import Int4Part, Int4Weight
     w = (rng.standard_normal((N, K)) * 0.05).astype(np.float32)
     codes = rng.integers(0, 16, (N, K)).astype(np.uint8)
     int4 = Int4Weight([Int4Part.from_codes(codes, rng.uniform(0.01, 0.02, (N, K // 128)),
@@ -215,7 +215,8 @@ def weights(rng, N=384, K=512):
         (rng.integers(0, 2, (N, K)).astype(np.uint8) << 7)
     fp8 = Fp8Weight(fp8_codes, rng.uniform(0.01, 0.02, (N // 128, K // 128)), (128, 128))
     return [("f32", w), ("bf16", w.astype(ml_dtypes.bfloat16)), ("f16", w.astype(np.float16)),
-            ("q8_0", quantize(w, QT.Q8_0)), ("q4_k", quantize(w, QT.Q4_K)), ("int4", int4),
+            ("q8_0", quantize_weight(w, QT.Q8_0)), ("q4_k", quantize_weight(w, QT.Q4_K)),
+            ("int4", int4),
             ("fp8 block", fp8)]
 
 

@@ -221,6 +221,7 @@ class FakeGraphBackend:
         self.events = []
         self.capturing = False
         self.pool = None
+        self.free = 1 << 30
         self.xp = types.SimpleNamespace(empty=self._empty, copyto=np.copyto)
 
     @staticmethod
@@ -233,7 +234,11 @@ class FakeGraphBackend:
         return np.full(shape, -7777 if dtype.kind == "i" else np.nan, dtype)
 
     def new_graph_pool(self):
+        self.free -= FakePool().total_bytes()    # the device memory the graphs take
         return FakePool()
+
+    def memory_info(self):
+        return self.free, 1 << 30
 
     @contextlib.contextmanager
     def use_graph_pool(self, pool):
@@ -322,7 +327,7 @@ def test_capture_bookkeeping(setup):
     assert backend.events == [("pool", "on")] + [
         e for s in (8, 4, 2, 1) for e in (("copy", n[s]), ("begin_capture",), ("end_capture",),
                                           ("sync",))] + [("pool", "off"), ("sync",)]
-    assert runner.graph_memory_bytes == 4096 and runner.device_memory_bytes is None
+    assert runner.graph_memory_bytes == 4096 and runner.device_memory_bytes == 4096
     # the graphs have their own activation workspace; the eager one is back in place
     assert model.workspace is eager_ws and runner._workspace is not eager_ws
     # every bucket's output is a view of the one static logits buffer

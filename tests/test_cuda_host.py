@@ -65,21 +65,18 @@ def test_decode_workspace_bytes(cb):
 
 
 @needs_ext
-def test_prefill_kernel_switch(cb, monkeypatch):
-    """TAPER_CUDA_PREFILL picks the prefill attention kernel; TAPER_CUDA_MMA_PREFILL=1 stays the
-    older spelling of mma; an unknown name is an error naming the variable and the choices."""
-    monkeypatch.delenv("TAPER_CUDA_PREFILL", raising=False)
-    monkeypatch.delenv("TAPER_CUDA_MMA_PREFILL", raising=False)
-    assert cb._prefill_kernel() == "simple"
-    monkeypatch.setenv("TAPER_CUDA_MMA_PREFILL", "1")
-    assert cb._prefill_kernel() == "mma"
-    for name, variant in [("simple", 0), ("mma", 1), ("fa2", 2), ("fa3", 3)]:
-        monkeypatch.setenv("TAPER_CUDA_PREFILL", name)
-        assert cb._prefill_kernel() == name and cb.PREFILL_VARIANTS[name] == variant
-    monkeypatch.setenv("TAPER_CUDA_PREFILL", "fa9")
-    with pytest.raises(ValueError, match=r"TAPER_CUDA_PREFILL must be one of simple, mma, fa2, "
-                                         r"fa3, got 'fa9'"):
-        cb._prefill_kernel()
+def test_prefill_kernel_choice(cb):
+    """KernelConfig's prefill values are the launcher's variants, in its numbering; a bad
+    kernel choice stops the backend's construction before it looks for a device, naming the
+    key and the choices."""
+    from pyx.kernel_config import CHOICES
+    assert list(cb.PREFILL_VARIANTS) == list(CHOICES["prefill"].values)
+    assert [cb.PREFILL_VARIANTS[n] for n in ("simple", "mma", "fa2", "fa3")] == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match=r"prefill='fa9' is not a choice; prefill takes simple "
+                                         r"\| mma \| fa2 \| fa3"):
+        cb.CudaBackend(kernels="prefill=fa9")
+    with pytest.raises(ValueError, match=r"marlin='v3' is not a choice"):
+        cb.CudaBackend(kernels={"marlin": "v3"})
 
 
 @needs_ext

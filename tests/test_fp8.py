@@ -108,7 +108,7 @@ LINEAR_CASES = [  # (T, K, N, (bn, bk))
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("T,K,N,block", LINEAR_CASES)
 def test_fp8_linear_matches_dequantize_then_matmul(isa, T, K, N, block):
-    from engine.quant_fp8 import Fp8Weight
+    from pyx.weights.fp8 import Fp8Weight
     be = backend_for(isa, num_threads=2)
     rng = np.random.default_rng(T * 1000 + K + N)
     codes, scale = random_fp8(rng, N, K, block)
@@ -124,7 +124,7 @@ def test_fp8_linear_matches_dequantize_then_matmul(isa, T, K, N, block):
 
 
 def test_fp8_weights_fuse_and_reject_bad_shapes():
-    from engine.quant_fp8 import Fp8Weight
+    from pyx.weights.fp8 import Fp8Weight
     from pyx.fp8 import fp8_linear
     rng = np.random.default_rng(3)
     parts = [Fp8Weight(*random_fp8(rng, n, 256, (128, 128)), (128, 128)) for n in (256, 128, 128)]
@@ -257,7 +257,7 @@ def test_block_fp8_checkpoint_greedy_matches_transformers(qwen3_dir, block_fp8):
 def test_block_fp8_loader_keeps_codes_and_float_layers(block_fp8):
     from engine.loader.quant_formats import convert_quantized
     from engine.loader.safetensors import load_safetensors
-    from engine.quant_fp8 import Fp8Weight
+    from pyx.weights.fp8 import Fp8Weight
     dst, deq = block_fp8
     for dtype in ("auto", "bf16"):
         weights = load_safetensors(dst, dtype=dtype, progress=False, quantized=True)
@@ -323,7 +323,7 @@ def test_compressed_tensors_fp8_greedy_matches_transformers(llama_dir, tmp_path,
 
 def test_convert_compressed_fp8_strategies():
     from engine.loader.quant_fp8 import convert_compressed_fp8
-    from engine.quant_fp8 import Fp8Weight
+    from pyx.weights.fp8 import Fp8Weight
     rng = np.random.default_rng(0)
     w = rng.standard_normal((256, 256)).astype(np.float32)
     codes, scale = quantize_blocks(w, 128, 128)
@@ -481,7 +481,7 @@ def test_fp8_kv_cache_uses_checkpoint_scales(llama_dir, tmp_path):
 
 
 def test_kv_scale_names_and_bad_values():
-    from engine.quant_fp8 import take_kv_scales
+    from engine.models.kv_scales import take_kv_scales
     a0, a1 = "model.layers.0.self_attn.", "model.layers.1.self_attn."
     w = {a0 + "k_proj.k_scale": np.float32(2), a0 + "v_proj.v_scale": np.float32([3]),
          a1 + "kv_scale": np.float32(5)}

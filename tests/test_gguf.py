@@ -30,7 +30,7 @@ from engine.loader.gguf import (build_config, hf_name, llama3_rope, read_gguf, r
                                 unpermute_rows)
 from engine.text.gguf_tokenizer import build_tokenizer
 from engine.models.model_config import ModelConfig
-from engine.quant import QuantizedWeight
+from pyx.weights.ggml import QuantizedWeight
 from gguf_fixtures import DATA, HERE, QUANT_TIE, TIE, load_script, path_of, trusted
 
 REPO_ROOT = os.path.dirname(HERE)
@@ -420,7 +420,9 @@ def test_quantized_weights_are_close_to_the_source(stem):
         if _pyx_dequantize(qtype) is None:
             missing.add(QT(qtype).name)
         else:
-            np.testing.assert_allclose(w.dequantize(), ref, rtol=0, atol=1e-6 * np.abs(ref).max())
+            from pyx.cpu_backend import dequantize_weight
+            np.testing.assert_allclose(dequantize_weight(w), ref, rtol=0,
+                                       atol=1e-6 * np.abs(ref).max())
     if missing:
         pytest.skip(f"pyx.cpu_backend.dequantize does not handle {sorted(missing)} yet "
                     "(gguf-py's reference was checked)")
@@ -527,11 +529,12 @@ class PagedRun:
     """One sequence through the model's paged-KV forward: `step(tokens)` feeds the tokens after
     the ones already computed and returns the logits of the last one."""
 
-    def __init__(self, config: dict, weights: dict, max_tokens: int, block: int = 16):
+    def __init__(self, config: dict, weights: dict, max_tokens: int, block: int = 16,
+                 kernels=None):
         from engine.models.registry import get_model_class
         from pyx.cpu_backend import CpuBackend
         mc = ModelConfig.from_dict(config)
-        self.model = get_model_class(mc.architecture)(mc, weights, CpuBackend())
+        self.model = get_model_class(mc.architecture)(mc, weights, CpuBackend(kernels=kernels))
         self.block, num_blocks = block, -(-max_tokens // block)
         shape = self.model.kv_cache_shape(num_blocks + 1, block)
         self.kv = [(np.zeros(shape, np.float32), np.zeros(shape, np.float32))
@@ -641,11 +644,11 @@ QUANT_SPLIT_TOL = 1e-3     # measured max 1.9e-4 (Q4_K_M), 1.4e-4 (Q8_0)
 
 
 @pytest.mark.parametrize("stem", QUANT_FILES)
-def test_quantized_decode_logits_against_float64_on_the_file_weights(stem, monkeypatch):
+def test_quantized_decode_logits_against_float64_on_the_file_weights(stem):
     """Taper's matmuls on the packed blocks with T <= quant_gemv_max_t(type, isa) token rows
     (decode) against the exact reference, teacher-forced: an 8-token prompt, then one prompt
     token per step. By default they round each activation row to 8 bits once, as llama.cpp does: the
-    logits are 0.03-0.05 off float64. With TAPER_QUANT_ACT_SPLIT=1 each row is two 8-bit rows
+    logits are 0.03-0.05 off float64. With kernels act_split=on each row is two 8-bit rows
     (pyx/quant_kernels.c): every step within QUANT_SPLIT_TOL.
     After the whole prompt (a float32 prefill, then the LM head on one row) Taper's default is
     no further off than llama.cpp's own first-step logits (fixtures.json), and with the split
@@ -661,18 +664,20 @@ def test_quantized_decode_logits_against_float64_on_the_file_weights(stem, monke
     llama_err = np.abs(np.array(FIX["models"][name]["files"][kind]["llama_cpp"]["first_logits"])
                        - full).max()
 
-    def run(tokens):
-        return PagedRun(checkpoint(stem).config, dict(checkpoint(stem).weights), len(tokens))
+    def run(tokens, kernels=None):
+        return PagedRun(checkpoint(stem).config, dict(checkpoint(stem).weights), len(tokens),
+                        kernels=kernels)
 
-    def decode(tokens):
-        r = run(tokens)
+    def decode(tokens, kernels=None):
+        r = run(tokens, kernels)
         return np.stack([r.step(tokens[:p])] + [r.step([t]) for t in tokens[p:-1]])
 
     assert np.abs(decode(tokens) - ref).max() > 10 * QUANT_SPLIT_TOL
     assert np.abs(run(prompt).step(list(prompt)) - full).max() <= llama_err
-    monkeypatch.setenv("TAPER_QUANT_ACT_SPLIT", "1")
-    assert np.abs(decode(tokens) - ref).max() < QUANT_SPLIT_TOL
-    assert np.abs(run(prompt).step(list(prompt)) - full).max() < QUANT_SPLIT_TOL < llama_err / 20
+    split = "act_split=on"
+    assert np.abs(decode(tokens, split) - ref).max() < QUANT_SPLIT_TOL
+    assert (np.abs(run(prompt, split).step(list(prompt)) - full).max()
+            < QUANT_SPLIT_TOL < llama_err / 20)
 
 
 @pytest.mark.parametrize("stem", ["llama-f32", "qwen2-q4_k_m"])

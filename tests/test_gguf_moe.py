@@ -18,7 +18,8 @@ from gguf import GGUFReader, quants
 
 from engine.loader.gguf import read_gguf
 from engine.models.model_config import ModelConfig
-from engine.quant import QuantizedWeight
+from pyx.cpu_backend import dequantize_weight
+from pyx.weights.ggml import QuantizedWeight
 from server_fakes import LiveServer, client_for, post_json
 from gguf_fixtures import DATA, RecordedFixtures, path_of, source_config
 from test_gguf import greedy
@@ -62,7 +63,7 @@ def test_each_expert_is_its_slice_of_the_merged_tensor(stem):
             w = ck.weights[f"model.layers.1.{block}.experts.{e}.{hf}.weight"]
             if kind == "q8_0":
                 assert isinstance(w, QuantizedWeight) and w.quant_parts[0][0] == QT.Q8_0
-                w = w.dequantize()
+                w = dequantize_weight(w)
             np.testing.assert_array_equal(np.asarray(w, np.float32), merged[e])
     assert not any("exps" in k for k in ck.weights)
 

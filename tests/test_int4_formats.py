@@ -27,7 +27,7 @@ from safetensors.numpy import load_file, save_file
 from checkpoints import tiny_checkpoint
 from engine import LLM, SamplingParams
 from engine.loader.quant_formats import convert_quantized
-from engine.quant_int4 import Int4Part, Int4Weight
+from pyx.weights.int4 import Int4Part, Int4Weight
 from hf_oracle import assert_matches, hf_greedy, load_hf
 from pyx.cpu_backend import CpuBackend, isa_supported
 from pyx.int4 import int4_dequantize, int4_linear
@@ -248,8 +248,8 @@ def test_cpu_linear_fused_parts_both_paths(isa, T, monkeypatch):
     """Three parts (group sizes 128, 256, 128 stay separate when fused), through CpuBackend.linear:
     the int4 kernel at T = 3, dequantize + dense GEMM at T = 80 (past every ISA's GEMV_MAX_T),
     with panels forced small so the copy of a panel's columns into out is exercised."""
-    import engine.quant_int4 as qi
-    monkeypatch.setattr(qi, "PANEL_BYTES", 32 * 256 * 4)
+    import pyx.cpu_int4 as ci
+    monkeypatch.setattr(ci, "PANEL_BYTES", 32 * 256 * 4)
     rng = np.random.default_rng(T)
     k, parts, refs = 256, [], []
     for n, g in [(40, 128), (24, 256), (36, 128)]:
@@ -402,8 +402,8 @@ def oracle(float_dir, deq):
     return hf
 
 
-def taper_greedy(model_dir, n=24):
-    llm = LLM(model_dir, num_kv_blocks=32)
+def taper_greedy(model_dir, n=24, **config):
+    llm = LLM(model_dir, num_kv_blocks=32, **config)
     out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
     return out[0].token_ids
 
@@ -427,12 +427,11 @@ def test_gptq_awq_model_greedy_matches_transformers(float_dir, tmp_path, case):
 def test_gptq_model_every_isa_with_prefill_through_the_gemm_path(float_dir, tmp_path, monkeypatch,
                                                                  isa):
     """The 20-token prefill goes through dequantize + dense GEMM, decode through the int4 kernel."""
-    import engine.quant_int4 as qi
-    monkeypatch.setenv("TAPER_CPU_ISA", isa)
-    monkeypatch.setitem(qi.GEMV_MAX_T, isa, 8)
+    import pyx.cpu_int4 as ci
+    monkeypatch.setitem(ci.GEMV_MAX_T, isa, 8)
     qdir, deq = write_gptq_awq(float_dir, tmp_path / "q", "gptq", False, 128, "gptq")
     reference = hf_greedy(oracle(float_dir, deq), PROMPT, 24, tie=MARGIN)
-    assert_matches(taper_greedy(qdir), reference, label=isa)
+    assert_matches(taper_greedy(qdir, kernels=f"cpu_isa={isa}"), reference, label=isa)
 
 
 @pytest.mark.parametrize("symmetric,strategy", [(True, "group"), (False, "group"),

@@ -24,9 +24,9 @@ from engine import LLM, SamplingParams
 from engine.config import EngineConfig
 from engine.loader.isq import (_PROJECTION, isq_type, marlin_group, quantize_int4,
                                quantize_weights, type_for)
-from engine.marlin import unpack_marlin
-from engine.quant import QuantizedWeight
-from engine.quant_int4 import Int4Weight
+from pyx.weights.ggml import QuantizedWeight
+from pyx.weights.int4 import Int4Weight
+from pyx.weights.marlin import repack_int4, unpack_marlin
 from hf_oracle import assert_matches, hf_greedy, load_hf
 
 MARGIN = 0.1
@@ -156,11 +156,11 @@ def test_marlin_quantizer_matches_the_reference(n, k, dtype):
 @pytest.mark.parametrize("n,k", [(80, 256), (64, 96), (200, 384)])
 def test_marlin_isq_weight_round_trips_through_the_marlin_layout(n, k):
     q = quantize_int4(random_matrix(n, k, seed=n), marlin_group(k))
-    m = q.marlin()
+    m = repack_int4(q)
     assert m.shape == (n, k) and m.group_size == marlin_group(k) and m.zeros is None
     np.testing.assert_array_equal(unpack_marlin(m), q.dequantize())
     fused = Int4Weight.concat([q, quantize_int4(random_matrix(n, k, seed=n + 1), marlin_group(k))])
-    np.testing.assert_array_equal(unpack_marlin(fused.marlin()), fused.dequantize())
+    np.testing.assert_array_equal(unpack_marlin(repack_int4(fused)), fused.dequantize())
 
 
 def test_marlin_isq_types_and_logs(caplog):
@@ -218,11 +218,12 @@ def test_isq_marlin_greedy_matches_transformers_on_the_dequantized_weights(bf16_
                                                                           monkeypatch):
     """Int4 weights with float activations on the CPU: the oracle's margin as for GPTQ/AWQ
     (test_int4_formats.py). The oracle differs from the float model, so this sees quantization;
-    the projections run through the int4 kernels (Int4Weight.cpu_linear)."""
+    the projections run through the int4 kernels (pyx/cpu_int4.py)."""
+    import pyx.cpu_int4 as ci
     reference = hf_greedy(int4_oracle(bf16_dir), PROMPT, 24, tie=0.05)
-    calls, linear = [], Int4Weight.cpu_linear
-    monkeypatch.setattr(Int4Weight, "cpu_linear",
-                        lambda self, *a: calls.append(self.shape) or linear(self, *a))
+    calls, linear = [], ci.linear
+    monkeypatch.setattr(ci, "linear",
+                        lambda backend, w, *a: calls.append(w.shape) or linear(backend, w, *a))
     llm = LLM(bf16_dir, isq="marlin", num_kv_blocks=32)
     out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
     assert_matches(out[0].token_ids, reference, label="marlin")

@@ -19,7 +19,7 @@ from safetensors.numpy import load_file
 from checkpoints import tiny_checkpoint
 from engine import LLM, SamplingParams
 from engine.loader.isq import quantize_weights
-from engine.quant import QuantizedWeight
+from pyx.weights.ggml import QuantizedWeight
 from hf_oracle import assert_matches, hf_greedy, load_hf
 from test_isq import MARGIN
 from model_cases import prompts_for

@@ -1,7 +1,8 @@
-"""The Marlin layout (engine/marlin.py) on the CPU: repack from GPTQ, AWQ and compressed-tensors
-checkpoints is lossless (unpack equals Int4Weight's own dequantization bit for bit), the layout's
-invariants hold, and NumPy emulations of cuda/marlin.cu's repack kernel (word by word) and GEMM
-kernel (lane by lane, fragment by fragment) read the layout the way unpack_marlin does.
+"""The Marlin layout (pyx/weights/marlin.py) on the CPU: repack from GPTQ, AWQ and
+compressed-tensors checkpoints is lossless (unpack equals Int4Weight's own dequantization bit for
+bit), the layout's invariants hold, and NumPy emulations of cuda/marlin.cu's repack kernel (word by
+word) and GEMM kernel (lane by lane, fragment by fragment) read the layout the way unpack_marlin
+does.
 
 Fixtures: GPTQ and AWQ layers come from the reference packers of tests/test_int4_formats.py;
 compressed-tensors layers are packed by the compressed-tensors library's own pack_to_int32.
@@ -11,8 +12,8 @@ import pytest
 import torch
 
 from engine.loader.quant_formats import convert_quantized
-from engine.marlin import MarlinWeight, pack_marlin, repack_int4, to_int4, unpack_marlin
-from engine.quant_int4 import Int4Part, Int4Weight
+from pyx.weights.int4 import Int4Part, Int4Weight
+from pyx.weights.marlin import MarlinWeight, pack_marlin, repack_int4, to_int4, unpack_marlin
 from test_int4_formats import awq_config, ct_config, gptq_config, quantized_layer, rtn
 
 # ---- fixtures
@@ -145,7 +146,7 @@ def test_layout_shapes_dtypes_and_padding():
 
 @pytest.mark.parametrize("n,k", [(0, 0), (5, 9), (64, 16), (70, 33), (127, 255)])
 def test_one_code_lands_at_its_documented_nibble(n, k):
-    """The formula of engine/marlin.py's docstring, pinned on single codes."""
+    """The formula of pyx/weights/marlin.py's docstring, pinned on single codes."""
     N, K = 128, 256
     codes = np.zeros((N, K), np.uint8)
     codes[n, k] = 9
@@ -430,7 +431,7 @@ def emulate_device_gemm_v1(x, m: MarlinWeight, dtype, sms=132, arrival_seed=0):
     V1_STAGES shared-memory stages indexed as the kernel does, B registers checked against the
     layout, partial tiles in the workspace at the kernel's offsets, the last block's sum in
     slice order in float32. Returns (out, the dtype-rounded weight, counters, S)."""
-    from engine.marlin import canonical
+    from pyx.weights.marlin import canonical
     M, K = x.shape
     N, np_, G = m.n, m.n_padded, m.group_size
     cfg, gx, gy, S, ws = v1_plan(M, N, K, sms)

@@ -4,7 +4,7 @@ ldmatrix.x4's lane-to-row mapping, the lop3 magic-number dequantization bit for 
 bf16, the 4-stage ring, and the flush of each column segment (straight out, or a float partial
 in the workspace summed in block order by the last block to arrive, in a random arrival order).
 
-The reference is the dequantized weight (engine.marlin.unpack_marlin, equal bit for bit to
+The reference is the dequantized weight (pyx.weights.marlin.unpack_marlin, equal bit for bit to
 Int4Weight.dequantize, itself checked against the checkpoint formats' own packers) rounded as
 the kernel's B operand, times x. With the swizzle left out of the reads, the same emulation
 no longer matches it (the test can fail). The layout is variant 0's and 1's: no repack.
@@ -12,7 +12,7 @@ no longer matches it (the test can fail). The layout is variant 0's and 1's: no 
 import numpy as np
 import pytest
 
-from engine.marlin import canonical, repack_int4
+from pyx.weights.marlin import canonical, repack_int4
 from test_marlin import CASES, _bf16_round, _round16, mma_16816
 
 V2_KT, V2_NB, V2_STAGES, V2_BLOCKS_PER_SM = 64, 4, 4, 2

@@ -215,8 +215,8 @@ from test_models_moe import ARCHS, dirs, hf_tokens  # noqa: E402,F401 (dirs is a
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_engine_on_the_fused_path_equals_transformers(dirs, arch, monkeypatch):
-    """The family code's MoE blocks forced onto the fused path (as TAPER_CUDA_FUSED_MOE=1 does
-    on CUDA), run by the CPU backend's reference ops: greedy tokens equal transformers'."""
+    """The family code's MoE blocks on the fused path (kernels moe=fused, as on CUDA), run by
+    the CPU backend's reference ops: greedy tokens equal transformers'."""
     import engine.models.moe as family
     from engine import LLM, SamplingParams
     from hf_oracle import assert_matches, load_hf
@@ -225,12 +225,13 @@ def test_engine_on_the_fused_path_equals_transformers(dirs, arch, monkeypatch):
 
     made = []
 
-    def fused_moe(*args, fused=False, **kwargs):
-        made.append(MoE(*args, fused=True, **kwargs))
+    def recorded_moe(*args, **kwargs):
+        made.append(MoE(*args, **kwargs))
         return made[-1]
-    monkeypatch.setattr(family, "MoE", fused_moe)
+    monkeypatch.setattr(family, "MoE", recorded_moe)
     refs = hf_tokens(load_hf(dirs[arch]))
-    llm = LLM(dirs[arch], kv_cache_memory_mb=16, max_num_batched_tokens=32)
+    llm = LLM(dirs[arch], kv_cache_memory_mb=16, max_num_batched_tokens=32, kernels="moe=fused")
+    assert llm.engine.backend.fused_moe
     assert made and all(m.fused for m in made)
     outs = llm.generate(prompts_for(), SamplingParams(temperature=0.0, max_tokens=GEN,
                                                        ignore_eos=True))

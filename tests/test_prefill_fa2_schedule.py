@@ -8,7 +8,7 @@ mathematics in float64 NumPy, and the CPU backend's paged attention (pyx/cpu_ker
 reference. A schedule that dropped a row, skipped a tile some row needs, or left a tile unmasked
 that straddles a row's causal or window edge fails here; the control test shows that leaving every
 tile unmasked does change the answer on these batches. The same schedule runs in the Hopper kernel
-(cuda/attention_prefill_fa3.cu, TAPER_CUDA_PREFILL=fa3) with one difference, replayed with
+(cuda/attention_prefill_fa3.cu, kernels prefill=fa3) with one difference, replayed with
 warp_skips=False: its four warps issue the warpgroup's wgmmas together, so no warp skips a tile
 (a tile none of a warp's rows attends is masked whole) and an idle warp's rows mask everything.
 """

@@ -2,7 +2,7 @@
 cuda/wgmma.cuh), replayed on the CPU.
 
 Without a GPU the kernel cannot run here (tests/gpu/test_cuda_prefill_fa2.py runs it under
-TAPER_CUDA_PREFILL=fa3); its index arithmetic can. The kernel's side, transcribed: where the
+kernels prefill=fa3); its index arithmetic can. The kernel's side, transcribed: where the
 cp.async writers put element (row, column) of a Q, K or V tile (fa3_tile_offset), the 64-bit
 descriptors it builds (wgmma_desc) and the start offsets of each k16 slice, and which
 accumulator registers it packs into P's A fragments. The hardware's side, from the PTX ISA

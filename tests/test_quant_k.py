@@ -10,7 +10,7 @@
    is bounded by sum over blocks of amax/254 * sum |W|; and against the same float64 product on
    the Q8_K-rounded activations, where only float32 accumulation is left (rtol 1e-5). ISA paths
    agree with the scalar one to 1e-5 relative (they do the integer work exactly and the float
-   work in the same order, so in practice they are bit-identical). With TAPER_QUANT_ACT_SPLIT=1
+   work in the same order, so in practice they are bit-identical). With kernels act_split=on
    it writes each row as two Q8_K rows, hi = Q8_K(x) and lo = Q8_K(x - hi) (|x - hi - lo| <=
    amax/254^2) and dots the weights with both: the same checks with that bound, which the one-row
    arithmetic misses.
@@ -25,9 +25,9 @@ import pytest
 from gguf import GGMLQuantizationType as QT
 from gguf.quants import dequantize as gguf_dequantize
 
-from engine.quant import QuantizedWeight
-from pyx.cpu_backend import (CpuBackend, dequantize, isa_supported, quant_block_size,
-                              quant_gemv_max_t, quantize)
+from pyx.cpu_backend import (CpuBackend, dequantize, dequantize_weight, isa_supported,
+                              quant_block_size, quant_gemv_max_t, quantize)
+from pyx.weights.ggml import QuantizedWeight
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 FIXTURES = os.path.join(DATA, "quant_k")
@@ -167,10 +167,12 @@ def q8_K_bound(x, w, parts=1):
     return half_step @ wsum.T
 
 
-def run_linear(isa, name, blocks, k, x, bias=None):
+def run_linear(isa, name, blocks, k, x, bias=None, parts=1):
+    """parts=2: a backend built with kernels act_split=on."""
     w = QuantizedWeight.of(WEIGHT_TYPES[name], blocks, k)
     out = np.full((x.shape[0], blocks.shape[0]), np.nan, np.float32)
-    CpuBackend(isa=isa).linear(x, w, bias, out)
+    CpuBackend(isa=isa, kernels={"act_split": "on" if parts == 2 else "off"}).linear(x, w, bias,
+                                                                                   out)
     return out
 
 
@@ -189,21 +191,19 @@ def linear_case(name, T, K, N, seed):
 @pytest.mark.parametrize("K", [256, 768])
 @pytest.mark.parametrize("T", [1, 3, 17])
 @pytest.mark.parametrize("parts", [1, 2])
-def test_linear_every_isa(name, T, K, parts, monkeypatch):
+def test_linear_every_isa(name, T, K, parts):
     N = 67
     x, blocks = linear_case(name, T, K, N, seed=T * 1000 + K + len(name) + int(WEIGHT_TYPES[name]))
-    if parts == 2:
-        monkeypatch.setenv("TAPER_QUANT_ACT_SPLIT", "1")
     w = dequantize(WEIGHT_TYPES[name], blocks, K).astype(np.float64)
     exact = x.astype(np.float64) @ w.T
     xq = q8_K_round(x, parts)
     on_q8 = xq @ w.T
     scale = np.abs(xq) @ np.abs(w).T  # what float32 accumulation error is relative to
     bound = q8_K_bound(x.astype(np.float64), w, parts) + 1e-5 * scale
-    scalar = run_linear("scalar", name, blocks, K, x)
+    scalar = run_linear("scalar", name, blocks, K, x, parts=parts)
     abs_scale = np.abs(x.astype(np.float64)) @ np.abs(w).T
     for isa in ISAS:
-        out = scalar if isa == "scalar" else run_linear(isa, name, blocks, K, x)
+        out = scalar if isa == "scalar" else run_linear(isa, name, blocks, K, x, parts=parts)
         assert np.isfinite(out).all()
         if takes_float32(name, isa, T):   # float32 activations: no Q8_K bound applies
             assert (np.abs(out - exact) <= K * 2.0 ** -24 * abs_scale + 1e-6).all(), isa
@@ -214,9 +214,9 @@ def test_linear_every_isa(name, T, K, parts, monkeypatch):
 
 
 @pytest.mark.parametrize("name", list(WEIGHT_TYPES))
-def test_one_q8_K_row_misses_the_two_row_bound(name, monkeypatch):
+def test_one_q8_K_row_misses_the_two_row_bound(name):
     """The default (one Q8_K row, ggml's arithmetic) is outside the bound that
-    TAPER_QUANT_ACT_SPLIT=1 is held to, so test_linear_every_isa[parts=2] fails without it."""
+    act_split=on is held to, so test_linear_every_isa[parts=2] fails without it."""
     T, K, N = 2, 768, 67
     x, blocks = linear_case(name, T, K, N, seed=11 + int(WEIGHT_TYPES[name]))
     w = dequantize(WEIGHT_TYPES[name], blocks, K).astype(np.float64)
@@ -224,9 +224,8 @@ def test_one_q8_K_row_misses_the_two_row_bound(name, monkeypatch):
     tol = q8_K_bound(x, w, parts=2) + 1e-5 * (np.abs(x.astype(np.float64)) @ np.abs(w).T)
     for isa in ISAS:
         assert not (np.abs(run_linear(isa, name, blocks, K, x) - exact) <= tol).all(), isa
-    monkeypatch.setenv("TAPER_QUANT_ACT_SPLIT", "1")
     for isa in ISAS:
-        assert (np.abs(run_linear(isa, name, blocks, K, x) - exact) <= tol).all(), isa
+        assert (np.abs(run_linear(isa, name, blocks, K, x, parts=2) - exact) <= tol).all(), isa
 
 
 @pytest.mark.parametrize("name", list(WEIGHT_TYPES))
@@ -263,7 +262,7 @@ def test_linear_bias_and_fused_parts(isa):
     bias = rng.standard_normal(32).astype(np.float32)
     out = np.zeros((4, 32), np.float32)
     CpuBackend(isa=isa).linear(x, w, bias, out)
-    wd = w.dequantize().astype(np.float64)
+    wd = dequantize_weight(w).astype(np.float64)
     xq = q8_K_round(x)
     np.testing.assert_allclose(out, xq @ wd.T + bias, rtol=0,
                                atol=1e-5 * (np.abs(xq) @ np.abs(wd).T).max())

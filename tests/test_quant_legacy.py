@@ -4,7 +4,7 @@ Quantize is pinned byte for byte to the gguf package (what a GGUF file written b
 tools holds), dequantize bit for bit. `linear` runs on every ISA path this CPU has and is held to
 two references: float64 x @ dequantize(W).T within a worst-case bound on what quantizing x to
 8 bits adds (derived at `activation_error_bound`), and float64 on an emulation of that activation
-quantization, where only float32 accumulation is left. With TAPER_QUANT_ACT_SPLIT=1 each row is
+quantization, where only float32 accumulation is left. With kernels act_split=on each row is
 written as two 8-bit rows (hi = Q8(x), lo = Q8(x - hi)): the same checks with the two-row bound
 and emulation, which the default one-row arithmetic misses. Beyond `quant_gemv_max_t(type, isa)`
 token rows (prefill; batched decode from 5 rows under AVX-512) `linear` multiplies float32
@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT, quants
 
-from engine.quant import QuantizedWeight
 from pyx.cpu_backend import (CpuBackend, dequantize, isa_supported, quant_block_size,
                               quant_gemv_max_t, quantize)
+from pyx.weights.ggml import QuantizedWeight
 
 TYPES = [QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0]
 WITH_MIN = {QT.Q4_1, QT.Q5_1}       # blocks (d, m, ...) that dot with Q8_1 activations
@@ -162,7 +162,7 @@ def activation_error_bound(x, blocks, qtype, k, parts=1):
     sum_k (w_k - m) x~_k + m s with s = f16(d sum q), and |s - sum_k x_k| <= 16 d + 2 d, so a
     block contributes d (0.5625 sum_k |w_k| + (0.5625 * 32 + 18) |m|) = d (0.5625 sum_k |w_k| +
     36 |m|).
-    Two rows (parts=2, TAPER_QUANT_ACT_SPLIT=1): lo quantizes the residual r = x - hi, whose
+    Two rows (parts=2, kernels act_split=on): lo quantizes the residual r = x - hi, whose
     amax is <= 0.5625 d, so each element is off by 0.5625 * 0.5625 d / 127 < 0.0025 d; lo's s
     is f16(sum x - s_hi), off by 2^-11 |sum x - s_hi| <= 2^-11 * 20 d = 0.01 d: a block gives
     d (0.0025 sum_k |w_k| + (0.0025 * 32 + 0.01) |m|) < d (0.0025 sum_k |w_k| + 0.1 |m|).
@@ -233,10 +233,12 @@ def emulated_linear(x, blocks, qtype, k, parts=1):
     return out, scale
 
 
-def run_linear(isa, qtype, x, blocks, k, bias):
+def run_linear(isa, qtype, x, blocks, k, bias, parts=1):
+    """parts=2: a backend built with kernels act_split=on."""
     out = np.full((x.shape[0], blocks.shape[0]), np.nan, np.float32)
-    CpuBackend(isa=isa, num_threads=2).linear(x, QuantizedWeight.of(int(qtype), blocks, k), bias,
-                                              out)
+    backend = CpuBackend(isa=isa, num_threads=2,
+                         kernels={"act_split": "on" if parts == 2 else "off"})
+    backend.linear(x, QuantizedWeight.of(int(qtype), blocks, k), bias, out)
     return out
 
 
@@ -264,9 +266,7 @@ def check_linear(out, x, blocks, qtype, k, bias, isa, parts=1):
 @pytest.mark.parametrize("qtype", TYPES, ids=ids(TYPES))
 @pytest.mark.parametrize("T,K", [(1, 32), (3, 256), (17, 768), (17, 32), (1, 768), (3, 96)])
 @pytest.mark.parametrize("parts", [1, 2])
-def test_linear_every_isa(qtype, T, K, parts, monkeypatch):
-    if parts == 2:
-        monkeypatch.setenv("TAPER_QUANT_ACT_SPLIT", "1")
+def test_linear_every_isa(qtype, T, K, parts):
     rng = np.random.default_rng(T * 1000 + K)
     N = 64
     w = (rng.standard_normal((N, K)) * 0.5 + 0.1).astype(np.float32)   # offset: nonzero mins
@@ -274,11 +274,11 @@ def test_linear_every_isa(qtype, T, K, parts, monkeypatch):
     x[0, : min(K, 64)] *= 30                                            # uneven activation blocks
     bias = rng.standard_normal(N).astype(np.float32)
     blocks = quantize(int(qtype), w)
-    scalar = run_linear("scalar", qtype, x, blocks, K, bias)
+    scalar = run_linear("scalar", qtype, x, blocks, K, bias, parts)
     check_linear(scalar, x, blocks, qtype, K, bias, "scalar", parts)
     _, scale = emulated_linear(x, blocks, qtype, K, parts)
     for isa in ISAS[1:]:
-        out = run_linear(isa, qtype, x, blocks, K, bias)
+        out = run_linear(isa, qtype, x, blocks, K, bias, parts)
         check_linear(out, x, blocks, qtype, K, bias, isa, parts)
         if takes_panels(qtype, isa, T) != takes_panels(qtype, "scalar", T):
             continue   # one rounds x to Q8, the other not: each was held to its reference above
@@ -357,9 +357,9 @@ def test_linear_arbitrary_codes_every_isa(qtype):
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=ids(TYPES))
-def test_one_8bit_activation_row_misses_the_two_row_bound(qtype, monkeypatch):
+def test_one_8bit_activation_row_misses_the_two_row_bound(qtype):
     """The default (one 8-bit row, ggml's arithmetic) fails check_linear's two-row bound, so
-    test_linear_every_isa[parts=2] fails without TAPER_QUANT_ACT_SPLIT=1."""
+    test_linear_every_isa[parts=2] fails without act_split=on."""
     rng = np.random.default_rng(12)
     K, N = 256, 64
     w = (rng.standard_normal((N, K)) * 0.5 + 0.1).astype(np.float32)
@@ -370,10 +370,9 @@ def test_one_8bit_activation_row_misses_the_two_row_bound(qtype, monkeypatch):
         with pytest.raises(AssertionError, match="max err/bound"):
             check_linear(run_linear(isa, qtype, x, blocks, K, bias), x, blocks, qtype, K, bias,
                          isa, parts=2)
-    monkeypatch.setenv("TAPER_QUANT_ACT_SPLIT", "1")
     for isa in ISAS:
-        check_linear(run_linear(isa, qtype, x, blocks, K, bias), x, blocks, qtype, K, bias,
-                     isa, parts=2)
+        check_linear(run_linear(isa, qtype, x, blocks, K, bias, parts=2), x, blocks, qtype, K,
+                     bias, isa, parts=2)
 
 
 @pytest.mark.parametrize("qtype", list(NIBBLES), ids=ids(NIBBLES))

@@ -51,6 +51,7 @@ class NumpyBackend:
     name = "numpy"
     xp = np
     act_dtype = np.float32
+    fused_sampling = False
 
     def asarray(self, a):
         return np.asarray(a)

@@ -49,7 +49,7 @@ from engine.loader import gguf_dense
 from engine.loader.gguf_check import check_layout, read_version
 from engine.text.gguf_tokenizer import build_tokenizer, special_id
 from engine.loader.safetensors import resolve_dtype, target_dtype
-from engine.quant import BLOCK_TYPES, QuantizedWeight
+from pyx.weights.ggml import BLOCK_TYPES, QuantizedWeight
 
 if TYPE_CHECKING:
     from engine.text.tokenizer import Tokenizer

@@ -8,12 +8,12 @@ Q6_K to Q8_0, and Q2_K/Q3_K to Q4_0 (llama.cpp now picks IQ4_NL, which Taper lac
 length 32 does not divide stays in float. Start-up lists every tensor that fell back.
 
 `--isq marlin` is the one non-ggml type, asked for by name (a ggml type never turns into it):
-each projection becomes an Int4Weight (engine/quant_int4.py) by symmetric round-to-nearest in
+each projection becomes an Int4Weight (pyx/weights/int4.py) by symmetric round-to-nearest in
 float32, groups of 128 along K, scale = max|w| / 7 per group, code = clip(round(w / scale), -8, 7)
 + 8 with zero 8 (an all-zero group gets scale 0 and codes 8). A row length 128 does not divide is
 quantized per channel (one group of K), and one 32 does not divide (Int4Weight's packing) stays
 in float; start-up says which. The CPU backend runs these through the int4 kernels, the CUDA
-backend repacks them to the Marlin layout (engine/marlin.py) when placing them.
+backend repacks them to the Marlin layout (pyx/weights/marlin.py) when placing them.
 """
 from __future__ import annotations
 
@@ -21,10 +21,12 @@ import logging
 import re
 
 import numpy as np
+from gguf import GGMLQuantizationType as QT
 from tqdm import tqdm
 
-from engine.quant import ISQ_TYPES, QT, quantize
-from engine.quant_int4 import Int4Part, Int4Weight
+from pyx.cpu_backend import quantize_weight
+from pyx.weights.ggml import ISQ_TYPES
+from pyx.weights.int4 import Int4Part, Int4Weight
 
 log = logging.getLogger("taper.loader")
 
@@ -107,7 +109,7 @@ def quantize_weights(weights: dict, isq: str, progress: bool = True) -> None:
         if qtype != want:
             fell_back[name] = qtype.name if qtype is not None else "float (kept)"
         if qtype is not None:
-            weights[name] = quantize(weights[name], qtype)
+            weights[name] = quantize_weight(weights[name], qtype)
     if fell_back:
         log.warning("--isq %s: %d tensors have rows %s's block does not divide and fell back: %s",
                     isq, len(fell_back), want.name,

@@ -1,5 +1,5 @@
 """compressed-tensors checkpoints (llm-compressor's format, quant_method "compressed-tensors"), in
-place: `pack-quantized` int4 W4A16 layers become Int4Weights here (engine/quant_int4.py);
+place: `pack-quantized` int4 W4A16 layers become Int4Weights here (pyx/weights/int4.py);
 `float-quantized` (FP8) config groups go to engine/loader/quant_fp8.py, once per group.
 
 pack-quantized, per layer of an (N, K) weight with groups of G along K (strategy "group"), or
@@ -21,7 +21,7 @@ import re
 import numpy as np
 
 from engine.loader.quant_int4 import check_g_idx, nibbles
-from engine.quant_int4 import Int4Part, Int4Source, Int4Weight
+from pyx.weights.int4 import Int4Part, Int4Source, Int4Weight
 
 _INT4_SUFFIXES = (".weight_packed", ".weight_zero_point", ".weight_shape", ".weight_g_idx")
 

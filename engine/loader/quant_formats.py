@@ -2,10 +2,10 @@
 computes on, in place in the weight dict.
 
 Each format's converter replaces a layer's raw tensors (for example GPTQ's qweight, qzeros,
-scales, g_idx) by one weight object under the layer's `.weight` name. A weight object has
-`.shape` (N, K) and `cpu_linear(backend, x, bias, out)`, which the CPU backend's `linear` calls;
-it keeps the raw tensors for the GPU issue's repacking (Marlin, CUTLASS FP8). A variant a
-converter does not handle is a start-up error that names it.
+scales, g_idx) by one weight object under the layer's `.weight` name: a packed format of
+pyx/weights/ (Int4Weight, Fp8Weight) with `.shape` (N, K), which the backends' `linear`
+recognises; it keeps the raw tensors for the GPU issue's repacking (Marlin, CUTLASS FP8). A
+variant a converter does not handle is a start-up error that names it.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""FP8 checkpoints -> Fp8Weight (engine/quant_fp8.py), in place in the weight dict.
+"""FP8 checkpoints -> Fp8Weight (pyx/weights/fp8.py), in place in the weight dict.
 
 Two producers, one weight object (OCP e4m3 codes plus one f32 scale per block of rows x columns):
 
@@ -16,7 +16,8 @@ The CPU backend computes with f32 activations, so static input scales are kept o
 the GPU path) but not applied on the CPU; a log line says so. Start-up errors name what is not
 supported: e5m2 weights, a static activation scheme whose input scales are missing, a block size
 that does not divide a weight's shape, other bit widths or strategies.
-The FP8 KV cache's k_scale / v_scale tensors are left for the model (engine.quant_fp8.take_kv_scales).
+The FP8 KV cache's k_scale / v_scale tensors are left for the model
+(engine.models.kv_scales.take_kv_scales).
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ import re
 import ml_dtypes
 import numpy as np
 
-from engine.quant_fp8 import Fp8Weight
+from pyx.weights.fp8 import Fp8Weight
 
 logger = logging.getLogger("taper.loader")
 

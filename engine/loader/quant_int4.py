@@ -13,14 +13,14 @@ int32 words holding 8 codes each, nibble i in bits 4i..4i+3, and W[n, k] = scale
         i of word (k, j) is column 8j + [0, 2, 4, 6, 1, 3, 5, 7][i]; qzeros (K/G, N/8) the same,
         zeros as stored; scales (K/G, N) f16.
 
-Each layer's tensors are replaced by one Int4Weight under `<layer>.weight` (engine/quant_int4.py)
+Each layer's tensors are replaced by one Int4Weight under `<layer>.weight` (pyx/weights/int4.py)
 that keeps them as its source. What this does not run is a start-up error naming the variant.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from engine.quant_int4 import Int4Part, Int4Source, Int4Weight
+from pyx.weights.int4 import Int4Part, Int4Source, Int4Weight
 
 # AutoAWQ packs column [0, 2, 4, 6, 1, 3, 5, 7][i] into nibble i; so column c is in nibble:
 AWQ_REVERSE_ORDER = [0, 4, 1, 5, 2, 6, 3, 7]

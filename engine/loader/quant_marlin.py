@@ -1,7 +1,7 @@
 """Marlin-format checkpoints (quant_method "marlin", written by engine/tools/convert_marlin.py)
 to Int4Weights, in place.
 
-Per layer of an (N, K) weight with groups of G along K, in the layout of engine/marlin.py:
+Per layer of an (N, K) weight with groups of G along K, in the layout of pyx/weights/marlin.py:
   <layer>.marlin_qweight  (K/16, Np*2) uint32, Np = ceil(N / 64) * 64
   <layer>.scales          (K/G, Np) float32, columns permuted per 64-column tile (the `.scales`
                           suffix keeps them float32 whatever the load dtype)
@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.marlin import MarlinWeight, to_int4
-from engine.quant_int4 import Int4Source
+from pyx.weights.int4 import Int4Source
+from pyx.weights.marlin import MarlinWeight, to_int4
 
 LAYOUT = "taper-marlin-v1"
 _SUFFIXES = (".marlin_qweight", ".marlin_zeros", ".marlin_shape")

@@ -16,7 +16,7 @@ import numpy as np
 
 from engine.runner.forward_batch import ForwardBatch
 from engine.models.model_config import ModelConfig
-from engine.quant_fp8 import take_kv_scales
+from engine.models.kv_scales import take_kv_scales
 from engine.models.rotary import build_cos_sin_cache, longrope_positions
 from pyx.layers import MLP, Attention, DecoderLayer, Workspace, run_layers
 

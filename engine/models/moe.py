@@ -68,7 +68,6 @@ class MoeForCausalLM(LlamaForCausalLM):
                                                             f"{s}up_proj.weight"]),
                          None, self._take(weights, f"{s}down_proj.weight"), None)
             shared_gate = self._take(weights, f"{q}shared_expert_gate.weight")
-        # The CUDA backend's TAPER_CUDA_FUSED_MOE=1 switch: grouped GEMMs over stacked experts.
+        # kernels moe=fused: grouped GEMMs over stacked experts.
         return MoE(self.backend, self._take(weights, f"{q}gate.weight"), gate_up, downs, m.top_k,
-                   m.normalize, shared, shared_gate,
-                   fused=getattr(self.backend, "fused_moe", False))
+                   m.normalize, shared, shared_gate, fused=self.backend.fused_moe)

@@ -3,8 +3,13 @@ extension and a device is visible, else the CPU."""
 from __future__ import annotations
 
 import importlib.util
+import logging
 
 from threadpoolctl import threadpool_limits
+
+from pyx.kernel_config import KernelConfig, retired_variables
+
+log = logging.getLogger("taper.engine")
 
 CUDA_ACT_DTYPES = {"auto": "bf16", "bf16": "bf16", "bfloat16": "bf16", "f16": "f16",
                    "float16": "f16", "f32": "f32", "float32": "f32"}
@@ -22,14 +27,27 @@ def make_backend(config):
     """The backend of an EngineConfig (its backend already resolved from "auto")."""
     # Our OpenMP kernels use every core; NumPy's BLAS must not start a second pool beside them.
     threadpool_limits(limits=1, user_api="blas")
+    log_kernels(config.kernels, config.backend)
     if config.backend == "cpu":
         from pyx.cpu_backend import CpuBackend
-        return CpuBackend(batch_invariant=config.batch_invariant)
+        return CpuBackend(batch_invariant=config.batch_invariant, kernels=config.kernels)
     if config.backend == "cuda":
         try:   # the optional extension: only builds with nvcc have it
             from pyx.cuda_backend import CudaBackend
         except ImportError as e:
             raise ValueError("this build of Taper has no CUDA backend (it was installed without "
                              "nvcc, or with TAPER_CUDA=0); reinstall where nvcc is on PATH") from e
-        return CudaBackend(dtype=CUDA_ACT_DTYPES[config.dtype], device=config.device)
+        return CudaBackend(dtype=CUDA_ACT_DTYPES[config.dtype], device=config.device,
+                           kernels=config.kernels)
     raise ValueError(f"unknown backend {config.backend!r}: cpu or cuda")
+
+
+def log_kernels(kernels: KernelConfig, backend: str) -> None:
+    """The start-up lines: every kernel choice the backend reads with its source, the ones set
+    that it does not read, and the retired environment variables still set."""
+    line, unused = kernels.describe(backend)
+    log.info("kernels (%s backend): %s", backend, line)
+    for item in unused:
+        log.warning("kernels %s: the %s backend has no such choice; ignored", item, backend)
+    for warning in retired_variables():
+        log.warning(warning)

@@ -228,7 +228,7 @@ class CudaGraphRunner:
       pinned_empty(n, dtype)       a NumPy array of n elements in page-locked host memory
       copy_to_device_async(dst, src)  enqueue a host-to-device copy on backend.stream
       synchronize()                wait for backend.stream
-    and optionally memory_info() -> (free, total) bytes, for the device-wide figure.
+      memory_info()                (free, total) bytes of the device, for the device-wide figure
     `block_tables` is the device's copy of the persistent block tables
     (engine/runner/device_block_tables.py) whose rows the batches name.
 
@@ -252,7 +252,7 @@ class CudaGraphRunner:
         self.sizes = capture_sizes(max_num_seqs)
         self.buckets: dict[int, _Bucket] = {}
         self.graph_memory_bytes = 0          # the private pool after capture
-        self.device_memory_bytes = None      # free device memory before - after (if known)
+        self.device_memory_bytes = None      # free device memory before - after the capture
         self.num_replays = 0
         self._pool = None
         self._host = None                    # pinned int32 staging buffer
@@ -275,7 +275,7 @@ class CudaGraphRunner:
         b = self.backend
         xp = b.xp
         _, total = input_layout(self.max_num_seqs)
-        free_before = b.memory_info()[0] if hasattr(b, "memory_info") else None
+        free_before = b.memory_info()[0]
         # The graphs bake in the table's address: give it its final size now.
         self.block_tables.reserve(self.max_num_seqs, self.max_blocks_per_seq)
         self._table, self._zero_row = self.block_tables.table, self.block_tables.zero_row
@@ -291,8 +291,7 @@ class CudaGraphRunner:
                 self._capture_one(size)
         b.synchronize()
         self.graph_memory_bytes = int(self._pool.total_bytes())
-        if free_before is not None:
-            self.device_memory_bytes = int(free_before - b.memory_info()[0])
+        self.device_memory_bytes = int(free_before - b.memory_info()[0])
         log.debug("decode graphs for %s: private pool %d bytes", self.sizes,
                   self.graph_memory_bytes)
 

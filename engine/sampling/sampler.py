@@ -15,7 +15,7 @@ applies in the order above in one pass. The logits themselves stay where the bac
 are backend ops, and only the B token ids come back (`backend.to_host`). The caller's logits are
 never modified: the sampler works on a copy when some row needs penalties or filters.
 
-With a backend whose `fused_sampling` is on (CUDA's TAPER_CUDA_FUSED_SAMPLING=1), the penalties,
+With a backend whose `fused_sampling` is on (CUDA's kernels sampling=fused), the penalties,
 argmax, filters and the Gumbel draw are one `sample_fused` launch for the whole batch instead,
 for the same tokens; processed logprobs keep the op-by-op path, which writes the filtered logits.
 
@@ -78,7 +78,7 @@ class Sampler:
                     or np.any(min_p > 0.0)):
                 filters = temperature, top_k, top_p, min_p
 
-        if getattr(be, "fused_sampling", False) and not processed:
+        if be.fused_sampling and not processed:
             out = self._sample_fused(logits, seqs, params, greedy, entries, token_bitmask)
             return self._with_logprobs(np.asarray(be.to_host(out), dtype=np.int64), logits,
                                        params, lp_rows)
@@ -123,7 +123,7 @@ class Sampler:
     def _sample_fused(self, logits, seqs: list, params: list, greedy: np.ndarray, entries,
                       token_bitmask):
         """The tokens (B,) on the device from the backend's one-launch sampler (CUDA's
-        TAPER_CUDA_FUSED_SAMPLING=1): the token mask, then penalties, argmax or filters and the
+        kernels sampling=fused): the token mask, then penalties, argmax or filters and the
         Gumbel draw in one kernel; the same tokens as the op-by-op path."""
         be = self.backend
         xp = be.xp

@@ -3,7 +3,7 @@
     python -m engine.tools.convert_marlin SRC_DIR DST_DIR
 
 The checkpoint is loaded the way the engine loads it (engine/loader/quant_formats.py: every int4
-layer becomes an Int4Weight), each int4 layer is repacked by engine/marlin.py's CPU reference,
+layer becomes an Int4Weight), each int4 layer is repacked by pyx/weights/marlin.py's CPU reference,
 and DST_DIR gets one model.safetensors with the Marlin tensors (engine/loader/quant_marlin.py
 documents them) and every other tensor as stored, a config.json whose quantization_config is
 {"quant_method": "marlin", ...}, and SRC_DIR's other files (tokenizer, generation config).
@@ -21,8 +21,8 @@ import sys
 import numpy as np
 
 from engine.loader.quant_marlin import LAYOUT
-from engine.marlin import repack_int4
-from engine.quant_int4 import Int4Weight
+from pyx.weights.int4 import Int4Weight
+from pyx.weights.marlin import repack_int4
 
 INT4_METHODS = ("gptq", "awq", "compressed-tensors")
 

@@ -13,19 +13,16 @@ under a running kernel.
 
 Backends are cached for the whole session and never freed: each CudaBackend gives the device's
 shared cuBLAS handle its own workspace, so a backend must outlive every other one that uses the
-handle after it. Tests that need an environment switch (TAPER_CUDA_SPLIT_K, TAPER_CUDA_MMA_PREFILL,
-TAPER_CUDA_PREFILL, read when a backend is built) get a backend built under that environment,
-cached the same way.
+handle after it. Tests that need a kernel choice (decode=split, prefill=mma, ...: the
+KernelConfig a backend reads when it is built) get a backend built with it, cached the same way.
 """
 from __future__ import annotations
 
-import os
 import pathlib
 
 import pytest
 
 HERE = pathlib.Path(__file__).resolve().parent
-SWITCHES = ("TAPER_CUDA_SPLIT_K", "TAPER_CUDA_MMA_PREFILL", "TAPER_CUDA_PREFILL")
 
 
 def _why_no_gpu() -> str | None:
@@ -62,37 +59,24 @@ def pytest_collection_modifyitems(config, items):
 _BACKENDS: dict = {}
 
 
-def cuda_backend(dtype: str, **switches):
+def cuda_backend(dtype: str, kernels: str = ""):
     """The session's CudaBackend for activation `dtype` ("f32" | "bf16" | "f16") built with the
-    given env switches on (split_k=True -> TAPER_CUDA_SPLIT_K=1, mma_prefill=True ->
-    TAPER_CUDA_MMA_PREFILL=1, prefill="fa2" -> TAPER_CUDA_PREFILL=fa2, likewise "fa3") and every
-    other switch off."""
+    kernel choices `kernels` ("decode=split", "prefill=fa2", ...: the KernelConfig syntax) and
+    every other choice at its default."""
     from pyx.cuda_backend import CudaBackend
+    from pyx.kernel_config import KernelConfig
 
-    env = {"TAPER_CUDA_SPLIT_K": "1" if switches.pop("split_k", False) else "0",
-           "TAPER_CUDA_MMA_PREFILL": "1" if switches.pop("mma_prefill", False) else "0",
-           "TAPER_CUDA_PREFILL": switches.pop("prefill", "")}
-    if switches:
-        raise TypeError(f"unknown switches {sorted(switches)}")
-    key = (dtype, tuple(sorted(env.items())))
+    config = KernelConfig.parse(kernels)
+    key = (dtype, str(config))
     if key not in _BACKENDS:
-        saved = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
-        try:
-            _BACKENDS[key] = CudaBackend(dtype=dtype, device=0)
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+        _BACKENDS[key] = CudaBackend(dtype=dtype, device=0, kernels=config)
     _BACKENDS[key].bind_thread()
     return _BACKENDS[key]
 
 
 @pytest.fixture(scope="session")
 def make_cuda():
-    """cuda_backend itself: make_cuda("bf16", mma_prefill=True)."""
+    """cuda_backend itself: make_cuda("bf16", "prefill=mma")."""
     return cuda_backend
 
 

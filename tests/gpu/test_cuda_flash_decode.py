@@ -1,4 +1,4 @@
-"""Flash-decoding (TAPER_CUDA_SPLIT_K=1, issue 12 item 1) against the CPU backend's paged attention.
+"""Flash-decoding (kernels decode=split, issue 12 item 1) against the CPU backend's paged attention.
 
 Decode batches of 1, 4 and 16 sequences over 1k-32k keys, block sizes 16 to 128, GQA groups 1 to
 8, sliding window on and off, bf16/f16 activations over a cache of the same type or FP8 e4m3, with
@@ -40,7 +40,7 @@ def batch(name: str, fp8: bool):
 
 
 def split_backend(make_cuda, dt):
-    b = make_cuda(dt, split_k=True)
+    b = make_cuda(dt, "decode=split")
     assert b.split_k
     return b
 

@@ -1,7 +1,7 @@
 """FP8 weights on the GPU (issue 6, items 2 and 4) against the CPU backend and the float64 oracle.
 
 Default path: block-wise (and per-channel) e4m3 weights dequantized once on the device to the
-activation dtype, then cuBLAS. Switch TAPER_CUDA_FP8_CUTLASS=1 (sm_90a): activations quantized per
+activation dtype, then cuBLAS. Switch kernels fp8=cutlass (sm_90a): activations quantized per
 token and group of 128, then the CUTLASS block-scaled GEMM. Outputs are poisoned first.
 """
 from __future__ import annotations
@@ -58,7 +58,7 @@ def test_quantize_per_token_group_equals_reference(cuda, M):
 @pytest.mark.parametrize("M", [1, 2, 16, 33, 128, 1024])
 @pytest.mark.parametrize("cutlass", [False, True])
 def test_fp8_linear_matches_cpu(make_cuda, cpu, M, cutlass):
-    from engine.quant_fp8 import Fp8Weight
+    from pyx.weights.fp8 import Fp8Weight
     b = make_cuda("bf16")
     if cutlass:
         if not sm90(b):

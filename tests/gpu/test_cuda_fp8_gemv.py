@@ -1,4 +1,4 @@
-"""The small-M FP8 GEMV (cuda/fp8_gemv.cu; TAPER_CUDA_FP8_GEMV=1, issue 12 item 2) against the
+"""The small-M FP8 GEMV (cuda/fp8_gemv.cu; kernels fp8_gemv=on, issue 12 item 2) against the
 float64 oracle (tests/reference.py fp8_block_dequantize, then x W^T) and the CPU backend's FP8
 linear (dequantize, then an f32 GEMM).
 
@@ -79,7 +79,7 @@ def test_fp8_gemv_applies_each_block_scale(cuda_f32):
 @pytest.mark.parametrize("M", [1, 4, 16, 64])
 @pytest.mark.parametrize("layer", list(LLAMA3_8B))
 def test_fp8_gemv_llama3_8b_shapes_match_cpu(cuda_bf16, cpu, layer, M):
-    from engine.quant_fp8 import Fp8Weight
+    from pyx.weights.fp8 import Fp8Weight
     N, K = LLAMA3_8B[layer]
     rng = np.random.default_rng(M + N + K)
     weight = Fp8Weight(*random_fp8(rng, N, K, (128, 128)), (128, 128))
@@ -93,10 +93,10 @@ def test_fp8_gemv_llama3_8b_shapes_match_cpu(cuda_bf16, cpu, layer, M):
 
 @pytest.mark.parametrize("M", [1, 5, 16, 17, 64, 65, 300])
 def test_fp8_linear_with_the_switch(make_cuda, cpu, M):
-    """TAPER_CUDA_FP8_GEMV=1: weights stay e4m3 (a DeviceFp8Weight, not a dequantized array);
+    """fp8_gemv=on: weights stay e4m3 (a DeviceFp8Weight, not a dequantized array);
     up to fp8_gemv_max_m rows take the GEMV, more take dequantized panels and cuBLAS, both with
     the bias, equal to the CPU backend's FP8 linear."""
-    from engine.quant_fp8 import Fp8Weight
+    from pyx.weights.fp8 import Fp8Weight
     from pyx.cuda_backend import DeviceFp8Weight
     b = make_cuda("bf16")
     saved = b.fp8_gemv, b.fp8_gemv_max_m

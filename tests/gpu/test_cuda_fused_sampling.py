@@ -1,4 +1,4 @@
-"""The one-launch sampler (TAPER_CUDA_FUSED_SAMPLING=1, issue 12 item 5): engine/sampling/sampler.py on the
+"""The one-launch sampler (kernels sampling=fused, issue 12 item 5): engine/sampling/sampler.py on the
 CUDA backend with `fused_sampling` on, against the same Sampler on the CPU backend
 (pyx/cpu_sampling.py, pyx/cpu_kernels.c) with the same seeds and positions.
 

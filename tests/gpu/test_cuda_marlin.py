@@ -25,7 +25,7 @@ def rel_err(got, want) -> float:
 @pytest.mark.parametrize("dtype", ["bf16", "f16"])
 def test_marlin_linear_matches_cpu(make_cuda, cpu, case, M, dtype, kernel):
     """Every kernel: the simple one (default), the pipelined one with its global reduce
-    (TAPER_CUDA_MARLIN_PIPELINE) and Marlin v2 (TAPER_CUDA_MARLIN=v2); shapes the last two lack
+    (kernels marlin=pipeline) and Marlin v2 (marlin=v2); shapes the last two lack
     (group size 32) fall back to the simple one."""
     b = make_cuda(dtype)
     n, k = 200, 512

@@ -1,5 +1,5 @@
-"""Marlin v2 (TAPER_CUDA_MARLIN=v2: striped partitioning, ldmatrix A, lop3 dequantization; issue
-12 item 4) against the CPU: the int4 weight dequantized by engine.quant_int4 (Int4Weight, checked
+"""Marlin v2 (kernels marlin=v2: striped partitioning, ldmatrix A, lop3 dequantization; issue
+12 item 4) against the CPU: the int4 weight dequantized by pyx.weights.int4 (Int4Weight, checked
 bit for bit against the checkpoint formats' packers in tests/test_int4_formats.py) times the
 activations, in float32 NumPy. Llama-3-8B's projection shapes, M from decode (1, 7, 16) to
 prefill (33, 64, 1024); group size 128 (asymmetric zeros) and channel-wise (symmetric).
@@ -29,7 +29,7 @@ def rel_err(got, want) -> float:
 def int4_weight(n, k, g, asym, seed=0):
     """Random codes, scales and zeros as an Int4Weight and its float32 dequantization (cached:
     gate_up's is 470 MB)."""
-    from engine.quant_int4 import Int4Part, Int4Weight
+    from pyx.weights.int4 import Int4Part, Int4Weight
     key = (n, k, g, asym, seed)
     if key not in _WEIGHTS:
         _WEIGHTS.clear()
@@ -114,14 +114,14 @@ def test_marlin_v2_falls_back_for_groups_it_lacks(make_cuda):
     assert rel_err(b.to_host(out).astype(np.float32), x.astype(np.float32) @ w32.T) < 2e-2
 
 
-def test_marlin_v2_switch_from_the_environment(monkeypatch):
-    """TAPER_CUDA_MARLIN=v2 turns it on (read by CudaBackend.__init__); unset is the default;
-    a mistyped value is refused with the variable's name."""
-    from pyx.cuda_backend import _marlin_kernel
-    monkeypatch.delenv("TAPER_CUDA_MARLIN", raising=False)
-    assert _marlin_kernel() == ""
+def test_marlin_v2_switch_from_the_kernel_config(make_cuda, monkeypatch):
+    """kernels marlin=v2 turns it on (read by CudaBackend.__init__), marlin=pipeline the
+    pipelined kernel, the default neither; the retired TAPER_CUDA_MARLIN is not read; a
+    mistyped value is refused naming the key (tests/test_cuda_host.py)."""
     monkeypatch.setenv("TAPER_CUDA_MARLIN", "v2")
-    assert _marlin_kernel() == "v2"
-    monkeypatch.setenv("TAPER_CUDA_MARLIN", "v3")
-    with pytest.raises(ValueError, match="TAPER_CUDA_MARLIN"):
-        _marlin_kernel()
+    default = make_cuda("bf16")
+    assert (default.marlin_v2, default.marlin_pipeline) == (False, False)
+    v2 = make_cuda("bf16", "marlin=v2")
+    assert (v2.marlin_v2, v2.marlin_pipeline) == (True, False)
+    pipelined = make_cuda("bf16", "marlin=pipeline")
+    assert (pipelined.marlin_v2, pipelined.marlin_pipeline) == (False, True)

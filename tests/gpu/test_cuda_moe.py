@@ -1,4 +1,4 @@
-"""The fused MoE path on CUDA (cuda/moe.cu; TAPER_CUDA_FUSED_MOE=1, issue 16 item 2) against the
+"""The fused MoE path on CUDA (cuda/moe.cu; kernels moe=fused, issue 16 item 2) against the
 CPU backend's moe_* ops (pyx/cpu_moe.py: each expert through the CPU's own linear) and, at model
 level, against transformers' greedy tokens.
 
@@ -71,9 +71,8 @@ def q8_0_experts(rng, E, N, K):
     from gguf import GGMLQuantizationType as QT
     from gguf.quants import quantize as gguf_quantize
 
-    from engine.quant import quantize
-    cls = type(quantize(np.zeros((1, 32), np.float32), int(QT.Q8_0)))
-    return [cls([(int(QT.Q8_0), gguf_quantize(
+    from pyx.weights.ggml import QuantizedWeight
+    return [QuantizedWeight([(int(QT.Q8_0), gguf_quantize(
         (rng.standard_normal((N, K)) * 0.05).astype(np.float32), QT.Q8_0))], K)
         for _ in range(E)]
 
@@ -95,7 +94,8 @@ def test_grouped_gemm_matches_cpu(make_cuda, cpu, dt, shape, fmt):
     ids = skewed_ids(rng, T, k, E)
     if fmt == "q8_0":   # the reference multiplies the CPU's scalar dequantization in float
         host_w = q8_0_experts(rng, E, N, K)
-        ref_w = [w.dequantize() for w in host_w]
+        from pyx.cpu_backend import dequantize_weight
+        ref_w = [dequantize_weight(w) for w in host_w]
     else:  # weights and activations rounded to the device dtype, so both sides see the same
         host_w = [rng.standard_normal((N, K)).astype(b.act_dtype).astype(np.float32) * 0.05
                   for _ in range(E)]
@@ -205,10 +205,10 @@ def moe_checkpoints(tmp_path_factory):
     return {a: tiny256_checkpoint(os.path.join(root, a), arch=a) for a in ARCHS}
 
 
-def fused_llm(path, monkeypatch, **config):
+def fused_llm(path, **config):
     from engine import LLM
-    monkeypatch.setenv("TAPER_CUDA_FUSED_MOE", "1")
-    llm = LLM(path, backend="cuda", dtype="bf16", num_kv_blocks=256, max_num_seqs=8, **config)
+    llm = LLM(path, backend="cuda", dtype="bf16", num_kv_blocks=256, max_num_seqs=8,
+              kernels="moe=fused", **config)
     from pyx.moe import MoE
     blocks = [layer.mlp for layer in llm.engine.model.layers if isinstance(layer.mlp, MoE)]
     assert blocks and all(m.fused for m in blocks)
@@ -227,12 +227,12 @@ def prompts():
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_fused_greedy_equals_transformers(moe_checkpoints, monkeypatch, arch):
+def test_fused_greedy_equals_transformers(moe_checkpoints, arch):
     from hf_oracle import hf_greedy, load_hf
     hf = load_hf(moe_checkpoints[arch])
     refs = [hf_greedy(hf, p, GEN, tie=TIE) for p in prompts()]
     # a small token budget: chunked prefill rows mix with decode rows in one grouped GEMM
-    llm = fused_llm(moe_checkpoints[arch], monkeypatch, max_num_batched_tokens=48,
+    llm = fused_llm(moe_checkpoints[arch], max_num_batched_tokens=48,
                     cuda_graph=False)
     compared = 0
     for i, (got, (tokens, trusted, _)) in enumerate(zip(greedy(llm, prompts()), refs)):
@@ -243,15 +243,15 @@ def test_fused_greedy_equals_transformers(moe_checkpoints, monkeypatch, arch):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_fused_graph_replay_equals_eager(moe_checkpoints, monkeypatch, arch):
+def test_fused_graph_replay_equals_eager(moe_checkpoints, arch):
     """The fused path has no host round trip, so MoE decode steps capture in CUDA Graphs."""
-    eager = greedy(fused_llm(moe_checkpoints[arch], monkeypatch, cuda_graph=False), prompts())
-    graphs = greedy(fused_llm(moe_checkpoints[arch], monkeypatch, cuda_graph=True), prompts())
+    eager = greedy(fused_llm(moe_checkpoints[arch], cuda_graph=False), prompts())
+    graphs = greedy(fused_llm(moe_checkpoints[arch], cuda_graph=True), prompts())
     assert graphs == eager
 
 
 @pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "qwen3_moe"])
-def test_fused_q8_0_gguf_matches_transformers_on_the_file_weights(monkeypatch, name):
+def test_fused_q8_0_gguf_matches_transformers_on_the_file_weights(name):
     """llama.cpp's own Q8_0 files (tests/data/gguf, made by its converter and quantizer): the
     experts stay Q8_0 blocks in the grouped GEMM, and the greedy tokens are those recorded from
     transformers on the file's dequantized weights (tests/test_gguf_moe.py), up to its first
@@ -264,7 +264,7 @@ def test_fused_q8_0_gguf_matches_transformers_on_the_file_weights(monkeypatch, n
     ref = model["files"]["q8_0"]["transformers"]
     n = next((i for i, m in enumerate(ref["margins"]) if m < TIE), len(ref["margins"]))
     assert n >= 4, "reference near-tie too early"
-    llm = fused_llm(data, monkeypatch, weight_file=f"{name}-q8_0.gguf", cuda_graph=False)
+    llm = fused_llm(data, weight_file=f"{name}-q8_0.gguf", cuda_graph=False)
     from pyx.moe import MoE
     blocks = [layer.mlp for layer in llm.engine.model.layers if isinstance(layer.mlp, MoE)]
     assert all(m.gate_up.qtype == 8 and m.down.qtype == 8 for m in blocks)

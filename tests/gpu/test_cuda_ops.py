@@ -13,7 +13,7 @@ a separate test puts NaN there. Shapes: the tiny-256 head_dim 64 and every compi
 (64/80/96/128/256), GQA groups 1/2/4/8, block sizes 16 and 32, sliding window and soft-cap on and
 off, float and FP8 caches, long decode contexts (2k-8k) with split-K off and on, mixed
 prefill + decode batches whose prefill rows are fewer than the context (prefix-cache hits), and
-the tensor-core prefill kernel (TAPER_CUDA_MMA_PREFILL=1) for bf16/f16 at D 64 and 128.
+the tensor-core prefill kernel (kernels prefill=mma) for bf16/f16 at D 64 and 128.
 """
 from __future__ import annotations
 
@@ -509,9 +509,8 @@ def test_paged_attention_decode_long_context(make_cuda, cpu, split_k, window, fp
     rng = np.random.default_rng(int(split_k) + window + 7 * fp8)
     p32 = paged_batch(rng, seqs, 16, 32, 8, 128, "f32", fp8=fp8)
     for dt in DTYPES:
-        b = make_cuda(dt, split_k=split_k)
-        if hasattr(b, "split_k"):
-            assert bool(b.split_k) == split_k
+        b = make_cuda(dt, "decode=split" if split_k else "")
+        assert bool(b.split_k) == split_k
         check_attention(b, cpu, cast(p32, dt), window, 0.0,
                         f"long decode split_k={split_k} fp8={fp8}")
 
@@ -521,11 +520,10 @@ def test_paged_attention_decode_long_context(make_cuda, cpu, split_k, window, fp
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("dt", ["bf16", "f16"])
 def test_paged_attention_prefill_mma(make_cuda, cpu, dt, D, group, window, softcap):
-    """The tensor-core prefill kernel (TAPER_CUDA_MMA_PREFILL=1): long prompts, chunks whose rows
+    """The tensor-core prefill kernel (kernels prefill=mma): long prompts, chunks whose rows
     are fewer than their context, a decode row, in one batch."""
-    b = make_cuda(dt, mma_prefill=True)
-    if hasattr(b, "mma_prefill"):
-        assert b.mma_prefill
+    b = make_cuda(dt, "prefill=mma")
+    assert b.mma_prefill and b.prefill_kernel == "mma"
     rng = np.random.default_rng(D + group + window + int(softcap))
     seqs = [(300, 300), (500, 77), (129, 1), (64, 64), (1000, 130), (33, 17)]
     p = paged_batch(rng, seqs, 16 if group < 4 else 32, 2 * group, 2, D, dt)
@@ -535,7 +533,7 @@ def test_paged_attention_prefill_mma(make_cuda, cpu, dt, D, group, window, softc
 @pytest.mark.parametrize("D", [80, 96, 256])
 def test_paged_attention_prefill_mma_switch_other_sizes(make_cuda, cpu, D):
     """With the tensor-core switch on, head sizes it lacks still give the right answer."""
-    b = make_cuda("bf16", mma_prefill=True)
+    b = make_cuda("bf16", "prefill=mma")
     rng = np.random.default_rng(D)
     p = paged_batch(rng, MIXED_SEQS, 16, 4, 2, D, "bf16")
     check_attention(b, cpu, p, 0, 0.0, f"mma switch D={D}")
@@ -560,7 +558,7 @@ def test_paged_attention_nan_in_unused_slots(make_cuda, cpu, kernel):
     """Cache memory the sequences do not own may hold anything, NaN included (a fresh pool, a
     freed block's stale FP8 codes): masked-off keys must not leak into the output (0 * NaN)."""
     dt = "bf16"
-    b = make_cuda(dt, mma_prefill=kernel == "mma")
+    b = make_cuda(dt, "prefill=mma" if kernel == "mma" else "")
     rng = np.random.default_rng(len(kernel))
     seqs = DECODE_SEQS if kernel.endswith("decode") else MIXED_SEQS
     p = paged_batch(rng, seqs, 16, 8, 2, 128 if kernel == "mma" else 64, dt,

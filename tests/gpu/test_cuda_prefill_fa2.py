@@ -1,5 +1,5 @@
-"""The FlashAttention-2 style prefill kernel (TAPER_CUDA_PREFILL=fa2, issue 12 item 2) and its
-warp-specialized Hopper form (TAPER_CUDA_PREFILL=fa3: wgmma, an mbarrier ring; on a GPU other than
+"""The FlashAttention-2 style prefill kernel (kernels prefill=fa2, issue 12 item 2) and its
+warp-specialized Hopper form (prefill=fa3: wgmma, an mbarrier ring; on a GPU other than
 compute capability 9.0 the backend runs fa2 instead), every test for both, against the CPU
 backend's paged attention, and beside the simple CUDA kernel (the default).
 
@@ -33,8 +33,9 @@ def kernel(request):
 
 
 def fa2_backend(make_cuda, dt, kernel="fa2"):
-    """The backend under TAPER_CUDA_PREFILL=kernel; fa3 is fa3 on compute capability 9.0 only."""
-    b = make_cuda(dt, prefill=kernel)
+    """The backend built with kernels prefill=kernel; fa3 is fa3 on compute capability 9.0
+    only."""
+    b = make_cuda(dt, f"prefill={kernel}")
     want = kernel
     if kernel == "fa3" and b.device.compute_capability != "90":
         want = "fa2"
@@ -113,18 +114,20 @@ def test_fa2_switch_falls_back_for_other_batches(make_cuda, kernel, cpu, case):
 def test_fa2_engine_greedy_matches_cpu(checkpoints, monkeypatch, case, kernel):  # noqa: F811
     """test_cuda_model's greedy comparison (chunked prefill mixed with decodes, a round that hits
     the prefix cache; tiny-256 llama with GQA 4:2, mistral with a window of 16) with the engine's
-    CUDA backend built under TAPER_CUDA_PREFILL=fa2 or fa3."""
-    monkeypatch.setenv("TAPER_CUDA_PREFILL", kernel)
+    CUDA backend built with kernels prefill=fa2 or fa3."""
     made = []
 
     def make_llm(path, backend, **config):
+        if backend == "cuda":
+            config["kernels"] = f"prefill={kernel}"
         made.append(original(path, backend, **config))
         return made[-1]
 
     original = model_tests.make_llm
     monkeypatch.setattr(model_tests, "make_llm", make_llm)
     model_tests.test_greedy_matches_cpu(checkpoints, case)
-    kernels = [getattr(llm.engine.backend, "prefill_kernel", "cpu") for llm in made]
+    kernels = [llm.engine.backend.prefill_kernel if llm.engine.backend.name == "cuda" else "cpu"
+               for llm in made]
     import cupy
     want = kernel if cupy.cuda.Device(0).compute_capability == "90" else "fa2"
     assert sorted(kernels) == ["cpu", want], kernels

@@ -25,12 +25,12 @@ minutes per case on the GPU machine's CPU) while the dequantized product is the 
 float32 rounding (the CPU's GGUF kernels also quantize activations, which only the GPU should be
 charged for here).
 
-Weights: GGUF blocks from the CPU quantizer (engine.quant.quantize); int4 from random codes and
-scales, group 128 with random zero points (the asymmetric Marlin path) and per channel with zero 8
-(the symmetric path, zeros=None in the Marlin layout); FP8 e4m3 with 128 x 128 block scales
-(tests/test_fp8.py's random_fp8). A weight is built once per (format, shape) and kept while the
-cases of that (format, shape) run (cases are ordered so), then released. Outputs are poisoned with
-NaN first; every output element must be finite.
+Weights: GGUF blocks from the CPU quantizer (pyx.cpu_backend.quantize_weight); int4 from random
+codes and scales, group 128 with random zero points (the asymmetric Marlin path) and per channel
+with zero 8 (the symmetric path, zeros=None in the Marlin layout); FP8 e4m3 with 128 x 128 block
+scales (tests/test_fp8.py's random_fp8). A weight is built once per (format, shape) and kept while
+the cases of that (format, shape) run (cases are ordered so), then released. Outputs are poisoned
+with NaN first; every output element must be finite.
 """
 from __future__ import annotations
 
@@ -99,11 +99,11 @@ def make_weight(fmt: str, n: int, k: int):
     if fmt in GGUF_TYPES:
         from gguf import GGMLQuantizationType as QT
 
-        from engine.quant import quantize
+        from pyx.cpu_backend import quantize_weight
         w = rng.standard_normal((n, k), dtype=np.float32) * np.float32(0.05)
-        return quantize(w, int(getattr(QT, GGUF_TYPES[fmt])))
+        return quantize_weight(w, int(getattr(QT, GGUF_TYPES[fmt])))
     if fmt.startswith("int4"):
-        from engine.quant_int4 import Int4Part, Int4Weight
+        from pyx.weights.int4 import Int4Part, Int4Weight
         g = 128 if fmt == "int4_g128" else k
         codes = rng.integers(0, 16, (n, k), dtype=np.uint8)
         scales = (rng.uniform(0.002, 0.02, (n, k // g))
@@ -116,7 +116,7 @@ def make_weight(fmt: str, n: int, k: int):
     if fmt.startswith("fp8"):
         from test_fp8 import random_fp8
 
-        from engine.quant_fp8 import Fp8Weight
+        from pyx.weights.fp8 import Fp8Weight
         codes, scale = random_fp8(rng, n, k, (128, 128))
         return Fp8Weight(codes, scale, (128, 128))
     raise KeyError(fmt)
@@ -141,28 +141,18 @@ def current_weight(fmt, shape):
     return _Current
 
 
-class _Repacked:
-    """An int4 weight already repacked to the Marlin layout: place_weight reads int4 weights only
-    through .marlin(), so both activation dtypes share one repack (NumPy, ~15 s single-threaded at
-    28672x4096)."""
-    def __init__(self, marlin):
-        self._marlin = marlin
-
-    def marlin(self):
-        return self._marlin
-
-
 def placed_weight(cur, b, dtype, fmt):
     if dtype not in cur.placed:
         host = cur.weight
-        if fmt.startswith("int4"):
+        if fmt.startswith("int4"):   # one repack (NumPy, ~15 s at 28672x4096) for both dtypes
             if cur.repacked is None:
-                cur.repacked = _Repacked(cur.weight.marlin())
+                from pyx.weights.marlin import repack_int4
+                cur.repacked = repack_int4(cur.weight)
             host = cur.repacked
         placed = b.place_weight(host)
         kind = type(placed).__name__
         if fmt in GGUF_TYPES:
-            assert hasattr(placed, "quant_parts"), kind
+            assert kind == "QuantizedWeight", kind
         elif fmt.startswith("int4"):
             assert kind == "DeviceMarlinWeight", kind
         else:
@@ -185,7 +175,10 @@ def reference(cpu, cur, x, bias) -> np.ndarray:
     from threadpoolctl import threadpool_limits
     if cur.dequantized is None:
         w = cur.weight
-        deq = (w.dequantize(num_threads=os.cpu_count()) if fmt_is_int4(w) else w.dequantize())
+        from pyx.cpu_backend import dequantize_weight
+        from pyx.weights.ggml import QuantizedWeight
+        deq = (w.dequantize(num_threads=os.cpu_count()) if fmt_is_int4(w) else
+               dequantize_weight(w) if isinstance(w, QuantizedWeight) else w.dequantize())
         cur.dequantized = np.ascontiguousarray(deq, dtype=np.float32)
     with threadpool_limits(limits=os.cpu_count(), user_api="blas"):
         want = x @ cur.dequantized.T

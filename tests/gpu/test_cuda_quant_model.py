@@ -11,7 +11,7 @@ Cases (each also with an FP8 KV cache on both engines):
   fp8          a quant_method fp8 block-wise (128 x 128) qwen3 checkpoint, written by
                tests/test_fp8.py's own writer (one float projection left, as there): dequantized
                once to bf16 on the GPU (the default).
-  fp8_cutlass  the same checkpoint with TAPER_CUDA_FP8_CUTLASS=1 (read when the LLM builds its
+  fp8_cutlass  the same checkpoint with kernels fp8=cutlass (read when the LLM builds its
                backend): e4m3 activations through the CUTLASS block-scaled GEMM; sm_90 only.
 
 Ties: 0.05 (TIE) where the GPU differs from the CPU by bf16 rounding; 0.1 (test_cuda_model's
@@ -44,11 +44,11 @@ MIN_COMPARED = 8
 # cache compares 3 tokens over 12 prompts); 40 prompts give every case well over MIN_COMPARED.
 PROMPT_LENS = tuple(int(n) for n in np.random.default_rng(12).integers(4, 72, 40))
 
-CASES = {  # name: (checkpoint, LLM config, env for the CUDA engine, tie)
-    "q4k": ("bf16_llama", dict(isq="q4k"), {}, TIE),
-    "marlin": ("bf16_llama", dict(isq="marlin"), {}, TIE),
-    "fp8": ("fp8_qwen3", {}, {"TAPER_CUDA_FP8_CUTLASS": "0"}, TIE),
-    "fp8_cutlass": ("fp8_qwen3", {}, {"TAPER_CUDA_FP8_CUTLASS": "1"}, FP8_TIE),
+CASES = {  # name: (checkpoint, LLM config, the CUDA engine's kernels, tie)
+    "q4k": ("bf16_llama", dict(isq="q4k"), "", TIE),
+    "marlin": ("bf16_llama", dict(isq="marlin"), "", TIE),
+    "fp8": ("fp8_qwen3", {}, "fp8=dequant", TIE),
+    "fp8_cutlass": ("fp8_qwen3", {}, "fp8=cutlass", FP8_TIE),
 }
 
 
@@ -91,26 +91,11 @@ def margins_checked(cpu_llm, prompt: list[int], tokens: list[int], tie: float) -
     return margins
 
 
-def cuda_llm(path: str, env: dict, **config):
-    """The CUDA engine built with `env` set (the backend reads its switches when it is built)."""
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        return make_llm(path, "cuda", **config)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 @pytest.mark.parametrize("kv", ["auto", "fp8"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_quantized_greedy_matches_cpu(quant_checkpoints, make_cuda, case, kv):
-    checkpoint, config, env, tie = CASES[case]
-    if env.get("TAPER_CUDA_FP8_CUTLASS") == "1" and \
-            make_cuda("bf16").device.compute_capability != "90":
+    checkpoint, config, kernels, tie = CASES[case]
+    if kernels == "fp8=cutlass" and make_cuda("bf16").device.compute_capability != "90":
         pytest.skip("the CUTLASS FP8 block GEMM needs sm_90a")
     path = quant_checkpoints(checkpoint)
     config = dict(config)
@@ -120,10 +105,9 @@ def test_quantized_greedy_matches_cpu(quant_checkpoints, make_cuda, case, kv):
         # quadrature: 0.14 for fp8_cutlass (its H100 run parted from the CPU at a margin of 0.101),
         # FP8_TIE where the weights path adds only bf16 rounding.
         tie = math.hypot(tie, FP8_TIE) if tie >= FP8_TIE else FP8_TIE
-    gpu = cuda_llm(path, env, **config)
+    gpu = make_llm(path, "cuda", kernels=kernels, **config)
     cpu = make_llm(path, "cpu", **config)
-    if "TAPER_CUDA_FP8_CUTLASS" in env:
-        assert bool(gpu.engine.backend.fp8_cutlass) == (env["TAPER_CUDA_FP8_CUTLASS"] == "1")
+    assert bool(gpu.engine.backend.fp8_cutlass) == (kernels == "fp8=cutlass")
 
     prompts = random_prompts(11, PROMPT_LENS)
     compared = 0

@@ -1,4 +1,4 @@
-"""The radix-select logits filter (TAPER_CUDA_RADIX_FILTER=1, issue 12 item 5 / brief item 3)
+"""The radix-select logits filter (kernels filter=radix, issue 12 item 5 / brief item 3)
 against the CPU sampler (pyx/cpu_sampling.py through the CPU backend), the float64 oracle
 (tests/reference.py) and the bisection kernel it replaces.
 

@@ -3,7 +3,9 @@
 A `QuantizedWeight` stands where a float (N, K) matrix would: it has `.shape`, and the CPU
 backend's `linear` computes on its blocks (pyx/quant_kernels.h). It is a stack of parts along N,
 each one ggml type, because fusing q/k/v or gate/up of a GGUF file can meet different types
-(Q4_K_M stores attn_v in Q6_K beside Q4_K for attn_q and attn_k).
+(Q4_K_M stores attn_v in Q6_K beside Q4_K for attn_q and attn_k). Its kernels live in the CPU
+backend: pyx.cpu_backend.quantize_weight makes one from a float matrix (--isq),
+dequantize_weight turns one back into float32.
 """
 from __future__ import annotations
 
@@ -48,15 +50,3 @@ class QuantizedWeight:
                     parts.append((qtype, [blocks]))
         return QuantizedWeight([(t, np.concatenate(b) if len(b) > 1 else b[0]) for t, b in parts],
                                k)
-
-    def dequantize(self) -> np.ndarray:
-        """(N, K) float32 through the kernels' scalar reference."""
-        from pyx.cpu_backend import dequantize
-        return np.concatenate([dequantize(t, b, self.k) for t, b in self.quant_parts])
-
-
-def quantize(weight: np.ndarray, qtype: int, num_threads: int | None = None) -> QuantizedWeight:
-    """In-situ quantization of a float (N, K) matrix (bf16/f16/f32) to one ggml type."""
-    from pyx.cpu_backend import quantize as quantize_rows
-    x = np.asarray(weight, dtype=np.float32)
-    return QuantizedWeight.of(qtype, quantize_rows(int(qtype), x, num_threads), x.shape[1])

@@ -1,5 +1,5 @@
 """The Marlin layout for 4-bit weights (W4A16 on the GPU, cuda/marlin.cu), and its CPU reference
-repack from any `Int4Weight` (GPTQ, AWQ, compressed-tensors: engine/quant_int4.py).
+repack from any `Int4Weight` (GPTQ, AWQ, compressed-tensors: pyx/weights/int4.py).
 
 The trick (Marlin, Frantar et al. 2024): store the int4 codes in the order in which a warp's
 tensor-core fragments consume them, so that the GEMM kernel reads each weight byte once, with
@@ -40,7 +40,7 @@ Choices:
   through the canonical codes, which is exact.
 
 Requirements: K % 16 == 0 and G % 16 == 0 (Int4Weight guarantees multiples of 32).
-Every GEMM variant of cuda/marlin.cu reads this one layout, Marlin v2 (TAPER_CUDA_MARLIN=v2)
+Every GEMM variant of cuda/marlin.cu reads this one layout, Marlin v2 (kernels marlin=v2)
 included: its striped partitioning, swizzled activations and lop3 dequantization need no repack.
 """
 from __future__ import annotations
@@ -49,6 +49,8 @@ from dataclasses import dataclass
 from math import gcd
 
 import numpy as np
+
+from pyx.weights.int4 import Int4Part, Int4Weight
 
 TILE_K = 16           # k per tile (one mma k-step)
 TILE_N = 64           # n per tile (8 n8 blocks)
@@ -112,7 +114,7 @@ class MarlinWeight:
 
 # ---- repack (CPU reference) and its inverse
 
-def repack_int4(weight) -> MarlinWeight:
+def repack_int4(weight: Int4Weight) -> MarlinWeight:
     """An Int4Weight (any source format, any parts) -> MarlinWeight, losslessly."""
     k = weight.k
     g = 0
@@ -182,9 +184,8 @@ def unpack_marlin(w: MarlinWeight) -> np.ndarray:
     return np.repeat(scales, g, axis=1) * (codes.astype(np.float32) - np.repeat(z, g, axis=1))
 
 
-def to_int4(w: MarlinWeight, sources: list | None = None):
+def to_int4(w: MarlinWeight, sources: list | None = None) -> Int4Weight:
     """MarlinWeight -> an Int4Weight (one part) for the CPU backend."""
-    from engine.quant_int4 import Int4Part, Int4Weight
     codes, scales, zeros = canonical(w)
     z = (np.full(scales.shape, SYM_ZERO, np.float32) if zeros is None
          else zeros.astype(np.float32))

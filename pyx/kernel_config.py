@@ -1,0 +1,182 @@
+"""KernelConfig: which kernel each backend runs where it has a choice, and the CPU's numerics.
+
+One frozen value per engine, never the process environment (DESIGN.md section 8): the server's
+`--kernels prefill=fa2,decode=split,marlin=v2`, `LLM(kernels=...)` (that string, a dict or a
+KernelConfig), EngineConfig.kernels, then `CpuBackend(kernels=...)` / `CudaBackend(kernels=...)`,
+which read it once when they are built. The engine logs it at start-up, each choice with its
+source. It lives in pyx/ (pure Python, no engine import) because the backends read it.
+
+The first value of every key is its default: the kernel a GPU run verified first (or, on the
+CPU, the fastest path). The others are tuned kernels kept behind the switch until a GPU run has
+checked them against the CPU backend (README: CUDA), or the CPU's more exact activation
+rounding. A key a backend does not read (a CUDA kernel on the CPU backend) is logged as unused
+when it was set.
+
+The environment variables that used to make these choices (TAPER_CUDA_PREFILL, TAPER_CPU_ISA,
+TAPER_QUANT_ACT_SPLIT, ...: RETIRED_VARIABLES) are no longer read; `retired_variables()` names the
+ones still set, so that start-up can warn with the `--kernels` spelling that replaces each.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Choice:
+    values: tuple[str, ...]     # the first is the default
+    backends: tuple[str, ...]   # the backends that read it
+    help: str
+
+
+CHOICES: dict[str, Choice] = {
+    "prefill": Choice(("simple", "mma", "fa2", "fa3"), ("cuda",),
+                      "prefill attention: the simple kernel, the first tensor-core one, "
+                      "FlashAttention-2 style with GQA packing, or its Hopper form (wgmma; fa2 "
+                      "on other GPUs)"),
+    "decode": Choice(("simple", "split"), ("cuda",),
+                     "decode attention: one pass per sequence, or split-K flash-decoding "
+                     "(pyx/decode_splits.py)"),
+    "marlin": Choice(("simple", "pipeline", "v2"), ("cuda",),
+                     "int4 W4A16 Marlin GEMM: the simple kernel, the pipelined one, or v2 "
+                     "(striped partitioning, ldmatrix, lop3)"),
+    "fp8": Choice(("dequant", "cutlass"), ("cuda",),
+                  "FP8 block-wise weights: dequantized once to the activation dtype, or kept "
+                  "e4m3 for the CUTLASS block-scaled GEMM (sm_90a)"),
+    "fp8_gemv": Choice(("off", "on"), ("cuda",),
+                       "FP8 block-wise weights kept e4m3 for the small-M FP8 GEMV (sm80+)"),
+    "sampling": Choice(("simple", "fused"), ("cuda",),
+                       "sampling: op by op, or penalties, filters and the draw in one launch"),
+    "filter": Choice(("bisect", "radix"), ("cuda",),
+                     "top-k / top-p thresholds of filter_logits: bisection or radix select"),
+    "moe": Choice(("simple", "fused"), ("cuda", "cpu"),
+                  "MoE experts: one linear per expert, or moe_align and grouped GEMMs over "
+                  "stacked experts"),
+    "cpu_isa": Choice(("auto", "scalar", "avx2", "avx512"), ("cpu",),
+                      "CPU kernels' ISA path (auto: the best this CPU runs)"),
+    "act_split": Choice(("off", "on"), ("cpu",),
+                        "ggml decode matmuls: each activation row rounded to 8 bits once (as "
+                        "llama.cpp), or as two 8-bit rows, ~250x closer, twice the integer work"),
+}
+
+# The environment variables these keys replace, and the `--kernels` item for each.
+RETIRED_VARIABLES = {
+    "TAPER_CUDA_PREFILL": "prefill=simple|mma|fa2|fa3",
+    "TAPER_CUDA_MMA_PREFILL": "prefill=mma",
+    "TAPER_CUDA_SPLIT_K": "decode=split",
+    "TAPER_CUDA_MARLIN": "marlin=v2",
+    "TAPER_CUDA_MARLIN_PIPELINE": "marlin=pipeline",
+    "TAPER_CUDA_FP8_CUTLASS": "fp8=cutlass",
+    "TAPER_CUDA_FP8_GEMV": "fp8_gemv=on",
+    "TAPER_CUDA_FUSED_SAMPLING": "sampling=fused",
+    "TAPER_CUDA_RADIX_FILTER": "filter=radix",
+    "TAPER_CUDA_FUSED_MOE": "moe=fused",
+    "TAPER_CPU_ISA": "cpu_isa=auto|scalar|avx2|avx512",
+    "TAPER_QUANT_ACT_SPLIT": "act_split=on",
+}
+
+
+def _default(key: str) -> str:
+    return CHOICES[key].values[0]
+
+
+def _bad_value(where: str, key: str, value) -> str:
+    return (f"{where}: {key}={value!r} is not a choice; {key} takes "
+            f"{' | '.join(CHOICES[key].values)} (default {_default(key)})")
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    prefill: str = _default("prefill")
+    decode: str = _default("decode")
+    marlin: str = _default("marlin")
+    fp8: str = _default("fp8")
+    fp8_gemv: str = _default("fp8_gemv")
+    sampling: str = _default("sampling")
+    filter: str = _default("filter")
+    moe: str = _default("moe")
+    cpu_isa: str = _default("cpu_isa")
+    act_split: str = _default("act_split")
+    # (key, where it was set) for the keys given explicitly: parse() records them; the start-up
+    # log reads them. Not part of the value: two configs with the same choices are equal.
+    sources: tuple[tuple[str, str], ...] = field(default=(), compare=False, repr=False)
+
+    def __post_init__(self):
+        for key in CHOICES:
+            if getattr(self, key) not in CHOICES[key].values:
+                raise ValueError(_bad_value("KernelConfig", key, getattr(self, key)))
+
+    @classmethod
+    def parse(cls, spec, source: str = "kernels") -> "KernelConfig":
+        """A KernelConfig from None (every default), a KernelConfig (returned as it is), a dict
+        {key: value} or a string "key=value,key=value" (the --kernels syntax; spaces around
+        items are ignored). `source` names where it came from, for error messages and the
+        start-up log. A bad key or value is a ValueError naming it and listing the valid ones."""
+        if spec is None:
+            return cls()
+        if isinstance(spec, cls):
+            return spec
+        if isinstance(spec, str):
+            items = []
+            for item in spec.split(","):
+                item = item.strip()
+                if not item:
+                    continue
+                key, eq, value = item.partition("=")
+                if not eq:
+                    raise ValueError(f"{source}: {item!r} is not key=value (e.g. "
+                                     f"prefill=fa2,decode=split)")
+                items.append((key.strip(), value.strip()))
+        elif isinstance(spec, Mapping):
+            items = list(spec.items())
+        else:
+            raise TypeError(f"{source}: expected a 'key=value,...' string, a dict or a "
+                            f"KernelConfig, got {type(spec).__name__}")
+        values: dict[str, str] = {}
+        for key, value in items:
+            if key not in CHOICES:
+                raise ValueError(f"{source}: unknown key {key!r}; the keys are "
+                                 f"{', '.join(CHOICES)}")
+            if key in values:
+                raise ValueError(f"{source}: {key} is given twice")
+            if value not in CHOICES[key].values:
+                raise ValueError(_bad_value(source, key, value))
+            values[key] = value
+        return cls(**values, sources=tuple((key, source) for key in values))
+
+    @staticmethod
+    def choices_help() -> str:
+        """--kernels' help: every key with its values, the default first, and the backends
+        that read it."""
+        return "; ".join(f"{key}={'|'.join(c.values)} ({', '.join(c.backends)})"
+                         for key, c in CHOICES.items())
+
+    def __str__(self) -> str:
+        """Every choice in the --kernels syntax (parse() reads it back)."""
+        return ",".join(f"{key}={getattr(self, key)}" for key in CHOICES)
+
+    def source_of(self, key: str) -> str:
+        """Where the choice of `key` came from: the source parse() recorded, else "default"
+        (or "KernelConfig" for a value other than the default given to the constructor)."""
+        recorded = dict(self.sources).get(key)
+        if recorded is not None:
+            return recorded
+        return "default" if getattr(self, key) == _default(key) else "KernelConfig"
+
+    def describe(self, backend: str) -> tuple[str, list[str]]:
+        """The start-up log's line for a `backend` ("cpu" | "cuda") -- each choice it reads, with
+        its source -- and the explicitly set keys it does not read."""
+        line = ", ".join(f"{key}={getattr(self, key)} ({self.source_of(key)})"
+                         for key, c in CHOICES.items() if backend in c.backends)
+        unused = [f"{key}={getattr(self, key)} ({self.source_of(key)})"
+                  for key, c in CHOICES.items()
+                  if backend not in c.backends and self.source_of(key) != "default"]
+        return line, unused
+
+
+def retired_variables(environ: Mapping[str, str] = os.environ) -> list[str]:
+    """For each retired variable set in `environ`: a warning naming the --kernels item that
+    replaces it (the variable itself is ignored)."""
+    return [f"{name} is no longer read; use --kernels {item} (or LLM(kernels=...))"
+            for name, item in RETIRED_VARIABLES.items() if environ.get(name, "") != ""]
