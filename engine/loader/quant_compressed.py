@@ -20,6 +20,7 @@ import re
 
 import numpy as np
 
+from engine.loader.quant_fp8 import convert_compressed_fp8
 from engine.loader.quant_int4 import check_g_idx, nibbles
 from pyx.weights.int4 import Int4Part, Int4Source, Int4Weight
 
@@ -53,7 +54,6 @@ def convert_compressed_tensors(weights: dict, qc: dict) -> None:
         args = scheme_for(name, int4_groups)["weights"]
         weights[f"{name}.weight"] = _pack_quantized_layer(weights, name, args)
     if fp8_groups:
-        from engine.loader.quant_fp8 import convert_compressed_fp8
         for scheme in fp8_groups.values():
             convert_compressed_fp8(weights, qc, scheme)
     stray = [n for n in weights if n.endswith(_INT4_SUFFIXES)]

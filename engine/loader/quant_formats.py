@@ -9,20 +9,21 @@ variant a converter does not handle is a start-up error that names it.
 """
 from __future__ import annotations
 
+from engine.loader.quant_compressed import convert_compressed_tensors
+from engine.loader.quant_fp8 import convert_fp8_block
+from engine.loader.quant_int4 import convert_gptq_awq
+from engine.loader.quant_marlin import convert_marlin
+
 
 def convert_quantized(weights: dict, quantization_config: dict) -> None:
     method = quantization_config.get("quant_method")
     if method in ("gptq", "awq"):
-        from engine.loader.quant_int4 import convert_gptq_awq
         convert_gptq_awq(weights, quantization_config)
     elif method == "compressed-tensors":
-        from engine.loader.quant_compressed import convert_compressed_tensors
         convert_compressed_tensors(weights, quantization_config)
     elif method == "marlin":
-        from engine.loader.quant_marlin import convert_marlin
         convert_marlin(weights, quantization_config)
     elif method == "fp8":
-        from engine.loader.quant_fp8 import convert_fp8_block
         convert_fp8_block(weights, quantization_config)
     else:
         raise ValueError(f"quantization_config.quant_method {method!r} is not supported; "

@@ -19,8 +19,11 @@ import shutil
 import sys
 
 import numpy as np
+from safetensors.numpy import save_file
 
+from engine.loader.quant_formats import convert_quantized
 from engine.loader.quant_marlin import LAYOUT
+from engine.loader.safetensors import load_safetensors
 from pyx.weights.int4 import Int4Weight
 from pyx.weights.marlin import repack_int4
 
@@ -29,11 +32,6 @@ INT4_METHODS = ("gptq", "awq", "compressed-tensors")
 
 def convert(src: str, dst: str, progress: bool = False) -> dict:
     """Writes the Marlin checkpoint of src to dst; returns its quantization_config."""
-    from safetensors.numpy import save_file
-
-    from engine.loader.quant_formats import convert_quantized
-    from engine.loader.safetensors import load_safetensors
-
     with open(os.path.join(src, "config.json")) as f:
         config = json.load(f)
     qc = config.get("quantization_config") or {}
