@@ -66,7 +66,7 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype must be auto, bf16 or fp8, got {self.kv_cache_dtype!r}")
         if self.prefix_cache_max_tokens is not None and self.prefix_cache_max_tokens < 0:
             raise ValueError("prefix_cache_max_tokens must be >= 0")
-        if self.isq is not None:
+        if self.isq is not None:   # imported here so that `import engine` loads no extension
             from engine.loader.isq import check_isq
             check_isq(self.isq)
         if self.logprobs_mode not in ("raw", "processed"):

@@ -47,8 +47,8 @@ from tqdm import tqdm
 
 from engine.loader import gguf_dense
 from engine.loader.gguf_check import check_layout, read_version
-from engine.text.gguf_tokenizer import build_tokenizer, special_id
 from engine.loader.safetensors import resolve_dtype, target_dtype
+from engine.text.gguf_tokenizer import build_tokenizer, special_id
 from pyx.weights.ggml import BLOCK_TYPES, QuantizedWeight
 
 if TYPE_CHECKING:
