@@ -207,7 +207,6 @@ class Admission:
             request.detokenizers[index] = IncrementalDetokenizer(
                 self.tokenizer, prompt_token_ids, params.skip_special_tokens, params.stop,
                 params.include_stop_str_in_output, params.min_tokens)
-        request.pending_logprobs[index] = []
         return seq
 
     def _admit_pooling(self, request_id: str, prompt_token_ids: list[int],
