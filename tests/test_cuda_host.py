@@ -153,7 +153,7 @@ def test_profile_forward_runs_on_cpu(tmp_path):
 
 def test_engine_config_backend_choice():
     from engine.config import EngineConfig
-    with pytest.raises(ValueError, match="backend must be cpu or cuda"):
+    with pytest.raises(ValueError, match="backend must be auto, cpu or cuda"):
         EngineConfig(model="m", backend="gpu")
     with pytest.raises(ValueError, match="device must be >= 0"):
         EngineConfig(model="m", backend="cuda", device=-1)
