@@ -228,6 +228,22 @@ def cutlass_includes():
     return [os.path.join(root, "include"), os.path.join(root, "tools", "util", "include")]
 
 
+def cython_current(ext):
+    """ext with each .pyx source swapped for its generated .c where that is newer than the .pyx and
+    every .pxd/.pxi in pyx/ (cythonize would compare against numpy's .pxd as well, which each
+    isolated build environment installs afresh, and so regenerate the .c every time)."""
+    inputs = newest_mtime(files("pyx/*.pxd", "pyx/*.pxi", "setup.py"))
+    sources = []
+    for src in ext.sources:
+        c_file = os.path.join(ROOT, os.path.splitext(src)[0] + ".c")
+        if src.endswith(".pyx") and os.path.exists(c_file) and os.path.getmtime(c_file) > max(
+                inputs, os.path.getmtime(os.path.join(ROOT, src))):
+            src = os.path.splitext(src)[0] + ".c"
+        sources.append(src)
+    ext.sources = sources
+    return ext
+
+
 def progress(line):
     """A progress line: on stdout at once (pip shows it with -v) and in build/taper-build.log."""
     print(line, flush=True)
@@ -379,7 +395,8 @@ def main():
         # hand-kept list forgot new subpackages, which a non-editable install then lacked.
         packages=find_packages(include=["engine", "engine.*", "server", "server.*", "pyx"]),
         package_data={"server": ["static/*"], "pyx": ["*.pxd", "*.pxi", "*.h"]},
-        ext_modules=cythonize(cpu_extensions() + cuda_extensions(archs, nvcc_path()),
+        ext_modules=cythonize([cython_current(e) for e in cpu_extensions()
+                               + cuda_extensions(archs, nvcc_path())],
                               compiler_directives=CYTHON_DIRECTIVES),
         cmdclass={"build_ext": BuildExt},
     )
