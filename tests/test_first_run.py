@@ -149,12 +149,13 @@ def serve_and_chat(command: str, cwd: str, env: dict, log_path: str) -> dict:
             "max_tokens": 8})
         assert status == 200, tail(log_path)
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
     assert proc.returncode == 0, f"exit {proc.returncode} on SIGTERM:\n" + tail(log_path)
     return answer
 
