@@ -16,6 +16,7 @@ Run as a script only (`__name__ == "__main__"`, as pip's backend and `python set
 that tests can import the functions below without building anything.
 """
 import glob
+import importlib.metadata
 import importlib.util
 import os
 import re
@@ -228,6 +229,17 @@ def cutlass_includes():
     return [os.path.join(root, "include"), os.path.join(root, "tools", "util", "include")]
 
 
+def cutlass_identity():
+    """Which CUTLASS headers the build reads: $CUTLASS_PATH, else the nvidia-cutlass wheel's
+    version."""
+    if os.environ.get("CUTLASS_PATH"):
+        return f"CUTLASS_PATH={os.environ['CUTLASS_PATH']}"
+    try:
+        return f"nvidia-cutlass {importlib.metadata.version('nvidia-cutlass')}"
+    except importlib.metadata.PackageNotFoundError:
+        return "no nvidia-cutlass"
+
+
 def cython_current(ext):
     """ext with each .pyx source swapped for its generated .c where that is newer than the .pyx and
     every .pxd/.pxi in pyx/ (cythonize would compare against numpy's .pxd as well, which each
@@ -297,18 +309,18 @@ class BuildExt(build_ext):
         index = self.extensions.index(ext) + 1
         tag = f"taper: [{index}/{len(self.extensions)}] {ext.name}"
         start = time.monotonic()
-        extra = []
-        if ext.name == "pyx.cuda_backend":
-            extra = [self.cuda_flags_stamp()]
-            ext.depends = ext.depends + extra
+        cuda = ext.name == "pyx.cuda_backend"
+        if cuda:
+            stamp = self.cuda_flags_stamp()
+            ext.depends = ext.depends + [stamp]
         if self.reuse_in_place(ext):
             progress(f"{tag}: up to date (in place), not rebuilt")
             return
         progress(f"{tag}: compiling")
-        if ext.name == "pyx.cuda_backend":
-            ext.extra_objects = self.compile_cuda(extra[0])
+        if cuda:
+            ext.extra_objects = self.compile_cuda(stamp)
         super().build_extension(ext)
-        progress(f"{tag}: built in {time.monotonic() - start:.1f} s")
+        progress(f"{tag}: done in {time.monotonic() - start:.1f} s")
 
     def reuse_in_place(self, ext):
         """In an editable install: the in-place file, copied to where the build expects it, when
@@ -327,18 +339,21 @@ class BuildExt(build_ext):
         return True
 
     def nvcc_command(self):
-        nvcc = nvcc_path()
         gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in self.cuda_archs]
         includes = [f"-I{d}" for d in cutlass_includes()]
-        return [nvcc, "-O3", "-std=c++17", "-Xcompiler", "-fPIC", "-Icuda", "-Icutlass_ext",
+        return [nvcc_path(), "-O3", "-std=c++17", "-Xcompiler", "-fPIC", "-Icuda", "-Icutlass_ext",
                 *includes, "--expt-relaxed-constexpr", *gencode]
 
     def cuda_flags_stamp(self):
-        """A file whose text is the nvcc command line (architectures, CUTLASS's path): objects
-        and the extension older than it were built otherwise and are rebuilt."""
+        """A file whose text is what the objects are compiled with: the nvcc command line, where
+        CUTLASS's headers are named by their version rather than their path (a new temporary
+        directory in each isolated build). Objects and the extension older than it were built
+        otherwise and are rebuilt."""
         os.makedirs(CUDA_OBJECTS, exist_ok=True)
         stamp = os.path.join(CUDA_OBJECTS, "nvcc-command.txt")
-        write_if_changed(stamp, " ".join(self.nvcc_command()) + "\n")
+        command = [a for a in self.nvcc_command()
+                   if not any(a == f"-I{d}" for d in cutlass_includes())]
+        write_if_changed(stamp, f"{' '.join(command)}\n{cutlass_identity()}\n")
         return stamp
 
     def compile_cuda(self, stamp):
