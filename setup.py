@@ -102,10 +102,10 @@ def nvcc_arch(capability: str) -> str | None:
 
 
 def detect_gpus(run=subprocess.run, gpus_dir="/proc/driver/nvidia/gpus"):
-    """The GPUs this machine shows, as (compute capabilities, e.g. ["9.0"]), cheaply and without
-    a CUDA context: `nvidia-smi --query-gpu=compute_cap`. None where no GPU is visible; ["?"] per
-    GPU that the driver lists under gpus_dir when nvidia-smi cannot say (missing, or a driver older
-    than the compute_cap field)."""
+    """The compute capability of each GPU this machine shows (e.g. ["9.0"]), found cheaply and
+    without a CUDA context: `nvidia-smi --query-gpu=compute_cap`. None where no GPU is visible;
+    "?" for each GPU that the driver lists under gpus_dir when nvidia-smi cannot say (missing, or a
+    driver older than the compute_cap field)."""
     try:
         done = run(["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"],
                    capture_output=True, text=True, timeout=60)

@@ -17,8 +17,8 @@
 # 1. setup: prints the machine (nvidia-smi, versions), installs carried wheels (.whl/*.whl) into
 #    /tmp/site, builds Taper for sm_90a (TAPER_CUDA_ARCHS=90a pip install --no-build-isolation
 #    --no-deps -e .; setting the variable also makes the build compile the CUDA kernels where
-#    nvidia-smi shows no GPU), checks that every module the suites import is there and that the CUDA
-#    extension imports and sees a device;
+#    nvidia-smi shows no GPU), checks that every module the suites import is there and that the
+#    CUDA extension imports and sees a device;
 # core and quant suites:
 # 2. gpu_tests: tests/gpu (one process per file, so a broken CUDA context in one cannot fail the
 #    others);
