@@ -16,8 +16,9 @@
 #
 # 1. setup: prints the machine (nvidia-smi, versions), installs carried wheels (.whl/*.whl) into
 #    /tmp/site, builds Taper for sm_90a (TAPER_CUDA_ARCHS=90a pip install --no-build-isolation
-#    --no-deps -e .), checks that every module the suites import is there and that the CUDA
-#    extension imports and sees a device;
+#    --no-deps -e .; setting the variable also makes the build compile the CUDA kernels where
+#    nvidia-smi shows no GPU), checks that every module the suites import is there and that the
+#    CUDA extension imports and sees a device;
 # core and quant suites:
 # 2. gpu_tests: tests/gpu (one process per file, so a broken CUDA context in one cannot fail the
 #    others);
@@ -102,9 +103,9 @@ PY
     fi
     echo "== build (TAPER_CUDA_ARCHS=90a)"
     TAPER_CUDA_ARCHS=90a "$PY" -m pip install --no-build-isolation --no-deps -e . || return 1
-    cat build/nvcc-times.txt 2>/dev/null
+    cat build/taper-build.log 2>/dev/null     # what setup.py built, each nvcc file's time
     local fa3_obj
-    fa3_obj=$(ls build/temp.*/cuda/attention_prefill_fa3.cu.o 2>/dev/null | head -1)
+    fa3_obj=$(ls build/cuda-objects/cuda__attention_prefill_fa3.cu.o 2>/dev/null | head -1)
     if [ "$SUITE" = tuned_prefill ]; then  # kernels prefill=fa3: HGMMA in its SASS, no local memory
         if [ -n "$fa3_obj" ] && command -v cuobjdump > /dev/null; then
             echo "== fa3 SASS: $(cuobjdump -sass "$fa3_obj" | grep -c HGMMA) HGMMA," \
