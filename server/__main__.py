@@ -214,7 +214,7 @@ def engine_config(args):
     from engine.runner.backends import detect_backend
 
     if args.demo == "smollm2":        # serves as --f would (server_settings names it so)
-        args.weight_file = smollm2_weight_file()
+        args.weight_file = smollm2_weight_file(args)
     if args.weight_path:
         model = args.weight_path
     elif args.model_id:
@@ -252,18 +252,25 @@ def engine_config(args):
         async_scheduling=args.async_scheduling, schedule_ahead=args.schedule_ahead)
 
 
-def smollm2_weight_file() -> str | None:
-    """--demo smollm2: its GGUF, fetched into Taper's cache on first use; None, said in one line,
-    where it cannot be fetched (the random demo is served instead)."""
+def smollm2_weight_file(args) -> str | None:
+    """--demo smollm2: its GGUF, fetched into Taper's cache on first use, and the model card's
+    sampling defaults (temperature 0.2, top_p 0.9) where no flag sets them; None, said in one
+    line, where it cannot be fetched (the random demo is served instead)."""
     from server.demo_smollm2 import FetchError, cached_gguf, default_dir, fetch_smollm2
     if not cached_gguf():
         log.info("fetching SmolLM2-135M-Instruct (98 MB, once) into %s", default_dir())
     try:
-        return fetch_smollm2()
+        path = fetch_smollm2()
     except FetchError as e:
         log.warning("--demo smollm2: could not fetch the model (%s); serving the random-weight "
                     "demo instead", e)
         return None
+    # Decode steps with exact activations (pyx/quant_kernels.c): rounded to 8 bits, as llama.cpp
+    # does, they turn this small model's "The capital of France is Paris." into nonsense.
+    os.environ.setdefault("TAPER_QUANT_ACT_SPLIT", "1")
+    if args.temperature is None and args.top_p is None:
+        args.temperature, args.top_p = 0.2, 0.9
+    return path
 
 
 def server_settings(args, config):
