@@ -8,7 +8,7 @@ path, beside llama.cpp on the same file, in one run.
 Decode, batch 1: the first 128 tokens of tests/data/real_model/alice.txt as the prompt, greedy,
 ignore_eos, --gen-len tokens; decode tok/s = the tokens after the first / the time of their steps
 (bench.throughput.taper_run). Taper runs the file twice: by default (decode activations rounded to
-8 bits, as llama.cpp rounds them) and with TAPER_QUANT_ACT_SPLIT=1 (each row as two 8-bit rows,
+8 bits, as llama.cpp rounds them) and with --kernels act_split=on (each row as two 8-bit rows,
 as `--demo smollm2` serves). llama.cpp (llama-cpp-python: `llama_cpp` importable, or found in
 --llama-site DIR, a site-packages directory appended to sys.path) runs the same file with
 n_threads = the cores (or each of --llama-threads): one eval of the prompt, then one token per
@@ -64,15 +64,11 @@ def tests_module():
 
 def taper_decode(gguf: str, prompt: list[int], gen_len: int, reps: int, quiet_s: float) -> dict:
     from engine import LLM
-    llm = LLM(os.path.dirname(gguf), weight_file=gguf, max_num_seqs=1, kv_cache_memory_mb=64,
-              enable_prefix_caching=False)
-    taper_run(llm, [prompt[:16]], 4)                                    # warm-up
     res = {}
-    for mode, split in (("act8", None), ("act_split", "1")):
-        if split:
-            os.environ["TAPER_QUANT_ACT_SPLIT"] = split      # read by the kernels on every call
-        else:
-            os.environ.pop("TAPER_QUANT_ACT_SPLIT", None)
+    for mode, split in (("act8", "off"), ("act_split", "on")):
+        llm = LLM(os.path.dirname(gguf), weight_file=gguf, max_num_seqs=1, kv_cache_memory_mb=64,
+                  enable_prefix_caching=False, kernels={"act_split": split})
+        taper_run(llm, [prompt[:16]], 4)                                # warm-up
         best = None
         for _ in range(reps):
             if quiet_s:
@@ -81,9 +77,8 @@ def taper_decode(gguf: str, prompt: list[int], gen_len: int, reps: int, quiet_s:
             print(describe(f"taper q4_1 {mode:9}", cur), flush=True)
             best = keep_best(best, cur)
         res[mode] = best
-    os.environ.pop("TAPER_QUANT_ACT_SPLIT", None)
-    del llm
-    gc.collect()
+        del llm
+        gc.collect()
     return res
 
 

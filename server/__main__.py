@@ -280,7 +280,8 @@ def smollm2_weight_file(args) -> str | None:
         return None
     # Decode steps with exact activations (pyx/quant_kernels.c): rounded to 8 bits, as llama.cpp
     # does, they turn this small model's "The capital of France is Paris." into nonsense.
-    os.environ.setdefault("TAPER_QUANT_ACT_SPLIT", "1")
+    if "act_split" not in args.kernels:
+        args.kernels = ",".join(filter(None, [args.kernels, "act_split=on"]))
     if args.temperature is None and args.top_p is None:
         args.temperature, args.top_p = 0.2, 0.9
     return path

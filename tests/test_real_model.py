@@ -11,7 +11,7 @@ dequantized float32 weights.
 - Greedy chat answers equal transformers' token for token up to its first near-tie: top-two
   log-probs within 0.01. Decode steps round activations to 8 bits as llama.cpp does, which moves
   log-probs by up to 0.2 here and flips the first token of "What is the capital of France?" (as
-  llama.cpp's); this server runs with TAPER_QUANT_ACT_SPLIT=1 (each row as two 8-bit rows), which
+  llama.cpp's); this server runs with --kernels act_split=on (each row as two 8-bit rows), which
   keeps the same kernels within 2e-3 of float (measured 1.3e-3), so the comparison can be strict.
 - The GGUF's chat template renders in Taper as transformers renders it, and the server's prompt
   tokens are transformers' `apply_chat_template` tokens.
@@ -54,8 +54,7 @@ def gguf():
 def q41(gguf, tmp_path_factory):
     """The GGUF as shipped, served as `--f` serves it (with exact-split decode activations)."""
     server = LiveServer(tmp_path_factory.mktemp("q41"), os.path.dirname(gguf), "--f",
-                        os.path.basename(gguf), "--mem", "256",
-                        env={"TAPER_QUANT_ACT_SPLIT": "1"})
+                        os.path.basename(gguf), "--mem", "256", "--kernels", "act_split=on")
     yield server
     server.close()
 
