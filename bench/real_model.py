@@ -39,11 +39,10 @@ import json
 import math
 import os
 import sys
-import time
 
 import numpy as np
 
-from bench.throughput import OtherLoad, describe, keep_best, taper_run, wait_quiet
+from bench.throughput import describe, keep_best, llama_cpp_greedy_run, taper_run, wait_quiet
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CACHE = os.path.join(ROOT, "bench", ".cache", "real_model")
@@ -87,31 +86,9 @@ def llama_decode(gguf: str, prompt: list[int], gen_len: int, reps: int, threads:
     import llama_cpp
     llm = llama_cpp.Llama(gguf, n_ctx=512, n_batch=512, n_ubatch=512, n_threads=threads,
                           n_threads_batch=threads, verbose=False)
-    n_vocab = llm.n_vocab()
-
-    def greedy() -> int:
-        row = llama_cpp.llama_get_logits_ith(llm.ctx, -1)
-        return int(np.argmax(np.ctypeslib.as_array(row, shape=(n_vocab,))))
 
     def run(tokens_in, n_gen):
-        llm.reset()
-        load = OtherLoad()
-        t0 = time.perf_counter()
-        llm.eval(tokens_in)
-        tokens = [greedy()]
-        t1 = time.perf_counter()
-        step_ms = []
-        for _ in range(n_gen - 1):
-            ts = time.perf_counter()
-            llm.eval([tokens[-1]])
-            tokens.append(greedy())
-            step_ms.append(1e3 * (time.perf_counter() - ts))
-        t2 = time.perf_counter()
-        return {"prefill_tok_s": len(tokens_in) / (t1 - t0), "prefill_s": t1 - t0,
-                "decode_tok_s": (n_gen - 1) / (t2 - t1), "decode_s": t2 - t1,
-                "decode_step_ms": 1e3 * (t2 - t1) / (n_gen - 1),
-                "decode_p50_tok_s": 1e3 / np.median(step_ms), "tokens": tokens,
-                "other_load": load.fraction()}
+        return llama_cpp_greedy_run(llm, tokens_in, n_gen)
 
     run(prompt[:16], 4)                                                  # warm-up
     best = None

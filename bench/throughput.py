@@ -431,14 +431,10 @@ def bench_taper(label: str, model_dir, batches, prompt_len, gen_len, reps, quiet
 
 # ---- llama.cpp
 
-def bench_llama(label: str, path, prompt_len, gen_len, reps, threads, quiet_s) -> dict:
+def llama_cpp_greedy_run(llm, prompt: list[int], n_gen: int) -> dict:
+    """One timed greedy generation with a llama_cpp.Llama: prefill of `prompt`, then n_gen - 1
+    decode steps; the figures taper_run gives, and the tokens."""
     import llama_cpp
-    from llama_cpp import Llama
-    n_ctx = 64 * ((prompt_len + gen_len + 16 + 63) // 64)
-    t = time.perf_counter()
-    llm = Llama(str(path), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, n_threads=threads,
-                n_threads_batch=threads, verbose=False)
-    load_s = time.perf_counter() - t
     n_vocab = llm.n_vocab()
 
     def greedy() -> int:
@@ -447,25 +443,36 @@ def bench_llama(label: str, path, prompt_len, gen_len, reps, threads, quiet_s) -
         row = llama_cpp.llama_get_logits_ith(llm.ctx, -1)
         return int(np.argmax(np.ctypeslib.as_array(row, shape=(n_vocab,))))
 
+    llm.reset()
+    load = OtherLoad()
+    t0 = time.perf_counter()
+    llm.eval(prompt)
+    tokens = [greedy()]
+    t1 = time.perf_counter()
+    step_ms = []
+    for _ in range(n_gen - 1):
+        ts = time.perf_counter()
+        llm.eval([tokens[-1]])
+        tokens.append(greedy())
+        step_ms.append(1e3 * (time.perf_counter() - ts))
+    t2 = time.perf_counter()
+    return {"prefill_tok_s": len(prompt) / (t1 - t0), "prefill_s": t1 - t0,
+            "decode_tok_s": (n_gen - 1) / (t2 - t1), "decode_s": t2 - t1,
+            "decode_step_ms": 1e3 * (t2 - t1) / (n_gen - 1),
+            "decode_p50_tok_s": 1e3 / np.median(step_ms), "tokens": tokens,
+            "other_load": load.fraction()}
+
+
+def bench_llama(label: str, path, prompt_len, gen_len, reps, threads, quiet_s) -> dict:
+    from llama_cpp import Llama
+    n_ctx = 64 * ((prompt_len + gen_len + 16 + 63) // 64)
+    t = time.perf_counter()
+    llm = Llama(str(path), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, n_threads=threads,
+                n_threads_batch=threads, verbose=False)
+    load_s = time.perf_counter() - t
+
     def run(prompt, n_gen):
-        llm.reset()
-        load = OtherLoad()
-        t0 = time.perf_counter()
-        llm.eval(prompt)
-        tokens = [greedy()]
-        t1 = time.perf_counter()
-        step_ms = []
-        for _ in range(n_gen - 1):
-            ts = time.perf_counter()
-            llm.eval([tokens[-1]])
-            tokens.append(greedy())
-            step_ms.append(1e3 * (time.perf_counter() - ts))
-        t2 = time.perf_counter()
-        return {"prefill_tok_s": len(prompt) / (t1 - t0), "prefill_s": t1 - t0,
-                "decode_tok_s": (n_gen - 1) / (t2 - t1), "decode_s": t2 - t1,
-                "decode_step_ms": 1e3 * (t2 - t1) / (n_gen - 1),
-                "decode_p50_tok_s": 1e3 / np.median(step_ms), "tokens": tokens,
-                "other_load": load.fraction()}
+        return llama_cpp_greedy_run(llm, prompt, n_gen)
 
     run(random_prompts(1, 16, SEED + 99)[0], 4)                          # warm-up
     best = None
