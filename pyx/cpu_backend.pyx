@@ -16,7 +16,7 @@ cimport numpy as cnp
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t
 
 from pyx.backend cimport Backend, describe_arrays as _desc, fail as _fail
-from pyx import cpu_moe, cpu_sampling
+from pyx import cpu_moe, cpu_sampling, cpu_threads
 from pyx.moe import StackedExperts
 
 cnp.import_array()
@@ -171,6 +171,13 @@ def dequantize(int qtype, data, int64_t k, str isa="scalar"):
     return out
 
 
+def default_num_threads():
+    """Threads per op when the caller names none: OMP_NUM_THREADS when the user set it, else the
+    CPUs this process may use (affinity and cgroup quota: pyx/cpu_threads.py)."""
+    n, _ = cpu_threads.default_num_threads()
+    return n or taper_cpu_max_threads()
+
+
 def quantize(int qtype, x, num_threads=None):
     """(rows, k) float32 -> (rows, row_bytes) uint8 blocks (ISQ; OpenMP over rows)."""
     cdef cnp.ndarray src = np.ascontiguousarray(x, dtype=np.float32)
@@ -178,7 +185,7 @@ def quantize(int qtype, x, num_threads=None):
         raise ValueError("quantize: x must be 2-D (rows, k)")
     cdef int64_t rows = src.shape[0], k = src.shape[1]
     cdef cnp.ndarray out = np.empty((rows, _row_bytes(qtype, k)), np.uint8)
-    cdef int nt = num_threads or taper_cpu_max_threads(), st
+    cdef int nt = num_threads or default_num_threads(), st
     cdef const float* sp = <const float*>_ptr(src)
     cdef void* dp = _ptr(out)
     with nogil:
@@ -298,8 +305,8 @@ cdef class CpuBackend(Backend):
     """Backend on NumPy arrays with OpenMP C kernels.
 
     isa: "scalar" | "avx2" | "avx512" for `linear` (default: $TAPER_CPU_ISA, else the best the
-    CPU supports). num_threads: OpenMP threads per op (default: OpenMP's, i.e. all cores or
-    $OMP_NUM_THREADS). batch_invariant: every op computes a row (a token's activations, a
+    CPU supports). num_threads: OpenMP threads per op (default: $OMP_NUM_THREADS, else the CPUs
+    this process may use: default_num_threads). batch_invariant: every op computes a row (a token's activations, a
     query's attention) in an order that does not depend on the other rows of the call, so a
     request's logits are bit-identical alone or in any batch, however its prompt is chunked
     (README: Batch invariance); it costs prefill speed (bench/RESULTS.md).
@@ -324,7 +331,7 @@ cdef class CpuBackend(Backend):
             if not taper_cpu_isa_supported(ISA_NAMES[isa]):
                 raise ValueError(f"CpuBackend: isa {isa!r} is not supported by this CPU")
             self._isa = ISA_NAMES[isa]
-        self.num_threads = num_threads if num_threads is not None else taper_cpu_max_threads()
+        self.num_threads = num_threads if num_threads is not None else default_num_threads()
 
     @property
     def isa(self):
