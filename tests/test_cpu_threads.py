@@ -93,6 +93,18 @@ def test_v1_no_quota(tmp_path, cpus):
     assert cpu_threads.cgroup_cpu_limit(root) is None
 
 
+def test_cgroup_outside_the_mount_reads_the_mount_point(tmp_path, cpus):
+    """A path outside the mount's root (the mount is the process's own cgroup, named otherwise
+    in /proc/self/cgroup) is not followed out of the mount point."""
+    mount = "32 31 0:29 /docker/abc /sys/fs/cgroup/cpu rw,relatime - cgroup cgroup rw,cpu"
+    root = fake_tree(tmp_path, "4:cpu:/system.slice/x/y\n", [mount],
+                     {"sys/fs/cgroup/cpu/cpu.cfs_quota_us": "200000\n",
+                      "sys/fs/cgroup/cpu/cpu.cfs_period_us": "100000\n",
+                      "sys/fs/system.slice/x/y/cpu.cfs_quota_us": "100000\n",   # outside the mount
+                      "sys/fs/system.slice/x/y/cpu.cfs_period_us": "100000\n"})
+    assert cpu_threads.cgroup_cpu_limit(root) == 2.0
+
+
 def test_container_that_sees_its_host_path(tmp_path, cpus):
     """Docker without a cgroup namespace: /proc/self/cgroup names the host's path, and the mount's
     root is that same cgroup, so the mount point holds the container's own files."""
@@ -139,18 +151,23 @@ def test_cpu_backend_takes_its_default_from_the_policy(monkeypatch):
     assert CpuBackend(num_threads=2).num_threads == 2
 
 
-def libgomp_settings(extra: dict) -> str:
-    """What libgomp says it read (OMP_DISPLAY_ENV) when a fresh process imports the backend."""
+def libgomp_spin_count(extra: dict, code: str = "import pyx.cpu_backend") -> str:
+    """The spin count libgomp says it read (OMP_DISPLAY_ENV=VERBOSE) when a fresh process runs
+    `code`; the wait policy is reflected there (passive: 0, active: 30 billion)."""
     env = {k: v for k, v in os.environ.items() if k not in cpu_threads.WAIT_VARIABLES}
-    env.update(extra, OMP_DISPLAY_ENV="TRUE")
-    res = subprocess.run([sys.executable, "-c", "import pyx.cpu_backend"], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=120)
+    env.update(extra, OMP_DISPLAY_ENV="VERBOSE")
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=120)
     assert res.returncode == 0, res.stderr
-    return res.stderr
+    [line] = [ln.strip() for ln in res.stderr.splitlines() if "GOMP_SPINCOUNT" in ln]
+    return line
 
 
 def test_libgomp_loads_with_the_default_wait_policy():
-    """The policy is set before the extension loads libgomp, which reads it only then."""
-    policy = cpu_threads.DEFAULT_WAIT_POLICY["OMP_WAIT_POLICY"]
-    assert f"OMP_WAIT_POLICY = '{policy}'" in libgomp_settings({})
-    assert "OMP_WAIT_POLICY = 'ACTIVE'" in libgomp_settings({"OMP_WAIT_POLICY": "active"})
+    """The policy is in the environment before the extension loads libgomp, which reads it only
+    then; a user's own setting is what libgomp gets."""
+    bare = libgomp_spin_count({}, "import ctypes; ctypes.CDLL('libgomp.so.1')")
+    ours = libgomp_spin_count(cpu_threads.DEFAULT_WAIT_POLICY)
+    assert ours != bare
+    assert libgomp_spin_count({}) == ours
+    assert libgomp_spin_count({"GOMP_SPINCOUNT": "12345"}) == "GOMP_SPINCOUNT = '12345'"
