@@ -76,12 +76,12 @@ convert.main()
 
 # ---- models
 
-def demo_model() -> tuple[Path, Path | None]:
+def demo_model(with_gguf: bool) -> tuple[Path, Path | None]:
     sys.path.insert(0, str(ROOT))
     from server.demo_model import DEMO_VERSION, ensure_demo_checkpoint
     d = Path(ensure_demo_checkpoint())
     gguf = CACHE / f"demo-v{DEMO_VERSION}-f32.gguf"
-    if not gguf.is_file() and LLAMACPP_SRC.is_dir():
+    if with_gguf and not gguf.is_file() and LLAMACPP_SRC.is_dir():
         CACHE.mkdir(parents=True, exist_ok=True)
         tmp = gguf.with_suffix(".tmp.gguf")
         env = {k: v for k, v in os.environ.items() if k != "NO_LOCAL_GGUF"}
@@ -95,11 +95,11 @@ def demo_model() -> tuple[Path, Path | None]:
     return d, (gguf if gguf.is_file() else None)
 
 
-def half_b_model() -> tuple[Path, Path | None]:
+def half_b_model(with_gguf: bool) -> tuple[Path, Path | None]:
     from bench import make_checkpoint
     d = make_checkpoint.make_checkpoints()["bf16"]
     gguf = None
-    if LLAMACPP_SRC.is_dir():
+    if with_gguf and LLAMACPP_SRC.is_dir():
         make_checkpoint.LLAMACPP_SRC = LLAMACPP_SRC
         gguf = make_checkpoint.make_gguf("bf16")
     return d, gguf
@@ -183,6 +183,17 @@ def busy_jiffies() -> float:
     return (sum(v) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK")
 
 
+def wait_quiet(max_s: float, threshold: float = 0.1, window_s: float = 1.0) -> None:
+    """Wait (at most max_s) for a window in which other processes use under `threshold` of the
+    CPUs: the idle requests are then timed on a machine that is idle."""
+    deadline = time.monotonic() + max_s
+    while time.monotonic() < deadline:
+        b0 = busy_jiffies()
+        time.sleep(window_s)
+        if (busy_jiffies() - b0) / (window_s * (os.cpu_count() or 1)) < threshold:
+            return
+
+
 class Worker:
     def __init__(self, name: str, cmd: list[str], env: dict):
         self.name, self.idle, self.loaded, self.others = name, [], [], []
@@ -235,7 +246,7 @@ def worker_env(extra: dict) -> dict:
 
 
 def start_workers(model: str, args, threads: int) -> list[Worker]:
-    model_dir, gguf = MODELS[model]()
+    model_dir, gguf = MODELS[model](with_gguf=args.llama_python is not None)
     me = [sys.executable, str(Path(__file__).resolve())]
     common = ["--prompt-len", str(args.prompt_len), "--gen-len", str(args.gen_len)]
     workers = []
@@ -261,6 +272,8 @@ def measure(workers: list[Worker], args, seed0: int) -> None:
                     with BusyLoad(args.busy):
                         w.loaded.append(w.request(seed)["s"])
                 else:
+                    if args.wait_quiet:
+                        wait_quiet(args.wait_quiet)
                     b0, t0 = busy_jiffies(), time.perf_counter()
                     res = w.request(seed)
                     wall = time.perf_counter() - t0
@@ -330,6 +343,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--busy", type=int, default=None,
                     help="busy-loop processes beside the engine (default: usable CPUs)")
+    ap.add_argument("--wait-quiet", type=float, default=0.0, metavar="S",
+                    help="before each idle request, wait up to S seconds for a quiet second")
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--gen-len", type=int, default=32)
     ap.add_argument("--settings", nargs="+", default=list(TAPER_VARIANTS),

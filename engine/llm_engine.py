@@ -47,8 +47,11 @@ def make_backend(config: EngineConfig):
     # Our OpenMP kernels use every core; NumPy's BLAS must not start a second pool beside them.
     threadpool_limits(limits=1, user_api="blas")
     if config.backend == "cpu":
+        from pyx import cpu_threads
         from pyx.cpu_backend import CpuBackend
-        return CpuBackend(batch_invariant=config.batch_invariant)
+        backend = CpuBackend(batch_invariant=config.batch_invariant)
+        log.info("CPU backend: %s", cpu_threads.describe(backend.num_threads))
+        return backend
     if config.backend == "cuda":
         try:
             from pyx.cuda_backend import CudaBackend

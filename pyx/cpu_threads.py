@@ -37,13 +37,21 @@ def apply_wait_policy(environ=os.environ) -> dict[str, str]:
         return {}
     for name, value in DEFAULT_WAIT_POLICY.items():
         environ[name] = value
+    if environ is os.environ:
+        _applied.update(DEFAULT_WAIT_POLICY)
     return dict(DEFAULT_WAIT_POLICY)
+
+
+_applied: dict[str, str] = {}     # what apply_wait_policy put in this process's environment
 
 
 def wait_policy_description(environ=os.environ) -> str:
     """The wait settings in force, for the start-up log."""
     set_ = [f"{name}={environ[name]}" for name in WAIT_VARIABLES if environ.get(name)]
-    return ", ".join(set_) or "libgomp's default spin"
+    if not set_:
+        return "libgomp's default spin-wait"
+    chosen = "Taper's default" if _applied and environ is os.environ else "set by the user"
+    return f"{', '.join(set_)} ({chosen})"
 
 
 # ---- CPUs this process may use
@@ -154,6 +162,12 @@ def usable_cpus(root: str = "/") -> tuple[int, str]:
         return max(1, math.ceil(limit)), f"cgroup CPU quota {limit:g} of {cpus} CPUs in affinity"
     return cpus, f"{cpus} CPUs in this process's affinity mask" + (
         f" (cgroup quota {limit:g})" if limit is not None else "")
+
+
+def describe(num_threads: int, environ=os.environ) -> str:
+    """One line for the start-up log: the threads, why that many, and how they wait."""
+    _, why = default_num_threads(environ)
+    return f"{num_threads} threads ({why}); {wait_policy_description(environ)}"
 
 
 def default_num_threads(environ=os.environ, root: str = "/") -> tuple[int | None, str]:
