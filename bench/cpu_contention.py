@@ -24,8 +24,11 @@ so each is a process of its own; the workers get no OMP_* / GOMP_* variables but
                  3 ms of spinning before a thread sleeps)
   taper-1thread  OMP_NUM_THREADS=1
   llama.cpp      llama-cpp-python on a GGUF of the same weights made by llama.cpp's converter,
-                 n_threads = the same count, run by --llama-python (a venv with llama_cpp)
---variant NAME:VAR=VALUE[,VAR=VALUE] adds a Taper setting.
+                 n_threads = the same count, run by --llama-python (a venv with llama_cpp);
+                 its CPU backend is built with OpenMP too (ggml's barriers are OpenMP's)
+  llama.cpp-passive   the same with OMP_WAIT_POLICY=passive (--llama-settings)
+--variant NAME:VAR=VALUE[,VAR=VALUE] adds a Taper setting. --wait-quiet S waits (up to S
+seconds) before each idle request for a second in which other processes use < 10 % of the CPUs.
 
 Models: `demo` (server/demo_model.py: 4 layers, hidden 256, f32; the GGUF is f32) and `0.5b`
 (bench/make_checkpoint.py's Qwen2.5-0.5B-shaped random weights, bf16; the GGUF is bf16). The
@@ -59,6 +62,7 @@ THREAD_VARS = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_PROC
                "OMP_PLACES", "OMP_DYNAMIC", "GOMP_CPU_AFFINITY")
 TAPER_VARIANTS = {"taper": {}, "taper-spin": {"GOMP_SPINCOUNT": "300000"},
                   "taper-1thread": {"OMP_NUM_THREADS": "1"}}
+LLAMA_VARIANTS = {"llama.cpp": {}, "llama.cpp-passive": {"OMP_WAIT_POLICY": "PASSIVE"}}
 MARK = "@@"     # protocol lines between parent and worker start with this
 
 CONVERT = """
@@ -254,9 +258,10 @@ def start_workers(model: str, args, threads: int) -> list[Worker]:
         workers.append(Worker(name, me + ["--worker", "taper", "--model", str(model_dir)]
                               + common, worker_env(extra)))
     if args.llama_python and gguf is not None:
-        workers.append(Worker("llama.cpp", [args.llama_python, me[1], "--worker", "llama",
-                                            "--model", str(gguf), "--threads", str(threads)]
-                              + common, worker_env({})))
+        for name in args.llama_settings:
+            workers.append(Worker(name, [args.llama_python, me[1], "--worker", "llama",
+                                         "--model", str(gguf), "--threads", str(threads)]
+                                  + common, worker_env(LLAMA_VARIANTS[name])))
     elif args.llama_python:
         print(f"(no GGUF of {model}: LLAMACPP_SRC {LLAMACPP_SRC} is not llama.cpp's source)")
     return workers
@@ -353,6 +358,8 @@ def main(argv=None) -> int:
                     help="an extra Taper setting (repeatable)")
     ap.add_argument("--llama-python", default="/tmp/lcpvenv/bin/python",
                     help="python with llama_cpp installed (runs the llama.cpp worker)")
+    ap.add_argument("--llama-settings", nargs="+", default=["llama.cpp"],
+                    choices=list(LLAMA_VARIANTS), help="llama.cpp settings to run")
     ap.add_argument("--no-llama", action="store_true")
     ap.add_argument("--out", default=None, help="also write the report to this markdown file")
     ap.add_argument("--worker", choices=["taper", "llama"], help=argparse.SUPPRESS)
