@@ -36,7 +36,8 @@ GGUFs are cached in bench/.cache/. LLAMACPP_SRC: llama.cpp's source (its convert
 
 Reported per model and setting: idle and loaded seconds per request (min / median over rounds),
 the slowdown (loaded median / idle median; goal: no worse than the share of the cores the load
-takes), the loaded and idle medians against llama.cpp's, the other processes' share of the CPUs
+takes), each llama.cpp setting's median time over this one's, idle and loaded (above 1: this
+setting is faster), the other processes' share of the CPUs
 during the idle requests (a figure taken while others were busy is not an idle one), and the
 machine. Another program's load on a shared host is not ours to stop: run it where the machine
 is otherwise quiet, or read the "others" column.
@@ -294,18 +295,18 @@ def fmt_s(xs: list[float]) -> str:
 
 
 def table(model: str, workers: list[Worker]) -> list[str]:
-    llama = next((w for w in workers if w.name == "llama.cpp"), None)
+    llamas = [w for w in workers if w.name in LLAMA_VARIANTS]
+    med = statistics.median
+    head = "".join(f" {w.name}'s time / this one's, idle / loaded |" for w in llamas)
     lines = [f"{model}:", "| setting | threads | idle s (min / median) | loaded s (min / median) "
-             "| slowdown (median) | vs llama.cpp idle / loaded | others, idle runs |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+             "| slowdown (median) |" + head + " others, idle runs |",
+             "|---|---:|---:|---:|---:|" + "---:|" * len(llamas) + "---:|"]
     for w in workers:
-        slow = statistics.median(w.loaded) / statistics.median(w.idle)
-        vs = ""
-        if llama is not None and w is not llama:
-            vs = (f"{statistics.median(w.idle) / statistics.median(llama.idle):.2f}x / "
-                  f"{statistics.median(w.loaded) / statistics.median(llama.loaded):.2f}x")
+        slow = med(w.loaded) / med(w.idle)
+        vs = "".join(f" {med(ll.idle) / med(w.idle):.2f}x / {med(ll.loaded) / med(w.loaded):.2f}x |"
+                     if ll is not w else " |" for ll in llamas)
         lines.append(f"| {w.name} | {w.info['threads']} | {fmt_s(w.idle)} | {fmt_s(w.loaded)} "
-                     f"| **{slow:.2f}x** | {vs} | {100 * statistics.median(w.others):.0f} % |")
+                     f"| **{slow:.2f}x** |{vs} {100 * med(w.others):.0f} % |")
     return lines
 
 
