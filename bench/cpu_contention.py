@@ -16,12 +16,12 @@ session of their own, as independent programs do (with the kernel's autogroup sc
 here, a session's threads share one slot of the CPU: the load then takes about half the
 machine, whatever N; without autogroup, N busy loops beside T threads take N / (N + T)).
 
-Settings run (the wait settings are environment variables, which libgomp reads when it loads,
-so each is a process of its own; the workers get no OMP_* / GOMP_* variables but these):
-  taper          the shipped defaults (pyx/cpu_threads.py: thread count from affinity and cgroup
-                 quota, OMP_WAIT_POLICY=passive)
-  taper-spin     libgomp's own default wait, as before the change: GOMP_SPINCOUNT=300000 (about
-                 3 ms of spinning before a thread sleeps)
+Settings run (each a process of its own: libgomp reads its variables when it loads; the workers
+get no OMP_* / GOMP_* variables but these):
+  taper          the shipped defaults (pyx/cpu_threads.py: the CPUs this process may use, fewer
+                 while other processes occupy some of them; libgomp's spin-wait)
+  taper-fixed    OMP_NUM_THREADS = that count: a fixed team, as before the change
+  taper-passive  the defaults with OMP_WAIT_POLICY=passive (threads sleep at once between regions)
   taper-1thread  OMP_NUM_THREADS=1
   llama.cpp      llama-cpp-python on a GGUF of the same weights made by llama.cpp's converter,
                  n_threads = the same count, run by --llama-python (a venv with llama_cpp);
@@ -61,7 +61,8 @@ LLAMACPP_SRC = Path(os.environ.get("LLAMACPP_SRC",
                                    "/tmp/lcp/llama_cpp_python-0.3.36/vendor/llama.cpp"))
 THREAD_VARS = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_PROC_BIND",
                "OMP_PLACES", "OMP_DYNAMIC", "GOMP_CPU_AFFINITY")
-TAPER_VARIANTS = {"taper": {}, "taper-spin": {"GOMP_SPINCOUNT": "300000"},
+TAPER_VARIANTS = {"taper": {}, "taper-fixed": {"OMP_NUM_THREADS": "{threads}"},
+                  "taper-passive": {"OMP_WAIT_POLICY": "PASSIVE"},
                   "taper-1thread": {"OMP_NUM_THREADS": "1"}}
 LLAMA_VARIANTS = {"llama.cpp": {}, "llama.cpp-passive": {"OMP_WAIT_POLICY": "PASSIVE"}}
 MARK = "@@"     # protocol lines between parent and worker start with this
@@ -137,9 +138,9 @@ def taper_worker(args) -> None:
         [out] = llm.generate([prompt_ids(seed, args.prompt_len, vocab)], params)
         return len(out.token_ids)
 
-    from pyx import cpu_threads
     serve(run, {"threads": backend.num_threads, "isa": backend.isa,
-                "wait": cpu_threads.wait_policy_description()})
+                "adaptive": backend.governor is not None,
+                "wait": os.environ.get("OMP_WAIT_POLICY", "libgomp's spin")})
 
 
 def llama_worker(args) -> None:
@@ -256,6 +257,7 @@ def start_workers(model: str, args, threads: int) -> list[Worker]:
     common = ["--prompt-len", str(args.prompt_len), "--gen-len", str(args.gen_len)]
     workers = []
     for name, extra in args.variants.items():
+        extra = {k: v.format(threads=threads) for k, v in extra.items()}
         workers.append(Worker(name, me + ["--worker", "taper", "--model", str(model_dir)]
                               + common, worker_env(extra)))
     if args.llama_python and gguf is not None:

@@ -50,7 +50,8 @@ def make_backend(config: EngineConfig):
         from pyx import cpu_threads
         from pyx.cpu_backend import CpuBackend
         backend = CpuBackend(batch_invariant=config.batch_invariant)
-        log.info("CPU backend: %s", cpu_threads.describe(backend.num_threads))
+        log.info("CPU backend: %s", cpu_threads.describe(backend.num_threads,
+                                                           backend.governor is not None))
         return backend
     if config.backend == "cuda":
         try:

@@ -22,6 +22,7 @@ class ModelRunner:
                  kv_cache_dtype: str = "auto"):
         self.model = model
         self.backend = backend
+        self.adapt_threads = getattr(backend, "adapt_threads", None)
         self.block_size = block_size
         self.num_blocks = num_blocks
         shape = model.kv_cache_shape(num_blocks, block_size)
@@ -144,6 +145,8 @@ class ModelRunner:
         if self.device_block_tables is not None:   # the table's changes, before anything reads it
             self.device_block_tables.apply(batch.block_table_update)
         pooled = self.pooled_rows(sched)
+        if self.adapt_threads is not None:   # CPU: fewer threads while other processes compete
+            self.adapt_threads()
         self.num_forward_calls += 1
         self.num_forward_tokens += batch.num_tokens
         if not pooled:

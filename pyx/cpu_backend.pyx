@@ -306,7 +306,8 @@ cdef class CpuBackend(Backend):
 
     isa: "scalar" | "avx2" | "avx512" for `linear` (default: $TAPER_CPU_ISA, else the best the
     CPU supports). num_threads: OpenMP threads per op (default: $OMP_NUM_THREADS, else the CPUs
-    this process may use: default_num_threads). batch_invariant: every op computes a row (a token's activations, a
+    this process may use: default_num_threads, then fewer while other processes keep some of
+    them busy: adapt_threads). batch_invariant: every op computes a row (a token's activations, a
     query's attention) in an order that does not depend on the other rows of the call, so a
     request's logits are bit-identical alone or in any batch, however its prompt is chunked
     (README: Batch invariance); it costs prefill speed (bench/RESULTS.md).
@@ -314,6 +315,7 @@ cdef class CpuBackend(Backend):
     cdef int _isa
     cdef int _nthreads
     cdef readonly bint batch_invariant
+    cdef readonly object governor   # cpu_threads.ThreadGovernor, or None: the count is fixed
 
     xp = np                  # the array module of this backend's tensors
     act_dtype = np.float32   # activations are float32 here
@@ -332,6 +334,18 @@ cdef class CpuBackend(Backend):
                 raise ValueError(f"CpuBackend: isa {isa!r} is not supported by this CPU")
             self._isa = ISA_NAMES[isa]
         self.num_threads = num_threads if num_threads is not None else default_num_threads()
+        # The default count adapts to other processes' load; one the caller or OMP_NUM_THREADS
+        # chose stays as chosen.
+        self.governor = None
+        if num_threads is None and not os.environ.get("OMP_NUM_THREADS"):
+            self.governor = cpu_threads.ThreadGovernor(self._nthreads)
+
+    def adapt_threads(self):
+        """Between forward passes: the thread count the governor decides (pyx/cpu_threads.py:
+        fewer while other processes occupy this process's CPUs). Returns the count in force."""
+        if self.governor is not None:
+            self._nthreads = self.governor.update()
+        return self._nthreads
 
     @property
     def isa(self):

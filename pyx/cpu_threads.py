@@ -1,57 +1,35 @@
-"""How many OpenMP threads the CPU backend runs, and how they wait between parallel regions.
+"""How many OpenMP threads the CPU backend runs: the CPUs this process may use, and of those the
+ones other processes leave free.
 
-Thread count: the CPUs this process may use, i.e. the smaller of its affinity mask
+The most: the CPUs this process may use, i.e. the smaller of its affinity mask
 (os.sched_getaffinity: taskset, cpusets, Kubernetes static CPUs) and its cgroup CPU quota rounded
 up (cgroup v2 cpu.max, v1 cpu.cfs_quota_us / cpu.cfs_period_us, the tightest one from the
 process's cgroup up to the mount's root: `docker --cpus`, Kubernetes limits). libgomp sizes its
 pool from the affinity mask alone, so a container limited to 2 CPUs on a 64-core host would run
 64 threads that the quota stalls in turn. OMP_NUM_THREADS set by the user wins.
 
-Waiting: libgomp's default lets an idle team thread spin for about 3 ms before it sleeps (its
-GOMP_SPINCOUNT of 300,000). A decode step runs hundreds of short parallel regions, so the team
-spins all the time, and when other processes want the same cores a spinning thread burns the
-slice its teammate needed: each region then waits for the descheduled thread's next turn, and a
-32-token answer of the demo model took 4 s instead of 0.03 s beside 2 busy processes on 2 cores.
-Threads that sleep at once (OMP_WAIT_POLICY=passive) give the core back and are woken promptly
-by the scheduler, which favours threads that slept. bench/cpu_contention.py measures the choice.
-libgomp reads these variables once, when it is loaded: `apply_wait_policy` runs from
-pyx/__init__.py, before any extension that links libgomp, and leaves a user's own setting alone.
+Of those, the ones free (ThreadGovernor): a decode step runs many short parallel regions
+(about 5 a layer), and libgomp's team threads spin between them (about 7 ms here before they
+sleep), which is what makes a step on an idle machine fast. When other processes want the same
+cores, a spinning team collapses: every region waits at its barrier for whichever team thread
+the kernel has just descheduled, and a 32-token answer of the demo model took 4 s instead of
+0.03 s beside 2 busy processes on 2 cores (bench/cpu_contention.py). Sleeping at once instead
+(OMP_WAIT_POLICY=passive) survives contention but adds a wake-up to each of the ~120 regions of
+a step: on a quiet machine a 0.5B-shaped request (32 tokens in, 16 out) took 0.866 s against
+0.762 s spinning (medians of 24), a 3 MiB linear 59 us against 32 us. So the team keeps
+libgomp's spin-wait and shrinks instead: twice a second at most, between forward passes, the
+governor reads how much CPU time other processes took on this process's CPUs (/proc/stat less
+this process's own time) and leaves them the CPUs they occupy; a single thread is never stalled
+by a teammate. When they are gone, the team grows back.
 """
 from __future__ import annotations
 
 import logging
 import math
 import os
+import time
 
 log = logging.getLogger("taper.cpu_threads")
-
-# What libgomp is given when the user set neither variable (see the module docstring).
-DEFAULT_WAIT_POLICY = {"OMP_WAIT_POLICY": "PASSIVE"}
-WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
-
-
-def apply_wait_policy(environ=os.environ) -> dict[str, str]:
-    """Sets DEFAULT_WAIT_POLICY in `environ` unless the user set OMP_WAIT_POLICY or
-    GOMP_SPINCOUNT; returns what it set. Effective only before libgomp is loaded."""
-    if any(environ.get(name) for name in WAIT_VARIABLES):
-        return {}
-    for name, value in DEFAULT_WAIT_POLICY.items():
-        environ[name] = value
-    if environ is os.environ:
-        _applied.update(DEFAULT_WAIT_POLICY)
-    return dict(DEFAULT_WAIT_POLICY)
-
-
-_applied: dict[str, str] = {}     # what apply_wait_policy put in this process's environment
-
-
-def wait_policy_description(environ=os.environ) -> str:
-    """The wait settings in force, for the start-up log."""
-    set_ = [f"{name}={environ[name]}" for name in WAIT_VARIABLES if environ.get(name)]
-    if not set_:
-        return "libgomp's default spin-wait"
-    chosen = "Taper's default" if _applied and environ is os.environ else "set by the user"
-    return f"{', '.join(set_)} ({chosen})"
 
 
 # ---- CPUs this process may use
@@ -164,10 +142,13 @@ def usable_cpus(root: str = "/") -> tuple[int, str]:
         f" (cgroup quota {limit:g})" if limit is not None else "")
 
 
-def describe(num_threads: int, environ=os.environ) -> str:
-    """One line for the start-up log: the threads, why that many, and how they wait."""
+def describe(num_threads: int, adaptive: bool, environ=os.environ) -> str:
+    """One line for the start-up log: the threads, why that many, whether they adapt."""
     _, why = default_num_threads(environ)
-    return f"{num_threads} threads ({why}); {wait_policy_description(environ)}"
+    n = f"{num_threads} thread{'s' if num_threads != 1 else ''} ({why})"
+    if adaptive:
+        return n + "; fewer while other processes use those CPUs (OMP_NUM_THREADS fixes it)"
+    return n
 
 
 def default_num_threads(environ=os.environ, root: str = "/") -> tuple[int | None, str]:
@@ -179,3 +160,74 @@ def default_num_threads(environ=os.environ, root: str = "/") -> tuple[int | None
         n = int(first) if first.isdigit() else 0
         return (n if n >= 1 else None), f"OMP_NUM_THREADS={user}"
     return usable_cpus(root)
+
+
+# ---- the CPUs other processes leave free
+
+def cpu_busy_seconds(cpus, root: str = "/") -> float:
+    """CPU time spent busy (anything but idle and iowait, steal included) on the given CPUs since
+    boot, from /proc/stat."""
+    want = {f"cpu{c}" for c in cpus}
+    busy = 0
+    with open(os.path.join(root, "proc/stat")) as f:
+        for line in f:
+            fields = line.split()
+            if fields and fields[0] in want:
+                v = [int(x) for x in fields[1:9]]
+                busy += sum(v) - v[3] - v[4]      # user nice system idle iowait irq softirq steal
+    return busy / os.sysconf("SC_CLK_TCK")
+
+
+def own_cpu_seconds() -> float:
+    """This process's CPU time (all its threads), on the same clock ticks as /proc/stat."""
+    t = os.times()
+    return t.user + t.system
+
+
+def threads_left(max_threads: int, num_cpus: int, others: float, slack: float = 0.2) -> int:
+    """Threads to run when other processes keep `others` CPUs busy (on average) out of
+    `num_cpus`: the CPUs they leave, counting any share above `slack` of a CPU as a whole one (a
+    team thread sharing a core stalls the team); at least one, at most max_threads."""
+    taken = max(0, math.ceil(others - slack))
+    return max(1, min(max_threads, num_cpus - taken))
+
+
+class ThreadGovernor:
+    """The backend's thread count, re-decided at most every `interval` seconds from how much CPU
+    time other processes took on this process's CPUs since the last decision (threads_left).
+    `update()` is called between forward passes; the readers are parameters for tests."""
+
+    def __init__(self, max_threads: int, cpus=None, interval: float = 0.5,
+                 read_busy=cpu_busy_seconds, own_cpu=own_cpu_seconds, clock=time.monotonic):
+        if max_threads < 1:
+            raise ValueError(f"ThreadGovernor: max_threads must be >= 1, got {max_threads}")
+        self.max_threads = self.threads = max_threads
+        self.cpus = sorted(cpus if cpus is not None else _affinity())
+        self.interval = interval
+        self._read_busy, self._own_cpu, self._clock = read_busy, own_cpu, clock
+        self._last = None           # (time, busy seconds on our CPUs, our CPU seconds)
+
+    def update(self) -> int:
+        now = self._clock()
+        if self._last is not None and now - self._last[0] < self.interval:
+            return self.threads
+        try:
+            busy, own = self._read_busy(self.cpus), self._own_cpu()
+        except (OSError, ValueError):     # no /proc/stat: keep the count we have
+            return self.threads
+        if self._last is not None:
+            t0, busy0, own0 = self._last
+            others = max(0.0, (busy - busy0) - (own - own0)) / (now - t0)
+            threads = threads_left(self.max_threads, len(self.cpus), others)
+            if threads != self.threads:
+                log.debug("CPU threads %d -> %d: other processes use %.2f of %d CPUs",
+                          self.threads, threads, others, len(self.cpus))
+            self.threads = threads
+        self._last = (now, busy, own)
+        return self.threads
+
+
+def _affinity() -> set[int]:
+    if hasattr(os, "sched_getaffinity"):
+        return os.sched_getaffinity(0)
+    return set(range(os.cpu_count() or 1))

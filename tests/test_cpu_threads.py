@@ -1,19 +1,16 @@
 """The CPU backend's thread policy (pyx/cpu_threads.py): the thread count from the CPUs this
 process may use (affinity mask, cgroup v1/v2 CPU quota, read from fake /proc and cgroup trees
-here), OMP_NUM_THREADS winning over it, and the wait policy that libgomp must see when it loads
-(issue 27, item 7). The speed under contention is bench/cpu_contention.py's, not a test's."""
+here), OMP_NUM_THREADS winning over it, and the governor that leaves other processes the CPUs
+they occupy, consulted before every forward pass (issue 27, item 7). The speed under contention
+is bench/cpu_contention.py's, not a test's."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from pyx import cpu_threads
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def fake_tree(tmp_path: Path, cgroup: str, mountinfo: list[str], files: dict[str, str]) -> str:
@@ -131,43 +128,107 @@ def test_omp_num_threads_wins(tmp_path, cpus):
     assert cpu_threads.default_num_threads({"OMP_NUM_THREADS": "lots"}, root)[0] is None
 
 
-def test_wait_policy_leaves_a_user_choice_alone():
-    env = {}
-    assert cpu_threads.apply_wait_policy(env) == cpu_threads.DEFAULT_WAIT_POLICY
-    assert env == cpu_threads.DEFAULT_WAIT_POLICY
-    for user in ({"OMP_WAIT_POLICY": "active"}, {"GOMP_SPINCOUNT": "300000"}):
-        env = dict(user)
-        assert cpu_threads.apply_wait_policy(env) == {}
-        assert env == user
+def test_threads_left():
+    assert cpu_threads.threads_left(2, 2, 0.0) == 2
+    assert cpu_threads.threads_left(2, 2, 0.15) == 2      # noise, a monitoring process
+    assert cpu_threads.threads_left(2, 2, 0.3) == 1       # a teammate would share a core
+    assert cpu_threads.threads_left(2, 2, 1.9) == 1       # never fewer than one
+    assert cpu_threads.threads_left(8, 8, 2.5) == 5
+    assert cpu_threads.threads_left(2, 64, 30.0) == 2     # a quota of 2 on a busy 64-CPU host
 
 
-def test_cpu_backend_takes_its_default_from_the_policy(monkeypatch):
+def test_cpu_busy_seconds_counts_only_the_given_cpus(tmp_path):
+    (tmp_path / "proc").mkdir()
+    (tmp_path / "proc/stat").write_text(
+        "cpu  900 0 900 9000 0 0 0 0 0 0\n"
+        "cpu0 100 10 50 5000 40 5 5 30 0 0\n"     # busy: all but idle 5000 and iowait 40
+        "cpu1 800 0 0 4000 0 0 0 0 0 0\n"
+        "intr 12345\n")
+    hz = os.sysconf("SC_CLK_TCK")
+    assert cpu_threads.cpu_busy_seconds([0], str(tmp_path)) == pytest.approx(200 / hz)
+    assert cpu_threads.cpu_busy_seconds([0, 1], str(tmp_path)) == pytest.approx(1000 / hz)
+
+
+class FakeMachine:
+    """A clock, the busy seconds of the CPUs and this process's own CPU seconds, advanced by
+    hand."""
+
+    def __init__(self):
+        self.now = self.busy = self.own = 0.0
+        self.reads = 0
+
+    def read_busy(self, cpus):
+        self.reads += 1
+        return self.busy
+
+    def run(self, seconds: float, ours: float, others: float):
+        """`seconds` pass while this process uses `ours` CPUs and other processes `others`."""
+        self.now += seconds
+        self.own += ours * seconds
+        self.busy += (ours + others) * seconds
+
+
+def governor(m: FakeMachine, max_threads=2, cpus=(0, 1)) -> cpu_threads.ThreadGovernor:
+    return cpu_threads.ThreadGovernor(max_threads, cpus=cpus, interval=0.5,
+                                      read_busy=m.read_busy, own_cpu=lambda: m.own,
+                                      clock=lambda: m.now)
+
+
+def test_governor_leaves_other_processes_their_cpus_and_takes_them_back():
+    m = FakeMachine()
+    g = governor(m)
+    assert g.update() == 2                       # nothing measured yet
+    m.run(0.5, ours=2.0, others=0.0)
+    assert g.update() == 2                       # alone: our own busy time is not contention
+    m.run(0.5, ours=1.0, others=1.0)
+    assert g.update() == 1                       # a busy process beside us
+    m.run(0.5, ours=1.0, others=1.0)
+    assert g.update() == 1
+    m.run(0.5, ours=1.0, others=0.0)
+    assert g.update() == 2                       # it left
+
+
+def test_governor_reads_at_most_once_per_interval():
+    m = FakeMachine()
+    g = governor(m)
+    g.update()
+    m.run(0.1, ours=1.0, others=2.0)
+    assert g.update() == 2 and m.reads == 1      # too soon to judge
+    m.run(0.4, ours=1.0, others=2.0)
+    assert g.update() == 1 and m.reads == 2
+
+
+def test_governor_without_proc_stat_keeps_its_count():
+    def missing(cpus):
+        raise FileNotFoundError("/proc/stat")
+    g = cpu_threads.ThreadGovernor(2, cpus=[0, 1], read_busy=missing)
+    assert g.update() == 2
+
+
+def test_cpu_backend_adapts_only_a_default_count(monkeypatch):
     from pyx.cpu_backend import CpuBackend
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    monkeypatch.setattr(cpu_threads, "cgroup_cpu_limit", lambda root="/": 1.0)
-    assert CpuBackend().num_threads == 1
-    monkeypatch.setenv("OMP_NUM_THREADS", "3")
-    assert CpuBackend().num_threads == 3
-    assert CpuBackend(num_threads=2).num_threads == 2
+    monkeypatch.setattr(cpu_threads, "cgroup_cpu_limit", lambda root="/": None)
+    monkeypatch.setattr(cpu_threads, "affinity_cpus", lambda: 2)
+    b = CpuBackend()
+    assert b.num_threads == 2 and b.governor is not None
+    b.governor.update = lambda: 1
+    assert b.adapt_threads() == 1 and b.num_threads == 1
+    fixed = CpuBackend(num_threads=2)
+    assert fixed.governor is None and fixed.adapt_threads() == 2
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert CpuBackend().governor is None
 
 
-def libgomp_spin_count(extra: dict, code: str = "import pyx.cpu_backend") -> str:
-    """The spin count libgomp says it read (OMP_DISPLAY_ENV=VERBOSE) when a fresh process runs
-    `code`; the wait policy is reflected there (passive: 0, active: 30 billion)."""
-    env = {k: v for k, v in os.environ.items() if k not in cpu_threads.WAIT_VARIABLES}
-    env.update(extra, OMP_DISPLAY_ENV="VERBOSE")
-    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
-                         text=True, timeout=120)
-    assert res.returncode == 0, res.stderr
-    [line] = [ln.strip() for ln in res.stderr.splitlines() if "GOMP_SPINCOUNT" in ln]
-    return line
-
-
-def test_libgomp_loads_with_the_default_wait_policy():
-    """The policy is in the environment before the extension loads libgomp, which reads it only
-    then; a user's own setting is what libgomp gets."""
-    bare = libgomp_spin_count({}, "import ctypes; ctypes.CDLL('libgomp.so.1')")
-    ours = libgomp_spin_count(cpu_threads.DEFAULT_WAIT_POLICY)
-    assert ours != bare
-    assert libgomp_spin_count({}) == ours
-    assert libgomp_spin_count({"GOMP_SPINCOUNT": "12345"}) == "GOMP_SPINCOUNT = '12345'"
+def test_the_engine_consults_the_governor_before_each_forward(tmp_path, monkeypatch):
+    from engine import LLM, SamplingParams
+    from server.demo_model import write_demo_checkpoint
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    counts = []
+    real = cpu_threads.ThreadGovernor.update
+    monkeypatch.setattr(cpu_threads.ThreadGovernor, "update",
+                        lambda self: counts.append(1) or real(self))
+    llm = LLM(write_demo_checkpoint(str(tmp_path / "demo")), kv_cache_memory_mb=16)
+    calls = llm.engine.runner.num_forward_calls
+    llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True))
+    assert len(counts) >= llm.engine.runner.num_forward_calls - calls >= 4
