@@ -11,7 +11,8 @@ times one request at a time in it: --prompt-len random token ids in, --gen-len t
 (greedy, ignore_eos, batch 1, prefix caching off), wall time from submitting to the last token.
 Every round runs, for each worker in turn, one request on the idle machine and one beside
 --busy busy-loop processes (default: one per CPU this process may use), alternating which comes
-first; the busy processes start 0.5 s before the request and are killed after it. They run in a
+first; the busy processes start SETTLE_S (1 s) before the request, and the next request waits as
+long after they are killed. They run in a
 session of their own, as independent programs do (with the kernel's autogroup scheduling, as
 here, a session's threads share one slot of the CPU: the load then takes about half the
 machine, whatever N; without autogroup, N busy loops beside T threads take N / (N + T)).
@@ -66,6 +67,10 @@ TAPER_VARIANTS = {"taper": {}, "taper-fixed": {"OMP_NUM_THREADS": "{threads}"},
                   "taper-1thread": {"OMP_NUM_THREADS": "1"}}
 LLAMA_VARIANTS = {"llama.cpp": {}, "llama.cpp-passive": {"OMP_WAIT_POLICY": "PASSIVE"}}
 MARK = "@@"     # protocol lines between parent and worker start with this
+# Taper's thread governor measures other processes' load every half second (pyx/cpu_threads.py):
+# the load starts this long before a loaded request and ends this long before the next request,
+# so each is timed in a steady state; the reaction itself takes up to about a second.
+SETTLE_S = 1.0
 
 CONVERT = """
 import sys
@@ -235,7 +240,7 @@ class BusyLoad:
     def __enter__(self):
         self.procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"],
                                        start_new_session=True) for _ in range(self.n)]
-        time.sleep(0.5)
+        time.sleep(SETTLE_S)
         return self
 
     def __exit__(self, *exc):
@@ -243,6 +248,7 @@ class BusyLoad:
             p.kill()
         for p in self.procs:
             p.wait()
+        time.sleep(SETTLE_S)
 
 
 def worker_env(extra: dict) -> dict:
@@ -280,6 +286,7 @@ def measure(workers: list[Worker], args, seed0: int) -> None:
                     with BusyLoad(args.busy):
                         w.loaded.append(w.request(seed)["s"])
                 else:
+                    time.sleep(SETTLE_S)        # no other worker's request in the last second
                     if args.wait_quiet:
                         wait_quiet(args.wait_quiet)
                     b0, t0 = busy_jiffies(), time.perf_counter()

@@ -15,18 +15,19 @@ cores, a spinning team collapses: every region waits at its barrier for whicheve
 the kernel has just descheduled, and a 32-token answer of the demo model took 4 s instead of
 0.03 s beside 2 busy processes on 2 cores (bench/cpu_contention.py). Sleeping at once instead
 (OMP_WAIT_POLICY=passive) survives contention but adds a wake-up to each of the ~120 regions of
-a step: on a quiet machine a 0.5B-shaped request (32 tokens in, 16 out) took 0.866 s against
-0.762 s spinning (medians of 24), a 3 MiB linear 59 us against 32 us. So the team keeps
-libgomp's spin-wait and shrinks instead: twice a second at most, between forward passes, the
-governor reads how much CPU time other processes took on this process's CPUs (/proc/stat less
-this process's own time) and leaves them the CPUs they occupy; a single thread is never stalled
-by a teammate. When they are gone, the team grows back.
+a step: on a quiet machine a 0.5B-shaped request (32 tokens in, 16 out) took 0.871 s against
+0.764 s spinning (medians of 28 alternating rounds), a 3 MiB linear 59 us against 32 us. So the
+team keeps libgomp's spin-wait and shrinks instead: a daemon thread (LoadSampler) measures every
+half second how many of this process's CPUs other processes kept busy (/proc/stat less this
+process's own CPU time), and before each forward pass the governor leaves them those CPUs; a
+single thread is never stalled by a teammate. When they are gone, the team grows back.
 """
 from __future__ import annotations
 
 import logging
 import math
 import os
+import threading
 import time
 
 log = logging.getLogger("taper.cpu_threads")
@@ -192,39 +193,80 @@ def threads_left(max_threads: int, num_cpus: int, others: float, slack: float = 
     return max(1, min(max_threads, num_cpus - taken))
 
 
-class ThreadGovernor:
-    """The backend's thread count, re-decided at most every `interval` seconds from how much CPU
-    time other processes took on this process's CPUs since the last decision (threads_left).
-    `update()` is called between forward passes; the readers are parameters for tests."""
+class LoadSampler:
+    """How many CPUs other processes kept busy, on average, among `cpus` over the last
+    `interval` seconds: /proc/stat's busy time on those CPUs less this process's own CPU time.
+    `sample()` takes one measurement; start() runs it every `interval` on a daemon thread, so the
+    figure is fresh when a request arrives after a pause. The readers are parameters for tests."""
 
-    def __init__(self, max_threads: int, cpus=None, interval: float = 0.5,
-                 read_busy=cpu_busy_seconds, own_cpu=own_cpu_seconds, clock=time.monotonic):
+    def __init__(self, cpus, interval: float = 0.5, read_busy=cpu_busy_seconds,
+                 own_cpu=own_cpu_seconds, clock=time.monotonic):
+        self.cpus = sorted(cpus)
+        self.interval = interval
+        self.others = 0.0
+        self._read_busy, self._own_cpu, self._clock = read_busy, own_cpu, clock
+        self._last = None           # (time, busy seconds on the CPUs, our CPU seconds)
+        self._thread = None
+
+    def sample(self) -> float:
+        now = self._clock()
+        try:
+            busy, own = self._read_busy(self.cpus), self._own_cpu()
+        except (OSError, ValueError):     # no /proc/stat: nothing measured, nothing changes
+            return self.others
+        if self._last is not None and now > self._last[0]:
+            t0, busy0, own0 = self._last
+            self.others = max(0.0, (busy - busy0) - (own - own0)) / (now - t0)
+        self._last = (now, busy, own)
+        return self.others
+
+    def start(self) -> None:
+        if self._thread is None:
+            self.sample()
+            self._thread = threading.Thread(target=self._run, name="taper-cpu-load", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(self.interval)
+            self.sample()
+
+
+_sampler: LoadSampler | None = None
+_sampler_lock = threading.Lock()
+
+
+def shared_sampler() -> LoadSampler:
+    """The process's one LoadSampler over its affinity CPUs, started on first use."""
+    global _sampler
+    with _sampler_lock:
+        if _sampler is None:
+            _sampler = LoadSampler(_affinity())
+            _sampler.start()
+        return _sampler
+
+
+class ThreadGovernor:
+    """The backend's thread count: at most max_threads, and only the CPUs other processes leave
+    free (threads_left on the sampler's latest figure). `update()` is called between forward
+    passes and reads no file; the process's sampler starts on the first call."""
+
+    def __init__(self, max_threads: int, sampler: LoadSampler | None = None):
         if max_threads < 1:
             raise ValueError(f"ThreadGovernor: max_threads must be >= 1, got {max_threads}")
         self.max_threads = self.threads = max_threads
-        self.cpus = sorted(cpus if cpus is not None else _affinity())
-        self.interval = interval
-        self._read_busy, self._own_cpu, self._clock = read_busy, own_cpu, clock
-        self._last = None           # (time, busy seconds on our CPUs, our CPU seconds)
+        self._sampler = sampler
 
     def update(self) -> int:
-        now = self._clock()
-        if self._last is not None and now - self._last[0] < self.interval:
-            return self.threads
-        try:
-            busy, own = self._read_busy(self.cpus), self._own_cpu()
-        except (OSError, ValueError):     # no /proc/stat: keep the count we have
-            return self.threads
-        if self._last is not None:
-            t0, busy0, own0 = self._last
-            others = max(0.0, (busy - busy0) - (own - own0)) / (now - t0)
-            threads = threads_left(self.max_threads, len(self.cpus), others)
-            if threads != self.threads:
-                log.debug("CPU threads %d -> %d: other processes use %.2f of %d CPUs",
-                          self.threads, threads, others, len(self.cpus))
-            self.threads = threads
-        self._last = (now, busy, own)
-        return self.threads
+        if self._sampler is None:
+            self._sampler = shared_sampler()
+        s = self._sampler
+        threads = threads_left(self.max_threads, len(s.cpus), s.others)
+        if threads != self.threads:
+            log.debug("CPU threads %d -> %d: other processes use %.2f of %d CPUs",
+                      self.threads, threads, s.others, len(s.cpus))
+        self.threads = threads
+        return threads
 
 
 def _affinity() -> set[int]:

@@ -6,6 +6,7 @@ is bench/cpu_contention.py's, not a test's."""
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -168,41 +169,60 @@ class FakeMachine:
         self.busy += (ours + others) * seconds
 
 
-def governor(m: FakeMachine, max_threads=2, cpus=(0, 1)) -> cpu_threads.ThreadGovernor:
-    return cpu_threads.ThreadGovernor(max_threads, cpus=cpus, interval=0.5,
-                                      read_busy=m.read_busy, own_cpu=lambda: m.own,
-                                      clock=lambda: m.now)
+def sampler(m: FakeMachine, cpus=(0, 1)) -> cpu_threads.LoadSampler:
+    return cpu_threads.LoadSampler(cpus, interval=0.5, read_busy=m.read_busy,
+                                   own_cpu=lambda: m.own, clock=lambda: m.now)
 
 
 def test_governor_leaves_other_processes_their_cpus_and_takes_them_back():
     m = FakeMachine()
-    g = governor(m)
+    s = sampler(m)
+    g = cpu_threads.ThreadGovernor(2, sampler=s)
+    s.sample()
     assert g.update() == 2                       # nothing measured yet
     m.run(0.5, ours=2.0, others=0.0)
-    assert g.update() == 2                       # alone: our own busy time is not contention
+    s.sample()
+    assert s.others == 0.0 and g.update() == 2   # alone: our own busy time is not contention
     m.run(0.5, ours=1.0, others=1.0)
-    assert g.update() == 1                       # a busy process beside us
+    s.sample()
+    assert s.others == pytest.approx(1.0) and g.update() == 1   # a busy process beside us
     m.run(0.5, ours=1.0, others=1.0)
+    s.sample()
     assert g.update() == 1
     m.run(0.5, ours=1.0, others=0.0)
+    s.sample()
     assert g.update() == 2                       # it left
 
 
-def test_governor_reads_at_most_once_per_interval():
-    m = FakeMachine()
-    g = governor(m)
-    g.update()
-    m.run(0.1, ours=1.0, others=2.0)
-    assert g.update() == 2 and m.reads == 1      # too soon to judge
-    m.run(0.4, ours=1.0, others=2.0)
-    assert g.update() == 1 and m.reads == 2
-
-
-def test_governor_without_proc_stat_keeps_its_count():
+def test_sampler_without_proc_stat_measures_nothing():
     def missing(cpus):
         raise FileNotFoundError("/proc/stat")
-    g = cpu_threads.ThreadGovernor(2, cpus=[0, 1], read_busy=missing)
-    assert g.update() == 2
+    s = cpu_threads.LoadSampler([0, 1], read_busy=missing)
+    s.sample()
+    s.sample()
+    assert s.others == 0.0 and cpu_threads.ThreadGovernor(2, sampler=s).update() == 2
+
+
+def test_sampler_thread_keeps_the_figure_fresh():
+    """A request after a pause must not be judged on a figure from before the pause: the sampler
+    measures on its own thread, every interval, whether or not forward passes run."""
+    m = FakeMachine()
+    s = cpu_threads.LoadSampler([0, 1], interval=0.01, read_busy=m.read_busy,
+                                own_cpu=lambda: m.own, clock=time.monotonic)
+    s.start()
+    deadline = time.monotonic() + 10
+    while m.reads < 4 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert m.reads >= 4 and s._thread.daemon
+
+
+def test_the_first_update_starts_the_shared_sampler(monkeypatch):
+    monkeypatch.setattr(cpu_threads, "_sampler", None)
+    g = cpu_threads.ThreadGovernor(2)
+    assert cpu_threads._sampler is None          # a backend alone starts nothing
+    g.update()
+    assert cpu_threads._sampler is not None and cpu_threads._sampler._thread.is_alive()
+    assert cpu_threads.shared_sampler() is cpu_threads._sampler
 
 
 def test_cpu_backend_adapts_only_a_default_count(monkeypatch):
