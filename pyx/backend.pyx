@@ -89,6 +89,11 @@ cdef class Backend:
         """Waits for all queued work."""
         raise NotImplementedError
 
+    def adapt_threads(self):
+        """Called before each forward pass: a backend whose host threads share the machine's
+        cores (the CPU's OpenMP team) resizes them to the cores other processes leave free. A
+        device backend has nothing to resize."""
+
     # ---- the device half (CUDA): memory, CUDA graphs, async copies
 
     def memory_info(self):

@@ -11,13 +11,14 @@ blocks (pyx/quant_kernels.c, whose host functions quantize_weight / dequantize_w
 too), FP8 codes (pyx/fp8.pyx) and int4 codes (pyx/cpu_int4.py over pyx/int4.pyx).
 """
 import math
+import os
 
 import numpy as np
 cimport numpy as cnp
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t
 
 from pyx.backend cimport Backend, describe_arrays as _desc, fail as _fail
-from pyx import cpu_int4, cpu_moe, cpu_sampling
+from pyx import cpu_int4, cpu_moe, cpu_sampling, cpu_threads
 from pyx.fp8 import fp8_linear
 from pyx.moe import StackedExperts
 from pyx.weights.fp8 import Fp8Weight
@@ -190,6 +191,13 @@ def dequantize_weight(w, str isa="scalar"):
     return np.concatenate([dequantize(t, b, w.k, isa) for t, b in w.quant_parts])
 
 
+def default_num_threads():
+    """Threads per op when the caller names none: OMP_NUM_THREADS when the user set it, else the
+    CPUs this process may use (affinity and cgroup quota: pyx/cpu_threads.py)."""
+    n, _ = cpu_threads.default_num_threads()
+    return n or taper_cpu_max_threads()
+
+
 def quantize(int qtype, x, num_threads=None):
     """(rows, k) float32 -> (rows, row_bytes) uint8 blocks (ISQ; OpenMP over rows)."""
     cdef cnp.ndarray src = np.ascontiguousarray(x, dtype=np.float32)
@@ -197,7 +205,7 @@ def quantize(int qtype, x, num_threads=None):
         raise ValueError("quantize: x must be 2-D (rows, k)")
     cdef int64_t rows = src.shape[0], k = src.shape[1]
     cdef cnp.ndarray out = np.empty((rows, _row_bytes(qtype, k)), np.uint8)
-    cdef int nt = num_threads or taper_cpu_max_threads(), st
+    cdef int nt = num_threads or default_num_threads(), st
     cdef const float* sp = <const float*>_ptr(src)
     cdef void* dp = _ptr(out)
     with nogil:
@@ -317,8 +325,9 @@ cdef class CpuBackend(Backend):
     """Backend on NumPy arrays with OpenMP C kernels.
 
     isa: "scalar" | "avx2" | "avx512" for `linear` (default: the kernels' cpu_isa, whose auto is
-    the best the CPU supports). num_threads: OpenMP threads per op (default: OpenMP's, i.e. all
-    cores or $OMP_NUM_THREADS). batch_invariant: every op computes a row (a token's
+    the best the CPU supports). num_threads: OpenMP threads per op (default: $OMP_NUM_THREADS, else
+    the CPUs this process may use: default_num_threads, then fewer while other processes keep
+    some of them busy: adapt_threads). batch_invariant: every op computes a row (a token's
     activations, a query's attention) in an order that does not depend on the other rows of
     the call, so a request's logits are bit-identical alone or in any batch, however its prompt
     is chunked (README: Batch invariance); it costs prefill speed (bench/RESULTS.md).
@@ -329,6 +338,7 @@ cdef class CpuBackend(Backend):
     cdef int _isa
     cdef int _nthreads
     cdef readonly bint act_split     # kernels act_split=on
+    cdef readonly object governor   # cpu_threads.ThreadGovernor, or None: the count is fixed
 
     def __init__(self, isa=None, num_threads=None, batch_invariant=False, kernels=None):
         Backend.__init__(self, "cpu", kernels)
@@ -347,7 +357,19 @@ cdef class CpuBackend(Backend):
                 raise ValueError(f"CpuBackend: isa {isa!r} is not supported by this CPU (kernels "
                                  f"cpu_isa=auto picks the best it runs)")
             self._isa = ISA_NAMES[isa]
-        self.num_threads = num_threads if num_threads is not None else taper_cpu_max_threads()
+        self.num_threads = num_threads if num_threads is not None else default_num_threads()
+        # The default count adapts to other processes' load; one the caller or OMP_NUM_THREADS
+        # chose stays as chosen.
+        self.governor = None
+        if num_threads is None and not os.environ.get("OMP_NUM_THREADS"):
+            self.governor = cpu_threads.ThreadGovernor(self._nthreads)
+
+    def adapt_threads(self):
+        """Between forward passes: the thread count the governor decides (pyx/cpu_threads.py:
+        fewer while other processes occupy this process's CPUs). Returns the count in force."""
+        if self.governor is not None:
+            self._nthreads = self.governor.update()
+        return self._nthreads
 
     @property
     def isa(self):

@@ -7,6 +7,7 @@ import logging
 
 from threadpoolctl import threadpool_limits
 
+from pyx import cpu_threads
 from pyx.kernel_config import KernelConfig, retired_variables
 
 log = logging.getLogger("taper.engine")
@@ -30,7 +31,10 @@ def make_backend(config):
     log_kernels(config.kernels, config.backend)
     if config.backend == "cpu":
         from pyx.cpu_backend import CpuBackend
-        return CpuBackend(batch_invariant=config.batch_invariant, kernels=config.kernels)
+        backend = CpuBackend(batch_invariant=config.batch_invariant, kernels=config.kernels)
+        log.info("CPU backend: %s", cpu_threads.describe(backend.num_threads,
+                                                           backend.governor is not None))
+        return backend
     if config.backend == "cuda":
         try:   # the optional extension: only builds with nvcc have it
             from pyx.cuda_backend import CudaBackend

@@ -144,6 +144,7 @@ class ModelRunner:
         if self.device_block_tables is not None:   # the table's changes, before anything reads it
             self.device_block_tables.apply(batch.block_table_update)
         pooled = self.pooled_rows(sched)
+        self.backend.adapt_threads()    # CPU: fewer threads while other processes compete
         self.num_forward_calls += 1
         self.num_forward_tokens += batch.num_tokens
         if not pooled:
