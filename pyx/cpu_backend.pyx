@@ -11,7 +11,6 @@ blocks (pyx/quant_kernels.c, whose host functions quantize_weight / dequantize_w
 too), FP8 codes (pyx/fp8.pyx) and int4 codes (pyx/cpu_int4.py over pyx/int4.pyx).
 """
 import math
-import os
 
 import numpy as np
 cimport numpy as cnp
@@ -361,7 +360,7 @@ cdef class CpuBackend(Backend):
         # The default count adapts to other processes' load; one the caller or OMP_NUM_THREADS
         # chose stays as chosen.
         self.governor = None
-        if num_threads is None and not os.environ.get("OMP_NUM_THREADS"):
+        if num_threads is None and not cpu_threads.user_num_threads():
             self.governor = cpu_threads.ThreadGovernor(self._nthreads)
 
     def adapt_threads(self):

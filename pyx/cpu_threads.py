@@ -152,10 +152,15 @@ def describe(num_threads: int, adaptive: bool, environ=os.environ) -> str:
     return n
 
 
+def user_num_threads(environ=os.environ) -> str:
+    """The user's OMP_NUM_THREADS, "" when unset: a count the user chose stays fixed."""
+    return environ.get("OMP_NUM_THREADS", "").strip()
+
+
 def default_num_threads(environ=os.environ, root: str = "/") -> tuple[int | None, str]:
     """(threads per op, why): the user's OMP_NUM_THREADS (its first level, as in "4,2"), else
     usable_cpus. None: OMP_NUM_THREADS is set but not a count, and OpenMP's reading of it wins."""
-    user = environ.get("OMP_NUM_THREADS", "").strip()
+    user = user_num_threads(environ)
     if user:
         first = user.split(",")[0].strip()
         n = int(first) if first.isdigit() else 0
