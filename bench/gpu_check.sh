@@ -1,123 +1,175 @@
 #!/usr/bin/env bash
-# One command for a GPU machine, from the repository root, in five suites of one 10-minute call
-# each:
+# The GPU window (issue 26): two suites that together fit one 10-minute device call, on a GPU
+# machine that compiles nothing (its 15 minutes are for running):
 #
-#     bash bench/gpu_check.sh                  # core: the float ops and models (issue 4)
-#     GPU_SUITE=quant bash bench/gpu_check.sh  # the quantized formats (issue 6)
-#     GPU_SUITE=serve bash bench/gpu_check.sh  # python -m server end to end (issue 11)
-#     GPU_SUITE=tuned bash bench/gpu_check.sh  # the tuned decode kernels behind --kernels (issue 12)
-#     GPU_SUITE=tuned_prefill bash bench/gpu_check.sh  # prefill attention fa2/fa3, fused MoE
+#     GPU_SUITE=first   bash bench/gpu_check.sh   # everything that decides correctness (<= 8 min)
+#     GPU_SUITE=figures bash bench/gpu_check.sh   # the numbers, and which switches win (<= 5 min)
 #
-# The GPU machine has no network and lacks part of what Taper and its tests import (nvidia-cutlass
-# for the build, gguf, compressed-tensors, pydantic, the server stack, the openai client):
-# `bash bench/gpu_wheels.sh` downloads them for its Python 3.12 into the ignored folder .whl (its
-# header lists them); name .whl in the device call's `carry`. Setup fails, naming the module, when
-# one is still missing, so no test fails later on an import.
+# Here, before the call (bench/README.md, "The GPU window", says it whole):
+#     bash bench/gpu_build.sh     # .gpu-prebuilt: the extensions for Python 3.12 / numpy 2.5 / sm_90a
+#     bash bench/gpu_wheels.sh    # .whl: what the GPU machine's image lacks
+#     python -m bench.gpu_prebuilt travel .whl .gpu-prebuilt    # under the 64 MiB a call carries
+# and the device call, carrying .whl and .gpu-prebuilt:
+#     GPU_SUITE=first bash bench/gpu_check.sh; GPU_SUITE=figures bash bench/gpu_check.sh
 #
-# 1. setup: prints the machine (nvidia-smi, versions), installs carried wheels (.whl/*.whl) into
-#    /tmp/site, builds Taper for sm_90a (TAPER_CUDA_ARCHS=90a pip install --no-build-isolation
-#    --no-deps -e .; setting the variable also makes the build compile the CUDA kernels where
-#    nvidia-smi shows no GPU), checks that every module the suites import is there and that the
-#    CUDA extension imports and sees a device;
-# core and quant suites:
-# 2. gpu_tests: tests/gpu (one process per file, so a broken CUDA context in one cannot fail the
-#    others);
-# 3. kernels: python -m bench.kernels (--quick when little time is left), JSON beside the log;
-# 4. cpu_tests: the CPU tests that matter most there (the engine and its import chain, the
-#    extensions' exports; CI runs them too, so they come after the GPU-only steps);
-# 5. throughput: python -m bench.throughput --backend cuda (reported, never fails the script);
-# serve suite:
-# 2. serve: python -m bench.serve_check (a Llama-3.2-1B-shaped checkpoint made on the device,
-#    python -m server, a streamed chat through the openai client, bench.serve at concurrency 1,
-#    16, 64, 256, /metrics idle afterwards, the table with the TPOT bound).
+# first:   setup (carried wheels, the prebuilt extensions checked against the tree's sources and
+#          installed, every import, the device); serve (python -m server as a user starts it, a
+#          streamed chat through the openai client, bench.serve at concurrency 1 and 64, /metrics
+#          idle afterwards); tests_default (every default-path GPU test: ops, models, logprobs,
+#          families, block tables and graphs); tests_quant (GGUF, Marlin, FP8 dequantize and GEMM
+#          at the large shapes, quantized models); tests_switches (the correctness tests of every
+#          kernel behind a KernelConfig switch, no benchmark); then the verdicts per test file and
+#          per switch (bench/gpu_summary.py tests: switches.json).
+# figures: kernels (bench.kernels on the goals' shapes, defaults and every switch that passed in
+#          first: --without the others), winners (each passing switch against its default),
+#          throughput (8B-shaped bf16 / FP8 / int4 decode at batch 1 and 16 against the
+#          weight-read bound, then again with the passing decode-side switches), serve (the 1B
+#          table at concurrency 1, 16, 64, 256 with the TPOT bound).
 #
-# Everything goes to ${OUT:-/tmp/out} (at most 8 files: the steps' logs, kernels.json,
-# throughput.json or server.log and serve_table.md, summary.txt). Each step runs under `timeout`
-# with its own cap, clamped so the whole stays under 9 minutes; a step that does not get its
-# minimum is skipped. The summary is printed last. Exit status: 0 when every step but throughput
-# passed.
+# Each step runs under `timeout` with its cap, clamped to what is left of the suite's budget, and
+# is skipped when that is under its minimum; the test steps run their files side by side, one
+# pytest process each (a CUDA context one file breaks cannot fail another), each writing JUnit
+# XML. A step that cannot run says why in the summary table; nothing is skipped silently. Without
+# a device (this machine, CI) every GPU step reports "not run: no device": a dry run of the
+# scripts end to end. Logs go to $GPU_LOGS (default /tmp/gpu-logs, kept between the suites: figures
+# reads first's verdicts); $OUT (default /tmp/out) gets SUITE-summary.txt and SUITE-logs.tgz.
+# Exit status 0 when every step that ran passed (throughput and winners never fail it).
 set -o pipefail
 SELF="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"
 cd "$(dirname "$SELF")/.." || exit 2
-OUT="${OUT:-/tmp/out}"
-mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 PY="${PYTHON:-python3}"
-TOTAL_S=530                      # 8 min 50 s for everything
-END=$((SECONDS + TOTAL_S))
+SUITE="${GPU_SUITE:-first}"
+OUT="${OUT:-/tmp/out}"
+LOGS="${GPU_LOGS:-/tmp/gpu-logs}"
+MODEL_1B=/tmp/taper-llama-1b-random     # made by first's serve step, reused by figures'
+mkdir -p "$OUT" "$LOGS"
+PY_TAG=$("$PY" -c 'import sys; print(f"{sys.version_info[0]}{sys.version_info[1]}")')
+# the carried wheels (CPython 3.12's), installed there by setup
+if [ "$PY_TAG" = 312 ]; then export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"; fi
+# the CPU references of several test processes share the machine's cores
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-3}" OPENBLAS_NUM_THREADS="${OPENBLAS_NUM_THREADS:-3}"
 
+case "$SUITE" in
+    first) TOTAL_S="${GPU_TOTAL_S:-330}" ;;
+    figures) TOTAL_S="${GPU_TOTAL_S:-255}" ;;
+    *) echo "GPU_SUITE=$SUITE: the suites are first and figures" >&2; exit 2 ;;
+esac
+END=$((SECONDS + TOTAL_S))
 NAMES=() RESULTS=() TIMES=()
 
-# run_step NAME CAP MIN CMD...: CMD under timeout (SIGINT first, so pytest prints its summary),
-# output to $OUT/NAME.log and the terminal; the limit is CAP clamped to the time left, and the step
-# is skipped when that is under MIN.
-run_step() {
-    local name=$1 cap=$2 min=$3
-    shift 3
-    local left=$((END - SECONDS)) limit=$cap
+record() { NAMES+=("$1") RESULTS+=("$2") TIMES+=("$3"); }
+
+# limit_for CAP MIN: the step's time limit (CAP clamped to the time left), or nothing when that
+# is under MIN
+limit_for() {
+    local left=$((END - SECONDS)) limit=$1
     ((left < limit)) && limit=$left
-    if ((limit < min)); then
-        echo "==== $name: skipped, ${left}s left (needs ${min}s)" | tee -a "$OUT/$name.log"
-        NAMES+=("$name") RESULTS+=("skipped (no time)") TIMES+=(0)
+    ((limit < $2)) || echo "$limit"
+}
+
+outcome() {  # rc limit -> the summary's words
+    if (($1 == 124 || $1 == 137)); then echo "TIMEOUT after ${2}s"
+    elif (($1 != 0)); then echo "FAILED (rc $1)"
+    else echo "ok"; fi
+}
+
+# run_step NAME CAP MIN CMD...: CMD under timeout (SIGINT first, so pytest and the benchmarks
+# print what they have), output to $LOGS/NAME.log and the terminal
+run_step() {
+    local name=$1 cap=$2 min=$3 limit
+    shift 3
+    limit=$(limit_for "$cap" "$min")
+    if [ -z "$limit" ]; then
+        record "$name" "not run: $((END - SECONDS))s left, needs ${min}s" 0
         return 99
     fi
     echo
     echo "==== $name (limit ${limit}s): $*"
     local t0=$SECONDS rc
-    timeout -s INT -k 15 "$limit" "$@" 2>&1 | tee -a "$OUT/$name.log"
+    timeout -s INT -k 15 "$limit" "$@" 2>&1 | tee "$LOGS/$name.log"
     rc=$?
-    local res="ok"
-    if ((rc == 124 || rc == 137)); then
-        res="TIMEOUT after ${limit}s"
-    elif ((rc != 0)); then
-        res="FAILED (rc $rc)"
-    fi
-    NAMES+=("$name") RESULTS+=("$res") TIMES+=($((SECONDS - t0)))
+    record "$name" "$(outcome $rc "$limit")" $((SECONDS - t0))
     return $rc
 }
 
-skip_step() {
-    NAMES+=("$1") RESULTS+=("not run: $2") TIMES+=(0)
-    echo "==== $1: not run: $2" | tee -a "$OUT/$1.log"
+# test_step NAME CAP MIN FILE...: tests/gpu/FILE side by side, one pytest process each (own
+# limit, JUnit XML to $LOGS/junit-FILE.xml, output to $LOGS/FILE.log)
+test_step() {
+    local name=$1 cap=$2 min=$3 limit
+    shift 3
+    limit=$(limit_for "$cap" "$min")
+    if [ -z "$limit" ]; then
+        record "$name" "not run: $((END - SECONDS))s left, needs ${min}s" 0
+        return 99
+    fi
+    echo
+    echo "==== $name (limit ${limit}s): $* side by side"
+    local t0=$SECONDS f pids=() rc=0 timed_out=0
+    for f in "$@"; do
+        timeout -s INT -k 15 "$limit" "$PY" -m pytest -q -rfE -p no:cacheprovider \
+            --timeout=150 --junitxml="$LOGS/junit-${f%.py}.xml" "tests/gpu/$f" \
+            > "$LOGS/${f%.py}.log" 2>&1 &
+        pids+=($!)
+    done
+    for i in "${!pids[@]}"; do
+        wait "${pids[$i]}"
+        local r=$?
+        local f=${*:$((i + 1)):1}
+        echo "  $f: $(tail -n 1 "$LOGS/${f%.py}.log" | cut -c1-120) (rc $r)"
+        if ((r == 124 || r == 137)); then timed_out=1; fi
+        ((r == 0)) || rc=$r
+    done
+    local res
+    res=$(outcome "$rc" "$limit")
+    ((timed_out)) && res="TIMEOUT after ${limit}s"
+    record "$name" "$res" $((SECONDS - t0))
+    return $rc
 }
 
 setup() {
     echo "== $(date -u '+%Y-%m-%d %H:%M:%S UTC'), $(hostname), $(nproc) cores"
-    nvidia-smi || echo "nvidia-smi failed"
-    nvcc --version | tail -2 || echo "no nvcc"
+    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem \
+        --format=csv 2>/dev/null || echo "nvidia-smi: none (no NVIDIA driver here)"
     "$PY" - <<'PY'
 import importlib, platform, sys
 print("python", sys.version.split()[0], platform.machine())
-for name in ("numpy", "cupy", "ml_dtypes", "Cython", "setuptools", "torch", "transformers",
-             "safetensors", "tokenizers", "pytest"):
+for name in ("numpy", "cupy", "ml_dtypes", "torch", "transformers", "pytest"):
     try:
         print(f"  {name} {importlib.import_module(name).__version__}")
     except Exception as e:
         print(f"  {name}: {type(e).__name__}: {e}")
 PY
-    if [ -d .git ]; then git log -1 --format='commit %h %s' 2>/dev/null; fi
-    if compgen -G ".whl/*.whl" > /dev/null; then
-        echo "== installing carried wheels: $(ls .whl)"
-        "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-            --target /tmp/site .whl/*.whl || return 1
-    fi
-    echo "== build (TAPER_CUDA_ARCHS=90a)"
-    TAPER_CUDA_ARCHS=90a "$PY" -m pip install --no-build-isolation --no-deps -e . || return 1
-    cat build/taper-build.log 2>/dev/null     # what setup.py built, each nvcc file's time
-    local fa3_obj
-    fa3_obj=$(ls build/cuda-objects/cuda__attention_prefill_fa3.cu.o 2>/dev/null | head -1)
-    if [ "$SUITE" = tuned_prefill ]; then  # kernels prefill=fa3: HGMMA in its SASS, no local memory
-        if [ -n "$fa3_obj" ] && command -v cuobjdump > /dev/null; then
-            echo "== fa3 SASS: $(cuobjdump -sass "$fa3_obj" | grep -c HGMMA) HGMMA," \
-                 "$(cuobjdump -sass "$fa3_obj" | grep -cE '\b(LDL|STL)\b') LDL/STL"
+    if compgen -G ".whl/*.whl" > /dev/null && [ ! -d /tmp/site ]; then
+        if [ "$PY_TAG" = 312 ]; then
+            echo "== installing the carried wheels into /tmp/site"
+            "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+                --target /tmp/site .whl/*.whl || return 1
         else
-            echo "== fa3 SASS: not checked (object '${fa3_obj}' or cuobjdump missing)"
+            echo "== carried wheels are for CPython 3.12, this is $PY_TAG: not installed"
         fi
+    fi
+    if [ -f .gpu-prebuilt/BUILD.json ]; then
+        if "$PY" -m bench.gpu_prebuilt install .gpu-prebuilt; then
+            echo "prebuilt extensions installed" > "$LOGS/build.txt"
+        elif [ "$PY_TAG" = 312 ] && command -v nvcc > /dev/null; then
+            echo "== FALLBACK: building here (TAPER_CUDA_ARCHS=90a), the prebuilt does not apply"
+            echo "FALLBACK build on the GPU machine" > "$LOGS/build.txt"
+            TAPER_CUDA_ARCHS=90a "$PY" -m pip install -q --no-build-isolation --no-deps -e . \
+                || return 1
+        else
+            echo "== the prebuilt does not apply here; testing the tree's own build"
+            echo "the tree's own build (the prebuilt does not apply)" > "$LOGS/build.txt"
+        fi
+    else
+        echo "== no .gpu-prebuilt (bash bench/gpu_build.sh makes it); the tree's own build"
+        echo "the tree's own build (nothing prebuilt carried)" > "$LOGS/build.txt"
     fi
     "$PY" - <<'PY' || return 1
 import importlib
-need = {"gguf": "gguf", "compressed_tensors": "compressed-tensors", "pydantic": "pydantic",
-        "quart": "quart", "hypercorn": "hypercorn", "openai": "openai", "jsonschema": "jsonschema",
+need = {"pyx.cpu_backend": "Taper's build", "gguf": "gguf", "compressed_tensors":
+        "compressed-tensors", "pydantic": "pydantic", "quart": "quart", "hypercorn": "hypercorn",
+        "openai": "openai", "jsonschema": "jsonschema", "llguidance": "llguidance",
         "threadpoolctl": "threadpoolctl", "server.app": "the server stack"}
 missing = []
 for module, wheel in need.items():
@@ -126,193 +178,119 @@ for module, wheel in need.items():
     except Exception as e:
         missing.append(f"{module} ({wheel}: {type(e).__name__}: {e})")
 if missing:
-    raise SystemExit("missing on this machine, carry them (bash bench/gpu_wheels.sh): "
+    raise SystemExit("missing here (bash bench/gpu_wheels.sh, bench/gpu_build.sh): "
                      + "; ".join(missing))
 print("every module the suites import is here")
 PY
     "$PY" -c "
-import pyx.cuda_backend as cb
+try:
+    import pyx.cuda_backend as cb
+except ImportError as e:
+    raise SystemExit(f'no device: pyx.cuda_backend does not import ({e})') from None
 n = cb.device_count()
 print(f'pyx.cuda_backend imports: {n} device(s)')
-raise SystemExit(0 if n > 0 else 3)
-"
+import sys
+sys.exit(0 if n > 0 else 3)
+" || { local rc=$?; ((rc == 1)) && return 3; return $rc; }
 }
 
-gpu_tests() {  # one process per file: a CUDA context broken by one cannot fail the others
-    local rc=0 f
-    for f in $GPU_TEST_FILES; do
-        "$PY" -m pytest -v -rfEs -p no:cacheprovider $TIMEOUT_PLUGIN "tests/gpu/$f" || rc=$?
-    done
-    return $rc
-}
+# internal entry point, so that `timeout` can run a shell function
+if [ "${1:-}" = __setup ]; then setup; exit $?; fi
 
-# The suite: "core" (default; issue 4: the float ops and models, every kernel benchmark but the
-# quantized GEMMs, bf16 throughput), "quant" (issue 6: the quantized formats, their GEMM
-# benchmark, FP8 and int4 throughput) or "tuned" (issue 12: the kernels behind KernelConfig
-# switches, their tests and benchmark rows). Each fits one 10-minute device call.
-SUITE="${GPU_SUITE:-core}"
-GPU_TESTS_CAP=180
-KERNEL_SHAPES=""
-THROUGHPUT_KERNELS=""         # bench.throughput --kernels: the KernelConfig of its engine
-if [ "$SUITE" = quant ]; then
-    GPU_TESTS_CAP=240           # test_cuda_quant_gemm alone took ~90 s on the H100
-    GPU_TEST_FILES="test_cuda_gguf.py test_cuda_marlin.py test_cuda_fp8.py test_cuda_quant_gemm.py test_cuda_quant_model.py"
-    KERNEL_OPS="qgemm"
-    THROUGHPUT_ARGS="--quant fp8 int4"
-elif [ "$SUITE" = serve ]; then
-    :
-elif [ "$SUITE" = tuned ]; then
-    # the decode-side kernels behind --kernels switches: flash-decoding (decode=split), the FP8
-    # GEMV (fp8_gemv=on), the radix filter (filter=radix), the fused sampler (sampling=fused)
-    # and Marlin v2 (marlin=v2): their tests; decode
-    # attention over bf16 and FP8 caches with the rule's split count and forced ones beside it;
-    # the filter both ways; the fused sampler beside the op-by-op path; the quantized GEMMs
-    # (fp8-gemv and marlin-v2 rows beside bf16, fp8-cutlass) at small M and at M = 1024
-    GPU_TESTS_CAP=300           # 32k-key decode batches, Llama-3-8B-sized FP8 and int4 weights
-    GPU_TEST_FILES="test_cuda_flash_decode.py test_cuda_fp8_gemv.py test_cuda_radix_filter.py"
-    GPU_TEST_FILES="$GPU_TEST_FILES test_cuda_fused_sampling.py test_cuda_marlin_v2.py"
-    KERNEL_OPS="decode_attention filter_logits sample_fused qgemm"
-    KERNEL_SHAPES="--shape splits=2,4,8,16,32,64 --shape QM=1,4,16,64,1024"
-    KERNEL_SHAPES="$KERNEL_SHAPES --shape qlayers=gate_up,down"
-    THROUGHPUT_ARGS="--quant fp8 int4"
-    # FP8 decode with both on, int4 decode on Marlin v2
-    THROUGHPUT_KERNELS="fp8_gemv=on,decode=split,marlin=v2"
-elif [ "$SUITE" = tuned_prefill ]; then
-    # the prefill-side kernels behind --kernels switches: the FlashAttention-2 prefill
-    # (prefill=fa2) and its Hopper form (=fa3; the same test file runs both), and the fused MoE
-    # grouped GEMM (moe=fused): their tests; prefill attention (simple,
-    # mma, fa2, fa3) at 1x4096, 4x2048 and a 1024-row chunk after 3072 cached tokens; the MoE
-    # grouped GEMM against the active experts' bytes; bf16 throughput with fa2 prefill
-    GPU_TESTS_CAP=300
-    GPU_TEST_FILES="test_cuda_prefill_fa2.py test_cuda_moe.py"
-    KERNEL_OPS="prefill_attention moe"
-    KERNEL_SHAPES="--shape prefill=1x4096,4x2048,1x1024+3072 --shape MT=1,64,4096"
-    THROUGHPUT_ARGS=""
-    THROUGHPUT_KERNELS="prefill=fa2"
-elif [ "$SUITE" = core ]; then
-    GPU_TEST_FILES="test_cuda_ops.py test_cuda_model.py test_cuda_logprobs.py test_cuda_families.py"
-    GPU_TEST_FILES="$GPU_TEST_FILES test_cuda_block_tables.py"   # device block tables, graphs
-    KERNEL_OPS="embedding scale rms_norm fused_add_rms_norm layer_norm fused_add_layer_norm"
-    KERNEL_OPS="$KERNEL_OPS rotary_embedding silu_and_mul"
-    KERNEL_OPS="$KERNEL_OPS reshape_and_cache decode_attention prefill_attention linear argmax"
-    KERNEL_OPS="$KERNEL_OPS gumbel_sample filter_logits apply_token_bitmask"
-    THROUGHPUT_ARGS=""
-else
-    echo "GPU_SUITE=$SUITE: the suites are core, quant, serve, tuned and tuned_prefill" >&2
-    exit 2
-fi
-export GPU_TEST_FILES
-
-if compgen -G ".whl/*.whl" > /dev/null; then
-    export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
-fi
-TIMEOUT_PLUGIN=""
-if "$PY" -c "import pytest_timeout" 2>/dev/null; then TIMEOUT_PLUGIN="--timeout=240"; fi
-export PY TIMEOUT_PLUGIN
-# internal entry points, so that `timeout` can run a shell function
-case "${1:-}" in
-    __setup) setup; exit $? ;;
-    __gpu_tests) gpu_tests; exit $? ;;
-esac
-
-: > "$OUT/setup.log"
-run_step setup 270 60 bash "$SELF" __setup
+run_step setup 90 20 bash "$SELF" __setup
 SETUP_RC=$?
+DEVICE=1
+((SETUP_RC == 0)) || DEVICE=0
+WHY_NOT="setup failed (rc $SETUP_RC)"
+if ((SETUP_RC == 3)); then
+    WHY_NOT="no device"
+    RESULTS[0]="no device"
+fi
 
-if [ "$SUITE" = serve ]; then
-    : > "$OUT/serve.log"
-    if ((SETUP_RC == 0)); then
-        run_step serve 330 120 "$PY" -m bench.serve_check --out "$OUT"
+# STEP_KIND NAME ...: run it, or record why not. GPU_DRY_TESTS=1 runs the test steps without a
+# device too (each test is skipped, naming why): the scripts checked end to end on a CPU.
+gpu_step() {
+    local kind=$1
+    shift
+    if ((DEVICE)) || { [ "$kind" = test_step ] && [ "${GPU_DRY_TESTS:-0}" = 1 ]; }; then
+        "$kind" "$@"
     else
-        skip_step serve "setup failed (no CUDA build or no device)"
+        record "$1" "not run: $WHY_NOT" 0
     fi
-    {
-        echo
-        echo "================ gpu_check summary (serve) ================"
-        grep -E '^(checkpoint|weights|server up|streamed chat|after the runs|FAILED|\|)' \
-            "$OUT/serve.log" | cut -c1-200
-        echo "-- steps ($((SECONDS))s of a ${TOTAL_S}s budget):"
-        for i in "${!NAMES[@]}"; do
-            printf '  %-11s %-28s %4ss\n' "${NAMES[$i]}" "${RESULTS[$i]}" "${TIMES[$i]}"
-        done
-    } | tee "$OUT/summary.txt"
-    for i in "${!NAMES[@]}"; do [ "${RESULTS[$i]}" = "ok" ] || exit 1; done
-    exit 0
-fi
+}
 
-if ((SETUP_RC == 0)); then
-    : > "$OUT/gpu_tests.log"
-    run_step gpu_tests "$GPU_TESTS_CAP" 60 bash "$SELF" __gpu_tests
+if [ "$SUITE" = first ]; then
+    rm -f "$LOGS"/junit-*.xml "$LOGS/switches.json"
+    gpu_step run_step serve 110 60 "$PY" -m bench.serve_check --out "$LOGS" --model "$MODEL_1B" \
+        --concurrency 1 64 --prompts-per-client 2 --output-len 64
+    gpu_step test_step tests_default 80 30 test_cuda_ops.py test_cuda_model.py \
+        test_cuda_logprobs.py test_cuda_families.py test_cuda_block_tables.py
+    gpu_step test_step tests_quant 110 40 test_cuda_gguf.py test_cuda_marlin.py test_cuda_fp8.py \
+        test_cuda_quant_gemm.py test_cuda_quant_model.py
+    gpu_step test_step tests_switches 100 40 test_cuda_flash_decode.py test_cuda_fp8_gemv.py \
+        test_cuda_radix_filter.py test_cuda_fused_sampling.py test_cuda_marlin_v2.py \
+        test_cuda_prefill_fa2.py test_cuda_moe.py
+    "$PY" -m bench.gpu_summary tests "$LOGS" > "$LOGS/verdicts.txt" 2>&1
 else
-    skip_step gpu_tests "setup failed (no CUDA build or no device)"
+    WITHOUT=$("$PY" -m bench.gpu_summary without "$LOGS")
+    # the shapes the goals name: 8B decode attention at batch 1 and 16 over 8k tokens, prefill
+    # at 4k tokens (D=128), the quantized GEMMs of decode (M 1 and 16) on gate_up and down
+    gpu_step run_step kernels 75 30 "$PY" -m bench.kernels decode_attention prefill_attention \
+        qgemm filter_logits sample_fused moe --shape B=1,16 --shape ctx=8192 \
+        --shape prefill=1x4096 --shape QM=1,16 --shape qlayers=gate_up,down --shape SB=64 \
+        --shape MT=1,64 --runs 20 --without "$WITHOUT" --json "$LOGS/kernels.json"
+    if [ -f "$LOGS/kernels.json" ]; then
+        "$PY" -m bench.gpu_summary winners "$LOGS" 2>&1 | tee "$LOGS/winners.txt"
+    fi
+    gpu_step run_step throughput 80 40 "$PY" -m bench.throughput --backend cuda \
+        --quant bf16 fp8 int4 --batch 1 16 --json "$LOGS/throughput.json"
+    # the decode-side switches that passed their tests, end to end
+    TRY=""
+    for s in decode=split fp8_gemv=on marlin=v2; do
+        case ",$WITHOUT," in *",$s,"*) ;; *) TRY="$TRY${TRY:+,}$s" ;; esac
+    done
+    if [ -n "$TRY" ]; then
+        gpu_step run_step throughput_switches 70 40 "$PY" -m bench.throughput --backend cuda \
+            --quant bf16 fp8 int4 --batch 1 16 --kernels "$TRY" \
+            --json "$LOGS/throughput_switches.json"
+    else
+        record throughput_switches "not run: no decode-side switch passed" 0
+    fi
+    SERVE_MODEL=()
+    [ -d "$MODEL_1B" ] && SERVE_MODEL=(--model "$MODEL_1B")
+    gpu_step run_step serve 100 50 "$PY" -m bench.serve_check --out "$LOGS" "${SERVE_MODEL[@]}" \
+        --concurrency 1 16 64 256
 fi
 
-: > "$OUT/kernels.log"
-if ((SETUP_RC == 0)); then
-    QUICK=""
-    if ((END - SECONDS < 150)); then QUICK="--quick"; fi
-    # shellcheck disable=SC2086
-    run_step kernels 150 40 "$PY" -m bench.kernels $KERNEL_OPS $KERNEL_SHAPES $QUICK \
-        --json "$OUT/kernels.json"
-else
-    skip_step kernels "setup failed (no CUDA build or no device)"
-fi
-
-# CPU-side tests: the engine (its torch guard among them), the extensions' exports and the
-# server's start-up imports.
-CPU_TESTS=""
-for t in test_backend_ops.py test_block_pool.py test_scheduler.py test_sampler.py \
-         test_cuda_graph.py test_cuda_host.py test_engine.py test_extensions.py; do
-    [ -f "tests/$t" ] && CPU_TESTS="$CPU_TESTS tests/$t"
-done
-: > "$OUT/cpu_tests.log"
-if ((SETUP_RC == 0 || SETUP_RC == 3)); then
-    # shellcheck disable=SC2086
-    run_step cpu_tests 90 30 "$PY" -m pytest -q -rfE -p no:cacheprovider $TIMEOUT_PLUGIN $CPU_TESTS
-else
-    skip_step cpu_tests "the build failed"
-fi
-
-: > "$OUT/throughput.log"
-if ((SETUP_RC == 0)); then
-    # shellcheck disable=SC2086
-    run_step throughput 150 60 "$PY" -m bench.throughput --backend cuda \
-        --kernels "$THROUGHPUT_KERNELS" $THROUGHPUT_ARGS --json "$OUT/throughput.json"
-else
-    skip_step throughput "setup failed (no CUDA build or no device)"
-fi
-
-# ---- summary (also $OUT/summary.txt), most important last: the kernel table, throughput, test
-# counts and failures, then each step's result
+# ---- the summary, most important last: the figures, the verdicts, the steps
 {
     echo
-    echo "================ gpu_check summary ================"
-    if [ -s "$OUT/kernels.log" ]; then
-        echo "-- kernels (full log: kernels.log, rows: kernels.json):"
-        sed -n '/^== /,$p' "$OUT/kernels.log" | cut -c1-150
+    echo "================ gpu_check $SUITE: $(cat "$LOGS/build.txt" 2>/dev/null) ================"
+    if [ "$SUITE" = figures ]; then
+        for log in kernels throughput throughput_switches; do
+            [ -s "$LOGS/$log.log" ] || continue
+            echo "-- $log:"
+            grep -E '^(== |device|weights|bf16|fp8|int4|B=|  )' "$LOGS/$log.log" | cut -c1-160 \
+                | tail -n 40
+        done
+        [ -s "$LOGS/winners.txt" ] && { echo "-- winners:"; cat "$LOGS/winners.txt"; }
     fi
-    if [ -s "$OUT/throughput.log" ]; then
-        echo "-- throughput (last lines):"
-        tail -n 12 "$OUT/throughput.log" | cut -c1-200
+    if [ -s "$LOGS/serve.log" ]; then
+        echo "-- serve:"
+        grep -E '^(checkpoint|weights|server up|streamed chat|after the runs|FAILED|\|)' \
+            "$LOGS/serve.log" | cut -c1-200
     fi
-    for log in gpu_tests cpu_tests; do
-        [ -s "$OUT/$log.log" ] || continue
-        echo "-- $log:"
-        grep -E '^(FAILED|ERROR) ' "$OUT/$log.log" | head -25 | cut -c1-180 | sed 's/^/  /'
-        grep -E '^=+ .*(passed|failed|error|skipped|no tests ran).* =+$' "$OUT/$log.log" \
-            | sed 's/^/  /'
-        grep -E '^[0-9]+ (passed|failed|errors?|skipped)' "$OUT/$log.log" | sed 's/^/  /'
-    done
-    echo "-- steps ($((SECONDS))s of a ${TOTAL_S}s budget):"
+    [ -s "$LOGS/verdicts.txt" ] && [ "$SUITE" = first ] && cat "$LOGS/verdicts.txt"
+    echo "-- steps ($SECONDS s of a ${TOTAL_S} s budget):"
     for i in "${!NAMES[@]}"; do
-        printf '  %-11s %-28s %4ss\n' "${NAMES[$i]}" "${RESULTS[$i]}" "${TIMES[$i]}"
+        printf '  %-20s %-40s %4ss\n' "${NAMES[$i]}" "${RESULTS[$i]}" "${TIMES[$i]}"
     done
-} | tee "$OUT/summary.txt"
+    ((DEVICE)) || echo "  (dry run: $WHY_NOT; every GPU step above says so)"
+} | tee "$OUT/$SUITE-summary.txt"
+tar czf "$OUT/$SUITE-logs.tgz" -C "$LOGS" . 2>/dev/null
 
 for i in "${!NAMES[@]}"; do
-    case "${NAMES[$i]}" in
-        throughput) ;;
-        *) [ "${RESULTS[$i]}" = "ok" ] || exit 1 ;;
-    esac
+    case "${NAMES[$i]}" in throughput*) continue ;; esac
+    case "${RESULTS[$i]}" in ok|"no device"|"not run: no device") ;; *) exit 1 ;; esac
 done
 exit 0

@@ -875,6 +875,25 @@ def cases_token_bitmask(bench, c):
         bench.free()
 
 
+def kernel_switch(op: str, variant: str) -> str | None:
+    """The KernelConfig choice a row's kernel sits behind ("prefill=fa3"), None on the default
+    path: the GPU suite drops the switches whose tests failed (--without) and picks winners by it."""
+    if op == "decode_attention" and variant.startswith(("split-K", "forced")):
+        return "decode=split"
+    if op == "prefill_attention" and variant != "simple":
+        return f"prefill={variant}"
+    if op == "qgemm":
+        return {"marlin-v2": "marlin=v2", "fp8-cutlass": "fp8=cutlass",
+                "fp8-gemv": "fp8_gemv=on"}.get(variant)
+    if op == "filter_logits" and variant.startswith("radix"):
+        return "filter=radix"
+    if op == "sample_fused" and variant.startswith("fused"):
+        return "sampling=fused"
+    if op == "moe" and variant.startswith("grouped"):
+        return "moe=fused"
+    return None
+
+
 def all_cases(bench, c, ops):
     gens = {
         "embedding": lambda: cases_embedding(bench, c),
@@ -958,6 +977,9 @@ def build_parser():
     ap.add_argument("--runs", type=int, default=50, help="timed launches per case (default 50)")
     ap.add_argument("--warmup", type=int, default=5, help="untimed launches first (default 5)")
     ap.add_argument("--json", metavar="FILE", help="also write the rows as JSON to FILE")
+    ap.add_argument("--without", default="", metavar="KEY=VALUE,...",
+                    help="skip the rows of these kernel switches (e.g. those whose tests failed: "
+                         "prefill=fa3,marlin=v2)")
     return ap
 
 
@@ -1049,6 +1071,9 @@ def main(argv=None) -> int:
         c.update(QUICK)
     c.update(parse_shapes(args.shape))
     ops = args.ops or OPS
+    without = {item.strip() for item in args.without.split(",") if item.strip()}
+    if without:
+        print(f"without the rows of {', '.join(sorted(without))}")
     bench = Bench(cp, args.dtype, args.runs, args.warmup)
     props = cp.cuda.runtime.getDeviceProperties(0)
     name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
@@ -1082,9 +1107,12 @@ def main(argv=None) -> int:
                                  error=f"{type(e).__name__}: {e}"))
                 print(f"{op}: setup failed: {type(e).__name__}: {e}", flush=True)
                 break
-            row = dict(op=case.op, shape=case.shape, variant=case.variant, bytes=case.nbytes,
-                       flops=case.flops, time_us=None, gbps=None, pct_bw=None, tflops=None,
-                       pct_gemm=None, error=None, **case.extra)
+            switch = kernel_switch(case.op, case.variant)
+            if switch in without:
+                continue
+            row = dict(op=case.op, shape=case.shape, variant=case.variant, switch=switch,
+                       bytes=case.nbytes, flops=case.flops, time_us=None, gbps=None, pct_bw=None,
+                       tflops=None, pct_gemm=None, error=None, **case.extra)
             try:
                 us = bench.time_us(case)
             except Exception as e:

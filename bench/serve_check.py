@@ -2,6 +2,7 @@
 bench/gpu_check.sh):
 
     python -m bench.serve_check --out DIR                 # GPU: makes the 1B checkpoint itself
+                                                          # (once: later runs reuse it)
     python -m bench.serve_check --model DIR --server-arg=--cpu --concurrency 1 2 ...
 
 1. the checkpoint: unless --model is given, a Llama-3.2-1B-shaped random bf16 checkpoint (16
@@ -213,8 +214,9 @@ def table(rows: list[dict], bound_ms: float | None) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", help="a checkpoint directory with a tokenizer (default: make the "
-                   "Llama-3.2-1B-shaped one on the GPU)")
+    p.add_argument("--model", help="a checkpoint directory with a tokenizer; where it holds no "
+                   "config.json, the Llama-3.2-1B-shaped one is made there on the GPU (default "
+                   "/tmp/taper-llama-1b-random)")
     p.add_argument("--out", default=os.environ.get("OUT", "/tmp/out"),
                    help="where the server log and the table go (default $OUT)")
     p.add_argument("--port", type=int, default=2000)
@@ -228,11 +230,13 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
 
-    model = args.model
-    if model is None:
+    model = args.model or "/tmp/taper-llama-1b-random"
+    if not os.path.exists(os.path.join(model, "config.json")):
         t0 = time.monotonic()
-        model = make_llama_1b("/tmp/taper-llama-1b-random")
+        make_llama_1b(model)
         print(f"checkpoint {model}: made in {time.monotonic() - t0:.0f} s", flush=True)
+    else:
+        print(f"checkpoint {model}: reused", flush=True)
     wbytes = weight_bytes(model)
     bw = copy_bandwidth_gbps()
     bound_ms = wbytes / (bw * 1e9) * 1e3 if bw else None

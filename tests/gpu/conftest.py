@@ -56,6 +56,18 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def small_kv_pools():
+    """bench/gpu_check.sh runs these files side by side on one GPU, one process each: an engine
+    built without an explicit pool size takes 5% of the free memory for its KV cache here, not
+    the 90% a server takes, so that one file's engines cannot starve another's."""
+    from engine.runner import cuda_memory
+    saved = cuda_memory.DEFAULT_KV_FRACTION
+    cuda_memory.DEFAULT_KV_FRACTION = 0.05
+    yield
+    cuda_memory.DEFAULT_KV_FRACTION = saved
+
+
 _BACKENDS: dict = {}
 
 

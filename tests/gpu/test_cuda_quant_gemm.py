@@ -18,12 +18,13 @@ down 4096x12288. To keep the run short M and shapes are crossed sparsely: every 
 {1, 16, 4096} on the others.
 
 The reference is the CPU backend's own linear on the same weight object where M x N x K is at most
-REF_CPU_MACS; above that (M >= 1024 on every shape) it is x @ weight.dequantize().T in float32
-NumPy (with all cores: building an LLM limits NumPy's BLAS to one thread for the whole process),
-because the CPU backend's quantized kernels take far longer at those sizes (tens of seconds to
-minutes per case on the GPU machine's CPU) while the dequantized product is the same function up to
-float32 rounding (the CPU's GGUF kernels also quantize activations, which only the GPU should be
-charged for here).
+REF_CPU_MACS; above that (M >= 1024 on every shape) it is x @ weight.dequantize().T, dequantized on
+the CPU and multiplied in float64 on the GPU through CuPy (cuBLAS DGEMM: a different code path from
+every kernel under test), because the CPU backend's quantized kernels take far longer at those
+sizes (tens of seconds to minutes per case on the GPU machine's CPU), and so does a float32 NumPy
+product of up to 1 TFLOP once bench/gpu_check.sh runs the test files side by side on that CPU; the
+dequantized product is the same function up to rounding (the CPU's GGUF kernels also quantize
+activations, which only the GPU should be charged for here).
 
 Weights: GGUF blocks from the CPU quantizer (pyx.cpu_backend.quantize_weight); int4 from random
 codes and scales, group 128 with random zero points (the asymmetric Marlin path) and per channel
@@ -172,7 +173,7 @@ def reference(cpu, cur, x, bias) -> np.ndarray:
         want = np.empty((m, n), np.float32)
         cpu.linear(x, cur.weight, bias, want)
         return want
-    from threadpoolctl import threadpool_limits
+    import cupy as cp
     if cur.dequantized is None:
         w = cur.weight
         from pyx.cpu_backend import dequantize_weight
@@ -180,8 +181,9 @@ def reference(cpu, cur, x, bias) -> np.ndarray:
         deq = (w.dequantize(num_threads=os.cpu_count()) if fmt_is_int4(w) else
                dequantize_weight(w) if isinstance(w, QuantizedWeight) else w.dequantize())
         cur.dequantized = np.ascontiguousarray(deq, dtype=np.float32)
-    with threadpool_limits(limits=os.cpu_count(), user_api="blas"):
-        want = x @ cur.dequantized.T
+    product = cp.asarray(x, cp.float64) @ cp.asarray(cur.dequantized, cp.float64).T
+    want = cp.asnumpy(product).astype(np.float32)
+    del product
     want += bias
     return want
 
