@@ -51,8 +51,8 @@ if [ "$PY_TAG" = 312 ]; then export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONP
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-3}" OPENBLAS_NUM_THREADS="${OPENBLAS_NUM_THREADS:-3}"
 
 case "$SUITE" in
-    first) TOTAL_S="${GPU_TOTAL_S:-330}" ;;
-    figures) TOTAL_S="${GPU_TOTAL_S:-255}" ;;
+    first) TOTAL_S="${GPU_TOTAL_S:-320}" ;;
+    figures) TOTAL_S="${GPU_TOTAL_S:-245}" ;;
     *) echo "GPU_SUITE=$SUITE: the suites are first and figures" >&2; exit 2 ;;
 esac
 END=$((SECONDS + TOTAL_S))
@@ -164,6 +164,15 @@ PY
     else
         echo "== no .gpu-prebuilt (bash bench/gpu_build.sh makes it); the tree's own build"
         echo "the tree's own build (nothing prebuilt carried)" > "$LOGS/build.txt"
+    fi
+    local so
+    so=$(ls pyx/cuda_backend*.so 2>/dev/null | head -1)
+    if [ -n "$so" ] && command -v cuobjdump > /dev/null; then  # Hopper's matrix instructions
+        timeout 60 cuobjdump -sass "$so" > "$LOGS/sass.txt" 2>&1
+        echo "== SASS of $so: $(grep -c HGMMA "$LOGS/sass.txt") HGMMA (fa3's wgmma)," \
+             "$(grep -c QGMMA "$LOGS/sass.txt") QGMMA (CUTLASS FP8)," \
+             "$(grep -cE '\b(LDL|STL)\b' "$LOGS/sass.txt") LDL/STL (local memory)"
+        rm -f "$LOGS/sass.txt"
     fi
     "$PY" - <<'PY' || return 1
 import importlib
