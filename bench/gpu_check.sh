@@ -98,6 +98,12 @@ run_step() {
 test_step() {
     local name=$1 cap=$2 min=$3 limit
     shift 3
+    if [ -n "${GPU_FILES:-}" ]; then
+        local keep=() f
+        for f in "$@"; do [[ $f =~ $GPU_FILES ]] && keep+=("$f"); done
+        set -- "${keep[@]}"
+        if (($# == 0)); then record "$name" "not run: no file matches GPU_FILES" 0; return 99; fi
+    fi
     limit=$(limit_for "$cap" "$min")
     if [ -z "$limit" ]; then
         record "$name" "not run: $((END - SECONDS))s left, needs ${min}s" 0
@@ -167,7 +173,8 @@ PY
     fi
     local so
     so=$(ls pyx/cuda_backend*.so 2>/dev/null | head -1)
-    if [ -n "$so" ] && command -v cuobjdump > /dev/null; then  # Hopper's matrix instructions
+    if [ "$SUITE" = first ] && [ -n "$so" ] && command -v cuobjdump > /dev/null; then
+        # Hopper's matrix instructions
         timeout 60 cuobjdump -sass "$so" > "$LOGS/sass.txt" 2>&1
         echo "== SASS of $so: $(grep -c HGMMA "$LOGS/sass.txt") HGMMA (fa3's wgmma)," \
              "$(grep -c QGMMA "$LOGS/sass.txt") QGMMA (CUTLASS FP8)," \
@@ -216,12 +223,18 @@ if ((SETUP_RC == 3)); then
     RESULTS[0]="no device"
 fi
 
+# GPU_STEPS (names, space-separated) runs only those steps; GPU_FILES (a regex) only the test
+# files it matches: a second window's rerun of what the first could not settle.
+selected() { [ -z "${GPU_STEPS:-}" ] || [[ " $GPU_STEPS " == *" $1 "* ]]; }
+
 # STEP_KIND NAME ...: run it, or record why not. GPU_DRY_TESTS=1 runs the test steps without a
 # device too (each test is skipped, naming why): the scripts checked end to end on a CPU.
 gpu_step() {
     local kind=$1
     shift
-    if ((DEVICE)) || { [ "$kind" = test_step ] && [ "${GPU_DRY_TESTS:-0}" = 1 ]; }; then
+    if ! selected "$1"; then
+        record "$1" "not run: not in GPU_STEPS" 0
+    elif ((DEVICE)) || { [ "$kind" = test_step ] && [ "${GPU_DRY_TESTS:-0}" = 1 ]; }; then
         "$kind" "$@"
     else
         record "$1" "not run: $WHY_NOT" 0
@@ -244,8 +257,10 @@ else
     WITHOUT=$("$PY" -m bench.gpu_summary without "$LOGS")
     # the shapes the goals name: 8B decode attention at batch 1 and 16 over 8k tokens, prefill
     # at 4k tokens (D=128), the quantized GEMMs of decode (M 1 and 16) on gate_up and down
-    gpu_step run_step kernels 75 30 "$PY" -m bench.kernels decode_attention prefill_attention \
-        qgemm filter_logits sample_fused moe --shape B=1,16 --shape ctx=8192 \
+    # shellcheck disable=SC2086
+    gpu_step run_step kernels 75 30 "$PY" -m bench.kernels \
+        ${GPU_KERNEL_OPS:-decode_attention prefill_attention qgemm filter_logits sample_fused moe} \
+        --shape B=1,16 --shape ctx=8192 \
         --shape prefill=1x4096 --shape QM=1,16 --shape qlayers=gate_up,down --shape SB=64 \
         --shape MT=1,64 --runs 20 --without "$WITHOUT" --json "$LOGS/kernels.json"
     if [ -f "$LOGS/kernels.json" ]; then
@@ -255,7 +270,7 @@ else
         --quant bf16 fp8 int4 --batch 1 16 --json "$LOGS/throughput.json"
     # the decode-side switches that passed their tests, end to end
     TRY=""
-    for s in decode=split fp8_gemv=on marlin=v2; do
+    for s in fp8_gemv=on sampling=fused; do
         case ",$WITHOUT," in *",$s,"*) ;; *) TRY="$TRY${TRY:+,}$s" ;; esac
     done
     if [ -n "$TRY" ]; then
@@ -279,7 +294,7 @@ fi
         for log in kernels throughput throughput_switches; do
             [ -s "$LOGS/$log.log" ] || continue
             echo "-- $log:"
-            grep -E '^(== |device|weights|bf16|fp8|int4|B=|  )' "$LOGS/$log.log" | cut -c1-160 \
+            grep -E '^(== |device|weights| *(bf16|fp8|int4) B=|  )' "$LOGS/$log.log" | cut -c1-160 \
                 | tail -n 40
         done
         [ -s "$LOGS/winners.txt" ] && { echo "-- winners:"; cat "$LOGS/winners.txt"; }
@@ -300,6 +315,10 @@ tar czf "$OUT/$SUITE-logs.tgz" -C "$LOGS" . 2>/dev/null
 
 for i in "${!NAMES[@]}"; do
     case "${NAMES[$i]}" in throughput*) continue ;; esac
-    case "${RESULTS[$i]}" in ok|"no device"|"not run: no device") ;; *) exit 1 ;; esac
+    case "${RESULTS[$i]}" in
+        ok|"no device"|"not run: no device"|"not run: not in GPU_STEPS") ;;
+        "not run: no file matches GPU_FILES") ;;
+        *) exit 1 ;;
+    esac
 done
 exit 0

@@ -876,22 +876,28 @@ def cases_token_bitmask(bench, c):
 
 
 def kernel_switch(op: str, variant: str) -> str | None:
-    """The KernelConfig choice a row's kernel sits behind ("prefill=fa3"), None on the default
+    """The KernelConfig choice a row's kernel sits behind ("prefill=mma"), None on the default
     path: the GPU suite drops the switches whose tests failed (--without) and picks winners by it."""
-    if op == "decode_attention" and variant.startswith(("split-K", "forced")):
-        return "decode=split"
-    if op == "prefill_attention" and variant != "simple":
-        return f"prefill={variant}"
-    if op == "qgemm":
-        return {"marlin-v2": "marlin=v2", "fp8-cutlass": "fp8=cutlass",
-                "fp8-gemv": "fp8_gemv=on"}.get(variant)
-    if op == "filter_logits" and variant.startswith("radix"):
-        return "filter=radix"
-    if op == "sample_fused" and variant.startswith("fused"):
-        return "sampling=fused"
-    if op == "moe" and variant.startswith("grouped"):
-        return "moe=fused"
-    return None
+    from pyx.kernel_config import KernelConfig
+
+    default = KernelConfig()
+    choice = None
+    if op == "decode_attention":
+        choice = ("decode", "simple" if variant == "one-pass" else "split")
+    elif op == "prefill_attention":
+        choice = ("prefill", variant)
+    elif op == "qgemm":
+        choice = {"marlin-v2": ("marlin", "v2"), "fp8-cutlass": ("fp8", "cutlass"),
+                  "fp8-gemv": ("fp8_gemv", "on")}.get(variant)
+    elif op == "filter_logits" and variant.startswith("radix"):
+        choice = ("filter", "radix")
+    elif op == "sample_fused" and variant.startswith("fused"):
+        choice = ("sampling", "fused")
+    elif op == "moe" and variant.startswith("grouped"):
+        choice = ("moe", "fused")
+    if choice is None or getattr(default, choice[0]) == choice[1]:
+        return None
+    return f"{choice[0]}={choice[1]}"
 
 
 def all_cases(bench, c, ops):

@@ -6,10 +6,11 @@ KernelConfig), EngineConfig.kernels, then `CpuBackend(kernels=...)` / `CudaBacke
 which read it once when they are built. The engine logs it at start-up, each choice with its
 source. It lives in pyx/ (pure Python, no engine import) because the backends read it.
 
-The first value of every key is its default: the kernel a GPU run verified first (or, on the
-CPU, the fastest path). The others are tuned kernels kept behind the switch until a GPU run has
-checked them against the CPU backend (README: CUDA), or the CPU's more exact activation
-rounding. A key a backend does not read (a CUDA kernel on the CPU backend) is logged as unused
+The first value of every key is its default: on a GPU the kernel that passed its tests and was
+fastest in the last GPU window (bench/RESULTS.md, "GPU window"; prefill=fa3 and decode=split won
+on an H200 on 2026-11-28), on the CPU the fastest path. The others are kept behind the switch:
+general fallbacks, kernels whose GPU tests or figures have not made them the default yet, or
+the CPU's more exact activation rounding. A key a backend does not read (a CUDA kernel on the CPU backend) is logged as unused
 when it was set.
 
 The environment variables that used to make these choices (TAPER_CUDA_PREFILL, TAPER_CPU_ISA,
@@ -31,13 +32,14 @@ class Choice:
 
 
 CHOICES: dict[str, Choice] = {
-    "prefill": Choice(("simple", "mma", "fa2", "fa3"), ("cuda",),
-                      "prefill attention: the simple kernel, the first tensor-core one, "
-                      "FlashAttention-2 style with GQA packing, or its Hopper form (wgmma; fa2 "
-                      "on other GPUs)"),
-    "decode": Choice(("simple", "split"), ("cuda",),
-                     "decode attention: one pass per sequence, or split-K flash-decoding "
-                     "(pyx/decode_splits.py)"),
+    "prefill": Choice(("fa3", "fa2", "mma", "simple"), ("cuda",),
+                      "prefill attention: FlashAttention-2 style with GQA packing in its Hopper "
+                      "form (wgmma; fa2 on other GPUs), fa2 itself, the first tensor-core "
+                      "kernel, or the simple one (the one kernel for head sizes and dtypes the "
+                      "others lack: any choice falls back to it there)"),
+    "decode": Choice(("split", "simple"), ("cuda",),
+                     "decode attention: split-K flash-decoding (pyx/decode_splits.py picks the "
+                     "split count), or one pass per sequence"),
     "marlin": Choice(("simple", "pipeline", "v2"), ("cuda",),
                      "int4 W4A16 Marlin GEMM: the simple kernel, the pipelined one, or v2 "
                      "(striped partitioning, ldmatrix, lop3)"),

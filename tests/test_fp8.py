@@ -94,7 +94,7 @@ def random_fp8(rng, n, k, block):
     codes = rng.integers(0, 256, (n, k), dtype=np.uint8)
     codes[(codes & 0x7f) == 0x7f] = 0x38  # no NaN weights
     bn, bk = block
-    scale = rng.uniform(0.01, 0.1, (n // bn, -(-k // bk))).astype(np.float32)
+    scale = rng.uniform(0.01, 0.1, (-(-n // bn), -(-k // bk))).astype(np.float32)
     return codes, scale
 
 

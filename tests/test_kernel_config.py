@@ -16,7 +16,7 @@ from pyx.cpu_backend import CpuBackend, dequantize_weight, quantize_weight
 from pyx.kernel_config import CHOICES, RETIRED_VARIABLES, retired_variables
 
 # Today's kernels: what every engine ran before the choices were data (issue 25).
-DEFAULTS = ("prefill=simple,decode=simple,marlin=simple,fp8=dequant,fp8_gemv=off,"
+DEFAULTS = ("prefill=fa3,decode=split,marlin=simple,fp8=dequant,fp8_gemv=off,"
             "sampling=simple,filter=bisect,moe=simple,cpu_isa=auto,act_split=off")
 
 
@@ -46,8 +46,8 @@ def test_parse_string_dict_and_instance():
 @pytest.mark.parametrize("spec,message", [
     ("prefil=fa2", r"^--kernels: unknown key 'prefil'; the keys are prefill, decode, marlin, fp8, "
                    r"fp8_gemv, sampling, filter, moe, cpu_isa, act_split$"),
-    ("prefill=fa9", r"^--kernels: prefill='fa9' is not a choice; prefill takes simple \| mma \| "
-                    r"fa2 \| fa3 \(default simple\)$"),
+    ("prefill=fa9", r"^--kernels: prefill='fa9' is not a choice; prefill takes fa3 \| fa2 \| "
+                    r"mma \| simple \(default fa3\)$"),
     ("decode=split,fp8_gemv=1", r"^--kernels: fp8_gemv='1' is not a choice; fp8_gemv takes off \| "
                                 r"on \(default off\)$"),
     ("prefill", r"^--kernels: 'prefill' is not key=value \(e.g. prefill=fa2,decode=split\)$"),
@@ -74,10 +74,10 @@ def test_sources_and_the_start_up_line():
     k = KernelConfig.parse("prefill=fa2,act_split=off", "--kernels")
     assert k.source_of("prefill") == k.source_of("act_split") == "--kernels"
     assert k.source_of("decode") == "default"
-    assert KernelConfig(decode="split").source_of("decode") == "KernelConfig"
+    assert KernelConfig(decode="simple").source_of("decode") == "KernelConfig"
     assert k == KernelConfig(prefill="fa2")     # where a choice came from is not its value
     line, unused = k.describe("cuda")
-    assert line == ("prefill=fa2 (--kernels), decode=simple (default), marlin=simple (default), "
+    assert line == ("prefill=fa2 (--kernels), decode=split (default), marlin=simple (default), "
                     "fp8=dequant (default), fp8_gemv=off (default), sampling=simple (default), "
                     "filter=bisect (default), moe=simple (default)")
     assert unused == ["act_split=off (--kernels)"]
@@ -187,5 +187,5 @@ def test_server_kernels_flag_reaches_the_engine_config():
     assert config.kernels.source_of("act_split") == "--kernels"
     assert engine_config(p.parse_args(["--w", "/m", "--cpu"])).kernels == KernelConfig()
     bad = p.parse_args(["--w", "/m", "--cpu", "--kernels", "decode=splitk"])
-    assert check_args(bad) == ("--kernels: decode='splitk' is not a choice; decode takes simple | "
-                               "split (default simple)")
+    assert check_args(bad) == ("--kernels: decode='splitk' is not a choice; decode takes split | "
+                               "simple (default split)")

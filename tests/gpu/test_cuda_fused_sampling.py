@@ -114,8 +114,9 @@ def test_fused_sampler_matches_cpu(cuda_f32, cpu, B, V, spread):
     got = fused_sample(cuda_f32, logits, seqs)
     assert_cpu_tokens(got, want, logits, seqs)
     # The reference moves when the penalties are switched off: row 7 (logit_bias 100 on token 7)
-    # samples 7 only with them.
-    if B > 11:
+    # samples 7 only with them. Not on the peaked rows: at spread 30 a row's top logits reach
+    # 100 and more by themselves, so the bias does not decide there (the 2026-11-28 H200 run).
+    if B > 11 and spread < 30:
         assert want[7] == 7 and int(np.argmax(logits[7])) != 7
         assert want[11] != 2   # min_tokens masks EOS whatever its bias
 
