@@ -509,7 +509,7 @@ def test_paged_attention_decode_long_context(make_cuda, cpu, split_k, window, fp
     rng = np.random.default_rng(int(split_k) + window + 7 * fp8)
     p32 = paged_batch(rng, seqs, 16, 32, 8, 128, "f32", fp8=fp8)
     for dt in DTYPES:
-        b = make_cuda(dt, "decode=split" if split_k else "")
+        b = make_cuda(dt, "decode=split" if split_k else "decode=simple")
         assert bool(b.split_k) == split_k
         check_attention(b, cpu, cast(p32, dt), window, 0.0,
                         f"long decode split_k={split_k} fp8={fp8}")
