@@ -28,7 +28,7 @@ import logging
 import uuid
 from typing import AsyncIterator
 
-import pydantic_core
+from pydantic import TypeAdapter
 from quart import Quart, Response, request
 
 from server import streaming, structured_outputs
@@ -228,14 +228,16 @@ class MessageBuilder:
         return len(self.message["content"]) - 1
 
 
+_OBJECT = TypeAdapter(dict)
+
+
 def _json_object(text: str) -> dict:
     """A tool call's input from its argument text, read as the SDK's stream accumulator reads
     it (partial JSON allowed: a call cut by max_tokens keeps what it had); {} for no object."""
     try:
-        value = pydantic_core.from_json(text, allow_partial=True)
+        return _OBJECT.validate_json(text, experimental_allow_partial=True)
     except ValueError:
         return {}
-    return value if isinstance(value, dict) else {}
 
 
 def _usage(prompt_tokens: int, cached_tokens: int, output_tokens: int) -> dict:
