@@ -118,3 +118,22 @@ def test_a_forced_tool_call_and_its_result(client, demo_dir):
                                    return_dict=False)
     assert count.input_tokens == len(want)
     assert "<tool_response>\n18 C and sunny\n</tool_response>" in tok.decode(want)
+
+
+def test_a_prefill_is_continued(client, demo_dir):
+    """A conversation ending with the assistant's text renders as transformers'
+    continue_final_message does: no end of turn after it, no new turn opened."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(demo_dir)
+    conversation = [*ASK, {"role": "assistant", "content": "The weather is"}]
+    count = client.messages.count_tokens(model="demo", messages=conversation)
+    want = tok.apply_chat_template(conversation, chat_template=TEMPLATE, tokenize=True,
+                                   continue_final_message=True, return_dict=False)
+    assert count.input_tokens == len(want)
+    assert tok.decode(want).endswith("<|im_start|>assistant\nThe weather is")
+    answered = tok.apply_chat_template(conversation, chat_template=TEMPLATE, tokenize=True,
+                                       add_generation_prompt=True, return_dict=False)
+    assert len(answered) != len(want)
+    message = client.messages.create(model="demo", max_tokens=4, messages=conversation,
+                                     extra_body=GREEDY)
+    assert message.usage.input_tokens + message.usage.cache_read_input_tokens == len(want)
