@@ -385,6 +385,9 @@ def create_app(engine, settings: ServerSettings) -> Quart:
         timing = state.metrics.request()
         outputs = streaming.engine_outputs(engine, info.id, prompt_ids, params, timing,
                                            "messages")
+        if req.continuous_usage():
+            info.running_usage = streaming.RunningUsage(len(prompt_ids))
+            outputs = info.running_usage.watch(outputs)
         chunks = streaming.chat_chunks(info, outputs, len(prompt_ids), timing, req.n,
                                        logprobs_options(engine, req), message)
         return await respond(info, chunks, streaming.fold_chat)
@@ -450,6 +453,9 @@ def create_app(engine, settings: ServerSettings) -> Quart:
         streams = [streaming.engine_outputs(engine, f"{info.id}-{i}", ids, params, timing,
                                             "prompt")
                    for i, (ids, params, timing) in enumerate(zip(batch_ids, params_list, timings))]
+        if req.continuous_usage():
+            info.running_usage = streaming.RunningUsage(sum(len(ids) for ids in batch_ids))
+            streams = [info.running_usage.watch(s, i) for i, s in enumerate(streams)]
         chunks = streaming.completion_chunks(info, streams, [len(ids) for ids in batch_ids],
                                              timings, echo, req.n, logprobs_options(engine, req),
                                              echo_tokens)
