@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import anthropic
 import pytest
@@ -286,6 +287,19 @@ def test_an_error_after_the_stream_started_is_an_error_event(fake):
                     fake.engine.fail_with = "kernel exploded"
     assert "text" in seen
     assert err.value.body["type"] == "error" and err.value.body["error"]["type"] == "api_error"
+
+
+def test_a_client_that_leaves_aborts_its_request(fake):
+    fake.engine.delay = 0.05
+    before = set(fake.engine.aborted)
+    with sdk(fake.port).messages.stream(**{**GOOD, "max_tokens": 200}) as stream:
+        for event in stream:
+            if event.type == "text":
+                break                      # leaving the block closes the connection
+    deadline = time.time() + 10
+    while not set(fake.engine.aborted) - before:
+        assert time.time() < deadline, "the request was not aborted after the client left"
+        time.sleep(0.02)
 
 
 def test_loading_and_too_large_are_anthropic_errors():
