@@ -499,3 +499,36 @@ def test_a_tool_result_turn_renders_as_the_chat_conversation(serve, tokenizer): 
     assert client.messages.count_tokens(model="m", messages=turn[:2] + [
         {"role": "user", "content": "Thanks. Anything else?"}], tools=TOOLS).input_tokens \
         != len(want_ids)
+
+
+def test_a_request_shaped_as_claude_codes(serve):
+    """What Claude Code sends: `?beta=true`, beta headers, system blocks with cache_control,
+    tools whose schemas carry `$schema`, metadata, a max_tokens far past the context, and
+    fields this server has no use for (accepted and ignored)."""
+    _, engine, server = scripted(serve)
+    schema = {"$schema": "http://json-schema.org/draft-07/schema#", "type": "object",
+              "properties": {"city": {"type": "string"}}, "required": ["city"],
+              "additionalProperties": False}
+    body = {"model": "m", "max_tokens": 32000, "stream": True, "temperature": 1,
+            "metadata": {"user_id": "user_abc_session_1"},
+            "system": [{"type": "text", "text": "You are a coding agent.",
+                        "cache_control": {"type": "ephemeral"}}],
+            "tools": [{"name": "get_weather", "description": "Weather", "input_schema": schema},
+                      {**TIME, "cache_control": {"type": "ephemeral"}}],
+            "messages": [{"role": "user", "content": [
+                {"type": "text", "text": "Weather in Paris?",
+                 "cache_control": {"type": "ephemeral"}}]}],
+            "context_management": {"edits": []}, "service_tier": "auto"}
+    status, head, payload = http_response(
+        server.port, "POST", "/v1/messages?beta=true", body,
+        headers={"x-api-key": "x", "anthropic-version": "2023-06-01",
+                 "anthropic-beta": "claude-code-20250219,interleaved-thinking-2025-05-14"})
+    assert status == 200, payload
+    frames = [f for f in payload.decode().split("\n\n") if f]
+    names = [f.split("\n")[0][7:] for f in frames]
+    assert names[:2] == ["message_start", "ping"] and names[-2:] == ["message_delta",
+                                                                   "message_stop"]
+    delta = json.loads(frames[-2].split("\ndata: ")[1])
+    assert delta["delta"]["stop_reason"] == "tool_use"
+    prompt, params = last_request(engine)
+    assert params.max_tokens == engine.max_model_len - len(prompt)
