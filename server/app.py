@@ -11,7 +11,8 @@ The app starts before the engine exists: `ServerState.engine` is None while the 
 the live ones finish).
 
 Routes kept in modules of their own are registered from create_app: /v1/embeddings
-(server/embeddings.py).
+(server/embeddings.py), the Responses API (server/responses.py), Anthropic's /v1/messages
+(server/anthropic.py, whose errors take Anthropic's shape).
 """
 from __future__ import annotations
 
@@ -29,6 +30,8 @@ from quart import Quart, Response, request
 from werkzeug.exceptions import HTTPException
 
 from server import streaming, structured_outputs
+from server.anthropic import error_body as anthropic_error_body
+from server.anthropic import is_anthropic_path, register_anthropic
 from server.embeddings import register_embeddings
 from server.message_stream import MessageStream
 from server.reasoning import ReasoningSplitter, prompt_opens_reasoning
@@ -137,7 +140,8 @@ def _json(obj, status: int = 200) -> Response:
 
 
 def _error(e: APIError) -> Response:
-    resp = _json(e.body(), e.status)
+    body = anthropic_error_body(e) if is_anthropic_path(request.path) else e.body()
+    resp = _json(body, e.status)
     resp.headers.update(e.headers)
     return resp
 
@@ -213,10 +217,12 @@ def create_app(engine, settings: ServerSettings) -> Quart:
         if settings.api_key is None:
             return None
         auth = request.headers.get("Authorization", "")
-        token = auth[7:] if auth[:7].lower() == "bearer " else ""
+        # Anthropic's clients send the key as x-api-key
+        token = auth[7:] if auth[:7].lower() == "bearer " else request.headers.get("x-api-key", "")
         if not hmac.compare_digest(token.encode(), settings.api_key.encode()):
             return _error(APIError("Incorrect or missing API key: send 'Authorization: Bearer "
-                                   "<key>'", status=401, code="invalid_api_key",
+                                   "<key>' or 'x-api-key: <key>'", status=401,
+                                   code="invalid_api_key",
                                    headers={"WWW-Authenticate": "Bearer"}))
         return None
 
@@ -379,6 +385,9 @@ def create_app(engine, settings: ServerSettings) -> Quart:
         timing = state.metrics.request()
         outputs = streaming.engine_outputs(engine, info.id, prompt_ids, params, timing,
                                            "messages")
+        if req.continuous_usage():
+            info.running_usage = streaming.RunningUsage(len(prompt_ids))
+            outputs = info.running_usage.watch(outputs)
         chunks = streaming.chat_chunks(info, outputs, len(prompt_ids), timing, req.n,
                                        logprobs_options(engine, req), message)
         return await respond(info, chunks, streaming.fold_chat)
@@ -444,6 +453,9 @@ def create_app(engine, settings: ServerSettings) -> Quart:
         streams = [streaming.engine_outputs(engine, f"{info.id}-{i}", ids, params, timing,
                                             "prompt")
                    for i, (ids, params, timing) in enumerate(zip(batch_ids, params_list, timings))]
+        if req.continuous_usage():
+            info.running_usage = streaming.RunningUsage(sum(len(ids) for ids in batch_ids))
+            streams = [info.running_usage.watch(s, i) for i, s in enumerate(streams)]
         chunks = streaming.completion_chunks(info, streams, [len(ids) for ids in batch_ids],
                                              timings, echo, req.n, logprobs_options(engine, req),
                                              echo_tokens)
@@ -481,4 +493,7 @@ def create_app(engine, settings: ServerSettings) -> Quart:
     register_responses(app, read_request=read_request, check_queue=check_queue,
                        fit_context=fit_context, chat_prompt_ids=chat_prompt_ids,
                        tool_constraint=tool_constraint, message_streams=chat_message_streams)
+    register_anthropic(app, check_queue=check_queue, fit_context=fit_context,
+                       chat_prompt_ids=chat_prompt_ids, tool_constraint=tool_constraint,
+                       message_streams=chat_message_streams)
     return app

@@ -111,6 +111,7 @@ class _Request(BaseModel):
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="allow")
     include_usage: bool = False
+    continuous_usage_stats: bool = False     # vLLM's: usage on every chunk (implies the above)
 
 
 class _SamplingRequest(_Request):
@@ -206,7 +207,11 @@ class _SamplingRequest(_Request):
         return out
 
     def include_usage(self) -> bool:
-        return bool(self.stream_options and self.stream_options.include_usage)
+        return bool(self.stream_options and (self.stream_options.include_usage
+                                             or self.stream_options.continuous_usage_stats))
+
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
     def to_sampling_params(self, default_max_tokens: int,
                            defaults: dict[str, float] | None = None,

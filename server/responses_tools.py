@@ -9,7 +9,6 @@ so a call the model starts under tool_choice "auto" is held to its schema.
 """
 from __future__ import annotations
 
-import json
 import uuid
 
 from server.protocol import APIError, _template_tool_call
@@ -63,17 +62,12 @@ def _chat_choice(choice):
 
 def call_message(item: dict, where: str) -> tuple[dict, dict]:
     """A function_call input item: (its tool call, for the assistant message that renders it;
-    the item as stored)."""
+    the item as stored). Arguments that are not JSON (a call cut by max_output_tokens, replayed
+    by an agent with an error output) go to the template as they came."""
     for key in ("call_id", "name", "arguments"):
         if not isinstance(item.get(key), str) or (key != "arguments" and not item[key]):
             raise APIError(f"a function_call item needs a {key} string", param=f"{where}.{key}",
                            code="invalid_value")
-    if item["arguments"].strip():
-        try:
-            json.loads(item["arguments"])
-        except ValueError:
-            raise APIError("the arguments of a function_call are not valid JSON",
-                           param=f"{where}.arguments", code="invalid_value") from None
     call = _template_tool_call({"id": item["call_id"], "type": "function", "function": {
         "name": item["name"], "arguments": item["arguments"]}}, where)
     stored = {"id": item.get("id") or _item_id("fc"), "type": "function_call",

@@ -2,7 +2,8 @@
 
 One code path: a request always becomes an async stream of *chunk* dicts, exactly the objects a
 streaming client receives, ending with a usage chunk (`choices: []`). Streaming sends them as
-server-sent events (dropping the usage chunk unless `stream_options.include_usage`); a
+server-sent events (dropping the usage chunk unless `stream_options.include_usage`; with vLLM's
+`continuous_usage_stats`, every chunk carries the usage so far: `RunningUsage`); a
 non-streaming response is the fold of the same chunks.
 
 Whoever stops reading a request's outputs early (client gone, task cancelled, error) aborts it in
@@ -45,6 +46,7 @@ class ResponseInfo:
     stream: bool = False
     include_usage: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
+    running_usage: RunningUsage | None = None    # continuous_usage_stats: usage on every chunk
 
     def chunk(self, choices: list[dict], usage: dict | None = None) -> dict:
         out = {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
@@ -52,6 +54,28 @@ class ResponseInfo:
         if usage is not None:
             out["usage"] = usage
         return out
+
+
+class RunningUsage:
+    """vLLM's stream_options.continuous_usage_stats: the usage so far, which every streamed
+    chunk carries. It counts the outputs of the engine streams it watches as they pass, so a
+    chunk framed after them reports the tokens generated up to it."""
+
+    def __init__(self, num_prompt_tokens: int):
+        self.prompt = num_prompt_tokens
+        self._generated: dict[tuple[int, int], int] = {}   # (stream, choice): tokens so far
+
+    async def watch(self, outputs: AsyncIterator[RequestOutput],
+                    stream: int = 0) -> AsyncIterator[RequestOutput]:
+        async with contextlib.aclosing(outputs):
+            async for out in outputs:
+                self._generated[(stream, out.index)] = out.num_output_tokens
+                yield out
+
+    def as_dict(self) -> dict:
+        completion = sum(self._generated.values())
+        return {"prompt_tokens": self.prompt, "completion_tokens": completion,
+                "total_tokens": self.prompt + completion}
 
 
 async def engine_outputs(engine, request_id: str, prompt_ids: list[int], params,
@@ -365,7 +389,8 @@ async def sse_stream(info: ResponseInfo, first: dict | None,
         if is_usage and not info.include_usage:
             return None
         if info.include_usage and not is_usage:
-            c = {**c, "usage": None}
+            running = info.running_usage
+            c = {**c, "usage": None if running is None else running.as_dict()}
         return sse_event(c)
 
     async with contextlib.aclosing(chunks):

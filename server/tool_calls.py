@@ -3,7 +3,6 @@
 the results that answer them. Every fault is a 400 naming the parameter."""
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 
 from server.protocol import APIError
@@ -97,21 +96,12 @@ def request_tool_choice(choice, function_call, tools: list[dict] | None):
 
 
 def check_history(messages: list) -> None:
-    """Earlier assistant tool calls need JSON arguments and ids; each `tool` message answers
-    the id of a call made before it."""
+    """Each `tool` message answers the id of a call made before it. An earlier call's arguments
+    need not be JSON: a call cut by max_tokens, which agents replay with an error result, goes
+    to the template as it came (server/protocol.py's _template_tool_call)."""
     open_ids: set[str] = set()
     for i, m in enumerate(messages):
-        for k, call in enumerate(m.tool_calls or []):
-            where = f"messages[{i}].tool_calls[{k}]"
-            fn = call.get("function") if isinstance(call, dict) else None
-            args = fn.get("arguments") if isinstance(fn, dict) else None
-            if isinstance(args, str) and args.strip():
-                try:
-                    json.loads(args)
-                except ValueError:
-                    raise APIError("the arguments of an earlier tool call are not valid JSON",
-                                   param=f"{where}.function.arguments",
-                                   code="invalid_value") from None
+        for call in m.tool_calls or []:
             if isinstance(call, dict) and isinstance(call.get("id"), str):
                 open_ids.add(call["id"])
         if m.role == "tool":

@@ -184,6 +184,7 @@ class FakeEngine:
             yield RequestOutput(request_id, new_token_ids=[100 + i], text_delta=word,
                                 token_ids=list(range(100, 101 + i)), text=text, finished=done,
                                 finish_reason=("stop" if stop else "length") if done else None,
+                                stop_reason=stop,
                                 num_prompt_tokens=len(prompt), num_output_tokens=i + 1,
                                 num_cached_tokens=3 if len(prompt) > 3 else 0)
             if done:

@@ -265,7 +265,7 @@ def test_the_store_forgets_the_oldest_first():
      "input[0].content[0].type"),
     ({"input": [{"type": "function_call_output", "call_id": "c", "output": "{}"}]},
      "input[0].call_id"),                  # answers no earlier call
-    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{x"}]},
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": 5}]},
      "input[0].arguments"),
     ({"input": [{"type": "custom_tool_call", "call_id": "c", "name": "f", "input": "x"}]},
      "input[0].type"),

@@ -155,6 +155,26 @@ def test_function_call_outputs_render_through_the_template(serve, tokenizer):  #
     validate(json.loads(payload), "ResponseItemList")
 
 
+def test_a_replayed_call_whose_arguments_are_not_json_renders_as_sent(serve, tokenizer):  # noqa: F811
+    """A function_call cut by max_output_tokens, replayed by an agent with an error output, is
+    accepted: its argument text reaches the template as it came."""
+    client, engine, _ = serve("qwen", "Retrying.")
+    cut = '{"city": "Par'
+    sent = client.responses.create(model="m", tools=TOOLS, input=[
+        {"role": "user", "content": ASK},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": cut},
+        {"type": "function_call_output", "call_id": "call_1", "output": "error: not JSON"}])
+    assert sent.output_text == "Retrying."
+    want = tokenizer.hf.apply_chat_template(
+        [{"role": "user", "content": ASK},
+         {"role": "assistant", "content": "", "tool_calls": [
+             {"id": "call_1", "type": "function",
+              "function": {"name": "get_weather", "arguments": cut}}]},
+         {"role": "tool", "tool_call_id": "call_1", "content": "error: not JSON"}],
+        tools=chat_tools(), add_generation_prompt=True, tokenize=False)
+    assert engine.requests[sent.id][0] == tokenizer.encode(want, add_special_tokens=False)
+
+
 def test_tool_choice_and_strict_reach_the_engine_as_grammars(serve):
     client, engine, _ = serve("qwen", FORMATS[4][1])
 
@@ -185,8 +205,6 @@ def test_tool_choice_and_strict_reach_the_engine_as_grammars(serve):
     ({"tools": [WEATHER, WEATHER]}, "tools"),
     ({"tools": TOOLS, "input": [{"type": "function_call_output", "call_id": "x",
                                  "output": "1"}]}, "input[0].call_id"),
-    ({"tools": TOOLS, "input": [{"type": "function_call", "call_id": "x", "name": "get_time",
-                                 "arguments": "{"}]}, "input[0].arguments"),
     ({"tools": TOOLS, "input": [{"type": "function_call", "name": "get_time",
                                  "arguments": "{}"}]}, "input[0].call_id"),
     ({"tools": TOOLS, "input": [
