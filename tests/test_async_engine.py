@@ -100,8 +100,9 @@ def test_queued_sequences_count_choices_forks_beams_and_requests_on_their_way(tm
     engine.shutdown()             # the engine thread stopped: its state changes only here
     core = engine.engine
     core.add_request("a", [5, 6, 7], SamplingParams(n=4, max_tokens=4))   # 1 waits, 3 forks
+    # a beam search waits as 1 sequence: its beams fork once it runs
     core.add_request("b", [5, 6, 7], SamplingParams(n=2, best_of=3, use_beam_search=True,
-                                                    max_tokens=4))       # 1 waits: beams fork as it runs
+                                                    max_tokens=4))
     assert (core.scheduler.num_waiting, len(core.requests["a"].forks)) == (2, 3)
     engine._commands.put(("add", "c", [1], SamplingParams(n=5)))
     engine._commands.put(("add", "d", [1], SamplingParams(best_of=6, use_beam_search=True)))
