@@ -519,3 +519,30 @@ def test_start_up_warns_when_listening_beyond_loopback_without_a_key(host, key, 
     if warned:
         assert "--api-key" in warnings[0] and "127.0.0.1" in warnings[0]
 
+
+
+def test_readme_lists_every_limit_and_default():
+    """README's "Limits and security" table has a row for every limit flag and safe default,
+    with the default the code has."""
+    from server.__main__ import build_parser
+    from server.limits import FLAGS
+    from server_fakes import ROOT
+    section = (ROOT / "README.md").read_text().split("### Limits and security")[1]
+    section = section.split("\n### ")[0]
+    rows = {}
+    for line in section.splitlines():
+        if line.startswith("| `--"):
+            cells = [c.strip() for c in line.split("|")[1:-1]]
+            rows.update((flag, cells[1]) for flag in re.findall(r"`(--[\w-]+)`", cells[0]))
+    defaults = {opt: action.default for action in build_parser()._actions
+                for opt in action.option_strings}
+    flags = ["--" + name.replace("_", "-") for name in FLAGS] + [
+        "--host", "--allowed-origins", "--max-request-mb", "--max-queued-requests",
+        "--responses-store-size", "--structured-outputs-timeout", "--shutdown-timeout"]
+    for flag in flags:
+        default = defaults[flag]
+        if isinstance(default, float) and default.is_integer():
+            default = int(default)
+        shown = "none" if default in (None, []) else f"`{default}`"
+        assert rows.get(flag) == shown, (flag, rows.get(flag), shown)
+    assert "--api-key" in rows and "--trust-request-chat-template" in rows
