@@ -284,15 +284,16 @@ def create_app(engine, settings: ServerSettings) -> Quart:
         engine = state.ready_engine()
         return req, state.resolve_model(req.model), engine
 
-    def check_queue(engine, num_new: int = 1):
+    def check_queue(engine, num_new: int = 1, param: str = "n"):
         """429 while the waiting sequences and the `num_new` a request brings (its prompts x n,
-        or beams) pass --max-queued-requests; 400 for a request that alone passes it."""
+        or beams) pass --max-queued-requests; 400 naming `param` for a request that alone
+        passes it."""
         limit = settings.max_queued_requests
         if limit is None:
             return
         if num_new > limit:
-            raise APIError(f"n: this request runs {num_new} sequences, more than this server "
-                           f"lets wait ({limit}, --max-queued-requests)", param="n",
+            raise APIError(f"{param}: this request runs {num_new} sequences, more than this "
+                           f"server lets wait ({limit}, --max-queued-requests)", param=param,
                            code="too_many_sequences")
         if engine.num_queued_sequences() + num_new > limit:
             raise APIError(f"Too many requests are waiting ({limit} sequences); retry shortly",
@@ -476,7 +477,7 @@ def create_app(engine, settings: ServerSettings) -> Quart:
             return await streaming.fold_completion(info, chunks, len(prompts) * req.n)
         return await respond(info, chunks, fold)
 
-    register_embeddings(app, state)
+    register_embeddings(app, state, check_queue)
 
     @app.post("/tokenize")
     async def tokenize():

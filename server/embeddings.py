@@ -64,8 +64,9 @@ def encode(vector: np.ndarray, encoding_format: str):
     return vector.tolist()
 
 
-def register_embeddings(app, state) -> None:
-    """Adds POST /v1/embeddings to `app`, served from `state` (server/app.py's ServerState)."""
+def register_embeddings(app, state, check_queue) -> None:
+    """Adds POST /v1/embeddings to `app`, served from `state` (server/app.py's ServerState);
+    `check_queue` is create_app's, each input counting one sequence."""
     settings = state.settings
 
     async def tokenize(engine, inputs: list) -> list[list[int]]:
@@ -92,11 +93,7 @@ def register_embeddings(app, state) -> None:
                                                       engine.model_config.hidden_size)
             if problem:
                 raise APIError(problem, param="dimensions", code="invalid_value")
-        limit = settings.max_queued_requests
-        if limit is not None and engine.num_queued_sequences() + len(batch_ids) > limit:
-            raise APIError(f"Too many requests are waiting ({limit}); retry shortly",
-                           status=429, type="rate_limit_error", code="queue_full",
-                           headers={"Retry-After": "1"})
+        check_queue(engine, len(batch_ids), param="input")
 
     async def embed_one(engine, request_id: str, ids: list[int], params: PoolingParams):
         timing = state.metrics.request()

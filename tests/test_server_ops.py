@@ -226,6 +226,12 @@ def test_queue_limit_is_429_with_retry_after(serve):
     assert_error(status, body, 400, "n", "too_many_sequences")   # could never wait: not a 429
     assert "4 sequences" in body["error"]["message"]
     assert "--max-queued-requests" in body["error"]["message"]
+    # embeddings: each input a sequence
+    status, body = post_json(port, "/v1/embeddings", {"input": ["a", "b", "c"]})
+    assert_error(status, body, 400, "input", "too_many_sequences")
+    engine.queued = 1
+    status, body = post_json(port, "/v1/embeddings", {"input": ["a", "b"]})
+    assert_error(status, body, 429, None, "queue_full")
 
 
 # ---- service routes
