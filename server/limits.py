@@ -10,7 +10,7 @@ past one is answered 400 naming the parameter, the limit's value and the flag th
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import numpy as np
 
