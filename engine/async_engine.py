@@ -104,10 +104,17 @@ class AsyncEngine:
         snapshot taken mid-step can be off by that step, never torn."""
         return self.engine.stats()
 
-    def num_queued_requests(self) -> int:
-        """Requests not yet running: the scheduler's waiting queue plus those still on their
-        way to it."""
-        return self.engine.scheduler.num_waiting + self._commands.qsize()
+    def num_queued_sequences(self) -> int:
+        """Sequences not yet running: the scheduler's waiting queue, the choices waiting to fork
+        from their request's choice 0, and every sequence of the requests still on their way to
+        the engine thread (n choices, or beams, each; one for a pooling request). Read from the
+        event loop while the engine thread runs: each part is read in one step (under the
+        queue's lock, or copied whole), so the sum may be a step old, never torn."""
+        with self._commands.mutex:
+            incoming = [command[3] for command in self._commands.queue if command[0] == "add"]
+        requests = list(self.engine.requests.values())
+        return (self.engine.scheduler.num_waiting + sum(len(r.forks) for r in requests)
+                + sum(getattr(params, "num_sequences", 1) for params in incoming))
 
     def shutdown(self) -> None:
         self._stopping = True

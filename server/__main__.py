@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import errno
+import ipaddress
 import logging
 import os
 import signal
@@ -38,19 +39,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--help", action="help", help="show this help and exit")
     g = p.add_argument_group("server")
     g.add_argument("--port", "--p", dest="port", type=int, default=2000, help="port (default 2000)")
-    g.add_argument("--host", "--h", dest="host", default="0.0.0.0",
-                   help="address to bind (default 0.0.0.0)")
+    g.add_argument("--host", "--h", dest="host", default="127.0.0.1",
+                   help="address to bind (default 127.0.0.1: this machine only; 0.0.0.0 for "
+                        "every interface, as in a container)")
     g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="name(s) clients use for the model (default: the model's name)")
     g.add_argument("--api-key", default=os.environ.get("TAPER_API_KEY"), metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on every route but /health "
                         "(default: $TAPER_API_KEY)")
     g.add_argument("--max-queued-requests", type=int, metavar="N", default=None,
-                   help="answer 429 while this many requests wait to run (default: no limit)")
+                   help="answer 429 while this many sequences wait to run, a request counting "
+                        "its prompts x n (or beams) (default: no limit)")
     g.add_argument("--max-request-mb", type=float, metavar="MB", default=32,
                    help="largest request body accepted, in MB (default 32)")
-    g.add_argument("--allowed-origins", nargs="+", default=["*"], metavar="ORIGIN",
-                   help="CORS origins allowed to call the API from a browser (default: any)")
+    g.add_argument("--allowed-origins", nargs="+", default=[], metavar="ORIGIN",
+                   help="origins whose web pages may call the API from a browser (CORS), e.g. "
+                        "http://localhost:3000, or '*' for any (default: none; the web UI at "
+                        "/ui needs none)")
     g.add_argument("--shutdown-timeout", type=float, metavar="S", default=10.0,
                    help="on SIGTERM, seconds live requests get to finish (default 10)")
     g.add_argument("--chat-template", metavar="FILE",
@@ -77,6 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--debug", action="store_true",
                    help="debug logging, and the traceback of a start-up error (without it, "
                         "one line says what failed)")
+    from server.limits import add_flags
+    add_flags(p.add_argument_group("request limits (a request past one is a 400 naming it)"))
     m = p.add_argument_group("model")
     src = m.add_mutually_exclusive_group()
     src.add_argument("--weight-path", "--w", dest="weight_path", metavar="DIR",
@@ -194,6 +201,9 @@ def check_args(args) -> str | None:
             return f"--{name.replace('_', '-')} must be at least 1"
     if args.responses_store_size < 0:
         return "--responses-store-size must be at least 0"
+    from server.limits import check_flags
+    if problem := check_flags(args):
+        return problem
     if args.enforce_parser is not None:
         from server.tool_parsers import PARSERS
         if args.enforce_parser not in PARSERS:
@@ -304,13 +314,14 @@ def server_settings(args, config):
         with open(args.chat_template, encoding="utf-8") as f:   # OSError names the file
             template = f.read()
     from server.demo_model import is_demo_checkpoint
+    from server.limits import Limits
     return ServerSettings(
         served_model_names=names, api_key=args.api_key or None,
         model_notice=DEMO_NOTICE if is_demo_checkpoint(config.model) else None,
         max_queued_requests=args.max_queued_requests, max_gen_tokens=args.max_gen_tokens,
         sampling_defaults=sampling_defaults(args), chat_template=template,
         trust_request_chat_template=args.trust_request_chat_template,
-        max_body_bytes=int(args.max_request_mb * 2**20), cors_origins=args.allowed_origins,
+        limits=Limits.from_args(args), cors_origins=args.allowed_origins,
         responses_store_size=args.responses_store_size,
         structured_outputs_timeout=args.structured_outputs_timeout, tool_parser=args.enforce_parser)
 
@@ -349,6 +360,8 @@ class Server:
                     if e.errno == errno.EADDRINUSE else "")
             startup_error(f"cannot listen on {hc.bind[0]}: {e.strerror or e}{hint}", e)
             return False
+        warn_if_exposed([sock.getsockname()[0] for sock in sockets.insecure_sockets],
+                        api_key=bool(self.state.settings.api_key))
         # Hypercorn serves the sockets bound here, passed by file descriptor.
         hc.bind = [f"fd://{sock.detach()}" for sock in sockets.insecure_sockets]
         hc.accesslog = logging.getLogger("taper.access") if args.log else None
@@ -395,6 +408,9 @@ class Server:
             return
         self.state.engine = engine
         self.state.configure_chat()
+        if self.state.mcp is not None and self.state.tool_parser is None:
+            log.warning("--mcp-config: this model has no tool-call parser, so MCP tools are not "
+                        "offered (--enforce-parser NAME chooses one)")
         args = self.args
         log.info("model %s ready, max_model_len %d", self.state.settings.served_model_names[0],
                  engine.max_model_len)
@@ -426,6 +442,16 @@ class Server:
                 # aborts land between engine steps, and a long prefill step can take seconds
                 await _wait_until(lambda: not engine.num_open_requests, 30.0)
         self.stop.set()
+
+
+def warn_if_exposed(addresses: list[str], api_key: bool) -> None:
+    """Warn when the server listens beyond loopback with no API key: then anyone who can reach
+    the port can use the model (and read what the Responses API stored)."""
+    exposed = [a for a in addresses if not ipaddress.ip_address(a.split("%")[0]).is_loopback]
+    if exposed and not api_key:
+        log.warning("listening on %s, beyond this machine's loopback, with no API key: anyone "
+                    "who can reach the port can use the server (set --api-key or "
+                    "$TAPER_API_KEY, or bind --h 127.0.0.1)", ", ".join(exposed))
 
 
 async def _wait_until(condition, timeout: float) -> bool:

@@ -33,6 +33,7 @@ from server import streaming, structured_outputs
 from server.anthropic import error_body as anthropic_error_body
 from server.anthropic import is_anthropic_path, register_anthropic
 from server.embeddings import register_embeddings
+from server.limits import Limits
 from server.message_stream import MessageStream
 from server.reasoning import ReasoningSplitter, prompt_opens_reasoning
 from server.tool_calls import ChatTools, chat_tools, template_call_ids
@@ -40,7 +41,7 @@ from server.tool_grammar import strict_call_constraint, tool_call_constraint
 from server.logprobs import prompt_text_offsets, token_text
 from server.metrics import Metrics
 from server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
-                             DetokenizeRequest, TokenizeRequest, parse_json_body, parse_request)
+                             DetokenizeRequest, TokenizeRequest)
 from server.responses import register_responses
 from server.ui import is_ui_path, register_ui
 
@@ -51,13 +52,13 @@ log = logging.getLogger("taper.server")
 class ServerSettings:
     served_model_names: list[str]
     api_key: str | None = None
-    max_queued_requests: int | None = None   # waiting requests before new ones get 429
+    max_queued_requests: int | None = None   # waiting sequences before new requests get 429
     max_gen_tokens: int | None = None        # cap on the default max_tokens
     sampling_defaults: dict = field(default_factory=dict)  # server flags over generation_config
     chat_template: str | None = None         # --chat-template, over the tokenizer's
     trust_request_chat_template: bool = False  # a template is code: clients may not send one
-    max_body_bytes: int = 32 * 2**20
-    cors_origins: list[str] = field(default_factory=lambda: ["*"])
+    limits: Limits = field(default_factory=Limits)   # what one request may ask (server/limits.py)
+    cors_origins: list[str] = field(default_factory=list)   # none: no browser origin may call
     responses_store_size: int = 1000         # stored Responses API responses, oldest dropped
     structured_outputs_timeout: float = 5.0  # seconds a grammar may take to compile
     tool_parser: str | None = None           # --enforce-parser; else chosen for the model
@@ -134,6 +135,12 @@ def taper_version() -> str:
         return "unknown"
 
 
+def is_json(mimetype: str) -> bool:
+    """application/json, or a JSON-based type (application/...+json)."""
+    return mimetype == "application/json" or (mimetype.startswith("application/")
+                                              and mimetype.endswith("+json"))
+
+
 def _json(obj, status: int = 200) -> Response:
     return Response(json.dumps(obj, ensure_ascii=False), status=status,
                     content_type="application/json")
@@ -168,7 +175,7 @@ def create_app(engine, settings: ServerSettings) -> Quart:
     app.taper = state
     # Generation can take longer than Quart's 60 s default, streaming or not.
     app.config["RESPONSE_TIMEOUT"] = None
-    app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
+    app.config["MAX_CONTENT_LENGTH"] = settings.limits.max_body_bytes
     created = int(time.time())
 
     @app.errorhandler(APIError)
@@ -181,7 +188,7 @@ def create_app(engine, settings: ServerSettings) -> Quart:
         message = f"{e.name}: {request.method} {request.path}"
         if e.code == 413:
             message = (f"{e.name}: the request body is larger than this server accepts "
-                       f"({settings.max_body_bytes} bytes)")
+                       f"({settings.limits.max_body_bytes} bytes, --max-request-mb)")
         return _error(APIError(message, status=e.code, type=kind))
 
     @app.errorhandler(Exception)
@@ -224,6 +231,16 @@ def create_app(engine, settings: ServerSettings) -> Quart:
                                    "<key>' or 'x-api-key: <key>'", status=401,
                                    code="invalid_api_key",
                                    headers={"WWW-Authenticate": "Bearer"}))
+        return None
+
+    @app.before_request
+    async def _json_only():
+        # A web page can POST text/plain (or a body with no type) to any origin without a CORS
+        # preflight: such a request must not run, whether or not the page may read the answer.
+        if request.method == "POST" and not is_json(request.mimetype):
+            return _error(APIError(f"Content-Type must be application/json (got "
+                                   f"{request.content_type or 'none'})", status=415,
+                                   code="unsupported_media_type"))
         return None
 
     @app.after_request
@@ -269,15 +286,23 @@ def create_app(engine, settings: ServerSettings) -> Quart:
         return _json(model_card(state.resolve_model(name)))
 
     async def read_request(cls):
-        body = parse_json_body(await request.get_data())
-        req = parse_request(cls, body)
+        req = settings.limits.read_request(await request.get_data(), cls)
         engine = state.ready_engine()
         return req, state.resolve_model(req.model), engine
 
-    def check_queue(engine, num_new: int = 1):
+    def check_queue(engine, num_new: int = 1, param: str = "n"):
+        """429 while the waiting sequences and the `num_new` a request brings (its prompts x n,
+        or beams) pass --max-queued-requests; 400 naming `param` for a request that alone
+        passes it."""
         limit = settings.max_queued_requests
-        if limit is not None and engine.num_queued_requests() + num_new > limit:
-            raise APIError(f"Too many requests are waiting ({limit}); retry shortly",
+        if limit is None:
+            return
+        if num_new > limit:
+            raise APIError(f"{param}: this request runs {num_new} sequences, more than this "
+                           f"server lets wait ({limit}, --max-queued-requests)", param=param,
+                           code="too_many_sequences")
+        if engine.num_queued_sequences() + num_new > limit:
+            raise APIError(f"Too many requests are waiting ({limit} sequences); retry shortly",
                            status=429, type="rate_limit_error", code="queue_full",
                            headers={"Retry-After": "1"})
 
@@ -377,7 +402,7 @@ def create_app(engine, settings: ServerSettings) -> Quart:
         await structured_outputs.prepare(engine, req, [params], settings,
                                          tool_constraint(engine, req, tools),
                                          "tools" if tools.choice == "auto" else "tool_choice")
-        check_queue(engine)
+        check_queue(engine, req.fan_out()[0])
         info = streaming.ResponseInfo(streaming.random_id("chatcmpl"), model,
                                       "chat.completion.chunk", stream=req.stream,
                                       include_usage=req.include_usage())
@@ -439,7 +464,7 @@ def create_app(engine, settings: ServerSettings) -> Quart:
         batch_ids = await off_loop(tokenize_batch, param="prompt")
         params_list = [fit_context(engine, req, len(ids), "prompt") for ids in batch_ids]
         await structured_outputs.prepare(engine, req, params_list, settings)
-        check_queue(engine, len(prompts))
+        check_queue(engine, req.fan_out()[0])
         echo, echo_tokens = None, None
         if req.echo:
             echo = [p if isinstance(p, str) else tok.decode(p) for p in prompts]
@@ -464,7 +489,7 @@ def create_app(engine, settings: ServerSettings) -> Quart:
             return await streaming.fold_completion(info, chunks, len(prompts) * req.n)
         return await respond(info, chunks, fold)
 
-    register_embeddings(app, state)
+    register_embeddings(app, state, check_queue)
 
     @app.post("/tokenize")
     async def tokenize():

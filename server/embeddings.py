@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
-from typing import Literal
+from typing import ClassVar, Literal
 
 import numpy as np
 from pydantic import Field, field_validator
@@ -18,13 +18,13 @@ from quart import Response, request
 
 from engine.sampling.pooling import PoolingParams
 from server import streaming
-from server.protocol import APIError, _Request, parse_json_body, parse_request
-
-MAX_INPUTS = 2048      # OpenAI's limit on the inputs of one request (a token-id input's length is
-                       # bounded by the model's context instead)
+from server.protocol import APIError, _Request
 
 
 class EmbeddingRequest(_Request):
+    # inputs: --max-prompts, 2048 by default as OpenAI's (a token-id input's length is bounded
+    # by the model's context instead)
+    limited_fields: ClassVar[dict[str, str]] = {"input": "prompts"}
     model: str | None = None
     input: str | list[str] | list[int] | list[list[int]]
     encoding_format: Literal["float", "base64"] | None = None     # None (or null): float
@@ -39,8 +39,6 @@ class EmbeddingRequest(_Request):
         if isinstance(v, list):
             if not v:
                 raise ValueError("must not be an empty array")
-            if not isinstance(v[0], int) and len(v) > MAX_INPUTS:   # inputs, not token ids
-                raise ValueError(f"must have at most {MAX_INPUTS} inputs, got {len(v)}")
             if any(x == "" or x == [] for x in v):
                 raise ValueError("must not hold empty strings or empty token arrays")
             flat = [t for x in v for t in x] if isinstance(v[0], list) else v
@@ -66,8 +64,9 @@ def encode(vector: np.ndarray, encoding_format: str):
     return vector.tolist()
 
 
-def register_embeddings(app, state) -> None:
-    """Adds POST /v1/embeddings to `app`, served from `state` (server/app.py's ServerState)."""
+def register_embeddings(app, state, check_queue) -> None:
+    """Adds POST /v1/embeddings to `app`, served from `state` (server/app.py's ServerState);
+    `check_queue` is create_app's, each input counting one sequence."""
     settings = state.settings
 
     async def tokenize(engine, inputs: list) -> list[list[int]]:
@@ -94,11 +93,7 @@ def register_embeddings(app, state) -> None:
                                                       engine.model_config.hidden_size)
             if problem:
                 raise APIError(problem, param="dimensions", code="invalid_value")
-        limit = settings.max_queued_requests
-        if limit is not None and engine.num_queued_requests() + len(batch_ids) > limit:
-            raise APIError(f"Too many requests are waiting ({limit}); retry shortly",
-                           status=429, type="rate_limit_error", code="queue_full",
-                           headers={"Retry-After": "1"})
+        check_queue(engine, len(batch_ids), param="input")
 
     async def embed_one(engine, request_id: str, ids: list[int], params: PoolingParams):
         timing = state.metrics.request()
@@ -117,7 +112,7 @@ def register_embeddings(app, state) -> None:
 
     @app.post("/v1/embeddings")
     async def create_embeddings():
-        req = parse_request(EmbeddingRequest, parse_json_body(await request.get_data()))
+        req = settings.limits.read_request(await request.get_data(), EmbeddingRequest)
         engine = state.ready_engine()
         model = state.resolve_model(req.model)
         batch_ids = await tokenize(engine, req.inputs())

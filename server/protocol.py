@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import (BaseModel, ConfigDict, Field, ValidationError, field_validator,
                       model_validator)
@@ -92,6 +92,9 @@ def parse_json_body(raw: bytes) -> dict:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise APIError(f"Request body is not valid JSON: {e}", code="invalid_json") from None
+    except RecursionError:        # server/limits.py's depth check comes first; this backs it up
+        raise APIError("The request body is nested too deeply to parse",
+                       code="json_too_deep") from None
     if not isinstance(body, dict):
         raise APIError("Request body must be a JSON object", code="invalid_json")
     return body
@@ -103,9 +106,15 @@ class _Request(BaseModel):
     # Unknown fields are accepted and ignored (parse_request logs them), as OpenAI-compatible
     # servers commonly do.
     model_config = ConfigDict(extra="allow")
+    # Lists server/limits.py bounds before validation: field name -> "messages", "prompts", "stop"
+    limited_fields: ClassVar[dict[str, str]] = {}
 
     def check_supported(self):
         """Refuse valid fields whose feature this server does not have (yet)."""
+
+    def fan_out(self) -> tuple[int, str]:
+        """The sequences this request runs, and how they come (for the limit's message)."""
+        return 1, "1 sequence"
 
 
 class StreamOptions(BaseModel):
@@ -115,6 +124,7 @@ class StreamOptions(BaseModel):
 
 
 class _SamplingRequest(_Request):
+    limited_fields: ClassVar[dict[str, str]] = {"stop": "stop"}
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
@@ -177,6 +187,16 @@ class _SamplingRequest(_Request):
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
+
+    def sequences_per_prompt(self) -> tuple[int, str]:
+        """n choices, or with beam search best_of beams (n when it is not given)."""
+        if self.use_beam_search:
+            return max(self.best_of or self.n, self.n), "beams"
+        return self.n, "choices"
+
+    def fan_out(self) -> tuple[int, str]:
+        count, kind = self.sequences_per_prompt()
+        return count, f"{count} {kind}"
 
     def output_logprobs(self) -> int | None:
         """Top logprobs per output token the engine computes (None: no logprobs)."""
@@ -324,6 +344,7 @@ def _template_tool_call(call: dict, where: str) -> dict:
 
 class _ChatInput(_Request):
     """Messages and the chat-template controls: chat completions and /tokenize share them."""
+    limited_fields: ClassVar[dict[str, str]] = {"messages": "messages"}
     messages: list[ChatMessage] | None = None
     # vLLM-style extensions
     add_generation_prompt: bool = True
@@ -350,6 +371,7 @@ class _ChatInput(_Request):
 
 
 class ChatCompletionRequest(_SamplingRequest, _ChatInput):
+    limited_fields: ClassVar[dict[str, str]] = {"messages": "messages", "stop": "stop"}
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
@@ -377,6 +399,7 @@ class ChatCompletionRequest(_SamplingRequest, _ChatInput):
 # ---- /v1/completions
 
 class CompletionRequest(_SamplingRequest):
+    limited_fields: ClassVar[dict[str, str]] = {"prompt": "prompts", "stop": "stop"}
     prompt: str | list[str] | list[int] | list[list[int]]
     # Top logprobs per token: OpenAI allows 0-5, we allow up to 20 as vLLM does.
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
@@ -413,6 +436,11 @@ class CompletionRequest(_SamplingRequest):
         if self.echo and self.logprobs is not None:
             return max(self.logprobs, self.prompt_logprobs or 0)
         return self.prompt_logprobs
+
+    def fan_out(self) -> tuple[int, str]:
+        count, kind = self.sequences_per_prompt()
+        prompts = len(self.prompts())
+        return prompts * count, f"{prompts} prompts x {count} {kind}"
 
     def prompts(self) -> list[str | list[int]]:
         """The batch: each element a text prompt or a list of token ids."""

@@ -12,7 +12,7 @@ accepted and echoed.
 from __future__ import annotations
 
 import uuid
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field, PrivateAttr, field_validator
 
@@ -29,6 +29,7 @@ def random_item_id(prefix: str) -> str:
 
 
 class CreateResponseRequest(_SamplingRequest, _ChatInput):
+    limited_fields: ClassVar[dict[str, str]] = {"input": "messages"}
     input: str | list[dict]
     instructions: str | None = None
     max_output_tokens: int | None = Field(default=None, ge=1)

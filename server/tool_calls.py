@@ -19,10 +19,11 @@ class ChatTools:
 
 
 def chat_tools(req, parser_class, mcp_tools: list[dict] | None = None) -> ChatTools:
-    """The request's tools (the MCP servers' when it sends none; `tools: []` opts out),
-    tool_choice and history checked; 400 when tools are asked for and the model has no parser."""
+    """The request's tools (the MCP servers' when it sends none and the model has a parser to
+    read calls with; `tools: []` opts out), tool_choice and history checked; 400 when the
+    request asks for tools and the model has no parser."""
     tools = request_tools(req.tools, req.functions)
-    if tools is None and mcp_tools:
+    if tools is None and mcp_tools and parser_class is not None:
         tools = mcp_tools
     choice = request_tool_choice(req.tool_choice, req.function_call, tools)
     check_history(req.messages)

@@ -40,11 +40,12 @@ def free_port() -> int:
 # ---- raw HTTP helpers (the SDK hides the wire; these see it)
 
 def http_response(port: int, method: str, path: str, body=None, raw: bytes | None = None,
-                  headers: dict | None = None) -> tuple[int, dict, bytes]:
+                  headers: dict | None = None,
+                  content_type: str | None = "application/json") -> tuple[int, dict, bytes]:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
     data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
-    conn.request(method, path, body=data,
-                 headers={"Content-Type": "application/json", **(headers or {})})
+    sent = {} if content_type is None else {"Content-Type": content_type}
+    conn.request(method, path, body=data, headers={**sent, **(headers or {})})
     resp = conn.getresponse()
     payload = resp.read()
     conn.close()
@@ -197,7 +198,7 @@ class FakeEngine:
     generation_defaults: dict = {}
     queued = 0
 
-    def num_queued_requests(self):
+    def num_queued_sequences(self):
         return self.queued
 
     def stats(self):
@@ -301,16 +302,17 @@ runpy.run_module("server", run_name="__main__", alter_sys=True)
 
 class LiveServer:
     """`python -m server` on a port of its own, its output in `log_path`; `model_dir` None gives no
-    --w (the flags name the model), `env` adds to the environment it inherits."""
+    --w (the flags name the model), `host` None no --h (the default bind), `env` adds to the
+    environment it inherits."""
 
     def __init__(self, tmp: Path, model_dir: str | None, *flags: str, wait_ready: bool = True,
-                 env: dict | None = None):
+                 env: dict | None = None, host: str | None = "127.0.0.1"):
         self.port, self.model_dir = free_port(), model_dir
         self.log_path = tmp / f"server-{self.port}.log"
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(
             [sys.executable, "-c", SERVER_WRAPPER, *(["--w", model_dir] if model_dir else []),
-             "--p", str(self.port), "--h", "127.0.0.1", "--cpu", *flags],
+             "--p", str(self.port), *(["--h", host] if host else []), "--cpu", *flags],
             cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT,
             env=None if env is None else {**os.environ, **env})
         if wait_ready:

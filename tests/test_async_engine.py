@@ -89,3 +89,22 @@ def test_shutdown_fails_open_streams_and_refuses_new_ones(tmp_path):
         with pytest.raises(RuntimeError, match="not running"):
             engine.add_request("late", [5], GREEDY)
     asyncio.run(run())
+
+
+def test_queued_sequences_count_choices_forks_beams_and_requests_on_their_way(tmp_path):
+    """What --max-queued-requests counts: every sequence not yet running, so a request's n
+    choices (or beams) count n, whether still on the command queue, waiting, or waiting to fork
+    from choice 0."""
+    engine = AsyncEngine(EngineConfig(model=tiny_checkpoint(tmp_path, "llama"), num_kv_blocks=64,
+                                      block_size=8))
+    engine.shutdown()             # the engine thread stopped: its state changes only here
+    core = engine.engine
+    core.add_request("a", [5, 6, 7], SamplingParams(n=4, max_tokens=4))   # 1 waits, 3 forks
+    # a beam search waits as 1 sequence: its beams fork once it runs
+    core.add_request("b", [5, 6, 7], SamplingParams(n=2, best_of=3, use_beam_search=True,
+                                                    max_tokens=4))
+    assert (core.scheduler.num_waiting, len(core.requests["a"].forks)) == (2, 3)
+    engine._commands.put(("add", "c", [1], SamplingParams(n=5)))
+    engine._commands.put(("add", "d", [1], SamplingParams(best_of=6, use_beam_search=True)))
+    engine._commands.put(("abort", "a"))
+    assert engine.num_queued_sequences() == 4 + 1 + 5 + 6

@@ -123,7 +123,7 @@ def test_dimensions(ckpt_dirs, servers):
     ({"input": [[5, 6], [5, 10**6]]}, "input", "invalid_value"),  # one bad input of a batch
     ({"input": list(range(3, 3 + MAX_MODEL_LEN + 1))}, "input", "context_length_exceeded"),
     ({"input": ["hi", "hello " * 80]}, "input", "context_length_exceeded"),
-    ({"input": ["hi"] * 2049}, "input", "invalid_value"),         # OpenAI's 2048 inputs
+    ({"input": ["hi"] * 2049}, "input", "array_above_max_length"),  # --max-prompts: 2048
     ({"input": "hi", "encoding_format": "hex"}, "encoding_format", "invalid_value"),
     ({"input": "hi", "dimensions": 0}, "dimensions", "invalid_value"),
     ({}, "input", "missing_required_parameter"),

@@ -27,6 +27,7 @@ pytestmark = pytest.mark.timeout(300)
 
 def test_cli_flags():
     from server.__main__ import build_parser
+    from server.limits import Limits
     p = build_parser()
     a = p.parse_args(["--h", "127.0.0.1", "--p", "8080", "--w", "/m", "--mem", "64",
                       "--disable-prefix-cache", "--cpu", "--served-model-name", "a", "b"])
@@ -50,9 +51,20 @@ def test_cli_flags():
         0.25, None, 512)
     settings = server_settings(a, config)
     assert (settings.served_model_names, settings.max_gen_tokens, settings.max_queued_requests,
-            settings.sampling_defaults, settings.api_key, settings.max_body_bytes,
+            settings.sampling_defaults, settings.api_key, settings.limits.max_body_bytes,
             settings.cors_origins) == (["/m"], 100, 7, {"temperature": 0.7, "top_k": 40}, "k",
                                        2**20, ["http://a"])
+    a = p.parse_args(["--w", "/m", "--max-json-depth", "8", "--max-messages", "9",
+                      "--max-prompts", "10", "--max-request-sequences", "11",
+                      "--max-stop-strings", "12", "--max-stop-length", "13"])
+    limits = server_settings(a, engine_config(a)).limits
+    assert (limits.max_json_depth, limits.max_messages, limits.max_prompts,
+            limits.max_request_sequences, limits.max_stop_strings, limits.max_stop_length) == (
+        8, 9, 10, 11, 12, 13)
+    # safe defaults: this machine only, no browser origin, the limits' defaults
+    a = p.parse_args(["--w", "/m"])
+    settings = server_settings(a, engine_config(a))
+    assert (a.host, settings.cors_origins, settings.limits) == ("127.0.0.1", [], Limits())
     a = p.parse_args(["--gpu-memory-fraction", "0.5", "--mem", "128"])
     assert (a.kv_fraction, a.kvcache_mem) == (0.5, 128)     # the engine lets --mem win
     with pytest.raises(SystemExit):
@@ -212,6 +224,8 @@ def test_live_tokenize_matches_an_independent_tokenizer(live):
     (["--kvcache-dtype", "bf16"], "a bf16 KV cache is not yet supported on the CPU backend"),
     (["--temperature", "-1"], "--temperature must be in [0, 100]"),
     (["--max-queued-requests", "0"], "--max-queued-requests must be at least 1"),
+    (["--max-json-depth", "0"], "--max-json-depth must be at least 1"),
+    (["--max-stop-length", "-1"], "--max-stop-length must be at least 1"),
     (["--chat-template", "/no/such/template.jinja"], "/no/such/template.jinja"),
     (["--device-ids", "0", "1"], "--device-ids: several GPUs (tensor parallelism) are not yet"),
     (["--device-ids", "0"], "--device-ids: no CUDA device is usable here (or --cpu was given)"),

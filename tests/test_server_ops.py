@@ -11,6 +11,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from server.app import ServerSettings, create_app
+from server.limits import Limits
 from server_fakes import (CHAT, FakeEngine, ThreadedServer, assert_error, client_for,
                           http_response, post_json)
 
@@ -89,7 +90,7 @@ def test_api_key_guards_every_route_but_health(serve):
 
 
 def test_cors(serve):
-    port = serve(FakeEngine(), api_key="k").port
+    port = serve(FakeEngine(), api_key="k", cors_origins=["*"]).port
     asked = "authorization, content-type, x-stainless-os"      # what openai-node sends
     status, h, _ = http_response(port, "OPTIONS", "/v1/chat/completions", headers={
         "Origin": "http://ui.example", "Access-Control-Request-Method": "POST",
@@ -107,13 +108,97 @@ def test_cors(serve):
     _, h, _ = http_response(port, "GET", "/v1/models", headers={"Origin": "http://evil.example"})
     assert "access-control-allow-origin" not in h
 
+    port = serve(FakeEngine()).port            # the default: no origin
+    for method in ("OPTIONS", "GET"):
+        _, h, _ = http_response(port, method, "/v1/models", headers={
+            "Origin": "http://ui.example", "Access-Control-Request-Method": "GET"})
+        assert not [k for k in h if k.startswith("access-control-")], h
+
+
+def test_a_post_that_is_not_json_is_415(serve):
+    port = serve(FakeEngine()).port
+    body = json.dumps(CHAT).encode()
+    for ctype in ("text/plain", "multipart/form-data; boundary=x", "application/jsonx", None):
+        headers = {} if ctype is None else {"Content-Type": ctype}
+        status, h, payload = http_response(port, "POST", "/v1/chat/completions", raw=body,
+                                           headers=headers, content_type=None)
+        assert_error(status, json.loads(payload), 415, None, "unsupported_media_type")
+        assert (ctype or "none") in json.loads(payload)["error"]["message"]
+    for ctype in ("application/json", "Application/JSON; charset=utf-8",
+                  "application/vnd.api+json"):
+        status, _, payload = http_response(port, "POST", "/v1/chat/completions", raw=body,
+                                           headers={"Content-Type": ctype})
+        assert status == 200, (ctype, payload)
+    assert http_response(port, "GET", "/v1/models", content_type=None)[0] == 200
 
 def test_body_size_limit(serve):
-    port = serve(FakeEngine(), max_body_bytes=4096).port
+    port = serve(FakeEngine(), limits=Limits(max_body_bytes=4096)).port
     big = {**CHAT, "messages": [{"role": "user", "content": "x" * 5000}]}
     status, _, payload = http_response(port, "POST", "/v1/chat/completions", big)
     assert_error(status, json.loads(payload), 413, None)
     assert post_json(port, "/v1/chat/completions", CHAT)[0] == 200      # still serving
+
+
+SMALL = Limits(max_json_depth=5, max_messages=2, max_prompts=2, max_request_sequences=4,
+               max_stop_strings=2, max_stop_length=5)
+HI = {"role": "user", "content": "Hi"}
+
+
+@pytest.mark.parametrize("path, body, param, named", [
+    ("/v1/chat/completions", {**CHAT, "messages": [HI] * 3}, "messages", "2 (--max-messages)"),
+    ("/tokenize", {"messages": [HI] * 3}, "messages", "2 (--max-messages)"),
+    ("/v1/responses", {"input": [HI] * 3}, "input", "2 (--max-messages)"),
+    ("/v1/completions", {"prompt": ["a", "b", "c"]}, "prompt", "2 (--max-prompts)"),
+    ("/v1/completions", {"prompt": [[1], [2], [3]]}, "prompt", "2 (--max-prompts)"),
+    ("/v1/embeddings", {"input": ["a", "b", "c"]}, "input", "2 (--max-prompts)"),
+    ("/v1/completions", {"prompt": ["a", "b"], "n": 3}, "n",
+     "2 prompts x 3 choices = 6 sequences; this server allows at most 4 a request "
+     "(--max-request-sequences)"),
+    ("/v1/chat/completions", {**CHAT, "n": 5}, "n", "4 a request (--max-request-sequences)"),
+    ("/v1/chat/completions", {**CHAT, "use_beam_search": True, "best_of": 5}, "n",
+     "5 beams = 5 sequences"),
+    ("/v1/chat/completions", {**CHAT, "stop": ["a", "b", "c"]}, "stop",
+     "2 (--max-stop-strings)"),
+    ("/v1/completions", {"prompt": "x", "stop": "abcdef"}, "stop", "5 (--max-stop-length)"),
+    ("/v1/completions", {"prompt": "x", "stop": ["a", "abcdef"]}, "stop[1]",
+     "5 (--max-stop-length)"),
+    ("/v1/completions", {"prompt": [[[[["x"]]]]]}, None, "nested 6 levels deep; this server "
+     "allows at most 5 (--max-json-depth)"),
+])
+def test_request_limits_name_the_limit_and_its_flag(serve, path, body, param, named):
+    port = serve(FakeEngine(), limits=SMALL).port
+    status, reply = post_json(port, path, body)
+    assert_error(status, reply, 400, param)
+    assert named in reply["error"]["message"], reply
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/chat/completions", {**CHAT, "messages": [HI] * 2, "stop": ["a", "abcde"]}),
+    ("/v1/completions", {"prompt": ["a", "b"], "max_tokens": 2}),
+    ("/v1/completions", {"prompt": list(range(1, 50)), "max_tokens": 2}),   # one prompt of ids
+    ("/v1/completions", {"prompt": "[[[[[[[[", "max_tokens": 2, "x": [[[{"y": "]]]"}]]]}),
+    ("/tokenize", {"messages": [HI] * 2}),
+])
+def test_requests_at_the_limits_are_served(serve, path, body):
+    port = serve(FakeEngine(), limits=SMALL).port
+    status, reply = post_json(port, path, body)
+    assert status == 200, reply
+
+
+def test_fan_out_at_the_limit_is_read():
+    from server.protocol import ChatCompletionRequest, CompletionRequest
+    raw = json.dumps({"prompt": ["a", "b"], "n": 2}).encode()
+    assert SMALL.read_request(raw, CompletionRequest).fan_out() == (4, "2 prompts x 2 choices")
+    raw = json.dumps({**CHAT, "n": 2, "best_of": 4, "use_beam_search": True}).encode()
+    assert SMALL.read_request(raw, ChatCompletionRequest).fan_out() == (4, "4 beams")
+
+
+def test_json_nested_past_the_parser_is_a_400(serve):
+    """Without the depth limit's check, json's own recursion limit is a 400 too, not a 500."""
+    port = serve(FakeEngine(), limits=Limits(max_json_depth=10**6)).port
+    status, _, payload = http_response(port, "POST", "/v1/completions",
+                                       raw=b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}")
+    assert_error(status, json.loads(payload), 400, None, "json_too_deep")
 
 
 def test_queue_limit_is_429_with_retry_after(serve):
@@ -129,6 +214,23 @@ def test_queue_limit_is_429_with_retry_after(serve):
     engine.queued = 1
     assert post_json(port, "/v1/chat/completions", CHAT)[0] == 200
     status, body = post_json(port, "/v1/completions", {"prompt": ["a", "b"]})   # 1 + 2 > 2
+    assert_error(status, body, 429, None, "queue_full")
+    # a request counts its sequences: prompts x n
+    status, body = post_json(port, "/v1/chat/completions", {**CHAT, "n": 2})     # 1 + 2 > 2
+    assert_error(status, body, 429, None, "queue_full")
+    status, body = post_json(port, "/v1/completions", {"prompt": "x", "n": 2})
+    assert_error(status, body, 429, None, "queue_full")
+    engine.queued = 0
+    assert post_json(port, "/v1/completions", {"prompt": ["a", "b"]})[0] == 200
+    status, body = post_json(port, "/v1/completions", {"prompt": ["a", "b"], "n": 2})
+    assert_error(status, body, 400, "n", "too_many_sequences")   # could never wait: not a 429
+    assert "4 sequences" in body["error"]["message"]
+    assert "--max-queued-requests" in body["error"]["message"]
+    # embeddings: each input a sequence
+    status, body = post_json(port, "/v1/embeddings", {"input": ["a", "b", "c"]})
+    assert_error(status, body, 400, "input", "too_many_sequences")
+    engine.queued = 1
+    status, body = post_json(port, "/v1/embeddings", {"input": ["a", "b"]})
     assert_error(status, body, 429, None, "queue_full")
 
 

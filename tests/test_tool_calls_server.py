@@ -99,7 +99,7 @@ class ScriptedEngine:
     def abort(self, request_id):
         pass
 
-    def num_queued_requests(self):
+    def num_queued_sequences(self):
         return 0
 
     def stats(self):
@@ -328,6 +328,19 @@ def test_mcp_tools_are_offered_to_requests_without_tools(serve, tokenizer):
     assert "get_time" in tokenizer.decode(p1, skip_special_tokens=False)
     assert "TOOLS" not in tokenizer.decode(p2, skip_special_tokens=False)
     assert injected.usage.prompt_tokens > opted_out.usage.prompt_tokens
+
+
+def test_mcp_tools_without_a_parser_leave_tool_less_requests_alone(serve, tokenizer):
+    """With --mcp-config and a model without a tool parser, a request without tools is plain chat
+    (it was a 400 blaming `tools`, which it never sent); one with tools is still refused."""
+    mcp = types.SimpleNamespace(tools=lambda: [TIME])
+    client, engine, _ = serve(None, "plain text", architecture="UnknownForCausalLM", mcp=mcp)
+    answer = client.chat.completions.create(model="m", messages=ASK)
+    assert answer.choices[0].message.content == "plain text"
+    (prompt, _), = engine.requests.values()
+    assert "get_time" not in tokenizer.decode(prompt, skip_special_tokens=False)
+    with pytest.raises(openai.BadRequestError, match="--enforce-parser"):
+        client.chat.completions.create(model="m", messages=ASK, tools=TOOLS)
 
 
 def test_cut_off_while_reasoning(serve):

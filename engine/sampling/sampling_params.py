@@ -85,6 +85,11 @@ class SamplingParams:
         return self.best_of or self.n
 
     @property
+    def num_sequences(self) -> int:
+        """The sequences the request runs: its n choices, or its beams."""
+        return self.beam_width if self.use_beam_search else self.n
+
+    @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5 or self.top_k == 1
 
