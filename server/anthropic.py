@@ -33,7 +33,7 @@ from quart import Quart, Response, request
 
 from server import streaming, structured_outputs
 from server.anthropic_protocol import CountTokensRequest, MessagesRequest
-from server.protocol import APIError, ChatCompletionRequest, parse_json_body, parse_request
+from server.protocol import APIError, ChatCompletionRequest, parse_request
 from server.tool_calls import chat_tools
 
 log = logging.getLogger("taper.server")
@@ -64,14 +64,15 @@ def error_body(e: APIError) -> dict:
     return {"type": "error", "error": {"type": kind, "message": message}}
 
 
-def register_anthropic(app: Quart, *, check_queue, fit_context, chat_prompt_ids,
+def register_anthropic(app: Quart, *, limits, check_queue, fit_context, chat_prompt_ids,
                        tool_constraint, message_streams):
-    """The routes, on `app`; the helpers are create_app's, shared with the chat route."""
+    """The routes, on `app`; the helpers are create_app's, shared with the chat route, and
+    `limits` the server's request limits (server/limits.py)."""
     state = app.taper
 
     async def read(cls):
         """The request, its chat translation, model, engine, tools and prompt ids."""
-        req = parse_request(cls, parse_json_body(await request.get_data()))
+        req = limits.read_request(await request.get_data(), cls)
         engine = state.ready_engine()
         model = state.resolve_model(req.model)
         chat = parse_request(ChatCompletionRequest, req.chat_body())

@@ -26,7 +26,7 @@ service_tier, output_config.effort, ...) are accepted and ignored.
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -51,6 +51,8 @@ class _AnthropicInput(BaseModel):
     """What both routes take: the conversation, tools and thinking (count_tokens counts the
     prompt that /v1/messages would run for them)."""
     model_config = ConfigDict(extra="allow")
+    # the lists server/limits.py bounds before validation builds anything from them
+    limited_fields: ClassVar[dict[str, str]] = {"messages": "messages", "stop_sequences": "stop"}
     model: str
     messages: list[AnthropicMessage] = Field(min_length=1)
     system: str | list[dict] | None = None
@@ -68,6 +70,10 @@ class _AnthropicInput(BaseModel):
 
     def max_tokens_asked(self) -> int | None:
         return None
+
+    def fan_out(self) -> tuple[int, str]:
+        """One sequence: Anthropic's API has no n (server/limits.py asks every request)."""
+        return 1, "1 sequence"
 
     def chat_body(self) -> dict:
         """The request as the chat route's request body (server/protocol.py's

@@ -518,7 +518,8 @@ def create_app(engine, settings: ServerSettings) -> Quart:
     register_responses(app, read_request=read_request, check_queue=check_queue,
                        fit_context=fit_context, chat_prompt_ids=chat_prompt_ids,
                        tool_constraint=tool_constraint, message_streams=chat_message_streams)
-    register_anthropic(app, check_queue=check_queue, fit_context=fit_context,
+    register_anthropic(app, limits=settings.limits, check_queue=check_queue,
+                       fit_context=fit_context,
                        chat_prompt_ids=chat_prompt_ids, tool_constraint=tool_constraint,
                        message_streams=chat_message_streams)
     return app

@@ -22,6 +22,7 @@ import anthropic
 import pytest
 
 from server.app import ServerSettings, create_app
+from server.limits import Limits
 from server_fakes import ThreadedServer, fake_text, http_response, serve_fake
 from server_fakes import reset_fake  # noqa: F401 (an autouse fixture)
 from test_responses_tools import ToolEngine
@@ -245,6 +246,10 @@ GOOD = {"model": "fake-model", "max_tokens": 4, "messages": ASK}
     ({**GOOD, "mcp_servers": [{"type": "url", "url": "http://x", "name": "x"}]},
      "mcp_servers"),
     ({**GOOD, "output_config": {"format": {"type": "json_object"}}}, "output_config.format"),
+    # the server's limits (server/limits.py) bound these routes too
+    ({**GOOD, "stop_sequences": ["x"] * 17}, "--max-stop-strings"),
+    ({**GOOD, "messages": ASK * 2049}, "--max-messages"),
+    ({**GOOD, "system": json.loads("[" * 70 + "]" * 70)}, "--max-json-depth"),
 ])
 def test_bad_requests_are_invalid_request_errors(fake, body, says):
     status, error = post_error(fake.port, body)
@@ -303,7 +308,7 @@ def test_a_client_that_leaves_aborts_its_request(fake):
 
 
 def test_loading_and_too_large_are_anthropic_errors():
-    server = ThreadedServer(create_app(None, ServerSettings(["m"], max_body_bytes=2000)))
+    server = ThreadedServer(create_app(None, ServerSettings(["m"], limits=Limits(max_body_bytes=2000))))
     try:
         status, error = post_error(server.port, {**GOOD, "model": "m"})
         assert (status, error["type"]) == (503, "overloaded_error")
