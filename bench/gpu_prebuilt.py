@@ -55,11 +55,11 @@ def digest(path: str) -> str:
         return hashlib.sha256(f.read()).hexdigest()
 
 
-def stamp(build_dir: str) -> dict:
-    """BUILD.json for the extensions in build_dir/pyx, built from ROOT's sources."""
+def stamp(build_dir: str, root: str = ROOT) -> dict:
+    """BUILD.json for the extensions in build_dir/pyx, built from root's sources."""
     import numpy
     try:
-        commit = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short=12", "HEAD"],
+        commit = subprocess.run(["git", "-C", root, "rev-parse", "--short=12", "HEAD"],
                                 capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         commit = "unknown"
@@ -71,7 +71,7 @@ def stamp(build_dir: str) -> dict:
         "cuda_archs": os.environ.get("TAPER_CUDA_ARCHS", ""),
         "extensions": sorted(os.path.basename(p)
                              for p in glob.glob(os.path.join(build_dir, "pyx", "*.so"))),
-        "sources": {rel: digest(os.path.join(ROOT, rel)) for rel in sources(ROOT)},
+        "sources": {rel: digest(os.path.join(root, rel)) for rel in sources(root)},
     }
     with open(os.path.join(build_dir, "BUILD.json"), "w") as f:
         json.dump(info, f, indent=1)
