@@ -5,7 +5,8 @@
 # huggingface_hub, jinja2, prometheus_client, anyio, aiofiles, click, h11, werkzeug, pytest,
 # pytest-timeout, threadpoolctl, tqdm, sentencepiece, pyyaml, requests, psutil. Carried here:
 #
-#   nvidia-cutlass       CUTLASS's headers for the build of cutlass_ext/ (read by setup.py)
+#   nvidia-cutlass       CUTLASS's headers, for gpu_check.sh's fallback build on the GPU machine
+#                        where the prebuilt extensions (bench/gpu_build.sh) do not apply
 #   gguf                 GGUF reading and quantization types (engine, tests/gpu, bench.kernels)
 #   compressed-tensors   packs the int4 test fixtures; needs loguru and pydantic
 #   pydantic (+ pydantic-core, annotated-types, typing-inspection, typing-extensions)
