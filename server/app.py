@@ -56,6 +56,7 @@ class ServerSettings:
     max_body_bytes: int = 32 * 2**20
     cors_origins: list[str] = field(default_factory=lambda: ["*"])
     responses_store_size: int = 1000         # stored Responses API responses, oldest dropped
+    responses_store_bytes: int = 128 * 2**20  # and their size as JSON, oldest dropped
     structured_outputs_timeout: float = 5.0  # seconds a grammar may take to compile
     tool_parser: str | None = None           # --enforce-parser; else chosen for the model
     model_notice: str | None = None          # one line clients show beside the model (the demo's)

@@ -12,12 +12,13 @@ becomes a `function_call` item (output_item.added, function_call_arguments.delta
 function_call_arguments.done, output_item.done).
 
 Responses with `store` (the default) are kept in a bounded in-memory store
-(server/responses_store.py, `--responses-store-size`) for GET and `previous_response_id`.
+(server/responses_store.py, `--responses-store-size` entries and `--responses-store-mb`) for GET
+and `previous_response_id`.
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
-import copy
 import json
 import logging
 import time
@@ -29,7 +30,7 @@ from server import streaming, structured_outputs
 from server.message_stream import MessageStream
 from server.protocol import APIError, _template_tool_call, not_supported
 from server.responses_protocol import CreateResponseRequest, input_messages, random_item_id
-from server.responses_store import ResponseStore, StoredResponse
+from server.responses_store import ResponseStore, StoredResponse, entry_bytes
 from server.responses_tools import call_ids, echoed_tools, response_tools
 
 log = logging.getLogger("taper.server")
@@ -39,7 +40,8 @@ def register_responses(app: Quart, *, read_request, check_queue, fit_context, ch
                        tool_constraint, message_streams):
     """The routes, on `app`; the helpers are create_app's, shared with the chat route."""
     state = app.taper
-    store = ResponseStore(state.settings.responses_store_size)
+    store = ResponseStore(state.settings.responses_store_size,
+                          state.settings.responses_store_bytes)
     app.taper_responses = store
 
     def not_found(response_id: str, param: str | None = None) -> APIError:
@@ -207,7 +209,10 @@ class ResponseBuilder:
         return ev
 
     def lifecycle(self, kind: str) -> dict:
-        return self.event(kind, response=copy.deepcopy(self.response))
+        # The response as it is now. Only its top-level fields and its output list change later
+        # (closed output items are never edited), so a shallow copy freezes it; a deep copy
+        # would copy the echoed tools, which may be megabytes, for each lifecycle event.
+        return self.event(kind, response={**self.response, "output": list(self.response["output"])})
 
     def failed(self, error: APIError) -> dict:
         self.response.update(status="failed", error={"code": "server_error",
@@ -385,8 +390,12 @@ async def _store_when_done(events: AsyncIterator[dict], store: ResponseStore,
         async for ev in events:
             if ev["type"] in ("response.completed", "response.incomplete"):
                 response = ev["response"]
-                store.put(StoredResponse(response, input_items,
-                                         turns + [_assistant_turn(response["output"])]))
+                entry = StoredResponse(response, input_items,
+                                       turns + [_assistant_turn(response["output"])])
+                # weighing it is linear in its size (the echoed tools may be megabytes)
+                entry.num_bytes = await asyncio.to_thread(
+                    entry_bytes, entry.response, entry.input_items, entry.conversation)
+                store.put(entry)
             yield ev
 
 
