@@ -81,6 +81,9 @@ async def engine_outputs(engine, request_id: str, prompt_ids: list[int], params,
 
 
 def _check_output(out: RequestOutput):
+    if out.finish_reason == "error" and out.error_param is not None:   # the request's fault
+        raise APIError(out.error or "invalid request", param=out.error_param,
+                       code="invalid_value")
     if out.finish_reason == "error":
         raise APIError(f"The engine failed on this request: {out.error or 'unknown error'}",
                        status=500, type="server_error", code="engine_error")

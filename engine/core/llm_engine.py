@@ -260,9 +260,8 @@ class LLMEngine:
             if seq.is_finished:
                 continue
             if not StructuredOutputs.advance(seq, token):
-                # the mask allowed it: a matcher and mask that disagree are a bug
-                outputs += self.requests.fail(seq, RuntimeError(
-                    f"token {token} is outside the request's grammar"))
+                # its grammar failed (a limit of the library), or a bug: mask and matcher differ
+                outputs += self.requests.fail(seq, StructuredOutputs.refusal(seq, token))
                 continue
             seq.append_token(token)
             self.num_generation_tokens += 1
