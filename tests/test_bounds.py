@@ -149,3 +149,103 @@ def test_grammar_compiles_are_bounded_and_free_their_threads(demo_engine):
         with pytest.raises(ValueError, match="too complex"):
             f.result(timeout=60)
     assert time.monotonic() - t0 < 30
+
+
+# ---- 3. a client that does not read pauses its request, then loses it
+
+@pytest.fixture(scope="module")
+def paced_engine(demo_dir):
+    """The demo engine with a small stream buffer and a short stall timeout."""
+    from engine import AsyncEngine, EngineConfig
+    engine = AsyncEngine(EngineConfig(model=demo_dir, backend="cpu", num_kv_blocks=1024,
+                                      block_size=16, max_model_len=4096),
+                         stream_buffer=4, stall_timeout=2.0)
+    yield engine
+    engine.shutdown()
+
+
+def output_tokens(engine, request_id: str) -> list[int]:
+    """Tokens generated so far by each live choice of the request (read from this thread)."""
+    request = engine.engine.requests.get(request_id)
+    return [] if request is None else [s.num_output_tokens for s in list(request.seqs)]
+
+
+def test_a_reader_that_stops_pauses_its_request(paced_engine):
+    import asyncio
+    from engine import SamplingParams
+    engine = paced_engine
+    params = SamplingParams(max_tokens=600, ignore_eos=True, temperature=0, n=2)
+
+    async def run():
+        stream = engine.add_request("slow", list(range(3, 40)), params)
+        await anext(stream)
+        await asyncio.sleep(0.8)                  # not reading: the engine must stop soon
+        held = output_tokens(engine, "slow")
+        forwards = engine.engine.runner.num_forward_tokens
+        await asyncio.sleep(0.5)
+        assert output_tokens(engine, "slow") == held       # paused: not one more token
+        assert engine.engine.runner.num_forward_tokens == forwards   # the engine idles
+        outs = [out async for out in stream]      # reading again resumes it to the end
+        return held, outs
+
+    held, outs = asyncio.run(run())
+    # 2 choices x 4 buffered, and the steps already on their way when the pause arrived
+    assert len(held) == 2 and max(held) <= 4 + 4, held
+    ends = [o for o in outs if o.finished]
+    assert sorted(o.index for o in ends) == [0, 1]
+    assert all(o.finish_reason == "length" and o.num_output_tokens == 600 for o in ends)
+
+
+def test_a_reader_stalled_past_the_timeout_loses_its_request(paced_engine):
+    import asyncio
+    from engine import SamplingParams
+    from engine.async_engine import StreamStalled
+    engine = paced_engine
+    free = engine.engine.block_pool.num_free_blocks
+
+    async def run():
+        stream = engine.add_request("stalled", list(range(3, 40)),
+                                    SamplingParams(max_tokens=600, ignore_eos=True))
+        await anext(stream)
+        await asyncio.sleep(3.0)                  # past the 2 s stall timeout
+        assert "stalled" not in engine.engine.requests      # aborted, blocks freed
+        assert engine.engine.block_pool.num_free_blocks == free
+        with pytest.raises(StreamStalled, match="read nothing for 2 s"):
+            await anext(stream)
+
+    asyncio.run(run())
+    assert not engine._streams
+
+
+def test_an_sse_client_that_does_not_read_holds_the_engine_back(paced_engine):
+    """Through Hypercorn: a client that stops reading fills its socket, the stream's writer
+    waits, and the engine pauses the request well short of its end; gone, it is aborted."""
+    import socket
+    server = serve(ServerSettings(["demo"]), paced_engine)
+    try:
+        body = json.dumps({"model": "demo", "prompt": "Hi", "max_tokens": 3000, "n": 4,
+                           "logprobs": 20, "ignore_eos": True, "stream": True}).encode()
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(("127.0.0.1", server.port))
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                     b"application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        deadline = time.monotonic() + 30
+        while True:                           # until the request stops moving
+            engine_ids = list(paced_engine.engine.requests)
+            before = [output_tokens(paced_engine, i) for i in engine_ids]
+            time.sleep(1.0)
+            after = [output_tokens(paced_engine, i) for i in engine_ids]
+            if engine_ids and before == after:
+                break
+            assert time.monotonic() < deadline, "the request never paused"
+        [tokens] = after
+        assert len(tokens) == 4 and max(tokens) < 3000, tokens
+        assert paced_engine.engine.requests[engine_ids[0]].paused
+        sock.close()                          # gone: aborted at once
+        deadline = time.monotonic() + 10
+        while paced_engine.engine.requests:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+    finally:
+        server.close()
