@@ -59,14 +59,22 @@ class _Stream:
         if not self.paused and self.queue.qsize() >= self.high:
             self.paused = True
             self.engine._commands.put(("pause", self.request_id))
-            self._stall_timer = self.loop.call_later(self.engine.stall_timeout, self._stall)
+            self._arm_timer()
 
     def taken(self) -> None:
-        """The reader took an item."""
-        if self.paused and self.queue.qsize() <= self.high // 2:
+        """The reader took an item: resume the request at half the high mark; until then the
+        stall timeout counts from this read (a slow reader is not a stalled one)."""
+        if not self.paused:
+            return
+        self.cancel_timer()
+        if self.queue.qsize() <= self.high // 2:
             self.paused = False
-            self.cancel_timer()
             self.engine._commands.put(("resume", self.request_id))
+        else:
+            self._arm_timer()
+
+    def _arm_timer(self) -> None:
+        self._stall_timer = self.loop.call_later(self.engine.stall_timeout, self._stall)
 
     def cancel_timer(self) -> None:
         if self._stall_timer is not None:

@@ -249,3 +249,24 @@ def test_an_sse_client_that_does_not_read_holds_the_engine_back(paced_engine):
             time.sleep(0.1)
     finally:
         server.close()
+
+
+def test_a_slow_reader_is_not_a_stalled_one(paced_engine):
+    """Reading one output a second, slower than the engine and than the 2 s timeout needs to
+    drain half the buffer: paused and resumed, never aborted."""
+    import asyncio
+    from engine import SamplingParams
+    engine = paced_engine
+
+    async def run():
+        stream = engine.add_request("slow-reader", list(range(3, 40)),
+                                    SamplingParams(max_tokens=12, ignore_eos=True, n=2))
+        outs = []
+        async for out in stream:
+            outs.append(out)
+            await asyncio.sleep(0.35)   # 8 buffered: 4 reads (1.4 s) to resume; 2 s timeout
+        return outs
+
+    outs = asyncio.run(run())
+    ends = [o for o in outs if o.finished]
+    assert len(ends) == 2 and all(o.finish_reason == "length" for o in ends)
