@@ -98,6 +98,8 @@ class AsyncEngine:
         self.tokenizer = self.engine.tokenizer
         if self.tokenizer is not None and self.tokenizer.has_chat_template:
             self.tokenizer.prepare_chat_guard()   # at load, not on the event loop's first chat
+        if self.tokenizer is not None:
+            self.tokenizer.max_chars_per_token    # computed at load, read by every request
         self.model_config = self.engine.model_config
         self.max_model_len = self.engine.max_model_len
         self.pooling = self.engine.pooling        # how /v1/embeddings pools (sampling/pooling.py)

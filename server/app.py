@@ -15,7 +15,6 @@ Routes kept in modules of their own are registered from create_app: /v1/embeddin
 """
 from __future__ import annotations
 
-import asyncio
 import hmac
 import json
 import logging
@@ -28,7 +27,8 @@ import jinja2
 from quart import Quart, Response, request
 from werkzeug.exceptions import HTTPException
 
-from server import streaming, structured_outputs
+from engine.text.tokenizer import TextTooLong
+from server import streaming, structured_outputs, tokenizing
 from server.embeddings import register_embeddings
 from server.message_stream import MessageStream
 from server.reasoning import ReasoningSplitter, prompt_opens_reasoning
@@ -143,12 +143,15 @@ def _error(e: APIError) -> Response:
     return resp
 
 
-async def off_loop(fn, *args, param: str, **kwargs):
-    """Run tokenizer work (template rendering, encoding) on a worker thread: a long prompt or a
-    heavy template must not stall every other stream on the event loop. Text the tokenizer
-    cannot take (a lone surrogate, say) is the client's error, named by `param`."""
+async def off_loop(engine, fn, *args, param: str, **kwargs):
+    """Run tokenizer work (template rendering, encoding) on the tokenizer threads
+    (server/tokenizing.py): a long prompt or a heavy template must not stall every other stream
+    on the event loop. Text the tokenizer cannot take (a lone surrogate, say) is the client's
+    error, named by `param`, and so is a text too long for the context."""
     try:
-        return await asyncio.to_thread(fn, *args, **kwargs)
+        return await tokenizing.run(fn, *args, **kwargs)
+    except TextTooLong as e:
+        raise tokenizing.too_long(engine, e, param) from None
     except (TypeError, ValueError, UnicodeError) as e:
         raise APIError(f"{param} could not be tokenized: {e}", param=param,
                        code="invalid_value") from None
@@ -329,10 +332,12 @@ def create_app(engine, settings: ServerSettings) -> Quart:
         if state.tool_parser is not None:
             messages = template_call_ids(messages, state.tool_parser.id_style)
         try:
-            return await asyncio.to_thread(
+            return await tokenizing.run(
                 tok.encode_chat, messages, tools=tools,
                 add_generation_prompt=req.add_generation_prompt, chat_template=template,
-                **req.template_kwargs())
+                max_chars=tokenizing.max_text_chars(engine), **req.template_kwargs())
+        except TextTooLong as e:
+            raise tokenizing.too_long(engine, e, param) from None
         except (ValueError, TypeError, KeyError, UnicodeError, jinja2.TemplateError) as e:
             # a template that rejects the conversation (e.g. roles out of order)
             raise APIError(f"The chat template could not render these messages: {e}",
@@ -426,9 +431,12 @@ def create_app(engine, settings: ServerSettings) -> Quart:
         if req.echo or any(isinstance(p, str) for p in prompts):
             require_tokenizer(engine, "prompt")
 
+        tokenizing.check_lengths(engine, prompts, "prompt")
+
         def tokenize_batch():
-            return [tok.encode(p) if isinstance(p, str) else p for p in prompts]
-        batch_ids = await off_loop(tokenize_batch, param="prompt")
+            limit = tokenizing.max_text_chars(engine)
+            return [tok.encode(p, max_chars=limit) if isinstance(p, str) else p for p in prompts]
+        batch_ids = await off_loop(engine, tokenize_batch, param="prompt")
         params_list = [fit_context(engine, req, len(ids), "prompt") for ids in batch_ids]
         await structured_outputs.prepare(engine, req, params_list, settings)
         check_queue(engine, len(prompts))
@@ -437,7 +445,7 @@ def create_app(engine, settings: ServerSettings) -> Quart:
             echo = [p if isinstance(p, str) else tok.decode(p) for p in prompts]
             if req.logprobs is not None:
                 echo_tokens = await off_loop(
-                    lambda: [(ids, prompt_text_offsets(tok, ids)) for ids in batch_ids],
+                    engine, lambda: [(ids, prompt_text_offsets(tok, ids)) for ids in batch_ids],
                     param="prompt")
         info = streaming.ResponseInfo(streaming.random_id("cmpl"), model, "text_completion",
                                       stream=req.stream, include_usage=req.include_usage())
@@ -462,8 +470,9 @@ def create_app(engine, settings: ServerSettings) -> Quart:
         if req.messages is not None:     # exactly the ids /v1/chat/completions would run
             ids = await chat_prompt_ids(engine, req)
         else:
-            ids = await off_loop(tok.encode, req.prompt, param="prompt",
-                                 add_special_tokens=req.add_special_tokens)
+            ids = await off_loop(engine, tok.encode, req.prompt, param="prompt",
+                                 add_special_tokens=req.add_special_tokens,
+                                 max_chars=tokenizing.max_text_chars(engine))
         return _json({"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids,
                       "token_strs": tok.convert_ids_to_tokens(ids) if req.return_token_strs
                       else None})

@@ -17,7 +17,8 @@ from pydantic import Field, field_validator
 from quart import Response, request
 
 from engine.sampling.pooling import PoolingParams
-from server import streaming
+from engine.text.tokenizer import TextTooLong
+from server import streaming, tokenizing
 from server.protocol import APIError, _Request, parse_json_body, parse_request
 
 MAX_INPUTS = 2048      # OpenAI's limit on the inputs of one request (a token-id input's length is
@@ -74,9 +75,16 @@ def register_embeddings(app, state) -> None:
         if any(isinstance(x, str) for x in inputs) and engine.tokenizer is None:
             raise APIError("This model has no tokenizer: send token ids", param="input",
                            code="no_tokenizer")
-        try:   # off the event loop: a long input must not stall other streams
-            return await asyncio.to_thread(
-                lambda: [engine.tokenizer.encode(x) if isinstance(x, str) else x for x in inputs])
+        limit = None
+        if engine.tokenizer is not None:
+            tokenizing.check_lengths(engine, inputs, "input")
+            limit = tokenizing.max_text_chars(engine)
+        try:   # off the event loop, a few at a time, never a text that cannot fit
+            return await tokenizing.run(
+                lambda: [engine.tokenizer.encode(x, max_chars=limit) if isinstance(x, str) else x
+                         for x in inputs])
+        except TextTooLong as e:
+            raise tokenizing.too_long(engine, e, "input") from None
         except (TypeError, ValueError, UnicodeError) as e:
             raise APIError(f"input could not be tokenized: {e}", param="input",
                            code="invalid_value") from None

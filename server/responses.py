@@ -32,6 +32,7 @@ from server.protocol import APIError, _template_tool_call, not_supported
 from server.responses_protocol import CreateResponseRequest, input_messages, random_item_id
 from server.responses_store import ResponseStore, StoredResponse, entry_bytes
 from server.responses_tools import call_ids, echoed_tools, response_tools
+from server.responses_truncation import longest_fitting_tail
 
 log = logging.getLogger("taper.server")
 
@@ -63,11 +64,7 @@ def register_responses(app: Quart, *, read_request, check_queue, fit_context, ch
             earlier = stored(req.previous_response_id, "previous_response_id").conversation
         turn, items = input_messages(req.input, call_ids(earlier))
         req.set_turns(earlier, turn)
-        prompt_ids = await chat_prompt_ids(engine, req, "input", tools.rendered)
-        while req.truncation == "auto" and not fits(engine, req, len(prompt_ids)) \
-                and drop_oldest_turn(req):
-            prompt_ids = await chat_prompt_ids(engine, req, "input", tools.rendered)
-        check_context(engine, req, len(prompt_ids))
+        prompt_ids = await conversation_prompt(engine, req, tools.rendered)
         params = fit_context(engine, req, len(prompt_ids), "input")
         await structured_outputs.prepare(engine, req, [params], state.settings,
                                          tool_constraint(engine, req, tools),
@@ -99,6 +96,36 @@ def register_responses(app: Quart, *, read_request, check_queue, fit_context, ch
             async for last in events:
                 pass
         return _json(last["response"])
+
+    async def conversation_prompt(engine, req, tools) -> list[int]:
+        """The prompt of the request's conversation; under truncation "auto", of its longest
+        tail that fits (server/responses_truncation.py). The context errors name the Responses
+        API's fields."""
+        turns = req.turns()
+        too_long: APIError | None = None
+
+        async def render(k: int) -> list[int] | None:
+            nonlocal too_long
+            req.set_turns([], turns[k:])
+            try:
+                return await chat_prompt_ids(engine, req, "input", tools)
+            except APIError as e:
+                if e.code != "context_length_exceeded":
+                    raise
+                too_long = e      # too many characters to tokenize
+                return None
+
+        ids = await render(0)
+        if ids is not None and fits(engine, req, len(ids)):
+            return ids
+        if req.truncation == "auto" and len(turns) >= 2:
+            budget = engine.max_model_len - max(req.max_output_tokens or 0, 1)
+            k, ids = await longest_fitting_tail(engine, turns, budget, render)
+            req.set_turns([], turns[k:])
+        if ids is None:
+            raise too_long
+        check_context(engine, req, len(ids))
+        return ids
 
     @app.get("/v1/responses/<response_id>")
     async def get_response(response_id: str):
@@ -141,19 +168,6 @@ def register_responses(app: Quart, *, read_request, check_queue, fit_context, ch
 
 def fits(engine, req: CreateResponseRequest, prompt_len: int) -> bool:
     return prompt_len + max(req.max_output_tokens or 0, 1) <= engine.max_model_len
-
-
-def drop_oldest_turn(req: CreateResponseRequest) -> bool:
-    """truncation "auto": drop the conversation's oldest turn (the instructions stay), and the
-    assistant turns that would then open it; never the last turn. False: nothing left to drop."""
-    turns = req.turns()
-    if len(turns) < 2:
-        return False
-    turns = turns[1:]
-    while len(turns) > 1 and turns[0]["role"] == "assistant":
-        turns = turns[1:]
-    req.set_turns([], turns)
-    return True
 
 
 def check_context(engine, req: CreateResponseRequest, prompt_len: int):

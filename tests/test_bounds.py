@@ -12,7 +12,8 @@ import time
 import pytest
 
 from server.app import ServerSettings, create_app
-from server_fakes import FakeEngine, ThreadedServer, assert_error, http_request, post_json
+from server_fakes import (FakeEngine, ThreadedServer, assert_error, http_request, http_response,
+                          post_json)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -270,3 +271,165 @@ def test_a_slow_reader_is_not_a_stalled_one(paced_engine):
     outs = asyncio.run(run())
     ends = [o for o in outs if o.finished]
     assert len(ends) == 2 and all(o.finish_reason == "length" for o in ends)
+
+
+# ---- 6. truncation "auto" in one pass
+
+def conversation(num_turns: int) -> list[dict]:
+    return [{"role": ("user", "assistant")[i % 2], "content": f"turn {i}: " + "word " * (i % 9)}
+            for i in range(num_turns)] + [{"role": "user", "content": "and now?"}]
+
+
+def test_truncation_auto_keeps_the_longest_fitting_tail_in_one_pass(demo, demo_engine):
+    turns = conversation(2000)
+    body = {"model": "demo", "input": turns, "instructions": "Be brief.",
+            "max_output_tokens": 16, "truncation": "auto", "store": False}
+    t0 = time.monotonic()
+    status, _, payload = http_response(demo.port, "POST", "/v1/responses", body, timeout=15)
+    elapsed = time.monotonic() - t0
+    assert status == 200, payload
+    assert elapsed < 5, elapsed              # rendering once per dropped turn: minutes
+    usage = json.loads(payload)["usage"]
+    # the longest tail that fits, found here from the end (starting at a user turn)
+    tok, budget = demo_engine.tokenizer, demo_engine.max_model_len - 16
+    system = [{"role": "system", "content": "Be brief."}]
+    k = len(turns) - 1
+    while True:
+        longer = next(j for j in range(k - 1, -1, -1) if turns[j]["role"] == "user")
+        if len(tok.encode_chat(system + turns[longer:])) > budget:
+            break
+        k = longer
+    assert usage["input_tokens"] == len(tok.encode_chat(system + turns[k:]))
+    assert 1 < k < len(turns) - 1
+
+
+def test_truncation_auto_refuses_when_the_last_turn_alone_is_too_long(demo):
+    turns = conversation(30)
+    turns[-1]["content"] = "word " * 5000           # more tokens than the context
+    body = {"model": "demo", "input": turns, "truncation": "auto"}
+    status, body = post_json(demo.port, "/v1/responses", body)
+    assert_error(status, body, 400, "input", "context_length_exceeded")
+
+
+# ---- 2. text longer than the context can hold is refused before tokenizing; tokenizing is
+# bounded in concurrency
+
+class CountingEncode:
+    """Wraps the demo tokenizer's transformers encode: calls, and the most at once."""
+
+    def __init__(self, tok, delay: float = 0.0):
+        import threading
+        self.tok, self.original, self.delay = tok, tok.hf.encode, delay
+        self.calls = self.running = self.most = 0
+        self.lock = threading.Lock()
+
+    def __call__(self, *args, **kwargs):
+        with self.lock:
+            self.calls += 1
+            self.running += 1
+            self.most = max(self.most, self.running)
+        try:
+            time.sleep(self.delay)
+            return self.original(*args, **kwargs)
+        finally:
+            with self.lock:
+                self.running -= 1
+
+    def __enter__(self):
+        self.tok.hf.encode = self
+        return self
+
+    def __exit__(self, *exc):
+        del self.tok.hf.encode          # the class's method again
+
+
+def test_text_longer_than_the_context_can_hold_is_not_tokenized(demo, demo_engine):
+    tok = demo_engine.tokenizer
+    limit = tok.max_text_chars(demo_engine.max_model_len)
+    assert limit == 13 * 1024        # the demo's longest token: <|endoftext|>, 13 characters
+    huge = "word " * 2_000_000       # 10 MB
+    with CountingEncode(tok) as encode:
+        for path, body, param in [
+                ("/v1/completions", {"model": "demo", "prompt": huge}, "prompt"),
+                ("/v1/completions", {"model": "demo", "prompt": ["hi", "x" * (limit + 1)]},
+                 "prompt"),
+                ("/v1/chat/completions", {"model": "demo", "messages": [
+                    {"role": "user", "content": huge}]}, "messages"),
+                ("/tokenize", {"model": "demo", "prompt": huge}, "prompt"),
+                ("/v1/responses", {"model": "demo", "input": huge}, "input")]:
+            t0 = time.monotonic()
+            status, body = post_json(demo.port, path, body)
+            assert_error(status, body, 400, param, "context_length_exceeded")
+            assert "characters" in body["error"]["message"]
+            assert time.monotonic() - t0 < 3
+        assert encode.calls == 0
+        # within the bound, the text is tokenized and its tokens counted as before
+        status, body = post_json(demo.port, "/v1/completions",
+                                 {"model": "demo", "prompt": "x" * limit})
+        assert_error(status, body, 400, "prompt", "context_length_exceeded")
+        assert "tokens" in body["error"]["message"] and encode.calls == 1
+
+
+def test_tokenizing_runs_a_few_at_a_time_off_the_event_loop(demo, demo_engine):
+    from concurrent.futures import ThreadPoolExecutor
+    from server.tokenizing import TOKENIZER_THREADS
+    with CountingEncode(demo_engine.tokenizer, delay=0.5) as encode:
+        with ThreadPoolExecutor(6) as pool:
+            posts = [pool.submit(post_json, demo.port, "/v1/completions",
+                                 {"model": "demo", "prompt": f"{i} " * 300, "max_tokens": 1})
+                     for i in range(6)]
+            time.sleep(0.2)
+            t0 = time.monotonic()
+            assert http_request(demo.port, "GET", "/health")[0] == 200
+            assert time.monotonic() - t0 < 0.3
+            assert all(p.result(timeout=60)[0] == 200 for p in posts)
+        assert encode.calls == 6 and encode.most == TOKENIZER_THREADS
+
+
+ADVERSARIAL = ["a" * 5000, " " * 5000, "\n" * 3000, "<|im_start|>" * 200, "<s></s>" * 300,
+               "e\u0301" * 1000, "\u1100\u1161\u11a8" * 500, "😀" * 800, "你好世界" * 500,
+               "hello world " * 400, "STOP" * 800, "\u0000\u0007" * 400, "ﷺ" * 300]
+
+
+def test_the_character_bound_holds_for_tokenizers_that_keep_text(tmp_path):
+    """A text never has more characters than its tokens times max_chars_per_token, on
+    byte-level BPE (with an NFC normalizer too) and SentencePiece-style BPE, whatever the text."""
+    from tokenizers import normalizers
+    from tiny_tokenizers import build_byte_level, build_metaspace, build_sentencepiece
+    toks = {"byte_level": build_byte_level(tmp_path / "bl"),
+            "sentencepiece": build_sentencepiece(tmp_path / "sp"),
+            "metaspace": build_metaspace(tmp_path / "ms")}
+    nfc = build_byte_level(tmp_path / "nfc")
+    nfc._rust.normalizer = normalizers.NFC()
+    nfc._max_chars_per_token = False
+    toks["byte_level_nfc"] = nfc
+    for name, tok in toks.items():
+        per_token = tok.max_chars_per_token
+        assert per_token is not None, name
+        for text in ADVERSARIAL:
+            assert len(tok.encode(text, add_special_tokens=False)) * per_token >= len(text), (
+                name, text[:20])
+    assert toks["byte_level_nfc"].max_chars_per_token == 4 * toks["byte_level"].max_chars_per_token
+
+
+def test_no_character_bound_for_tokenizers_that_drop_text():
+    """WordPiece makes one [UNK] of a word of any length, BERT's normalizer drops accents and
+    controls, Whitespace drops spaces: texts of any length may be a few tokens."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
+    from engine.text.char_bound import max_chars_per_token
+    wordpiece = Tokenizer(models.WordPiece({"[UNK]": 0, "a": 1}, unk_token="[UNK]"))
+    wordpiece.pre_tokenizer = pre_tokenizers.Whitespace()
+    assert len(wordpiece.encode("b" * 5000).ids) == 1
+    assert max_chars_per_token(wordpiece) is None
+    bpe = Tokenizer(models.BPE({"a": 0, "[UNK]": 1}, [], unk_token="[UNK]", fuse_unk=True))
+    assert len(bpe.encode("b" * 5000).ids) == 1
+    assert max_chars_per_token(bpe) is None
+    for normalizer in (normalizers.BertNormalizer(), normalizers.Strip(),
+                       normalizers.Replace(" ", "")):
+        kept = Tokenizer(models.BPE({"a": 0, " ": 1}, [], byte_fallback=True))
+        kept.normalizer = normalizer
+        assert max_chars_per_token(kept) is None
+    spaced = Tokenizer(models.BPE({"a": 0}, [], byte_fallback=True))
+    spaced.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    assert len(spaced.encode(" " * 5000).ids) == 0
+    assert max_chars_per_token(spaced) is None
