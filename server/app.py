@@ -28,7 +28,7 @@ from quart import Quart, Response, request
 from werkzeug.exceptions import HTTPException
 
 from engine.text.tokenizer import TextTooLong
-from server import streaming, structured_outputs, tokenizing
+from server import json_io, request_body, streaming, structured_outputs, tokenizing
 from server.embeddings import register_embeddings
 from server.message_stream import MessageStream
 from server.reasoning import ReasoningSplitter, prompt_opens_reasoning
@@ -37,7 +37,7 @@ from server.tool_grammar import strict_call_constraint, tool_call_constraint
 from server.logprobs import prompt_text_offsets, token_text
 from server.metrics import Metrics
 from server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
-                             DetokenizeRequest, TokenizeRequest, parse_json_body, parse_request)
+                             DetokenizeRequest, TokenizeRequest)
 from server.responses import register_responses
 from server.ui import is_ui_path, register_ui
 
@@ -267,8 +267,7 @@ def create_app(engine, settings: ServerSettings) -> Quart:
         return _json(model_card(state.resolve_model(name)))
 
     async def read_request(cls):
-        body = parse_json_body(await request.get_data())
-        req = parse_request(cls, body)
+        req = await request_body.read(await request.get_data(), cls, state.engine)
         engine = state.ready_engine()
         return req, state.resolve_model(req.model), engine
 
@@ -328,14 +327,17 @@ def create_app(engine, settings: ServerSettings) -> Quart:
             raise APIError("This model has no chat template; use /v1/completions, or start the "
                            "server with --chat-template FILE", param=param,
                            code="no_chat_template")
-        messages = req.template_messages()
-        if state.tool_parser is not None:
-            messages = template_call_ids(messages, state.tool_parser.id_style)
+
+        def encode():        # the messages too are read off the event loop: there may be many
+            messages = req.template_messages()
+            if state.tool_parser is not None:
+                messages = template_call_ids(messages, state.tool_parser.id_style)
+            return tok.encode_chat(
+                messages, tools=tools, add_generation_prompt=req.add_generation_prompt,
+                chat_template=template, max_chars=tokenizing.max_text_chars(engine),
+                **req.template_kwargs())
         try:
-            return await tokenizing.run(
-                tok.encode_chat, messages, tools=tools,
-                add_generation_prompt=req.add_generation_prompt, chat_template=template,
-                max_chars=tokenizing.max_text_chars(engine), **req.template_kwargs())
+            return await tokenizing.run(encode)
         except TextTooLong as e:
             raise tokenizing.too_long(engine, e, param) from None
         except (ValueError, TypeError, KeyError, UnicodeError, jinja2.TemplateError) as e:
@@ -366,7 +368,7 @@ def create_app(engine, settings: ServerSettings) -> Quart:
             yield first
             async for c in chunks:
                 yield c
-        return _json(await fold(info, all_chunks()))
+        return await json_io.response(await fold(info, all_chunks()))
 
     @app.post("/v1/chat/completions")
     async def chat_completions():
@@ -473,9 +475,9 @@ def create_app(engine, settings: ServerSettings) -> Quart:
             ids = await off_loop(engine, tok.encode, req.prompt, param="prompt",
                                  add_special_tokens=req.add_special_tokens,
                                  max_chars=tokenizing.max_text_chars(engine))
-        return _json({"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids,
-                      "token_strs": tok.convert_ids_to_tokens(ids) if req.return_token_strs
-                      else None})
+        return await json_io.response({
+            "count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids,
+            "token_strs": tok.convert_ids_to_tokens(ids) if req.return_token_strs else None})
 
     @app.post("/detokenize")
     async def detokenize():

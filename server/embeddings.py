@@ -9,17 +9,16 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import json
 from typing import Literal
 
 import numpy as np
 from pydantic import Field, field_validator
-from quart import Response, request
+from quart import request
 
 from engine.sampling.pooling import PoolingParams
 from engine.text.tokenizer import TextTooLong
-from server import streaming, tokenizing
-from server.protocol import APIError, _Request, parse_json_body, parse_request
+from server import json_io, request_body, streaming, tokenizing
+from server.protocol import APIError, _Request
 
 MAX_INPUTS = 2048      # OpenAI's limit on the inputs of one request (a token-id input's length is
                        # bounded by the model's context instead)
@@ -125,7 +124,7 @@ def register_embeddings(app, state) -> None:
 
     @app.post("/v1/embeddings")
     async def create_embeddings():
-        req = parse_request(EmbeddingRequest, parse_json_body(await request.get_data()))
+        req = await request_body.read(await request.get_data(), EmbeddingRequest, state.engine)
         engine = state.ready_engine()
         model = state.resolve_model(req.model)
         batch_ids = await tokenize(engine, req.inputs())
@@ -147,4 +146,4 @@ def register_embeddings(app, state) -> None:
                           "embedding": encode(vector, req.encoding_format)}
                          for i, vector in enumerate(vectors)],
                 "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}}
-        return Response(json.dumps(body), status=200, content_type="application/json")
+        return await json_io.response(body)

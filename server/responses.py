@@ -26,7 +26,7 @@ from typing import AsyncIterator
 
 from quart import Quart, Response, request
 
-from server import streaming, structured_outputs
+from server import json_io, streaming, structured_outputs
 from server.message_stream import MessageStream
 from server.protocol import APIError, _template_tool_call, not_supported
 from server.responses_protocol import CreateResponseRequest, input_messages, random_item_id
@@ -95,7 +95,7 @@ def register_responses(app: Quart, *, read_request, check_queue, fit_context, ch
         async with contextlib.aclosing(events):
             async for last in events:
                 pass
-        return _json(last["response"])
+        return await json_io.response(last["response"])
 
     async def conversation_prompt(engine, req, tools) -> list[int]:
         """The prompt of the request's conversation; under truncation "auto", of its longest
@@ -131,7 +131,7 @@ def register_responses(app: Quart, *, read_request, check_queue, fit_context, ch
     async def get_response(response_id: str):
         if request.args.get("stream", "false").lower() not in ("false", "0"):
             raise not_supported("stream")           # replaying a stored response's events
-        return _json(stored(response_id).response)
+        return await json_io.response(stored(response_id).response)
 
     @app.delete("/v1/responses/<response_id>")
     async def delete_response(response_id: str):
@@ -431,6 +431,15 @@ def sse_event(ev: dict) -> str:
     return f"event: {ev['type']}\ndata: {data}\n\n"
 
 
+async def sse_event_off_loop(ev: dict) -> str:
+    """sse_event; a lifecycle event carries the whole response (its echoed tools may be
+    megabytes): written in pieces on a worker thread (server/json_io.py) when large."""
+    if "response" not in ev or json_io.is_small(ev):
+        return sse_event(ev)
+    data = await asyncio.to_thread(json_io.dumps, ev, compact=True)
+    return f"event: {ev['type']}\ndata: {data}\n\n"
+
+
 async def sse_events(builder: ResponseBuilder, first: dict,
                      events: AsyncIterator[dict]) -> AsyncIterator[str]:
     """SSE frames (`event:` the type, `data:` the event), as OpenAI sends them (no [DONE]). An
@@ -438,9 +447,9 @@ async def sse_events(builder: ResponseBuilder, first: dict,
     closes `events`, which aborts the engine request."""
     async with contextlib.aclosing(events):
         try:
-            yield sse_event(first)
+            yield await sse_event_off_loop(first)
             async for ev in events:
-                yield sse_event(ev)
+                yield await sse_event_off_loop(ev)
         except APIError as e:
             yield sse_event(builder.failed(e))
         except Exception as e:

@@ -13,10 +13,11 @@ ended (earlier turns, this input, this output) that a follow-up request continue
 """
 from __future__ import annotations
 
-import json
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass
+
+from server import json_io
 
 log = logging.getLogger("taper.server")
 
@@ -31,9 +32,9 @@ class StoredResponse:
 
 def entry_bytes(response: dict, input_items: list[dict], conversation: list[dict]) -> int:
     """What an entry weighs: its parts as compact JSON, in UTF-8 bytes (proportional to the
-    memory they hold, strings dominating). Linear in their size: call it off the event loop."""
-    text = json.dumps([response, input_items, conversation], ensure_ascii=False,
-                      separators=(",", ":"))
+    memory they hold, strings dominating). Linear in their size, and written in pieces: call it
+    on a worker thread (server/json_io.py)."""
+    text = json_io.dumps([response, input_items, conversation], compact=True)
     return len(text.encode("utf-8", "surrogatepass"))
 
 

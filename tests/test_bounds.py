@@ -433,3 +433,72 @@ def test_no_character_bound_for_tokenizers_that_drop_text():
     spaced.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     assert len(spaced.encode(" " * 5000).ids) == 0
     assert max_chars_per_token(spaced) is None
+
+
+# ---- 4. large bodies parsed and large responses written off the event loop
+
+def worst_health_latency(port: int, work) -> tuple[float, object]:
+    """Runs work() while polling /health; (the longest wait for an answer, work's result).
+    The server runs in this process: a stall that holds the GIL stops the poller too, so the
+    wait is measured from one answer to the next, not from when a request was sent."""
+    import threading
+    done, worst = threading.Event(), [0.0]
+
+    def poll():
+        last = time.monotonic()
+        while not done.is_set():
+            assert http_request(port, "GET", "/health")[0] == 200
+            now = time.monotonic()
+            worst[0] = max(worst[0], now - last)
+            time.sleep(0.01)
+            last = time.monotonic()
+
+    poller = threading.Thread(target=poll)
+    poller.start()
+    try:
+        result = work()
+    finally:
+        done.set()
+        poller.join()
+    return worst[0], result
+
+
+def post_raw(port: int, path: str, raw: bytes) -> tuple[int, bytes]:
+    """POST a body serialized beforehand: the server runs in this process, and json's C code
+    here would hold the GIL against it."""
+    status, _, payload = http_request(port, "POST", path, raw=raw)
+    return status, payload
+
+
+def test_a_huge_logit_bias_does_not_stall_the_server(demo):
+    raw = json.dumps({"model": "demo", "prompt": "Hi", "max_tokens": 1,
+                      "logit_bias": {str(i): 1.0 for i in range(1_000_000)}}).encode()   # 15 MB
+    worst, (status, payload) = worst_health_latency(
+        demo.port, lambda: post_raw(demo.port, "/v1/completions", raw))
+    body = json.loads(payload)
+    assert_error(status, body, 400, "logit_bias", "invalid_value")
+    assert "more than this model has tokens" in body["error"]["message"]
+    assert worst < 0.3, worst             # parsed on the event loop: a second
+
+
+def test_a_huge_response_is_written_off_the_event_loop():
+    """A stored response echoing 200,000 tool properties (each a small object): parsed, stored
+    and written back without holding /health up."""
+    server = serve(ServerSettings(["fake-model"]))
+    try:
+        tools = [{"type": "function", "name": "f", "parameters": {
+            "type": "object", "properties": {f"p{i}": {"type": "string", "description": "d"}
+                                             for i in range(200_000)}}}]
+        raw = json.dumps({"model": "fake-model", "input": "Hi", "tools": tools,
+                          "tool_choice": "none", "max_output_tokens": 2}).encode()
+        worst, (status, payload) = worst_health_latency(
+            server.port, lambda: post_raw(server.port, "/v1/responses", raw))
+        assert status == 200 and worst < 0.3, worst
+        body = json.loads(payload)
+        assert body["tools"][0]["parameters"] == tools[0]["parameters"]
+        worst, (status, _, payload) = worst_health_latency(server.port, lambda: http_request(
+            server.port, "GET", f"/v1/responses/{body['id']}"))
+        assert status == 200 and worst < 0.3, worst
+        assert json.loads(payload) == body
+    finally:
+        server.close()
