@@ -19,16 +19,17 @@ template matcher, cached by a hash of (kind, spec) in a bounded LRU; each reques
 timeout without blocking its event loop. An invalid or unenforceable constraint is a ValueError,
 remembered in the same cache (a refused grammar sent again is refused at once).
 
-Bounded work: every llguidance call runs under `GRAMMAR_LIMITS` (lexer fuel when the grammar is
+Bounded work: every llguidance call runs under `grammar_limits()` (lexer fuel when the grammar is
 built and per mask, Earley items per step, lexer states, grammar size). A grammar over a limit
 does not hang: its matcher enters an error state. The library builds most of a matcher lazily,
 so a grammar can be valid and still hit a limit at its first mask or first tokens (the regex
-`(x{1000}){1000}` does at its first mask, a self-recursive required `$ref` once its forced `{`
-is consumed). Compiling therefore also computes the first mask and consumes the forced tokens;
-a limit hit there is a ValueError like any invalid grammar, and it costs the compile thread
-about a second at worst, never the engine's step. A limit hit later, while generating, fails the
-request with a `GrammarError` naming its parameter (`StructuredOutputsParams.param`): a matcher in
-its error state allows only EOS, which must never pass for the end of a constrained answer.
+`(x{1000}){1000}` once its first forced `x` is consumed, after a first mask of about a second; a
+self-recursive required `$ref` once its forced `{` is). Compiling therefore also computes the
+first mask and consumes the tokens the grammar forces from the start: a limit hit there is a
+ValueError like any invalid grammar, and it costs the compile thread about a second at worst,
+never the engine's step. A limit hit later, while generating, fails the request with a
+`GrammarError` naming its parameter (`StructuredOutputsParams.param`): a matcher in its error
+state allows only EOS, which must never pass for the end of a constrained answer.
 
 Masking: `StructuredOutputs` keeps each constrained sequence's matcher, fills the step's bitmask
 (B, ceil(V/32)) for the rows that sample, and advances the matchers with the sampled tokens.
@@ -216,7 +217,7 @@ class GrammarCompiler:
         the grammar forces from the start (on a copy)."""
         matcher.compute_bitmask()
         probe = matcher.deep_copy()
-        if not probe.is_error():
+        if not probe.is_error():       # (holds the GIL ~0.1 s for a million forced bytes)
             probe.consume_tokens(probe.compute_ff_tokens())
         for m in (matcher, probe):
             if m.is_error():
