@@ -17,11 +17,14 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from json.decoder import JSONDecodeError, scanstring
 
 from quart import Response
 
 SMALL_BYTES = 256 * 1024        # a body parsed with one C call
+PARSE_THREADS = 2               # large bodies parsed at once
 SMALL_NODES = 4096              # values in an object written with one C call
 _FLAT_RUN = 4096                # scalars of one array written per C call
 _PIECE_NODES = 256              # values in a piece written with one C call
@@ -34,6 +37,9 @@ _STYLES = {False: (json.JSONEncoder(ensure_ascii=False).encode, ", ", ": "),
            True: (json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode, ",", ":")}
 _encode = _STYLES[False][0]
 _SCALARS = (str, int, float, bool, type(None))
+
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
 
 
 # ---- parsing
@@ -117,11 +123,20 @@ def _array(s: str, idx: int):
 
 
 async def parse(raw: bytes, fn):
-    """fn(raw): parsing and validating a request body; on a worker thread for a large body
-    (where it should call `loads`), at once for a small one."""
+    """fn(raw): parsing and validating a request body; for a large body on one of
+    PARSE_THREADS threads (where it should call `loads`: a parsed body takes a few times its
+    size, so only that many are parsed at once), at once for a small one."""
     if len(raw) <= SMALL_BYTES:
         return fn(raw)
-    return await asyncio.to_thread(fn, raw)
+    return await asyncio.get_running_loop().run_in_executor(_parse_pool(), fn, raw)
+
+
+def _parse_pool() -> ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(PARSE_THREADS, thread_name_prefix="taper-parse")
+        return _pool
 
 
 # ---- writing
