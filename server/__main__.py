@@ -66,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--responses-store-size", type=int, metavar="N", default=1000,
                    help="Responses API responses kept for GET and previous_response_id, the "
                         "oldest dropped first (default 1000; 0 keeps none)")
+    g.add_argument("--responses-store-mb", type=float, metavar="MB", default=128,
+                   help="the most the stored Responses API responses may hold, in MB of JSON, "
+                        "the oldest dropped first (default 128)")
     g.add_argument("--ui-server", action="store_true",
                    help="candle-vllm's flag for the web chat UI, accepted for its scripts: the "
                         "UI is always served at /ui on the API port")
@@ -204,6 +207,8 @@ def check_args(args) -> str | None:
     from server.limits import check_flags
     if problem := check_flags(args):
         return problem
+    if args.responses_store_mb < 0:
+        return "--responses-store-mb must be at least 0"
     if args.enforce_parser is not None:
         from server.tool_parsers import PARSERS
         if args.enforce_parser not in PARSERS:
@@ -323,6 +328,7 @@ def server_settings(args, config):
         trust_request_chat_template=args.trust_request_chat_template,
         limits=Limits.from_args(args), cors_origins=args.allowed_origins,
         responses_store_size=args.responses_store_size,
+        responses_store_bytes=int(args.responses_store_mb * 2**20),
         structured_outputs_timeout=args.structured_outputs_timeout, tool_parser=args.enforce_parser)
 
 

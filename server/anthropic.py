@@ -33,6 +33,7 @@ from quart import Quart, Response, request
 
 from server import streaming, structured_outputs
 from server.anthropic_protocol import CountTokensRequest, MessagesRequest
+from server import request_body
 from server.protocol import APIError, ChatCompletionRequest, parse_request
 from server.tool_calls import chat_tools
 
@@ -72,7 +73,7 @@ def register_anthropic(app: Quart, *, limits, check_queue, fit_context, chat_pro
 
     async def read(cls):
         """The request, its chat translation, model, engine, tools and prompt ids."""
-        req = limits.read_request(await request.get_data(), cls)
+        req = await request_body.read(await request.get_data(), cls, state.engine, limits)
         engine = state.ready_engine()
         model = state.resolve_model(req.model)
         chat = parse_request(ChatCompletionRequest, req.chat_body())

@@ -9,15 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import json
 from typing import ClassVar, Literal
 
 import numpy as np
 from pydantic import Field, field_validator
-from quart import Response, request
+from quart import request
 
 from engine.sampling.pooling import PoolingParams
-from server import streaming
+from engine.text.tokenizer import TextTooLong
+from server import json_io, request_body, streaming, tokenizing
 from server.protocol import APIError, _Request
 
 
@@ -73,9 +73,16 @@ def register_embeddings(app, state, check_queue) -> None:
         if any(isinstance(x, str) for x in inputs) and engine.tokenizer is None:
             raise APIError("This model has no tokenizer: send token ids", param="input",
                            code="no_tokenizer")
-        try:   # off the event loop: a long input must not stall other streams
-            return await asyncio.to_thread(
-                lambda: [engine.tokenizer.encode(x) if isinstance(x, str) else x for x in inputs])
+        limit = None
+        if engine.tokenizer is not None:
+            tokenizing.check_lengths(engine, inputs, "input")
+            limit = tokenizing.max_text_chars(engine)
+        try:   # off the event loop, a few at a time, never a text that cannot fit
+            return await tokenizing.run(
+                lambda: [engine.tokenizer.encode(x, max_chars=limit) if isinstance(x, str) else x
+                         for x in inputs])
+        except TextTooLong as e:
+            raise tokenizing.too_long(engine, e, "input") from None
         except (TypeError, ValueError, UnicodeError) as e:
             raise APIError(f"input could not be tokenized: {e}", param="input",
                            code="invalid_value") from None
@@ -112,7 +119,8 @@ def register_embeddings(app, state, check_queue) -> None:
 
     @app.post("/v1/embeddings")
     async def create_embeddings():
-        req = settings.limits.read_request(await request.get_data(), EmbeddingRequest)
+        req = await request_body.read(await request.get_data(), EmbeddingRequest, state.engine,
+                                      settings.limits)
         engine = state.ready_engine()
         model = state.resolve_model(req.model)
         batch_ids = await tokenize(engine, req.inputs())
@@ -134,4 +142,4 @@ def register_embeddings(app, state, check_queue) -> None:
                           "embedding": encode(vector, req.encoding_format)}
                          for i, vector in enumerate(vectors)],
                 "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}}
-        return Response(json.dumps(body), status=200, content_type="application/json")
+        return await json_io.response(body)

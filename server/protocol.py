@@ -16,6 +16,7 @@ from pydantic import (BaseModel, ConfigDict, Field, ValidationError, field_valid
 
 from engine.sampling.logprobs import MAX_LOGPROBS
 from engine.sampling.sampling_params import SamplingParams
+from server import json_io
 
 log = logging.getLogger("taper.server")
 
@@ -89,7 +90,7 @@ def validation_error(err: ValidationError) -> APIError:
 
 def parse_json_body(raw: bytes) -> dict:
     try:
-        body = json.loads(raw)
+        body = json_io.loads(raw)     # in pieces when large (call it off the event loop then)
     except (ValueError, UnicodeDecodeError) as e:
         raise APIError(f"Request body is not valid JSON: {e}", code="invalid_json") from None
     except RecursionError:        # server/limits.py's depth check comes first; this backs it up

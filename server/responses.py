@@ -12,12 +12,13 @@ becomes a `function_call` item (output_item.added, function_call_arguments.delta
 function_call_arguments.done, output_item.done).
 
 Responses with `store` (the default) are kept in a bounded in-memory store
-(server/responses_store.py, `--responses-store-size`) for GET and `previous_response_id`.
+(server/responses_store.py, `--responses-store-size` entries and `--responses-store-mb`) for GET
+and `previous_response_id`.
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
-import copy
 import json
 import logging
 import time
@@ -25,12 +26,13 @@ from typing import AsyncIterator
 
 from quart import Quart, Response, request
 
-from server import streaming, structured_outputs
+from server import json_io, streaming, structured_outputs
 from server.message_stream import MessageStream
 from server.protocol import APIError, _template_tool_call, not_supported
 from server.responses_protocol import CreateResponseRequest, input_messages, random_item_id
-from server.responses_store import ResponseStore, StoredResponse
+from server.responses_store import ResponseStore, StoredResponse, freeze
 from server.responses_tools import call_ids, echoed_tools, response_tools
+from server.responses_truncation import longest_fitting_tail
 
 log = logging.getLogger("taper.server")
 
@@ -39,15 +41,16 @@ def register_responses(app: Quart, *, read_request, check_queue, fit_context, ch
                        tool_constraint, message_streams):
     """The routes, on `app`; the helpers are create_app's, shared with the chat route."""
     state = app.taper
-    store = ResponseStore(state.settings.responses_store_size)
+    store = ResponseStore(state.settings.responses_store_size,
+                          state.settings.responses_store_bytes)
     app.taper_responses = store
 
     def not_found(response_id: str, param: str | None = None) -> APIError:
         return APIError(f"Response with id '{response_id}' not found.", status=404,
                         param=param, code="response_not_found")
 
-    def stored(response_id: str, param: str | None = None) -> StoredResponse:
-        entry = store.get(response_id)
+    async def stored(response_id: str, param: str | None = None) -> StoredResponse:
+        entry = await asyncio.to_thread(store.get, response_id)
         if entry is None:
             raise not_found(response_id, param)
         return entry
@@ -58,14 +61,11 @@ def register_responses(app: Quart, *, read_request, check_queue, fit_context, ch
         tools = response_tools(req, state.tool_parser)
         earlier = []
         if req.previous_response_id is not None:
-            earlier = stored(req.previous_response_id, "previous_response_id").conversation
+            entry = await stored(req.previous_response_id, "previous_response_id")
+            earlier = entry.conversation
         turn, items = input_messages(req.input, call_ids(earlier))
         req.set_turns(earlier, turn)
-        prompt_ids = await chat_prompt_ids(engine, req, "input", tools.rendered)
-        while req.truncation == "auto" and not fits(engine, req, len(prompt_ids)) \
-                and drop_oldest_turn(req):
-            prompt_ids = await chat_prompt_ids(engine, req, "input", tools.rendered)
-        check_context(engine, req, len(prompt_ids))
+        prompt_ids = await conversation_prompt(engine, req, tools.rendered)
         params = fit_context(engine, req, len(prompt_ids), "input")
         await structured_outputs.prepare(engine, req, [params], state.settings,
                                          tool_constraint(engine, req, tools),
@@ -96,13 +96,43 @@ def register_responses(app: Quart, *, read_request, check_queue, fit_context, ch
         async with contextlib.aclosing(events):
             async for last in events:
                 pass
-        return _json(last["response"])
+        return await json_io.response(last["response"])
+
+    async def conversation_prompt(engine, req, tools) -> list[int]:
+        """The prompt of the request's conversation; under truncation "auto", of its longest
+        tail that fits (server/responses_truncation.py). The context errors name the Responses
+        API's fields."""
+        turns = req.turns()
+        too_long: APIError | None = None
+
+        async def render(k: int) -> list[int] | None:
+            nonlocal too_long
+            req.set_turns([], turns[k:])
+            try:
+                return await chat_prompt_ids(engine, req, "input", tools)
+            except APIError as e:
+                if e.code != "context_length_exceeded":
+                    raise
+                too_long = e      # too many characters to tokenize
+                return None
+
+        ids = await render(0)
+        if ids is not None and fits(engine, req, len(ids)):
+            return ids
+        if req.truncation == "auto" and len(turns) >= 2:
+            budget = engine.max_model_len - max(req.max_output_tokens or 0, 1)
+            k, ids = await longest_fitting_tail(engine, turns, budget, render)
+            req.set_turns([], turns[k:])
+        if ids is None:
+            raise too_long
+        check_context(engine, req, len(ids))
+        return ids
 
     @app.get("/v1/responses/<response_id>")
     async def get_response(response_id: str):
         if request.args.get("stream", "false").lower() not in ("false", "0"):
             raise not_supported("stream")           # replaying a stored response's events
-        return _json(stored(response_id).response)
+        return await json_io.response((await stored(response_id)).response)
 
     @app.delete("/v1/responses/<response_id>")
     async def delete_response(response_id: str):
@@ -112,7 +142,7 @@ def register_responses(app: Quart, *, read_request, check_queue, fit_context, ch
 
     @app.get("/v1/responses/<response_id>/input_items")
     async def list_input_items(response_id: str):
-        items = stored(response_id).input_items
+        items = (await stored(response_id)).input_items
         order = request.args.get("order", "desc")
         if order not in ("asc", "desc"):
             raise APIError("order must be 'asc' or 'desc'", param="order", code="invalid_value")
@@ -139,19 +169,6 @@ def register_responses(app: Quart, *, read_request, check_queue, fit_context, ch
 
 def fits(engine, req: CreateResponseRequest, prompt_len: int) -> bool:
     return prompt_len + max(req.max_output_tokens or 0, 1) <= engine.max_model_len
-
-
-def drop_oldest_turn(req: CreateResponseRequest) -> bool:
-    """truncation "auto": drop the conversation's oldest turn (the instructions stay), and the
-    assistant turns that would then open it; never the last turn. False: nothing left to drop."""
-    turns = req.turns()
-    if len(turns) < 2:
-        return False
-    turns = turns[1:]
-    while len(turns) > 1 and turns[0]["role"] == "assistant":
-        turns = turns[1:]
-    req.set_turns([], turns)
-    return True
 
 
 def check_context(engine, req: CreateResponseRequest, prompt_len: int):
@@ -207,7 +224,10 @@ class ResponseBuilder:
         return ev
 
     def lifecycle(self, kind: str) -> dict:
-        return self.event(kind, response=copy.deepcopy(self.response))
+        # The response as it is now. Only its top-level fields and its output list change later
+        # (closed output items are never edited), so a shallow copy freezes it; a deep copy
+        # would copy the echoed tools, which may be megabytes, for each lifecycle event.
+        return self.event(kind, response={**self.response, "output": list(self.response["output"])})
 
     def failed(self, error: APIError) -> dict:
         self.response.update(status="failed", error={"code": "server_error",
@@ -385,8 +405,10 @@ async def _store_when_done(events: AsyncIterator[dict], store: ResponseStore,
         async for ev in events:
             if ev["type"] in ("response.completed", "response.incomplete"):
                 response = ev["response"]
-                store.put(StoredResponse(response, input_items,
-                                         turns + [_assistant_turn(response["output"])]))
+                entry = StoredResponse(response, input_items,
+                                       turns + [_assistant_turn(response["output"])])
+                # linear in its size (the echoed tools may be megabytes)
+                store.put(response["id"], await asyncio.to_thread(freeze, entry))
             yield ev
 
 
@@ -408,6 +430,15 @@ def sse_event(ev: dict) -> str:
     return f"event: {ev['type']}\ndata: {data}\n\n"
 
 
+async def sse_event_off_loop(ev: dict) -> str:
+    """sse_event; a lifecycle event carries the whole response (its echoed tools may be
+    megabytes): written in pieces on a worker thread (server/json_io.py) when large."""
+    if "response" not in ev or json_io.is_small(ev):
+        return sse_event(ev)
+    data = await asyncio.to_thread(json_io.dumps, ev, compact=True)
+    return f"event: {ev['type']}\ndata: {data}\n\n"
+
+
 async def sse_events(builder: ResponseBuilder, first: dict,
                      events: AsyncIterator[dict]) -> AsyncIterator[str]:
     """SSE frames (`event:` the type, `data:` the event), as OpenAI sends them (no [DONE]). An
@@ -415,9 +446,9 @@ async def sse_events(builder: ResponseBuilder, first: dict,
     closes `events`, which aborts the engine request."""
     async with contextlib.aclosing(events):
         try:
-            yield sse_event(first)
+            yield await sse_event_off_loop(first)
             async for ev in events:
-                yield sse_event(ev)
+                yield await sse_event_off_loop(ev)
         except APIError as e:
             yield sse_event(builder.failed(e))
         except Exception as e:

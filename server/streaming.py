@@ -7,7 +7,9 @@ server-sent events (dropping the usage chunk unless `stream_options.include_usag
 non-streaming response is the fold of the same chunks.
 
 Whoever stops reading a request's outputs early (client gone, task cancelled, error) aborts it in
-the engine: `engine_outputs` does that in its `finally`.
+the engine: `engine_outputs` does that in its `finally`. A client that stays connected but stops
+reading holds its stream up (Hypercorn waits for the socket to drain), and the engine pauses the
+request, then aborts it (engine/async_engine.py): nothing here buffers without bound.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
+from engine.async_engine import StreamStalled
 from engine.core.outputs import RequestOutput
 from server.logprobs import (LogprobsOptions, chat_entries, completion_logprobs,
                              join_completion_logprobs, vllm_prompt_logprobs)
@@ -94,6 +97,8 @@ async def engine_outputs(engine, request_id: str, prompt_ids: list[int], params,
                 yield out
                 if not unfinished:
                     return
+    except StreamStalled as e:       # the client stopped reading: its request was aborted
+        raise APIError(str(e), status=408, type="timeout_error", code="stream_stalled") from None
     except ValueError as e:          # the engine refused the request: the client's fault
         timing.discard()
         raise APIError(f"{param}: {e}", param=param, code="invalid_value") from None
@@ -105,6 +110,9 @@ async def engine_outputs(engine, request_id: str, prompt_ids: list[int], params,
 
 
 def _check_output(out: RequestOutput):
+    if out.finish_reason == "error" and out.error_param is not None:   # the request's fault
+        raise APIError(out.error or "invalid request", param=out.error_param,
+                       code="invalid_value")
     if out.finish_reason == "error":
         raise APIError(f"The engine failed on this request: {out.error or 'unknown error'}",
                        status=500, type="server_error", code="engine_error")
@@ -261,7 +269,9 @@ async def _merge(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, objec
             async for item in streams[0]:
                 yield 0, item
         return
-    queue: asyncio.Queue = asyncio.Queue()
+    # Bounded: a reader that stops stops the pumps, so each stream's back-pressure reaches the
+    # engine (engine/async_engine.py) instead of this queue taking everything.
+    queue: asyncio.Queue = asyncio.Queue(maxsize=len(streams))
     done = object()
 
     async def pump(i, stream):

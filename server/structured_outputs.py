@@ -3,9 +3,13 @@
 compiled on the engine's grammar pool before the request enters the engine.
 
 Every problem is a 400 naming the parameter: two constraints in one request, a malformed field,
-an invalid JSON schema, regex or grammar, or a schema keyword the grammar library cannot enforce.
-Compiling runs off the event loop with a timeout (--structured-outputs-timeout); a grammar that
-fails only fails its own request.
+an invalid JSON schema, regex or grammar, a schema keyword the grammar library cannot enforce, or
+a grammar over the library's limits (met while compiling, or while generating: then the request
+fails with a 400 naming the parameter, or an error event if its stream has started; never with
+unconstrained text). Compiling runs off the event loop with a timeout
+(--structured-outputs-timeout) on the engine's grammar threads, each compile bounded by the
+library's limits (engine/sampling/structured_outputs.py); a grammar that fails only fails its
+own request.
 """
 from __future__ import annotations
 
@@ -121,6 +125,7 @@ async def prepare(engine, req, params_list: list, settings,
     if found is None:
         return
     so, param = found
+    so.param = param             # what a failure while generating names
     try:
         # The first use wraps the tokenizer for the grammar library (up to a second).
         manager = await asyncio.to_thread(engine.structured_outputs)

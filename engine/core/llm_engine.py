@@ -97,6 +97,17 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def pause(self, request_id: str, paused: bool = True) -> None:
+        """Hold the request's sequences out of the schedule (its reader is behind), or let them
+        back in; an unknown or finished request is ignored."""
+        request = self.requests.get(request_id)
+        if request is not None:
+            request.paused = paused
+
+    def has_work(self) -> bool:
+        """A step would do something: a step is in flight, or a sequence may be scheduled."""
+        return self._inflight is not None or self.scheduler.has_schedulable()
+
     def stats(self) -> EngineStats:
         return EngineStats.of(self)
 
@@ -260,9 +271,8 @@ class LLMEngine:
             if seq.is_finished:
                 continue
             if not StructuredOutputs.advance(seq, token):
-                # the mask allowed it: a matcher and mask that disagree are a bug
-                outputs += self.requests.fail(seq, RuntimeError(
-                    f"token {token} is outside the request's grammar"))
+                # its grammar failed (a limit of the library), or a bug: mask and matcher differ
+                outputs += self.requests.fail(seq, StructuredOutputs.refusal(seq, token))
                 continue
             seq.append_token(token)
             self.num_generation_tokens += 1

@@ -30,6 +30,7 @@ class RequestOutput:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     error: str | None = None            # message when finish_reason == "error"
+    error_param: str | None = None      # the request parameter at fault, when it is the request's
     index: int = 0                      # the choice (0 .. n-1) this output belongs to
     # Logprobs of the tokens whose text this output releases (tokens held back because they
     # may start a stop string come later, or never when the stop string matches).

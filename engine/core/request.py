@@ -37,6 +37,7 @@ class Request:
     # Entry j for prompt token j (None for token 0), filled chunk by chunk as the prefill computes
     # the rows; None when the request asked for none (only choice 0 computes them).
     prompt_logprobs: list | None = None
+    paused: bool = False      # its reader is behind (AsyncEngine): the scheduler skips it
 
     def prompt_logprob_positions(self, num_computed: int, num_new_tokens: int) -> range:
         """Positions, among the num_new_tokens a step computes from num_computed (choice 0's

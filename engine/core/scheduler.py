@@ -17,6 +17,9 @@ queue, keeping its output tokens. A waiting sequence is admitted only if its blo
 prefix-cache lookup); the first that does not fit stops admission, and no admission happens in a
 step that had to preempt.
 
+Paused requests (their reader is behind: engine/async_engine.py) are skipped, running or
+waiting, keeping their place and their blocks (a paused sequence can still be preempted).
+
 Scheduling ahead (LLMEngine.step with async scheduling): the next step is scheduled while the
 one in flight still runs. `advance(out)` first counts the in-flight step's tokens as computed and,
 for each sequence it samples, one output placeholder (`num_output_placeholders`): a token that
@@ -102,6 +105,11 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def has_schedulable(self) -> bool:
+        """Some unfinished sequence is not paused."""
+        return any(not _paused(s) for s in self.running) or any(not _paused(s)
+                                                                for s in self.waiting)
+
     @property
     def num_running(self) -> int:
         return len(self.running)
@@ -132,7 +140,7 @@ class Scheduler:
                 seq = self.running[i]
                 left = seq.num_tokens_scheduled - seq.num_computed_tokens
                 if (seq.seq_id in scheduled or left <= 0 or (left == 1) != decodes
-                        or self._finishes_by_length(seq)):
+                        or self._finishes_by_length(seq) or _paused(seq)):
                     i += 1
                     continue
                 n = self._num_new_tokens(seq, seq.num_computed_tokens, budget)
@@ -153,14 +161,18 @@ class Scheduler:
 
         if out.preempted:
             return out
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+        i = 0                            # paused ones wait in place, the others go FIFO
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[i]
+            if _paused(seq):
+                i += 1
+                continue
             computed_blocks, num_cached = pool.get_computed_blocks(seq)
             n = self._num_new_tokens(seq, seq.num_computed_tokens + num_cached, budget)
             if n <= 0 or not pool.allocate_slots(seq, n, computed_blocks):
                 break
             pool.record_lookup(seq, num_cached)
-            self.waiting.popleft()
+            del self.waiting[i]
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             out._add(seq, n)
@@ -239,3 +251,8 @@ class Scheduler:
         for seq in seqs:
             self.finish(seq, "abort")
         return bool(seqs)
+
+
+def _paused(seq: Sequence) -> bool:
+    """Its request's reader is behind (engine/async_engine.py): not scheduled meanwhile."""
+    return seq.request is not None and seq.request.paused
