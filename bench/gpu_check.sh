@@ -252,8 +252,7 @@ if [ "$SUITE" = first ]; then
     gpu_step test_step tests_quant 180 40 test_cuda_gguf.py test_cuda_marlin.py test_cuda_fp8.py \
         test_cuda_quant_gemm.py test_cuda_quant_model.py
     gpu_step test_step tests_switches 100 40 test_cuda_flash_decode.py test_cuda_fp8_gemv.py \
-        test_cuda_radix_filter.py test_cuda_fused_sampling.py test_cuda_marlin_v2.py \
-        test_cuda_prefill_fa2.py test_cuda_moe.py
+        test_cuda_fused_sampling.py test_cuda_prefill_fa2.py test_cuda_moe.py
     "$PY" -m bench.gpu_summary tests "$LOGS" > "$LOGS/verdicts.txt" 2>&1
 else
     WITHOUT=$("$PY" -m bench.gpu_summary without "$LOGS")

@@ -158,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "tokens are committed instead of ahead of them with placeholder tokens "
                         "(see README: async scheduling)")
     e.add_argument("--kernels", metavar="KEY=VALUE,...", default="",
-                   help="kernel choices, e.g. prefill=fa2,decode=split,marlin=v2; each key's "
+                   help="kernel choices, e.g. prefill=fa2,decode=split,marlin=pipeline; each key's "
                         "first value is its default, the backends that read it in parentheses: "
                         + KernelConfig.choices_help())
     e.add_argument("--profile-steps", type=int, metavar="N", default=0,
