@@ -81,6 +81,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--mcp-config", metavar="FILE",
                    help="mcp.json naming MCP servers whose tools are offered to chat requests "
                         "that send no tools")
+    g.add_argument("--rerank", choices=["auto", "qwen3-reranker", "embedding", "none"],
+                   default="auto",
+                   help="how /v1/rerank and /v1/score score a pair: qwen3-reranker (P(yes) of a "
+                        "Qwen3-Reranker checkpoint), embedding (cosine of the embeddings), "
+                        "none; auto (default): embedding for an embedding checkpoint, "
+                        "qwen3-reranker for a Qwen3 checkpoint named as a reranker, else off")
     g.add_argument("--log", action="store_true", help="verbose logging (every request)")
     g.add_argument("--debug", action="store_true",
                    help="debug logging, and the traceback of a start-up error (without it, "
@@ -329,7 +335,8 @@ def server_settings(args, config):
         limits=Limits.from_args(args), cors_origins=args.allowed_origins,
         responses_store_size=args.responses_store_size,
         responses_store_bytes=int(args.responses_store_mb * 2**20),
-        structured_outputs_timeout=args.structured_outputs_timeout, tool_parser=args.enforce_parser)
+        structured_outputs_timeout=args.structured_outputs_timeout,
+        tool_parser=args.enforce_parser, rerank=args.rerank)
 
 
 class Server:

@@ -11,8 +11,9 @@ The app starts before the engine exists: `ServerState.engine` is None while the 
 the live ones finish).
 
 Routes kept in modules of their own are registered from create_app: /v1/embeddings
-(server/embeddings.py), the Responses API (server/responses.py), Anthropic's /v1/messages
-(server/anthropic.py, whose errors take Anthropic's shape).
+(server/embeddings.py), /v1/rerank and /v1/score (server/rerank.py), the Responses API
+(server/responses.py), Anthropic's /v1/messages (server/anthropic.py, whose errors take
+Anthropic's shape).
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ from server import json_io, request_body, streaming, structured_outputs, tokeniz
 from server.anthropic import error_body as anthropic_error_body
 from server.anthropic import is_anthropic_path, register_anthropic
 from server.embeddings import register_embeddings
+from server.rerank import register_rerank
 from server.limits import Limits
 from server.message_stream import MessageStream
 from server.reasoning import ReasoningSplitter, prompt_opens_reasoning
@@ -64,6 +66,7 @@ class ServerSettings:
     structured_outputs_timeout: float = 5.0  # seconds a grammar may take to compile
     tool_parser: str | None = None           # --enforce-parser; else chosen for the model
     model_notice: str | None = None          # one line clients show beside the model (the demo's)
+    rerank: str = "auto"                     # --rerank: how /v1/rerank and /v1/score score
 
 
 @dataclass
@@ -503,6 +506,7 @@ def create_app(engine, settings: ServerSettings) -> Quart:
         return await respond(info, chunks, fold)
 
     register_embeddings(app, state, check_queue)
+    register_rerank(app, state, check_queue)
 
     @app.post("/tokenize")
     async def tokenize():

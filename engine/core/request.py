@@ -212,8 +212,8 @@ class Admission:
 
     def _admit_pooling(self, request_id: str, prompt_token_ids: list[int],
                        params: PoolingParams) -> Request:
-        """An embedding: the prompt is computed (in chunks, batched with everything else) and
-        pooled; nothing is sampled."""
+        """An embedding (or token logits at the last position): the prompt is computed (in
+        chunks, batched with everything else) and pooled; nothing is sampled."""
         if len(prompt_token_ids) > self.max_model_len:
             raise ValueError(f"the input has {len(prompt_token_ids)} tokens; the maximum model "
                              f"length is {self.max_model_len}")
@@ -222,6 +222,11 @@ class Admission:
                                                     self.model_config.hidden_size)
             if problem:
                 raise ValueError(problem)
+        if params.token_ids is not None:
+            if not self.model_config.has_lm_head:
+                raise ValueError("this model has no lm_head (a headless embedding checkpoint): "
+                                 "it has no token logits to score with")
+            self._check_token_ids(list(params.token_ids), "token_ids")
         self._check_token_ids(prompt_token_ids, "token ids")
         request = Request(request_id, params, len(prompt_token_ids))
         seq = Sequence(prompt_token_ids, None, request_id, arrival_time=time.monotonic(),

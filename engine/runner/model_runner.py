@@ -155,9 +155,36 @@ class ModelRunner:
                                for _, _, first, end in pooled])
         logits, hidden = self.model.forward(self._to_device(batch), self.kv_caches,
                                             hidden_indices=self.backend.asarray(rows))
+        scores = self.token_logits(pooled, hidden)
         hidden = np.asarray(self.backend.to_host(hidden), dtype=np.float32)
         out, at = [], 0
         for seq, start, first, end in pooled:
-            out.append((seq, start, hidden[at:at + end - first]))
-            at += end - first
+            k = end - first
+            rows_out = hidden[at:at + k]
+            if seq.pooler.token_ids is not None:
+                rows_out = scores.pop(0) if k else np.zeros((0, len(seq.pooler.token_ids)),
+                                                           np.float32)
+            out.append((seq, start, rows_out))
+            at += k
         return logits, out
+
+    def token_logits(self, pooled: list[tuple], hidden) -> list[np.ndarray]:
+        """For each scoring request (its Pooler has token_ids) whose last row is in `hidden`, in
+        order: those tokens' logits there, (1, len(token_ids)) float32 on the host. Their rows
+        go through the lm_head together; only the asked-for logits leave the device."""
+        wanted, at = [], 0
+        for seq, _, first, end in pooled:
+            if seq.pooler.token_ids is not None and end > first:
+                wanted.append((at + end - first - 1, seq.pooler.token_ids))
+            at += end - first
+        if not wanted:
+            return []
+        be = self.backend
+        rows = be.asarray(np.array([r for r, _ in wanted], np.int64))
+        logits = self.model.logits(be.xp.ascontiguousarray(hidden[rows]))
+        row_of = np.repeat(np.arange(len(wanted)), [len(ids) for _, ids in wanted])
+        cols = np.concatenate([np.array(ids, np.int64) for _, ids in wanted])
+        picked = np.asarray(be.to_host(logits[be.asarray(row_of), be.asarray(cols)]),
+                            np.float32)
+        return [p.reshape(1, -1)
+                for p in np.split(picked, np.cumsum([len(ids) for _, ids in wanted])[:-1])]

@@ -154,6 +154,15 @@ class Tokenizer:
         _check_length(text, max_chars)
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
 
+    def encode_text(self, text: str) -> list[int]:
+        """Client text that goes inside a prompt the server writes (a reranker's template):
+        special-token strings in it tokenize as plain text, as encode_chat treats message text.
+        Without any, exactly `encode(text, add_special_tokens=False)`."""
+        if self._special_re is None or not self._special_re.search(text):
+            return self.encode(text, add_special_tokens=False)
+        guard = self.prepare_chat_guard()
+        return guard.encode(self.hf, guard.escape(text))
+
     def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
                             enable_thinking: bool | None = None, add_generation_prompt: bool = True,
                             chat_template: str | None = None, **kwargs) -> str:
