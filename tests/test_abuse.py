@@ -545,7 +545,8 @@ def test_readme_lists_every_limit_and_default():
                 for opt in action.option_strings}
     flags = ["--" + name.replace("_", "-") for name in FLAGS] + [
         "--host", "--allowed-origins", "--max-request-mb", "--max-queued-requests",
-        "--responses-store-size", "--structured-outputs-timeout", "--shutdown-timeout"]
+        "--responses-store-size", "--responses-store-mb", "--structured-outputs-timeout",
+        "--shutdown-timeout"]
     for flag in flags:
         default = defaults[flag]
         if isinstance(default, float) and default.is_integer():
