@@ -387,18 +387,9 @@ def create_app(engine, settings: ServerSettings) -> Quart:
         The first chunk is awaited here, so a request that fails before producing anything gets
         an error status rather than a 200 stream holding an error event.
         """
-        try:
-            first = await anext(chunks)
-        except BaseException:
-            await chunks.aclose()
-            raise
+        first = await streaming.first_of(chunks)
         if info.stream:
-            resp = Response(streaming.sse_stream(info, first, chunks), status=200,
-                            content_type="text/event-stream")
-            resp.headers["Cache-Control"] = "no-cache"
-            resp.headers["X-Accel-Buffering"] = "no"
-            resp.timeout = None
-            return resp
+            return streaming.sse_response(streaming.sse_stream(info, first, chunks))
 
         async def all_chunks():
             yield first

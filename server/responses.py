@@ -80,18 +80,9 @@ def register_responses(app: Quart, *, read_request, check_queue, fit_context, ch
         events = response_events(builder, outputs, len(prompt_ids), message)
         if req.store:
             events = _store_when_done(events, store, items, req.turns())
-        try:
-            first = await anext(events)        # a refused request still gets an error status
-        except BaseException:
-            await events.aclose()
-            raise
+        first = await streaming.first_of(events)   # a refused request gets an error status
         if req.stream:
-            resp = Response(sse_events(builder, first, events), status=200,
-                            content_type="text/event-stream")
-            resp.headers["Cache-Control"] = "no-cache"
-            resp.headers["X-Accel-Buffering"] = "no"
-            resp.timeout = None
-            return resp
+            return streaming.sse_response(sse_events(builder, first, events))
         last = first
         async with contextlib.aclosing(events):
             async for last in events:

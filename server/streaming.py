@@ -23,6 +23,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
+from quart import Response
+
 from engine.async_engine import StreamStalled
 from engine.core.outputs import RequestOutput
 from server.logprobs import (LogprobsOptions, chat_entries, completion_logprobs,
@@ -417,3 +419,22 @@ async def sse_stream(info: ResponseInfo, first: dict | None,
             yield sse_event(APIError(f"Internal server error: {type(e).__name__}: {e}",
                                      status=500, type="server_error").body())
     yield SSE_DONE
+
+
+async def first_of(events):
+    """The first item of an async generator, closing the generator if getting it fails: a
+    request the engine refuses raises here, before any status is sent."""
+    try:
+        return await anext(events)
+    except BaseException:
+        await events.aclose()
+        raise
+
+
+def sse_response(body) -> Response:
+    """A text/event-stream response: not cached, not buffered by proxies, no timeout."""
+    resp = Response(body, status=200, content_type="text/event-stream")
+    resp.headers["Cache-Control"] = "no-cache"
+    resp.headers["X-Accel-Buffering"] = "no"
+    resp.timeout = None
+    return resp
