@@ -39,6 +39,8 @@ pytestmark = pytest.mark.timeout(300)
 
 SERVER = textwrap.dedent('''
     import json, os, sys
+    from typing import Annotated
+    from pydantic import Field
     from mcp.server.mcpserver import MCPServer
     from mcp_types import ToolAnnotations
 
@@ -49,7 +51,7 @@ SERVER = textwrap.dedent('''
             f.write(json.dumps({"tool": name, **args}) + "\\n")
 
     @mcp.tool()
-    def add(a: int, b: int) -> str:
+    def add(a: Annotated[int, Field(ge=0, le=99)], b: Annotated[int, Field(ge=0, le=99)]) -> str:
         """Add two integers."""
         record("add", a=a, b=b)
         return f"sum={a + b}"
@@ -65,6 +67,11 @@ SERVER = textwrap.dedent('''
         """Always fails."""
         from mcp.server.mcpserver.exceptions import ToolError
         raise ToolError("the fuse blew")
+
+    # Closed schemas, as strict tools have them: the random demo model (test_responses_live.py)
+    # would otherwise add keys of its own to the arguments.
+    for tool in mcp._tool_manager._tools.values():
+        tool.parameters["additionalProperties"] = False
 
     if sys.argv[1:] == ["stdio"]:
         mcp.run()
