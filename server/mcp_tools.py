@@ -1,4 +1,7 @@
-"""MCP tools: the tools of the MCP servers named in `--mcp-config`, offered to chat requests.
+"""MCP tools: the tools of the MCP servers named in `--mcp-config`, offered to chat requests, and
+the MCP connections the Responses API's `mcp` tools run their calls over
+(server/responses_mcp.py: a --mcp-config server's held connection, or one to an allowed URL
+opened for one response).
 
 The config is the common `mcp.json` shape:
     {"mcpServers": {"files": {"command": "npx", "args": [...], "env": {...}},
@@ -6,11 +9,11 @@ The config is the common `mcp.json` shape:
 A server with `command` is started as a subprocess and spoken to over stdio; one with `url` over
 streamable HTTP. Both go through the official `mcp` SDK's `Client`.
 
-Each server gets one task that holds its connection for the server's lifetime and lists its
-tools again every `refresh_s` seconds (anyio's context managers must be entered and left in one
-task, so the connection lives inside that task). Start-up waits at most `connect_timeout_s` for
-the first listings; a server that fails to start, or has not answered by then, is logged and
-left out (a late one joins when it answers). A tool name that two servers share is offered as
+Each connection (McpConnection) is held by a task of its own, since anyio's context managers
+must be entered and left in one task; any task lists and calls through it. Each configured server
+gets one for the server's lifetime, and its tools are listed again every `refresh_s` seconds.
+Start-up waits at most `connect_timeout_s` for the first listings; a server that fails to start,
+or has not answered by then, is logged and left out (a late one joins when it answers). A tool name that two servers share is offered as
 `server__tool` for each of them, so no server's tool hides another's; `route(name)` maps an
 offered name back to (server, tool).
 """

@@ -1,5 +1,6 @@
 """Structured outputs on the wire: the request's one constraint, read from OpenAI's
-`response_format`, vLLM's `structured_outputs` object or vLLM's older `guided_*` fields, and
+`response_format` (the Responses API's `text.format`, the same formats with the json_schema's
+fields beside its type), vLLM's `structured_outputs` object or vLLM's older `guided_*` fields, and
 compiled on the engine's grammar pool before the request enters the engine.
 
 Every problem is a 400 naming the parameter: two constraints in one request, a malformed field,

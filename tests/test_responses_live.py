@@ -229,3 +229,25 @@ def test_live_mcp_call_on_the_real_engine(live_mcp):
     with pytest.raises(openai.BadRequestError) as e:
         client.responses.create(**{**args, "tools": [{**tool, "server_url": url + "/other"}]})
     assert "--mcp-allowed-urls" in e.value.message
+
+
+def test_mcp_and_background_flags_are_checked(tmp_path, capsys):
+    from server.__main__ import build_parser, main, server_settings
+    args = build_parser().parse_args(["--w", "/m", "--mcp-allowed-urls", "http://a/mcp",
+                                      "https://b/mcp", "--mcp-max-calls", "3",
+                                      "--responses-max-background", "2"])
+    settings = server_settings(args, type("Config", (), {"model": "/m"}))
+    assert (settings.mcp_allowed_urls, settings.mcp_max_calls,
+            settings.responses_max_background) == (["http://a/mcp", "https://b/mcp"], 3, 2)
+    defaults = server_settings(build_parser().parse_args(["--w", "/m"]),
+                               type("Config", (), {"model": "/m"}))
+    assert (defaults.mcp_allowed_urls, defaults.mcp_max_calls,
+            defaults.responses_max_background) == ([], 20, 64)
+    for flags, message in ((["--mcp-allowed-urls", "ftp://x"], "is not an http:// or https://"),
+                           (["--mcp-max-calls", "-1"], "--mcp-max-calls must be at least 0"),
+                           (["--responses-max-background", "-1"],
+                            "--responses-max-background must be at least 0")):
+        with pytest.raises(SystemExit) as e:
+            main(["--cpu", "--w", str(tmp_path), *flags])
+        assert e.value.code == 2
+        assert message in capsys.readouterr().err
