@@ -13,9 +13,9 @@ Each connection (McpConnection) is held by a task of its own, since anyio's cont
 must be entered and left in one task; any task lists and calls through it. Each configured server
 gets one for the server's lifetime, and its tools are listed again every `refresh_s` seconds.
 Start-up waits at most `connect_timeout_s` for the first listings; a server that fails to start,
-or has not answered by then, is logged and left out (a late one joins when it answers). A tool name that two servers share is offered as
-`server__tool` for each of them, so no server's tool hides another's; `route(name)` maps an
-offered name back to (server, tool).
+or has not answered by then, is logged and left out (a late one joins when it answers). A tool
+name that two servers share is offered as `server__tool` for each of them, so no server's tool
+hides another's; `route(name)` maps an offered name back to (server, tool).
 """
 from __future__ import annotations
 

@@ -116,6 +116,11 @@ def register_responses(app: Quart, *, read_request, check_queue, fit_context, ch
             async def keep(response: dict):        # a background response that failed or was
                 entry = StoredResponse(response, items, run.conversation())     # cancelled
                 store.put(response["id"], await asyncio.to_thread(freeze, entry))
+            try:
+                background.check_room()     # again: others may have started while this waited
+            except APIError:
+                await run.close()           # `events` never started: the engine has nothing
+                raise
             background.start(builder, events, items, keep)
             return await json_io.response(builder.snapshot())
         try:

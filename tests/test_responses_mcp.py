@@ -30,7 +30,8 @@ pytest.importorskip("mcp", reason="could not import the mcp SDK (requirements-te
 
 from server.app import ServerSettings, create_app  # noqa: E402
 from server.mcp_tools import McpServerSpec, McpTools  # noqa: E402
-from server_fakes import ThreadedServer, assert_error, client_for, free_port, post_json  # noqa: E402
+from server_fakes import (ThreadedServer, assert_error, client_for, free_port,  # noqa: E402
+                          post_json)
 from test_responses import validate, validate_event  # noqa: E402
 from test_responses_tools import ToolEngine, post_events  # noqa: E402
 from test_tool_calls_server import tokenizer  # noqa: E402, F401 (a fixture)
