@@ -80,7 +80,18 @@ def build_parser() -> argparse.ArgumentParser:
                         "default: chosen from the model type and chat template")
     g.add_argument("--mcp-config", metavar="FILE",
                    help="mcp.json naming MCP servers whose tools are offered to chat requests "
-                        "that send no tools")
+                        "that send no tools, and which Responses API requests may name as "
+                        "`mcp` tools by their server_label")
+    g.add_argument("--mcp-allowed-urls", nargs="+", metavar="URL", default=[],
+                   help="MCP server URLs a Responses API request may name in an `mcp` tool's "
+                        "server_url (the server connects to them); default none: any "
+                        "server_url is refused")
+    g.add_argument("--mcp-max-calls", type=int, metavar="N", default=20,
+                   help="the most MCP tool calls the server runs for one Responses API "
+                        "response (a request's max_tool_calls may lower it; default 20)")
+    g.add_argument("--responses-max-background", type=int, metavar="N", default=64,
+                   help="Responses API requests with background: true that may run at once; "
+                        "more are refused with a 429 (default 64)")
     g.add_argument("--rerank", choices=["auto", "qwen3-reranker", "embedding", "none"],
                    default="auto",
                    help="how /v1/rerank and /v1/score score a pair: qwen3-reranker (P(yes) of a "
@@ -215,6 +226,14 @@ def check_args(args) -> str | None:
         return problem
     if args.responses_store_mb < 0:
         return "--responses-store-mb must be at least 0"
+    if args.mcp_max_calls < 0:
+        return "--mcp-max-calls must be at least 0"
+    if args.responses_max_background < 0:
+        return "--responses-max-background must be at least 0"
+    bad_url = next((u for u in args.mcp_allowed_urls
+                    if not u.startswith(("http://", "https://"))), None)
+    if bad_url is not None:
+        return f"--mcp-allowed-urls: {bad_url!r} is not an http:// or https:// URL"
     if args.enforce_parser is not None:
         from server.tool_parsers import PARSERS
         if args.enforce_parser not in PARSERS:
@@ -336,7 +355,9 @@ def server_settings(args, config):
         responses_store_size=args.responses_store_size,
         responses_store_bytes=int(args.responses_store_mb * 2**20),
         structured_outputs_timeout=args.structured_outputs_timeout,
-        tool_parser=args.enforce_parser, rerank=args.rerank)
+        tool_parser=args.enforce_parser, rerank=args.rerank,
+        mcp_allowed_urls=list(args.mcp_allowed_urls), mcp_max_calls=args.mcp_max_calls,
+        responses_max_background=args.responses_max_background)
 
 
 class Server:

@@ -67,6 +67,10 @@ class ServerSettings:
     tool_parser: str | None = None           # --enforce-parser; else chosen for the model
     model_notice: str | None = None          # one line clients show beside the model (the demo's)
     rerank: str = "auto"                     # --rerank: how /v1/rerank and /v1/score score
+    mcp_allowed_urls: list[str] = field(default_factory=list)  # Responses `mcp` server_urls
+    mcp_max_calls: int = 20                  # MCP calls one response may run
+    mcp_call_timeout: float = 120.0          # seconds one MCP call may take
+    responses_max_background: int = 64       # background responses running at once
 
 
 @dataclass

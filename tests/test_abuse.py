@@ -547,7 +547,8 @@ def test_readme_lists_every_limit_and_default():
     flags = ["--" + name.replace("_", "-") for name in FLAGS] + [
         "--host", "--allowed-origins", "--max-request-mb", "--max-queued-requests",
         "--responses-store-size", "--responses-store-mb", "--structured-outputs-timeout",
-        "--shutdown-timeout"]
+        "--shutdown-timeout", "--responses-max-background", "--mcp-allowed-urls",
+        "--mcp-max-calls"]
     for flag in flags:
         default = defaults[flag]
         if isinstance(default, float) and default.is_integer():
