@@ -154,6 +154,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with async scheduling, schedule each step after the previous step's "
                         "tokens are committed instead of ahead of them with placeholder tokens "
                         "(see README: async scheduling)")
+    e.add_argument("--speculative-config", metavar="JSON", default=None,
+                   help="speculative decoding, vLLM's keys: '{\"method\": \"ngram\", "
+                        "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 5}' "
+                        "(see README: speculative decoding)")
     e.add_argument("--kernels", metavar="KEY=VALUE,...", default="",
                    help="kernel choices, e.g. prefill=fa2,decode=split,marlin=v2; each key's "
                         "first value is its default, the backends that read it in parentheses: "
@@ -272,7 +276,16 @@ def engine_config(args):
         yarn_scaling_factor=args.yarn_scaling_factor, isq=args.isq, seed=args.seed,
         batch_invariant=args.batch_invariant, logprobs_mode=args.logprobs_mode,
         async_scheduling=args.async_scheduling, schedule_ahead=args.schedule_ahead,
-        kernels=KernelConfig.parse(args.kernels, "--kernels"))
+        kernels=KernelConfig.parse(args.kernels, "--kernels"),
+        speculative_config=speculative_config(args))
+
+
+def speculative_config(args):
+    from engine.spec.config import SpeculativeConfig
+    try:
+        return SpeculativeConfig.parse(args.speculative_config)
+    except ValueError as e:
+        raise ValueError(f"--speculative-config: {e}") from None
 
 
 def smollm2_weight_file(args) -> str | None:

@@ -81,6 +81,8 @@ def build(config: EngineConfig, loaded=None) -> EngineParts:
                          config.kv_cache_dtype)
     log.info("KV cache: %d blocks of %d tokens; max model length %d", num_blocks,
              config.block_size, max_model_len)
+    if config.speculative_config is not None:
+        log.info("speculative decoding: %s", config.speculative_config)
     if on_gpu:
         cuda_memory.log_pool(num_blocks, config.block_size,
                              ModelRunner.kv_bytes_per_block(model_config, config.block_size,

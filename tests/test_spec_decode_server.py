@@ -1,0 +1,74 @@
+"""Speculative decoding through the server: `python -m server --speculative-config ...` on the
+random demo checkpoint answers greedy chat and completion requests (streamed or not) with exactly
+the text and tokens of the same server without speculation, and the flags' errors name the flag."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from demo_live import demo_dir, live  # noqa: F401 (fixtures)
+from server_fakes import LiveServer, client_for
+
+pytestmark = pytest.mark.timeout(300)
+
+NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
+                    "prompt_lookup_max": 3})
+# repetition_penalty < 1 (vLLM's extra parameter) makes the random model repeat itself, which
+# prompt lookup predicts
+EXTRA = {"repetition_penalty": 0.2, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def spec_live(demo_dir, tmp_path_factory):
+    server = LiveServer(tmp_path_factory.mktemp("spec"), demo_dir, "--mem", "64",
+                        "--served-model-name", "demo", "--speculative-config", NGRAM)
+    yield server
+    server.close()
+
+
+def chat(client, text: str, stream: bool, **kw):
+    args = dict(model="demo", messages=[{"role": "user", "content": text}], max_tokens=48,
+                temperature=0, extra_body=EXTRA, logprobs=True, **kw)
+    if not stream:
+        r = client.chat.completions.create(**args)
+        return r.choices[0].message.content, [t.token for t in r.choices[0].logprobs.content]
+    text, tokens = "", []
+    for chunk in client.chat.completions.create(stream=True, **args):
+        if chunk.choices:
+            text += chunk.choices[0].delta.content or ""
+            if chunk.choices[0].logprobs:
+                tokens += [t.token for t in chunk.choices[0].logprobs.content]
+    return text, tokens
+
+
+def test_greedy_chat_and_completions_equal_the_server_without_speculation(live, spec_live):
+    plain, spec = client_for(live.port), client_for(spec_live.port)
+    prompts = ["Tell me about the sea and the sea and the sea.", "abc abc abc abc abc",
+               "Write a list: one, two, three, one, two, three, one,"]
+    for text in prompts:
+        for stream in (False, True):
+            want = chat(plain, text, stream)
+            assert chat(spec, text, stream) == want
+        args = dict(model="demo", prompt=text, max_tokens=40, temperature=0, extra_body=EXTRA)
+        assert (spec.completions.create(**args).choices[0].text
+                == plain.completions.create(**args).choices[0].text)
+    # seeded sampling: prompt lookup's drafts keep the tokens of the same seed
+    args = dict(model="demo", prompt=prompts[1], max_tokens=40, temperature=0.8, seed=7,
+                extra_body=EXTRA, n=2)
+    assert ([c.text for c in spec.completions.create(**args).choices]
+            == [c.text for c in plain.completions.create(**args).choices])
+    log = spec_live.log()
+    assert "speculative decoding" in log
+
+
+def test_flags_name_the_problem():
+    from server.__main__ import build_parser, engine_config
+    p = build_parser()
+    config = engine_config(p.parse_args(["--w", "/m", "--cpu", "--speculative-config", NGRAM]))
+    assert (config.speculative_config.method,
+            config.speculative_config.num_speculative_tokens) == ("ngram", 4)
+    assert engine_config(p.parse_args(["--w", "/m", "--cpu"])).speculative_config is None
+    with pytest.raises(ValueError, match="--speculative-config: .*unknown key 'lookahead'"):
+        engine_config(p.parse_args(["--w", "/m", "--cpu", "--speculative-config",
+                                    '{"method": "ngram", "lookahead": 2}']))
