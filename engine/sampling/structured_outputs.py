@@ -243,7 +243,9 @@ class StructuredOutputs:
         """Speculative decoding's verification rows: sequence j has 1 + len(drafts[j]) rows, row
         i sampling after its first i drafts. (bitmask (R, ceil(V/32)) int32, rows) with each
         constrained row's mask in the grammar's state after those drafts; None when no row is
-        constrained. Each matcher is walked through the drafts and rolled back: as it was."""
+        constrained. Each matcher is walked through the drafts and rolled back: as it was. A
+        draft the grammar refuses leaves the rows after it unconstrained: they are never used
+        (the row before it cannot draw it, so the run ends there)."""
         if not any(s.grammar is not None for s in seqs):
             return None
         from llguidance.numpy import fill_next_token_bitmask
@@ -261,8 +263,7 @@ class StructuredOutputs:
                         fill_next_token_bitmask(walk.state.matcher, mask, row + i)
                         rows.append(row + i)
                     if i < len(draft) and not walk.advance(draft[i]):
-                        raise RuntimeError(f"draft token {draft[i]} is outside the request's "
-                                           f"grammar (drafts are cut to its valid prefix)")
+                        break
             finally:
                 walk.restore()
             row += 1 + len(draft)
@@ -271,6 +272,16 @@ class StructuredOutputs:
         rows = np.array(rows, dtype=np.int32)
         mask[rows] &= self.valid_words
         return mask, rows
+
+    def fill_row(self, walk: "DraftGrammar", mask: np.ndarray, row: int) -> bool:
+        """Row `row` of `mask` for a draft walk's current state; False when it is unconstrained
+        (waiting for </think>)."""
+        if not walk.constrained:
+            return False
+        from llguidance.numpy import fill_next_token_bitmask
+        fill_next_token_bitmask(walk.state.matcher, mask, row)
+        mask[row] &= self.valid_words
+        return True
 
     @staticmethod
     def valid_draft_prefix(seq, draft: list[int]) -> int:
