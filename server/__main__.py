@@ -156,8 +156,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "(see README: async scheduling)")
     e.add_argument("--speculative-config", metavar="JSON", default=None,
                    help="speculative decoding, vLLM's keys: '{\"method\": \"ngram\", "
-                        "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 5}' "
-                        "(see README: speculative decoding)")
+                        "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 5}' or "
+                        "'{\"method\": \"draft_model\", \"model\": DIR, "
+                        "\"num_speculative_tokens\": 4}' (see README: speculative decoding)")
+    e.add_argument("--draft-model", metavar="DIR", default=None,
+                   help="speculative decoding with this draft model (the target's tokenizer): "
+                        "4 tokens per step unless --speculative-config says otherwise")
     e.add_argument("--kernels", metavar="KEY=VALUE,...", default="",
                    help="kernel choices, e.g. prefill=fa2,decode=split,marlin=v2; each key's "
                         "first value is its default, the backends that read it in parentheses: "
@@ -283,7 +287,7 @@ def engine_config(args):
 def speculative_config(args):
     from engine.spec.config import SpeculativeConfig
     try:
-        return SpeculativeConfig.parse(args.speculative_config)
+        return SpeculativeConfig.parse(args.speculative_config, draft_model=args.draft_model)
     except ValueError as e:
         raise ValueError(f"--speculative-config: {e}") from None
 

@@ -74,6 +74,8 @@ def test_config_names_the_bad_key():
                                  "prompt_lookup_max": 4})
     assert (c.prompt_lookup_min, c.prompt_lookup_max) == (4, 4)     # vLLM: one sets the other
     assert SpeculativeConfig.parse(None) is None and SpeculativeConfig.parse("") is None
+    c = SpeculativeConfig.parse(None, draft_model="/d")
+    assert (c.method, c.model, c.num_speculative_tokens) == ("draft_model", "/d", 4)
     for bad, message in [
             ('{"method": "eagle3", "num_speculative_tokens": 2}', "method must be one of"),
             ('{"method": "ngram"}', "'num_speculative_tokens' is required"),
@@ -81,11 +83,14 @@ def test_config_names_the_bad_key():
             ('{"method": "ngram", "num_speculative_tokens": 2, "k": 1}', "unknown key 'k'"),
             ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, '
              '"prompt_lookup_max": 2}', "prompt_lookup_min \\(4\\) is larger"),
+            ('{"method": "draft_model", "num_speculative_tokens": 2}', "needs \"model\""),
             ('{"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0}',
              "disable_by_batch_size must"),
             ("{not json", "not valid JSON")]:
         with pytest.raises(ValueError, match=message):
             SpeculativeConfig.parse(bad)
+    with pytest.raises(ValueError, match="disagree"):
+        SpeculativeConfig.parse('{"model": "/a", "num_speculative_tokens": 2}', draft_model="/b")
 
 
 # ---- greedy: the same tokens, fewer forwards

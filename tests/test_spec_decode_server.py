@@ -27,6 +27,15 @@ def spec_live(demo_dir, tmp_path_factory):
     server.close()
 
 
+@pytest.fixture(scope="module")
+def draft_live(demo_dir, tmp_path_factory):
+    """The demo model as its own draft: --draft-model."""
+    server = LiveServer(tmp_path_factory.mktemp("draft"), demo_dir, "--mem", "64",
+                        "--served-model-name", "demo", "--draft-model", demo_dir)
+    yield server
+    server.close()
+
+
 def chat(client, text: str, stream: bool, **kw):
     args = dict(model="demo", messages=[{"role": "user", "content": text}], max_tokens=48,
                 temperature=0, extra_body=EXTRA, logprobs=True, **kw)
@@ -62,12 +71,26 @@ def test_greedy_chat_and_completions_equal_the_server_without_speculation(live, 
     assert "speculative decoding" in log
 
 
+def test_a_draft_model_server_equals_the_server_without_speculation(live, draft_live):
+    plain, spec = client_for(live.port), client_for(draft_live.port)
+    for text in ("Tell me about the sea.", "Count: one, two,"):
+        for stream in (False, True):
+            assert chat(spec, text, stream) == chat(plain, text, stream)
+        args = dict(model="demo", prompt=text, max_tokens=30, temperature=0.7, seed=3)
+        assert (spec.completions.create(**args).choices[0].text
+                == plain.completions.create(**args).choices[0].text)
+    assert "draft model" in draft_live.log()
+
+
 def test_flags_name_the_problem():
     from server.__main__ import build_parser, engine_config
     p = build_parser()
     config = engine_config(p.parse_args(["--w", "/m", "--cpu", "--speculative-config", NGRAM]))
     assert (config.speculative_config.method,
             config.speculative_config.num_speculative_tokens) == ("ngram", 4)
+    config = engine_config(p.parse_args(["--w", "/m", "--cpu", "--draft-model", "/d"]))
+    assert (config.speculative_config.method, config.speculative_config.model) == (
+        "draft_model", "/d")
     assert engine_config(p.parse_args(["--w", "/m", "--cpu"])).speculative_config is None
     with pytest.raises(ValueError, match="--speculative-config: .*unknown key 'lookahead'"):
         engine_config(p.parse_args(["--w", "/m", "--cpu", "--speculative-config",

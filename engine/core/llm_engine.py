@@ -66,7 +66,7 @@ class LLMEngine:
         if self.config.speculative_config is not None:
             self.speculator = Speculator(self.config.speculative_config, self.sampler,
                                          self.eos_token_ids, self.max_model_len,
-                                         self.config.logprobs_mode)
+                                         self.config.logprobs_mode, parts.draft)
             self.speculator.structured = lambda: self.admission.structured
         self.scheduler = Scheduler(self.config, self.block_pool, self.max_model_len,
                                    self.speculator)
@@ -227,11 +227,16 @@ class LLMEngine:
         try:
             if placeholders is not None:
                 placeholders.fill(batch.token_ids, after.future.result())
+            spec, draft_probs = self.speculator, None
+            if spec is not None and sched.has_drafts:
+                draft_probs = spec.draft(self.runner, sched, batch, self.admission.structured)
             logits, pooled = self.runner.execute(sched, batch)
+            if spec is not None:
+                spec.mirror(self.runner, batch)     # the draft model's K/V of this step
             if after is not None:
                 self._await_commit(after)
             if sched.has_drafts:
-                return self._verify_step(sched, logits, pooled)
+                return self._verify_step(sched, logits, pooled, draft_probs)
             sampled = sampled_seqs(sched)
             S = len(sampled)
             beams_ready = self.beams.collect(sampled, logits[:S])
@@ -250,7 +255,7 @@ class LLMEngine:
             log.exception("step failed; finishing its %d requests with an error", len(sched.seqs))
             return e
 
-    def _verify_step(self, sched, logits, pooled):
+    def _verify_step(self, sched, logits, pooled, draft_probs):
         """_run_step's sampling for a step with drafts: each sampled sequence owns 1 + k logits
         rows (k = its drafts, 0 for beams and plain decodes), the verifier turns them into the
         tokens it emits. Returns _run_step's tuple with runs of tokens and logprobs per sequence
@@ -269,7 +274,7 @@ class LLMEngine:
             [np.arange(starts[i], starts[i] + sizes[i]) for i in keep]))])
         seqs = [rows[i][0] for i in keep]
         verified = self.speculator.verify(picked, seqs, [rows[i][1] for i in keep],
-                                          self.admission.structured)
+                                          self.admission.structured, draft_probs)
         record_prompt_logprobs(self.backend, sched, logits[S:])
         return seqs, verified.tokens, verified.logprobs, beams_ready, pooled, verified
 

@@ -4,7 +4,7 @@ Each sequence keeps a decayed estimate of its per-token acceptance rate a: with 
 one after another until the first rejection, the number accepted in a step is geometric, and the
 estimate is (accepted tokens) / (accepted tokens + rejections), each step's counts weighted
 DECAY times the previous one's. The i-th draft of a step is used with probability a^i, and costs
-a verify row whether used or not, so a sequence
+a verify row (and a draft-model forward, for that method) whether used or not, so a sequence
 drafts the largest k <= num_speculative_tokens with a^k >= min_use (the method's worth
 threshold). When even one draft is not worth it, the sequence stops speculating for PAUSE_STEPS
 decode steps and then tries a single draft again, which updates the estimate.
@@ -26,7 +26,7 @@ class SpecState:
     """A sequence's speculation: its acceptance estimate, its pause, its counters (reported in
     the request's usage), and the proposers' per-sequence caches."""
     __slots__ = ("accepted", "trials", "paused", "num_drafts", "num_draft_tokens",
-                 "num_accepted_tokens", "tokens")
+                 "num_accepted_tokens", "tokens", "greedy_params")
 
     def __init__(self):
         self.accepted, self.trials = PRIOR_ACCEPTED, PRIOR_TRIALS
@@ -35,6 +35,7 @@ class SpecState:
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.tokens = None              # ngram: the token ids as a NumPy buffer
+        self.greedy_params = None       # draft model: the request's params with temperature 0
 
     @property
     def acceptance(self) -> float:

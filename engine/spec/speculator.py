@@ -3,11 +3,13 @@
 
 - schedule (main thread): `plan` gives a decoding sequence its drafts for the step, k <= its
   adaptive budget (engine/spec/adaptive.py), the step's token budget, max_tokens and the model
-  length; an n-gram lookup returns the tokens at once (cut where a grammar refuses them). The scheduler allocates 1 + k slots and the runner makes 1 + k rows of
+  length; an n-gram lookup returns the tokens at once (cut where a grammar refuses them), a draft
+  model only the count. The scheduler allocates 1 + k slots and the runner makes 1 + k rows of
   them (the last known token, then the drafts), each row's logits kept.
-- forward thread: the target scores every row of every sequence in one forward, mixed with
-  plain decodes and prefill chunks; `verify` turns the rows into emitted tokens
-  (engine/spec/rejection_sampler.py).
+- forward thread: `draft` runs the draft model into those rows (engine/spec/draft_model.py),
+  the target scores every row of every sequence in one forward, mixed with plain decodes and
+  prefill chunks; `mirror` gives the draft model the step's K/V; `verify` turns the rows into
+  emitted tokens (engine/spec/rejection_sampler.py).
 - commit (main thread): the emitted tokens are appended one by one (each may stop the
   sequence), only the accepted rows count as computed, so a rejected draft's K/V lies past
   num_computed_tokens, is never hashed into the prefix cache and is rewritten before it is read;
@@ -27,8 +29,8 @@ from engine.spec.ngram import TokenBuffer, propose_ngram
 from engine.spec.rejection_sampler import RejectionSampler, Verified
 
 # A draft is worth proposing while the chance it is used (acceptance^position) is at least this:
-# an n-gram draft costs one verify row.
-MIN_USE = {"ngram": 0.1}
+# an n-gram draft costs one verify row; a draft model's costs a draft forward too.
+MIN_USE = {"ngram": 0.1, "draft_model": 0.25}
 
 
 @dataclass(slots=True)
@@ -52,11 +54,12 @@ class SpecStats:
 
 class Speculator:
     def __init__(self, config: SpeculativeConfig, sampler, eos_token_ids: set[int],
-                 max_model_len: int, logprobs_mode: str = "raw"):
+                 max_model_len: int, logprobs_mode: str = "raw", draft=None):
         self.config = config
         self.method = config.method
         self.k = config.num_speculative_tokens
         self.max_model_len = max_model_len
+        self.draft_model = draft            # a DraftModel (method draft_model)
         self.sampler = sampler
         self.eos_token_ids = eos_token_ids
         self.rejection = RejectionSampler(sampler, eos_token_ids, logprobs_mode)
@@ -90,6 +93,8 @@ class Speculator:
         k = min(limit, state.num_drafts_wanted(self.k, self.min_use))
         if k < 1:
             return 0, []
+        if self.method == "draft_model":
+            return k, []
         if state.tokens is None:
             state.tokens = TokenBuffer()
         drafts = propose_ngram(state.tokens.sync(seq.token_ids), k,
@@ -112,5 +117,30 @@ class Speculator:
 
     # ---- forward thread
 
-    def verify(self, logits, seqs: list, drafts: list[list[int]], structured) -> Verified:
-        return self.rejection.verify(logits, seqs, drafts, structured)
+    def draft(self, runner, sched, batch, structured) -> list | None:
+        """The draft model's drafts for the step (into the batch's verify rows and
+        sched.drafts); returns the draft probabilities per sampled sequence, or None."""
+        if self.draft_model is None or not sched.has_drafts:
+            return None
+        plans = [(b, seq, k) for b, (seq, k) in enumerate(zip(sched.seqs, sched.num_drafts))
+                 if k]
+        tables = runner.to_device(batch).block_tables
+        drafts, probs = self.draft_model.propose(
+            batch, tables, plans, self.sampler, self.eos_token_ids, structured,
+            self.config.draft_sampling == "probabilistic")
+        by_seq = {}
+        for (b, seq, _), d, p in zip(plans, drafts, probs):
+            sched.drafts[b] = d
+            by_seq[seq.seq_id] = p
+        return by_seq
+
+    def mirror(self, runner, batch) -> None:
+        if self.draft_model is not None:
+            self.draft_model.mirror(runner.to_device(batch))
+
+    def verify(self, logits, seqs: list, drafts: list[list[int]], structured,
+               draft_probs: dict | None) -> Verified:
+        probs = None
+        if draft_probs:
+            probs = [draft_probs.get(seq.seq_id) for seq in seqs]
+        return self.rejection.verify(logits, seqs, drafts, structured, probs)
