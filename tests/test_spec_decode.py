@@ -313,6 +313,44 @@ def test_eos_and_max_tokens_inside_an_accepted_run(model_dir, prompts):
     assert llm.engine.speculator.stats.accepted_per_position[1] > 0
 
 
+def test_draft_length_follows_the_acceptance_estimate():
+    from engine.spec.adaptive import PAUSE_STEPS, SpecState
+    st = SpecState()
+    assert st.acceptance == 0.8 and st.num_drafts_wanted(4, 0.1) == 4   # 0.8^4 = 0.41
+    for _ in range(3):
+        st.observe(4, 4)
+    assert st.acceptance > 0.9 and st.num_drafts_wanted(16, 0.1) == 16
+    for _ in range(4):                  # one draft in two accepted: a ~ 0.5
+        st.observe(2, 1)
+    a = st.acceptance
+    assert 0.5 < a < 0.75 and st.num_drafts_wanted(8, 0.1) == int(np.log(0.1) / np.log(a))
+    assert st.num_drafts_wanted(8, 0.25) < st.num_drafts_wanted(8, 0.1)
+    for _ in range(12):                 # nothing accepted: a -> 0, the sequence pauses
+        st.observe(1, 0)
+    assert st.num_drafts_wanted(4, 0.1) == 0 and st.paused == PAUSE_STEPS
+    wanted = [st.num_drafts_wanted(4, 0.1) for _ in range(PAUSE_STEPS)]
+    assert wanted == [0] * (PAUSE_STEPS - 1) + [1]          # then a one-draft probe
+    assert (st.num_drafts, st.num_draft_tokens, st.num_accepted_tokens) == (19, 32, 16)
+
+
+def test_stats_and_outputs_count_drafts(model_dir, prompts):
+    llm = LLM(model_dir, speculative_config=NGRAM)
+    outs = llm.generate(prompts[:2], SamplingParams(**LOOPY))
+    stats, spec = llm.engine.stats(), llm.engine.speculator.stats
+    assert stats.spec_method == "ngram"
+    assert (stats.spec_num_drafts, stats.spec_num_draft_tokens, stats.spec_num_accepted_tokens) \
+        == (spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens)
+    assert stats.spec_accepted_per_position[0] >= stats.spec_accepted_per_position[1] > 0
+    assert sum(stats.spec_accepted_per_position) == stats.spec_num_accepted_tokens
+    assert stats.spec_acceptance_rate == spec.num_accepted_tokens / spec.num_draft_tokens
+    assert stats.spec_mean_accepted_length == 1 + spec.num_accepted_tokens / spec.num_drafts
+    counts = [o.spec_decode for o in outs]
+    assert sum(c.num_draft_tokens for c in counts) == spec.num_draft_tokens
+    assert sum(c.num_accepted_tokens for c in counts) == spec.num_accepted_tokens
+    assert LLM(model_dir).generate(prompts[:1], SamplingParams(**LOOPY))[0].spec_decode is None
+    assert LLM(model_dir).engine.stats().spec_method is None
+
+
 def test_batch_gate_turns_speculation_off_for_large_steps(model_dir, prompts):
     llm = LLM(model_dir, speculative_config={**NGRAM, "disable_by_batch_size": 2})
     outs, steps = run_recorded(llm, prompts[:4], SamplingParams(**{**LOOPY, "max_tokens": 24}))

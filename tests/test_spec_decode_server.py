@@ -71,6 +71,42 @@ def test_greedy_chat_and_completions_equal_the_server_without_speculation(live, 
     assert "speculative decoding" in log
 
 
+def metric(text: str, name: str, **labels) -> float:
+    for line in text.splitlines():
+        if line.startswith("taper:" + name + "{") and all(
+                f'{k}="{v}"' in line for k, v in labels.items()):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"no {name} {labels} in /metrics")
+
+
+def test_metrics_and_usage_count_drafts(live, spec_live):
+    from server_fakes import http_request
+    spec = client_for(spec_live.port)
+    args = dict(model="demo", max_tokens=40, temperature=0, extra_body=EXTRA,
+                messages=[{"role": "user", "content": "abc abc abc abc abc"}])
+    usage = spec.chat.completions.create(**args).usage.model_extra["speculative_decoding"]
+    assert usage["num_draft_tokens"] >= usage["num_accepted_tokens"] > 0
+    assert usage["acceptance_rate"] == round(usage["num_accepted_tokens"]
+                                             / usage["num_draft_tokens"], 4)
+    assert usage["mean_accepted_length"] == round(1 + usage["num_accepted_tokens"]
+                                                  / usage["num_drafts"], 4)
+    streamed = [c for c in spec.chat.completions.create(
+        stream=True, stream_options={"include_usage": True}, **args) if c.usage]
+    assert streamed[-1].usage.model_extra["speculative_decoding"] == usage   # greedy: the same
+    plain = client_for(live.port).chat.completions.create(**args).usage
+    assert "speculative_decoding" not in plain.model_extra
+    text = http_request(spec_live.port, "GET", "/metrics")[2].decode()
+    drafts = metric(text, "spec_decode_num_draft_tokens_total", method="ngram")
+    accepted = metric(text, "spec_decode_num_accepted_tokens_total", method="ngram")
+    assert drafts >= accepted >= 2 * usage["num_accepted_tokens"]
+    assert metric(text, "spec_decode_acceptance_rate", method="ngram") == pytest.approx(
+        accepted / drafts)
+    assert metric(text, "spec_decode_mean_accepted_length", method="ngram") > 1
+    assert metric(text, "spec_decode_num_accepted_tokens_per_pos_total", method="ngram",
+                  position="0") > 0
+    assert b"spec_decode" not in http_request(live.port, "GET", "/metrics")[2]
+
+
 def test_a_draft_model_server_equals_the_server_without_speculation(live, draft_live):
     plain, spec = client_for(live.port), client_for(draft_live.port)
     for text in ("Tell me about the sea.", "Count: one, two,"):

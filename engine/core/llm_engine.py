@@ -370,5 +370,7 @@ class LLMEngine:
             out.token_ids = seq.output_token_ids
         out.num_output_tokens = at + 1 - seq.num_prompt_tokens
         if out.finished:
+            if self.speculator is not None:
+                out.spec_decode = self.speculator.counts(seq)
             self.requests.finish(seq, out.finish_reason)
         return out

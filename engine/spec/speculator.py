@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.core.outputs import SpecDecodeCounts
 from engine.spec.adaptive import SpecState
 from engine.spec.config import SpeculativeConfig
 from engine.spec.ngram import TokenBuffer, propose_ngram
@@ -102,6 +103,14 @@ class Speculator:
         if drafts and seq.grammar is not None:     # cut where the grammar refuses them
             drafts = drafts[:self.structured().valid_draft_prefix(seq, drafts)]
         return len(drafts), drafts
+
+    @staticmethod
+    def counts(seq) -> SpecDecodeCounts:
+        """A sequence's counters, for its request's usage."""
+        st = seq.spec
+        if st is None:
+            return SpecDecodeCounts()
+        return SpecDecodeCounts(st.num_drafts, st.num_draft_tokens, st.num_accepted_tokens)
 
     def record(self, seq, proposed: int, accepted: int) -> None:
         """A verify step's outcome for one sequence."""
