@@ -22,6 +22,15 @@ from test_engine import StressRunner
 
 pytestmark = pytest.mark.timeout(600)
 
+
+@pytest.fixture(autouse=True)
+def free_drafts(request, monkeypatch):
+    """The cost model (engine/spec/costs.py) follows this machine's step times; tests that
+    count drafts make them free, so that acceptance alone decides how many are proposed."""
+    if request.node.originalname not in ("test_step_cost_fit_and_worth_threshold", "test_measured_costs_turn_speculation_down"):
+        from engine.spec.costs import StepCost
+        monkeypatch.setattr(StepCost, "min_use", lambda self, rows: 0.0)
+
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
          "prompt_lookup_max": 3}
 # repetition_penalty < 1 favours the tokens seen so far: the random model's output falls into
@@ -316,21 +325,72 @@ def test_eos_and_max_tokens_inside_an_accepted_run(model_dir, prompts):
 def test_draft_length_follows_the_acceptance_estimate():
     from engine.spec.adaptive import PAUSE_STEPS, SpecState
     st = SpecState()
-    assert st.acceptance == 0.8 and st.num_drafts_wanted(4, 0.1) == 4   # 0.8^4 = 0.41
+    assert st.acceptance == 0.75 and st.num_drafts_wanted(4, 0.1, 0) == 4   # 0.75^4 = 0.32
+    assert st.num_drafts_wanted(16, 0.1, 0) == 8                            # 0.75^8 = 0.10
+    assert st.num_drafts_wanted(16, 0.0, 0) == 16                           # drafts are free
     for _ in range(3):
         st.observe(4, 4)
-    assert st.acceptance > 0.9 and st.num_drafts_wanted(16, 0.1) == 16
+    assert st.acceptance > 0.9 and st.num_drafts_wanted(16, 0.1, 1) == 16
     for _ in range(4):                  # one draft in two accepted: a ~ 0.5
         st.observe(2, 1)
     a = st.acceptance
-    assert 0.5 < a < 0.75 and st.num_drafts_wanted(8, 0.1) == int(np.log(0.1) / np.log(a))
-    assert st.num_drafts_wanted(8, 0.25) < st.num_drafts_wanted(8, 0.1)
+    assert 0.5 < a < 0.75 and st.num_drafts_wanted(8, 0.1, 2) == int(np.log(0.1) / np.log(a))
+    assert st.num_drafts_wanted(8, 0.25, 2) < st.num_drafts_wanted(8, 0.1, 2)
     for _ in range(12):                 # nothing accepted: a -> 0, the sequence pauses
         st.observe(1, 0)
-    assert st.num_drafts_wanted(4, 0.1) == 0 and st.paused == PAUSE_STEPS
-    wanted = [st.num_drafts_wanted(4, 0.1) for _ in range(PAUSE_STEPS)]
+    assert st.num_drafts_wanted(4, 0.1, 10) == 0 and st.paused_until == 10 + PAUSE_STEPS
+    assert st.resting(10 + PAUSE_STEPS - 2) and not st.resting(10 + PAUSE_STEPS - 1)
+    wanted = [st.num_drafts_wanted(4, 0.1, step) for step in range(11, 11 + PAUSE_STEPS)]
     assert wanted == [0] * (PAUSE_STEPS - 1) + [1]          # then a one-draft probe
     assert (st.num_drafts, st.num_draft_tokens, st.num_accepted_tokens) == (19, 32, 16)
+    # a draft that costs as much as a decoded token is never worth it
+    st = SpecState()
+    assert st.num_drafts_wanted(4, 1.0, 0) == 0 and st.paused_until == PAUSE_STEPS
+
+
+def test_step_cost_fit_and_worth_threshold():
+    from engine.spec.costs import StepCost
+    memory_bound, compute_bound = StepCost(), StepCost()
+    assert memory_bound.min_use(1) == 0.0                   # nothing measured: speculate
+    rng = np.random.default_rng(0)
+    for rows in rng.integers(1, 6, 60):
+        noise = 1 + 0.05 * rng.standard_normal()
+        memory_bound.observe(int(rows), (10e-3 + 0.2e-3 * rows) * noise)
+        compute_bound.observe(int(rows), (1e-3 + 4e-3 * rows) * noise)
+    fixed, per_row = memory_bound.theta
+    assert abs(fixed - 10e-3) < 1e-3 and abs(per_row - 0.2e-3) < 0.2e-3
+    assert memory_bound.min_use(1) < 0.05                   # a verify row ~2% of a token
+    assert compute_bound.min_use(1) > 0.7                   # ~80%: one draft barely pays
+    assert compute_bound.min_use(8) > compute_bound.min_use(1)  # bigger batches: worse
+    memory_bound.observe_draft(6e-3, 2)                     # a draft model's 3 ms per draft
+    assert 0.3 < memory_bound.min_use(1) < 0.35
+    # one row count only: the ratio prior splits the time (per row = 5% of the fixed part)
+    one = StepCost()
+    for _ in range(10):
+        one.observe(1, 21e-3)
+    assert abs(one.theta[0] - 20e-3) < 1e-4 and abs(one.theta[1] - 1e-3) < 1e-4
+
+
+def test_measured_costs_turn_speculation_down(model_dir, prompts, monkeypatch):
+    """The engine feeds its step times to the cost model, and plan() follows its threshold:
+    step times that grow with the rows as fast as decoded tokens do stop the drafting."""
+    from engine.spec.costs import StepCost
+    observe = StepCost.observe
+
+    def run(per_row: float) -> int:
+        monkeypatch.setattr(StepCost, "observe", lambda self, rows, seconds: observe(
+            self, rows, 1e-3 + per_row * rows))
+        llm = LLM(model_dir, speculative_config=NGRAM)
+        out = llm.generate(prompts[:1], SamplingParams(**{**LOOPY, "max_tokens": 64}))[0]
+        assert out.token_ids == LLM(model_dir).generate(
+            prompts[:1], SamplingParams(**{**LOOPY, "max_tokens": 64}))[0].token_ids
+        return llm.engine.speculator.stats.num_draft_tokens, llm.engine.num_scheduled_ahead
+
+    # costly: drafts until the first steps are measured (and a one-draft probe now and then);
+    # while the sequence rests, steps are scheduled ahead again (async scheduling)
+    (cheap, cheap_ahead), (costly, costly_ahead) = run(0.01e-3), run(5e-3)
+    assert cheap > 3 * costly and costly < 25, (cheap, costly)
+    assert costly_ahead > 20 and cheap_ahead < costly_ahead, (cheap_ahead, costly_ahead)
 
 
 def test_stats_and_outputs_count_drafts(model_dir, prompts):

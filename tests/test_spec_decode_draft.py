@@ -23,6 +23,15 @@ from test_spec_decode_sampling import chi_square_ok, exact_joint
 
 pytestmark = pytest.mark.timeout(600)
 
+
+@pytest.fixture(autouse=True)
+def free_drafts(request, monkeypatch):
+    """The cost model (engine/spec/costs.py) follows this machine's step times; tests that
+    count drafts make them free, so that acceptance alone decides how many are proposed."""
+    if request.node.originalname not in ():
+        from engine.spec.costs import StepCost
+        monkeypatch.setattr(StepCost, "min_use", lambda self, rows: 0.0)
+
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 
 

@@ -118,12 +118,17 @@ def _load_draft(config: EngineConfig, backend, target_config: ModelConfig, token
     spec = config.speculative_config
     if spec is None or spec.method != "draft_model":
         return None
-    draft_dir = resolve_model(spec.model)
-    model, draft_config = load_model(draft_dir, backend, dtype=config.dtype,
-                                     yarn_scaling_factor=config.yarn_scaling_factor)
+    if spec.model.endswith(".gguf"):      # a GGUF file (a quantized copy of the target, say)
+        model, draft_config, draft_tokenizer = load_gguf_model(
+            spec.model, backend, dtype=config.dtype,
+            yarn_scaling_factor=config.yarn_scaling_factor)
+    else:
+        draft_dir = resolve_model(spec.model)
+        model, draft_config = load_model(draft_dir, backend, dtype=config.dtype,
+                                         yarn_scaling_factor=config.yarn_scaling_factor)
+        draft_tokenizer = Tokenizer.try_from_pretrained(draft_dir)
     if not draft_config.has_lm_head:
         raise ValueError(f"draft model {spec.model}: it has no lm_head, it cannot propose tokens")
-    draft_tokenizer = Tokenizer.try_from_pretrained(draft_dir)
     if tokenizer is not None and draft_tokenizer is not None:
         if tokenizer.hf.get_vocab() != draft_tokenizer.hf.get_vocab():
             raise ValueError(f"draft model {spec.model}: its tokenizer differs from the target's "

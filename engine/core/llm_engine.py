@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -172,7 +173,7 @@ class LLMEngine:
                 and not any(seq.grammar is not None for seq in sampled_seqs(prev.sched))
                 and not prev.sched.has_drafts
                 and (self.speculator is None
-                     or not self.speculator.step_active(self.scheduler.num_running)))
+                     or self.speculator.lets_schedule_ahead(self.scheduler.running)))
 
     def _launch(self, after: InflightStep | None = None) -> InflightStep | None:
         """Schedule, prepare and submit a step to the forward thread; None when nothing is
@@ -230,13 +231,21 @@ class LLMEngine:
             spec, draft_probs = self.speculator, None
             if spec is not None and sched.has_drafts:
                 draft_probs = spec.draft(self.runner, sched, batch, self.admission.structured)
+            start = time.perf_counter()
             logits, pooled = self.runner.execute(sched, batch)
             if spec is not None:
+                forward_s = time.perf_counter() - start
                 spec.mirror(self.runner, batch)     # the draft model's K/V of this step
             if after is not None:
                 self._await_commit(after)
             if sched.has_drafts:
-                return self._verify_step(sched, logits, pooled, draft_probs)
+                start = time.perf_counter()
+                result = self._verify_step(sched, logits, pooled, draft_probs)
+                spec.observe_step(sched, batch.num_tokens,
+                                  forward_s + time.perf_counter() - start)
+                return result
+            if spec is not None:
+                sampling_start = time.perf_counter()
             sampled = sampled_seqs(sched)
             S = len(sampled)
             beams_ready = self.beams.collect(sampled, logits[:S])
@@ -250,6 +259,9 @@ class LLMEngine:
                 sampled, self.eos_token_ids, self.config.logprobs_mode,
                 token_bitmask=mask) if sampled else ([], [])
             record_prompt_logprobs(self.backend, sched, logits[S:])
+            if spec is not None:
+                spec.observe_step(sched, batch.num_tokens,
+                                  forward_s + time.perf_counter() - sampling_start)
             return sampled, tokens, logprobs, beams_ready, pooled, None
         except Exception as e:  # fail this step's requests, keep serving the others
             log.exception("step failed; finishing its %d requests with an error", len(sched.seqs))

@@ -147,7 +147,7 @@ class Scheduler:
 
         scheduled: set[int] = set()      # seq_ids in `out`
         spec = self.speculator
-        if spec is not None and not spec.step_active(len(self.running)):
+        if spec is not None and not spec.begin_step(len(self.running)):
             spec = None
         for decodes in (True, False):
             i = 0

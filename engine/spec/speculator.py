@@ -21,17 +21,19 @@ compute-bound, where verifying k extra rows per sequence costs about k times mor
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from engine.core.outputs import SpecDecodeCounts
 from engine.spec.adaptive import SpecState
+from engine.spec.costs import StepCost
 from engine.spec.config import SpeculativeConfig
 from engine.spec.ngram import TokenBuffer, propose_ngram
 from engine.spec.rejection_sampler import RejectionSampler, Verified
 
-# A draft is worth proposing while the chance it is used (acceptance^position) is at least this:
-# an n-gram draft costs one verify row; a draft model's costs a draft forward too.
-MIN_USE = {"ngram": 0.1, "draft_model": 0.25}
+# A draft is worth proposing while the chance it is used (acceptance^position) is at least this
+# floor, and at least its measured cost against a decoded token's (engine/spec/costs.py).
+MIN_USE = {"ngram": 0.1, "draft_model": 0.1}
 
 
 @dataclass(slots=True)
@@ -64,7 +66,10 @@ class Speculator:
         self.sampler = sampler
         self.eos_token_ids = eos_token_ids
         self.rejection = RejectionSampler(sampler, eos_token_ids, logprobs_mode)
-        self.min_use = MIN_USE[self.method]
+        self.floor = MIN_USE[self.method]
+        self.costs = StepCost()
+        self.step = 0                       # steps scheduled (pauses are counted in them)
+        self.min_use = self.floor           # this step's worth threshold
         self.stats = SpecStats(self.method, accepted_per_position=[0] * self.k)
         # the engine's StructuredOutputs once built (the engine sets the getter)
         self.structured = lambda: None
@@ -74,6 +79,29 @@ class Speculator:
     def step_active(self, num_running: int) -> bool:
         gate = self.config.disable_by_batch_size
         return gate is None or num_running <= gate
+
+    def begin_step(self, num_running: int) -> bool:
+        """A step is being scheduled: whether it may speculate; its worth threshold."""
+        self.step += 1
+        if not self.step_active(num_running):
+            return False
+        self.min_use = max(self.floor, self.costs.min_use(max(num_running, 1)))
+        return True
+
+    def lets_schedule_ahead(self, running: list) -> bool:
+        """Whether the next step may be scheduled ahead of the one in flight: when it will not
+        speculate (the batch gate), or every running sequence rests through it."""
+        if not self.step_active(len(running)):
+            return True
+        return all(seq.spec is not None and seq.spec.resting(self.step) for seq in running
+                   if seq.pooler is None)
+
+    def observe_step(self, sched, num_rows: int, seconds: float) -> None:
+        """Forward thread: a step's forward and sampling time, for the cost model when it ran
+        only decodes and verify rows. (The main thread reads the fit between steps: a float
+        tuple replaced whole.)"""
+        if all(d or dec for d, dec in zip(sched.num_drafts, sched.is_decode)):
+            self.costs.observe(num_rows, seconds)
 
     def plan(self, seq, max_drafts: int) -> tuple[int, list[int]]:
         """(k, drafts) for a decoding sequence this step: k drafts to verify, with their tokens
@@ -91,7 +119,7 @@ class Speculator:
         state = seq.spec
         if state is None:
             state = seq.spec = SpecState()
-        k = min(limit, state.num_drafts_wanted(self.k, self.min_use))
+        k = min(limit, state.num_drafts_wanted(self.k, self.min_use, self.step))
         if k < 1:
             return 0, []
         if self.method == "draft_model":
@@ -134,9 +162,11 @@ class Speculator:
         plans = [(b, seq, k) for b, (seq, k) in enumerate(zip(sched.seqs, sched.num_drafts))
                  if k]
         tables = runner.to_device(batch).block_tables
+        start = time.perf_counter()
         drafts, probs = self.draft_model.propose(
             batch, tables, plans, self.sampler, self.eos_token_ids, structured,
             self.config.draft_sampling == "probabilistic")
+        self.costs.observe_draft(time.perf_counter() - start, sum(len(d) for d in drafts))
         by_seq = {}
         for (b, seq, _), d, p in zip(plans, drafts, probs):
             sched.drafts[b] = d
