@@ -174,6 +174,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with async scheduling, schedule each step after the previous step's "
                         "tokens are committed instead of ahead of them with placeholder tokens "
                         "(see README: async scheduling)")
+    e.add_argument("--speculative-config", metavar="JSON", default=None,
+                   help="speculative decoding, vLLM's keys: '{\"method\": \"ngram\", "
+                        "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 5}' or "
+                        "'{\"method\": \"draft_model\", \"model\": DIR, "
+                        "\"num_speculative_tokens\": 4}' (see README: speculative decoding)")
+    e.add_argument("--draft-model", metavar="DIR", default=None,
+                   help="speculative decoding with this draft model (the target's tokenizer): "
+                        "4 tokens per step unless --speculative-config says otherwise")
     e.add_argument("--kernels", metavar="KEY=VALUE,...", default="",
                    help="kernel choices, e.g. prefill=fa2,decode=split,marlin=pipeline; each key's "
                         "first value is its default, the backends that read it in parentheses: "
@@ -302,7 +310,16 @@ def engine_config(args):
         yarn_scaling_factor=args.yarn_scaling_factor, isq=args.isq, seed=args.seed,
         batch_invariant=args.batch_invariant, logprobs_mode=args.logprobs_mode,
         async_scheduling=args.async_scheduling, schedule_ahead=args.schedule_ahead,
-        kernels=KernelConfig.parse(args.kernels, "--kernels"))
+        kernels=KernelConfig.parse(args.kernels, "--kernels"),
+        speculative_config=speculative_config(args))
+
+
+def speculative_config(args):
+    from engine.spec.config import SpeculativeConfig
+    try:
+        return SpeculativeConfig.parse(args.speculative_config, draft_model=args.draft_model)
+    except ValueError as e:
+        raise ValueError(f"--speculative-config: {e}") from None
 
 
 def smollm2_weight_file(args) -> str | None:

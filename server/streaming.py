@@ -132,6 +132,7 @@ class _Usage:
     completion: int = 0
     cached: int = 0
     reasoning: int = 0
+    spec: list | None = None        # speculative decoding's drafts, draft tokens, accepted
 
     def add(self, out: RequestOutput, num_prompt_tokens: int, num_reasoning_tokens: int = 0):
         """A finished choice: its completion tokens (and how many of them reasoned); the
@@ -141,6 +142,10 @@ class _Usage:
         if out.index == 0:
             self.prompt += out.num_prompt_tokens or num_prompt_tokens
             self.cached += out.num_cached_tokens
+        if out.spec_decode is not None:
+            c = out.spec_decode
+            self.spec = [a + b for a, b in zip(self.spec or [0, 0, 0], (
+                c.num_drafts, c.num_draft_tokens, c.num_accepted_tokens))]
 
     def as_dict(self) -> dict:
         return {"prompt_tokens": self.prompt, "completion_tokens": self.completion,
@@ -149,7 +154,19 @@ class _Usage:
                 "completion_tokens_details": {"reasoning_tokens": min(self.reasoning,
                                                                       self.completion)},
                 "prompt_time_costs": round(max(t.prompt_time_ms for t in self.timings)),
-                "completion_time_costs": round(max(t.completion_time_ms for t in self.timings))}
+                "completion_time_costs": round(max(t.completion_time_ms for t in self.timings)),
+                **({} if self.spec is None else {"speculative_decoding": spec_usage(*self.spec)})}
+
+
+def spec_usage(num_drafts: int, num_draft_tokens: int, num_accepted: int) -> dict:
+    """The usage's speculative decoding extras: its verify steps with drafts, drafts, accepted
+    drafts, their ratio and the tokens a verify step emitted on average."""
+    return {"num_drafts": num_drafts, "num_draft_tokens": num_draft_tokens,
+            "num_accepted_tokens": num_accepted,
+            "acceptance_rate": round(num_accepted / num_draft_tokens, 4) if num_draft_tokens
+            else 0.0,
+            "mean_accepted_length": round(1 + num_accepted / num_drafts, 4) if num_drafts
+            else 0.0}
 
 
 # ---- chat

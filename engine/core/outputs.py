@@ -38,3 +38,13 @@ class RequestOutput:
     # With the first output of choice 0: one entry per prompt token, None for the first.
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     embedding: object = None            # an embedding request's vector (float32 NumPy), at its end
+    # With speculative decoding on, in a choice's final output: its SpecDecodeCounts.
+    spec_decode: "SpecDecodeCounts | None" = None
+
+
+@dataclass(slots=True)
+class SpecDecodeCounts:
+    """One choice's speculative decoding: verify steps with drafts, drafts, accepted drafts."""
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0

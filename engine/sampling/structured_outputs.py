@@ -308,6 +308,66 @@ class StructuredOutputs:
         mask[rows] &= self.valid_words
         return mask, rows
 
+    def draft_bitmask(self, seqs: list, drafts: list[list[int]]
+                      ) -> tuple[np.ndarray, np.ndarray] | None:
+        """Speculative decoding's verification rows: sequence j has 1 + len(drafts[j]) rows, row
+        i sampling after its first i drafts. (bitmask (R, ceil(V/32)) int32, rows) with each
+        constrained row's mask in the grammar's state after those drafts; None when no row is
+        constrained. Each matcher is walked through the drafts and rolled back: as it was. A
+        draft the grammar refuses leaves the rows after it unconstrained: they are never used
+        (the row before it cannot draw it, so the run ends there)."""
+        if not any(s.grammar is not None for s in seqs):
+            return None
+        from llguidance.numpy import fill_next_token_bitmask
+        total = sum(1 + len(d) for d in drafts)
+        mask = np.zeros((total, self.num_words), dtype=np.int32)
+        rows, row = [], 0
+        for seq, draft in zip(seqs, drafts):
+            if seq.grammar is None:
+                row += 1 + len(draft)
+                continue
+            walk = DraftGrammar(seq.grammar)
+            try:
+                for i in range(len(draft) + 1):
+                    if walk.constrained:
+                        fill_next_token_bitmask(walk.state.matcher, mask, row + i)
+                        rows.append(row + i)
+                    if i < len(draft) and not walk.advance(draft[i]):
+                        break
+            finally:
+                walk.restore()
+            row += 1 + len(draft)
+        if not rows:
+            return None
+        rows = np.array(rows, dtype=np.int32)
+        mask[rows] &= self.valid_words
+        return mask, rows
+
+    def fill_row(self, walk: "DraftGrammar", mask: np.ndarray, row: int) -> bool:
+        """Row `row` of `mask` for a draft walk's current state; False when it is unconstrained
+        (waiting for </think>)."""
+        if not walk.constrained:
+            return False
+        from llguidance.numpy import fill_next_token_bitmask
+        fill_next_token_bitmask(walk.state.matcher, mask, row)
+        mask[row] &= self.valid_words
+        return True
+
+    @staticmethod
+    def valid_draft_prefix(seq, draft: list[int]) -> int:
+        """How many of the draft's first tokens the sequence's grammar accepts in a row (all of
+        them without a grammar); the matcher is left as it was."""
+        if seq.grammar is None:
+            return len(draft)
+        walk = DraftGrammar(seq.grammar)
+        try:
+            for i, token in enumerate(draft):
+                if not walk.advance(token):
+                    return i
+            return len(draft)
+        finally:
+            walk.restore()
+
     @staticmethod
     def advance(seq, token: int) -> bool:
         """Feeds a sampled token to the sequence's matcher; False when the grammar refuses it
@@ -335,6 +395,42 @@ class StructuredOutputs:
             return GrammarError(f"{param}: the grammar failed after {seq.num_output_tokens} "
                                 f"output tokens: {error_text(matcher.get_error())}", param)
         return RuntimeError(f"token {token} is outside the request's grammar")
+
+
+class DraftGrammar:
+    """A sequence's grammar walked through draft tokens and back (speculative decoding): advance
+    as StructuredOutputs.advance would with each draft, then `restore` rolls the matcher back and
+    the </think> wait comes back as it was."""
+    __slots__ = ("state", "waiting", "consumed")
+
+    def __init__(self, state: GrammarState):
+        self.state = state
+        self.waiting = state.wait_for_token
+        self.consumed = 0
+
+    @property
+    def constrained(self) -> bool:
+        return self.waiting is None
+
+    def advance(self, token: int) -> bool:
+        if self.waiting is not None:
+            if token == self.waiting:
+                self.waiting = None
+            return True
+        matcher = self.state.matcher
+        if matcher.is_stopped():
+            return True
+        # validated first: a refused token would leave the matcher in an error state that no
+        # rollback undoes
+        if matcher.validate_tokens([token]) != 1 or not matcher.consume_token(token):
+            return False
+        self.consumed += 1
+        return True
+
+    def restore(self) -> None:
+        if self.consumed:
+            self.state.matcher.rollback(self.consumed)
+            self.consumed = 0
 
 
 def _last_index(ids: list[int], token: int) -> int:
