@@ -1,6 +1,7 @@
 """Next-token sampling: logits (B, V) -> token ids (B,), per-row SamplingParams, on any backend.
 
-Order (vLLM's): the structured-output token mask (tokens outside the grammar -> -inf), logit_bias,
+Order (vLLM's): the token mask (tokens outside the grammar -> -inf; a reasoning budget's forced
+</think>: every other token -> -inf), logit_bias,
 min_tokens mask, repetition penalty (prompt + output), presence and frequency penalties (output
 only) -> greedy rows: argmax. Other rows: / temperature, top-k, top-p
 (on the top-k-renormalised distribution), min-p, dropped tokens -> -inf, then Gumbel-max with the
@@ -30,6 +31,7 @@ from __future__ import annotations
 import numpy as np
 
 from engine.sampling.logprobs import gather_logprobs, to_entries
+from engine.sampling.reasoning_budget import with_forced_tokens
 from pyx import cpu_sampling
 
 NEG_INF = np.float32(-np.inf)
@@ -61,6 +63,7 @@ class Sampler:
         if B != len(seqs):
             raise ValueError(f"sample: {B} logits rows for {len(seqs)} sequences")
         params = [s.sampling_params for s in seqs]
+        token_bitmask = with_forced_tokens(seqs, V, token_bitmask)
         lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         processed = bool(lp_rows) and logprobs_mode == "processed"
         entries = penalty_entries(seqs, eos_token_ids, V)
