@@ -203,6 +203,10 @@ class _SamplingRequest(_Request):
         """Top logprobs per output token the engine computes (None: no logprobs)."""
         return None
 
+    def reasoning_budget(self) -> int | None:
+        """Reasoning tokens before the engine forces </think> (None: no budget)."""
+        return None
+
     def engine_prompt_logprobs(self) -> int | None:
         return self.prompt_logprobs
 
@@ -256,6 +260,7 @@ class _SamplingRequest(_Request):
             use_beam_search=self.use_beam_search, best_of=self.best_of,
             length_penalty=self.length_penalty, early_stopping=self.early_stopping,
             logit_bias=self.check_logit_bias(vocab_size if vocab_size is not None else 2**31),
+            reasoning_budget=self.reasoning_budget(),
         )
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                      "frequency_penalty", "repetition_penalty"):
@@ -380,6 +385,8 @@ class ChatCompletionRequest(_SamplingRequest, _ChatInput):
     tools: list[dict] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
+    # vLLM's: reasoning tokens (after <think>) before the engine forces </think>
+    thinking_token_budget: int | None = Field(default=None, ge=0)
 
     def check_supported(self):
         super().check_supported()
@@ -389,6 +396,9 @@ class ChatCompletionRequest(_SamplingRequest, _ChatInput):
 
     def output_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    def reasoning_budget(self) -> int | None:
+        return self.thinking_token_budget
 
     def requested_max_tokens(self) -> int | None:
         # max_completion_tokens replaces the deprecated max_tokens; it wins when both are given.

@@ -338,6 +338,8 @@ class LLMEngine:
                     appended = []
                     break
                 seq.append_token(token)
+                if seq.reasoning_budget is not None:
+                    seq.reasoning_budget.advance(token)
                 self.num_generation_tokens += 1
                 if seq.num_output_tokens == 1 and seq.index == 0:  # the choices share one prompt
                     self.num_prompt_tokens += seq.num_prompt_tokens

@@ -18,6 +18,7 @@ from engine.core.sequence import Sequence
 from engine.models.model_config import ModelConfig
 from engine.sampling.beam_search import BeamSearch
 from engine.sampling.pooling import Pooler, PoolingConfig, PoolingParams
+from engine.sampling.reasoning_budget import ReasoningBudget
 from engine.sampling.sampling_params import SamplingParams
 from engine.sampling.structured_outputs import GrammarCompiler, StructuredOutputs
 from engine.text.detokenizer import IncrementalDetokenizer
@@ -204,6 +205,9 @@ class Admission:
         if params.structured_outputs is not None:
             seq.grammar = self.structured_outputs().start(params.structured_outputs,
                                                           prompt_token_ids)
+        if params.reasoning_budget is not None:
+            seq.reasoning_budget = ReasoningBudget.start(self.tokenizer, params.reasoning_budget,
+                                                         prompt_token_ids)
         if self.tokenizer is not None:
             request.detokenizers[index] = IncrementalDetokenizer(
                 self.tokenizer, prompt_token_ids, params.skip_special_tokens, params.stop,

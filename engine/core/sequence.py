@@ -49,6 +49,7 @@ class Sequence:
         self.request = None             # the engine.core.request.Request it belongs to
         self.pooler = None              # an embedding request's Pooler: pool, never sample
         self.grammar = None             # structured outputs: a structured_outputs.GrammarState
+        self.reasoning_budget = None    # a reasoning_budget.ReasoningBudget
         self.token_counts = None        # the sampler's penalty counts (engine/sampling/sampler.py)
         self.spec = None                # speculative decoding's SpecState (engine/spec/adaptive.py)
         # The request's seed, else the engine's draw for it, else a random one.

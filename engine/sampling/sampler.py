@@ -1,6 +1,7 @@
 """Next-token sampling: logits (B, V) -> token ids (B,), per-row SamplingParams, on any backend.
 
-Order (vLLM's): the structured-output token mask (tokens outside the grammar -> -inf), logit_bias,
+Order (vLLM's): the token mask (tokens outside the grammar -> -inf; a reasoning budget's forced
+</think>: every other token -> -inf), logit_bias,
 min_tokens mask, repetition penalty (prompt + output), presence and frequency penalties (output
 only) -> greedy rows: argmax. Other rows: / temperature, top-k, top-p
 (on the top-k-renormalised distribution), min-p, dropped tokens -> -inf, then Gumbel-max with the
@@ -30,6 +31,7 @@ from __future__ import annotations
 import numpy as np
 
 from engine.sampling.logprobs import gather_logprobs, to_entries
+from engine.sampling.reasoning_budget import with_forced_tokens
 from pyx import cpu_sampling
 
 NEG_INF = np.float32(-np.inf)
@@ -77,6 +79,7 @@ class Sampler:
             raise ValueError(f"sample: {B} logits rows for {len(seqs)} sequences")
         params = [s.sampling_params for s in seqs]
         processed = keep_processed
+        token_bitmask = with_forced_tokens(seqs, V, token_bitmask)
         entries = penalty_entries(seqs, eos_token_ids, V)
         greedy = np.fromiter((p.greedy for p in params), dtype=bool, count=B)
         g_rows, r_rows = np.flatnonzero(greedy), np.flatnonzero(~greedy)

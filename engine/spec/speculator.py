@@ -108,7 +108,8 @@ class Speculator:
         (n-gram) or [] for the draft model to fill on the forward thread; (0, []) when it does
         not speculate."""
         if (seq.num_output_placeholders or seq.pooler is not None
-                or seq.request is None or seq.request.beam is not None):
+                or seq.request is None or seq.request.beam is not None
+                or seq.reasoning_budget is not None):   # its forced closer is one row a step
             return 0, []
         params = seq.sampling_params
         limit = min(max_drafts, self.max_model_len - seq.num_tokens)
