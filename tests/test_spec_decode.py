@@ -322,6 +322,28 @@ def test_eos_and_max_tokens_inside_an_accepted_run(model_dir, prompts):
     assert llm.engine.speculator.stats.accepted_per_position[1] > 0
 
 
+def test_beams_and_prompt_logprobs_share_steps_with_verify_rows(model_dir, prompts):
+    """A beam search (never speculates) and a request asking for prompt logprobs run beside
+    speculating sequences: their logits rows sit among the verify rows."""
+    beam = SamplingParams(use_beam_search=True, n=2, best_of=3, max_tokens=12, ignore_eos=True,
+                          temperature=0)
+    plp = SamplingParams(temperature=0, max_tokens=8, prompt_logprobs=2, ignore_eos=True)
+    loopy = SamplingParams(**{**LOOPY, "max_tokens": 30})
+    ps = [prompts[0], prompts[1], prompts[4], prompts[3]]
+    params = [loopy, beam, plp, loopy]
+    ref = LLM(model_dir).generate(ps, params)
+    llm = LLM(model_dir, speculative_config=NGRAM, prefill_chunk_size=16,
+              max_num_batched_tokens=64)
+    outs, steps = run_recorded(llm, ps, params)
+    assert [o.token_ids for o in outs[1]] == [r.token_ids for r in ref[1]]
+    for i in (0, 2, 3):
+        assert outs[i].token_ids == ref[i].token_ids
+    np.testing.assert_allclose([e.logprob for e in outs[2].prompt_logprobs[1:]],
+                               [e.logprob for e in ref[2].prompt_logprobs[1:]], atol=1e-5)
+    assert any(d and prefill for d, _, prefill in steps)       # verify rows beside the prefill
+    assert llm.engine.speculator.stats.num_accepted_tokens > 5
+
+
 def test_draft_length_follows_the_acceptance_estimate():
     from engine.spec.adaptive import PAUSE_STEPS, SpecState
     st = SpecState()
