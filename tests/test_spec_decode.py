@@ -147,6 +147,22 @@ def test_greedy_is_token_identical_and_takes_fewer_forwards(model_dir, prompts, 
     assert llm.engine.runner.num_forward_calls - calls < 36
 
 
+def test_quantized_weights_are_token_identical_under_batch_invariance(model_dir, prompts):
+    """Q4_0 weights (quantized at load): their decode loop rounds activations to 8 bits for a few
+    rows and takes float32 ones for more, so verify steps of 1 + 6 rows compute other logits
+    than one-token decodes; --batch-invariant gives every row count one kernel."""
+    params = SamplingParams(**{**LOOPY, "max_tokens": 40}, logprobs=0)
+    ref = LLM(model_dir, isq="q4_0", batch_invariant=True).generate(prompts, params)
+    llm = LLM(model_dir, isq="q4_0", batch_invariant=True,
+              speculative_config={**NGRAM, "num_speculative_tokens": 6})
+    outs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
+    # the same logits bit for bit (without the switch they differ)
+    assert [[lp.logprob for lp in o.logprobs] for o in outs] == \
+        [[lp.logprob for lp in r.logprobs] for r in ref]
+    assert llm.engine.speculator.stats.accepted_per_position[3] > 0
+
+
 def test_without_a_match_nothing_is_drafted(model_dir):
     llm = LLM(model_dir, speculative_config={**NGRAM, "prompt_lookup_min": 3})
     prompt = list(range(3, 40))              # no 3-gram recurs, nor (greedy, short) in the output
