@@ -147,6 +147,22 @@ def test_greedy_is_token_identical_and_takes_fewer_forwards(model_dir, prompts, 
     assert llm.engine.runner.num_forward_calls - calls < 36
 
 
+def test_quantized_weights_are_token_identical_under_batch_invariance(model_dir, prompts):
+    """Q4_0 weights (quantized at load): their decode loop rounds activations to 8 bits for a few
+    rows and takes float32 ones for more, so verify steps of 1 + 6 rows compute other logits
+    than one-token decodes; --batch-invariant gives every row count one kernel."""
+    params = SamplingParams(**{**LOOPY, "max_tokens": 40}, logprobs=0)
+    ref = LLM(model_dir, isq="q4_0", batch_invariant=True).generate(prompts, params)
+    llm = LLM(model_dir, isq="q4_0", batch_invariant=True,
+              speculative_config={**NGRAM, "num_speculative_tokens": 6})
+    outs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
+    # the same logits bit for bit (without the switch they differ)
+    assert [[lp.logprob for lp in o.logprobs] for o in outs] == \
+        [[lp.logprob for lp in r.logprobs] for r in ref]
+    assert llm.engine.speculator.stats.accepted_per_position[3] > 0
+
+
 def test_without_a_match_nothing_is_drafted(model_dir):
     llm = LLM(model_dir, speculative_config={**NGRAM, "prompt_lookup_min": 3})
     prompt = list(range(3, 40))              # no 3-gram recurs, nor (greedy, short) in the output
@@ -320,6 +336,28 @@ def test_eos_and_max_tokens_inside_an_accepted_run(model_dir, prompts):
             ref.token_ids, ref.finish_reason, ref.stop_reason)
         assert out.num_output_tokens == len(ref.token_ids)
     assert llm.engine.speculator.stats.accepted_per_position[1] > 0
+
+
+def test_beams_and_prompt_logprobs_share_steps_with_verify_rows(model_dir, prompts):
+    """A beam search (never speculates) and a request asking for prompt logprobs run beside
+    speculating sequences: their logits rows sit among the verify rows."""
+    beam = SamplingParams(use_beam_search=True, n=2, best_of=3, max_tokens=12, ignore_eos=True,
+                          temperature=0)
+    plp = SamplingParams(temperature=0, max_tokens=8, prompt_logprobs=2, ignore_eos=True)
+    loopy = SamplingParams(**{**LOOPY, "max_tokens": 30})
+    ps = [prompts[0], prompts[1], prompts[4], prompts[3]]
+    params = [loopy, beam, plp, loopy]
+    ref = LLM(model_dir).generate(ps, params)
+    llm = LLM(model_dir, speculative_config=NGRAM, prefill_chunk_size=16,
+              max_num_batched_tokens=64)
+    outs, steps = run_recorded(llm, ps, params)
+    assert [o.token_ids for o in outs[1]] == [r.token_ids for r in ref[1]]
+    for i in (0, 2, 3):
+        assert outs[i].token_ids == ref[i].token_ids
+    np.testing.assert_allclose([e.logprob for e in outs[2].prompt_logprobs[1:]],
+                               [e.logprob for e in ref[2].prompt_logprobs[1:]], atol=1e-5)
+    assert any(d and prefill for d, _, prefill in steps)       # verify rows beside the prefill
+    assert llm.engine.speculator.stats.num_accepted_tokens > 5
 
 
 def test_draft_length_follows_the_acceptance_estimate():

@@ -231,6 +231,32 @@ def test_padded_vocabularies_on_either_side(demo, tmp_path_factory):
     assert llm.engine.speculator.stats.num_drafts > 0
 
 
+def test_stop_strings_inside_an_accepted_run(demo):
+    """The self-draft accepts runs of 5 tokens: a stop string in one ends it there, dropping
+    the run's later tokens, with the text, tokens, counts and logprobs of one token at a time."""
+    plain, spec = LLM(demo), LLM(demo, speculative_config=draft_config(demo))
+    prompt = "The sea and the sky"
+    free = plain.generate(prompt, SamplingParams(temperature=0, max_tokens=40,
+                                                 ignore_eos=True))[0]
+    cases = 0
+    for cut in (9, 14, 23, 31):
+        stop = free.text[free.text.index(free.text[cut:cut + 3]):][:3]   # text inside the run
+        for include in (False, True):
+            params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[stop],
+                                    include_stop_str_in_output=include, logprobs=1)
+            ref = plain.generate(prompt, params)[0]
+            out = spec.generate(prompt, params)[0]
+            assert (out.text, out.token_ids, out.finish_reason, out.stop_reason) == (
+                ref.text, ref.token_ids, ref.finish_reason, ref.stop_reason)
+            assert out.num_output_tokens == ref.num_output_tokens == len(ref.token_ids)
+            assert [lp.token_id for lp in out.logprobs] == [lp.token_id for lp in ref.logprobs]
+            cases += ref.finish_reason == "stop"
+    assert cases >= 6
+    stats = spec.engine.speculator.stats
+    assert stats.num_accepted_tokens > 20
+    assert spec.engine.block_pool.num_free_blocks == spec.engine.block_pool.num_blocks
+
+
 def test_structured_outputs_with_a_draft_model(demo):
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
                                                "n": {"type": "integer"}},
