@@ -96,7 +96,8 @@ run_step() {
 }
 
 # test_step NAME CAP MIN FILE...: tests/gpu/FILE side by side, one pytest process each (own
-# limit, JUnit XML to $LOGS/junit-FILE.xml, output to $LOGS/FILE.log)
+# limit, JUnit XML to $LOGS/junit-FILE.xml, output to $LOGS/FILE.log). FILE:PART:EXPR runs the
+# file's tests that pytest's -k EXPR selects, as FILE-PART: one file's slow halves side by side.
 test_step() {
     local name=$1 cap=$2 min=$3 limit
     shift 3
@@ -113,18 +114,23 @@ test_step() {
     fi
     echo
     echo "==== $name (limit ${limit}s): $* side by side"
-    local t0=$SECONDS f pids=() rc=0 timed_out=0
+    local t0=$SECONDS f pids=() stems=() rc=0 timed_out=0
     for f in "$@"; do
+        local file=${f%%:*} stem=${f%%.py*} select=()
+        if [[ $f == *:*:* ]]; then
+            local part=${f#*:}
+            stem="$stem-${part%%:*}" select=(-k "${part#*:}")
+        fi
         timeout -s INT -k 15 "$limit" "$PY" -m pytest -q -rfE -p no:cacheprovider \
-            --timeout=150 --junitxml="$LOGS/junit-${f%.py}.xml" "tests/gpu/$f" \
-            > "$LOGS/${f%.py}.log" 2>&1 &
-        pids+=($!)
+            --timeout=150 --junitxml="$LOGS/junit-$stem.xml" "${select[@]}" "tests/gpu/$file" \
+            > "$LOGS/$stem.log" 2>&1 &
+        pids+=($!) stems+=("$stem")
     done
     for i in "${!pids[@]}"; do
         wait "${pids[$i]}"
         local r=$?
-        local f=${*:$((i + 1)):1}
-        echo "  $f: $(tail -n 1 "$LOGS/${f%.py}.log" | cut -c1-120) (rc $r)"
+        local stem=${stems[$i]}
+        echo "  $stem: $(tail -n 1 "$LOGS/$stem.log" | cut -c1-120) (rc $r)"
         if ((r == 124 || r == 137)); then timed_out=1; fi
         ((r == 0)) || rc=$r
     done
@@ -248,9 +254,12 @@ if [ "$SUITE" = first ]; then
     gpu_step run_step serve 110 60 "$PY" -m bench.serve_check --out "$LOGS" --model "$MODEL_1B" \
         --concurrency 1 64 --prompts-per-client 2 --output-len 64
     gpu_step test_step tests_default 80 30 test_cuda_ops.py test_cuda_model.py \
-        test_cuda_logprobs.py test_cuda_families.py test_cuda_block_tables.py
+        test_cuda_logprobs.py test_cuda_families.py test_cuda_block_tables.py \
+        test_cuda_features.py
+    # the quantized GEMMs' host work (quantizing, repacking 8B-sized weights) in two processes
     gpu_step test_step tests_quant 180 40 test_cuda_gguf.py test_cuda_marlin.py test_cuda_fp8.py \
-        test_cuda_quant_gemm.py test_cuda_quant_model.py
+        "test_cuda_quant_gemm.py:gguf:q4_ or q8_ or q6_" "test_cuda_quant_gemm.py:int4_fp8:int4 or fp8" \
+        test_cuda_quant_model.py
     gpu_step test_step tests_switches 100 40 test_cuda_flash_decode.py test_cuda_fp8_gemv.py \
         test_cuda_fused_sampling.py test_cuda_prefill_fa2.py test_cuda_moe.py
     "$PY" -m bench.gpu_summary tests "$LOGS" > "$LOGS/verdicts.txt" 2>&1
