@@ -814,7 +814,7 @@ def cases_sample_fused(bench, c):
                 filtered = filters[1:] != [0, 1.0, 0.0] or filters[0] != 1.0
 
                 def separate(w=work, t=t, k=k, p=p, m=m, s=seeds, q=pos, o=out, pen=pen,
-                             filtered=filtered):
+                             greedy=greedy, filtered=filtered):
                     if pen is not None:
                         b.apply_penalties(w, *pen)
                     if greedy:
