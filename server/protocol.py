@@ -68,7 +68,10 @@ _UNION_HINTS = {
     "input": "must be a string, an array of strings, an array of token ids "
              "or an array of arrays of token ids",
     "content": "must be a string or an array of content parts",
-    "input": "must be a string or an array of input items",
+}
+# the same field name meaning something else in one request type (ValidationError.title)
+_UNION_HINTS_BY_MODEL = {
+    ("CreateResponseRequest", "input"): "must be a string or an array of input items",
 }
 
 
@@ -82,7 +85,9 @@ def validation_error(err: ValidationError) -> APIError:
     if union is not None and first["type"] != "value_error":
         # A failed union reports one error per member; say what the parameter accepts instead.
         param = _param_path(loc[:union])
-        msg = _UNION_HINTS.get(str(loc[union - 1]), "has an invalid type")
+        field = str(loc[union - 1])
+        msg = _UNION_HINTS_BY_MODEL.get((err.title, field)) or _UNION_HINTS.get(
+            field, "has an invalid type")
     code = "missing_required_parameter" if first["type"] == "missing" else "invalid_value"
     text = f"{param}: {msg}" if param else msg
     return APIError(text, param=param, code=code if param else None)
