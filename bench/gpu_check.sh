@@ -266,12 +266,13 @@ if [ "$SUITE" = first ]; then
 else
     WITHOUT=$("$PY" -m bench.gpu_summary without "$LOGS")
     # the shapes the goals name: 8B decode attention at batch 1 and 16 over 8k tokens, prefill
-    # at 4k tokens (D=128), the quantized GEMMs of decode (M 1 and 16) on gate_up and down
+    # at 4k tokens (D=128), the quantized GEMMs of decode (M 1-16: the FP8 GEMV's crossover) on
+    # gate_up and down
     # shellcheck disable=SC2086
     gpu_step run_step kernels 75 30 "$PY" -m bench.kernels \
         ${GPU_KERNEL_OPS:-decode_attention prefill_attention qgemm filter_logits sample_fused moe} \
         --shape B=1,16 --shape ctx=8192 \
-        --shape prefill=1x4096 --shape QM=1,16 --shape qlayers=gate_up,down --shape SB=64 \
+        --shape prefill=1x4096 --shape QM=1,2,4,8,16 --shape qlayers=gate_up,down --shape SB=64 \
         --shape MT=1,64 --runs 20 --without "$WITHOUT" --json "$LOGS/kernels.json"
     if [ -f "$LOGS/kernels.json" ]; then
         "$PY" -m bench.gpu_summary winners "$LOGS" 2>&1 | tee "$LOGS/winners.txt"
@@ -280,7 +281,9 @@ else
         --quant bf16 fp8 int4 --batch 1 16 --json "$LOGS/throughput.json"
     # the decode-side switches that passed their tests, end to end
     TRY=""
-    for s in fp8_gemv=on sampling=fused; do
+    # fp8=cutlass with fp8_gemv=on: e4m3 weights only, the GEMV up to FP8_GEMV_MAX_M rows and
+    # CUTLASS above (the H200's W3: the GEMV wins at M=1, loses 3-5x at M=16)
+    for s in fp8=cutlass fp8_gemv=on sampling=fused; do
         case ",$WITHOUT," in *",$s,"*) ;; *) TRY="$TRY${TRY:+,}$s" ;; esac
     done
     if [ -n "$TRY" ] || ((DEVICE == 0)); then
