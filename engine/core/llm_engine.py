@@ -93,10 +93,13 @@ class LLMEngine:
         return self.admission.structured_outputs()
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
-                    params: SamplingParams | PoolingParams) -> Sequence:
+                    params: SamplingParams | PoolingParams, images: list | None = None
+                    ) -> Sequence:
         """Queue a generation request (SamplingParams) or an embedding request (PoolingParams);
-        returns its (first choice's) sequence (engine/core/request.py: how it is admitted)."""
-        request = self.admission.admit(request_id, prompt_token_ids, params)
+        returns its (first choice's) sequence (engine/core/request.py: how it is admitted).
+        images: a vision-language model's preprocessed images (engine/vision/preprocess.py), in
+        the order of the prompt's runs of image tokens."""
+        request = self.admission.admit(request_id, prompt_token_ids, params, images)
         self.requests.add(request)
         return request.seqs[0]
 
