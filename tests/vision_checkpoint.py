@@ -83,7 +83,7 @@ def tiny_vl_checkpoint(directory, seed: int = 0, scale: float = 4.0, **vision) -
     return directory
 
 
-def test_image(width: int, height: int, seed: int = 0, mode: str = "RGB"):
+def sample_image(width: int, height: int, seed: int = 0, mode: str = "RGB"):
     """A PIL image of smooth colour gradients plus noise (so resizing changes every pixel)."""
     from PIL import Image
     rng = np.random.default_rng(seed)
