@@ -145,8 +145,11 @@ def test_greedy_matches_hf_generate(ckpt, hf, processor, name):
     ids = prompt_ids(hf, parts, processed)
     tokens, trusted = hf_generate(hf, ids, images)
     assert trusted >= 6, f"reference near-tie at token {trusted}"
-    seq = run(make_engine(ckpt, max_num_batched_tokens=32), ids, processed)
+    engine = make_engine(ckpt, max_num_batched_tokens=32)
+    seq = run(engine, ids, processed)
     assert seq.output_token_ids[:trusted] == tokens[:trusted]
+    # each image encoded once, though chunks of 32 split its tokens (the encoder cache)
+    assert engine.runner.vision.num_encoded == len(images)
 
 
 def test_images_and_mrope_change_the_tokens(ckpt, hf, processor):
@@ -222,12 +225,26 @@ def test_prefix_cache_keys_hold_the_image(ckpt, hf, processor):
     bs = engine.block_pool.block_size
     assert again.num_cached_tokens == (len(ids) - 1) // bs * bs > image_start
     assert again.output_token_ids == first.output_token_ids
-    assert engine.runner.vision.num_encoded == 1        # the encoder cache served b
+    assert engine.runner.vision.num_encoded == 1        # b computed no image token
     changed_seq = run(engine, ids, c, request_id="c")
     assert changed_seq.num_cached_tokens == image_start // bs * bs
     assert engine.runner.vision.num_encoded == 2
     tokens, trusted = hf_generate(hf, ids, [other])
     assert changed_seq.output_token_ids[:trusted] == tokens[:trusted]
+
+
+def test_encoder_cache_serves_repeated_images(ckpt, hf, processor):
+    """Without prefix caching the second request computes the image tokens again, from the
+    encoder cache."""
+    parts, sizes = CASES["one image"]
+    processed = [preprocess_image(sample_image(*sizes[0], seed=5), processor)]
+    ids = prompt_ids(hf, parts, processed)
+    engine = make_engine(ckpt, enable_prefix_caching=False)
+    first = run(engine, ids, processed, request_id="a")
+    again = run(engine, ids, [preprocess_image(sample_image(*sizes[0], seed=5), processor)],
+                request_id="b")
+    assert again.output_token_ids == first.output_token_ids
+    assert engine.runner.vision.num_encoded == 1 and engine.runner.vision.cache.hits == 1
 
 
 def test_encoder_cache_is_bounded_lru(ckpt):
