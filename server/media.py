@@ -27,9 +27,8 @@ import urllib.request
 from dataclasses import dataclass, field
 
 from server import tokenizing
-from server.protocol import APIError
+from server.protocol import APIError, image_part  # noqa: F401 (media's part reader)
 
-IMAGE_PARTS = ("image_url", "input_image")
 
 
 @dataclass
@@ -44,18 +43,6 @@ class MediaSettings:
 class ImagePrompt(list):
     """Prompt token ids that carry their images (engine.add_request's `images`)."""
     images: list = []
-
-
-def image_part(part, where: str) -> dict:
-    """A chat template's image part for a request's image content part; `where` names the
-    part in errors."""
-    url = part.get("image_url") if isinstance(part, dict) else None
-    if isinstance(url, dict):
-        url = url.get("url")
-    if not isinstance(url, str) or not url:
-        raise APIError("an image part needs an image URL ('image_url': {'url': ...}, or a "
-                       "string); file ids are not supported", param=where, code="invalid_value")
-    return {"type": "image", "image_url": url, "param": where}
 
 
 def take_images(messages: list[dict], vision) -> tuple[list[dict], list[tuple[str, str]]]:

@@ -315,7 +315,6 @@ class ChatMessage(BaseModel):
         if not isinstance(self.content, list) or not any(p.type in _IMAGE_PARTS
                                                          for p in self.content):
             return self.text(where) or ""
-        from server.media import image_part
         parts = []
         for j, part in enumerate(self.content):
             if part.type in _IMAGE_PARTS:
@@ -349,6 +348,18 @@ class ChatMessage(BaseModel):
 # Media a text-only model cannot read; images go to a vision model (server/media.py).
 _MEDIA_PARTS = {"image_url", "input_image", "image", "input_audio", "audio", "video_url", "file"}
 _IMAGE_PARTS = ("image_url", "input_image")
+
+
+def image_part(part, where: str) -> dict:
+    """A chat template's image part for a request's image content part; `where` names the
+    part in errors."""
+    url = part.get("image_url") if isinstance(part, dict) else None
+    if isinstance(url, dict):
+        url = url.get("url")
+    if not isinstance(url, str) or not url:
+        raise APIError("an image part needs an image URL ('image_url': {'url': ...}, or a "
+                       "string); file ids are not supported", param=where, code="invalid_value")
+    return {"type": "image", "image_url": url, "param": where}
 
 
 def _template_tool_call(call: dict, where: str) -> dict:

@@ -29,7 +29,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, PrivateAttr, field_validator
 
-from server.protocol import APIError, _ChatInput, _SamplingRequest, not_supported
+from server.protocol import APIError, _ChatInput, _SamplingRequest, image_part, not_supported
 from server.responses_mcp import McpInput
 from server.responses_tools import call_message, output_message
 
@@ -318,7 +318,6 @@ def _content_text(content, role: str, where: str) -> str:
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind == "input_image" and role == "user":   # for a vision model (server/media.py)
-            from server.media import image_part
             parts.append(image_part(part, f"{where}.content[{j}]"))
             continue
         if kind in _MEDIA_PARTS:
