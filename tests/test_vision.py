@@ -5,8 +5,6 @@ against get_rope_index, the prefix cache and the encoder cache keyed by image co
 per-step encoder budget."""
 from __future__ import annotations
 
-import json
-import os
 
 import numpy as np
 import pytest
@@ -14,7 +12,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("PIL")
 
-from vision_checkpoint import CHAT_TEMPLATE, sample_image, tiny_vl_checkpoint  # noqa: E402
+from vision_checkpoint import sample_image, tiny_vl_checkpoint  # noqa: E402
 
 from engine.vision.config import ImageProcessorConfig  # noqa: E402
 from engine.vision.preprocess import preprocess_image  # noqa: E402
@@ -34,7 +32,8 @@ def hf(ckpt):
     from transformers import (AutoTokenizer, Qwen2_5_VLForConditionalGeneration,
                               Qwen2VLImageProcessorPil)
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(ckpt, dtype=torch.float32).eval()
-    return model, Qwen2VLImageProcessorPil.from_pretrained(ckpt), AutoTokenizer.from_pretrained(ckpt)
+    return (model, Qwen2VLImageProcessorPil.from_pretrained(ckpt),
+            AutoTokenizer.from_pretrained(ckpt))
 
 
 @pytest.fixture(scope="module")
@@ -221,7 +220,7 @@ def test_prefix_cache_keys_hold_the_image(ckpt, hf, processor):
     engine = make_engine(ckpt)
     first = run(engine, ids, a, request_id="a")
     again = run(engine, ids, b, request_id="b")
-    image_start = a[0].num_tokens and ids.index(hf[0].config.image_token_id)
+    image_start = ids.index(hf[0].config.image_token_id)
     bs = engine.block_pool.block_size
     assert again.num_cached_tokens == (len(ids) - 1) // bs * bs > image_start
     assert again.output_token_ids == first.output_token_ids

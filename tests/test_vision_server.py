@@ -194,3 +194,23 @@ def test_text_only_model_refuses_images(tmp_path):
     assert e.value.body["param"] == "messages[0].content[1].type"
     assert e.value.body["code"] == "unsupported_content"
     assert "text-only" in e.value.body["message"]
+
+
+def test_chat_client_image_command(served, tmp_path):
+    """`taper chat`'s /image PATH: the file goes with the next message as an image_url part,
+    which the vision server answers as it answers the same data URL."""
+    from server.chat.conversation import Conversation
+    ckpt, image, host, client = served
+    path = tmp_path / "a.png"
+    path.write_bytes(png_bytes(image))
+    conversation = Conversation()
+    with pytest.raises(ValueError, match="not an image"):
+        conversation.attach(str(tmp_path / "notes.txt"))
+    assert conversation.attach(str(path)) == path.stat().st_size
+    conversation.ask("What is this?")
+    message = conversation.messages()[-1]
+    assert message["content"][1] == {"type": "image_url", "image_url": {"url": data_url(image)}}
+    assert not conversation.images                       # the next question goes alone
+    out = chat(client, conversation.messages())
+    assert out.choices[0].message.content == chat(
+        client, user("What is this?", (data_url(image),))).choices[0].message.content

@@ -57,8 +57,8 @@ def to_rgb(image):
 
 
 def content_hash(rgb: np.ndarray) -> int:
-    digest = hashlib.blake2b(rgb.tobytes(), digest_size=8,
-                             person=b"taper-image", salt=np.array(rgb.shape, np.int64).tobytes()[:16])
+    shape = np.array(rgb.shape, np.int64).tobytes()[:16]
+    digest = hashlib.blake2b(rgb.tobytes(), digest_size=8, person=b"taper-image", salt=shape)
     return int.from_bytes(digest.digest(), "little")
 
 

@@ -70,8 +70,9 @@ class Qwen25VisionEncoder:
         self._weights = weights
         conv = np.asarray(self._pop("patch_embed.proj.weight"))
         if conv.shape != (E, c.in_channels, c.temporal_patch_size, c.patch_size, c.patch_size):
+            expected = [E, c.in_channels, c.temporal_patch_size, c.patch_size, c.patch_size]
             raise ValueError(f"vision patch embedding has shape {list(conv.shape)}, expected "
-                             f"{[E, c.in_channels, c.temporal_patch_size, c.patch_size, c.patch_size]}")
+                             f"{expected}")
         self.patch_embed = backend.place_weight(np.ascontiguousarray(conv.reshape(E, -1)))
         self.blocks = []
         for i in range(c.depth):
