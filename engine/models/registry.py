@@ -18,6 +18,8 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "MixtralForCausalLM": ("moe", "MoeForCausalLM"),
     "Qwen2MoeForCausalLM": ("moe", "MoeForCausalLM"),
     "Qwen3MoeForCausalLM": ("moe", "MoeForCausalLM"),
+    # vision-language (engine/vision/): images in, text out
+    "Qwen2_5_VLForConditionalGeneration": ("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration"),
 }
 
 # Headless transformers (embedding checkpoints: tensors without the "model." prefix, no lm_head)
