@@ -99,6 +99,9 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     moe: MoeConfig | None = None        # mixture-of-experts layers, if any
     has_lm_head: bool = True            # False: a headless transformer (LlamaModel, ...)
+    # A tensor-parallel rank's config (engine/parallel/sharding.py): heads, sizes and vocab_size
+    # are the rank's share, and this a TensorParallel saying of what; None: the whole model.
+    tensor_parallel: object = None
 
     @property
     def q_size(self) -> int:
