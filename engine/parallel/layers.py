@@ -59,13 +59,20 @@ def all_reduced(block, config):
 
 
 def with_zero_row(w):
-    """The rank's embedding rows (share, H) and one zero row: a float array or ggml blocks."""
+    """The rank's embedding rows (share, H) and one zero row: a float array or ggml blocks (zero
+    bytes are zero scales: a row of zeros). Copied straight from the (memory-mapped) share into
+    the new table, so the share is not held twice."""
+    def extended(rows):
+        out = np.empty((rows.shape[0] + 1, *rows.shape[1:]), rows.dtype)
+        out[:-1] = rows
+        out[-1] = 0
+        return out
+
     if isinstance(w, np.ndarray):
-        return np.concatenate([w, np.zeros((1, *w.shape[1:]), w.dtype)])
+        return extended(w)
     from pyx.weights.ggml import QuantizedWeight
-    ((qtype, blocks),) = w.quant_parts       # zero bytes are zero scales: a row of zeros
-    return QuantizedWeight.of(qtype, np.concatenate(
-        [blocks, np.zeros((1, blocks.shape[1]), np.uint8)]), w.k)
+    ((qtype, blocks),) = w.quant_parts
+    return QuantizedWeight.of(qtype, extended(blocks), w.k)
 
 
 def embed(backend, config, token_ids, table, out) -> None:

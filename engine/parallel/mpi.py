@@ -65,8 +65,21 @@ class MpiGroup:
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         paths = [root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
         os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
-        inter = MPI.COMM_SELF.Spawn(sys.executable, args=["-m", "engine.parallel.worker"],
-                                    maxprocs=world_size - 1)
+        # MPICH forks an mpiexec to place the workers, which kills its whole process group if
+        # rank 0 dies: the group of the shell or supervisor that started rank 0. So it is
+        # forked from a process group of its own, rank 0 returning to its group after.
+        group_before = os.getpgid(0)
+        try:
+            os.setpgid(0, 0)
+            moved = True
+        except OSError:         # a session leader: its group is its own already
+            moved = False
+        try:
+            inter = MPI.COMM_SELF.Spawn(sys.executable, args=["-m", "engine.parallel.worker"],
+                                        maxprocs=world_size - 1)
+        finally:
+            if moved:
+                os.setpgid(0, group_before)
         comm = inter.Merge(high=False)
         inter.Disconnect()
         group = cls(comm)          # (the same collectives, in the same order, as from_parent)
