@@ -206,3 +206,14 @@ def test_live_server_streams_a_chat(tmp_path):
     while worker_pids() - before and time.time() < deadline:
         time.sleep(0.2)
     assert not worker_pids() - before, "a worker outlived its killed rank 0"
+
+
+def test_nccl_missing_is_named(monkeypatch):
+    """The CUDA communicator's module imports anywhere; using it without CuPy's NCCL says what
+    to install."""
+    from engine.parallel.nccl import import_nccl
+    monkeypatch.setitem(sys.modules, "cupy", None)
+    monkeypatch.setitem(sys.modules, "cupy.cuda", None)
+    with pytest.raises(ImportError, match=r"tensor parallel on CUDA needs NCCL through CuPy "
+                                          r"\(cupy.cuda.nccl\): install the nvidia-nccl-cu12"):
+        import_nccl()

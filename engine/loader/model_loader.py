@@ -62,7 +62,7 @@ def load_gguf_model(path: str, backend, dtype: str = "auto",
 
 
 def _plan(model_config: ModelConfig, tensor_parallel) -> ShardPlan | None:
-    if tensor_parallel is None or tensor_parallel[1] == 1:
+    if tensor_parallel is None:        # (a group of one is still split: the GPU suite's check)
         return None
     rank, size, _ = tensor_parallel
     return ShardPlan(model_config, rank, size)

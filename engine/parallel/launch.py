@@ -69,7 +69,7 @@ def all_ranks(group, stage: str):
         yield
     except Exception as e:          # reported to every rank below
         error = e
-    messages = group.gather_errors(None if error is None else f"{type(error).__name__}: {error}")
+    messages = group.allgather(None if error is None else f"{type(error).__name__}: {error}")
     failed = [(rank, m) for rank, m in enumerate(messages) if m is not None]
     if not failed:
         return

@@ -129,9 +129,9 @@ class MpiGroup:
         self.comm.Bcast(payload, root=0)
         return pickle.loads(payload)
 
-    def gather_errors(self, error: str | None) -> list[str | None]:
-        """Every rank's error message (None: it succeeded), in rank order, on every rank."""
-        return self.comm.allgather(error)
+    def allgather(self, value) -> list:
+        """Every rank's (picklable) value, in rank order, on every rank."""
+        return self.comm.allgather(value)
 
     def tensor_communicator(self) -> "MpiCommunicator":
         return MpiCommunicator(self.tensors)
