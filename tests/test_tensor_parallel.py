@@ -217,3 +217,55 @@ def test_nccl_missing_is_named(monkeypatch):
     with pytest.raises(ImportError, match=r"tensor parallel on CUDA needs NCCL through CuPy "
                                           r"\(cupy.cuda.nccl\): install the nvidia-nccl-cu12"):
         import_nccl()
+
+
+FAULT = """
+import os, signal, sys
+from engine import LLM, SamplingParams
+llm = LLM(sys.argv[1], tensor_parallel_size=2, num_kv_blocks=64)
+llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4))
+os.kill(llm.engine.runner.peers.worker_pids[0], signal.SIGKILL)
+llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4000, ignore_eos=True))
+print("generated without the worker")
+"""
+
+
+def test_a_dead_worker_ends_rank_0_with_an_error(tmp_path):
+    """MPI collectives have no timeout: without the watchdog rank 0 would wait for the killed
+    worker forever (this test's timeout)."""
+    tiny_checkpoint(str(tmp_path / "m"), arch="llama", max_position_embeddings=8192)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", FAULT, str(tmp_path / "m")], cwd=root,
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": root})
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "tensor parallel rank 1 (pid" in proc.stderr
+    assert "has died; the model cannot run without it: exiting" in proc.stderr
+    assert "generated without the worker" not in proc.stdout
+    assert time.monotonic() - start < 60
+
+
+def other_paths(model: str, tp: int):
+    """Beam search (KV block copies of its forks, sent with the next step), embeddings (the
+    pooled rows' hidden states) and prompt logprobs, through one engine."""
+    from engine import LLM, SamplingParams
+    llm = LLM(model, tensor_parallel_size=tp, num_kv_blocks=64)
+    try:
+        prompt = prompts_for()[1]
+        beams = llm.generate([prompt], SamplingParams(use_beam_search=True, n=3, max_tokens=10,
+                                                      ignore_eos=True))[0]
+        embedding = np.array(llm.embed([prompt])[0].embedding)
+        scored = llm.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
+    finally:
+        llm.engine.shutdown()
+    return ([list(b.token_ids) for b in beams], embedding,
+            np.array([lp.logprob for lp in scored.prompt_logprobs if lp is not None]))
+
+
+def test_beams_embeddings_and_prompt_logprobs_equal_one_process(cases):
+    one, split = other_paths(cases.dir("llama"), 1), other_paths(cases.dir("llama"), 2)
+    assert split[0] == one[0]
+    np.testing.assert_allclose(split[1], one[1], rtol=0, atol=1e-5)
+    assert len(split[2]) == len(prompts_for()[1]) - 1
+    np.testing.assert_allclose(split[2], one[2], rtol=0, atol=2e-4)

@@ -109,7 +109,8 @@ def build(config: EngineConfig, loaded=None, group=None) -> EngineParts:
     runner = ModelRunner(model, model_config, backend, config.block_size, num_blocks,
                          config.kv_cache_dtype)
     if group is not None:
-        sender = StepSender(group) if group.rank == 0 else None
+        pids = group.allgather(os.getpid())
+        sender = StepSender(group, pids[1:]) if group.rank == 0 else None
         runner.join_tensor_parallel(sender)
         if sender is not None:
             launch.stop_at_exit(sender)

@@ -13,6 +13,9 @@ Sampling, scheduling and everything above stay on rank 0: the others see forward
 from __future__ import annotations
 
 import logging
+import os
+import threading
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -49,11 +52,30 @@ class HostArrays:
 
 
 class StepSender:
-    """Rank 0's end: each step's inputs to the other ranks, then their stop."""
+    """Rank 0's end: each step's inputs to the other ranks, then their stop.
 
-    def __init__(self, group):
+    A worker that dies leaves rank 0 waiting in its next collective for good (MPI has no
+    timeout), so a watchdog thread checks the workers' processes twice a second and, when one is
+    gone, says so and ends rank 0's process with exit status 1: a clear error and an exit, never
+    a hang (the server's open requests lose their connections)."""
+
+    def __init__(self, group, worker_pids: list[int] | None = None, check_every: float = 0.5):
         self.group = group
         self.stopped = False
+        self.worker_pids = worker_pids or []
+        if self.worker_pids:
+            threading.Thread(target=self._watch, args=(check_every,), daemon=True,
+                             name="taper-tp-watchdog").start()
+
+    def _watch(self, every: float) -> None:
+        while not self.stopped:
+            time.sleep(every)
+            for rank, pid in enumerate(self.worker_pids, start=1):
+                if not self.stopped and not _alive(pid):
+                    log.critical("tensor parallel rank %d (pid %d) has died; the model cannot "
+                                 "run without it: exiting", rank, pid)
+                    logging.shutdown()
+                    os._exit(1)
 
     def send(self, inputs: StepInputs) -> None:
         self.group.send(inputs)
@@ -78,3 +100,18 @@ def serve_steps(runner, group) -> int:
         runner.copy_blocks(message.block_copies)
         runner.run(message)
         steps += 1
+
+
+def _alive(pid: int) -> bool:
+    """A process that exists and is not a zombie (a dead child of ours not yet reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass
+        return True
