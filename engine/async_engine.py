@@ -197,6 +197,8 @@ class AsyncEngine:
         self._stopping = True
         self._commands.put(("stop",))
         self._thread.join(timeout=30)
+        if not self._thread.is_alive():
+            self.engine.shutdown()
 
     # ---- engine thread
 

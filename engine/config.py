@@ -15,6 +15,10 @@ class EngineConfig:
     dtype: str = "auto"                  # auto (the checkpoint's) | f32 | bf16 | f16
     backend: str = "auto"                # auto (CUDA where a device is visible) | cpu | cuda
     device: int = 0                      # the CUDA device index
+    # Tensor parallel (engine/parallel/): the model split across this many processes, rank 0 this
+    # one; on CUDA rank r uses device_ids[r] (default: device + r).
+    tensor_parallel_size: int = 1
+    device_ids: tuple[int, ...] = ()
     cuda_graph: bool = True              # capture decode steps in CUDA graphs (CUDA backend)
     block_size: int = 16                 # tokens per KV block, a power of two in [8, 128]
     num_kv_blocks: int | None = None     # explicit pool size; else from the two below
@@ -53,6 +57,13 @@ class EngineConfig:
             self.backend = detect_backend()
         if self.device < 0:
             raise ValueError(f"device must be >= 0, got {self.device}")
+        self.device_ids = tuple(self.device_ids)
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be at least 1, got "
+                             f"{self.tensor_parallel_size}")
+        if self.device_ids and len(self.device_ids) != self.tensor_parallel_size:
+            raise ValueError(f"device_ids {list(self.device_ids)} name {len(self.device_ids)} "
+                             f"devices for tensor_parallel_size {self.tensor_parallel_size}")
         if self.dtype not in ("auto", "f32", "bf16", "f16", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, f32, bf16 or f16, got {self.dtype!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens"):

@@ -143,7 +143,13 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--cpu", action="store_true",
                    help="use the CPU backend even if a GPU is present")
     e.add_argument("--device-ids", "--d", dest="device_ids", nargs="+", type=int, metavar="ID",
-                   help="the GPU to use (one; several GPUs are not yet supported)")
+                   help="the GPU(s) to use; several split the model across them (tensor "
+                        "parallel, one process each)")
+    e.add_argument("--tensor-parallel-size", "--tp", dest="tensor_parallel_size", type=int,
+                   metavar="N", default=None,
+                   help="split the model across N processes (Megatron-style tensor parallel; "
+                        "on the CPU each takes a share of the cores, on GPUs one device each): "
+                        "needs mpi4py and the mpich wheel (pip install 'taper[mpi]')")
     e.add_argument("--disable-cuda-graph", action="store_true",
                    help="run decode without CUDA graphs")
     e.add_argument("--block-size", type=int, metavar="N", default=16, help="tokens per KV-cache block (8-128)")
@@ -230,10 +236,16 @@ def check_args(args) -> str | None:
         args.kvcache_dtype = "fp8"
     if args.demo and args.weight_file:
         return "--demo serves its own model; it takes no --f"
-    if args.device_ids and len(args.device_ids) > 1:
-        return "--device-ids: several GPUs (tensor parallelism) are not yet supported"
-    if args.device_ids and args.device_ids[0] < 0:
+    if args.device_ids and min(args.device_ids) < 0:
         return "--device-ids: a device index is >= 0"
+    if args.device_ids and len(set(args.device_ids)) != len(args.device_ids):
+        return "--device-ids: a device is named twice"
+    if args.tensor_parallel_size is not None and args.tensor_parallel_size < 1:
+        return "--tensor-parallel-size must be at least 1"
+    if (args.device_ids and args.tensor_parallel_size is not None
+            and len(args.device_ids) not in (1, args.tensor_parallel_size)):
+        return (f"--device-ids names {len(args.device_ids)} devices for --tensor-parallel-size "
+                f"{args.tensor_parallel_size}")
     for name in ("max_queued_requests", "max_gen_tokens"):
         value = getattr(args, name)
         if value is not None and value < 1:
@@ -313,9 +325,14 @@ def engine_config(args):
     if args.batch_invariant and backend != "cpu":
         raise ValueError("--batch-invariant: batch-invariant kernels exist on the CPU backend "
                          "only (add --cpu); the CUDA kernels' reduction order depends on the batch")
+    tensor_parallel = args.tensor_parallel_size or max(1, len(args.device_ids or ()))
+    devices = tuple(args.device_ids or ())
+    if len(devices) == 1:      # the first of the ranks' devices: device, device + 1, ...
+        devices = ()
     return EngineConfig(
         model=model, weight_file=args.weight_file, dtype=args.dtype, backend=backend,
         device=args.device_ids[0] if args.device_ids else 0,
+        tensor_parallel_size=tensor_parallel, device_ids=devices,
         cuda_graph=not args.disable_cuda_graph,
         block_size=args.block_size, kv_cache_memory_mb=args.kvcache_mem,
         kv_fraction=args.kv_fraction, kv_cache_dtype=args.kvcache_dtype,

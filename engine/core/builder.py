@@ -16,6 +16,8 @@ from engine.loader.hub import resolve_gguf, resolve_model
 from engine.loader.model_loader import load_gguf_model, load_model
 from engine.loader.safetensors import mem_available_bytes
 from engine.models.model_config import ModelConfig
+from engine.parallel import launch
+from engine.parallel.steps import StepSender
 from engine.runner import cuda_memory
 from engine.runner.backends import make_backend
 from engine.runner.cuda_graph import CudaGraphRunner, estimate_graph_memory_bytes
@@ -42,12 +44,27 @@ class EngineParts:
     draft: DraftModel | None = None   # speculative decoding's draft model, its KV pool beside
 
 
-def build(config: EngineConfig, loaded=None) -> EngineParts:
+def build(config: EngineConfig, loaded=None, group=None) -> EngineParts:
     """loaded: (backend, model, model_config) built by the caller (benchmarks that generate
-    weights on the device) instead of loading config.model; there is no tokenizer then."""
+    weights on the device) instead of loading config.model; there is no tokenizer then.
+    Tensor parallel (engine/parallel/launch.py): rank 0 starts the other ranks here, each of
+    which builds its share of the engine through this function too, `group` its MpiGroup."""
+    tensor_parallel = None
+    if config.tensor_parallel_size > 1:
+        if loaded is not None:
+            raise ValueError("tensor parallel: a model built by the caller cannot be split")
+        group = group or launch.start_group(config)
     if loaded is not None:
         backend, model, model_config = loaded
         model_dir, tokenizer, pooling_config = None, None, None
+    elif group is not None:
+        with launch.all_ranks(group, "loading the model"):
+            backend = make_backend(config, group.rank)
+            tensor_parallel = (group.rank, group.size, launch.communicator(group, backend))
+            model, model_config, model_dir, tokenizer, pooling_config = _load(
+                config, backend, tensor_parallel)
+        if group.rank != 0:
+            tokenizer = None
     else:
         backend = make_backend(config)
         model, model_config, model_dir, tokenizer, pooling_config = _load(config, backend)
@@ -69,8 +86,12 @@ def build(config: EngineConfig, loaded=None) -> EngineParts:
         backend.bind_thread()
         cuda_memory.profile_forward(model, backend, config.max_num_batched_tokens,
                                     config.max_num_seqs or MAX_NUM_SEQS_CAP, config.block_size)
+    # KV heads per block: the rank's under tensor parallel (its model's config)
     num_blocks = config.num_kv_blocks or _num_kv_blocks(
-        config, backend, model_config, kv_dtype, draft[1] if draft else None)
+        config, backend, getattr(model, "config", model_config), kv_dtype,
+        draft[1] if draft else None)
+    if tensor_parallel is not None:       # every rank's pool has the smallest one's blocks
+        num_blocks = tensor_parallel[2].all_min(num_blocks)
     max_cached = (None if config.prefix_cache_max_tokens is None
                   else config.prefix_cache_max_tokens // config.block_size)
     block_pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching,
@@ -87,6 +108,14 @@ def build(config: EngineConfig, loaded=None) -> EngineParts:
         config = dataclasses.replace(config, max_num_seqs=max_num_seqs)
     runner = ModelRunner(model, model_config, backend, config.block_size, num_blocks,
                          config.kv_cache_dtype)
+    if group is not None:
+        pids = group.allgather(os.getpid())
+        sender = StepSender(group, pids[1:]) if group.rank == 0 else None
+        runner.join_tensor_parallel(sender)
+        if sender is not None:
+            launch.stop_at_exit(sender)
+            log.info("tensor parallel %d: rank 0 schedules and samples, every rank holds its "
+                     "share of the weights and %d KV blocks", group.size, num_blocks)
     log.info("KV cache: %d blocks of %d tokens; max model length %d", num_blocks,
              config.block_size, max_model_len)
     draft_model = None
@@ -106,7 +135,11 @@ def build(config: EngineConfig, loaded=None) -> EngineParts:
                              max_model_len, config.max_num_seqs)
         backend.max_context = max_model_len
         if config.cuda_graph:
-            capture_cuda_graphs(config, model, backend, runner, max_model_len)
+            if group is None:
+                capture_cuda_graphs(config, model, backend, runner, max_model_len)
+            else:
+                with launch.all_ranks(group, "capturing CUDA graphs"):
+                    capture_cuda_graphs(config, model, backend, runner, max_model_len)
     return EngineParts(config, backend, model, model_config, model_dir, tokenizer,
                        pooling_config or default_pooling_config(model_dir), eos_token_ids,
                        block_pool, max_model_len, runner, draft_model)
@@ -141,10 +174,11 @@ def _load_draft(config: EngineConfig, backend, target_config: ModelConfig, token
     return model, draft_config
 
 
-def _load(config: EngineConfig, backend):
-    """(model, model_config, model_dir, tokenizer, pooling config) of config.model."""
+def _load(config: EngineConfig, backend, tensor_parallel=None):
+    """(model, model_config, model_dir, tokenizer, pooling config) of config.model;
+    tensor_parallel: (rank, size, communicator), the rank's share of it."""
     load_args = dict(dtype=config.dtype, yarn_scaling_factor=config.yarn_scaling_factor,
-                     isq=config.isq)
+                     isq=config.isq, tensor_parallel=tensor_parallel)
     if config.weight_file:
         path = resolve_gguf(config.model, config.weight_file)
         model, model_config, tokenizer = load_gguf_model(path, backend, **load_args)

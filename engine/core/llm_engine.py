@@ -127,6 +127,12 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         return EngineStats.of(self)
 
+    def shutdown(self) -> None:
+        """Stops the forward thread and, under tensor parallel, the other ranks."""
+        self._forward_thread.shutdown(wait=True)
+        if self.runner.peers is not None:
+            self.runner.peers.stop()
+
     # ---- one step
 
     def step(self) -> list[RequestOutput]:

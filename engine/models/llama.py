@@ -18,6 +18,7 @@ from engine.runner.forward_batch import ForwardBatch
 from engine.models.model_config import ModelConfig
 from engine.models.kv_scales import take_kv_scales
 from engine.models.rotary import build_cos_sin_cache, longrope_positions
+from engine.parallel import layers as tensor_parallel
 from pyx.layers import MLP, Attention, DecoderLayer, Workspace, run_layers
 
 logger = logging.getLogger("taper.models")
@@ -72,6 +73,7 @@ class LlamaForCausalLM:
 
     def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray], backend):
         """Takes ownership of `weights` (tensors are popped as they are placed)."""
+        # Under tensor parallel, config is the rank's share (engine/parallel/sharding.py).
         check_weights(config, weights, self.expected_shapes(config))
         self.config = config
         self.backend = backend
@@ -91,13 +93,14 @@ class LlamaForCausalLM:
         # FP8 KV cache scales per layer and KV head (DESIGN.md section 5): the checkpoint's, else
         # 1.0. Read only when the KV cache is FP8 (a uint8 cache).
         self.kv_scales_from_checkpoint = False
+        attention = tensor_parallel.attention_class(c)
         for i in range(c.num_hidden_layers):
             p = f"model.layers.{i}."
             kv_scales = take_kv_scales(weights, i, c.num_key_value_heads)
             self.kv_scales_from_checkpoint |= kv_scales is not None
             if kv_scales is None:
                 kv_scales = (np.ones(c.num_key_value_heads, np.float32),) * 2
-            attn = Attention(
+            attn = attention(
                 backend, *self._qkv(weights, p),
                 self._take(weights, f"{p}self_attn.o_proj.weight"),
                 self._take(weights, f"{p}self_attn.o_proj.bias") if c.o_bias else None,
@@ -107,8 +110,11 @@ class LlamaForCausalLM:
                 *(self._to_device(s) for s in kv_scales),
                 scale=c.query_pre_attn_scalar ** -0.5 if c.query_pre_attn_scalar else None,
                 softcap=c.attn_softcap, qk_layernorm=c.qk_layernorm)
-            mlp = self._mlp(weights, p, i)
+            mlp = tensor_parallel.all_reduced(self._mlp(weights, p, i), c)
             self.layers.append(self._layer(weights, p, i, attn, mlp))
+        if c.tensor_parallel is not None:
+            weights["model.embed_tokens.weight"] = tensor_parallel.with_zero_row(
+                weights["model.embed_tokens.weight"])
         self.embed_tokens = self._take(weights, "model.embed_tokens.weight")
         self.norm = self._norm(weights, "model.norm.weight")
         if not c.has_lm_head:            # a headless transformer (LlamaModel, ...): embeddings only
@@ -216,7 +222,7 @@ class LlamaForCausalLM:
         T = batch.num_tokens
         residual = ws.get("residual", T, c.hidden_size)
         hidden = ws.get("hidden", T, c.hidden_size)
-        b.embedding(batch.token_ids, self.embed_tokens, residual)
+        tensor_parallel.embed(b, c, batch.token_ids, self.embed_tokens, residual)
         if self.embed_scale is not None:
             b.scale(residual, self.embed_scale)
         if batch.vision is not None:       # image embeddings at the image tokens
@@ -244,11 +250,12 @@ class LlamaForCausalLM:
     def logits(self, rows_hidden):
         """Logits (len(rows_hidden), vocab) float32 of final-norm hidden rows, a new array."""
         c = self.config
-        logits = self.xp.empty((len(rows_hidden), c.vocab_size), dtype=np.float32)
-        if len(rows_hidden):
-            if self.lm_head is None:
-                raise ValueError("this checkpoint has no lm_head: it computes embeddings only")
-            self.backend.linear(rows_hidden, self.lm_head, None, logits)
-            if c.final_softcap:
-                self.backend.softcap(logits, c.final_softcap)
+        if not len(rows_hidden):    # (every tensor-parallel rank has the same rows)
+            vocab = c.vocab_size if c.tensor_parallel is None else c.tensor_parallel.vocab_size
+            return self.xp.empty((0, vocab), dtype=np.float32)
+        if self.lm_head is None:
+            raise ValueError("this checkpoint has no lm_head: it computes embeddings only")
+        logits = tensor_parallel.logits(self.backend, c, rows_hidden, self.lm_head)
+        if c.final_softcap:
+            self.backend.softcap(logits, c.final_softcap)
         return logits

@@ -102,6 +102,9 @@ class ModelConfig:
     moe: MoeConfig | None = None        # mixture-of-experts layers, if any
     has_lm_head: bool = True            # False: a headless transformer (LlamaModel, ...)
     vision: VisionConfig | None = None  # a vision-language model's vision tower (engine/vision/)
+    # A tensor-parallel rank's config (engine/parallel/sharding.py): heads, sizes and vocab_size
+    # are the rank's share, and this a TensorParallel saying of what; None: the whole model.
+    tensor_parallel: object = None
 
     @property
     def q_size(self) -> int:
