@@ -36,6 +36,9 @@ class ModelRunner:
         self.device_block_tables = (DeviceBlockTables(backend, self.block_tables)
                                     if backend.xp is not np else None)
         self.graph_runner = None      # a CudaGraphRunner once decode graphs are captured
+        # EAGLE-3 (engine/spec/eagle3.py): an AuxCapture every forward fills with the target's
+        # aux hidden states (the decode graphs do not: such steps run eagerly)
+        self.aux_capture = None
         self.num_forward_calls = 0    # counted for tests and metrics
         self.num_forward_tokens = 0
         # a vision-language model's image rows and encoder (engine/vision/runner.py)
@@ -172,14 +175,15 @@ class ModelRunner:
         self.num_forward_tokens += batch.num_tokens
         if self.vision is not None:     # the step's images through the encoder (or its cache)
             self.vision.encode(batch)
+        capture = {} if self.aux_capture is None else {"capture": self.aux_capture}
         if not pooled:
-            if self.graph_runner is not None and self.graph_runner.can_run(batch):
+            if not capture and self.graph_runner is not None and self.graph_runner.can_run(batch):
                 return self.graph_runner.run(batch), []
-            return self.model.forward(self.to_device(batch), self.kv_caches), []
+            return self.model.forward(self.to_device(batch), self.kv_caches, **capture), []
         rows = np.concatenate([np.arange(first, end, dtype=np.int32)
                                for _, _, first, end in pooled])
         logits, hidden = self.model.forward(self.to_device(batch), self.kv_caches,
-                                            hidden_indices=self.backend.asarray(rows))
+                                            hidden_indices=self.backend.asarray(rows), **capture)
         scores = self.token_logits(pooled, hidden)
         hidden = np.asarray(self.backend.to_host(hidden), dtype=np.float32)
         out, at = [], 0
