@@ -61,11 +61,11 @@ def write_head(directory, weights: dict, ids: np.ndarray | None, layout: str = "
     if ids is not None:
         tensors["d2t"] = (ids - np.arange(len(ids))).astype(np.int64)
         t2d = np.zeros(target_vocab, bool)
-        t2d[ids] = True
+        t2d[ids[ids < target_vocab]] = True
         tensors["t2d"] = t2d
     if embed is not None:
         tensors["embed_tokens.weight"] = embed.astype(np.float32)
-    draft_size = len(tensors["lm_head.weight"])
+    draft_size = len(tensors["lm_head.weight"] if "lm_head.weight" in tensors else ids)
     aux = cfg.pop("eagle_aux_hidden_state_layer_ids", None)
     extra = {k: cfg.pop(k) for k in ("target_hidden_size", "norm_before_residual") if k in cfg}
     if layout == "eagle":
