@@ -276,10 +276,11 @@ class Eagle3Head:
             self.backend.linear(aux, self.fc, None, out)
         return out
 
-    def forward(self, batch: ForwardBatch, kv_caches: list, hidden):
+    def forward(self, batch: ForwardBatch, kv_caches: list, hidden, kv_only: bool = False):
         """Rows of `batch` (tokens, positions, slots: module docstring) with their hidden inputs
         `hidden` (T, H) (fused target features, or a previous step's prenorm output). Writes the
-        rows' K/V; returns (final-norm hidden, prenorm hidden), new (T, H) arrays."""
+        rows' K/V; returns (final-norm hidden, prenorm hidden), new (T, H) arrays, or with
+        `kv_only` None once every layer's K/V is written."""
         c, b, xp, ws = self.config.layer, self.backend, self.xp, self.workspace
         T, H, eps = batch.num_tokens, c.hidden_size, c.rms_norm_eps
         embeds = ws.get("embeds", T, H)
@@ -295,6 +296,8 @@ class Eagle3Head:
         out = ws.get("attn_out", T, H)
         k_cache, v_cache = kv_caches[0]
         self.attention.forward(batch, x, out, k_cache, v_cache, ws)
+        if kv_only and not self.layers:
+            return None
         b.fused_add_rms_norm(out, residual, self.post_norm, eps)
         mlp_out = ws.get("mlp_out", T, H)
         self.mlp.forward(out, mlp_out, ws)

@@ -79,7 +79,7 @@ class Eagle3Proposer(DraftModel):
         if not rows.size:
             return
         fb = self._rows_batch(host_batch, batch.block_tables, rows, host_batch.token_ids[rows])
-        self.model.forward(fb, self.kv_caches, self.features[fb.slot_mapping])
+        self.model.forward(fb, self.kv_caches, self.features[fb.slot_mapping], kv_only=True)
         self.num_forward_calls += 1
 
     # ---- drafting
