@@ -24,8 +24,9 @@ def draft_vocab(target_vocab: int, size: int, seed: int = 0, must=()) -> np.ndar
 
 
 def random_weights(cfg: dict, num_aux: int = 3, target_hidden: int | None = None,
-                   draft_size: int = 384, seed: int = 0) -> dict[str, np.ndarray]:
-    """Random head tensors under EAGLE's names (no d2t/t2d, no embed_tokens)."""
+                   draft_size: int = 384, seed: int = 0, layers: int = 1) -> dict[str, np.ndarray]:
+    """Random head tensors under EAGLE's names (no d2t/t2d, no embed_tokens); `layers` > 1 adds
+    ordinary Llama layers `layers.1.*` ... after the first (vLLM's multi-layer heads)."""
     rng = np.random.default_rng(seed)
     H, I = cfg["hidden_size"], cfg["intermediate_size"]
     q, kv = cfg["num_attention_heads"] * cfg["head_dim"], cfg["num_key_value_heads"] * cfg["head_dim"]
@@ -37,7 +38,18 @@ def random_weights(cfg: dict, num_aux: int = 3, target_hidden: int | None = None
     def norm(n):
         return (1.0 + 0.2 * rng.standard_normal(n)).astype(np.float32)
 
-    return {"fc.weight": lin(H, num_aux * Ht),
+    extra = {}
+    for i in range(1, layers):
+        p = f"layers.{i}."
+        extra.update({p + "input_layernorm.weight": norm(H),
+                      p + "post_attention_layernorm.weight": norm(H),
+                      p + "self_attn.q_proj.weight": lin(q, H, 2.0),
+                      p + "self_attn.k_proj.weight": lin(kv, H, 2.0),
+                      p + "self_attn.v_proj.weight": lin(kv, H),
+                      p + "self_attn.o_proj.weight": lin(H, q),
+                      p + "mlp.gate_proj.weight": lin(I, H), p + "mlp.up_proj.weight": lin(I, H),
+                      p + "mlp.down_proj.weight": lin(H, I)})
+    return extra | {"fc.weight": lin(H, num_aux * Ht),
             "midlayer.hidden_norm.weight": norm(H), "midlayer.input_layernorm.weight": norm(H),
             "midlayer.post_attention_layernorm.weight": norm(H),
             "midlayer.self_attn.q_proj.weight": lin(q, 2 * H, 2.0),

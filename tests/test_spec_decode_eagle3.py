@@ -1,6 +1,6 @@
 """Speculative decoding with an EAGLE-3 head (method eagle3) on tiny random checkpoints: the head
-loads in EAGLE's and vLLM speculators' formats; its drafts equal a float64 reference of the
-EAGLE-3 computation written here (fc over the target's aux hidden states from transformers, the
+loads in EAGLE's and vLLM speculators' formats (one layer, or two); its drafts equal a float64
+reference of the EAGLE-3 computation written here (fc over the target's aux hidden states from transformers, the
 2H attention input, RoPE, the draft lm_head and d2t, then steps fed the head's own hidden state);
 greedy and seeded outputs are the target's with any head; a head made to predict the target's
 next token accepts every draft, a random one few; drafts depend only on the context whatever
@@ -69,6 +69,14 @@ def head_speculators(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def head_two_layers(tmp_path_factory):
+    """A random two-layer head in speculators' format (vLLM's multi-layer EAGLE-3: the second
+    an ordinary Llama layer over the first's output)."""
+    return write_head(tmp_path_factory.mktemp("head2"), random_weights(HEAD, seed=6, layers=2),
+                      draft_vocab(512, 384, seed=4), layout="speculators", num_hidden_layers=2)
+
+
+@pytest.fixture(scope="module")
 def prompts():
     rng = np.random.default_rng(5)
     return [rng.integers(3, 500, n).tolist() for n in (6, 33, 17, 50)]
@@ -125,10 +133,36 @@ class ReferenceHead:
         draft = len(w["lm_head.weight"])
         self.ids = np.arange(draft) + (w["d2t"] if "d2t" in w else 0)
         self.before = bool(cfg.get("norm_before_residual", False))
-        self.keys, self.values = [], []
+        self.layers = cfg.get("num_hidden_layers", 1)
+        self.keys = [[] for _ in range(self.layers)]
+        self.values = [[] for _ in range(self.layers)]
 
     def fuse(self, aux):
         return aux @ self.w["fc.weight"].T
+
+    def attend(self, layer: int, x, pos: int):
+        """Layer `layer`'s attention output for input x at pos, its K/V appended."""
+        w, p = self.w, f"layers.{layer}."
+        q = (w[p + "self_attn.q_proj.weight"] @ x).reshape(self.heads, self.D)
+        k = (w[p + "self_attn.k_proj.weight"] @ x).reshape(self.kv_heads, self.D)
+        v = (w[p + "self_attn.v_proj.weight"] @ x).reshape(self.kv_heads, self.D)
+        self.keys[layer].append(rope(k, pos, self.theta))
+        self.values[layer].append(v)
+        q = rope(q, pos, self.theta)
+        K, V = np.stack(self.keys[layer]), np.stack(self.values[layer])   # (n, kv_heads, D)
+        group = self.heads // self.kv_heads
+        out = np.empty((self.heads, self.D))
+        for h in range(self.heads):
+            s = K[:, h // group] @ q[h] / np.sqrt(self.D)
+            a = np.exp(s - s.max())
+            out[h] = (a / a.sum()) @ V[:, h // group]
+        return w[p + "self_attn.o_proj.weight"] @ out.ravel()
+
+    def mlp(self, layer: int, x):
+        w, p = self.w, f"layers.{layer}."
+        m = rms(x, w[p + "post_attention_layernorm.weight"], self.eps)
+        gate, up = w[p + "mlp.gate_proj.weight"] @ m, w[p + "mlp.up_proj.weight"] @ m
+        return w[p + "mlp.down_proj.weight"] @ (gate / (1 + np.exp(-gate)) * up)
 
     def row(self, token: int, hidden, pos: int):
         """(logits over the target vocabulary (512,), prenorm hidden) of one row."""
@@ -136,24 +170,12 @@ class ReferenceHead:
         e = rms(self.embed[token], w[p + "input_layernorm.weight"], eps)
         hn = rms(hidden, w[p + "hidden_norm.weight"], eps)
         residual = hn if self.before else hidden
-        x = np.concatenate([e, hn])
-        q = (w[p + "self_attn.q_proj.weight"] @ x).reshape(self.heads, self.D)
-        k = (w[p + "self_attn.k_proj.weight"] @ x).reshape(self.kv_heads, self.D)
-        v = (w[p + "self_attn.v_proj.weight"] @ x).reshape(self.kv_heads, self.D)
-        self.keys.append(rope(k, pos, self.theta))
-        self.values.append(v)
-        q = rope(q, pos, self.theta)
-        K, V = np.stack(self.keys), np.stack(self.values)       # (n, kv_heads, D)
-        group = self.heads // self.kv_heads
-        out = np.empty((self.heads, self.D))
-        for h in range(self.heads):
-            s = K[:, h // group] @ q[h] / np.sqrt(self.D)
-            a = np.exp(s - s.max())
-            out[h] = (a / a.sum()) @ V[:, h // group]
-        residual = residual + w[p + "self_attn.o_proj.weight"] @ out.ravel()
-        m = rms(residual, w[p + "post_attention_layernorm.weight"], eps)
-        gate, up = w[p + "mlp.gate_proj.weight"] @ m, w[p + "mlp.up_proj.weight"] @ m
-        residual = residual + w[p + "mlp.down_proj.weight"] @ (gate / (1 + np.exp(-gate)) * up)
+        residual = residual + self.attend(0, np.concatenate([e, hn]), pos)
+        residual = residual + self.mlp(0, residual)
+        for layer in range(1, self.layers):       # ordinary pre-norm Llama layers
+            x = rms(residual, w[f"layers.{layer}.input_layernorm.weight"], eps)
+            residual = residual + self.attend(layer, x, pos)
+            residual = residual + self.mlp(layer, residual)
         draft = w["lm_head.weight"] @ rms(residual, w["norm.weight"], eps)
         logits = np.full(512, -np.inf)
         logits[self.ids] = draft
@@ -172,15 +194,17 @@ def aux_states(target_dir, tokens, layers):
             out.logits[0].numpy(), model.model.embed_tokens.weight.detach().numpy())
 
 
-@pytest.mark.parametrize("which", ["eagle", "speculators"])
-def test_drafts_equal_the_float64_reference(target, head, head_speculators, prompts, which):
+@pytest.mark.parametrize("which", ["eagle", "speculators", "two_layers"])
+def test_drafts_equal_the_float64_reference(target, head, head_speculators, head_two_layers,
+                                            prompts, which):
     """The engine's target features (its AuxCapture through fc) and the head's logits in every
     drafting forward of the first verify steps, against the reference recomputed from the
     context: the head's rows before a step's first draft came from prefill chunks and verify
     steps (mirrored, rejected drafts' rows rewritten), draft step 0 reads the last computed
     position's features, later steps the head's own prenorm output."""
-    directory = head if which == "eagle" else head_speculators
-    layers = (2, 4, 5) if which == "eagle" else (1, 3, 6)
+    directory = {"eagle": head, "speculators": head_speculators,
+                 "two_layers": head_two_layers}[which]
+    layers = (1, 3, 6) if which == "speculators" else (2, 4, 5)
     prompt = prompts[1]                                   # 33 tokens: chunks of 8, blocks of 8
     llm = LLM(target, speculative_config=eagle(directory), block_size=8, prefill_chunk_size=8,
               max_num_batched_tokens=8)

@@ -120,7 +120,10 @@ def build(config: EngineConfig, loaded=None) -> EngineParts:
                                                             kv_dtype),
                              max_model_len, config.max_num_seqs)
         backend.max_context = max_model_len
-        if config.cuda_graph:
+        if config.cuda_graph and head is not None:
+            log.info("CUDA graphs: not captured (an EAGLE-3 head reads every step's hidden "
+                     "states, which the decode graphs do not hand over)")
+        elif config.cuda_graph:
             capture_cuda_graphs(config, model, backend, runner, max_model_len)
     return EngineParts(config, backend, model, model_config, model_dir, tokenizer,
                        pooling_config or default_pooling_config(model_dir), eos_token_ids,
