@@ -479,6 +479,57 @@ def test_probabilistic_drafts_keep_the_target_distribution(tmp_path_factory):
         assert ok, (name, stat, crit)
 
 
+# ---- structured outputs: a draft vocabulary without the grammar's tokens
+
+@pytest.fixture(scope="module")
+def demo_head(tmp_path_factory):
+    """(the demo checkpoint, a random head for it whose draft vocabulary lacks every token with
+    a JSON delimiter: where a grammar wants one, no draft id is allowed)."""
+    from server.demo_model import write_demo_checkpoint
+    demo = write_demo_checkpoint(str(tmp_path_factory.mktemp("demo") / "demo"))
+    tok = LLM(demo).engine.tokenizer
+    vocab = tok.hf.get_vocab()
+    ids = np.array(sorted(i for t, i in vocab.items() if not set('{}":,[]') & set(t)))
+    cfg = dict(hidden_size=128, intermediate_size=256, num_attention_heads=2,
+               num_key_value_heads=1, head_dim=64, vocab_size=len(vocab),
+               max_position_embeddings=4096)
+    rng = np.random.default_rng(0)
+    head_dir = write_head(tmp_path_factory.mktemp("demo_head"),
+                          random_weights({**HEAD, **cfg}, target_hidden=256, draft_size=len(ids)),
+                          ids, target_vocab=len(vocab),
+                          embed=rng.standard_normal((len(vocab), 128)) * 0.1,
+                          target_hidden_size=256, eagle_aux_hidden_state_layer_ids=[1, 2, 3],
+                          **cfg)
+    return demo, head_dir
+
+
+@pytest.mark.parametrize("draft_sampling", ["greedy", "probabilistic"])
+def test_structured_outputs_where_the_grammar_allows_no_draft_id(demo_head, draft_sampling):
+    """Rows whose grammar mask leaves no id of the draft vocabulary: a greedy draft there is
+    refused by the grammar (and rejected), a drawn one is a point mass in the draft
+    distribution the verifier reads (rejected, then a draw from the target's own masked
+    distribution): outputs stay valid JSON, and with greedy drafting the non-speculative
+    engine's tokens for the same seed."""
+    import json
+    from engine.sampling.structured_outputs import StructuredOutputsParams, json_spec
+    demo, head_dir = demo_head
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
+                                               "n": {"type": "integer"}},
+              "required": ["name", "n"], "additionalProperties": False}
+    plain = LLM(demo)
+    spec = LLM(demo, speculative_config=eagle(head_dir, draft_sampling=draft_sampling))
+    for seed in range(3):
+        params = SamplingParams(temperature=0.0 if seed == 0 else 0.9, seed=seed, max_tokens=50,
+                                structured_outputs=StructuredOutputsParams(
+                                    "json", json_spec(schema)))
+        out = spec.generate("Facts about the sea:", params)[0]
+        assert out.finish_reason == "stop", (out.finish_reason, out.error)
+        assert set(json.loads(out.text)) == {"name", "n"}
+        if draft_sampling == "greedy" or seed == 0:
+            assert out.token_ids == plain.generate("Facts about the sea:", params)[0].token_ids
+    assert spec.engine.speculator.stats.num_drafts > 0
+
+
 # ---- loading, budget, errors
 
 def test_the_kv_budget_pays_for_the_heads_pools(target, head):

@@ -103,7 +103,7 @@ class DraftModel:
                         walks[i].restore()
                         walks[i] = None     # refused (an empty mask): verification rejects it
                     if probs[i] is not None:
-                        probs[i].append(_softmax_row(xp, processed[r]))
+                        probs[i].append(_draft_distribution(xp, processed[r], token))
         finally:
             for walk in walks:
                 if walk is not None:
@@ -159,7 +159,14 @@ class DraftModel:
         return out
 
 
-def _softmax_row(xp, x):
+def _draft_distribution(xp, x, token: int):
+    """The distribution a draft was drawn from: the softmax of its processed row, or a point
+    mass on the proposed token where every id is masked (-inf: an EAGLE-3 head's draft
+    vocabulary under a grammar that wants none of it). No sync: the choice is made on the
+    device."""
     x = x.astype(xp.float64)
-    e = xp.exp(x - x.max())
-    return e / e.sum()
+    top = x.max()
+    e = xp.exp(x - xp.where(xp.isfinite(top), top, 0.0))
+    total = e.sum()
+    point = (xp.arange(x.shape[0]) == token).astype(xp.float64)
+    return xp.where(total > 0, e / xp.where(total > 0, total, 1.0), point)
