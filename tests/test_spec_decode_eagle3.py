@@ -572,6 +572,11 @@ def test_malformed_heads_are_refused_with_the_problem_named(target, tmp_path):
     refused("d2t maps draft id 383 to 600, outside the target's vocabulary of 512 ids", ids=bad)
     refused("not an EAGLE-3 head: architectures \\['LlamaForCausalLM'\\]",
             architectures=["LlamaForCausalLM"])
+    pickled = Path(write_head(tmp_path / "bin", random_weights(HEAD), ids))
+    (pickled / "model.safetensors").rename(pickled / "pytorch_model.bin")
+    with pytest.raises(ValueError, match="only pytorch_model.bin, a torch pickle; Taper reads "
+                                         "safetensors. Convert it once"):
+        LLM(target, speculative_config=eagle(pickled))
 
 
 def test_the_server_flag_takes_method_eagle3():

@@ -67,6 +67,13 @@ def load_eagle3_head(head_dir: str, backend, target, target_config: ModelConfig,
         raise ValueError(f"{where}: its target_hidden_size is {config.target_hidden_size}, the "
                          f"target's hidden_size is {target_config.hidden_size} (a head for "
                          f"another model?)")
+    if (not any(f.endswith(".safetensors") for f in os.listdir(head_dir))
+            and os.path.isfile(os.path.join(head_dir, "pytorch_model.bin"))):
+        # EAGLE's own releases ship a torch pickle
+        raise ValueError(f"{where}: only pytorch_model.bin, a torch pickle; Taper reads "
+                         f"safetensors. Convert it once: python -c \"import torch; from "
+                         f"safetensors.torch import save_file; save_file(torch.load("
+                         f"'pytorch_model.bin'), 'model.safetensors')\"")
     weights = normalize_names(load_safetensors(head_dir, dtype=dtype, progress=progress))
     if "embed_tokens.weight" not in weights and config.hidden_size != target_config.hidden_size:
         raise ValueError(f"{where}: it has no embed_tokens, and the target's (hidden size "
