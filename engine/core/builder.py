@@ -4,6 +4,7 @@ concurrency (max_num_seqs), the model runner and, on CUDA, the captured decode g
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 import os
 import time
@@ -13,7 +14,7 @@ from engine.config import EngineConfig
 from engine.core.block_pool import BlockPool
 from engine.core.max_num_seqs import MAX_NUM_SEQS_CAP, default_max_num_seqs
 from engine.loader.hub import resolve_gguf, resolve_model
-from engine.loader.model_loader import load_gguf_model, load_model
+from engine.loader.model_loader import load_eagle3_head, load_gguf_model, load_model
 from engine.loader.safetensors import mem_available_bytes
 from engine.models.model_config import ModelConfig
 from engine.parallel import launch
@@ -24,6 +25,7 @@ from engine.runner.cuda_graph import CudaGraphRunner, estimate_graph_memory_byte
 from engine.runner.model_runner import ModelRunner
 from engine.sampling.pooling import PoolingConfig, default_pooling_config, read_pooling_config
 from engine.spec.draft_model import DraftModel
+from engine.spec.eagle3 import Eagle3Proposer
 from engine.text.tokenizer import Tokenizer
 
 log = logging.getLogger("taper.engine")
@@ -41,7 +43,8 @@ class EngineParts:
     block_pool: BlockPool
     max_model_len: int
     runner: ModelRunner
-    draft: DraftModel | None = None   # speculative decoding's draft model, its KV pool beside
+    # speculative decoding's draft model or EAGLE-3 head, its pools beside the target's
+    draft: DraftModel | None = None
 
 
 def build(config: EngineConfig, loaded=None, group=None) -> EngineParts:
@@ -75,6 +78,7 @@ def build(config: EngineConfig, loaded=None, group=None) -> EngineParts:
         eos_token_ids |= tokenizer.eos_token_ids
 
     draft = _load_draft(config, backend, model_config, tokenizer)   # (model, config) or None
+    head = _load_eagle3(config, backend, model, model_config)
     kv_dtype = backend.kv_cache_dtype(config.kv_cache_dtype)
     if config.kv_cache_dtype == "fp8":
         log.info("FP8 (e4m3) KV cache with %s", "the checkpoint's k/v scales"
@@ -89,7 +93,9 @@ def build(config: EngineConfig, loaded=None, group=None) -> EngineParts:
     # KV heads per block: the rank's under tensor parallel (its model's config)
     num_blocks = config.num_kv_blocks or _num_kv_blocks(
         config, backend, getattr(model, "config", model_config), kv_dtype,
-        draft[1] if draft else None)
+        draft[1] if draft else None,
+        Eagle3Proposer.bytes_per_block(head.config, config.block_size, kv_dtype,
+                                       backend.act_dtype) if head else 0)
     if tensor_parallel is not None:       # every rank's pool has the smallest one's blocks
         num_blocks = tensor_parallel[2].all_min(num_blocks)
     max_cached = (None if config.prefix_cache_max_tokens is None
@@ -126,6 +132,15 @@ def build(config: EngineConfig, loaded=None, group=None) -> EngineParts:
                  "own KV pool of %d blocks", config.speculative_config.model,
                  draft[1].num_hidden_layers, config.speculative_config.num_speculative_tokens,
                  num_blocks)
+    elif head is not None:
+        draft_model = Eagle3Proposer(head, backend, num_blocks, config.block_size,
+                                     config.kv_cache_dtype, model_config.vocab_size)
+        runner.aux_capture = draft_model.capture
+        log.info("speculative decoding: EAGLE-3 head %s (draft vocabulary %d, the target's "
+                 "layers %s), %d tokens per step, its K/V and features in %d blocks",
+                 config.speculative_config.model, head.config.draft_vocab_size,
+                 list(head.aux_layers), config.speculative_config.num_speculative_tokens,
+                 num_blocks)
     elif config.speculative_config is not None:
         log.info("speculative decoding: %s", config.speculative_config)
     if on_gpu:
@@ -134,7 +149,10 @@ def build(config: EngineConfig, loaded=None, group=None) -> EngineParts:
                                                             kv_dtype),
                              max_model_len, config.max_num_seqs)
         backend.max_context = max_model_len
-        if config.cuda_graph:
+        if config.cuda_graph and head is not None:
+            log.info("CUDA graphs: not captured (an EAGLE-3 head reads every step's hidden "
+                     "states, which the decode graphs do not hand over)")
+        elif config.cuda_graph:
             if group is None:
                 capture_cuda_graphs(config, model, backend, runner, max_model_len)
             else:
@@ -174,6 +192,18 @@ def _load_draft(config: EngineConfig, backend, target_config: ModelConfig, token
     return model, draft_config
 
 
+def _load_eagle3(config: EngineConfig, backend, model, model_config: ModelConfig):
+    """The speculative config's EAGLE-3 head, or None."""
+    spec = config.speculative_config
+    if spec is None or spec.method != "eagle3":
+        return None
+    if "capture" not in inspect.signature(model.forward).parameters:
+        raise ValueError(f"EAGLE-3: the target's graph ({model_config.architecture}) cannot "
+                         f"hand its hidden states to a head")
+    return load_eagle3_head(resolve_model(spec.model), backend, model, model_config,
+                            dtype=config.dtype)
+
+
 def _load(config: EngineConfig, backend, tensor_parallel=None):
     """(model, model_config, model_dir, tokenizer, pooling config) of config.model;
     tensor_parallel: (rank, size, communicator), the rank's share of it."""
@@ -205,11 +235,13 @@ def capture_cuda_graphs(config: EngineConfig, model, backend, runner: ModelRunne
 
 
 def _num_kv_blocks(config: EngineConfig, backend, model_config: ModelConfig, kv_dtype,
-                   draft_config: ModelConfig | None = None) -> int:
+                   draft_config: ModelConfig | None = None, extra_per_block: int = 0) -> int:
     """Blocks in the KV budget: --mem MB, else --kv-fraction of the memory left after loading
     the weights (on a GPU: after activations and CUDA graphs too), else 1 GiB on the CPU. A
-    draft model's pool has as many blocks as the target's: a block costs both."""
-    per_block = ModelRunner.kv_bytes_per_block(model_config, config.block_size, kv_dtype)
+    draft model's pool has as many blocks as the target's: a block costs both (an EAGLE-3
+    head's pools: extra_per_block)."""
+    per_block = (ModelRunner.kv_bytes_per_block(model_config, config.block_size, kv_dtype)
+                 + extra_per_block)
     if draft_config is not None:
         per_block += ModelRunner.kv_bytes_per_block(draft_config, config.block_size, kv_dtype)
     if config.backend == "cuda":

@@ -2,10 +2,14 @@
 formats converted, --isq applied, and the model graph built on a backend."""
 from __future__ import annotations
 
+import json
+import os
+
 from engine.loader.gguf import read_gguf
 from engine.loader.isq import quantize_weights
 from engine.loader.quant_formats import convert_quantized
 from engine.loader.safetensors import add_model_prefix, load_safetensors
+from engine.models.llama_eagle3 import Eagle3Config, Eagle3Head, normalize_names
 from engine.models.model_config import ModelConfig
 from engine.models.registry import get_model_class
 from engine.parallel.sharding import ShardPlan, check_isq_split
@@ -72,3 +76,40 @@ def _local(model_config: ModelConfig, plan: ShardPlan | None, tensor_parallel) -
     """The config the rank's model is built with."""
     return model_config if plan is None else plan.local_config(tensor_parallel[2])
 
+
+def load_eagle3_head(head_dir: str, backend, target, target_config: ModelConfig,
+                     dtype: str = "auto", progress: bool = True) -> Eagle3Head:
+    """The EAGLE-3 head in head_dir, drafting for `target` (its model and config): its config
+    and tensors checked against the target's, its embedding the target's when it has none."""
+    path = os.path.join(head_dir, "config.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no config.json in {head_dir}")
+    try:
+        with open(path) as f:
+            config = Eagle3Config.from_dict(json.load(f))
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+    where = f"EAGLE-3 head {head_dir}"
+    if config.target_hidden_size != target_config.hidden_size:
+        raise ValueError(f"{where}: its target_hidden_size is {config.target_hidden_size}, the "
+                         f"target's hidden_size is {target_config.hidden_size} (a head for "
+                         f"another model?)")
+    if (not any(f.endswith(".safetensors") for f in os.listdir(head_dir))
+            and os.path.isfile(os.path.join(head_dir, "pytorch_model.bin"))):
+        # EAGLE's own releases ship a torch pickle
+        raise ValueError(f"{where}: only pytorch_model.bin, a torch pickle; Taper reads "
+                         f"safetensors. Convert it once: python -c \"import torch; from "
+                         f"safetensors.torch import save_file; save_file(torch.load("
+                         f"'pytorch_model.bin'), 'model.safetensors')\"")
+    weights = normalize_names(load_safetensors(head_dir, dtype=dtype, progress=progress))
+    if "embed_tokens.weight" not in weights and config.hidden_size != target_config.hidden_size:
+        raise ValueError(f"{where}: it has no embed_tokens, and the target's (hidden size "
+                         f"{target_config.hidden_size}) does not fit its hidden size "
+                         f"{config.hidden_size}")
+    try:
+        return Eagle3Head(config, weights, backend,
+                          config.aux_layers_for(target_config.num_hidden_layers),
+                          target.embed_tokens, target_config.vocab_size,
+                          target_config.max_model_len)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None

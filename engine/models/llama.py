@@ -67,6 +67,18 @@ def check_weights(c: ModelConfig, weights: dict, shapes: dict) -> None:
                          + "; ".join(problems[:5]) + more)
 
 
+class AuxCapture:
+    """EAGLE-3's view into the target's forward: the residual stream entering each layer of
+    `layers` (vLLM's aux hidden state ids: id j is layer j's input, the embeddings for id 0),
+    ascending and distinct; the forward sets `states` to them side by side, (T, len(layers) *
+    hidden) in the activation dtype."""
+    __slots__ = ("layers", "states")
+
+    def __init__(self, layers):
+        self.layers = tuple(layers)
+        self.states = None
+
+
 class LlamaForCausalLM:
     # Added to every RMSNorm weight at load (Gemma's norms multiply by 1 + w).
     norm_offset = 0.0
@@ -83,6 +95,7 @@ class LlamaForCausalLM:
         cache = build_cos_sin_cache(c.rope, c.max_position_embeddings, c.max_model_len)
         self.cos_sin_cache = self._to_device(cache)
         self.workspace = Workspace(self.xp, backend.act_dtype)
+        self._unit_norm = None        # a weight of ones, for AuxCapture's additions
         # The embedding's multiplier, rounded to the activation dtype as transformers rounds it
         # to the weights' (None: 1).
         self.embed_scale = self.embedding_multiplier(c)
@@ -213,11 +226,13 @@ class LlamaForCausalLM:
         """Shape of each layer's K (and V) cache: float32, or uint8 e4m3 codes for an FP8 cache."""
         return (num_blocks, block_size, self.config.num_key_value_heads, self.config.head_dim)
 
-    def forward(self, batch: ForwardBatch, kv_caches: list, hidden_indices=None):
+    def forward(self, batch: ForwardBatch, kv_caches: list, hidden_indices=None,
+                capture: "AuxCapture | None" = None):
         """Logits (len(batch.logits_indices), vocab) float32, a new array each call; the batch's
         arrays and the logits live where the backend computes (NumPy or CuPy). With
         `hidden_indices` (rows to pool for embeddings), returns (logits, their final-norm hidden
-        states (len(hidden_indices), hidden))."""
+        states (len(hidden_indices), hidden)). With `capture` (EAGLE-3), its `states` are set to
+        every row's residual stream entering its layers."""
         c, b, ws = self.config, self.backend, self.workspace
         T = batch.num_tokens
         residual = ws.get("residual", T, c.hidden_size)
@@ -231,7 +246,11 @@ class LlamaForCausalLM:
             batch = dataclasses.replace(batch, positions=longrope_positions(
                 self.xp, batch.positions, batch.query_start_loc, batch.seq_lens,
                 c.rope.original_max_position_embeddings, c.max_model_len))
-        run_layers(self.layers, batch, hidden, residual, kv_caches, ws)
+        if capture is None:
+            run_layers(self.layers, batch, hidden, residual, kv_caches, ws)
+        else:
+            capture.states = self._run_layers_capturing(batch, hidden, residual, kv_caches,
+                                                        capture.layers)
         # Only the sampled (and pooled) rows go through the final norm, the sampled ones through
         # the lm_head.
         idx = batch.logits_indices
@@ -246,6 +265,33 @@ class LlamaForCausalLM:
         if hidden_indices is None:
             return logits
         return logits, rows_hidden[num_logits:]
+
+    def _run_layers_capturing(self, batch, hidden, residual, kv_caches, layers):
+        """run_layers, stopping before each of `layers` (ascending) to copy the residual stream
+        entering it (residual + the previous layer's output in `hidden`; the embeddings for
+        layer 0) into its columns of a new (T, len(layers) * hidden) array."""
+        b, xp, ws, H = self.backend, self.xp, self.workspace, self.config.hidden_size
+        T = hidden.shape[0]
+        states = xp.empty((T, len(layers) * H), dtype=hidden.dtype)
+        start = 0
+        for j, layer in enumerate(layers):
+            run_layers(self.layers[start:layer], batch, hidden, residual, kv_caches[start:layer],
+                       ws)
+            start = layer
+            if layer == 0:
+                xp.copyto(states[:, :H], residual)
+                continue
+            # The op table has no plain add: the fused add's sum (its normalized output is
+            # unused), on copies so the stream is left as it was.
+            total, part = ws.get("aux_total", T, H), ws.get("aux_part", T, H)
+            xp.copyto(total, residual)
+            xp.copyto(part, hidden)
+            if self._unit_norm is None:
+                self._unit_norm = b.place_weight(np.ones(H, np.float32))
+            b.fused_add_rms_norm(part, total, self._unit_norm, self.config.rms_norm_eps)
+            xp.copyto(states[:, j * H:(j + 1) * H], total)
+        run_layers(self.layers[start:], batch, hidden, residual, kv_caches[start:], ws)
+        return states
 
     def logits(self, rows_hidden):
         """Logits (len(rows_hidden), vocab) float32 of final-norm hidden rows, a new array."""

@@ -22,9 +22,10 @@ class WorkerStop(Exception):
 def check_supported(config) -> None:
     """What tensor parallel does not split yet, refused before any worker starts."""
     spec = config.speculative_config
-    if spec is not None and spec.method == "draft_model":
-        raise ValueError("tensor parallel: speculative decoding with a draft model is not yet "
-                         "supported (n-gram speculation is)")
+    if spec is not None and spec.method in ("draft_model", "eagle3"):
+        what = "a draft model" if spec.method == "draft_model" else "an EAGLE-3 head"
+        raise ValueError(f"tensor parallel: speculative decoding with {what} is not yet "
+                         f"supported (n-gram speculation is)")
     if config.backend not in ("cpu", "cuda"):
         raise ValueError(f"tensor parallel: unknown backend {config.backend!r}")
 

@@ -37,6 +37,9 @@ class ModelRunner:
         self.device_block_tables = (DeviceBlockTables(backend, self.block_tables)
                                     if backend.xp is not np else None)
         self.graph_runner = None      # a CudaGraphRunner once decode graphs are captured
+        # EAGLE-3 (engine/spec/eagle3.py): an AuxCapture every forward fills with the target's
+        # aux hidden states (the decode graphs do not: such steps run eagerly)
+        self.aux_capture = None
         self.num_forward_calls = 0    # counted for tests and metrics
         self.num_forward_tokens = 0
         # a vision-language model's image rows and encoder (engine/vision/runner.py)
@@ -219,13 +222,17 @@ class ModelRunner:
         self.num_forward_tokens += batch.num_tokens
         if self.vision is not None:     # the step's images through the encoder (or its cache)
             self.vision.encode(batch)
+        # an EAGLE-3 head's features: the target's hidden states at its layers, every row
+        capture = {} if self.aux_capture is None else {"capture": self.aux_capture}
         if inputs.hidden_rows is None:
-            if self.graph_runner is not None and self.graph_runner.can_run(batch):
+            if not capture and self.graph_runner is not None and self.graph_runner.can_run(batch):
                 return self.graph_runner.run(batch), None, None
-            return self.model.forward(self.to_device(batch), self.kv_caches), None, None
+            return (self.model.forward(self.to_device(batch), self.kv_caches, **capture), None,
+                    None)
         be = self.backend
         logits, hidden = self.model.forward(self.to_device(batch), self.kv_caches,
-                                            hidden_indices=be.asarray(inputs.hidden_rows))
+                                            hidden_indices=be.asarray(inputs.hidden_rows),
+                                            **capture)
         score_logits = None
         if inputs.score_rows is not None:   # their rows go through the lm_head together
             score_logits = self.model.logits(

@@ -6,6 +6,11 @@ with the feature off, where what is tested is that the feature changes the outpu
                         one forward, rejected rows' KV rolled back): greedy tokens equal the CPU
                         engine's without speculation up to its first near-tie, with drafts
                         accepted;
+  EAGLE-3 head          a random head's drafts (the target's aux hidden states captured in the
+                        device forward, the head's K/V and feature pools on the device, d2t):
+                        greedy tokens equal the CPU engine's without speculation up to its first
+                        near-tie, drafts proposed; the first drafts equal the CPU head's where its
+                        top two logits are apart;
   reasoning budget      </think> forced through the per-row token bitmask on the device after k
                         reasoning tokens, beside an unbudgeted row of the same batch;
   token logits          a scoring request's logits of a few tokens at the prompt's last row (the
@@ -55,6 +60,55 @@ def test_ngram_speculation_matches_cpu(checkpoints, free_drafts):
     assert stats.num_accepted_tokens > 8, stats
     pool = cuda.engine.block_pool
     assert pool.num_free_blocks == pool.num_blocks        # rolled-back blocks all returned
+
+
+def test_eagle3_speculation_matches_cpu(checkpoints, free_drafts, tmp_path):
+    from eagle3_heads import HEAD, draft_vocab, random_weights, write_head
+    from engine import SamplingParams
+
+    path = checkpoints("llama")                       # tiny-256: 2 layers of hidden 256
+    cfg = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=64)
+    head = write_head(tmp_path / "head", random_weights({**HEAD, **cfg}, num_aux=2),
+                      draft_vocab(512, 384, seed=1), eagle_aux_hidden_state_layer_ids=[0, 1],
+                      **cfg)
+    spec = {"method": "eagle3", "model": head, "num_speculative_tokens": 3}
+    prompts = random_prompts(13, (9, 40, 23))
+    params = SamplingParams(**LOOPY)          # the penalty widens the random model's margins
+    cpu = make_llm(path, "cpu", logprobs_mode="processed")
+    want = cpu.generate(prompts, SamplingParams(**LOOPY, logprobs=2))
+    first = {}
+
+    def first_drafts(llm, name):
+        proposer = llm.engine.speculator.draft_model
+        step_logits = proposer._step_logits
+
+        def spy(batch, tables, plans, live, rows, tokens, step):
+            out = step_logits(batch, tables, plans, live, rows, tokens, step)
+            if step == 0 and name not in first:
+                first[name] = np.asarray(llm.engine.backend.to_host(out), np.float64)
+            return out
+        proposer._step_logits = spy
+
+    cuda = make_llm(path, "cuda", speculative_config=spec)
+    first_drafts(cuda, "cuda")
+    got = cuda.generate(prompts, params)
+    compared = 0
+    for i, (g, w) in enumerate(zip(got, want)):
+        top = np.array([lp.top_logprobs[:2] for lp in w.logprobs], np.float64)
+        compared += compare(f"eagle3 prompt {i}", g.token_ids, w.token_ids,
+                            top[:, 0] - top[:, 1])
+    assert compared >= 24, f"only {compared} tokens compared: near-ties everywhere"
+    assert cuda.engine.speculator.stats.num_drafts > 0
+    cpu_spec = make_llm(path, "cpu", speculative_config=spec)
+    first_drafts(cpu_spec, "cpu")
+    cpu_spec.generate(prompts, params)
+    a, b = first["cuda"], first["cpu"]
+    assert (np.isfinite(a) == np.isfinite(b)).all()          # the draft vocabulary's ids
+    for row_cuda, row_cpu in zip(a, b):
+        top = np.sort(row_cpu[np.isfinite(row_cpu)])[-2:]
+        if top[1] - top[0] > 0.5:
+            assert np.argmax(row_cuda) == np.argmax(row_cpu)
 
 
 def test_reasoning_budget_forced_on_the_device(tmp_path):
