@@ -174,6 +174,9 @@ class Admission:
         request = Request(request_id, params, len(prompt_token_ids),
                           prompt_logprobs=None if params.prompt_logprobs is None else [None])
         if params.use_beam_search:
+            if self.model_config.linear_attention is not None:
+                raise ValueError("beam search is not supported for hybrid linear-attention "
+                                 "models: a beam's recurrent state cannot be forked yet")
             request.seqs = [self._sequence(request, prompt_token_ids, params, 0, seed=0)]
             limit = (params.max_tokens if params.max_tokens is not None
                      else self.max_model_len - len(prompt_token_ids))
