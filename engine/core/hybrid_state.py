@@ -168,7 +168,8 @@ class HybridBlockPool(BlockPool):
             if boundary > seq.num_computed_tokens:      # its step is still to run
                 keep.append((boundary, row))
                 continue
-            key = self._block_hashes(seq, boundary // self.block_size)[-1]
+            num_blocks = boundary // self.block_size
+            key = self._block_hashes(seq, num_blocks)[num_blocks - 1]
             if key in self.snapshots:                   # the same prefix's state, kept once
                 self._free_snapshot_rows.append(row)
             else:
