@@ -23,6 +23,9 @@ from model_cases import GEN, prompts_for
 
 ARCHS = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
 
+# each test takes seconds; a scheduling bug (a state slot never given back) would spin forever
+pytestmark = pytest.mark.timeout(120)
+
 
 @torch.no_grad()
 def hf_greedy_cached(model, prompt: list[int], n: int = GEN, tie: float = TIE):
