@@ -17,8 +17,10 @@ slot, or a snapshot restoring a cached prefix), whether it starts from zero (its
 the slot its state goes back to, and the snapshots to take: the state after the first `offset`
 tokens of its chunk, copied into a snapshot row.
 
-The recurrence runs token by token, vectorised over the batch's sequences and heads (a decode
-step is one pass); the convolution is K shifted multiply-adds over the batch's rows. Like
+The recurrence runs in transformers' chunked form for a sequence's prefill chunk (a triangular
+solve and matmuls per 64 rows) and token by token, vectorised over the batch's sequences and
+heads, for decodes and short chunks (a decode step is one pass); the convolution is K shifted
+multiply-adds over the batch's rows. Like
 pyx/layers.pyx, no device code: backend ops and the array API NumPy and CuPy share.
 """
 from __future__ import annotations
@@ -131,20 +133,35 @@ class GatedDeltaNet:
 
     def _recurrence(self, q, k, v, g, beta, ssm_state, plan):
         """The gated delta rule over each sequence's rows from its starting state; the last
-        state goes back to its slot, the snapshots' to their rows."""
+        state goes back to its slot, the snapshots' to their rows. Sequences with at least
+        CHUNKED_MIN_ROWS rows (prefill chunks) take the chunked form one by one, the others
+        (decodes, short chunks) a token loop over all of them at once."""
         xp = self.xp
         T = q.shape[0]
-        B = plan.num_seqs
         S = ssm_state[plan.asarray(plan.src_rows)]                      # (B, Hv, dk, dv)
         if plan.any_fresh:
             S[plan.asarray(plan.fresh)] = 0.0
         out = xp.empty((T, self.nv, self.dv), xp.float32)
-        decay = xp.exp(g)                                              # (T, Hv)
         saves_at = plan.saves_by_offset()
-        for t in range(plan.max_len):
-            seqs = plan.active(t)                   # host indices of sequences with a row t
+        lengths = plan.lengths.copy()
+        for i in np.flatnonzero(lengths >= CHUNKED_MIN_ROWS):
+            start, n = int(plan.starts[i]), int(lengths[i])
+            cuts = sorted({0, n} | {offset for j, offset, _ in plan.saves if j == i})
+            Si = S[i]
+            for a, b in zip(cuts[:-1], cuts[1:]):
+                rows = slice(start + a, start + b)
+                out[rows], Si = delta_rule_chunked(q[rows], k[rows], v[rows], g[rows],
+                                                   beta[rows], Si, xp)
+                for j, row in saves_at.get(b, ()):
+                    if j == i:
+                        ssm_state[row] = Si
+            S[i] = Si
+            lengths[i] = 0                    # done: not in the token loop
+        decay = xp.exp(g)                                              # (T, Hv)
+        for t in range(int(lengths.max(initial=0))):
+            seqs = np.flatnonzero(lengths > t)    # the sequences with a row t
             rows = plan.starts[:-1][seqs] + t
-            if len(seqs) == B:
+            if len(seqs) == plan.num_seqs:
                 idx_s, idx_r = slice(None), plan.asarray(rows)
             else:
                 idx_s, idx_r = plan.asarray(seqs), plan.asarray(rows)
@@ -156,6 +173,60 @@ class GatedDeltaNet:
             out[idx_r] = xp.einsum("bhkv,bhk->bhv", St, q[idx_r])
             S[idx_s] = St
             for i, row in saves_at.get(t + 1, ()):
-                ssm_state[row] = S[i]
+                if lengths[i] > t:
+                    ssm_state[row] = S[i]
         ssm_state[plan.asarray(plan.slots)] = S
         return out
+
+
+# A sequence with this many rows in a step goes through the chunked form.
+CHUNKED_MIN_ROWS = 32
+CHUNK = 64
+
+
+def delta_rule_chunked(q, k, v, g, beta, S, xp=np, chunk: int = CHUNK):
+    """The gated delta rule over one sequence's n rows from state S, in chunks of `chunk` rows
+    as transformers' torch_chunk_gated_delta_rule computes it (the WY/UT form: within a chunk the
+    delta updates are one triangular solve and a few matmuls; a loop carries S across chunks).
+    q (n, Hv, dk) normalised and scaled, k (n, Hv, dk) normalised, v (n, Hv, dv), g and beta
+    (n, Hv), S (Hv, dk, dv) float32. Returns (out (n, Hv, dv), the state after the n rows).
+    Every operand is laid out (chunk, head, row, ...) and contiguous: NumPy's matmul on strided
+    operands leaves BLAS for a loop hundreds of times slower."""
+    n, Hv, dk = k.shape
+    dv = v.shape[2]
+    pad = (-n) % chunk
+    N = (n + pad) // chunk
+
+    def chunks_first(x):           # (n, Hv, ...) -> (N, Hv, chunk, ...), zero-padded
+        if pad:
+            x = xp.concatenate([x, xp.zeros((pad,) + x.shape[1:], x.dtype)])
+        x = x.reshape((N, chunk) + x.shape[1:])
+        return xp.ascontiguousarray(xp.swapaxes(x, 1, 2))
+
+    def transposed(x):             # (..., a, b) -> contiguous (..., b, a)
+        return xp.ascontiguousarray(xp.swapaxes(x, -1, -2))
+
+    q, k, v, g, beta = (chunks_first(x) for x in (q, k, v, g, beta))
+    k_beta = k * beta[..., None]
+    v_beta = v * beta[..., None]
+    cum = xp.cumsum(g, axis=-1)                                        # (N, Hv, C)
+    upper = xp.triu(xp.ones((chunk, chunk), bool), 1)
+    pairwise = xp.exp(xp.where(upper, -xp.inf, cum[..., :, None] - cum[..., None, :]))
+    strictly_lower = xp.tril(xp.ones((chunk, chunk), xp.float32), -1)
+    kT = transposed(k)
+    # (I + strictly lower part of (k_beta k^T) * decay) x = rhs: the unit-triangular system
+    system = xp.eye(chunk, dtype=xp.float32) + (k_beta @ kT) * pairwise * strictly_lower
+    new_values = xp.linalg.solve(system, v_beta)
+    k_cumdecay = xp.linalg.solve(system, k_beta * xp.exp(cum)[..., None])
+    intra = (q @ kT) * pairwise
+    q = q * xp.exp(cum)[..., None]
+    kT = transposed(k * xp.exp(cum[..., -1:] - cum)[..., None])       # (N, Hv, dk, C)
+    chunk_decay = xp.exp(cum[..., -1])[..., None, None]                # (N, Hv, 1, 1)
+    out = xp.empty((N, Hv, chunk, dv), xp.float32)
+    S = xp.ascontiguousarray(S, dtype=xp.float32)
+    for c in range(N):
+        v_new = new_values[c] - k_cumdecay[c] @ S
+        out[c] = q[c] @ S + intra[c] @ v_new
+        S = S * chunk_decay[c] + kT[c] @ v_new
+    out = xp.swapaxes(out, 1, 2).reshape(N * chunk, Hv, dv)[:n]
+    return xp.ascontiguousarray(out), S

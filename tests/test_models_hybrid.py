@@ -110,6 +110,29 @@ def test_cached_reference_equals_full_recompute(hybrid):
         np.testing.assert_allclose(cached[2], full[2], rtol=0, atol=1e-5)
 
 
+def test_chunked_delta_rule_equals_transformers():
+    """The chunked gated delta rule (150 rows: two whole chunks and a part, from a nonzero
+    state) against transformers' chunked and recurrent torch forms: outputs and final state."""
+    from transformers.models.qwen3_next.modeling_qwen3_next import (
+        torch_chunk_gated_delta_rule, torch_recurrent_gated_delta_rule)
+
+    from pyx.gated_delta_net import delta_rule_chunked, l2norm
+    rng = np.random.default_rng(0)
+    n, H, dk, dv = 150, 4, 16, 24
+    q, k = (rng.standard_normal((n, H, dk)).astype(np.float32) for _ in range(2))
+    v = rng.standard_normal((n, H, dv)).astype(np.float32)
+    g = -rng.uniform(0.01, 1.5, (n, H)).astype(np.float32)
+    beta = rng.uniform(0, 1, (n, H)).astype(np.float32)
+    S0 = rng.standard_normal((H, dk, dv)).astype(np.float32)
+    out, S = delta_rule_chunked(l2norm(q) * np.float32(dk ** -0.5), l2norm(k), v, g, beta, S0)
+    t = [torch.from_numpy(x)[None] for x in (q, k, v, g, beta, S0)]
+    for form in (torch_chunk_gated_delta_rule, torch_recurrent_gated_delta_rule):
+        ref, ref_S = form(*t[:5], initial_state=t[5], output_final_state=True,
+                          use_qk_l2norm_in_kernel=True)
+        np.testing.assert_allclose(out, ref[0].numpy(), rtol=0, atol=1e-5)
+        np.testing.assert_allclose(S, ref_S[0].numpy(), rtol=0, atol=1e-5)
+
+
 def _attention_gate_open(model):
     """The full-attention output gate switched off (sigmoid(gate) = 1)."""
     from transformers.models.qwen3_next import modeling_qwen3_next as m

@@ -61,20 +61,12 @@ class StatePlan:
         return len(self.slots)
 
     @property
-    def max_len(self) -> int:
-        return int(self.lengths.max()) if len(self.lengths) else 0
-
-    @property
     def any_fresh(self) -> bool:
         return bool(self.fresh.any())
 
     @property
     def seq_of_row(self) -> np.ndarray:
         return np.repeat(np.arange(self.num_seqs), self.lengths)
-
-    def active(self, t: int) -> np.ndarray:
-        """The sequences with a row t (t counted from each one's first row in this step)."""
-        return np.flatnonzero(self.lengths > t)
 
     def saves_by_offset(self) -> dict[int, list[tuple[int, int]]]:
         """offset -> [(sequence, snapshot row)]: the state after `offset` of its rows."""
