@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from pyx.gated_delta_net import as_float32, sigmoid, store
+
 
 class GatedAttention:
     def __init__(self, backend, qkv_weight, qkv_bias, o_weight, o_bias, q_norm, k_norm,
@@ -58,6 +60,5 @@ class GatedAttention:
         b.paged_attention(attn.reshape(T, Hq, D), q.reshape(T, Hq, D), k_cache, v_cache,
                           batch.block_tables, batch.seq_lens, batch.query_start_loc, self.scale,
                           0, *scales)
-        g = gate.astype(xp.float32)
-        attn *= (1.0 / (1.0 + xp.exp(-g))).astype(attn.dtype)
+        store(attn, as_float32(attn, xp) * sigmoid(as_float32(gate, xp), xp), xp)
         b.linear(attn, self.o_weight, self.o_bias, out)

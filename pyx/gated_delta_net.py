@@ -37,6 +37,28 @@ def sigmoid(x, xp=np):
     return 1.0 / (1.0 + xp.exp(-x))
 
 
+def as_float32(a, xp=np):
+    """a as float32. bfloat16 (ml_dtypes: CuPy keeps the bits but has no arithmetic for it) is
+    widened through its bits, exactly."""
+    if a.dtype == np.float32:
+        return a
+    if a.dtype.name == "bfloat16":
+        return (xp.ascontiguousarray(a).view(xp.uint16).astype(xp.uint32) << 16).view(xp.float32)
+    return a.astype(xp.float32)
+
+
+def store(out, x, xp=np):
+    """out[...] = x (float32), rounded to out's dtype: bfloat16 to nearest even, through the
+    bits (as torch and ml_dtypes round; NaN is not expected here)."""
+    if out.dtype == np.float32:
+        out[...] = x
+    elif out.dtype.name == "bfloat16":
+        u = xp.ascontiguousarray(x, dtype=xp.float32).view(xp.uint32)
+        out.view(xp.uint16)[...] = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(xp.uint16)
+    else:
+        out[...] = x.astype(out.dtype)
+
+
 def l2norm(x, xp=np, eps: float = 1e-6):
     """x / sqrt(sum(x^2) + eps) over the last axis (transformers' l2norm, the FLA library's)."""
     return x / xp.sqrt((x * x).sum(axis=-1, keepdims=True) + eps)
@@ -79,9 +101,10 @@ class GatedDeltaNet:
                              "(ForwardBatch.state_plan): which state slot each sequence uses")
         T = x.shape[0]
         Kd, Vd, C, Hv = self.key_dim, self.value_dim, self.conv_dim, self.nv
-        proj = ws.get("gdn_proj", T, C + Vd + 2 * Hv)
+        N = C + Vd + 2 * Hv                 # the projection, in float32 on any backend
+        proj = (ws.get("gdn_proj", T, N) if b.act_dtype == np.float32
+                else xp.empty((T, N), xp.float32))
         b.linear(x, self.in_proj, None, proj)
-        proj = proj.astype(xp.float32, copy=False)
         mixed = self._conv(proj[:, :C], conv_state, plan)               # (T, C) f32
         z = proj[:, C:C + Vd].reshape(T, Hv, self.dv)
         beta = sigmoid(proj[:, C + Vd:C + Vd + Hv], xp)
@@ -97,7 +120,7 @@ class GatedDeltaNet:
         o = o / xp.sqrt((o * o).mean(axis=-1, keepdims=True) + self.eps)
         o = o * self.norm_weight * (z * sigmoid(z, xp))
         core = ws.get("gdn_core", T, Vd)
-        core[...] = o.reshape(T, Vd)
+        store(core, o.reshape(T, Vd), xp)
         b.linear(core, self.out_proj, None, out)
 
     def _conv(self, mixed, conv_state, plan):

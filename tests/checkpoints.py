@@ -211,6 +211,19 @@ ARCHS_256 = {
                                            tie_word_embeddings=False)),
 }
 
+# hybrid linear attention at head_dim 64 (a compiled CUDA head size): 4 layers, 2 key heads of
+# 32 serving 4 value heads of 32
+_LINEAR_256 = dict(num_hidden_layers=4, linear_num_key_heads=2, linear_num_value_heads=4,
+                   linear_key_head_dim=32, linear_value_head_dim=32, linear_conv_kernel_dim=4,
+                   tie_word_embeddings=False)
+ARCHS_256.update({
+    "qwen3_next": ("Qwen3NextConfig", dict(_LINEAR_256, num_experts=4, num_experts_per_tok=2,
+                                           moe_intermediate_size=128,
+                                           shared_expert_intermediate_size=128)),
+    "qwen3_5": ("Qwen3_5TextConfig", dict(_LINEAR_256, layer_types=[
+        "linear_attention", "full_attention", "linear_attention", "linear_attention"])),
+})
+
 # Scaling after transformers' init: linear weights x 4 (the tiny family's x 8 is tuned for hidden
 # 96), embeddings ~ N(0, 0.06^2), and the final norm's weights x 0.4 so the logits have a std of
 # about 0.4-0.6. The GPU tests compare bf16-activation greedy tokens with the CPU's f32 activations

@@ -72,7 +72,7 @@ def build(config: EngineConfig, loaded=None) -> EngineParts:
                                     config.max_num_seqs or MAX_NUM_SEQS_CAP, config.block_size)
     states = []     # a hybrid model's StatePoolSize, carved out of the KV budget
     if model_config.linear_attention is not None:
-        _check_hybrid(config)
+        config = _check_hybrid(config)
     num_blocks = config.num_kv_blocks or _num_kv_blocks(
         config, backend, model_config, kv_dtype, draft[1] if draft else None,
         reserve=lambda budget, what: _reserve_states(states, config, model_config, budget, what))
@@ -186,11 +186,17 @@ def capture_cuda_graphs(config: EngineConfig, model, backend, runner: ModelRunne
              graphs.sizes, time.monotonic() - start, graphs.graph_memory_bytes / 2**20)
 
 
-def _check_hybrid(config: EngineConfig):
-    """What a hybrid model's per-sequence recurrent state does not support yet."""
+def _check_hybrid(config: EngineConfig) -> EngineConfig:
+    """What a hybrid model's per-sequence recurrent state does not support yet; the config
+    without CUDA graphs (each step's state plan is built on the host)."""
     if config.speculative_config is not None:
         raise ValueError("speculative decoding is not supported for hybrid linear-attention "
                          "models: rejected draft tokens would have advanced the recurrent state")
+    if config.backend == "cuda" and config.cuda_graph:
+        log.info("CUDA graphs: off for a hybrid linear-attention model (its state rows are "
+                 "planned per step on the host)")
+        config = dataclasses.replace(config, cuda_graph=False)
+    return config
 
 
 def _reserve_states(states: list, config: EngineConfig, model_config: ModelConfig, budget: int,
