@@ -133,6 +133,22 @@ def test_chunked_delta_rule_equals_transformers():
         np.testing.assert_allclose(S, ref_S[0].numpy(), rtol=0, atol=1e-5)
 
 
+def test_bfloat16_widened_and_rounded_through_the_bits():
+    """The CUDA path's bfloat16 conversions (CuPy stores ml_dtypes' bfloat16 but cannot compute
+    with it) equal ml_dtypes' own: round to nearest even, exact widening."""
+    import ml_dtypes
+
+    from pyx.gated_delta_net import as_float32, store
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal(20000) * 10.0 ** rng.integers(-30, 30, 20000)).astype(np.float32)
+    x[:4] = [1.0 + 2 ** -8, 1.0 + 3 * 2 ** -8, -0.0, 3.0e38]          # ties, sign, range
+    out = np.empty(x.shape, ml_dtypes.bfloat16)
+    store(out, x)
+    want = x.astype(ml_dtypes.bfloat16)
+    assert (out.view(np.uint16) == want.view(np.uint16)).all()
+    assert (as_float32(want) == want.astype(np.float32)).all()
+
+
 def _attention_gate_open(model):
     """The full-attention output gate switched off (sigmoid(gate) = 1)."""
     from transformers.models.qwen3_next import modeling_qwen3_next as m
