@@ -405,6 +405,23 @@ def test_prefix_hit_cut_back_to_the_last_snapshot(hybrid):
                        label=f"chunk {chunk}")
 
 
+def test_one_snapshot_row_keeps_the_latest(hybrid):
+    """With a single snapshot row the newest snapshot evicts the older one (LRU): after a
+    40-token prompt and 24 tokens the row holds the state at 48 (taken at the decode that
+    completed the third block; the one at 32 is gone), and the next turn resumes from it."""
+    arch = "qwen3_5"
+    rng = np.random.default_rng(8)
+    llm = llm_for(hybrid, arch, state_snapshots=1)
+    pool = llm.engine.block_pool
+    first = rng.integers(3, 512, 40).tolist()
+    out = llm.generate([first], greedy(24))[0]
+    assert pool.num_snapshots_taken == 2 and len(pool.snapshots) == 1
+    second = first + list(out.token_ids) + rng.integers(3, 512, 5).tolist()
+    again = llm.generate([second], greedy())[0]
+    assert again.num_cached_tokens == 48 and pool.num_snapshot_restores == 1
+    assert_matches(list(again.token_ids), hybrid.ref(arch, second), min_trusted=8, label="lru")
+
+
 def _seq(tokens):
     from engine.core.sequence import Sequence
     return Sequence(tokens)

@@ -96,6 +96,7 @@ class HybridBlockPool(BlockPool):
         self.num_snapshots_taken = 0        # registered for lookups
         self.num_snapshot_restores = 0      # admissions that started from a snapshot
         self.num_prefix_tokens_cut = 0      # cached tokens given up for want of a snapshot
+        self._last_cut = 0
 
     @property
     def num_state_rows(self) -> int:
@@ -116,8 +117,13 @@ class HybridBlockPool(BlockPool):
         k = len(blocks)
         while k and seq.block_hashes[k - 1] not in self.snapshots:
             k -= 1
-        self.num_prefix_tokens_cut += num_cached - k * self.block_size
+        self._last_cut = num_cached - k * self.block_size
         return blocks[:k], k * self.block_size
+
+    def record_lookup(self, seq, num_cached_tokens: int):
+        super().record_lookup(seq, num_cached_tokens)
+        self.num_prefix_tokens_cut += self._last_cut      # that admission's lookup
+        self._last_cut = 0
 
     def allocate_slots(self, seq, num_new_tokens, computed_blocks=()) -> bool:
         """BlockPool's, and a state slot for a sequence that has none (False, changing

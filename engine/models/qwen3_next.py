@@ -135,7 +135,8 @@ class Qwen3NextForCausalLM(MoeForCausalLM):
         c, la = self.config, self.config.linear_attention
         q = f"{p}linear_attn."
         if la.split_projections:
-            in_proj = self._fuse(weights, [f"{q}in_proj_{n}.weight" for n in ("qkv", "z", "b", "a")])
+            in_proj = self._fuse(weights, [f"{q}in_proj_{n}.weight"
+                                           for n in ("qkv", "z", "b", "a")])
         else:
             in_proj = self.backend.place_weight(self._ungroup_projections(weights, q))
         conv = np.asarray(weights.pop(f"{q}conv1d.weight"), np.float32)[:, 0, :]   # (C, K)
@@ -153,7 +154,8 @@ class Qwen3NextForCausalLM(MoeForCausalLM):
         if not (isinstance(qkvz, np.ndarray) and isinstance(ba, np.ndarray)):
             raise ValueError(f"{q}in_proj_qkvz / in_proj_ba: the gated DeltaNet projections "
                              f"must be float tensors, not {type(qkvz).__name__}")
-        nk, dk, r, dv = la.num_k_heads, la.head_k_dim, la.num_v_heads // la.num_k_heads, la.head_v_dim
+        nk, dk, dv = la.num_k_heads, la.head_k_dim, la.head_v_dim
+        r = la.num_v_heads // nk
         H = qkvz.shape[1]
         groups = qkvz.reshape(nk, 2 * dk + 2 * r * dv, H)
         cuts = np.cumsum([0, dk, dk, r * dv, r * dv])
