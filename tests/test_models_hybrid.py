@@ -440,6 +440,30 @@ def test_n_choices_share_the_prompt_state(hybrid):
         assert_matches(list(c.token_ids), hybrid.ref(arch, prompt), min_trusted=8, label="n=2")
 
 
+def test_multimodal_checkpoint_serves_its_text(tmp_path):
+    """Qwen3.5 as released: Qwen3_5ForConditionalGeneration, its language model's config under
+    text_config and its tensors under model.language_model., beside a vision tower. Taper
+    serves the text model (the tower not loaded) with transformers' tokens for a text prompt."""
+    import transformers
+
+    from checkpoints import ARCHS, TINY, scale_weights
+    text = {**TINY, **ARCHS["qwen3_5"][1]}
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=96,
+                  patch_size=8, spatial_merge_size=2, temporal_patch_size=2)
+    torch.manual_seed(0)
+    model = transformers.Qwen3_5ForConditionalGeneration(
+        transformers.Qwen3_5Config(text_config=text, vision_config=vision))
+    scale_weights(model)
+    model.save_pretrained(tmp_path)
+    model.eval()
+    from engine import LLM
+    prompts = prompts_for()
+    outs = LLM(str(tmp_path), backend="cpu", num_kv_blocks=32).generate(prompts, greedy())
+    for i, (prompt, out) in enumerate(zip(prompts, outs)):
+        assert_matches(list(out.token_ids), hf_greedy_cached(model, prompt), min_trusted=8,
+                       label=f"Qwen3_5ForConditionalGeneration prompt {i}")
+
+
 # ---- sizing and what is refused
 
 def test_state_slots_and_kv_blocks_sized_apart(hybrid, caplog):

@@ -11,7 +11,7 @@ import json
 import os
 from dataclasses import dataclass, field
 
-from engine.models.registry import ARCHITECTURES, BASE_MODELS
+from engine.models.registry import ARCHITECTURES, BASE_MODELS, TEXT_MODELS
 
 # config.json without `architectures`: its model_type names the graph.
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
@@ -178,10 +178,17 @@ class ModelConfig:
         archs = cfg.get("architectures") or []
         if not archs and cfg.get("model_type") in _MODEL_TYPES:
             archs = [_MODEL_TYPES[cfg["model_type"]]]
-        arch = next((a for a in archs if a in ARCHITECTURES or a in BASE_MODELS), None)
+        arch = next((a for a in archs if a in ARCHITECTURES or a in BASE_MODELS
+                     or a in TEXT_MODELS), None)
         if arch is None:
+            known = sorted([*ARCHITECTURES, *BASE_MODELS, *TEXT_MODELS])
             raise ValueError(f"unsupported architecture {', '.join(archs) or '(none given)'}; "
-                             f"supported: {', '.join(sorted([*ARCHITECTURES, *BASE_MODELS]))}")
+                             f"supported: {', '.join(known)}")
+        if arch in TEXT_MODELS:      # a multimodal checkpoint: its language model's config
+            outer = {k: cfg[k] for k in ("tie_word_embeddings", "eos_token_id", "bos_token_id",
+                                         "quantization_config", "dtype") if k in cfg}
+            cfg = {**(cfg.get("text_config") or {}), **outer}
+            arch = TEXT_MODELS[arch]
         # A headless transformer follows its causal LM's config rules (biases, q/k norm, ...).
         has_lm_head = arch not in BASE_MODELS
         arch = BASE_MODELS.get(arch, arch)

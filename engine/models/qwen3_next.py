@@ -56,6 +56,22 @@ def hybrid_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def _language_model_only(weights: dict) -> None:
+    """In place: a multimodal checkpoint's (Qwen3.5's) language model under the causal LM's
+    names, its vision tower dropped; the multi-token-prediction head (mtp.*) dropped too (the
+    graph does not use it)."""
+    prefix = "model.language_model."
+    dropped = 0
+    for name in list(weights):
+        if name.startswith(prefix):
+            weights["model." + name[len(prefix):]] = weights.pop(name)
+        elif name.startswith(("model.visual.", "mtp.")):
+            del weights[name]
+            dropped += 1
+    if dropped:
+        logger.info("not loaded: %d vision-tower and multi-token-prediction tensors", dropped)
+
+
 class HybridDecoderLayer:
     """Pre-norm block around either mixer, with DecoderLayer's residual convention
     (pyx/layers.pyx): `hidden` enters holding the previous block's MLP output and leaves holding
@@ -85,6 +101,7 @@ class Qwen3NextForCausalLM(MoeForCausalLM):
 
     def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray], backend):
         """Takes ownership of `weights` (tensors are popped as they are placed)."""
+        _language_model_only(weights)
         check_weights(config, weights, self.expected_shapes(config))
         self.config, self.backend, self.xp = config, backend, backend.xp
         self._to_device = backend.asarray

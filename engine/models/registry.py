@@ -34,6 +34,14 @@ BASE_MODELS: dict[str, str] = {
 }
 
 
+# Multimodal checkpoints served for their text: their config.json nests the language model's
+# under text_config, their tensors under model.language_model. (the vision tower is not loaded).
+TEXT_MODELS: dict[str, str] = {
+    "Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
+    "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM",
+}
+
+
 def get_model_class(name: str):
     if name not in ARCHITECTURES:
         raise ValueError(f"unsupported architecture {name}; supported: {', '.join(sorted(ARCHITECTURES))}")
