@@ -464,6 +464,24 @@ def test_multimodal_checkpoint_serves_its_text(tmp_path):
                        label=f"Qwen3_5ForConditionalGeneration prompt {i}")
 
 
+def test_stacked_experts_read_as_per_expert(tmp_path, hybrid):
+    """A checkpoint whose experts are stacked as transformers 5 holds them (mlp.experts.
+    gate_up_proj (E, 2I, H), down_proj (E, H, I): its state_dict written as is) gives the
+    per-expert checkpoint's tokens."""
+    from safetensors.torch import save_file
+
+    from engine import LLM
+    d = hybrid.dir("qwen3_5_moe")
+    state = {k: v.contiguous() for k, v in hybrid.hf("qwen3_5_moe").state_dict().items()}
+    assert "model.layers.0.mlp.experts.gate_up_proj" in state
+    save_file(state, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    (tmp_path / "config.json").write_text(open(f"{d}/config.json").read())
+    prompts = prompts_for()
+    stacked = LLM(str(tmp_path), backend="cpu", num_kv_blocks=32).generate(prompts, greedy())
+    per_expert = llm_for(hybrid, "qwen3_5_moe").generate(prompts, greedy())
+    assert [o.token_ids for o in stacked] == [o.token_ids for o in per_expert]
+
+
 # ---- sizing and what is refused
 
 def test_state_slots_and_kv_blocks_sized_apart(hybrid, caplog):

@@ -59,7 +59,7 @@ def hybrid_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
 def _language_model_only(weights: dict) -> None:
     """In place: a multimodal checkpoint's (Qwen3.5's) language model under the causal LM's
     names, its vision tower dropped; the multi-token-prediction head (mtp.*) dropped too (the
-    graph does not use it)."""
+    graph does not use it); stacked experts split into the per-expert tensors."""
     prefix = "model.language_model."
     dropped = 0
     for name in list(weights):
@@ -70,6 +70,15 @@ def _language_model_only(weights: dict) -> None:
             dropped += 1
     if dropped:
         logger.info("not loaded: %d vision-tower and multi-token-prediction tensors", dropped)
+    # experts stacked as transformers 5 holds them: gate_up_proj (E, 2I, H), down_proj (E, H, I)
+    for name in [n for n in weights if n.endswith(".mlp.experts.gate_up_proj")]:
+        base = name[:-len("gate_up_proj")]
+        gate_up, down = weights.pop(name), weights.pop(base + "down_proj")
+        inter = gate_up.shape[1] // 2
+        for e in range(gate_up.shape[0]):
+            weights[f"{base}{e}.gate_proj.weight"] = gate_up[e, :inter]
+            weights[f"{base}{e}.up_proj.weight"] = gate_up[e, inter:]
+            weights[f"{base}{e}.down_proj.weight"] = down[e]
 
 
 class HybridDecoderLayer:
