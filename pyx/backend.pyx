@@ -166,6 +166,18 @@ cdef class Backend:
         x (T, 2I) f32; out (T, I) f32."""
         raise NotImplementedError
 
+    def gelu(self, x, out):
+        """out = x * Phi(x) = 0.5 * x * (1 + erf(x / sqrt(2))), the exact GELU (torch.nn.GELU(),
+        vision encoders' projectors). x, out (T, N) f32."""
+        raise NotImplementedError(f"the {self.name} backend has no gelu op")
+
+    def encoder_attention(self, out, q, k, v, cu_seqlens, scale):
+        """Bidirectional attention over packed segments (a vision encoder's windows or whole
+        images): rows [cu_seqlens[s], cu_seqlens[s+1]) attend to every row of their segment,
+        out = softmax(scale * q.k) v per head, no cache, no mask. out, q, k, v (N, H, D) f32;
+        cu_seqlens (S+1,) int32, from 0 to N, non-decreasing."""
+        raise NotImplementedError(f"the {self.name} backend has no encoder_attention op")
+
     def stack_experts(self, weights):
         """E experts' weights of one projection, each (N, K) as place_weight returned it, as one
         moe_grouped_linear operand: a pyx.moe.StackedExperts of shape (E, N, K). CPU: the list

@@ -17,7 +17,7 @@ cimport numpy as cnp
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t
 
 from pyx.backend cimport Backend, describe_arrays as _desc, fail as _fail
-from pyx import cpu_int4, cpu_moe, cpu_sampling, cpu_threads
+from pyx import cpu_int4, cpu_moe, cpu_sampling, cpu_threads, cpu_vision
 from pyx.fp8 import fp8_linear
 from pyx.moe import StackedExperts
 from pyx.weights.fp8 import Fp8Weight
@@ -649,6 +649,31 @@ cdef class CpuBackend(Backend):
 
     def gelu_tanh_and_mul(self, x, out):
         self._gated("gelu_tanh_and_mul", x, out, taper_gelu_tanh_and_mul)
+
+    # ---- vision encoders (pyx/cpu_vision.py)
+
+    def gelu(self, x, out):
+        op = "gelu"
+        arrays = {"x": x, "out": out}
+        _check(op, arrays, "x", (_F32,), 2)
+        _check(op, arrays, "out", (_F32,), 2, True)
+        if x.shape[0] != out.shape[0] or x.shape[1] != out.shape[1]:
+            _fail(op, "need x, out (T, N)", arrays)
+        cpu_vision.gelu(x, out)
+
+    def encoder_attention(self, out, q, k, v, cu_seqlens, scale):
+        op = "encoder_attention"
+        arrays = {"out": out, "q": q, "k": k, "v": v, "cu_seqlens": cu_seqlens}
+        for name in ("q", "k", "v"):
+            _check(op, arrays, name, (_F32,), 3)
+        _check(op, arrays, "out", (_F32,), 3, True)
+        _check(op, arrays, "cu_seqlens", (_I32,), 1)
+        if not (q.shape == k.shape == v.shape == out.shape):
+            _fail(op, "need out, q, k, v of one shape (N, H, D)", arrays)
+        if (len(cu_seqlens) < 1 or cu_seqlens[0] != 0 or cu_seqlens[-1] != q.shape[0]
+                or bool((np.diff(cu_seqlens) < 0).any())):
+            _fail(op, "cu_seqlens must rise from 0 to N", arrays)
+        cpu_vision.encoder_attention(out, q, k, v, cu_seqlens, float(scale))
 
     # ---- fused MoE (pyx/cpu_moe.py: the reference of cuda/moe.cu)
 

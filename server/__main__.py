@@ -92,6 +92,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--responses-max-background", type=int, metavar="N", default=64,
                    help="Responses API requests with background: true that may run at once; "
                         "more are refused with a 429 (default 64)")
+    g.add_argument("--allowed-media-domains", nargs="+", metavar="HOST", default=[],
+                   help="hosts whose http(s) image URLs chat requests may give (fetched by the "
+                        "server); default none: images come as data: URLs")
+    g.add_argument("--max-images-per-request", type=int, metavar="N", default=8,
+                   help="images one request may hold (default 8)")
+    g.add_argument("--max-image-mb", type=float, metavar="MB", default=20,
+                   help="largest encoded image, data URL or fetched (default 20)")
+    g.add_argument("--max-image-pixels", type=int, metavar="N", default=25_000_000,
+                   help="largest decoded image, width x height (default 25,000,000)")
+    g.add_argument("--media-fetch-timeout", type=float, metavar="S", default=10.0,
+                   help="seconds to fetch one image URL (default 10)")
     g.add_argument("--rerank", choices=["auto", "qwen3-reranker", "embedding", "none"],
                    default="auto",
                    help="how /v1/rerank and /v1/score score a pair: qwen3-reranker (P(yes) of a "
@@ -238,6 +249,11 @@ def check_args(args) -> str | None:
         return "--mcp-max-calls must be at least 0"
     if args.responses_max_background < 0:
         return "--responses-max-background must be at least 0"
+    if args.max_images_per_request < 0:
+        return "--max-images-per-request must be at least 0"
+    for name in ("max_image_mb", "max_image_pixels", "media_fetch_timeout"):
+        if getattr(args, name) <= 0:
+            return f"--{name.replace('_', '-')} must be more than 0"
     bad_url = next((u for u in args.mcp_allowed_urls
                     if not u.startswith(("http://", "https://"))), None)
     if bad_url is not None:
@@ -362,6 +378,7 @@ def server_settings(args, config):
             template = f.read()
     from server.demo_model import is_demo_checkpoint
     from server.limits import Limits
+    from server.media import MediaSettings
     return ServerSettings(
         served_model_names=names, api_key=args.api_key or None,
         model_notice=DEMO_NOTICE if is_demo_checkpoint(config.model) else None,
@@ -374,7 +391,12 @@ def server_settings(args, config):
         structured_outputs_timeout=args.structured_outputs_timeout,
         tool_parser=args.enforce_parser, rerank=args.rerank,
         mcp_allowed_urls=list(args.mcp_allowed_urls), mcp_max_calls=args.mcp_max_calls,
-        responses_max_background=args.responses_max_background)
+        responses_max_background=args.responses_max_background,
+        media_limits=MediaSettings(
+            allowed_domains=list(args.allowed_media_domains),
+            max_images=args.max_images_per_request,
+            max_image_bytes=int(args.max_image_mb * 2**20),
+            max_image_pixels=args.max_image_pixels, fetch_timeout=args.media_fetch_timeout))
 
 
 class Server:

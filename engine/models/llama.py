@@ -162,6 +162,10 @@ class LlamaForCausalLM:
                             self._norm(weights, f"{p}post_attention_layernorm.weight"),
                             self.config.rms_norm_eps, i == 0)
 
+    def _merge_inputs(self, batch, residual):
+        """A multimodal family's embeddings written over its placeholder tokens' rows."""
+        raise ValueError(f"{self.config.architecture} takes no images")
+
     def _final_norm(self, hidden, residual):
         """In place: residual += hidden; hidden = the final norm of residual."""
         self.backend.fused_add_rms_norm(hidden, residual, self.norm, self.config.rms_norm_eps)
@@ -215,6 +219,8 @@ class LlamaForCausalLM:
         b.embedding(batch.token_ids, self.embed_tokens, residual)
         if self.embed_scale is not None:
             b.scale(residual, self.embed_scale)
+        if batch.vision is not None:       # image embeddings at the image tokens
+            self._merge_inputs(batch, residual)
         if c.rope.rope_type == "longrope":
             batch = dataclasses.replace(batch, positions=longrope_positions(
                 self.xp, batch.positions, batch.query_start_loc, batch.seq_lens,

@@ -12,6 +12,8 @@ import os
 from dataclasses import dataclass, field
 
 from engine.models.registry import ARCHITECTURES, BASE_MODELS, TEXT_MODELS
+from engine.vision.config import (VISION_ARCHITECTURES, VisionConfig, parse_vision_config,
+                                  text_config_of)
 
 # config.json without `architectures`: its model_type names the graph.
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
@@ -138,6 +140,7 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     moe: MoeConfig | None = None        # mixture-of-experts layers, if any
     has_lm_head: bool = True            # False: a headless transformer (LlamaModel, ...)
+    vision: VisionConfig | None = None  # a vision-language model's vision tower (engine/vision/)
     linear_attention: LinearAttentionConfig | None = None  # hybrid models' gated DeltaNet layers
 
     @property
@@ -180,6 +183,11 @@ class ModelConfig:
             archs = [_MODEL_TYPES[cfg["model_type"]]]
         arch = next((a for a in archs if a in ARCHITECTURES or a in BASE_MODELS
                      or a in TEXT_MODELS), None)
+        if arch in VISION_ARCHITECTURES:   # its language model by its causal LM's rules
+            config = cls.from_dict(text_config_of(arch, cfg), yarn_scaling_factor)
+            config.architecture = arch
+            config.vision = parse_vision_config(arch, cfg, config.rope.rot_dim)
+            return config
         if arch is None:
             known = sorted([*ARCHITECTURES, *BASE_MODELS, *TEXT_MODELS])
             raise ValueError(f"unsupported architecture {', '.join(archs) or '(none given)'}; "

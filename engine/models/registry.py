@@ -18,6 +18,8 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "MixtralForCausalLM": ("moe", "MoeForCausalLM"),
     "Qwen2MoeForCausalLM": ("moe", "MoeForCausalLM"),
     "Qwen3MoeForCausalLM": ("moe", "MoeForCausalLM"),
+    # vision-language (engine/vision/): images in, text out
+    "Qwen2_5_VLForConditionalGeneration": ("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration"),
     # hybrid: gated DeltaNet layers beside gated full attention
     "Qwen3NextForCausalLM": ("qwen3_next", "Qwen3NextForCausalLM"),
     "Qwen3_5ForCausalLM": ("qwen3_next", "Qwen3NextForCausalLM"),

@@ -9,6 +9,7 @@ from engine.runner.device_block_tables import DeviceBlockTables
 from engine.runner.forward_batch import ForwardBatch
 from engine.runner.input_buffers import BlockTables
 from engine.core.scheduler import SchedulerOutput
+from engine.vision.runner import VisionRunner
 
 
 # KV cache element type per EngineConfig.kv_cache_dtype on the CPU: fp8 is OCP e4m3 codes (uint8)
@@ -44,6 +45,9 @@ class ModelRunner:
         self.graph_runner = None      # a CudaGraphRunner once decode graphs are captured
         self.num_forward_calls = 0    # counted for tests and metrics
         self.num_forward_tokens = 0
+        # a vision-language model's image rows and encoder (engine/vision/runner.py)
+        self.vision = (VisionRunner(model, backend)
+                       if getattr(model, "vision_encoder", None) is not None else None)
 
     @staticmethod
     def kv_bytes_per_block(model_config, block_size: int, kv_cache_dtype="auto") -> int:
@@ -112,15 +116,17 @@ class ModelRunner:
                        for p in seq.request.prompt_logprob_positions(a, k)]
         if prompt_rows:
             logits_indices = np.concatenate([logits_indices, np.array(prompt_rows, np.int32)])
-        state_plan = None
-        if self.state_pool is not None:
-            state_plan = self.state_pool.plan(sched)
-            state_plan.asarray = self.backend.asarray
-        return ForwardBatch(token_ids, positions, slot_mapping.astype(np.int32, copy=False),
-                            query_start_loc, starts + n, block_tables,
-                            logits_indices.astype(np.int32, copy=False),
-                            rows.astype(np.int32), width,
-                            self.block_tables.take_update() if on_device else None, state_plan)
+        batch = ForwardBatch(token_ids, positions, slot_mapping.astype(np.int32, copy=False),
+                             query_start_loc, starts + n, block_tables,
+                             logits_indices.astype(np.int32, copy=False),
+                             rows.astype(np.int32), width,
+                             self.block_tables.take_update() if on_device else None)
+        if self.state_pool is not None:     # a hybrid model's state rows
+            batch.state_plan = self.state_pool.plan(sched)
+            batch.state_plan.asarray = self.backend.asarray
+        if self.vision is not None:     # M-RoPE positions and image rows
+            self.vision.prepare(sched, batch)
+        return batch
 
     def copy_blocks(self, pairs: list[tuple[int, int]]):
         """KV block src -> dst in every layer (a beam's fork of a partly filled block)."""
@@ -174,6 +180,8 @@ class ModelRunner:
         self.backend.adapt_threads()    # CPU: fewer threads while other processes compete
         self.num_forward_calls += 1
         self.num_forward_tokens += batch.num_tokens
+        if self.vision is not None:     # the step's images through the encoder (or its cache)
+            self.vision.encode(batch)
         if not pooled:
             if self.graph_runner is not None and self.graph_runner.can_run(batch):
                 return self.graph_runner.run(batch), []
