@@ -30,6 +30,8 @@ class EngineConfig:
     prefill_chunk_size: int = 0          # max prompt tokens per sequence per step; 0 = budget only
     enable_prefix_caching: bool = True
     prefix_cache_max_tokens: int | None = None  # most tokens the prefix cache keeps hashed
+    state_snapshots: int | None = None   # hybrid models: prefix-cache state snapshots (None: one
+                                         # per state slot; engine/core/hybrid_state.py)
     max_model_len: int | None = None     # default: the model's max_position_embeddings
     yarn_scaling_factor: float | None = None
     isq: str | None = None               # quantize projections at load: q4_0 ... q6k, marlin
@@ -80,6 +82,8 @@ class EngineConfig:
             raise ValueError(f"kv_fraction must be in (0, 1], got {self.kv_fraction}")
         if self.kv_cache_dtype not in ("auto", "bf16", "fp8"):
             raise ValueError(f"kv_cache_dtype must be auto, bf16 or fp8, got {self.kv_cache_dtype!r}")
+        if self.state_snapshots is not None and self.state_snapshots < 0:
+            raise ValueError("state_snapshots must be >= 0")
         if self.prefix_cache_max_tokens is not None and self.prefix_cache_max_tokens < 0:
             raise ValueError("prefix_cache_max_tokens must be >= 0")
         if self.isq is not None:   # imported here so that `import engine` loads no extension

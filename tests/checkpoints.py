@@ -73,6 +73,29 @@ ARCHS = {
 }
 
 
+# hybrid linear attention (gated DeltaNet beside gated full attention): 4 layers, 2 key heads of
+# 16 serving 4 value heads of 24 (grouped), a width-4 convolution, a quarter of each attention
+# head rotated (the configs' default)
+_LINEAR = dict(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+               linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+               linear_value_head_dim=24, linear_conv_kernel_dim=4, tie_word_embeddings=False)
+ARCHS.update({
+    # Qwen3-Next: in_proj_qkvz / in_proj_ba grouped per key head; MoE with a sigmoid-gated
+    # shared expert, layer 1 dense (mlp_only_layers); layers linear, linear, linear, full
+    "qwen3_next": ("Qwen3NextConfig", dict(_LINEAR, num_experts=4, num_experts_per_tok=2,
+                                           moe_intermediate_size=64,
+                                           shared_expert_intermediate_size=64,
+                                           mlp_only_layers=[1])),
+    # Qwen3.5: split in_proj_qkv/z/b/a, dense MLPs; a full-attention layer second
+    "qwen3_5": ("Qwen3_5TextConfig", dict(_LINEAR, layer_types=[
+        "linear_attention", "full_attention", "linear_attention", "linear_attention"])),
+    # Qwen3.5-MoE: every layer sparse, top-k renormalised, a shared expert
+    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", dict(_LINEAR, num_experts=4, num_experts_per_tok=2,
+                                                 moe_intermediate_size=64,
+                                                 shared_expert_intermediate_size=64)),
+})
+
+
 def tiny_config(arch: str = "llama", **overrides):
     import transformers
 
@@ -90,7 +113,12 @@ def scale_weights(model, scale: float = 8.0, seed: int = 0, embed_std: float = 0
     with torch.no_grad():
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=gen, dtype=torch.float32).to(p.dtype)
-            if "norm" in name:
+            if name.endswith(("linear_attn.A_log", "linear_attn.dt_bias")):
+                # gated DeltaNet decays exp(-exp(A_log) * softplus(a + dt_bias)) spread over
+                # about (0.2, 1): the state carries some tokens, forgets others
+                p.copy_(torch.log(0.02 + 0.48 * torch.rand(p.shape, generator=gen))
+                        if name.endswith("A_log") else 0.5 * noise)
+            elif "norm" in name:
                 p.copy_(1.0 + 0.2 * noise)
             elif name.endswith(".bias"):
                 p.copy_(0.5 * noise)
@@ -182,6 +210,19 @@ ARCHS_256 = {
                                            use_parallel_residual=True, layer_norm_eps=1e-5,
                                            tie_word_embeddings=False)),
 }
+
+# hybrid linear attention at head_dim 64 (a compiled CUDA head size): 4 layers, 2 key heads of
+# 32 serving 4 value heads of 32
+_LINEAR_256 = dict(num_hidden_layers=4, linear_num_key_heads=2, linear_num_value_heads=4,
+                   linear_key_head_dim=32, linear_value_head_dim=32, linear_conv_kernel_dim=4,
+                   tie_word_embeddings=False)
+ARCHS_256.update({
+    "qwen3_next": ("Qwen3NextConfig", dict(_LINEAR_256, num_experts=4, num_experts_per_tok=2,
+                                           moe_intermediate_size=128,
+                                           shared_expert_intermediate_size=128)),
+    "qwen3_5": ("Qwen3_5TextConfig", dict(_LINEAR_256, layer_types=[
+        "linear_attention", "full_attention", "linear_attention", "linear_attention"])),
+})
 
 # Scaling after transformers' init: linear weights x 4 (the tiny family's x 8 is tuned for hidden
 # 96), embeddings ~ N(0, 0.06^2), and the final norm's weights x 0.4 so the logits have a std of

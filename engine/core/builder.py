@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from engine.config import EngineConfig
 from engine.core.block_pool import BlockPool
+from engine.core.hybrid_state import HybridBlockPool, StatePoolSize
 from engine.core.max_num_seqs import MAX_NUM_SEQS_CAP, default_max_num_seqs
 from engine.loader.hub import resolve_gguf, resolve_model
 from engine.loader.model_loader import load_eagle3_head, load_gguf_model, load_model
@@ -90,18 +91,28 @@ def build(config: EngineConfig, loaded=None, group=None) -> EngineParts:
         backend.bind_thread()
         cuda_memory.profile_forward(model, backend, config.max_num_batched_tokens,
                                     config.max_num_seqs or MAX_NUM_SEQS_CAP, config.block_size)
+    states = []     # a hybrid model's StatePoolSize, carved out of the KV budget
+    if model_config.linear_attention is not None:
+        config = _check_hybrid(config)
     # KV heads per block: the rank's under tensor parallel (its model's config)
     num_blocks = config.num_kv_blocks or _num_kv_blocks(
         config, backend, getattr(model, "config", model_config), kv_dtype,
         draft[1] if draft else None,
         Eagle3Proposer.bytes_per_block(head.config, config.block_size, kv_dtype,
-                                       backend.act_dtype) if head else 0)
+                                       backend.act_dtype) if head else 0,
+        reserve=lambda budget, what: _reserve_states(states, config, model_config, budget, what))
+    if model_config.linear_attention is not None and not states:   # explicit num_kv_blocks
+        states.append(StatePoolSize.for_model(config, model_config, None))
     if tensor_parallel is not None:       # every rank's pool has the smallest one's blocks
         num_blocks = tensor_parallel[2].all_min(num_blocks)
     max_cached = (None if config.prefix_cache_max_tokens is None
                   else config.prefix_cache_max_tokens // config.block_size)
-    block_pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching,
-                           max_cached_blocks=max_cached)
+    if states:
+        block_pool = HybridBlockPool(num_blocks, config.block_size, config.enable_prefix_caching,
+                                     max_cached, states[0].num_slots, states[0].num_snapshots)
+    else:
+        block_pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching,
+                               max_cached_blocks=max_cached)
     max_model_len = _max_model_len(config, model_config, num_blocks * config.block_size)
     if draft is not None and draft[1].max_model_len < max_model_len:
         log.warning("max model length limited to %d tokens by the draft model's context",
@@ -110,10 +121,12 @@ def build(config: EngineConfig, loaded=None, group=None) -> EngineParts:
     if config.max_num_seqs is None:
         max_num_seqs, why = default_max_num_seqs(
             num_blocks * config.block_size, max_model_len, config.max_num_batched_tokens)
+        if states and states[0].num_slots < max_num_seqs:
+            max_num_seqs, why = states[0].num_slots, "the hybrid model's state slots"
         log.info("max_num_seqs %d: %s; --max-num-seqs sets it", max_num_seqs, why)
         config = dataclasses.replace(config, max_num_seqs=max_num_seqs)
     runner = ModelRunner(model, model_config, backend, config.block_size, num_blocks,
-                         config.kv_cache_dtype)
+                         config.kv_cache_dtype, state_pool=block_pool if states else None)
     if group is not None:
         pids = group.allgather(os.getpid())
         sender = StepSender(group, pids[1:]) if group.rank == 0 else None
@@ -124,6 +137,9 @@ def build(config: EngineConfig, loaded=None, group=None) -> EngineParts:
                      "share of the weights and %d KV blocks", group.size, num_blocks)
     log.info("KV cache: %d blocks of %d tokens; max model length %d", num_blocks,
              config.block_size, max_model_len)
+    if states:
+        log.info("recurrent state: %s; KV blocks for %d full-attention layers of %d",
+                 states[0].describe(), model_config.num_kv_layers, model_config.num_hidden_layers)
     draft_model = None
     if draft is not None:
         draft_model = DraftModel(draft[0], draft[1], backend, num_blocks, config.block_size,
@@ -234,8 +250,33 @@ def capture_cuda_graphs(config: EngineConfig, model, backend, runner: ModelRunne
              graphs.sizes, time.monotonic() - start, graphs.graph_memory_bytes / 2**20)
 
 
+def _check_hybrid(config: EngineConfig) -> EngineConfig:
+    """What a hybrid model's per-sequence recurrent state does not support yet; the config
+    without CUDA graphs (each step's state plan is built on the host)."""
+    if config.speculative_config is not None:
+        raise ValueError("speculative decoding is not supported for hybrid linear-attention "
+                         "models: rejected draft tokens would have advanced the recurrent state")
+    if config.backend == "cuda" and config.cuda_graph:
+        log.info("CUDA graphs: off for a hybrid linear-attention model (its state rows are "
+                 "planned per step on the host)")
+        config = dataclasses.replace(config, cuda_graph=False)
+    return config
+
+
+def _reserve_states(states: list, config: EngineConfig, model_config: ModelConfig, budget: int,
+                    what: str) -> int:
+    """Bytes a hybrid model's state rows take from the KV budget (0 for other models); the
+    StatePoolSize goes into `states`."""
+    size = StatePoolSize.for_model(config, model_config, budget, what)
+    if size is None:
+        return 0
+    states.append(size)
+    return size.total_bytes
+
+
 def _num_kv_blocks(config: EngineConfig, backend, model_config: ModelConfig, kv_dtype,
-                   draft_config: ModelConfig | None = None, extra_per_block: int = 0) -> int:
+                   draft_config: ModelConfig | None = None, extra_per_block: int = 0,
+                   reserve=None) -> int:
     """Blocks in the KV budget: --mem MB, else --kv-fraction of the memory left after loading
     the weights (on a GPU: after activations and CUDA graphs too), else 1 GiB on the CPU. A
     draft model's pool has as many blocks as the target's: a block costs both (an EAGLE-3
@@ -265,6 +306,8 @@ def _num_kv_blocks(config: EngineConfig, backend, model_config: ModelConfig, kv_
         what = f"{config.kv_fraction:g} of {available / 2**30:.1f} GiB free"
     else:
         budget, what = 1024 * 2**20, "the default 1024 MB"
+    if reserve is not None:         # a hybrid model's state rows come out of the budget first
+        budget -= reserve(budget, what)
     num_blocks = budget // per_block
     if num_blocks < 1:
         raise ValueError(f"the KV cache budget ({what}) holds no block")

@@ -177,6 +177,9 @@ class Admission:
                           prompt_logprobs=None if params.prompt_logprobs is None else [None],
                           mm=self._place_images(prompt_token_ids, images))
         if params.use_beam_search:
+            if self.model_config.linear_attention is not None:
+                raise ValueError("beam search is not supported for hybrid linear-attention "
+                                 "models: a beam's recurrent state cannot be forked yet")
             request.seqs = [self._sequence(request, prompt_token_ids, params, 0, seed=0)]
             limit = (params.max_tokens if params.max_tokens is not None
                      else self.max_model_len - len(prompt_token_ids))

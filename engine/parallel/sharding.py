@@ -85,6 +85,12 @@ class ShardPlan:
         self.config, self.rank, self.size = config, rank, size
         c = config
         arch = c.architecture
+        for field, what in (("mla", "multi-head latent attention"),
+                            ("linear_attention", "hybrid linear attention"),
+                            ("vision", "a vision tower")):
+            if getattr(c, field, None) is not None:
+                raise ValueError(f"tensor parallel: {arch} ({what}) is not yet split across "
+                                 "ranks")
         if c.qk_layernorm:
             raise ValueError(f"tensor parallel: {arch} with per-head q/k LayerNorm (qk_layernorm) "
                              "is not yet split across ranks")

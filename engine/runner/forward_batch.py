@@ -26,6 +26,8 @@ class ForwardBatch:
     block_table_update: object = None             # an input_buffers.BlockTableUpdate
     # Image rows of a vision-language model's step (engine/vision/runner.py), else None.
     vision: object = None
+    # a hybrid model's state rows this step (engine/core/hybrid_state.StatePlan), else None
+    state_plan: object = None
 
     @property
     def num_tokens(self) -> int:
@@ -42,4 +44,4 @@ class ForwardBatch:
                               for f, v in ((f, getattr(self, f.name)) for f in fields(self))))
 
 
-_NOT_ARRAYS = ("block_table_width", "block_table_update", "vision")
+_NOT_ARRAYS = ("block_table_width", "block_table_update", "vision", "state_plan")

@@ -21,16 +21,23 @@ KV_CACHE_DTYPES = {"auto": np.float32, "fp8": np.uint8}
 
 class ModelRunner:
     def __init__(self, model, model_config, backend, block_size: int, num_blocks: int,
-                 kv_cache_dtype: str = "auto"):
+                 kv_cache_dtype: str = "auto", state_pool=None):
+        """state_pool: a hybrid model's HybridBlockPool (engine/core/hybrid_state.py), which
+        sizes its state rows and plans each step's use of them; None for other models."""
         self.model = model
         self.backend = backend
         self.block_size = block_size
         self.num_blocks = num_blocks
+        self.state_pool = state_pool
         shape = model.kv_cache_shape(num_blocks, block_size)
         dtype = backend.kv_cache_dtype(kv_cache_dtype)
         xp = backend.xp
-        self.kv_caches = [(xp.zeros(shape, dtype), xp.zeros(shape, dtype))
-                          for _ in range(model_config.num_hidden_layers)]
+        if state_pool is not None:
+            self.kv_caches = model.allocate_caches(num_blocks, block_size, dtype,
+                                                   state_pool.num_state_rows)
+        else:
+            self.kv_caches = [(xp.zeros(shape, dtype), xp.zeros(shape, dtype))
+                              for _ in range(model_config.num_hidden_layers)]
         self.block_tables = BlockTables()   # persistent: updated with each step's new blocks
         # A backend whose arrays live apart from the host's (CUDA) keeps its own copy of the
         # tables, updated with each step's changes; on the CPU the host table is the device's.
@@ -62,7 +69,7 @@ class ModelRunner:
         dtype = KV_CACHE_DTYPES[kv_cache_dtype] if isinstance(kv_cache_dtype, str) else kv_cache_dtype
         itemsize = np.dtype(dtype).itemsize  # f32: 4, bf16/f16: 2, fp8: 1
         per_token = 2 * model_config.num_key_value_heads * model_config.head_dim * itemsize  # K+V
-        return per_token * block_size * model_config.num_hidden_layers
+        return per_token * block_size * model_config.num_kv_layers
 
     def prepare(self, sched: SchedulerOutput) -> ForwardBatch:
         """Each sequence computes tokens [num_computed, num_computed + n) (its num_computed_tokens
@@ -128,6 +135,9 @@ class ModelRunner:
                              logits_indices.astype(np.int32, copy=False),
                              rows.astype(np.int32), width,
                              self.block_tables.take_update() if on_device else None)
+        if self.state_pool is not None:     # a hybrid model's state rows
+            batch.state_plan = self.state_pool.plan(sched)
+            batch.state_plan.asarray = self.backend.asarray
         if self.vision is not None:     # M-RoPE positions and image rows
             self.vision.prepare(sched, batch)
         return batch
