@@ -36,11 +36,8 @@ class DraftModel:
         self.model_config = model_config
         self.backend = backend
         self.target_vocab_size = target_vocab_size
-        shape = model.kv_cache_shape(num_blocks, block_size)
-        dtype = backend.kv_cache_dtype(kv_cache_dtype)
-        xp = backend.xp
-        self.kv_caches = [(xp.zeros(shape, dtype), xp.zeros(shape, dtype))
-                          for _ in range(model_config.num_hidden_layers)]
+        self.kv_caches = model.new_kv_caches(num_blocks, block_size,
+                                             backend.kv_cache_dtype(kv_cache_dtype))
         self.num_forward_calls = 0
 
     def mirror(self, batch: ForwardBatch) -> None:
