@@ -77,12 +77,13 @@ ARCHS = {
     # multi-head latent attention (tests/test_models_mla.py): a latent of 32 and a rotary part
     # of 16 per token, heads of 24 + 16 (q/k) and 20 (v); DeepSeekMoE with 8 routed experts (2
     # per token) and a shared one after a dense first layer. V2: q_lora_rank, softmax routing
-    # limited to the best 2 of 4 groups, routed_scaling_factor
+    # limited to the best of 4 groups (with 2 the top-2 experts' groups would always be kept),
+    # routed_scaling_factor
     "deepseek_v2": ("DeepseekV2Config", dict(**_MLA, q_lora_rank=48, n_routed_experts=8,
                                              n_shared_experts=1, num_experts_per_tok=2,
                                              moe_intermediate_size=64, first_k_dense_replace=1,
                                              topk_method="group_limited_greedy", n_group=4,
-                                             topk_group=2, routed_scaling_factor=1.5)),
+                                             topk_group=1, routed_scaling_factor=1.5)),
     # V2-Lite's shape: no q_lora_rank (one q_proj), greedy softmax top-k, two shared experts
     "deepseek_v2_lite": ("DeepseekV2Config", dict(**_MLA, q_lora_rank=None, n_routed_experts=8,
                                                   n_shared_experts=2, num_experts_per_tok=2,

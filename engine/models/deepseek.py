@@ -151,4 +151,12 @@ class DeepseekForCausalLM(LlamaForCausalLM):
                              f"multi-head latent attention yet; use --kv-cache-dtype auto")
         shape = self.kv_cache_shape(num_blocks, block_size)
         caches = [self.xp.zeros(shape, dtype) for _ in range(self.num_layers)]
+        c, m = self.config, self.config.mla
+        itemsize = np.dtype(dtype).itemsize
+        full = c.num_attention_heads * (m.qk_head_dim + m.v_head_dim)
+        logger.info("MLA latent KV cache: %d values per token and layer (kv_lora_rank %d + "
+                    "qk_rope_head_dim %d), %d bytes per token over %d layers; full K/V would be "
+                    "%d values (%.1fx)", m.latent_dim, m.kv_lora_rank, m.qk_rope_head_dim,
+                    m.latent_dim * itemsize * self.num_layers, self.num_layers, full,
+                    full / m.latent_dim)
         return [(cache, cache) for cache in caches]
