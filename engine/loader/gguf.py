@@ -8,7 +8,8 @@
   MixtralForCausalLM when they carry `llama.expert_count`), qwen2 and qwen3 files
   Qwen2/Qwen3ForCausalLM, qwen2moe and qwen3moe files Qwen2Moe/Qwen3MoeForCausalLM, and the
   gemma2, gemma3, phi3, glm4 and stablelm files their families (the keys, names and converter
-  transforms of each: engine/loader/gguf_dense.py). A llama3 RoPE is stored as the
+  transforms of each: engine/loader/gguf_dense.py), deepseek2 files DeepseekV2/V3ForCausalLM
+  (engine/loader/gguf_deepseek.py). A llama3 RoPE is stored as the
   per-frequency factors it produces (tensor rope_freqs), so its parameters are recovered from
   them.
 - weights: Hugging Face names. F32/F16/BF16 tensors are float arrays, views of the mapping unless
