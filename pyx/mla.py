@@ -177,17 +177,14 @@ class MlaAttention:
         kv = ws.get("mla_ctx_kv", n, Hq * (N + V))
         b.linear(latent, self.kv_b, None, kv)
         kv3 = kv.reshape(n, Hq, N + V)
-        k = ws.get("mla_ctx_k", n, Hq * D).reshape(-1, BS, Hq, D)
-        v = ws.get("mla_ctx_v", n, Hq * D).reshape(-1, BS, Hq, D)
-        k4, kv4 = k.reshape(n, Hq, D), kv3
-        k4[:, :, N + R:] = 0
-        xp.copyto(k4[:, :, :N], kv4[:, :, :N])
+        # zeroed by allocation where the heads are padded (a prompt step: not graph-captured)
+        k = xp.zeros((n // BS, BS, Hq, D), kv.dtype)
+        v = xp.zeros((n // BS, BS, Hq, D), kv.dtype)
+        k4, v4 = k.reshape(n, Hq, D), v.reshape(n, Hq, D)
+        xp.copyto(k4[:, :, :N], kv3[:, :, :N])
         xp.copyto(k4[:, :, N:N + R], xp.broadcast_to(rows[:, None, L:], (n, Hq, R)))
-        v4 = v.reshape(n, Hq, D)
-        v4[:, :, V:] = 0
-        xp.copyto(v4[:, :, :V], kv4[:, :, N:])
-        q = ws.get("mla_q_plain", T, Hq * D).reshape(T, Hq, D)
-        q[:, :, N + R:] = 0
+        xp.copyto(v4[:, :, :V], kv3[:, :, N:])
+        q = xp.zeros((T, Hq, D), kv.dtype)
         xp.copyto(q[:, :, :N + R], q3)
         tables = np.zeros((len(nblocks), max(int(nblocks.max()), 1)), np.int32)
         for s in range(len(nblocks)):
