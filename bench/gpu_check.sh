@@ -254,7 +254,7 @@ if [ "$SUITE" = first ]; then
     gpu_step run_step serve 110 60 "$PY" -m bench.serve_check --out "$LOGS" --model "$MODEL_1B" \
         --concurrency 1 64 --prompts-per-client 2 --output-len 64
     gpu_step test_step tests_default 80 30 test_cuda_ops.py test_cuda_model.py \
-        test_cuda_logprobs.py test_cuda_families.py test_cuda_block_tables.py \
+        test_cuda_logprobs.py test_cuda_families.py test_cuda_block_tables.py test_cuda_mla.py \
         test_cuda_features.py test_cuda_tensor_parallel.py \
         test_cuda_hybrid.py
     # the quantized GEMMs' host work (quantizing, repacking 8B-sized weights) in two processes

@@ -132,6 +132,11 @@ cdef class Backend:
         x (T, K) f32; weight (N, K) f32|bf16|f16; bias (N,) f32 or None; out (T, N) f32."""
         raise NotImplementedError
 
+    def batched_linear(self, x, weight, out):
+        """out[g] = x[g] @ weight[g].T for each of G groups; float32 accumulation (MLA's per-head
+        absorbed projections). x (G, T, K) f32; weight (G, N, K) f32|bf16|f16; out (G, T, N) f32."""
+        raise NotImplementedError
+
     def rms_norm(self, x, weight, eps, out):
         """out = x / sqrt(mean(x^2) + eps) * weight.  x, out (T, H) f32; weight (H,) f32."""
         raise NotImplementedError
@@ -249,6 +254,15 @@ cdef class Backend:
         softcap > 0 (Gemma-2): each scaled score s = scale * q.k becomes softcap * tanh(s / softcap)
         before the causal mask and the softmax; 0 = off, and then the results are bit-identical
         to the op without the option. A negative or non-finite softcap is a ValueError."""
+        raise NotImplementedError
+
+    def mla_decode_attention(self, out, q, cache, block_tables, seq_lens, scale):
+        """Decode attention over multi-head latent attention's cache (DeepSeek's absorbed
+        form): one query row per sequence, its last token, and every query head reads the one
+        cached head: scores scale * q.row over the sequence's seq_lens[b] rows, softmax, and the
+        weighted sum of each row's first Dv values. Rows are paged as paged_attention's.
+        out (B, Hq, Dv) f32; q (B, Hq, D) f32; cache (NB, BS, 1, D) f32 with Dv <= D;
+        block_tables (B, MB) int32; seq_lens (B,) int32, each >= 1."""
         raise NotImplementedError
 
     def argmax(self, logits, out):

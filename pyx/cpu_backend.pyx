@@ -535,6 +535,18 @@ cdef class CpuBackend(Backend):
             _status(st, op, arrays)
             col += n
 
+    def batched_linear(self, x, weight, out):
+        op = "batched_linear"
+        arrays = {"x": x, "weight": weight, "out": out}
+        _check(op, arrays, "x", (_F32,), 3)
+        _check(op, arrays, "out", (_F32,), 3, True)
+        _check(op, arrays, "weight", tuple(_WDT), 3)
+        if (weight.shape[0] != x.shape[0] or weight.shape[2] != x.shape[2]
+                or out.shape != (x.shape[0], x.shape[1], weight.shape[1])):
+            _fail(op, "need x (G, T, K), weight (G, N, K), out (G, T, N)", arrays)
+        for g in range(x.shape[0]):     # each group through linear's kernel
+            self.linear(x[g], weight[g], None, out[g])
+
     def rms_norm(self, x, weight, eps, out):
         op = "rms_norm"
         arrays = {"x": x, "weight": weight, "out": out}
@@ -800,6 +812,25 @@ cdef class CpuBackend(Backend):
             st = taper_paged_attention(self._isa, outp, qp, kcp, vcp, btp, slp, qsp, T, B, Hq, Hkv, D, NB,
                                        BS, MB, sc, sw, cap, inv, nt)
         _status(st, op, arrays)
+
+    def mla_decode_attention(self, out, q, cache, block_tables, seq_lens, scale):
+        """paged_attention with the cache as both K and V (the latent is the value's first Dv
+        values; the rotary part's weighted sum is computed and dropped), one query row each."""
+        op = "mla_decode_attention"
+        arrays = {"out": out, "q": q, "cache": cache, "block_tables": block_tables,
+                  "seq_lens": seq_lens}
+        _check(op, arrays, "out", (_F32,), 3, True)
+        _check(op, arrays, "q", (_F32,), 3)
+        _check(op, arrays, "cache", (_F32,), 4)
+        B, Hq, D = q.shape
+        if (cache.shape[2] != 1 or cache.shape[3] != D or out.shape[:2] != (B, Hq)
+                or out.shape[2] > D or seq_lens.shape[0] != B):
+            _fail(op, "need out (B, Hq, Dv), q (B, Hq, D), cache (NB, BS, 1, D) with Dv <= D, "
+                      "seq_lens (B,)", arrays)
+        full = np.empty((B, Hq, D), np.float32)
+        self.paged_attention(full, q, cache, cache, block_tables, seq_lens,
+                             np.arange(B + 1, dtype=np.int32), scale, 0)
+        np.copyto(out, full[:, :, :out.shape[2]])
 
     # ---- FP8 KV cache (uint8 e4m3 codes, per-KV-head scales): the same ops' fp8 variants
 

@@ -106,23 +106,9 @@ class LlamaForCausalLM:
         # FP8 KV cache scales per layer and KV head (DESIGN.md section 5): the checkpoint's, else
         # 1.0. Read only when the KV cache is FP8 (a uint8 cache).
         self.kv_scales_from_checkpoint = False
-        attention = tensor_parallel.attention_class(c)
         for i in range(c.num_hidden_layers):
             p = f"model.layers.{i}."
-            kv_scales = take_kv_scales(weights, i, c.num_key_value_heads)
-            self.kv_scales_from_checkpoint |= kv_scales is not None
-            if kv_scales is None:
-                kv_scales = (np.ones(c.num_key_value_heads, np.float32),) * 2
-            attn = attention(
-                backend, *self._qkv(weights, p),
-                self._take(weights, f"{p}self_attn.o_proj.weight"),
-                self._take(weights, f"{p}self_attn.o_proj.bias") if c.o_bias else None,
-                *self._qk_norms(weights, p),
-                self._rope_cache(i), c.num_attention_heads, c.num_key_value_heads, c.head_dim,
-                c.rms_norm_eps, c.sliding_windows[i], c.rope.is_neox,
-                *(self._to_device(s) for s in kv_scales),
-                scale=c.query_pre_attn_scalar ** -0.5 if c.query_pre_attn_scalar else None,
-                softcap=c.attn_softcap, qk_layernorm=c.qk_layernorm)
+            attn = self._attention(weights, p, i)
             mlp = tensor_parallel.all_reduced(self._mlp(weights, p, i), c)
             self.layers.append(self._layer(weights, p, i, attn, mlp))
         if c.tensor_parallel is not None:
@@ -149,6 +135,25 @@ class LlamaForCausalLM:
     @staticmethod
     def embedding_multiplier(c: ModelConfig) -> float | None:
         return None
+
+    def _attention(self, weights: dict, p: str, i: int):
+        """Layer i's attention block (weights under prefix p): anything with
+        forward(batch, x, out, k_cache, v_cache, ws)."""
+        c = self.config
+        kv_scales = take_kv_scales(weights, i, c.num_key_value_heads)
+        self.kv_scales_from_checkpoint |= kv_scales is not None
+        if kv_scales is None:
+            kv_scales = (np.ones(c.num_key_value_heads, np.float32),) * 2
+        return tensor_parallel.attention_class(c)(
+            self.backend, *self._qkv(weights, p),
+            self._take(weights, f"{p}self_attn.o_proj.weight"),
+            self._take(weights, f"{p}self_attn.o_proj.bias") if c.o_bias else None,
+            *self._qk_norms(weights, p),
+            self._rope_cache(i), c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+            c.rms_norm_eps, c.sliding_windows[i], c.rope.is_neox,
+            *(self._to_device(s) for s in kv_scales),
+            scale=c.query_pre_attn_scalar ** -0.5 if c.query_pre_attn_scalar else None,
+            softcap=c.attn_softcap, qk_layernorm=c.qk_layernorm)
 
     def _qkv(self, weights: dict, p: str) -> tuple:
         """(fused q/k/v weight (q_size + 2 kv_size, H), its bias or None) of layer prefix p."""
@@ -225,6 +230,12 @@ class LlamaForCausalLM:
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int]:
         """Shape of each layer's K (and V) cache: float32, or uint8 e4m3 codes for an FP8 cache."""
         return (num_blocks, block_size, self.config.num_key_value_heads, self.config.head_dim)
+
+    def new_kv_caches(self, num_blocks: int, block_size: int, dtype) -> list:
+        """Per layer (K cache, V cache) of kv_cache_shape, zeroed, on the backend."""
+        shape = self.kv_cache_shape(num_blocks, block_size)
+        return [(self.xp.zeros(shape, dtype), self.xp.zeros(shape, dtype))
+                for _ in range(self.num_layers)]
 
     def forward(self, batch: ForwardBatch, kv_caches: list, hidden_indices=None,
                 capture: "AuxCapture | None" = None):

@@ -14,6 +14,9 @@ from dataclasses import dataclass, field
 from engine.models.registry import ARCHITECTURES, BASE_MODELS, TEXT_MODELS
 from engine.vision.config import (VISION_ARCHITECTURES, VisionConfig, parse_vision_config,
                                   text_config_of)
+from engine.models.deepseek_config import (MLA_ARCHITECTURES, MLA_MODEL_TYPES, GroupedRouting,
+                                           MlaConfig, parse_deepseek_moe, parse_mla, rope_is_neox)
+from engine.models.registry import ARCHITECTURES, BASE_MODELS
 
 # config.json without `architectures`: its model_type names the graph.
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
@@ -23,7 +26,8 @@ _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                 "stablelm": "StableLmForCausalLM", "mixtral": "MixtralForCausalLM",
                 "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
                 "qwen3_next": "Qwen3NextForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM",
-                "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM"}
+                "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
+                **MLA_MODEL_TYPES}
 
 # Architectures whose attention applies RMSNorm to each q/k head before RoPE.
 _QK_NORM_ARCHS = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM",
@@ -67,7 +71,9 @@ class MoeConfig:
     intermediate_size: int              # each expert's
     normalize: bool                     # renormalise the top-k probabilities to sum to 1
     sparse_layers: list[bool]           # per layer: MoE (True) or the dense MLP
-    shared_intermediate_size: int = 0   # Qwen2-MoE's sigmoid-gated shared expert (0: none)
+    shared_intermediate_size: int = 0   # the shared expert's (0: none)
+    shared_expert_gate: bool = True     # Qwen2-MoE gates it by a sigmoid; DeepSeek's add it as is
+    grouped: GroupedRouting | None = None  # DeepSeekMoE's router (engine/models/deepseek_config.py)
 
 
 @dataclass(slots=True)
@@ -152,6 +158,9 @@ class ModelConfig:
         if self.linear_attention is None:
             return self.num_hidden_layers
         return self.linear_attention.layer_types.count("full_attention")
+    # Multi-head latent attention (DeepSeek-V2/V3): its cache is one "KV head" of the latent and
+    # the rotary part (num_key_value_heads 1, head_dim mla.latent_dim), not K and V.
+    mla: MlaConfig | None = None
 
     @property
     def q_size(self) -> int:
@@ -160,6 +169,13 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_key_value_heads * self.head_dim
+
+    @property
+    def kv_cache_elements_per_token(self) -> int:
+        """Cached values per token and layer: K and V of every KV head, or MLA's latent."""
+        if self.mla is not None:
+            return self.mla.latent_dim
+        return 2 * self.num_key_value_heads * self.head_dim
 
     @classmethod
     def from_pretrained(cls, model_dir: str, yarn_scaling_factor: float | None = None) -> "ModelConfig":
@@ -214,6 +230,11 @@ class ModelConfig:
             raise ValueError(f"num_attention_heads {num_heads} is not a multiple of "
                              f"num_key_value_heads {num_kv_heads}")
         max_pos = cfg.get("max_position_embeddings", 2048)
+        mla = parse_mla(arch, cfg) if arch in MLA_ARCHITECTURES else None
+        if mla is not None:   # one cached "head": the latent and the rotary part
+            num_kv_heads, head_dim = 1, mla.latent_dim
+            if cfg.get("mlp_bias"):
+                raise ValueError(f"{arch}: mlp_bias is not supported")
 
         if arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM"):
             qkv_bias, o_bias = True, False
@@ -231,7 +252,7 @@ class ModelConfig:
         if act_name not in _ACTIVATIONS:
             raise ValueError(f"unsupported hidden activation {act_name!r} for {arch}; "
                              f"supported: {', '.join(sorted(_ACTIVATIONS))}")
-        rope, local_rope = _ropes(arch, cfg, head_dim, max_pos, yarn_scaling_factor)
+        rope, local_rope = _ropes(arch, cfg, head_dim, max_pos, yarn_scaling_factor, mla)
         gemma = arch in _GEMMA_ARCHS
         eos = _as_list(cfg.get("eos_token_id"))
         return cls(
@@ -256,7 +277,7 @@ class ModelConfig:
             quantization_config=cfg.get("quantization_config"),
             bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos, has_lm_head=has_lm_head,
             moe=parse_moe(arch, cfg, num_layers),
-            linear_attention=parse_linear_attention(arch, cfg, num_layers))
+            linear_attention=parse_linear_attention(arch, cfg, num_layers), mla=mla)
 
 
 # Config-class defaults transformers 5 fills in when config.json leaves a key out.
@@ -318,6 +339,8 @@ def parse_moe(arch: str, cfg: dict, num_layers: int) -> MoeConfig | None:
     if arch == "MixtralForCausalLM":      # softmax, top-k, always renormalised; every layer
         return MoeConfig(int(cfg.get("num_local_experts", 8)), int(cfg.get("num_experts_per_tok", 2)),
                          int(cfg["intermediate_size"]), True, [True] * num_layers)
+    if arch in MLA_ARCHITECTURES:
+        return MoeConfig(**parse_deepseek_moe(arch, cfg, num_layers))
     if arch not in _MOE_DEFAULTS:
         return None
     get = {**_MOE_DEFAULTS[arch], **{k: v for k, v in cfg.items() if v is not None}}.get
@@ -393,9 +416,13 @@ def _sliding_windows(arch: str, cfg: dict, num_layers: int) -> list[int]:
     return [0] * num_layers
 
 
-def _ropes(arch: str, cfg: dict, head_dim: int, max_pos: int,
-           yarn_scaling_factor: float | None) -> tuple[RopeConfig, RopeConfig | None]:
+def _ropes(arch: str, cfg: dict, head_dim: int, max_pos: int, yarn_scaling_factor: float | None,
+           mla: MlaConfig | None = None) -> tuple[RopeConfig, RopeConfig | None]:
     """(RoPE of the full-attention layers, RoPE of the sliding layers when it differs)."""
+    if mla is not None:   # only the qk_rope_head_dim part of each head rotates
+        rope = parse_rope(cfg, mla.qk_rope_head_dim, max_pos, yarn_scaling_factor)
+        rope.is_neox = rope_is_neox(arch, cfg)
+        return rope, None
     if arch == "StableLmForCausalLM":     # StableLmConfig: a quarter of the head by default
         cfg = {"partial_rotary_factor": 0.25, **cfg}
     if arch == "Glm4ForCausalLM":

@@ -24,6 +24,9 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "Qwen3NextForCausalLM": ("qwen3_next", "Qwen3NextForCausalLM"),
     "Qwen3_5ForCausalLM": ("qwen3_next", "Qwen3NextForCausalLM"),
     "Qwen3_5MoeForCausalLM": ("qwen3_next", "Qwen3NextForCausalLM"),
+    "DeepseekV2ForCausalLM": ("deepseek", "DeepseekForCausalLM"),
+    "DeepseekV3ForCausalLM": ("deepseek", "DeepseekForCausalLM"),
+    "Glm4MoeLiteForCausalLM": ("deepseek", "DeepseekForCausalLM"),
 }
 
 # Headless transformers (embedding checkpoints: tensors without the "model." prefix, no lm_head)

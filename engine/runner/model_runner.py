@@ -29,15 +29,12 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.state_pool = state_pool
-        shape = model.kv_cache_shape(num_blocks, block_size)
         dtype = backend.kv_cache_dtype(kv_cache_dtype)
-        xp = backend.xp
         if state_pool is not None:
             self.kv_caches = model.allocate_caches(num_blocks, block_size, dtype,
                                                    state_pool.num_state_rows)
         else:
-            self.kv_caches = [(xp.zeros(shape, dtype), xp.zeros(shape, dtype))
-                              for _ in range(model_config.num_hidden_layers)]
+            self.kv_caches = model.new_kv_caches(num_blocks, block_size, dtype)
         self.block_tables = BlockTables()   # persistent: updated with each step's new blocks
         # A backend whose arrays live apart from the host's (CUDA) keeps its own copy of the
         # tables, updated with each step's changes; on the CPU the host table is the device's.
@@ -68,7 +65,7 @@ class ModelRunner:
         """kv_cache_dtype: a CPU kind ("auto", "fp8") or an element dtype."""
         dtype = KV_CACHE_DTYPES[kv_cache_dtype] if isinstance(kv_cache_dtype, str) else kv_cache_dtype
         itemsize = np.dtype(dtype).itemsize  # f32: 4, bf16/f16: 2, fp8: 1
-        per_token = 2 * model_config.num_key_value_heads * model_config.head_dim * itemsize  # K+V
+        per_token = model_config.kv_cache_elements_per_token * itemsize  # K+V, or MLA's latent
         return per_token * block_size * model_config.num_kv_layers
 
     def prepare(self, sched: SchedulerOutput) -> ForwardBatch:

@@ -37,11 +37,8 @@ class DraftModel:
         self.backend = backend
         self.target_vocab_size = target_vocab_size
         self.embed_vocab_size = model_config.vocab_size     # ids it can read
-        shape = model.kv_cache_shape(num_blocks, block_size)
-        dtype = backend.kv_cache_dtype(kv_cache_dtype)
-        xp = backend.xp
-        self.kv_caches = [(xp.zeros(shape, dtype), xp.zeros(shape, dtype))
-                          for _ in range(model_config.num_hidden_layers)]
+        self.kv_caches = model.new_kv_caches(num_blocks, block_size,
+                                             backend.kv_cache_dtype(kv_cache_dtype))
         self.num_forward_calls = 0
 
     def mirror(self, batch: ForwardBatch, host_batch: ForwardBatch | None = None) -> None:
