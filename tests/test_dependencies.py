@@ -11,8 +11,9 @@ import tomllib
 from test_import_graph import ROOT, cython_imported_names, imported_names, module_files
 
 OWN = {"engine", "pyx", "server"}
-# Imported only by the optional CUDA backend, declared in the cuda12/cuda13 extras.
-CUDA_ONLY = {"cupy", "cupy_backends"}
+# Imported only by optional features, declared in extras: the CUDA backend (cuda12/cuda13) and
+# tensor parallel across processes (mpi).
+EXTRAS_ONLY = {"cupy", "cupy_backends", "mpi4py"}
 # Cython's compile-time cimports, not modules loaded at run time.
 CYTHON_CIMPORTS = {"cython", "libc", "libcpp", "cpython", "posix"}
 
@@ -47,9 +48,9 @@ def test_every_imported_module_is_declared():
     missing = {}
     for top in sorted(third_party_imports()):
         dists = {d.lower().replace("_", "-") for d in providers.get(top, [])}
-        wanted = extras if top in CUDA_ONLY else deps
-        if top in CUDA_ONLY and not dists:
-            continue   # CuPy is not installed on a machine without a GPU
+        wanted = extras if top in EXTRAS_ONLY else deps
+        if top in EXTRAS_ONLY and not dists:
+            continue   # not installed here (CuPy on a machine without a GPU)
         if not dists & wanted:
             missing[top] = sorted(dists) or ["(not installed)"]
     assert missing == {}

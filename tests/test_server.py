@@ -187,6 +187,8 @@ def test_completions_streaming_batch(fake):
     ({"messages": []}, "messages"), ({"messages": [{"role": "robot", "content": "x"}]},
                                      "messages[0].role"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     "messages[0].content[0]"),
+    ({"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]},
      "messages[0].content[0].type"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
 ])
