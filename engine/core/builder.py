@@ -15,6 +15,7 @@ from engine.core.max_num_seqs import MAX_NUM_SEQS_CAP, default_max_num_seqs
 from engine.loader.hub import resolve_gguf, resolve_model
 from engine.loader.model_loader import load_gguf_model, load_model
 from engine.loader.safetensors import mem_available_bytes
+from engine.lora.manager import LoraManager
 from engine.models.model_config import ModelConfig
 from engine.runner import cuda_memory
 from engine.runner.backends import make_backend
@@ -40,6 +41,7 @@ class EngineParts:
     max_model_len: int
     runner: ModelRunner
     draft: DraftModel | None = None   # speculative decoding's draft model, its KV pool beside
+    lora: LoraManager | None = None   # LoRA adapters (--enable-lora)
 
 
 def build(config: EngineConfig, loaded=None) -> EngineParts:
@@ -58,6 +60,13 @@ def build(config: EngineConfig, loaded=None) -> EngineParts:
         eos_token_ids |= tokenizer.eos_token_ids
 
     draft = _load_draft(config, backend, model_config, tokenizer)   # (model, config) or None
+    # the adapter slots before the KV pool is sized: on a GPU they take device memory
+    lora = None
+    if config.lora is not None:
+        lora = LoraManager(config.lora, model, model_config, backend)
+        log.info("LoRA: %d slots of rank %d (%.0f MiB), %d adapters loaded",
+                 config.lora.max_loras, config.lora.max_lora_rank, lora.slot_bytes / 2**20,
+                 len(lora.adapters()))
     kv_dtype = backend.kv_cache_dtype(config.kv_cache_dtype)
     if config.kv_cache_dtype == "fp8":
         log.info("FP8 (e4m3) KV cache with %s", "the checkpoint's k/v scales"
@@ -87,6 +96,7 @@ def build(config: EngineConfig, loaded=None) -> EngineParts:
         config = dataclasses.replace(config, max_num_seqs=max_num_seqs)
     runner = ModelRunner(model, model_config, backend, config.block_size, num_blocks,
                          config.kv_cache_dtype)
+    runner.lora = lora
     log.info("KV cache: %d blocks of %d tokens; max model length %d", num_blocks,
              config.block_size, max_model_len)
     draft_model = None
@@ -109,7 +119,7 @@ def build(config: EngineConfig, loaded=None) -> EngineParts:
             capture_cuda_graphs(config, model, backend, runner, max_model_len)
     return EngineParts(config, backend, model, model_config, model_dir, tokenizer,
                        pooling_config or default_pooling_config(model_dir), eos_token_ids,
-                       block_pool, max_model_len, runner, draft_model)
+                       block_pool, max_model_len, runner, draft_model, lora)
 
 
 def _load_draft(config: EngineConfig, backend, target_config: ModelConfig, tokenizer):

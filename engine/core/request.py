@@ -39,6 +39,7 @@ class Request:
     # the rows; None when the request asked for none (only choice 0 computes them).
     prompt_logprobs: list | None = None
     paused: bool = False      # its reader is behind (AsyncEngine): the scheduler skips it
+    lora: object = None       # the engine.lora.adapter.LoraAdapter it runs; None: the base model
 
     def prompt_logprob_positions(self, num_computed: int, num_new_tokens: int) -> range:
         """Positions, among the num_new_tokens a step computes from num_computed (choice 0's
@@ -125,13 +126,14 @@ class Admission:
 
     def __init__(self, model_config: ModelConfig, max_model_len: int, tokenizer,
                  eos_token_ids: set[int], pooling: PoolingConfig, enable_prefix_caching: bool,
-                 seed: int):
+                 seed: int, lora=None):
         self.model_config = model_config
         self.max_model_len = max_model_len
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.pooling = pooling
         self.enable_prefix_caching = enable_prefix_caching
+        self.lora = lora          # an engine.lora.manager.LoraManager (--enable-lora), or None
         self.rng = random.Random(seed)        # seeds for requests that bring none
         self.structured: StructuredOutputs | None = None    # built on first use
         self._structured_lock = threading.Lock()
@@ -172,7 +174,8 @@ class Admission:
         if bad is not None:
             raise ValueError(f"logit_bias: token id {bad} is not in the vocabulary [0, {vocab})")
         request = Request(request_id, params, len(prompt_token_ids),
-                          prompt_logprobs=None if params.prompt_logprobs is None else [None])
+                          prompt_logprobs=None if params.prompt_logprobs is None else [None],
+                          lora=self._lora(params.lora_name))
         if params.use_beam_search:
             request.seqs = [self._sequence(request, prompt_token_ids, params, 0, seed=0)]
             limit = (params.max_tokens if params.max_tokens is not None
@@ -193,6 +196,16 @@ class Admission:
         else:
             request.seqs = choices
         return request
+
+    def _lora(self, name: str | None):
+        """The loaded adapter called `name` (None: the base model); ValueError naming it when
+        there is none."""
+        if name is None:
+            return None
+        if self.lora is None:
+            raise ValueError(f"LoRA adapter {name!r}: LoRA adapters are not enabled on this "
+                             "engine (--enable-lora)")
+        return self.lora.get(name)
 
     def _sequence(self, request: Request, prompt_token_ids: list[int], params: SamplingParams,
                   index: int, seed: int | None = None) -> Sequence:

@@ -24,6 +24,9 @@ class ForwardBatch:
     block_table_rows: np.ndarray | None = None    # (B,) int32
     block_table_width: int = 0
     block_table_update: object = None             # an input_buffers.BlockTableUpdate
+    # The rows that run LoRA adapters, grouped by adapter (engine/lora/manager.py LoraBatch);
+    # None: every row runs the base model.
+    lora: object = None
 
     @property
     def num_tokens(self) -> int:
@@ -40,4 +43,4 @@ class ForwardBatch:
                               for f, v in ((f, getattr(self, f.name)) for f in fields(self))))
 
 
-_NOT_ARRAYS = ("block_table_width", "block_table_update")
+_NOT_ARRAYS = ("block_table_width", "block_table_update", "lora")

@@ -35,6 +35,7 @@ class ModelRunner:
         self.device_block_tables = (DeviceBlockTables(backend, self.block_tables)
                                     if backend.xp is not np else None)
         self.graph_runner = None      # a CudaGraphRunner once decode graphs are captured
+        self.lora = None              # an engine.lora.manager.LoraManager (--enable-lora)
         self.num_forward_calls = 0    # counted for tests and metrics
         self.num_forward_tokens = 0
 
@@ -109,7 +110,9 @@ class ModelRunner:
                             query_start_loc, starts + n, block_tables,
                             logits_indices.astype(np.int32, copy=False),
                             rows.astype(np.int32), width,
-                            self.block_tables.take_update() if on_device else None)
+                            self.block_tables.take_update() if on_device else None,
+                            (self.lora.plan(seqs, query_start_loc)
+                             if self.lora is not None else None))
 
     def copy_blocks(self, pairs: list[tuple[int, int]]):
         """KV block src -> dst in every layer (a beam's fork of a partly filled block)."""
@@ -163,8 +166,20 @@ class ModelRunner:
         self.backend.adapt_threads()    # CPU: fewer threads while other processes compete
         self.num_forward_calls += 1
         self.num_forward_tokens += batch.num_tokens
+        if batch.lora is None:
+            return self._forward(batch, pooled)
+        # Adapter rows: the projections add their deltas during this forward only. The decode
+        # graphs were captured without adapters, so such a step runs eagerly.
+        self.lora.begin(batch.lora)
+        try:
+            return self._forward(batch, pooled)
+        finally:
+            self.lora.end()
+
+    def _forward(self, batch: ForwardBatch, pooled: list[tuple]):
         if not pooled:
-            if self.graph_runner is not None and self.graph_runner.can_run(batch):
+            if (self.graph_runner is not None and batch.lora is None
+                    and self.graph_runner.can_run(batch)):
                 return self.graph_runner.run(batch), []
             return self.model.forward(self.to_device(batch), self.kv_caches), []
         rows = np.concatenate([np.arange(first, end, dtype=np.int32)
