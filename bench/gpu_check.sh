@@ -248,7 +248,7 @@ if [ "$SUITE" = first ]; then
     gpu_step run_step serve 110 60 "$PY" -m bench.serve_check --out "$LOGS" --model "$MODEL_1B" \
         --concurrency 1 64 --prompts-per-client 2 --output-len 64
     gpu_step test_step tests_default 80 30 test_cuda_ops.py test_cuda_model.py \
-        test_cuda_logprobs.py test_cuda_families.py test_cuda_block_tables.py
+        test_cuda_logprobs.py test_cuda_families.py test_cuda_block_tables.py test_cuda_lora.py
     gpu_step test_step tests_quant 180 40 test_cuda_gguf.py test_cuda_marlin.py test_cuda_fp8.py \
         test_cuda_quant_gemm.py test_cuda_quant_model.py
     gpu_step test_step tests_switches 100 40 test_cuda_flash_decode.py test_cuda_fp8_gemv.py \
