@@ -143,8 +143,8 @@ cdef class Backend:
         their A rows (they read the same x) and share lora_b's rows (they write disjoint
         columns). Rows in no segment are left exactly as they were. Slots keep zeros wherever the
         formula reads nothing (rank rows past r), so a backend may multiply whole R-row blocks.
-        x (T, K) f32; lora_a (S, P*R, K) f32; lora_b (S, R, N) f32; out (T, N) f32, not
-        overlapping x; ranks (S, P) int32 in [0, R]; parts (P+1,) int32 from 0 up to N;
+        x (T, K) f32; lora_a (S, P*R, K) f32|bf16; lora_b (S, R, N) of lora_a's dtype (CUDA: the
+        activation dtype for both); out (T, N) f32, not overlapping x; ranks (S, P) int32 in [0, R]; parts (P+1,) int32 from 0 up to N;
         rows (L,) int32, distinct, in [0, T) (on the backend's device); seg_offsets (G+1,) int32
         from 0 up to L; seg_slots (G,) int32 in [0, S). ranks, parts, seg_offsets and seg_slots
         are host (NumPy) arrays on every backend."""

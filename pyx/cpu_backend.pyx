@@ -101,7 +101,7 @@ cdef extern from "quant_kernels.h" nogil:
 
 
 cdef extern from "lora_kernels.h" nogil:
-    int taper_lora_linear(int isa, const float* x, const float* a, const float* bt,
+    int taper_lora_linear(int isa, const float* x, const void* a, const void* bt, int dtype,
                           const int32_t* ranks, const int32_t* parts, const int32_t* rows,
                           const int32_t* seg_offsets, const int32_t* seg_slots, float* out,
                           int64_t T, int64_t K, int64_t N, int64_t S, int64_t P, int64_t R,
@@ -260,6 +260,7 @@ def _weight_dtypes():
 
 
 _WDT = _weight_dtypes()
+_LORA_DT = [d for d in _WDT if d.name in ("float32", "bfloat16")]   # lora_linear's slots
 
 
 cdef _check_fp8_cache(str op, dict arrays, int64_t Hkv, int64_t D, bint writable):
@@ -485,8 +486,8 @@ cdef class CpuBackend(Backend):
         arrays = {"x": x, "lora_a": lora_a, "lora_b": lora_b, "ranks": ranks, "parts": parts,
                   "rows": rows, "seg_offsets": seg_offsets, "seg_slots": seg_slots, "out": out}
         _check(op, arrays, "x", (_F32,), 2)
-        _check(op, arrays, "lora_a", (_F32,), 3)
-        _check(op, arrays, "lora_b", (_F32,), 3)
+        _check(op, arrays, "lora_a", _LORA_DT, 3)
+        _check(op, arrays, "lora_b", (lora_a.dtype,), 3)
         _check(op, arrays, "out", (_F32,), 2, True)
         for name in ("ranks", "parts", "rows", "seg_offsets", "seg_slots"):
             _check(op, arrays, name, (_I32,), 2 if name == "ranks" else 1)
@@ -503,10 +504,10 @@ cdef class CpuBackend(Backend):
             _fail(op, "need seg_slots (G,) and seg_offsets (G+1,) ending at len(rows)", arrays)
         if np.may_share_memory(x, out):
             _fail(op, "x and out must not overlap", arrays)
-        cdef int isa = self._isa, nt = self._nthreads, st
+        cdef int isa = self._isa, nt = self._nthreads, st, dt = _wdtype(lora_a)
         cdef const float* xp = <const float*>_ptr(x)
-        cdef const float* ap = <const float*>_ptr(lora_a)
-        cdef const float* bp = <const float*>_ptr(lora_b)
+        cdef const void* ap = _ptr(lora_a)
+        cdef const void* bp = _ptr(lora_b)
         cdef const int32_t* rkp = <const int32_t*>_ptr(ranks)
         cdef const int32_t* pp = <const int32_t*>_ptr(parts)
         cdef const int32_t* rp = <const int32_t*>_ptr(rows)
@@ -514,8 +515,8 @@ cdef class CpuBackend(Backend):
         cdef const int32_t* sp = <const int32_t*>_ptr(seg_slots)
         cdef float* outp = <float*>_ptr(out)
         with nogil:
-            st = taper_lora_linear(isa, xp, ap, bp, rkp, pp, rp, op_, sp, outp, T, K, N, S, P, R,
-                                   G, nt)
+            st = taper_lora_linear(isa, xp, ap, bp, dt, rkp, pp, rp, op_, sp, outp, T, K, N, S,
+                                   P, R, G, nt)
         if st == TAPER_ERR_ARG:
             _fail(op, "a row, slot, rank, part or segment offset is out of range", arrays)
         _status(st, op, arrays)

@@ -9,13 +9,14 @@
 /* For each segment g (rows[seg_offsets[g] .. seg_offsets[g+1]) of adapter slot seg_slots[g]) and
  * each part p (the columns [parts[p], parts[p+1]) of out), with r = ranks[s * P + p]:
  *     out[t, part p] += (x[t] . a[s, p*R + j]) * bt[s, j, part p]   summed over j < r
- * in float32. Rows outside every segment are not touched; rows must be distinct (rows of one
+ * in float32 (bf16 weights widened exactly). Rows outside every segment are not touched; rows must be distinct (rows of one
  * call are updated in parallel). TAPER_ERR_ARG for a row, slot, rank, part or offset out of
  * range; TAPER_ERR_NOMEM when per-thread scratch cannot be had. */
 int taper_lora_linear(int isa,
                       const float* x,            // (T, K)
-                      const float* a,            // (S, P*R, K)
-                      const float* bt,           // (S, R, N)
+                      const void* a,             // (S, P*R, K) f32|bf16
+                      const void* bt,            // (S, R, N), a's dtype
+                      int dtype,                 // TAPER_F32 or TAPER_BF16
                       const int32_t* ranks,      // (S, P)
                       const int32_t* parts,      // (P+1,)
                       const int32_t* rows,       // (L,)

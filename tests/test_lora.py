@@ -9,6 +9,8 @@ import json
 import os
 import shutil
 
+import ml_dtypes
+import numpy as np
 import pytest
 
 from checkpoints import tiny_checkpoint
@@ -148,6 +150,29 @@ def test_more_adapters_than_slots_are_swapped_in(base, adapters):
     assert held == {"alpha", "gamma"} and manager.num_swaps == 3
     assert tokens(llm, [PROMPTS[1]], greedy("beta")) == tokens(
         engine(base, adapters), [PROMPTS[1]], greedy("beta"))
+
+
+def test_bf16_base_takes_bf16_slots(tmp_path):
+    """A bf16 base gets bf16 slots on the CPU (half the bytes a decode step reads): tokens equal
+    transformers with the adapter rounded to bf16 merged (alpha / r = 2: the scaling folded into
+    B^T rounds as B does)."""
+    from safetensors.numpy import load_file, save_file
+
+    base = tiny_checkpoint(tmp_path / "bf16", "llama", dtype="bfloat16", seed=5)
+    path = write_adapter(base, tmp_path / "a", seed=9, r=8, lora_alpha=16,
+                         target_modules=ADAPTERS["alpha"]["target_modules"])
+    rounded = tmp_path / "rounded"
+    shutil.copytree(path, rounded)
+    weights = load_file(os.path.join(path, "adapter_model.safetensors"))
+    save_file({k: v.astype(ml_dtypes.bfloat16).astype(np.float32) for k, v in weights.items()},
+              str(rounded / "adapter_model.safetensors"))
+    llm = LLM(base, num_kv_blocks=32, lora=dict(modules={"a": path}, max_lora_rank=8))
+    assert llm.engine.lora.dtype.name == "bfloat16"
+    oracle = merged(base, str(rounded))
+    for prompt in PROMPTS:
+        got = tokens(llm, [prompt], greedy("a"))[0]
+        assert_matches(got, hf_greedy(oracle, prompt, N), label=f"bf16 {prompt[:3]}")
+        assert got != tokens(llm, [prompt], greedy())[0]
 
 
 def test_adapter_on_gguf_base(tmp_path):

@@ -1,7 +1,8 @@
 """CpuBackend.lora_linear, the segmented LoRA product (pyx/backend.pyx), against the float64
-oracle in tests/reference.py on each ISA path: several slots of different ranks (zero included),
-parts of a fused output, an empty segment, rows in any order, and rows outside every segment left
-bit for bit as they were."""
+oracle in tests/reference.py on each ISA path, with float32 and bf16 slots: several slots of
+different ranks (zero included), odd ranks and sizes, parts of a fused output, an empty segment,
+rows in any order, and rows outside every segment left bit for bit as they were."""
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -11,7 +12,7 @@ import reference as ref
 ISAS = ["scalar", "avx2", "avx512"]
 
 
-def make_case(seed=0, T=13, K=40, part_sizes=(24, 8, 8), R=6, S=3):
+def make_case(seed=0, T=13, K=40, part_sizes=(24, 8, 8), R=6, S=3, dtype=np.float32):
     """Slots with zeros past each part's rank (the op's contract), rows split into segments."""
     rng = np.random.default_rng(seed)
     P = len(part_sizes)
@@ -33,15 +34,17 @@ def make_case(seed=0, T=13, K=40, part_sizes=(24, 8, 8), R=6, S=3):
     rows = np.array([9, 0, 5, 12, 2, 3, 6, 7, 8, 10], np.int32)
     seg_offsets = np.array([0, 4, 4, 10], np.int32)
     seg_slots = np.array([0, 2, 1], np.int32)
-    return x, a, b, ranks, parts, rows, seg_offsets, seg_slots, out
+    return x, a.astype(dtype), b.astype(dtype), ranks, parts, rows, seg_offsets, seg_slots, out
 
 
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16])
+@pytest.mark.parametrize("shape", [dict(), dict(T=20, K=83, part_sizes=(130, 64, 67), R=7)])
 @pytest.mark.parametrize("isa", ISAS)
-def test_lora_linear_matches_reference(isa):
+def test_lora_linear_matches_reference(isa, shape, dtype):
     if not isa_supported(isa):
         pytest.skip(f"this CPU lacks {isa}")
     be = CpuBackend(isa=isa, num_threads=2)
-    x, a, b, ranks, parts, rows, seg_offsets, seg_slots, out = make_case()
+    x, a, b, ranks, parts, rows, seg_offsets, seg_slots, out = make_case(dtype=dtype, **shape)
     want = ref.lora_linear(x, a, b, ranks, parts, rows, seg_offsets, seg_slots, out)
     before = out.copy()
     be.lora_linear(x, a, b, ranks, parts, rows, seg_offsets, seg_slots, out)

@@ -63,10 +63,10 @@ def build(config: EngineConfig, loaded=None) -> EngineParts:
     # the adapter slots before the KV pool is sized: on a GPU they take device memory
     lora = None
     if config.lora is not None:
-        lora = LoraManager(config.lora, model, model_config, backend)
-        log.info("LoRA: %d slots of rank %d (%.0f MiB), %d adapters loaded",
-                 config.lora.max_loras, config.lora.max_lora_rank, lora.slot_bytes / 2**20,
-                 len(lora.adapters()))
+        lora = LoraManager(config.lora, model, model_config, backend, config.dtype)
+        log.info("LoRA: %d slots of rank %d in %s (%.0f MiB), %d adapters loaded",
+                 config.lora.max_loras, config.lora.max_lora_rank, lora.dtype.name,
+                 lora.slot_bytes / 2**20, len(lora.adapters()))
     kv_dtype = backend.kv_cache_dtype(config.kv_cache_dtype)
     if config.kv_cache_dtype == "fp8":
         log.info("FP8 (e4m3) KV cache with %s", "the checkpoint's k/v scales"

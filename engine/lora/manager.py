@@ -23,7 +23,7 @@ import numpy as np
 
 from engine.lora.adapter import LoraAdapter, LoraError, read_adapter
 from engine.lora.config import LoraConfig, check_lora_name
-from engine.lora.slots import LoraStep, attach
+from engine.lora.slots import LoraStep, attach, slot_dtype
 
 log = logging.getLogger("taper.lora")
 
@@ -38,12 +38,14 @@ class LoraBatch:
 
 
 class LoraManager:
-    def __init__(self, config: LoraConfig, model, model_config, backend):
+    def __init__(self, config: LoraConfig, model, model_config, backend, dtype: str = "auto"):
+        """dtype: the engine's --dtype (auto: the checkpoint's), which the CPU slots follow."""
         self.config = config
         self.model_config, self.backend = model_config, backend
         self.step = LoraStep()
+        self.dtype = slot_dtype(backend, model_config.dtype if dtype == "auto" else dtype)
         self.projections = attach(model, model_config, backend, self.step, config.max_loras,
-                                  config.max_lora_rank)
+                                  config.max_lora_rank, self.dtype)
         self._supported: dict[int, set[str]] = {}
         for layer, projection in self.projections:
             self._supported.setdefault(layer, set()).add(projection)
