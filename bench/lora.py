@@ -177,7 +177,8 @@ def main(argv=None) -> int:
     swap_ms = 1000 * manager.swap_seconds / manager.num_swaps
     mb = next(iter(manager.adapters())).nbytes / 2**20
     print(f"swap: {swap_ms:.1f} ms per adapter ({manager.num_swaps} swaps; {mb:.1f} MB of "
-          f"float32 A and B^T each, into slots of rank {args.rank})")
+          f"float32 A and B^T each on the host, into {manager.dtype.name} slots of rank "
+          f"{args.rank})")
     print(f"load average at the end {os.getloadavg()[0]:.1f}")
     if args.json:
         Path(args.json).write_text(json.dumps({
