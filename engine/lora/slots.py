@@ -3,6 +3,8 @@
 A projection (a layer's fused qkv, o, fused gate_up or down) gets `max_loras` slots of fixed size
 on the backend: A rows (S, P*R, K), the parts' A stacked (q, k, v read the same input), and
 scaling * B^T (S, R, N), the parts side by side in their own output columns; R = --max-lora-rank.
+Their dtype (`slot_dtype`): the activations' on CUDA; on the CPU bf16 for a bf16 base (a decode
+step reads every slot it uses from memory: half the bytes) and float32 otherwise.
 The LoRA delta is added to whatever the base linear wrote, so the base weights may be float,
 GGUF blocks, int4 or FP8. Attaching sets the layers' lora_* hooks (pyx/layers.pyx), which do
 nothing while no step with adapter rows runs (`LoraStep.rows` None), a CUDA graph's capture
@@ -10,10 +12,19 @@ included.
 """
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 
 from engine.lora.adapter import LoraPart
 from pyx.layers import MLP
+
+
+def slot_dtype(backend, base_dtype: str):
+    """The slots' element type for a base model whose matrices are `base_dtype` (a dtype name:
+    bf16, bfloat16, float32, ...)."""
+    if backend.name != "cpu":
+        return backend.act_dtype
+    return np.dtype(ml_dtypes.bfloat16 if base_dtype in ("bf16", "bfloat16") else np.float32)
 
 
 class LoraStep:
@@ -27,8 +38,8 @@ class LoraStep:
 
 class LoraProjection:
     def __init__(self, backend, step: LoraStep, num_slots: int, max_rank: int, in_features: int,
-                 part_sizes: list[int]):
-        xp, dtype = backend.xp, backend.act_dtype
+                 part_sizes: list[int], dtype):
+        xp = backend.xp
         self.backend, self.step = backend, step
         self.num_parts, self.max_rank = len(part_sizes), max_rank
         self.in_features = in_features
@@ -69,8 +80,8 @@ class LoraProjection:
                                  st.seg_offsets, st.seg_slots, out)
 
 
-def attach(model, model_config, backend, step: LoraStep, num_slots: int,
-           max_rank: int) -> dict[tuple[int, str], LoraProjection]:
+def attach(model, model_config, backend, step: LoraStep, num_slots: int, max_rank: int,
+           dtype) -> dict[tuple[int, str], LoraProjection]:
     """Slots for every projection of every layer, hooked into the model's layers; returns them by
     (layer, projection). A layer whose MLP is not dense (mixture of experts) gets attention
     slots only."""
@@ -81,7 +92,8 @@ def attach(model, model_config, backend, step: LoraStep, num_slots: int,
         attention, mlp = layer.attention, layer.mlp
 
         def projection(in_features, part_sizes):
-            return LoraProjection(backend, step, num_slots, max_rank, in_features, part_sizes)
+            return LoraProjection(backend, step, num_slots, max_rank, in_features, part_sizes,
+                                  dtype)
         attention.lora_qkv = out[i, "qkv"] = projection(H, [c.q_size, c.kv_size, c.kv_size])
         attention.lora_o = out[i, "o"] = projection(c.q_size, [H])
         if isinstance(mlp, MLP):
