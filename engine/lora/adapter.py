@@ -176,8 +176,8 @@ def read_adapter(name: str, path: str, model_config: ModelConfig, max_rank: int,
             fail(f"{where} has rank {r}, above --max-lora-rank {max_rank}")
         projection, part = MODULES[module]
         if projection not in projections.get(layer, ()):
-            fail(f"{where}: layer {layer} of this base model has no dense {projection} "
-                 "projection to adapt (a mixture-of-experts layer)")
+            fail(f"{where}: layer {layer} of this base model has no {projection} projection "
+                 "that takes LoRA adapters (a mixture of experts, latent or linear attention)")
         r_config = pattern_value(config.get("rank_pattern"), where, r_default)
         if r_config != r:
             fail(f"{where} has rank {r}, but adapter_config.json gives it r = {r_config}")

@@ -16,7 +16,7 @@ import ml_dtypes
 import numpy as np
 
 from engine.lora.adapter import LoraPart
-from pyx.layers import MLP
+from pyx.layers import MLP, Attention
 
 
 def slot_dtype(backend, base_dtype: str):
@@ -83,19 +83,23 @@ class LoraProjection:
 def attach(model, model_config, backend, step: LoraStep, num_slots: int, max_rank: int,
            dtype) -> dict[tuple[int, str], LoraProjection]:
     """Slots for every projection of every layer, hooked into the model's layers; returns them by
-    (layer, projection). A layer whose MLP is not dense (mixture of experts) gets attention
-    slots only."""
+    (layer, projection). Only the graph's own attention (pyx.layers.Attention) and dense MLP
+    take them: a mixture of experts, latent attention (MLA) or a linear-attention layer does not,
+    and an adapter for one is refused (adapter.py)."""
     c = model_config
     H, I = c.hidden_size, c.intermediate_size
     out = {}
     for i, layer in enumerate(model.layers):
-        attention, mlp = layer.attention, layer.mlp
+        attention, mlp = getattr(layer, "attention", None), getattr(layer, "mlp", None)
 
         def projection(in_features, part_sizes):
             return LoraProjection(backend, step, num_slots, max_rank, in_features, part_sizes,
                                   dtype)
-        attention.lora_qkv = out[i, "qkv"] = projection(H, [c.q_size, c.kv_size, c.kv_size])
-        attention.lora_o = out[i, "o"] = projection(c.q_size, [H])
+        if isinstance(attention, Attention):
+            q = attention.num_heads * attention.head_dim
+            kv = attention.num_kv_heads * attention.head_dim
+            attention.lora_qkv = out[i, "qkv"] = projection(H, [q, kv, kv])
+            attention.lora_o = out[i, "o"] = projection(q, [H])
         if isinstance(mlp, MLP):
             mlp.lora_gate_up = out[i, "gate_up"] = projection(H, [I, I])
             mlp.lora_down = out[i, "down"] = projection(I, [H])
