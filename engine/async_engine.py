@@ -103,6 +103,7 @@ class AsyncEngine:
         self.model_config = self.engine.model_config
         self.max_model_len = self.engine.max_model_len
         self.pooling = self.engine.pooling        # how /v1/embeddings pools (sampling/pooling.py)
+        self.lora = self.engine.lora              # LoRA adapters (engine/lora/manager.py), or None
         self.model_name = default_model_name(config.model)
         self.generation_defaults = generation_config_defaults(self.engine.model_dir)
         self.structured_outputs = self.engine.structured_outputs   # thread-safe, lazy

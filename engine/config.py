@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.lora.config import LoraConfig
 from engine.runner.backends import detect_backend
 from engine.spec.config import SpeculativeConfig
 from pyx.kernel_config import KernelConfig
@@ -47,9 +48,14 @@ class EngineConfig:
     # Speculative decoding (engine/spec/): a SpeculativeConfig, or its JSON text or dict
     # (--speculative-config, vLLM's keys); None: off.
     speculative_config: SpeculativeConfig | None = None
+    # LoRA adapters per request (engine/lora/, --enable-lora): a LoraConfig, or a dict of its
+    # fields; None: off.
+    lora: LoraConfig | None = None
 
     def __post_init__(self):
         self.kernels = KernelConfig.parse(self.kernels)
+        if isinstance(self.lora, dict):
+            self.lora = LoraConfig(**self.lora)
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.block_size < 8 or self.block_size > 128 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two in [8, 128], got {self.block_size}")

@@ -132,6 +132,25 @@ cdef class Backend:
         x (T, K) f32; weight (N, K) f32|bf16|f16; bias (N,) f32 or None; out (T, N) f32."""
         raise NotImplementedError
 
+    def lora_linear(self, x, lora_a, lora_b, ranks, parts, rows, seg_offsets, seg_slots, out):
+        """Adds LoRA adapters' deltas to a linear's output, grouped by adapter (the segmented
+        shrink and expand of punica's SGMV): segment g holds the rows
+        rows[seg_offsets[g]:seg_offsets[g+1]], all of adapter slot s = seg_slots[g]. For each
+        such row t and each part p of the output (columns c = [parts[p], parts[p+1]): q, k and v
+        of a fused projection), with R = lora_a.shape[1] / P and r = ranks[s, p]:
+            out[t, c] += (x[t] @ lora_a[s, p*R:p*R+r].T) @ lora_b[s, :r, c]
+        accumulated in float32; the adapter's scaling is folded into lora_b. The parts stack
+        their A rows (they read the same x) and share lora_b's rows (they write disjoint
+        columns). Rows in no segment are left exactly as they were. Slots keep zeros wherever the
+        formula reads nothing (rank rows past r), so a backend may multiply whole R-row blocks.
+        x (T, K) f32; lora_a (S, P*R, K) f32|bf16; lora_b (S, R, N) of lora_a's dtype (CUDA: the
+        activation dtype for both); out (T, N) f32, not overlapping x; ranks (S, P) int32 in
+        [0, R]; parts (P+1,) int32 from 0 up to N; rows (L,) int32, distinct, in [0, T) (on the
+        backend's device); seg_offsets (G+1,) int32 from 0 up to L; seg_slots (G,) int32 in
+        [0, S). ranks, parts, seg_offsets and seg_slots are host (NumPy) arrays on every
+        backend."""
+        raise NotImplementedError
+
     def batched_linear(self, x, weight, out):
         """out[g] = x[g] @ weight[g].T for each of G groups; float32 accumulation (MLA's per-head
         absorbed projections). x (G, T, K) f32; weight (G, N, K) f32|bf16|f16; out (G, T, N) f32."""

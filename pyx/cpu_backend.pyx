@@ -100,6 +100,14 @@ cdef extern from "quant_kernels.h" nogil:
     int taper_quant_gemv_max_t(int isa, int type)
 
 
+cdef extern from "lora_kernels.h" nogil:
+    int taper_lora_linear(int isa, const float* x, const void* a, const void* bt, int dtype,
+                          const int32_t* ranks, const int32_t* parts, const int32_t* rows,
+                          const int32_t* seg_offsets, const int32_t* seg_slots, float* out,
+                          int64_t T, int64_t K, int64_t N, int64_t S, int64_t P, int64_t R,
+                          int64_t G, int nthreads)
+
+
 ctypedef int (*gated_kernel)(int isa, const float* x, float* out, int64_t T, int64_t inter,
                              int nthreads) noexcept nogil
 
@@ -252,6 +260,7 @@ def _weight_dtypes():
 
 
 _WDT = _weight_dtypes()
+_LORA_DT = [d for d in _WDT if d.name in ("float32", "bfloat16")]   # lora_linear's slots
 
 
 cdef _check_fp8_cache(str op, dict arrays, int64_t Hkv, int64_t D, bint writable):
@@ -470,6 +479,46 @@ cdef class CpuBackend(Backend):
         cdef float* outp = <float*>_ptr(out)
         with nogil:
             st = taper_linear_ex(isa, xp, wp, dt, bp, outp, T, K, N, inv, nt)
+        _status(st, op, arrays)
+
+    def lora_linear(self, x, lora_a, lora_b, ranks, parts, rows, seg_offsets, seg_slots, out):
+        op = "lora_linear"
+        arrays = {"x": x, "lora_a": lora_a, "lora_b": lora_b, "ranks": ranks, "parts": parts,
+                  "rows": rows, "seg_offsets": seg_offsets, "seg_slots": seg_slots, "out": out}
+        _check(op, arrays, "x", (_F32,), 2)
+        _check(op, arrays, "lora_a", _LORA_DT, 3)
+        _check(op, arrays, "lora_b", (lora_a.dtype,), 3)
+        _check(op, arrays, "out", (_F32,), 2, True)
+        for name in ("ranks", "parts", "rows", "seg_offsets", "seg_slots"):
+            _check(op, arrays, name, (_I32,), 2 if name == "ranks" else 1)
+        cdef int64_t T = x.shape[0], K = x.shape[1], N = out.shape[1], S = lora_a.shape[0]
+        cdef int64_t P = parts.shape[0] - 1, G = seg_slots.shape[0], R
+        if P < 1 or lora_a.shape[1] % P:
+            _fail(op, "need parts (P+1,) with P >= 1 dividing lora_a.shape[1] (P*R)", arrays)
+        R = lora_a.shape[1] // P
+        if (out.shape[0] != T or lora_a.shape[2] != K or lora_b.shape != (S, R, N)
+                or ranks.shape[0] != S or ranks.shape[1] != P):
+            _fail(op, "need x (T, K), lora_a (S, P*R, K), lora_b (S, R, N), ranks (S, P), "
+                      "out (T, N)", arrays)
+        if seg_offsets.shape[0] != G + 1 or (G and seg_offsets[G] != rows.shape[0]):
+            _fail(op, "need seg_slots (G,) and seg_offsets (G+1,) ending at len(rows)", arrays)
+        if np.may_share_memory(x, out):
+            _fail(op, "x and out must not overlap", arrays)
+        cdef int isa = self._isa, nt = self._nthreads, st, dt = _wdtype(lora_a)
+        cdef const float* xp = <const float*>_ptr(x)
+        cdef const void* ap = _ptr(lora_a)
+        cdef const void* bp = _ptr(lora_b)
+        cdef const int32_t* rkp = <const int32_t*>_ptr(ranks)
+        cdef const int32_t* pp = <const int32_t*>_ptr(parts)
+        cdef const int32_t* rp = <const int32_t*>_ptr(rows)
+        cdef const int32_t* op_ = <const int32_t*>_ptr(seg_offsets)
+        cdef const int32_t* sp = <const int32_t*>_ptr(seg_slots)
+        cdef float* outp = <float*>_ptr(out)
+        with nogil:
+            st = taper_lora_linear(isa, xp, ap, bp, dt, rkp, pp, rp, op_, sp, outp, T, K, N, S,
+                                   P, R, G, nt)
+        if st == TAPER_ERR_ARG:
+            _fail(op, "a row, slot, rank, part or segment offset is out of range", arrays)
         _status(st, op, arrays)
 
     def _quant_embedding(self, token_ids, table, out):

@@ -431,6 +431,11 @@ cdef class CudaBackend(Backend):
             launch_add_bias(self._ptr(out), self._ptr(bias), T, N, _dtype_code(out.dtype),
                             self._sptr())
 
+    def lora_linear(self, x, lora_a, lora_b, ranks, parts, rows, seg_offsets, seg_slots, out):
+        """cuBLAS per adapter segment on the gathered rows (pyx/cuda_lora.pxi); `rows` are not
+        range-checked on the device (that would wait for it): the engine makes them."""
+        _lora_linear(self, x, lora_a, lora_b, ranks, parts, rows, seg_offsets, seg_slots, out)
+
     cdef _gemm(self, ptr_t w, ptr_t x, ptr_t out, int64_t T, int64_t N, int64_t K,
                int64_t ldo, int out_code):
         """out[t, n] (row stride ldo) = sum_k x[t, k] * w[n, k] through cuBLAS, float32
@@ -1042,3 +1047,6 @@ cdef class CudaBackend(Backend):
                             self._ptr(top_k), self._ptr(top_p), self._ptr(min_p),
                             self._ptr(seeds), self._ptr(positions), pr, pc, pb, pp, pf,
                             self._ptr(out), B, V, N, self._sptr())
+
+
+include "cuda_lora.pxi"

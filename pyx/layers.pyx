@@ -38,6 +38,9 @@ cdef class Attention:
     cdef object backend, xp
     cdef object qkv_weight, qkv_bias, o_weight, o_bias, q_norm, k_norm, cos_sin_cache
     cdef readonly object k_scale, v_scale
+    # LoRA adapters' deltas on the qkv and output projections: None, or an object whose
+    # add(x, out) adds them to the projection's output (engine/lora/slots.py)
+    cdef public object lora_qkv, lora_o
     cdef readonly int num_heads, num_kv_heads, head_dim, sliding_window
     cdef int q_size, kv_size
     cdef double scale, eps, softcap
@@ -76,6 +79,8 @@ cdef class Attention:
         b, xp = self.backend, self.xp
         qkv = ws.get("qkv", T, qs + 2 * kvs)
         b.linear(x, self.qkv_weight, self.qkv_bias, qkv)
+        if self.lora_qkv is not None:
+            self.lora_qkv.add(x, qkv)
         q = ws.get("q", T, qs)
         k = ws.get("k", T, kvs)
         v = ws.get("v", T, kvs)
@@ -116,6 +121,8 @@ cdef class Attention:
                               batch.query_start_loc, self.scale, self.sliding_window,
                               softcap=self.softcap)
         b.linear(attn, self.o_weight, self.o_bias, out)
+        if self.lora_o is not None:
+            self.lora_o.add(attn, out)
 
     def _per_head_layer_norm(self, x, out, norms, int heads, Workspace ws, str name):
         """out (T, heads*D) = each head of x LayerNormed with its own weight: the layer_norm op
@@ -135,6 +142,7 @@ cdef class MLP:
     act "silu" (SwiGLU) or "gelu_tanh" (GeGLU, Gemma)."""
     cdef object backend, gate_up_weight, gate_up_bias, down_weight, down_bias, act_and_mul
     cdef int intermediate_size
+    cdef public object lora_gate_up, lora_down    # as Attention's lora_qkv
 
     def __init__(self, backend, gate_up_weight, gate_up_bias, down_weight, down_bias,
                  str act="silu"):
@@ -155,9 +163,13 @@ cdef class MLP:
         b = self.backend
         gate_up = ws.get("gate_up", T, 2 * self.intermediate_size)
         b.linear(x, self.gate_up_weight, self.gate_up_bias, gate_up)
+        if self.lora_gate_up is not None:
+            self.lora_gate_up.add(x, gate_up)
         act = ws.get("act", T, self.intermediate_size)
         self.act_and_mul(gate_up, act)
         b.linear(act, self.down_weight, self.down_bias, out)
+        if self.lora_down is not None:
+            self.lora_down.add(act, out)
 
 
 cdef class DecoderLayer:

@@ -199,6 +199,25 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--draft-model", metavar="DIR", default=None,
                    help="speculative decoding with this draft model (the target's tokenizer): "
                         "4 tokens per step unless --speculative-config says otherwise")
+    lo = p.add_argument_group("LoRA adapters (vLLM's flags; README: LoRA adapters)")
+    lo.add_argument("--enable-lora", action="store_true",
+                    help="serve LoRA adapters on the base model, chosen per request by `model`")
+    lo.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                    help="PEFT adapter directories (adapter_config.json + "
+                         "adapter_model.safetensors) to serve from the start, as NAME=PATH or "
+                         "JSON {\"name\": ..., \"path\": ...}")
+    lo.add_argument("--max-loras", type=int, metavar="N", default=1,
+                    help="adapters one step may run (their slots); requests for more wait, and "
+                         "adapters beyond them are swapped in from host memory, least recently "
+                         "used first (default 1)")
+    lo.add_argument("--max-lora-rank", type=int, metavar="R", default=16,
+                    help="the largest adapter rank served; slots are sized for it (default 16)")
+    lo.add_argument("--allow-runtime-lora-updating", action="store_true",
+                    default=os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower()
+                    in ("1", "true"),
+                    help="enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter (they "
+                         "read adapter directories the request names; default off, or on with "
+                         "$VLLM_ALLOW_RUNTIME_LORA_UPDATING=true)")
     e.add_argument("--kernels", metavar="KEY=VALUE,...", default="",
                    help="kernel choices, e.g. prefill=fa2,decode=split,marlin=pipeline; each key's "
                         "first value is its default, the backends that read it in parentheses: "
@@ -281,6 +300,8 @@ def check_args(args) -> str | None:
         return str(e)
     if args.profile_steps < 0:
         return "--profile-steps must be 0 (off) or a number of steps"
+    if problem := check_lora_args(args):
+        return problem
     if args.max_request_mb <= 0 or args.shutdown_timeout < 0:
         return "--max-request-mb must be positive and --shutdown-timeout non-negative"
     try:
@@ -288,6 +309,26 @@ def check_args(args) -> str | None:
     except ValueError as e:       # the message starts with the parameter's name
         name, rest = str(e).split(" ", 1)
         return f"--{name.replace('_', '-')} {rest}"
+    return None
+
+
+def check_lora_args(args) -> str | None:
+    """The LoRA flags' first problem: they need --enable-lora, and take vLLM's forms."""
+    from engine.lora.config import MAX_LORA_RANK_LIMIT, parse_lora_modules
+    if not args.enable_lora:
+        given = [flag for flag, on in (("--lora-modules", args.lora_modules),
+                                       ("--max-loras", args.max_loras != 1),
+                                       ("--max-lora-rank", args.max_lora_rank != 16))
+                 if on]
+        return f"{given[0]} needs --enable-lora" if given else None
+    try:
+        parse_lora_modules(args.lora_modules)
+    except ValueError as e:
+        return f"--lora-modules: {e}"
+    if args.max_loras < 1:
+        return "--max-loras must be at least 1"
+    if not 1 <= args.max_lora_rank <= MAX_LORA_RANK_LIMIT:
+        return f"--max-lora-rank must be in [1, {MAX_LORA_RANK_LIMIT}]"
     return None
 
 
@@ -299,6 +340,7 @@ def sampling_defaults(args) -> dict:
 def engine_config(args):
     from engine import KernelConfig
     from engine.config import EngineConfig
+    from engine.lora.config import LoraConfig
     from engine.runner.backends import detect_backend
 
     if args.demo == "smollm2":        # serves as --f would (server_settings names it so)
@@ -344,7 +386,9 @@ def engine_config(args):
         batch_invariant=args.batch_invariant, logprobs_mode=args.logprobs_mode,
         async_scheduling=args.async_scheduling, schedule_ahead=args.schedule_ahead,
         kernels=KernelConfig.parse(args.kernels, "--kernels"),
-        speculative_config=speculative_config(args))
+        speculative_config=speculative_config(args),
+        lora=LoraConfig(args.lora_modules, args.max_loras, args.max_lora_rank)
+        if args.enable_lora else None)
 
 
 def speculative_config(args):
@@ -413,7 +457,8 @@ def server_settings(args, config):
             allowed_domains=list(args.allowed_media_domains),
             max_images=args.max_images_per_request,
             max_image_bytes=int(args.max_image_mb * 2**20),
-            max_image_pixels=args.max_image_pixels, fetch_timeout=args.media_fetch_timeout))
+            max_image_pixels=args.max_image_pixels, fetch_timeout=args.media_fetch_timeout),
+        lora_runtime_updates=args.enable_lora and args.allow_runtime_lora_updating)
 
 
 class Server:

@@ -75,7 +75,7 @@ def register_anthropic(app: Quart, *, limits, check_queue, fit_context, chat_pro
         """The request, its chat translation, model, engine, tools and prompt ids."""
         req = await request_body.read(await request.get_data(), cls, state.engine, limits)
         engine = state.ready_engine()
-        model = state.resolve_model(req.model)
+        model = state.resolve_model(req.model, lora=True)
         chat = parse_request(ChatCompletionRequest, req.chat_body())
         tools = chat_tools(chat, state.tool_parser)
         prompt_ids = await chat_prompt_ids(engine, chat, tools=tools.rendered)

@@ -13,7 +13,10 @@ the live ones finish).
 Routes kept in modules of their own are registered from create_app: /v1/embeddings
 (server/embeddings.py), /v1/rerank and /v1/score (server/rerank.py), the Responses API
 (server/responses.py), Anthropic's /v1/messages (server/anthropic.py, whose errors take
-Anthropic's shape).
+Anthropic's shape), /v1/load_lora_adapter and /v1/unload_lora_adapter (server/lora_adapters.py).
+
+LoRA adapters (--enable-lora) are served models too: a generation request names one in `model`,
+and /v1/models lists each with `parent` set to the base model.
 """
 from __future__ import annotations
 
@@ -34,6 +37,7 @@ from server import json_io, media, request_body, streaming, structured_outputs, 
 from server.anthropic import error_body as anthropic_error_body
 from server.anthropic import is_anthropic_path, register_anthropic
 from server.embeddings import register_embeddings
+from server.lora_adapters import register_lora
 from server.rerank import register_rerank
 from server.limits import Limits
 from server.message_stream import MessageStream
@@ -72,6 +76,7 @@ class ServerSettings:
     mcp_call_timeout: float = 120.0          # seconds one MCP call may take
     responses_max_background: int = 64       # background responses running at once
     media_limits: media.MediaSettings = field(default_factory=media.MediaSettings)  # images
+    lora_runtime_updates: bool = False       # /v1/(un)load_lora_adapter are on
 
 
 @dataclass
@@ -102,17 +107,39 @@ class ServerState:
         tok = self.engine.tokenizer
         self.reasoning_model = tok is not None and tok.has_tokens(("<think>", "</think>"))
 
-    def resolve_model(self, name: str | None) -> str:
+    def resolve_model(self, name: str | None, lora: bool = False) -> str:
         """The served model a request names (the first served name when it names none); a 404
-        naming `model` for any other."""
+        naming `model` for any other. lora: a loaded LoRA adapter's name is served too (a
+        generation request); else it is a 400 (embeddings and scores run the base model)."""
         names = self.settings.served_model_names
         if name is None:
             return names[0]
         if name not in names:
+            if name in self.lora_names():
+                if lora:
+                    return name
+                raise APIError(f"The model '{name}' is a LoRA adapter, which serves generation "
+                               f"only; this endpoint serves the base model '{names[0]}'",
+                               param="model", code="model_not_supported")
+            served = names + self.lora_names()
             raise APIError(f"The model '{name}' does not exist; this server serves "
-                           + ", ".join(repr(n) for n in names), status=404,
+                           + ", ".join(repr(n) for n in served), status=404,
                            param="model", code="model_not_found")
         return name
+
+    def lora_adapters(self) -> list:
+        """The LoRA adapters loaded now (engine/lora/adapter.py LoraAdapter), in load order."""
+        manager = getattr(self.engine, "lora", None)
+        return [] if manager is None else manager.adapters()
+
+    def lora_names(self) -> list[str]:
+        return [a.name for a in self.lora_adapters()]
+
+    def lora_name(self, model: str | None) -> str | None:
+        """The adapter a request's `model` selects; None: the base model."""
+        if model is None or model in self.settings.served_model_names:
+            return None
+        return model if model in self.lora_names() else None
 
     def unavailable(self) -> APIError | None:
         """Why requests cannot be served now (as the 503 to send), or None."""
@@ -295,21 +322,25 @@ def create_app(engine, settings: ServerSettings) -> Quart:
                 "max_model_len": max_len}
         if settings.model_notice:      # an extra field, as max_model_len: SDKs keep it
             card["notice"] = settings.model_notice
+        adapter = next((a for a in state.lora_adapters() if a.name == name), None)
+        if adapter is not None and name not in names:     # vLLM's fields for an adapter
+            card.update(root=adapter.path, parent=names[0])
         return card
 
     @app.get("/v1/models")
     async def list_models():
-        return _json({"object": "list", "data": [model_card(n) for n in names]})
+        return _json({"object": "list",
+                      "data": [model_card(n) for n in names + state.lora_names()]})
 
     @app.get("/v1/models/<path:name>")        # hub ids hold a slash
     async def retrieve_model(name: str):
-        return _json(model_card(state.resolve_model(name)))
+        return _json(model_card(state.resolve_model(name, lora=True)))
 
     async def read_request(cls):
         req = await request_body.read(await request.get_data(), cls, state.engine,
                                       settings.limits)
         engine = state.ready_engine()
-        return req, state.resolve_model(req.model), engine
+        return req, state.resolve_model(req.model, lora=True), engine
 
     def check_queue(engine, num_new: int = 1, param: str = "n"):
         """429 while the waiting sequences and the `num_new` a request brings (its prompts x n,
@@ -347,8 +378,10 @@ def create_app(engine, settings: ServerSettings) -> Quart:
                            f"{name}.", param=name, code="context_length_exceeded")
         default = room if settings.max_gen_tokens is None else min(room, settings.max_gen_tokens)
         defaults = {**getattr(engine, "generation_defaults", {}), **settings.sampling_defaults}
-        return req.to_sampling_params(default_max_tokens=default, defaults=defaults,
-                                      vocab_size=vocab_size(engine))
+        params = req.to_sampling_params(default_max_tokens=default, defaults=defaults,
+                                        vocab_size=vocab_size(engine))
+        params.lora_name = state.lora_name(getattr(req, "model", None))
+        return params
 
     def vocab_size(engine) -> int:
         model_config = getattr(engine, "model_config", None)
@@ -520,6 +553,7 @@ def create_app(engine, settings: ServerSettings) -> Quart:
 
     register_embeddings(app, state, check_queue)
     register_rerank(app, state, check_queue)
+    register_lora(app, state)
 
     @app.post("/tokenize")
     async def tokenize():

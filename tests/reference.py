@@ -31,6 +31,21 @@ def linear(x, weight, bias=None):
     return out
 
 
+def lora_linear(x, lora_a, lora_b, ranks, parts, rows, seg_offsets, seg_slots, out):
+    """out (as float64) plus each segment's rows' LoRA deltas, part by part (pyx/backend.pyx)."""
+    out = to_f64(out).copy()
+    x, lora_a, lora_b = to_f64(x), to_f64(lora_a), to_f64(lora_b)
+    P = len(parts) - 1
+    R = lora_a.shape[1] // P
+    for g, s in enumerate(seg_slots):
+        for t in rows[seg_offsets[g]:seg_offsets[g + 1]]:
+            for p in range(P):
+                r, c0, c1 = ranks[s, p], parts[p], parts[p + 1]
+                y = lora_a[s, p * R:p * R + r] @ x[t]
+                out[t, c0:c1] += y @ lora_b[s, :r, c0:c1]
+    return out
+
+
 def rms_norm(x, weight, eps):
     x = to_f64(x)
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * to_f64(weight)

@@ -6,8 +6,10 @@ still carry a prefix-cache hash; popping a hashed block from its head evicts tha
 blocks cost nothing until the memory is needed, and the least recently freed go first.
 
 Prefix caching keys each FULL block by a hash chain over the token ids:
-    hash_i = hash((hash_{i-1}, tuple(tokens of block i)))     (hash_{-1} = None)
-so a block hit implies the whole prefix before it matches too. A partially filled block is never
+    hash_i = hash((hash_{i-1}, tuple(tokens of block i)))
+    hash_{-1} = None for the base model, ("lora", adapter id) for a LoRA adapter's sequences
+so a block hit implies the whole prefix before it matches too, computed by the same weights: two
+adapters (or an adapter and the base) never share KV blocks. A partially filled block is never
 cached. A lookup never covers a sequence's last token: at least one token must be computed to
 produce the logits that sample the next one.
 
@@ -33,8 +35,14 @@ class Block:
     block_hash: int | None = None   # set while the block is registered in the prefix cache
 
 
-def hash_block(parent_hash: int | None, token_ids: SequenceLike[int]) -> int:
+def hash_block(parent_hash, token_ids: SequenceLike[int]) -> int:
     return hash((parent_hash, tuple(token_ids)))
+
+
+def chain_root(seq: Sequence):
+    """hash_{-1} of the sequence's chain: what computed its K/V besides the tokens."""
+    lora = seq.lora
+    return None if lora is None else ("lora", lora.id)
 
 
 class BlockPool:
@@ -89,7 +97,7 @@ class BlockPool:
             tokens = seq.token_ids[i * bs:(i + 1) * bs]
             if seq.mm is not None:       # image tokens are keyed by their image's content
                 tokens = seq.mm.block_key(tokens, i * bs, (i + 1) * bs)
-            hashes.append(hash_block(hashes[-1] if hashes else None, tokens))
+            hashes.append(hash_block(hashes[-1] if hashes else chain_root(seq), tokens))
         return hashes
 
     def get_computed_blocks(self, seq: Sequence) -> tuple[list[Block], int]:

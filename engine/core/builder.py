@@ -17,6 +17,7 @@ from engine.core.max_num_seqs import MAX_NUM_SEQS_CAP, default_max_num_seqs
 from engine.loader.hub import resolve_gguf, resolve_model
 from engine.loader.model_loader import load_eagle3_head, load_gguf_model, load_model
 from engine.loader.safetensors import mem_available_bytes
+from engine.lora.manager import LoraManager
 from engine.models.model_config import ModelConfig
 from engine.parallel import launch
 from engine.parallel.steps import StepSender
@@ -46,6 +47,7 @@ class EngineParts:
     runner: ModelRunner
     # speculative decoding's draft model or EAGLE-3 head, its pools beside the target's
     draft: DraftModel | None = None
+    lora: LoraManager | None = None   # LoRA adapters (--enable-lora)
 
 
 def build(config: EngineConfig, loaded=None, group=None) -> EngineParts:
@@ -80,6 +82,16 @@ def build(config: EngineConfig, loaded=None, group=None) -> EngineParts:
 
     draft = _load_draft(config, backend, model_config, tokenizer)   # (model, config) or None
     head = _load_eagle3(config, backend, model, model_config)
+    # the adapter slots before the KV pool is sized: on a GPU they take device memory
+    lora = None
+    if config.lora is not None:
+        if group is not None:
+            raise ValueError("LoRA adapters with tensor parallel are not yet supported (the "
+                             "slots would need the projections' shards)")
+        lora = LoraManager(config.lora, model, model_config, backend, config.dtype)
+        log.info("LoRA: %d slots of rank %d in %s (%.0f MiB), %d adapters loaded",
+                 config.lora.max_loras, config.lora.max_lora_rank, lora.dtype.name,
+                 lora.slot_bytes / 2**20, len(lora.adapters()))
     kv_dtype = backend.kv_cache_dtype(config.kv_cache_dtype)
     if config.kv_cache_dtype == "fp8":
         log.info("FP8 (e4m3) KV cache with %s", "the checkpoint's k/v scales"
@@ -127,6 +139,7 @@ def build(config: EngineConfig, loaded=None, group=None) -> EngineParts:
         config = dataclasses.replace(config, max_num_seqs=max_num_seqs)
     runner = ModelRunner(model, model_config, backend, config.block_size, num_blocks,
                          config.kv_cache_dtype, state_pool=block_pool if states else None)
+    runner.lora = lora
     if group is not None:
         pids = group.allgather(os.getpid())
         sender = StepSender(group, pids[1:]) if group.rank == 0 else None
@@ -176,7 +189,7 @@ def build(config: EngineConfig, loaded=None, group=None) -> EngineParts:
                     capture_cuda_graphs(config, model, backend, runner, max_model_len)
     return EngineParts(config, backend, model, model_config, model_dir, tokenizer,
                        pooling_config or default_pooling_config(model_dir), eos_token_ids,
-                       block_pool, max_model_len, runner, draft_model)
+                       block_pool, max_model_len, runner, draft_model, lora)
 
 
 def _load_draft(config: EngineConfig, backend, target_config: ModelConfig, tokenizer):

@@ -60,10 +60,12 @@ class LLMEngine:
         self.pooling = parts.pooling
         self.eos_token_ids, self.max_model_len = parts.eos_token_ids, parts.max_model_len
         self.block_pool, self.runner = parts.block_pool, parts.runner
+        self.lora = parts.lora        # the LoRA adapters' LoraManager (--enable-lora), or None
         self.sampler = Sampler(self.backend)
         self.admission = Admission(self.model_config, self.max_model_len, self.tokenizer,
                                    self.eos_token_ids, self.pooling,
-                                   self.config.enable_prefix_caching, self.config.seed)
+                                   self.config.enable_prefix_caching, self.config.seed,
+                                   self.lora)
         self.speculator = None        # speculative decoding (engine/spec/speculator.py)
         if self.config.speculative_config is not None:
             self.speculator = Speculator(self.config.speculative_config, self.sampler,

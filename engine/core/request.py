@@ -41,6 +41,7 @@ class Request:
     prompt_logprobs: list | None = None
     paused: bool = False      # its reader is behind (AsyncEngine): the scheduler skips it
     mm: MultimodalPrompt | None = None   # the prompt's images (engine/vision/inputs.py)
+    lora: object = None       # the engine.lora.adapter.LoraAdapter it runs; None: the base model
 
     def prompt_logprob_positions(self, num_computed: int, num_new_tokens: int) -> range:
         """Positions, among the num_new_tokens a step computes from num_computed (choice 0's
@@ -127,13 +128,14 @@ class Admission:
 
     def __init__(self, model_config: ModelConfig, max_model_len: int, tokenizer,
                  eos_token_ids: set[int], pooling: PoolingConfig, enable_prefix_caching: bool,
-                 seed: int):
+                 seed: int, lora=None):
         self.model_config = model_config
         self.max_model_len = max_model_len
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.pooling = pooling
         self.enable_prefix_caching = enable_prefix_caching
+        self.lora = lora          # an engine.lora.manager.LoraManager (--enable-lora), or None
         self.rng = random.Random(seed)        # seeds for requests that bring none
         self.structured: StructuredOutputs | None = None    # built on first use
         self._structured_lock = threading.Lock()
@@ -175,7 +177,8 @@ class Admission:
             raise ValueError(f"logit_bias: token id {bad} is not in the vocabulary [0, {vocab})")
         request = Request(request_id, params, len(prompt_token_ids),
                           prompt_logprobs=None if params.prompt_logprobs is None else [None],
-                          mm=self._place_images(prompt_token_ids, images))
+                          mm=self._place_images(prompt_token_ids, images),
+                          lora=self._lora(params.lora_name))
         if params.use_beam_search:
             if self.model_config.linear_attention is not None:
                 raise ValueError("beam search is not supported for hybrid linear-attention "
@@ -212,6 +215,16 @@ class Admission:
             raise ValueError(f"this model ({self.model_config.architecture}) is text-only: it "
                              "takes no images")
         return MultimodalPrompt.place(prompt_token_ids, images, vision)
+
+    def _lora(self, name: str | None):
+        """The loaded adapter called `name` (None: the base model); ValueError naming it when
+        there is none."""
+        if name is None:
+            return None
+        if self.lora is None:
+            raise ValueError(f"LoRA adapter {name!r}: LoRA adapters are not enabled on this "
+                             "engine (--enable-lora)")
+        return self.lora.get(name)
 
     def _sequence(self, request: Request, prompt_token_ids: list[int], params: SamplingParams,
                   index: int, seed: int | None = None) -> Sequence:

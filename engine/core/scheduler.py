@@ -20,6 +20,11 @@ step that had to preempt.
 Paused requests (their reader is behind: engine/async_engine.py) are skipped, running or
 waiting, keeping their place and their blocks (a paused sequence can still be preempted).
 
+LoRA adapters (engine/lora/): the running sequences use at most `max_loras` adapters, the slots
+a step has; a waiting sequence whose adapter would be one more waits, keeping its place, while the
+ones behind it are admitted. Each step runs a subset of the running sequences, so its adapters
+always fit the slots.
+
 Speculative decoding (engine/spec/speculator.py): while a step speculates (at most
 `disable_by_batch_size` sequences run), a decode asks the speculator for k drafts and computes
 1 + k tokens: its last known token, then the drafts, whose rows all sample. Drafts take budget
@@ -118,6 +123,7 @@ class Scheduler:
         self.prefill_chunk_size = config.prefill_chunk_size
         self.block_pool = block_pool
         self.speculator = speculator      # an engine.spec.speculator.Speculator, or None
+        self.max_loras = config.lora.max_loras if config.lora is not None else 0
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -202,16 +208,25 @@ class Scheduler:
                 self.encoder_budget.commit(out)
             return out
         i = 0                            # paused ones wait in place, the others go FIFO
+        loras = None                     # ids of the running sequences' adapters, when needed
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[i]
             if _paused(seq):
                 i += 1
                 continue
+            if self.max_loras and seq.lora is not None:
+                if loras is None:
+                    loras = {s.lora.id for s in self.running if s.lora is not None}
+                if seq.lora.id not in loras and len(loras) >= self.max_loras:
+                    i += 1               # its adapter would need another slot: it waits
+                    continue
             computed_blocks, num_cached = pool.get_computed_blocks(seq)
             n = self._num_new_tokens(seq, seq.num_computed_tokens + num_cached, budget)
             if n <= 0 or not pool.allocate_slots(seq, n, computed_blocks):
                 break
             pool.record_lookup(seq, num_cached)
+            if loras is not None and seq.lora is not None:
+                loras.add(seq.lora.id)
             del self.waiting[i]
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)

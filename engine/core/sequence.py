@@ -80,6 +80,11 @@ class Sequence:
         return self.token_ids[self.num_prompt_tokens:]
 
     @property
+    def lora(self):
+        """The LoRA adapter its request runs (engine/lora/adapter.py); None: the base model."""
+        return None if self.request is None else self.request.lora
+
+    @property
     def needs_every_prompt_token(self) -> bool:
         """Prompt logprobs and mean/CLS pooling read rows a prefix-cache hit would skip."""
         return (self.sampling_params.prompt_logprobs is not None

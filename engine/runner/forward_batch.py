@@ -28,6 +28,9 @@ class ForwardBatch:
     vision: object = None
     # a hybrid model's state rows this step (engine/core/hybrid_state.StatePlan), else None
     state_plan: object = None
+    # The rows that run LoRA adapters, grouped by adapter (engine/lora/manager.py LoraBatch);
+    # None: every row runs the base model.
+    lora: object = None
 
     @property
     def num_tokens(self) -> int:
@@ -44,4 +47,4 @@ class ForwardBatch:
                               for f, v in ((f, getattr(self, f.name)) for f in fields(self))))
 
 
-_NOT_ARRAYS = ("block_table_width", "block_table_update", "vision", "state_plan")
+_NOT_ARRAYS = ("block_table_width", "block_table_update", "vision", "state_plan", "lora")

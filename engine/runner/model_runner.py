@@ -44,6 +44,7 @@ class ModelRunner:
         # EAGLE-3 (engine/spec/eagle3.py): an AuxCapture every forward fills with the target's
         # aux hidden states (the decode graphs do not: such steps run eagerly)
         self.aux_capture = None
+        self.lora = None              # an engine.lora.manager.LoraManager (--enable-lora)
         self.num_forward_calls = 0    # counted for tests and metrics
         self.num_forward_tokens = 0
         # a vision-language model's image rows and encoder (engine/vision/runner.py)
@@ -137,6 +138,8 @@ class ModelRunner:
             batch.state_plan.asarray = self.backend.asarray
         if self.vision is not None:     # M-RoPE positions and image rows
             self.vision.prepare(sched, batch)
+        if self.lora is not None:       # the adapter rows grouped by adapter, their slots
+            batch.lora = self.lora.plan(seqs, query_start_loc)
         return batch
 
     def copy_blocks(self, pairs: list[tuple[int, int]]):
@@ -231,8 +234,21 @@ class ModelRunner:
             self.vision.encode(batch)
         # an EAGLE-3 head's features: the target's hidden states at its layers, every row
         capture = {} if self.aux_capture is None else {"capture": self.aux_capture}
+        if batch.lora is None:
+            return self._forward(inputs, capture)
+        # Adapter rows: the projections add their deltas during this forward only. The decode
+        # graphs were captured without adapters, so such a step runs eagerly.
+        self.lora.begin(batch.lora)
+        try:
+            return self._forward(inputs, capture)
+        finally:
+            self.lora.end()
+
+    def _forward(self, inputs: StepInputs, capture: dict):
+        batch = inputs.batch
         if inputs.hidden_rows is None:
-            if not capture and self.graph_runner is not None and self.graph_runner.can_run(batch):
+            if (not capture and batch.lora is None and self.graph_runner is not None
+                    and self.graph_runner.can_run(batch)):
                 return self.graph_runner.run(batch), None, None
             return (self.model.forward(self.to_device(batch), self.kv_caches, **capture), None,
                     None)

@@ -41,6 +41,9 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None   # a grammar the output must match
     # reasoning tokens (after <think>) before </think> is forced (sampling/reasoning_budget.py)
     reasoning_budget: int | None = None
+    # the LoRA adapter the request runs (engine/lora/), by the name it was loaded under; None:
+    # the base model. The server sets it from the request's `model`.
+    lora_name: str | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
