@@ -57,9 +57,11 @@ CHOICES: dict[str, Choice] = {
                   "stacked experts"),
     "cpu_isa": Choice(("auto", "scalar", "avx2", "avx512"), ("cpu",),
                       "CPU kernels' ISA path (auto: the best this CPU runs)"),
-    "act_split": Choice(("off", "on"), ("cpu",),
-                        "ggml decode matmuls: each activation row rounded to 8 bits once (as "
-                        "llama.cpp), or as two 8-bit rows, ~250x closer, twice the integer work"),
+    "act_split": Choice(("qkv", "off", "on"), ("cpu",),
+                        "ggml decode matmuls: each activation row written as two 8-bit rows "
+                        "(~250x closer to exact, twice the integer work) in the attention's qkv "
+                        "projection only, whose rounding the attention scores amplify; in none "
+                        "(rounded to 8 bits once, as llama.cpp); or in all"),
 }
 
 # The environment variables these keys replace, and the `--kernels` item for each.
