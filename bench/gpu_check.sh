@@ -11,7 +11,7 @@
 #     python -m bench.gpu_prebuilt travel .whl .gpu-prebuilt    # under the 64 MiB a call carries
 # and the device calls, carrying .whl and .gpu-prebuilt, the second right after the first:
 #     GPU_SUITE=first bash bench/gpu_check.sh         # <= 420 s
-#     GPU_SUITE=figures bash bench/gpu_check.sh       # <= 245 s
+#     GPU_SUITE=figures bash bench/gpu_check.sh       # <= 290 s
 #
 # first:   setup (carried wheels, the prebuilt extensions checked against the tree's sources and
 #          installed, every import, the device); serve (python -m server as a user starts it, a
@@ -25,7 +25,8 @@
 #          first: --without the others), winners (each passing switch against its default),
 #          throughput (8B-shaped bf16 / FP8 / int4 decode at batch 1 and 16 against the
 #          weight-read bound, then again with the passing decode-side switches), serve (the 1B
-#          table at concurrency 1, 16, 64, 256 with the TPOT bound).
+#          table at concurrency 1, 16, 64, 256 with the TPOT bound), step_profile (host against
+#          device time per step on that 1B checkpoint).
 #
 # Each step runs under `timeout` with its cap, clamped to what is left of the suite's budget, and
 # is skipped when that is under its minimum; the test steps run their files side by side, one
@@ -53,7 +54,7 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-3}" OPENBLAS_NUM_THREADS="${OPENBLAS_
 
 case "$SUITE" in
     first) TOTAL_S="${GPU_TOTAL_S:-420}" ;;
-    figures) TOTAL_S="${GPU_TOTAL_S:-245}" ;;
+    figures) TOTAL_S="${GPU_TOTAL_S:-290}" ;;
     *) echo "GPU_SUITE=$SUITE: the suites are first and figures" >&2; exit 2 ;;
 esac
 END=$((SECONDS + TOTAL_S))
@@ -251,8 +252,7 @@ if [ "$SUITE" = first ]; then
     gpu_step test_step tests_quant 180 40 test_cuda_gguf.py test_cuda_marlin.py test_cuda_fp8.py \
         test_cuda_quant_gemm.py test_cuda_quant_model.py
     gpu_step test_step tests_switches 100 40 test_cuda_flash_decode.py test_cuda_fp8_gemv.py \
-        test_cuda_radix_filter.py test_cuda_fused_sampling.py test_cuda_marlin_v2.py \
-        test_cuda_prefill_fa2.py test_cuda_moe.py
+        test_cuda_fused_sampling.py test_cuda_prefill_fa2.py test_cuda_moe.py
     "$PY" -m bench.gpu_summary tests "$LOGS" > "$LOGS/verdicts.txt" 2>&1
 else
     WITHOUT=$("$PY" -m bench.gpu_summary without "$LOGS")
@@ -274,7 +274,7 @@ else
     for s in fp8_gemv=on sampling=fused; do
         case ",$WITHOUT," in *",$s,"*) ;; *) TRY="$TRY${TRY:+,}$s" ;; esac
     done
-    if [ -n "$TRY" ]; then
+    if [ -n "$TRY" ] || ((DEVICE == 0)); then
         gpu_step run_step throughput_switches 70 40 "$PY" -m bench.throughput --backend cuda \
             --quant bf16 fp8 int4 --batch 1 16 --kernels "$TRY" \
             --json "$LOGS/throughput_switches.json"
@@ -285,6 +285,14 @@ else
     [ -d "$MODEL_1B" ] && SERVE_MODEL=(--model "$MODEL_1B")
     gpu_step run_step serve 100 50 "$PY" -m bench.serve_check --out "$LOGS" "${SERVE_MODEL[@]}" \
         --concurrency 1 16 64 256
+    # where a decode step's time goes on the device (the TPOT at concurrency 1 is 3.4x its bound:
+    # host or kernels?), on the checkpoint serve made
+    if [ -d "$MODEL_1B" ] || ((DEVICE == 0)); then
+        gpu_step run_step step_profile 45 25 "$PY" -m bench.step_profile --model "$MODEL_1B" \
+            --backend cuda --concurrency 1 64 --prompt-len 512 --gen-len 64
+    else
+        record step_profile "not run: no 1B checkpoint (serve did not make it)" 0
+    fi
 fi
 
 # ---- the summary, most important last: the figures, the verdicts, the steps
@@ -292,10 +300,11 @@ fi
     echo
     echo "================ gpu_check $SUITE: $(cat "$LOGS/build.txt" 2>/dev/null) ================"
     if [ "$SUITE" = figures ]; then
-        for log in kernels throughput throughput_switches; do
+        for log in kernels throughput throughput_switches step_profile; do
             [ -s "$LOGS/$log.log" ] || continue
             echo "-- $log:"
-            grep -E '^(== |device|weights| *(bf16|fp8|int4) B=|  )' "$LOGS/$log.log" | cut -c1-160 \
+            grep -E '^(== |device|weights| *(bf16|fp8|int4) B=|  |\| *[0-9])' "$LOGS/$log.log" \
+                | cut -c1-160 \
                 | tail -n 40
         done
         [ -s "$LOGS/winners.txt" ] && { echo "-- winners:"; cat "$LOGS/winners.txt"; }

@@ -24,16 +24,13 @@ import sys
 import xml.etree.ElementTree as ET
 
 SWITCH_TESTS = {
-    "prefill=mma": r"^test_cuda_ops\.py::test_paged_attention_prefill_mma",
     "prefill=fa2": r"^test_cuda_prefill_fa2\.py::.*\[fa2",
     "prefill=fa3": r"^test_cuda_prefill_fa2\.py::.*\[fa3",
     "decode=split": r"^test_cuda_flash_decode\.py::",
     "marlin=pipeline": r"^test_cuda_marlin\.py::.*-pipelined\]",
-    "marlin=v2": r"^test_cuda_marlin_v2\.py::|^test_cuda_marlin\.py::.*-v2\]",
     "fp8=cutlass": r"cutlass|^test_cuda_fp8\.py::test_fp8_linear_matches_cpu\[True",
     "fp8_gemv=on": r"^test_cuda_fp8_gemv\.py::",
     "sampling=fused": r"^test_cuda_fused_sampling\.py::",
-    "filter=radix": r"^test_cuda_radix_filter\.py::",
     "moe=fused": r"^test_cuda_moe\.py::",
 }
 NOISE = 0.03    # two timings of one kernel differ by about this much
@@ -129,9 +126,7 @@ def baseline_variant(op: str, variant: str, group: list[dict]) -> str | None:
         return next((r["variant"] for r in group if r.get("switch") is None), None)
     if op == "qgemm":
         # the default FP8 path dequantizes at load and then is the bf16 GEMM
-        return {"marlin-v2": "marlin", "fp8-cutlass": "bf16", "fp8-gemv": "bf16"}.get(variant)
-    if op == "filter_logits" and variant.startswith("radix "):
-        return variant[len("radix "):]
+        return {"fp8-cutlass": "bf16", "fp8-gemv": "bf16"}.get(variant)
     if op == "sample_fused" and variant.startswith("fused "):
         return "op-by-op " + variant[len("fused "):]
     if op == "moe" and variant.startswith("grouped "):

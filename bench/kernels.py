@@ -19,12 +19,11 @@ V 128256): the fused element-wise ops at T 1, 64, 4096 tokens; decode attention 
 64 x context 1k, 8k, 32k over a bf16 and an FP8 cache with split-K off and on (the variant names
 the split count pyx/decode_splits.py picks, "split-K x57"; --shape splits=2,8,64 adds rows with
 those counts forced, to compare the rule's pick with the best); prefill attention (the simple
-kernel, and the tensor-core ones of kernels prefill=mma, =fa2 and =fa3, fa3 on compute
-capability 9.0 only; causal, FLOPs over the
-triangle) at 1 x 4096 and 8 x 512 tokens; linear at M 1, 16, 64, 4096 for the qkv (6144 x 4096),
-o (4096 x 4096), gate_up (28672 x 4096) and down (4096 x 14336) projections; argmax, Gumbel
-sampling, the top-k/top-p/min-p filter (twice: the bisection kernel, and the radix-select one of
-kernels filter=radix), the one-launch sampler of sampling=fused (sample_fused:
+kernel, and the tensor-core ones of kernels prefill=fa2 and =fa3, fa3 on compute capability 9.0
+only; causal, FLOPs over the triangle) at 1 x 4096 and 8 x 512 tokens; linear at M 1, 16, 64,
+4096 for the qkv (6144 x 4096), o (4096 x 4096), gate_up (28672 x 4096) and down (4096 x 14336)
+projections; argmax, Gumbel
+sampling, the top-k/top-p/min-p filter, the one-launch sampler of sampling=fused (sample_fused:
 penalties + filters + Gumbel draw, and greedy, against the op-by-op path as baseline) and
 structured outputs' token bitmask (every row masked, about half the tokens allowed) at batch 1
 and 64 over the vocabulary.
@@ -42,9 +41,7 @@ speed-up over bf16 dense at the same shape and M. FP8 rows also give % of an est
 peak, twice the measured bf16 cuBLAS figure (Hopper's tensor-core ratio; cuBLAS FP8 is not reachable
 through this backend's GemmEx handle). fp8-gemv rows (M <= 64): the FP8 GEMV kernel of kernels
 fp8_gemv=on on the e4m3 codes, any sm80+ device; the weight bytes over its time is its ratio to the
-copy ceiling. marlin-v2 rows: the same int4 weights through Marlin v2 (kernels marlin=v2: striped
-partitioning, ldmatrix, lop3 dequantization), beside the default marlin row. --shape QM=1,16 and
-qlayers=gate_up,down select.
+copy ceiling. --shape QM=1,16 and qlayers=gate_up,down select.
 
 moe (issue 16, kernels moe=fused): the fused MoE grouped GEMM (cuda/moe.cu) for the gate_up
 and down projections of Qwen3-30B-A3B (H 2048, experts of 768, top-8 of 128) and Mixtral-8x7B
@@ -462,7 +459,7 @@ def cases_prefill(bench, c):
         # QK^T and PV over the causal triangle after the P cached keys (a rectangle)
         flops = 4 * D * Hq * n * (L * P + L * (L + 1) // 2)
         moved = 2 * T * Hq * D * e + 2 * n * (P + L) * Hkv * D * e + n * per_seq * 4
-        for kernel in ("simple", "mma", "fa2", "fa3"):
+        for kernel in ("simple", "fa2", "fa3"):
             b = bench.backend(prefill=kernel)
             if b.prefill_kernel != kernel:  # fa3 off compute capability 9.0 runs fa2: no row
                 continue
@@ -581,15 +578,6 @@ def fp8_gemv_linear(b, x, w, bias, out):
         b.fp8_gemv, b.fp8_gemv_max_m = saved
 
 
-def marlin_v2_linear(b, x, w, bias, out):
-    """linear through Marlin v2 (kernels marlin=v2) beside the default Marlin row."""
-    b.marlin_v2 = True
-    try:
-        b.linear(x, w, bias, out)
-    finally:
-        b.marlin_v2 = False
-
-
 def cases_qgemm(bench, c):
     """Per layer shape: place every format (QGEMM_SETS device copies), then per M one case per
     format, bf16 dense first (the baseline of the speed-ups)."""
@@ -613,8 +601,8 @@ def cases_qgemm(bench, c):
         host_s = time.time() - t0
         weights = {"bf16": [bench.rand((N, K), act, 1.0 / np.sqrt(K)) for _ in range(QGEMM_SETS)]}
         saved_flags = b.fp8_cutlass, b.fp8_gemv
-        for f in ("q4k", "q8_0", "marlin", "marlin-v2", "fp8-cutlass", "fp8-gemv"):
-            src = hosts.get("fp8" if f.startswith("fp8") else f.split("-")[0])
+        for f in ("q4k", "q8_0", "marlin", "fp8-cutlass", "fp8-gemv"):
+            src = hosts.get("fp8" if f.startswith("fp8") else f)
             if src is None or (f == "fp8-cutlass" and not cutlass):
                 continue
             b.fp8_cutlass, b.fp8_gemv = f == "fp8-cutlass", f == "fp8-gemv"
@@ -664,8 +652,7 @@ def cases_qgemm(bench, c):
             for f, ws in weights.items():
                 if f == "fp8-gemv" and M > FP8_GEMV_MAX_M:
                     continue
-                run = {"fp8-gemv": fp8_gemv_linear, "marlin-v2": marlin_v2_linear}.get(
-                    f, type(b).linear)
+                run = fp8_gemv_linear if f == "fp8-gemv" else type(b).linear
                 sets = [lambda x=xs[i], w=ws[i], out=outs[i], run=run: run(b, x, w, None, out)
                         for i in range(QGEMM_SETS)]
                 yield Case("qgemm", f"{name} M={M} N={N} K={K}", f, wbytes[f], 2 * M * N * K,
@@ -745,15 +732,6 @@ def cases_moe(bench, c):
             bench.free()
 
 
-def with_radix_filter(b, launch):
-    """launch() with the backend's filter_logits on the radix-select kernel."""
-    b.radix_filter = True
-    try:
-        launch()
-    finally:
-        b.radix_filter = False
-
-
 def cases_sampling(bench, c, op):
     b, cp = bench.b, bench.cp
     V = c["V"]
@@ -782,9 +760,6 @@ def cases_sampling(bench, c, op):
         else:
             moved, variant = B * V * 4 + B * 8 + (16 * B if op == "gumbel_sample" else 0), ""
         yield Case(op, f"B={B} V={V}", variant, moved, 0, sets, prepare or None)
-        if op == "filter_logits":   # the same launches with filter=radix's kernel
-            radix = [lambda s=s: with_radix_filter(b, s) for s in sets]
-            yield Case(op, f"B={B} V={V}", "radix " + variant, moved, 0, radix, prepare)
         del sets, prepare
         bench.free()
 
@@ -796,7 +771,7 @@ def cases_sample_fused(bench, c):
     """The whole sampling step of kernels sampling=fused (penalties, temperature, top-k,
     top-p, min-p, Gumbel draw) in one launch, the same with top-p alone (its fallback path
     here), greedy rows (penalties + argmax) in one launch, and as baseline the op-by-op path it
-    replaces (apply_penalties, the radix filter_logits, gumbel_sample). Bytes: the logits read
+    replaces (apply_penalties, filter_logits, gumbel_sample). Bytes: the logits read
     once (the bound the issue's 40 us at V = 128k, B = 1 is measured against). Penalties write
     in place, so each timed launch gets the pristine logits back first."""
     b, cp = bench.b, bench.cp
@@ -834,7 +809,7 @@ def cases_sample_fused(bench, c):
 
             def separate(w=work, t=t, k=k, p=p, m=m, s=seeds, q=pos, o=out, pen=pen):
                 b.apply_penalties(w, *pen)
-                with_radix_filter(b, lambda: b.filter_logits(w, t, k, p, m))
+                b.filter_logits(w, t, k, p, m)
                 b.gumbel_sample(w, s, q, o)
             op_by_op.append(separate)
         moved = B * V * 4
@@ -876,7 +851,7 @@ def cases_token_bitmask(bench, c):
 
 
 def kernel_switch(op: str, variant: str) -> str | None:
-    """The KernelConfig choice a row's kernel sits behind ("prefill=mma"), None on the default
+    """The KernelConfig choice a row's kernel sits behind ("prefill=fa2"), None on the default
     path: the GPU suite drops the switches whose tests failed (--without) and picks winners by it."""
     from pyx.kernel_config import KernelConfig
 
@@ -887,10 +862,7 @@ def kernel_switch(op: str, variant: str) -> str | None:
     elif op == "prefill_attention":
         choice = ("prefill", variant)
     elif op == "qgemm":
-        choice = {"marlin-v2": ("marlin", "v2"), "fp8-cutlass": ("fp8", "cutlass"),
-                  "fp8-gemv": ("fp8_gemv", "on")}.get(variant)
-    elif op == "filter_logits" and variant.startswith("radix"):
-        choice = ("filter", "radix")
+        choice = {"fp8-cutlass": ("fp8", "cutlass"), "fp8-gemv": ("fp8_gemv", "on")}.get(variant)
     elif op == "sample_fused" and variant.startswith("fused"):
         choice = ("sampling", "fused")
     elif op == "moe" and variant.startswith("grouped"):
@@ -985,7 +957,7 @@ def build_parser():
     ap.add_argument("--json", metavar="FILE", help="also write the rows as JSON to FILE")
     ap.add_argument("--without", default="", metavar="KEY=VALUE,...",
                     help="skip the rows of these kernel switches (e.g. those whose tests failed: "
-                         "prefill=fa3,marlin=v2)")
+                         "prefill=fa3,fp8_gemv=on)")
     return ap
 
 

@@ -3,7 +3,7 @@
 path, beside llama.cpp on the same file, in one run.
 
     python -m bench.real_model [--gen-len 128] [--reps 3] [--wait-quiet S] [--llama-site DIR]
-        [--llama-threads N ...] [--no-ppl] [--json out.json]
+        [--llama-threads N ...] [--no-ppl] [--llama-server PATH] [--json out.json]
 
 Decode, batch 1: the first 128 tokens of tests/data/real_model/alice.txt as the prompt, greedy,
 ignore_eos, --gen-len tokens; decode tok/s = the tokens after the first / the time of their steps
@@ -13,6 +13,11 @@ as `--demo smollm2` serves). llama.cpp (llama-cpp-python: `llama_cpp` importable
 --llama-site DIR, a site-packages directory appended to sys.path) runs the same file with
 n_threads = the cores (or each of --llama-threads): one eval of the prompt, then one token per
 eval; the ratios Taper / llama.cpp are printed.
+
+Serving, with --llama-server PATH (llama.cpp's C++ server): bench.serve_vs_llamacpp on the file,
+`python -m server --f FILE` against `llama-server -m FILE -np 16 -cb` with the same threads, 16
+streaming clients x 2 random-token prompts of 256 tokens, 64 out, through /v1/completions and
+through /v1/chat/completions (the same texts as user messages); both tables and the ratios.
 
 Perplexity of alice.txt (the text the tests read; every token after the first):
   float32 reference       transformers on the file's dequantized weights (the tests' float32
@@ -205,7 +210,10 @@ def main(argv=None):
                     help="a site-packages directory holding llama_cpp (appended to sys.path)")
     ap.add_argument("--llama-threads", nargs="+", type=int, default=None,
                     help="llama.cpp n_threads to try (default: the number of cores)")
-    ap.add_argument("--no-ppl", action="store_true", help="decode speed only")
+    ap.add_argument("--no-ppl", action="store_true", help="no perplexities")
+    ap.add_argument("--llama-server", metavar="PATH",
+                    help="llama.cpp's C++ llama-server: also 16-client serving against it "
+                         "(bench.serve_vs_llamacpp --gguf FILE)")
     ap.add_argument("--json", help="also write the results to this file")
     args = ap.parse_args(argv)
     if args.llama_site:
@@ -236,6 +244,11 @@ def main(argv=None):
                   f"{m['decode_tok_s'] / best['decode_tok_s']:.2f}x "
                   f"({m['decode_tok_s']:.1f} vs {best['decode_tok_s']:.1f} tok/s; greedy tokens "
                   f"agree for {agree})", flush=True)
+    if args.llama_server:
+        from bench import serve_vs_llamacpp
+        print("serving, 16 streaming clients:", flush=True)
+        serve_vs_llamacpp.main(["--gguf", gguf, "--llama-server", args.llama_server,
+                                "--backends", "openai", "openai-chat"])
     if not args.no_ppl:
         print("perplexity of tests/data/real_model/alice.txt:", flush=True)
         result["perplexity"] = perplexity_rows(rm, gguf, llama, max(args.llama_threads or

@@ -317,6 +317,14 @@ def sample_random_requests(tokenizer, num_prompts: int, input_len: int, output_l
 
 
 def load_tokenizer(name: str):
+    if name.endswith(".gguf") and os.path.isfile(name):
+        # the tokenizer the file carries, rebuilt as Taper's server rebuilds it for --f FILE
+        from engine.loader.gguf import open_reader, read_metadata
+        from engine.text.gguf_tokenizer import build_tokenizer
+        tok = build_tokenizer(read_metadata(open_reader(name)), name)
+        if tok is None:
+            raise ValueError(f"{name} carries no tokenizer that can be rebuilt")
+        return tok.hf
     from engine.text.tokenizer import Tokenizer   # transformers' fast tokenizer, never torch
     # A local directory never touches the network; a hub id may be downloaded, as vLLM does.
     return Tokenizer.from_pretrained(name, local_files_only=os.path.isdir(name)).hf
@@ -478,8 +486,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--api-key", default=None, help="sent as a Bearer token (default: $OPENAI_API_KEY)")
     a("--model", default=None, help="model name in the requests (default: the first of "
                                     "GET /v1/models)")
-    a("--tokenizer", default=None, help="tokenizer directory or hub id for the prompts "
-                                        "(default: --model)")
+    a("--tokenizer", default=None, help="tokenizer directory, hub id, or GGUF file (its own "
+                                        "tokenizer) for the prompts (default: --model)")
     a("--label", default=None, help="result file prefix (default: --backend)")
     a("--dataset-name", default="random", help="only 'random' is supported")
     a("--num-prompts", type=int, default=1000)

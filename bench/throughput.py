@@ -547,7 +547,7 @@ def main(argv=None):
     ap.add_argument("--disable-cuda-graph", action="store_true", help="with --backend cuda")
     ap.add_argument("--kernels", default="", metavar="KEY=VALUE,...",
                     help="Taper's kernel choices, as the server's --kernels (e.g. "
-                         "cpu_isa=avx2,act_split=on; decode=split,marlin=v2 on CUDA)")
+                         "cpu_isa=avx2,act_split=on; decode=split,marlin=pipeline on CUDA)")
     args = ap.parse_args(argv)
     from engine import KernelConfig
     try:

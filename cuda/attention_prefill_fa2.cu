@@ -1,5 +1,5 @@
-// Prefill attention, FlashAttention-2 style (variant 2 of taper_cuda_paged_attention_prefill;
-// the contract and the reference kernels are in attention_prefill.cu): sm_80 mma.sync
+// Prefill attention, FlashAttention-2 style (variant 1 of taper_cuda_paged_attention_prefill;
+// the contract and the reference kernel are in attention_prefill.cu): sm_80 mma.sync
 // m16n8k16 on bf16/f16 with f32 accumulators, running unchanged on sm_90a.
 //
 // - GQA packing: a block serves one KV head and 64 "packed rows", row r = token * G + head in
@@ -7,8 +7,10 @@
 //   (for Llama-3-8B, 16 tokens x 4 heads). Q rows are gathered per row; a row's position is its
 //   token's.
 // - Tiles: sequence b gets the block tiles [floor(qsl[b] G / 64) + b, floor(qsl[b+1] G / 64) +
-//   b + 1) (attention_prefill.cu's trick, on packed rows), found by a binary search; the at most
-//   B surplus tiles exit at once. Blocks are ordered KV head slowest and, within a head, the
+//   b + 1), always at least ceil(q_len G / 64) of them, so the grid has floor(T G / 64) + B
+//   tiles per KV head and needs no host-side tile list: a block finds its (sequence, tile) by a
+//   binary search over that strictly increasing sequence, and the at most B surplus tiles exit
+//   at once. Blocks are ordered KV head slowest and, within a head, the
 //   longest-context tiles first: the blocks resident together read one head's K/V from L2, and
 //   the short tiles fill the tail.
 // - Keys: tiles of 64 aligned to multiples of 64 (whole cache blocks when BS divides 64),

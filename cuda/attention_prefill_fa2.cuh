@@ -1,4 +1,4 @@
-// The FlashAttention-2 style prefill kernel (attention_prefill.cu's variant 2), launched by
+// The FlashAttention-2 style prefill kernel (attention_prefill.cu's variant 1), launched by
 // taper_cuda_paged_attention_prefill after it has validated the arguments.
 #pragma once
 

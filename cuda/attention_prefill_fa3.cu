@@ -1,5 +1,5 @@
-// Prefill attention, FlashAttention-3 style for Hopper (variant 3 of
-// taper_cuda_paged_attention_prefill; the contract and the reference kernels are in
+// Prefill attention, FlashAttention-3 style for Hopper (variant 2 of
+// taper_cuda_paged_attention_prefill; the contract and the reference kernel are in
 // attention_prefill.cu): warp specialization, an mbarrier ring of K/V tiles and wgmma. Only the
 // sm_90a compilation pass has a body; the launcher runs it on compute capability 9.0 only.
 //

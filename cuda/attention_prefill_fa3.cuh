@@ -1,4 +1,4 @@
-// The warp-specialized Hopper prefill kernel (attention_prefill.cu's variant 3), launched by
+// The warp-specialized Hopper prefill kernel (attention_prefill.cu's variant 2), launched by
 // taper_cuda_paged_attention_prefill after it has validated the arguments.
 #pragma once
 

@@ -40,6 +40,11 @@
 // because the caller's workspace is shared with other ops and holds garbage.
 // Needs K % 64 == 0, G % 64 == 0 (G = K per channel included), x, qweight, scales, zeros and the
 // workspace 16-byte aligned; otherwise TAPER_CUDA_ERR_ARG (the caller falls back to variant 0).
+//
+// A third kernel, Marlin v2 (striped partitioning of the (column, k-tile) sequence across the
+// SMs, ldmatrix A tiles, lop3 dequantization), was removed after the first GPU window: on an
+// H200 (2026-11-28, bench.kernels qgemm rows) it ran at 0.65-0.93x variant 0 on Llama-3-8B's
+// gate_up and down at M 1 and 16.
 #include <string.h>
 
 #include <algorithm>
@@ -523,331 +528,6 @@ marlin_gemm_v1_kernel(const T* __restrict__ x,             // (M, K)
     }
 }
 
-// ---- kernels: GEMM variant 2 (Marlin v2: striped partitioning, ldmatrix A, lop3 dequant)
-//
-// The Marlin paper's design on the same weight layout as variants 0 and 1 (no repack):
-// - Striped partitioning. The (column slice, k-tile) sequence of one m-chunk, column slices of
-//   V2_NB * 64 = 256 columns in order and each slice's K / 64 k-tiles in order, is cut into
-//   gridDim.x contiguous stripes of `iters` k-tiles, one per block; a stripe runs across column
-//   boundaries, so every SM streams the same number of weight bytes whatever N / 256 is. A block
-//   flushes its accumulators at the end of each column segment. A column whose k-tiles one block
-//   owns alone is written straight out; the blocks sharing a column (at most the first and the
-//   last segment of each stripe) park float partials in the workspace (slot 0: the segment where
-//   the stripe starts, slot 1: the one where it ends), and the last of them to arrive (an atomic
-//   counter per column) sums them in block order and writes the output. The paper reduces
-//   serially through the output buffer in f16 under spin locks; the last-arriver sum keeps
-//   float partials, deterministic sums and no co-residency assumption.
-// - gridDim.y m-chunks of MB * 16 rows (MB = 1 for M <= 16, else 2); when the chunks alone
-//   give every SM blocks, each block takes whole columns (iters = K / 64, no reduction).
-// - A 4-stage cp.async ring of 64-k tiles: A rows into an XOR-swizzled tile (16-byte chunk ch of
-//   row r at ch ^ (r % 8): both the cp.async stores and the ldmatrix.x4 reads are conflict-free)
-//   read with one ldmatrix.x4 per m16 block and k-step; B (fragment order, one conflict-free
-//   16-byte shared load per lane and k-step); the group's scales and zeros.
-// - The int4 -> f16 / bf16 dequantization with lop3 and the exponent magic numbers: f16 takes
-//   the even nibble pair as 1024 + code (lop3 with 0x000f000f, 0x64006400) and the odd one as
-//   1024 + 16 code (mask 0x00f000f0) which one fma by 1/16 brings back, so 4 B registers cost
-//   4 lop3, 1 shift, 2 sub, 2 fma and 4 mul; bf16 (8 significant bits: the x16 form would
-//   touch the exponent) takes 4 shifts, 4 lop3 with 0x43004300 (128 + code), 8 exact subs
-//   (the bias, then the zero: exact for zeros up to 255) and 4 mul. (code - zero) is exact, the
-//   multiply by the scale (rounded to the activation type once per k-tile) rounds once, as in
-//   variant 1.
-// Needs K % 64 == 0 and G % 64 == 0 (group size 128 and channel-wise G = K both qualify), x,
-// scales, zeros and the workspace 16-byte aligned; otherwise TAPER_CUDA_ERR_ARG (the caller
-// falls back to variant 0). Act-order g_idx checkpoints never reach it: the loaders refuse them
-// (engine/loader/quant_int4.py check_g_idx).
-
-constexpr int V2_KT = 64;             // k per k-tile (one pipeline stage): 4 mma k-steps
-constexpr int V2_KSTEPS = V2_KT / TILE_K;
-constexpr int V2_NB = 4;              // 64-column n-tiles per column slice, one warp each
-constexpr int V2_THREADS = 32 * V2_NB;
-constexpr int V2_STAGES = 4;
-constexpr int V2_BLOCKS_PER_SM = 2;   // stripes per SM when the grid is sized to the GPU
-
-// Instantiated: MB = 1 (M <= 16) and MB = 2 (M > 16), for bf16 and f16 activations. MB = 4
-// (64-row chunks, half the weight re-reads at large M) needs 255 registers and spills (ptxas
-// -v, sm_80 and sm_90a): it would need the m16 blocks split between two warps per n-tile.
-template <int MB>
-struct V2Shape {
-    static constexpr int kMB = MB;
-    static constexpr int A_BYTES = MB * 16 * V2_KT * 2;     // unpadded rows, swizzled chunks
-    static constexpr int B_BYTES = V2_KSTEPS * V2_NB * 512;
-    static constexpr int S_BYTES = V2_NB * 64 * 4;
-    static constexpr int Z_BYTES = V2_NB * 64;
-    static constexpr int STAGE_BYTES = A_BYTES + B_BYTES + S_BYTES + Z_BYTES;
-    static constexpr int SMEM_BYTES = V2_STAGES * STAGE_BYTES;
-    static constexpr int TILE_FLOATS = MB * 16 * V2_NB * 64;  // one partial in the workspace
-    static constexpr int MIN_BLOCKS = MB == 1 ? 4 : 2;  // 3 for MB = 2 spilled on sm_90a (f16)
-    static_assert(TILE_FLOATS == V2_THREADS * MB * 32, "a partial is every thread's accumulators");
-};
-
-// (a & b) | c in one instruction (the LUT of lop3: 0xf0 = a, 0xcc = b, 0xaa = c).
-__device__ __forceinline__ uint32_t and_or(uint32_t a, uint32_t b, uint32_t c) {
-    uint32_t d;
-    asm("lop3.b32 %0, %1, %2, %3, %4;\n"
-        : "=r"(d)
-        : "r"(a), "r"(b), "r"(c), "n"((0xf0 & 0xcc) | 0xaa));
-    return d;
-}
-
-// The four m8n8 16-bit matrices of one m16 x k16 A fragment, from shared memory: lane l gives
-// the address of row l % 16, k-half l / 16, so registers 0..3 are a0..a3 of mma.m16n8k16.
-// volatile: it must stay between the barriers that guard its stage of the ring.
-__device__ __forceinline__ void ldmatrix_x4(uint32_t a[4], const void* p) {
-    const unsigned s = (unsigned)__cvta_generic_to_shared(p);
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3])
-                 : "r"(s));
-}
-
-template <typename T> struct DequantV2;
-template <> struct DequantV2<__half> {
-    using T2 = __half2;
-    // Per column: the scale, and the two biases of the even (1024 + zero) and odd (64 + zero)
-    // nibble pairs, exact in f16 for zeros up to 255.
-    struct Col { T2 s, lo, hi; };
-    __device__ __forceinline__ static Col prepare(float scale, float zero) {
-        return {__float2half2_rn(scale), __float2half2_rn(1024.f + zero),
-                __float2half2_rn(-64.f - zero)};
-    }
-    // One word -> B registers p = 0..3 (nibbles (p, p + 4)) of blocks (2j, 2j + 1): r[blk][h].
-    __device__ __forceinline__ static void dequant(uint32_t w, const Col& c0, const Col& c1,
-                                                   uint32_t r0[2], uint32_t r1[2]) {
-        const __half2 sixteenth = __float2half2_rn(1.f / 16.f);
-        const uint32_t w8 = w >> 8;
-        uint32_t u[4] = {and_or(w, 0x000f000fu, 0x64006400u), and_or(w, 0x00f000f0u, 0x64006400u),
-                         and_or(w8, 0x000f000fu, 0x64006400u),
-                         and_or(w8, 0x00f000f0u, 0x64006400u)};
-        __half2 h[4];
-        memcpy(h, u, 16);
-        r0[0] = as_u32(__hmul2(__hsub2(h[0], c0.lo), c0.s));              // 1024 + code
-        r0[1] = as_u32(__hmul2(__hfma2(h[1], sixteenth, c0.hi), c0.s));   // (1024 + 16 code) / 16
-        r1[0] = as_u32(__hmul2(__hsub2(h[2], c1.lo), c1.s));
-        r1[1] = as_u32(__hmul2(__hfma2(h[3], sixteenth, c1.hi), c1.s));
-    }
-};
-template <> struct DequantV2<__nv_bfloat16> {
-    using T2 = __nv_bfloat162;
-    struct Col { T2 s, z; };
-    __device__ __forceinline__ static Col prepare(float scale, float zero) {
-        return {__float2bfloat162_rn(scale), __float2bfloat162_rn(zero)};
-    }
-    __device__ __forceinline__ static void dequant(uint32_t w, const Col& c0, const Col& c1,
-                                                   uint32_t r0[2], uint32_t r1[2]) {
-        const __nv_bfloat162 bias = __float2bfloat162_rn(128.f);
-        uint32_t u[4];
-#pragma unroll
-        for (int p = 0; p < 4; p++) u[p] = and_or(w >> (4 * p), 0x000f000fu, 0x43004300u);
-        __nv_bfloat162 h[4];
-        memcpy(h, u, 16);
-        r0[0] = as_u32(__hmul2(__hsub2(__hsub2(h[0], bias), c0.z), c0.s));
-        r0[1] = as_u32(__hmul2(__hsub2(__hsub2(h[1], bias), c0.z), c0.s));
-        r1[0] = as_u32(__hmul2(__hsub2(__hsub2(h[2], bias), c1.z), c1.s));
-        r1[1] = as_u32(__hmul2(__hsub2(__hsub2(h[3], bias), c1.z), c1.s));
-    }
-};
-
-// One block: stripe blockIdx.x (k-tiles [bx * iters, min((bx + 1) * iters, total)) of the
-// column-major (slice, k-tile) sequence, total = ncols * KT) of m-chunk blockIdx.y. Warp w owns
-// n-tile w of each column slice, all the chunk's m16 blocks and all 4 k-steps of a k-tile.
-template <typename T, typename Sh>
-__global__ void __launch_bounds__(V2_THREADS, Sh::MIN_BLOCKS)
-marlin_gemm_v2_kernel(const T* __restrict__ x,             // (M, K)
-                      const uint4* __restrict__ qweight,   // (K/16, Np/64, 32 lanes) words x4
-                      const float* __restrict__ scales,    // (K/G, Np)
-                      const uint8_t* __restrict__ zeros,   // (K/G, Np) or NULL
-                      T* __restrict__ out,                 // (M, N)
-                      unsigned* __restrict__ counters,     // (gridDim.y, ncols) when reducing
-                      float* __restrict__ partials,        // (gridDim.y, gridDim.x, 2, TILE)
-                      int M, int N, int Np, int K, int G, int iters) {
-    constexpr int MB = Sh::kMB;
-    extern __shared__ __align__(16) unsigned char smem[];
-    using D = DequantV2<T>;
-
-    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-    const int c = lane >> 2, t = lane & 3;
-    const int ntiles = Np / TILE_N, ncols = (ntiles + V2_NB - 1) / V2_NB;
-    const int KT = K / V2_KT;
-    const int total = ncols * KT;
-    const int m0 = blockIdx.y * MB * 16;
-    const int start = blockIdx.x * iters;
-    const int n = min(start + iters, total) - start;  // > 0: the launcher sizes the grid so
-    const int first_col = start / KT;
-
-    auto load_stage = [&](int st, int idx) {
-        unsigned char* base = smem + st * Sh::STAGE_BYTES;
-        T* sA = reinterpret_cast<T*>(base);
-        uint4* sB = reinterpret_cast<uint4*>(base + Sh::A_BYTES);
-        float* sS = reinterpret_cast<float*>(base + Sh::A_BYTES + Sh::B_BYTES);
-        uint8_t* sZ = base + Sh::A_BYTES + Sh::B_BYTES + Sh::S_BYTES;
-        const int col = idx / KT, kt = idx - col * KT, nt0 = col * V2_NB;
-        const int k0 = kt * V2_KT;
-        for (int i = tid; i < MB * 16 * 8; i += V2_THREADS) {
-            const int r = i >> 3, ch = i & 7, row = m0 + r;
-            const T* src = x + (row < M ? (int64_t)row * K + k0 + ch * 8 : 0);
-            cp_async16(sA + r * V2_KT + ((ch ^ (r & 7)) * 8), src, row < M ? 16 : 0);
-        }
-        for (int i = tid; i < V2_KSTEPS * V2_NB * 32; i += V2_THREADS) {
-            const int ks = i / (V2_NB * 32), rem = i - ks * (V2_NB * 32);
-            if (nt0 + rem / 32 < ntiles)
-                cp_async16(sB + i, qweight + ((int64_t)(kt * V2_KSTEPS + ks) * ntiles + nt0) * 32 +
-                                       rem, 16);
-        }
-        const int64_t gofs = (int64_t)(k0 / G) * Np + (int64_t)nt0 * TILE_N;
-        for (int i = tid; i < V2_NB * 16; i += V2_THREADS)
-            if (nt0 + i / 16 < ntiles) cp_async16(sS + i * 4, scales + gofs + i * 4, 16);
-        if (zeros != nullptr)
-            for (int i = tid; i < V2_NB * 4; i += V2_THREADS)
-                if (nt0 + i / 4 < ntiles) cp_async16(sZ + i * 16, zeros + gofs + i * 16, 16);
-    };
-
-    float acc[MB][8][4];
-#pragma unroll
-    for (int mi = 0; mi < MB; mi++)
-#pragma unroll
-        for (int b = 0; b < 8; b++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) acc[mi][b][e] = 0.f;
-
-#pragma unroll
-    for (int st = 0; st < V2_STAGES - 1; st++) {
-        if (st < n) load_stage(st, start + st);
-        cp_async_commit();
-    }
-
-    __shared__ int s_last;
-    for (int i = 0; i < n; i++) {
-        cp_async_wait<V2_STAGES - 2>();
-        __syncthreads();  // k-tile i landed everywhere; every warp is done with k-tile i - 1
-        if (i + V2_STAGES - 1 < n)
-            load_stage((i + V2_STAGES - 1) % V2_STAGES, start + i + V2_STAGES - 1);
-        cp_async_commit();
-
-        const int idx = start + i, col = idx / KT, kt = idx - col * KT;
-        const int nt = col * V2_NB + warp;
-        const bool warp_valid = nt < ntiles;  // the last slice may have fewer n-tiles
-        if (warp_valid) {
-            const unsigned char* base = smem + (i % V2_STAGES) * Sh::STAGE_BYTES;
-            const T* sA = reinterpret_cast<const T*>(base);
-            const uint4* sB = reinterpret_cast<const uint4*>(base + Sh::A_BYTES);
-            const float* sS = reinterpret_cast<const float*>(base + Sh::A_BYTES + Sh::B_BYTES);
-            const uint8_t* sZ = base + Sh::A_BYTES + Sh::B_BYTES + Sh::S_BYTES;
-            typename D::Col cols[8];
-            {
-                const float4 sa = *reinterpret_cast<const float4*>(sS + warp * 64 + 8 * c);
-                const float4 sb = *reinterpret_cast<const float4*>(sS + warp * 64 + 8 * c + 4);
-                const float sv[8] = {sa.x, sa.y, sa.z, sa.w, sb.x, sb.y, sb.z, sb.w};
-                uint2 zz = make_uint2(0x08080808u, 0x08080808u);
-                if (zeros != nullptr) zz = *reinterpret_cast<const uint2*>(sZ + warp * 64 + 8 * c);
-#pragma unroll
-                for (int b = 0; b < 8; b++)
-                    cols[b] = D::prepare(sv[b],
-                                         (float)(((b < 4 ? zz.x : zz.y) >> (8 * (b & 3))) & 255u));
-            }
-#pragma unroll
-            for (int ks = 0; ks < V2_KSTEPS; ks++) {
-                const uint4 q = sB[(ks * V2_NB + warp) * 32 + lane];
-                const uint32_t words[4] = {q.x, q.y, q.z, q.w};
-                uint32_t breg[8][2];
-#pragma unroll
-                for (int j = 0; j < 4; j++)
-                    D::dequant(words[j], cols[2 * j], cols[2 * j + 1], breg[2 * j],
-                               breg[2 * j + 1]);
-#pragma unroll
-                for (int mi = 0; mi < MB; mi++) {
-                    const int row = mi * 16 + (lane & 15), chunk = ks * 2 + (lane >> 4);
-                    uint32_t a[4];
-                    ldmatrix_x4(a, sA + row * V2_KT + ((chunk ^ (row & 7)) * 8));
-#pragma unroll
-                    for (int blk = 0; blk < 8; blk++)
-                        mma_16816(acc[mi][blk], a, breg[blk][0], breg[blk][1], (T*)nullptr);
-                }
-            }
-        }
-
-        if (kt != KT - 1 && i != n - 1) continue;  // the column segment goes on
-        // Flush the segment of column col: its blocks are the stripes over its k-tiles.
-        const int b_first = col * KT / iters, b_last = ((col + 1) * KT - 1) / iters;
-        bool write_out = true;
-        if (b_first != b_last) {
-            const int which = col == first_col ? 0 : 1;
-            const int64_t slot_base = (int64_t)blockIdx.y * gridDim.x * 2;
-            float* mine = partials + (slot_base + blockIdx.x * 2 + which) * Sh::TILE_FLOATS;
-            // Only the rows below M travel (at M = 1, an eighth of the tile): the reader skips
-            // the same registers, and the output never holds the others.
-            if (warp_valid) {
-#pragma unroll
-                for (int mi = 0; mi < MB; mi++)
-#pragma unroll
-                    for (int b = 0; b < 8; b++)
-#pragma unroll
-                        for (int e = 0; e < 4; e++)
-                            if (m0 + mi * 16 + c + (e >> 1) * 8 < M)
-                                __stcg(mine + ((mi * 8 + b) * 4 + e) * V2_THREADS + tid,
-                                       acc[mi][b][e]);
-            }
-            __threadfence();  // the partial is visible device-wide before the counter moves
-            __syncthreads();
-            if (tid == 0) {
-                unsigned* counter = counters + (int64_t)blockIdx.y * ncols + col;
-                const unsigned prev = atomicAdd(counter, 1u);
-                s_last = prev == (unsigned)(b_last - b_first);
-                if (s_last) atomicExch(counter, 0u);  // ready for the next launch
-            }
-            __syncthreads();
-            const bool last = s_last;
-            if (last && warp_valid) {
-                __threadfence();  // acquire: the other blocks' partials, read through L2
-                // Block order whichever block came last: deterministic sums.
-#pragma unroll
-                for (int mi = 0; mi < MB; mi++)
-#pragma unroll
-                    for (int b = 0; b < 8; b++)
-#pragma unroll
-                        for (int e = 0; e < 4; e++) {
-                            if (m0 + mi * 16 + c + (e >> 1) * 8 >= M) continue;
-                            float sum = 0.f;
-                            for (int bb = b_first; bb <= b_last; bb++) {
-                                const int w = (int)((int64_t)bb * iters / KT) == col ? 0 : 1;
-                                sum += bb == (int)blockIdx.x
-                                           ? acc[mi][b][e]
-                                           : __ldcg(partials +
-                                                    (slot_base + bb * 2 + w) * Sh::TILE_FLOATS +
-                                                    ((mi * 8 + b) * 4 + e) * V2_THREADS + tid);
-                            }
-                            acc[mi][b][e] = sum;
-                        }
-            }
-            write_out = last;
-        }
-        if (write_out && warp_valid) {
-#pragma unroll
-            for (int mi = 0; mi < MB; mi++) {
-                const int r0 = m0 + mi * 16 + c, r1 = r0 + 8;
-#pragma unroll
-                for (int blk = 0; blk < 8; blk++) {
-                    const int cn = nt * TILE_N + blk * 8 + 2 * t;
-#pragma unroll
-                    for (int e = 0; e < 2; e++) {
-                        if (cn + e >= N) continue;
-                        if (r0 < M)
-                            out[(int64_t)r0 * N + cn + e] = taper::from_float<T>(acc[mi][blk][e]);
-                        if (r1 < M)
-                            out[(int64_t)r1 * N + cn + e] =
-                                taper::from_float<T>(acc[mi][blk][2 + e]);
-                    }
-                }
-            }
-        }
-#pragma unroll
-        for (int mi = 0; mi < MB; mi++)
-#pragma unroll
-            for (int b = 0; b < 8; b++)
-#pragma unroll
-                for (int e = 0; e < 4; e++) acc[mi][b][e] = 0.f;
-    }
-    cp_async_wait<0>();
-}
-
 // ---- launchers (host helpers)
 
 template <typename T>
@@ -955,71 +635,6 @@ int launch_v1_for(const void* x, const uint32_t* qweight, const float* scales,
     }
 }
 
-// Variant 2's launch plan, shared by the workspace query and the launch so that the two agree.
-struct V2Plan {
-    int mb;                 // m16 blocks per m-chunk: 1 or 2
-    int gx, gy, iters;      // stripes per m-chunk, m-chunks, k-tiles per stripe
-    int64_t counter_bytes, partial_bytes;
-};
-
-V2Plan v2_plan(int64_t M, int64_t N, int64_t K) {
-    V2Plan p{};
-    p.mb = M <= 16 ? 1 : 2;
-    const int64_t ncols = taper::ceil_div(taper::ceil_div(N, TILE_N), V2_NB), KT = K / V2_KT;
-    const int64_t total = ncols * KT;
-    p.gy = (int)taper::ceil_div(M, 16 * p.mb);
-    const int64_t slots = (int64_t)v1_sm_count() * V2_BLOCKS_PER_SM;
-    int64_t iters = KT;  // whole columns: the m-chunks' columns alone fill the GPU
-    if (p.gy * ncols < slots) {
-        // Stripes across columns, one per slot, at least a pipeline's depth long (twice that
-        // for 32-row chunks, whose partials weigh 2x more against the weights they save).
-        const int64_t min_iters = std::min<int64_t>(KT, p.mb == 1 ? V2_STAGES : 2 * V2_STAGES);
-        iters = std::max(taper::ceil_div(total, taper::ceil_div(slots, p.gy)), min_iters);
-    }
-    p.iters = (int)iters;
-    p.gx = (int)taper::ceil_div(total, iters);
-    if (p.gx > 1 && iters % KT != 0) {  // some column is shared between stripes
-        const int64_t tile_floats = p.mb == 1 ? V2Shape<1>::TILE_FLOATS : V2Shape<2>::TILE_FLOATS;
-        p.counter_bytes = taper::ceil_div((int64_t)p.gy * ncols * 4, 256) * 256;
-        p.partial_bytes = (int64_t)p.gy * p.gx * 2 * tile_floats * 4;
-    }
-    return p;
-}
-
-template <typename T, typename Sh>
-int launch_gemm_v2(const void* x, const uint32_t* qweight, const float* scales,
-                   const uint8_t* zeros, void* out, int64_t M, int64_t N, int64_t Np, int64_t K,
-                   int64_t G, const V2Plan& p, void* workspace, cudaStream_t stream) {
-    static const cudaError_t attr = cudaFuncSetAttribute(
-        marlin_gemm_v2_kernel<T, Sh>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-        Sh::SMEM_BYTES);
-    if (attr != cudaSuccess) return (int)attr;
-    unsigned* counters = nullptr;
-    float* partials = nullptr;
-    if (p.counter_bytes > 0) {
-        counters = static_cast<unsigned*>(workspace);
-        partials = reinterpret_cast<float*>(static_cast<char*>(workspace) + p.counter_bytes);
-        const cudaError_t e = cudaMemsetAsync(counters, 0, p.counter_bytes, stream);
-        if (e != cudaSuccess) return (int)e;
-    }
-    const dim3 grid((unsigned)p.gx, (unsigned)p.gy);
-    marlin_gemm_v2_kernel<T, Sh><<<grid, V2_THREADS, Sh::SMEM_BYTES, stream>>>(
-        (const T*)x, reinterpret_cast<const uint4*>(qweight), scales, zeros, (T*)out, counters,
-        partials, (int)M, (int)N, (int)Np, (int)K, (int)G, p.iters);
-    return taper::launch_status();
-}
-
-template <typename T>
-int launch_v2_for(const void* x, const uint32_t* qweight, const float* scales,
-                  const uint8_t* zeros, void* out, int64_t M, int64_t N, int64_t Np, int64_t K,
-                  int64_t G, const V2Plan& p, void* workspace, cudaStream_t stream) {
-    if (p.mb == 1)
-        return launch_gemm_v2<T, V2Shape<1>>(x, qweight, scales, zeros, out, M, N, Np, K, G, p,
-                                             workspace, stream);
-    return launch_gemm_v2<T, V2Shape<2>>(x, qweight, scales, zeros, out, M, N, Np, K, G, p,
-                                         workspace, stream);
-}
-
 unsigned grid_for(int64_t work) {
     return (unsigned)std::min<int64_t>(taper::ceil_div(work, REPACK_THREADS), 1 << 20);
 }
@@ -1051,15 +666,10 @@ extern "C" int taper_cuda_marlin_repack(const uint8_t* qs,      // (N, K/2) pack
 
 extern "C" int64_t taper_cuda_marlin_workspace_bytes(int64_t M, int64_t N, int64_t K,
                                                      int variant) {
-    // variant 0 needs none; variants 1 and 2 need counters and partial tiles only when they
-    // split K (1) or share a column between stripes (2).
+    // variant 0 needs none; variant 1 needs counters and partial tiles only when it splits K.
     if (M <= 0 || N <= 0 || K <= 0 || K % V1_KT) return 0;
     if (variant == 1) {
         const V1Plan p = v1_plan(M, N, K);
-        return p.counter_bytes + p.partial_bytes;
-    }
-    if (variant == 2) {
-        const V2Plan p = v2_plan(M, N, K);
         return p.counter_bytes + p.partial_bytes;
     }
     return 0;
@@ -1073,7 +683,7 @@ extern "C" int taper_cuda_marlin_gemm(const void* x,            // (M, K) dtype
                                       int64_t M, int64_t N, int64_t K, int64_t group_size,
                                       int dtype, int variant, void* workspace,
                                       int64_t workspace_bytes, taper_stream_t stream) {
-    if (variant < 0 || variant > 2) return TAPER_CUDA_ERR_ARG;
+    if (variant < 0 || variant > 1) return TAPER_CUDA_ERR_ARG;
     if (M < 0 || bad_shape(N, K, group_size) || M > INT32_MAX || N > INT32_MAX - TILE_N ||
         K > INT32_MAX)
         return TAPER_CUDA_ERR_ARG;
@@ -1084,23 +694,6 @@ extern "C" int taper_cuda_marlin_gemm(const void* x,            // (M, K) dtype
         return TAPER_CUDA_ERR_ARG;
     const int64_t Np = taper::ceil_div(N, TILE_N) * TILE_N;
     const cudaStream_t s = (cudaStream_t)stream;
-    if (variant == 2) {
-        if (dtype != TAPER_DT_BF16 && dtype != TAPER_DT_F16) return TAPER_CUDA_ERR_ARG;
-        // The kernel counts the (column slice, k-tile) sequence in int.
-        if (K % V2_KT || group_size % V2_KT || !aligned(x, 16) || !aligned(scales, 16) ||
-            (zeros && !aligned(zeros, 16)) || (M + 15) / 16 > 65535 ||
-            taper::ceil_div(Np, TILE_N * V2_NB) * (K / V2_KT) > INT32_MAX / 2)
-            return TAPER_CUDA_ERR_ARG;
-        const V2Plan p = v2_plan(M, N, K);
-        const int64_t need = p.counter_bytes + p.partial_bytes;
-        if (need > 0 && (workspace == nullptr || workspace_bytes < need || !aligned(workspace, 16)))
-            return TAPER_CUDA_ERR_ARG;
-        if (dtype == TAPER_DT_BF16)
-            return launch_v2_for<__nv_bfloat16>(x, qweight, scales, zeros, out, M, N, Np, K,
-                                                group_size, p, workspace, s);
-        return launch_v2_for<__half>(x, qweight, scales, zeros, out, M, N, Np, K, group_size, p,
-                                     workspace, s);
-    }
     if (variant == 1) {
         // 16-byte cp.async sources everywhere (x rows are 16-byte aligned since K % 64 == 0).
         if (dtype != TAPER_DT_BF16 && dtype != TAPER_DT_F16) return TAPER_CUDA_ERR_ARG;

@@ -1,5 +1,5 @@
-// Warp-level tensor-core helpers shared by the prefill attention kernels (attention_prefill.cu,
-// attention_prefill_fa2.cu, _fa3.cu), the MoE grouped GEMM (moe.cu) and the W4A16 GEMM
+// Warp-level tensor-core helpers shared by the prefill attention kernels
+// (attention_prefill_fa2.cu, _fa3.cu), the MoE grouped GEMM (moe.cu) and the W4A16 GEMM
 // (marlin.cu): mma.sync m16n8k16 on bf16/f16 with f32 accumulators, ldmatrix, cp.async, and
 // 16-bit pair packing. All of them exist from sm_80 on and run unchanged on sm_90a
 // (Hopper keeps the warp-level MMA path beside wgmma); below sm_80 they trap, and the launchers

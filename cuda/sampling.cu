@@ -210,8 +210,11 @@ __device__ __forceinline__ double mass_key_ge(const Row& row, int n, float thr, 
     return block_sum_f64(s, scratch);
 }
 
-// ---- radix select (taper_cuda_filter_logits_radix): the same thresholds as the bisection, the
-// key decided 8 bits per pass (4 passes) instead of 1 (up to 32 passes)
+// ---- radix select (the fused sampler's thresholds): the same thresholds as the bisection, the
+// key decided 8 bits per pass (4 passes) instead of 1 (up to 32 passes). As a filter of its own
+// it lost to the bisection (H200, 2026-11-28, B=64, V=128256: 648 us against 570 us), so
+// filter_logits bisects; the fused sampler (kernels sampling=fused) finds its thresholds with
+// it, on its candidates in shared memory and in its fallback over the whole row.
 
 constexpr int kBins = 256;
 
@@ -439,9 +442,10 @@ struct ThresholdScratch {
 // the k-th largest is NaN. Callers mask only when thr > -inf, the CPU's thr > NEG_INF test, so a
 // NaN threshold masks nothing. Every thread must call it with the same arguments (block
 // reductions).
-// RADIX: the thresholds by radix select (radix_select above) instead of bisection; a top-p row
-// whose max is not finite, or that holds a NaN, still bisects (its weights would not be in
-// [0, 1]).
+// RADIX: the thresholds by radix select (radix_select above) instead of bisection, as the fused
+// sampler finds them on its candidates (its fallback over the whole row uses this, so that both
+// of its paths agree); a top-p row whose max is not finite, or that holds a NaN, still bisects
+// (its weights would not be in [0, 1]). filter_logits bisects.
 template <bool RADIX, class Row>
 __device__ float row_threshold(const Row& row, int n, const KeyRange& kr, int32_t k, float p,
                                float mp, ThresholdScratch* s) {
@@ -555,7 +559,6 @@ __global__ void apply_penalties_kernel(float* __restrict__ logits,          // (
 // Launch bounds (1024, 1): under the default 2-blocks-per-SM target ptxas caps the kernel at 32
 // registers and spills around the expf of the top-p passes; 38 registers and one block of 32 warps
 // per SM keep it spill-free, and 32 warps still keep enough L2 loads in flight.
-template <bool RADIX>
 __global__ void __launch_bounds__(kRowThreads, 1)
 filter_logits_kernel(float* __restrict__ logits,             // (B, V)
                      const float* __restrict__ temperature,  // (B,)
@@ -583,7 +586,7 @@ filter_logits_kernel(float* __restrict__ logits,             // (B, V)
     }
     if (!((k > 0 && k < n) || p < 1.f || mp > 0.f)) return;
     kr.reduce(s.u);
-    const float thr = row_threshold<RADIX>(RawRow{row}, n, kr, k, p, mp, &s);
+    const float thr = row_threshold<false>(RawRow{row}, n, kr, k, p, mp, &s);
     if (!(thr > -INFINITY)) return;
     // x += log(x >= thr), as the CPU's _mask_below does: 0 keeps x, -inf drops it, NaN stays NaN.
     for (int v = threadIdx.x; v < n; v += kRowThreads) {
@@ -715,9 +718,11 @@ __device__ uint32_t fine_bound(const uint32_t (&h)[kBinsPerThread], int n, bool 
 
 // The whole sampler for one row per block: this row's penalty entries, then for a greedy row the
 // argmax, for the others temperature, the top-k / top-p / min-p threshold and the Gumbel-max
-// draw over the kept tokens. The same token as apply_penalties, then argmax or
-// filter_logits_radix and gumbel_sample, bit for bit: the same arithmetic on the same values,
-// with temperature and the mask applied as the row is read instead of written back.
+// draw over the kept tokens. The same token as apply_penalties, then argmax or filter_logits
+// and gumbel_sample, with temperature and the mask applied as the row is read instead of
+// written back, except that the thresholds come from radix selects (row_threshold<true>):
+// top-k's is the same, top-p's mass is summed in fixed point instead of double (see
+// taper_cuda.h).
 //
 // Passes over a filtered row: (1) from memory, the key range and a histogram of the keys' top 12
 // bits, which bound the final threshold from below (fine_bound); (2) from L2, the tokens at or
@@ -924,38 +929,20 @@ extern "C" int taper_cuda_apply_penalties(float* logits,          // (B, V)
     return taper::launch_status();
 }
 
-// The two filters' entry points: kRadix picks the threshold search (bisection or radix select).
-template <bool kRadix>
-static int launch_filter_logits(float* logits, const float* temperature, const int32_t* top_k,
-                                const float* top_p, const float* min_p, int64_t B, int64_t V,
-                                taper_stream_t stream) {
-    if (check_rows(B, V)) return TAPER_CUDA_ERR_ARG;
-    if (B == 0 || V == 0) return TAPER_CUDA_OK;
-    if (!logits || !temperature || !top_k || !top_p || !min_p) return TAPER_CUDA_ERR_ARG;
-    // 1024 threads per row: the passes re-read the row (600 KB at V = 150k, resident in L2 after
-    // the first pass; the radix select makes 4 per threshold), and the widest block keeps the
-    // most loads in flight on one SM.
-    filter_logits_kernel<kRadix><<<(unsigned)B, kRowThreads, 0, (cudaStream_t)stream>>>(
-        logits, temperature, top_k, top_p, min_p, V);
-    return taper::launch_status();
-}
-
 extern "C" int taper_cuda_filter_logits(float* logits,             // (B, V)
                                         const float* temperature,  // (B,)
                                         const int32_t* top_k,      // (B,)
                                         const float* top_p,        // (B,)
                                         const float* min_p,        // (B,)
                                         int64_t B, int64_t V, taper_stream_t stream) {
-    return launch_filter_logits<false>(logits, temperature, top_k, top_p, min_p, B, V, stream);
-}
-
-extern "C" int taper_cuda_filter_logits_radix(float* logits,             // (B, V)
-                                              const float* temperature,  // (B,)
-                                              const int32_t* top_k,      // (B,)
-                                              const float* top_p,        // (B,)
-                                              const float* min_p,        // (B,)
-                                              int64_t B, int64_t V, taper_stream_t stream) {
-    return launch_filter_logits<true>(logits, temperature, top_k, top_p, min_p, B, V, stream);
+    if (check_rows(B, V)) return TAPER_CUDA_ERR_ARG;
+    if (B == 0 || V == 0) return TAPER_CUDA_OK;
+    if (!logits || !temperature || !top_k || !top_p || !min_p) return TAPER_CUDA_ERR_ARG;
+    // 1024 threads per row: the passes re-read the row (600 KB at V = 150k, resident in L2 after
+    // the first pass), and the widest block keeps the most loads in flight on one SM.
+    filter_logits_kernel<<<(unsigned)B, kRowThreads, 0, (cudaStream_t)stream>>>(
+        logits, temperature, top_k, top_p, min_p, V);
+    return taper::launch_status();
 }
 
 extern "C" int taper_cuda_sample_fused(float* logits,                // (B, V)

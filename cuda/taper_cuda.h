@@ -154,14 +154,15 @@ int taper_cuda_paged_attention_decode(void* out,                   // (B, Hq, D)
 
 /* ---- attention_prefill.cu: any mix of prefill chunks and decode rows (the CPU op's contract:
  * row i of sequence b sits at position seq_lens[b] - (query_start_loc[b+1] - i)).
- * variant 0: the simple kernel (reference; one warp per (row, head), online softmax).
- * variant 1: flash-style tensor-core (mma.sync m16n8k16) kernel for sm80+, bf16/f16, D in
- * {64, 128}; other inputs return TAPER_CUDA_ERR_ARG (the caller falls back to variant 0).
- * variant 2: FlashAttention-2 style (attention_prefill_fa2.cu: the query heads of one KV head
- * packed into one block, cp.async double-buffered K/V, ldmatrix, mma.sync), same inputs as 1.
- * variant 3: warp-specialized Hopper form of 2 (attention_prefill_fa3.cu: a producer warpgroup
+ * variant 0: the simple kernel (reference; one warp per (row, head), online softmax), any
+ * dtype, cache type and D (a multiple of 8 up to 256): the fallback for inputs 1 and 2 lack.
+ * variant 1: FlashAttention-2 style (attention_prefill_fa2.cu: the query heads of one KV head
+ * packed into one block, cp.async double-buffered K/V, ldmatrix, mma.sync) for sm80+, bf16/f16
+ * with a same-type cache, D in {64, 128}; other inputs return TAPER_CUDA_ERR_ARG (the caller
+ * falls back to variant 0).
+ * variant 2: warp-specialized Hopper form of 1 (attention_prefill_fa3.cu: a producer warpgroup
  * filling an mbarrier ring, wgmma in the consumer warpgroup), same inputs, on compute capability
- * 9.0 with the sm_90a build; elsewhere it runs variant 2. */
+ * 9.0 with the sm_90a build; elsewhere it runs variant 1. */
 
 int taper_cuda_paged_attention_prefill(void* out,                      // (T, Hq, D) dtype
                                        const void* q,                  // (T, Hq, D) dtype
@@ -220,22 +221,17 @@ int taper_cuda_filter_logits(float* logits,             // (B, V)
                              const float* min_p,        // (B,) 0 = off
                              int64_t B, int64_t V, taper_stream_t stream);
 
-/* taper_cuda_filter_logits with each threshold found by a radix select, 8 bits of the key per
- * pass (4 passes) instead of bisection (up to 32): top-k the same; top-p's mass summed in 2^-k
- * fixed point (k from V, so the sum stays exact integer arithmetic) instead of double, so the
- * kept set can differ only where a prefix's mass lies within ~V^2 2^-62 of top_p times the total;
- * rows with a NaN or a non-finite max bisect for top-p as before. */
-int taper_cuda_filter_logits_radix(float* logits, const float* temperature, const int32_t* top_k,
-                                   const float* top_p, const float* min_p, int64_t B, int64_t V,
-                                   taper_stream_t stream);
-
 /* The whole sampler in one launch, one block per row (kernels sampling=fused): the row's
  * penalty entries (as taper_cuda_apply_penalties, written in place; pen_rows sorted ascending),
  * then out[b] = the argmax for a greedy row, else the Gumbel-max draw (key seeds[b], counter
- * positions[b]) over the row after temperature and the top-k / top-p / min-p filter of
- * taper_cuda_filter_logits_radix. The same token as those ops one after the other; temperature
- * and the mask are applied as the row is read, not written back. N = 0: no penalties (the pen_*
- * pointers may be NULL). */
+ * positions[b]) over the row after temperature and the top-k / top-p / min-p filter. The same
+ * token as those ops one after the other (apply_penalties, argmax or filter_logits and
+ * gumbel_sample), except that each threshold is found by a radix select, 8 bits of the key per
+ * pass, instead of bisection: top-k the same; top-p's mass summed in 2^-k fixed point (k from V,
+ * so the sum stays exact integer arithmetic) instead of double, so the kept set can differ only
+ * where a prefix's mass lies within ~V^2 2^-62 of top_p times the total; rows with a NaN or a
+ * non-finite max bisect for top-p as filter_logits does. Temperature and the mask are applied as
+ * the row is read, not written back. N = 0: no penalties (the pen_* pointers may be NULL). */
 int taper_cuda_sample_fused(float* logits,               // (B, V)
                             const uint8_t* greedy,       // (B,) nonzero: argmax
                             const float* temperature,    // (B,)
@@ -303,12 +299,7 @@ int taper_cuda_marlin_repack(const uint8_t* qs,      // (N, K/2) packed codes
  * a global reduce for M <= 16; needs K and G multiples of 64 and x, scales, zeros 16-byte
  * aligned, else TAPER_CUDA_ERR_ARG (fall back to variant 0). Its workspace (counters, then
  * float partial tiles) is workspace_bytes(M, N, K, 1), 0 when it does not split; the counters
- * are zeroed on the stream by each call, so the workspace may be shared and hold garbage.
- * variant 2 (Marlin v2, behind a switch until a GPU run verifies it): variant 1's ring (4
- * stages) and rounding, with striped partitioning of the (column slice, k-tile) sequence
- * across SMs and a deterministic global reduce of the columns stripes share, A read by
- * ldmatrix from XOR-swizzled shared memory, lop3 magic-number dequantization; same needs as
- * variant 1; its workspace is workspace_bytes(M, N, K, 2). */
+ * are zeroed on the stream by each call, so the workspace may be shared and hold garbage. */
 int64_t taper_cuda_marlin_workspace_bytes(int64_t M, int64_t N, int64_t K, int variant);
 int taper_cuda_marlin_gemm(const void* x,            // (M, K) dtype
                            const uint32_t* qweight,  // (K/16, Np*2) Marlin tiles

@@ -1,8 +1,16 @@
 """AsyncEngine: the LLMEngine on its own thread, fed and drained from an asyncio event loop.
 
 The engine thread owns all engine state. The event loop talks to it through a command queue
-(add, abort) and receives RequestOutputs through per-request asyncio queues, handed over with
-call_soon_threadsafe. Kernels release the GIL, so the event loop keeps serving while a step runs.
+(add, abort, pause, resume) and receives RequestOutputs through per-request streams (`_Stream`, an
+asyncio queue), handed over with call_soon_threadsafe. Kernels release the GIL, so the event loop
+keeps serving while a step runs.
+
+Back-pressure: a reader slower than the engine (a client that does not read its stream) must not
+make the engine finish its request into memory. Once `stream_buffer` outputs per choice wait in a
+request's stream, the request is paused: the scheduler skips its sequences (their KV blocks stay,
+and go to preemption like any others) until the reader has taken half of them, when it resumes.
+A request paused for `stall_timeout` seconds is aborted and its waiting outputs dropped; its
+reader then gets StreamStalled. A reader that keeps up never sees either.
 """
 from __future__ import annotations
 
@@ -21,21 +29,87 @@ from engine.core.stats import EngineStats
 
 log = logging.getLogger("taper.engine")
 
+STREAM_BUFFER = 16              # outputs per choice waiting for the reader before a pause
+STALL_TIMEOUT = 60.0            # seconds a request may stay paused before it is aborted
+
+
+class StreamStalled(Exception):
+    """The reader took nothing from a full stream for the stall timeout: the request was
+    aborted."""
+
+
+class _Stream:
+    """One request's outputs on their way to its reader, on the reader's event loop: the engine
+    thread hands each over with call_soon_threadsafe(put). Pauses and resumes the request as
+    the outputs waiting pass the high mark and fall to half of it."""
+
+    def __init__(self, engine: "AsyncEngine", request_id: str, n: int):
+        self.engine, self.request_id = engine, request_id
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue = asyncio.Queue()      # bounded by the pause, not here
+        self.high = max(2, engine.stream_buffer * n)
+        self.paused = False
+        self.stalled = False
+        self._stall_timer: asyncio.TimerHandle | None = None
+
+    def put(self, item) -> None:
+        if self.stalled:                 # aborted for its reader: nothing more is kept
+            return
+        self.queue.put_nowait(item)
+        if not self.paused and self.queue.qsize() >= self.high:
+            self.paused = True
+            self.engine._commands.put(("pause", self.request_id))
+            self._arm_timer()
+
+    def taken(self) -> None:
+        """The reader took an item: resume the request at half the high mark; until then the
+        stall timeout counts from this read (a slow reader is not a stalled one)."""
+        if not self.paused:
+            return
+        self.cancel_timer()
+        if self.queue.qsize() <= self.high // 2:
+            self.paused = False
+            self.engine._commands.put(("resume", self.request_id))
+        else:
+            self._arm_timer()
+
+    def _arm_timer(self) -> None:
+        self._stall_timer = self.loop.call_later(self.engine.stall_timeout, self._stall)
+
+    def cancel_timer(self) -> None:
+        if self._stall_timer is not None:
+            self._stall_timer.cancel()
+            self._stall_timer = None
+
+    def _stall(self) -> None:
+        self.stalled = True
+        while not self.queue.empty():
+            self.queue.get_nowait()
+        self.queue.put_nowait(StreamStalled(
+            f"the client read nothing for {self.engine.stall_timeout:g} s while "
+            f"{self.high} outputs waited for it; the request was aborted"))
+        self.engine.abort(self.request_id)
+
 
 class AsyncEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, stream_buffer: int = STREAM_BUFFER,
+                 stall_timeout: float = STALL_TIMEOUT):
         self.engine = LLMEngine(config)
         self.tokenizer = self.engine.tokenizer
         if self.tokenizer is not None and self.tokenizer.has_chat_template:
             self.tokenizer.prepare_chat_guard()   # at load, not on the event loop's first chat
+        if self.tokenizer is not None:
+            self.tokenizer.max_chars_per_token    # computed at load, read by every request
         self.model_config = self.engine.model_config
         self.max_model_len = self.engine.max_model_len
         self.pooling = self.engine.pooling        # how /v1/embeddings pools (sampling/pooling.py)
         self.model_name = default_model_name(config.model)
         self.generation_defaults = generation_config_defaults(self.engine.model_dir)
         self.structured_outputs = self.engine.structured_outputs   # thread-safe, lazy
+        self.stream_buffer, self.stall_timeout = stream_buffer, stall_timeout
         self._commands: queue.Queue = queue.Queue()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        # by request id; None once its reader has left, until the engine thread has aborted it
+        self._streams: dict[str, _Stream | None] = {}
         self._stopping = False
         self._closed = False         # the engine thread has stopped taking commands
         self.error: BaseException | None = None
@@ -54,23 +128,23 @@ class AsyncEngine:
             raise RuntimeError("the engine is not running")
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
-        loop = asyncio.get_running_loop()
-        stream: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = (loop, stream)
+        stream = _Stream(self, request_id, params.n)
+        self._streams[request_id] = stream
         self._commands.put(("add", request_id, list(prompt_token_ids), params))
         # The engine thread marks itself closed, then fails the streams it finds; we add the
         # stream, then look at the mark. So either it sees this stream or we see the mark.
         if self._closed:
-            stream.put_nowait(RuntimeError("the engine is not running"))
+            stream.put(RuntimeError("the engine is not running"))
         return self._iterate(request_id, stream, params.n)
 
-    async def _iterate(self, request_id: str, stream: asyncio.Queue, n: int):
+    async def _iterate(self, request_id: str, stream: _Stream, n: int):
         """The outputs of all n choices, interleaved; ends when each has finished."""
         done = False
         unfinished = n
         try:
             while True:
-                item = await stream.get()
+                item = await stream.queue.get()
+                stream.taken()
                 if isinstance(item, BaseException):
                     done = True
                     raise item
@@ -80,11 +154,12 @@ class AsyncEngine:
                 if done:
                     return
         finally:
+            stream.cancel_timer()
             if done:
                 self._streams.pop(request_id, None)
             else:  # the consumer left early: free the request's blocks. The id stays taken
                 # until the engine thread has aborted it, so a reuse cannot get its outputs.
-                self._streams[request_id] = (None, None)
+                self._streams[request_id] = None
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
@@ -97,7 +172,7 @@ class AsyncEngine:
     @property
     def num_open_requests(self) -> int:
         """Requests whose stream is still being read."""
-        return sum(1 for loop, _ in list(self._streams.values()) if loop is not None)
+        return sum(1 for stream in list(self._streams.values()) if stream is not None)
 
     def stats(self) -> EngineStats:
         """Read from another thread: each field is a plain read of engine state, so a
@@ -124,9 +199,9 @@ class AsyncEngine:
     # ---- engine thread
 
     def _deliver(self, request_id: str, item) -> None:
-        loop, stream = self._streams.get(request_id, (None, None))
+        stream = self._streams.get(request_id)
         if stream is not None:
-            loop.call_soon_threadsafe(stream.put_nowait, item)
+            stream.loop.call_soon_threadsafe(stream.put, item)
 
     def _handle(self, command) -> None:
         if command[0] == "add":
@@ -143,15 +218,18 @@ class AsyncEngine:
             for index in self.engine.abort(request_id):
                 self._deliver(request_id, RequestOutput(request_id, finished=True,
                                                         finish_reason="abort", index=index))
-            if self._streams.get(request_id) == (None, None):  # its consumer has left
-                del self._streams[request_id]
+            if request_id in self._streams and self._streams[request_id] is None:
+                del self._streams[request_id]        # its consumer has left
+        elif command[0] in ("pause", "resume"):
+            self.engine.pause(command[1], command[0] == "pause")
 
     def _run(self) -> None:
         reason = "the engine was shut down"
         try:
             while not self._stopping:
-                # Block for work when idle; otherwise take what has arrived and step.
-                block = not self.engine.has_unfinished()
+                # Block for work when idle (or every request is paused); otherwise take what
+                # has arrived and step.
+                block = not self.engine.has_work()
                 try:
                     command = self._commands.get(block=block, timeout=None)
                     while True:

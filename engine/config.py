@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.runner.backends import detect_backend
+from engine.spec.config import SpeculativeConfig
 from pyx.kernel_config import KernelConfig
 
 
@@ -37,9 +38,13 @@ class EngineConfig:
     # Kernel choices (pyx/kernel_config.py): a KernelConfig, or a "prefill=fa2,decode=split"
     # string or a dict, made a KernelConfig here (--kernels, LLM(kernels=...)).
     kernels: KernelConfig = field(default_factory=KernelConfig)
+    # Speculative decoding (engine/spec/): a SpeculativeConfig, or its JSON text or dict
+    # (--speculative-config, vLLM's keys); None: off.
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self):
         self.kernels = KernelConfig.parse(self.kernels)
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.block_size < 8 or self.block_size > 128 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two in [8, 128], got {self.block_size}")
         if self.backend not in ("auto", "cpu", "cuda"):

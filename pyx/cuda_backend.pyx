@@ -10,21 +10,19 @@ Activations are bf16, f16 or f32 (`dtype`), accumulated in float32; vectors (nor
 biases, the RoPE cos/sin cache, FP8 scales, logits) are float32 as on the CPU. Dense GEMMs go
 through cuBLAS (the libcublas CuPy loads, on a handle of our own, so no extra link dependency).
 All work is queued on one stream, `backend.stream`, with no synchronization inside an op, so a
-decode step can be captured in a CUDA Graph. Tuned kernels stay behind switches of the
-KernelConfig it is built with (pyx/kernel_config.py) until a GPU run has verified them:
-decode=split (flash-decoding: split-K decode attention with the split count of
-pyx/decode_splits.py), prefill=mma|fa2|fa3 (tensor-core prefill attention: the first
-flash-style kernel, the FlashAttention-2 one with GQA packing and a cp.async ring, or its
-warp-specialized wgmma form for Hopper, which runs fa2 on other GPUs), marlin=pipeline (the
-pipelined Marlin W4A16 GEMM) or marlin=v2 (the Marlin GEMM with striped partitioning, ldmatrix
-and lop3 dequantization), fp8=cutlass (FP8 block-wise weights through CUTLASS on sm_90a
-instead of dequantized once to bf16), fp8_gemv=on (FP8 block-wise weights kept e4m3, read by
-the FP8 GEMV kernel for small M), filter=radix (the top-k / top-p thresholds of filter_logits
-by radix select instead of bisection), sampling=fused (the sampler's penalties, argmax, filter
-and Gumbel draw in one launch, `sample_fused`) and moe=fused (`fused_moe`: MoE blocks take the
-grouped-GEMM path of cuda/moe.cu instead of one linear per expert). Each choice is also a
-public attribute (split_k, prefill_kernel, marlin_v2, ...) that tests and benchmarks may flip
-on a built backend.
+decode step can be captured in a CUDA Graph. Where the backend has a choice of kernel, the
+KernelConfig it is built with picks it (pyx/kernel_config.py: the values, the defaults and why):
+decode=split|simple (flash-decoding: split-K decode attention with the split count of
+pyx/decode_splits.py, or one pass per sequence), prefill=fa3|fa2|simple (prefill attention: the
+warp-specialized wgmma form of FlashAttention-2 for Hopper, which runs fa2 on other GPUs, the
+FlashAttention-2 kernel with GQA packing and a cp.async ring, or the simple one, which also serves
+the inputs the tensor-core kernels lack), marlin=pipeline (the pipelined Marlin W4A16 GEMM),
+fp8=cutlass (FP8 block-wise weights through CUTLASS on sm_90a instead of dequantized once to bf16),
+fp8_gemv=on (FP8 block-wise weights kept e4m3, read by the FP8 GEMV kernel for small M),
+sampling=fused (the sampler's penalties, argmax, filter and Gumbel draw in one launch,
+`sample_fused`) and moe=fused (`fused_moe`: MoE blocks take the grouped-GEMM path of cuda/moe.cu
+instead of one linear per expert). Each choice is also a public attribute (split_k, prefill_kernel,
+marlin_pipeline, ...) that tests and benchmarks may flip on a built backend.
 """
 import logging
 import math
@@ -153,7 +151,7 @@ class _StreamGraph:
 # The prefill attention kernels (taper_cuda_paged_attention_prefill's variants) by their
 # KernelConfig names; the tensor-core ones take bf16/f16 with a same-type cache and D 64 or 128,
 # other batches the simple one.
-PREFILL_VARIANTS = {"simple": 0, "mma": 1, "fa2": 2, "fa3": 3}
+PREFILL_VARIANTS = {"simple": 0, "fa2": 1, "fa3": 2}
 
 
 log = logging.getLogger("taper.cuda")
@@ -173,12 +171,9 @@ cdef class CudaBackend(Backend):
     cdef void* _blas_handle
     cdef public str prefill_kernel   # a PREFILL_VARIANTS name: kernels prefill
     cdef public bint split_k         # decode=split
-    cdef public bint mma_prefill     # prefill=mma
     cdef public bint fp8_cutlass     # fp8=cutlass
     cdef public bint fp8_gemv        # fp8_gemv=on
-    cdef public bint radix_filter    # filter=radix
     cdef public bint marlin_pipeline # marlin=pipeline
-    cdef public bint marlin_v2       # marlin=v2
     cdef public int fp8_gemv_max_m   # FP8 weights take the GEMV up to this many rows
     cdef public int64_t max_context  # decode split-K sizes its partitions for this many keys
     cdef public int decode_splits    # > 0: this many split-K partitions (benchmarks); 0: the rule
@@ -233,12 +228,9 @@ cdef class CudaBackend(Backend):
             log.warning("kernels prefill=fa3 needs compute capability 9.0, device %d has %s: "
                         "running fa2", device, self.device.compute_capability)
             self.prefill_kernel = "fa2"
-        self.mma_prefill = self.prefill_kernel == "mma"
         self.fp8_cutlass = k.fp8 == "cutlass"
         self.marlin_pipeline = k.marlin == "pipeline"
-        self.marlin_v2 = k.marlin == "v2"
         self.fp8_gemv = k.fp8_gemv == "on"
-        self.radix_filter = k.filter == "radix"
         self.fused_sampling = k.sampling == "fused"
         self.fp8_gemv_max_m = FP8_GEMV_MAX_M
         self.max_context = 0
@@ -511,19 +503,17 @@ cdef class CudaBackend(Backend):
             col += n
 
     def _marlin_compute(self, x, weight, out):
-        """W4A16 through the Marlin-layout GEMM: the simple kernel by default, the striped v2
-        under kernels marlin=v2, else the pipelined one with a global reduce for small M
-        under marlin=pipeline (each falling back to the simple one for shapes it
-        lacks)."""
+        """W4A16 through the Marlin-layout GEMM: the simple kernel by default, the pipelined
+        one with a global reduce for small M under kernels marlin=pipeline (falling back to the
+        simple one for shapes it lacks)."""
         T, K, N = x.shape[0], x.shape[1], out.shape[1]
         args = (self._ptr(x), weight.qweight.data.ptr, weight.scales.data.ptr,
                 self._opt_ptr(weight.zeros), self._ptr(out), T, N, K, weight.group_size,
                 self._act_code)
-        if self.marlin_v2 or self.marlin_pipeline:
-            variant = 2 if self.marlin_v2 else 1
-            ws = taper_cuda_marlin_workspace_bytes(T, N, K, variant)
+        if self.marlin_pipeline:
+            ws = taper_cuda_marlin_workspace_bytes(T, N, K, 1)
             try:
-                launch_marlin_gemm(*args, variant, self._workspace_ptr(ws), ws, self._sptr())
+                launch_marlin_gemm(*args, 1, self._workspace_ptr(ws), ws, self._sptr())
                 return
             except CudaError as e:  # shapes the tuned kernel lacks: the simple one runs
                 if "status -1" not in str(e):
@@ -961,8 +951,7 @@ cdef class CudaBackend(Backend):
         if any(arrays[n].shape[0] != B for n in ("temperature", "top_k", "top_p", "min_p")):
             _fail(op, "temperature, top_k, top_p, min_p must be (B,)", arrays)
         launch_filter_logits(self._ptr(logits), self._ptr(temperature), self._ptr(top_k),
-                             self._ptr(top_p), self._ptr(min_p), B, V, self._sptr(),
-                             self.radix_filter)
+                             self._ptr(top_p), self._ptr(min_p), B, V, self._sptr())
 
     def sample_fused(self, logits, greedy, temperature, top_k, top_p, min_p, seeds, positions,
                      out, penalties=None):

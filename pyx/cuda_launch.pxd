@@ -72,10 +72,6 @@ cdef extern from "taper_cuda.h" nogil:
     int taper_cuda_filter_logits(float* logits, const float* temperature, const int32_t* top_k,
                                  const float* top_p, const float* min_p, int64_t B, int64_t V,
                                  taper_stream_t stream)
-    int taper_cuda_filter_logits_radix(float* logits, const float* temperature,
-                                       const int32_t* top_k, const float* top_p,
-                                       const float* min_p, int64_t B, int64_t V,
-                                       taper_stream_t stream)
     int taper_cuda_sample_fused(float* logits, const uint8_t* greedy, const float* temperature,
                                 const int32_t* top_k, const float* top_p, const float* min_p,
                                 const uint64_t* seeds, const int64_t* positions,

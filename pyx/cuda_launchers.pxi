@@ -212,20 +212,13 @@ def launch_apply_penalties(ptr_t logits, ptr_t rows, ptr_t cols, ptr_t bias, ptr
 
 
 def launch_filter_logits(ptr_t logits, ptr_t temperature, ptr_t top_k, ptr_t top_p, ptr_t min_p,
-                         int64_t B, int64_t V, ptr_t stream, bint radix=False):
-    """radix: thresholds by radix select (taper_cuda_filter_logits_radix), not bisection."""
+                         int64_t B, int64_t V, ptr_t stream):
     cdef int st
     with nogil:
-        if radix:
-            st = taper_cuda_filter_logits_radix(<float*>logits, <const float*>temperature,
-                                                <const int32_t*>top_k, <const float*>top_p,
-                                                <const float*>min_p, B, V,
-                                                <taper_stream_t>stream)
-        else:
-            st = taper_cuda_filter_logits(<float*>logits, <const float*>temperature,
-                                          <const int32_t*>top_k, <const float*>top_p,
-                                          <const float*>min_p, B, V, <taper_stream_t>stream)
-    _check_status(st, "filter_logits", dict(B=B, V=V, radix=radix))
+        st = taper_cuda_filter_logits(<float*>logits, <const float*>temperature,
+                                      <const int32_t*>top_k, <const float*>top_p,
+                                      <const float*>min_p, B, V, <taper_stream_t>stream)
+    _check_status(st, "filter_logits", dict(B=B, V=V))
 
 
 def launch_sample_fused(ptr_t logits, ptr_t greedy, ptr_t temperature, ptr_t top_k, ptr_t top_p,

@@ -1,7 +1,7 @@
 """KernelConfig: which kernel each backend runs where it has a choice, and the CPU's numerics.
 
 One frozen value per engine, never the process environment (DESIGN.md section 8): the server's
-`--kernels prefill=fa2,decode=split,marlin=v2`, `LLM(kernels=...)` (that string, a dict or a
+`--kernels prefill=fa2,decode=split,marlin=pipeline`, `LLM(kernels=...)` (that string, a dict or a
 KernelConfig), EngineConfig.kernels, then `CpuBackend(kernels=...)` / `CudaBackend(kernels=...)`,
 which read it once when they are built. The engine logs it at start-up, each choice with its
 source. It lives in pyx/ (pure Python, no engine import) because the backends read it.
@@ -10,12 +10,14 @@ The first value of every key is its default: on a GPU the kernel that passed its
 fastest in the last GPU window (bench/RESULTS.md, "GPU window"; prefill=fa3 and decode=split won
 on an H200 on 2026-11-28), on the CPU the fastest path. The others are kept behind the switch:
 general fallbacks, kernels whose GPU tests or figures have not made them the default yet, or
-the CPU's more exact activation rounding. A key a backend does not read (a CUDA kernel on the CPU backend) is logged as unused
-when it was set.
+the CPU's more exact activation rounding. prefill=mma, marlin=v2 and filter=radix lost to the
+defaults in that window and were deleted (REMOVED_VARIABLES). A key a backend does not read (a
+CUDA kernel on the CPU backend) is logged as unused when it was set.
 
 The environment variables that used to make these choices (TAPER_CUDA_PREFILL, TAPER_CPU_ISA,
-TAPER_QUANT_ACT_SPLIT, ...: RETIRED_VARIABLES) are no longer read; `retired_variables()` names the
-ones still set, so that start-up can warn with the `--kernels` spelling that replaces each.
+TAPER_QUANT_ACT_SPLIT, ...: RETIRED_VARIABLES, REMOVED_VARIABLES) are no longer read;
+`retired_variables()` names the ones still set, so that start-up can warn with the `--kernels`
+spelling that replaces each, or say that the kernel it chose was removed.
 """
 from __future__ import annotations
 
@@ -32,17 +34,16 @@ class Choice:
 
 
 CHOICES: dict[str, Choice] = {
-    "prefill": Choice(("fa3", "fa2", "mma", "simple"), ("cuda",),
+    "prefill": Choice(("fa3", "fa2", "simple"), ("cuda",),
                       "prefill attention: FlashAttention-2 style with GQA packing in its Hopper "
-                      "form (wgmma; fa2 on other GPUs), fa2 itself, the first tensor-core "
-                      "kernel, or the simple one (the one kernel for head sizes and dtypes the "
-                      "others lack: any choice falls back to it there)"),
+                      "form (wgmma; fa2 on other GPUs), fa2 itself, or the simple one (the one "
+                      "kernel for head sizes and dtypes the others lack: any choice falls back "
+                      "to it there)"),
     "decode": Choice(("split", "simple"), ("cuda",),
                      "decode attention: split-K flash-decoding (pyx/decode_splits.py picks the "
                      "split count), or one pass per sequence"),
-    "marlin": Choice(("simple", "pipeline", "v2"), ("cuda",),
-                     "int4 W4A16 Marlin GEMM: the simple kernel, the pipelined one, or v2 "
-                     "(striped partitioning, ldmatrix, lop3)"),
+    "marlin": Choice(("simple", "pipeline"), ("cuda",),
+                     "int4 W4A16 Marlin GEMM: the simple kernel, or the pipelined one"),
     "fp8": Choice(("dequant", "cutlass"), ("cuda",),
                   "FP8 block-wise weights: dequantized once to the activation dtype, or kept "
                   "e4m3 for the CUTLASS block-scaled GEMM (sm_90a)"),
@@ -50,8 +51,6 @@ CHOICES: dict[str, Choice] = {
                        "FP8 block-wise weights kept e4m3 for the small-M FP8 GEMV (sm80+)"),
     "sampling": Choice(("simple", "fused"), ("cuda",),
                        "sampling: op by op, or penalties, filters and the draw in one launch"),
-    "filter": Choice(("bisect", "radix"), ("cuda",),
-                     "top-k / top-p thresholds of filter_logits: bisection or radix select"),
     "moe": Choice(("simple", "fused"), ("cuda", "cpu"),
                   "MoE experts: one linear per expert, or moe_align and grouped GEMMs over "
                   "stacked experts"),
@@ -66,18 +65,23 @@ CHOICES: dict[str, Choice] = {
 
 # The environment variables these keys replace, and the `--kernels` item for each.
 RETIRED_VARIABLES = {
-    "TAPER_CUDA_PREFILL": "prefill=simple|mma|fa2|fa3",
-    "TAPER_CUDA_MMA_PREFILL": "prefill=mma",
+    "TAPER_CUDA_PREFILL": "prefill=fa3|fa2|simple",
     "TAPER_CUDA_SPLIT_K": "decode=split",
-    "TAPER_CUDA_MARLIN": "marlin=v2",
     "TAPER_CUDA_MARLIN_PIPELINE": "marlin=pipeline",
     "TAPER_CUDA_FP8_CUTLASS": "fp8=cutlass",
     "TAPER_CUDA_FP8_GEMV": "fp8_gemv=on",
     "TAPER_CUDA_FUSED_SAMPLING": "sampling=fused",
-    "TAPER_CUDA_RADIX_FILTER": "filter=radix",
     "TAPER_CUDA_FUSED_MOE": "moe=fused",
     "TAPER_CPU_ISA": "cpu_isa=auto|scalar|avx2|avx512",
     "TAPER_QUANT_ACT_SPLIT": "act_split=on",
+}
+
+# The environment variables whose kernels were deleted after a GPU window measured them slower
+# than the default (H200, 2026-11-28), and the choice each made.
+REMOVED_VARIABLES = {
+    "TAPER_CUDA_MMA_PREFILL": "prefill=mma",
+    "TAPER_CUDA_MARLIN": "marlin=v2",
+    "TAPER_CUDA_RADIX_FILTER": "filter=radix",
 }
 
 
@@ -98,7 +102,6 @@ class KernelConfig:
     fp8: str = _default("fp8")
     fp8_gemv: str = _default("fp8_gemv")
     sampling: str = _default("sampling")
-    filter: str = _default("filter")
     moe: str = _default("moe")
     cpu_isa: str = _default("cpu_isa")
     act_split: str = _default("act_split")
@@ -181,6 +184,11 @@ class KernelConfig:
 
 def retired_variables(environ: Mapping[str, str] = os.environ) -> list[str]:
     """For each retired variable set in `environ`: a warning naming the --kernels item that
-    replaces it (the variable itself is ignored)."""
-    return [f"{name} is no longer read; use --kernels {item} (or LLM(kernels=...))"
-            for name, item in RETIRED_VARIABLES.items() if environ.get(name, "") != ""]
+    replaces it, or saying that the kernel it chose was removed (the variable itself is
+    ignored)."""
+    replaced = [f"{name} is no longer read; use --kernels {item} (or LLM(kernels=...))"
+                for name, item in RETIRED_VARIABLES.items() if environ.get(name, "") != ""]
+    removed = [f"{name} is no longer read; the kernel it chose ({item}) was removed, the "
+               f"default runs" for name, item in REMOVED_VARIABLES.items()
+               if environ.get(name, "") != ""]
+    return replaced + removed

@@ -66,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--responses-store-size", type=int, metavar="N", default=1000,
                    help="Responses API responses kept for GET and previous_response_id, the "
                         "oldest dropped first (default 1000; 0 keeps none)")
+    g.add_argument("--responses-store-mb", type=float, metavar="MB", default=128,
+                   help="the most the stored Responses API responses may hold, in MB of JSON, "
+                        "the oldest dropped first (default 128)")
     g.add_argument("--ui-server", action="store_true",
                    help="candle-vllm's flag for the web chat UI, accepted for its scripts: the "
                         "UI is always served at /ui on the API port")
@@ -77,7 +80,24 @@ def build_parser() -> argparse.ArgumentParser:
                         "default: chosen from the model type and chat template")
     g.add_argument("--mcp-config", metavar="FILE",
                    help="mcp.json naming MCP servers whose tools are offered to chat requests "
-                        "that send no tools")
+                        "that send no tools, and which Responses API requests may name as "
+                        "`mcp` tools by their server_label")
+    g.add_argument("--mcp-allowed-urls", nargs="+", metavar="URL", default=[],
+                   help="MCP server URLs a Responses API request may name in an `mcp` tool's "
+                        "server_url (the server connects to them); default none: any "
+                        "server_url is refused")
+    g.add_argument("--mcp-max-calls", type=int, metavar="N", default=20,
+                   help="the most MCP tool calls the server runs for one Responses API "
+                        "response (a request's max_tool_calls may lower it; default 20)")
+    g.add_argument("--responses-max-background", type=int, metavar="N", default=64,
+                   help="Responses API requests with background: true that may run at once; "
+                        "more are refused with a 429 (default 64)")
+    g.add_argument("--rerank", choices=["auto", "qwen3-reranker", "embedding", "none"],
+                   default="auto",
+                   help="how /v1/rerank and /v1/score score a pair: qwen3-reranker (P(yes) of a "
+                        "Qwen3-Reranker checkpoint), embedding (cosine of the embeddings), "
+                        "none; auto (default): embedding for an embedding checkpoint, "
+                        "qwen3-reranker for a Qwen3 checkpoint named as a reranker, else off")
     g.add_argument("--log", action="store_true", help="verbose logging (every request)")
     g.add_argument("--debug", action="store_true",
                    help="debug logging, and the traceback of a start-up error (without it, "
@@ -154,8 +174,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with async scheduling, schedule each step after the previous step's "
                         "tokens are committed instead of ahead of them with placeholder tokens "
                         "(see README: async scheduling)")
+    e.add_argument("--speculative-config", metavar="JSON", default=None,
+                   help="speculative decoding, vLLM's keys: '{\"method\": \"ngram\", "
+                        "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 5}' or "
+                        "'{\"method\": \"draft_model\", \"model\": DIR, "
+                        "\"num_speculative_tokens\": 4}' (see README: speculative decoding)")
+    e.add_argument("--draft-model", metavar="DIR", default=None,
+                   help="speculative decoding with this draft model (the target's tokenizer): "
+                        "4 tokens per step unless --speculative-config says otherwise")
     e.add_argument("--kernels", metavar="KEY=VALUE,...", default="",
-                   help="kernel choices, e.g. prefill=fa2,decode=split,marlin=v2; each key's "
+                   help="kernel choices, e.g. prefill=fa2,decode=split,marlin=pipeline; each key's "
                         "first value is its default, the backends that read it in parentheses: "
                         + KernelConfig.choices_help())
     e.add_argument("--profile-steps", type=int, metavar="N", default=0,
@@ -204,6 +232,16 @@ def check_args(args) -> str | None:
     from server.limits import check_flags
     if problem := check_flags(args):
         return problem
+    if args.responses_store_mb < 0:
+        return "--responses-store-mb must be at least 0"
+    if args.mcp_max_calls < 0:
+        return "--mcp-max-calls must be at least 0"
+    if args.responses_max_background < 0:
+        return "--responses-max-background must be at least 0"
+    bad_url = next((u for u in args.mcp_allowed_urls
+                    if not u.startswith(("http://", "https://"))), None)
+    if bad_url is not None:
+        return f"--mcp-allowed-urls: {bad_url!r} is not an http:// or https:// URL"
     if args.enforce_parser is not None:
         from server.tool_parsers import PARSERS
         if args.enforce_parser not in PARSERS:
@@ -272,7 +310,16 @@ def engine_config(args):
         yarn_scaling_factor=args.yarn_scaling_factor, isq=args.isq, seed=args.seed,
         batch_invariant=args.batch_invariant, logprobs_mode=args.logprobs_mode,
         async_scheduling=args.async_scheduling, schedule_ahead=args.schedule_ahead,
-        kernels=KernelConfig.parse(args.kernels, "--kernels"))
+        kernels=KernelConfig.parse(args.kernels, "--kernels"),
+        speculative_config=speculative_config(args))
+
+
+def speculative_config(args):
+    from engine.spec.config import SpeculativeConfig
+    try:
+        return SpeculativeConfig.parse(args.speculative_config, draft_model=args.draft_model)
+    except ValueError as e:
+        raise ValueError(f"--speculative-config: {e}") from None
 
 
 def smollm2_weight_file(args) -> str | None:
@@ -323,7 +370,11 @@ def server_settings(args, config):
         trust_request_chat_template=args.trust_request_chat_template,
         limits=Limits.from_args(args), cors_origins=args.allowed_origins,
         responses_store_size=args.responses_store_size,
-        structured_outputs_timeout=args.structured_outputs_timeout, tool_parser=args.enforce_parser)
+        responses_store_bytes=int(args.responses_store_mb * 2**20),
+        structured_outputs_timeout=args.structured_outputs_timeout,
+        tool_parser=args.enforce_parser, rerank=args.rerank,
+        mcp_allowed_urls=list(args.mcp_allowed_urls), mcp_max_calls=args.mcp_max_calls,
+        responses_max_background=args.responses_max_background)
 
 
 class Server:

@@ -33,6 +33,7 @@ from quart import Quart, Response, request
 
 from server import streaming, structured_outputs
 from server.anthropic_protocol import CountTokensRequest, MessagesRequest
+from server import request_body
 from server.protocol import APIError, ChatCompletionRequest, parse_request
 from server.tool_calls import chat_tools
 
@@ -72,7 +73,7 @@ def register_anthropic(app: Quart, *, limits, check_queue, fit_context, chat_pro
 
     async def read(cls):
         """The request, its chat translation, model, engine, tools and prompt ids."""
-        req = limits.read_request(await request.get_data(), cls)
+        req = await request_body.read(await request.get_data(), cls, state.engine, limits)
         engine = state.ready_engine()
         model = state.resolve_model(req.model)
         chat = parse_request(ChatCompletionRequest, req.chat_body())
@@ -108,18 +109,9 @@ def register_anthropic(app: Quart, *, limits, check_queue, fit_context, chat_pro
         omit = (req.thinking or {}).get("display") == "omitted"
         builder = MessageBuilder(info.id, model, omit_thinking=omit)
         events = message_events(builder, chunks, end, len(prompt_ids), window_limited)
-        try:
-            first = await anext(events)        # a refused request still gets an error status
-        except BaseException:
-            await events.aclose()
-            raise
+        first = await streaming.first_of(events)   # a refused request gets an error status
         if req.stream:
-            resp = Response(sse_events(builder, first, events), status=200,
-                            content_type="text/event-stream")
-            resp.headers["Cache-Control"] = "no-cache"
-            resp.headers["X-Accel-Buffering"] = "no"
-            resp.timeout = None
-            return resp
+            return streaming.sse_response(sse_events(builder, first, events))
         async with contextlib.aclosing(events):
             async for _ in events:
                 pass

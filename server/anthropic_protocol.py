@@ -15,8 +15,9 @@ tool grammars serve it unchanged (server/anthropic.py runs them).
   any, tool and none become "auto", "required", the named function and "none";
   `disable_parallel_tool_use` is `parallel_tool_calls: false`.
 - `thinking` enabled or adaptive is the template's `enable_thinking`, disabled turns it off;
-  `budget_tokens` is checked as Anthropic checks it but not enforced: the engine has no reasoning
-  budget, so a model reasons within max_tokens as long as it will.
+  enabled's `budget_tokens` (checked as Anthropic checks it) is the chat route's
+  `thinking_token_budget`: after that many reasoning tokens the engine forces `</think>` and the
+  model answers (engine/sampling/reasoning_budget.py). Adaptive has no budget.
 - `output_config.format` (a JSON schema) is the chat route's `response_format`.
 
 A field that would change the output and that this server lacks is a 400 naming it (media
@@ -93,6 +94,8 @@ class _AnthropicInput(BaseModel):
         thinking = thinking_type(self.thinking)
         if thinking is not None:
             body["enable_thinking"] = thinking != "disabled"
+        if thinking == "enabled":
+            body["thinking_token_budget"] = self.thinking["budget_tokens"]
         fmt = (self.output_config or {}).get("format")
         if fmt is not None:
             body["response_format"] = chat_response_format(fmt)

@@ -11,12 +11,12 @@ The app starts before the engine exists: `ServerState.engine` is None while the 
 the live ones finish).
 
 Routes kept in modules of their own are registered from create_app: /v1/embeddings
-(server/embeddings.py), the Responses API (server/responses.py), Anthropic's /v1/messages
-(server/anthropic.py, whose errors take Anthropic's shape).
+(server/embeddings.py), /v1/rerank and /v1/score (server/rerank.py), the Responses API
+(server/responses.py), Anthropic's /v1/messages (server/anthropic.py, whose errors take
+Anthropic's shape).
 """
 from __future__ import annotations
 
-import asyncio
 import hmac
 import json
 import logging
@@ -29,10 +29,12 @@ import jinja2
 from quart import Quart, Response, request
 from werkzeug.exceptions import HTTPException
 
-from server import streaming, structured_outputs
+from engine.text.tokenizer import TextTooLong
+from server import json_io, request_body, streaming, structured_outputs, tokenizing
 from server.anthropic import error_body as anthropic_error_body
 from server.anthropic import is_anthropic_path, register_anthropic
 from server.embeddings import register_embeddings
+from server.rerank import register_rerank
 from server.limits import Limits
 from server.message_stream import MessageStream
 from server.reasoning import ReasoningSplitter, prompt_opens_reasoning
@@ -60,9 +62,15 @@ class ServerSettings:
     limits: Limits = field(default_factory=Limits)   # what one request may ask (server/limits.py)
     cors_origins: list[str] = field(default_factory=list)   # none: no browser origin may call
     responses_store_size: int = 1000         # stored Responses API responses, oldest dropped
+    responses_store_bytes: int = 128 * 2**20  # and their size as JSON, oldest dropped
     structured_outputs_timeout: float = 5.0  # seconds a grammar may take to compile
     tool_parser: str | None = None           # --enforce-parser; else chosen for the model
     model_notice: str | None = None          # one line clients show beside the model (the demo's)
+    rerank: str = "auto"                     # --rerank: how /v1/rerank and /v1/score score
+    mcp_allowed_urls: list[str] = field(default_factory=list)  # Responses `mcp` server_urls
+    mcp_max_calls: int = 20                  # MCP calls one response may run
+    mcp_call_timeout: float = 120.0          # seconds one MCP call may take
+    responses_max_background: int = 64       # background responses running at once
 
 
 @dataclass
@@ -153,12 +161,15 @@ def _error(e: APIError) -> Response:
     return resp
 
 
-async def off_loop(fn, *args, param: str, **kwargs):
-    """Run tokenizer work (template rendering, encoding) on a worker thread: a long prompt or a
-    heavy template must not stall every other stream on the event loop. Text the tokenizer
-    cannot take (a lone surrogate, say) is the client's error, named by `param`."""
+async def off_loop(engine, fn, *args, param: str, **kwargs):
+    """Run tokenizer work (template rendering, encoding) on the tokenizer threads
+    (server/tokenizing.py): a long prompt or a heavy template must not stall every other stream
+    on the event loop. Text the tokenizer cannot take (a lone surrogate, say) is the client's
+    error, named by `param`, and so is a text too long for the context."""
     try:
-        return await asyncio.to_thread(fn, *args, **kwargs)
+        return await tokenizing.run(fn, *args, **kwargs)
+    except TextTooLong as e:
+        raise tokenizing.too_long(engine, e, param) from None
     except (TypeError, ValueError, UnicodeError) as e:
         raise APIError(f"{param} could not be tokenized: {e}", param=param,
                        code="invalid_value") from None
@@ -286,7 +297,8 @@ def create_app(engine, settings: ServerSettings) -> Quart:
         return _json(model_card(state.resolve_model(name)))
 
     async def read_request(cls):
-        req = settings.limits.read_request(await request.get_data(), cls)
+        req = await request_body.read(await request.get_data(), cls, state.engine,
+                                      settings.limits)
         engine = state.ready_engine()
         return req, state.resolve_model(req.model), engine
 
@@ -355,14 +367,19 @@ def create_app(engine, settings: ServerSettings) -> Quart:
             raise APIError("This model has no chat template; use /v1/completions, or start the "
                            "server with --chat-template FILE", param=param,
                            code="no_chat_template")
-        messages = req.template_messages()
-        if state.tool_parser is not None:
-            messages = template_call_ids(messages, state.tool_parser.id_style)
-        try:
-            return await asyncio.to_thread(
-                tok.encode_chat, messages, tools=tools,
-                add_generation_prompt=req.add_generation_prompt, chat_template=template,
+
+        def encode():        # the messages too are read off the event loop: there may be many
+            messages = req.template_messages()
+            if state.tool_parser is not None:
+                messages = template_call_ids(messages, state.tool_parser.id_style)
+            return tok.encode_chat(
+                messages, tools=tools, add_generation_prompt=req.add_generation_prompt,
+                chat_template=template, max_chars=tokenizing.max_text_chars(engine),
                 **req.template_kwargs())
+        try:
+            return await tokenizing.run(encode)
+        except TextTooLong as e:
+            raise tokenizing.too_long(engine, e, param) from None
         except (ValueError, TypeError, KeyError, UnicodeError, jinja2.TemplateError) as e:
             # a template that rejects the conversation (e.g. roles out of order)
             raise APIError(f"The chat template could not render these messages: {e}",
@@ -374,24 +391,15 @@ def create_app(engine, settings: ServerSettings) -> Quart:
         The first chunk is awaited here, so a request that fails before producing anything gets
         an error status rather than a 200 stream holding an error event.
         """
-        try:
-            first = await anext(chunks)
-        except BaseException:
-            await chunks.aclose()
-            raise
+        first = await streaming.first_of(chunks)
         if info.stream:
-            resp = Response(streaming.sse_stream(info, first, chunks), status=200,
-                            content_type="text/event-stream")
-            resp.headers["Cache-Control"] = "no-cache"
-            resp.headers["X-Accel-Buffering"] = "no"
-            resp.timeout = None
-            return resp
+            return streaming.sse_response(streaming.sse_stream(info, first, chunks))
 
         async def all_chunks():
             yield first
             async for c in chunks:
                 yield c
-        return _json(await fold(info, all_chunks()))
+        return await json_io.response(await fold(info, all_chunks()))
 
     @app.post("/v1/chat/completions")
     async def chat_completions():
@@ -459,9 +467,12 @@ def create_app(engine, settings: ServerSettings) -> Quart:
         if req.echo or any(isinstance(p, str) for p in prompts):
             require_tokenizer(engine, "prompt")
 
+        tokenizing.check_lengths(engine, prompts, "prompt")
+
         def tokenize_batch():
-            return [tok.encode(p) if isinstance(p, str) else p for p in prompts]
-        batch_ids = await off_loop(tokenize_batch, param="prompt")
+            limit = tokenizing.max_text_chars(engine)
+            return [tok.encode(p, max_chars=limit) if isinstance(p, str) else p for p in prompts]
+        batch_ids = await off_loop(engine, tokenize_batch, param="prompt")
         params_list = [fit_context(engine, req, len(ids), "prompt") for ids in batch_ids]
         await structured_outputs.prepare(engine, req, params_list, settings)
         check_queue(engine, req.fan_out()[0])
@@ -470,7 +481,7 @@ def create_app(engine, settings: ServerSettings) -> Quart:
             echo = [p if isinstance(p, str) else tok.decode(p) for p in prompts]
             if req.logprobs is not None:
                 echo_tokens = await off_loop(
-                    lambda: [(ids, prompt_text_offsets(tok, ids)) for ids in batch_ids],
+                    engine, lambda: [(ids, prompt_text_offsets(tok, ids)) for ids in batch_ids],
                     param="prompt")
         info = streaming.ResponseInfo(streaming.random_id("cmpl"), model, "text_completion",
                                       stream=req.stream, include_usage=req.include_usage())
@@ -490,6 +501,7 @@ def create_app(engine, settings: ServerSettings) -> Quart:
         return await respond(info, chunks, fold)
 
     register_embeddings(app, state, check_queue)
+    register_rerank(app, state, check_queue)
 
     @app.post("/tokenize")
     async def tokenize():
@@ -498,11 +510,12 @@ def create_app(engine, settings: ServerSettings) -> Quart:
         if req.messages is not None:     # exactly the ids /v1/chat/completions would run
             ids = await chat_prompt_ids(engine, req)
         else:
-            ids = await off_loop(tok.encode, req.prompt, param="prompt",
-                                 add_special_tokens=req.add_special_tokens)
-        return _json({"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids,
-                      "token_strs": tok.convert_ids_to_tokens(ids) if req.return_token_strs
-                      else None})
+            ids = await off_loop(engine, tok.encode, req.prompt, param="prompt",
+                                 add_special_tokens=req.add_special_tokens,
+                                 max_chars=tokenizing.max_text_chars(engine))
+        return await json_io.response({
+            "count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids,
+            "token_strs": tok.convert_ids_to_tokens(ids) if req.return_token_strs else None})
 
     @app.post("/detokenize")
     async def detokenize():

@@ -9,15 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import json
 from typing import ClassVar, Literal
 
 import numpy as np
 from pydantic import Field, field_validator
-from quart import Response, request
+from quart import request
 
 from engine.sampling.pooling import PoolingParams
-from server import streaming
+from engine.text.tokenizer import TextTooLong
+from server import json_io, request_body, streaming, tokenizing
 from server.protocol import APIError, _Request
 
 
@@ -64,6 +64,37 @@ def encode(vector: np.ndarray, encoding_format: str):
     return vector.tolist()
 
 
+async def pool_batch(state, engine, request_id: str, batch_ids: list[list[int]],
+                     params: PoolingParams, param: str) -> list[np.ndarray]:
+    """Each prompt's pooled vector (an embedding, or token logits), in order: one engine request
+    per prompt, all submitted at once so the engine computes them together. `state` is
+    server/app.py's ServerState (its metrics time each request); `param` names the input in the
+    engine's refusals."""
+    async def pool_one(request_id: str, ids: list[int]):
+        timing = state.metrics.request()
+        async for out in streaming.engine_outputs(engine, request_id, ids, params, timing, param):
+            if out.finish_reason == "error":
+                raise APIError(f"The engine failed on this request: {out.error}", status=500,
+                               type="server_error", code="engine_error")
+            if out.finish_reason == "abort":
+                raise APIError("The request was aborted by the engine (is the server shutting "
+                               "down?)", status=503, type="server_error", code="aborted")
+            if out.finished:
+                return out.embedding
+        raise APIError("The engine ended the request without an embedding", status=500,
+                       type="server_error", code="engine_error")
+
+    tasks = [asyncio.ensure_future(pool_one(f"{request_id}-{i}", ids))
+             for i, ids in enumerate(batch_ids)]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:   # a failed input (or a client gone) cancels the others, whose
+        for task in tasks:  # streams then abort them in the engine
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
 def register_embeddings(app, state, check_queue) -> None:
     """Adds POST /v1/embeddings to `app`, served from `state` (server/app.py's ServerState);
     `check_queue` is create_app's, each input counting one sequence."""
@@ -73,9 +104,16 @@ def register_embeddings(app, state, check_queue) -> None:
         if any(isinstance(x, str) for x in inputs) and engine.tokenizer is None:
             raise APIError("This model has no tokenizer: send token ids", param="input",
                            code="no_tokenizer")
-        try:   # off the event loop: a long input must not stall other streams
-            return await asyncio.to_thread(
-                lambda: [engine.tokenizer.encode(x) if isinstance(x, str) else x for x in inputs])
+        limit = None
+        if engine.tokenizer is not None:
+            tokenizing.check_lengths(engine, inputs, "input")
+            limit = tokenizing.max_text_chars(engine)
+        try:   # off the event loop, a few at a time, never a text that cannot fit
+            return await tokenizing.run(
+                lambda: [engine.tokenizer.encode(x, max_chars=limit) if isinstance(x, str) else x
+                         for x in inputs])
+        except TextTooLong as e:
+            raise tokenizing.too_long(engine, e, "input") from None
         except (TypeError, ValueError, UnicodeError) as e:
             raise APIError(f"input could not be tokenized: {e}", param="input",
                            code="invalid_value") from None
@@ -95,43 +133,20 @@ def register_embeddings(app, state, check_queue) -> None:
                 raise APIError(problem, param="dimensions", code="invalid_value")
         check_queue(engine, len(batch_ids), param="input")
 
-    async def embed_one(engine, request_id: str, ids: list[int], params: PoolingParams):
-        timing = state.metrics.request()
-        async for out in streaming.engine_outputs(engine, request_id, ids, params, timing,
-                                                  "input"):
-            if out.finish_reason == "error":
-                raise APIError(f"The engine failed on this request: {out.error}", status=500,
-                               type="server_error", code="engine_error")
-            if out.finish_reason == "abort":
-                raise APIError("The request was aborted by the engine (is the server shutting "
-                               "down?)", status=503, type="server_error", code="aborted")
-            if out.finished:
-                return out.embedding
-        raise APIError("The engine ended the request without an embedding", status=500,
-                       type="server_error", code="engine_error")
-
     @app.post("/v1/embeddings")
     async def create_embeddings():
-        req = settings.limits.read_request(await request.get_data(), EmbeddingRequest)
+        req = await request_body.read(await request.get_data(), EmbeddingRequest, state.engine,
+                                      settings.limits)
         engine = state.ready_engine()
         model = state.resolve_model(req.model)
         batch_ids = await tokenize(engine, req.inputs())
         check_request(engine, req, batch_ids)
-        request_id = streaming.random_id("embd")
-        params = PoolingParams(req.dimensions)
-        tasks = [asyncio.ensure_future(embed_one(engine, f"{request_id}-{i}", ids, params))
-                 for i, ids in enumerate(batch_ids)]
-        try:
-            vectors = await asyncio.gather(*tasks)
-        except BaseException:   # a failed input (or a client gone) cancels the others, whose
-            for task in tasks:  # streams then abort them in the engine
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            raise
+        vectors = await pool_batch(state, engine, streaming.random_id("embd"), batch_ids,
+                                   PoolingParams(req.dimensions), "input")
         num_tokens = sum(len(ids) for ids in batch_ids)
         body = {"object": "list", "model": model,
                 "data": [{"object": "embedding", "index": i,
                           "embedding": encode(vector, req.encoding_format)}
                          for i, vector in enumerate(vectors)],
                 "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}}
-        return Response(json.dumps(body), status=200, content_type="application/json")
+        return await json_io.response(body)

@@ -5,7 +5,7 @@ engine's own checks refuse it: the body's bytes and nesting (read before the JSO
 deep body cannot exhaust the parser's recursion), the length of its lists (checked on the parsed
 JSON before validation builds an object per element), and its fan-out in sequences. A request
 past one is answered 400 naming the parameter, the limit's value and the flag that raises it
-(413 for the body, as HTTP says). `read_request` is the one way a route reads its request.
+(413 for the body, as HTTP says). server/request_body.py applies them as it reads a request.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from server.protocol import APIError, parse_json_body, parse_request
+from server.protocol import APIError
 
 
 @dataclass(frozen=True)
@@ -32,16 +32,11 @@ class Limits:
         return cls(max_body_bytes=int(args.max_request_mb * 2**20),
                    **{name: getattr(args, name) for name in FLAGS})
 
-    def read_request(self, raw: bytes, cls):
-        """The request model `cls` from a body: depth checked, parsed, its lists counted against
-        the limits, validated, and its fan-out checked."""
-        self.check_depth(raw)
-        body = parse_json_body(raw)
+    def check_lists(self, body: dict, cls) -> None:
+        """The lists of the parsed body that request model `cls` names in its limited_fields,
+        counted before validation builds an object per element."""
         for name, kind in cls.limited_fields.items():
             self.check_field(body.get(name), name, kind)
-        req = parse_request(cls, body)
-        self.check_sequences(req)
-        return req
 
     def check_depth(self, raw: bytes) -> None:
         depth = json_too_deep(raw, self.max_json_depth)

@@ -1,4 +1,7 @@
-"""MCP tools: the tools of the MCP servers named in `--mcp-config`, offered to chat requests.
+"""MCP tools: the tools of the MCP servers named in `--mcp-config`, offered to chat requests, and
+the MCP connections the Responses API's `mcp` tools run their calls over
+(server/responses_mcp.py: a --mcp-config server's held connection, or one to an allowed URL
+opened for one response).
 
 The config is the common `mcp.json` shape:
     {"mcpServers": {"files": {"command": "npx", "args": [...], "env": {...}},
@@ -6,13 +9,13 @@ The config is the common `mcp.json` shape:
 A server with `command` is started as a subprocess and spoken to over stdio; one with `url` over
 streamable HTTP. Both go through the official `mcp` SDK's `Client`.
 
-Each server gets one task that holds its connection for the server's lifetime and lists its
-tools again every `refresh_s` seconds (anyio's context managers must be entered and left in one
-task, so the connection lives inside that task). Start-up waits at most `connect_timeout_s` for
-the first listings; a server that fails to start, or has not answered by then, is logged and
-left out (a late one joins when it answers). A tool name that two servers share is offered as
-`server__tool` for each of them, so no server's tool hides another's; `route(name)` maps an
-offered name back to (server, tool).
+Each connection (McpConnection) is held by a task of its own, since anyio's context managers
+must be entered and left in one task; any task lists and calls through it. Each configured server
+gets one for the server's lifetime, and its tools are listed again every `refresh_s` seconds.
+Start-up waits at most `connect_timeout_s` for the first listings; a server that fails to start,
+or has not answered by then, is logged and left out (a late one joins when it answers). A tool
+name that two servers share is offered as `server__tool` for each of them, so no server's tool
+hides another's; `route(name)` maps an offered name back to (server, tool).
 """
 from __future__ import annotations
 
@@ -69,6 +72,78 @@ def load_mcp_config(path: str) -> list[McpServerSpec]:
     return specs
 
 
+class McpConnection:
+    """One MCP server's connection. A task of its own holds it (anyio's context managers must be
+    entered and left in one task); any task may list and call through it while it is open."""
+
+    def __init__(self, spec: McpServerSpec):
+        self.spec = spec
+        self.client = None                 # the mcp SDK's Client, while connected
+        self._ready = asyncio.Event()
+        self._stop = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._error: BaseException | None = None
+
+    async def open(self, timeout: float | None = None) -> None:
+        """Connect; raises the connection's error, or TimeoutError after `timeout` seconds."""
+        self._task = asyncio.create_task(self._hold(), name=f"mcp-{self.spec.name}")
+        ready = asyncio.create_task(self._ready.wait())
+        try:
+            await asyncio.wait({self._task, ready}, timeout=timeout,
+                               return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            ready.cancel()
+        if self.client is None:
+            await self.close()
+            raise self._error or TimeoutError(f"no answer within {timeout:g} s")
+
+    async def list_tools(self) -> list:
+        """The server's tools (mcp Tool objects), every page."""
+        client = self._connected()
+        tools, cursor = [], None
+        while True:
+            page = await client.list_tools(cursor=cursor)
+            tools += page.tools
+            cursor = page.next_cursor
+            if not cursor:
+                return tools
+
+    async def call(self, name: str, arguments: dict, timeout: float):
+        """The tool's CallToolResult; MCPError (from the server), TimeoutError, or
+        ConnectionError (the connection is gone) otherwise."""
+        client = self._connected()
+        return await asyncio.wait_for(client.call_tool(name, arguments,
+                                                       read_timeout_seconds=timeout),
+                                      timeout + 1)
+
+    async def close(self) -> None:
+        self._stop.set()
+        if self._task is not None:
+            try:
+                await asyncio.wait_for(self._task, 10)
+            except (asyncio.TimeoutError, asyncio.CancelledError):
+                self._task.cancel()
+            self._task = None
+
+    def _connected(self):
+        if self.client is None:
+            raise ConnectionError(f"the connection to MCP server {self.spec.name!r} is closed"
+                                  + (f" ({first_line(self._error)})" if self._error else ""))
+        return self.client
+
+    async def _hold(self) -> None:
+        try:
+            from mcp import Client
+            async with Client(_target(self.spec), cache=None) as client:
+                self.client = client
+                self._ready.set()
+                await self._stop.wait()
+        except Exception as e:   # noqa: BLE001 - kept for open() and later calls to report
+            self._error = e
+        finally:
+            self.client = None
+
+
 @dataclass
 class McpTools:
     specs: list[McpServerSpec]
@@ -77,6 +152,7 @@ class McpTools:
     listings: dict[str, list] = field(default_factory=dict)   # server -> its mcp Tool objects
     _tools: list[dict] = field(default_factory=list)          # OpenAI tools, offered names
     _routes: dict[str, tuple[str, str]] = field(default_factory=dict)
+    _connections: dict[str, McpConnection] = field(default_factory=dict)
     _tasks: list[asyncio.Task] = field(default_factory=list)
     _stop: asyncio.Event | None = None
 
@@ -88,7 +164,7 @@ class McpTools:
             listed = asyncio.Event()
             first.append(listed)
             self._tasks.append(asyncio.create_task(self._serve(spec, listed),
-                                                   name=f"mcp-{spec.name}"))
+                                                   name=f"mcp-{spec.name}-listing"))
         if first:
             try:
                 await asyncio.wait_for(asyncio.gather(*(e.wait() for e in first)),
@@ -117,26 +193,37 @@ class McpTools:
     def route(self, name: str) -> tuple[str, str] | None:
         return self._routes.get(name)
 
+    def names(self) -> list[str]:
+        """The servers of the config."""
+        return [spec.name for spec in self.specs]
+
+    def connection(self, server: str) -> McpConnection | None:
+        """The open connection to a server of the config (None while it is not connected)."""
+        return self._connections.get(server)
+
     # ---- one server
 
     async def _serve(self, spec: McpServerSpec, listed: asyncio.Event) -> None:
+        conn = McpConnection(spec)
         try:
-            from mcp import Client
-            async with Client(_target(spec), cache=None) as client:
-                while True:
-                    self.listings[spec.name] = await _list_all(client)
-                    self._rebuild()
-                    listed.set()
-                    try:
-                        await asyncio.wait_for(self._stop.wait(), self.refresh_s)
-                        return
-                    except asyncio.TimeoutError:
-                        continue
+            await conn.open()
+            self._connections[spec.name] = conn
+            while True:
+                self.listings[spec.name] = await conn.list_tools()
+                self._rebuild()
+                listed.set()
+                try:
+                    await asyncio.wait_for(self._stop.wait(), self.refresh_s)
+                    return
+                except asyncio.TimeoutError:
+                    continue
         except Exception as e:   # noqa: BLE001 - one failing server must not stop the others
             log.warning("MCP server %r is skipped: %s: %s", spec.name, type(e).__name__,
-                        _first_line(e))
+                        first_line(e))
         finally:
             listed.set()
+            self._connections.pop(spec.name, None)
+            await conn.close()
             if self.listings.pop(spec.name, None) is not None:
                 self._rebuild()
 
@@ -150,20 +237,8 @@ class McpTools:
             for tool in self.listings[server]:
                 name = tool.name if len(owners[tool.name]) == 1 else f"{server}__{tool.name}"
                 routes[name] = (server, tool.name)
-                offered.append({"type": "function", "function": {
-                    "name": name, "description": tool.description or "",
-                    "parameters": tool.input_schema or {"type": "object", "properties": {}}}})
+                offered.append({"type": "function", "function": function_of(tool, name)})
         self._tools, self._routes = offered, routes
-
-
-async def _list_all(client) -> list:
-    tools, cursor = [], None
-    while True:
-        page = await client.list_tools(cursor=cursor)
-        tools += page.tools
-        cursor = page.next_cursor
-        if not cursor:
-            return tools
 
 
 def _target(spec: McpServerSpec):
@@ -175,7 +250,13 @@ def _target(spec: McpServerSpec):
     return streamable_http_client(spec.url, http_client=create_mcp_http_client(headers=spec.headers))
 
 
-def _first_line(e: BaseException) -> str:
+def first_line(e: BaseException) -> str:
     if isinstance(e, BaseExceptionGroup) and e.exceptions:
-        return _first_line(e.exceptions[0])
+        return first_line(e.exceptions[0])
     return (str(e) or repr(e)).splitlines()[0]
+
+
+def function_of(tool, name: str | None = None) -> dict:
+    """An mcp Tool as the `function` of an OpenAI tool, named `name` (its own by default)."""
+    return {"name": name or tool.name, "description": tool.description or "",
+            "parameters": tool.input_schema or {"type": "object", "properties": {}}}

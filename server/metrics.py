@@ -64,6 +64,38 @@ class _EngineCollector:
         yield counter("prompt_tokens", "Prompt tokens of requests that produced a token.",
                       s.prompt_tokens)
         yield counter("generation_tokens", "Generated tokens.", s.generation_tokens)
+        if s.spec_method is not None:
+            yield from _spec_decode_metrics(s, self.model_name)
+
+
+def _spec_decode_metrics(s: EngineStats, model_name: str):
+    """Speculative decoding's counters (vLLM's names) and the two ratios they give, labelled
+    with the method."""
+    labels, values = ["model_name", "method"], [model_name, s.spec_method]
+    for name, doc, value in [
+            ("spec_decode_num_drafts", "Verify steps of a sequence with drafts.",
+             s.spec_num_drafts),
+            ("spec_decode_num_draft_tokens", "Draft tokens verified.", s.spec_num_draft_tokens),
+            ("spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+             s.spec_num_accepted_tokens)]:
+        c = CounterMetricFamily(PREFIX + name, doc, labels=labels)
+        c.add_metric(values, value)
+        yield c
+    c = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                            "Draft tokens accepted at each position of the drafts.",
+                            labels=labels + ["position"])
+    for i, n in enumerate(s.spec_accepted_per_position):
+        c.add_metric(values + [str(i)], n)
+    yield c
+    for name, doc, value in [
+            ("spec_decode_acceptance_rate", "Accepted draft tokens / draft tokens.",
+             s.spec_acceptance_rate),
+            ("spec_decode_mean_accepted_length",
+             "Tokens a verify step emits per sequence: accepted drafts + 1.",
+             s.spec_mean_accepted_length)]:
+        g = GaugeMetricFamily(PREFIX + name, doc, labels=labels)
+        g.add_metric(values, value)
+        yield g
 
 
 class Metrics:

@@ -16,6 +16,7 @@ from pydantic import (BaseModel, ConfigDict, Field, ValidationError, field_valid
 
 from engine.sampling.logprobs import MAX_LOGPROBS
 from engine.sampling.sampling_params import SamplingParams
+from server import json_io
 
 log = logging.getLogger("taper.server")
 
@@ -89,7 +90,7 @@ def validation_error(err: ValidationError) -> APIError:
 
 def parse_json_body(raw: bytes) -> dict:
     try:
-        body = json.loads(raw)
+        body = json_io.loads(raw)     # in pieces when large (call it off the event loop then)
     except (ValueError, UnicodeDecodeError) as e:
         raise APIError(f"Request body is not valid JSON: {e}", code="invalid_json") from None
     except RecursionError:        # server/limits.py's depth check comes first; this backs it up
@@ -202,6 +203,10 @@ class _SamplingRequest(_Request):
         """Top logprobs per output token the engine computes (None: no logprobs)."""
         return None
 
+    def reasoning_budget(self) -> int | None:
+        """Reasoning tokens before the engine forces </think> (None: no budget)."""
+        return None
+
     def engine_prompt_logprobs(self) -> int | None:
         return self.prompt_logprobs
 
@@ -255,6 +260,7 @@ class _SamplingRequest(_Request):
             use_beam_search=self.use_beam_search, best_of=self.best_of,
             length_penalty=self.length_penalty, early_stopping=self.early_stopping,
             logit_bias=self.check_logit_bias(vocab_size if vocab_size is not None else 2**31),
+            reasoning_budget=self.reasoning_budget(),
         )
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                      "frequency_penalty", "repetition_penalty"):
@@ -379,6 +385,8 @@ class ChatCompletionRequest(_SamplingRequest, _ChatInput):
     tools: list[dict] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
+    # vLLM's: reasoning tokens (after <think>) before the engine forces </think>
+    thinking_token_budget: int | None = Field(default=None, ge=0)
 
     def check_supported(self):
         super().check_supported()
@@ -388,6 +396,9 @@ class ChatCompletionRequest(_SamplingRequest, _ChatInput):
 
     def output_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    def reasoning_budget(self) -> int | None:
+        return self.thinking_token_budget
 
     def requested_max_tokens(self) -> int | None:
         # max_completion_tokens replaces the deprecated max_tokens; it wins when both are given.

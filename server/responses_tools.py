@@ -5,29 +5,58 @@ the same grammar enforces required, named and strict calls), and `function_call`
 chat templates render.
 
 In the Responses API a function tool is `strict` unless it says otherwise (OpenAI's default),
-so a call the model starts under tool_choice "auto" is held to its schema.
+so a call the model starts under tool_choice "auto" is held to its schema. `mcp` tools are
+server/responses_mcp.py's: their tools join the function tools here, as strict ones.
 """
 from __future__ import annotations
 
 import uuid
 
 from server.protocol import APIError, _template_tool_call
+from server.responses_mcp import echoed as echoed_mcp
+from server.responses_mcp import is_mcp_tool
 from server.tool_calls import ChatTools, request_tool_choice, request_tools, tools_in_use
 
 
-def response_tools(req, parser_class) -> ChatTools:
-    """The request's function tools and tool_choice as chat's; 400 naming the field for any
-    other kind of tool, or when tools are asked for and the model has no parser."""
-    tools = None if req.tools is None else [_chat_tool(t, i) for i, t in enumerate(req.tools)]
+def response_tools(req, parser_class, mcp=None, first_turn: bool = True,
+                   offer_mcp: bool = True) -> ChatTools:
+    """The request's function tools (and the tools of its MCP servers, `mcp`, unless not
+    `offer_mcp`) and tool_choice as chat's; 400 naming the field for another kind of tool, or
+    when tools are asked for and the model has no parser. tool_choice binds the first model
+    turn of a response; the turns after MCP calls choose freely ("auto")."""
+    tools = [_chat_tool(t, i) for i, t in enumerate(req.tools or []) if not is_mcp_tool(t)]
+    if mcp is not None and offer_mcp:
+        tools += mcp.chat_tools()
     tools = request_tools(tools or None, None)
-    choice = request_tool_choice(_chat_choice(req.tool_choice), None, tools)
+    choice = req.tool_choice if first_turn else ("auto" if tools else None)
+    if isinstance(choice, dict) and choice.get("type") == "mcp":
+        if mcp is None:
+            raise APIError("tool_choice of type 'mcp' needs an mcp tool", param="tool_choice",
+                           code="invalid_value")
+        choice = mcp.tool_choice(choice)
+    else:
+        choice = _chat_choice(choice)
+    choice = request_tool_choice(choice, None, tools)
     return tools_in_use(tools, choice, parser_class, req.parallel_tool_calls)
+
+
+def check_function_tools(req) -> None:
+    """400 naming the field for a tool that is neither a function nor an mcp tool, or a
+    malformed function tool (before anything is connected or rendered)."""
+    request_tools([_chat_tool(t, i) for i, t in enumerate(req.tools or [])
+                   if not is_mcp_tool(t)] or None, None)
+
+
+def function_names(req) -> set[str]:
+    return {t.get("name") for t in req.tools or []
+            if isinstance(t, dict) and t.get("type") == "function"}
 
 
 def echoed_tools(req) -> list[dict]:
     """The tools as the response object lists them (FunctionTool: strict and parameters
-    always present)."""
-    return [{"type": "function", "name": t["name"], "description": t.get("description"),
+    always present; MCPTool without its secrets)."""
+    return [echoed_mcp(t) if is_mcp_tool(t) else
+            {"type": "function", "name": t["name"], "description": t.get("description"),
              "parameters": t.get("parameters"), "strict": t.get("strict", True) is not False}
             for t in req.tools or []]
 
@@ -37,7 +66,7 @@ def _chat_tool(tool, i: int) -> dict:
     kind = tool.get("type") if isinstance(tool, dict) else None
     if kind != "function":
         raise APIError(f"tools of type {kind!r} are not supported: this server runs function "
-                       "tools only (the client executes them)", param=f"{where}.type",
+                       "tools (the client executes them) and mcp tools", param=f"{where}.type",
                        code="unsupported_parameter")
     strict = tool.get("strict", True)
     if strict is not None and not isinstance(strict, bool):
@@ -54,8 +83,9 @@ def _chat_choice(choice):
     if isinstance(choice, dict) and choice.get("type") == "function":
         return {"type": "function", "function": {"name": choice.get("name")}}
     kind = choice.get("type") if isinstance(choice, dict) else None
-    raise APIError(f"tool_choice {kind!r}: use none, auto, required or {{\"type\": "
-                   "\"function\", \"name\": ...}", param="tool_choice", code="invalid_value")
+    raise APIError(f"tool_choice {kind!r}: use none, auto, required, {{\"type\": "
+                   "\"function\", \"name\": ...} or {\"type\": \"mcp\", \"server_label\": "
+                   "..., \"name\": ...}", param="tool_choice", code="invalid_value")
 
 
 # ---- input items

@@ -7,7 +7,9 @@ server-sent events (dropping the usage chunk unless `stream_options.include_usag
 non-streaming response is the fold of the same chunks.
 
 Whoever stops reading a request's outputs early (client gone, task cancelled, error) aborts it in
-the engine: `engine_outputs` does that in its `finally`.
+the engine: `engine_outputs` does that in its `finally`. A client that stays connected but stops
+reading holds its stream up (Hypercorn waits for the socket to drain), and the engine pauses the
+request, then aborts it (engine/async_engine.py): nothing here buffers without bound.
 """
 from __future__ import annotations
 
@@ -21,6 +23,9 @@ import uuid
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
+from quart import Response
+
+from engine.async_engine import StreamStalled
 from engine.core.outputs import RequestOutput
 from server.logprobs import (LogprobsOptions, chat_entries, completion_logprobs,
                              join_completion_logprobs, vllm_prompt_logprobs)
@@ -94,6 +99,8 @@ async def engine_outputs(engine, request_id: str, prompt_ids: list[int], params,
                 yield out
                 if not unfinished:
                     return
+    except StreamStalled as e:       # the client stopped reading: its request was aborted
+        raise APIError(str(e), status=408, type="timeout_error", code="stream_stalled") from None
     except ValueError as e:          # the engine refused the request: the client's fault
         timing.discard()
         raise APIError(f"{param}: {e}", param=param, code="invalid_value") from None
@@ -105,6 +112,9 @@ async def engine_outputs(engine, request_id: str, prompt_ids: list[int], params,
 
 
 def _check_output(out: RequestOutput):
+    if out.finish_reason == "error" and out.error_param is not None:   # the request's fault
+        raise APIError(out.error or "invalid request", param=out.error_param,
+                       code="invalid_value")
     if out.finish_reason == "error":
         raise APIError(f"The engine failed on this request: {out.error or 'unknown error'}",
                        status=500, type="server_error", code="engine_error")
@@ -122,6 +132,7 @@ class _Usage:
     completion: int = 0
     cached: int = 0
     reasoning: int = 0
+    spec: list | None = None        # speculative decoding's drafts, draft tokens, accepted
 
     def add(self, out: RequestOutput, num_prompt_tokens: int, num_reasoning_tokens: int = 0):
         """A finished choice: its completion tokens (and how many of them reasoned); the
@@ -131,6 +142,10 @@ class _Usage:
         if out.index == 0:
             self.prompt += out.num_prompt_tokens or num_prompt_tokens
             self.cached += out.num_cached_tokens
+        if out.spec_decode is not None:
+            c = out.spec_decode
+            self.spec = [a + b for a, b in zip(self.spec or [0, 0, 0], (
+                c.num_drafts, c.num_draft_tokens, c.num_accepted_tokens))]
 
     def as_dict(self) -> dict:
         return {"prompt_tokens": self.prompt, "completion_tokens": self.completion,
@@ -139,7 +154,19 @@ class _Usage:
                 "completion_tokens_details": {"reasoning_tokens": min(self.reasoning,
                                                                       self.completion)},
                 "prompt_time_costs": round(max(t.prompt_time_ms for t in self.timings)),
-                "completion_time_costs": round(max(t.completion_time_ms for t in self.timings))}
+                "completion_time_costs": round(max(t.completion_time_ms for t in self.timings)),
+                **({} if self.spec is None else {"speculative_decoding": spec_usage(*self.spec)})}
+
+
+def spec_usage(num_drafts: int, num_draft_tokens: int, num_accepted: int) -> dict:
+    """The usage's speculative decoding extras: its verify steps with drafts, drafts, accepted
+    drafts, their ratio and the tokens a verify step emitted on average."""
+    return {"num_drafts": num_drafts, "num_draft_tokens": num_draft_tokens,
+            "num_accepted_tokens": num_accepted,
+            "acceptance_rate": round(num_accepted / num_draft_tokens, 4) if num_draft_tokens
+            else 0.0,
+            "mean_accepted_length": round(1 + num_accepted / num_drafts, 4) if num_drafts
+            else 0.0}
 
 
 # ---- chat
@@ -261,7 +288,9 @@ async def _merge(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, objec
             async for item in streams[0]:
                 yield 0, item
         return
-    queue: asyncio.Queue = asyncio.Queue()
+    # Bounded: a reader that stops stops the pumps, so each stream's back-pressure reaches the
+    # engine (engine/async_engine.py) instead of this queue taking everything.
+    queue: asyncio.Queue = asyncio.Queue(maxsize=len(streams))
     done = object()
 
     async def pump(i, stream):
@@ -407,3 +436,22 @@ async def sse_stream(info: ResponseInfo, first: dict | None,
             yield sse_event(APIError(f"Internal server error: {type(e).__name__}: {e}",
                                      status=500, type="server_error").body())
     yield SSE_DONE
+
+
+async def first_of(events):
+    """The first item of an async generator, closing the generator if getting it fails: a
+    request the engine refuses raises here, before any status is sent."""
+    try:
+        return await anext(events)
+    except BaseException:
+        await events.aclose()
+        raise
+
+
+def sse_response(body) -> Response:
+    """A text/event-stream response: not cached, not buffered by proxies, no timeout."""
+    resp = Response(body, status=200, content_type="text/event-stream")
+    resp.headers["Cache-Control"] = "no-cache"
+    resp.headers["X-Accel-Buffering"] = "no"
+    resp.timeout = None
+    return resp

@@ -1,11 +1,16 @@
 """Structured outputs on the wire: the request's one constraint, read from OpenAI's
-`response_format`, vLLM's `structured_outputs` object or vLLM's older `guided_*` fields, and
+`response_format` (the Responses API's `text.format`, the same formats with the json_schema's
+fields beside its type), vLLM's `structured_outputs` object or vLLM's older `guided_*` fields, and
 compiled on the engine's grammar pool before the request enters the engine.
 
 Every problem is a 400 naming the parameter: two constraints in one request, a malformed field,
-an invalid JSON schema, regex or grammar, or a schema keyword the grammar library cannot enforce.
-Compiling runs off the event loop with a timeout (--structured-outputs-timeout); a grammar that
-fails only fails its own request.
+an invalid JSON schema, regex or grammar, a schema keyword the grammar library cannot enforce, or
+a grammar over the library's limits (met while compiling, or while generating: then the request
+fails with a 400 naming the parameter, or an error event if its stream has started; never with
+unconstrained text). Compiling runs off the event loop with a timeout
+(--structured-outputs-timeout) on the engine's grammar threads, each compile bounded by the
+library's limits (engine/sampling/structured_outputs.py); a grammar that fails only fails its
+own request.
 """
 from __future__ import annotations
 
@@ -33,6 +38,9 @@ def request_constraint(req) -> tuple[StructuredOutputsParams, str] | None:
     fmt = req.response_format
     if fmt is not None:
         found += _response_format(fmt)
+    text_format = getattr(req, "text_format", lambda: None)()      # the Responses API's
+    if text_format is not None:
+        found += _response_format(text_format, "text.format", flat=True)
     so = req.structured_outputs
     if so is not None:
         for key, value in so.items():
@@ -57,31 +65,34 @@ def request_constraint(req) -> tuple[StructuredOutputsParams, str] | None:
     return StructuredOutputsParams(kind, _spec(param, kind, value)), param
 
 
-def _response_format(fmt) -> list[tuple[str, str, object]]:
+def _response_format(fmt, param: str = "response_format",
+                     flat: bool = False) -> list[tuple[str, str, object]]:
+    """Chat's response_format, or (`flat`) the Responses API's text.format, which holds the
+    json_schema's name, schema and strict beside its type."""
     if not isinstance(fmt, dict):
-        raise _invalid("response_format", "must be an object with a 'type'")
+        raise _invalid(param, "must be an object with a 'type'")
     kind = fmt.get("type")
     if kind == "text":
         return []
     if kind == "json_object":
-        return [("response_format", "json_object", True)]
+        return [(param, "json_object", True)]
     if kind != "json_schema":
-        raise _invalid("response_format.type",
+        raise _invalid(f"{param}.type",
                        f"must be 'text', 'json_object' or 'json_schema', got {kind!r}")
-    js = fmt.get("json_schema")
+    where = param if flat else f"{param}.json_schema"
+    js = fmt if flat else fmt.get("json_schema")
     if not isinstance(js, dict):
-        raise _invalid("response_format.json_schema", "must be an object with a 'name'")
+        raise _invalid(where, "must be an object with a 'name'")
     name = js.get("name")
     if not isinstance(name, str) or not _SCHEMA_NAME.match(name):
-        raise _invalid("response_format.json_schema.name",
-                       "must be 1-64 letters, digits, underscores or dashes")
+        raise _invalid(f"{where}.name", "must be 1-64 letters, digits, underscores or dashes")
     if js.get("strict") not in (None, True, False):
-        raise _invalid("response_format.json_schema.strict", "must be a boolean")
+        raise _invalid(f"{where}.strict", "must be a boolean")
     # The schema is enforced whether or not strict is set (as vLLM does); without one, any
     # JSON object.
     if js.get("schema") is None:
-        return [("response_format.json_schema", "json_object", True)]
-    return [("response_format.json_schema.schema", "json", js["schema"])]
+        return [(where, "json_object", True)]
+    return [(f"{where}.schema", "json", js["schema"])]
 
 
 def _spec(param: str, kind: str, value) -> str:
@@ -121,6 +132,7 @@ async def prepare(engine, req, params_list: list, settings,
     if found is None:
         return
     so, param = found
+    so.param = param             # what a failure while generating names
     try:
         # The first use wraps the tokenizer for the grammar library (up to a second).
         manager = await asyncio.to_thread(engine.structured_outputs)

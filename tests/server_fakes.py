@@ -40,9 +40,9 @@ def free_port() -> int:
 # ---- raw HTTP helpers (the SDK hides the wire; these see it)
 
 def http_response(port: int, method: str, path: str, body=None, raw: bytes | None = None,
-                  headers: dict | None = None,
-                  content_type: str | None = "application/json") -> tuple[int, dict, bytes]:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+                  headers: dict | None = None, content_type: str | None = "application/json",
+                  timeout: float = 60) -> tuple[int, dict, bytes]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
     sent = {} if content_type is None else {"Content-Type": content_type}
     conn.request(method, path, body=data, headers={**sent, **(headers or {})})
@@ -102,24 +102,37 @@ def assert_error(status: int, body: dict, want_status: int, param: str | None, c
 
 # ---- a scripted engine
 
+def check_length(text: str, max_chars: int | None):
+    from engine.text.tokenizer import TextTooLong
+    if max_chars is not None and len(text) > max_chars:
+        raise TextTooLong(len(text), max_chars)
+
+
 class FakeTokenizer:
     """Bytes as token ids, BOS = 1; chat renders `<role>content` per message. Remembers what the
     last chat rendering was given."""
     has_chat_template = True
     vocab_size = 256
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True,
+               max_chars: int | None = None) -> list[int]:
+        check_length(text, max_chars)
         return [1] * add_special_tokens + list(text.encode())
 
     def encode_chat(self, messages, tools=None, add_generation_prompt=True, chat_template=None,
-                    **template_kwargs) -> list[int]:
+                    max_chars: int | None = None, **template_kwargs) -> list[int]:
         self.last_messages, self.last_chat_template = messages, chat_template
         self.last_tools = tools
         self.last_template_kwargs = template_kwargs
         if messages[0]["role"] == "assistant":
             raise ValueError("Conversations must not start with an assistant message")
         text = "".join(f"<{m['role']}>{m['content']}" for m in messages)
-        return list((text + ("<assistant>" if add_generation_prompt else "")).encode())
+        text += "<assistant>" if add_generation_prompt else ""
+        check_length(text, max_chars)
+        return list(text.encode())
+
+    def max_text_chars(self, num_tokens: int) -> int:
+        return num_tokens           # a token is a byte: it stands for at most one character
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return bytes(i for i in ids if i > 1).decode(errors="replace")

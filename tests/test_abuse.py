@@ -10,9 +10,6 @@ replies to check for 5xx, asserting its own expectations (which status, which li
 goes. Probes whose memory or CPU use would outlast them (memory Python keeps, work left running)
 get a server of their own (`fresh=True`); the rest share one, started with the default bind and
 CORS settings.
-
-Probes for fixes on another branch are marked xfail(strict=True) with the item they wait for, so
-they flip (and fail as XPASS) once that branch is merged: then drop the mark.
 """
 from __future__ import annotations
 
@@ -40,7 +37,9 @@ POST_ROUTES = ["/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/
                "/tokenize", "/detokenize"]
 SEEDED = {"model": "demo", "messages": [{"role": "user", "content": "What is the capital?"}],
           "max_tokens": 8, "seed": 1234, "temperature": 1.0}
-LATENCY_FACTOR, LATENCY_SLACK_S = 3.0, 1.0   # the seeded request's bound over its idle latency
+# The seeded request's bound over its idle latency: the stalls the probes found were 1.2 s to
+# 31.6 s; 2 s of slack keeps the bound clear of what a busy 2-core machine adds by itself.
+LATENCY_FACTOR, LATENCY_SLACK_S = 3.0, 2.0
 
 
 # ---- the server as a probe sees it
@@ -129,7 +128,8 @@ class Probe:
     flags: tuple[str, ...] = ()      # more server flags (a fresh server's)
     rss_mb: float = 64               # most the server's resident memory may rise meanwhile
     health_s: float = 2.0            # longest a /health may take meanwhile
-    xfail: str | None = None         # the fix it waits for, on another branch
+    slack_s: float | None = None     # the seeded request's slack over its idle latency
+                                     # (LATENCY_SLACK_S unless the probe's work is legitimate)
 
     @property
     def name(self) -> str:
@@ -266,13 +266,11 @@ def cross_origin_page(srv: Target) -> list[Reply]:
     return [simple]
 
 
-# ---- the other hardening branch's items (issue 35 items 1-6): xfail until it merges
-
-BOUNDS = "issue 35 item {} (branch harden-bounds): {}"
+# ---- issue 35 items 1-6: memory, the event loop, grammars, truncation
 
 
-@probe(fresh=True, rss_mb=100,
-       xfail=BOUNDS.format(2, "a huge prompt is tokenized whole before the length check"))
+
+@probe(fresh=True, rss_mb=100)
 def huge_prompt_before_tokenizing(srv: Target) -> list[Reply]:
     """A 3 MB prompt is refused by its length before it is tokenized (it cost ~700 MB per
     10 MB and stalled other requests)."""
@@ -282,8 +280,9 @@ def huge_prompt_before_tokenizing(srv: Target) -> list[Reply]:
     return [reply]
 
 
-@probe(fresh=True, rss_mb=100,
-       xfail=BOUNDS.format(1, "the Responses store keeps unrendered tools without a byte bound"))
+# One 8 MB request's own parsing and answer peak near 110 MB while it runs; the eight kept as
+# Python objects held 350 MB (2026-11-28), kept frozen a few MB.
+@probe(fresh=True, rss_mb=160)
 def responses_store_size(srv: Target) -> list[Reply]:
     """Stored responses are bounded in bytes: tools that tool_choice "none" never renders (so the
     context limit never sees them) were stored whole, 1.5 GB for 40 requests of 19 MB."""
@@ -298,8 +297,9 @@ def responses_store_size(srv: Target) -> list[Reply]:
     return replies
 
 
-@probe(fresh=True, xfail=BOUNDS.format(3, "a stream whose client does not read is buffered "
-                                          "without bound"))
+# Until its buffers fill, the request is ordinary heavy work (32 choices with 20 logprobs
+# each), which the seeded request shares on a 2-core machine; what must hold is that it stops.
+@probe(fresh=True, slack_s=30.0)
 def non_reading_stream_client(srv: Target) -> list[Reply]:
     """A streamed request whose client never reads is paused once its bounded buffer is full:
     the engine stops generating for it (it finished the request into an unbounded queue)."""
@@ -310,19 +310,30 @@ def non_reading_stream_client(srv: Target) -> list[Reply]:
     try:
         sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
                      b"application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
-        time.sleep(2.0)                      # the buffer fills
-        before = srv.metric("generation_tokens_total")
-        time.sleep(2.0)
-        generated = srv.metric("generation_tokens_total") - before
+        # The socket buffers take a few thousand chunks before the server's own stream buffer
+        # (16 outputs a choice) fills and pauses the request: wait until generation stops,
+        # however long this machine takes to get there, within a bound far below the 96,000
+        # tokens the request asks for.
+        start = srv.metric("generation_tokens_total")
+        last, deadline = start, time.monotonic() + 30
+        while time.monotonic() < deadline:
+            time.sleep(1.0)
+            now = srv.metric("generation_tokens_total")
+            if now == last:
+                break
+            last = now
+        generated = last - start
     finally:
         sock.close()
-    assert generated < 32 * 8, f"{generated} tokens generated for a client that reads nothing"
+    assert now == last, f"still generating after 30 s ({generated} tokens) for a client " \
+                        "that reads nothing"
+    assert generated < 32 * 300, f"{generated} tokens generated for a client that reads nothing"
     return []
 
 
-@probe(fresh=True, rss_mb=300,
-       xfail=BOUNDS.format(5, "a pathological grammar is a 500, and a retry yields text the "
-                              "grammar forbids"))
+# llguidance's own limits (engine/sampling/structured_outputs.py grammar_limits) let one such
+# compile peak at 300-330 MB before it gives up; the memory is returned after.
+@probe(fresh=True, rss_mb=400)
 def pathological_grammar(srv: Target) -> list[Reply]:
     """A regex that cannot compile in time is a 400 naming it, every time (it was a 500, then a
     200 with "" that the regex forbids)."""
@@ -334,24 +345,28 @@ def pathological_grammar(srv: Target) -> list[Reply]:
     return replies
 
 
-@probe(fresh=True, xfail=BOUNDS.format(6, "truncation \"auto\" re-renders once per dropped turn"))
+# Rendering and tokenizing the kept tail of 2,000 messages peaks near 67 MB and takes about
+# 1 s of the GIL (161 s before the one-pass cut), which the seeded request shares: 4 s of slack.
+@probe(fresh=True, rss_mb=100, slack_s=4.0)
 def truncation_auto_2000_messages(srv: Target) -> list[Reply]:
     """truncation "auto" over 2,000 messages that overflow the context answers in seconds (it
     dropped a turn, re-rendered and re-tokenized, 2,000 times: minutes of CPU)."""
     messages = [{"role": "user" if i % 2 == 0 else "assistant", "content": "hello there " * 20}
                 for i in range(2000)]
-    try:
+    try:   # about 1 s on an idle 2-core machine; 10 s leaves room for a busy one
         reply = srv.post("/v1/responses", {"model": "demo", "input": messages,
                                            "truncation": "auto", "max_output_tokens": 4},
-                         timeout=5)
+                         timeout=10)
     except TimeoutError:
-        pytest.fail("truncation \"auto\" over 2,000 messages took over 5 s")
+        pytest.fail("truncation \"auto\" over 2,000 messages took over 10 s")
     assert reply.status == 200, reply
     return [reply]
 
 
-@probe(fresh=True, health_s=1.0, rss_mb=600,
-       xfail=BOUNDS.format(4, "request parsing runs on the event loop"))
+# Four 12 MB bodies are 48 MB of JSON parsed in pieces on worker threads that share the GIL
+# with the seeded request: /health must stay prompt (1 s); the seeded request gets 4 s of slack
+# (2.15 s seen in a CI run at load 7).
+@probe(fresh=True, health_s=1.0, rss_mb=600, slack_s=4.0)
 def logit_bias_12mb(srv: Target) -> list[Reply]:
     """Four 12 MB logit_bias bodies at once leave /health answering within a second (parsing on
     the event loop stalled it for seconds)."""
@@ -445,8 +460,7 @@ def target(request, shared, demo_dir, tmp_path):  # noqa: F811 (fixture)
 
 
 def probe_params():
-    return [pytest.param(p, p, id=p.name, marks=[pytest.mark.xfail(reason=p.xfail, strict=True)]
-                         if p.xfail else []) for p in PROBES]
+    return [pytest.param(p, p, id=p.name) for p in PROBES]
 
 
 @pytest.mark.parametrize("p, target", probe_params(), indirect=["target"])
@@ -462,7 +476,8 @@ def test_probe(p: Probe, target: Target):
     assert all(status == 200 for status, _ in watch.health), watch.health
     assert slowest_health <= p.health_s, f"/health took {slowest_health:.2f} s"
     assert watch.seeded and all(status == 200 for status, _ in watch.seeded), watch.seeded
-    bound = target.idle_latency_s * LATENCY_FACTOR + LATENCY_SLACK_S
+    slack = LATENCY_SLACK_S if p.slack_s is None else p.slack_s
+    bound = target.idle_latency_s * LATENCY_FACTOR + slack
     slowest = max(latency for _, latency in watch.seeded)
     assert slowest <= bound, (f"the seeded request took {slowest:.2f} s beside the probe "
                               f"(idle {target.idle_latency_s:.3f} s, bound {bound:.2f} s)")
@@ -534,7 +549,9 @@ def test_readme_lists_every_limit_and_default():
                 for opt in action.option_strings}
     flags = ["--" + name.replace("_", "-") for name in FLAGS] + [
         "--host", "--allowed-origins", "--max-request-mb", "--max-queued-requests",
-        "--responses-store-size", "--structured-outputs-timeout", "--shutdown-timeout"]
+        "--responses-store-size", "--responses-store-mb", "--structured-outputs-timeout",
+        "--shutdown-timeout", "--responses-max-background", "--mcp-allowed-urls",
+        "--mcp-max-calls"]
     for flag in flags:
         default = defaults[flag]
         if isinstance(default, float) and default.is_integer():

@@ -162,9 +162,14 @@ def test_what_the_chat_template_is_given(fake):
         {"role": "assistant", "content": "Hello!", "reasoning_content": "They greet."},
         {"role": "user", "content": "Bye"}]
     assert tok.last_template_kwargs == {"enable_thinking": True}
+    assert last_request(fake.engine)[1].reasoning_budget == 1024   # the engine enforces it
     client.messages.create(model="fake-model", max_tokens=2, messages=ASK,
                            thinking={"type": "disabled"})
     assert tok.last_template_kwargs == {"enable_thinking": False}
+    assert last_request(fake.engine)[1].reasoning_budget is None
+    client.messages.create(model="fake-model", max_tokens=2, messages=ASK,
+                           thinking={"type": "adaptive"})
+    assert last_request(fake.engine)[1].reasoning_budget is None   # adaptive has no budget
     client.messages.create(model="fake-model", max_tokens=2, messages=ASK)
     assert tok.last_template_kwargs == {}               # the template's own default
 

@@ -254,6 +254,7 @@ def test_the_forward_releases_the_gil(model_dir):
 class FakeSeq:
     def __init__(self, seq_id):
         self.seq_id, self.block_table, self.num_preemptions, self.is_finished = seq_id, [], 0, False
+        self.trimmed_to = None
 
 
 def test_block_tables_write_only_new_blocks_and_rewrite_after_preemption():

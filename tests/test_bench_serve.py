@@ -274,6 +274,26 @@ def test_random_dataset_lengths_are_re_encoded_counts(bl):
     assert [r.prompt for r in other] != [r.prompt for r in reqs]
 
 
+def test_a_gguf_file_as_tokenizer_is_the_tokenizer_it_carries(tmp_path):
+    """--tokenizer FILE.gguf (bench.serve_vs_llamacpp --gguf): the prompts come from the file's
+    own tokenizer, so their lengths are the ones the server (--f FILE) counts."""
+    import os
+    from gguf import GGUFReader
+    from engine.loader.gguf import read_metadata
+    from engine.text.gguf_tokenizer import build_tokenizer as gguf_tokenizer
+    from gguf_fixtures import HERE, load_script, path_of
+    path = path_of("qwen2-f32")
+    hf = serve.load_tokenizer(path)
+    ours = gguf_tokenizer(read_metadata(GGUFReader(path)), path)
+    assert hf.get_vocab() == ours.hf.get_vocab() and hf.vocab_size == ours.hf.vocab_size
+    for r in serve.sample_random_requests(hf, 4, 20, 8, seed=3):
+        assert len(ours.encode(r.prompt)) == r.prompt_len
+    maker = load_script(os.path.join(HERE, "data", "make_gguf_fixtures.py"))
+    bad = maker.pre_variant(path, str(tmp_path / "made-up.gguf"), "made-up")
+    with pytest.raises(ValueError, match="made-up.gguf carries no tokenizer"):
+        serve.load_tokenizer(bad)
+
+
 def test_only_the_random_dataset():
     args = serve.build_parser().parse_args(["--dataset-name", "sharegpt", "--model", "m"])
     with pytest.raises(SystemExit, match="only 'random'"):

@@ -70,29 +70,48 @@ def test_prefill_kernel_choice(cb):
     kernel choice stops the backend's construction before it looks for a device, naming the
     key and the choices."""
     from pyx.kernel_config import CHOICES
-    assert list(cb.PREFILL_VARIANTS) == list(CHOICES["prefill"].values)
-    assert [cb.PREFILL_VARIANTS[n] for n in ("simple", "mma", "fa2", "fa3")] == [0, 1, 2, 3]
-    with pytest.raises(ValueError, match=r"prefill='fa9' is not a choice; prefill takes simple "
-                                         r"\| mma \| fa2 \| fa3"):
-        cb.CudaBackend(kernels="prefill=fa9")
-    with pytest.raises(ValueError, match=r"marlin='v3' is not a choice"):
-        cb.CudaBackend(kernels={"marlin": "v3"})
+    assert set(cb.PREFILL_VARIANTS) == set(CHOICES["prefill"].values)
+    assert [cb.PREFILL_VARIANTS[n] for n in ("simple", "fa2", "fa3")] == [0, 1, 2]
+    with pytest.raises(ValueError, match=r"prefill='mma' is not a choice; prefill takes fa3 "
+                                         r"\| fa2 \| simple"):
+        cb.CudaBackend(kernels="prefill=mma")
+    with pytest.raises(ValueError, match=r"marlin='v2' is not a choice"):
+        cb.CudaBackend(kernels={"marlin": "v2"})
 
 
 @needs_ext
 def test_prefill_variant_launch_without_device_names_op(cb):
-    """Variants 2 (fa2) and 3 (fa3, which falls back to fa2 off compute capability 9.0) pass
+    """Variants 1 (fa2) and 2 (fa3, which falls back to fa2 off compute capability 9.0) pass
     the launcher's argument checks and reach the device (absent here), while a variant number
-    the launcher lacks is an argument error."""
+    the launcher lacks (3, the fa3 of the old numbering, where 1 was the deleted mma kernel) is
+    an argument error."""
     if cb.device_count():
         pytest.skip("a GPU is present: tests/gpu covers the launches")
     args = (16, 16, 16, 16, 0, 0, 16, 16, 16, 64, 1, 4, 2, 64, 4, 16, 2, 0.125, 0, 0.0, 1, 1)
-    for variant in (2, 3):
+    for variant in (1, 2):
         with pytest.raises(cb.CudaError, match=r"paged_attention \(prefill\)") as e:
             cb.launch_paged_attention_prefill(*args, variant, 0)
         assert "status -1" not in str(e.value)
+    for variant in (3, -1):
+        with pytest.raises(cb.CudaError, match="status -1"):
+            cb.launch_paged_attention_prefill(*args, variant, 0)
+
+
+@needs_ext
+def test_marlin_variant_launch_without_device_names_op(cb):
+    """The simple (0) and pipelined (1) Marlin kernels pass the launcher's argument checks and
+    reach the device (absent here); 2, Marlin v2 before it was deleted, is an argument error."""
+    if cb.device_count():
+        pytest.skip("a GPU is present: tests/gpu covers the launches")
+    # x, qweight, scales, zeros (none), out; M, N, K, group size; bf16
+    args = (16, 16, 16, 0, 16, 1, 64, 128, 128, 1)
+    for variant in (0, 1):
+        ws = cb.marlin_workspace_bytes(1, 64, 128, variant)
+        with pytest.raises(cb.CudaError, match=r"^linear \(marlin_gemm\)") as e:
+            cb.launch_marlin_gemm(*args, variant, 256 if ws else 0, ws, 0)
+        assert "status -1" not in str(e.value)
     with pytest.raises(cb.CudaError, match="status -1"):
-        cb.launch_paged_attention_prefill(*args, 4, 0)
+        cb.launch_marlin_gemm(*args, 2, 0, 0, 0)
 
 
 def _cupy_cublas_importable():

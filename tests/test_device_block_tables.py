@@ -37,6 +37,7 @@ class FakeSeq:
     def __init__(self, seq_id, blocks=()):
         self.seq_id, self.block_table = seq_id, list(blocks)
         self.num_preemptions, self.is_finished = 0, False
+        self.trimmed_to = None      # BlockPool.trim's mark (speculative decoding's rollback)
 
 
 def test_updates_are_exactly_the_changes():
@@ -71,11 +72,22 @@ def test_updates_are_exactly_the_changes():
     tables.rows_for([c])
     u = tables.take_update()
     assert (u.num_cleared, u.packed.tolist()) == (1, [1, 4, 8])
+    # a verify step's rollback (BlockPool.trim) cut c to no block past [8], then it grew by
+    # another one: the cut entries are zeroed and the new one written
+    c.block_table[:] = [8, 6, 7]
+    tables.rows_for([c])
+    tables.take_update()
+    c.block_table[:] = [8, 9]
+    c.trimmed_to = 1
+    tables.rows_for([c])
+    assert c.trimmed_to is None and tables.table[1].tolist() == [8, 9, 0, 0]
+    u = tables.take_update()
+    assert (u.num_cleared, u.packed.tolist()) == (0, [5, 6, 5, 0, 0, 9])
     # widening the table: the next update is all of it (a's row reused)
     a.is_finished = True
     tables.rows_for([FakeSeq(3, [1, 2, 3, 4, 5])])
     u = tables.take_update()
-    assert u.shape == (2, 8) and u.table.tolist() == [[1, 2, 3, 4, 5, 0, 0, 0], [8] + [0] * 7]
+    assert u.shape == (2, 8) and u.table.tolist() == [[1, 2, 3, 4, 5, 0, 0, 0], [8, 9] + [0] * 6]
     with pytest.raises(RuntimeError, match="record_updates"):
         BlockTables().take_update()
 
@@ -128,7 +140,7 @@ def test_device_table_equals_host_table_over_random_runs(seed):
     device = CountingDevice()
     tables = DeviceBlockTables(device, host)
     running, preempted, next_id = [], [], 0
-    checked_reuse = checked_preemption = 0
+    checked_reuse = checked_preemption = checked_trim = 0
     for step in range(300):
         for _ in range(rng.integers(0, 3)):
             if len(running) < 12:
@@ -142,6 +154,13 @@ def test_device_table_equals_host_table_over_random_runs(seed):
             seq = running.pop(rng.integers(len(running)))
             seq.block_table, seq.num_preemptions = [], seq.num_preemptions + 1
             preempted.append(seq)
+        for seq in running:                                     # a rollback, maybe regrown
+            if len(seq.block_table) > 1 and rng.random() < 0.1:
+                keep = int(rng.integers(1, len(seq.block_table)))
+                seq.block_table = seq.block_table[:keep] + rng.integers(
+                    1, 10**6, rng.integers(0, 3)).tolist()
+                seq.trimmed_to = keep if seq.trimmed_to is None else min(seq.trimmed_to, keep)
+                checked_trim += 1
         if preempted and rng.random() < 0.2:                    # resume one, new blocks
             seq = preempted.pop(0)
             seq.block_table = rng.integers(1, 10**6, rng.integers(1, 6)).tolist()
@@ -170,5 +189,5 @@ def test_device_table_equals_host_table_over_random_runs(seed):
             k = len(seq.block_table)
             assert host.table[row, :k].tolist() == list(seq.block_table)
             assert not host.table[row, k:].any()
-    assert checked_reuse > 10 and checked_preemption > 5
+    assert checked_reuse > 10 and checked_preemption > 5 and checked_trim > 20
     assert tables.num_reallocations > 3 and host.table.shape[1] > 20   # grew and widened

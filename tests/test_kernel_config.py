@@ -13,12 +13,12 @@ import pytest
 from engine import KernelConfig
 from engine.config import EngineConfig
 from pyx.cpu_backend import CpuBackend, dequantize_weight, quantize_weight
-from pyx.kernel_config import CHOICES, RETIRED_VARIABLES, retired_variables
+from pyx.kernel_config import CHOICES, REMOVED_VARIABLES, RETIRED_VARIABLES, retired_variables
 
 # The defaults: on a GPU the kernels that won the last GPU window; on the CPU the fastest path,
 # with exact activations in the quantized qkv projection (issue 32: act_split=qkv).
 DEFAULTS = ("prefill=fa3,decode=split,marlin=simple,fp8=dequant,fp8_gemv=off,"
-            "sampling=simple,filter=bisect,moe=simple,cpu_isa=auto,act_split=qkv")
+            "sampling=simple,moe=simple,cpu_isa=auto,act_split=qkv")
 
 
 # ---- the value
@@ -31,29 +31,35 @@ def test_defaults_are_the_kernels_engines_ran_before():
 
 
 def test_parse_string_dict_and_instance():
-    k = KernelConfig.parse(" prefill=fa2, decode=split ,marlin=v2,", "--kernels")
-    assert (k.prefill, k.decode, k.marlin, k.fp8, k.cpu_isa) == ("fa2", "split", "v2", "dequant",
-                                                                  "auto")
-    assert k == KernelConfig(prefill="fa2", decode="split", marlin="v2")
+    k = KernelConfig.parse(" prefill=fa2, decode=split ,marlin=pipeline,", "--kernels")
+    assert (k.prefill, k.decode, k.marlin, k.fp8, k.cpu_isa) == ("fa2", "split", "pipeline",
+                                                                  "dequant", "auto")
+    assert k == KernelConfig(prefill="fa2", decode="split", marlin="pipeline")
     assert KernelConfig.parse({"act_split": "on", "cpu_isa": "scalar"}) == \
         KernelConfig(act_split="on", cpu_isa="scalar")
     assert KernelConfig.parse(k, "elsewhere") is k
     every = ",".join(f"{key}={c.values[-1]}" for key, c in CHOICES.items())
     assert str(KernelConfig.parse(every)) == every      # round trip, every key
     with pytest.raises(dataclasses.FrozenInstanceError):
-        k.prefill = "mma"
+        k.prefill = "simple"
 
 
 @pytest.mark.parametrize("spec,message", [
     ("prefil=fa2", r"^--kernels: unknown key 'prefil'; the keys are prefill, decode, marlin, fp8, "
-                   r"fp8_gemv, sampling, filter, moe, cpu_isa, act_split$"),
+                   r"fp8_gemv, sampling, moe, cpu_isa, act_split$"),
     ("prefill=fa9", r"^--kernels: prefill='fa9' is not a choice; prefill takes fa3 \| fa2 \| "
-                    r"mma \| simple \(default fa3\)$"),
+                    r"simple \(default fa3\)$"),
     ("decode=split,fp8_gemv=1", r"^--kernels: fp8_gemv='1' is not a choice; fp8_gemv takes off \| "
                                 r"on \(default off\)$"),
     ("prefill", r"^--kernels: 'prefill' is not key=value \(e.g. prefill=fa2,decode=split\)$"),
     ("moe=fused,moe=simple", r"^--kernels: moe is given twice$"),
     ("prefill=FA2", r"prefill='FA2' is not a choice"),
+    # kernels deleted after the 2026-11-28 GPU window: the same errors as any unknown choice
+    ("prefill=mma", r"^--kernels: prefill='mma' is not a choice; prefill takes fa3 \| fa2 \| "
+                    r"simple \(default fa3\)$"),
+    ("marlin=v2", r"^--kernels: marlin='v2' is not a choice; marlin takes simple \| pipeline "
+                  r"\(default simple\)$"),
+    ("filter=radix", r"^--kernels: unknown key 'filter'; the keys are prefill, decode, marlin, "),
 ])
 def test_bad_spec_names_the_key_or_value(spec, message):
     with pytest.raises(ValueError, match=message):
@@ -62,7 +68,7 @@ def test_bad_spec_names_the_key_or_value(spec, message):
 
 def test_bad_dict_constructor_and_type():
     with pytest.raises(ValueError, match=r"^kernels: marlin=True is not a choice; marlin takes "
-                                         r"simple \| pipeline \| v2"):
+                                         r"simple \| pipeline \(default simple\)$"):
         KernelConfig.parse({"marlin": True})
     with pytest.raises(ValueError, match=r"^KernelConfig: cpu_isa='sse9' is not a choice"):
         KernelConfig(cpu_isa="sse9")
@@ -81,7 +87,7 @@ def test_sources_and_the_start_up_line():
     line, unused = k.describe("cuda")
     assert line == ("prefill=fa2 (--kernels), decode=split (default), marlin=simple (default), "
                     "fp8=dequant (default), fp8_gemv=off (default), sampling=simple (default), "
-                    "filter=bisect (default), moe=simple (default)")
+                    "moe=simple (default)")
     assert unused == ["act_split=off (--kernels)"]
     line, unused = k.describe("cpu")
     assert line == "moe=simple (default), cpu_isa=auto (default), act_split=off (--kernels)"
@@ -99,6 +105,22 @@ def test_retired_variables_name_their_replacement():
         assert set(values.split("|")) <= set(CHOICES[key].values)
 
 
+def test_removed_kernels_variables_say_the_kernel_is_gone():
+    assert retired_variables({"TAPER_CUDA_MARLIN": "v2", "TAPER_CUDA_SPLIT_K": "1",
+                              "TAPER_CUDA_RADIX_FILTER": "1"}) == [
+        "TAPER_CUDA_SPLIT_K is no longer read; use --kernels decode=split (or LLM(kernels=...))",
+        "TAPER_CUDA_MARLIN is no longer read; the kernel it chose (marlin=v2) was removed, the "
+        "default runs",
+        "TAPER_CUDA_RADIX_FILTER is no longer read; the kernel it chose (filter=radix) was "
+        "removed, the default runs"]
+    assert retired_variables({"TAPER_CUDA_MMA_PREFILL": "1"}) == [
+        "TAPER_CUDA_MMA_PREFILL is no longer read; the kernel it chose (prefill=mma) was removed, "
+        "the default runs"]
+    for item in REMOVED_VARIABLES.values():   # none of them is a choice any more
+        key, value = item.split("=")
+        assert key not in CHOICES or value not in CHOICES[key].values
+
+
 # ---- EngineConfig, the CPU backend
 
 def test_engine_config_makes_it_a_kernel_config():
@@ -107,7 +129,7 @@ def test_engine_config_makes_it_a_kernel_config():
     assert config.kernels == KernelConfig(decode="split", moe="fused")
     assert config.kernels.source_of("moe") == "kernels"
     assert EngineConfig(model="m", kernels={"fp8": "cutlass"}).kernels.fp8 == "cutlass"
-    given = KernelConfig.parse("filter=radix", "--kernels")
+    given = KernelConfig.parse("sampling=fused", "--kernels")
     assert EngineConfig(model="m", kernels=given).kernels is given
     with pytest.raises(ValueError, match=r"^kernels: unknown key 'splitk'"):
         EngineConfig(model="m", kernels="splitk=on")
@@ -202,7 +224,7 @@ def test_server_help_shows_kernels():
                          text=True, timeout=60, check=True).stdout
     flat = " ".join(out.split())
     assert "--kernels KEY=VALUE,..." in flat
-    assert "e.g. prefill=fa2,decode=split,marlin=v2" in flat
+    assert "e.g. prefill=fa2,decode=split,marlin=pipeline" in flat
     for key, c in CHOICES.items():
         assert f"{key}={'|'.join(c.values)} ({', '.join(c.backends)})" in flat, key
 
@@ -210,12 +232,15 @@ def test_server_help_shows_kernels():
 def test_server_kernels_flag_reaches_the_engine_config():
     from server.__main__ import build_parser, check_args, engine_config
     p = build_parser()
-    args = p.parse_args(["--w", "/m", "--cpu", "--kernels", "act_split=on,prefill=mma"])
+    args = p.parse_args(["--w", "/m", "--cpu", "--kernels", "act_split=on,prefill=simple"])
     assert check_args(args) is None
     config = engine_config(args)
-    assert config.kernels == KernelConfig(act_split="on", prefill="mma")
+    assert config.kernels == KernelConfig(act_split="on", prefill="simple")
     assert config.kernels.source_of("act_split") == "--kernels"
     assert engine_config(p.parse_args(["--w", "/m", "--cpu"])).kernels == KernelConfig()
     bad = p.parse_args(["--w", "/m", "--cpu", "--kernels", "decode=splitk"])
     assert check_args(bad) == ("--kernels: decode='splitk' is not a choice; decode takes split | "
                                "simple (default split)")
+    gone = p.parse_args(["--w", "/m", "--cpu", "--kernels", "prefill=mma"])
+    assert check_args(gone) == ("--kernels: prefill='mma' is not a choice; prefill takes fa3 | "
+                                "fa2 | simple (default fa3)")

@@ -277,12 +277,26 @@ def test_the_store_forgets_the_oldest_first():
     ({"messages": [{"role": "user", "content": "x"}]}, "messages"),
     ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),   # no parser
     ({"tool_choice": "required"}, "tool_choice"),
-    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}}, "text.format"),
-    ({"text": {"format": {"type": "json_object"}}}, "text.format"),
-    ({"reasoning": {"effort": "high"}}, "reasoning"),
-    ({"include": ["message.output_text.logprobs"]}, "include"),
+    ({"text": {"format": {"type": "json_schema", "name": "a b", "schema": {}}}},
+     "text.format.name"),
+    ({"text": {"format": {"type": "xml"}}}, "text.format.type"),
+    ({"reasoning": {"effort": "max"}}, "reasoning.effort"),
+    ({"reasoning": {"summary": "long"}}, "reasoning.summary"),
+    ({"reasoning": {"budget": 5}}, "reasoning.budget"),
+    ({"include": ["message.output_text.logprobs"]}, "include[0]"),
+    ({"input": [{"type": "reasoning", "encrypted_content": "gAAAAB-openai"},
+                {"role": "user", "content": "x"}]}, "input[0].encrypted_content"),
     ({"top_logprobs": 2}, "top_logprobs"),
-    ({"background": True}, "background"),
+    ({"background": True, "store": False}, "background"),
+    ({"background": True, "stream": True}, "stream"),
+    ({"tools": [{"type": "mcp", "server_label": "x", "server_url": "http://127.0.0.1:9/mcp"}]},
+     "tools[0].server_url"),                                         # not allowed
+    ({"tools": [{"type": "mcp", "server_label": "x"}]}, "tools[0].server_url"),
+    ({"tools": [{"type": "mcp", "server_url": "http://h/mcp"}]}, "tools[0].server_label"),
+    ({"tools": [{"type": "mcp", "server_label": "x", "connector_id": "connector_gmail"}]},
+     "tools[0].connector_id"),
+    ({"input": [{"type": "mcp_approval_response", "approval_request_id": "mcpr_1",
+                 "approve": True}]}, "input[0].approval_request_id"),
     ({"truncation": "sometimes"}, "truncation"),
     ({"metadata": {"k" * 65: "v"}}, "metadata"),
     ({"model": "other"}, "model"),
@@ -479,3 +493,124 @@ def test_client_disconnect_aborts_a_non_streamed_request(fake):
                                              {**REQ, "max_output_tokens": 200})
     assert response_id.startswith("resp_")
     assert http_request(fake.port, "GET", f"/v1/responses/{response_id}")[0] == 404
+
+
+def test_reasoning_round_trips_encoded_or_as_text():
+    """include reasoning.encrypted_content: the reasoning item carries its text, encoded; sent
+    back (by its content, by its encrypted_content alone, or kept by previous_response_id) it
+    is the assistant turn's reasoning_content, which templates that show reasoning read."""
+    engine = ThinkingEngine()
+    server = ThreadedServer(create_app(engine, ServerSettings(["fake-model"])))
+    try:
+        args = {**REQ, "max_output_tokens": 20, "stop": ["!"]}
+        _, plain = post_json(server.port, "/v1/responses", args)
+        assert plain["output"][0]["encrypted_content"] is None
+        status, body = post_json(server.port, "/v1/responses",
+                                 {**args, "include": ["reasoning.encrypted_content"],
+                                  "reasoning": {"effort": "low", "summary": "auto"}})
+        validate(body, "Response")
+        assert body["reasoning"] == {"effort": "low", "summary": "auto"}
+        assert engine.tokenizer.last_template_kwargs["reasoning_effort"] == "low"
+        reasoning, message = body["output"]
+        assert reasoning["summary"] == [] and reasoning["encrypted_content"].startswith("taper.")
+        events = post_events(server.port, {**args, "include": ["reasoning.encrypted_content"]})
+        done = [ev["item"] for ev in events if ev["type"] == "response.output_item.done"]
+        assert done[0]["encrypted_content"] == reasoning["encrypted_content"]
+
+        want = [{"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "Hi you", "reasoning_content": "Let me think."},
+                {"role": "user", "content": "And?"}]
+        encoded_only = {**reasoning, "content": []}
+        for sent in (reasoning, encoded_only):
+            status, again = post_json(server.port, "/v1/responses", {**REQ, "input": [
+                {"role": "user", "content": "Hi"}, sent, message,
+                {"role": "user", "content": "And?"}]})
+            assert status == 200, again
+            assert engine.tokenizer.last_messages == want
+        post_json(server.port, "/v1/responses", {**REQ, "input": "And?",
+                                                 "previous_response_id": body["id"]})
+        assert engine.tokenizer.last_messages == want
+        # what no template reads is not sent: without reasoning, no reasoning_content
+        post_json(server.port, "/v1/responses", {**REQ, "input": [
+            {"role": "user", "content": "Hi"}, message, {"role": "user", "content": "And?"}]})
+        assert "reasoning_content" not in engine.tokenizer.last_messages[1]
+    finally:
+        server.close()
+
+
+def test_reasoning_effort_reaches_the_template():
+    from server.responses_protocol import CreateResponseRequest
+    req = CreateResponseRequest(model="m", input="x", reasoning={"effort": "none"})
+    assert req.template_kwargs() == {"reasoning_effort": "none", "enable_thinking": False}
+    req = CreateResponseRequest(model="m", input="x", reasoning={"effort": "high"},
+                                chat_template_kwargs={"reasoning_effort": "low"})
+    assert req.template_kwargs() == {"reasoning_effort": "low"}       # the client's own wins
+
+
+@pytest.fixture
+def slow():
+    """A server whose engine takes 20 ms a token and that runs one background response at a
+    time."""
+    engine = FakeEngine(delay=0.02)
+    server = ThreadedServer(create_app(engine, ServerSettings(
+        ["fake-model"], responses_max_background=1)))
+    yield server, engine
+    server.close()
+
+
+def poll(client, response_id: str, until: set[str], seen: set[str]):
+    deadline = time.time() + 30
+    while True:
+        got = client.responses.retrieve(response_id)
+        seen.add(got.status)
+        if got.status in until:
+            return got
+        assert time.time() < deadline, f"still {got.status}"
+        time.sleep(0.02)
+
+
+def test_background_responses_are_polled_and_cancelled(slow):
+    server, engine = slow
+    client = client_for(server.port)
+    args = dict(model="fake-model", input="Hi", background=True)
+    raw = client.responses.with_raw_response.create(**args, max_output_tokens=20)
+    validate(json.loads(raw.text), "Response")
+    queued = raw.parse()
+    assert (queued.status, queued.background, queued.output) == ("queued", True, [])
+    seen: set[str] = set()
+    done = poll(client, queued.id, {"completed", "incomplete"}, seen)
+    assert "in_progress" in seen and done.output_text == fake_text(20)
+    status, _, payload = http_request(server.port, "GET", f"/v1/responses/{done.id}")
+    validate(json.loads(payload), "Response")
+    assert client.responses.cancel(done.id).status == "incomplete"      # it had ended
+    assert client.responses.input_items.list(done.id).data[0].content[0].text == "Hi"
+
+    running = client.responses.create(**args, max_output_tokens=200)
+    with pytest.raises(openai.RateLimitError):          # --responses-max-background 1
+        client.responses.create(**args, max_output_tokens=1)
+    poll(client, running.id, {"in_progress"}, set())
+    cancelled = client.responses.cancel(running.id)
+    assert cancelled.status == "cancelled" and cancelled.background
+    deadline = time.time() + 10
+    while running.id not in engine.aborted:
+        assert time.time() < deadline, "the cancelled response's engine request runs on"
+        time.sleep(0.02)
+    assert client.responses.retrieve(running.id).status == "cancelled"
+    assert client.responses.cancel(running.id).status == "cancelled"       # idempotent
+    # room again; a failing one is stored as failed
+    engine.fail_with = "kernel exploded"
+    failed = client.responses.create(**args, max_output_tokens=5)
+    got = poll(client, failed.id, {"failed"}, set())
+    assert "kernel exploded" in got.error.message
+    engine.fail_with = None
+    # only background responses can be cancelled
+    plain = client.responses.create(model="fake-model", input="Hi", max_output_tokens=1)
+    status, _, payload = http_request(server.port, "POST", f"/v1/responses/{plain.id}/cancel")
+    assert_error(status, json.loads(payload), 400, None)
+    status, _, payload = http_request(server.port, "POST", "/v1/responses/resp_nope/cancel")
+    assert_error(status, json.loads(payload), 404, None, "response_not_found")
+    # a running one is deleted (and stopped)
+    doomed = client.responses.create(**args, max_output_tokens=200)
+    client.responses.delete(doomed.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(doomed.id)

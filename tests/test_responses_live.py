@@ -113,3 +113,141 @@ def test_store_size_flag_is_checked(tmp_path, capsys):
         main(["--cpu", "--w", str(tmp_path), "--responses-store-size", "-1"])
     assert e.value.code == 2
     assert "--responses-store-size must be at least 0" in capsys.readouterr().err
+
+
+def test_live_text_format_parses_into_the_model(live):
+    """responses.parse with a Pydantic model: the grammar holds the random model to the schema
+    (short fields, so it ends within max_output_tokens)."""
+    from typing import Literal
+
+    from pydantic import BaseModel, Field
+
+    class City(BaseModel):
+        name: str = Field(max_length=8)
+        country: Literal["France", "Norway"]
+        population: int = Field(ge=0, le=99)
+    client = client_for(live.port)
+    parsed = client.responses.parse(model="demo", input="Describe a city.", temperature=1.0,
+                                    max_output_tokens=60, text_format=City,
+                                    extra_body={"seed": 3})
+    assert parsed.status == "completed" and isinstance(parsed.output_parsed, City)
+    assert parsed.output_parsed == City.model_validate_json(parsed.output_text)
+    free = client.responses.create(model="demo", input="Describe a city.", temperature=1.0,
+                                   max_output_tokens=60, extra_body={"seed": 3})
+    with pytest.raises(ValueError):                  # unconstrained, it writes no such JSON
+        City.model_validate_json(free.output_text)
+
+
+def test_live_background_and_cancel(live):
+    import time
+    client = client_for(live.port)
+    queued = client.responses.create(model="demo", input="Hi", max_output_tokens=4000,
+                                     background=True, extra_body={"ignore_eos": True})
+    assert queued.status == "queued"
+    deadline = time.time() + 60
+    while client.responses.retrieve(queued.id).status != "in_progress":
+        assert time.time() < deadline
+        time.sleep(0.05)
+    cancelled = client.responses.cancel(queued.id)
+    assert cancelled.status == "cancelled"
+    assert client.responses.retrieve(queued.id).status == "cancelled"
+    short = client.responses.create(model="demo", input="Hi", max_output_tokens=3,
+                                    background=True, extra_body={"ignore_eos": True})
+    while (got := client.responses.retrieve(short.id)).status in ("queued", "in_progress"):
+        assert time.time() < deadline
+        time.sleep(0.05)
+    assert got.status == "incomplete" and got.usage.output_tokens == 3
+
+
+@pytest.fixture(scope="module")
+def live_mcp(tmp_path_factory):
+    """The demo server allowed to reach one MCP server (test_responses_mcp.py's, over HTTP)."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    import time
+    from server.demo_model import write_demo_checkpoint
+    from server_fakes import free_port
+    from test_responses_mcp import SERVER
+    tmp = tmp_path_factory.mktemp("live-mcp")
+    (tmp / "calc_server.py").write_text(SERVER)
+    calls = tmp / "calls.jsonl"
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, str(tmp / "calc_server.py"), str(port)],
+                            env={**os.environ, "CALLS_FILE": str(calls)})
+    deadline = time.time() + 30
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            assert time.time() < deadline and proc.poll() is None, "MCP server did not start"
+            time.sleep(0.2)
+    url = f"http://127.0.0.1:{port}/mcp"
+    demo = write_demo_checkpoint(str(tmp / "demo"))
+    server = LiveServer(tmp, demo, "--mem", "64", "--served-model-name", "demo",
+                        "--mcp-allowed-urls", url)
+    yield server, url, calls
+    server.close()
+    proc.terminate()
+    proc.wait(10)
+
+
+def test_live_mcp_call_on_the_real_engine(live_mcp):
+    """The random demo model, forced by the grammar to call (tool_choice required, one call),
+    calls the MCP server with arguments valid for the tool's schema; the result is the mcp_call's
+    output and the model's next turn reads it (its input is longer by the call and result)."""
+    import jsonschema
+    server, url, calls = live_mcp
+    client = client_for(server.port)
+    tool = {"type": "mcp", "server_label": "calc", "server_url": url,
+            "require_approval": "never", "allowed_tools": ["add"]}
+    args = dict(model="demo", input="Add 2 and 3.", tools=[tool], tool_choice="required",
+                parallel_tool_calls=False, max_tool_calls=1, max_output_tokens=120,
+                temperature=1.0, extra_body={"seed": 5})
+    r = client.responses.create(**args)
+    assert [i.type for i in r.output][:2] == ["mcp_list_tools", "mcp_call"]
+    listing, call = r.output[0], r.output[1]
+    arguments = json.loads(call.arguments)
+    jsonschema.validate(arguments, listing.tools[0].input_schema)
+    assert call.status == "completed"
+    assert call.output == f"sum={arguments['a'] + arguments['b']}"
+    assert [json.loads(line) for line in calls.read_text().splitlines()] == [
+        {"tool": "add", **arguments}]
+    # two model turns; the second read the first's prompt, the call and its result
+    assert r.usage.input_tokens > 2 * input_tokens(server, [{"role": "user",
+                                                             "content": "Add 2 and 3."}])
+    events = post_events(server.port, {k: v for k, v in args.items() if k != "extra_body"}
+                         | args["extra_body"])
+    for ev in events:
+        validate_event(ev)
+    kinds = [ev["type"] for ev in events]
+    assert "response.mcp_call.completed" in kinds and "response.mcp_list_tools.completed" in kinds
+    done = [ev["item"] for ev in events if ev["type"] == "response.output_item.done"]
+    assert done[1]["type"] == "mcp_call" and done[1]["arguments"] == call.arguments   # seeded
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(**{**args, "tools": [{**tool, "server_url": url + "/other"}]})
+    assert "--mcp-allowed-urls" in e.value.message
+
+
+def test_mcp_and_background_flags_are_checked(tmp_path, capsys):
+    from server.__main__ import build_parser, main, server_settings
+    args = build_parser().parse_args(["--w", "/m", "--mcp-allowed-urls", "http://a/mcp",
+                                      "https://b/mcp", "--mcp-max-calls", "3",
+                                      "--responses-max-background", "2"])
+    settings = server_settings(args, type("Config", (), {"model": "/m"}))
+    assert (settings.mcp_allowed_urls, settings.mcp_max_calls,
+            settings.responses_max_background) == (["http://a/mcp", "https://b/mcp"], 3, 2)
+    defaults = server_settings(build_parser().parse_args(["--w", "/m"]),
+                               type("Config", (), {"model": "/m"}))
+    assert (defaults.mcp_allowed_urls, defaults.mcp_max_calls,
+            defaults.responses_max_background) == ([], 20, 64)
+    for flags, message in ((["--mcp-allowed-urls", "ftp://x"], "is not an http:// or https://"),
+                           (["--mcp-max-calls", "-1"], "--mcp-max-calls must be at least 0"),
+                           (["--responses-max-background", "-1"],
+                            "--responses-max-background must be at least 0")):
+        with pytest.raises(SystemExit) as e:
+            main(["--cpu", "--w", str(tmp_path), *flags])
+        assert e.value.code == 2
+        assert message in capsys.readouterr().err

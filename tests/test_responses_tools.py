@@ -228,3 +228,77 @@ def test_a_strict_schema_the_grammar_cannot_enforce_is_a_400_naming_tools(serve)
         status, out = post_json(server.port, "/v1/responses", {
             "model": "m", "input": ASK, "tools": [bad], "tool_choice": choice})
         assert_error(status, out, 400, param)
+
+
+CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}},
+        "required": ["city"], "additionalProperties": False}
+
+
+def test_text_format_reaches_the_engine_as_chat_response_format_does(serve):
+    """text.format json_schema / json_object is the grammar chat's response_format makes; the
+    SDK's responses.parse reads the answer into its model (the openai-agents SDK's structured
+    output agent goes through it)."""
+    from pydantic import BaseModel, Field
+
+    class City(BaseModel):
+        city: str = Field(max_length=8)
+    client, engine, server = serve("qwen", '{"city": "Oslo"}')
+    fmt = {"type": "json_schema", "name": "City", "schema": CITY, "strict": True}
+    r = client.responses.create(model="m", input=ASK, text={"format": fmt})
+    so = engine.requests[r.id][1].structured_outputs
+    assert (so.kind, json.loads(so.spec), so.param) == ("json", CITY, "text.format.schema")
+    assert r.text.format.name == "City" and r.text.format.schema_ == CITY
+    status, body = post_json(server.port, "/v1/responses", {"model": "m", "input": ASK,
+                                                            "text": {"format": fmt}})
+    validate(body, "Response")
+    parsed = client.responses.parse(model="m", input=ASK, text_format=City)
+    assert parsed.output_parsed == City(city="Oslo")
+    so = engine.requests[parsed.id][1].structured_outputs
+    assert json.loads(so.spec)["properties"]["city"]["maxLength"] == 8
+    r = client.responses.create(model="m", input=ASK, text={"format": {"type": "json_object"}})
+    assert engine.requests[r.id][1].structured_outputs.kind == "json_object"
+    r = client.responses.create(model="m", input=ASK, text={"format": {"type": "text"}})
+    assert engine.requests[r.id][1].structured_outputs is None
+    # the problems are 400s naming text.format
+    bad = {**fmt, "schema": {"type": "object", "properties": {"x": {"not": {}}}}}
+    status, out = post_json(server.port, "/v1/responses", {"model": "m", "input": ASK,
+                                                           "text": {"format": bad}})
+    assert_error(status, out, 400, "text.format.schema")
+    status, out = post_json(server.port, "/v1/responses", {
+        "model": "m", "input": ASK, "text": {"format": fmt}, "tools": TOOLS,
+        "tool_choice": "required"})
+    assert_error(status, out, 400, "text.format.schema")
+
+
+def test_function_call_round_trips_over_many_turns(serve, tokenizer):  # noqa: F811
+    """Three rounds of calls and outputs: continued by previous_response_id, or sent whole by
+    a store: false client, the prompt is the one the template makes of the conversation."""
+    parser, script, _, calls = FORMATS[4]                  # qwen, two calls after some text
+    client, engine, _ = serve(parser, script)
+    by_id = client.responses.create(model="m", input=ASK, tools=TOOLS)
+    whole_input = [{"role": "user", "content": ASK}]
+    conversation = [{"role": "user", "content": ASK}]
+    sent = client.responses.create(model="m", input=whole_input, tools=TOOLS, store=False)
+    for round_ in range(3):
+        assert engine.requests[by_id.id][0] == engine.requests[sent.id][0]
+        want = tokenizer.hf.apply_chat_template(conversation, tools=chat_tools(),
+                                                add_generation_prompt=True, tokenize=False)
+        assert engine.requests[by_id.id][0] == tokenizer.encode(want, add_special_tokens=False)
+        items = [i for i in sent.output if i.type == "function_call"]
+        assert [(i.name, i.arguments) for i in items] == calls
+        results = [{"type": "function_call_output", "call_id": i.call_id,
+                    "output": f"result {round_}.{k}"} for k, i in enumerate(items)]
+        by_id_items = [i for i in by_id.output if i.type == "function_call"]
+        by_id = client.responses.create(model="m", tools=TOOLS, previous_response_id=by_id.id,
+                                        input=[{**r, "call_id": i.call_id}
+                                               for r, i in zip(results, by_id_items)])
+        whole_input += [i.model_dump() for i in sent.output] + results
+        sent = client.responses.create(model="m", input=whole_input, tools=TOOLS, store=False)
+        conversation += [
+            {"role": "assistant", "content": "Let me see.", "tool_calls": [
+                {"id": i.call_id, "type": "function",
+                 "function": {"name": i.name, "arguments": json.loads(i.arguments)}}
+                for i in items]},
+            *[{"role": "tool", "tool_call_id": r["call_id"], "content": r["output"]}
+              for r in results]]
+    assert len(engine.requests[sent.id][0]) > len(tokenizer.encode(ASK))

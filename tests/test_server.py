@@ -108,7 +108,7 @@ def test_chat_sdk_and_sampling_params(fake):
         max_completion_tokens=20, temperature=0.5, top_p=0.9, seed=-5, stop=" How",
         presence_penalty=0.1, frequency_penalty=0.2,
         extra_body={"top_k": 7, "min_p": 0.05, "repetition_penalty": 1.1, "min_tokens": 2,
-                    "ignore_eos": True, "stop_token_ids": [9]})
+                    "ignore_eos": True, "stop_token_ids": [9], "thinking_token_budget": 64})
     assert r.model == "alias"
     assert r.choices[0].message.content == fake_text(5)    # cut before the stop string
     assert r.choices[0].finish_reason == "stop"
@@ -118,6 +118,7 @@ def test_chat_sdk_and_sampling_params(fake):
     assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.1, 0.2, 1.1)
     assert (p.seed, p.stop, p.stop_token_ids, p.min_tokens, p.ignore_eos) == (
         2**64 - 5, [" How"], [9], 2, True)
+    assert p.reasoning_budget == 64
 
 
 def test_max_tokens_defaults_to_the_room_left(fake):
@@ -182,6 +183,7 @@ def test_completions_streaming_batch(fake):
     ({"top_p": 0}, "top_p"), ({"max_tokens": 0}, "max_tokens"), ({"stop": 5}, "stop"),
     ({"presence_penalty": 9}, "presence_penalty"),
     ({"min_tokens": 9, "max_tokens": 2}, "min_tokens"),
+    ({"thinking_token_budget": -1}, "thinking_token_budget"),
     ({"messages": []}, "messages"), ({"messages": [{"role": "robot", "content": "x"}]},
                                      "messages[0].role"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},

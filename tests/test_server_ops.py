@@ -11,6 +11,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from server.app import ServerSettings, create_app
+from server import request_body
 from server.limits import Limits
 from server_fakes import (CHAT, FakeEngine, ThreadedServer, assert_error, client_for,
                           http_response, post_json)
@@ -188,9 +189,9 @@ def test_requests_at_the_limits_are_served(serve, path, body):
 def test_fan_out_at_the_limit_is_read():
     from server.protocol import ChatCompletionRequest, CompletionRequest
     raw = json.dumps({"prompt": ["a", "b"], "n": 2}).encode()
-    assert SMALL.read_request(raw, CompletionRequest).fan_out() == (4, "2 prompts x 2 choices")
+    assert request_body.parse(raw, CompletionRequest, None, SMALL).fan_out() == (4, "2 prompts x 2 choices")
     raw = json.dumps({**CHAT, "n": 2, "best_of": 4, "use_beam_search": True}).encode()
-    assert SMALL.read_request(raw, ChatCompletionRequest).fan_out() == (4, "4 beams")
+    assert request_body.parse(raw, ChatCompletionRequest, None, SMALL).fan_out() == (4, "4 beams")
 
 
 def test_json_nested_past_the_parser_is_a_400(serve):

@@ -190,6 +190,23 @@ class BlockPool:
             seq.block_table.append(self._pop_free().block_id)
         return True
 
+    def trim(self, seq: Sequence, num_tokens: int):
+        """Free seq's blocks past the first num_blocks_for(num_tokens): a verify step's blocks
+        that hold only rejected drafts. They were never hashed (only computed tokens are) nor
+        shared, and go to the head of the free queue: they hold nothing worth keeping."""
+        keep = self.num_blocks_for(num_tokens)
+        if len(seq.block_table) <= keep:
+            return
+        # the block table's mirrors rewrite the row from here (runner/input_buffers.py)
+        seq.trimmed_to = keep if seq.trimmed_to is None else min(seq.trimmed_to, keep)
+        while len(seq.block_table) > keep:
+            block = self.blocks[seq.block_table.pop()]
+            block.ref_count -= 1
+            assert block.ref_count == 0 and block.block_hash is None, \
+                f"block {block.block_id} trimmed while shared or cached"
+            self.free_queue[block.block_id] = block
+            self.free_queue.move_to_end(block.block_id, last=False)
+
     def fork(self, parent: Sequence, child: Sequence) -> tuple[int, int] | None:
         """Give `child` (a beam continuing `parent`, with nothing allocated) parent's computed
         KV: the full blocks shared (one more reference each), a partly filled last block as a

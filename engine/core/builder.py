@@ -21,6 +21,7 @@ from engine.runner.backends import make_backend
 from engine.runner.cuda_graph import CudaGraphRunner, estimate_graph_memory_bytes
 from engine.runner.model_runner import ModelRunner
 from engine.sampling.pooling import PoolingConfig, default_pooling_config, read_pooling_config
+from engine.spec.draft_model import DraftModel
 from engine.text.tokenizer import Tokenizer
 
 log = logging.getLogger("taper.engine")
@@ -38,6 +39,7 @@ class EngineParts:
     block_pool: BlockPool
     max_model_len: int
     runner: ModelRunner
+    draft: DraftModel | None = None   # speculative decoding's draft model, its KV pool beside
 
 
 def build(config: EngineConfig, loaded=None) -> EngineParts:
@@ -55,6 +57,7 @@ def build(config: EngineConfig, loaded=None) -> EngineParts:
     if tokenizer is not None:
         eos_token_ids |= tokenizer.eos_token_ids
 
+    draft = _load_draft(config, backend, model_config, tokenizer)   # (model, config) or None
     kv_dtype = backend.kv_cache_dtype(config.kv_cache_dtype)
     if config.kv_cache_dtype == "fp8":
         log.info("FP8 (e4m3) KV cache with %s", "the checkpoint's k/v scales"
@@ -66,12 +69,17 @@ def build(config: EngineConfig, loaded=None) -> EngineParts:
         backend.bind_thread()
         cuda_memory.profile_forward(model, backend, config.max_num_batched_tokens,
                                     config.max_num_seqs or MAX_NUM_SEQS_CAP, config.block_size)
-    num_blocks = config.num_kv_blocks or _num_kv_blocks(config, backend, model_config, kv_dtype)
+    num_blocks = config.num_kv_blocks or _num_kv_blocks(
+        config, backend, model_config, kv_dtype, draft[1] if draft else None)
     max_cached = (None if config.prefix_cache_max_tokens is None
                   else config.prefix_cache_max_tokens // config.block_size)
     block_pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching,
                            max_cached_blocks=max_cached)
     max_model_len = _max_model_len(config, model_config, num_blocks * config.block_size)
+    if draft is not None and draft[1].max_model_len < max_model_len:
+        log.warning("max model length limited to %d tokens by the draft model's context",
+                    draft[1].max_model_len)
+        max_model_len = draft[1].max_model_len
     if config.max_num_seqs is None:
         max_num_seqs, why = default_max_num_seqs(
             num_blocks * config.block_size, max_model_len, config.max_num_batched_tokens)
@@ -81,6 +89,16 @@ def build(config: EngineConfig, loaded=None) -> EngineParts:
                          config.kv_cache_dtype)
     log.info("KV cache: %d blocks of %d tokens; max model length %d", num_blocks,
              config.block_size, max_model_len)
+    draft_model = None
+    if draft is not None:
+        draft_model = DraftModel(draft[0], draft[1], backend, num_blocks, config.block_size,
+                                 config.kv_cache_dtype, model_config.vocab_size)
+        log.info("speculative decoding: draft model %s (%d layers), %d tokens per step, its "
+                 "own KV pool of %d blocks", config.speculative_config.model,
+                 draft[1].num_hidden_layers, config.speculative_config.num_speculative_tokens,
+                 num_blocks)
+    elif config.speculative_config is not None:
+        log.info("speculative decoding: %s", config.speculative_config)
     if on_gpu:
         cuda_memory.log_pool(num_blocks, config.block_size,
                              ModelRunner.kv_bytes_per_block(model_config, config.block_size,
@@ -91,7 +109,36 @@ def build(config: EngineConfig, loaded=None) -> EngineParts:
             capture_cuda_graphs(config, model, backend, runner, max_model_len)
     return EngineParts(config, backend, model, model_config, model_dir, tokenizer,
                        pooling_config or default_pooling_config(model_dir), eos_token_ids,
-                       block_pool, max_model_len, runner)
+                       block_pool, max_model_len, runner, draft_model)
+
+
+def _load_draft(config: EngineConfig, backend, target_config: ModelConfig, tokenizer):
+    """(model, model_config) of the speculative config's draft model, checked against the
+    target: the same tokenizer (token ids mean the same text), else a ValueError naming it."""
+    spec = config.speculative_config
+    if spec is None or spec.method != "draft_model":
+        return None
+    if spec.model.endswith(".gguf"):      # a GGUF file (a quantized copy of the target, say)
+        model, draft_config, draft_tokenizer = load_gguf_model(
+            spec.model, backend, dtype=config.dtype,
+            yarn_scaling_factor=config.yarn_scaling_factor)
+    else:
+        draft_dir = resolve_model(spec.model)
+        model, draft_config = load_model(draft_dir, backend, dtype=config.dtype,
+                                         yarn_scaling_factor=config.yarn_scaling_factor)
+        draft_tokenizer = Tokenizer.try_from_pretrained(draft_dir)
+    if not draft_config.has_lm_head:
+        raise ValueError(f"draft model {spec.model}: it has no lm_head, it cannot propose tokens")
+    if tokenizer is not None and draft_tokenizer is not None:
+        if tokenizer.hf.get_vocab() != draft_tokenizer.hf.get_vocab():
+            raise ValueError(f"draft model {spec.model}: its tokenizer differs from the target's "
+                             f"(speculative decoding needs the same token ids)")
+    elif draft_config.vocab_size != target_config.vocab_size:
+        # no tokenizers to compare: the vocabularies must at least have one size
+        raise ValueError(f"draft model {spec.model}: vocabulary of {draft_config.vocab_size} "
+                         f"ids, the target's has {target_config.vocab_size}, and there is no "
+                         f"tokenizer to show they agree")
+    return model, draft_config
 
 
 def _load(config: EngineConfig, backend):
@@ -123,10 +170,14 @@ def capture_cuda_graphs(config: EngineConfig, model, backend, runner: ModelRunne
              graphs.sizes, time.monotonic() - start, graphs.graph_memory_bytes / 2**20)
 
 
-def _num_kv_blocks(config: EngineConfig, backend, model_config: ModelConfig, kv_dtype) -> int:
+def _num_kv_blocks(config: EngineConfig, backend, model_config: ModelConfig, kv_dtype,
+                   draft_config: ModelConfig | None = None) -> int:
     """Blocks in the KV budget: --mem MB, else --kv-fraction of the memory left after loading
-    the weights (on a GPU: after activations and CUDA graphs too), else 1 GiB on the CPU."""
+    the weights (on a GPU: after activations and CUDA graphs too), else 1 GiB on the CPU. A
+    draft model's pool has as many blocks as the target's: a block costs both."""
     per_block = ModelRunner.kv_bytes_per_block(model_config, config.block_size, kv_dtype)
+    if draft_config is not None:
+        per_block += ModelRunner.kv_bytes_per_block(draft_config, config.block_size, kv_dtype)
     if config.backend == "cuda":
         backend.xp.get_default_memory_pool().free_all_blocks()
         free, _ = backend.memory_info()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -26,6 +27,7 @@ from engine.sampling.pooling import PoolingParams
 from engine.sampling.sampler import Sampler
 from engine.sampling.sampling_params import SamplingParams
 from engine.sampling.structured_outputs import StructuredOutputs
+from engine.spec.speculator import Speculator
 
 log = logging.getLogger("taper.engine")
 
@@ -57,11 +59,18 @@ class LLMEngine:
         self.pooling = parts.pooling
         self.eos_token_ids, self.max_model_len = parts.eos_token_ids, parts.max_model_len
         self.block_pool, self.runner = parts.block_pool, parts.runner
-        self.scheduler = Scheduler(self.config, self.block_pool, self.max_model_len)
         self.sampler = Sampler(self.backend)
         self.admission = Admission(self.model_config, self.max_model_len, self.tokenizer,
                                    self.eos_token_ids, self.pooling,
                                    self.config.enable_prefix_caching, self.config.seed)
+        self.speculator = None        # speculative decoding (engine/spec/speculator.py)
+        if self.config.speculative_config is not None:
+            self.speculator = Speculator(self.config.speculative_config, self.sampler,
+                                         self.eos_token_ids, self.max_model_len,
+                                         self.config.logprobs_mode, parts.draft)
+            self.speculator.structured = lambda: self.admission.structured
+        self.scheduler = Scheduler(self.config, self.block_pool, self.max_model_len,
+                                   self.speculator)
         self.outputs = OutputProcessor(self.eos_token_ids, self.max_model_len)
         self.beams = BeamRequests(self)
         self.requests = RequestTable(self.scheduler, self.beams, self.outputs)   # unfinished
@@ -97,6 +106,17 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def pause(self, request_id: str, paused: bool = True) -> None:
+        """Hold the request's sequences out of the schedule (its reader is behind), or let them
+        back in; an unknown or finished request is ignored."""
+        request = self.requests.get(request_id)
+        if request is not None:
+            request.paused = paused
+
+    def has_work(self) -> bool:
+        """A step would do something: a step is in flight, or a sequence may be scheduled."""
+        return self._inflight is not None or self.scheduler.has_schedulable()
+
     def stats(self) -> EngineStats:
         return EngineStats.of(self)
 
@@ -122,7 +142,7 @@ class LLMEngine:
             # are dropped), so that nothing runs on once the engine is idle.
             last, self._inflight = self._inflight, None
             more, pending = self._collect(last)
-            outputs += more + [self._append(*p) for p in pending]
+            outputs += more + self._outputs(pending)
         return outputs
 
     def _step(self) -> list[RequestOutput]:
@@ -134,12 +154,12 @@ class LLMEngine:
             if ahead is not None:
                 return outputs + self._keep_or_collect(ahead, pending)
         if not self.scheduler.has_unfinished():    # that commit finished everything
-            return outputs + [self._append(*p) for p in pending]
+            return outputs + self._outputs(pending)
         # Schedule after the commit: synchronous engine, first step, the fallback above, or
         # nothing was schedulable ahead (say every sequence was finishing).
         launched = self._launch()
         if launched is None:
-            return outputs + [self._append(*p) for p in pending]
+            return outputs + self._outputs(pending)
         return outputs + self._keep_or_collect(launched, pending)
 
     def _keep_or_collect(self, step: InflightStep, pending: list) -> list[RequestOutput]:
@@ -147,18 +167,24 @@ class LLMEngine:
         then the outputs of `pending` (and of the step, when committed)."""
         if self._can_overlap(step.sched) and not step.prepare_failed:
             self._inflight = step
-            return [self._append(*p) for p in pending]
-        outputs = [self._append(*p) for p in pending]   # before their sequences move on
+            return self._outputs(pending)
+        outputs = self._outputs(pending)   # before their sequences move on
         more, pending = self._collect(step)
-        return outputs + more + [self._append(*p) for p in pending]
+        return outputs + more + self._outputs(pending)
 
     def _can_overlap(self, sched) -> bool:
         return (self.async_scheduling
                 and not any(seq.request.beam is not None for seq in sched.seqs))
 
     def _can_schedule_ahead(self, prev: InflightStep) -> bool:
+        """Not after a verify step (how many tokens it emits is unknown until it is verified),
+        nor before one: a sequence needs its tokens to draft (n-gram), and drafts are scheduled
+        tokens."""
         return (self.async_scheduling and self.schedule_ahead
-                and not any(seq.grammar is not None for seq in sampled_seqs(prev.sched)))
+                and not any(seq.grammar is not None for seq in sampled_seqs(prev.sched))
+                and not prev.sched.has_drafts
+                and (self.speculator is None
+                     or self.speculator.lets_schedule_ahead(self.scheduler.running)))
 
     def _launch(self, after: InflightStep | None = None) -> InflightStep | None:
         """Schedule, prepare and submit a step to the forward thread; None when nothing is
@@ -213,9 +239,24 @@ class LLMEngine:
         try:
             if placeholders is not None:
                 placeholders.fill(batch.token_ids, after.future.result())
+            spec, draft_probs = self.speculator, None
+            if spec is not None and sched.has_drafts:
+                draft_probs = spec.draft(self.runner, sched, batch, self.admission.structured)
+            start = time.perf_counter()
             logits, pooled = self.runner.execute(sched, batch)
+            if spec is not None:
+                forward_s = time.perf_counter() - start
+                spec.mirror(self.runner, batch)     # the draft model's K/V of this step
             if after is not None:
                 self._await_commit(after)
+            if sched.has_drafts:
+                start = time.perf_counter()
+                result = self._verify_step(sched, logits, pooled, draft_probs)
+                spec.observe_step(sched, batch.num_tokens,
+                                  forward_s + time.perf_counter() - start)
+                return result
+            if spec is not None:
+                sampling_start = time.perf_counter()
             sampled = sampled_seqs(sched)
             S = len(sampled)
             beams_ready = self.beams.collect(sampled, logits[:S])
@@ -229,10 +270,36 @@ class LLMEngine:
                 sampled, self.eos_token_ids, self.config.logprobs_mode,
                 token_bitmask=mask) if sampled else ([], [])
             record_prompt_logprobs(self.backend, sched, logits[S:])
-            return sampled, tokens, logprobs, beams_ready, pooled
+            if spec is not None:
+                spec.observe_step(sched, batch.num_tokens,
+                                  forward_s + time.perf_counter() - sampling_start)
+            return sampled, tokens, logprobs, beams_ready, pooled, None
         except Exception as e:  # fail this step's requests, keep serving the others
             log.exception("step failed; finishing its %d requests with an error", len(sched.seqs))
             return e
+
+    def _verify_step(self, sched, logits, pooled, draft_probs):
+        """_run_step's sampling for a step with drafts: each sampled sequence owns 1 + k logits
+        rows (k = its drafts, 0 for beams and plain decodes), the verifier turns them into the
+        tokens it emits. Returns _run_step's tuple with runs of tokens and logprobs per sequence
+        and the Verified counts last."""
+        be = self.backend
+        rows = [(seq, d) for seq, last, d in zip(sched.seqs, sched.sample, sched.drafts)
+                if last and seq.pooler is None]
+        sizes = np.array([1 + len(d) for _, d in rows], np.int64)
+        starts = np.concatenate(([0], np.cumsum(sizes)[:-1]))
+        S = int(sizes.sum())
+        beam = [i for i, (seq, _) in enumerate(rows) if seq.request.beam is not None]
+        beams_ready = self.beams.collect([rows[i][0] for i in range(len(rows))],
+                                         logits[be.asarray(starts)]) if beam else []
+        keep = [i for i in range(len(rows)) if rows[i][0].request.beam is None]
+        picked = (logits[:S] if len(keep) == len(rows) else logits[be.asarray(np.concatenate(
+            [np.arange(starts[i], starts[i] + sizes[i]) for i in keep]))])
+        seqs = [rows[i][0] for i in keep]
+        verified = self.speculator.verify(picked, seqs, [rows[i][1] for i in keep],
+                                          self.admission.structured, draft_probs)
+        record_prompt_logprobs(self.backend, sched, logits[S:])
+        return seqs, verified.tokens, verified.logprobs, beams_ready, pooled, verified
 
     @staticmethod
     def _await_commit(step: InflightStep):
@@ -250,29 +317,49 @@ class LLMEngine:
         if isinstance(result, Exception):
             return [out for seq in sched.seqs if not seq.is_finished
                     for out in self.requests.fail(seq, result)], []
-        sampled, tokens, logprobs, beams_ready, pooled = result
-        self.scheduler.update(sched, advanced)
-        outputs, pending = [], []
-        for seq, token, lp in zip(sampled, tokens, logprobs):
-            token = int(token)
+        sampled, tokens, logprobs, beams_ready, pooled, verified = result
+        if verified is None:     # one token each
+            runs = zip(sampled, ([t] for t in tokens), ([lp] for lp in logprobs))
+        else:                    # a verify step: accepted drafts, then the drawn token
+            runs = zip(sampled, verified.tokens, verified.logprobs)
+        outputs, pending, stops, rejected = [], [], [], {}
+        for j, (seq, run, lps) in enumerate(runs):
             if advanced:
                 seq.num_output_placeholders -= 1
             if seq.is_finished:
                 continue
-            if not StructuredOutputs.advance(seq, token):
-                # the mask allowed it: a matcher and mask that disagree are a bug
-                outputs += self.requests.fail(seq, RuntimeError(
-                    f"token {token} is outside the request's grammar"))
-                continue
-            seq.append_token(token)
-            self.num_generation_tokens += 1
-            if seq.num_output_tokens == 1 and seq.index == 0:  # the choices share one prompt
-                self.num_prompt_tokens += seq.num_prompt_tokens
-                self.requests.release_forks(seq.request)
-            reason = self.outputs.token_finish_reason(seq, token)
-            if reason is not None:
-                self.scheduler.finish(seq, reason)
-            pending.append((seq, token, lp, reason))
+            appended = []
+            for token, lp in zip(run, lps):
+                token = int(token)
+                if not StructuredOutputs.advance(seq, token):
+                    # its grammar failed (a limit of the library), or a bug: mask and matcher
+                    # differ
+                    outputs += self.requests.fail(seq, StructuredOutputs.refusal(seq, token))
+                    appended = []
+                    break
+                seq.append_token(token)
+                if seq.reasoning_budget is not None:
+                    seq.reasoning_budget.advance(token)
+                self.num_generation_tokens += 1
+                if seq.num_output_tokens == 1 and seq.index == 0:  # the choices share one prompt
+                    self.num_prompt_tokens += seq.num_prompt_tokens
+                    self.requests.release_forks(seq.request)
+                reason = self.outputs.token_finish_reason(seq, token)
+                appended.append((seq, token, lp, reason))
+                if reason is not None:     # the rest of a verified run is dropped
+                    stops.append((seq, reason))
+                    break
+            if verified is not None and verified.num_drafts[j]:
+                self.speculator.record(seq, verified.num_drafts[j], verified.num_accepted[j])
+                if appended:               # rows past the appended tokens are not computed
+                    rejected[seq.seq_id] = 1 + verified.num_drafts[j] - len(appended)
+            at = seq.num_tokens - len(appended)       # each token's index in token_ids
+            pending += [(*item, at + i) for i, item in enumerate(appended)]
+        # After the appends (a verify step's accepted drafts are hashed into the prefix cache as
+        # tokens), before the stops free their sequences' blocks (which stay cached).
+        self.scheduler.update(sched, advanced, rejected)
+        for seq, reason in stops:
+            self.scheduler.finish(seq, reason)
         return (outputs + self.beams.advance(beams_ready)
                 + [out for out in map(self._pool, pooled) if out is not None]), pending
 
@@ -289,11 +376,26 @@ class LLMEngine:
         self.num_prompt_tokens += seq.num_prompt_tokens
         return self.outputs.pooled_output(seq)
 
-    def _append(self, seq: Sequence, token: int, logprob: TokenLogprobs | None = None,
-                token_reason: str | None = None) -> RequestOutput:
-        """The output of a token _commit appended (OutputProcessor.token_output); a stop it
-        makes finishes the sequence."""
+    def _outputs(self, pending: list) -> list[RequestOutput]:
+        return [out for out in (self._append(*p) for p in pending) if out is not None]
+
+    def _append(self, seq: Sequence, token: int, logprob: TokenLogprobs | None,
+                token_reason: str | None, at: int) -> RequestOutput | None:
+        """The output of a token _commit appended at index `at` of the sequence's tokens
+        (OutputProcessor.token_output); a stop it makes finishes the sequence. A verify step
+        appends a run of tokens at once: a stop string in one drops those after it (their
+        outputs are None) and the output counts the tokens up to its own."""
+        if at >= seq.num_tokens:          # dropped: a stop string ended its run before it
+            return None
         out = self.outputs.token_output(seq, token, logprob, token_reason)
+        dropped = seq.num_tokens - 1 - at
+        if out.finished and dropped:
+            del seq.token_ids[at + 1:]
+            self.num_generation_tokens -= dropped
+            out.token_ids = seq.output_token_ids
+        out.num_output_tokens = at + 1 - seq.num_prompt_tokens
         if out.finished:
+            if self.speculator is not None:
+                out.spec_decode = self.speculator.counts(seq)
             self.requests.finish(seq, out.finish_reason)
         return out

@@ -79,8 +79,11 @@ class OutputProcessor:
 
     @staticmethod
     def error_output(seq: Sequence, error: Exception) -> RequestOutput:
+        param = getattr(error, "param", None)
         return RequestOutput(seq.request_id, finished=True, finish_reason="error",
-                             error=f"{type(error).__name__}: {error}",
+                             # the request's own fault is said as it is, a bug with its type
+                             error=str(error) if param else f"{type(error).__name__}: {error}",
+                             error_param=param,
                              num_prompt_tokens=seq.num_prompt_tokens,
                              num_output_tokens=seq.num_output_tokens, index=seq.index)
 

@@ -30,6 +30,7 @@ class RequestOutput:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     error: str | None = None            # message when finish_reason == "error"
+    error_param: str | None = None      # the request parameter at fault, when it is the request's
     index: int = 0                      # the choice (0 .. n-1) this output belongs to
     # Logprobs of the tokens whose text this output releases (tokens held back because they
     # may start a stop string come later, or never when the stop string matches).
@@ -37,3 +38,13 @@ class RequestOutput:
     # With the first output of choice 0: one entry per prompt token, None for the first.
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     embedding: object = None            # an embedding request's vector (float32 NumPy), at its end
+    # With speculative decoding on, in a choice's final output: its SpecDecodeCounts.
+    spec_decode: "SpecDecodeCounts | None" = None
+
+
+@dataclass(slots=True)
+class SpecDecodeCounts:
+    """One choice's speculative decoding: verify steps with drafts, drafts, accepted drafts."""
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0

@@ -18,6 +18,7 @@ from engine.core.sequence import Sequence
 from engine.models.model_config import ModelConfig
 from engine.sampling.beam_search import BeamSearch
 from engine.sampling.pooling import Pooler, PoolingConfig, PoolingParams
+from engine.sampling.reasoning_budget import ReasoningBudget
 from engine.sampling.sampling_params import SamplingParams
 from engine.sampling.structured_outputs import GrammarCompiler, StructuredOutputs
 from engine.text.detokenizer import IncrementalDetokenizer
@@ -37,6 +38,7 @@ class Request:
     # Entry j for prompt token j (None for token 0), filled chunk by chunk as the prefill computes
     # the rows; None when the request asked for none (only choice 0 computes them).
     prompt_logprobs: list | None = None
+    paused: bool = False      # its reader is behind (AsyncEngine): the scheduler skips it
 
     def prompt_logprob_positions(self, num_computed: int, num_new_tokens: int) -> range:
         """Positions, among the num_new_tokens a step computes from num_computed (choice 0's
@@ -203,6 +205,9 @@ class Admission:
         if params.structured_outputs is not None:
             seq.grammar = self.structured_outputs().start(params.structured_outputs,
                                                           prompt_token_ids)
+        if params.reasoning_budget is not None:
+            seq.reasoning_budget = ReasoningBudget.start(self.tokenizer, params.reasoning_budget,
+                                                         prompt_token_ids)
         if self.tokenizer is not None:
             request.detokenizers[index] = IncrementalDetokenizer(
                 self.tokenizer, prompt_token_ids, params.skip_special_tokens, params.stop,
@@ -211,8 +216,8 @@ class Admission:
 
     def _admit_pooling(self, request_id: str, prompt_token_ids: list[int],
                        params: PoolingParams) -> Request:
-        """An embedding: the prompt is computed (in chunks, batched with everything else) and
-        pooled; nothing is sampled."""
+        """An embedding (or token logits at the last position): the prompt is computed (in
+        chunks, batched with everything else) and pooled; nothing is sampled."""
         if len(prompt_token_ids) > self.max_model_len:
             raise ValueError(f"the input has {len(prompt_token_ids)} tokens; the maximum model "
                              f"length is {self.max_model_len}")
@@ -221,6 +226,11 @@ class Admission:
                                                     self.model_config.hidden_size)
             if problem:
                 raise ValueError(problem)
+        if params.token_ids is not None:
+            if not self.model_config.has_lm_head:
+                raise ValueError("this model has no lm_head (a headless embedding checkpoint): "
+                                 "it has no token logits to score with")
+            self._check_token_ids(list(params.token_ids), "token_ids")
         self._check_token_ids(prompt_token_ids, "token ids")
         request = Request(request_id, params, len(prompt_token_ids))
         seq = Sequence(prompt_token_ids, None, request_id, arrival_time=time.monotonic(),

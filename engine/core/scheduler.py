@@ -17,6 +17,16 @@ queue, keeping its output tokens. A waiting sequence is admitted only if its blo
 prefix-cache lookup); the first that does not fit stops admission, and no admission happens in a
 step that had to preempt.
 
+Paused requests (their reader is behind: engine/async_engine.py) are skipped, running or
+waiting, keeping their place and their blocks (a paused sequence can still be preempted).
+
+Speculative decoding (engine/spec/speculator.py): while a step speculates (at most
+`disable_by_batch_size` sequences run), a decode asks the speculator for k drafts and computes
+1 + k tokens: its last known token, then the drafts, whose rows all sample. Drafts take budget
+only beyond one token for each running sequence after it, and never cost a preemption: when
+their slots do not fit, the decode runs without them. `update` counts only the accepted rows as
+computed and frees the blocks that held nothing but rejected ones.
+
 Scheduling ahead (LLMEngine.step with async scheduling): the next step is scheduled while the
 one in flight still runs. `advance(out)` first counts the in-flight step's tokens as computed and,
 for each sequence it samples, one output placeholder (`num_output_placeholders`): a token that
@@ -45,6 +55,10 @@ class SchedulerOutput:
     is_decode: list[bool] = field(default_factory=list)  # one token, past the prompt
     sample: list[bool] = field(default_factory=list)     # this step computes the last token
     num_computed: list[int] = field(default_factory=list)  # its num_computed_tokens then
+    # speculative decoding: drafts verified per sequence (their rows follow its last known
+    # token's) and their tokens (a draft model fills them on the forward thread)
+    num_drafts: list[int] = field(default_factory=list)
+    drafts: list[list[int]] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
 
     @property
@@ -71,17 +85,25 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return not self.seqs
 
-    def _add(self, seq: Sequence, n: int):
+    @property
+    def has_drafts(self) -> bool:
+        return any(self.num_drafts)
+
+    def _add(self, seq: Sequence, n: int, num_drafts: int = 0, drafts: list[int] | None = None):
         self.seqs.append(seq)
         self.num_new_tokens.append(n)
-        self.is_decode.append(n == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens)
-        self.sample.append(seq.num_computed_tokens + n == seq.num_tokens_scheduled)
+        known = n - num_drafts
+        self.is_decode.append(known == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens)
+        self.sample.append(seq.num_computed_tokens + known == seq.num_tokens_scheduled)
         self.num_computed.append(seq.num_computed_tokens)
+        self.num_drafts.append(num_drafts)
+        self.drafts.append(drafts if drafts is not None else [])
 
     def _remove(self, seq: Sequence) -> int:
         """Take a preempted sequence out of the step; returns its number of tokens."""
         i = self.seqs.index(seq)
-        for column in (self.seqs, self.is_decode, self.sample, self.num_computed):
+        for column in (self.seqs, self.is_decode, self.sample, self.num_computed,
+                       self.num_drafts, self.drafts):
             del column[i]
         return self.num_new_tokens.pop(i)
 
@@ -89,18 +111,24 @@ class SchedulerOutput:
 class Scheduler:
 
     def __init__(self, config: EngineConfig, block_pool: BlockPool,
-                 max_model_len: int | None = None):
+                 max_model_len: int | None = None, speculator=None):
         self.max_model_len = max_model_len    # None: no limit (the engine finishes "length")
         self.max_num_seqs = config.max_num_seqs or MAX_NUM_SEQS_CAP   # the engine sizes None
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.prefill_chunk_size = config.prefill_chunk_size
         self.block_pool = block_pool
+        self.speculator = speculator      # an engine.spec.speculator.Speculator, or None
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def has_schedulable(self) -> bool:
+        """Some unfinished sequence is not paused."""
+        return any(not _paused(s) for s in self.running) or any(not _paused(s)
+                                                                for s in self.waiting)
 
     @property
     def num_running(self) -> int:
@@ -126,17 +154,27 @@ class Scheduler:
         pool = self.block_pool
 
         scheduled: set[int] = set()      # seq_ids in `out`
+        spec = self.speculator
+        if spec is not None and not spec.begin_step(len(self.running)):
+            spec = None
         for decodes in (True, False):
             i = 0
             while i < len(self.running) and budget > 0:
                 seq = self.running[i]
                 left = seq.num_tokens_scheduled - seq.num_computed_tokens
                 if (seq.seq_id in scheduled or left <= 0 or (left == 1) != decodes
-                        or self._finishes_by_length(seq)):
+                        or self._finishes_by_length(seq) or _paused(seq)):
                     i += 1
                     continue
                 n = self._num_new_tokens(seq, seq.num_computed_tokens, budget)
-                while not pool.allocate_slots(seq, n):
+                k, drafts, allocated = 0, None, False
+                if decodes and spec is not None:
+                    # budget beyond one token for each running sequence after this one
+                    k, drafts = spec.plan(seq, budget - len(self.running) + i)
+                    allocated = k > 0 and pool.allocate_slots(seq, n + k)
+                    if not allocated:
+                        k, drafts = 0, None
+                while not allocated and not pool.allocate_slots(seq, n):
                     victim = self.running.pop()     # newest; always at or after index i
                     if victim.seq_id in scheduled:
                         scheduled.discard(victim.seq_id)
@@ -146,21 +184,25 @@ class Scheduler:
                     if victim is seq:
                         break
                 else:
-                    out._add(seq, n)
+                    out._add(seq, n + k, k, drafts)
                     scheduled.add(seq.seq_id)
-                    budget -= n
+                    budget -= n + k
                     i += 1
 
         if out.preempted:
             return out
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+        i = 0                            # paused ones wait in place, the others go FIFO
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[i]
+            if _paused(seq):
+                i += 1
+                continue
             computed_blocks, num_cached = pool.get_computed_blocks(seq)
             n = self._num_new_tokens(seq, seq.num_computed_tokens + num_cached, budget)
             if n <= 0 or not pool.allocate_slots(seq, n, computed_blocks):
                 break
             pool.record_lookup(seq, num_cached)
-            self.waiting.popleft()
+            del self.waiting[i]
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             out._add(seq, n)
@@ -186,16 +228,22 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
-    def update(self, out: SchedulerOutput, advanced: bool = False):
-        """After the forward: the scheduled tokens are computed (advanced: advance() counted them
-        already) and full blocks are cacheable. Sequences finished, aborted or preempted
-        meanwhile are skipped."""
+    def update(self, out: SchedulerOutput, advanced: bool = False,
+               num_rejected: dict[int, int] | None = None):
+        """After the forward (and, for a verify step, the appending of its emitted tokens): the
+        scheduled tokens are computed (advanced: advance() counted them already) and full blocks
+        are cacheable. num_rejected: per seq_id, the verify rows whose drafts were not taken:
+        they are not computed, and blocks holding only such rows are freed. Sequences finished,
+        aborted or preempted meanwhile are skipped."""
         for seq, n in zip(out.seqs, out.num_new_tokens):
             if seq.status != SequenceStatus.RUNNING:
                 continue
+            rejected = num_rejected.get(seq.seq_id, 0) if num_rejected else 0
             if not advanced:
-                seq.num_computed_tokens += n
+                seq.num_computed_tokens += n - rejected
             self.block_pool.cache_full_blocks(seq)
+            if rejected:
+                self.block_pool.trim(seq, seq.num_tokens)
 
     def advance(self, out: SchedulerOutput):
         """Before scheduling ahead of the step `out` still in flight: its tokens count as
@@ -239,3 +287,8 @@ class Scheduler:
         for seq in seqs:
             self.finish(seq, "abort")
         return bool(seqs)
+
+
+def _paused(seq: Sequence) -> bool:
+    """Its request's reader is behind (engine/async_engine.py): not scheduled meanwhile."""
+    return seq.request is not None and seq.request.paused

@@ -41,6 +41,7 @@ class Sequence:
         self.num_output_placeholders = 0
         self.num_cached_tokens = 0      # prompt tokens served from the prefix cache (first hit)
         self.block_table: list[int] = []
+        self.trimmed_to: int | None = None   # BlockPool.trim cut the table to this many blocks
         self.block_hashes: list[int] = []  # hash chain of this sequence's full blocks
         self.finish_reason: str | None = None
         self.arrival_time = arrival_time
@@ -48,7 +49,9 @@ class Sequence:
         self.request = None             # the engine.core.request.Request it belongs to
         self.pooler = None              # an embedding request's Pooler: pool, never sample
         self.grammar = None             # structured outputs: a structured_outputs.GrammarState
+        self.reasoning_budget = None    # a reasoning_budget.ReasoningBudget
         self.token_counts = None        # the sampler's penalty counts (engine/sampling/sampler.py)
+        self.spec = None                # speculative decoding's SpecState (engine/spec/adaptive.py)
         # The request's seed, else the engine's draw for it, else a random one.
         seed = self.sampling_params.seed
         if seed is None:

@@ -231,13 +231,19 @@ class LlamaForCausalLM:
         rows_residual = self.xp.ascontiguousarray(residual[idx])
         if len(idx):
             self._final_norm(rows_hidden, rows_residual)
-        logits = self.xp.empty((num_logits, c.vocab_size), dtype=np.float32)
-        if num_logits:
-            if self.lm_head is None:
-                raise ValueError("this checkpoint has no lm_head: it computes embeddings only")
-            b.linear(rows_hidden[:num_logits], self.lm_head, None, logits)
-            if c.final_softcap:
-                b.softcap(logits, c.final_softcap)
+        logits = self.logits(rows_hidden[:num_logits])
         if hidden_indices is None:
             return logits
         return logits, rows_hidden[num_logits:]
+
+    def logits(self, rows_hidden):
+        """Logits (len(rows_hidden), vocab) float32 of final-norm hidden rows, a new array."""
+        c = self.config
+        logits = self.xp.empty((len(rows_hidden), c.vocab_size), dtype=np.float32)
+        if len(rows_hidden):
+            if self.lm_head is None:
+                raise ValueError("this checkpoint has no lm_head: it computes embeddings only")
+            self.backend.linear(rows_hidden, self.lm_head, None, logits)
+            if c.final_softcap:
+                self.backend.softcap(logits, c.final_softcap)
+        return logits

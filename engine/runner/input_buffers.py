@@ -3,7 +3,9 @@ writes only the blocks a sequence gained since its last step, so preparing a bat
 new blocks, not every sequence's whole table (a 4k-token context is 256 ids per step otherwise).
 
 A row is rewritten from scratch when its sequence lost its blocks (preemption frees them and
-allocates new ones later). When the free rows run out, the rows of finished sequences and of
+allocates new ones later). A verify step that rejects drafts may free a sequence's last blocks
+(BlockPool.trim, which leaves `Sequence.trimmed_to`): the row's entries from there on are zeroed
+and written again with whatever blocks the sequence holds by then. When the free rows run out, the rows of finished sequences and of
 sequences preempted since their row was written (it would be rewritten anyway) are taken back
 first, so the rows in use stay within the running sequences (at most max_num_seqs) and a table
 reserved for them never grows. Rows are padded with 0 past a sequence's blocks, as
@@ -60,9 +62,15 @@ class BlockTables:
             blocks = seq.block_table
             if entry is None:
                 entry = self.entries[seq.seq_id] = [seq, self._take_row(), 0, seq.num_preemptions]
-            elif entry[3] != seq.num_preemptions or entry[2] > len(blocks):  # lost its blocks
-                self._clear(entry[1])
-                entry[2], entry[3] = 0, seq.num_preemptions
+            else:
+                if (seq.trimmed_to is not None and seq.trimmed_to < entry[2]
+                        and entry[3] == seq.num_preemptions):   # lost its last blocks
+                    self._zero(entry[1], seq.trimmed_to, entry[2])
+                    entry[2] = seq.trimmed_to
+                if entry[3] != seq.num_preemptions or entry[2] > len(blocks):  # lost its blocks
+                    self._clear(entry[1])
+                    entry[2], entry[3] = 0, seq.num_preemptions
+            seq.trimmed_to = None
             row, written = entry[1], entry[2]
             if len(blocks) > written:
                 self.table[row, written:len(blocks)] = blocks[written:]
@@ -105,6 +113,11 @@ class BlockTables:
         self._cleared.clear()
         self._written.clear()
         return update
+
+    def _zero(self, row: int, first: int, end: int) -> None:
+        self.table[row, first:end] = 0
+        if self.record_updates and not self._resized:
+            self._written.setdefault(row, []).append((first, [0] * (end - first)))
 
     def _clear(self, row: int) -> None:
         self.table[row] = 0

@@ -76,10 +76,14 @@ class ModelRunner:
             seq_of_row = np.repeat(np.arange(B), n)
             positions = (np.arange(total, dtype=np.int32) - query_start_loc[seq_of_row]
                          + starts[seq_of_row])
-            # a placeholder is a sequence's one new token, past its known ones
+            # a placeholder is a sequence's one new token, past its known ones; a verify step's
+            # drafts follow its last known token (-1 until a draft model writes them)
             token_ids = np.fromiter(itertools.chain.from_iterable(
-                seq.token_ids[a:a + k] if a < seq.num_tokens else (-1,)
-                for seq, a, k in zip(seqs, sched.num_computed, num_new_tokens)), np.int32, total)
+                (seq.token_ids[a:a + k - d] + (drafts or [-1] * d) if d else
+                 seq.token_ids[a:a + k] if a < seq.num_tokens else (-1,))
+                for seq, a, k, d, drafts in zip(seqs, sched.num_computed, num_new_tokens,
+                                                sched.num_drafts, sched.drafts)),
+                np.int32, total)
         width = max(len(seq.block_table) for seq in seqs)
         rows = self.block_tables.rows_for(seqs)    # may grow the table: index it after
         table = self.block_tables.table
@@ -89,6 +93,11 @@ class ModelRunner:
         sampled = np.fromiter((s and seq.pooler is None for seq, s in zip(seqs, sched.sample)),
                               bool, B)
         logits_indices = query_start_loc[1:][sampled] - 1
+        if sched.has_drafts:    # a verify step's rows all sample: its last 1 + k rows
+            rows_per_seq = np.array(sched.num_drafts, np.int32)[sampled] + 1
+            ends = np.repeat(logits_indices + 1, rows_per_seq)
+            logits_indices = ends - (np.repeat(np.cumsum(rows_per_seq), rows_per_seq)
+                                     - np.arange(int(rows_per_seq.sum()), dtype=np.int32))
         prompt_rows = [int(query_start_loc[i]) + p - a
                        for i, (seq, a, k) in enumerate(zip(seqs, sched.num_computed,
                                                            num_new_tokens))
@@ -124,14 +133,22 @@ class ModelRunner:
             row += n
         return out
 
-    def _to_device(self, batch: ForwardBatch) -> ForwardBatch:
+    def to_device(self, batch: ForwardBatch) -> ForwardBatch:
         """The batch's arrays on the backend, its block tables gathered there when the device
-        keeps them."""
+        keeps them (after the table's changes the batch carries)."""
+        self._apply_table_update(batch)
         on_device = batch.map(self.backend.asarray)
         if on_device.block_tables is None:
             on_device.block_tables = self.device_block_tables.gather(
                 on_device.block_table_rows, batch.block_table_width)
         return on_device
+
+    def _apply_table_update(self, batch: ForwardBatch) -> None:
+        """The device table's changes recorded with this batch, applied once (a speculative
+        step's draft model reads the tables before the target's forward)."""
+        if self.device_block_tables is not None and batch.block_table_update is not None:
+            self.device_block_tables.apply(batch.block_table_update)
+            batch.block_table_update = None
 
     def execute(self, sched: SchedulerOutput, batch: ForwardBatch | None = None):
         """One forward call; returns the logits (S + P, V) of the S sequences that sample this
@@ -141,8 +158,7 @@ class ModelRunner:
         fits. batch: this step's arrays when the caller prepared them already."""
         if batch is None:
             batch = self.prepare(sched)
-        if self.device_block_tables is not None:   # the table's changes, before anything reads it
-            self.device_block_tables.apply(batch.block_table_update)
+        self._apply_table_update(batch)   # the table's changes, before anything reads it
         pooled = self.pooled_rows(sched)
         self.backend.adapt_threads()    # CPU: fewer threads while other processes compete
         self.num_forward_calls += 1
@@ -150,14 +166,41 @@ class ModelRunner:
         if not pooled:
             if self.graph_runner is not None and self.graph_runner.can_run(batch):
                 return self.graph_runner.run(batch), []
-            return self.model.forward(self._to_device(batch), self.kv_caches), []
+            return self.model.forward(self.to_device(batch), self.kv_caches), []
         rows = np.concatenate([np.arange(first, end, dtype=np.int32)
                                for _, _, first, end in pooled])
-        logits, hidden = self.model.forward(self._to_device(batch), self.kv_caches,
+        logits, hidden = self.model.forward(self.to_device(batch), self.kv_caches,
                                             hidden_indices=self.backend.asarray(rows))
+        scores = self.token_logits(pooled, hidden)
         hidden = np.asarray(self.backend.to_host(hidden), dtype=np.float32)
         out, at = [], 0
         for seq, start, first, end in pooled:
-            out.append((seq, start, hidden[at:at + end - first]))
-            at += end - first
+            k = end - first
+            rows_out = hidden[at:at + k]
+            if seq.pooler.token_ids is not None:
+                rows_out = scores.pop(0) if k else np.zeros((0, len(seq.pooler.token_ids)),
+                                                           np.float32)
+            out.append((seq, start, rows_out))
+            at += k
         return logits, out
+
+    def token_logits(self, pooled: list[tuple], hidden) -> list[np.ndarray]:
+        """For each scoring request (its Pooler has token_ids) whose last row is in `hidden`, in
+        order: those tokens' logits there, (1, len(token_ids)) float32 on the host. Their rows
+        go through the lm_head together; only the asked-for logits leave the device."""
+        wanted, at = [], 0
+        for seq, _, first, end in pooled:
+            if seq.pooler.token_ids is not None and end > first:
+                wanted.append((at + end - first - 1, seq.pooler.token_ids))
+            at += end - first
+        if not wanted:
+            return []
+        be = self.backend
+        rows = be.asarray(np.array([r for r, _ in wanted], np.int64))
+        logits = self.model.logits(be.xp.ascontiguousarray(hidden[rows]))
+        row_of = np.repeat(np.arange(len(wanted)), [len(ids) for _, ids in wanted])
+        cols = np.concatenate([np.array(ids, np.int64) for _, ids in wanted])
+        picked = np.asarray(be.to_host(logits[be.asarray(row_of), be.asarray(cols)]),
+                            np.float32)
+        return [p.reshape(1, -1)
+                for p in np.split(picked, np.cumsum([len(ids) for _, ids in wanted])[:-1])]

@@ -11,6 +11,10 @@ vLLM does for decoder-only models.
 The engine computes an embedding request's prompt in chunks like any prefill; each chunk hands its
 final-norm hidden rows to the request's `Pooler`, which keeps only what the mode needs (the running
 sum for mean, the first row for CLS, the latest row for last token), so memory stays O(hidden).
+
+A request with `token_ids` scores instead of embedding: its result is the raw logits of those
+tokens at the prompt's last position (a yes/no reranker reads P("yes") from them; server/rerank.py).
+The last row goes through the lm_head on the device and only those logits come back.
 """
 from __future__ import annotations
 
@@ -38,6 +42,7 @@ class PoolingConfig:
     # `dimensions` (Matryoshka truncation) is allowed when the checkpoint says so:
     matryoshka_dimensions: tuple[int, ...] | None = None  # only these sizes
     is_matryoshka: bool = False                 # any size up to the hidden size
+    declared: bool = False                      # the checkpoint says it (an embedding model)
 
     def check_dimensions(self, dimensions: int, size: int) -> str | None:
         """Why `dimensions` cannot be served for embeddings of `size` floats, or None."""
@@ -102,7 +107,7 @@ def read_pooling_config(model_dir: str) -> PoolingConfig | None:
             raise ValueError(f"{modules_path}: module {i} ({kind}) is not supported; Taper runs "
                              "a Transformer, then Pooling, then optionally Normalize")
     hf_config = _read_json(os.path.join(model_dir, transformer_path, "config.json"))
-    return PoolingConfig(mode, normalize, transformer_path,
+    return PoolingConfig(mode, normalize, transformer_path, declared=True,
                          **_matryoshka(model_dir, hf_config))
 
 
@@ -128,13 +133,21 @@ def _matryoshka(model_dir: str | None, hf_config: dict) -> dict:
 
 @dataclass(slots=True)
 class PoolingParams:
-    """An embedding request: the engine pools instead of sampling."""
+    """An embedding request: the engine pools instead of sampling. With `token_ids`, a scoring
+    request: the result is those tokens' raw logits at the prompt's last position."""
     dimensions: int | None = None     # keep the first `dimensions` floats (then re-normalize)
+    token_ids: tuple[int, ...] | None = None
     n = 1                             # one output, as a generation request with n = 1
 
     def __post_init__(self):
         if self.dimensions is not None and self.dimensions < 1:
             raise ValueError("dimensions must be at least 1")
+        if self.token_ids is not None:
+            self.token_ids = tuple(int(t) for t in self.token_ids)
+            if not self.token_ids:
+                raise ValueError("token_ids must name at least one token")
+            if self.dimensions is not None:
+                raise ValueError("dimensions does not apply to token logits")
 
 
 class Pooler:
@@ -142,18 +155,25 @@ class Pooler:
 
     def __init__(self, config: PoolingConfig, params: PoolingParams, num_tokens: int):
         self.config, self.params, self.num_tokens = config, params, num_tokens
+        # token logits are read at the last position whatever the checkpoint pools with
+        self.mode = "lasttoken" if params.token_ids else config.mode
         self.value: np.ndarray | None = None   # running sum (mean) or the kept row
+
+    @property
+    def token_ids(self) -> tuple[int, ...] | None:
+        """The tokens whose logits the runner hands over instead of the last hidden row."""
+        return self.params.token_ids
 
     @property
     def needs_every_token(self) -> bool:
         """Mean and CLS read tokens a prefix-cache hit would skip; the last token is always
         computed (the cache never covers it)."""
-        return self.config.mode != "lasttoken"
+        return self.mode != "lasttoken"
 
     def rows_wanted(self, start: int, n: int) -> tuple[int, int]:
         """Which of a chunk's rows [start, start + n) this mode reads, as (first, end) offsets
         into the chunk (first == end: none)."""
-        mode = self.config.mode
+        mode = self.mode
         if mode == "mean":
             return 0, n
         if mode == "cls":
@@ -161,21 +181,24 @@ class Pooler:
         return (n - 1, n) if start + n == self.num_tokens else (n - 1, n - 1)
 
     def add(self, start: int, rows: np.ndarray):
-        """rows: this chunk's wanted rows (rows_wanted), float32 (k, hidden). A chunk at position
-        0 starts over (the request was preempted and is being recomputed)."""
+        """rows: this chunk's wanted rows (rows_wanted), float32 (k, hidden), or (k,
+        len(token_ids)) logits when scoring. A chunk at position 0 starts over (the request was
+        preempted and is being recomputed)."""
         if start == 0:
             self.value = None
         if not len(rows):
             return
-        if self.config.mode == "mean":
+        if self.mode == "mean":
             total = rows.astype(np.float64).sum(axis=0)
             self.value = total if self.value is None else self.value + total
         else:
             self.value = rows[-1].astype(np.float64)
 
     def result(self) -> np.ndarray:
-        """The embedding, float32."""
-        vec = self.value / self.num_tokens if self.config.mode == "mean" else self.value
+        """The embedding (or the token logits), float32."""
+        if self.params.token_ids:
+            return self.value.astype(np.float32)
+        vec = self.value / self.num_tokens if self.mode == "mean" else self.value
         if self.params.dimensions is not None:
             vec = vec[:self.params.dimensions]
         if self.config.normalize:

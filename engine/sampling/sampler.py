@@ -1,6 +1,7 @@
 """Next-token sampling: logits (B, V) -> token ids (B,), per-row SamplingParams, on any backend.
 
-Order (vLLM's): the structured-output token mask (tokens outside the grammar -> -inf), logit_bias,
+Order (vLLM's): the token mask (tokens outside the grammar -> -inf; a reasoning budget's forced
+</think>: every other token -> -inf), logit_bias,
 min_tokens mask, repetition penalty (prompt + output), presence and frequency penalties (output
 only) -> greedy rows: argmax. Other rows: / temperature, top-k, top-p
 (on the top-k-renormalised distribution), min-p, dropped tokens -> -inf, then Gumbel-max with the
@@ -30,6 +31,7 @@ from __future__ import annotations
 import numpy as np
 
 from engine.sampling.logprobs import gather_logprobs, to_entries
+from engine.sampling.reasoning_budget import with_forced_tokens
 from pyx import cpu_sampling
 
 NEG_INF = np.float32(-np.inf)
@@ -55,14 +57,29 @@ class Sampler:
         request asked for none): of the raw logits, or with logprobs_mode "processed" of the
         logits the token was drawn from (after the token mask, penalties, logit_bias,
         temperature and the top-k/p, min-p filters)."""
+        params = [s.sampling_params for s in seqs]
+        lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        processed = bool(lp_rows) and logprobs_mode == "processed"
+        tokens, work = self.sample_rows(logits, seqs, eos_token_ids, token_bitmask,
+                                        keep_processed=processed)
+        return self.with_logprobs(tokens, work if processed else logits, params, lp_rows)
+
+    def sample_rows(self, logits, seqs: list, eos_token_ids: set[int],
+                    token_bitmask: tuple[np.ndarray, np.ndarray] | None = None,
+                    keep_processed: bool = False):
+        """The B token ids (NumPy int64), and with keep_processed the processed logits they
+        were drawn from (the token mask, penalties and logit_bias applied; sampled rows also
+        divided by their temperature with the filtered-out tokens at -inf: the softmax of a
+        sampled row is the distribution its token was drawn from), else None. `seqs` may be any
+        objects with a sequence's sampling attributes (speculative decoding's draft rows)."""
         be = self.backend
         xp = be.xp
         B, V = logits.shape
         if B != len(seqs):
             raise ValueError(f"sample: {B} logits rows for {len(seqs)} sequences")
         params = [s.sampling_params for s in seqs]
-        lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
-        processed = bool(lp_rows) and logprobs_mode == "processed"
+        processed = keep_processed
+        token_bitmask = with_forced_tokens(seqs, V, token_bitmask)
         entries = penalty_entries(seqs, eos_token_ids, V)
         greedy = np.fromiter((p.greedy for p in params), dtype=bool, count=B)
         g_rows, r_rows = np.flatnonzero(greedy), np.flatnonzero(~greedy)
@@ -80,8 +97,7 @@ class Sampler:
 
         if be.fused_sampling and not processed:
             out = self._sample_fused(logits, seqs, params, greedy, entries, token_bitmask)
-            return self._with_logprobs(np.asarray(be.to_host(out), dtype=np.int64), logits,
-                                       params, lp_rows)
+            return np.asarray(be.to_host(out), dtype=np.int64), None
 
         # A sub-batch (fancy indexing) is a copy already; the whole batch is copied only when
         # an op would write to it (processed logprobs write the filtered rows back).
@@ -118,7 +134,7 @@ class Sampler:
             if r_rows.size < B:
                 out[idx] = sub_out
         tokens = np.asarray(be.to_host(out), dtype=np.int64)
-        return self._with_logprobs(tokens, work if processed else logits, params, lp_rows)
+        return tokens, (work if processed else None)
 
     def _sample_fused(self, logits, seqs: list, params: list, greedy: np.ndarray, entries,
                       token_bitmask):
@@ -148,8 +164,9 @@ class Sampler:
                                                                      for a in entries))
         return out
 
-    def _with_logprobs(self, tokens: np.ndarray, source, params: list, lp_rows: list):
-        """(tokens, per-row TokenLogprobs or None) with the logprobs of `source`'s rows."""
+    def with_logprobs(self, tokens: np.ndarray, source, params: list, lp_rows: list):
+        """(tokens, per-row TokenLogprobs or None) with the logprobs of `source`'s rows: row i's
+        entry for tokens[i], for the rows lp_rows (those whose params ask for logprobs)."""
         be = self.backend
         logprobs = [None] * len(tokens)
         if lp_rows:
@@ -265,6 +282,11 @@ class TokenCounts:
         self.seen = start                 # token_ids[:seen] are counted (from start)
         self.ids = np.empty(0, np.int64)
         self.counts = np.empty(0, np.int64)
+
+    def copy(self) -> "TokenCounts":
+        out = TokenCounts(0)
+        out.seen, out.ids, out.counts = self.seen, self.ids.copy(), self.counts.copy()
+        return out
 
     def update(self, token_ids: list[int]) -> "TokenCounts":
         new = token_ids[self.seen:]

@@ -39,6 +39,8 @@ class SamplingParams:
     length_penalty: float = 1.0
     early_stopping: bool | str = False     # True, False or "never", as transformers
     structured_outputs: StructuredOutputsParams | None = None   # a grammar the output must match
+    # reasoning tokens (after <think>) before </think> is forced (sampling/reasoning_budget.py)
+    reasoning_budget: int | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -59,6 +61,8 @@ class SamplingParams:
         self._check("min_tokens", self.min_tokens >= 0, "must be non-negative")
         self._check("min_tokens", self.max_tokens is None or self.min_tokens <= self.max_tokens,
                     "must not exceed max_tokens")
+        self._check("reasoning_budget", self.reasoning_budget is None or self.reasoning_budget >= 0,
+                    "must be non-negative")
         self._check("seed", self.seed is None or 0 <= self.seed < 2**64, "must be in [0, 2^64)")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
@@ -69,7 +73,7 @@ class SamplingParams:
                         "must be at least n with beam search")
             self._check("early_stopping", self.early_stopping in (True, False, "never"),
                         "must be true, false or \"never\"")
-            for name in ("logprobs", "prompt_logprobs", "logit_bias"):
+            for name in ("logprobs", "prompt_logprobs", "logit_bias", "reasoning_budget"):
                 self._check(name, not getattr(self, name), "is not supported with beam search")
             self._check("stop", not self.stop, "strings are not supported with beam search")
             self._check("min_tokens", not self.min_tokens, "is not supported with beam search")

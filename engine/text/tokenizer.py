@@ -26,6 +26,7 @@ from tokenizers import AddedToken, Tokenizer as RustTokenizer
 
 from engine.text.hf_tokenizers import PreTrainedTokenizerFast, auto_tokenizer
 from engine.text.byte_level import bytes_to_unicode
+from engine.text.char_bound import max_chars_per_token
 
 log = logging.getLogger("taper.tokenizer")
 
@@ -34,6 +35,15 @@ log = logging.getLogger("taper.tokenizer")
 CONTROL_MARKERS = frozenset((
     "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>",
     "[TOOL_CALLS]", "[ARGS]", "<|python_tag|>", "<|python_start|>", "<|python_end|>"))
+
+
+class TextTooLong(ValueError):
+    """A text longer than any text of the allowed number of tokens can be
+    (engine/text/char_bound.py): refused before it is tokenized."""
+
+    def __init__(self, num_chars: int, max_chars: int):
+        super().__init__(f"the text has {num_chars} characters, more than {max_chars}")
+        self.num_chars, self.max_chars = num_chars, max_chars
 
 
 class Tokenizer:
@@ -63,6 +73,7 @@ class Tokenizer:
         self._byte_level: bool | None = None     # token_bytes: is the decoder byte-level BPE?
         self._guard: _TextGuard | None = None   # built on the first conversation that needs it
         self._guard_lock = threading.Lock()
+        self._max_chars_per_token: int | None | bool = False     # False: not computed yet
 
     @classmethod
     def from_pretrained(cls, path: str, local_files_only: bool = True, **kwargs) -> "Tokenizer":
@@ -121,10 +132,36 @@ class Tokenizer:
         """Whether any of the strings is a special token (one that decoding may skip)."""
         return any(t in self._special_strings for t in strings)
 
+    @property
+    def max_chars_per_token(self) -> int | None:
+        """The most characters of text one token can stand for; None when this tokenizer may
+        drop text, so that no such bound holds (engine/text/char_bound.py). Computed once
+        (about 0.1 s for a 150k vocabulary)."""
+        if self._max_chars_per_token is False:
+            self._max_chars_per_token = max_chars_per_token(self._rust)
+        return self._max_chars_per_token
+
+    def max_text_chars(self, num_tokens: int) -> int | None:
+        """The most characters a text of `num_tokens` tokens can have (None: no bound)."""
+        per_token = self.max_chars_per_token
+        return None if per_token is None else per_token * num_tokens
+
     # ---- encode
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Completion prompt: the tokenizer's default special tokens (BOS where it adds one)."""
+    def encode(self, text: str, add_special_tokens: bool = True,
+               max_chars: int | None = None) -> list[int]:
+        """Completion prompt: the tokenizer's default special tokens (BOS where it adds one).
+        TextTooLong, before any tokenizing, for a text of more than `max_chars` characters."""
+        _check_length(text, max_chars)
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+
+    def encode_text(self, text: str) -> list[int]:
+        """Client text that goes inside a prompt the server writes (a reranker's template):
+        special-token strings in it tokenize as plain text, as encode_chat treats message text.
+        Without any, exactly `encode(text, add_special_tokens=False)`."""
+        if self._special_re is None or not self._special_re.search(text):
+            return self.encode(text, add_special_tokens=False)
+        guard = self.prepare_chat_guard()
+        return guard.encode(self.hf, guard.escape(text))
 
     def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
                             enable_thinking: bool | None = None, add_generation_prompt: bool = True,
@@ -144,8 +181,10 @@ class Tokenizer:
 
     def encode_chat(self, messages: list[dict], tools: list[dict] | None = None,
                     enable_thinking: bool | None = None, add_generation_prompt: bool = True,
-                    chat_template: str | None = None, **kwargs) -> list[int]:
-        """Render and tokenize a conversation. Special-token strings in the client's text
+                    chat_template: str | None = None, max_chars: int | None = None,
+                    **kwargs) -> list[int]:
+        """Render and tokenize a conversation; TextTooLong, before tokenizing, when the rendered
+        text has more than `max_chars` characters. Special-token strings in the client's text
         (messages, their names and tool calls, tools, template kwargs) tokenize as plain text;
         only the template's own special tokens become special ids.
 
@@ -163,9 +202,12 @@ class Tokenizer:
         render = dict(add_generation_prompt=add_generation_prompt, chat_template=chat_template)
         if self._special_re is None or not _has_match(self._special_re, client):
             text = self.apply_chat_template(**client, **render)
-            return self.encode(text, add_special_tokens=False)
+            return self.encode(text, add_special_tokens=False, max_chars=max_chars)
         guard = self.prepare_chat_guard()
         text = self.apply_chat_template(**_map_text(client, guard.escape), **render)
+        # markers shorter than the strings they stand for undercount by a few characters: the
+        # context check after tokenizing still catches such a text
+        _check_length(text, max_chars)
         return guard.encode(self.hf, text)
 
     def prepare_chat_guard(self) -> "_TextGuard":
@@ -209,6 +251,11 @@ class Tokenizer:
 # Byte-level BPE's alphabet back to bytes.
 _BYTE_DECODER = {c: b for b, c in bytes_to_unicode().items()}
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _check_length(text: str, max_chars: int | None) -> None:
+    if max_chars is not None and len(text) > max_chars:
+        raise TextTooLong(len(text), max_chars)
 
 
 def _generation_eos_ids(path: str) -> list[int]:

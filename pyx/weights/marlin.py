@@ -40,8 +40,8 @@ Choices:
   through the canonical codes, which is exact.
 
 Requirements: K % 16 == 0 and G % 16 == 0 (Int4Weight guarantees multiples of 32).
-Every GEMM variant of cuda/marlin.cu reads this one layout, Marlin v2 (kernels marlin=v2)
-included: its striped partitioning, swizzled activations and lop3 dequantization need no repack.
+Both GEMM variants of cuda/marlin.cu (the simple kernel and kernels marlin=pipeline) read this
+one layout.
 """
 from __future__ import annotations
 

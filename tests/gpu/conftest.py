@@ -13,7 +13,7 @@ under a running kernel.
 
 Backends are cached for the whole session and never freed: each CudaBackend gives the device's
 shared cuBLAS handle its own workspace, so a backend must outlive every other one that uses the
-handle after it. Tests that need a kernel choice (decode=split, prefill=mma, ...: the
+handle after it. Tests that need a kernel choice (decode=simple, prefill=fa2, ...: the
 KernelConfig a backend reads when it is built) get a backend built with it, cached the same way.
 """
 from __future__ import annotations
@@ -88,7 +88,7 @@ def cuda_backend(dtype: str, kernels: str = ""):
 
 @pytest.fixture(scope="session")
 def make_cuda():
-    """cuda_backend itself: make_cuda("bf16", "prefill=mma")."""
+    """cuda_backend itself: make_cuda("bf16", "prefill=fa2")."""
     return cuda_backend
 
 

@@ -20,6 +20,7 @@ class FakeSeq:
     def __init__(self, seq_id, blocks=()):
         self.seq_id, self.block_table = seq_id, list(blocks)
         self.num_preemptions, self.is_finished = 0, False
+        self.trimmed_to = None      # BlockPool.trim's mark (speculative decoding's rollback)
 
 
 @pytest.mark.parametrize("seed", [0, 1])

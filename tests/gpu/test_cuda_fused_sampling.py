@@ -6,7 +6,7 @@ The fused kernel draws with the CPU's counter-based RNG, so the tokens must be t
 of its paths (the filtered row's candidates compacted into shared memory, or, when they do not
 fit or the row holds a NaN, the filter's passes over the whole row): greedy
 rows bit for bit always, sampled rows except where a filter threshold or the top two Gumbel values
-tie within float rounding (filter_ambiguous, as the radix filter's own tests). Batches mix greedy
+tie within float rounding (filter_ambiguous, as test_cuda_ops' filter tests). Batches mix greedy
 rows (temperature 0 and top_k 1), every filter, logit_bias, min_tokens, repetition, presence and
 frequency penalties, and the structured-output token mask; the references are shown to move when
 a penalty or the seed is switched off or changed, so a kernel that skipped them would fail.

@@ -12,8 +12,10 @@ that reads past a sequence changes the answer), with block tables padded with a 
 a separate test puts NaN there. Shapes: the tiny-256 head_dim 64 and every compiled head size
 (64/80/96/128/256), GQA groups 1/2/4/8, block sizes 16 and 32, sliding window and soft-cap on and
 off, float and FP8 caches, long decode contexts (2k-8k) with split-K off and on, mixed
-prefill + decode batches whose prefill rows are fewer than the context (prefix-cache hits), and
-the tensor-core prefill kernel (kernels prefill=mma) for bf16/f16 at D 64 and 128.
+prefill + decode batches whose prefill rows are fewer than the context (prefix-cache hits).
+Prefill batches run the default kernel (prefill=fa3, fa2 off compute capability 9.0) where it
+applies and the simple one elsewhere; test_cuda_prefill_fa2.py covers fa2 and fa3 in depth, and
+the NaN test here also runs the simple kernel on a batch the default would take.
 """
 from __future__ import annotations
 
@@ -515,30 +517,6 @@ def test_paged_attention_decode_long_context(make_cuda, cpu, split_k, window, fp
                         f"long decode split_k={split_k} fp8={fp8}")
 
 
-@pytest.mark.parametrize("window,softcap", [(0, 0.0), (100, 0.0), (0, 5.0)])
-@pytest.mark.parametrize("group", GROUPS)
-@pytest.mark.parametrize("D", [64, 128])
-@pytest.mark.parametrize("dt", ["bf16", "f16"])
-def test_paged_attention_prefill_mma(make_cuda, cpu, dt, D, group, window, softcap):
-    """The tensor-core prefill kernel (kernels prefill=mma): long prompts, chunks whose rows
-    are fewer than their context, a decode row, in one batch."""
-    b = make_cuda(dt, "prefill=mma")
-    assert b.mma_prefill and b.prefill_kernel == "mma"
-    rng = np.random.default_rng(D + group + window + int(softcap))
-    seqs = [(300, 300), (500, 77), (129, 1), (64, 64), (1000, 130), (33, 17)]
-    p = paged_batch(rng, seqs, 16 if group < 4 else 32, 2 * group, 2, D, dt)
-    check_attention(b, cpu, p, window, softcap, f"mma prefill D={D} group={group}")
-
-
-@pytest.mark.parametrize("D", [80, 96, 256])
-def test_paged_attention_prefill_mma_switch_other_sizes(make_cuda, cpu, D):
-    """With the tensor-core switch on, head sizes it lacks still give the right answer."""
-    b = make_cuda("bf16", "prefill=mma")
-    rng = np.random.default_rng(D)
-    p = paged_batch(rng, MIXED_SEQS, 16, 4, 2, D, "bf16")
-    check_attention(b, cpu, p, 0, 0.0, f"mma switch D={D}")
-
-
 @pytest.mark.parametrize("mixed", [False, True])
 @pytest.mark.parametrize("D", [64, 128])
 def test_paged_attention_fp8(cuda, cpu, D, mixed):
@@ -553,15 +531,16 @@ def test_paged_attention_fp8(cuda, cpu, D, mixed):
     assert rel_diff(cpu_attention(cpu, p, 0, 0.0), want) > 0.1
 
 
-@pytest.mark.parametrize("kernel", ["decode", "prefill", "mma", "fp8-decode", "fp8-prefill"])
+@pytest.mark.parametrize("kernel", ["decode", "prefill", "simple-prefill", "fp8-decode",
+                                    "fp8-prefill"])
 def test_paged_attention_nan_in_unused_slots(make_cuda, cpu, kernel):
     """Cache memory the sequences do not own may hold anything, NaN included (a fresh pool, a
     freed block's stale FP8 codes): masked-off keys must not leak into the output (0 * NaN)."""
     dt = "bf16"
-    b = make_cuda(dt, "prefill=mma" if kernel == "mma" else "")
+    b = make_cuda(dt, "prefill=simple" if kernel == "simple-prefill" else "")
     rng = np.random.default_rng(len(kernel))
     seqs = DECODE_SEQS if kernel.endswith("decode") else MIXED_SEQS
-    p = paged_batch(rng, seqs, 16, 8, 2, 128 if kernel == "mma" else 64, dt,
+    p = paged_batch(rng, seqs, 16, 8, 2, 128 if kernel == "simple-prefill" else 64, dt,
                     fp8=kernel.startswith("fp8"), garbage="nan")
     check_attention(b, cpu, p, 0, 0.0, f"NaN garbage, {kernel}")
 

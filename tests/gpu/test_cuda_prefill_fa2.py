@@ -1,7 +1,7 @@
 """The FlashAttention-2 style prefill kernel (kernels prefill=fa2, issue 12 item 2) and its
 warp-specialized Hopper form (prefill=fa3: wgmma, an mbarrier ring; on a GPU other than
 compute capability 9.0 the backend runs fa2 instead), every test for both, against the CPU
-backend's paged attention, and beside the simple CUDA kernel (the default).
+backend's paged attention, and beside the simple CUDA kernel (the general fallback).
 
 Shapes: D 64 and 128; GQA groups 1, 2, 4, 8, an odd group (5: a block's 64 packed rows split a
 token's heads across blocks) and multi-query (32 heads over one KV head); causal prompts of odd
@@ -57,11 +57,13 @@ def test_fa2_prefill_matches_cpu(make_cuda, kernel, cpu, dt, D, group, window, s
 
 @pytest.mark.parametrize("D", [64, 128])
 def test_fa2_prefill_matches_simple_kernel(make_cuda, kernel, cpu, D):
-    """The same batch through the simple kernel (the default) and fa2: both within the dtype's
-    tolerance of the CPU, and of each other."""
+    """The same batch through the simple kernel (the general fallback) and fa2: both within the
+    dtype's tolerance of the CPU, and of each other."""
     rng = np.random.default_rng(D)
     p = paged_batch(rng, SEQS, 16, 8, 2, D, "bf16")
-    simple = cuda_attention(make_cuda("bf16"), p, 0, 0.0)
+    simple_backend = make_cuda("bf16", "prefill=simple")
+    assert simple_backend.prefill_kernel == "simple"
+    simple = cuda_attention(simple_backend, p, 0, 0.0)
     fa2 = cuda_attention(fa2_backend(make_cuda, "bf16", kernel), p, 0, 0.0)
     want = cpu_attention(cpu, p, 0, 0.0)
     assert rel_diff(simple, want) < TOL["bf16"]
