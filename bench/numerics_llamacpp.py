@@ -400,14 +400,14 @@ def agreement_engines(path: Path, config: dict, weights: dict, per_op: bool, lla
 
 def greedy_agreement(path: Path, kind: str, per_op: bool = False, llama: bool = True,
                      threads: int = 2, steps: int = AGREEMENT_STEPS,
-                     kernels: dict | None = None) -> dict:
-    """One file, one prompt kind: the reference's tokens and trusted steps per prompt, and per
-    engine the leading agreement (free-running tokens = ref), argmax agreement over the trusted
-    steps and the max-abs logit distance there. Every engine's logits per prompt are kept."""
+                     kernels: dict | None = None, every: int = 1) -> dict:
+    """One file, one prompt kind (every `every`-th prompt of it): the reference's tokens and
+    trusted steps per prompt, and per engine the leading agreement (free-running tokens = ref),
+    argmax agreement over the trusted steps and the max-abs logit distance of each of them."""
     config, weights, deq = dequantized_weights(path)
     model = reference_model(config, deq)
     from engine.loader.gguf import read_gguf
-    prompts = agreement_prompts(read_gguf(str(path), progress=False).tokenizer, kind)
+    prompts = agreement_prompts(read_gguf(str(path), progress=False).tokenizer, kind)[::every]
     engines = agreement_engines(path, config, weights, per_op, llama, threads, kernels)
     out = {"prompts": prompts, "ref_tokens": [], "trusted": [],
            "engines": {k: {"lead": [], "agree": 0, "maxabs": []} for k in engines}}
