@@ -106,7 +106,7 @@ def reference_logits(path: str) -> dict:
         if isinstance(w, QuantizedWeight):
             w = np.concatenate([quants.dequantize(b, QT(t)).reshape(b.shape[0], w.k)
                                 for t, b in w.quant_parts])
-        state[key] = torch.from_numpy(np.asarray(w, np.float32))
+        state[key] = torch.from_numpy(np.array(w, np.float32))    # a writable copy
     if config.tie_word_embeddings:
         state.setdefault("lm_head.weight", state["model.embed_tokens.weight"])
     model.load_state_dict(state, strict=True)
@@ -119,8 +119,13 @@ def reference_logits(path: str) -> dict:
         batch = np.zeros((len(seqs), max(map(len, seqs))), np.int64)
         for i, t in enumerate(seqs):
             batch[i, :len(t)] = t
-        with torch.no_grad():
-            logits = model(torch.from_numpy(batch)).logits.numpy()
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)        # as taper_rows: a team only spins on these shapes
+        try:
+            with torch.no_grad():
+                logits = model(torch.from_numpy(batch)).logits.numpy()
+        finally:
+            torch.set_num_threads(threads)
         out[kind] = [logits[i, len(p) - 1:len(p) - 1 + len(r)].copy()
                      for i, (p, r) in enumerate(cases(name, kind))]
         for rows, (_, r) in zip(out[kind], cases(name, kind)):
@@ -136,7 +141,9 @@ def taper_rows(path: str, kind: str, kernels: str | None) -> list[np.ndarray]:
     name = os.path.basename(path)[len("llama-"):-len(".gguf")]
     out = []
     for prompt, ref in cases(name, kind):
-        run = PagedRun(ck.config, dict(ck.weights), len(prompt) + len(ref), kernels=kernels)
+        # one thread: the tiny model's matmuls gain nothing from a team, and lose its wake-ups
+        run = PagedRun(ck.config, dict(ck.weights), len(prompt) + len(ref), kernels=kernels,
+                       num_threads=1)
         rows = [run.step(list(prompt))] + [run.step([t]) for t in ref[:-1]]
         out.append(np.array(rows))
     return out
