@@ -555,6 +555,100 @@ def per_layer_table(args, files) -> None:
                 print(f"| {label} | " + " | ".join(f"{x:.2e}" for x in e) + " |", flush=True)
 
 
+# ---- one decode matmul against llama.cpp's own CPU kernels
+
+# weight type: (llama.cpp's activation type, its block bytes, elements per block)
+ACTIVATION_BLOCKS = {"Q4_0": ("q8_0", 34, 32), "Q4_1": ("q8_1", 36, 32), "Q5_0": ("q8_0", 34, 32),
+                     "Q5_1": ("q8_1", 36, 32), "Q8_0": ("q8_0", 34, 32),
+                     "Q2_K": ("q8_K", 292, 256), "Q3_K": ("q8_K", 292, 256),
+                     "Q4_K": ("q8_K", 292, 256), "Q5_K": ("q8_K", 292, 256),
+                     "Q6_K": ("q8_K", 292, 256)}
+
+
+def ggml_cpu():
+    """llama-cpp-python's libggml-cpu (the kernels its decode runs), initialised."""
+    import ctypes
+    import llama_cpp
+    lib = ctypes.CDLL(str(Path(llama_cpp.__file__).parent / "lib" / "libggml-cpu.so"))
+    lib.ggml_cpu_init()
+    return lib
+
+
+def matmul_table(reps: int = 20, k: int = 768, n: int = 512) -> None:
+    """Per weight type, one T = 1 matmul of random activations (log-normal magnitudes) with a
+    random (n, k) matrix in the type's blocks: Taper's act_split=off and llama.cpp's own kernels
+    (quantize_row_q8_*, then ggml_vec_dot_*_q8_* per weight row, from the libggml-cpu that
+    llama-cpp-python ships), each against float64 x @ dequant(W).T, and against each other."""
+    import ctypes
+    from gguf import GGMLQuantizationType as QT
+    from gguf import quants
+    from pyx.cpu_backend import CpuBackend, quantize
+    from pyx.weights.ggml import QuantizedWeight
+    lib, rng = ggml_cpu(), np.random.default_rng(0)
+    modes = {m: CpuBackend(kernels=f"act_split={m}") for m in ("off", "on")}
+    ptr = ctypes.c_void_p
+    print(f"\none decode matmul (T = 1, K {k}, N {n}, {reps} activation rows): Taper against "
+          "llama.cpp's CPU kernels and float64")
+    print("| weight type | activation blocks | bytes that differ from llama.cpp's | "
+          "max \\|Taper off - llama.cpp\\| | mean \\|err\\| llama.cpp | Taper off | Taper on |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for name, (act, block_bytes, block) in ACTIVATION_BLOCKS.items():
+        qt = QT[name]
+        blocks = quantize(int(qt), rng.standard_normal((n, k)).astype(np.float32), 1)
+        w = QuantizedWeight.of(int(qt), blocks, k)
+        deq = quants.dequantize(blocks, qt).reshape(n, k).astype(np.float64)
+        vec_dot = getattr(lib, f"ggml_vec_dot_{name.lower().replace('_k', '_K')}_{act}")
+        differ, gap, err = 0.0, 0.0, {"llama.cpp": [], "off": [], "on": []}
+        for _ in range(reps):
+            x = (rng.standard_normal((1, k)) * np.exp(0.7 * rng.standard_normal(k))
+                 ).astype(np.float32)
+            exact = (x.astype(np.float64) @ deq.T)[0]
+            xq = np.zeros(k // block * block_bytes, np.uint8)
+            getattr(lib, f"quantize_row_{act}")(x.ctypes.data_as(ptr), xq.ctypes.data_as(ptr),
+                                                ctypes.c_int64(k))
+            differ += np.mean(quantize(int(QT[act.upper()]), x, 1).reshape(-1) != xq) / reps
+            s, llama = ctypes.c_float(), np.empty(n, np.float32)
+            for r in range(n):
+                vec_dot(ctypes.c_int(k), ctypes.byref(s), ctypes.c_size_t(0),
+                        blocks[r].ctypes.data_as(ptr), ctypes.c_size_t(0),
+                        xq.ctypes.data_as(ptr), ctypes.c_size_t(0), ctypes.c_int(1))
+                llama[r] = s.value
+            err["llama.cpp"].append(np.abs(llama - exact).mean())
+            for mode, backend in modes.items():
+                out = np.empty((1, n), np.float32)
+                backend.linear(x, w, None, out)
+                err[mode].append(np.abs(out[0] - exact).mean())
+                if mode == "off":
+                    gap = max(gap, float(np.abs(out[0] - llama).max()))
+        print(f"| {name} | {act.upper()} | {differ:.5f} | {gap:.1e} | "
+              + " | ".join(f"{np.mean(v):.4f}" for v in err.values()) + " |", flush=True)
+
+
+def step_time_table(files: list[str], reps: int = 3, steps: int = 64, prompt: int = 16) -> None:
+    """Taper's decode step in each act_split mode on each file: CPU seconds of the process (so
+    other processes on the machine do not count) over a `prompt`-token prefill and `steps`
+    decode steps, best of `reps` runs, the modes interleaved. One thread unless
+    OMP_NUM_THREADS says otherwise (with more, spinning threads count too)."""
+    from engine.loader.gguf import read_gguf
+    modes = ["off", "qkv", "on"]
+    print(f"\ndecode step CPU time (ms, {prompt}-token prefill + {steps} steps, per step, best of "
+          f"{reps}; {os.environ.get('OMP_NUM_THREADS', 'all')} threads)")
+    print("| file | " + " | ".join(f"act_split={m}" for m in modes) + " |")
+    print("|---|" + "---:|" * len(modes))
+    for path in files:
+        ck = read_gguf(path, progress=False)
+        models = {m: taper_model(ck.config, ck.weights, kernels=f"act_split={m}") for m in modes}
+        tokens = [10 + i % 64 for i in range(prompt + steps)]
+        best = {m: float("inf") for m in modes}
+        for _ in range(reps):
+            for m in modes:
+                t0 = time.process_time()
+                taper_logits(ck.config, ck.weights, tokens, prompt, model=models[m])
+                best[m] = min(best[m], (time.process_time() - t0) * 1e3 / steps)
+        print(f"| {Path(path).name} | " + " | ".join(
+            f"{best[m]:.2f} (x{best[m] / best['off']:.3f})" for m in modes) + " |", flush=True)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quant", nargs="*", default=QUANTS, choices=QUANTS,
@@ -578,10 +672,18 @@ def main(argv=None):
     ap.add_argument("--no-llama", action="store_true", help="Taper and the reference only")
     ap.add_argument("--speed-reps", type=int, default=2,
                     help="extra teacher-forced runs of each Taper mode for the step times")
+    ap.add_argument("--matmul", action="store_true",
+                    help="one decode matmul per weight type against llama.cpp's own kernels")
+    ap.add_argument("--step-time", nargs="+", metavar="FILE",
+                    help="Taper's decode step CPU time per act_split mode on these GGUF files")
     args = ap.parse_args(argv)
     from pyx.cpu_backend import CpuBackend
     print(f"machine: {cpu_model()}, {len(os.sched_getaffinity(0))} cores, "
           f"Taper ISA {CpuBackend().isa}; {versions()}")
+    if args.matmul:
+        matmul_table()
+    if args.step_time:
+        step_time_table(args.step_time)
     if args.quant:
         teacher_forced_table(args)
     if args.agreement_quant or args.file:

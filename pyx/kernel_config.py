@@ -10,7 +10,7 @@ The first value of every key is its default: on a GPU the kernel that passed its
 fastest in the last GPU window (bench/RESULTS.md, "GPU window"; prefill=fa3 and decode=split won
 on an H200 on 2026-11-28), on the CPU the fastest path, except act_split=qkv: the quantized
 qkv projection's decode activations kept exact, which keeps Taper's greedy tokens on a quantized
-file's weights further than llama.cpp's for 5-8 % of the batch-1 decode time (issue 32;
+file's weights further than llama.cpp's for 4-9 % of the batch-1 decode time (issue 32;
 bench/RESULTS.md, Numerics). The others are kept behind the switch: general fallbacks, kernels
 whose GPU tests or figures have not made them the default yet, llama.cpp's rounding everywhere
 (act_split=off, the fastest) or the CPU's exact activations everywhere (on). prefill=mma, marlin=v2 and filter=radix lost to the
