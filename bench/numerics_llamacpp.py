@@ -10,34 +10,41 @@ Two tables.
 Teacher-forced logits (`--quant`): a random Qwen2 (hidden 1024, 4 layers, 16 heads of 64, 4 KV
 heads, intermediate 2816, a 32000-token tied embedding), written as F32 GGUF by llama.cpp's
 converter and quantized by llama.cpp's own quantizer to Q8_0, Q6_K and Q4_K_M
-(bench/make_checkpoint.py), its token_embd (the output too: tied) in the type the quantizer
-chose, and kept F32 (`--embd-output file f32`, the default both; F32 is how --isq keeps them). All three engines are
-teacher-forced on one token sequence (a random prompt, then the reference's greedy
+(bench/make_checkpoint.py), its token_embd (the output too: tied) in the type the quantizer chose,
+and kept F32 (`--embd-output file f32`, the default both; F32 is how --isq keeps them). All three
+engines are teacher-forced on one token sequence (a random prompt, then the reference's greedy
 continuation), so every step sees the same inputs: Taper and llama.cpp take the prompt in one
-batch, then one token per step (the decode path), with an f32 KV cache on both. Distances per
-step between each engine's logits and the reference's: max |diff| and RMS, and whether the argmax
+batch, then one token per step (the decode path), with an f32 KV cache on both. Distances per step
+between each engine's logits and the reference's: max |diff| and RMS, and whether the argmax
 agrees; the table shows their mean and worst over the steps.
 
 Free-running greedy agreement (`--agreement-quant`): the tests' tiny Llama
-(tests/data/gguf/llama-f32.gguf: hidden 256, 2 layers, 4 heads of 64, 2 KV heads, a 512-token
-tied embedding, llama3 RoPE, Q/K rows permuted by the converter, weights scaled x8 so that one
-8-bit rounding moves the logits by tenths) through llama.cpp's quantizer, its token_embd/output
-as the quantizer chose (Q8_0 in a Q8_0 file, Q6_K in the others) and kept F32, for every ftype
-of bench.make_checkpoint.QUANT_FTYPES named (`--agreement-quant`; `--file` takes any Llama-family
-GGUF with a tokenizer instead). For each of 64 prompts (32 long ones; `--prompts`: `chat`, the GGUF fixtures' texts as a user turn of 12-60 tokens; `short`,
-BOS and 1-3 tokens, where Taper's prefill rounds activations too; `long`, 600 characters of them
-in a user turn, past the 64-token original context of the llama3 RoPE) the reference runs 24
-greedy steps; its first near-tie (top-two margin under 0.05) ends the steps that count. Each
-engine is teacher-forced on the reference's tokens; since each is deterministic, the leading run
-of its argmax equal to the reference's is the number of tokens its own free-running greedy
-decode agrees with the file's weights. `--per-op` adds Taper with exact activations in one
-kind of matmul only, and in all but one (OpMixBackend), to say which op's rounding moves them.
+(tests/data/gguf/llama-f32.gguf: hidden 256, 2 layers, 4 heads of 64, 2 KV heads, a 512-token tied
+embedding, llama3 RoPE, Q/K rows permuted by the converter, weights scaled x8 so that one 8-bit
+rounding moves the logits by tenths) through llama.cpp's quantizer, its token_embd/output as the
+quantizer chose (Q8_0 in a Q8_0 file, Q6_K in the others) and kept F32, for every ftype of
+bench.make_checkpoint.QUANT_FTYPES named (`--agreement-quant`; `--file` takes any Llama-family GGUF
+with a tokenizer instead). For each of 64 prompts (32 long ones; `--prompts`: `chat`, the GGUF
+fixtures' texts as a user turn of 12-60 tokens; `short`, BOS and 1-3 tokens, where Taper's prefill
+rounds activations too; `long`, 600 characters of them in a user turn, past the 64-token original
+context of the llama3 RoPE) the reference runs 24 greedy steps; its first near-tie (top-two margin
+under 0.05) ends the steps that count. Each engine is teacher-forced on the reference's tokens;
+since each is deterministic, the leading run of its argmax equal to the reference's is the number
+of tokens its own free-running greedy decode agrees with the file's weights. `--per-op` adds Taper
+with exact activations in one kind of matmul only, and in all but one (OpMixBackend), to say which
+op's rounding moves them.
 
 Taper runs three ways: by default (act_split=qkv: the decode matmuls round each activation row
 to 8 bits once, in llama.cpp's blocks, except the attention's qkv projection, which writes it as
 two 8-bit rows), with act_split=off (every matmul rounded, exactly llama.cpp's arithmetic) and
 with act_split=on (every one as two rows, pyx/quant_kernels.c). `--per-layer` adds Taper's
 residual stream against the reference's after each layer's attention and MLP.
+
+Two checks beside the tables: `--matmul` runs one decode matmul per weight type through Taper and
+through llama.cpp's own kernels (its libggml-cpu.so, via ctypes) and compares their activation
+blocks byte for byte and their outputs with float64; `--step-time FILE...` times Taper's decode
+step in each act_split mode (CPU time of the process, so that a shared machine's other load does
+not count).
 
 llama.cpp (llama-cpp-python) and torch are bench-only dependencies; nothing in the test suite
 imports this file (tests/data/make_fidelity_fixtures.py does, to record what

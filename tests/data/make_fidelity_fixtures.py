@@ -6,9 +6,9 @@ tiny Llama, quantized by llama.cpp's own quantizer, agrees with each file's own 
 
 For each ftype of bench.make_checkpoint.QUANT_FTYPES, llama.cpp's quantizer (llama-cpp-python
 0.3.36, default parameters) turns tests/data/gguf/llama-f32.gguf into
-bench/.cache/tiny-llama-<ftype>.gguf, token_embd (the tied output too) in the type it chooses
-(Q8_0 in the Q8_0 file, Q6_K in the others), and for F32EO_FTYPES into
-tiny-llama-<ftype>-f32eo.gguf with token_embd kept F32 (as --isq keeps it). Recorded in tests/data/gguf/fidelity_fixtures.json:
+bench/.cache/tiny-llama-<ftype>.gguf, token_embd (the tied output too) in the type it chooses (Q8_0
+in the Q8_0 file, Q6_K in the others), and for F32EO_FTYPES into tiny-llama-<ftype>-f32eo.gguf with
+token_embd kept F32 (as --isq keeps it). Recorded in tests/data/gguf/fidelity_fixtures.json:
 
 - per file, each tensor's ggml type and the sha256 of its data: the test rebuilds the file from
   the F32 fixture with Taper's quantizer (byte-identical to llama.cpp's) and checks them, so no
