@@ -96,6 +96,9 @@ class StubModel:
     def kv_cache_shape(self, num_blocks, block_size):
         return (1,)
 
+    def new_kv_caches(self, num_blocks, block_size, dtype):
+        return [(np.zeros(1, dtype), np.zeros(1, dtype))]
+
     def forward(self, batch, kv_caches):
         return np.zeros((len(batch.seq_lens), 8), np.float32)
 

@@ -96,7 +96,8 @@ run_step() {
 }
 
 # test_step NAME CAP MIN FILE...: tests/gpu/FILE side by side, one pytest process each (own
-# limit, JUnit XML to $LOGS/junit-FILE.xml, output to $LOGS/FILE.log)
+# limit, JUnit XML to $LOGS/junit-FILE.xml, output to $LOGS/FILE.log). FILE:PART:EXPR runs the
+# file's tests that pytest's -k EXPR selects, as FILE-PART: one file's slow halves side by side.
 test_step() {
     local name=$1 cap=$2 min=$3 limit
     shift 3
@@ -113,18 +114,23 @@ test_step() {
     fi
     echo
     echo "==== $name (limit ${limit}s): $* side by side"
-    local t0=$SECONDS f pids=() rc=0 timed_out=0
+    local t0=$SECONDS f pids=() stems=() rc=0 timed_out=0
     for f in "$@"; do
+        local file=${f%%:*} stem=${f%%.py*} select=()
+        if [[ $f == *:*:* ]]; then
+            local part=${f#*:}
+            stem="$stem-${part%%:*}" select=(-k "${part#*:}")
+        fi
         timeout -s INT -k 15 "$limit" "$PY" -m pytest -q -rfE -p no:cacheprovider \
-            --timeout=150 --junitxml="$LOGS/junit-${f%.py}.xml" "tests/gpu/$f" \
-            > "$LOGS/${f%.py}.log" 2>&1 &
-        pids+=($!)
+            --timeout=150 --junitxml="$LOGS/junit-$stem.xml" "${select[@]}" "tests/gpu/$file" \
+            > "$LOGS/$stem.log" 2>&1 &
+        pids+=($!) stems+=("$stem")
     done
     for i in "${!pids[@]}"; do
         wait "${pids[$i]}"
         local r=$?
-        local f=${*:$((i + 1)):1}
-        echo "  $f: $(tail -n 1 "$LOGS/${f%.py}.log" | cut -c1-120) (rc $r)"
+        local stem=${stems[$i]}
+        echo "  $stem: $(tail -n 1 "$LOGS/$stem.log" | cut -c1-120) (rc $r)"
         if ((r == 124 || r == 137)); then timed_out=1; fi
         ((r == 0)) || rc=$r
     done
@@ -248,21 +254,26 @@ if [ "$SUITE" = first ]; then
     gpu_step run_step serve 110 60 "$PY" -m bench.serve_check --out "$LOGS" --model "$MODEL_1B" \
         --concurrency 1 64 --prompts-per-client 2 --output-len 64
     gpu_step test_step tests_default 80 30 test_cuda_ops.py test_cuda_model.py \
-        test_cuda_logprobs.py test_cuda_families.py test_cuda_block_tables.py
+        test_cuda_logprobs.py test_cuda_families.py test_cuda_block_tables.py test_cuda_mla.py \
+        test_cuda_features.py test_cuda_tensor_parallel.py \
+        test_cuda_hybrid.py
+    # the quantized GEMMs' host work (quantizing, repacking 8B-sized weights) in two processes
     gpu_step test_step tests_quant 180 40 test_cuda_gguf.py test_cuda_marlin.py test_cuda_fp8.py \
-        test_cuda_quant_gemm.py test_cuda_quant_model.py
+        "test_cuda_quant_gemm.py:gguf:q4_ or q8_ or q6_" "test_cuda_quant_gemm.py:int4_fp8:int4 or fp8" \
+        test_cuda_quant_model.py
     gpu_step test_step tests_switches 100 40 test_cuda_flash_decode.py test_cuda_fp8_gemv.py \
         test_cuda_fused_sampling.py test_cuda_prefill_fa2.py test_cuda_moe.py
     "$PY" -m bench.gpu_summary tests "$LOGS" > "$LOGS/verdicts.txt" 2>&1
 else
     WITHOUT=$("$PY" -m bench.gpu_summary without "$LOGS")
     # the shapes the goals name: 8B decode attention at batch 1 and 16 over 8k tokens, prefill
-    # at 4k tokens (D=128), the quantized GEMMs of decode (M 1 and 16) on gate_up and down
+    # at 4k tokens (D=128), the quantized GEMMs of decode (M 1-16: the FP8 GEMV's crossover) on
+    # gate_up and down
     # shellcheck disable=SC2086
     gpu_step run_step kernels 75 30 "$PY" -m bench.kernels \
         ${GPU_KERNEL_OPS:-decode_attention prefill_attention qgemm filter_logits sample_fused moe} \
         --shape B=1,16 --shape ctx=8192 \
-        --shape prefill=1x4096 --shape QM=1,16 --shape qlayers=gate_up,down --shape SB=64 \
+        --shape prefill=1x4096 --shape QM=1,2,4,8,16 --shape qlayers=gate_up,down --shape SB=64 \
         --shape MT=1,64 --runs 20 --without "$WITHOUT" --json "$LOGS/kernels.json"
     if [ -f "$LOGS/kernels.json" ]; then
         "$PY" -m bench.gpu_summary winners "$LOGS" 2>&1 | tee "$LOGS/winners.txt"
@@ -271,7 +282,9 @@ else
         --quant bf16 fp8 int4 --batch 1 16 --json "$LOGS/throughput.json"
     # the decode-side switches that passed their tests, end to end
     TRY=""
-    for s in fp8_gemv=on sampling=fused; do
+    # fp8=cutlass with fp8_gemv=on: e4m3 weights only, the GEMV up to FP8_GEMV_MAX_M rows and
+    # CUTLASS above (the H200's W3: the GEMV wins at M=1, loses 3-5x at M=16)
+    for s in fp8=cutlass fp8_gemv=on sampling=fused; do
         case ",$WITHOUT," in *",$s,"*) ;; *) TRY="$TRY${TRY:+,}$s" ;; esac
     done
     if [ -n "$TRY" ] || ((DEVICE == 0)); then

@@ -764,68 +764,73 @@ def cases_sampling(bench, c, op):
         bench.free()
 
 
-SAMPLE_PARAMS = "t=0.7 k=50 p=0.9 min_p=0.05, 16 penalties/row"
+# (name, greedy, temperature, top_k, top_p, min_p, penalties): the settings the sampler meets,
+# each timed fused and op by op (the engine's simple path: only the ops the setting needs)
+SAMPLE_SETTINGS = (
+    ("t=0.7 k=50 p=0.9 min_p=0.05, 16 penalties/row", 0, 0.7, 50, 0.9, 0.05, True),
+    ("t=1 p=0.9 only, 16 penalties/row", 0, 1.0, 0, 0.9, 0.0, True),
+    ("greedy, 16 penalties/row", 1, 1.0, 0, 1.0, 0.0, True),
+    ("t=1, no filter, no penalties", 0, 1.0, 0, 1.0, 0.0, False),
+)
 
 
 def cases_sample_fused(bench, c):
-    """The whole sampling step of kernels sampling=fused (penalties, temperature, top-k,
-    top-p, min-p, Gumbel draw) in one launch, the same with top-p alone (its fallback path
-    here), greedy rows (penalties + argmax) in one launch, and as baseline the op-by-op path it
-    replaces (apply_penalties, filter_logits, gumbel_sample). Bytes: the logits read
-    once (the bound the issue's 40 us at V = 128k, B = 1 is measured against). Penalties write
-    in place, so each timed launch gets the pristine logits back first."""
+    """The sampling step of kernels sampling=fused (penalties, then the argmax or temperature,
+    top-k, top-p, min-p and the Gumbel draw) in one launch, against the op-by-op path it
+    replaces, as the sampler runs it (engine/sampling/sampler.py: apply_penalties when a row
+    has penalties, argmax for greedy rows, filter_logits only when a filter is set, then
+    gumbel_sample), for each of SAMPLE_SETTINGS: the rows of a setting compare like with like.
+    Top-p alone over these N(0, 3^2) logits lets 8k-12k tokens through, more candidates than
+    fit, so that row times the fused kernel's fallback. Bytes: the logits read once. Penalties
+    write in place, so each timed launch gets the pristine logits back first."""
     b, cp = bench.b, bench.cp
     V = c["V"]
     rng = np.random.default_rng(0)
     for B in c["SB"]:
-        fused, top_p_only, greedy_sets, op_by_op, prepare = [], [], [], [], []
-        for i in range(N_SETS):
-            logits = bench.rand((B, V), np.float32, 3.0)
-            work = bench.rand((B, V), np.float32)
-            with bench.stream:
-                out = cp.empty(B, dtype=cp.int64)
-            cols = np.stack([np.sort(rng.choice(V, 16, replace=False)) for _ in range(B)])
-            pen = [bench.dev(a) for a in (
-                np.repeat(np.arange(B, dtype=np.int32), 16), cols.ravel().astype(np.int32),
-                np.full(16 * B, -0.0, np.float32), np.full(16 * B, 1.3, np.float32),
-                np.full(16 * B, 0.5, np.float32))]
-            t, k, p, m = (bench.dev(np.full(B, v, dt)) for v, dt in
-                          ((0.7, np.float32), (50, np.int32), (0.9, np.float32),
-                           (0.05, np.float32)))
-            seeds = bench.dev(np.arange(i * B, (i + 1) * B, dtype=np.uint64))
-            pos = bench.dev(np.full(B, 17, np.int64))
-            sampled, greedy = (bench.dev(np.full(B, g, np.uint8)) for g in (0, 1))
-            prepare.append(lambda w=work, lg=logits: bench.copy_async(w, lg))
-            fused.append(lambda w=work, g=sampled, t=t, k=k, p=p, m=m, s=seeds, q=pos, o=out,
-                         pen=pen: b.sample_fused(w, g, t, k, p, m, s, q, o, penalties=pen))
-            one, no_k, p_only = (bench.dev(np.full(B, v, dt)) for v, dt in
-                                 ((1.0, np.float32), (0, np.int32), (0.0, np.float32)))
-            top_p_only.append(lambda w=work, g=sampled, t=one, k=no_k, p=p, m=p_only, s=seeds,
-                              q=pos, o=out, pen=pen: b.sample_fused(w, g, t, k, p, m, s, q, o,
-                                                                    penalties=pen))
-            greedy_sets.append(lambda w=work, g=greedy, t=t, k=k, p=p, m=m, s=seeds, q=pos,
-                               o=out, pen=pen: b.sample_fused(w, g, t, k, p, m, s, q, o,
-                                                              penalties=pen))
-
-            def separate(w=work, t=t, k=k, p=p, m=m, s=seeds, q=pos, o=out, pen=pen):
-                b.apply_penalties(w, *pen)
-                b.filter_logits(w, t, k, p, m)
-                b.gumbel_sample(w, s, q, o)
-            op_by_op.append(separate)
-        moved = B * V * 4
         shape = f"B={B} V={V}"
-        yield Case("sample_fused", shape, "op-by-op " + SAMPLE_PARAMS, moved, 0, op_by_op,
-                   prepare, baseline=True)
-        yield Case("sample_fused", shape, "fused " + SAMPLE_PARAMS, moved, 0, fused, prepare,
-                   compare=True)
-        # top-p alone over these N(0, 3^2) logits: the bound lets 8k-12k tokens through, more
-        # candidates than fit, so this row times the fallback (the filter's passes over the row)
-        yield Case("sample_fused", shape, "fused t=1 p=0.9 only, 16 penalties/row", moved, 0,
-                   top_p_only, prepare, compare=True)
-        yield Case("sample_fused", shape, "fused greedy, 16 penalties/row", moved, 0,
-                   greedy_sets, prepare, compare=True)
-        del fused, top_p_only, greedy_sets, op_by_op, prepare
-        bench.free()
+        for name, greedy, *filters, with_penalties in SAMPLE_SETTINGS:
+            fused, op_by_op, prepare = [], [], []
+            for i in range(N_SETS):
+                logits = bench.rand((B, V), np.float32, 3.0)
+                work = bench.rand((B, V), np.float32)
+                with bench.stream:
+                    out = cp.empty(B, dtype=cp.int64)
+                pen = None
+                if with_penalties:
+                    cols = np.stack([np.sort(rng.choice(V, 16, replace=False))
+                                     for _ in range(B)])
+                    pen = [bench.dev(a) for a in (
+                        np.repeat(np.arange(B, dtype=np.int32), 16),
+                        cols.ravel().astype(np.int32), np.full(16 * B, -0.0, np.float32),
+                        np.full(16 * B, 1.3, np.float32), np.full(16 * B, 0.5, np.float32))]
+                t, k, p, m = (bench.dev(np.full(B, v, dt)) for v, dt in
+                              zip(filters, (np.float32, np.int32, np.float32, np.float32)))
+                seeds = bench.dev(np.arange(i * B, (i + 1) * B, dtype=np.uint64))
+                pos = bench.dev(np.full(B, 17, np.int64))
+                g = bench.dev(np.full(B, greedy, np.uint8))
+                prepare.append(lambda w=work, lg=logits: bench.copy_async(w, lg))
+                fused.append(lambda w=work, g=g, t=t, k=k, p=p, m=m, s=seeds, q=pos, o=out,
+                             pen=pen: b.sample_fused(w, g, t, k, p, m, s, q, o, penalties=pen))
+                filtered = filters[1:] != [0, 1.0, 0.0] or filters[0] != 1.0
+
+                def separate(w=work, t=t, k=k, p=p, m=m, s=seeds, q=pos, o=out, pen=pen,
+                             greedy=greedy, filtered=filtered):
+                    if pen is not None:
+                        b.apply_penalties(w, *pen)
+                    if greedy:
+                        b.argmax(w, o)
+                        return
+                    if filtered:
+                        b.filter_logits(w, t, k, p, m)
+                    b.gumbel_sample(w, s, q, o)
+                op_by_op.append(separate)
+            moved = B * V * 4
+            yield Case("sample_fused", shape, "op-by-op " + name, moved, 0, op_by_op, prepare,
+                       baseline=True)
+            yield Case("sample_fused", shape, "fused " + name, moved, 0, fused, prepare,
+                       compare=True)
+            del fused, op_by_op, prepare
+            bench.free()
 
 
 def cases_token_bitmask(bench, c):

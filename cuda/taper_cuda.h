@@ -178,6 +178,18 @@ int taper_cuda_paged_attention_prefill(void* out,                      // (T, Hq
                                        int64_t sliding_window, float softcap, int dtype,
                                        int cache_dtype, int variant, taper_stream_t stream);
 
+/* ---- mla_decode.cu: decode attention over multi-head latent attention's cache: one query row
+ * per sequence, every query head reads the one cached head (D <= 1024), the value is a row's
+ * first Dv values. Cache of the activation type (no FP8). */
+int taper_cuda_mla_decode_attention(void* out,                    // (B, Hq, Dv) dtype
+                                    const void* q,                // (B, Hq, D) dtype
+                                    const void* cache,            // (NB, BS, 1, D) dtype
+                                    const int32_t* block_tables,  // (B, MB)
+                                    const int32_t* seq_lens,      // (B,), each >= 1
+                                    int64_t B, int64_t Hq, int64_t D, int64_t Dv, int64_t NB,
+                                    int64_t BS, int64_t MB, float scale, int dtype,
+                                    taper_stream_t stream);
+
 /* ---- sampling.cu (logits float32). Randomness is the CPU backend's exactly (DESIGN.md 5):
  * Philox4x32-10 with counter (v, pos_lo, pos_hi, 0), key (seed_lo, seed_hi); u = (x0 + 0.5) / 2^32
  * in double; Gumbel-max value logit - log(-log(u)) in double; lowest index wins ties. */

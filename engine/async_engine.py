@@ -121,16 +121,18 @@ class AsyncEngine:
         return not self._closed and self._thread.is_alive()
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
-                    params: SamplingParams) -> AsyncIterator[RequestOutput]:
+                    params: SamplingParams, images: list | None = None
+                    ) -> AsyncIterator[RequestOutput]:
         """Queues the request and returns the stream of its outputs. A request the engine
-        refuses raises ValueError from the stream."""
+        refuses raises ValueError from the stream. images: a vision-language model's, as
+        LLMEngine.add_request takes them."""
         if not self.is_running:
             raise RuntimeError("the engine is not running")
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
         stream = _Stream(self, request_id, params.n)
         self._streams[request_id] = stream
-        self._commands.put(("add", request_id, list(prompt_token_ids), params))
+        self._commands.put(("add", request_id, list(prompt_token_ids), params, images))
         # The engine thread marks itself closed, then fails the streams it finds; we add the
         # stream, then look at the mark. So either it sees this stream or we see the mark.
         if self._closed:
@@ -195,6 +197,8 @@ class AsyncEngine:
         self._stopping = True
         self._commands.put(("stop",))
         self._thread.join(timeout=30)
+        if not self._thread.is_alive():
+            self.engine.shutdown()
 
     # ---- engine thread
 
@@ -205,9 +209,10 @@ class AsyncEngine:
 
     def _handle(self, command) -> None:
         if command[0] == "add":
-            _, request_id, prompt, params = command
+            request_id, prompt, params = command[1:4]
+            images = command[4] if len(command) > 4 else None
             try:
-                self.engine.add_request(request_id, prompt, params)
+                self.engine.add_request(request_id, prompt, params, images)
             except Exception as e:  # refused: this request fails, the engine goes on
                 self._deliver(request_id, e)
         elif command[0] == "abort_all":

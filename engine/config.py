@@ -15,6 +15,10 @@ class EngineConfig:
     dtype: str = "auto"                  # auto (the checkpoint's) | f32 | bf16 | f16
     backend: str = "auto"                # auto (CUDA where a device is visible) | cpu | cuda
     device: int = 0                      # the CUDA device index
+    # Tensor parallel (engine/parallel/): the model split across this many processes, rank 0 this
+    # one; on CUDA rank r uses device_ids[r] (default: device + r).
+    tensor_parallel_size: int = 1
+    device_ids: tuple[int, ...] = ()
     cuda_graph: bool = True              # capture decode steps in CUDA graphs (CUDA backend)
     block_size: int = 16                 # tokens per KV block, a power of two in [8, 128]
     num_kv_blocks: int | None = None     # explicit pool size; else from the two below
@@ -26,6 +30,8 @@ class EngineConfig:
     prefill_chunk_size: int = 0          # max prompt tokens per sequence per step; 0 = budget only
     enable_prefix_caching: bool = True
     prefix_cache_max_tokens: int | None = None  # most tokens the prefix cache keeps hashed
+    state_snapshots: int | None = None   # hybrid models: prefix-cache state snapshots (None: one
+                                         # per state slot; engine/core/hybrid_state.py)
     max_model_len: int | None = None     # default: the model's max_position_embeddings
     yarn_scaling_factor: float | None = None
     isq: str | None = None               # quantize projections at load: q4_0 ... q6k, marlin
@@ -53,6 +59,13 @@ class EngineConfig:
             self.backend = detect_backend()
         if self.device < 0:
             raise ValueError(f"device must be >= 0, got {self.device}")
+        self.device_ids = tuple(self.device_ids)
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be at least 1, got "
+                             f"{self.tensor_parallel_size}")
+        if self.device_ids and len(self.device_ids) != self.tensor_parallel_size:
+            raise ValueError(f"device_ids {list(self.device_ids)} name {len(self.device_ids)} "
+                             f"devices for tensor_parallel_size {self.tensor_parallel_size}")
         if self.dtype not in ("auto", "f32", "bf16", "f16", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, f32, bf16 or f16, got {self.dtype!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens"):
@@ -69,6 +82,8 @@ class EngineConfig:
             raise ValueError(f"kv_fraction must be in (0, 1], got {self.kv_fraction}")
         if self.kv_cache_dtype not in ("auto", "bf16", "fp8"):
             raise ValueError(f"kv_cache_dtype must be auto, bf16 or fp8, got {self.kv_cache_dtype!r}")
+        if self.state_snapshots is not None and self.state_snapshots < 0:
+            raise ValueError("state_snapshots must be >= 0")
         if self.prefix_cache_max_tokens is not None and self.prefix_cache_max_tokens < 0:
             raise ValueError("prefix_cache_max_tokens must be >= 0")
         if self.isq is not None:   # imported here so that `import engine` loads no extension

@@ -134,6 +134,11 @@ cdef class Backend:
         x (T, K) f32; weight (N, K) f32|bf16|f16; bias (N,) f32 or None; out (T, N) f32."""
         raise NotImplementedError
 
+    def batched_linear(self, x, weight, out):
+        """out[g] = x[g] @ weight[g].T for each of G groups; float32 accumulation (MLA's per-head
+        absorbed projections). x (G, T, K) f32; weight (G, N, K) f32|bf16|f16; out (G, T, N) f32."""
+        raise NotImplementedError
+
     def rms_norm(self, x, weight, eps, out):
         """out = x / sqrt(mean(x^2) + eps) * weight.  x, out (T, H) f32; weight (H,) f32."""
         raise NotImplementedError
@@ -167,6 +172,18 @@ cdef class Backend:
         gelu_tanh(g) = 0.5 * g * (1 + tanh(sqrt(2/pi) * (g + 0.044715 * g^3))).
         x (T, 2I) f32; out (T, I) f32."""
         raise NotImplementedError
+
+    def gelu(self, x, out):
+        """out = x * Phi(x) = 0.5 * x * (1 + erf(x / sqrt(2))), the exact GELU (torch.nn.GELU(),
+        vision encoders' projectors). x, out (T, N) f32."""
+        raise NotImplementedError(f"the {self.name} backend has no gelu op")
+
+    def encoder_attention(self, out, q, k, v, cu_seqlens, scale):
+        """Bidirectional attention over packed segments (a vision encoder's windows or whole
+        images): rows [cu_seqlens[s], cu_seqlens[s+1]) attend to every row of their segment,
+        out = softmax(scale * q.k) v per head, no cache, no mask. out, q, k, v (N, H, D) f32;
+        cu_seqlens (S+1,) int32, from 0 to N, non-decreasing."""
+        raise NotImplementedError(f"the {self.name} backend has no encoder_attention op")
 
     def stack_experts(self, weights):
         """E experts' weights of one projection, each (N, K) as place_weight returned it, as one
@@ -239,6 +256,15 @@ cdef class Backend:
         softcap > 0 (Gemma-2): each scaled score s = scale * q.k becomes softcap * tanh(s / softcap)
         before the causal mask and the softmax; 0 = off, and then the results are bit-identical
         to the op without the option. A negative or non-finite softcap is a ValueError."""
+        raise NotImplementedError
+
+    def mla_decode_attention(self, out, q, cache, block_tables, seq_lens, scale):
+        """Decode attention over multi-head latent attention's cache (DeepSeek's absorbed
+        form): one query row per sequence, its last token, and every query head reads the one
+        cached head: scores scale * q.row over the sequence's seq_lens[b] rows, softmax, and the
+        weighted sum of each row's first Dv values. Rows are paged as paged_attention's.
+        out (B, Hq, Dv) f32; q (B, Hq, D) f32; cache (NB, BS, 1, D) f32 with Dv <= D;
+        block_tables (B, MB) int32; seq_lens (B,) int32, each >= 1."""
         raise NotImplementedError
 
     def argmax(self, logits, out):

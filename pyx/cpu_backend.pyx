@@ -17,7 +17,7 @@ cimport numpy as cnp
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t
 
 from pyx.backend cimport Backend, describe_arrays as _desc, fail as _fail
-from pyx import cpu_int4, cpu_moe, cpu_sampling, cpu_threads
+from pyx import cpu_int4, cpu_moe, cpu_sampling, cpu_threads, cpu_vision
 from pyx.fp8 import fp8_linear
 from pyx.moe import StackedExperts
 from pyx.weights.fp8 import Fp8Weight
@@ -545,6 +545,18 @@ cdef class CpuBackend(Backend):
             _status(st, op, arrays)
             col += n
 
+    def batched_linear(self, x, weight, out):
+        op = "batched_linear"
+        arrays = {"x": x, "weight": weight, "out": out}
+        _check(op, arrays, "x", (_F32,), 3)
+        _check(op, arrays, "out", (_F32,), 3, True)
+        _check(op, arrays, "weight", tuple(_WDT), 3)
+        if (weight.shape[0] != x.shape[0] or weight.shape[2] != x.shape[2]
+                or out.shape != (x.shape[0], x.shape[1], weight.shape[1])):
+            _fail(op, "need x (G, T, K), weight (G, N, K), out (G, T, N)", arrays)
+        for g in range(x.shape[0]):     # each group through linear's kernel
+            self.linear(x[g], weight[g], None, out[g])
+
     def rms_norm(self, x, weight, eps, out):
         op = "rms_norm"
         arrays = {"x": x, "weight": weight, "out": out}
@@ -659,6 +671,31 @@ cdef class CpuBackend(Backend):
 
     def gelu_tanh_and_mul(self, x, out):
         self._gated("gelu_tanh_and_mul", x, out, taper_gelu_tanh_and_mul)
+
+    # ---- vision encoders (pyx/cpu_vision.py)
+
+    def gelu(self, x, out):
+        op = "gelu"
+        arrays = {"x": x, "out": out}
+        _check(op, arrays, "x", (_F32,), 2)
+        _check(op, arrays, "out", (_F32,), 2, True)
+        if x.shape[0] != out.shape[0] or x.shape[1] != out.shape[1]:
+            _fail(op, "need x, out (T, N)", arrays)
+        cpu_vision.gelu(x, out)
+
+    def encoder_attention(self, out, q, k, v, cu_seqlens, scale):
+        op = "encoder_attention"
+        arrays = {"out": out, "q": q, "k": k, "v": v, "cu_seqlens": cu_seqlens}
+        for name in ("q", "k", "v"):
+            _check(op, arrays, name, (_F32,), 3)
+        _check(op, arrays, "out", (_F32,), 3, True)
+        _check(op, arrays, "cu_seqlens", (_I32,), 1)
+        if not (q.shape == k.shape == v.shape == out.shape):
+            _fail(op, "need out, q, k, v of one shape (N, H, D)", arrays)
+        if (len(cu_seqlens) < 1 or cu_seqlens[0] != 0 or cu_seqlens[-1] != q.shape[0]
+                or bool((np.diff(cu_seqlens) < 0).any())):
+            _fail(op, "cu_seqlens must rise from 0 to N", arrays)
+        cpu_vision.encoder_attention(out, q, k, v, cu_seqlens, float(scale))
 
     # ---- fused MoE (pyx/cpu_moe.py: the reference of cuda/moe.cu)
 
@@ -785,6 +822,25 @@ cdef class CpuBackend(Backend):
             st = taper_paged_attention(self._isa, outp, qp, kcp, vcp, btp, slp, qsp, T, B, Hq, Hkv, D, NB,
                                        BS, MB, sc, sw, cap, inv, nt)
         _status(st, op, arrays)
+
+    def mla_decode_attention(self, out, q, cache, block_tables, seq_lens, scale):
+        """paged_attention with the cache as both K and V (the latent is the value's first Dv
+        values; the rotary part's weighted sum is computed and dropped), one query row each."""
+        op = "mla_decode_attention"
+        arrays = {"out": out, "q": q, "cache": cache, "block_tables": block_tables,
+                  "seq_lens": seq_lens}
+        _check(op, arrays, "out", (_F32,), 3, True)
+        _check(op, arrays, "q", (_F32,), 3)
+        _check(op, arrays, "cache", (_F32,), 4)
+        B, Hq, D = q.shape
+        if (cache.shape[2] != 1 or cache.shape[3] != D or out.shape[:2] != (B, Hq)
+                or out.shape[2] > D or seq_lens.shape[0] != B):
+            _fail(op, "need out (B, Hq, Dv), q (B, Hq, D), cache (NB, BS, 1, D) with Dv <= D, "
+                      "seq_lens (B,)", arrays)
+        full = np.empty((B, Hq, D), np.float32)
+        self.paged_attention(full, q, cache, cache, block_tables, seq_lens,
+                             np.arange(B + 1, dtype=np.int32), scale, 0)
+        np.copyto(out, full[:, :, :out.shape[2]])
 
     # ---- FP8 KV cache (uint8 e4m3 codes, per-KV-head scales): the same ops' fp8 variants
 

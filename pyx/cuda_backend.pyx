@@ -451,6 +451,34 @@ cdef class CudaBackend(Backend):
                                CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT)
         _check_cublas(st, "linear (cublasGemmEx)", dict(T=T, N=N, K=K, a_type=ab, c_type=ct))
 
+    def batched_linear(self, x, weight, out):
+        """One cuBLAS strided-batched GEMM (as linear's layout per group), float32 accumulation."""
+        op, act = "batched_linear", (self.act_dtype,)
+        arrays = {"x": x, "weight": weight, "out": out}
+        self._check(op, arrays, "x", act, 3)
+        self._check(op, arrays, "weight", act, 3)
+        self._check(op, arrays, "out", (self.act_dtype, _F32), 3, True)
+        cdef int64_t G = x.shape[0], T = x.shape[1], K = x.shape[2], N = weight.shape[1]
+        if weight.shape[0] != G or weight.shape[2] != K or out.shape != (G, T, N):
+            _fail(op, "need x (G, T, K), weight (G, N, K), out (G, T, N)", arrays)
+        if G == 0 or T == 0:
+            return
+        if T > INT32_MAX or N > INT32_MAX or K > INT32_MAX or G > INT32_MAX:
+            _fail(op, "cuBLAS sizes must fit in int32", arrays)
+        cdef int ab = CUDA_R_16BF if self._act_code == TAPER_DT_BF16 else (
+            CUDA_R_16F if self._act_code == TAPER_DT_F16 else CUDA_R_32F)
+        cdef int ct = CUDA_R_32F if _dtype_code(out.dtype) == TAPER_DT_F32 else ab
+        cdef void* handle = self._blas_handle
+        cdef int m = <int>N, n = <int>T, k = <int>K, g = <int>G, st
+        cdef ptr_t w = self._ptr(weight), xp_ = self._ptr(x), o = self._ptr(out)
+        with nogil:
+            st = _blas.gemm_strided_batched_ex(
+                handle, CUBLAS_OP_T, CUBLAS_OP_N, m, n, k, &_ONE, <const void*>w, ab, k,
+                <long long>N * K, <const void*>xp_, ab, k, <long long>T * K, &_ZERO, <void*>o, ct,
+                m, <long long>T * N, g, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT)
+        _check_cublas(st, "batched_linear (cublasGemmStridedBatchedEx)",
+                      dict(G=G, T=T, N=N, K=K, a_type=ab, c_type=ct))
+
     def _packed_linear(self, x, weight, bias, out, compute):
         """linear for packed weights (ggml blocks, Marlin int4, FP8 codes): the checks, then
         compute(x, weight, target) runs the format's kernels into an activation-dtype target
@@ -847,6 +875,28 @@ cdef class CudaBackend(Backend):
                 if "status -1" not in str(e):
                     raise
         launch_paged_attention_prefill(*args, 0, self._sptr())
+
+    def mla_decode_attention(self, out, q, cache, block_tables, seq_lens, scale):
+        """cuda/mla_decode.cu; a cache of the activation type (no FP8)."""
+        op, act = "mla_decode_attention", (self.act_dtype,)
+        arrays = {"out": out, "q": q, "cache": cache, "block_tables": block_tables,
+                  "seq_lens": seq_lens}
+        self._check(op, arrays, "out", act, 3, True)
+        self._check(op, arrays, "q", act, 3)
+        self._check(op, arrays, "cache", act, 4)
+        self._check(op, arrays, "block_tables", (_I32,), 2)
+        self._check(op, arrays, "seq_lens", (_I32,), 1)
+        B, Hq, D = q.shape
+        if (cache.shape[2] != 1 or cache.shape[3] != D or out.shape[:2] != (B, Hq)
+                or out.shape[2] > D or seq_lens.shape[0] != B or block_tables.shape[0] != B):
+            _fail(op, "need out (B, Hq, Dv), q (B, Hq, D), cache (NB, BS, 1, D) with Dv <= D, "
+                      "block_tables (B, MB), seq_lens (B,)", arrays)
+        if D > 1024:
+            _fail(op, "the kernel takes D <= 1024", arrays)
+        launch_mla_decode_attention(self._ptr(out), self._ptr(q), self._ptr(cache),
+                                    self._ptr(block_tables), self._ptr(seq_lens), B, Hq, D,
+                                    out.shape[2], cache.shape[0], cache.shape[1],
+                                    block_tables.shape[1], scale, self._act_code, self._sptr())
 
     def decode_split_count(self, B, Hq, Hkv, D, BS, MB, fp8_cache=False):
         """Partitions per (sequence, KV head) that paged_attention gives a decode batch: 1

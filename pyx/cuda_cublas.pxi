@@ -27,12 +27,19 @@ ctypedef int (*cublas_gemm_ex_t)(void* handle, int transa, int transb, int m, in
                                  const void* B, int Btype, int ldb, const void* beta, void* C,
                                  int Ctype, int ldc, int computeType, int algo) noexcept nogil
 
+ctypedef int (*cublas_gemm_strided_batched_ex_t)(
+    void* handle, int transa, int transb, int m, int n, int k, const void* alpha, const void* A,
+    int Atype, int lda, long long strideA, const void* B, int Btype, int ldb, long long strideB,
+    const void* beta, void* C, int Ctype, int ldc, long long strideC, int batchCount,
+    int computeType, int algo) noexcept nogil
+
 cdef struct CublasApi:
     cublas_create_t create
     cublas_destroy_t destroy
     cublas_set_stream_t set_stream
     cublas_set_workspace_t set_workspace
     cublas_gemm_ex_t gemm_ex
+    cublas_gemm_strided_batched_ex_t gemm_strided_batched_ex
 
 cdef CublasApi _blas
 _blas_lib = []   # the ctypes library, kept loaded
@@ -95,7 +102,8 @@ def _load_cublas():
     addrs = {"create": _cublas_symbol(lib, "cublasCreate_v2", "cublasCreate"),
              "destroy": _cublas_symbol(lib, "cublasDestroy_v2", "cublasDestroy"),
              "set_stream": _cublas_symbol(lib, "cublasSetStream_v2", "cublasSetStream"),
-             "gemm_ex": _cublas_symbol(lib, "cublasGemmEx")}
+             "gemm_ex": _cublas_symbol(lib, "cublasGemmEx"),
+             "gemm_strided_batched_ex": _cublas_symbol(lib, "cublasGemmStridedBatchedEx")}
     missing = [k for k, v in addrs.items() if not v]
     if missing:
         raise RuntimeError(f"CudaBackend: {lib._name} lacks cuBLAS entry points {missing}")
@@ -103,6 +111,8 @@ def _load_cublas():
     _blas.destroy = <cublas_destroy_t><size_t>addrs["destroy"]
     _blas.set_stream = <cublas_set_stream_t><size_t>addrs["set_stream"]
     _blas.gemm_ex = <cublas_gemm_ex_t><size_t>addrs["gemm_ex"]
+    _blas.gemm_strided_batched_ex = <cublas_gemm_strided_batched_ex_t><size_t>addrs[
+        "gemm_strided_batched_ex"]
     # Every CUDA 12+ cuBLAS has it; without it cuBLAS would allocate inside a graph capture.
     _blas.set_workspace = <cublas_set_workspace_t><size_t>_cublas_symbol(
         lib, "cublasSetWorkspace_v2", "cublasSetWorkspace")

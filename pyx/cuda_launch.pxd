@@ -59,6 +59,11 @@ cdef extern from "taper_cuda.h" nogil:
                                            int64_t BS, int64_t MB, float scale,
                                            int64_t sliding_window, float softcap, int dtype,
                                            int cache_dtype, int variant, taper_stream_t stream)
+    int taper_cuda_mla_decode_attention(void* out, const void* q, const void* cache,
+                                        const int32_t* block_tables, const int32_t* seq_lens,
+                                        int64_t B, int64_t Hq, int64_t D, int64_t Dv, int64_t NB,
+                                        int64_t BS, int64_t MB, float scale, int dtype,
+                                        taper_stream_t stream)
     int taper_cuda_argmax(const float* logits, int64_t* out, int64_t B, int64_t V,
                           taper_stream_t stream)
     int taper_cuda_gumbel_sample(const float* logits, const uint64_t* seeds,

@@ -173,6 +173,20 @@ def launch_paged_attention_prefill(ptr_t out, ptr_t q, ptr_t k_cache, ptr_t v_ca
                        cache_dtype=cache_dtype, variant=variant))
 
 
+def launch_mla_decode_attention(ptr_t out, ptr_t q, ptr_t cache, ptr_t block_tables,
+                                ptr_t seq_lens, int64_t B, int64_t Hq, int64_t D, int64_t Dv,
+                                int64_t NB, int64_t BS, int64_t MB, float scale, int dtype,
+                                ptr_t stream):
+    cdef int st
+    with nogil:
+        st = taper_cuda_mla_decode_attention(
+            <void*>out, <const void*>q, <const void*>cache, <const int32_t*>block_tables,
+            <const int32_t*>seq_lens, B, Hq, D, Dv, NB, BS, MB, scale, dtype,
+            <taper_stream_t>stream)
+    _check_status(st, "mla_decode_attention",
+                  dict(B=B, Hq=Hq, D=D, Dv=Dv, NB=NB, BS=BS, MB=MB, dtype=dtype))
+
+
 def launch_argmax(ptr_t logits, ptr_t out, int64_t B, int64_t V, ptr_t stream):
     cdef int st
     with nogil:

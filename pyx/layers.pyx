@@ -165,12 +165,13 @@ cdef class DecoderLayer:
     MLP output (or nothing, for the first layer) and leaves holding this block's MLP output;
     `residual` holds the running sum of everything before."""
     cdef object backend, input_norm, post_norm
-    cdef readonly Attention attention
+    # an Attention, or any block with forward(batch, x, out, k_cache, v_cache, ws) (pyx/mla.py)
+    cdef readonly object attention
     cdef readonly object mlp          # an MLP, or any block with forward(x, out, ws) (pyx/moe.py)
     cdef double eps
     cdef bint first
 
-    def __init__(self, backend, Attention attention, mlp, input_norm, post_norm, double eps,
+    def __init__(self, backend, attention, mlp, input_norm, post_norm, double eps,
                  bint first):
         self.backend = backend
         self.attention, self.mlp = attention, mlp
@@ -205,7 +206,7 @@ cdef class SandwichDecoderLayer(DecoderLayer):
     that the next layer's fused add folds into `residual`."""
     cdef object post_attn_norm, pre_mlp_norm, post_mlp_norm
 
-    def __init__(self, backend, Attention attention, mlp, input_norm, post_attn_norm,
+    def __init__(self, backend, attention, mlp, input_norm, post_attn_norm,
                  pre_mlp_norm, post_mlp_norm, double eps, bint first):
         DecoderLayer.__init__(self, backend, attention, mlp, input_norm, pre_mlp_norm, eps, first)
         self.post_attn_norm, self.pre_mlp_norm = post_attn_norm, pre_mlp_norm
@@ -226,7 +227,7 @@ cdef class LayerNormDecoderLayer(DecoderLayer):
     cdef object input_bias, post_bias
     cdef bint parallel
 
-    def __init__(self, backend, Attention attention, mlp, input_norm, input_bias, post_norm,
+    def __init__(self, backend, attention, mlp, input_norm, input_bias, post_norm,
                  post_bias, double eps, bint first, bint parallel):
         DecoderLayer.__init__(self, backend, attention, mlp, input_norm, post_norm, eps, first)
         self.input_bias, self.post_bias = input_bias, post_bias

@@ -3,7 +3,12 @@
     router logits = x @ gate.T;  p = softmax(logits) in float32;  the top_k experts per token,
     their p renormalised to sum to 1 when `normalize` (Mixtral always, Qwen3-MoE by
     norm_topk_prob, Qwen2-MoE usually not);  out = sum_k p_k * expert_k(x)
-    (+ sigmoid(x @ shared_gate.T) * shared_expert(x), Qwen2-MoE's shared expert)
+    (+ sigmoid(x @ shared_gate.T) * shared_expert(x), Qwen2-MoE's shared expert; DeepSeek's
+    shared experts are added without a gate)
+
+DeepSeekMoE routes by `route_grouped` instead (engine/models/deepseek_config.py has the rules):
+softmax or sigmoid scores, a correction bias in the choice, the best groups of experts first,
+routed_scaling_factor on the weights.
 
 Each expert is a SwiGLU MLP (gate and up fused). Experts run only on the tokens routed to them:
 the (token, expert) pairs are sorted by expert, the tokens gathered in that order, each expert's
@@ -77,13 +82,64 @@ def route(logits, top_k: int, normalize: bool, xp=np, graph_safe: bool = False):
     return ids.astype(xp.int64), weights
 
 
+def _top_k_by_argmax(scores, k: int, xp):
+    """(T, k) int64 ids of each row's k largest scores by k argmax passes (lowest index on
+    ties): plain reductions a CUDA graph can capture. `scores` is overwritten."""
+    ids = xp.empty((scores.shape[0], k), xp.int64)
+    rows = xp.arange(scores.shape[0])
+    for j in range(k):
+        ids[:, j] = scores.argmax(axis=1)
+        scores[rows, ids[:, j]] = -xp.inf
+    return ids
+
+
+def route_grouped(logits, top_k: int, normalize: bool, routing, bias=None, xp=np):
+    """DeepSeekMoE's router: logits (T, E) -> (expert ids (T, top_k) int64, weights (T, top_k)
+    float32). routing: an engine.models.deepseek_config.GroupedRouting; bias (E,) float32, the
+    sigmoid routers' e_score_correction_bias (it steers the choice, not the weights)."""
+    logits = logits.astype(xp.float32, copy=False)
+    T, E = logits.shape
+    if routing.scoring == "softmax":
+        scores = xp.exp(logits - logits.max(axis=1, keepdims=True))
+        scores /= scores.sum(axis=1, keepdims=True)
+    else:
+        scores = (1.0 / (1.0 + xp.exp(-logits))).astype(xp.float32)
+    choice = scores + bias.astype(xp.float32) if bias is not None else scores.copy()
+    if routing.method != "greedy":
+        G = routing.num_groups
+        grouped = choice.reshape(T, G, E // G)
+        if routing.method == "group_limited_greedy":     # a group's best score
+            group_scores = grouped.max(axis=2)
+        else:                                            # the sum of its best two
+            best = _top_k_by_argmax(grouped.reshape(T * G, E // G).copy(), 2, xp)
+            group_scores = xp.take_along_axis(grouped.reshape(T * G, E // G), best, axis=1)
+            group_scores = (group_scores[:, 0] + group_scores[:, 1]).reshape(T, G)
+        kept = _top_k_by_argmax(group_scores.copy(), routing.topk_groups, xp)
+        mask = xp.zeros((T, G), bool)
+        mask[xp.arange(T)[:, None], kept] = True
+        mask = xp.repeat(mask, E // G, axis=1)
+        # V2 zeroes the other groups' scores, V3 rules them out
+        choice = xp.where(mask, choice, xp.float32(0.0 if routing.method ==
+                                                   "group_limited_greedy" else -xp.inf))
+    ids = _top_k_by_argmax(choice.astype(xp.float32, copy=True), top_k, xp)
+    weights = xp.take_along_axis(scores, ids, axis=1)
+    if normalize:
+        weights /= weights.sum(axis=1, keepdims=True) + xp.float32(1e-20)
+    weights *= xp.float32(routing.routed_scaling_factor)
+    return ids, weights.astype(xp.float32, copy=False)
+
+
 class MoE:
     def __init__(self, backend, router, experts_gate_up: list, experts_down: list, top_k: int,
-                 normalize: bool, shared=None, shared_gate=None, fused: bool = False):
+                 normalize: bool, shared=None, shared_gate=None, fused: bool = False,
+                 grouped=None, correction_bias=None):
         """router (E, H); experts_gate_up[e] (2I, H) and experts_down[e] (H, I), placed weights;
         shared: an MLP-like object with forward(x, out, ws) (the shared expert) and shared_gate
-        (1, H), or None. fused: the grouped-GEMM path (the experts are stacked here)."""
+        (1, H), or None (added ungated). fused: the grouped-GEMM path (the experts are stacked
+        here). grouped: DeepSeekMoE's GroupedRouting, routed by route_grouped with
+        correction_bias (E,) f32 or None; None: route's softmax top-k."""
         self.backend = backend
+        self.grouped, self.correction_bias = grouped, correction_bias
         self.xp = backend.xp
         self.router = router
         self.num_experts = len(experts_gate_up)
@@ -103,7 +159,11 @@ class MoE:
         T, H = x.shape
         logits = ws.get("router_logits", T, self.num_experts)
         b.linear(x, self.router, None, logits)
-        ids, weights = route(logits, self.top_k, self.normalize, xp, graph_safe=self.fused)
+        if self.grouped is not None:
+            ids, weights = route_grouped(logits, self.top_k, self.normalize, self.grouped,
+                                         self.correction_bias, xp)
+        else:
+            ids, weights = route(logits, self.top_k, self.normalize, xp, graph_safe=self.fused)
         if self.fused:
             self._experts_fused(x, ids, weights, out, ws)
         else:
@@ -111,6 +171,9 @@ class MoE:
         if self.shared is not None:
             shared_out = ws.get("moe_shared", T, H)
             self.shared.forward(x, shared_out, ws)
+            if self.shared_gate is None:
+                out += shared_out
+                return
             gate = ws.get("moe_shared_gate", T, 1)
             b.linear(x, self.shared_gate, None, gate)
             g = gate.astype(xp.float32)

@@ -92,6 +92,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--responses-max-background", type=int, metavar="N", default=64,
                    help="Responses API requests with background: true that may run at once; "
                         "more are refused with a 429 (default 64)")
+    g.add_argument("--allowed-media-domains", nargs="+", metavar="HOST", default=[],
+                   help="hosts whose http(s) image URLs chat requests may give (fetched by the "
+                        "server); default none: images come as data: URLs")
+    g.add_argument("--max-images-per-request", type=int, metavar="N", default=8,
+                   help="images one request may hold (default 8)")
+    g.add_argument("--max-image-mb", type=float, metavar="MB", default=20,
+                   help="largest encoded image, data URL or fetched (default 20)")
+    g.add_argument("--max-image-pixels", type=int, metavar="N", default=25_000_000,
+                   help="largest decoded image, width x height (default 25,000,000)")
+    g.add_argument("--media-fetch-timeout", type=float, metavar="S", default=10.0,
+                   help="seconds to fetch one image URL (default 10)")
     g.add_argument("--rerank", choices=["auto", "qwen3-reranker", "embedding", "none"],
                    default="auto",
                    help="how /v1/rerank and /v1/score score a pair: qwen3-reranker (P(yes) of a "
@@ -132,7 +143,13 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--cpu", action="store_true",
                    help="use the CPU backend even if a GPU is present")
     e.add_argument("--device-ids", "--d", dest="device_ids", nargs="+", type=int, metavar="ID",
-                   help="the GPU to use (one; several GPUs are not yet supported)")
+                   help="the GPU(s) to use; several split the model across them (tensor "
+                        "parallel, one process each)")
+    e.add_argument("--tensor-parallel-size", "--tp", dest="tensor_parallel_size", type=int,
+                   metavar="N", default=None,
+                   help="split the model across N processes (Megatron-style tensor parallel; "
+                        "on the CPU each takes a share of the cores, on GPUs one device each): "
+                        "needs mpi4py and the mpich wheel (pip install 'taper[mpi]')")
     e.add_argument("--disable-cuda-graph", action="store_true",
                    help="run decode without CUDA graphs")
     e.add_argument("--block-size", type=int, metavar="N", default=16, help="tokens per KV-cache block (8-128)")
@@ -219,10 +236,16 @@ def check_args(args) -> str | None:
         args.kvcache_dtype = "fp8"
     if args.demo and args.weight_file:
         return "--demo serves its own model; it takes no --f"
-    if args.device_ids and len(args.device_ids) > 1:
-        return "--device-ids: several GPUs (tensor parallelism) are not yet supported"
-    if args.device_ids and args.device_ids[0] < 0:
+    if args.device_ids and min(args.device_ids) < 0:
         return "--device-ids: a device index is >= 0"
+    if args.device_ids and len(set(args.device_ids)) != len(args.device_ids):
+        return "--device-ids: a device is named twice"
+    if args.tensor_parallel_size is not None and args.tensor_parallel_size < 1:
+        return "--tensor-parallel-size must be at least 1"
+    if (args.device_ids and args.tensor_parallel_size is not None
+            and len(args.device_ids) not in (1, args.tensor_parallel_size)):
+        return (f"--device-ids names {len(args.device_ids)} devices for --tensor-parallel-size "
+                f"{args.tensor_parallel_size}")
     for name in ("max_queued_requests", "max_gen_tokens"):
         value = getattr(args, name)
         if value is not None and value < 1:
@@ -238,6 +261,11 @@ def check_args(args) -> str | None:
         return "--mcp-max-calls must be at least 0"
     if args.responses_max_background < 0:
         return "--responses-max-background must be at least 0"
+    if args.max_images_per_request < 0:
+        return "--max-images-per-request must be at least 0"
+    for name in ("max_image_mb", "max_image_pixels", "media_fetch_timeout"):
+        if getattr(args, name) <= 0:
+            return f"--{name.replace('_', '-')} must be more than 0"
     bad_url = next((u for u in args.mcp_allowed_urls
                     if not u.startswith(("http://", "https://"))), None)
     if bad_url is not None:
@@ -297,9 +325,14 @@ def engine_config(args):
     if args.batch_invariant and backend != "cpu":
         raise ValueError("--batch-invariant: batch-invariant kernels exist on the CPU backend "
                          "only (add --cpu); the CUDA kernels' reduction order depends on the batch")
+    tensor_parallel = args.tensor_parallel_size or max(1, len(args.device_ids or ()))
+    devices = tuple(args.device_ids or ())
+    if len(devices) == 1:      # the first of the ranks' devices: device, device + 1, ...
+        devices = ()
     return EngineConfig(
         model=model, weight_file=args.weight_file, dtype=args.dtype, backend=backend,
         device=args.device_ids[0] if args.device_ids else 0,
+        tensor_parallel_size=tensor_parallel, device_ids=devices,
         cuda_graph=not args.disable_cuda_graph,
         block_size=args.block_size, kv_cache_memory_mb=args.kvcache_mem,
         kv_fraction=args.kv_fraction, kv_cache_dtype=args.kvcache_dtype,
@@ -362,6 +395,7 @@ def server_settings(args, config):
             template = f.read()
     from server.demo_model import is_demo_checkpoint
     from server.limits import Limits
+    from server.media import MediaSettings
     return ServerSettings(
         served_model_names=names, api_key=args.api_key or None,
         model_notice=DEMO_NOTICE if is_demo_checkpoint(config.model) else None,
@@ -374,7 +408,12 @@ def server_settings(args, config):
         structured_outputs_timeout=args.structured_outputs_timeout,
         tool_parser=args.enforce_parser, rerank=args.rerank,
         mcp_allowed_urls=list(args.mcp_allowed_urls), mcp_max_calls=args.mcp_max_calls,
-        responses_max_background=args.responses_max_background)
+        responses_max_background=args.responses_max_background,
+        media_limits=MediaSettings(
+            allowed_domains=list(args.allowed_media_domains),
+            max_images=args.max_images_per_request,
+            max_image_bytes=int(args.max_image_mb * 2**20),
+            max_image_pixels=args.max_image_pixels, fetch_timeout=args.media_fetch_timeout))
 
 
 class Server:

@@ -30,7 +30,7 @@ from quart import Quart, Response, request
 from werkzeug.exceptions import HTTPException
 
 from engine.text.tokenizer import TextTooLong
-from server import json_io, request_body, streaming, structured_outputs, tokenizing
+from server import json_io, media, request_body, streaming, structured_outputs, tokenizing
 from server.anthropic import error_body as anthropic_error_body
 from server.anthropic import is_anthropic_path, register_anthropic
 from server.embeddings import register_embeddings
@@ -71,6 +71,7 @@ class ServerSettings:
     mcp_max_calls: int = 20                  # MCP calls one response may run
     mcp_call_timeout: float = 120.0          # seconds one MCP call may take
     responses_max_background: int = 64       # background responses running at once
+    media_limits: media.MediaSettings = field(default_factory=media.MediaSettings)  # images
 
 
 @dataclass
@@ -126,6 +127,14 @@ class ServerState:
             return APIError("The engine is not running", status=503, type="server_error",
                             code="engine_error")
         return None
+
+    def image_processor(self, engine):
+        """The model's image processor settings (preprocessor_config.json), read once."""
+        if getattr(self, "_image_processor", None) is None:
+            from engine.vision.config import ImageProcessorConfig
+            self._image_processor = ImageProcessorConfig.from_pretrained(
+                engine.engine.model_dir, engine.model_config.vision)
+        return self._image_processor
 
     def ready_engine(self):
         if error := self.unavailable():
@@ -368,8 +377,12 @@ def create_app(engine, settings: ServerSettings) -> Quart:
                            "server with --chat-template FILE", param=param,
                            code="no_chat_template")
 
+        vision = getattr(engine.model_config, "vision", None)
+        sources = []
+
         def encode():        # the messages too are read off the event loop: there may be many
-            messages = req.template_messages()
+            messages, found = media.take_images(req.template_messages(), vision)
+            sources.extend(found)
             if state.tool_parser is not None:
                 messages = template_call_ids(messages, state.tool_parser.id_style)
             return tok.encode_chat(
@@ -377,7 +390,12 @@ def create_app(engine, settings: ServerSettings) -> Quart:
                 chat_template=template, max_chars=tokenizing.max_text_chars(engine),
                 **req.template_kwargs())
         try:
-            return await tokenizing.run(encode)
+            ids = await tokenizing.run(encode)
+            if not sources:
+                return ids
+            images = await media.load_images(sources, settings.media_limits,
+                                             state.image_processor(engine))
+            return media.expand_image_tokens(ids, images, vision.image_token_id)
         except TextTooLong as e:
             raise tokenizing.too_long(engine, e, param) from None
         except (ValueError, TypeError, KeyError, UnicodeError, jinja2.TemplateError) as e:

@@ -68,7 +68,10 @@ _UNION_HINTS = {
     "input": "must be a string, an array of strings, an array of token ids "
              "or an array of arrays of token ids",
     "content": "must be a string or an array of content parts",
-    "input": "must be a string or an array of input items",
+}
+# the same field name meaning something else in one request type (ValidationError.title)
+_UNION_HINTS_BY_MODEL = {
+    ("CreateResponseRequest", "input"): "must be a string or an array of input items",
 }
 
 
@@ -82,7 +85,9 @@ def validation_error(err: ValidationError) -> APIError:
     if union is not None and first["type"] != "value_error":
         # A failed union reports one error per member; say what the parameter accepts instead.
         param = _param_path(loc[:union])
-        msg = _UNION_HINTS.get(str(loc[union - 1]), "has an invalid type")
+        field = str(loc[union - 1])
+        msg = _UNION_HINTS_BY_MODEL.get((err.title, field)) or _UNION_HINTS.get(
+            field, "has an invalid type")
     code = "missing_required_parameter" if first["type"] == "missing" else "invalid_value"
     text = f"{param}: {msg}" if param else msg
     return APIError(text, param=param, code=code if param else None)
@@ -309,11 +314,26 @@ class ChatMessage(BaseModel):
             texts.append(part.text)
         return "\n".join(texts)
 
+    def _template_content(self, where: str):
+        """The content as one string, or, when it holds images, a list of text parts and image
+        parts (server/media.py turns them into the model's image placeholders)."""
+        if not isinstance(self.content, list) or not any(p.type in _IMAGE_PARTS
+                                                         for p in self.content):
+            return self.text(where) or ""
+        parts = []
+        for j, part in enumerate(self.content):
+            if part.type in _IMAGE_PARTS:
+                parts.append(image_part(part.model_dump(), f"{where}.content[{j}]"))
+            else:
+                parts.append({"type": "text", "text": ChatMessage(
+                    role=self.role, content=[part]).text(f"{where}.content[{j}]")})
+        return parts
+
     def template_message(self, where: str) -> dict:
         """The message as chat templates read it. `developer` is OpenAI's newer name for
         `system`; tool-call arguments arrive as JSON strings and templates expect objects."""
         msg: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role,
-                               "content": self.text(where) or ""}
+                               "content": self._template_content(where)}
         if self.name is not None:
             msg["name"] = self.name
         if self.tool_call_id is not None:
@@ -330,8 +350,21 @@ class ChatMessage(BaseModel):
         return msg
 
 
-# Media a text-only model cannot read.
+# Media a text-only model cannot read; images go to a vision model (server/media.py).
 _MEDIA_PARTS = {"image_url", "input_image", "image", "input_audio", "audio", "video_url", "file"}
+_IMAGE_PARTS = ("image_url", "input_image")
+
+
+def image_part(part, where: str) -> dict:
+    """A chat template's image part for a request's image content part; `where` names the
+    part in errors."""
+    url = part.get("image_url") if isinstance(part, dict) else None
+    if isinstance(url, dict):
+        url = url.get("url")
+    if not isinstance(url, str) or not url:
+        raise APIError("an image part needs an image URL ('image_url': {'url': ...}, or a "
+                       "string); file ids are not supported", param=where, code="invalid_value")
+    return {"type": "image", "image_url": url, "param": where}
 
 
 def _template_tool_call(call: dict, where: str) -> dict:

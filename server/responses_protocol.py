@@ -29,7 +29,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, PrivateAttr, field_validator
 
-from server.protocol import APIError, _ChatInput, _SamplingRequest, not_supported
+from server.protocol import APIError, _ChatInput, _SamplingRequest, image_part, not_supported
 from server.responses_mcp import McpInput
 from server.responses_tools import call_message, output_message
 
@@ -257,7 +257,8 @@ def input_messages(value: str | list[dict], earlier_call_ids: set[str] = frozens
         part = "output_text" if role == "assistant" else "input_text"
         stored = {"id": item.get("id") or random_item_id("msg"), "type": "message",
                   "role": role, "status": "completed",
-                  "content": [{"type": part, "text": text}]}
+                  "content": [{"type": part, "text": text}] if isinstance(text, str)
+                  else list(item["content"])}      # with its images
         if role == "assistant":
             stored["content"][0].update(annotations=[], logprobs=[])
         items.append(stored)
@@ -313,9 +314,12 @@ def _content_text(content, role: str, where: str) -> str:
     if not isinstance(content, list):
         raise APIError("content must be a string or a list of content parts",
                        param=f"{where}.content", code="invalid_value")
-    texts = []
+    texts, parts = [], []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "input_image" and role == "user":   # for a vision model (server/media.py)
+            parts.append(image_part(part, f"{where}.content[{j}]"))
+            continue
         if kind in _MEDIA_PARTS:
             raise APIError(f"This model is text-only: content parts of type '{kind}' are not "
                            "supported", param=f"{where}.content[{j}].type",
@@ -327,4 +331,5 @@ def _content_text(content, role: str, where: str) -> str:
                            f"{' or '.join(allowed)}, with a '{key}' string",
                            param=f"{where}.content[{j}]", code="invalid_value")
         texts.append(part[key])
-    return "\n".join(texts)
+        parts.append({"type": "text", "text": part[key]})
+    return "\n".join(texts) if len(parts) == len(texts) else parts

@@ -90,7 +90,10 @@ async def engine_outputs(engine, request_id: str, prompt_ids: list[int], params,
     request field the prompt came from."""
     unfinished = params.n        # the choices still running
     try:
-        async with contextlib.aclosing(engine.add_request(request_id, prompt_ids, params)) as outs:
+        images = getattr(prompt_ids, "images", None)      # a vision model's (server/media.py)
+        add = (engine.add_request(request_id, prompt_ids, params, images=images) if images
+               else engine.add_request(request_id, prompt_ids, params))
+        async with contextlib.aclosing(add) as outs:
             async for out in outs:
                 unfinished -= out.finished
                 # the request's clock ends with its last choice

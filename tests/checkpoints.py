@@ -13,6 +13,10 @@ import os
 TINY = dict(hidden_size=96, intermediate_size=192, num_hidden_layers=2, vocab_size=512,
             max_position_embeddings=256, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2)
 
+# Multi-head latent attention's dimensions (the DeepSeek-style entries of ARCHS).
+_MLA = dict(num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=24,
+            qk_rope_head_dim=16, v_head_dim=20, tie_word_embeddings=False)
+
 ARCHS = {
     # GQA 4:2, tied embeddings
     "llama": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=24,
@@ -70,7 +74,60 @@ ARCHS = {
                                          num_experts=4, num_experts_per_tok=2,
                                          moe_intermediate_size=64, norm_topk_prob=True,
                                          mlp_only_layers=[0], tie_word_embeddings=True)),
+    # multi-head latent attention (tests/test_models_mla.py): a latent of 32 and a rotary part
+    # of 16 per token, heads of 24 + 16 (q/k) and 20 (v); DeepSeekMoE with 8 routed experts (2
+    # per token) and a shared one after a dense first layer. V2: q_lora_rank, softmax routing
+    # limited to the best of 4 groups (with 2 the top-2 experts' groups would always be kept),
+    # routed_scaling_factor
+    "deepseek_v2": ("DeepseekV2Config", dict(**_MLA, q_lora_rank=48, n_routed_experts=8,
+                                             n_shared_experts=1, num_experts_per_tok=2,
+                                             moe_intermediate_size=64, first_k_dense_replace=1,
+                                             topk_method="group_limited_greedy", n_group=4,
+                                             topk_group=1, routed_scaling_factor=1.5)),
+    # V2-Lite's shape: no q_lora_rank (one q_proj), greedy softmax top-k, two shared experts
+    "deepseek_v2_lite": ("DeepseekV2Config", dict(**_MLA, q_lora_rank=None, n_routed_experts=8,
+                                                  n_shared_experts=2, num_experts_per_tok=2,
+                                                  moe_intermediate_size=32,
+                                                  first_k_dense_replace=1, topk_method="greedy")),
+    # V3: sigmoid routing with e_score_correction_bias (randomised) over the best 2 of 4 groups,
+    # renormalised, routed_scaling_factor 2.5; YaRN with mscale != mscale_all_dim (the cos/sin
+    # factor and the softmax scale both move); rope_interleave
+    "deepseek_v3": ("DeepseekV3Config", dict(
+        **_MLA, q_lora_rank=48, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+        moe_intermediate_size=64, first_k_dense_replace=1, n_group=4, topk_group=2,
+        norm_topk_prob=True, routed_scaling_factor=2.5,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                         "original_max_position_embeddings": 64, "mscale": 0.8,
+                         "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1})),
+    # GLM-4.7-Flash: V3's attention and router (one group), mlp_layer_types
+    "glm4_moe_lite": ("Glm4MoeLiteConfig", dict(
+        **_MLA, q_lora_rank=48, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+        moe_intermediate_size=64, n_group=1, topk_group=1, routed_scaling_factor=1.8,
+        mlp_layer_types=["dense", "sparse"])),
 }
+
+
+# hybrid linear attention (gated DeltaNet beside gated full attention): 4 layers, 2 key heads of
+# 16 serving 4 value heads of 24 (grouped), a width-4 convolution, a quarter of each attention
+# head rotated (the configs' default)
+_LINEAR = dict(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+               linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+               linear_value_head_dim=24, linear_conv_kernel_dim=4, tie_word_embeddings=False)
+ARCHS.update({
+    # Qwen3-Next: in_proj_qkvz / in_proj_ba grouped per key head; MoE with a sigmoid-gated
+    # shared expert, layer 1 dense (mlp_only_layers); layers linear, linear, linear, full
+    "qwen3_next": ("Qwen3NextConfig", dict(_LINEAR, num_experts=4, num_experts_per_tok=2,
+                                           moe_intermediate_size=64,
+                                           shared_expert_intermediate_size=64,
+                                           mlp_only_layers=[1])),
+    # Qwen3.5: split in_proj_qkv/z/b/a, dense MLPs; a full-attention layer second
+    "qwen3_5": ("Qwen3_5TextConfig", dict(_LINEAR, layer_types=[
+        "linear_attention", "full_attention", "linear_attention", "linear_attention"])),
+    # Qwen3.5-MoE: every layer sparse, top-k renormalised, a shared expert
+    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", dict(_LINEAR, num_experts=4, num_experts_per_tok=2,
+                                                 moe_intermediate_size=64,
+                                                 shared_expert_intermediate_size=64)),
+})
 
 
 def tiny_config(arch: str = "llama", **overrides):
@@ -90,7 +147,12 @@ def scale_weights(model, scale: float = 8.0, seed: int = 0, embed_std: float = 0
     with torch.no_grad():
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=gen, dtype=torch.float32).to(p.dtype)
-            if "norm" in name:
+            if name.endswith(("linear_attn.A_log", "linear_attn.dt_bias")):
+                # gated DeltaNet decays exp(-exp(A_log) * softplus(a + dt_bias)) spread over
+                # about (0.2, 1): the state carries some tokens, forgets others
+                p.copy_(torch.log(0.02 + 0.48 * torch.rand(p.shape, generator=gen))
+                        if name.endswith("A_log") else 0.5 * noise)
+            elif "norm" in name:
                 p.copy_(1.0 + 0.2 * noise)
             elif name.endswith(".bias"):
                 p.copy_(0.5 * noise)
@@ -98,6 +160,9 @@ def scale_weights(model, scale: float = 8.0, seed: int = 0, embed_std: float = 0
                 p.copy_(embed_std * noise)
             else:
                 p.mul_(scale)
+        for name, buf in model.named_buffers():   # DeepSeek-V3's router bias: zero at init
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(0.5 * torch.randn(buf.shape, generator=gen, dtype=torch.float32))
     return model
 
 
@@ -182,6 +247,19 @@ ARCHS_256 = {
                                            use_parallel_residual=True, layer_norm_eps=1e-5,
                                            tie_word_embeddings=False)),
 }
+
+# hybrid linear attention at head_dim 64 (a compiled CUDA head size): 4 layers, 2 key heads of
+# 32 serving 4 value heads of 32
+_LINEAR_256 = dict(num_hidden_layers=4, linear_num_key_heads=2, linear_num_value_heads=4,
+                   linear_key_head_dim=32, linear_value_head_dim=32, linear_conv_kernel_dim=4,
+                   tie_word_embeddings=False)
+ARCHS_256.update({
+    "qwen3_next": ("Qwen3NextConfig", dict(_LINEAR_256, num_experts=4, num_experts_per_tok=2,
+                                           moe_intermediate_size=128,
+                                           shared_expert_intermediate_size=128)),
+    "qwen3_5": ("Qwen3_5TextConfig", dict(_LINEAR_256, layer_types=[
+        "linear_attention", "full_attention", "linear_attention", "linear_attention"])),
+})
 
 # Scaling after transformers' init: linear weights x 4 (the tiny family's x 8 is tuned for hidden
 # 96), embeddings ~ N(0, 0.06^2), and the final norm's weights x 0.4 so the logits have a std of

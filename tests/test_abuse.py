@@ -551,7 +551,8 @@ def test_readme_lists_every_limit_and_default():
         "--host", "--allowed-origins", "--max-request-mb", "--max-queued-requests",
         "--responses-store-size", "--responses-store-mb", "--structured-outputs-timeout",
         "--shutdown-timeout", "--responses-max-background", "--mcp-allowed-urls",
-        "--mcp-max-calls"]
+        "--mcp-max-calls", "--allowed-media-domains", "--max-images-per-request",
+        "--max-image-mb", "--max-image-pixels", "--media-fetch-timeout"]
     for flag in flags:
         default = defaults[flag]
         if isinstance(default, float) and default.is_integer():

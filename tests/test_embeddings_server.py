@@ -185,3 +185,20 @@ def test_generative_model_pools_its_last_token(tmp_path):
         assert "TAPER_TORCH_IMPORTED=False" in server.log()
     finally:
         server.close()
+
+
+def test_a_wrong_input_type_says_what_this_api_accepts():
+    """`input` is a union in embeddings (texts or token ids) and in Responses (text or items):
+    each 400 names its own API's forms."""
+    from pydantic import ValidationError
+
+    from server.embeddings import EmbeddingRequest
+    from server.protocol import validation_error
+    from server.responses_protocol import CreateResponseRequest
+    messages = {}
+    for cls in (EmbeddingRequest, CreateResponseRequest):
+        with pytest.raises(ValidationError) as e:
+            cls.model_validate({"model": "m", "input": {"a": 1}})
+        messages[cls] = str(validation_error(e.value))
+    assert "token ids" in messages[EmbeddingRequest]
+    assert "input items" in messages[CreateResponseRequest]

@@ -24,12 +24,13 @@ THINK, END_THINK = "<think>", "</think>"
 MAX_TOKENS = 16
 
 
-@pytest.fixture(scope="module")
-def llm(tmp_path_factory) -> LLM:
+def budget_checkpoint(directory) -> str:
+    """The demo checkpoint written to `directory` with <think> and </think> added to its
+    tokenizer (and rows for them in embed_tokens and lm_head). Also tests/gpu's."""
     from tokenizers import AddedToken, Tokenizer
 
     from server.demo_model import write_demo_checkpoint
-    d = Path(write_demo_checkpoint(str(tmp_path_factory.mktemp("demo") / "demo")))
+    d = Path(write_demo_checkpoint(str(directory)))
     tok = Tokenizer.from_file(str(d / "tokenizer.json"))
     tok.add_tokens([AddedToken(THINK, special=True), AddedToken(END_THINK, special=True)])
     tok.save(str(d / "tokenizer.json"))
@@ -46,7 +47,13 @@ def llm(tmp_path_factory) -> LLM:
     config = json.loads((d / "config.json").read_text())
     config["vocab_size"] = V
     (d / "config.json").write_text(json.dumps(config))
-    return LLM(str(d), backend="cpu", kv_cache_memory_mb=32)
+    return str(d)
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory) -> LLM:
+    d = budget_checkpoint(tmp_path_factory.mktemp("demo") / "demo")
+    return LLM(d, backend="cpu", kv_cache_memory_mb=32)
 
 
 def ids(llm) -> tuple[int, int]:

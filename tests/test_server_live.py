@@ -227,7 +227,10 @@ def test_live_tokenize_matches_an_independent_tokenizer(live):
     (["--max-json-depth", "0"], "--max-json-depth must be at least 1"),
     (["--max-stop-length", "-1"], "--max-stop-length must be at least 1"),
     (["--chat-template", "/no/such/template.jinja"], "/no/such/template.jinja"),
-    (["--device-ids", "0", "1"], "--device-ids: several GPUs (tensor parallelism) are not yet"),
+    (["--device-ids", "0", "1"], "--device-ids: no CUDA device is usable here (or --cpu was"),
+    (["--device-ids", "0", "1", "--tensor-parallel-size", "3"],
+     "--device-ids names 2 devices for --tensor-parallel-size 3"),
+    (["--tensor-parallel-size", "0"], "--tensor-parallel-size must be at least 1"),
     (["--device-ids", "0"], "--device-ids: no CUDA device is usable here (or --cpu was given)"),
 ])
 def test_bad_flags_fail_at_start_up(flags, message, tmp_path, capsys):

@@ -1,10 +1,12 @@
 """Speculative decoding through the server: `python -m server --speculative-config ...` on the
 random demo checkpoint answers greedy chat and completion requests (streamed or not) with exactly
-the text and tokens of the same server without speculation, and the flags' errors name the flag."""
+the text and tokens of the same server without speculation (prompt lookup, the demo model as its
+own draft, a random EAGLE-3 head), and the flags' errors name the flag."""
 from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from demo_live import demo_dir, live  # noqa: F401 (fixtures)
@@ -116,6 +118,43 @@ def test_a_draft_model_server_equals_the_server_without_speculation(live, draft_
         assert (spec.completions.create(**args).choices[0].text
                 == plain.completions.create(**args).choices[0].text)
     assert "draft model" in draft_live.log()
+
+
+@pytest.fixture(scope="module")
+def eagle_live(demo_dir, tmp_path_factory):
+    """A random EAGLE-3 head for the demo model (hidden 128 over its 256, its own embedding,
+    the demo's layers 1-3, a draft vocabulary of 3/4 of its ids)."""
+    from eagle3_heads import HEAD, draft_vocab, random_weights, write_head
+    vocab = json.load(open(f"{demo_dir}/config.json"))["vocab_size"]
+    cfg = dict(hidden_size=128, intermediate_size=256, num_attention_heads=2,
+               num_key_value_heads=1, head_dim=64, vocab_size=vocab, max_position_embeddings=4096)
+    rng = np.random.default_rng(0)
+    head = write_head(tmp_path_factory.mktemp("eagle3") / "head",
+                      random_weights({**HEAD, **cfg}, target_hidden=256,
+                                     draft_size=3 * vocab // 4),
+                      draft_vocab(vocab, 3 * vocab // 4), target_vocab=vocab,
+                      embed=rng.standard_normal((vocab, 128)) * 0.1, target_hidden_size=256,
+                      eagle_aux_hidden_state_layer_ids=[1, 2, 3], **cfg)
+    config = json.dumps({"method": "eagle3", "model": head, "num_speculative_tokens": 3})
+    server = LiveServer(tmp_path_factory.mktemp("eagle"), demo_dir, "--mem", "64",
+                        "--served-model-name", "demo", "--speculative-config", config)
+    yield server
+    server.close()
+
+
+def test_an_eagle3_server_equals_the_server_without_speculation(live, eagle_live):
+    plain, spec = client_for(live.port), client_for(eagle_live.port)
+    for text in ("Tell me about the sea.", "Count: one, two,"):
+        for stream in (False, True):
+            assert chat(spec, text, stream) == chat(plain, text, stream)
+        args = dict(model="demo", prompt=text, max_tokens=30, temperature=0.7, seed=3)
+        assert (spec.completions.create(**args).choices[0].text
+                == plain.completions.create(**args).choices[0].text)
+    usage = spec.chat.completions.create(
+        model="demo", max_tokens=30, temperature=0, extra_body=EXTRA,
+        messages=[{"role": "user", "content": "abc"}]).usage
+    assert usage.model_extra["speculative_decoding"]["num_draft_tokens"] > 0
+    assert "EAGLE-3 head" in eagle_live.log()
 
 
 def test_flags_name_the_problem():

@@ -86,8 +86,10 @@ class BlockPool:
         append-only, so the chain computed earlier stays valid)."""
         hashes, bs = seq.block_hashes, self.block_size
         for i in range(len(hashes), num_blocks):
-            hashes.append(hash_block(hashes[-1] if hashes else None,
-                                     seq.token_ids[i * bs:(i + 1) * bs]))
+            tokens = seq.token_ids[i * bs:(i + 1) * bs]
+            if seq.mm is not None:       # image tokens are keyed by their image's content
+                tokens = seq.mm.block_key(tokens, i * bs, (i + 1) * bs)
+            hashes.append(hash_block(hashes[-1] if hashes else None, tokens))
         return hashes
 
     def get_computed_blocks(self, seq: Sequence) -> tuple[list[Block], int]:

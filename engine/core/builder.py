@@ -4,6 +4,7 @@ concurrency (max_num_seqs), the model runner and, on CUDA, the captured decode g
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 import os
 import time
@@ -11,17 +12,21 @@ from dataclasses import dataclass
 
 from engine.config import EngineConfig
 from engine.core.block_pool import BlockPool
+from engine.core.hybrid_state import HybridBlockPool, StatePoolSize
 from engine.core.max_num_seqs import MAX_NUM_SEQS_CAP, default_max_num_seqs
 from engine.loader.hub import resolve_gguf, resolve_model
-from engine.loader.model_loader import load_gguf_model, load_model
+from engine.loader.model_loader import load_eagle3_head, load_gguf_model, load_model
 from engine.loader.safetensors import mem_available_bytes
 from engine.models.model_config import ModelConfig
+from engine.parallel import launch
+from engine.parallel.steps import StepSender
 from engine.runner import cuda_memory
 from engine.runner.backends import make_backend
 from engine.runner.cuda_graph import CudaGraphRunner, estimate_graph_memory_bytes
 from engine.runner.model_runner import ModelRunner
 from engine.sampling.pooling import PoolingConfig, default_pooling_config, read_pooling_config
 from engine.spec.draft_model import DraftModel
+from engine.spec.eagle3 import Eagle3Proposer
 from engine.text.tokenizer import Tokenizer
 
 log = logging.getLogger("taper.engine")
@@ -39,15 +44,31 @@ class EngineParts:
     block_pool: BlockPool
     max_model_len: int
     runner: ModelRunner
-    draft: DraftModel | None = None   # speculative decoding's draft model, its KV pool beside
+    # speculative decoding's draft model or EAGLE-3 head, its pools beside the target's
+    draft: DraftModel | None = None
 
 
-def build(config: EngineConfig, loaded=None) -> EngineParts:
+def build(config: EngineConfig, loaded=None, group=None) -> EngineParts:
     """loaded: (backend, model, model_config) built by the caller (benchmarks that generate
-    weights on the device) instead of loading config.model; there is no tokenizer then."""
+    weights on the device) instead of loading config.model; there is no tokenizer then.
+    Tensor parallel (engine/parallel/launch.py): rank 0 starts the other ranks here, each of
+    which builds its share of the engine through this function too, `group` its MpiGroup."""
+    tensor_parallel = None
+    if config.tensor_parallel_size > 1:
+        if loaded is not None:
+            raise ValueError("tensor parallel: a model built by the caller cannot be split")
+        group = group or launch.start_group(config)
     if loaded is not None:
         backend, model, model_config = loaded
         model_dir, tokenizer, pooling_config = None, None, None
+    elif group is not None:
+        with launch.all_ranks(group, "loading the model"):
+            backend = make_backend(config, group.rank)
+            tensor_parallel = (group.rank, group.size, launch.communicator(group, backend))
+            model, model_config, model_dir, tokenizer, pooling_config = _load(
+                config, backend, tensor_parallel)
+        if group.rank != 0:
+            tokenizer = None
     else:
         backend = make_backend(config)
         model, model_config, model_dir, tokenizer, pooling_config = _load(config, backend)
@@ -58,6 +79,7 @@ def build(config: EngineConfig, loaded=None) -> EngineParts:
         eos_token_ids |= tokenizer.eos_token_ids
 
     draft = _load_draft(config, backend, model_config, tokenizer)   # (model, config) or None
+    head = _load_eagle3(config, backend, model, model_config)
     kv_dtype = backend.kv_cache_dtype(config.kv_cache_dtype)
     if config.kv_cache_dtype == "fp8":
         log.info("FP8 (e4m3) KV cache with %s", "the checkpoint's k/v scales"
@@ -69,12 +91,28 @@ def build(config: EngineConfig, loaded=None) -> EngineParts:
         backend.bind_thread()
         cuda_memory.profile_forward(model, backend, config.max_num_batched_tokens,
                                     config.max_num_seqs or MAX_NUM_SEQS_CAP, config.block_size)
+    states = []     # a hybrid model's StatePoolSize, carved out of the KV budget
+    if model_config.linear_attention is not None:
+        config = _check_hybrid(config)
+    # KV heads per block: the rank's under tensor parallel (its model's config)
     num_blocks = config.num_kv_blocks or _num_kv_blocks(
-        config, backend, model_config, kv_dtype, draft[1] if draft else None)
+        config, backend, getattr(model, "config", model_config), kv_dtype,
+        draft[1] if draft else None,
+        Eagle3Proposer.bytes_per_block(head.config, config.block_size, kv_dtype,
+                                       backend.act_dtype) if head else 0,
+        reserve=lambda budget, what: _reserve_states(states, config, model_config, budget, what))
+    if model_config.linear_attention is not None and not states:   # explicit num_kv_blocks
+        states.append(StatePoolSize.for_model(config, model_config, None))
+    if tensor_parallel is not None:       # every rank's pool has the smallest one's blocks
+        num_blocks = tensor_parallel[2].all_min(num_blocks)
     max_cached = (None if config.prefix_cache_max_tokens is None
                   else config.prefix_cache_max_tokens // config.block_size)
-    block_pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching,
-                           max_cached_blocks=max_cached)
+    if states:
+        block_pool = HybridBlockPool(num_blocks, config.block_size, config.enable_prefix_caching,
+                                     max_cached, states[0].num_slots, states[0].num_snapshots)
+    else:
+        block_pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching,
+                               max_cached_blocks=max_cached)
     max_model_len = _max_model_len(config, model_config, num_blocks * config.block_size)
     if draft is not None and draft[1].max_model_len < max_model_len:
         log.warning("max model length limited to %d tokens by the draft model's context",
@@ -83,12 +121,25 @@ def build(config: EngineConfig, loaded=None) -> EngineParts:
     if config.max_num_seqs is None:
         max_num_seqs, why = default_max_num_seqs(
             num_blocks * config.block_size, max_model_len, config.max_num_batched_tokens)
+        if states and states[0].num_slots < max_num_seqs:
+            max_num_seqs, why = states[0].num_slots, "the hybrid model's state slots"
         log.info("max_num_seqs %d: %s; --max-num-seqs sets it", max_num_seqs, why)
         config = dataclasses.replace(config, max_num_seqs=max_num_seqs)
     runner = ModelRunner(model, model_config, backend, config.block_size, num_blocks,
-                         config.kv_cache_dtype)
+                         config.kv_cache_dtype, state_pool=block_pool if states else None)
+    if group is not None:
+        pids = group.allgather(os.getpid())
+        sender = StepSender(group, pids[1:]) if group.rank == 0 else None
+        runner.join_tensor_parallel(sender)
+        if sender is not None:
+            launch.stop_at_exit(sender)
+            log.info("tensor parallel %d: rank 0 schedules and samples, every rank holds its "
+                     "share of the weights and %d KV blocks", group.size, num_blocks)
     log.info("KV cache: %d blocks of %d tokens; max model length %d", num_blocks,
              config.block_size, max_model_len)
+    if states:
+        log.info("recurrent state: %s; KV blocks for %d full-attention layers of %d",
+                 states[0].describe(), model_config.num_kv_layers, model_config.num_hidden_layers)
     draft_model = None
     if draft is not None:
         draft_model = DraftModel(draft[0], draft[1], backend, num_blocks, config.block_size,
@@ -96,6 +147,15 @@ def build(config: EngineConfig, loaded=None) -> EngineParts:
         log.info("speculative decoding: draft model %s (%d layers), %d tokens per step, its "
                  "own KV pool of %d blocks", config.speculative_config.model,
                  draft[1].num_hidden_layers, config.speculative_config.num_speculative_tokens,
+                 num_blocks)
+    elif head is not None:
+        draft_model = Eagle3Proposer(head, backend, num_blocks, config.block_size,
+                                     config.kv_cache_dtype, model_config.vocab_size)
+        runner.aux_capture = draft_model.capture
+        log.info("speculative decoding: EAGLE-3 head %s (draft vocabulary %d, the target's "
+                 "layers %s), %d tokens per step, its K/V and features in %d blocks",
+                 config.speculative_config.model, head.config.draft_vocab_size,
+                 list(head.aux_layers), config.speculative_config.num_speculative_tokens,
                  num_blocks)
     elif config.speculative_config is not None:
         log.info("speculative decoding: %s", config.speculative_config)
@@ -105,8 +165,15 @@ def build(config: EngineConfig, loaded=None) -> EngineParts:
                                                             kv_dtype),
                              max_model_len, config.max_num_seqs)
         backend.max_context = max_model_len
-        if config.cuda_graph:
-            capture_cuda_graphs(config, model, backend, runner, max_model_len)
+        if config.cuda_graph and head is not None:
+            log.info("CUDA graphs: not captured (an EAGLE-3 head reads every step's hidden "
+                     "states, which the decode graphs do not hand over)")
+        elif config.cuda_graph:
+            if group is None:
+                capture_cuda_graphs(config, model, backend, runner, max_model_len)
+            else:
+                with launch.all_ranks(group, "capturing CUDA graphs"):
+                    capture_cuda_graphs(config, model, backend, runner, max_model_len)
     return EngineParts(config, backend, model, model_config, model_dir, tokenizer,
                        pooling_config or default_pooling_config(model_dir), eos_token_ids,
                        block_pool, max_model_len, runner, draft_model)
@@ -141,10 +208,23 @@ def _load_draft(config: EngineConfig, backend, target_config: ModelConfig, token
     return model, draft_config
 
 
-def _load(config: EngineConfig, backend):
-    """(model, model_config, model_dir, tokenizer, pooling config) of config.model."""
+def _load_eagle3(config: EngineConfig, backend, model, model_config: ModelConfig):
+    """The speculative config's EAGLE-3 head, or None."""
+    spec = config.speculative_config
+    if spec is None or spec.method != "eagle3":
+        return None
+    if "capture" not in inspect.signature(model.forward).parameters:
+        raise ValueError(f"EAGLE-3: the target's graph ({model_config.architecture}) cannot "
+                         f"hand its hidden states to a head")
+    return load_eagle3_head(resolve_model(spec.model), backend, model, model_config,
+                            dtype=config.dtype)
+
+
+def _load(config: EngineConfig, backend, tensor_parallel=None):
+    """(model, model_config, model_dir, tokenizer, pooling config) of config.model;
+    tensor_parallel: (rank, size, communicator), the rank's share of it."""
     load_args = dict(dtype=config.dtype, yarn_scaling_factor=config.yarn_scaling_factor,
-                     isq=config.isq)
+                     isq=config.isq, tensor_parallel=tensor_parallel)
     if config.weight_file:
         path = resolve_gguf(config.model, config.weight_file)
         model, model_config, tokenizer = load_gguf_model(path, backend, **load_args)
@@ -170,12 +250,39 @@ def capture_cuda_graphs(config: EngineConfig, model, backend, runner: ModelRunne
              graphs.sizes, time.monotonic() - start, graphs.graph_memory_bytes / 2**20)
 
 
+def _check_hybrid(config: EngineConfig) -> EngineConfig:
+    """What a hybrid model's per-sequence recurrent state does not support yet; the config
+    without CUDA graphs (each step's state plan is built on the host)."""
+    if config.speculative_config is not None:
+        raise ValueError("speculative decoding is not supported for hybrid linear-attention "
+                         "models: rejected draft tokens would have advanced the recurrent state")
+    if config.backend == "cuda" and config.cuda_graph:
+        log.info("CUDA graphs: off for a hybrid linear-attention model (its state rows are "
+                 "planned per step on the host)")
+        config = dataclasses.replace(config, cuda_graph=False)
+    return config
+
+
+def _reserve_states(states: list, config: EngineConfig, model_config: ModelConfig, budget: int,
+                    what: str) -> int:
+    """Bytes a hybrid model's state rows take from the KV budget (0 for other models); the
+    StatePoolSize goes into `states`."""
+    size = StatePoolSize.for_model(config, model_config, budget, what)
+    if size is None:
+        return 0
+    states.append(size)
+    return size.total_bytes
+
+
 def _num_kv_blocks(config: EngineConfig, backend, model_config: ModelConfig, kv_dtype,
-                   draft_config: ModelConfig | None = None) -> int:
+                   draft_config: ModelConfig | None = None, extra_per_block: int = 0,
+                   reserve=None) -> int:
     """Blocks in the KV budget: --mem MB, else --kv-fraction of the memory left after loading
     the weights (on a GPU: after activations and CUDA graphs too), else 1 GiB on the CPU. A
-    draft model's pool has as many blocks as the target's: a block costs both."""
-    per_block = ModelRunner.kv_bytes_per_block(model_config, config.block_size, kv_dtype)
+    draft model's pool has as many blocks as the target's: a block costs both (an EAGLE-3
+    head's pools: extra_per_block)."""
+    per_block = (ModelRunner.kv_bytes_per_block(model_config, config.block_size, kv_dtype)
+                 + extra_per_block)
     if draft_config is not None:
         per_block += ModelRunner.kv_bytes_per_block(draft_config, config.block_size, kv_dtype)
     if config.backend == "cuda":
@@ -199,6 +306,8 @@ def _num_kv_blocks(config: EngineConfig, backend, model_config: ModelConfig, kv_
         what = f"{config.kv_fraction:g} of {available / 2**30:.1f} GiB free"
     else:
         budget, what = 1024 * 2**20, "the default 1024 MB"
+    if reserve is not None:         # a hybrid model's state rows come out of the budget first
+        budget -= reserve(budget, what)
     num_blocks = budget // per_block
     if num_blocks < 1:
         raise ValueError(f"the KV cache budget ({what}) holds no block")

@@ -28,6 +28,7 @@ from engine.sampling.sampler import Sampler
 from engine.sampling.sampling_params import SamplingParams
 from engine.sampling.structured_outputs import StructuredOutputs
 from engine.spec.speculator import Speculator
+from engine.vision.budget import EncoderBudget
 
 log = logging.getLogger("taper.engine")
 
@@ -71,6 +72,9 @@ class LLMEngine:
             self.speculator.structured = lambda: self.admission.structured
         self.scheduler = Scheduler(self.config, self.block_pool, self.max_model_len,
                                    self.speculator)
+        if self.runner.vision is not None:   # images: the encoder's work per step
+            self.scheduler.encoder_budget = EncoderBudget(self.config.max_num_batched_tokens,
+                                                          self.model.max_image_rows)
         self.outputs = OutputProcessor(self.eos_token_ids, self.max_model_len)
         self.beams = BeamRequests(self)
         self.requests = RequestTable(self.scheduler, self.beams, self.outputs)   # unfinished
@@ -93,10 +97,13 @@ class LLMEngine:
         return self.admission.structured_outputs()
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
-                    params: SamplingParams | PoolingParams) -> Sequence:
+                    params: SamplingParams | PoolingParams, images: list | None = None
+                    ) -> Sequence:
         """Queue a generation request (SamplingParams) or an embedding request (PoolingParams);
-        returns its (first choice's) sequence (engine/core/request.py: how it is admitted)."""
-        request = self.admission.admit(request_id, prompt_token_ids, params)
+        returns its (first choice's) sequence (engine/core/request.py: how it is admitted).
+        images: a vision-language model's preprocessed images (engine/vision/preprocess.py), in
+        the order of the prompt's runs of image tokens."""
+        request = self.admission.admit(request_id, prompt_token_ids, params, images)
         self.requests.add(request)
         return request.seqs[0]
 
@@ -119,6 +126,12 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         return EngineStats.of(self)
+
+    def shutdown(self) -> None:
+        """Stops the forward thread and, under tensor parallel, the other ranks."""
+        self._forward_thread.shutdown(wait=True)
+        if self.runner.peers is not None:
+            self.runner.peers.stop()
 
     # ---- one step
 

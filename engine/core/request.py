@@ -22,6 +22,7 @@ from engine.sampling.reasoning_budget import ReasoningBudget
 from engine.sampling.sampling_params import SamplingParams
 from engine.sampling.structured_outputs import GrammarCompiler, StructuredOutputs
 from engine.text.detokenizer import IncrementalDetokenizer
+from engine.vision.inputs import MultimodalPrompt
 
 
 @dataclass(slots=True, eq=False)
@@ -39,6 +40,7 @@ class Request:
     # the rows; None when the request asked for none (only choice 0 computes them).
     prompt_logprobs: list | None = None
     paused: bool = False      # its reader is behind (AsyncEngine): the scheduler skips it
+    mm: MultimodalPrompt | None = None   # the prompt's images (engine/vision/inputs.py)
 
     def prompt_logprob_positions(self, num_computed: int, num_new_tokens: int) -> range:
         """Positions, among the num_new_tokens a step computes from num_computed (choice 0's
@@ -151,7 +153,7 @@ class Admission:
             return self.structured
 
     def admit(self, request_id: str, prompt_token_ids: list[int],
-              params: SamplingParams | PoolingParams) -> Request:
+              params: SamplingParams | PoolingParams, images: list | None = None) -> Request:
         """The request, its sequences to schedule in `seqs`. With n > 1, choice i samples with
         seed + i (a seed of its own when the request has none), and choices 1..n-1 wait in
         `forks` until choice 0 has computed the prompt, so their prefill finds its full blocks in
@@ -172,8 +174,12 @@ class Admission:
         if bad is not None:
             raise ValueError(f"logit_bias: token id {bad} is not in the vocabulary [0, {vocab})")
         request = Request(request_id, params, len(prompt_token_ids),
-                          prompt_logprobs=None if params.prompt_logprobs is None else [None])
+                          prompt_logprobs=None if params.prompt_logprobs is None else [None],
+                          mm=self._place_images(prompt_token_ids, images))
         if params.use_beam_search:
+            if self.model_config.linear_attention is not None:
+                raise ValueError("beam search is not supported for hybrid linear-attention "
+                                 "models: a beam's recurrent state cannot be forked yet")
             request.seqs = [self._sequence(request, prompt_token_ids, params, 0, seed=0)]
             limit = (params.max_tokens if params.max_tokens is not None
                      else self.max_model_len - len(prompt_token_ids))
@@ -194,12 +200,26 @@ class Admission:
             request.seqs = choices
         return request
 
+    def _place_images(self, prompt_token_ids: list[int], images: list | None):
+        """The prompt's images (engine/vision/preprocess.py ProcessedImage) placed at its image
+        tokens; a ValueError for images sent to a text-only model, or runs that do not match."""
+        vision = self.model_config.vision
+        if not images:
+            if vision is not None and vision.image_token_id in prompt_token_ids:
+                raise ValueError("the prompt has image tokens but no images")
+            return None
+        if vision is None:
+            raise ValueError(f"this model ({self.model_config.architecture}) is text-only: it "
+                             "takes no images")
+        return MultimodalPrompt.place(prompt_token_ids, images, vision)
+
     def _sequence(self, request: Request, prompt_token_ids: list[int], params: SamplingParams,
                   index: int, seed: int | None = None) -> Sequence:
         seq = Sequence(prompt_token_ids, params, request.request_id,
                        arrival_time=time.monotonic(), index=index,
                        default_seed=self.rng.getrandbits(64) if seed is None else seed)
         seq.request = request
+        seq.mm = request.mm
         if params.use_beam_search:
             return seq
         if params.structured_outputs is not None:

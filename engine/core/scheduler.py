@@ -121,6 +121,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.encoder_budget = None     # a vision model's engine.vision.budget.EncoderBudget
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -146,6 +147,8 @@ class Scheduler:
         n = min(seq.num_tokens_scheduled - num_computed, budget)
         if self.prefill_chunk_size > 0:
             n = min(n, self.prefill_chunk_size)
+        if seq.mm is not None and self.encoder_budget is not None and n > 0:
+            n = self.encoder_budget.limit(seq, num_computed, n)
         return n
 
     def schedule(self) -> SchedulerOutput:
@@ -155,6 +158,8 @@ class Scheduler:
 
         scheduled: set[int] = set()      # seq_ids in `out`
         spec = self.speculator
+        if self.encoder_budget is not None:
+            self.encoder_budget.begin_step()
         if spec is not None and not spec.begin_step(len(self.running)):
             spec = None
         for decodes in (True, False):
@@ -167,6 +172,9 @@ class Scheduler:
                     i += 1
                     continue
                 n = self._num_new_tokens(seq, seq.num_computed_tokens, budget)
+                if n <= 0:                  # held back by the step's image work
+                    i += 1
+                    continue
                 k, drafts, allocated = 0, None, False
                 if decodes and spec is not None:
                     # budget beyond one token for each running sequence after this one
@@ -190,6 +198,8 @@ class Scheduler:
                     i += 1
 
         if out.preempted:
+            if self.encoder_budget is not None:
+                self.encoder_budget.commit(out)
             return out
         i = 0                            # paused ones wait in place, the others go FIFO
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -207,6 +217,8 @@ class Scheduler:
             self.running.append(seq)
             out._add(seq, n)
             budget -= n
+        if self.encoder_budget is not None:
+            self.encoder_budget.commit(out)
         return out
 
     def _finishes_by_length(self, seq: Sequence) -> bool:

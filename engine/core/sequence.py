@@ -52,6 +52,7 @@ class Sequence:
         self.reasoning_budget = None    # a reasoning_budget.ReasoningBudget
         self.token_counts = None        # the sampler's penalty counts (engine/sampling/sampler.py)
         self.spec = None                # speculative decoding's SpecState (engine/spec/adaptive.py)
+        self.mm = None                  # the prompt's images (engine/vision/inputs.py)
         # The request's seed, else the engine's draw for it, else a random one.
         seed = self.sampling_params.seed
         if seed is None:

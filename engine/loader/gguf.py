@@ -8,7 +8,8 @@
   MixtralForCausalLM when they carry `llama.expert_count`), qwen2 and qwen3 files
   Qwen2/Qwen3ForCausalLM, qwen2moe and qwen3moe files Qwen2Moe/Qwen3MoeForCausalLM, and the
   gemma2, gemma3, phi3, glm4 and stablelm files their families (the keys, names and converter
-  transforms of each: engine/loader/gguf_dense.py). A llama3 RoPE is stored as the
+  transforms of each: engine/loader/gguf_dense.py), deepseek2 files DeepseekV2/V3ForCausalLM
+  (engine/loader/gguf_deepseek.py). A llama3 RoPE is stored as the
   per-frequency factors it produces (tensor rope_freqs), so its parameters are recovered from
   them.
 - weights: Hugging Face names. F32/F16/BF16 tensors are float arrays, views of the mapping unless
@@ -45,7 +46,7 @@ from gguf import GGMLQuantizationType as QT
 from gguf import GGUFReader, GGUFValueType
 from tqdm import tqdm
 
-from engine.loader import gguf_dense
+from engine.loader import gguf_deepseek, gguf_dense
 from engine.loader.gguf_check import check_layout, read_version
 from engine.loader.safetensors import resolve_dtype, target_dtype
 from engine.text.gguf_tokenizer import build_tokenizer, special_id
@@ -60,7 +61,8 @@ logger = logging.getLogger("taper.loader")
 _ARCHS = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2"),
           "qwen3": ("Qwen3ForCausalLM", "qwen3"),
           "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
-          "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"), **gguf_dense.ARCHS}
+          "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"), **gguf_dense.ARCHS,
+          gguf_deepseek.ARCH: ("DeepseekV2ForCausalLM", "deepseek_v2")}
 # Whether llama.cpp's graph renormalises the top-k routing weights (build_moe_ffn's norm_w).
 _MOE_NORM = {"llama": True, "qwen2moe": False, "qwen3moe": True}
 _PERMUTED_QK = ("llama",)       # architectures whose q/k rows the converter interleaves
@@ -337,7 +339,7 @@ def build_config(path: str, metadata: dict, tensors: dict) -> dict:
     num_kv_heads = int(meta.uniform("attention.head_count_kv") or num_heads)
     head_dim = int(meta.get("attention.key_length") or hidden // num_heads)
     value_dim = int(meta.get("attention.value_length") or head_dim)
-    if value_dim != head_dim:
+    if value_dim != head_dim and arch != gguf_deepseek.ARCH:   # MLA: the latent's sizes
         raise ValueError(f"{path}: key_length {head_dim} != value_length {value_dim}; "
                          "not supported")
     if "token_embd.weight" not in tensors:
@@ -369,7 +371,9 @@ def build_config(path: str, metadata: dict, tensors: dict) -> dict:
         config["mlp_bias"] = "blk.0.ffn_gate.bias" in tensors
 
     num_experts = int(meta.get("expert_count") or 0)
-    if num_experts:
+    if arch == gguf_deepseek.ARCH:
+        config = gguf_deepseek.config(path, meta, tensors, config)
+    elif num_experts:
         config.update(_moe_config(path, meta, tensors, num_layers, num_experts))
 
     window = int(meta.get("attention.sliding_window") or 0)
@@ -528,7 +532,8 @@ def read_gguf(path: str, dtype: str = "auto", progress: bool = True) -> GGUFChec
     arch = metadata["general.architecture"]
     permute = arch in _PERMUTED_QK
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
-    num_experts = int(config.get("num_local_experts") or config.get("num_experts") or 0)
+    num_experts = int(config.get("num_local_experts") or config.get("num_experts")
+                      or config.get("n_routed_experts") or 0)
     mixtral = config["architectures"][0] == "MixtralForCausalLM"
 
     weights = {}
@@ -542,6 +547,11 @@ def read_gguf(path: str, dtype: str = "auto", progress: bool = True) -> GGUFChec
             if experts is not None:
                 weights.update(split_experts(owner[name], t, want, experts))
                 continue
+            if arch == gguf_deepseek.ARCH:
+                weights.update(gguf_deepseek.hf_weights(name, gguf_deepseek.float_tensor(t)
+                                                        if gguf_deepseek.wants_float(name)
+                                                        else _tensor(owner[name], t, want)))
+                continue
             weight = _tensor(owner[name], t, want)
             m = _LAYER_RE.match(name)
             if permute and m and m.group(2) in heads:
@@ -553,5 +563,7 @@ def read_gguf(path: str, dtype: str = "auto", progress: bool = True) -> GGUFChec
                 weight = weight.reshape(1, -1)
             weights.update(gguf_dense.hf_weights(arch, name, hf, weight))
 
+    if arch == gguf_deepseek.ARCH:
+        gguf_deepseek.join_kv_b(weights)
     tokenizer = build_tokenizer(metadata, path)
     return GGUFCheckpoint(config=config, weights=weights, tokenizer=tokenizer, files=paths)

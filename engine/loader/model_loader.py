@@ -2,23 +2,32 @@
 formats converted, --isq applied, and the model graph built on a backend."""
 from __future__ import annotations
 
+import json
+import os
+
 from engine.loader.gguf import read_gguf
 from engine.loader.isq import quantize_weights
 from engine.loader.quant_formats import convert_quantized
 from engine.loader.safetensors import add_model_prefix, load_safetensors
+from engine.models.llama_eagle3 import Eagle3Config, Eagle3Head, normalize_names
 from engine.models.model_config import ModelConfig
 from engine.models.registry import get_model_class
+from engine.parallel.sharding import ShardPlan, check_isq_split
 
 
 def load_model(model_dir: str, backend, dtype: str = "auto",
                yarn_scaling_factor: float | None = None, progress: bool = True,
-               isq: str | None = None):
+               isq: str | None = None, tensor_parallel=None):
     """(model, model_config) for a local checkpoint directory; `isq` quantizes its projection
-    matrices at load (engine/loader/isq.py)."""
+    matrices at load (engine/loader/isq.py). tensor_parallel: (rank, size, communicator): the
+    rank's share of the model is read and built (engine/parallel/sharding.py); the config
+    returned is the whole model's."""
     model_config = ModelConfig.from_pretrained(model_dir, yarn_scaling_factor=yarn_scaling_factor)
     model_class = get_model_class(model_config.architecture)
+    plan = _plan(model_config, tensor_parallel)
     weights = load_safetensors(model_dir, dtype=dtype, progress=progress,
-                               quantized=bool(model_config.quantization_config))
+                               quantized=bool(model_config.quantization_config),
+                               shard=plan and plan.shard)
     if not any(name.startswith("model.") for name in weights):
         # The headless layout (LlamaModel.save_pretrained, and some embedding models that keep a
         # *ForCausalLM config over it): without an lm_head, an untied one cannot generate.
@@ -28,19 +37,79 @@ def load_model(model_dir: str, backend, dtype: str = "auto",
     if model_config.quantization_config:
         convert_quantized(weights, model_config.quantization_config)
     if isq:
+        if plan is not None:
+            check_isq_split(plan, weights, isq)
         quantize_weights(weights, isq, progress=progress)
-    model = model_class(model_config, weights, backend)
+    model = model_class(_local(model_config, plan, tensor_parallel), weights, backend)
     return model, model_config
 
 
 def load_gguf_model(path: str, backend, dtype: str = "auto",
                     yarn_scaling_factor: float | None = None, progress: bool = True,
-                    isq: str | None = None):
-    """(model, model_config, tokenizer or None) for a GGUF file (its first shard if split)."""
+                    isq: str | None = None, tensor_parallel=None):
+    """(model, model_config, tokenizer or None) for a GGUF file (its first shard if split);
+    tensor_parallel as load_model's."""
     ckpt = read_gguf(path, dtype=dtype, progress=progress)
     model_config = ModelConfig.from_dict(ckpt.config, yarn_scaling_factor=yarn_scaling_factor)
+    plan = _plan(model_config, tensor_parallel)
+    weights = ckpt.weights
+    if plan is not None:        # the tensors are memory-mapped: cut before they are read
+        shapes = {n: w.shape for n, w in weights.items()}
+        weights = {n: plan.shard(n, w, shapes) for n, w in weights.items()}
     if isq:
-        quantize_weights(ckpt.weights, isq, progress=progress)
-    model = get_model_class(model_config.architecture)(model_config, ckpt.weights, backend)
+        if plan is not None:
+            check_isq_split(plan, weights, isq)
+        quantize_weights(weights, isq, progress=progress)
+    model = get_model_class(model_config.architecture)(
+        _local(model_config, plan, tensor_parallel), weights, backend)
     return model, model_config, ckpt.tokenizer
 
+
+def _plan(model_config: ModelConfig, tensor_parallel) -> ShardPlan | None:
+    if tensor_parallel is None:        # (a group of one is still split: the GPU suite's check)
+        return None
+    rank, size, _ = tensor_parallel
+    return ShardPlan(model_config, rank, size)
+
+
+def _local(model_config: ModelConfig, plan: ShardPlan | None, tensor_parallel) -> ModelConfig:
+    """The config the rank's model is built with."""
+    return model_config if plan is None else plan.local_config(tensor_parallel[2])
+
+
+def load_eagle3_head(head_dir: str, backend, target, target_config: ModelConfig,
+                     dtype: str = "auto", progress: bool = True) -> Eagle3Head:
+    """The EAGLE-3 head in head_dir, drafting for `target` (its model and config): its config
+    and tensors checked against the target's, its embedding the target's when it has none."""
+    path = os.path.join(head_dir, "config.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no config.json in {head_dir}")
+    try:
+        with open(path) as f:
+            config = Eagle3Config.from_dict(json.load(f))
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+    where = f"EAGLE-3 head {head_dir}"
+    if config.target_hidden_size != target_config.hidden_size:
+        raise ValueError(f"{where}: its target_hidden_size is {config.target_hidden_size}, the "
+                         f"target's hidden_size is {target_config.hidden_size} (a head for "
+                         f"another model?)")
+    if (not any(f.endswith(".safetensors") for f in os.listdir(head_dir))
+            and os.path.isfile(os.path.join(head_dir, "pytorch_model.bin"))):
+        # EAGLE's own releases ship a torch pickle
+        raise ValueError(f"{where}: only pytorch_model.bin, a torch pickle; Taper reads "
+                         f"safetensors. Convert it once: python -c \"import torch; from "
+                         f"safetensors.torch import save_file; save_file(torch.load("
+                         f"'pytorch_model.bin'), 'model.safetensors')\"")
+    weights = normalize_names(load_safetensors(head_dir, dtype=dtype, progress=progress))
+    if "embed_tokens.weight" not in weights and config.hidden_size != target_config.hidden_size:
+        raise ValueError(f"{where}: it has no embed_tokens, and the target's (hidden size "
+                         f"{target_config.hidden_size}) does not fit its hidden size "
+                         f"{config.hidden_size}")
+    try:
+        return Eagle3Head(config, weights, backend,
+                          config.aux_layers_for(target_config.num_hidden_layers),
+                          target.embed_tokens, target_config.vocab_size,
+                          target_config.max_model_len)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None

@@ -185,11 +185,13 @@ def mem_available_bytes() -> int | None:
 
 
 def load_safetensors(model_dir: str, dtype="auto", progress: bool = True,
-                     check_memory: bool = True,
-                     quantized: bool = False) -> dict[str, np.ndarray]:
+                     check_memory: bool = True, quantized: bool = False,
+                     shard=None) -> dict[str, np.ndarray]:
     """Every tensor of the checkpoint in model_dir, converted by the dtype policy. In a
     `quantized` checkpoint (GPTQ, AWQ, compressed-tensors, FP8) the F8 codes and the quantization
-    scales stay as stored, for engine/loader/quant_formats.py to take."""
+    scales stay as stored, for engine/loader/quant_formats.py to take. shard(name, tensor, whole
+    shapes by name): a tensor-parallel rank's part of each memory-mapped tensor
+    (engine/parallel/sharding.py), cut before anything is read or converted."""
     want = resolve_dtype(dtype)
 
     def target(name, arr):
@@ -210,6 +212,10 @@ def load_safetensors(model_dir: str, dtype="auto", progress: bool = True,
             if name in owner:
                 raise CheckpointError(f"tensor {name} appears in both {owner[name]} and {path}")
             owner[name] = path
+    if shard is not None:
+        shapes = {n: a.shape for tensors in opened.values() for n, a in tensors.items()}
+        opened = {path: {n: shard(n, a, shapes) for n, a in tensors.items()}
+                  for path, tensors in opened.items()}
 
     needed = sum(a.size * target(n, a).itemsize
                  for tensors in opened.values() for n, a in tensors.items())

@@ -18,6 +18,7 @@ from engine.runner.forward_batch import ForwardBatch
 from engine.models.model_config import ModelConfig
 from engine.models.kv_scales import take_kv_scales
 from engine.models.rotary import build_cos_sin_cache, longrope_positions
+from engine.parallel import layers as tensor_parallel
 from pyx.layers import MLP, Attention, DecoderLayer, Workspace, run_layers
 
 logger = logging.getLogger("taper.models")
@@ -66,12 +67,25 @@ def check_weights(c: ModelConfig, weights: dict, shapes: dict) -> None:
                          + "; ".join(problems[:5]) + more)
 
 
+class AuxCapture:
+    """EAGLE-3's view into the target's forward: the residual stream entering each layer of
+    `layers` (vLLM's aux hidden state ids: id j is layer j's input, the embeddings for id 0),
+    ascending and distinct; the forward sets `states` to them side by side, (T, len(layers) *
+    hidden) in the activation dtype."""
+    __slots__ = ("layers", "states")
+
+    def __init__(self, layers):
+        self.layers = tuple(layers)
+        self.states = None
+
+
 class LlamaForCausalLM:
     # Added to every RMSNorm weight at load (Gemma's norms multiply by 1 + w).
     norm_offset = 0.0
 
     def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray], backend):
         """Takes ownership of `weights` (tensors are popped as they are placed)."""
+        # Under tensor parallel, config is the rank's share (engine/parallel/sharding.py).
         check_weights(config, weights, self.expected_shapes(config))
         self.config = config
         self.backend = backend
@@ -81,6 +95,7 @@ class LlamaForCausalLM:
         cache = build_cos_sin_cache(c.rope, c.max_position_embeddings, c.max_model_len)
         self.cos_sin_cache = self._to_device(cache)
         self.workspace = Workspace(self.xp, backend.act_dtype)
+        self._unit_norm = None        # a weight of ones, for AuxCapture's additions
         # The embedding's multiplier, rounded to the activation dtype as transformers rounds it
         # to the weights' (None: 1).
         self.embed_scale = self.embedding_multiplier(c)
@@ -93,22 +108,12 @@ class LlamaForCausalLM:
         self.kv_scales_from_checkpoint = False
         for i in range(c.num_hidden_layers):
             p = f"model.layers.{i}."
-            kv_scales = take_kv_scales(weights, i, c.num_key_value_heads)
-            self.kv_scales_from_checkpoint |= kv_scales is not None
-            if kv_scales is None:
-                kv_scales = (np.ones(c.num_key_value_heads, np.float32),) * 2
-            attn = Attention(
-                backend, *self._qkv(weights, p),
-                self._take(weights, f"{p}self_attn.o_proj.weight"),
-                self._take(weights, f"{p}self_attn.o_proj.bias") if c.o_bias else None,
-                *self._qk_norms(weights, p),
-                self._rope_cache(i), c.num_attention_heads, c.num_key_value_heads, c.head_dim,
-                c.rms_norm_eps, c.sliding_windows[i], c.rope.is_neox,
-                *(self._to_device(s) for s in kv_scales),
-                scale=c.query_pre_attn_scalar ** -0.5 if c.query_pre_attn_scalar else None,
-                softcap=c.attn_softcap, qk_layernorm=c.qk_layernorm)
-            mlp = self._mlp(weights, p, i)
+            attn = self._attention(weights, p, i)
+            mlp = tensor_parallel.all_reduced(self._mlp(weights, p, i), c)
             self.layers.append(self._layer(weights, p, i, attn, mlp))
+        if c.tensor_parallel is not None:
+            weights["model.embed_tokens.weight"] = tensor_parallel.with_zero_row(
+                weights["model.embed_tokens.weight"])
         self.embed_tokens = self._take(weights, "model.embed_tokens.weight")
         self.norm = self._norm(weights, "model.norm.weight")
         if not c.has_lm_head:            # a headless transformer (LlamaModel, ...): embeddings only
@@ -130,6 +135,25 @@ class LlamaForCausalLM:
     @staticmethod
     def embedding_multiplier(c: ModelConfig) -> float | None:
         return None
+
+    def _attention(self, weights: dict, p: str, i: int):
+        """Layer i's attention block (weights under prefix p): anything with
+        forward(batch, x, out, k_cache, v_cache, ws)."""
+        c = self.config
+        kv_scales = take_kv_scales(weights, i, c.num_key_value_heads)
+        self.kv_scales_from_checkpoint |= kv_scales is not None
+        if kv_scales is None:
+            kv_scales = (np.ones(c.num_key_value_heads, np.float32),) * 2
+        return tensor_parallel.attention_class(c)(
+            self.backend, *self._qkv(weights, p),
+            self._take(weights, f"{p}self_attn.o_proj.weight"),
+            self._take(weights, f"{p}self_attn.o_proj.bias") if c.o_bias else None,
+            *self._qk_norms(weights, p),
+            self._rope_cache(i), c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+            c.rms_norm_eps, c.sliding_windows[i], c.rope.is_neox,
+            *(self._to_device(s) for s in kv_scales),
+            scale=c.query_pre_attn_scalar ** -0.5 if c.query_pre_attn_scalar else None,
+            softcap=c.attn_softcap, qk_layernorm=c.qk_layernorm)
 
     def _qkv(self, weights: dict, p: str) -> tuple:
         """(fused q/k/v weight (q_size + 2 kv_size, H), its bias or None) of layer prefix p."""
@@ -161,6 +185,10 @@ class LlamaForCausalLM:
         return DecoderLayer(self.backend, attn, mlp, self._norm(weights, f"{p}input_layernorm.weight"),
                             self._norm(weights, f"{p}post_attention_layernorm.weight"),
                             self.config.rms_norm_eps, i == 0)
+
+    def _merge_inputs(self, batch, residual):
+        """A multimodal family's embeddings written over its placeholder tokens' rows."""
+        raise ValueError(f"{self.config.architecture} takes no images")
 
     def _final_norm(self, hidden, residual):
         """In place: residual += hidden; hidden = the final norm of residual."""
@@ -204,23 +232,37 @@ class LlamaForCausalLM:
         """Shape of each layer's K (and V) cache: float32, or uint8 e4m3 codes for an FP8 cache."""
         return (num_blocks, block_size, self.config.num_key_value_heads, self.config.head_dim)
 
-    def forward(self, batch: ForwardBatch, kv_caches: list, hidden_indices=None):
+    def new_kv_caches(self, num_blocks: int, block_size: int, dtype) -> list:
+        """Per layer (K cache, V cache) of kv_cache_shape, zeroed, on the backend."""
+        shape = self.kv_cache_shape(num_blocks, block_size)
+        return [(self.xp.zeros(shape, dtype), self.xp.zeros(shape, dtype))
+                for _ in range(self.num_layers)]
+
+    def forward(self, batch: ForwardBatch, kv_caches: list, hidden_indices=None,
+                capture: "AuxCapture | None" = None):
         """Logits (len(batch.logits_indices), vocab) float32, a new array each call; the batch's
         arrays and the logits live where the backend computes (NumPy or CuPy). With
         `hidden_indices` (rows to pool for embeddings), returns (logits, their final-norm hidden
-        states (len(hidden_indices), hidden))."""
+        states (len(hidden_indices), hidden)). With `capture` (EAGLE-3), its `states` are set to
+        every row's residual stream entering its layers."""
         c, b, ws = self.config, self.backend, self.workspace
         T = batch.num_tokens
         residual = ws.get("residual", T, c.hidden_size)
         hidden = ws.get("hidden", T, c.hidden_size)
-        b.embedding(batch.token_ids, self.embed_tokens, residual)
+        tensor_parallel.embed(b, c, batch.token_ids, self.embed_tokens, residual)
         if self.embed_scale is not None:
             b.scale(residual, self.embed_scale)
+        if batch.vision is not None:       # image embeddings at the image tokens
+            self._merge_inputs(batch, residual)
         if c.rope.rope_type == "longrope":
             batch = dataclasses.replace(batch, positions=longrope_positions(
                 self.xp, batch.positions, batch.query_start_loc, batch.seq_lens,
                 c.rope.original_max_position_embeddings, c.max_model_len))
-        run_layers(self.layers, batch, hidden, residual, kv_caches, ws)
+        if capture is None:
+            run_layers(self.layers, batch, hidden, residual, kv_caches, ws)
+        else:
+            capture.states = self._run_layers_capturing(batch, hidden, residual, kv_caches,
+                                                        capture.layers)
         # Only the sampled (and pooled) rows go through the final norm, the sampled ones through
         # the lm_head.
         idx = batch.logits_indices
@@ -236,14 +278,42 @@ class LlamaForCausalLM:
             return logits
         return logits, rows_hidden[num_logits:]
 
+    def _run_layers_capturing(self, batch, hidden, residual, kv_caches, layers):
+        """run_layers, stopping before each of `layers` (ascending) to copy the residual stream
+        entering it (residual + the previous layer's output in `hidden`; the embeddings for
+        layer 0) into its columns of a new (T, len(layers) * hidden) array."""
+        b, xp, ws, H = self.backend, self.xp, self.workspace, self.config.hidden_size
+        T = hidden.shape[0]
+        states = xp.empty((T, len(layers) * H), dtype=hidden.dtype)
+        start = 0
+        for j, layer in enumerate(layers):
+            run_layers(self.layers[start:layer], batch, hidden, residual, kv_caches[start:layer],
+                       ws)
+            start = layer
+            if layer == 0:
+                xp.copyto(states[:, :H], residual)
+                continue
+            # The op table has no plain add: the fused add's sum (its normalized output is
+            # unused), on copies so the stream is left as it was.
+            total, part = ws.get("aux_total", T, H), ws.get("aux_part", T, H)
+            xp.copyto(total, residual)
+            xp.copyto(part, hidden)
+            if self._unit_norm is None:
+                self._unit_norm = b.place_weight(np.ones(H, np.float32))
+            b.fused_add_rms_norm(part, total, self._unit_norm, self.config.rms_norm_eps)
+            xp.copyto(states[:, j * H:(j + 1) * H], total)
+        run_layers(self.layers[start:], batch, hidden, residual, kv_caches[start:], ws)
+        return states
+
     def logits(self, rows_hidden):
         """Logits (len(rows_hidden), vocab) float32 of final-norm hidden rows, a new array."""
         c = self.config
-        logits = self.xp.empty((len(rows_hidden), c.vocab_size), dtype=np.float32)
-        if len(rows_hidden):
-            if self.lm_head is None:
-                raise ValueError("this checkpoint has no lm_head: it computes embeddings only")
-            self.backend.linear(rows_hidden, self.lm_head, None, logits)
-            if c.final_softcap:
-                self.backend.softcap(logits, c.final_softcap)
+        if not len(rows_hidden):    # (every tensor-parallel rank has the same rows)
+            vocab = c.vocab_size if c.tensor_parallel is None else c.tensor_parallel.vocab_size
+            return self.xp.empty((0, vocab), dtype=np.float32)
+        if self.lm_head is None:
+            raise ValueError("this checkpoint has no lm_head: it computes embeddings only")
+        logits = tensor_parallel.logits(self.backend, c, rows_hidden, self.lm_head)
+        if c.final_softcap:
+            self.backend.softcap(logits, c.final_softcap)
         return logits

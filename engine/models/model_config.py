@@ -11,6 +11,11 @@ import json
 import os
 from dataclasses import dataclass, field
 
+from engine.models.registry import ARCHITECTURES, BASE_MODELS, TEXT_MODELS
+from engine.vision.config import (VISION_ARCHITECTURES, VisionConfig, parse_vision_config,
+                                  text_config_of)
+from engine.models.deepseek_config import (MLA_ARCHITECTURES, MLA_MODEL_TYPES, GroupedRouting,
+                                           MlaConfig, parse_deepseek_moe, parse_mla, rope_is_neox)
 from engine.models.registry import ARCHITECTURES, BASE_MODELS
 
 # config.json without `architectures`: its model_type names the graph.
@@ -19,10 +24,14 @@ _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                 "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
                 "phi3": "Phi3ForCausalLM", "glm4": "Glm4ForCausalLM",
                 "stablelm": "StableLmForCausalLM", "mixtral": "MixtralForCausalLM",
-                "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+                "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                "qwen3_next": "Qwen3NextForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM",
+                "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
+                **MLA_MODEL_TYPES}
 
 # Architectures whose attention applies RMSNorm to each q/k head before RoPE.
-_QK_NORM_ARCHS = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM")
+_QK_NORM_ARCHS = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM",
+                  "Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
 _GEMMA_ARCHS = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 
 # The configuration classes' head_dim when config.json has none (Qwen3Config and the Gemma
@@ -62,7 +71,45 @@ class MoeConfig:
     intermediate_size: int              # each expert's
     normalize: bool                     # renormalise the top-k probabilities to sum to 1
     sparse_layers: list[bool]           # per layer: MoE (True) or the dense MLP
-    shared_intermediate_size: int = 0   # Qwen2-MoE's sigmoid-gated shared expert (0: none)
+    shared_intermediate_size: int = 0   # the shared expert's (0: none)
+    shared_expert_gate: bool = True     # Qwen2-MoE gates it by a sigmoid; DeepSeek's add it as is
+    grouped: GroupedRouting | None = None  # DeepSeekMoE's router (engine/models/deepseek_config.py)
+
+
+@dataclass(slots=True)
+class LinearAttentionConfig:
+    """Gated DeltaNet layers (Qwen3-Next, Qwen3.5) beside full-attention ones: each keeps a short
+    causal convolution's last inputs and a recurrent state per sequence instead of K/V."""
+    layer_types: list[str]              # per layer: "linear_attention" | "full_attention"
+    num_k_heads: int
+    num_v_heads: int                    # a multiple of num_k_heads (grouped value heads)
+    head_k_dim: int
+    head_v_dim: int
+    conv_kernel: int                    # the causal convolution's width
+    split_projections: bool             # Qwen3.5: in_proj_qkv/z/b/a; Qwen3-Next: in_proj_qkvz/ba
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_k_heads * self.head_k_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_v_heads * self.head_v_dim
+
+    @property
+    def conv_dim(self) -> int:          # the convolved channels: q, k and v
+        return 2 * self.key_dim + self.value_dim
+
+    @property
+    def num_linear_layers(self) -> int:
+        return self.layer_types.count("linear_attention")
+
+    def state_floats(self) -> int:
+        """float32 values one sequence's state holds over every linear layer: the convolution's
+        last conv_kernel - 1 inputs and the (head_k_dim, head_v_dim) state of each value head."""
+        per_layer = ((self.conv_kernel - 1) * self.conv_dim
+                     + self.num_v_heads * self.head_k_dim * self.head_v_dim)
+        return per_layer * self.num_linear_layers
 
 
 @dataclass(slots=True)
@@ -99,6 +146,21 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     moe: MoeConfig | None = None        # mixture-of-experts layers, if any
     has_lm_head: bool = True            # False: a headless transformer (LlamaModel, ...)
+    vision: VisionConfig | None = None  # a vision-language model's vision tower (engine/vision/)
+    # A tensor-parallel rank's config (engine/parallel/sharding.py): heads, sizes and vocab_size
+    # are the rank's share, and this a TensorParallel saying of what; None: the whole model.
+    tensor_parallel: object = None
+    linear_attention: LinearAttentionConfig | None = None  # hybrid models' gated DeltaNet layers
+
+    @property
+    def num_kv_layers(self) -> int:
+        """Layers with a paged K/V cache (a hybrid model's full-attention layers)."""
+        if self.linear_attention is None:
+            return self.num_hidden_layers
+        return self.linear_attention.layer_types.count("full_attention")
+    # Multi-head latent attention (DeepSeek-V2/V3): its cache is one "KV head" of the latent and
+    # the rotary part (num_key_value_heads 1, head_dim mla.latent_dim), not K and V.
+    mla: MlaConfig | None = None
 
     @property
     def q_size(self) -> int:
@@ -107,6 +169,13 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_key_value_heads * self.head_dim
+
+    @property
+    def kv_cache_elements_per_token(self) -> int:
+        """Cached values per token and layer: K and V of every KV head, or MLA's latent."""
+        if self.mla is not None:
+            return self.mla.latent_dim
+        return 2 * self.num_key_value_heads * self.head_dim
 
     @classmethod
     def from_pretrained(cls, model_dir: str, yarn_scaling_factor: float | None = None) -> "ModelConfig":
@@ -131,13 +200,27 @@ class ModelConfig:
         archs = cfg.get("architectures") or []
         if not archs and cfg.get("model_type") in _MODEL_TYPES:
             archs = [_MODEL_TYPES[cfg["model_type"]]]
-        arch = next((a for a in archs if a in ARCHITECTURES or a in BASE_MODELS), None)
+        arch = next((a for a in archs if a in ARCHITECTURES or a in BASE_MODELS
+                     or a in TEXT_MODELS), None)
+        if arch in VISION_ARCHITECTURES:   # its language model by its causal LM's rules
+            config = cls.from_dict(text_config_of(arch, cfg), yarn_scaling_factor)
+            config.architecture = arch
+            config.vision = parse_vision_config(arch, cfg, config.rope.rot_dim)
+            return config
         if arch is None:
+            known = sorted([*ARCHITECTURES, *BASE_MODELS, *TEXT_MODELS])
             raise ValueError(f"unsupported architecture {', '.join(archs) or '(none given)'}; "
-                             f"supported: {', '.join(sorted([*ARCHITECTURES, *BASE_MODELS]))}")
+                             f"supported: {', '.join(known)}")
+        if arch in TEXT_MODELS:      # a multimodal checkpoint: its language model's config
+            outer = {k: cfg[k] for k in ("tie_word_embeddings", "eos_token_id", "bos_token_id",
+                                         "quantization_config", "dtype") if k in cfg}
+            cfg = {**(cfg.get("text_config") or {}), **outer}
+            arch = TEXT_MODELS[arch]
         # A headless transformer follows its causal LM's config rules (biases, q/k norm, ...).
         has_lm_head = arch not in BASE_MODELS
         arch = BASE_MODELS.get(arch, arch)
+        if arch in _HYBRID_DEFAULTS:      # the config classes' defaults for keys left out
+            cfg = {**_HYBRID_DEFAULTS[arch], **{k: v for k, v in cfg.items() if v is not None}}
         hidden = cfg["hidden_size"]
         num_heads = cfg["num_attention_heads"]
         num_layers = cfg["num_hidden_layers"]
@@ -147,6 +230,11 @@ class ModelConfig:
             raise ValueError(f"num_attention_heads {num_heads} is not a multiple of "
                              f"num_key_value_heads {num_kv_heads}")
         max_pos = cfg.get("max_position_embeddings", 2048)
+        mla = parse_mla(arch, cfg) if arch in MLA_ARCHITECTURES else None
+        if mla is not None:   # one cached "head": the latent and the rotary part
+            num_kv_heads, head_dim = 1, mla.latent_dim
+            if cfg.get("mlp_bias"):
+                raise ValueError(f"{arch}: mlp_bias is not supported")
 
         if arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM"):
             qkv_bias, o_bias = True, False
@@ -164,7 +252,7 @@ class ModelConfig:
         if act_name not in _ACTIVATIONS:
             raise ValueError(f"unsupported hidden activation {act_name!r} for {arch}; "
                              f"supported: {', '.join(sorted(_ACTIVATIONS))}")
-        rope, local_rope = _ropes(arch, cfg, head_dim, max_pos, yarn_scaling_factor)
+        rope, local_rope = _ropes(arch, cfg, head_dim, max_pos, yarn_scaling_factor, mla)
         gemma = arch in _GEMMA_ARCHS
         eos = _as_list(cfg.get("eos_token_id"))
         return cls(
@@ -188,7 +276,8 @@ class ModelConfig:
             quantization=(cfg.get("quantization_config") or {}).get("quant_method"),
             quantization_config=cfg.get("quantization_config"),
             bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos, has_lm_head=has_lm_head,
-            moe=parse_moe(arch, cfg, num_layers))
+            moe=parse_moe(arch, cfg, num_layers),
+            linear_attention=parse_linear_attention(arch, cfg, num_layers), mla=mla)
 
 
 # Config-class defaults transformers 5 fills in when config.json leaves a key out.
@@ -197,7 +286,52 @@ _MOE_DEFAULTS = {
                                 norm_topk_prob=False, shared_expert_intermediate_size=5632),
     "Qwen3MoeForCausalLM": dict(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
                                 norm_topk_prob=False, shared_expert_intermediate_size=0),
+    "Qwen3NextForCausalLM": dict(num_experts=512, num_experts_per_tok=10, moe_intermediate_size=512,
+                                 norm_topk_prob=True, shared_expert_intermediate_size=512),
+    # Qwen3.5-MoE: every layer sparse, the top-k always renormalised (its config has neither
+    # decoder_sparse_step, mlp_only_layers nor norm_topk_prob)
+    "Qwen3_5MoeForCausalLM": dict(num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
+                                  norm_topk_prob=True, shared_expert_intermediate_size=512,
+                                  decoder_sparse_step=1, mlp_only_layers=[]),
 }
+
+# Qwen3NextConfig's (and the Qwen3.5 text configs') defaults for the keys a config.json may leave
+# out; partial_rotary_factor as their __post_init__ sets it.
+_HYBRID_COMMON = dict(head_dim=256, linear_conv_kernel_dim=4, linear_key_head_dim=128,
+                      linear_value_head_dim=128, linear_num_key_heads=16,
+                      linear_num_value_heads=32, partial_rotary_factor=0.25)
+_HYBRID_DEFAULTS = {
+    "Qwen3NextForCausalLM": dict(_HYBRID_COMMON, intermediate_size=5632),
+    "Qwen3_5ForCausalLM": dict(_HYBRID_COMMON, intermediate_size=12288),
+    "Qwen3_5MoeForCausalLM": dict(_HYBRID_COMMON, intermediate_size=0),   # no dense MLP
+}
+
+
+def parse_linear_attention(arch: str, cfg: dict, num_layers: int) -> LinearAttentionConfig | None:
+    """The gated DeltaNet layers as Qwen3NextConfig reads them: layer_types, else every
+    full_attention_interval-th layer (default 4) full attention and the others linear."""
+    if arch not in _HYBRID_DEFAULTS:
+        return None
+    interval = int(cfg.get("full_attention_interval") or 4)
+    layer_types = cfg.get("layer_types") or [
+        "full_attention" if (i + 1) % interval == 0 else "linear_attention"
+        for i in range(num_layers)]
+    if len(layer_types) != num_layers:
+        raise ValueError(f"layer_types has {len(layer_types)} entries for {num_layers} layers")
+    unknown = sorted(set(layer_types) - {"linear_attention", "full_attention"})
+    if unknown:
+        raise ValueError(f"layer_types: unsupported layer type {unknown[0]!r}; supported: "
+                         "linear_attention, full_attention")
+    la = LinearAttentionConfig(
+        list(layer_types), int(cfg["linear_num_key_heads"]), int(cfg["linear_num_value_heads"]),
+        int(cfg["linear_key_head_dim"]), int(cfg["linear_value_head_dim"]),
+        int(cfg["linear_conv_kernel_dim"]), split_projections=arch != "Qwen3NextForCausalLM")
+    if la.num_v_heads % la.num_k_heads:
+        raise ValueError(f"linear_num_value_heads {la.num_v_heads} is not a multiple of "
+                         f"linear_num_key_heads {la.num_k_heads}")
+    if la.conv_kernel < 1:
+        raise ValueError(f"linear_conv_kernel_dim must be at least 1, got {la.conv_kernel}")
+    return la
 
 
 def parse_moe(arch: str, cfg: dict, num_layers: int) -> MoeConfig | None:
@@ -205,6 +339,8 @@ def parse_moe(arch: str, cfg: dict, num_layers: int) -> MoeConfig | None:
     if arch == "MixtralForCausalLM":      # softmax, top-k, always renormalised; every layer
         return MoeConfig(int(cfg.get("num_local_experts", 8)), int(cfg.get("num_experts_per_tok", 2)),
                          int(cfg["intermediate_size"]), True, [True] * num_layers)
+    if arch in MLA_ARCHITECTURES:
+        return MoeConfig(**parse_deepseek_moe(arch, cfg, num_layers))
     if arch not in _MOE_DEFAULTS:
         return None
     get = {**_MOE_DEFAULTS[arch], **{k: v for k, v in cfg.items() if v is not None}}.get
@@ -216,6 +352,10 @@ def parse_moe(arch: str, cfg: dict, num_layers: int) -> MoeConfig | None:
     # num_experts.
     num_experts = int(cfg.get("num_experts") or get("num_local_experts", get("num_experts")))
     sparse = [i not in dense and num_experts > 0 and (i + 1) % step == 0 for i in range(num_layers)]
+    if arch == "Qwen3_5MoeForCausalLM":   # Qwen3_5MoeDecoderLayer: always the sparse block,
+        sparse = [True] * num_layers      # whose router always renormalises
+        cfg = {**cfg, "norm_topk_prob": True}
+        get = {**_MOE_DEFAULTS[arch], **{k: v for k, v in cfg.items() if v is not None}}.get
     return MoeConfig(num_experts, int(get("num_experts_per_tok")), int(get("moe_intermediate_size")),
                      bool(get("norm_topk_prob")), sparse, int(get("shared_expert_intermediate_size")))
 
@@ -276,9 +416,13 @@ def _sliding_windows(arch: str, cfg: dict, num_layers: int) -> list[int]:
     return [0] * num_layers
 
 
-def _ropes(arch: str, cfg: dict, head_dim: int, max_pos: int,
-           yarn_scaling_factor: float | None) -> tuple[RopeConfig, RopeConfig | None]:
+def _ropes(arch: str, cfg: dict, head_dim: int, max_pos: int, yarn_scaling_factor: float | None,
+           mla: MlaConfig | None = None) -> tuple[RopeConfig, RopeConfig | None]:
     """(RoPE of the full-attention layers, RoPE of the sliding layers when it differs)."""
+    if mla is not None:   # only the qk_rope_head_dim part of each head rotates
+        rope = parse_rope(cfg, mla.qk_rope_head_dim, max_pos, yarn_scaling_factor)
+        rope.is_neox = rope_is_neox(arch, cfg)
+        return rope, None
     if arch == "StableLmForCausalLM":     # StableLmConfig: a quarter of the head by default
         cfg = {"partial_rotary_factor": 0.25, **cfg}
     if arch == "Glm4ForCausalLM":

@@ -18,6 +18,15 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "MixtralForCausalLM": ("moe", "MoeForCausalLM"),
     "Qwen2MoeForCausalLM": ("moe", "MoeForCausalLM"),
     "Qwen3MoeForCausalLM": ("moe", "MoeForCausalLM"),
+    # vision-language (engine/vision/): images in, text out
+    "Qwen2_5_VLForConditionalGeneration": ("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration"),
+    # hybrid: gated DeltaNet layers beside gated full attention
+    "Qwen3NextForCausalLM": ("qwen3_next", "Qwen3NextForCausalLM"),
+    "Qwen3_5ForCausalLM": ("qwen3_next", "Qwen3NextForCausalLM"),
+    "Qwen3_5MoeForCausalLM": ("qwen3_next", "Qwen3NextForCausalLM"),
+    "DeepseekV2ForCausalLM": ("deepseek", "DeepseekForCausalLM"),
+    "DeepseekV3ForCausalLM": ("deepseek", "DeepseekForCausalLM"),
+    "Glm4MoeLiteForCausalLM": ("deepseek", "DeepseekForCausalLM"),
 }
 
 # Headless transformers (embedding checkpoints: tensors without the "model." prefix, no lm_head)
@@ -27,6 +36,14 @@ BASE_MODELS: dict[str, str] = {
     "MistralModel": "MistralForCausalLM",
     "Qwen2Model": "Qwen2ForCausalLM",
     "Qwen3Model": "Qwen3ForCausalLM",
+}
+
+
+# Multimodal checkpoints served for their text: their config.json nests the language model's
+# under text_config, their tensors under model.language_model. (the vision tower is not loaded).
+TEXT_MODELS: dict[str, str] = {
+    "Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
+    "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM",
 }
 
 

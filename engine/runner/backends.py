@@ -24,14 +24,20 @@ def detect_backend() -> str:
     return "cuda" if device_count() > 0 else "cpu"
 
 
-def make_backend(config):
-    """The backend of an EngineConfig (its backend already resolved from "auto")."""
+def make_backend(config, rank: int = 0):
+    """The backend of an EngineConfig (its backend already resolved from "auto"); `rank`: a
+    tensor-parallel rank's, on its device, or its share of the CPUs."""
     # Our OpenMP kernels use every core; NumPy's BLAS must not start a second pool beside them.
     threadpool_limits(limits=1, user_api="blas")
     log_kernels(config.kernels, config.backend)
     if config.backend == "cpu":
         from pyx.cpu_backend import CpuBackend
-        backend = CpuBackend(batch_invariant=config.batch_invariant, kernels=config.kernels)
+        num_threads = None
+        if config.tensor_parallel_size > 1 and not cpu_threads.user_num_threads():
+            # the ranks split the CPUs (a fixed count: one rank is no other's contention)
+            num_threads = max(1, cpu_threads.usable_cpus()[0] // config.tensor_parallel_size)
+        backend = CpuBackend(batch_invariant=config.batch_invariant, kernels=config.kernels,
+                             num_threads=num_threads)
         log.info("CPU backend: %s", cpu_threads.describe(backend.num_threads,
                                                            backend.governor is not None))
         return backend
@@ -41,7 +47,8 @@ def make_backend(config):
         except ImportError as e:
             raise ValueError("this build of Taper has no CUDA backend (it was installed without "
                              "nvcc, or with TAPER_CUDA=0); reinstall where nvcc is on PATH") from e
-        return CudaBackend(dtype=CUDA_ACT_DTYPES[config.dtype], device=config.device,
+        device = (config.device_ids[rank] if config.device_ids else config.device + rank)
+        return CudaBackend(dtype=CUDA_ACT_DTYPES[config.dtype], device=device,
                            kernels=config.kernels)
     raise ValueError(f"unknown backend {config.backend!r}: cpu or cuda")
 

@@ -13,6 +13,7 @@ import math
 
 import numpy as np
 
+from engine.core.hybrid_state import StatePlan
 from engine.runner.forward_batch import ForwardBatch
 
 log = logging.getLogger("taper.engine")
@@ -37,10 +38,14 @@ def profile_forward(model, backend, max_num_batched_tokens: int, max_num_seqs: i
         slot_mapping=np.full(T, -1, np.int32), query_start_loc=bounds, seq_lens=seq_lens,
         block_tables=np.zeros((len(seq_lens), max_blocks), np.int32),
         logits_indices=np.arange(min(T, max_num_seqs), dtype=np.int32))
-    shape = model.kv_cache_shape(1, block_size)
     dtype = backend.act_dtype
-    caches = [(backend.xp.zeros(shape, dtype), backend.xp.zeros(shape, dtype))
-              for _ in range(model.num_layers)]
+    if hasattr(model, "allocate_caches"):   # a hybrid model: a fresh state row per sequence
+        caches = model.allocate_caches(1, block_size, dtype, len(seq_lens))
+        rows = np.arange(len(seq_lens))
+        batch.state_plan = StatePlan(bounds.astype(np.int64), rows, rows,
+                                     np.ones(len(seq_lens), bool), asarray=backend.asarray)
+    else:
+        caches = model.new_kv_caches(1, block_size, dtype)
     model.forward(batch.map(backend.asarray), caches)
     backend.synchronize()
 

@@ -24,6 +24,10 @@ class ForwardBatch:
     block_table_rows: np.ndarray | None = None    # (B,) int32
     block_table_width: int = 0
     block_table_update: object = None             # an input_buffers.BlockTableUpdate
+    # Image rows of a vision-language model's step (engine/vision/runner.py), else None.
+    vision: object = None
+    # a hybrid model's state rows this step (engine/core/hybrid_state.StatePlan), else None
+    state_plan: object = None
 
     @property
     def num_tokens(self) -> int:
@@ -40,4 +44,4 @@ class ForwardBatch:
                               for f, v in ((f, getattr(self, f.name)) for f in fields(self))))
 
 
-_NOT_ARRAYS = ("block_table_width", "block_table_update")
+_NOT_ARRAYS = ("block_table_width", "block_table_update", "vision", "state_plan")

@@ -9,6 +9,8 @@ from engine.runner.device_block_tables import DeviceBlockTables
 from engine.runner.forward_batch import ForwardBatch
 from engine.runner.input_buffers import BlockTables
 from engine.core.scheduler import SchedulerOutput
+from engine.vision.runner import VisionRunner
+from engine.parallel.steps import HostArrays, StepInputs
 
 
 # KV cache element type per EngineConfig.kv_cache_dtype on the CPU: fp8 is OCP e4m3 codes (uint8)
@@ -19,32 +21,52 @@ KV_CACHE_DTYPES = {"auto": np.float32, "fp8": np.uint8}
 
 class ModelRunner:
     def __init__(self, model, model_config, backend, block_size: int, num_blocks: int,
-                 kv_cache_dtype: str = "auto"):
+                 kv_cache_dtype: str = "auto", state_pool=None):
+        """state_pool: a hybrid model's HybridBlockPool (engine/core/hybrid_state.py), which
+        sizes its state rows and plans each step's use of them; None for other models."""
         self.model = model
         self.backend = backend
         self.block_size = block_size
         self.num_blocks = num_blocks
-        shape = model.kv_cache_shape(num_blocks, block_size)
+        self.state_pool = state_pool
         dtype = backend.kv_cache_dtype(kv_cache_dtype)
-        xp = backend.xp
-        self.kv_caches = [(xp.zeros(shape, dtype), xp.zeros(shape, dtype))
-                          for _ in range(model_config.num_hidden_layers)]
+        if state_pool is not None:
+            self.kv_caches = model.allocate_caches(num_blocks, block_size, dtype,
+                                                   state_pool.num_state_rows)
+        else:
+            self.kv_caches = model.new_kv_caches(num_blocks, block_size, dtype)
         self.block_tables = BlockTables()   # persistent: updated with each step's new blocks
         # A backend whose arrays live apart from the host's (CUDA) keeps its own copy of the
         # tables, updated with each step's changes; on the CPU the host table is the device's.
         self.device_block_tables = (DeviceBlockTables(backend, self.block_tables)
                                     if backend.xp is not np else None)
         self.graph_runner = None      # a CudaGraphRunner once decode graphs are captured
+        # EAGLE-3 (engine/spec/eagle3.py): an AuxCapture every forward fills with the target's
+        # aux hidden states (the decode graphs do not: such steps run eagerly)
+        self.aux_capture = None
         self.num_forward_calls = 0    # counted for tests and metrics
         self.num_forward_tokens = 0
+        # a vision-language model's image rows and encoder (engine/vision/runner.py)
+        self.vision = (VisionRunner(model, backend)
+                       if getattr(model, "vision_encoder", None) is not None else None)
+        self.peers = None             # rank 0 of a tensor-parallel group: a steps.StepSender
+        self._block_copies: list[tuple[int, int]] = []   # for the peers, with the next step
+
+    def join_tensor_parallel(self, peers=None) -> None:
+        """A rank of a tensor-parallel group (engine/parallel/steps.py), before its first step:
+        rank 0 sends each step's inputs to `peers`. Every rank keeps its own copy of the block
+        tables, so a batch carries the tables' changes, not whole tables (on the CPU too)."""
+        if self.device_block_tables is None:
+            self.device_block_tables = DeviceBlockTables(HostArrays(), self.block_tables)
+        self.peers = peers
 
     @staticmethod
     def kv_bytes_per_block(model_config, block_size: int, kv_cache_dtype="auto") -> int:
         """kv_cache_dtype: a CPU kind ("auto", "fp8") or an element dtype."""
         dtype = KV_CACHE_DTYPES[kv_cache_dtype] if isinstance(kv_cache_dtype, str) else kv_cache_dtype
         itemsize = np.dtype(dtype).itemsize  # f32: 4, bf16/f16: 2, fp8: 1
-        per_token = 2 * model_config.num_key_value_heads * model_config.head_dim * itemsize  # K+V
-        return per_token * block_size * model_config.num_hidden_layers
+        per_token = model_config.kv_cache_elements_per_token * itemsize  # K+V, or MLA's latent
+        return per_token * block_size * model_config.num_kv_layers
 
     def prepare(self, sched: SchedulerOutput) -> ForwardBatch:
         """Each sequence computes tokens [num_computed, num_computed + n) (its num_computed_tokens
@@ -105,16 +127,25 @@ class ModelRunner:
                        for p in seq.request.prompt_logprob_positions(a, k)]
         if prompt_rows:
             logits_indices = np.concatenate([logits_indices, np.array(prompt_rows, np.int32)])
-        return ForwardBatch(token_ids, positions, slot_mapping.astype(np.int32, copy=False),
-                            query_start_loc, starts + n, block_tables,
-                            logits_indices.astype(np.int32, copy=False),
-                            rows.astype(np.int32), width,
-                            self.block_tables.take_update() if on_device else None)
+        batch = ForwardBatch(token_ids, positions, slot_mapping.astype(np.int32, copy=False),
+                             query_start_loc, starts + n, block_tables,
+                             logits_indices.astype(np.int32, copy=False),
+                             rows.astype(np.int32), width,
+                             self.block_tables.take_update() if on_device else None)
+        if self.state_pool is not None:     # a hybrid model's state rows
+            batch.state_plan = self.state_pool.plan(sched)
+            batch.state_plan.asarray = self.backend.asarray
+        if self.vision is not None:     # M-RoPE positions and image rows
+            self.vision.prepare(sched, batch)
+        return batch
 
     def copy_blocks(self, pairs: list[tuple[int, int]]):
-        """KV block src -> dst in every layer (a beam's fork of a partly filled block)."""
+        """KV block src -> dst in every layer (a beam's fork of a partly filled block); under
+        tensor parallel the other ranks copy theirs before the next step."""
         if not pairs:
             return
+        if self.peers is not None:
+            self._block_copies.extend(pairs)
         src = self.backend.asarray(np.array([p[0] for p in pairs], np.int64))
         dst = self.backend.asarray(np.array([p[1] for p in pairs], np.int64))
         for k, v in self.kv_caches:
@@ -155,23 +186,27 @@ class ModelRunner:
         step, then of the P prompt-logprob rows (on the backend's device), and for each
         embedding request in the step (seq, chunk start, its pooled rows' final-norm hidden
         states as float32 on the host). Pure decode steps replay a captured CUDA graph when one
-        fits. batch: this step's arrays when the caller prepared them already."""
+        fits. batch: this step's arrays when the caller prepared them already. Under tensor
+        parallel, rank 0 sends the step's inputs to the other ranks first, which run the same
+        forward (engine/parallel/steps.py)."""
         if batch is None:
             batch = self.prepare(sched)
-        self._apply_table_update(batch)   # the table's changes, before anything reads it
         pooled = self.pooled_rows(sched)
-        self.backend.adapt_threads()    # CPU: fewer threads while other processes compete
-        self.num_forward_calls += 1
-        self.num_forward_tokens += batch.num_tokens
+        hidden_rows = scored = score_rows = None
+        if pooled:
+            hidden_rows = np.concatenate([np.arange(first, end, dtype=np.int32)
+                                          for _, _, first, end in pooled])
+            scored = self.scored_rows(pooled)
+            if scored:
+                score_rows = np.array([r for r, _ in scored], np.int64)
+        inputs = StepInputs(batch, hidden_rows, score_rows, self._block_copies)
+        self._block_copies = []
+        if self.peers is not None:      # before the block table's update is applied and dropped
+            self.peers.send(inputs)
+        logits, hidden, score_logits = self.run(inputs)
         if not pooled:
-            if self.graph_runner is not None and self.graph_runner.can_run(batch):
-                return self.graph_runner.run(batch), []
-            return self.model.forward(self.to_device(batch), self.kv_caches), []
-        rows = np.concatenate([np.arange(first, end, dtype=np.int32)
-                               for _, _, first, end in pooled])
-        logits, hidden = self.model.forward(self.to_device(batch), self.kv_caches,
-                                            hidden_indices=self.backend.asarray(rows))
-        scores = self.token_logits(pooled, hidden)
+            return logits, []
+        scores = self.pick_scores(scored, score_logits) if scored else []
         hidden = np.asarray(self.backend.to_host(hidden), dtype=np.float32)
         out, at = [], 0
         for seq, start, first, end in pooled:
@@ -184,23 +219,51 @@ class ModelRunner:
             at += k
         return logits, out
 
-    def token_logits(self, pooled: list[tuple], hidden) -> list[np.ndarray]:
-        """For each scoring request (its Pooler has token_ids) whose last row is in `hidden`, in
-        order: those tokens' logits there, (1, len(token_ids)) float32 on the host. Their rows
-        go through the lm_head together; only the asked-for logits leave the device."""
+    def run(self, inputs: StepInputs):
+        """The device part of a step, the same on every tensor-parallel rank: (logits, the pooled
+        rows' hidden states or None, the scored rows' logits or None)."""
+        batch = inputs.batch
+        self._apply_table_update(batch)   # the table's changes, before anything reads it
+        self.backend.adapt_threads()    # CPU: fewer threads while other processes compete
+        self.num_forward_calls += 1
+        self.num_forward_tokens += batch.num_tokens
+        if self.vision is not None:     # the step's images through the encoder (or its cache)
+            self.vision.encode(batch)
+        # an EAGLE-3 head's features: the target's hidden states at its layers, every row
+        capture = {} if self.aux_capture is None else {"capture": self.aux_capture}
+        if inputs.hidden_rows is None:
+            if not capture and self.graph_runner is not None and self.graph_runner.can_run(batch):
+                return self.graph_runner.run(batch), None, None
+            return (self.model.forward(self.to_device(batch), self.kv_caches, **capture), None,
+                    None)
+        be = self.backend
+        logits, hidden = self.model.forward(self.to_device(batch), self.kv_caches,
+                                            hidden_indices=be.asarray(inputs.hidden_rows),
+                                            **capture)
+        score_logits = None
+        if inputs.score_rows is not None:   # their rows go through the lm_head together
+            score_logits = self.model.logits(
+                be.xp.ascontiguousarray(hidden[be.asarray(inputs.score_rows)]))
+        return logits, hidden, score_logits
+
+    @staticmethod
+    def scored_rows(pooled: list[tuple]) -> list[tuple[int, list[int]]]:
+        """(row in the pooled hidden states, token ids) of each scoring request (its Pooler has
+        token_ids) whose last row is in this step, in order."""
         wanted, at = [], 0
         for seq, _, first, end in pooled:
             if seq.pooler.token_ids is not None and end > first:
                 wanted.append((at + end - first - 1, seq.pooler.token_ids))
             at += end - first
-        if not wanted:
-            return []
+        return wanted
+
+    def pick_scores(self, scored: list[tuple], logits) -> list[np.ndarray]:
+        """For each scored row, its tokens' logits, (1, len(token_ids)) float32 on the host;
+        only the asked-for logits leave the device."""
         be = self.backend
-        rows = be.asarray(np.array([r for r, _ in wanted], np.int64))
-        logits = self.model.logits(be.xp.ascontiguousarray(hidden[rows]))
-        row_of = np.repeat(np.arange(len(wanted)), [len(ids) for _, ids in wanted])
-        cols = np.concatenate([np.array(ids, np.int64) for _, ids in wanted])
+        row_of = np.repeat(np.arange(len(scored)), [len(ids) for _, ids in scored])
+        cols = np.concatenate([np.array(ids, np.int64) for _, ids in scored])
         picked = np.asarray(be.to_host(logits[be.asarray(row_of), be.asarray(cols)]),
                             np.float32)
         return [p.reshape(1, -1)
-                for p in np.split(picked, np.cumsum([len(ids) for _, ids in wanted])[:-1])]
+                for p in np.split(picked, np.cumsum([len(ids) for _, ids in scored])[:-1])]

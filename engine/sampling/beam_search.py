@@ -147,6 +147,7 @@ class BeamRequests:
                                  default_seed=0)
                 child.token_ids = parent.token_ids + [token]
                 child.request = request
+                child.mm = parent.mm
                 pair = eng.block_pool.fork(parent, child)
                 if pair is not None:
                     pairs.append(pair)

@@ -2,11 +2,12 @@
 
     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 5, "prompt_lookup_min": 2}
     {"method": "draft_model", "model": "DIR", "num_speculative_tokens": 4}
+    {"method": "eagle3", "model": "DIR", "num_speculative_tokens": 4}    (an EAGLE-3 head)
 
 `disable_by_batch_size` (vLLM's) turns speculation off for a step that runs more sequences than
 that: a large batch is compute-bound, and verifying k extra tokens per sequence costs k times
-the compute. `draft_sampling` is Taper's: how a draft model picks its tokens for a request that
-samples ("greedy": its argmax, a point mass, so a seeded request gives the same tokens as without
+the compute. `draft_sampling` is Taper's: how a draft model or an EAGLE-3 head picks its tokens
+for a request that samples ("greedy": its argmax, a point mass, so a seeded request gives the same tokens as without
 speculation; "probabilistic": a draw from its own distribution, verified by rejection sampling
 against it, which accepts more at high temperatures but draws other tokens for the same seed).
 """
@@ -15,7 +16,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, fields
 
-METHODS = ("ngram", "draft_model")
+METHODS = ("ngram", "draft_model", "eagle3")
 DRAFT_SAMPLING = ("greedy", "probabilistic")
 MAX_SPECULATIVE_TOKENS = 32
 # The default batch-size gate: a step speculates while at most this many sequences run. On the
@@ -30,21 +31,22 @@ class SpeculativeConfig:
     num_speculative_tokens: int
     prompt_lookup_max: int | None = None     # ngram: the longest suffix looked up
     prompt_lookup_min: int | None = None     # ngram: the shortest
-    model: str | None = None                 # draft_model: its directory (or hub id)
+    model: str | None = None                 # draft_model, eagle3: its directory (or hub id)
     disable_by_batch_size: int | None = DEFAULT_DISABLE_BY_BATCH_SIZE
     draft_sampling: str = "greedy"
 
     def __post_init__(self):
         if self.method not in METHODS:
             raise ValueError(f"speculative config: method must be one of {', '.join(METHODS)} "
-                             f"(EAGLE and MTP heads are not supported yet), got {self.method!r}")
+                             f"(MTP heads are not supported yet), got {self.method!r}")
         k = self.num_speculative_tokens
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"speculative config: num_speculative_tokens must be an integer in "
                              f"[1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
         if self.method == "ngram":
             if self.model is not None:
-                raise ValueError("speculative config: model is for method draft_model, not ngram")
+                raise ValueError("speculative config: model is for methods draft_model and "
+                                 "eagle3, not ngram")
             lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
             for name, value in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
                 if value is not None and (not isinstance(value, int) or value < 1):
@@ -60,9 +62,12 @@ class SpeculativeConfig:
             object.__setattr__(self, "prompt_lookup_min", lo)
             object.__setattr__(self, "prompt_lookup_max", hi)
         else:
-            if not self.model:
+            if not self.model and self.method == "draft_model":
                 raise ValueError("speculative config: method draft_model needs \"model\" (the "
                                  "draft's directory; --draft-model DIR sets it)")
+            if not self.model:
+                raise ValueError("speculative config: method eagle3 needs \"model\" (the "
+                                 "EAGLE-3 head's directory)")
             for name in ("prompt_lookup_min", "prompt_lookup_max"):
                 if getattr(self, name) is not None:
                     raise ValueError(f"speculative config: {name} is for method ngram")

@@ -36,16 +36,14 @@ class DraftModel:
         self.model_config = model_config
         self.backend = backend
         self.target_vocab_size = target_vocab_size
-        shape = model.kv_cache_shape(num_blocks, block_size)
-        dtype = backend.kv_cache_dtype(kv_cache_dtype)
-        xp = backend.xp
-        self.kv_caches = [(xp.zeros(shape, dtype), xp.zeros(shape, dtype))
-                          for _ in range(model_config.num_hidden_layers)]
+        self.embed_vocab_size = model_config.vocab_size     # ids it can read
+        self.kv_caches = model.new_kv_caches(num_blocks, block_size,
+                                             backend.kv_cache_dtype(kv_cache_dtype))
         self.num_forward_calls = 0
 
-    def mirror(self, batch: ForwardBatch) -> None:
+    def mirror(self, batch: ForwardBatch, host_batch: ForwardBatch | None = None) -> None:
         """The draft's K/V for every token of the target's step (`batch` on the device, block
-        tables included); no logits."""
+        tables included; `host_batch` the same on the host); no logits."""
         empty = self.backend.asarray(np.zeros(0, np.int32))
         self.model.forward(dataclasses.replace(batch, logits_indices=empty,
                                                token_ids=self._known(batch.token_ids)),
@@ -55,7 +53,7 @@ class DraftModel:
     def _known(self, token_ids):
         """Ids past the draft's vocabulary (padding ids only the target has) read as id 0: the
         draft's guesses after one are worse, the verified tokens the same."""
-        V = self.model_config.vocab_size
+        V = self.embed_vocab_size
         if V >= self.target_vocab_size:
             return token_ids
         xp = self.backend.xp
@@ -86,16 +84,8 @@ class DraftModel:
                 rows = np.array([first[i] + step for i in live], np.int64)
                 tokens = np.array([batch.token_ids[first[i]] if step == 0 else drafts[i][-1]
                                    for i in live], np.int32)
-                positions = batch.positions[rows].astype(np.int32)
                 n = len(live)
-                fb = ForwardBatch(
-                    self._known(be.asarray(tokens)), be.asarray(positions),
-                    be.asarray(batch.slot_mapping[rows].astype(np.int32)),
-                    be.asarray(np.arange(n + 1, dtype=np.int32)), be.asarray(positions + 1),
-                    block_tables[be.asarray(np.array([plans[i][0] for i in live], np.int64))],
-                    be.asarray(np.arange(n, dtype=np.int32)))
-                logits = self._fit_vocab(self.model.forward(fb, self.kv_caches))
-                self.num_forward_calls += 1
+                logits = self._step_logits(batch, block_tables, plans, live, rows, tokens, step)
                 views = [DraftRow(plans[i][1], drafts[i], plans[i][1].seed ^ DRAFT_STREAM,
                                   views_params[i]) for i in live]
                 mask = self._mask(structured, [walks[i] for i in live], n)
@@ -110,12 +100,28 @@ class DraftModel:
                         walks[i].restore()
                         walks[i] = None     # refused (an empty mask): verification rejects it
                     if probs[i] is not None:
-                        probs[i].append(_softmax_row(xp, processed[r]))
+                        probs[i].append(_draft_distribution(xp, processed[r], token))
         finally:
             for walk in walks:
                 if walk is not None:
                     walk.restore()
         return drafts, [None if p is None else xp.stack(p) for p in probs]
+
+    def _step_logits(self, batch, block_tables, plans, live, rows, tokens, step: int):
+        """One drafting forward: the live plans' tokens at their verify rows `rows` of the
+        target's batch (their positions and slots); logits (len(live), target V)."""
+        be = self.backend
+        positions = batch.positions[rows].astype(np.int32)
+        n = len(live)
+        fb = ForwardBatch(
+            self._known(be.asarray(tokens)), be.asarray(positions),
+            be.asarray(batch.slot_mapping[rows].astype(np.int32)),
+            be.asarray(np.arange(n + 1, dtype=np.int32)), be.asarray(positions + 1),
+            block_tables[be.asarray(np.array([plans[i][0] for i in live], np.int64))],
+            be.asarray(np.arange(n, dtype=np.int32)))
+        logits = self._fit_vocab(self.model.forward(fb, self.kv_caches))
+        self.num_forward_calls += 1
+        return logits
 
     @staticmethod
     def _draft_params(seq, probabilistic: bool):
@@ -150,7 +156,14 @@ class DraftModel:
         return out
 
 
-def _softmax_row(xp, x):
+def _draft_distribution(xp, x, token: int):
+    """The distribution a draft was drawn from: the softmax of its processed row, or a point
+    mass on the proposed token where every id is masked (-inf: an EAGLE-3 head's draft
+    vocabulary under a grammar that wants none of it). No sync: the choice is made on the
+    device."""
     x = x.astype(xp.float64)
-    e = xp.exp(x - x.max())
-    return e / e.sum()
+    top = x.max()
+    e = xp.exp(x - xp.where(xp.isfinite(top), top, 0.0))
+    total = e.sum()
+    point = (xp.arange(x.shape[0]) == token).astype(xp.float64)
+    return xp.where(total > 0, e / xp.where(total > 0, total, 1.0), point)

@@ -28,6 +28,7 @@ HELP = """\
 /top_p X         nucleus sampling mass (no value: the server's default)
 /max_tokens N    longest answer, in tokens (no value: the server's default)
 /system TEXT     system prompt for the next requests (no text: none)
+/image PATH      attach an image file to the next message (a vision model's)
 /clear           forget the conversation
 /save FILE       write the conversation as JSON (a chat completion request body)
 /help            this list
@@ -191,6 +192,15 @@ class Chat:
         elif name == "/system":
             conversation.system = arg or None
             self.note(f"system prompt: {arg}" if arg else "no system prompt")
+        elif name == "/image":
+            if not arg:
+                self.error("usage: /image PATH")
+                return True
+            try:
+                size = conversation.attach(os.path.expanduser(arg))
+                self.note(f"image {arg} ({size} bytes) goes with the next message")
+            except (OSError, ValueError) as e:
+                self.error(f"could not attach: {e}")
         elif name == "/save":
             if not arg:
                 self.error("usage: /save FILE")

@@ -2,7 +2,9 @@
 the user chose, turned into the next request and saved as JSON."""
 from __future__ import annotations
 
+import base64
 import json
+import mimetypes
 from dataclasses import dataclass, field
 
 # The sampling settings commands and flags change, with the type of their value. Unset ones are
@@ -15,6 +17,18 @@ class Conversation:
     system: str | None = None
     sampling: dict = field(default_factory=dict)
     turns: list[dict] = field(default_factory=list)      # user and assistant messages
+    images: list[str] = field(default_factory=list)     # data URLs the next question carries
+
+    def attach(self, path: str) -> int:
+        """The image file at `path` goes with the next question (as a data URL); its size in
+        bytes. OSError when it cannot be read, ValueError when it is not an image type."""
+        kind = mimetypes.guess_type(path)[0]
+        if kind is None or not kind.startswith("image/"):
+            raise ValueError(f"{path}: not an image file (by its name)")
+        with open(path, "rb") as f:
+            data = f.read()
+        self.images.append(f"data:{kind};base64," + base64.b64encode(data).decode("ascii"))
+        return len(data)
 
     def messages(self) -> list[dict]:
         """What the next request sends: the system prompt (as it is now) and every turn."""
@@ -24,6 +38,12 @@ class Conversation:
     def ask(self, text: str):
         if self.turns and self.turns[-1]["role"] == "user":
             self.turns.pop()              # a question left unanswered by a second Ctrl-C
+        if self.images:        # chat's content parts: the text, then the attached images
+            content = [{"type": "text", "text": text}] + [
+                {"type": "image_url", "image_url": {"url": url}} for url in self.images]
+            self.images = []
+            self.turns.append({"role": "user", "content": content})
+            return
         self.turns.append({"role": "user", "content": text})
 
     def answered(self, text: str):

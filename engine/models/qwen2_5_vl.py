@@ -1,0 +1,71 @@
+"""Qwen2.5-VL: Qwen2's language model with M-RoPE, and its vision tower
+(engine/vision/qwen2_5_vl_encoder.py) whose outputs replace the image tokens' embeddings.
+
+M-RoPE without a kernel of its own: a text token's three positions are equal, so the usual RoPE
+cache row of that position is its rotation; an image token's row is gathered from three rows,
+each rotary frequency taking the row of its section's position (t, h or w: mrope_section). The
+cache has room past its positions for those gathered rows, one per image token of a step
+(engine/vision/runner.py numbers them; engine/vision/budget.py holds a step's image tokens under
+that room)."""
+from __future__ import annotations
+
+import numpy as np
+
+from engine.models.llama import LlamaForCausalLM
+from engine.vision.qwen2_5_vl_encoder import Qwen25VisionEncoder
+
+# The backend ops the vision tower needs beyond the language model's.
+VISION_OPS = ("gelu", "encoder_attention")
+
+
+def _checkpoint_names(weights: dict) -> None:
+    """transformers 5's in-memory names (model.language_model.*, model.visual.*) as the files
+    name them (model.*, visual.*)."""
+    for name in list(weights):
+        if name.startswith("model.language_model."):
+            weights["model." + name[len("model.language_model."):]] = weights.pop(name)
+        elif name.startswith("model.visual."):
+            weights[name[len("model."):]] = weights.pop(name)
+
+
+class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
+    def __init__(self, config, weights: dict, backend):
+        if backend.name != "cpu":
+            raise ValueError(f"{config.architecture}: the {backend.name} backend has no "
+                             f"{' and '.join(VISION_OPS)} ops, which the vision tower needs; "
+                             "serve this model with --backend cpu")
+        _checkpoint_names(weights)
+        self.vision_encoder = Qwen25VisionEncoder(config.vision, weights, backend)
+        self._mrope_cache = None
+        super().__init__(config, weights, backend)
+        section = np.repeat(np.arange(3), config.vision.mrope_section)     # (rot_dim / 2,)
+        self._section = backend.asarray(np.concatenate([section, section]).astype(np.int64))
+        self._cols = backend.asarray(np.arange(2 * len(section), dtype=np.int64))
+
+    def _rope_cache(self, i: int):
+        """The cos/sin cache with as many rows again past its positions, shared by all layers."""
+        if self._mrope_cache is None:
+            base = self.cos_sin_cache
+            self.rope_rows = base.shape[0]
+            cache = self.xp.zeros((2 * base.shape[0], base.shape[1]), np.float32)
+            cache[:base.shape[0]] = base
+            self._mrope_cache = cache
+        return self._mrope_cache
+
+    @property
+    def max_image_rows(self) -> int:
+        """Image tokens one step can hold (their gathered RoPE rows)."""
+        return self.rope_rows
+
+    def _merge_inputs(self, batch, residual):
+        vb = batch.vision
+        K = len(vb.rows)
+        if K > self.rope_rows:
+            raise ValueError(f"{K} image tokens in one step; the RoPE cache has room for "
+                             f"{self.rope_rows}")
+        rows = self.backend.asarray(vb.rows)
+        residual[rows] = vb.embeds
+        triples = self.backend.asarray(vb.triples.astype(np.int64))      # (K, 3)
+        cache = self._mrope_cache
+        cache[self.rope_rows:self.rope_rows + K] = cache[triples[:, self._section],
+                                                         self._cols[None, :]]

@@ -1,0 +1,276 @@
+"""Which part of each checkpoint tensor a tensor-parallel rank holds (Megatron's split), and cutting
+it from a lazily read tensor so that a rank reads only its part.
+
+    q/k/v (and Phi-3's fused qkv_proj)   column-parallel: each rank its query heads and their KV
+                                          heads; with fewer KV heads than ranks, a KV head is
+                                          replicated on the ranks whose query heads read it
+    o_proj                                row-parallel: the input columns of the rank's heads
+    gate/up (GLM-4's and Phi-3's fused    column-parallel: each rank a slice of the intermediate
+      gate_up_proj, every expert's)       size (MoE experts are split within, not across ranks)
+    down_proj                             row-parallel: the same slice of its input columns
+    embed_tokens, lm_head                 vocab-parallel: each rank ceil(V / ranks) rows, the
+                                          last rank's padded with zero rows
+    row-parallel biases                   rank 0's is the checkpoint's, the others zero (the
+                                          all-reduce after the projection adds it once)
+    everything else (norms, routers)      replicated
+
+A tensor arrives as the loader has it: a memory-mapped array (safetensors, a GGUF's float tensors)
+or a QuantizedWeight over memory-mapped ggml blocks. A cut along one range is a view, read when
+the model copies it into place; pieces of fused tensors and padding are copied at once. Either
+way only the rank's bytes are read, and no rank holds a whole tensor. Quantized tensors are cut
+along whole blocks (ggml's 32 or 256 elements along K, FP8's scale blocks), else the load stops
+naming the format and the tensor.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+
+import numpy as np
+
+from engine.models.kv_scales import KV_SCALE_NAMES
+from engine.models.model_config import ModelConfig
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """A rank's place in its group, carried by the model's (local) config: the config's head
+    counts and sizes are then the rank's, and its vocab_size the rank's padded share of the
+    vocabulary, of which `vocab_size` here is the whole."""
+    rank: int
+    size: int
+    vocab_size: int
+    vocab_start: int
+    comm: object = dataclasses.field(compare=False, repr=False)
+
+
+@dataclass(frozen=True)
+class Cut:
+    """The pieces [start, stop) of `axis` a rank holds, concatenated in order; `pad_to`: zero
+    entries appended along the axis up to that length (the vocabulary's last share)."""
+    axis: int
+    ranges: tuple[tuple[int, int], ...]
+    pad_to: int = 0
+
+
+ZERO_UNLESS_RANK0 = "zero unless rank 0"
+
+# Quantization methods whose tensors can be cut (others stop the load, named).
+SPLITTABLE_QUANT = ("fp8",)
+
+_Q = re.compile(r"\.self_attn\.q_proj\.(weight|bias)$")
+_KV = re.compile(r"\.self_attn\.[kv]_proj\.(weight|bias)$")
+_QKV = re.compile(r"\.self_attn\.qkv_proj\.(weight|bias)$")
+_O = re.compile(r"\.self_attn\.o_proj\.weight$")
+_UP = re.compile(r"\.(gate_proj|up_proj|w1|w3)\.(weight|bias)$")
+_GATE_UP = re.compile(r"\.gate_up_proj\.(weight|bias)$")
+_DOWN = re.compile(r"\.(down_proj|w2)\.weight$")
+_ROW_BIAS = re.compile(r"\.(o_proj|down_proj|w2)\.bias$")
+_VOCAB = re.compile(r"^(model\.)?embed_tokens\.weight$|^lm_head\.weight$")
+_KV_SCALES = tuple(f".{name}" for pair in KV_SCALE_NAMES for name in pair)
+
+
+def even(n: int, rank: int, size: int, what: str) -> tuple[int, int]:
+    if n % size:
+        raise ValueError(f"tensor parallel {size}: {what} ({n}) is not divisible by {size}")
+    return rank * n // size, (rank + 1) * n // size
+
+
+class ShardPlan:
+    """The cut of every tensor for one rank of `size`, checked against the config first (a
+    model that cannot be split stops before anything is read)."""
+
+    def __init__(self, config: ModelConfig, rank: int, size: int):
+        self.config, self.rank, self.size = config, rank, size
+        c = config
+        arch = c.architecture
+        for field, what in (("mla", "multi-head latent attention"),
+                            ("linear_attention", "hybrid linear attention"),
+                            ("vision", "a vision tower")):
+            if getattr(c, field, None) is not None:
+                raise ValueError(f"tensor parallel: {arch} ({what}) is not yet split across "
+                                 "ranks")
+        if c.qk_layernorm:
+            raise ValueError(f"tensor parallel: {arch} with per-head q/k LayerNorm (qk_layernorm) "
+                             "is not yet split across ranks")
+        if c.num_attention_heads % size:
+            raise ValueError(f"tensor parallel {size}: {arch} has {c.num_attention_heads} "
+                             f"attention heads, not divisible by {size}")
+        hkv = c.num_key_value_heads
+        if hkv % size and size % hkv:
+            raise ValueError(f"tensor parallel {size}: {arch} has {hkv} KV heads; a split needs "
+                             f"their number to divide or be divisible by {size}")
+        even(c.intermediate_size, 0, size, f"{arch}'s intermediate_size")
+        if c.moe is not None:
+            even(c.moe.intermediate_size, 0, size, f"{arch}'s expert intermediate size")
+            if c.moe.shared_intermediate_size:
+                even(c.moe.shared_intermediate_size, 0, size,
+                     f"{arch}'s shared expert intermediate size")
+        q = c.quantization_config
+        method = q.get("quant_method") if q else None
+        if method is not None and method not in SPLITTABLE_QUANT:
+            raise ValueError(f"tensor parallel: {method} checkpoints cannot be split across ranks "
+                             f"yet (splittable: unquantized safetensors, fp8 with block scales, "
+                             f"GGUF, --isq)")
+        self.fp8_block = tuple(q["weight_block_size"]) if method == "fp8" and q.get(
+            "weight_block_size") else None
+        self.heads = c.num_attention_heads // size
+        self.kv_heads = hkv // size if hkv % size == 0 else 1
+        self.vocab_share = -(-c.vocab_size // size)
+
+    # ---- the rank's sizes
+
+    def local_config(self, comm) -> ModelConfig:
+        """The config the rank's model is built with (TensorParallel says what it is a share of)."""
+        c, n = self.config, self.size
+        moe = c.moe and dataclasses.replace(
+            c.moe, intermediate_size=c.moe.intermediate_size // n,
+            shared_intermediate_size=c.moe.shared_intermediate_size // n)
+        return dataclasses.replace(
+            c, num_attention_heads=self.heads, num_key_value_heads=self.kv_heads,
+            intermediate_size=c.intermediate_size // n, vocab_size=self.vocab_share, moe=moe,
+            tensor_parallel=TensorParallel(self.rank, n, c.vocab_size,
+                                           self.rank * self.vocab_share, comm))
+
+    def q_rows(self) -> tuple[int, int]:
+        d = self.config.head_dim
+        return self.rank * self.heads * d, (self.rank + 1) * self.heads * d
+
+    def kv_head_range(self) -> tuple[int, int]:
+        hkv, n = self.config.num_key_value_heads, self.size
+        first = self.rank * hkv // n if hkv % n == 0 else self.rank // (n // hkv)
+        return first, first + self.kv_heads
+
+    def kv_rows(self) -> tuple[int, int]:
+        a, b = self.kv_head_range()
+        return a * self.config.head_dim, b * self.config.head_dim
+
+    # ---- the cut of each tensor
+
+    def cut(self, name: str, shape: tuple[int, ...]):
+        """A Cut, ZERO_UNLESS_RANK0, or None (the whole tensor: replicated)."""
+        c, r, n = self.config, self.rank, self.size
+        if _VOCAB.match(name):
+            start = min(r * self.vocab_share, shape[0])
+            stop = min(start + self.vocab_share, shape[0])
+            return Cut(0, ((start, stop),), pad_to=self.vocab_share)
+        if _Q.search(name):
+            return Cut(0, (self.q_rows(),))
+        if _KV.search(name):
+            return Cut(0, (self.kv_rows(),))
+        if _QKV.search(name):
+            q, kv = c.q_size, c.kv_size
+            (a, b), (ka, kb) = self.q_rows(), self.kv_rows()
+            return Cut(0, ((a, b), (q + ka, q + kb), (q + kv + ka, q + kv + kb)))
+        if _O.search(name):
+            return Cut(1, (self.q_rows(),))
+        if _GATE_UP.search(name):
+            half = shape[0] // 2
+            a, b = even(half, r, n, f"{name}'s halves")
+            return Cut(0, ((a, b), (half + a, half + b)))
+        if _UP.search(name):
+            return Cut(0, (even(shape[0], r, n, name),))
+        if _DOWN.search(name):
+            return Cut(1, (even(shape[1], r, n, name),))
+        if _ROW_BIAS.search(name):
+            return ZERO_UNLESS_RANK0
+        if name.endswith(_KV_SCALES) and int(np.prod(shape)) == c.num_key_value_heads > 1:
+            return Cut(0, (self.kv_head_range(),))      # one scale per KV head
+        return None
+
+    def shard(self, name: str, tensor, shapes: dict | None = None):
+        """The rank's part of `tensor` (module docstring: a view where one range is cut).
+        shapes: every tensor's whole shape by name (an FP8 block-scale tensor is cut as the
+        weight it scales is)."""
+        if name.endswith(".weight_scale_inv") and self.fp8_block is not None:
+            return self._shard_block_scales(name, tensor, shapes[name.removesuffix("_scale_inv")])
+        cut = self.cut(name, tuple(tensor.shape))
+        if cut is None:
+            return tensor
+        if cut == ZERO_UNLESS_RANK0:
+            return tensor if self.rank == 0 else np.zeros(tensor.shape, tensor.dtype)
+        if isinstance(tensor, np.ndarray):
+            return cut_array(tensor, cut)
+        if hasattr(tensor, "quant_parts"):
+            return cut_ggml(name, tensor, cut)
+        raise ValueError(f"tensor parallel: {name} is a {type(tensor).__name__}, which cannot "
+                         "be split across ranks")
+
+    def _shard_block_scales(self, name: str, scales, weight_shape):
+        """FP8 block scales (N / bn, K / bk) cut as their weight is, in whole blocks."""
+        cut = self.cut(name.removesuffix("_scale_inv"), tuple(weight_shape))
+        if cut is None or cut == ZERO_UNLESS_RANK0:
+            return scales
+        block = self.fp8_block[cut.axis]
+        ranges = []
+        for a, b in cut.ranges:
+            if a % block or b % block:
+                raise ValueError(f"tensor parallel {self.size}: fp8 {name}: the rank's "
+                                 f"{'rows' if cut.axis == 0 else 'columns'} [{a}, {b}) are not "
+                                 f"whole {block}-element scale blocks")
+            ranges.append((a // block, b // block))
+        return cut_array(scales, Cut(cut.axis, tuple(ranges)))
+
+
+def cut_array(x: np.ndarray, cut: Cut) -> np.ndarray:
+    def piece(a, b):
+        index = [slice(None)] * x.ndim
+        index[cut.axis] = slice(a, b)
+        return x[tuple(index)]
+
+    pieces = [piece(a, b) for a, b in cut.ranges]
+    held = sum(b - a for a, b in cut.ranges)
+    if cut.pad_to > held:
+        shape = list(x.shape)
+        shape[cut.axis] = cut.pad_to - held
+        pieces.append(np.zeros(shape, x.dtype))
+    return pieces[0] if len(pieces) == 1 else np.concatenate(pieces, axis=cut.axis)
+
+
+def ggml_block(qtype: int) -> tuple[int, int]:
+    """(elements, bytes) of one block of a ggml type."""
+    import gguf
+    return gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(qtype)]
+
+
+def cut_ggml(name: str, w, cut: Cut):
+    """A QuantizedWeight's rows (N) or its columns (K) in whole blocks."""
+    from pyx.weights.ggml import QuantizedWeight
+    if len(w.quant_parts) != 1:
+        raise ValueError(f"tensor parallel: {name} mixes ggml types; it cannot be split")
+    ((qtype, blocks),) = w.quant_parts
+    if cut.axis == 0:
+        return QuantizedWeight.of(qtype, cut_array(blocks, cut), w.k)
+    elements, nbytes = ggml_block(qtype)
+    ranges = []
+    for a, b in cut.ranges:
+        if a % elements or b % elements:
+            import gguf
+            raise ValueError(f"tensor parallel: GGUF {gguf.GGMLQuantizationType(qtype).name} "
+                             f"{name}: the rank's columns [{a}, {b}) are not whole "
+                             f"{elements}-element blocks, so it cannot be split across ranks")
+        ranges.append((a // elements * nbytes, b // elements * nbytes))
+    k = sum(b - a for a, b in cut.ranges)
+    return QuantizedWeight.of(qtype, cut_array(blocks, Cut(1, tuple(ranges))), k)
+
+
+def check_isq_split(plan: ShardPlan, weights: dict, isq: str) -> None:
+    """--isq quantizes each rank's share: a row-parallel share (o_proj, down_proj: cut along K)
+    must be whole blocks of the type the whole matrix would get, so that every rank quantizes
+    exactly what one process would."""
+    from engine.loader.isq import MARLIN, check_isq, isq_type, marlin_group, type_for
+    for name, w in weights.items():
+        if not isinstance(w, np.ndarray) or w.ndim != 2 or not (_O.search(name) or
+                                                               _DOWN.search(name)):
+            continue
+        k = w.shape[1]
+        if check_isq(isq) == MARLIN:
+            whole, share = marlin_group(k * plan.size), marlin_group(k)
+        else:
+            want = isq_type(isq)
+            whole, share = type_for(want, k * plan.size), type_for(want, k)
+        if whole != share:
+            raise ValueError(f"tensor parallel {plan.size} with --isq {isq}: {name}'s share of "
+                             f"{k} columns (of {k * plan.size}) is not whole quantization blocks "
+                             f"of the type the whole matrix gets, so it cannot be split")

@@ -1,0 +1,117 @@
+"""Rank 0 sends each step's inputs; the other ranks run the same forward on them.
+
+A step's inputs (StepInputs) are the batch as ModelRunner.prepare made it on rank 0: host arrays
+of token ids, positions, slots, offsets and lengths, each sequence's row of the block table, and
+the table's changes since the previous step (a BlockTableUpdate: a few ids a step), never whole
+tables; every rank keeps its own copy of the table and applies the changes in step order (the
+DeviceBlockTables of engine/runner/device_block_tables.py, over host arrays on the CPU). Also:
+the rows a step pools for embeddings and scores through the LM head (each collective rank 0 runs,
+the others run too), and KV block copies of beam forks made since the previous step.
+
+Sampling, scheduling and everything above stay on rank 0: the others see forward passes only.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+log = logging.getLogger("taper.parallel")
+
+STOP = "stop"
+
+
+@dataclass(slots=True)
+class StepInputs:
+    batch: object                          # a ForwardBatch (engine/runner/forward_batch.py)
+    hidden_rows: np.ndarray | None = None  # rows whose final hidden states are pooled
+    score_rows: np.ndarray | None = None   # of those, the rows put through the LM head
+    block_copies: list = field(default_factory=list)   # (src, dst) KV blocks, before the step
+
+
+class HostArrays:
+    """The array calls DeviceBlockTables makes, on host arrays (a CPU rank's copy of the block
+    table)."""
+    xp = np
+
+    @staticmethod
+    def asarray(a):
+        return np.asarray(a)
+
+    @staticmethod
+    def pinned_empty(n, dtype):
+        return np.empty(n, dtype)
+
+    @staticmethod
+    def copy_to_device_async(dst, src):
+        np.copyto(dst, src)
+
+
+class StepSender:
+    """Rank 0's end: each step's inputs to the other ranks, then their stop.
+
+    A worker that dies leaves rank 0 waiting in its next collective for good (MPI has no
+    timeout), so a watchdog thread checks the workers' processes twice a second and, when one is
+    gone, says so and ends rank 0's process with exit status 1: a clear error and an exit, never
+    a hang (the server's open requests lose their connections)."""
+
+    def __init__(self, group, worker_pids: list[int] | None = None, check_every: float = 0.5):
+        self.group = group
+        self.stopped = False
+        self.worker_pids = worker_pids or []
+        if self.worker_pids:
+            threading.Thread(target=self._watch, args=(check_every,), daemon=True,
+                             name="taper-tp-watchdog").start()
+
+    def _watch(self, every: float) -> None:
+        while not self.stopped:
+            time.sleep(every)
+            for rank, pid in enumerate(self.worker_pids, start=1):
+                if not self.stopped and not _alive(pid):
+                    log.critical("tensor parallel rank %d (pid %d) has died; the model cannot "
+                                 "run without it: exiting", rank, pid)
+                    logging.shutdown()
+                    os._exit(1)
+
+    def send(self, inputs: StepInputs) -> None:
+        self.group.send(inputs)
+
+    def stop(self) -> None:
+        """The workers leave their loop and exit; the group is closed."""
+        if not self.stopped:
+            self.stopped = True
+            self.group.send(STOP)
+            self.group.close()
+
+
+def serve_steps(runner, group) -> int:
+    """A worker rank's loop: run each step rank 0 sends until its stop; returns the steps run."""
+    steps = 0
+    while True:
+        message = group.receive()
+        if message == STOP:
+            log.info("tensor parallel rank %d: stopped by rank 0 after %d steps", group.rank,
+                     steps)
+            return steps
+        runner.copy_blocks(message.block_copies)
+        runner.run(message)
+        steps += 1
+
+
+def _alive(pid: int) -> bool:
+    """A process that exists and is not a zombie (a dead child of ours not yet reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass
+        return True

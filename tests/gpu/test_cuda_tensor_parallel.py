@@ -1,0 +1,84 @@
+"""Tensor parallel's CUDA path (issue 28): NCCL through CuPy (engine/parallel/nccl.py) on the
+backend's stream.
+
+  one device   a group of one rank through the NCCL communicator: the split graph (row-parallel
+               attention and MLP with their all-reduces, the vocab-parallel embedding's zero
+               row and the LM head's all-gather) gives the plain engine's greedy tokens, decode
+               graphs captured with the collectives inside; the collectives alone in bf16, also
+               replayed from a captured graph.
+  two devices  tensor_parallel_size 2 against one device (skipped with fewer than 2 GPUs:
+               pending a machine with several).
+
+NCCL comes from the nvidia-nccl wheel beside CuPy; without it these tests fail naming it.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from test_cuda_model import checkpoints, greedy, make_llm, random_prompts  # noqa: F401
+
+
+class OneRank:
+    """The MPI group's part NcclCommunicator and the builder use, for a group of one."""
+    rank, size = 0, 1
+
+    def send(self, message):
+        pass
+
+    def allgather(self, value):
+        return [value]
+
+    def close(self):
+        pass
+
+
+def test_nccl_collectives_of_one_rank():
+    from conftest import cuda_backend
+    from engine.parallel.nccl import NcclCommunicator
+    backend = cuda_backend("bf16")
+    comm = NcclCommunicator(OneRank(), backend)
+    cp = backend.xp
+    x = cp.asarray(np.linspace(-3, 3, 4096, dtype=np.float32)).astype(backend.act_dtype)
+    want = cp.asnumpy(x.astype(cp.float32))
+    comm.all_reduce(x)
+    np.testing.assert_array_equal(cp.asnumpy(x.astype(cp.float32)), want)
+    gathered = comm.all_gather(cp.arange(12, dtype=cp.float32).reshape(3, 4))
+    assert gathered.shape == (1, 3, 4)
+    np.testing.assert_array_equal(cp.asnumpy(gathered[0]), np.arange(12).reshape(3, 4))
+    graph = backend.capture_graph(lambda: comm.all_reduce(x))   # NCCL inside a CUDA graph
+    graph.launch()
+    backend.synchronize()
+    np.testing.assert_array_equal(cp.asnumpy(x.astype(cp.float32)), want)
+    assert comm.all_min(7) == 7
+
+
+def test_split_graph_of_one_rank_matches_plain_engine(checkpoints, monkeypatch):
+    import engine.core.llm_engine as llm_engine
+    from engine.core.builder import build
+    path = checkpoints("llama")
+    prompts = random_prompts(3, (40, 17, 70))
+    plain = [list(o.token_ids) for o in greedy(make_llm(path, "cuda"), prompts)]
+    monkeypatch.setattr(llm_engine, "build",
+                        lambda config, loaded=None: build(config, loaded, group=OneRank()))
+    llm = make_llm(path, "cuda")
+    assert llm.engine.model.config.tensor_parallel is not None      # the split graph ran
+    assert llm.engine.runner.graph_runner is not None                # with decode graphs
+    split = [list(o.token_ids) for o in greedy(llm, prompts)]
+    assert split == plain
+
+
+def test_two_devices_match_one(checkpoints):
+    from pyx.cuda_backend import device_count
+    if device_count() < 2:
+        pytest.skip("pending a machine with 2+ GPUs: tensor_parallel_size 2 on two devices")
+    path = checkpoints("llama")
+    prompts = random_prompts(5, (40, 17))
+    one = [list(o.token_ids) for o in greedy(make_llm(path, "cuda"), prompts)]
+    llm = make_llm(path, "cuda", tensor_parallel_size=2)
+    try:
+        two = [list(o.token_ids) for o in greedy(llm, prompts)]
+    finally:
+        llm.engine.shutdown()
+    for a, b in zip(one, two):         # bf16 sums in another order: the first tokens agree
+        assert a[:8] == b[:8], (a, b)

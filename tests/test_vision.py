@@ -1,0 +1,304 @@
+"""Images through the engine (issue 33) on a tiny random Qwen2.5-VL written by transformers
+(tests/vision_checkpoint.py): the image processor's pixels, the vision tower's outputs, greedy
+tokens for prompts with one and two images against transformers' generate, M-RoPE positions
+against get_rope_index, the prefix cache and the encoder cache keyed by image content, and the
+per-step encoder budget."""
+from __future__ import annotations
+
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("PIL")
+
+from vision_checkpoint import sample_image, tiny_vl_checkpoint  # noqa: E402
+
+from engine.vision.config import ImageProcessorConfig  # noqa: E402
+from engine.vision.preprocess import preprocess_image  # noqa: E402
+
+ARCH = "Qwen2_5_VLForConditionalGeneration"
+GEN = 10
+TIE = 1e-4
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return tiny_vl_checkpoint(tmp_path_factory.mktemp("qwen25vl"))
+
+
+@pytest.fixture(scope="module")
+def hf(ckpt):
+    from transformers import (AutoTokenizer, Qwen2_5_VLForConditionalGeneration,
+                              Qwen2VLImageProcessorPil)
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(ckpt, dtype=torch.float32).eval()
+    return (model, Qwen2VLImageProcessorPil.from_pretrained(ckpt),
+            AutoTokenizer.from_pretrained(ckpt))
+
+
+@pytest.fixture(scope="module")
+def processor(ckpt):
+    from engine.models.model_config import ModelConfig
+    return ImageProcessorConfig.from_pretrained(ckpt, ModelConfig.from_pretrained(ckpt).vision)
+
+
+def make_engine(ckpt, **kw):
+    from engine.config import EngineConfig
+    from engine.core.llm_engine import LLMEngine
+    return LLMEngine(EngineConfig(model=ckpt, backend="cpu", kv_cache_memory_mb=16,
+                                  async_scheduling=False, **kw))
+
+
+def prompt_ids(hf, parts: list, processed: list) -> list[int]:
+    """The chat prompt of one user message, image tokens expanded (what the server sends)."""
+    tok = hf[2]
+    content = [{"type": "image"} if p is None else {"type": "text", "text": p} for p in parts]
+    text = tok.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                   add_generation_prompt=True)
+    image_id = tok.convert_tokens_to_ids("<|image_pad|>")
+    out, it = [], iter(processed)
+    for t in tok(text, add_special_tokens=False)["input_ids"]:
+        out += [t] * next(it).num_tokens if t == image_id else [t]
+    return out
+
+
+@torch.no_grad()
+def hf_generate(hf, ids: list[int], images: list, n: int = GEN):
+    """transformers' greedy tokens and how many are trusted (top-two gap over TIE)."""
+    model, ip, tok = hf
+    input_ids = torch.tensor([ids])
+    kwargs = {}
+    if images:
+        out = ip(images=images, return_tensors="pt")
+        kwargs = dict(pixel_values=out["pixel_values"], image_grid_thw=out["image_grid_thw"])
+    mm = (input_ids == model.config.image_token_id).int()
+    g = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
+                       mm_token_type_ids=mm, max_new_tokens=n, do_sample=False,
+                       output_scores=True, return_dict_in_generate=True, **kwargs)
+    tokens = g.sequences[0, len(ids):].tolist()
+    trusted = n
+    for i, s in enumerate(g.scores):
+        top2 = torch.log_softmax(s[0].double(), -1).topk(2).values
+        if float(top2[0] - top2[1]) < TIE:
+            trusted = i
+            break
+    return tokens, trusted
+
+
+def run(engine, ids, images, n: int = GEN, request_id: str = "r"):
+    from engine.sampling.sampling_params import SamplingParams
+    seq = engine.add_request(request_id, ids, SamplingParams(max_tokens=n, temperature=0,
+                                                             ignore_eos=True), images=images)
+    while engine.has_unfinished():
+        engine.step()
+    return seq
+
+
+# ---- preprocessing and the vision tower
+
+@pytest.mark.parametrize("size, mode", [((40, 56), "RGB"), ((23, 17), "RGBA"), ((9, 9), "L"),
+                                        ((300, 20), "P"), ((200, 150), "RGB")])
+def test_pixels_equal_hf_processor(hf, processor, size, mode):
+    """Resize (smart resize, min and max pixels), rescale, normalise and patch order are the
+    same bits as transformers' Qwen2VLImageProcessorPil."""
+    image = sample_image(*size, seed=3, mode=mode)
+    ref = hf[1](images=[image], return_tensors="np")
+    mine = preprocess_image(image, processor)
+    assert mine.grid_thw == tuple(ref["image_grid_thw"][0].tolist())
+    assert np.array_equal(mine.pixel_values, ref["pixel_values"])
+
+
+def test_encoder_matches_hf(ckpt, hf, processor):
+    from engine.loader.safetensors import load_safetensors
+    from engine.models.model_config import ModelConfig
+    from engine.vision.qwen2_5_vl_encoder import Qwen25VisionEncoder
+    from pyx.cpu_backend import CpuBackend
+    encoder = Qwen25VisionEncoder(ModelConfig.from_pretrained(ckpt).vision,
+                                  load_safetensors(ckpt, progress=False), CpuBackend())
+    for size in [(40, 56), (23, 17), (48, 48)]:
+        image = sample_image(*size, seed=1)
+        out = hf[1](images=[image], return_tensors="pt")
+        with torch.no_grad():
+            ref = hf[0].model.get_image_features(
+                out["pixel_values"], out["image_grid_thw"]).pooler_output[0].numpy()
+        mine = encoder.encode(out["pixel_values"].numpy(), tuple(out["image_grid_thw"][0].tolist()))
+        np.testing.assert_allclose(mine, ref, atol=5e-5 * np.abs(ref).max())
+
+
+# ---- generation against transformers
+
+CASES = {
+    "one image": (["What is in this picture?", None, " Describe it."], [(40, 56)]),
+    "two images": ([None, "Compare the two images:", None, "which one is brighter?"],
+                   [(23, 31), (48, 40)]),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_greedy_matches_hf_generate(ckpt, hf, processor, name):
+    """Chunked prefill (chunks of 32 tokens cut the images' runs), then decodes: transformers'
+    tokens up to its first near-tie."""
+    parts, sizes = CASES[name]
+    images = [sample_image(*s, seed=i + 5) for i, s in enumerate(sizes)]
+    processed = [preprocess_image(im, processor) for im in images]
+    ids = prompt_ids(hf, parts, processed)
+    tokens, trusted = hf_generate(hf, ids, images)
+    assert trusted >= 6, f"reference near-tie at token {trusted}"
+    engine = make_engine(ckpt, max_num_batched_tokens=32)
+    seq = run(engine, ids, processed)
+    assert seq.output_token_ids[:trusted] == tokens[:trusted]
+    # each image encoded once, though chunks of 32 split its tokens (the encoder cache)
+    assert engine.runner.vision.num_encoded == len(images)
+
+
+def test_images_and_mrope_change_the_tokens(ckpt, hf, processor):
+    """The test above can fail: transformers' tokens differ with another image, and with the
+    image tokens given text positions (M-RoPE off)."""
+    parts, sizes = CASES["one image"]
+    image = sample_image(*sizes[0], seed=5)
+    processed = [preprocess_image(image, processor)]
+    ids = prompt_ids(hf, parts, processed)
+    tokens, _ = hf_generate(hf, ids, [image])
+    from PIL import ImageOps
+    other = ImageOps.invert(image)            # same size, so the same prompt ids
+    assert hf_generate(hf, ids, [other])[0] != tokens
+    model = hf[0]
+    with torch.no_grad():      # 1D positions: each token its index, all three sections alike
+        pos = torch.arange(len(ids)).view(1, 1, -1).expand(3, 1, -1)
+        out = hf[1](images=[image], return_tensors="pt")
+        logits = model(input_ids=torch.tensor([ids]), pixel_values=out["pixel_values"],
+                       image_grid_thw=out["image_grid_thw"], position_ids=pos).logits[0, -1]
+        ref = model(input_ids=torch.tensor([ids]), pixel_values=out["pixel_values"],
+                    image_grid_thw=out["image_grid_thw"],
+                    mm_token_type_ids=(torch.tensor([ids]) == model.config.image_token_id).int()
+                    ).logits[0, -1]
+    assert int(ref.argmax()) == tokens[0]
+    assert float((logits - ref).abs().max()) > 0.1
+
+
+def test_mrope_positions_equal_get_rope_index(ckpt, hf, processor):
+    from engine.models.model_config import ModelConfig
+    from engine.vision.inputs import MultimodalPrompt
+    parts, sizes = CASES["two images"]
+    images = [sample_image(*s, seed=i) for i, s in enumerate(sizes)]
+    processed = [preprocess_image(im, processor) for im in images]
+    ids = prompt_ids(hf, parts, processed)
+    model = hf[0]
+    input_ids = torch.tensor([ids])
+    grid = torch.tensor([p.grid_thw for p in processed])
+    ref, delta = model.model.get_rope_index(
+        input_ids, mm_token_type_ids=(input_ids == model.config.image_token_id).int(),
+        image_grid_thw=grid)
+    mm = MultimodalPrompt.place(ids, processed, ModelConfig.from_pretrained(ckpt).vision)
+    pos, rows, triples, _ = mm.rope_positions(0, len(ids))
+    full = np.repeat(pos[:, None], 3, 1)
+    full[rows] = triples
+    assert np.array_equal(full.T, ref[:, 0].numpy())
+    assert mm.rope_delta == int(delta[0, 0])
+    # a chunk's positions are the same rows of the whole prompt's
+    pos2, rows2, triples2, _ = mm.rope_positions(7, 40)
+    assert np.array_equal(pos2, pos[7:47]) and np.array_equal(triples2, full[7:47][rows2])
+
+
+# ---- caches and scheduling
+
+def test_prefix_cache_keys_hold_the_image(ckpt, hf, processor):
+    """Same image and text: the second request's prompt blocks come from the cache; a
+    different image (one pixel changed) with the same text: no block is shared past the
+    image's first block, and its tokens are its own (transformers' for that image)."""
+    parts, sizes = CASES["one image"]
+    image = sample_image(*sizes[0], seed=5)
+    changed = np.asarray(image).copy()
+    changed[10, 10] = 255 - changed[10, 10]
+    from PIL import Image
+    other = Image.fromarray(changed)
+    a = [preprocess_image(image, processor)]
+    b = [preprocess_image(image, processor)]        # decoded again: the same content
+    c = [preprocess_image(other, processor)]
+    assert a[0].content_hash == b[0].content_hash != c[0].content_hash
+    ids = prompt_ids(hf, parts, a)
+    engine = make_engine(ckpt)
+    first = run(engine, ids, a, request_id="a")
+    again = run(engine, ids, b, request_id="b")
+    image_start = ids.index(hf[0].config.image_token_id)
+    bs = engine.block_pool.block_size
+    assert again.num_cached_tokens == (len(ids) - 1) // bs * bs > image_start
+    assert again.output_token_ids == first.output_token_ids
+    assert engine.runner.vision.num_encoded == 1        # b computed no image token
+    changed_seq = run(engine, ids, c, request_id="c")
+    assert changed_seq.num_cached_tokens == image_start // bs * bs
+    assert engine.runner.vision.num_encoded == 2
+    tokens, trusted = hf_generate(hf, ids, [other])
+    assert changed_seq.output_token_ids[:trusted] == tokens[:trusted]
+
+
+def test_encoder_cache_serves_repeated_images(ckpt, hf, processor):
+    """Without prefix caching the second request computes the image tokens again, from the
+    encoder cache."""
+    parts, sizes = CASES["one image"]
+    processed = [preprocess_image(sample_image(*sizes[0], seed=5), processor)]
+    ids = prompt_ids(hf, parts, processed)
+    engine = make_engine(ckpt, enable_prefix_caching=False)
+    first = run(engine, ids, processed, request_id="a")
+    again = run(engine, ids, [preprocess_image(sample_image(*sizes[0], seed=5), processor)],
+                request_id="b")
+    assert again.output_token_ids == first.output_token_ids
+    assert engine.runner.vision.num_encoded == 1 and engine.runner.vision.cache.hits == 1
+
+
+def test_encoder_cache_is_bounded_lru(ckpt):
+    from engine.vision.encoder_cache import EncoderCache
+    cache = EncoderCache(max_bytes=3 * 400)
+    for key in range(3):
+        cache.put(key, np.zeros(100, np.float32))
+    assert cache.get(0) is not None                     # 0 is now the most recent
+    cache.put(3, np.zeros(100, np.float32))
+    assert list(cache.entries) == [2, 0, 3]             # 1 was the least recently used
+    cache.put(4, np.zeros(100, np.float32), pinned={2})
+    assert list(cache.entries) == [2, 3, 4] and cache.num_bytes == 1200
+
+
+def test_encoder_budget_per_step(ckpt, hf, processor):
+    """With an encoder budget below two images, a prompt with two images encodes them in two
+    steps: the chunk stops before the second image; the tokens are unchanged."""
+    parts, sizes = CASES["two images"]
+    images = [sample_image(*s, seed=i + 5) for i, s in enumerate(sizes)]
+    processed = [preprocess_image(im, processor) for im in images]
+    ids = prompt_ids(hf, parts, processed)
+    free = run(make_engine(ckpt, max_num_batched_tokens=256), ids, processed)
+    engine = make_engine(ckpt, max_num_batched_tokens=256)
+    budget = engine.scheduler.encoder_budget
+    budget.max_encoder_tokens = max(p.num_tokens for p in processed)
+    seq = engine.add_request("r", ids, __import__("engine").SamplingParams(
+        max_tokens=GEN, temperature=0, ignore_eos=True), images=processed)
+    engine.step()
+    second = seq.mm.images[1]
+    assert seq.num_computed_tokens == second.offset     # cut just before the second image
+    assert engine.runner.vision.num_encoded == 1
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.runner.vision.num_encoded == 2 and budget.num_cut == 1
+    assert seq.output_token_ids == free.output_token_ids
+
+
+def test_admission_errors(ckpt, hf, processor):
+    image = preprocess_image(sample_image(40, 56), processor)
+    ids = prompt_ids(hf, ["Hi", None], [image])
+    engine = make_engine(ckpt)
+    with pytest.raises(ValueError, match="image tokens but no images"):
+        engine.add_request("x", ids, __import__("engine").SamplingParams())
+    with pytest.raises(ValueError, match="1 runs of image tokens for 2 images"):
+        engine.add_request("y", ids, __import__("engine").SamplingParams(), images=[image] * 2)
+
+
+def test_cuda_refuses_vision_models(ckpt):
+    """The CUDA backend lacks the tower's ops: loading says which."""
+    from engine.loader.safetensors import load_safetensors
+    from engine.models.model_config import ModelConfig
+    from engine.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
+
+    class Cuda:
+        name = "cuda"
+    with pytest.raises(ValueError, match="no gelu and encoder_attention ops"):
+        Qwen2_5_VLForConditionalGeneration(ModelConfig.from_pretrained(ckpt),
+                                           load_safetensors(ckpt, progress=False), Cuda())
