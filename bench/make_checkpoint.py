@@ -218,16 +218,25 @@ def make_gguf(dtype: str, cache: Path = CACHE, name: str = NAME, config: dict = 
 
 
 QUANT_FTYPES = {"q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "q6_k": "LLAMA_FTYPE_MOSTLY_Q6_K",
-                "q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M"}
+                "q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M", "q5_k_m": "LLAMA_FTYPE_MOSTLY_Q5_K_M",
+                "q4_k_s": "LLAMA_FTYPE_MOSTLY_Q4_K_S", "q3_k_m": "LLAMA_FTYPE_MOSTLY_Q3_K_M",
+                "q2_k": "LLAMA_FTYPE_MOSTLY_Q2_K", "q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0",
+                "q4_1": "LLAMA_FTYPE_MOSTLY_Q4_1", "q5_0": "LLAMA_FTYPE_MOSTLY_Q5_0",
+                "q5_1": "LLAMA_FTYPE_MOSTLY_Q5_1"}
+GGML_TYPE_F32 = 0
 
 
 def make_quant_gguf(qtype: str, cache: Path = CACHE, threads: int | None = None,
-                    name: str = NAME, config: dict = CONFIG, src: Path | None = None) -> Path:
+                    name: str = NAME, config: dict = CONFIG, src: Path | None = None,
+                    out: Path | None = None, float_embd_output: bool = False) -> Path:
     """An f32 GGUF (default: the named checkpoint's) quantized by llama.cpp's own quantizer
     (llama_model_quantize with its default parameters: no imatrix, output/embedding types chosen
-    by the ftype), cached beside it."""
-    out = (cache / f"{name}-{qtype}.gguf" if src is None
-           else src.with_name(src.name.replace("-f32.gguf", f"-{qtype}.gguf")))
+    by the ftype; `float_embd_output` keeps token_embd and output in F32 instead, as --isq
+    does), cached beside it (or at `out`)."""
+    if out is None:
+        suffix = f"-{qtype}-f32eo.gguf" if float_embd_output else f"-{qtype}.gguf"
+        out = (cache / f"{name}{suffix}" if src is None
+               else src.with_name(src.name.replace("-f32.gguf", suffix)))
     if out.is_file():
         return out
     import ctypes
@@ -236,6 +245,9 @@ def make_quant_gguf(qtype: str, cache: Path = CACHE, threads: int | None = None,
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = getattr(llama_cpp, QUANT_FTYPES[qtype])
     params.nthread = threads or len(os.sched_getaffinity(0))
+    if float_embd_output:
+        params.output_tensor_type = params.token_embedding_type = GGML_TYPE_F32
+    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".tmp.gguf")
     print(f"quantizing {src.name} to {qtype} with llama.cpp's llama_model_quantize", flush=True)
     t0 = time.time()

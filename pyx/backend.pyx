@@ -66,10 +66,12 @@ cdef class Backend:
         waits for the work that writes it)."""
         raise NotImplementedError
 
-    def place_weight(self, a):
+    def place_weight(self, a, role=None):
         """A checkpoint tensor as the graph keeps it: as loaded on the CPU; on CUDA matrices in
         act_dtype and vectors in float32, on the device (a pyx/weights/ type in the device form
-        its kernels read)."""
+        its kernels read). role: what the matrix does in the graph, where a backend's numerics
+        differ by it ("qkv": the attention's input projection, whose ggml blocks the CPU's
+        default act_split=qkv multiplies with exact activations); None for any other tensor."""
         raise NotImplementedError
 
     def kv_cache_dtype(self, kind):

@@ -340,12 +340,14 @@ cdef class CpuBackend(Backend):
     the call, so a request's logits are bit-identical alone or in any batch, however its prompt
     is chunked (README: Batch invariance); it costs prefill speed (bench/RESULTS.md).
     kernels: a pyx.kernel_config.KernelConfig (or its string / dict form); this backend reads
-    cpu_isa, act_split (ggml decode matmuls round each activation row to two 8-bit rows) and
-    moe.
+    cpu_isa, act_split (which ggml decode matmuls write each activation row as two 8-bit rows
+    instead of rounding it once: the attention's qkv projection by default, every one, or none)
+    and moe.
     """
     cdef int _isa
     cdef int _nthreads
-    cdef readonly bint act_split     # kernels act_split=on
+    cdef readonly bint act_split     # kernels act_split=on: every quantized matmul
+    cdef readonly bint act_split_qkv  # act_split=qkv or on: the weights placed with role "qkv"
     cdef readonly object governor   # cpu_threads.ThreadGovernor, or None: the count is fixed
 
     def __init__(self, isa=None, num_threads=None, batch_invariant=False, kernels=None):
@@ -354,6 +356,7 @@ cdef class CpuBackend(Backend):
         self.act_dtype = np.float32   # activations are float32 here
         self.batch_invariant = batch_invariant
         self.act_split = self.kernels.act_split == "on"
+        self.act_split_qkv = self.kernels.act_split in ("on", "qkv")
         if isa is None and self.kernels.cpu_isa != "auto":
             isa = self.kernels.cpu_isa
         if isa is None:
@@ -398,7 +401,8 @@ cdef class CpuBackend(Backend):
 
     def __repr__(self):
         inv = ", batch_invariant=True" if self.batch_invariant else ""
-        split = ", act_split=True" if self.act_split else ""
+        split = (", act_split='on'" if self.act_split else
+                 ", act_split='qkv'" if self.act_split_qkv else ", act_split='off'")
         return f"CpuBackend(isa={self.isa!r}, num_threads={self._nthreads}{inv}{split})"
 
     def asarray(self, a):
@@ -409,8 +413,14 @@ cdef class CpuBackend(Backend):
         """This backend's array -> NumPy: `a` itself."""
         return np.asarray(a)
 
-    def place_weight(self, a):
-        """Weights stay as loaded: the kernels read f32/bf16/f16 and packed formats directly."""
+    def place_weight(self, a, role=None):
+        """Weights stay as loaded: the kernels read f32/bf16/f16 and packed formats directly. A
+        ggml-block weight placed as the attention's qkv projection (role "qkv") is marked for
+        exact activations under act_split=qkv (QuantizedWeight.exact_activations): rounding
+        its input to 8 bits moves q and k, which the attention scores amplify (bench/RESULTS.md,
+        Numerics: of the decode matmuls' roundings, this one costs the most greedy tokens)."""
+        if role == "qkv" and self.act_split_qkv and isinstance(a, QuantizedWeight):
+            return QuantizedWeight(a.quant_parts, a.k, exact_activations=True)
         return a
 
     def kv_cache_dtype(self, str kind):
@@ -567,7 +577,7 @@ cdef class CpuBackend(Backend):
                 _fail(op, "bias must be (N,)", arrays)
             bp = <const float*>_ptr(bias)
         cdef int isa = self._isa, nt = self._nthreads, st, qtype, inv = self.batch_invariant
-        cdef int split = self.act_split
+        cdef int split = self.act_split or weight.exact_activations
         cdef const float* xp = <const float*>_ptr(x)
         cdef float* outp = <float*>_ptr(out)
         cdef cnp.ndarray blocks

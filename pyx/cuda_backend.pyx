@@ -261,7 +261,7 @@ cdef class CudaBackend(Backend):
             return self._cupy.ascontiguousarray(a)
         return self._cupy.asarray(np.ascontiguousarray(a))
 
-    def place_weight(self, a):
+    def place_weight(self, a, role=None):
         """A weight on the device: matrices in the activation dtype, vectors in float32. Takes
         a NumPy array (copied over), a CuPy one (cast in place on the device) or a packed
         format of pyx/weights/."""

@@ -7,12 +7,15 @@ which read it once when they are built. The engine logs it at start-up, each cho
 source. It lives in pyx/ (pure Python, no engine import) because the backends read it.
 
 The first value of every key is its default: on a GPU the kernel that passed its tests and was
-fastest in the last GPU window (bench/RESULTS.md, "GPU window"; prefill=fa3 and decode=split won
-on an H200 on 2026-11-28), on the CPU the fastest path. The others are kept behind the switch:
-general fallbacks, kernels whose GPU tests or figures have not made them the default yet, or
-the CPU's more exact activation rounding. prefill=mma, marlin=v2 and filter=radix lost to the
-defaults in that window and were deleted (REMOVED_VARIABLES). A key a backend does not read (a
-CUDA kernel on the CPU backend) is logged as unused when it was set.
+fastest in the last GPU window (bench/RESULTS.md, "GPU window"; prefill=fa3 and decode=split won on
+an H200 on 2026-11-28), on the CPU the fastest path, except act_split=qkv: the quantized qkv
+projection's decode activations kept exact, which keeps Taper's greedy tokens on a quantized file's
+weights further than llama.cpp's for 4-9 % of the batch-1 decode time (issue 32; bench/RESULTS.md,
+Numerics). The others are kept behind the switch: general fallbacks, kernels whose GPU tests or
+figures have not made them the default yet, llama.cpp's rounding everywhere (act_split=off, the
+fastest) or the CPU's exact activations everywhere (on). prefill=mma, marlin=v2 and filter=radix
+lost to the defaults in that window and were deleted (REMOVED_VARIABLES). A key a backend does not
+read (a CUDA kernel on the CPU backend) is logged as unused when it was set.
 
 The environment variables that used to make these choices (TAPER_CUDA_PREFILL, TAPER_CPU_ISA,
 TAPER_QUANT_ACT_SPLIT, ...: RETIRED_VARIABLES, REMOVED_VARIABLES) are no longer read;
@@ -56,9 +59,11 @@ CHOICES: dict[str, Choice] = {
                   "stacked experts"),
     "cpu_isa": Choice(("auto", "scalar", "avx2", "avx512"), ("cpu",),
                       "CPU kernels' ISA path (auto: the best this CPU runs)"),
-    "act_split": Choice(("off", "on"), ("cpu",),
-                        "ggml decode matmuls: each activation row rounded to 8 bits once (as "
-                        "llama.cpp), or as two 8-bit rows, ~250x closer, twice the integer work"),
+    "act_split": Choice(("qkv", "off", "on"), ("cpu",),
+                        "ggml decode matmuls: each activation row written as two 8-bit rows "
+                        "(~250x closer to exact, twice the integer work) in the attention's qkv "
+                        "projection only, whose rounding the attention scores amplify most; in "
+                        "none (rounded to 8 bits once, exactly as llama.cpp); or in all"),
 }
 
 # The environment variables these keys replace, and the `--kernels` item for each.

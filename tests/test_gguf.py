@@ -530,11 +530,12 @@ class PagedRun:
     the ones already computed and returns the logits of the last one."""
 
     def __init__(self, config: dict, weights: dict, max_tokens: int, block: int = 16,
-                 kernels=None):
+                 kernels=None, num_threads: int | None = None):
         from engine.models.registry import get_model_class
         from pyx.cpu_backend import CpuBackend
         mc = ModelConfig.from_dict(config)
-        self.model = get_model_class(mc.architecture)(mc, weights, CpuBackend(kernels=kernels))
+        backend = CpuBackend(kernels=kernels, num_threads=num_threads)
+        self.model = get_model_class(mc.architecture)(mc, weights, backend)
         self.block, num_blocks = block, -(-max_tokens // block)
         shape = self.model.kv_cache_shape(num_blocks + 1, block)
         self.kv = [(np.zeros(shape, np.float32), np.zeros(shape, np.float32))

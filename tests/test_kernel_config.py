@@ -15,9 +15,10 @@ from engine.config import EngineConfig
 from pyx.cpu_backend import CpuBackend, dequantize_weight, quantize_weight
 from pyx.kernel_config import CHOICES, REMOVED_VARIABLES, RETIRED_VARIABLES, retired_variables
 
-# Today's kernels: what every engine ran before the choices were data (issue 25).
+# The defaults: on a GPU the kernels that won the last GPU window; on the CPU the fastest path,
+# with exact activations in the quantized qkv projection (issue 32: act_split=qkv).
 DEFAULTS = ("prefill=fa3,decode=split,marlin=simple,fp8=dequant,fp8_gemv=off,"
-            "sampling=simple,moe=simple,cpu_isa=auto,act_split=off")
+            "sampling=simple,moe=simple,cpu_isa=auto,act_split=qkv")
 
 
 # ---- the value
@@ -81,7 +82,8 @@ def test_sources_and_the_start_up_line():
     assert k.source_of("prefill") == k.source_of("act_split") == "--kernels"
     assert k.source_of("decode") == "default"
     assert KernelConfig(decode="simple").source_of("decode") == "KernelConfig"
-    assert k == KernelConfig(prefill="fa2")     # where a choice came from is not its value
+    # where a choice came from is not its value
+    assert k == KernelConfig(prefill="fa2", act_split="off")
     line, unused = k.describe("cuda")
     assert line == ("prefill=fa2 (--kernels), decode=split (default), marlin=simple (default), "
                     "fp8=dequant (default), fp8_gemv=off (default), sampling=simple (default), "
@@ -135,11 +137,14 @@ def test_engine_config_makes_it_a_kernel_config():
 
 def test_cpu_backend_reads_its_choices():
     default = CpuBackend()
-    assert (default.act_split, default.fused_moe, default.fused_sampling,
-            default.kernels) == (False, False, False, KernelConfig())
+    assert (default.act_split, default.act_split_qkv, default.fused_moe, default.fused_sampling,
+            default.kernels) == (False, True, False, False, KernelConfig())
+    assert "act_split='qkv'" in repr(default)
     b = CpuBackend(kernels="act_split=on,moe=fused,cpu_isa=scalar")
-    assert (b.act_split, b.fused_moe, b.isa) == (True, True, "scalar")
-    assert "act_split=True" in repr(b)
+    assert (b.act_split, b.act_split_qkv, b.fused_moe, b.isa) == (True, True, True, "scalar")
+    assert "act_split='on'" in repr(b)
+    off = CpuBackend(kernels="act_split=off")
+    assert (off.act_split, off.act_split_qkv) == (False, False)
 
 
 def test_act_split_reaches_the_quantized_matmul():
@@ -156,6 +161,31 @@ def test_act_split_reaches_the_quantized_matmul():
         CpuBackend(isa="scalar", kernels={"act_split": split}).linear(x, w, None, out)
         err[split] = np.abs(out - exact).max()
     assert err["on"] * 20 < err["off"]
+
+
+def test_act_split_qkv_reaches_only_the_qkv_projection():
+    """act_split=qkv (the default): a ggml-block weight placed with role "qkv" multiplies with
+    two-row activations, any other with one-row ones; act_split=off leaves the qkv one rounded
+    too. Float weights are placed as they are."""
+    rng = np.random.default_rng(3)
+    K, N = 256, 64
+    w = quantize_weight(rng.standard_normal((N, K)).astype(np.float32), 8)   # Q8_0
+    x = rng.standard_normal((1, K)).astype(np.float32)
+    exact = x.astype(np.float64) @ dequantize_weight(w).astype(np.float64).T
+
+    def err(backend, role):
+        out = np.empty((1, N), np.float32)
+        placed = backend.place_weight(w, role=role)
+        backend.linear(x, placed, None, out)
+        return np.abs(out - exact).max(), placed.exact_activations
+    qkv, off = CpuBackend(isa="scalar"), CpuBackend(isa="scalar", kernels="act_split=off")
+    (e_qkv, marked), (e_other, other_marked) = err(qkv, "qkv"), err(qkv, None)
+    (e_off, off_marked) = err(off, "qkv")
+    assert (marked, other_marked, off_marked) == (True, False, False)
+    assert e_qkv * 20 < e_other and e_off == e_other
+    assert not w.exact_activations                          # the loaded weight is not changed
+    f = rng.standard_normal((N, K)).astype(np.float32)
+    assert qkv.place_weight(f, role="qkv") is f
 
 
 # ---- LLM(kernels=...) and the start-up log
@@ -176,7 +206,7 @@ def test_llm_kernels_reach_the_backend_and_the_log(tiny_dir, caplog, monkeypatch
     assert llm.engine.config.kernels == KernelConfig(cpu_isa="scalar", moe="fused",
                                                      prefill="fa2")
     assert ("kernels (cpu backend): moe=fused (kernels), cpu_isa=scalar (kernels), "
-            "act_split=off (default)") in caplog.text
+            "act_split=qkv (default)") in caplog.text
     assert ("kernels prefill=fa2 (kernels): the cpu backend has no such choice; ignored"
             in caplog.text)
     assert "TAPER_QUANT_ACT_SPLIT is no longer read; use --kernels act_split=on" in caplog.text

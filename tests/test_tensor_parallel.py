@@ -93,10 +93,14 @@ def test_gguf_splits_along_whole_blocks(fixture):
 
 
 def test_isq_quantizes_each_share(tmp_path):
+    """With exact activations (act_split=on): the ranks' partial sums add in another order than
+    one process's, and a last-bit difference can round an 8-bit activation of a later matmul the
+    other way (one logprob moved 1.5e-3 under the default act_split=qkv), which is not the
+    quantization of the shares this compares."""
     tiny256_checkpoint(str(tmp_path / "m"), arch="llama", dtype="float32")
     model = str(tmp_path / "m")
-    assert_same_as_one_process(greedy(model, 1, isq="q8_0"), greedy(model, 2, isq="q8_0"),
-                               "isq q8_0")
+    how = dict(isq="q8_0", kernels="act_split=on")
+    assert_same_as_one_process(greedy(model, 1, **how), greedy(model, 2, **how), "isq q8_0")
 
 
 # ---- each rank reads only its share

@@ -158,7 +158,7 @@ class LlamaForCausalLM:
     def _qkv(self, weights: dict, p: str) -> tuple:
         """(fused q/k/v weight (q_size + 2 kv_size, H), its bias or None) of layer prefix p."""
         names = [f"{p}self_attn.{n}_proj" for n in "qkv"]
-        return (self._fuse(weights, [f"{n}.weight" for n in names]),
+        return (self._fuse(weights, [f"{n}.weight" for n in names], role="qkv"),
                 self._fuse(weights, [f"{n}.bias" for n in names]) if self.config.qkv_bias else None)
 
     def _qk_norms(self, weights: dict, p: str) -> tuple:
@@ -207,20 +207,21 @@ class LlamaForCausalLM:
         w = np.asarray(weights.pop(name), dtype=np.float32) + np.float32(self.norm_offset)
         return self.backend.place_weight(w)
 
-    def _take(self, weights: dict, name: str):
+    def _take(self, weights: dict, name: str, role: str | None = None):
+        """The weight `name`, placed by the backend; role: backend.place_weight's."""
         w = weights.pop(name)
         if not isinstance(w, np.ndarray):       # packed (ggml blocks, int4, fp8): kept as is
-            return self.backend.place_weight(w)
-        return self.backend.place_weight(np.ascontiguousarray(w))
+            return self.backend.place_weight(w, role=role)
+        return self.backend.place_weight(np.ascontiguousarray(w), role=role)
 
-    def _fuse(self, weights: dict, names: list[str]):
+    def _fuse(self, weights: dict, names: list[str], role: str | None = None):
         parts = [weights.pop(n) for n in names]
         for xp in (np, self.xp):      # host arrays, or arrays made on the device
             if all(isinstance(p, xp.ndarray) for p in parts):
-                return self.backend.place_weight(xp.concatenate(parts, axis=0))
+                return self.backend.place_weight(xp.concatenate(parts, axis=0), role=role)
         # packed weights (ggml blocks, int4, fp8) of one kind stack along N themselves
         if all(type(p) is type(parts[0]) and hasattr(p, "concat") for p in parts):
-            return self.backend.place_weight(type(parts[0]).concat(parts))
+            return self.backend.place_weight(type(parts[0]).concat(parts), role=role)
         raise ValueError(f"cannot fuse {[type(p).__name__ for p in parts]}: {names}")
 
     @property

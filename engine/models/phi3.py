@@ -26,7 +26,7 @@ class Phi3ForCausalLM(LlamaForCausalLM):
         return shapes
 
     def _qkv(self, weights, p):
-        return self._take(weights, f"{p}self_attn.qkv_proj.weight"), None
+        return self._take(weights, f"{p}self_attn.qkv_proj.weight", role="qkv"), None
 
     def _gate_up(self, weights, p):
         return self._take(weights, f"{p}mlp.gate_up_proj.weight"), None

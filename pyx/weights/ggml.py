@@ -25,6 +25,9 @@ BLOCK_TYPES = frozenset(ISQ_TYPES.values())
 class QuantizedWeight:
     quant_parts: list[tuple[int, np.ndarray]]   # (ggml type id, blocks (n_i, row_bytes) uint8)
     k: int                                      # row length in elements
+    # The CPU's decode matmul writes each activation row as two 8-bit rows for this weight (as
+    # act_split=on does for all): set by CpuBackend.place_weight on the roles act_split names.
+    exact_activations: bool = False
 
     @classmethod
     def of(cls, qtype: int, blocks: np.ndarray, k: int) -> "QuantizedWeight":
