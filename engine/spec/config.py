@@ -8,9 +8,9 @@
 
 `disable_by_batch_size` (vLLM's) turns speculation off for a step that runs more sequences than
 that: a large batch is compute-bound, and verifying k extra tokens per sequence costs k times
-the compute. `draft_sampling` is Taper's: how a draft model or an EAGLE-3 head picks its tokens
-for a request that samples ("greedy": its argmax, a point mass, so a seeded request gives the same tokens as without
-speculation; "probabilistic": a draw from its own distribution, verified by rejection sampling
+the compute. `draft_sampling` is Taper's: how a draft model or an EAGLE-3 or MTP head picks its
+tokens for a request that samples ("greedy": its argmax, a point mass, so a seeded request gives
+the same tokens as without speculation; "probabilistic": a draw from its own distribution, verified by rejection sampling
 against it, which accepts more at high temperatures but draws other tokens for the same seed).
 """
 from __future__ import annotations
