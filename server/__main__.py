@@ -195,7 +195,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="speculative decoding, vLLM's keys: '{\"method\": \"ngram\", "
                         "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 5}' or "
                         "'{\"method\": \"draft_model\", \"model\": DIR, "
-                        "\"num_speculative_tokens\": 4}' (see README: speculative decoding)")
+                        "\"num_speculative_tokens\": 4}'; methods eagle3 (model: the head's "
+                        "DIR) and mtp (the checkpoint's own head) too "
+                        "(see README: speculative decoding)")
     e.add_argument("--draft-model", metavar="DIR", default=None,
                    help="speculative decoding with this draft model (the target's tokenizer): "
                         "4 tokens per step unless --speculative-config says otherwise")

@@ -254,8 +254,9 @@ def test_bad_group_settings_are_named():
 
 def test_mtp_layer_weights_are_kept(dirs, refs, tmp_path):
     """A checkpoint with DeepSeek-V3's MTP layer (model.layers.2.*: enorm, hnorm, eh_proj,
-    shared_head and a decoder layer) loads; the tensors are kept in mtp_weights, none is reported
-    unused, and the tokens are the decoder's."""
+    shared_head and a decoder layer) loads; the model keeps the tensors in mtp_weights (for
+    speculative decoding's MTP head: tests/test_spec_decode_mtp.py), none is reported unused; an
+    engine that does not draft with them drops them, and its tokens are the decoder's."""
     from safetensors.numpy import load_file, save_file
 
     from engine import LLM, SamplingParams
@@ -271,9 +272,12 @@ def test_mtp_layer_weights_are_kept(dirs, refs, tmp_path):
                   "model.layers.2.shared_head.norm.weight": np.ones(H, np.float32),
                   "model.layers.2.shared_head.head.weight": np.zeros((512, H), np.float32)})
     save_file({**weights, **extra}, str(d / "model.safetensors"), metadata={"format": "pt"})
-    llm = LLM(str(d), num_kv_blocks=32)
-    model = llm.engine.model
+    from engine.loader.model_loader import load_model
+    from pyx.cpu_backend import CpuBackend
+    model, _ = load_model(str(d), CpuBackend(), progress=False)
     assert set(model.mtp_weights) == set(extra)
+    llm = LLM(str(d), num_kv_blocks=32)
+    assert llm.engine.model.mtp_weights == {}
     outs = llm.generate(prompts_for(), SamplingParams(**GREEDY))
     for i, (out, ref) in enumerate(zip(outs, refs["deepseek_v3"])):
         assert_matches(list(out.token_ids), ref, min_trusted=8, label=f"prompt {i}")

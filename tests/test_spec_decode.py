@@ -86,7 +86,7 @@ def test_config_names_the_bad_key():
     c = SpeculativeConfig.parse(None, draft_model="/d")
     assert (c.method, c.model, c.num_speculative_tokens) == ("draft_model", "/d", 4)
     for bad, message in [
-            ('{"method": "mtp", "num_speculative_tokens": 2}', "method must be one of"),
+            ('{"method": "medusa", "num_speculative_tokens": 2}', "method must be one of"),
             ('{"method": "eagle3", "num_speculative_tokens": 2}', "eagle3 needs \"model\""),
             ('{"method": "ngram"}', "'num_speculative_tokens' is required"),
             ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens must"),

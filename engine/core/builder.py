@@ -18,6 +18,7 @@ from engine.loader.hub import resolve_gguf, resolve_model
 from engine.loader.model_loader import load_eagle3_head, load_gguf_model, load_model
 from engine.loader.safetensors import mem_available_bytes
 from engine.lora.manager import LoraManager
+from engine.models.deepseek_mtp import DeepseekMtpHead
 from engine.models.model_config import ModelConfig
 from engine.parallel import launch
 from engine.parallel.steps import StepSender
@@ -28,6 +29,7 @@ from engine.runner.model_runner import ModelRunner
 from engine.sampling.pooling import PoolingConfig, default_pooling_config, read_pooling_config
 from engine.spec.draft_model import DraftModel
 from engine.spec.eagle3 import Eagle3Proposer
+from engine.spec.mtp import MtpProposer
 from engine.text.tokenizer import Tokenizer
 
 log = logging.getLogger("taper.engine")
@@ -45,7 +47,7 @@ class EngineParts:
     block_pool: BlockPool
     max_model_len: int
     runner: ModelRunner
-    # speculative decoding's draft model or EAGLE-3 head, its pools beside the target's
+    # speculative decoding's draft model, EAGLE-3 or MTP head, its pools beside the target's
     draft: DraftModel | None = None
     lora: LoraManager | None = None   # LoRA adapters (--enable-lora)
 
@@ -92,6 +94,7 @@ def build(config: EngineConfig, loaded=None, group=None) -> EngineParts:
         log.info("LoRA: %d slots of rank %d in %s (%.0f MiB), %d adapters loaded",
                  config.lora.max_loras, config.lora.max_lora_rank, lora.dtype.name,
                  lora.slot_bytes / 2**20, len(lora.adapters()))
+    mtp = _load_mtp(config, model, model_config)
     kv_dtype = backend.kv_cache_dtype(config.kv_cache_dtype)
     if config.kv_cache_dtype == "fp8":
         log.info("FP8 (e4m3) KV cache with %s", "the checkpoint's k/v scales"
@@ -111,7 +114,9 @@ def build(config: EngineConfig, loaded=None, group=None) -> EngineParts:
         config, backend, getattr(model, "config", model_config), kv_dtype,
         draft[1] if draft else None,
         Eagle3Proposer.bytes_per_block(head.config, config.block_size, kv_dtype,
-                                       backend.act_dtype) if head else 0,
+                                       backend.act_dtype) if head else
+        MtpProposer.bytes_per_block(mtp.config, config.block_size, kv_dtype,
+                                    backend.act_dtype) if mtp else 0,
         reserve=lambda budget, what: _reserve_states(states, config, model_config, budget, what))
     if model_config.linear_attention is not None and not states:   # explicit num_kv_blocks
         states.append(StatePoolSize.for_model(config, model_config, None))
@@ -170,6 +175,14 @@ def build(config: EngineConfig, loaded=None, group=None) -> EngineParts:
                  config.speculative_config.model, head.config.draft_vocab_size,
                  list(head.aux_layers), config.speculative_config.num_speculative_tokens,
                  num_blocks)
+    elif mtp is not None:
+        draft_model = MtpProposer(mtp, backend, num_blocks, config.block_size,
+                                  config.kv_cache_dtype, model_config.vocab_size)
+        runner.aux_capture = draft_model.capture
+        log.info("speculative decoding: the checkpoint's MTP head (layer %d, %s), %d tokens per "
+                 "step, its latent cache and the target's hidden states in %d blocks",
+                 model_config.num_hidden_layers, "MoE" if mtp.sparse else "dense MLP",
+                 config.speculative_config.num_speculative_tokens, num_blocks)
     elif config.speculative_config is not None:
         log.info("speculative decoding: %s", config.speculative_config)
     if on_gpu:
@@ -178,9 +191,9 @@ def build(config: EngineConfig, loaded=None, group=None) -> EngineParts:
                                                             kv_dtype),
                              max_model_len, config.max_num_seqs)
         backend.max_context = max_model_len
-        if config.cuda_graph and head is not None:
-            log.info("CUDA graphs: not captured (an EAGLE-3 head reads every step's hidden "
-                     "states, which the decode graphs do not hand over)")
+        if config.cuda_graph and runner.aux_capture is not None:
+            log.info("CUDA graphs: not captured (an EAGLE-3 or MTP head reads every step's "
+                     "hidden states, which the decode graphs do not hand over)")
         elif config.cuda_graph:
             if group is None:
                 capture_cuda_graphs(config, model, backend, runner, max_model_len)
@@ -231,6 +244,30 @@ def _load_eagle3(config: EngineConfig, backend, model, model_config: ModelConfig
                          f"hand its hidden states to a head")
     return load_eagle3_head(resolve_model(spec.model), backend, model, model_config,
                             dtype=config.dtype)
+
+
+def _load_mtp(config: EngineConfig, model, model_config: ModelConfig):
+    """The speculative config's MTP head, taken from the target's checkpoint, or None. The
+    target's MTP tensors are dropped when nothing drafts with them."""
+    spec = config.speculative_config
+    kept = getattr(model, "mtp_weights", None)
+    if spec is None or spec.method != "mtp":
+        if kept:
+            log.info("dropping the checkpoint's %d multi-token-prediction tensors (speculative "
+                     "decoding with method mtp would use them)", len(kept))
+            kept.clear()
+        return None
+    if kept is None:
+        raise ValueError(f"MTP: the target's architecture ({model_config.architecture}) has no "
+                         f"multi-token-prediction head Taper can run; method mtp supports "
+                         f"DeepSeek-V3-style MLA checkpoints (DeepseekV3ForCausalLM, "
+                         f"DeepseekV2ForCausalLM, Glm4MoeLiteForCausalLM)")
+    if not kept:
+        raise ValueError(f"MTP: the checkpoint has no multi-token-prediction layers (no "
+                         f"model.layers.{model_config.num_hidden_layers}.* tensors; its config "
+                         f"says num_nextn_predict_layers {model_config.mla.num_mtp_layers}); "
+                         f"use another speculative method")
+    return DeepseekMtpHead(model)
 
 
 def _load(config: EngineConfig, backend, tensor_parallel=None):

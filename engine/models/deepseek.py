@@ -5,8 +5,8 @@ with route_grouped and ungated shared experts) on the sparse layers. The config 
 rules are in engine/models/deepseek_config.py.
 
 Multi-token-prediction layers (num_nextn_predict_layers, stored as model.layers.{N} and on, N the
-decoder's layer count) are kept as loaded, in `mtp_weights`, for speculative decoding; nothing
-runs them yet.
+decoder's layer count) are kept as loaded, in `mtp_weights`: speculative decoding's MTP head
+(engine/models/deepseek_mtp.py) takes them, and the engine drops them otherwise.
 """
 from __future__ import annotations
 
@@ -82,8 +82,7 @@ class DeepseekForCausalLM(LlamaForCausalLM):
                             if (m := _LAYER.match(n)) and int(m[1]) >= config.num_hidden_layers}
         if self.mtp_weights:
             logger.info("keeping %d multi-token-prediction tensors (layers %d+) for speculative "
-                        "decoding; they are not used yet", len(self.mtp_weights),
-                        config.num_hidden_layers)
+                        "decoding", len(self.mtp_weights), config.num_hidden_layers)
         super().__init__(config, weights, backend)
 
     def _attention(self, weights: dict, p: str, i: int):
@@ -120,9 +119,13 @@ class DeepseekForCausalLM(LlamaForCausalLM):
         return self.backend.place_weight(w.reshape(G * N, K)).reshape(G, N, K)
 
     def _mlp(self, weights: dict, p: str, i: int):
-        c, e = self.config, self.config.moe
-        if not e.sparse_layers[i]:
+        if not self.config.moe.sparse_layers[i]:
             return super()._mlp(weights, p, i)
+        return self._moe(weights, p)
+
+    def _moe(self, weights: dict, p: str):
+        """The DeepSeekMoE block of layer prefix p."""
+        e = self.config.moe
         q = f"{p}mlp."
         gate_up = [self._fuse(weights, [f"{q}experts.{x}.gate_proj.weight",
                                         f"{q}experts.{x}.up_proj.weight"])

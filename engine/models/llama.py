@@ -73,9 +73,21 @@ class AuxCapture:
     ascending and distinct; the forward sets `states` to them side by side, (T, len(layers) *
     hidden) in the activation dtype."""
     __slots__ = ("layers", "states")
+    final = False
 
     def __init__(self, layers):
         self.layers = tuple(layers)
+        self.states = None
+
+
+class FinalCapture:
+    """An MTP head's view into the target's forward (engine/spec/mtp.py): every row's final-norm
+    hidden state, the lm_head's input, (T, hidden) in the activation dtype, a new array."""
+    __slots__ = ("states",)
+    layers = ()
+    final = True
+
+    def __init__(self):
         self.states = None
 
 
@@ -239,12 +251,13 @@ class LlamaForCausalLM:
                 for _ in range(self.num_layers)]
 
     def forward(self, batch: ForwardBatch, kv_caches: list, hidden_indices=None,
-                capture: "AuxCapture | None" = None):
+                capture: "AuxCapture | FinalCapture | None" = None):
         """Logits (len(batch.logits_indices), vocab) float32, a new array each call; the batch's
         arrays and the logits live where the backend computes (NumPy or CuPy). With
         `hidden_indices` (rows to pool for embeddings), returns (logits, their final-norm hidden
-        states (len(hidden_indices), hidden)). With `capture` (EAGLE-3), its `states` are set to
-        every row's residual stream entering its layers."""
+        states (len(hidden_indices), hidden)). With `capture`, its `states` are set to every
+        row's residual stream entering its layers (an AuxCapture: EAGLE-3), or every row's
+        final-norm hidden state (a FinalCapture: MTP)."""
         c, b, ws = self.config, self.backend, self.workspace
         T = batch.num_tokens
         residual = ws.get("residual", T, c.hidden_size)
@@ -258,21 +271,29 @@ class LlamaForCausalLM:
             batch = dataclasses.replace(batch, positions=longrope_positions(
                 self.xp, batch.positions, batch.query_start_loc, batch.seq_lens,
                 c.rope.original_max_position_embeddings, c.max_model_len))
-        if capture is None:
+        if capture is None or not capture.layers:
             run_layers(self.layers, batch, hidden, residual, kv_caches, ws)
         else:
             capture.states = self._run_layers_capturing(batch, hidden, residual, kv_caches,
                                                         capture.layers)
         # Only the sampled (and pooled) rows go through the final norm, the sampled ones through
-        # the lm_head.
+        # the lm_head; every row with a FinalCapture (an MTP head reads them all).
         idx = batch.logits_indices
         num_logits = len(idx)
         if hidden_indices is not None:
             idx = self.xp.concatenate([idx, hidden_indices])
-        rows_hidden = self.xp.ascontiguousarray(hidden[idx])
-        rows_residual = self.xp.ascontiguousarray(residual[idx])
-        if len(idx):
-            self._final_norm(rows_hidden, rows_residual)
+        if capture is not None and capture.final:
+            states = self.xp.empty(hidden.shape, dtype=hidden.dtype)
+            self.xp.copyto(states, hidden)
+            if T:
+                self._final_norm(states, residual)
+            capture.states = states
+            rows_hidden = self.xp.ascontiguousarray(states[idx])
+        else:
+            rows_hidden = self.xp.ascontiguousarray(hidden[idx])
+            rows_residual = self.xp.ascontiguousarray(residual[idx])
+            if len(idx):
+                self._final_norm(rows_hidden, rows_residual)
         logits = self.logits(rows_hidden[:num_logits])
         if hidden_indices is None:
             return logits

@@ -22,8 +22,9 @@ class WorkerStop(Exception):
 def check_supported(config) -> None:
     """What tensor parallel does not split yet, refused before any worker starts."""
     spec = config.speculative_config
-    if spec is not None and spec.method in ("draft_model", "eagle3"):
-        what = "a draft model" if spec.method == "draft_model" else "an EAGLE-3 head"
+    if spec is not None and spec.method in ("draft_model", "eagle3", "mtp"):
+        what = {"draft_model": "a draft model", "eagle3": "an EAGLE-3 head",
+                "mtp": "an MTP head"}[spec.method]
         raise ValueError(f"tensor parallel: speculative decoding with {what} is not yet "
                          f"supported (n-gram speculation is)")
     if config.backend not in ("cpu", "cuda"):

@@ -3,12 +3,14 @@
     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 5, "prompt_lookup_min": 2}
     {"method": "draft_model", "model": "DIR", "num_speculative_tokens": 4}
     {"method": "eagle3", "model": "DIR", "num_speculative_tokens": 4}    (an EAGLE-3 head)
+    {"method": "mtp", "num_speculative_tokens": 2}     (the target checkpoint's MTP head;
+                                                        "deepseek_mtp" is read as "mtp")
 
 `disable_by_batch_size` (vLLM's) turns speculation off for a step that runs more sequences than
 that: a large batch is compute-bound, and verifying k extra tokens per sequence costs k times
-the compute. `draft_sampling` is Taper's: how a draft model or an EAGLE-3 head picks its tokens
-for a request that samples ("greedy": its argmax, a point mass, so a seeded request gives the same tokens as without
-speculation; "probabilistic": a draw from its own distribution, verified by rejection sampling
+the compute. `draft_sampling` is Taper's: how a draft model or an EAGLE-3 or MTP head picks its
+tokens for a request that samples ("greedy": its argmax, a point mass, so a seeded request gives
+the same tokens as without speculation; "probabilistic": a draw from its own distribution, verified by rejection sampling
 against it, which accepts more at high temperatures but draws other tokens for the same seed).
 """
 from __future__ import annotations
@@ -16,7 +18,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, fields
 
-METHODS = ("ngram", "draft_model", "eagle3")
+METHODS = ("ngram", "draft_model", "eagle3", "mtp")
+# vLLM's older per-model names for the MTP method
+METHOD_ALIASES = {"deepseek_mtp": "mtp"}
 DRAFT_SAMPLING = ("greedy", "probabilistic")
 MAX_SPECULATIVE_TOKENS = 32
 # The default batch-size gate: a step speculates while at most this many sequences run. On the
@@ -36,17 +40,21 @@ class SpeculativeConfig:
     draft_sampling: str = "greedy"
 
     def __post_init__(self):
+        if self.method in METHOD_ALIASES:
+            object.__setattr__(self, "method", METHOD_ALIASES[self.method])
         if self.method not in METHODS:
-            raise ValueError(f"speculative config: method must be one of {', '.join(METHODS)} "
-                             f"(MTP heads are not supported yet), got {self.method!r}")
+            raise ValueError(f"speculative config: method must be one of {', '.join(METHODS)}, "
+                             f"got {self.method!r}")
         k = self.num_speculative_tokens
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"speculative config: num_speculative_tokens must be an integer in "
                              f"[1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
+        if self.method in ("ngram", "mtp") and self.model is not None:
+            raise ValueError(f"speculative config: model is for methods draft_model and eagle3, "
+                             f"not {self.method}" + (" (the MTP head comes from the target's "
+                                                      "checkpoint)" if self.method == "mtp"
+                                                      else ""))
         if self.method == "ngram":
-            if self.model is not None:
-                raise ValueError("speculative config: model is for methods draft_model and "
-                                 "eagle3, not ngram")
             lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
             for name, value in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
                 if value is not None and (not isinstance(value, int) or value < 1):
@@ -65,7 +73,7 @@ class SpeculativeConfig:
             if not self.model and self.method == "draft_model":
                 raise ValueError("speculative config: method draft_model needs \"model\" (the "
                                  "draft's directory; --draft-model DIR sets it)")
-            if not self.model:
+            if not self.model and self.method == "eagle3":
                 raise ValueError("speculative config: method eagle3 needs \"model\" (the "
                                  "EAGLE-3 head's directory)")
             for name in ("prompt_lookup_min", "prompt_lookup_max"):

@@ -79,7 +79,7 @@ class Eagle3Proposer(DraftModel):
         if not rows.size:
             return
         fb = self._rows_batch(host_batch, batch.block_tables, rows, host_batch.token_ids[rows])
-        self.model.forward(fb, self.kv_caches, self.features[fb.slot_mapping], kv_only=True)
+        self._forward(fb, self.features[fb.slot_mapping], kv_only=True)
         self.num_forward_calls += 1
 
     # ---- drafting
@@ -97,10 +97,14 @@ class Eagle3Proposer(DraftModel):
         else:
             at = np.array([self._hidden_row[i] for i in live], np.int64)
             hidden = self._hidden[self.backend.asarray(at)]
-        final, prenorm = self.model.forward(fb, self.kv_caches, hidden)
+        final, prenorm = self._forward(fb, hidden)
         self.num_forward_calls += 1
         self._hidden, self._hidden_row = prenorm, {i: r for r, i in enumerate(live)}
         return self.model.logits(final)
+
+    def _forward(self, fb: ForwardBatch, hidden, kv_only: bool = False):
+        """The head over the rows `fb` (made by _rows_batch) with their hidden inputs."""
+        return self.model.forward(fb, self.kv_caches, hidden, kv_only=kv_only)
 
     def _rows_batch(self, batch, block_tables, rows, tokens) -> ForwardBatch:
         """The head's rows for rows `rows` (ascending, each at a position > 0) of the target's

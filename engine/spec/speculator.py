@@ -4,13 +4,14 @@
 - schedule (main thread): `plan` gives a decoding sequence its drafts for the step, k <= its
   adaptive budget (engine/spec/adaptive.py), the step's token budget, max_tokens and the model
   length; an n-gram lookup returns the tokens at once (cut where a grammar refuses them), a draft
-  model or an EAGLE-3 head only the count. The scheduler allocates 1 + k slots and the runner makes 1 + k rows of
-  them (the last known token, then the drafts), each row's logits kept.
-- forward thread: `draft` runs the draft model (engine/spec/draft_model.py) or the EAGLE-3 head
-  (engine/spec/eagle3.py) into those rows, the target scores every row of every sequence in one
-  forward, mixed with plain decodes and prefill chunks; `mirror` gives the draft model the
-  step's K/V (the head the target's features too); `verify` turns the rows into emitted tokens
-  (engine/spec/rejection_sampler.py).
+  model, an EAGLE-3 or an MTP head only the count. The scheduler allocates 1 + k slots and the
+  runner makes 1 + k rows of them (the last known token, then the drafts), each row's logits
+  kept.
+- forward thread: `draft` runs the draft model (engine/spec/draft_model.py), the EAGLE-3 head
+  (engine/spec/eagle3.py) or the MTP head (engine/spec/mtp.py) into those rows, the target
+  scores every row of every sequence in one forward, mixed with plain decodes and prefill
+  chunks; `mirror` gives the draft model the step's K/V (a head the target's features too);
+  `verify` turns the rows into emitted tokens (engine/spec/rejection_sampler.py).
 - commit (main thread): the emitted tokens are appended one by one (each may stop the
   sequence), only the accepted rows count as computed, so a rejected draft's K/V lies past
   num_computed_tokens, is never hashed into the prefix cache and is rewritten before it is read;
@@ -34,7 +35,7 @@ from engine.spec.rejection_sampler import RejectionSampler, Verified
 
 # A draft is worth proposing while the chance it is used (acceptance^position) is at least this
 # floor, and at least its measured cost against a decoded token's (engine/spec/costs.py).
-MIN_USE = {"ngram": 0.1, "draft_model": 0.1, "eagle3": 0.1}
+MIN_USE = {"ngram": 0.1, "draft_model": 0.1, "eagle3": 0.1, "mtp": 0.1}
 
 
 @dataclass(slots=True)
@@ -63,7 +64,7 @@ class Speculator:
         self.method = config.method
         self.k = config.num_speculative_tokens
         self.max_model_len = max_model_len
-        self.draft_model = draft            # a DraftModel (draft_model) or Eagle3Proposer
+        self.draft_model = draft     # a DraftModel (draft_model), Eagle3Proposer or MtpProposer
         self.sampler = sampler
         self.eos_token_ids = eos_token_ids
         self.rejection = RejectionSampler(sampler, eos_token_ids, logprobs_mode)

@@ -6,7 +6,8 @@ mla_decode_attention (cuda/mla_decode.cu) at DeepSeek's real head size (a latent
 rotary part of 64: D 576, past the paged attention kernels' 256) and at the tiny checkpoints'.
 Then the tiny MLA checkpoints (tests/checkpoints.py) through the CUDA engine: greedy tokens equal
 the CPU engine's up to its near-ties, with prompt chunks beside decodes (the plain path through
-the prefill kernel, the absorbed one through the new kernel) and decode graphs replayed.
+the prefill kernel, the absorbed one through the new kernel) and decode graphs replayed; and
+DeepSeek-V3's MTP head drafting on the device (speculative method mtp).
 """
 from __future__ import annotations
 
@@ -107,3 +108,31 @@ def test_graph_replay_equals_eager(mla_checkpoints, batch):
     prompts = random_prompts(300 + batch, [45, 20, 31][:batch])
     assert ([o.token_ids for o in greedy(graph, prompts)]
             == [o.token_ids for o in greedy(eager, prompts)])
+
+
+def test_mtp_speculation_matches_cpu(tmp_path, monkeypatch):
+    """DeepSeek-V3's MTP head (tests/mtp_heads.py) drafting on the device in bf16 (the target's
+    final-norm states captured in the device forward, the head's latent cache and hidden-state
+    pool on the device, the position-0 embedding zeroed by a device scatter): greedy tokens equal
+    the CPU engine's without speculation up to its near-ties, drafts proposed; a head that
+    computes the bigram target's next token has most drafts accepted (bf16 rounding may part a
+    near-tie)."""
+    from engine.spec.costs import StepCost
+    from mtp_heads import bigram_mtp_checkpoint, mtp_checkpoint
+    monkeypatch.setattr(StepCost, "min_use", lambda self, rows: 0.0)
+    spec = {"method": "mtp", "num_speculative_tokens": 3}
+    prompts = random_prompts(17, (5, 23, 40))
+    for name, path in (("random", mtp_checkpoint(tmp_path / "random")),
+                       ("bigram", bigram_mtp_checkpoint(tmp_path / "bigram"))):
+        cpu = make(path, "cpu", "auto")
+        cuda = make(path, "cuda", "bf16", speculative_config=spec)
+        got, want = greedy(cuda, prompts), greedy(cpu, prompts)
+        compared = 0
+        for i, (g, w) in enumerate(zip(got, want)):
+            margins = cpu_margins(cpu, prompts[i], w.token_ids)
+            compared += compare(f"mtp {name} prompt {i}", g.token_ids, w.token_ids, margins)
+        assert compared >= 24, f"only {compared} tokens compared: near-ties everywhere"
+        stats = cuda.engine.speculator.stats
+        assert stats.num_drafts > 0
+        if name == "bigram":
+            assert stats.acceptance_rate > 0.8, stats

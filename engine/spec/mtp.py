@@ -1,0 +1,61 @@
+"""MTP proposals: the target checkpoint's own multi-token-prediction head
+(engine/models/deepseek_mtp.py) drafts from the target's final-norm hidden states, one forward of
+its decoder layer per draft.
+
+The bookkeeping is EAGLE-3's (engine/spec/eagle3.py), with the target's final-norm output of p
+(a FinalCapture, every row of every target forward) as the features f(p):
+
+- the feature pool: f(p) at the slot of p; the head's latent cache: its row for p at the slot of
+  p; both in the target's blocks, so prefix caching, preemption and rollback carry them;
+- `mirror`: after each target forward, the head's row for q - 1 (token at q, f(q - 1), RoPE
+  position q - 1) for every batch row at q > 0, K/V only;
+- `propose`: step 0 is the head's row for L - 2 (the last known token, f(L - 2)), step i its row
+  for L - 2 + i (d_i, the previous step's prenorm output).
+
+The head's row at position 0 reads a zero embedding (vLLM's masking): the proposer tells the head
+which rows those are from the host's positions. EAGLE-3's one inexactness carries over (a row at
+the end of a shared block depends on the next block's first token), in the drafts only.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from engine.models.deepseek_mtp import DeepseekMtpHead
+from engine.models.llama import FinalCapture
+from engine.runner.forward_batch import ForwardBatch
+from engine.spec.eagle3 import Eagle3Proposer
+
+
+class MtpProposer(Eagle3Proposer):
+    def __init__(self, head: DeepseekMtpHead, backend, num_blocks: int, block_size: int,
+                 kv_cache_dtype: str, target_vocab_size: int):
+        self.model = head
+        self.model_config = head.config
+        self.backend = backend
+        self.block_size = block_size
+        self.target_vocab_size = target_vocab_size
+        self.embed_vocab_size = target_vocab_size
+        cache = head.new_kv_cache(num_blocks, block_size, backend.kv_cache_dtype(kv_cache_dtype))
+        self.kv_caches = [(cache, cache)]
+        self.features = backend.xp.zeros((num_blocks * block_size, head.hidden_size),
+                                         dtype=backend.act_dtype)
+        self.capture = FinalCapture()      # the target's runner fills it
+        self.num_forward_calls = 0
+        self._hidden = None
+        self._hidden_row = {}
+        self._first_rows = None    # the last _rows_batch's rows at position 0 (host)
+
+    @staticmethod
+    def bytes_per_block(model_config, block_size: int, kv_dtype, act_dtype) -> int:
+        """Both pools' bytes for one of the target's blocks: one layer's latent and a hidden
+        row per token."""
+        return block_size * (model_config.mla.latent_dim * np.dtype(kv_dtype).itemsize
+                             + model_config.hidden_size * np.dtype(act_dtype).itemsize)
+
+    def _rows_batch(self, batch, block_tables, rows, tokens) -> ForwardBatch:
+        self._first_rows = np.flatnonzero(batch.positions[rows] == 1)
+        return super()._rows_batch(batch, block_tables, rows, tokens)
+
+    def _forward(self, fb: ForwardBatch, hidden, kv_only: bool = False):
+        return self.model.forward(fb, self.kv_caches, hidden, kv_only=kv_only,
+                                  first_rows=self._first_rows)
