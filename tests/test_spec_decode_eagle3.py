@@ -20,6 +20,7 @@ from eagle3_heads import HEAD, draft_vocab, random_weights, write_head
 from engine import LLM, SamplingParams
 from test_engine import StressRunner
 from test_spec_decode_sampling import chi_square_ok, exact_joint
+from spec_rollback import assert_drafts_depend_only_on_the_context
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -400,52 +401,8 @@ def test_drafts_depend_only_on_the_context(target, head, prompts):
     sharing 19 tokens: they part inside a block, where the head's rows do not depend on the
     next block), the head's first draft logits for a context equal those of a fresh engine that
     prefills that context: every row the head reads was rewritten after its rejected draft."""
-    shared = [prompts[1][:19] + p for p in prompts]
-    llm = LLM(target, speculative_config=eagle(head, disable_by_batch_size=None), block_size=8,
-              num_kv_blocks=28, prefill_chunk_size=16, max_num_batched_tokens=64,
-              max_num_seqs=8)
-    engine = llm.engine
-    engine.block_pool.shuffle_free_blocks(random.Random(3))
-    StressRunner(engine.runner, engine.block_pool)
-    proposer = engine.speculator.draft_model
-    step_logits, seen = proposer._step_logits, []
-
-    def spy(batch, tables, plans, live, rows, tokens, step):
-        out = step_logits(batch, tables, plans, live, rows, tokens, step)
-        if step == 0:
-            for j, i in enumerate(live):
-                seq = plans[i][1]
-                seen.append((list(seq.token_ids), np.array(out[j], np.float64)))
-        return out
-
-    proposer._step_logits = spy
-    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
-    outs = llm.generate(shared, params)
-    assert [o.token_ids for o in outs] == [o.token_ids for o in LLM(target).generate(shared,
-                                                                                     params)]
-    stats = engine.speculator.stats
-    assert engine.scheduler.num_preemptions > 0 and engine.block_pool.prefix_cache_hits > 0
-    assert stats.num_draft_tokens > stats.num_accepted_tokens
-    late = [s for s in seen if len(s[0]) - len(shared[0]) > 10][:: 3][:6]
-    assert len(late) >= 4
-    for context, logits in late:
-        fresh = LLM(target, speculative_config=eagle(head, k=1))
-        got = []
-        fresh_proposer = fresh.engine.speculator.draft_model
-        fresh_logits = fresh_proposer._step_logits
-
-        def first_only(batch, tables, plans, live, rows, tokens, step):
-            out = fresh_logits(batch, tables, plans, live, rows, tokens, step)
-            got.append(np.array(out[0], np.float64))
-            return out
-
-        fresh_proposer._step_logits = first_only
-        # the context's last token is the target's greedy choice: a prefill of the rest
-        # samples it, and the next step drafts from the same context
-        fresh.generate([context[:-1]], SamplingParams(temperature=0, max_tokens=3,
-                                                      ignore_eos=True))
-        finite = np.isfinite(logits)
-        np.testing.assert_allclose(got[0][finite], logits[finite], rtol=1e-4, atol=1e-4)
+    assert_drafts_depend_only_on_the_context(
+        target, eagle(head, disable_by_batch_size=None), eagle(head, k=1), prompts)
 
 
 # ---- sampling: the target's distribution
