@@ -59,6 +59,11 @@ ARCHS = {
     "stablelm": ("StableLmConfig", dict(num_attention_heads=4, num_key_value_heads=2,
                                         use_qkv_bias=True, partial_rotary_factor=0.25,
                                         layer_norm_eps=1e-5, tie_word_embeddings=False)),
+    # Phi-2: parallel residual, LayerNorm with bias, half of each head rotated, q/k/v and dense
+    # biases, an ungated gelu_new MLP (fc1/fc2 with biases), a biased lm_head
+    "phi": ("PhiConfig", dict(num_attention_heads=4, num_key_value_heads=2,
+                              partial_rotary_factor=0.5, layer_norm_eps=1e-5,
+                              tie_word_embeddings=False)),
     # mixtures of experts: 4 experts, 2 per token
     "mixtral": ("MixtralConfig", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=24,
                                       num_local_experts=4, num_experts_per_tok=2,
@@ -166,6 +171,25 @@ def scale_weights(model, scale: float = 8.0, seed: int = 0, embed_std: float = 0
     return model
 
 
+def _phi_weights(model, seed: int):
+    """Phi-2's parallel residual and LayerNorm biases settle a tiny model on one repeated token
+    under scale_weights alone: LayerNorm biases ~ N(0, 0.5^2) (not 1 + noise, which every
+    position shares), embeddings ~ N(0, 1), the lm_head's bias x 0.1."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed + 10)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("layernorm.bias"):
+                p.copy_(0.5 * torch.randn(p.shape, generator=gen))
+        model.model.embed_tokens.weight.normal_(0.0, 1.0, generator=gen)
+        model.lm_head.bias.mul_(0.1)
+
+
+# per architecture: (scale for scale_weights, a further adjustment after it)
+_ADJUST = {"phi": (4.0, _phi_weights)}
+
+
 def tiny_checkpoint(directory, arch: str = "llama", dtype: str = "float32", seed: int = 0,
                     scale: float = 8.0, **overrides) -> str:
     """Write a tiny `arch` checkpoint (config overrides as keyword arguments) to `directory` with
@@ -175,7 +199,12 @@ def tiny_checkpoint(directory, arch: str = "llama", dtype: str = "float32", seed
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(tiny_config(arch, **overrides))
+    adjust = None
+    if arch in _ADJUST:
+        scale, adjust = _ADJUST[arch]
     scale_weights(model, scale=scale, seed=seed)
+    if adjust is not None:
+        adjust(model, seed)
     if dtype == "bfloat16":
         model = model.to(torch.bfloat16)
     elif dtype != "float32":

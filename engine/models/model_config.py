@@ -23,7 +23,7 @@ _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                 "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
                 "phi3": "Phi3ForCausalLM", "glm4": "Glm4ForCausalLM",
-                "stablelm": "StableLmForCausalLM", "mixtral": "MixtralForCausalLM",
+                "stablelm": "StableLmForCausalLM", "phi": "PhiForCausalLM", "mixtral": "MixtralForCausalLM",
                 "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
                 "qwen3_next": "Qwen3NextForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM",
                 "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
@@ -41,7 +41,7 @@ _DEFAULT_HEAD_DIM = {"Qwen3ForCausalLM": 128, "Qwen3MoeForCausalLM": 128, "Gemma
 
 # hidden_act / hidden_activation names -> the gated activation op of the MLP.
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh",
-                "gelu_tanh": "gelu_tanh"}
+                "gelu_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}   # gelu_new: the tanh form
 
 
 @dataclass(slots=True)
@@ -244,6 +244,11 @@ class ModelConfig:
             qkv_bias, o_bias = bool(cfg.get("attention_bias", True)), False
         elif arch == "StableLmForCausalLM":
             qkv_bias, o_bias = bool(cfg.get("use_qkv_bias", False)), False
+        elif arch == "PhiForCausalLM":      # biases on q/k/v and dense, always
+            qkv_bias = o_bias = True
+            if cfg.get("qk_layernorm"):
+                raise ValueError(f"{arch}: qk_layernorm (a LayerNorm with bias on each q/k "
+                                 "head) is not supported")
         else:
             qkv_bias = o_bias = bool(cfg.get("attention_bias", False))
         mlp_bias = arch == "LlamaForCausalLM" and bool(cfg.get("mlp_bias", False))
@@ -270,7 +275,8 @@ class ModelConfig:
             else None,
             attn_softcap=float(cfg.get("attn_logit_softcapping") or 0.0) if gemma else 0.0,
             final_softcap=float(cfg.get("final_logit_softcapping") or 0.0) if gemma else 0.0,
-            parallel_residual=bool(cfg.get("use_parallel_residual", False)),
+            parallel_residual=arch == "PhiForCausalLM"
+            or bool(cfg.get("use_parallel_residual", False)),
             qk_layernorm=arch == "StableLmForCausalLM" and bool(cfg.get("qk_layernorm", False)),
             dtype=_dtype_name(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"),
             quantization=(cfg.get("quantization_config") or {}).get("quant_method"),
@@ -425,6 +431,8 @@ def _ropes(arch: str, cfg: dict, head_dim: int, max_pos: int, yarn_scaling_facto
         return rope, None
     if arch == "StableLmForCausalLM":     # StableLmConfig: a quarter of the head by default
         cfg = {"partial_rotary_factor": 0.25, **cfg}
+    if arch == "PhiForCausalLM":          # PhiConfig: half of it
+        cfg = {"partial_rotary_factor": 0.5, **cfg}
     if arch == "Glm4ForCausalLM":
         # Glm4Config: half the head rotates by default, in interleaved pairs (x[2i], x[2i+1]).
         cfg = {"partial_rotary_factor": 0.5, **cfg}
