@@ -64,6 +64,17 @@ ARCHS = {
     "phi": ("PhiConfig", dict(num_attention_heads=4, num_key_value_heads=2,
                               partial_rotary_factor=0.5, layer_norm_eps=1e-5,
                               tie_word_embeddings=False)),
+    # GLM-4.5/4.6: ordinary attention (q/k/v bias, per-head q/k RMSNorm, half of each head
+    # rotated in rotate-half pairs) with DeepSeek-V3's router (sigmoid, e_score_correction_bias
+    # randomised, the best 2 of 4 groups, renormalised, routed_scaling_factor 2.5), a shared
+    # expert, and a dense first layer (first_k_dense_replace)
+    "glm4_moe": ("Glm4MoeConfig", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=24,
+                                       partial_rotary_factor=0.5, attention_bias=True,
+                                       use_qk_norm=True, n_routed_experts=8, n_shared_experts=1,
+                                       num_experts_per_tok=2, moe_intermediate_size=64,
+                                       first_k_dense_replace=1, n_group=4, topk_group=2,
+                                       norm_topk_prob=True, routed_scaling_factor=2.5,
+                                       tie_word_embeddings=False)),
     # mixtures of experts: 4 experts, 2 per token
     "mixtral": ("MixtralConfig", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=24,
                                       num_local_experts=4, num_experts_per_tok=2,

@@ -1,5 +1,6 @@
-"""Families that are a quirk file each (issue 29 item 4): Phi-2 (PhiForCausalLM), ... give
-transformers' greedy tokens on tiny checkpoints written by transformers itself
+"""Families that are a quirk file each (issue 29 item 4): Phi-2 (PhiForCausalLM), GLM-4.5/4.6
+(Glm4MoeForCausalLM) give transformers' greedy tokens on tiny checkpoints written by
+transformers itself
 (tests/checkpoints.py), through the whole engine with chunked prefill and a prefix-cache hit,
 and through the model alone (tests/model_cases.py's paged harness) with prompt chunks beside
 the other prompt's decodes (prefill logits too).
@@ -16,13 +17,14 @@ import torch
 
 from hf_oracle import assert_matches, hf_greedy, load_hf
 from model_cases import (GEN, Cases, assert_model_forward_matches, hf_tokens, hf_with_config,
-                         hf_with_rope_parameters, prompts_for, qkv_bias_off)
+                         hf_with_rope_parameters, prompts_for, qk_norm_off, qkv_bias_off)
 
 pytestmark = pytest.mark.timeout(300)
 
 # name -> (tiny_checkpoint kwargs, None)
 CASES = {
     "phi": (dict(arch="phi", seed=4), None),     # seed 4: continuations that vary
+    "glm4_moe": (dict(arch="glm4_moe"), None),
 }
 
 
@@ -87,12 +89,51 @@ def _full_rotary(cases, name):
     return hf_with_rope_parameters(cases, name, lambda p: {"partial_rotary_factor": 1.0})
 
 
+def _glm4_moe_router(**changes):
+    """GLM-4.5's routers with attributes changed (the config's values are copied into each
+    router when it is built)."""
+    def switch_off(cases, name):
+        model = load_hf(cases.dir(name))
+        for layer in model.model.layers[1:]:
+            for k, v in changes.items():
+                setattr(layer.mlp.gate, k, v)
+        return model
+    return switch_off
+
+
+def _glm4_moe_correction_bias_off(cases, name):
+    model = load_hf(cases.dir(name))
+    for layer in model.model.layers[1:]:
+        layer.mlp.gate.e_score_correction_bias.zero_()
+    return model
+
+
+class _Zero(torch.nn.Module):
+    def forward(self, x):
+        return torch.zeros_like(x)
+
+
+def _glm4_moe_shared_experts_off(cases, name):
+    model = load_hf(cases.dir(name))
+    for layer in model.model.layers[1:]:
+        layer.mlp.shared_experts = _Zero()
+    return model
+
+
 # quirk -> (the case that has it, transformers' model with the quirk switched off)
 QUIRK_OFF = {
     "phi_parallel_residual": ("phi", _phi_sequential_residual),
     "phi_partial_rotary": ("phi", _full_rotary),
     "phi_qkv_bias": ("phi", qkv_bias_off),
     "phi_layer_norm_bias": ("phi", _phi_bias_off("layernorm")),
+    "glm4_moe_partial_rotary": ("glm4_moe", _full_rotary),
+    "glm4_moe_qk_norm": ("glm4_moe", qk_norm_off),
+    "glm4_moe_qkv_bias": ("glm4_moe", qkv_bias_off),
+    "glm4_moe_correction_bias": ("glm4_moe", _glm4_moe_correction_bias_off),
+    "glm4_moe_shared_experts": ("glm4_moe", _glm4_moe_shared_experts_off),
+    "glm4_moe_group_limit": ("glm4_moe", _glm4_moe_router(topk_group=4)),
+    "glm4_moe_routed_scaling": ("glm4_moe", _glm4_moe_router(routed_scaling_factor=1.0)),
+    "glm4_moe_renormalised": ("glm4_moe", _glm4_moe_router(norm_topk_prob=False)),
 }
 
 # Quirks whose switch moves the logits but not every prompt's tokens (shown by the logits).

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from engine.models.registry import ARCHITECTURES, BASE_MODELS, TEXT_MODELS
 from engine.vision.config import (VISION_ARCHITECTURES, VisionConfig, parse_vision_config,
                                   text_config_of)
-from engine.models.deepseek_config import (MLA_ARCHITECTURES, MLA_MODEL_TYPES, GroupedRouting,
+from engine.models.deepseek_config import (GROUPED_MOE_ARCHITECTURES, MLA_ARCHITECTURES,
+                                           MLA_MODEL_TYPES, GroupedRouting,
                                            MlaConfig, parse_deepseek_moe, parse_mla, rope_is_neox)
 from engine.models.registry import ARCHITECTURES, BASE_MODELS
 
@@ -23,7 +24,8 @@ _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                 "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
                 "phi3": "Phi3ForCausalLM", "glm4": "Glm4ForCausalLM",
-                "stablelm": "StableLmForCausalLM", "phi": "PhiForCausalLM", "mixtral": "MixtralForCausalLM",
+                "stablelm": "StableLmForCausalLM", "phi": "PhiForCausalLM",
+                "glm4_moe": "Glm4MoeForCausalLM", "mixtral": "MixtralForCausalLM",
                 "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
                 "qwen3_next": "Qwen3NextForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM",
                 "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
@@ -244,6 +246,8 @@ class ModelConfig:
             qkv_bias, o_bias = bool(cfg.get("attention_bias", True)), False
         elif arch == "StableLmForCausalLM":
             qkv_bias, o_bias = bool(cfg.get("use_qkv_bias", False)), False
+        elif arch == "Glm4MoeForCausalLM":  # attention_bias covers q/k/v only
+            qkv_bias, o_bias = bool(cfg.get("attention_bias", False)), False
         elif arch == "PhiForCausalLM":      # biases on q/k/v and dense, always
             qkv_bias = o_bias = True
             if cfg.get("qk_layernorm"):
@@ -267,7 +271,8 @@ class ModelConfig:
             rms_norm_eps=float(cfg.get("rms_norm_eps") or cfg.get("layer_norm_eps") or 1e-6),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=qkv_bias, o_bias=o_bias, mlp_bias=mlp_bias,
-            qk_norm=arch in _QK_NORM_ARCHS,
+            qk_norm=arch in _QK_NORM_ARCHS
+            or arch == "Glm4MoeForCausalLM" and bool(cfg.get("use_qk_norm", False)),
             sliding_windows=_sliding_windows(arch, cfg, num_layers),
             max_position_embeddings=max_pos, max_model_len=_rope_max_len(rope, max_pos), rope=rope,
             local_rope=local_rope, hidden_act=_ACTIVATIONS[act_name],
@@ -345,7 +350,7 @@ def parse_moe(arch: str, cfg: dict, num_layers: int) -> MoeConfig | None:
     if arch == "MixtralForCausalLM":      # softmax, top-k, always renormalised; every layer
         return MoeConfig(int(cfg.get("num_local_experts", 8)), int(cfg.get("num_experts_per_tok", 2)),
                          int(cfg["intermediate_size"]), True, [True] * num_layers)
-    if arch in MLA_ARCHITECTURES:
+    if arch in GROUPED_MOE_ARCHITECTURES:
         return MoeConfig(**parse_deepseek_moe(arch, cfg, num_layers))
     if arch not in _MOE_DEFAULTS:
         return None
@@ -431,7 +436,7 @@ def _ropes(arch: str, cfg: dict, head_dim: int, max_pos: int, yarn_scaling_facto
         return rope, None
     if arch == "StableLmForCausalLM":     # StableLmConfig: a quarter of the head by default
         cfg = {"partial_rotary_factor": 0.25, **cfg}
-    if arch == "PhiForCausalLM":          # PhiConfig: half of it
+    if arch in ("PhiForCausalLM", "Glm4MoeForCausalLM"):   # their configs: half of it
         cfg = {"partial_rotary_factor": 0.5, **cfg}
     if arch == "Glm4ForCausalLM":
         # Glm4Config: half the head rotates by default, in interleaved pairs (x[2i], x[2i+1]).

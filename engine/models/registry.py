@@ -28,6 +28,7 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "DeepseekV2ForCausalLM": ("deepseek", "DeepseekForCausalLM"),
     "DeepseekV3ForCausalLM": ("deepseek", "DeepseekForCausalLM"),
     "Glm4MoeLiteForCausalLM": ("deepseek", "DeepseekForCausalLM"),
+    "Glm4MoeForCausalLM": ("glm4_moe", "Glm4MoeForCausalLM"),
 }
 
 # Headless transformers (embedding checkpoints: tensors without the "model." prefix, no lm_head)
