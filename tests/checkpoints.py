@@ -75,6 +75,18 @@ ARCHS = {
                                        first_k_dense_replace=1, n_group=4, topk_group=2,
                                        norm_topk_prob=True, routed_scaling_factor=2.5,
                                        tie_word_embeddings=False)),
+    # GPT-OSS: attention sinks, a sliding layer (window 16, under the prompts) then a full one,
+    # q/k/v/o biases, YaRN without truncation, 4 experts (2 per token) with biases, the clamped
+    # SwiGLU (limit 2, which the projections reach), a router with a bias
+    "gpt_oss": ("GptOssConfig", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=24,
+                                     intermediate_size=64, num_local_experts=4,
+                                     num_experts_per_tok=2, sliding_window=16, swiglu_limit=2.0,
+                                     layer_types=["sliding_attention", "full_attention"],
+                                     rope_parameters={"rope_type": "yarn", "factor": 4.0,
+                                                      "beta_fast": 32.0, "beta_slow": 1.0,
+                                                      "truncate": False, "rope_theta": 150000.0,
+                                                      "original_max_position_embeddings": 64},
+                                     tie_word_embeddings=False)),
     # mixtures of experts: 4 experts, 2 per token
     "mixtral": ("MixtralConfig", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=24,
                                       num_local_experts=4, num_experts_per_tok=2,
@@ -197,8 +209,22 @@ def _phi_weights(model, seed: int):
         model.lm_head.bias.mul_(0.1)
 
 
+def _gpt_oss_weights(model, seed: int):
+    """GPT-OSS's expert biases (named *_bias, zero at init) ~ N(0, 0.5^2) like other biases, and
+    its sinks ~ N(1, 1) so that they weigh against the scores."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed + 10)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("_bias"):
+                p.copy_(0.5 * torch.randn(p.shape, generator=gen))
+            elif name.endswith("self_attn.sinks"):
+                p.copy_(1.0 + torch.randn(p.shape, generator=gen))
+
+
 # per architecture: (scale for scale_weights, a further adjustment after it)
-_ADJUST = {"phi": (4.0, _phi_weights)}
+_ADJUST = {"phi": (4.0, _phi_weights), "gpt_oss": (8.0, _gpt_oss_weights)}
 
 
 def tiny_checkpoint(directory, arch: str = "llama", dtype: str = "float32", seed: int = 0,

@@ -25,7 +25,7 @@ _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                 "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
                 "phi3": "Phi3ForCausalLM", "glm4": "Glm4ForCausalLM",
                 "stablelm": "StableLmForCausalLM", "phi": "PhiForCausalLM",
-                "glm4_moe": "Glm4MoeForCausalLM", "mixtral": "MixtralForCausalLM",
+                "glm4_moe": "Glm4MoeForCausalLM", "gpt_oss": "GptOssForCausalLM", "mixtral": "MixtralForCausalLM",
                 "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
                 "qwen3_next": "Qwen3NextForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM",
                 "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
@@ -76,6 +76,7 @@ class MoeConfig:
     shared_intermediate_size: int = 0   # the shared expert's (0: none)
     shared_expert_gate: bool = True     # Qwen2-MoE gates it by a sigmoid; DeepSeek's add it as is
     grouped: GroupedRouting | None = None  # DeepSeekMoE's router (engine/models/deepseek_config.py)
+    clamped_swiglu: tuple[float, float] | None = None  # GPT-OSS's experts: (alpha, limit)
 
 
 @dataclass(slots=True)
@@ -248,6 +249,12 @@ class ModelConfig:
             qkv_bias, o_bias = bool(cfg.get("use_qkv_bias", False)), False
         elif arch == "Glm4MoeForCausalLM":  # attention_bias covers q/k/v only
             qkv_bias, o_bias = bool(cfg.get("attention_bias", False)), False
+        elif arch == "GptOssForCausalLM":   # attention_bias (default on) covers o_proj too
+            qkv_bias = o_bias = bool(cfg.get("attention_bias", True))
+            if (cfg.get("quantization_config") or {}).get("quant_method") == "mxfp4":
+                raise ValueError(f"{arch}: MXFP4 expert weights (quant_method mxfp4) are not "
+                                 "supported; use a checkpoint dequantized to bf16 (transformers' "
+                                 "Mxfp4Config(dequantize=True))")
         elif arch == "PhiForCausalLM":      # biases on q/k/v and dense, always
             qkv_bias = o_bias = True
             if cfg.get("qk_layernorm"):
@@ -345,8 +352,21 @@ def parse_linear_attention(arch: str, cfg: dict, num_layers: int) -> LinearAtten
     return la
 
 
+# GptOssConfig.__post_init__'s RoPE when config.json has none.
+_GPT_OSS_ROPE = dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
+                     original_max_position_embeddings=4096)
+
+
 def parse_moe(arch: str, cfg: dict, num_layers: int) -> MoeConfig | None:
     """The MoE settings as transformers' Mixtral, Qwen2-MoE and Qwen3-MoE read them."""
+    if arch == "GptOssForCausalLM":
+        # GptOssTopKRouter: softmax over the top-k logits (= renormalised), every layer sparse;
+        # experts of intermediate_size with the clamped SwiGLU.
+        return MoeConfig(int(cfg.get("num_local_experts", 128)),
+                         int(cfg.get("num_experts_per_tok", 4)), int(cfg["intermediate_size"]),
+                         True, [True] * num_layers,
+                         clamped_swiglu=(float(cfg.get("swiglu_alpha", 1.702)),
+                                         float(cfg.get("swiglu_limit", 7.0))))
     if arch == "MixtralForCausalLM":      # softmax, top-k, always renormalised; every layer
         return MoeConfig(int(cfg.get("num_local_experts", 8)), int(cfg.get("num_experts_per_tok", 2)),
                          int(cfg["intermediate_size"]), True, [True] * num_layers)
@@ -421,6 +441,14 @@ def _sliding_windows(arch: str, cfg: dict, num_layers: int) -> list[int]:
             raise ValueError(f"layer_types has {len(layer_types)} entries for {num_layers} layers")
         window = int(cfg.get("sliding_window") or 0)
         return [window if t == "sliding_attention" else 0 for t in layer_types]
+    if arch == "GptOssForCausalLM":
+        # GptOssConfig.__post_init__: absent layer_types alternate sliding (even layers) and full.
+        layer_types = cfg.get("layer_types") or [
+            "sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(num_layers)]
+        if len(layer_types) != num_layers:
+            raise ValueError(f"layer_types has {len(layer_types)} entries for {num_layers} layers")
+        window = int(cfg.get("sliding_window") or 128)
+        return [window if t == "sliding_attention" else 0 for t in layer_types]
     if arch == "Phi3ForCausalLM":
         # Phi3Attention passes config.sliding_window to every layer.
         return [int(cfg.get("sliding_window") or 0)] * num_layers
@@ -436,6 +464,9 @@ def _ropes(arch: str, cfg: dict, head_dim: int, max_pos: int, yarn_scaling_facto
         return rope, None
     if arch == "StableLmForCausalLM":     # StableLmConfig: a quarter of the head by default
         cfg = {"partial_rotary_factor": 0.25, **cfg}
+    if arch == "GptOssForCausalLM" and not (cfg.get("rope_parameters") or cfg.get("rope_scaling")):
+        cfg = {**cfg, "rope_parameters": dict(_GPT_OSS_ROPE, rope_theta=cfg.get("rope_theta")
+                                              or 150000.0)}
     if arch in ("PhiForCausalLM", "Glm4MoeForCausalLM"):   # their configs: half of it
         cfg = {"partial_rotary_factor": 0.5, **cfg}
     if arch == "Glm4ForCausalLM":
