@@ -1,9 +1,8 @@
 """Families that are a quirk file each (issue 29 item 4): Phi-2 (PhiForCausalLM), GLM-4.5/4.6
-(Glm4MoeForCausalLM) and GPT-OSS (GptOssForCausalLM) give transformers' greedy tokens on tiny checkpoints written by
-transformers itself
-(tests/checkpoints.py), through the whole engine with chunked prefill and a prefix-cache hit,
-and through the model alone (tests/model_cases.py's paged harness) with prompt chunks beside
-the other prompt's decodes (prefill logits too).
+(Glm4MoeForCausalLM) and GPT-OSS (GptOssForCausalLM) give transformers' greedy tokens on tiny
+checkpoints written by transformers itself (tests/checkpoints.py), through the whole engine with
+chunked prefill and a prefix-cache hit, and through the model alone (tests/model_cases.py's paged
+harness) with prompt chunks beside the other prompt's decodes (prefill logits too).
 
 Each quirk first shows that transformers' own output changes when the quirk is switched off
 (tokens, or the prefill logits far beyond the harness test's tolerance where a tiny model's
