@@ -261,7 +261,8 @@ cdef class Backend:
         raise NotImplementedError
 
     def paged_attention(self, out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                        scale, sliding_window, k_scale=None, v_scale=None, softcap=0.0):
+                        scale, sliding_window, k_scale=None, v_scale=None, softcap=0.0,
+                        sinks=None):
         """Causal attention for a mixed prefill/decode batch over the paged KV cache.
         Sequence b owns query rows [query_start_loc[b], query_start_loc[b+1]); those are its last
         q_len tokens, so row i sits at position p = seq_lens[b] - (query_start_loc[b+1] - i).
@@ -274,7 +275,10 @@ cdef class Backend:
         K/V of KV head h are read back as decode(code) * k_scale[h] (v_scale[h]).
         softcap > 0 (Gemma-2): each scaled score s = scale * q.k becomes softcap * tanh(s / softcap)
         before the causal mask and the softmax; 0 = off, and then the results are bit-identical
-        to the op without the option. A negative or non-finite softcap is a ValueError."""
+        to the op without the option. A negative or non-finite softcap is a ValueError.
+        sinks (Hq,) f32 (GPT-OSS's attention sinks; the CPU backend only): query head h's softmax
+        takes one more logit, sinks[h], with no value, so each row's weights are
+        exp(s_j) / (sum_j exp(s_j) + exp(sinks[h])); None = off."""
         raise NotImplementedError
 
     def mla_decode_attention(self, out, q, cache, block_tables, seq_lens, scale):

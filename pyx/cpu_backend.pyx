@@ -67,7 +67,7 @@ cdef extern from "cpu_kernels.h" nogil:
                               const int32_t* seq_lens, const int32_t* query_start_loc, int64_t T,
                               int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t NB,
                               int64_t BS, int64_t MB, float scale, int64_t sliding_window,
-                              float softcap, int batch_invariant, int nthreads)
+                              float softcap, const float* sinks, int batch_invariant, int nthreads)
     int taper_reshape_and_cache_fp8(const float* k, const float* v, uint8_t* k_cache,
                                     uint8_t* v_cache, const float* k_scale, const float* v_scale,
                                     const int32_t* slot_mapping, int64_t T, int64_t Hkv, int64_t D,
@@ -78,8 +78,8 @@ cdef extern from "cpu_kernels.h" nogil:
                                   const int32_t* seq_lens, const int32_t* query_start_loc,
                                   int64_t T, int64_t B, int64_t Hq, int64_t Hkv, int64_t D,
                                   int64_t NB, int64_t BS, int64_t MB, float scale,
-                                  int64_t sliding_window, float softcap, int batch_invariant,
-                                  int nthreads)
+                                  int64_t sliding_window, float softcap, const float* sinks,
+                                  int batch_invariant, int nthreads)
     int taper_argmax(const float* logits, int64_t* out, int64_t B, int64_t V, int nthreads)
     int taper_gumbel_sample(const float* logits, const uint64_t* seeds, const int64_t* positions,
                             int64_t* out, int64_t B, int64_t V, int nthreads)
@@ -301,6 +301,17 @@ cdef int64_t _check_attention(str op, dict arrays, sliding_window) except? -1:
     if sliding_window < 0:
         _fail(op, f"sliding_window must be >= 0, got {sliding_window}", arrays)
     return sliding_window
+
+
+cdef const float* _check_sinks(str op, dict arrays, sinks, Py_ssize_t Hq) except? NULL:
+    """paged_attention's sinks: None (NULL), or a C-contiguous float32 (Hq,) array."""
+    if sinks is None:
+        return NULL
+    arrays["sinks"] = sinks
+    _check(op, arrays, "sinks", (_F32,), 1)
+    if sinks.shape[0] != Hq:
+        _fail(op, f"need sinks (Hq,) = ({Hq},), one per query head", arrays)
+    return <const float*>_ptr(sinks)
 
 
 cdef float _check_softcap(str op, dict arrays, softcap) except? -1:
@@ -839,11 +850,12 @@ cdef class CpuBackend(Backend):
         _status(st, op, arrays)
 
     def paged_attention(self, out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                        scale, sliding_window, k_scale=None, v_scale=None, softcap=0.0):
+                        scale, sliding_window, k_scale=None, v_scale=None, softcap=0.0,
+                        sinks=None):
         if k_scale is not None or v_scale is not None or getattr(k_cache, "dtype", None) == _U8:
             return self._paged_attention_fp8(out, q, k_cache, v_cache, block_tables, seq_lens,
                                              query_start_loc, scale, sliding_window, k_scale,
-                                             v_scale, softcap)
+                                             v_scale, softcap, sinks)
         op = "paged_attention"
         arrays = {"out": out, "q": q, "k_cache": k_cache, "v_cache": v_cache,
                   "block_tables": block_tables, "seq_lens": seq_lens,
@@ -855,6 +867,7 @@ cdef class CpuBackend(Backend):
             _fail(op, "need k_cache, v_cache (NB, BS, Hkv, D) with q's D", arrays)
         cdef int64_t sw = _check_attention(op, arrays, sliding_window)
         cdef float cap = _check_softcap(op, arrays, softcap)
+        cdef const float* snp = _check_sinks(op, arrays, sinks, q.shape[1])
         cdef int64_t T = q.shape[0], Hq = q.shape[1], D = q.shape[2]
         cdef int64_t NB = k_cache.shape[0], BS = k_cache.shape[1], Hkv = k_cache.shape[2]
         cdef int64_t B = seq_lens.shape[0], MB = block_tables.shape[1]
@@ -869,7 +882,7 @@ cdef class CpuBackend(Backend):
         cdef int nt = self._nthreads, st, inv = self.batch_invariant
         with nogil:
             st = taper_paged_attention(self._isa, outp, qp, kcp, vcp, btp, slp, qsp, T, B, Hq, Hkv, D, NB,
-                                       BS, MB, sc, sw, cap, inv, nt)
+                                       BS, MB, sc, sw, cap, snp, inv, nt)
         _status(st, op, arrays)
 
     def mla_decode_attention(self, out, q, cache, block_tables, seq_lens, scale):
@@ -918,7 +931,8 @@ cdef class CpuBackend(Backend):
         _status(st, op, arrays)
 
     def _paged_attention_fp8(self, out, q, k_cache, v_cache, block_tables, seq_lens,
-                             query_start_loc, scale, sliding_window, k_scale, v_scale, softcap):
+                             query_start_loc, scale, sliding_window, k_scale, v_scale, softcap,
+                             sinks=None):
         op = "paged_attention"
         arrays = {"out": out, "q": q, "k_cache": k_cache, "v_cache": v_cache,
                   "block_tables": block_tables, "seq_lens": seq_lens,
@@ -928,6 +942,7 @@ cdef class CpuBackend(Backend):
         _check_fp8_cache(op, arrays, k_cache.shape[2], q.shape[2], False)
         cdef int64_t sw = _check_attention(op, arrays, sliding_window)
         cdef float cap = _check_softcap(op, arrays, softcap)
+        cdef const float* snp = _check_sinks(op, arrays, sinks, q.shape[1])
         cdef int64_t T = q.shape[0], Hq = q.shape[1], D = q.shape[2]
         cdef int64_t NB = k_cache.shape[0], BS = k_cache.shape[1], Hkv = k_cache.shape[2]
         cdef int64_t B = seq_lens.shape[0], MB = block_tables.shape[1]
@@ -944,7 +959,8 @@ cdef class CpuBackend(Backend):
         cdef int nt = self._nthreads, st, inv = self.batch_invariant
         with nogil:
             st = taper_paged_attention_fp8(self._isa, outp, qp, kcp, vcp, ksp, vsp, btp, slp, qsp,
-                                           T, B, Hq, Hkv, D, NB, BS, MB, sc, sw, cap, inv, nt)
+                                           T, B, Hq, Hkv, D, NB, BS, MB, sc, sw, cap, snp, inv,
+                                           nt)
         _status(st, op, arrays)
 
     def argmax(self, logits, out):

@@ -1553,6 +1553,13 @@ static void attn_piece_setup(const AttnArgs* a, const AttnPiece* pc, AttnScratch
     }
 }
 
+/* The softmax's denominator for query head h: l = sum over keys of exp(s - m), m the running
+ * maximum of the scores s; with attention sinks (GPT-OSS) one more logit per head, sinks[h],
+ * joins the softmax with no value (its weight only shrinks the others'): l + exp(sinks[h] - m). */
+static inline float attn_denominator(float l, float m, const float* sinks, int64_t h) {
+    return sinks ? l + expf(sinks[h] - m) : l;
+}
+
 /* Paged attention over tiles of (sequence, KV head, query rows), parallel over pieces (dynamic
  * schedule, longest-context tiles first), then a merge pass for split tiles. Keys are located
  * through the block table one at a time, so blocks need not be contiguous or ordered.
@@ -1571,8 +1578,9 @@ static int paged_attention_impl(int isa,
                                 const int32_t* query_start_loc,  // (B+1,)
                                 int64_t T, int64_t B, int64_t Hq, int64_t Hkv, int64_t D,
                                 int64_t NB, int64_t BS, int64_t MB, float scale,
-                                int64_t sliding_window, float softcap, int batch_invariant,
-                                int nthreads) {
+                                int64_t sliding_window, float softcap,
+                                const float* sinks,              // (Hq,) or NULL
+                                int batch_invariant, int nthreads) {
     if (!(softcap >= 0.0f)) return TAPER_ERR_ARG;
     if (query_start_loc[0] != 0 || query_start_loc[B] != T) return TAPER_ERR_ARG;
     for (int64_t b = 0; b < B; b++) {
@@ -1716,7 +1724,7 @@ static int paged_attention_impl(int isa,
                 for (int m = 0; m < Mt; m++) {
                     int64_t i, h;
                     if (!attn_query(pc, G, m, &i, &h)) continue;
-                    float inv = 1.0f / w.l[m];
+                    float inv = 1.0f / attn_denominator(w.l[m], w.m[m], sinks, h);
                     float* o = out + (i * Hq + h) * D;
                     for (int64_t d = 0; d < D; d++) o[d] = w.o[m * D + d] * inv;
                 }
@@ -1748,7 +1756,7 @@ static int paged_attention_impl(int isa,
 #pragma omp simd
                     for (int64_t d = 0; d < D; d++) o[d] += wgt * pp[m * D + d];
                 }
-                float inv = 1.0f / lsum;
+                float inv = 1.0f / attn_denominator(lsum, mx, sinks, h);
                 for (int64_t d = 0; d < D; d++) o[d] *= inv;
             }
         }
@@ -1770,10 +1778,10 @@ int taper_paged_attention(int isa,
                           const int32_t* query_start_loc,  // (B+1,)
                           int64_t T, int64_t B, int64_t Hq, int64_t Hkv, int64_t D,
                           int64_t NB, int64_t BS, int64_t MB, float scale, int64_t sliding_window,
-                          float softcap, int batch_invariant, int nthreads) {
+                          float softcap, const float* sinks, int batch_invariant, int nthreads) {
     return paged_attention_impl(isa, out, q, k_cache, v_cache, NULL, NULL, NULL, NULL, block_tables,
                                 seq_lens, query_start_loc, T, B, Hq, Hkv, D, NB, BS, MB, scale,
-                                sliding_window, softcap, batch_invariant, nthreads);
+                                sliding_window, softcap, sinks, batch_invariant, nthreads);
 }
 
 int taper_paged_attention_fp8(int isa,
@@ -1788,11 +1796,12 @@ int taper_paged_attention_fp8(int isa,
                               const int32_t* query_start_loc,  // (B+1,)
                               int64_t T, int64_t B, int64_t Hq, int64_t Hkv, int64_t D,
                               int64_t NB, int64_t BS, int64_t MB, float scale,
-                              int64_t sliding_window, float softcap, int batch_invariant,
-                              int nthreads) {
+                              int64_t sliding_window, float softcap, const float* sinks,
+                              int batch_invariant, int nthreads) {
     return paged_attention_impl(isa, out, q, NULL, NULL, k_cache, v_cache, k_scale, v_scale,
                                 block_tables, seq_lens, query_start_loc, T, B, Hq, Hkv, D, NB, BS,
-                                MB, scale, sliding_window, softcap, batch_invariant, nthreads);
+                                MB, scale, sliding_window, softcap, sinks, batch_invariant,
+                                nthreads);
 }
 
 // ----------------------------------------------------------------------------

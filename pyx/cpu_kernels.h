@@ -130,6 +130,8 @@ int taper_reshape_and_cache_fp8(const float* k,              // (T, Hkv, D)
 
 /* Causal paged attention (pyx/backend.pyx). softcap > 0 caps every scaled score s to
  * softcap * tanh(s / softcap) before the softmax (Gemma-2); 0 = off (the other code is unchanged).
+ * sinks (Hq,) or NULL: a logit per query head that joins each row's softmax with no value
+ * (GPT-OSS's attention sinks).
  * batch_invariant != 0: each query row is computed the same way whatever else the call holds
  * (decode or prefill, chunking, other sequences, thread count): no split-K, key chunks aligned
  * to absolute positions, one piece kernel for every tile. */
@@ -143,7 +145,7 @@ int taper_paged_attention(int isa,
                           const int32_t* query_start_loc,// (B+1,)
                           int64_t T, int64_t B, int64_t Hq, int64_t Hkv, int64_t D,
                           int64_t NB, int64_t BS, int64_t MB, float scale, int64_t sliding_window,
-                          float softcap, int batch_invariant, int nthreads);
+                          float softcap, const float* sinks, int batch_invariant, int nthreads);
 
 /* The same over an FP8 cache: K/V read back as decode(code) * scale[h] of their KV head. */
 int taper_paged_attention_fp8(int isa,
@@ -158,7 +160,8 @@ int taper_paged_attention_fp8(int isa,
                               const int32_t* query_start_loc,// (B+1,)
                               int64_t T, int64_t B, int64_t Hq, int64_t Hkv, int64_t D,
                               int64_t NB, int64_t BS, int64_t MB, float scale,
-                              int64_t sliding_window, float softcap, int batch_invariant, int nthreads);
+                              int64_t sliding_window, float softcap, const float* sinks,
+                              int batch_invariant, int nthreads);
 
 int taper_argmax(const float* logits,  // (B, V)
                  int64_t* out,         // (B,)

@@ -37,7 +37,7 @@ cdef class Attention:
     (optionally soft-capped), output projection."""
     cdef object backend, xp
     cdef object qkv_weight, qkv_bias, o_weight, o_bias, q_norm, k_norm, cos_sin_cache
-    cdef readonly object k_scale, v_scale
+    cdef readonly object k_scale, v_scale, sinks
     # LoRA adapters' deltas on the qkv and output projections: None, or an object whose
     # add(x, out) adds them to the projection's output (engine/lora/slots.py)
     cdef public object lora_qkv, lora_o
@@ -49,11 +49,13 @@ cdef class Attention:
     def __init__(self, backend, qkv_weight, qkv_bias, o_weight, o_bias, q_norm, k_norm,
                  cos_sin_cache, int num_heads, int num_kv_heads, int head_dim, double eps,
                  int sliding_window, bint is_neox=True, k_scale=None, v_scale=None,
-                 scale=None, double softcap=0.0, bint qk_layernorm=False):
+                 scale=None, double softcap=0.0, bint qk_layernorm=False, sinks=None):
         """k_scale, v_scale (Hkv,) f32: the FP8 KV cache's per-head scales, passed to the cache ops
         when the caches are FP8 (uint8); None: 1.0. scale: the attention scores' multiplier
         (None: head_dim ** -0.5); softcap > 0 caps the scaled scores (Gemma-2). qk_layernorm:
-        q_norm and k_norm are lists of per-head (D,) LayerNorm weights, not one RMSNorm weight."""
+        q_norm and k_norm are lists of per-head (D,) LayerNorm weights, not one RMSNorm weight.
+        sinks (Hq,) f32: GPT-OSS's attention sinks, a logit per head in every row's softmax
+        (paged_attention's sinks; only the CPU backend has them); None: none."""
         self.backend = backend
         self.xp = backend.xp
         self.qkv_weight, self.qkv_bias = qkv_weight, qkv_bias
@@ -68,6 +70,7 @@ cdef class Attention:
         self.sliding_window = sliding_window
         self.is_neox = is_neox
         self.qk_layernorm = qk_layernorm
+        self.sinks = sinks
         ones = np.ones(num_kv_heads, np.float32)
         self.k_scale = ones if k_scale is None else k_scale
         self.v_scale = ones if v_scale is None else v_scale
@@ -113,16 +116,22 @@ cdef class Attention:
             b.paged_attention(attn.reshape(T, self.num_heads, D), q.reshape(T, self.num_heads, D),
                               k_cache, v_cache, batch.block_tables, batch.seq_lens,
                               batch.query_start_loc, self.scale, self.sliding_window,
-                              self.k_scale, self.v_scale, softcap=self.softcap)
+                              self.k_scale, self.v_scale, **self._attention_options())
         else:
             b.reshape_and_cache(k3, v3, k_cache, v_cache, batch.slot_mapping)
             b.paged_attention(attn.reshape(T, self.num_heads, D), q.reshape(T, self.num_heads, D),
                               k_cache, v_cache, batch.block_tables, batch.seq_lens,
                               batch.query_start_loc, self.scale, self.sliding_window,
-                              softcap=self.softcap)
+                              **self._attention_options())
         b.linear(attn, self.o_weight, self.o_bias, out)
         if self.lora_o is not None:
             self.lora_o.add(attn, out)
+
+    def _attention_options(self):
+        # sinks only when set: a backend without them keeps its signature for every other model
+        if self.sinks is None:
+            return {"softcap": self.softcap}
+        return {"softcap": self.softcap, "sinks": self.sinks}
 
     def _per_head_layer_norm(self, x, out, norms, int heads, Workspace ws, str name):
         """out (T, heads*D) = each head of x LayerNormed with its own weight: the layer_norm op

@@ -59,6 +59,34 @@ ARCHS = {
     "stablelm": ("StableLmConfig", dict(num_attention_heads=4, num_key_value_heads=2,
                                         use_qkv_bias=True, partial_rotary_factor=0.25,
                                         layer_norm_eps=1e-5, tie_word_embeddings=False)),
+    # Phi-2: parallel residual, LayerNorm with bias, half of each head rotated, q/k/v and dense
+    # biases, an ungated gelu_new MLP (fc1/fc2 with biases), a biased lm_head
+    "phi": ("PhiConfig", dict(num_attention_heads=4, num_key_value_heads=2,
+                              partial_rotary_factor=0.5, layer_norm_eps=1e-5,
+                              tie_word_embeddings=False)),
+    # GLM-4.5/4.6: ordinary attention (q/k/v bias, per-head q/k RMSNorm, half of each head
+    # rotated in rotate-half pairs) with DeepSeek-V3's router (sigmoid, e_score_correction_bias
+    # randomised, the best 2 of 4 groups, renormalised, routed_scaling_factor 2.5), a shared
+    # expert, and a dense first layer (first_k_dense_replace)
+    "glm4_moe": ("Glm4MoeConfig", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=24,
+                                       partial_rotary_factor=0.5, attention_bias=True,
+                                       use_qk_norm=True, n_routed_experts=8, n_shared_experts=1,
+                                       num_experts_per_tok=2, moe_intermediate_size=64,
+                                       first_k_dense_replace=1, n_group=4, topk_group=2,
+                                       norm_topk_prob=True, routed_scaling_factor=2.5,
+                                       tie_word_embeddings=False)),
+    # GPT-OSS: attention sinks, a sliding layer (window 16, under the prompts) then a full one,
+    # q/k/v/o biases, YaRN without truncation, 4 experts (2 per token) with biases, the clamped
+    # SwiGLU (limit 2, which the projections reach), a router with a bias
+    "gpt_oss": ("GptOssConfig", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=24,
+                                     intermediate_size=64, num_local_experts=4,
+                                     num_experts_per_tok=2, sliding_window=16, swiglu_limit=2.0,
+                                     layer_types=["sliding_attention", "full_attention"],
+                                     rope_parameters={"rope_type": "yarn", "factor": 4.0,
+                                                      "beta_fast": 32.0, "beta_slow": 1.0,
+                                                      "truncate": False, "rope_theta": 150000.0,
+                                                      "original_max_position_embeddings": 64},
+                                     tie_word_embeddings=False)),
     # mixtures of experts: 4 experts, 2 per token
     "mixtral": ("MixtralConfig", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=24,
                                       num_local_experts=4, num_experts_per_tok=2,
@@ -166,6 +194,39 @@ def scale_weights(model, scale: float = 8.0, seed: int = 0, embed_std: float = 0
     return model
 
 
+def _phi_weights(model, seed: int):
+    """Phi-2's parallel residual and LayerNorm biases settle a tiny model on one repeated token
+    under scale_weights alone: LayerNorm biases ~ N(0, 0.5^2) (not 1 + noise, which every
+    position shares), embeddings ~ N(0, 1), the lm_head's bias x 0.1."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed + 10)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("layernorm.bias"):
+                p.copy_(0.5 * torch.randn(p.shape, generator=gen))
+        model.model.embed_tokens.weight.normal_(0.0, 1.0, generator=gen)
+        model.lm_head.bias.mul_(0.1)
+
+
+def _gpt_oss_weights(model, seed: int):
+    """GPT-OSS's expert biases (named *_bias, zero at init) ~ N(0, 0.5^2) like other biases, and
+    its sinks ~ N(1, 1) so that they weigh against the scores."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed + 10)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("_bias"):
+                p.copy_(0.5 * torch.randn(p.shape, generator=gen))
+            elif name.endswith("self_attn.sinks"):
+                p.copy_(1.0 + torch.randn(p.shape, generator=gen))
+
+
+# per architecture: (scale for scale_weights, a further adjustment after it)
+_ADJUST = {"phi": (4.0, _phi_weights), "gpt_oss": (8.0, _gpt_oss_weights)}
+
+
 def tiny_checkpoint(directory, arch: str = "llama", dtype: str = "float32", seed: int = 0,
                     scale: float = 8.0, **overrides) -> str:
     """Write a tiny `arch` checkpoint (config overrides as keyword arguments) to `directory` with
@@ -175,7 +236,12 @@ def tiny_checkpoint(directory, arch: str = "llama", dtype: str = "float32", seed
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(tiny_config(arch, **overrides))
+    adjust = None
+    if arch in _ADJUST:
+        scale, adjust = _ADJUST[arch]
     scale_weights(model, scale=scale, seed=seed)
+    if adjust is not None:
+        adjust(model, seed)
     if dtype == "bfloat16":
         model = model.to(torch.bfloat16)
     elif dtype != "float32":

@@ -34,6 +34,9 @@ from dataclasses import dataclass
 MLA_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM")
 MLA_MODEL_TYPES = {"deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
                    "glm4_moe_lite": "Glm4MoeLiteForCausalLM"}
+# DeepSeekMoE's router and shared experts beside ordinary attention (GLM-4.5/4.6:
+# engine/models/glm4_moe.py): V3's rules, first_k_dense_replace.
+GROUPED_MOE_ARCHITECTURES = (*MLA_ARCHITECTURES, "Glm4MoeForCausalLM")
 
 # transformers 5's configuration defaults for the keys below, per architecture.
 _DEFAULTS = {
@@ -53,6 +56,10 @@ _DEFAULTS = {
         v_head_dim=256, n_routed_experts=64, n_shared_experts=1, moe_intermediate_size=1536,
         num_experts_per_tok=4, routed_scaling_factor=1.8, topk_method="noaux_tc", n_group=1,
         topk_group=1, norm_topk_prob=True, rope_interleave=True),
+    "Glm4MoeForCausalLM": dict(
+        n_routed_experts=128, n_shared_experts=1, moe_intermediate_size=1408,
+        num_experts_per_tok=8, routed_scaling_factor=1.0, n_group=1, topk_group=1,
+        first_k_dense_replace=1, norm_topk_prob=True, num_nextn_predict_layers=1),
 }
 
 

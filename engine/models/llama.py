@@ -165,7 +165,12 @@ class LlamaForCausalLM:
             c.rms_norm_eps, c.sliding_windows[i], c.rope.is_neox,
             *(self._to_device(s) for s in kv_scales),
             scale=c.query_pre_attn_scalar ** -0.5 if c.query_pre_attn_scalar else None,
-            softcap=c.attn_softcap, qk_layernorm=c.qk_layernorm)
+            softcap=c.attn_softcap, qk_layernorm=c.qk_layernorm,
+            **self._attention_extras(weights, p, i))
+
+    def _attention_extras(self, weights: dict, p: str, i: int) -> dict:
+        """A family's further Attention keyword arguments for layer i (GPT-OSS: its sinks)."""
+        return {}
 
     def _qkv(self, weights: dict, p: str) -> tuple:
         """(fused q/k/v weight (q_size + 2 kv_size, H), its bias or None) of layer prefix p."""

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from engine.models.registry import ARCHITECTURES, BASE_MODELS, TEXT_MODELS
 from engine.vision.config import (VISION_ARCHITECTURES, VisionConfig, parse_vision_config,
                                   text_config_of)
-from engine.models.deepseek_config import (MLA_ARCHITECTURES, MLA_MODEL_TYPES, GroupedRouting,
+from engine.models.deepseek_config import (GROUPED_MOE_ARCHITECTURES, MLA_ARCHITECTURES,
+                                           MLA_MODEL_TYPES, GroupedRouting,
                                            MlaConfig, parse_deepseek_moe, parse_mla, rope_is_neox)
 from engine.models.registry import ARCHITECTURES, BASE_MODELS
 
@@ -23,7 +24,9 @@ _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                 "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
                 "phi3": "Phi3ForCausalLM", "glm4": "Glm4ForCausalLM",
-                "stablelm": "StableLmForCausalLM", "mixtral": "MixtralForCausalLM",
+                "stablelm": "StableLmForCausalLM", "phi": "PhiForCausalLM",
+                "glm4_moe": "Glm4MoeForCausalLM", "gpt_oss": "GptOssForCausalLM",
+                "mixtral": "MixtralForCausalLM",
                 "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
                 "qwen3_next": "Qwen3NextForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM",
                 "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
@@ -37,11 +40,11 @@ _GEMMA_ARCHS = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 # The configuration classes' head_dim when config.json has none (Qwen3Config and the Gemma
 # configs default to a fixed size, not hidden_size / heads).
 _DEFAULT_HEAD_DIM = {"Qwen3ForCausalLM": 128, "Qwen3MoeForCausalLM": 128, "Gemma2ForCausalLM": 256,
-                     "Gemma3ForCausalLM": 256, "Glm4ForCausalLM": 128}
+                     "Gemma3ForCausalLM": 256, "Glm4ForCausalLM": 128, "GptOssForCausalLM": 64}
 
 # hidden_act / hidden_activation names -> the gated activation op of the MLP.
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh",
-                "gelu_tanh": "gelu_tanh"}
+                "gelu_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}   # gelu_new: the tanh form
 
 
 @dataclass(slots=True)
@@ -74,6 +77,7 @@ class MoeConfig:
     shared_intermediate_size: int = 0   # the shared expert's (0: none)
     shared_expert_gate: bool = True     # Qwen2-MoE gates it by a sigmoid; DeepSeek's add it as is
     grouped: GroupedRouting | None = None  # DeepSeekMoE's router (engine/models/deepseek_config.py)
+    clamped_swiglu: tuple[float, float] | None = None  # GPT-OSS's experts: (alpha, limit)
 
 
 @dataclass(slots=True)
@@ -244,6 +248,19 @@ class ModelConfig:
             qkv_bias, o_bias = bool(cfg.get("attention_bias", True)), False
         elif arch == "StableLmForCausalLM":
             qkv_bias, o_bias = bool(cfg.get("use_qkv_bias", False)), False
+        elif arch == "Glm4MoeForCausalLM":  # attention_bias covers q/k/v only
+            qkv_bias, o_bias = bool(cfg.get("attention_bias", False)), False
+        elif arch == "GptOssForCausalLM":   # attention_bias (default on) covers o_proj too
+            qkv_bias = o_bias = bool(cfg.get("attention_bias", True))
+            if (cfg.get("quantization_config") or {}).get("quant_method") == "mxfp4":
+                raise ValueError(f"{arch}: MXFP4 expert weights (quant_method mxfp4) are not "
+                                 "supported; use a checkpoint dequantized to bf16 (transformers' "
+                                 "Mxfp4Config(dequantize=True))")
+        elif arch == "PhiForCausalLM":      # biases on q/k/v and dense, always
+            qkv_bias = o_bias = True
+            if cfg.get("qk_layernorm"):
+                raise ValueError(f"{arch}: qk_layernorm (a LayerNorm with bias on each q/k "
+                                 "head) is not supported")
         else:
             qkv_bias = o_bias = bool(cfg.get("attention_bias", False))
         mlp_bias = arch == "LlamaForCausalLM" and bool(cfg.get("mlp_bias", False))
@@ -262,7 +279,8 @@ class ModelConfig:
             rms_norm_eps=float(cfg.get("rms_norm_eps") or cfg.get("layer_norm_eps") or 1e-6),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=qkv_bias, o_bias=o_bias, mlp_bias=mlp_bias,
-            qk_norm=arch in _QK_NORM_ARCHS,
+            qk_norm=arch in _QK_NORM_ARCHS
+            or arch == "Glm4MoeForCausalLM" and bool(cfg.get("use_qk_norm", False)),
             sliding_windows=_sliding_windows(arch, cfg, num_layers),
             max_position_embeddings=max_pos, max_model_len=_rope_max_len(rope, max_pos), rope=rope,
             local_rope=local_rope, hidden_act=_ACTIVATIONS[act_name],
@@ -270,7 +288,8 @@ class ModelConfig:
             else None,
             attn_softcap=float(cfg.get("attn_logit_softcapping") or 0.0) if gemma else 0.0,
             final_softcap=float(cfg.get("final_logit_softcapping") or 0.0) if gemma else 0.0,
-            parallel_residual=bool(cfg.get("use_parallel_residual", False)),
+            parallel_residual=arch == "PhiForCausalLM"
+            or bool(cfg.get("use_parallel_residual", False)),
             qk_layernorm=arch == "StableLmForCausalLM" and bool(cfg.get("qk_layernorm", False)),
             dtype=_dtype_name(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"),
             quantization=(cfg.get("quantization_config") or {}).get("quant_method"),
@@ -334,12 +353,25 @@ def parse_linear_attention(arch: str, cfg: dict, num_layers: int) -> LinearAtten
     return la
 
 
+# GptOssConfig.__post_init__'s RoPE when config.json has none.
+_GPT_OSS_ROPE = dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
+                     original_max_position_embeddings=4096)
+
+
 def parse_moe(arch: str, cfg: dict, num_layers: int) -> MoeConfig | None:
     """The MoE settings as transformers' Mixtral, Qwen2-MoE and Qwen3-MoE read them."""
+    if arch == "GptOssForCausalLM":
+        # GptOssTopKRouter: softmax over the top-k logits (= renormalised), every layer sparse;
+        # experts of intermediate_size with the clamped SwiGLU.
+        return MoeConfig(int(cfg.get("num_local_experts", 128)),
+                         int(cfg.get("num_experts_per_tok", 4)), int(cfg["intermediate_size"]),
+                         True, [True] * num_layers,
+                         clamped_swiglu=(float(cfg.get("swiglu_alpha", 1.702)),
+                                         float(cfg.get("swiglu_limit", 7.0))))
     if arch == "MixtralForCausalLM":      # softmax, top-k, always renormalised; every layer
         return MoeConfig(int(cfg.get("num_local_experts", 8)), int(cfg.get("num_experts_per_tok", 2)),
                          int(cfg["intermediate_size"]), True, [True] * num_layers)
-    if arch in MLA_ARCHITECTURES:
+    if arch in GROUPED_MOE_ARCHITECTURES:
         return MoeConfig(**parse_deepseek_moe(arch, cfg, num_layers))
     if arch not in _MOE_DEFAULTS:
         return None
@@ -410,6 +442,14 @@ def _sliding_windows(arch: str, cfg: dict, num_layers: int) -> list[int]:
             raise ValueError(f"layer_types has {len(layer_types)} entries for {num_layers} layers")
         window = int(cfg.get("sliding_window") or 0)
         return [window if t == "sliding_attention" else 0 for t in layer_types]
+    if arch == "GptOssForCausalLM":
+        # GptOssConfig.__post_init__: absent layer_types alternate sliding (even layers) and full.
+        layer_types = cfg.get("layer_types") or [
+            "sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(num_layers)]
+        if len(layer_types) != num_layers:
+            raise ValueError(f"layer_types has {len(layer_types)} entries for {num_layers} layers")
+        window = int(cfg.get("sliding_window") or 128)
+        return [window if t == "sliding_attention" else 0 for t in layer_types]
     if arch == "Phi3ForCausalLM":
         # Phi3Attention passes config.sliding_window to every layer.
         return [int(cfg.get("sliding_window") or 0)] * num_layers
@@ -425,6 +465,11 @@ def _ropes(arch: str, cfg: dict, head_dim: int, max_pos: int, yarn_scaling_facto
         return rope, None
     if arch == "StableLmForCausalLM":     # StableLmConfig: a quarter of the head by default
         cfg = {"partial_rotary_factor": 0.25, **cfg}
+    if arch == "GptOssForCausalLM" and not (cfg.get("rope_parameters") or cfg.get("rope_scaling")):
+        cfg = {**cfg, "rope_parameters": dict(_GPT_OSS_ROPE, rope_theta=cfg.get("rope_theta")
+                                              or 150000.0)}
+    if arch in ("PhiForCausalLM", "Glm4MoeForCausalLM"):   # their configs: half of it
+        cfg = {"partial_rotary_factor": 0.5, **cfg}
     if arch == "Glm4ForCausalLM":
         # Glm4Config: half the head rotates by default, in interleaved pairs (x[2i], x[2i+1]).
         cfg = {"partial_rotary_factor": 0.5, **cfg}

@@ -15,6 +15,7 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "Phi3ForCausalLM": ("phi3", "Phi3ForCausalLM"),
     "Glm4ForCausalLM": ("glm4", "Glm4ForCausalLM"),
     "StableLmForCausalLM": ("stablelm", "StableLmForCausalLM"),
+    "PhiForCausalLM": ("phi", "PhiForCausalLM"),
     "MixtralForCausalLM": ("moe", "MoeForCausalLM"),
     "Qwen2MoeForCausalLM": ("moe", "MoeForCausalLM"),
     "Qwen3MoeForCausalLM": ("moe", "MoeForCausalLM"),
@@ -27,6 +28,8 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "DeepseekV2ForCausalLM": ("deepseek", "DeepseekForCausalLM"),
     "DeepseekV3ForCausalLM": ("deepseek", "DeepseekForCausalLM"),
     "Glm4MoeLiteForCausalLM": ("deepseek", "DeepseekForCausalLM"),
+    "Glm4MoeForCausalLM": ("glm4_moe", "Glm4MoeForCausalLM"),
+    "GptOssForCausalLM": ("gpt_oss", "GptOssForCausalLM"),
 }
 
 # Headless transformers (embedding checkpoints: tensors without the "model." prefix, no lm_head)

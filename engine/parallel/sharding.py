@@ -77,6 +77,10 @@ def even(n: int, rank: int, size: int, what: str) -> tuple[int, int]:
     return rank * n // size, (rank + 1) * n // size
 
 
+# Families whose weights this plan does not know (issue 29 item 4's quirk files).
+NOT_SPLIT = ("PhiForCausalLM", "Glm4MoeForCausalLM", "GptOssForCausalLM")
+
+
 class ShardPlan:
     """The cut of every tensor for one rank of `size`, checked against the config first (a
     model that cannot be split stops before anything is read)."""
@@ -91,6 +95,8 @@ class ShardPlan:
             if getattr(c, field, None) is not None:
                 raise ValueError(f"tensor parallel: {arch} ({what}) is not yet split across "
                                  "ranks")
+        if arch in NOT_SPLIT:     # their tensors' names and cuts are not in this plan
+            raise ValueError(f"tensor parallel: {arch} is not yet split across ranks")
         if c.qk_layernorm:
             raise ValueError(f"tensor parallel: {arch} with per-head q/k LayerNorm (qk_layernorm) "
                              "is not yet split across ranks")

@@ -1,0 +1,145 @@
+"""GPT-OSS (GptOssForCausalLM): the Llama graph with
+
+- attention sinks: a learned logit per query head (`self_attn.sinks`) joins every row's softmax
+  with no value, so a head can give little weight to all of its keys (paged_attention's `sinks`,
+  the CPU backend's; the CUDA kernels do not have them, so the CUDA backend refuses the family);
+- sliding-window layers alternating with full ones (`layer_types`), biases on q/k/v and o_proj,
+  YaRN RoPE without truncation (config flags, ModelConfig);
+- a mixture of experts on every layer (GptOssMoE below): a router with a bias, the softmax over
+  each token's top-k router logits, experts with biases whose gate/up projection is stored
+  stacked and transposed, (E, H, 2I), gate and up interleaved column by column, and GPT-OSS's
+  clamped SwiGLU: gate = min(gate, limit), up = clip(up, -limit, limit),
+  out = (up + 1) * gate * sigmoid(alpha * gate).
+
+MXFP4 checkpoints (quant_method "mxfp4", the released ones) are refused by name in ModelConfig;
+a bf16 dequantized copy loads.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from engine.models.llama import LlamaForCausalLM, expected_shapes
+from engine.models.model_config import ModelConfig
+from pyx.moe import _top_k_by_argmax
+
+
+def gpt_oss_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
+    shapes = expected_shapes(c)
+    m, H = c.moe, c.hidden_size
+    E, I = m.num_experts, m.intermediate_size
+    for i in range(c.num_hidden_layers):
+        p = f"model.layers.{i}."
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            del shapes[f"{p}mlp.{name}.weight"]
+        shapes[f"{p}self_attn.sinks"] = (c.num_attention_heads,)
+        shapes[f"{p}mlp.router.weight"], shapes[f"{p}mlp.router.bias"] = (E, H), (E,)
+        q = f"{p}mlp.experts."
+        shapes[f"{q}gate_up_proj"], shapes[f"{q}gate_up_proj_bias"] = (E, H, 2 * I), (E, 2 * I)
+        shapes[f"{q}down_proj"], shapes[f"{q}down_proj_bias"] = (E, I, H), (E, H)
+    return shapes
+
+
+class GptOssForCausalLM(LlamaForCausalLM):
+    expected_shapes = staticmethod(gpt_oss_shapes)
+
+    def __init__(self, config: ModelConfig, weights: dict, backend):
+        if backend.name != "cpu":
+            raise ValueError(f"{config.architecture}: attention sinks are not implemented in the "
+                             f"{backend.name} backend's paged attention; use the CPU backend")
+        super().__init__(config, weights, backend)
+
+    def _attention_extras(self, weights, p, i):
+        sinks = np.asarray(weights.pop(f"{p}self_attn.sinks"), dtype=np.float32)
+        return {"sinks": self.backend.asarray(np.ascontiguousarray(sinks))}
+
+    def _mlp(self, weights, p, i):
+        q = f"{p}mlp.experts."
+        gate_up, gate_up_bias = _float(weights, f"{q}gate_up_proj"), _float(weights,
+                                                                            f"{q}gate_up_proj_bias")
+        down, down_bias = _float(weights, f"{q}down_proj"), _float(weights, f"{q}down_proj_bias")
+        place = self.backend.place_weight
+        experts = []
+        for e in range(gate_up.shape[0]):
+            w = gate_up[e].T                 # (2I, H), rows gate0, up0, gate1, up1, ...
+            experts.append((
+                place(np.ascontiguousarray(np.concatenate([w[0::2], w[1::2]]))),
+                place(np.concatenate([gate_up_bias[e, 0::2], gate_up_bias[e, 1::2]])
+                      .astype(np.float32)),
+                place(np.ascontiguousarray(down[e].T)),
+                place(np.ascontiguousarray(down_bias[e], dtype=np.float32))))
+        router_bias = np.asarray(weights.pop(f"{p}mlp.router.bias"), dtype=np.float32)
+        alpha, limit = self.config.moe.clamped_swiglu
+        return GptOssMoE(self.backend, self._take(weights, f"{p}mlp.router.weight"),
+                         place(router_bias), experts, self.config.moe.top_k, alpha, limit)
+
+
+def _float(weights: dict, name: str) -> np.ndarray:
+    w = weights.pop(name)
+    if not isinstance(w, np.ndarray):
+        raise ValueError(f"{name}: a {type(w).__name__}; GPT-OSS's stacked experts are read "
+                         f"in float (bf16, f16 or f32)")
+    return w
+
+
+class GptOssMoE:
+    """GPT-OSS's expert block (module docstring): each expert on the tokens routed to it, one
+    linear per projection, as pyx/moe.py's reference path."""
+
+    def __init__(self, backend, router, router_bias, experts: list, top_k: int, alpha: float,
+                 limit: float):
+        """router (E, H), router_bias (E,) f32; experts[e] = (gate_up (2I, H) with the gate's
+        rows first, its bias (2I,), down (H, I), its bias (H,)), placed weights."""
+        self.backend, self.xp = backend, backend.xp
+        self.router, self.router_bias = router, router_bias
+        self.experts, self.top_k = experts, top_k
+        self.alpha, self.limit = alpha, limit
+        self.intermediate_size = experts[0][0].shape[0] // 2
+
+    def route(self, logits):
+        """(expert ids (T, top_k) int64, weights (T, top_k) f32): the top_k logits' softmax."""
+        xp = self.xp
+        logits = logits.astype(xp.float32, copy=False)
+        ids = _top_k_by_argmax(logits.copy(), self.top_k, xp)
+        top = xp.take_along_axis(logits, ids, axis=1)
+        weights = xp.exp(top - top.max(axis=1, keepdims=True))
+        weights /= weights.sum(axis=1, keepdims=True)
+        return ids, weights
+
+    def clamped_swiglu(self, gate_up, out):
+        """out (n, I) = (clip(up) + 1) * min(gate, limit) * sigmoid(alpha * min(gate, limit))."""
+        xp, I = self.xp, self.intermediate_size
+        gate = xp.minimum(gate_up[:, :I], self.limit)
+        up = xp.clip(gate_up[:, I:], -self.limit, self.limit)
+        glu = gate / (1.0 + xp.exp(-self.alpha * gate))
+        xp.multiply(up + 1.0, glu, out=out)
+
+    def forward(self, x, out, ws):
+        """x (T, H) -> out (T, H)."""
+        b, xp = self.backend, self.xp
+        T, H = x.shape
+        k, I = self.top_k, self.intermediate_size
+        logits = ws.get("router_logits", T, len(self.experts))
+        b.linear(x, self.router, self.router_bias, logits)
+        ids, weights = self.route(logits)
+        # (token, expert) pairs sorted by expert; a stable sort keeps token order per expert
+        flat = ids.reshape(-1)
+        order = xp.argsort(flat, kind="stable")
+        counts = np.asarray(b.to_host(xp.bincount(flat, minlength=len(self.experts))))
+        x_sorted = ws.get("moe_x", T * k, H)
+        xp.take(x, order // k, axis=0, out=x_sorted)
+        y_sorted = ws.get("moe_y", T * k, H)
+        start = 0
+        for e in np.flatnonzero(counts):
+            end = start + int(counts[e])
+            gate_up_w, gate_up_b, down_w, down_b = self.experts[e]
+            gate_up = ws.get("moe_gate_up", end - start, 2 * I)
+            act = ws.get("moe_act", end - start, I)
+            b.linear(x_sorted[start:end], gate_up_w, gate_up_b, gate_up)
+            self.clamped_swiglu(gate_up, act)
+            b.linear(act, down_w, down_b, y_sorted[start:end])
+            start = end
+        y = ws.get("moe_pairs", T * k, H)
+        y[order] = y_sorted                               # back to (token, slot) order
+        y3 = y.reshape(T, k, H)
+        xp.multiply(y3, weights.astype(y.dtype)[:, :, None], out=y3)
+        y3.sum(axis=1, out=out)
