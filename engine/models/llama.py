@@ -123,6 +123,12 @@ class LlamaForCausalLM:
             attn = self._attention(weights, p, i)
             mlp = tensor_parallel.all_reduced(self._mlp(weights, p, i), c)
             self.layers.append(self._layer(weights, p, i, attn, mlp))
+        self._take_ends(weights)
+
+    def _take_ends(self, weights: dict) -> None:
+        """The embedding, the final norm and the LM head, after the layers took theirs; what is
+        left unused is named in a warning, and the dict emptied."""
+        c = self.config
         if c.tensor_parallel is not None:
             weights["model.embed_tokens.weight"] = tensor_parallel.with_zero_row(
                 weights["model.embed_tokens.weight"])

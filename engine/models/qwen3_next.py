@@ -130,17 +130,7 @@ class Qwen3NextForCausalLM(MoeForCausalLM):
                 self._norm(weights, f"{p}input_layernorm.weight"),
                 self._norm(weights, f"{p}post_attention_layernorm.weight"), c.rms_norm_eps,
                 i == 0))
-        self.embed_tokens = self._take(weights, "model.embed_tokens.weight")
-        self.norm = self._norm(weights, "model.norm.weight")
-        if c.tie_word_embeddings:
-            weights.pop("lm_head.weight", None)
-            self.lm_head = self.embed_tokens
-        else:
-            self.lm_head = self._take(weights, "lm_head.weight")
-        unused = [n for n in weights if not n.endswith("rotary_emb.inv_freq")]
-        if unused:
-            logger.warning("ignoring %d unused checkpoint tensors, e.g. %s", len(unused), unused[0])
-        weights.clear()
+        self._take_ends(weights)
 
     # ---- the layers
 
