@@ -202,10 +202,11 @@ def load_safetensors(model_dir: str, dtype="auto", progress: bool = True,
     opened = {path: open_file(path) for path in files}
 
     if weight_map is not None:
-        for name, shard in weight_map.items():
-            if name not in opened[os.path.join(model_dir, shard)]:
-                raise CheckpointError(f"{os.path.join(model_dir, shard)}: tensor {name} is listed in "
-                                      "model.safetensors.index.json but missing from the file")
+        for name, shard_file in weight_map.items():
+            if name not in opened[os.path.join(model_dir, shard_file)]:
+                raise CheckpointError(f"{os.path.join(model_dir, shard_file)}: tensor {name} is "
+                                      "listed in model.safetensors.index.json but missing from "
+                                      "the file")
     owner = {}
     for path, tensors in opened.items():
         for name in tensors:
