@@ -55,3 +55,18 @@ def tiny_qwen3_vl_checkpoint(directory, moe: bool = False, seed: int = 0,
     model.save_pretrained(directory)
     Qwen2VLImageProcessorPil(**PROCESSOR).save_pretrained(directory)
     return directory
+
+
+def to_hub_expert_layout(directory) -> None:
+    """In place: the checkpoint's stacked experts as the hub's Qwen3-VL-MoE files hold them,
+    gate_up_proj (E, H, 2I) and down_proj (E, I, H) (transformers 5 saves (E, 2I, H) and
+    (E, H, I); its loader transposes either back)."""
+    import os
+
+    from safetensors.numpy import load_file, save_file
+    path = os.path.join(str(directory), "model.safetensors")
+    tensors = load_file(path)
+    for name in [n for n in tensors if n.endswith((".mlp.experts.gate_up_proj",
+                                                   ".mlp.experts.down_proj"))]:
+        tensors[name] = tensors[name].transpose(0, 2, 1).copy()
+    save_file(tensors, path, metadata={"format": "pt"})

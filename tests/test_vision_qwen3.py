@@ -12,7 +12,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("PIL")
 
-from qwen3_vl_checkpoint import tiny_qwen3_vl_checkpoint  # noqa: E402
+from qwen3_vl_checkpoint import tiny_qwen3_vl_checkpoint, to_hub_expert_layout  # noqa: E402
 from vision_checkpoint import sample_image  # noqa: E402
 
 from engine.vision.config import ImageProcessorConfig  # noqa: E402
@@ -300,3 +300,27 @@ def test_stacked_experts_in_both_layouts():
     assert np.array_equal(ours[p + "1.up_proj.weight"], gate_up[1, I:])
     with pytest.raises(ValueError, match="does not match"):
         _stacked_experts({p + "gate_up_proj": gate_up, p + "down_proj": down[:, :, :4]})
+
+
+def test_moe_checkpoint_in_the_hubs_layout(tmp_path):
+    """A MoE checkpoint whose files stack the experts as the hub's do: the engine's tokens are
+    still transformers' (which reads that layout too)."""
+    from transformers import AutoTokenizer, Qwen2VLImageProcessorPil
+
+    from engine.models.model_config import ModelConfig
+    ckpt = tiny_qwen3_vl_checkpoint(tmp_path / "hub", moe=True)
+    to_hub_expert_layout(ckpt)
+    from safetensors import safe_open
+    with safe_open(f"{ckpt}/model.safetensors", "np") as f:
+        assert f.get_slice("model.language_model.layers.0.mlp.experts.down_proj").get_shape() \
+            == [4, 32, 96]
+    hf = (_hf_classes(True).from_pretrained(ckpt, dtype=torch.float32).eval(),
+          Qwen2VLImageProcessorPil.from_pretrained(ckpt), AutoTokenizer.from_pretrained(ckpt))
+    processor = ImageProcessorConfig.from_pretrained(ckpt, ModelConfig.from_pretrained(ckpt).vision)
+    parts, sizes = CASES["one image"]
+    image = sample_image(*sizes[0], seed=5)
+    processed = [preprocess_image(image, processor)]
+    ids = prompt_ids(hf, parts, processed)
+    tokens, trusted = hf_generate(hf, ids, [image])
+    assert trusted >= 6
+    assert run(make_engine(ckpt), ids, processed).output_token_ids[:trusted] == tokens[:trusted]

@@ -11,6 +11,8 @@ layer's output is residual + hidden, so adding to either is adding to the output
 """
 from __future__ import annotations
 
+import numpy as np
+
 from engine.models.moe import MoeForCausalLM
 from engine.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
 from engine.vision.qwen3_vl_encoder import Qwen3VisionEncoder
@@ -52,7 +54,8 @@ def _stacked_experts(weights: dict) -> None:
         if down.shape == (E, b, a // 2) and a % 2 == 0:
             inter = a // 2
         elif down.shape == (E, b // 2, a) and b % 2 == 0:
-            gate_up, down = gate_up.transpose(0, 2, 1), down.transpose(0, 2, 1)
+            gate_up = np.ascontiguousarray(gate_up.transpose(0, 2, 1))
+            down = np.ascontiguousarray(down.transpose(0, 2, 1))
             inter = b // 2
         else:
             raise ValueError(f"{name} {list(gate_up.shape)} does not match {base}down_proj "
