@@ -128,18 +128,32 @@ def test_pixels_equal_hf_processor(loaded, size, mode):
     assert np.array_equal(mine.pixel_values, ref["pixel_values"])
 
 
-def test_encoder_and_deepstack_match_hf(loaded):
+@pytest.mark.parametrize("act", ["gelu_pytorch_tanh", "gelu"])
+def test_encoder_and_deepstack_match_hf(loaded, tmp_path, act):
     """The merger's embeddings and each DeepStack feature, for grids of several shapes against
-    the 4x4 learned position grid (interpolated up and down)."""
+    the 4x4 learned position grid (interpolated up and down); the blocks' MLP with either GELU
+    a vision_config may name."""
+    import json
+    import shutil
+
     from engine.loader.safetensors import load_safetensors
     from engine.models.model_config import ModelConfig
     from engine.models.qwen2_5_vl import _checkpoint_names
     from engine.vision.qwen3_vl_encoder import Qwen3VisionEncoder
     from pyx.cpu_backend import CpuBackend
     ckpt, hf, _ = loaded("dense")
-    weights = load_safetensors(ckpt, progress=False)
+    if act != "gelu_pytorch_tanh":
+        ckpt = shutil.copytree(ckpt, tmp_path / act)
+        with open(ckpt / "config.json") as f:
+            cfg = json.load(f)
+        cfg["vision_config"]["hidden_act"] = act
+        with open(ckpt / "config.json", "w") as f:
+            json.dump(cfg, f)
+        hf = (_hf_classes(False).from_pretrained(ckpt, dtype=torch.float32).eval(), hf[1])
+    weights = load_safetensors(str(ckpt), progress=False)
     _checkpoint_names(weights)
-    vision = ModelConfig.from_pretrained(ckpt).vision
+    vision = ModelConfig.from_pretrained(str(ckpt)).vision
+    assert vision.hidden_act == act
     encoder = Qwen3VisionEncoder(vision, weights, CpuBackend())
     H = vision.out_hidden_size
     for size in [(40, 56), (23, 17), (48, 48), (12, 40)]:
@@ -324,3 +338,35 @@ def test_moe_checkpoint_in_the_hubs_layout(tmp_path):
     tokens, trusted = hf_generate(hf, ids, [image])
     assert trusted >= 6
     assert run(make_engine(ckpt), ids, processed).output_token_ids[:trusted] == tokens[:trusted]
+
+
+# ---- refusals
+
+def test_bad_vision_configs_are_named(loaded):
+    import json
+
+    from engine.models.model_config import ModelConfig
+    ckpt, _, _ = loaded("dense")
+    with open(f"{ckpt}/config.json") as f:
+        cfg = json.load(f)
+    for change, message in [({"deepstack_visual_indexes": [0, 4]}, r"deepstack_visual_indexes "
+                             r"\[4\] are not blocks of the 4-block"),
+                            ({"num_position_embeddings": 15}, "15 is not a square grid"),
+                            ({"hidden_act": "relu"}, "vision hidden_act 'relu' is not supported")]:
+        bad = {**cfg, "vision_config": {**cfg["vision_config"], **change}}
+        with pytest.raises(ValueError, match=message):
+            ModelConfig.from_dict(bad)
+
+
+def test_cuda_refuses_qwen3_vl(loaded):
+    """The CUDA backend lacks two of the tower's ops (as for Qwen2.5-VL): loading says which."""
+    from engine.loader.safetensors import load_safetensors
+    from engine.models.model_config import ModelConfig
+    from engine.models.qwen3_vl import Qwen3VLForConditionalGeneration
+    ckpt, _, _ = loaded("dense")
+
+    class Cuda:
+        name = "cuda"
+    with pytest.raises(ValueError, match="no gelu and encoder_attention ops"):
+        Qwen3VLForConditionalGeneration(ModelConfig.from_pretrained(ckpt),
+                                        load_safetensors(ckpt, progress=False), Cuda())
