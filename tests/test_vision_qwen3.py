@@ -128,19 +128,23 @@ def test_pixels_equal_hf_processor(loaded, size, mode):
     assert np.array_equal(mine.pixel_values, ref["pixel_values"])
 
 
-@pytest.mark.parametrize("act", ["gelu_pytorch_tanh", "gelu"])
-def test_encoder_and_deepstack_match_hf(loaded, tmp_path, act):
+@pytest.mark.parametrize("act, mlp_rows", [("gelu_pytorch_tanh", None), ("gelu_pytorch_tanh", 7),
+                                           ("gelu", 7)])
+def test_encoder_and_deepstack_match_hf(loaded, tmp_path, monkeypatch, act, mlp_rows):
     """The merger's embeddings and each DeepStack feature, for grids of several shapes against
     the 4x4 learned position grid (interpolated up and down); the blocks' MLP with either GELU
-    a vision_config may name."""
+    a vision_config may name, and in passes of a few rows (as a large image's)."""
     import json
     import shutil
 
     from engine.loader.safetensors import load_safetensors
     from engine.models.model_config import ModelConfig
     from engine.models.qwen2_5_vl import _checkpoint_names
+    from engine.vision import qwen3_vl_encoder
     from engine.vision.qwen3_vl_encoder import Qwen3VisionEncoder
     from pyx.cpu_backend import CpuBackend
+    if mlp_rows:
+        monkeypatch.setattr(qwen3_vl_encoder, "MLP_ROWS", mlp_rows)
     ckpt, hf, _ = loaded("dense")
     if act != "gelu_pytorch_tanh":
         ckpt = shutil.copytree(ckpt, tmp_path / act)

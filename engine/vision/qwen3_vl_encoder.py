@@ -30,6 +30,8 @@ from engine.vision.config import VisionConfig
 from engine.vision.tower import VisionTower, vision_position_ids
 
 NORM_EPS = 1e-6      # the tower's LayerNorms (fixed in transformers' modeling code)
+# Patch rows per MLP pass: its (rows, 2 x intermediate) buffers stay small for large images.
+MLP_ROWS = 4096
 
 
 def position_interpolation(grid_thw, side: int, merge: int) -> tuple[np.ndarray, np.ndarray]:
@@ -115,18 +117,23 @@ class Qwen3VisionEncoder(VisionTower):
         b.linear(act, merger["fc2"], merger["fc2_bias"], out)
 
     def _mlp(self, blk: dict, x, bufs: dict, out) -> None:
-        """out = fc2(act(fc1(x))). The tanh GELU goes through the gated op with a gate of ones
-        (gelu_tanh(a) * 1 is gelu_tanh(a) exactly): the op table has no ungated one."""
+        """out = fc2(act(fc1(x))), MLP_ROWS rows at a time. The tanh GELU goes through the gated
+        op with a gate of ones (gelu_tanh(a) * 1 is gelu_tanh(a) exactly): the op table has no
+        ungated one."""
         b, xp = self.backend, self.xp
         I = self.config.intermediate_size
-        if self.config.hidden_act == "gelu":
-            b.linear(x, blk["fc1"], blk["fc1_bias"], bufs["fc1"])
-            b.gelu(bufs["fc1"], bufs["act"])
-        else:
-            b.linear(x, blk["fc1"], blk["fc1_bias"], bufs["fc1"])
-            xp.copyto(bufs["gated"][:, :I], bufs["fc1"])
-            b.gelu_tanh_and_mul(bufs["gated"], bufs["act"])
-        b.linear(bufs["act"], blk["fc2"], blk["fc2_bias"], out)
+        for a in range(0, x.shape[0], MLP_ROWS):
+            rows = slice(a, min(a + MLP_ROWS, x.shape[0]))
+            n = rows.stop - a
+            fc1, act = bufs["fc1"][:n], bufs["act"][:n]
+            b.linear(x[rows], blk["fc1"], blk["fc1_bias"], fc1)
+            if self.config.hidden_act == "gelu":
+                b.gelu(fc1, act)
+            else:
+                gated = bufs["gated"][:n]
+                xp.copyto(gated[:, :I], fc1)
+                b.gelu_tanh_and_mul(gated, act)
+            b.linear(act, blk["fc2"], blk["fc2_bias"], out[rows])
 
     def encode(self, pixel_values: np.ndarray, grid_thw: tuple[int, int, int]):
         """One image's patches (t*h*w, patch_dim) float32 -> (t*h*w / merge^2,
@@ -148,14 +155,20 @@ class Qwen3VisionEncoder(VisionTower):
         residual = xp.empty((N, E), np.float32)
         b.linear(b.asarray(np.ascontiguousarray(pixel_values, np.float32)), self.patch_embed,
                  self.patch_embed_bias, residual)
-        gathered = self.pos_embed[b.asarray(rows)] * b.asarray(weights)[:, :, None]
-        residual += gathered.sum(axis=1)
+        # the four taps' weighted rows summed one tap at a time: an (N, 4, hidden) gather would
+        # hold four copies of the image's activations
+        rows, weights = b.asarray(rows), b.asarray(weights)
+        pos = self.pos_embed[rows[:, 0]] * weights[:, :1]
+        for tap in range(1, 4):
+            pos += self.pos_embed[rows[:, tap]] * weights[:, tap:tap + 1]
+        residual += pos
         hidden = xp.empty((N, E), np.float32)
         attn_out = xp.empty((N, E), np.float32)
         bufs = self._attention_buffers(N)
-        mlp_bufs = dict(fc1=xp.empty((N, I), np.float32), act=xp.empty((N, I), np.float32))
+        R = min(N, MLP_ROWS)
+        mlp_bufs = dict(fc1=xp.empty((R, I), np.float32), act=xp.empty((R, I), np.float32))
         if c.hidden_act != "gelu":
-            mlp_bufs["gated"] = xp.ones((N, 2 * I), np.float32)
+            mlp_bufs["gated"] = xp.ones((R, 2 * I), np.float32)
         out = xp.empty((N // unit, (1 + len(self.deepstack)) * c.out_hidden_size), np.float32)
         features = {layer: out[:, (j + 1) * c.out_hidden_size:(j + 2) * c.out_hidden_size]
                     for j, layer in enumerate(c.deepstack_visual_indexes)}
