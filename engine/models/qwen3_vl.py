@@ -20,7 +20,7 @@ from pyx.layers import DecoderLayer
 
 
 class DeepstackDecoderLayer(DecoderLayer):
-    """A decoder layer, then its DeepStack feature (columns `first`:`first + hidden` of the
+    """A decoder layer, then its DeepStack feature (columns first_column .. + hidden of the
     step's image embeddings) added to the image rows."""
 
     def __init__(self, backend, *args, first_column: int):
