@@ -1,7 +1,8 @@
 """What the Qwen vision towers share (Qwen2.5-VL's engine/vision/qwen2_5_vl_encoder.py, Qwen3-VL's
 engine/vision/qwen3_vl_encoder.py): their tensors taken from the checkpoint with the shapes
-checked, each patch's (row, column) in the processor's patch order, and the 2D rotary table
-those positions give."""
+checked, each patch's (row, column) in the processor's patch order, the 2D rotary table those
+positions give, and the attention block (fused biased qkv, rotary, attention within segments,
+output projection)."""
 from __future__ import annotations
 
 import numpy as np
