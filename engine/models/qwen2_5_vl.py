@@ -28,17 +28,35 @@ def _checkpoint_names(weights: dict) -> None:
             weights[name[len("model."):]] = weights.pop(name)
 
 
+def mrope_sections(vision) -> np.ndarray:
+    """(rot_dim / 2,) int: which position (0 t, 1 h, 2 w) each rotary frequency rotates by.
+    Qwen2.5-VL: three runs of mrope_section's lengths; Qwen3-VL (interleaved): t, h, w in turn
+    over the first 3 x section[1] and 3 x section[2] frequencies, t for the rest (transformers'
+    Qwen3VLTextRotaryEmbedding.recomposition_frequencies)."""
+    section = vision.mrope_section
+    if not vision.mrope_interleaved:
+        return np.repeat(np.arange(3), section)
+    j = np.arange(sum(section))
+    out = np.zeros(len(j), np.int64)
+    out[(j % 3 == 1) & (j < 3 * section[1])] = 1
+    out[(j % 3 == 2) & (j < 3 * section[2])] = 2
+    return out
+
+
 class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
+    vision_tower_class = Qwen25VisionEncoder
+    _checkpoint_names = staticmethod(_checkpoint_names)
+
     def __init__(self, config, weights: dict, backend):
         if backend.name != "cpu":
             raise ValueError(f"{config.architecture}: the {backend.name} backend has no "
                              f"{' and '.join(VISION_OPS)} ops, which the vision tower needs; "
                              "serve this model with --backend cpu")
-        _checkpoint_names(weights)
-        self.vision_encoder = Qwen25VisionEncoder(config.vision, weights, backend)
+        self._checkpoint_names(weights)
+        self.vision_encoder = self.vision_tower_class(config.vision, weights, backend)
         self._mrope_cache = None
         super().__init__(config, weights, backend)
-        section = np.repeat(np.arange(3), config.vision.mrope_section)     # (rot_dim / 2,)
+        section = mrope_sections(config.vision)                          # (rot_dim / 2,)
         self._section = backend.asarray(np.concatenate([section, section]).astype(np.int64))
         self._cols = backend.asarray(np.arange(2 * len(section), dtype=np.int64))
 
@@ -64,7 +82,8 @@ class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
             raise ValueError(f"{K} image tokens in one step; the RoPE cache has room for "
                              f"{self.rope_rows}")
         rows = self.backend.asarray(vb.rows)
-        residual[rows] = vb.embeds
+        # (columns past the hidden size are a family's extras: Qwen3-VL's DeepStack features)
+        residual[rows] = vb.embeds[:, :self.config.hidden_size]
         triples = self.backend.asarray(vb.triples.astype(np.int64))      # (K, 3)
         cache = self._mrope_cache
         cache[self.rope_rows:self.rope_rows + K] = cache[triples[:, self._section],

@@ -12,7 +12,16 @@ import os
 from dataclasses import dataclass
 
 # Vision-language architecture -> the causal LM whose config rules its language model follows.
-VISION_ARCHITECTURES = {"Qwen2_5_VLForConditionalGeneration": "Qwen2ForCausalLM"}
+VISION_ARCHITECTURES = {"Qwen2_5_VLForConditionalGeneration": "Qwen2ForCausalLM",
+                        "Qwen3VLForConditionalGeneration": "Qwen3ForCausalLM",
+                        "Qwen3VLMoeForConditionalGeneration": "Qwen3MoeForCausalLM"}
+# Qwen3-VL: a ViT with learned position embeddings and DeepStack features, interleaved M-RoPE
+QWEN3_VL = ("Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration")
+# Language-model settings fixed by a family's modeling code rather than read from its config.
+_TEXT_OVERRIDES = {
+    # Qwen3VLMoeTextTopKRouter always renormalises the top-k probabilities
+    "Qwen3VLMoeForConditionalGeneration": {"norm_topk_prob": True},
+}
 
 # OpenAI CLIP's mean and std: the Qwen2-VL image processor's defaults.
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -39,6 +48,11 @@ class VisionConfig:
     vision_start_token_id: int = 151652
     vision_end_token_id: int = 151653
     mrope_section: tuple[int, ...] = (16, 24, 24)   # rotary frequencies per t, h, w position
+    # Qwen3-VL: frequencies t, h, w in turn (the first 3 x section[1] and 3 x section[2] of
+    # them), not in three runs
+    mrope_interleaved: bool = False
+    num_position_embeddings: int = 0     # Qwen3-VL: the learned position grid (side^2 rows)
+    deepstack_visual_indexes: tuple[int, ...] = ()   # Qwen3-VL: blocks feeding the first layers
 
     @property
     def head_dim(self) -> int:
@@ -63,6 +77,7 @@ def text_config_of(arch: str, cfg: dict) -> dict:
         params = text.get(name)
         if isinstance(params, dict) and params.get("type", params.get("rope_type")) == "mrope":
             text[name] = {**params, "rope_type": "default", "type": "default"}
+    text.update(_TEXT_OVERRIDES.get(arch, {}))
     text["architectures"] = [VISION_ARCHITECTURES[arch]]
     text.pop("model_type", None)
     return text
@@ -74,7 +89,8 @@ def parse_vision_config(arch: str, cfg: dict, head_dim: int) -> VisionConfig:
         raise ValueError(f"{arch}: config.json has no vision_config")
     text = cfg.get("text_config") or cfg
     rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
-    section = tuple(int(s) for s in rope.get("mrope_section") or (16, 24, 24))
+    default_section = (24, 20, 20) if arch in QWEN3_VL else (16, 24, 24)
+    section = tuple(int(s) for s in rope.get("mrope_section") or default_section)
     if 2 * sum(section) != head_dim:
         raise ValueError(f"{arch}: mrope_section {list(section)} covers {2 * sum(section)} "
                          f"rotary dims, the heads have {head_dim}")
@@ -89,19 +105,41 @@ def parse_vision_config(arch: str, cfg: dict, head_dim: int) -> VisionConfig:
         out_hidden_size=int(v.get("out_hidden_size") or text["hidden_size"]),
         fullatt_block_indexes=tuple(int(i) for i in v.get("fullatt_block_indexes", ())),
         in_channels=int(v.get("in_channels", v.get("in_chans", 3))),
-        hidden_act=v.get("hidden_act", "silu"),
+        hidden_act=v.get("hidden_act", "gelu_pytorch_tanh" if arch in QWEN3_VL else "silu"),
         rope_theta=float(vision_rope.get("rope_theta") or 10000.0),
         image_token_id=int(cfg.get("image_token_id", 151655)),
         vision_start_token_id=int(cfg.get("vision_start_token_id", 151652)),
         vision_end_token_id=int(cfg.get("vision_end_token_id", 151653)),
         mrope_section=section)
-    if config.hidden_act != "silu":
+    if arch in QWEN3_VL:
+        _qwen3_vl_settings(config, v)
+    elif config.hidden_act != "silu":
         raise ValueError(f"{arch}: vision hidden_act {config.hidden_act!r} is not supported "
                          "(silu only)")
     if config.hidden_size % config.num_heads or config.head_dim % 4:
         raise ValueError(f"{arch}: vision head size {config.hidden_size}/{config.num_heads} "
                          "must be a multiple of 4 (2D rotary)")
     return config
+
+
+def _qwen3_vl_settings(config: VisionConfig, v: dict) -> None:
+    """Qwen3VLVisionConfig's keys (and its defaults) beyond Qwen2.5-VL's."""
+    config.patch_size = int(v.get("patch_size", 16))
+    config.mrope_interleaved = True          # Qwen3VLTextRotaryEmbedding, whatever the config
+    config.num_position_embeddings = int(v.get("num_position_embeddings", 2304))
+    config.deepstack_visual_indexes = tuple(
+        int(i) for i in v.get("deepstack_visual_indexes", (8, 16, 24)))
+    side = int(config.num_position_embeddings ** 0.5)
+    if side * side != config.num_position_embeddings:
+        raise ValueError(f"{config.architecture}: num_position_embeddings "
+                         f"{config.num_position_embeddings} is not a square grid")
+    bad = [i for i in config.deepstack_visual_indexes if not 0 <= i < config.depth]
+    if bad:
+        raise ValueError(f"{config.architecture}: deepstack_visual_indexes {bad} are not blocks "
+                         f"of the {config.depth}-block vision tower")
+    if config.hidden_act not in ("gelu_pytorch_tanh", "gelu"):
+        raise ValueError(f"{config.architecture}: vision hidden_act {config.hidden_act!r} is not "
+                         "supported (gelu_pytorch_tanh or gelu)")
 
 
 @dataclass(slots=True)

@@ -19,20 +19,9 @@ from __future__ import annotations
 import numpy as np
 
 from engine.vision.config import VisionConfig
+from engine.vision.tower import VisionTower, vision_position_ids
 
 NORM_EPS = 1e-6      # the tower's RMSNorms (fixed in transformers' modeling code)
-
-
-def vision_position_ids(grid_thw, merge: int) -> np.ndarray:
-    """(N, 2) int64: each patch's (row, column), patches in merge-group order."""
-    out = []
-    for t, h, w in grid_thw:
-        hpos, wpos = np.meshgrid(np.arange(h), np.arange(w), indexing="ij")
-        shape = (h // merge, merge, w // merge, merge)
-        hpos = hpos.reshape(shape).transpose(0, 2, 1, 3).reshape(-1)
-        wpos = wpos.reshape(shape).transpose(0, 2, 1, 3).reshape(-1)
-        out.append(np.tile(np.stack([hpos, wpos], axis=1), (t, 1)))
-    return np.concatenate(out)
 
 
 def window_index(grid_thw, merge: int, window_size: int, patch: int
@@ -60,20 +49,13 @@ def window_index(grid_thw, merge: int, window_size: int, patch: int
     return np.concatenate(indexes), cu[keep].astype(np.int32)
 
 
-class Qwen25VisionEncoder:
+class Qwen25VisionEncoder(VisionTower):
     def __init__(self, config: VisionConfig, weights: dict, backend, prefix: str = "visual."):
         """Takes (pops) the tower's tensors, named `prefix`..., from `weights`."""
-        self.config = c = config
-        self.backend, self.xp = backend, backend.xp
-        self.prefix = prefix
+        super().__init__(config, weights, backend, prefix)
+        c = config
         E, I = c.hidden_size, c.intermediate_size
-        self._weights = weights
-        conv = np.asarray(self._pop("patch_embed.proj.weight"))
-        if conv.shape != (E, c.in_channels, c.temporal_patch_size, c.patch_size, c.patch_size):
-            expected = [E, c.in_channels, c.temporal_patch_size, c.patch_size, c.patch_size]
-            raise ValueError(f"vision patch embedding has shape {list(conv.shape)}, expected "
-                             f"{expected}")
-        self.patch_embed = backend.place_weight(np.ascontiguousarray(conv.reshape(E, -1)))
+        self.patch_embed = self._patch_embedding()
         self.blocks = []
         for i in range(c.depth):
             p = f"blocks.{i}."
@@ -97,37 +79,7 @@ class Qwen25VisionEncoder:
         self.fc1_bias = self._take("merger.mlp.0.bias", (M,))
         self.fc2 = self._take("merger.mlp.2.weight", (c.out_hidden_size, M))
         self.fc2_bias = self._take("merger.mlp.2.bias", (c.out_hidden_size,))
-        spatial = c.head_dim // 2
-        self.inv_freq = 1.0 / c.rope_theta ** (np.arange(0, spatial, 2, dtype=np.float64) / spatial)
         del self._weights
-
-    def _pop(self, name: str):
-        key = self.prefix + name
-        if key not in self._weights:
-            raise ValueError(f"vision tower tensor {key} is missing from the checkpoint")
-        return self._weights.pop(key)
-
-    def _take(self, name: str, shape: tuple):
-        w = np.asarray(self._pop(name))
-        if w.shape != shape:
-            raise ValueError(f"tensor {self.prefix}{name} has shape {list(w.shape)}, expected "
-                             f"{list(shape)}")
-        if w.ndim == 1:       # norms and biases are read in float32
-            w = w.astype(np.float32)
-        return self.backend.place_weight(np.ascontiguousarray(w))
-
-    def _fuse(self, names: list[str], shape: tuple):
-        parts = []
-        for n in names:
-            w = np.asarray(self._pop(n))
-            if w.shape != shape:
-                raise ValueError(f"tensor {self.prefix}{n} has shape {list(w.shape)}, expected "
-                                 f"{list(shape)}")
-            parts.append(w.astype(np.float32) if w.ndim == 1 else w)
-        return self.backend.place_weight(np.ascontiguousarray(np.concatenate(parts)))
-
-    def num_tokens(self, grid_thw) -> int:
-        return int(np.prod(grid_thw)) // self.config.spatial_merge_size ** 2
 
     def encode(self, pixel_values: np.ndarray, grid_thw: tuple[int, int, int]):
         """One image's patches (t*h*w, patch_dim) float32 -> its language-model embeddings
@@ -143,9 +95,7 @@ class Qwen25VisionEncoder:
         cu_full = np.array([0, N], np.int32)
         # rows in window order, and their rotary angles with them
         rows = (order[:, None] * unit + np.arange(unit)[None, :]).reshape(-1)
-        pos = vision_position_ids(grids, m)[rows]
-        angles = np.concatenate([pos[:, :1] * self.inv_freq, pos[:, 1:] * self.inv_freq], 1)
-        rope = b.asarray(np.concatenate([np.cos(angles), np.sin(angles)], 1).astype(np.float32))
+        rope = self.rotary_table(vision_position_ids(grids, m)[rows])
         positions = b.asarray(np.arange(N, dtype=np.int32))
         cu_window, cu_full = b.asarray(cu_window), b.asarray(cu_full)
 
@@ -154,27 +104,17 @@ class Qwen25VisionEncoder:
                  self.patch_embed, None, embedded)
         residual = embedded
         hidden = xp.empty((N, E), np.float32)
-        qkv = xp.empty((N, 3 * E), np.float32)
-        q, k, v = (xp.empty((N, E), np.float32) for _ in range(3))
-        attn = xp.empty((N, E), np.float32)
+        bufs = self._attention_buffers(N)
         attn_out = xp.empty((N, E), np.float32)
         gate_up = xp.empty((N, 2 * c.intermediate_size), np.float32)
         act = xp.empty((N, c.intermediate_size), np.float32)
-        D, H = c.head_dim, c.num_heads
         for i, blk in enumerate(self.blocks):
             if i == 0:
                 b.rms_norm(residual, blk["norm1"], NORM_EPS, hidden)
             else:
                 b.fused_add_rms_norm(hidden, residual, blk["norm1"], NORM_EPS)
-            b.linear(hidden, blk["qkv"], blk["qkv_bias"], qkv)
-            xp.copyto(q, qkv[:, :E])
-            xp.copyto(k, qkv[:, E:2 * E])
-            xp.copyto(v, qkv[:, 2 * E:])
-            b.rotary_embedding(positions, q, k, rope, D, True)
-            b.encoder_attention(attn.reshape(N, H, D), q.reshape(N, H, D), k.reshape(N, H, D),
-                                v.reshape(N, H, D), cu_full if blk["full"] else cu_window,
-                                D ** -0.5)
-            b.linear(attn, blk["proj"], blk["proj_bias"], attn_out)
+            self._attention(blk, hidden, rope, positions, cu_full if blk["full"] else cu_window,
+                            bufs, attn_out)
             b.fused_add_rms_norm(attn_out, residual, blk["norm2"], NORM_EPS)
             b.linear(attn_out, blk["gate_up"], blk["gate_up_bias"], gate_up)
             b.silu_and_mul(gate_up, act)
