@@ -112,6 +112,7 @@ cdef _lora_linear_slots(CudaBackend be, x, lora_a, lora_b, parts, slot_of_row, o
     cdef int code = be._act_code, st
     with nogil:
         st = taper_cuda_lora_linear_slots(<const void*>px, <const void*>pa, <const void*>pb,
-                                          <const int32_t*>ps, <const int32_t*>pp, <void*>py, <void*>po, T, K,
-                                          N, S, P, R, code, <taper_stream_t>st_)
+                                          <const int32_t*>ps, <const int32_t*>pp, <void*>py,
+                                          <void*>po, T, K, N, S, P, R, code,
+                                          <taper_stream_t>st_)
     _check_status(st, op, dict(T=T, K=K, N=N, S=S, P=P, R=R))

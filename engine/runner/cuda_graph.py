@@ -34,6 +34,21 @@ with one launch. A graph replays fixed work on fixed addresses, so:
   (always a valid address; whatever is there, their output rows are dropped: rows never mix in a
   forward). The decode kernel reads only the first ceil(seq_len / block_size) entries of a row.
 
+- **Verify steps** (KernelConfig graphs_verify=on): speculative decoding's target forward scores
+  k + 1 rows of every sequence. Buckets are keyed (size, query_len): besides the decode graphs
+  (query_len 1) the runner captures every size at query_len k + 1, whose static inputs have
+  size * (k + 1) token rows and query_start_loc = arange(size + 1) * (k + 1). Since T != B the
+  attention takes the paged prefill kernel with its causal mask, whose grid depends on T and B
+  alone (no host-side tile list). A step replays such a graph only when every sequence verifies
+  exactly k drafts, every row sampled (`uniform_query_len`); padding sequences have k + 1 rows at
+  positions 0..k, context k + 1, slot -1.
+- **LoRA adapter rows** (graphs_lora=on): each bucket's static inputs end with a slot per row
+  (lora_slots, -1 for the base model and the padding), which the projections read on the device
+  during capture (Backend.lora_linear_slots; on CUDA the shrink and expand kernels of
+  cuda/lora.cu). The adapters' weights stay in their fixed slots (engine/lora/slots.py), copied in
+  by LoraManager.begin before the launch, so one graph per bucket serves any mix of adapters and
+  base rows. Without it a step with adapter rows runs eagerly (`can_run`).
+
 Memory. Everything a graph touches must stay allocated, at the same address, for the graph's
 life, and nobody else may reuse it while the graph could still write it:
 - Allocations made during warm-up and capture (the forward's temporaries: gathered rows, the
