@@ -307,9 +307,13 @@ def capture_cuda_graphs(config: EngineConfig, model, backend, runner: ModelRunne
     otherwise run eagerly)."""
     lora_step = (runner.lora.step if runner.lora is not None
                  and backend.kernels.graphs_lora == "on" else None)
+    # a hybrid model's state rows and a vision model's images are planned per step, which a
+    # verify graph does not take: their verify steps run eagerly
+    query_lens = (graph_query_lens(config, backend)
+                  if runner.state_pool is None and runner.vision is None else (1,))
     graphs = CudaGraphRunner(model, backend, runner.kv_caches, config.max_num_seqs,
                              -(-max_model_len // config.block_size), runner.device_block_tables,
-                             graph_query_lens(config, backend), lora_step)
+                             query_lens, lora_step)
     start = time.monotonic()
     graphs.capture()
     runner.graph_runner = graphs
