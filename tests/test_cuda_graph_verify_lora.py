@@ -112,6 +112,24 @@ def test_write_slot_of_rows_inverts_the_segments():
 
 # ---- replay against the eager forward
 
+def random_adapters(model, config, backend, dtype, rng, R=4, scale=0.2):
+    """LoRA slots attached to every projection of the model: slots 0 and 1 hold random adapters
+    (every part a random rank up to R), slot 2 nothing. Returns the LoraStep they read."""
+    step = LoraStep()
+    projections = attach(model, config, backend, step, num_slots=3, max_rank=R, dtype=dtype)
+    for projection in projections.values():
+        for slot in (0, 1):
+            parts = []
+            for p in range(projection.num_parts):
+                width = int(projection.parts[p + 1] - projection.parts[p])
+                r = int(rng.integers(1, R + 1))
+                parts.append(LoraPart(p, rng.standard_normal((r, projection.in_features))
+                                      .astype(np.float32) * scale,
+                                      rng.standard_normal((r, width)).astype(np.float32) * scale))
+            projection.write(slot, parts)
+    return step
+
+
 @pytest.fixture()
 def setup(tmp_path):
     """Eight prefilled sequences in two identical KV caches (the eager model's and the graphs'),
@@ -120,21 +138,8 @@ def setup(tmp_path):
     directory = tiny_checkpoint(tmp_path / "llama", "llama", seed=4)
     backend = CpuBackend()
     model, config = load_model(directory, backend, progress=False)
-    step = LoraStep()
-    R = 4
-    projections = attach(model, config, backend, step, num_slots=3, max_rank=R,
-                         dtype=np.float32)
     rng = np.random.default_rng(9)
-    for (layer, name), projection in projections.items():
-        for slot in (0, 1):
-            parts = []
-            for p in range(projection.num_parts):
-                width = int(projection.parts[p + 1] - projection.parts[p])
-                r = int(rng.integers(1, R + 1))
-                parts.append(LoraPart(p, rng.standard_normal((r, projection.in_features))
-                                      .astype(np.float32) * 0.2,
-                                      rng.standard_normal((r, width)).astype(np.float32) * 0.2))
-            projection.write(slot, parts)
+    step = random_adapters(model, config, backend, np.float32, rng)
     eager = ModelRunner(model, config, backend, BLOCK_SIZE, num_blocks=40)
     graphed = ModelRunner(model, config, backend, BLOCK_SIZE, num_blocks=40)
     free = list(rng.permutation(np.arange(1, 40)))

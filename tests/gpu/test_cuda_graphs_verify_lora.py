@@ -7,6 +7,9 @@ graphs_verify=on; engine/runner/cuda_graph.py), on the GPU:
 - the op captured in a CUDA graph once and replayed with other slots and other inputs written
   into its static buffers: each replay equals the eager op (graph-safe: nothing about the rows is
   baked in at capture);
+- the graph runner on a bf16 tiny-256 Llama with random LoRA slots: decode and verify steps
+  (k = 2) with and without adapter rows replayed against the eager forward, logits within bf16
+  rounding (the CPU's version of this check: tests/test_cuda_graph_verify_lora.py);
 - the engine, bf16 tiny-256 Llama: a batch mixing the base model and two peft adapters with
   graphs_lora=on replays graphs on steps with adapter rows, and n-gram speculation (k = 2) with
   graphs_verify=on replays the verify graphs; greedy tokens equal the CPU engine's up to its
@@ -14,7 +17,7 @@ graphs_verify=on; engine/runner/cuda_graph.py), on the GPU:
   CUDA path's (graphs off for those steps).
 
 bench/gpu_check.sh runs this file in the first suite's switches step; bench/gpu_summary.py
-credits its tests to the two switches."""
+credits its tests to the two switches (the runner's test to graphs_verify)."""
 from __future__ import annotations
 
 import numpy as np
@@ -100,6 +103,93 @@ def test_lora_linear_slots_replays_in_a_graph(make_cuda, dtype):
         assert (got[base] == out[base]).all()
         if not base.all():
             assert not np.array_equal(got[~base], out[~base])
+
+
+# ---- the graph runner against the eager forward
+
+def replay_against_eager(backend, checkpoint_dir, atol):
+    """tests/test_cuda_graph_verify_lora.py's replay check on `backend` (one with graph capture:
+    CudaBackend here): eight prefilled sequences, then decode and verify steps with and without
+    adapter rows (STEPS), each run eagerly (adapter rows by lora_linear's segments, as
+    ModelRunner runs them) and by replaying the runner's graph on a copy of the KV cache;
+    returns how many steps' logits were compared. The logits must agree within atol and pick the
+    same token wherever the eager top-two margin is over 4 atol."""
+    from engine.loader.model_loader import load_model
+    from engine.runner.cuda_graph import CudaGraphRunner
+    from engine.runner.model_runner import ModelRunner
+    from test_cuda_graph import make_seq, schedule
+    from test_cuda_graph_verify_lora import (K, STEPS, lora_batch, random_adapters,
+                                             verify_schedule)
+
+    def host(a):
+        return np.asarray(backend.to_host(a), np.float32)
+    model, config = load_model(checkpoint_dir, backend, progress=False)
+    rng = np.random.default_rng(9)
+    step = random_adapters(model, config, backend, getattr(backend, "act_dtype", np.float32),
+                           rng)
+    block_size, max_blocks = 16, 6
+    eager = ModelRunner(model, config, backend, block_size, num_blocks=64)
+    graphed = ModelRunner(model, config, backend, block_size, num_blocks=64)
+    free = list(rng.permutation(np.arange(1, 64)))
+    seqs = []
+    for n in [5, 13, 8, 21, 3, 17, 9, 11]:
+        table = [int(free.pop()) for _ in range(-(-(n + 24) // block_size))]
+        seqs.append(make_seq(rng.integers(3, 500, n).tolist(), 0, table))
+    batch = eager.prepare(schedule(seqs, [len(s.token_ids) for s in seqs]))
+    logits = host(model.forward(eager.to_device(batch), eager.kv_caches))
+    for seq, row in zip(seqs, logits):
+        seq.num_computed_tokens = len(seq.token_ids)
+        seq.append_token(int(np.argmax(row)))
+    for (ka, va), (kb, vb) in zip(eager.kv_caches, graphed.kv_caches):
+        backend.xp.copyto(kb, ka)
+        backend.xp.copyto(vb, va)
+    # one device table for both: the graphs gather the rows the eager batches gather
+    graphs = CudaGraphRunner(model, backend, graphed.kv_caches, 8, max_blocks,
+                             eager.device_block_tables, (1, K + 1), step)
+    graphs.capture()
+    compared = 0
+    for members, k, slots in STEPS:
+        group = [seqs[i] for i in members]
+        sched = (schedule(group, [1] * len(group)) if k is None else
+                 verify_schedule(group, [rng.integers(3, 500, k).tolist() for _ in group]))
+        q = 1 if k is None else k + 1
+        batch = eager.prepare(sched)
+        if slots is not None:
+            batch.lora = lora_batch(slots, q)
+        dev = eager.to_device(batch)        # applies the table's update for both
+        assert graphs.can_run(batch), members
+        if batch.lora is not None:
+            step.rows = backend.asarray(batch.lora.rows)
+            step.seg_offsets, step.seg_slots = batch.lora.seg_offsets, batch.lora.seg_slots
+        try:
+            want = host(model.forward(dev, eager.kv_caches))
+        finally:
+            step.rows = None
+        got = host(graphs.run(batch))
+        backend.synchronize()
+        assert got.shape == want.shape == (len(members) * q, want.shape[1])
+        assert np.isfinite(got).all(), members
+        np.testing.assert_allclose(got, want, rtol=0, atol=atol, err_msg=str(members))
+        top2 = np.sort(want, axis=1)[:, -2:]
+        clear = top2[:, 1] - top2[:, 0] > 4 * atol
+        assert (got.argmax(1)[clear] == want.argmax(1)[clear]).all(), members
+        for i, seq in enumerate(group):     # every draft accepted, then the next token
+            for t in (sched.drafts[i] if k is not None else []):
+                seq.append_token(int(t))
+            seq.num_computed_tokens += q
+            seq.append_token(int(np.argmax(want[(i + 1) * q - 1])))
+        compared += 1
+    assert graphs.num_replays == len(STEPS)
+    return compared
+
+
+def test_runner_replays_verify_and_adapter_steps_like_eager(make_cuda, tmp_path):
+    """bf16 tiny-256 Llama (head_dim 64: the verify graphs' attention is the fa3 / fa2 prefill
+    kernel): decode and verify graphs over LoRA slots against the eager forward, logits within
+    bf16 rounding."""
+    from checkpoints import tiny256_checkpoint
+    path = tiny256_checkpoint(str(tmp_path / "llama"), "llama", dtype="bfloat16")
+    assert replay_against_eager(make_cuda("bf16"), path, atol=0.08) == 8
 
 
 # ---- the engine
