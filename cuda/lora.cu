@@ -6,7 +6,8 @@
 //
 // Two kernels, each a no-op for a row of slot -1 (the base model) or past the slots:
 // - shrink: y[t, j] = x[t] . a[s, j] for every j < P*R (the parts' A rows stacked), one warp per
-//   (row, j), float32 sums rounded to the activation type, as the cuBLAS path rounds its shrink.
+//   (row, j) with 16-byte loads where the rows allow, float32 sums rounded to the activation
+//   type, as the cuBLAS path rounds its shrink.
 // - expand: out[t, c] += sum_j<R y[t, p*R + j] * b[s, j, c] for column c of part p, one thread
 //   per column, the row's shrink staged in shared memory; out read, summed in float32, rounded
 //   once. Every part runs at the slots' full rank R: a slot holds zeros past each part's rank
@@ -26,7 +27,9 @@ struct Parts {
     int n;
 };
 
-template <typename T>
+// VEC: 8 elements per load (16 bytes of bf16/f16, two float4 of f32), where K is a multiple of 8
+// and both rows start 16-byte aligned (the launcher checks); else one element at a time.
+template <typename T, bool VEC>
 __global__ void lora_shrink_kernel(const T* __restrict__ x,              // (T, K)
                                    const T* __restrict__ a,              // (S, PR, K)
                                    const int32_t* __restrict__ slot_of_row,  // (T,)
@@ -41,7 +44,18 @@ __global__ void lora_shrink_kernel(const T* __restrict__ x,              // (T, 
     const T* xr = x + t * K;
     const T* ar = a + ((int64_t)s * PR + j) * K;
     float acc = 0.f;
-    for (int64_t k = lane; k < K; k += 32) acc += taper::to_float(xr[k]) * taper::to_float(ar[k]);
+    if constexpr (VEC) {
+        for (int64_t k = 8 * lane; k < K; k += 8 * 32) {
+            float xv[8], av[8];
+            taper::load8(xr + k, xv);
+            taper::load8(ar + k, av);
+#pragma unroll
+            for (int i = 0; i < 8; ++i) acc += xv[i] * av[i];
+        }
+    } else {
+        for (int64_t k = lane; k < K; k += 32)
+            acc += taper::to_float(xr[k]) * taper::to_float(ar[k]);
+    }
     acc = taper::warp_sum(acc);
     if (lane == 0) y[t * PR + j] = taper::from_float<T>(acc);
 }
@@ -77,8 +91,12 @@ int launch_lora(const void* x, const void* a, const void* b, const int32_t* slot
                 int64_t S, int64_t R, cudaStream_t stream) {
     const int PR = (int)(parts.n * R);
     const dim3 shrink_grid((unsigned)T_, (unsigned)taper::ceil_div(PR, SHRINK_WARPS));
-    lora_shrink_kernel<T><<<shrink_grid, SHRINK_WARPS * 32, 0, stream>>>(
-        (const T*)x, (const T*)a, slot_of_row, (T*)y, K, S, PR);
+    if (K % 8 == 0 && taper::aligned16(x) && taper::aligned16(a))
+        lora_shrink_kernel<T, true><<<shrink_grid, SHRINK_WARPS * 32, 0, stream>>>(
+            (const T*)x, (const T*)a, slot_of_row, (T*)y, K, S, PR);
+    else
+        lora_shrink_kernel<T, false><<<shrink_grid, SHRINK_WARPS * 32, 0, stream>>>(
+            (const T*)x, (const T*)a, slot_of_row, (T*)y, K, S, PR);
     int st = taper::launch_status();
     if (st != TAPER_CUDA_OK) return st;
     const dim3 expand_grid((unsigned)T_, (unsigned)taper::ceil_div(N, EXPAND_THREADS));

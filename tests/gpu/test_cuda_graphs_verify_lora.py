@@ -42,10 +42,11 @@ def slots_of(rows, seg_offsets, seg_slots, T):
 
 # ---- the op
 
+@pytest.mark.parametrize("K", [256, 100])    # the shrink's 16-byte loads; one element at a time
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_lora_linear_slots_matches_reference(make_cuda, dtype):
+def test_lora_linear_slots_matches_reference(make_cuda, dtype, K):
     be = make_cuda(dtype)
-    x, a, b, ranks, parts, rows, seg_offsets, seg_slots, out = lora_case(dtype, seed=3)
+    x, a, b, ranks, parts, rows, seg_offsets, seg_slots, out = lora_case(dtype, seed=3, K=K)
     want = ref.lora_linear(x, a, b, ranks, parts, rows, seg_offsets, seg_slots, out)
     slot_of_row = slots_of(rows, seg_offsets, seg_slots, len(out))
     dout = to_dev(be, out)
