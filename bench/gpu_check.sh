@@ -262,7 +262,8 @@ if [ "$SUITE" = first ]; then
         "test_cuda_quant_gemm.py:gguf:q4_ or q8_ or q6_" "test_cuda_quant_gemm.py:int4_fp8:int4 or fp8" \
         test_cuda_quant_model.py
     gpu_step test_step tests_switches 100 40 test_cuda_flash_decode.py test_cuda_fp8_gemv.py \
-        test_cuda_fused_sampling.py test_cuda_prefill_fa2.py test_cuda_moe.py
+        test_cuda_fused_sampling.py test_cuda_prefill_fa2.py test_cuda_moe.py \
+        test_cuda_graphs_verify_lora.py
     "$PY" -m bench.gpu_summary tests "$LOGS" > "$LOGS/verdicts.txt" 2>&1
 else
     WITHOUT=$("$PY" -m bench.gpu_summary without "$LOGS")

@@ -32,6 +32,9 @@ SWITCH_TESTS = {
     "fp8_gemv=on": r"^test_cuda_fp8_gemv\.py::",
     "sampling=fused": r"^test_cuda_fused_sampling\.py::",
     "moe=fused": r"^test_cuda_moe\.py::",
+    "graphs_lora=on": r"^test_cuda_graphs_verify_lora\.py::test_(lora_linear_slots|adapter_rows)",
+    # the runner's replay test covers both (verify graphs over adapter slots): credited here
+    "graphs_verify=on": r"^test_cuda_graphs_verify_lora\.py::test_(verify_steps|runner_replays)",
 }
 NOISE = 0.03    # two timings of one kernel differ by about this much
 

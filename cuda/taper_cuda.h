@@ -369,6 +369,23 @@ int taper_cuda_moe_combine(const void* y,            // (T * top_k, H) dtype
                            int64_t T, int64_t top_k, int64_t H, int64_t E, int dtype,
                            taper_stream_t stream);
 
+/* ---- lora.cu */
+
+/* LoRA deltas with each row's adapter slot on the device (Backend.lora_linear_slots): for each
+ * row t with s = slot_of_row[t] in [0, S) and each column c of part p ([parts[p], parts[p+1])):
+ *     out[t, c] += sum_j<R (x[t] . a[s, p*R + j]) * b[s, j, c]
+ * in float32, the shrink rounded to dtype in y; rows of slot -1 untouched. parts is a HOST array
+ * (P <= 8), slot_of_row a device one: graph-safe, nothing read back. */
+int taper_cuda_lora_linear_slots(const void* x,               // (T, K) dtype
+                                 const void* a,               // (S, P*R, K) dtype
+                                 const void* b,               // (S, R, N) dtype
+                                 const int32_t* slot_of_row,  // (T,) device
+                                 const int32_t* parts,        // (P+1,) host
+                                 void* y,                     // (T, P*R) dtype scratch
+                                 void* out,                   // (T, N) dtype
+                                 int64_t T, int64_t K, int64_t N, int64_t S, int64_t P,
+                                 int64_t R, int dtype, taper_stream_t stream);
+
 #ifdef __cplusplus
 }
 #endif

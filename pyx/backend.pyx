@@ -29,6 +29,8 @@ types of pyx/weights/ (ggml blocks, FP8, int4), recognised with isinstance.
 The device half (memory_info and the graph ops) is CUDA's; the CPU backend raises
 NotImplementedError for it, and the engine calls it on a CUDA backend only.
 """
+import numpy as np
+
 from pyx.kernel_config import KernelConfig
 
 
@@ -152,6 +154,26 @@ cdef class Backend:
         [0, S). ranks, parts, seg_offsets and seg_slots are host (NumPy) arrays on every
         backend."""
         raise NotImplementedError
+
+    def lora_linear_slots(self, x, lora_a, lora_b, parts, slot_of_row, out):
+        """lora_linear with the rows' adapters given per row, as a CUDA graph reads them:
+        slot_of_row (T,) int32 on the backend's device, row t of slot slot_of_row[t], -1 for a
+        row of the base model (left exactly as it was); every part at the slots' full rank R
+        (their zeros past each part's rank add nothing). Nothing about the rows reaches the
+        host on CUDA (pyx/cuda_lora.pxi: kernels that read slot_of_row on the device), so a
+        graph captured once serves any mix of adapters. This generic form, the CPU's, groups the
+        rows by slot on the host and runs lora_linear."""
+        slots = np.asarray(self.to_host(slot_of_row), np.int32)
+        order = np.argsort(slots, kind="stable")
+        order = order[slots[order] >= 0].astype(np.int32)
+        sorted_slots = slots[order]
+        seg_slots = np.unique(sorted_slots).astype(np.int32)
+        seg_offsets = np.append(np.searchsorted(sorted_slots, seg_slots),
+                                len(order)).astype(np.int32)
+        P = parts.shape[0] - 1
+        ranks = np.full((lora_a.shape[0], P), lora_a.shape[1] // P, np.int32)
+        self.lora_linear(x, lora_a, lora_b, ranks, parts, self.asarray(order), seg_offsets,
+                         seg_slots, out)
 
     def batched_linear(self, x, weight, out):
         """out[g] = x[g] @ weight[g].T for each of G groups; float32 accumulation (MLA's per-head

@@ -436,6 +436,11 @@ cdef class CudaBackend(Backend):
         range-checked on the device (that would wait for it): the engine makes them."""
         _lora_linear(self, x, lora_a, lora_b, ranks, parts, rows, seg_offsets, seg_slots, out)
 
+    def lora_linear_slots(self, x, lora_a, lora_b, parts, slot_of_row, out):
+        """cuda/lora.cu's shrink and expand, the rows' slots read on the device: graph-safe
+        (pyx/cuda_lora.pxi); slots past S are treated as -1, not checked (that would wait)."""
+        _lora_linear_slots(self, x, lora_a, lora_b, parts, slot_of_row, out)
+
     cdef _gemm(self, ptr_t w, ptr_t x, ptr_t out, int64_t T, int64_t N, int64_t K,
                int64_t ldo, int out_code):
         """out[t, n] (row stride ldo) = sum_k x[t, k] * w[n, k] through cuBLAS, float32

@@ -10,6 +10,10 @@ cdef extern from "taper_cuda.h" nogil:
     int taper_cuda_device_count()
     const char* taper_cuda_error_string(int status)
 
+    int taper_cuda_lora_linear_slots(const void* x, const void* a, const void* b,
+                                     const int32_t* slot_of_row, const int32_t* parts, void* y,
+                                     void* out, int64_t T, int64_t K, int64_t N, int64_t S,
+                                     int64_t P, int64_t R, int dtype, taper_stream_t stream)
     int taper_cuda_embedding(const int32_t* token_ids, const void* table, void* out, int64_t T,
                              int64_t V, int64_t H, int dtype, taper_stream_t stream)
     int taper_cuda_rms_norm(const void* x, const float* weight, void* out, int64_t T, int64_t H,

@@ -6,9 +6,10 @@
 # own rank, then the rows scattered back. Sums in float32 (CUBLAS_COMPUTE_32F); the shrink's
 # result is rounded to the activation dtype before the expand reads it.
 #
-# The segment loop runs on the host with the step's segment sizes, so a step with adapter rows
-# cannot replay a CUDA graph: such steps run eagerly (engine/runner/model_runner.py), steps of the
-# base model alone keep their graphs.
+# The segment loop runs on the host with the step's segment sizes, so a graph cannot replay it.
+# CudaBackend.lora_linear_slots is the graph-safe form: each row's slot read on the device by the
+# shrink and expand kernels of cuda/lora.cu (one launch each, grids fixed by the shapes), which
+# the decode graphs use under KernelConfig graphs_lora=on (engine/runner/cuda_graph.py).
 
 
 cdef _gemm_acc(CudaBackend be, ptr_t a, int lda, ptr_t b, int ldb, ptr_t c, int ldc, int m,
@@ -80,3 +81,38 @@ cdef _lora_linear(CudaBackend be, x, lora_a, lora_b, ranks, parts, rows, seg_off
                           be._ptr(os_) + (a0 * N + c0) * item, <int>N, <int>(c1 - c0), <int>n,
                           <int>r)
         out[rows] = os_
+
+
+cdef _lora_linear_slots(CudaBackend be, x, lora_a, lora_b, parts, slot_of_row, out):
+    op, act = "lora_linear_slots", (be.act_dtype,)
+    arrays = {"x": x, "lora_a": lora_a, "lora_b": lora_b, "parts": parts,
+              "slot_of_row": slot_of_row, "out": out}
+    be._check(op, arrays, "x", act, 2)
+    be._check(op, arrays, "lora_a", act, 3)
+    be._check(op, arrays, "lora_b", act, 3)
+    be._check(op, arrays, "out", act, 2, True)
+    be._check(op, arrays, "slot_of_row", (_I32,), 1)
+    if not isinstance(parts, np.ndarray) or parts.dtype != _I32 or parts.ndim != 1:
+        _fail(op, "parts must be a host (NumPy) int32 array", arrays)
+    cdef int64_t T = x.shape[0], K = x.shape[1], N = out.shape[1], S = lora_a.shape[0]
+    cdef int64_t P = parts.shape[0] - 1, R
+    if P < 1 or lora_a.shape[1] % P:
+        _fail(op, "need parts (P+1,) with P >= 1 dividing lora_a.shape[1] (P*R)", arrays)
+    R = lora_a.shape[1] // P
+    if (out.shape[0] != T or slot_of_row.shape[0] != T or lora_a.shape[2] != K
+            or lora_b.shape != (S, R, N)):
+        _fail(op, "need x (T, K), lora_a (S, P*R, K), lora_b (S, R, N), slot_of_row (T,), "
+                  "out (T, N)", arrays)
+    host_parts = np.ascontiguousarray(parts)
+    with be.stream:
+        y = be._cupy.empty((T, P * R), be.act_dtype)    # the shrink (a graph's pool under capture)
+    cdef ptr_t px = be._ptr(x), pa = be._ptr(lora_a), pb = be._ptr(lora_b)
+    cdef ptr_t ps = be._ptr(slot_of_row), py = be._ptr(y), po = be._ptr(out), st_ = be._sptr()
+    cdef ptr_t pp = host_parts.ctypes.data
+    cdef int code = be._act_code, st
+    with nogil:
+        st = taper_cuda_lora_linear_slots(<const void*>px, <const void*>pa, <const void*>pb,
+                                          <const int32_t*>ps, <const int32_t*>pp, <void*>py,
+                                          <void*>po, T, K, N, S, P, R, code,
+                                          <taper_stream_t>st_)
+    _check_status(st, op, dict(T=T, K=K, N=N, S=S, P=P, R=R))

@@ -57,6 +57,14 @@ CHOICES: dict[str, Choice] = {
     "moe": Choice(("simple", "fused"), ("cuda", "cpu"),
                   "MoE experts: one linear per expert, or moe_align and grouped GEMMs over "
                   "stacked experts"),
+    "graphs_lora": Choice(("off", "on"), ("cuda",),
+                          "CUDA graphs over steps with LoRA adapter rows: the rows' adapter "
+                          "slots in a static device buffer, read by the slot-per-row LoRA "
+                          "kernels (cuda/lora.cu), or such steps run eagerly"),
+    "graphs_verify": Choice(("off", "on"), ("cuda",),
+                            "CUDA graphs over speculative decoding's verify steps (k + 1 tokens "
+                            "for every sequence, n-gram and draft-model methods), or such steps "
+                            "run eagerly"),
     "cpu_isa": Choice(("auto", "scalar", "avx2", "avx512"), ("cpu",),
                       "CPU kernels' ISA path (auto: the best this CPU runs)"),
     "act_split": Choice(("qkv", "off", "on"), ("cpu",),
@@ -106,6 +114,8 @@ class KernelConfig:
     fp8_gemv: str = _default("fp8_gemv")
     sampling: str = _default("sampling")
     moe: str = _default("moe")
+    graphs_lora: str = _default("graphs_lora")
+    graphs_verify: str = _default("graphs_verify")
     cpu_isa: str = _default("cpu_isa")
     act_split: str = _default("act_split")
     # (key, where it was set) for the keys given explicitly: parse() records them; the start-up

@@ -51,8 +51,8 @@ class _Graph:
 class CpuAsCuda(CpuBackend):
     xp = numpy_as_cupy()
 
-    def __init__(self):
-        super().__init__()
+    def __init__(self, kernels=None):
+        super().__init__(kernels=kernels)
         self.replays = 0
         self.captures = 0
         self.max_context = 0
@@ -186,3 +186,99 @@ def test_preemption_and_reused_rows_match_the_cpu_engine(model_dir, cuda_graph):
         assert backend.replays == runner.graph_runner.num_replays > 20
     else:
         assert tables.num_reallocations > reallocations and backend.replays == 0
+
+
+# ---- graphs over verify steps and LoRA adapter rows (--kernels graphs_verify=on, graphs_lora=on)
+
+LOOPY = dict(temperature=0, ignore_eos=True, repetition_penalty=0.2)   # outputs fall into loops
+NGRAM = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1,
+         "prompt_lookup_max": 3}
+
+
+def query_lens_replayed(engine) -> list:
+    """The tokens per sequence of every batch the engine's graphs replay, recorded from now on."""
+    from engine.runner.cuda_graph import uniform_query_len
+    graphs = engine.runner.graph_runner
+    replayed, run_graph = [], graphs.run
+
+    def run_and_record(batch):
+        replayed.append((uniform_query_len(batch), batch.lora is not None))
+        return run_graph(batch)
+    graphs.run = run_and_record
+    return replayed
+
+
+def generate(engine, prompts, params):
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        engine.add_request(f"r{i}", p, sp)
+    tokens = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                tokens[out.request_id] = out.token_ids
+    return [tokens[f"r{i}"] for i in range(len(prompts))]
+
+
+@pytest.mark.parametrize("graphs_verify", ["on", "off"])
+def test_verify_steps_replay_graphs_under_graphs_verify(model_dir, monkeypatch, graphs_verify):
+    """n-gram speculation (k = 2) on the engine's CUDA path: verify steps of 3 rows for every
+    sequence replay the (size, 3) graphs under graphs_verify=on, run eagerly under off, and the
+    tokens equal the CPU engine's without speculation either way."""
+    from engine.spec.costs import StepCost
+    monkeypatch.setattr(StepCost, "min_use", lambda self, rows: 0.0)   # drafts cost nothing
+    rng = np.random.default_rng(3)
+    motif = rng.integers(3, 500, 6).tolist()
+    prompts = [motif * 4, rng.integers(3, 500, 9).tolist() * 2, motif[:4] * 5]
+    params = [SamplingParams(max_tokens=24, **LOOPY)] * len(prompts)
+    want = generate(engine_for(model_dir, CpuBackend(), num_kv_blocks=64), prompts, params)
+    backend = CpuAsCuda(kernels=f"graphs_verify={graphs_verify}")
+    engine = engine_for(model_dir, backend, num_kv_blocks=64, cuda_graph=True,
+                        speculative_config=NGRAM)
+    graphs = engine.runner.graph_runner
+    assert graphs.query_lens == ([1, 3] if graphs_verify == "on" else [1])
+    assert backend.captures == 4 * len(graphs.query_lens)
+    replayed = query_lens_replayed(engine)
+    assert generate(engine, prompts, params) == want
+    verify_replays = sum(q == 3 for q, _ in replayed)
+    if graphs_verify == "on":
+        assert verify_replays > 0
+    else:
+        assert verify_replays == 0 and replayed       # decode steps still replay
+
+
+@pytest.fixture(scope="module")
+def adapters(model_dir, tmp_path_factory):
+    pytest.importorskip("peft", reason="peft writes the adapters")
+    from hf_oracle import load_hf
+    from lora_fixtures import ADAPTERS, write_adapter
+    root = tmp_path_factory.mktemp("adapters")
+    hf = load_hf(model_dir)
+    return {name: write_adapter(hf, root / name, seed=i, **ADAPTERS[name])
+            for i, name in enumerate(("alpha", "beta"))}
+
+
+@pytest.mark.parametrize("graphs_lora", ["on", "off"])
+def test_adapter_rows_replay_graphs_under_graphs_lora(model_dir, adapters, graphs_lora):
+    """A batch mixing the base model and two adapters on the engine's CUDA path: under
+    graphs_lora=on its decode steps replay the graphs over the adapter slots, under off they run
+    eagerly; the tokens equal the CPU engine's either way."""
+    lora = dict(modules=adapters, max_loras=2, max_lora_rank=8)
+    names = [None, "alpha", "beta", "alpha", None]
+    prompts = PROMPTS
+    params = [SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, lora_name=n)
+              for n in names]
+    want = generate(engine_for(model_dir, CpuBackend(), num_kv_blocks=64, lora=lora), prompts,
+                    params)
+    base = generate(engine_for(model_dir, CpuBackend(), num_kv_blocks=64), prompts,
+                    [SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)] * 5)
+    assert want[1] != base[1] and want[2] != base[2]       # the adapters change the tokens
+    backend = CpuAsCuda(kernels=f"graphs_lora={graphs_lora}")
+    engine = engine_for(model_dir, backend, num_kv_blocks=64, cuda_graph=True, lora=lora)
+    assert engine.runner.graph_runner.covers_lora == (graphs_lora == "on")
+    replayed = query_lens_replayed(engine)
+    assert generate(engine, prompts, params) == want
+    with_adapters = sum(has_lora for _, has_lora in replayed)
+    if graphs_lora == "on":
+        assert with_adapters > 0
+    else:
+        assert with_adapters == 0 and replayed      # base-only decode steps still replay

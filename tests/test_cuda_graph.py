@@ -320,7 +320,7 @@ def test_capture_bookkeeping(setup):
     eager_ws = model.workspace
     assert not runner.captured and not runner.can_run(hand_batch(1))
     runner.capture()
-    assert runner.captured and sorted(runner.buckets) == [1, 2, 4, 8]
+    assert runner.captured and sorted(runner.buckets) == [(1, 1), (2, 1), (4, 1), (8, 1)]
     # largest first; each bucket: its inputs copied, warm-up, capture, then a sync before the
     # pinned buffer is rewritten for the next bucket; all inside the private pool
     n = {s: input_layout(s)[1] for s in (1, 2, 4, 8)}
@@ -331,7 +331,7 @@ def test_capture_bookkeeping(setup):
     # the graphs have their own activation workspace; the eager one is back in place
     assert model.workspace is eager_ws and runner._workspace is not eager_ws
     # every bucket's output is a view of the one static logits buffer
-    for size, bucket in runner.buckets.items():
+    for (size, _), bucket in runner.buckets.items():
         assert bucket.logits.shape == (size, 512) and np.shares_memory(bucket.logits,
                                                                        runner._logits)
     with pytest.raises(RuntimeError, match="runs once"):
@@ -356,7 +356,7 @@ def test_replay_equals_eager(setup):
         del backend.events[:]
         got = runner.run(batch)
         size = bucket_for(len(step), [1, 2, 4, 8])
-        bucket = runner.buckets[size]
+        bucket = runner.buckets[size, 1]
         # one copy of exactly this bucket's inputs, one launch of this bucket's graph
         assert backend.events == [("copy", input_layout(size)[1]),
                                   ("launch", bucket.graph)], step

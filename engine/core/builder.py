@@ -289,15 +289,38 @@ def _load(config: EngineConfig, backend, tensor_parallel=None):
             pooling_config)
 
 
+def graph_query_lens(config: EngineConfig, backend) -> tuple[int, ...]:
+    """The tokens per sequence CUDA graphs are captured for: 1 (decode), and k + 1 for the
+    verify steps of n-gram or draft-model speculation under --kernels graphs_verify=on (an
+    EAGLE-3 or MTP head reads every step's hidden states: no graphs at all)."""
+    spec = config.speculative_config
+    if (spec is None or backend.kernels.graphs_verify != "on"
+            or spec.method not in ("ngram", "draft_model")):
+        return (1,)
+    return (1, spec.num_speculative_tokens + 1)
+
+
 def capture_cuda_graphs(config: EngineConfig, model, backend, runner: ModelRunner,
-                         max_model_len: int):
+                        max_model_len: int):
+    """Decode graphs; with --kernels graphs_verify=on verify-step graphs too, and with
+    graphs_lora=on graphs that read the rows' LoRA adapter slots (steps with adapter rows
+    otherwise run eagerly)."""
+    lora_step = (runner.lora.step if runner.lora is not None
+                 and backend.kernels.graphs_lora == "on" else None)
+    # a hybrid model's state rows and a vision model's images are planned per step, which a
+    # verify graph does not take: their verify steps run eagerly
+    query_lens = (graph_query_lens(config, backend)
+                  if runner.state_pool is None and runner.vision is None else (1,))
     graphs = CudaGraphRunner(model, backend, runner.kv_caches, config.max_num_seqs,
-                             -(-max_model_len // config.block_size), runner.device_block_tables)
+                             -(-max_model_len // config.block_size), runner.device_block_tables,
+                             query_lens, lora_step)
     start = time.monotonic()
     graphs.capture()
     runner.graph_runner = graphs
-    log.info("CUDA graphs: captured decode for batch sizes %s in %.1f s, %.0f MiB",
-             graphs.sizes, time.monotonic() - start, graphs.graph_memory_bytes / 2**20)
+    log.info("CUDA graphs: captured for batch sizes %s x tokens per sequence %s%s in %.1f s, "
+             "%.0f MiB", graphs.sizes, graphs.query_lens,
+             " over LoRA adapter slots" if lora_step is not None else "",
+             time.monotonic() - start, graphs.graph_memory_bytes / 2**20)
 
 
 def _check_hybrid(config: EngineConfig) -> EngineConfig:
@@ -342,7 +365,8 @@ def _num_kv_blocks(config: EngineConfig, backend, model_config: ModelConfig, kv_
         if config.cuda_graph:
             reserved = estimate_graph_memory_bytes(   # max_num_seqs unknown yet: the cap
                 config.max_num_seqs or MAX_NUM_SEQS_CAP,
-                -(-model_config.max_model_len // config.block_size), model_config)
+                -(-model_config.max_model_len // config.block_size), model_config,
+                graph_query_lens(config, backend), config.lora is not None)
         budget, what = cuda_memory.kv_budget_bytes(free, reserved, config.kv_fraction,
                                                    config.kv_cache_memory_mb)
     elif config.kv_cache_memory_mb is not None:

@@ -36,6 +36,13 @@ class LoraBatch:
     seg_slots: np.ndarray     # (G,) int32: its slot
     adapters: list            # (G,) the LoraAdapter segment g's slot must hold
 
+    def write_slot_of_rows(self, out: np.ndarray) -> None:
+        """out[t] = the slot of batch row t, -1 for a row of the base model (`out` covers at
+        least every row of the batch): the form a CUDA graph reads (engine/runner/cuda_graph.py),
+        where the segments' sizes cannot change from one replay to the next."""
+        out[:] = -1
+        out[self.rows] = np.repeat(self.seg_slots, np.diff(self.seg_offsets))
+
 
 class LoraManager:
     def __init__(self, config: LoraConfig, model, model_config, backend, dtype: str = "auto"):

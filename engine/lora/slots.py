@@ -29,11 +29,13 @@ def slot_dtype(backend, base_dtype: str):
 
 class LoraStep:
     """The running step's rows grouped by slot (manager.LoraBatch), read by every projection;
-    rows None: no row runs an adapter."""
-    __slots__ = ("rows", "seg_offsets", "seg_slots")
+    rows None: no row runs an adapter. slot_of_row: set only while a CUDA graph that covers
+    adapter rows is captured (engine/runner/cuda_graph.py): a device array of each row's slot
+    (-1: the base model) that the graph reads at every replay; it takes precedence over rows."""
+    __slots__ = ("rows", "seg_offsets", "seg_slots", "slot_of_row")
 
     def __init__(self):
-        self.rows = self.seg_offsets = self.seg_slots = None
+        self.rows = self.seg_offsets = self.seg_slots = self.slot_of_row = None
 
 
 class LoraProjection:
@@ -74,6 +76,9 @@ class LoraProjection:
         """out += the deltas of the step's adapter rows (the layers call it after the base
         linear)."""
         st = self.step
+        if st.slot_of_row is not None:
+            self.backend.lora_linear_slots(x, self.a, self.b, self.parts, st.slot_of_row, out)
+            return
         if st.rows is None:
             return
         self.backend.lora_linear(x, self.a, self.b, self.ranks, self.parts, st.rows,

@@ -34,6 +34,21 @@ with one launch. A graph replays fixed work on fixed addresses, so:
   (always a valid address; whatever is there, their output rows are dropped: rows never mix in a
   forward). The decode kernel reads only the first ceil(seq_len / block_size) entries of a row.
 
+- **Verify steps** (KernelConfig graphs_verify=on): speculative decoding's target forward scores
+  k + 1 rows of every sequence. Buckets are keyed (size, query_len): besides the decode graphs
+  (query_len 1) the runner captures every size at query_len k + 1, whose static inputs have
+  size * (k + 1) token rows and query_start_loc = arange(size + 1) * (k + 1). Since T != B the
+  attention takes the paged prefill kernel with its causal mask, whose grid depends on T and B
+  alone (no host-side tile list). A step replays such a graph only when every sequence verifies
+  exactly k drafts, every row sampled (`uniform_query_len`); padding sequences have k + 1 rows at
+  positions 0..k, context k + 1, slot -1.
+- **LoRA adapter rows** (graphs_lora=on): each bucket's static inputs end with a slot per row
+  (lora_slots, -1 for the base model and the padding), which the projections read on the device
+  during capture (Backend.lora_linear_slots; on CUDA the shrink and expand kernels of
+  cuda/lora.cu). The adapters' weights stay in their fixed slots (engine/lora/slots.py), copied in
+  by LoraManager.begin before the launch, so one graph per bucket serves any mix of adapters and
+  base rows. Without it a step with adapter rows runs eagerly (`can_run`).
+
 Memory. Everything a graph touches must stay allocated, at the same address, for the graph's
 life, and nobody else may reuse it while the graph could still write it:
 - Allocations made during warm-up and capture (the forward's temporaries: gathered rows, the
@@ -76,9 +91,10 @@ MiB = 1 << 20
 GRAPH_OVERHEAD_BYTES = 16 * MiB   # per captured graph: graph exec, cuBLAS and scratch headroom
 _ALIGN = 16                       # int32 elements: each static input starts on a 64-byte boundary
 
-# The static inputs, in ForwardBatch's field order (the block tables are gathered on the device).
+# The static inputs, in ForwardBatch's field order (the block tables are gathered on the device),
+# then, in graphs that cover LoRA adapters, each row's adapter slot (-1: the base model).
 FIELDS = ("token_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens",
-          "block_table_rows", "logits_indices")
+          "block_table_rows", "logits_indices", "lora_slots")
 
 
 # ---- buckets and padding (host side, pure NumPy)
@@ -100,24 +116,36 @@ def bucket_for(num_seqs: int, sizes: list[int]) -> int | None:
     return sizes[i] if i < len(sizes) else None
 
 
+def uniform_query_len(batch: ForwardBatch) -> int | None:
+    """q when every sequence computes q tokens (T == q B) and every row is sampled in order (a
+    decode step: q = 1; a speculative verify step with k drafts for every sequence: q = k + 1);
+    else None. Host arrays."""
+    B, T = batch.num_seqs, batch.num_tokens
+    if B == 0 or T % B or len(batch.logits_indices) != T:
+        return None
+    q = T // B
+    if not (np.array_equal(batch.query_start_loc, np.arange(B + 1) * q)
+            and np.array_equal(batch.logits_indices, np.arange(T))):
+        return None
+    return q
+
+
 def is_pure_decode(batch: ForwardBatch) -> bool:
     """Every sequence computes exactly one token (T == B) and samples it. Host arrays."""
-    B = batch.num_seqs
-    if B == 0 or batch.num_tokens != B or len(batch.logits_indices) != B:
-        return False
-    rows = np.arange(B + 1)
-    return (np.array_equal(batch.query_start_loc, rows)
-            and np.array_equal(batch.logits_indices, rows[:B]))
+    return uniform_query_len(batch) == 1
 
 
-def input_layout(size: int) -> tuple[dict[str, tuple[int, tuple]], int]:
-    """Where each static input of a `size` bucket lives in the packed int32 buffer:
-    ({name: (offset, shape)}, number of int32 elements up to the end of the last one)."""
-    shapes = {"token_ids": (size,), "positions": (size,), "slot_mapping": (size,),
+def input_layout(size: int, query_len: int = 1,
+                 lora: bool = False) -> tuple[dict[str, tuple[int, tuple]], int]:
+    """Where each static input of a bucket of `size` sequences of `query_len` tokens lives in the
+    packed int32 buffer: ({name: (offset, shape)}, number of int32 elements up to the end of the
+    last one). lora: the graphs cover adapter rows (a slot per row)."""
+    T = size * query_len
+    shapes = {"token_ids": (T,), "positions": (T,), "slot_mapping": (T,),
               "query_start_loc": (size + 1,), "seq_lens": (size,),
-              "block_table_rows": (size,), "logits_indices": (size,)}
+              "block_table_rows": (size,), "logits_indices": (T,), "lora_slots": (T,)}
     layout, end = {}, 0
-    for name in FIELDS:
+    for name in FIELDS if lora else FIELDS[:-1]:
         offset = -(-end // _ALIGN) * _ALIGN
         layout[name] = (offset, shapes[name])
         end = offset + int(np.prod(shapes[name]))
@@ -130,12 +158,14 @@ def _views(buffer, layout: dict) -> dict:
             for name, (off, shape) in layout.items()}
 
 
-def _check_fits(batch: ForwardBatch, size: int, max_blocks: int) -> None:
-    if not is_pure_decode(batch):
-        raise ValueError(f"not a pure decode batch ({batch.num_tokens} tokens for "
-                         f"{batch.num_seqs} sequences, logits rows "
-                         f"{np.asarray(batch.logits_indices).tolist()[:8]}): every sequence must "
-                         "compute exactly one token and sample it")
+def _check_fits(batch: ForwardBatch, size: int, query_len: int, max_blocks: int) -> None:
+    if uniform_query_len(batch) != query_len:
+        what = ("a pure decode batch" if query_len == 1 else
+                f"a verify batch of {query_len} tokens for every sequence, all sampled")
+        raise ValueError(f"not {what} ({batch.num_tokens} tokens for {batch.num_seqs} "
+                         f"sequences, logits rows {np.asarray(batch.logits_indices).tolist()[:8]})"
+                         + (": every sequence must compute exactly one token and sample it"
+                            if query_len == 1 else ""))
     if batch.num_seqs > size:
         raise ValueError(f"{batch.num_seqs} sequences do not fit a graph of {size} rows")
     if batch.block_table_rows is None:
@@ -146,73 +176,92 @@ def _check_fits(batch: ForwardBatch, size: int, max_blocks: int) -> None:
                          f"the graphs' max_blocks={max_blocks}")
 
 
-def _write_inputs(views: dict, size: int, zero_row: int, batch: ForwardBatch | None = None):
+def _write_inputs(views: dict, size: int, query_len: int, zero_row: int,
+                  batch: ForwardBatch | None = None):
     """Every element of a bucket's static inputs: the batch's rows, then padding rows (all
-    padding when batch is None)."""
+    padding when batch is None). A padding sequence has query_len rows at positions 0, 1, ...
+    that write no KV slot (-1) and attend to the first keys of block 0 (its context is its own
+    query_len rows, in the device table's zero row); their output rows are dropped. In graphs
+    that cover LoRA, each row's adapter slot: -1 (the base model) but for the batch's adapter
+    rows."""
     B = 0 if batch is None else batch.num_seqs
-    rows = np.arange(size + 1, dtype=np.int32)
+    q = query_len
+    T = B * q
     if B:
-        views["token_ids"][:B] = batch.token_ids
-        views["positions"][:B] = batch.positions
-        views["slot_mapping"][:B] = batch.slot_mapping
+        views["token_ids"][:T] = batch.token_ids
+        views["positions"][:T] = batch.positions
+        views["slot_mapping"][:T] = batch.slot_mapping
         views["seq_lens"][:B] = batch.seq_lens
         views["block_table_rows"][:B] = batch.block_table_rows
-    views["token_ids"][B:] = 0
-    views["positions"][B:] = 0
-    views["slot_mapping"][B:] = -1     # padding rows write no KV slot
-    views["seq_lens"][B:] = 1          # ... and attend to key 0 of block 0; their rows are dropped
+    views["token_ids"][T:] = 0
+    views["positions"][T:] = np.tile(np.arange(q, dtype=np.int32), size - B)
+    views["slot_mapping"][T:] = -1
+    views["seq_lens"][B:] = q
     views["block_table_rows"][B:] = zero_row
-    views["query_start_loc"][:] = rows
-    views["logits_indices"][:] = rows[:size]
+    views["query_start_loc"][:] = np.arange(size + 1, dtype=np.int32) * q
+    views["logits_indices"][:] = np.arange(size * q, dtype=np.int32)
+    if "lora_slots" in views:
+        lora_slots = views["lora_slots"]
+        lora_slots[:] = -1
+        if batch is not None and batch.lora is not None:
+            batch.lora.write_slot_of_rows(lora_slots)
 
 
-def pad_decode_inputs(batch: ForwardBatch, size: int, max_blocks: int,
-                      zero_row: int) -> dict[str, np.ndarray]:
-    """The static-input contents of a `size` bucket for a pure decode batch (host arrays):
-    token_ids/positions padded with 0, slot_mapping with -1, seq_lens with 1, query_start_loc =
-    arange(size + 1), block_table_rows padded with zero_row (the device table's all-zero row),
-    logits_indices = arange(size). ValueError if the batch does not fit (more sequences than
-    `size`, wider than max_blocks, not a pure decode)."""
-    _check_fits(batch, size, max_blocks)
-    layout, n = input_layout(size)
+def pad_decode_inputs(batch: ForwardBatch, size: int, max_blocks: int, zero_row: int,
+                      query_len: int = 1, lora: bool = False) -> dict[str, np.ndarray]:
+    """The static-input contents of a bucket of `size` sequences of `query_len` tokens for a
+    batch of that many tokens per sequence (host arrays): token_ids/positions padded with 0
+    (positions 0, 1, ... for query_len > 1), slot_mapping with -1, seq_lens with query_len,
+    query_start_loc = arange(size + 1) * query_len, block_table_rows padded with zero_row (the
+    device table's all-zero row), logits_indices = arange(size * query_len), and with lora each
+    row's adapter slot (-1: none). ValueError if the batch does not fit (more sequences than
+    `size`, wider than max_blocks, not query_len tokens for every sequence)."""
+    _check_fits(batch, size, query_len, max_blocks)
+    layout, n = input_layout(size, query_len, lora)
     views = _views(np.zeros(n, np.int32), layout)
-    _write_inputs(views, size, zero_row, batch)
+    _write_inputs(views, size, query_len, zero_row, batch)
     return views
 
 
 def estimate_graph_memory_bytes(max_num_seqs: int, max_blocks_per_seq: int,
-                                model_config=None) -> int:
+                                model_config=None, query_lens=(1,), lora: bool = False) -> int:
     """Device memory to reserve for the decode graphs before the KV pool is sized: a conservative
     16 MiB per captured graph (graph exec objects, cuBLAS and attention scratch), the static
     inputs, the device block table reserved at capture (max_num_seqs + 1 rows of
     max_blocks_per_seq ids) and the largest graph's gather of it (max_num_seqs rows), and,
-    given the model's config, the memory that grows with max_num_seqs: the static logits plus
-    the forward's own logits (2 * vocab floats a row), and the graphs' activation workspace with
-    the gathered rows (bounded by 18 * hidden + 3 * intermediate floats a row, which covers
-    q_size <= 2 * hidden). An estimate: `CudaGraphRunner.capture` measures the real
-    figure (graph_memory_bytes) and the engine logs both."""
+    given the model's config, the memory that grows with the largest graph's rows (max_num_seqs
+    times the longest query_len): the static logits plus the forward's own logits (2 * vocab
+    floats a row), and the graphs' activation workspace with the gathered rows (bounded by
+    18 * hidden + 3 * intermediate floats a row, which covers q_size <= 2 * hidden).
+    query_lens: the tokens per sequence graphs are captured for (1: decode; k + 1: verify
+    steps); lora: they cover adapter rows. An estimate: `CudaGraphRunner.capture` measures the
+    real figure (graph_memory_bytes) and the engine logs both."""
     sizes = capture_sizes(max_num_seqs)
-    _, n = input_layout(max_num_seqs)
+    max_q = max(query_lens)
+    _, n = input_layout(max_num_seqs, max_q, lora)
     tables = (max_num_seqs + 1 + max_num_seqs) * max_blocks_per_seq
-    total = len(sizes) * GRAPH_OVERHEAD_BYTES + 4 * (n + tables)
+    total = len(sizes) * len(query_lens) * GRAPH_OVERHEAD_BYTES + 4 * (n + tables)
     if model_config is not None:
         per_row = (2 * model_config.vocab_size + 18 * model_config.hidden_size
                    + 3 * model_config.intermediate_size)
-        total += 4 * per_row * max_num_seqs
+        total += 4 * per_row * max_num_seqs * max_q
     return total
 
 
 # ---- the runner
 
 class _Bucket:
-    __slots__ = ("size", "num_ints", "host", "batch", "logits", "graph")
+    __slots__ = ("size", "query_len", "num_ints", "host", "batch", "lora_slots", "logits",
+                 "graph")
 
-    def __init__(self, size, num_ints, host, batch, logits):
+    def __init__(self, size, query_len, num_ints, host, batch, lora_slots, logits):
         self.size = size
+        self.query_len = query_len
         self.num_ints = num_ints   # int32 elements copied to the device per step
         self.host = host           # {name: view of the pinned host buffer}
         self.batch = batch         # ForwardBatch of views of the static device buffer
-        self.logits = logits       # (size, V) view of the static logits
+        self.lora_slots = lora_slots   # (size * query_len,) view of it, or None without LoRA
+        self.logits = logits       # (size * query_len, V) view of the static logits
         self.graph = None
 
 
@@ -232,17 +281,28 @@ class CudaGraphRunner:
     `block_tables` is the device's copy of the persistent block tables
     (engine/runner/device_block_tables.py) whose rows the batches name.
 
+    query_lens: the tokens per sequence a bucket is captured for, each with every size: 1 (decode)
+    and, for speculative decoding's verify steps (KernelConfig graphs_verify=on), k + 1. A bucket
+    is keyed (size, query_len); a verify graph's attention is the paged prefill kernel with its
+    causal mask (T != B), whose grid depends on T and B alone.
+    lora_step: the LoraManager's LoraStep (engine/lora/slots.py) when the graphs cover adapter
+    rows (KernelConfig graphs_lora=on): each bucket then has a static slot per row, which the
+    projections read on the device during capture (Backend.lora_linear_slots), so one graph
+    serves any mix of adapters and base rows; the adapters' weights stay in their fixed slots.
+
     Usage: capture() once after the KV caches exist; then per step, once the batch's
     block-table update is applied (ModelRunner.execute does it), if can_run(batch):
     logits = run(batch). `batch` is the host batch (ModelRunner.prepare's NumPy arrays).
     """
 
     def __init__(self, model, backend, kv_caches, max_num_seqs: int, max_blocks_per_seq: int,
-                 block_tables):
+                 block_tables, query_lens=(1,), lora_step=None):
         if max_blocks_per_seq < 1:
             raise ValueError(f"max_blocks_per_seq must be >= 1, got {max_blocks_per_seq}")
         if block_tables is None:
             raise ValueError("decode graphs need the device's block tables (DeviceBlockTables)")
+        if not query_lens or min(query_lens) < 1:
+            raise ValueError(f"query_lens must be tokens per sequence >= 1, got {query_lens}")
         self.model = model
         self.backend = backend
         self.kv_caches = kv_caches
@@ -250,14 +310,16 @@ class CudaGraphRunner:
         self.max_num_seqs = max_num_seqs
         self.max_blocks_per_seq = max_blocks_per_seq
         self.sizes = capture_sizes(max_num_seqs)
-        self.buckets: dict[int, _Bucket] = {}
+        self.query_lens = sorted(set(query_lens))
+        self.lora_step = lora_step
+        self.buckets: dict[tuple[int, int], _Bucket] = {}    # by (size, query_len)
         self.graph_memory_bytes = 0          # the private pool after capture
         self.device_memory_bytes = None      # free device memory before - after the capture
         self.num_replays = 0
         self._pool = None
         self._host = None                    # pinned int32 staging buffer
         self._device = None                  # static int32 input buffer
-        self._logits = None                  # static (max_num_seqs, V) output
+        self._logits = None                  # static (max_num_seqs * max query_len, V) output
         self._workspace = None               # the graphs' own activation workspace
         self._table = None                   # the device block table the graphs gather from
         self._zero_row = None                # ... and its all-zero row, the padding rows' row
@@ -267,6 +329,13 @@ class CudaGraphRunner:
     def captured(self) -> bool:
         return bool(self.buckets) and all(b.graph is not None for b in self.buckets.values())
 
+    @property
+    def covers_lora(self) -> bool:
+        return self.lora_step is not None
+
+    def _layout(self, size: int, query_len: int):
+        return input_layout(size, query_len, self.covers_lora)
+
     # ---- capture
 
     def capture(self) -> None:
@@ -274,7 +343,7 @@ class CudaGraphRunner:
             raise RuntimeError("CudaGraphRunner.capture() runs once")
         b = self.backend
         xp = b.xp
-        _, total = input_layout(self.max_num_seqs)
+        _, total = self._layout(self.max_num_seqs, max(self.query_lens))
         free_before = b.memory_info()[0]
         # The graphs bake in the table's address: give it its final size now.
         self.block_tables.reserve(self.max_num_seqs, self.max_blocks_per_seq)
@@ -285,49 +354,61 @@ class CudaGraphRunner:
         if ws is not None:
             dtype = getattr(getattr(self.model, "backend", b), "act_dtype", np.float32)
             self._workspace = type(ws)(getattr(self.model, "xp", xp), dtype)
+        # the most rows first: it grows the workspace and the pool to their peak
+        keys = sorted(((size, q) for q in self.query_lens for size in self.sizes),
+                      key=lambda k: (k[0] * k[1], k[1]), reverse=True)
         with b.use_graph_pool(self._pool):
             self._device = xp.empty(total, np.int32)
-            for size in reversed(self.sizes):
-                self._capture_one(size)
+            for size, q in keys:
+                self._capture_one(size, q)
         b.synchronize()
         self.graph_memory_bytes = int(self._pool.total_bytes())
         self.device_memory_bytes = int(free_before - b.memory_info()[0])
-        log.debug("decode graphs for %s: private pool %d bytes", self.sizes,
-                  self.graph_memory_bytes)
+        log.debug("decode graphs for %s x query lengths %s: private pool %d bytes", self.sizes,
+                  self.query_lens, self.graph_memory_bytes)
 
-    def _capture_one(self, size: int) -> None:
+    def _capture_one(self, size: int, query_len: int) -> None:
         b, xp = self.backend, self.backend.xp
-        layout, n = input_layout(size)
+        layout, n = self._layout(size, query_len)
         host = _views(self._host, layout)
+        device = _views(self._device, layout)
+        lora_slots = device.pop("lora_slots", None)
         batch = ForwardBatch(block_tables=None, block_table_width=self.max_blocks_per_seq,
-                             **_views(self._device, layout))
-        _write_inputs(host, size, self._zero_row)                 # a dummy batch: all padding
+                             **device)
+        _write_inputs(host, size, query_len, self._zero_row)     # a dummy batch: all padding
         b.copy_to_device_async(self._device[:n], self._host[:n])
         if self._logits is None:                                  # the largest bucket: learn V
-            first = self._forward(self._inputs(batch))
-            self._logits = xp.empty((self.max_num_seqs, first.shape[1]), first.dtype)
+            first = self._forward(self._inputs(batch), lora_slots)
+            self._logits = xp.empty((self.max_num_seqs * max(self.query_lens), first.shape[1]),
+                                    first.dtype)
             del first
-        bucket = _Bucket(size, n, host, batch, self._logits[:size])
-        step = functools.partial(self._step, bucket.batch, bucket.logits)
+        bucket = _Bucket(size, query_len, n, host, batch, lora_slots,
+                         self._logits[:size * query_len])
+        step = functools.partial(self._step, bucket.batch, bucket.lora_slots, bucket.logits)
         # Warm-up, eagerly: grows the workspace and the pool to this size, loads cuBLAS and
         # compiles CuPy's kernels, none of which may happen during capture.
         step()
         bucket.graph = b.capture_graph(step)
         # The next bucket rewrites the pinned buffer: this bucket's copy must have landed.
         b.synchronize()
-        self.buckets[size] = bucket
+        self.buckets[size, query_len] = bucket
 
-    def _forward(self, batch: ForwardBatch):
+    def _forward(self, batch: ForwardBatch, lora_slots=None):
         """The model's forward on the graphs' own workspace (the eager one may grow later and
-        free what a graph writes)."""
-        if self._workspace is None:
-            return self.model.forward(batch, self.kv_caches)
-        eager = self.model.workspace
-        self.model.workspace = self._workspace
+        free what a graph writes), its projections reading the adapter slots of the rows from
+        `lora_slots` (a static device array) in graphs that cover LoRA."""
+        if self.lora_step is not None:
+            self.lora_step.slot_of_row = lora_slots
+        eager = getattr(self.model, "workspace", None)
+        if self._workspace is not None:
+            self.model.workspace = self._workspace
         try:
             return self.model.forward(batch, self.kv_caches)
         finally:
-            self.model.workspace = eager
+            if self._workspace is not None:
+                self.model.workspace = eager
+            if self.lora_step is not None:
+                self.lora_step.slot_of_row = None
 
     def _inputs(self, batch: ForwardBatch) -> ForwardBatch:
         """The forward's inputs: the static ones, and the block tables gathered from the device
@@ -336,18 +417,26 @@ class CudaGraphRunner:
         return ForwardBatch(batch.token_ids, batch.positions, batch.slot_mapping,
                             batch.query_start_loc, batch.seq_lens, tables, batch.logits_indices)
 
-    def _step(self, batch: ForwardBatch, out) -> None:
+    def _step(self, batch: ForwardBatch, lora_slots, out) -> None:
         """What a graph holds: the gather of its rows' block tables, the forward, its logits
         copied to the static output (the forward's own array and the gathered tables are pool
         temporaries)."""
-        self.backend.xp.copyto(out, self._forward(self._inputs(batch)))
+        self.backend.xp.copyto(out, self._forward(self._inputs(batch), lora_slots))
 
     # ---- replay
 
     def can_run(self, batch: ForwardBatch) -> bool:
-        return (self.captured and is_pure_decode(batch)
+        """A captured graph fits the batch: q tokens for every sequence, all sampled, with q a
+        captured query length (a verify graph only for a batch of neither a hybrid model's
+        state rows nor images), at most max_num_seqs sequences, tables no wider than the
+        graphs', adapter rows only in graphs that cover them."""
+        if not self.captured or batch.block_table_rows is None:
+            return False
+        q = uniform_query_len(batch)
+        return (q in self.query_lens
+                and (q == 1 or (batch.state_plan is None and batch.vision is None))
+                and (batch.lora is None or self.covers_lora)
                 and bucket_for(batch.num_seqs, self.sizes) is not None
-                and batch.block_table_rows is not None
                 and batch.block_table_width <= self.max_blocks_per_seq
                 and self._table_unmoved())
 
@@ -366,8 +455,10 @@ class CudaGraphRunner:
         return False
 
     def run(self, batch: ForwardBatch):
-        """Logits (B, V) of a pure decode batch, by replaying its bucket's graph: a view of the
-        static output, valid until the next run (the caller consumes it before the next step).
+        """Logits (T, V) of a batch of q tokens for every sequence (T = q B), by replaying its
+        bucket's graph: a view of the static output, valid until the next run (the caller
+        consumes it before the next step). With adapter rows (batch.lora), their slots must
+        hold their adapters (LoraManager.begin) before the launch.
 
         The pinned staging buffer is rewritten here while the previous step's copy could still be
         queued; that is safe because the engine waits for every step's results (it reads the
@@ -379,13 +470,19 @@ class CudaGraphRunner:
         size = bucket_for(B, self.sizes) if B else None
         if size is None:
             raise ValueError(f"{B} sequences: the decode graphs hold 1 to {self.max_num_seqs}")
-        _check_fits(batch, size, self.max_blocks_per_seq)
+        q = uniform_query_len(batch)
+        if q not in self.query_lens:
+            q = self.query_lens[0]      # _check_fits names what the batch is not
+        _check_fits(batch, size, q, self.max_blocks_per_seq)
+        if batch.lora is not None and not self.covers_lora:
+            raise ValueError("the batch has LoRA adapter rows: these graphs were captured "
+                             "without adapters (KernelConfig graphs_lora=off)")
         if not self._table_unmoved():
             raise RuntimeError("the device block table moved after capture: run eagerly")
-        bucket = self.buckets[size]
-        _write_inputs(bucket.host, size, self._zero_row, batch)
+        bucket = self.buckets[size, q]
+        _write_inputs(bucket.host, size, q, self._zero_row, batch)
         n = bucket.num_ints
         self.backend.copy_to_device_async(self._device[:n], self._host[:n])
         bucket.graph.launch()
         self.num_replays += 1
-        return bucket.logits[:B]
+        return bucket.logits[:B * q]

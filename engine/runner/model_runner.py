@@ -188,8 +188,8 @@ class ModelRunner:
         """One forward call; returns the logits (S + P, V) of the S sequences that sample this
         step, then of the P prompt-logprob rows (on the backend's device), and for each
         embedding request in the step (seq, chunk start, its pooled rows' final-norm hidden
-        states as float32 on the host). Pure decode steps replay a captured CUDA graph when one
-        fits. batch: this step's arrays when the caller prepared them already. Under tensor
+        states as float32 on the host). Decode steps (and, where captured, verify steps of k
+        drafts for every sequence) replay a captured CUDA graph when one fits. batch: this step's arrays when the caller prepared them already. Under tensor
         parallel, rank 0 sends the step's inputs to the other ranks first, which run the same
         forward (engine/parallel/steps.py)."""
         if batch is None:
@@ -236,8 +236,9 @@ class ModelRunner:
         capture = {} if self.aux_capture is None else {"capture": self.aux_capture}
         if batch.lora is None:
             return self._forward(inputs, capture)
-        # Adapter rows: the projections add their deltas during this forward only. The decode
-        # graphs were captured without adapters, so such a step runs eagerly.
+        # Adapter rows: the projections add their deltas during this forward only; a graph
+        # replays them only where it was captured over adapter slots (graphs_lora=on), else
+        # the step runs eagerly (CudaGraphRunner.can_run).
         self.lora.begin(batch.lora)
         try:
             return self._forward(inputs, capture)
@@ -247,7 +248,7 @@ class ModelRunner:
     def _forward(self, inputs: StepInputs, capture: dict):
         batch = inputs.batch
         if inputs.hidden_rows is None:
-            if (not capture and batch.lora is None and self.graph_runner is not None
+            if (not capture and self.graph_runner is not None
                     and self.graph_runner.can_run(batch)):
                 return self.graph_runner.run(batch), None, None
             return (self.model.forward(self.to_device(batch), self.kv_caches, **capture), None,
