@@ -137,25 +137,34 @@ def test_greedy_is_token_identical_with_rejected_drafts(targets, draft, prompts,
         assert_matches(outs[0].token_ids[:16], reference, label=arch)
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model"])
-def test_a_next_turn_from_snapshots_taken_while_verifying(targets, draft, prompts, method):
-    """Prefix-cache state snapshots at block boundaries that verify rows crossed: those past the
-    accepted rows saw rejected drafts and are never registered; the second turn restores from
-    the others and gives the tokens of an engine without speculation."""
+def test_snapshots_taken_while_verifying_hold_the_accepted_state(targets, draft, prompts):
+    """Prefix-cache state snapshots at block boundaries that verify rows crossed: one past the
+    accepted rows saw rejected drafts and is never registered, the next step takes it again. So
+    every snapshot holds the state an engine without speculation snapshots for the same block
+    hash, and a conversation's next turn that starts from them gives that engine's tokens."""
     target = targets["qwen3_next"]
-    plain = LLM(target, block_size=8)
-    llm = stressed(target, speculative_config=methods(draft)[method], block_size=8,
-                   max_num_seqs=4)
-    turns = [prompts, None]
-    for turn in range(2):
-        want = plain.generate(turns[turn], GREEDY)
-        got = llm.generate(turns[turn], GREEDY)
-        assert [o.token_ids for o in got] == [w.token_ids for w in want], f"turn {turn}"
-        rng = np.random.default_rng(turn)
-        turns[1] = [p + o.token_ids + rng.integers(3, 500, 5).tolist()
-                    for p, o in zip(prompts, got)]
+    kw = dict(block_size=8, state_snapshots=64, max_num_seqs=4)
+    plain = LLM(target, **kw)
+    llm = stressed(target, speculative_config=methods(draft)["draft_model"], **kw)
+    got, want = llm.generate(prompts, GREEDY), plain.generate(prompts, GREEDY)
+    assert [o.token_ids for o in got] == [w.token_ids for w in want]
     assert_rejections(llm)
-    assert llm.engine.block_pool.num_snapshot_restores >= len(prompts)
+    a, b = plain.engine, llm.engine
+    shared = set(a.block_pool.snapshots) & set(b.block_pool.snapshots)
+    assert len(shared) >= 4 * len(prompts) and len(shared) == len(b.block_pool.snapshots)
+    for i, layer in enumerate(a.runner.model.layers):
+        if layer.is_linear:
+            for key in shared:
+                for x, y in zip(a.runner.kv_caches[i], b.runner.kv_caches[i]):
+                    np.testing.assert_allclose(y[b.block_pool.snapshots[key]],
+                                               x[a.block_pool.snapshots[key]],
+                                               rtol=1e-3, atol=1e-4)
+    rng = np.random.default_rng(1)
+    turn = [p + o.token_ids + rng.integers(3, 500, 5).tolist() for p, o in zip(prompts, got)]
+    restores = b.block_pool.num_snapshot_restores
+    assert ([o.token_ids for o in llm.generate(turn, GREEDY)]
+            == [w.token_ids for w in plain.generate(turn, GREEDY)])
+    assert b.block_pool.num_snapshot_restores >= restores + len(prompts)
 
 
 def test_seeded_sampling_equals_the_non_speculative_engine(targets, draft, prompts):
