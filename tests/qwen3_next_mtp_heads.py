@@ -18,13 +18,14 @@ def full_attention_layer(cfg: dict) -> int:
     return types.index("full_attention") if types else cfg["full_attention_interval"] - 1
 
 
-def mtp_checkpoint(directory, arch: str = "qwen3_next", seed: int = 0, **overrides) -> str:
+def mtp_checkpoint(directory, arch: str = "qwen3_next", seed: int = 0,
+                   checkpoint=tiny_checkpoint, **overrides) -> str:
     """A tiny `arch` checkpoint (4 layers, hidden 96, vocabulary 512) with a random MTP head: its
     decoder layer's attention drawn like the target's full-attention layer's and its MLP like
     layer 0's (MoE for Qwen3-Next, as vLLM builds mtp.layers.0; dense for Qwen3.5), each tensor
     with that tensor's mean and spread; norms like the target's final norm; fc of spread
-    1 / sqrt(2H)."""
-    d = tiny_checkpoint(directory, arch, seed=seed, **overrides)
+    1 / sqrt(2H). checkpoint: what writes the target (tests/checkpoints.py, in float32)."""
+    d = checkpoint(directory, arch, seed=seed, **overrides)
     w = load(d)
     cfg = config(d)
     H = cfg["hidden_size"]
@@ -50,7 +51,7 @@ def mtp_checkpoint(directory, arch: str = "qwen3_next", seed: int = 0, **overrid
 
 
 def bigram_mtp_checkpoint(directory, arch: str = "qwen3_next", seed: int = 4,
-                          r: float = 0.15) -> str:
+                          r: float = 0.15, checkpoint=tiny_checkpoint, **overrides) -> str:
     """A target whose next token depends on the last token only, with an MTP head that computes
     that bigram for the token it reads, so every draft is the target's next token.
 
@@ -61,8 +62,9 @@ def bigram_mtp_checkpoint(directory, arch: str = "qwen3_next", seed: int = 4,
     multiply by 1 + w) gives back e exactly, pre_fc_norm_hidden's -1 drops the hidden state, fc
     = [I, 0] passes e on, its attention's o_proj is zero, its MLP and post-attention norm are
     layer 0's, its final norm the target's."""
-    overrides = {"mlp_only_layers": []} if arch == "qwen3_next" else {}
-    d = tiny_checkpoint(directory, arch, seed=seed, **overrides)
+    if arch == "qwen3_next":
+        overrides = {"mlp_only_layers": [], **overrides}
+    d = checkpoint(directory, arch, seed=seed, **overrides)
     w = load(d)
     cfg = config(d)
     eps = cfg["rms_norm_eps"]
@@ -76,7 +78,8 @@ def bigram_mtp_checkpoint(directory, arch: str = "qwen3_next", seed: int = 4,
             w[name] = np.zeros_like(w[name])
     H = e.shape[1]
     full, q, p = f"model.layers.{full_attention_layer(cfg)}.", "model.layers.0.", "mtp.layers.0."
-    extra = {n.replace(full, p): t.copy() for n, t in w.items() if n.startswith(full + "self_attn.")}
+    extra = {n.replace(full, p): t.copy() for n, t in w.items()
+             if n.startswith(full + "self_attn.")}
     extra.update({n.replace(q, p): t.copy() for n, t in w.items()
                   if n.startswith(q + "mlp.") or n == q + "post_attention_layernorm.weight"})
     extra.update({
