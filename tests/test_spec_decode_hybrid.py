@@ -453,3 +453,44 @@ def test_mtp_loading_budget_and_refusals(heads, tmp_path):
             lambda w: w.pop("mtp.pre_fc_norm_hidden.weight"))
     refused("missing tensor mtp.layers.0.self_attn.q_norm.weight",
             lambda w: w.pop("mtp.layers.0.self_attn.q_norm.weight"))
+
+
+def test_an_mtp_server_equals_the_server_without_speculation(tmp_path):
+    """A Qwen3-Next checkpoint with a byte-level tokenizer and a bigram MTP head served by
+    `python -m server`, with and without --speculative-config: greedy completions (streamed or
+    not) and a seeded sampled one have the same text; the usage counts accepted drafts."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from server_fakes import LiveServer, client_for
+    from tiny_tokenizers import build_byte_level
+    d = tmp_path / "qwen3next"
+    build_byte_level(d)
+    vocab = len(AutoTokenizer.from_pretrained(str(d)))
+    bigram_mtp_checkpoint(d, vocab_size=vocab)
+    plain = LiveServer(tmp_path, str(d), "--mem", "16", "--served-model-name", "qn")
+    spec = LiveServer(tmp_path, str(d), "--mem", "16", "--served-model-name", "qn",
+                      "--speculative-config", json.dumps(mtp(3)))
+    try:
+        a, b = client_for(plain.port), client_for(spec.port)
+        for prompt in ("The sea and the sky", "Count: one, two,"):
+            args = dict(model="qn", prompt=prompt, max_tokens=40, temperature=0,
+                        extra_body={"ignore_eos": True})
+            want = a.completions.create(**args).choices[0].text
+            assert b.completions.create(**args).choices[0].text == want
+            streamed = "".join(c.choices[0].text for c in b.completions.create(stream=True,
+                                                                                 **args))
+            assert streamed == want
+            args.update(temperature=0.8, seed=3)
+            assert (b.completions.create(**args).choices[0].text
+                    == a.completions.create(**args).choices[0].text)
+        usage = b.completions.create(model="qn", prompt="abc", max_tokens=30, temperature=0,
+                                     extra_body={"ignore_eos": True}).usage
+        counts = usage.model_extra["speculative_decoding"]
+        assert counts["num_draft_tokens"] > 0
+        assert counts["num_accepted_tokens"] == counts["num_draft_tokens"]
+        assert "the checkpoint's MTP head (mtp.layers.0, MoE)" in spec.log()
+    finally:
+        plain.close()
+        spec.close()
