@@ -137,6 +137,24 @@ def test_greedy_is_token_identical_with_rejected_drafts(targets, draft, prompts,
         assert_matches(outs[0].token_ids[:16], reference, label=arch)
 
 
+def test_verify_rows_through_the_chunked_form(monkeypatch, targets, draft, prompts):
+    """A sequence with many verify rows (k + 1 >= CHUNKED_MIN_ROWS) takes the chunked delta
+    rule, cut at every draft to save its state: lowered here so that 4 rows do."""
+    import pyx.gated_delta_net as gdn
+    monkeypatch.setattr(gdn, "CHUNKED_MIN_ROWS", 2)
+    calls = []
+    chunked = gdn.delta_rule_chunked
+    monkeypatch.setattr(gdn, "delta_rule_chunked",
+                        lambda q, *a, **kw: calls.append(len(q)) or chunked(q, *a, **kw))
+    ref = LLM(targets["qwen3_next"]).generate(prompts, GREEDY)
+    calls.clear()
+    llm = stressed(targets["qwen3_next"], speculative_config=methods(draft)["draft_model"])
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
+    assert_rejections(llm)
+    assert calls.count(1) > 10        # the verify rows' pieces between saves
+
+
 def test_snapshots_taken_while_verifying_hold_the_accepted_state(targets, draft, prompts):
     """Prefix-cache state snapshots at block boundaries that verify rows crossed: one past the
     accepted rows saw rejected drafts and is never registered, the next step takes it again. So
