@@ -23,7 +23,8 @@ convolution's last inputs and the delta rule's matrices, pyx/gated_delta_net.py)
   state after the known rows plus j drafts, j = 0..k-1, in k verify rows (vLLM keeps the
   per-position states of Mamba and GDN layers the same way); once the drafts are verified with a
   accepted (a < k), the forward thread copies the state of row a into the slot
-  (ModelRunner.keep_verified_states), exactly the state of decoding only the accepted tokens. The verify rows are reused by every step: a step speculates for at most
+  (ModelRunner.keep_verified_states), exactly the state of decoding only the accepted tokens.
+  The verify rows are reused by every step: a step speculates for at most
   min(slots, disable_by_batch_size) sequences. A snapshot whose boundary lies past the accepted
   rows is dropped when the rejected rows are (trim): its state saw rejected drafts.
 
