@@ -19,8 +19,8 @@ from engine.loader.model_loader import load_eagle3_head, load_gguf_model, load_m
 from engine.loader.safetensors import mem_available_bytes
 from engine.lora.manager import LoraManager
 from engine.models.deepseek_mtp import DeepseekMtpHead
-from engine.models.qwen3_next_mtp import Qwen3NextMtpHead
 from engine.models.model_config import ModelConfig
+from engine.models.qwen3_next_mtp import Qwen3NextMtpHead
 from engine.parallel import launch
 from engine.parallel.steps import StepSender
 from engine.runner import cuda_memory
