@@ -13,15 +13,22 @@ from test_engine import StressRunner
 
 
 def assert_drafts_depend_only_on_the_context(target: str, spec: dict, one_draft: dict,
-                                             prompts: list[list[int]]) -> None:
+                                             prompts: list[list[int]], stress=None,
+                                             tolerance: float = 1e-4) -> None:
     """spec: the speculative config under test (adaptivity off); one_draft: the same with one
-    draft token, for the fresh engines. Prompts share 19 tokens: they part inside a block."""
+    draft token, for the fresh engines. Prompts share 19 tokens: they part inside a block.
+    stress: wraps the engine's runner (StressRunner unless given: a hybrid model's caches need
+    their own). tolerance: rtol and atol of the logits (a hybrid target's features differ in
+    rounding between its chunked and token-by-token recurrences)."""
     shared = [prompts[1][:19] + p for p in prompts]
     llm = LLM(target, speculative_config=spec, block_size=8, num_kv_blocks=28,
               prefill_chunk_size=16, max_num_batched_tokens=64, max_num_seqs=8)
     engine = llm.engine
     engine.block_pool.shuffle_free_blocks(random.Random(3))
-    StressRunner(engine.runner, engine.block_pool)
+    if stress is None:
+        StressRunner(engine.runner, engine.block_pool)
+    else:
+        stress(engine)
     proposer = engine.speculator.draft_model
     step_logits, seen = proposer._step_logits, []
 
@@ -59,4 +66,5 @@ def assert_drafts_depend_only_on_the_context(target: str, spec: dict, one_draft:
         fresh.generate([context[:-1]], SamplingParams(temperature=0, max_tokens=3,
                                                       ignore_eos=True))
         finite = np.isfinite(logits)    # -inf outside a head's draft vocabulary
-        np.testing.assert_allclose(got[0][finite], logits[finite], rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(got[0][finite], logits[finite], rtol=tolerance,
+                                   atol=tolerance)

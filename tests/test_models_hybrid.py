@@ -521,15 +521,13 @@ def test_too_small_a_budget_is_refused(hybrid):
                 max_num_batched_tokens=64)
 
 
-def test_beam_search_and_speculation_are_refused(hybrid):
+def test_beam_search_is_refused(hybrid):
+    """(Speculative decoding is supported: tests/test_spec_decode_hybrid.py.)"""
     from engine import SamplingParams
     llm = llm_for(hybrid, "qwen3_5")
     with pytest.raises(ValueError, match="beam search is not supported for hybrid"):
         llm.generate([[5, 6, 7]], SamplingParams(use_beam_search=True, best_of=2, temperature=0,
                                                  max_tokens=4))
-    with pytest.raises(ValueError, match="speculative decoding is not supported for hybrid"):
-        llm_for(hybrid, "qwen3_5", speculative_config={"method": "ngram",
-                                                       "num_speculative_tokens": 2})
 
 
 # ---- through a live server

@@ -20,6 +20,7 @@ from engine.loader.safetensors import mem_available_bytes
 from engine.lora.manager import LoraManager
 from engine.models.deepseek_mtp import DeepseekMtpHead
 from engine.models.model_config import ModelConfig
+from engine.models.qwen3_next_mtp import Qwen3NextMtpHead
 from engine.parallel import launch
 from engine.parallel.steps import StepSender
 from engine.runner import cuda_memory
@@ -115,7 +116,7 @@ def build(config: EngineConfig, loaded=None, group=None) -> EngineParts:
         draft[1] if draft else None,
         Eagle3Proposer.bytes_per_block(head.config, config.block_size, kv_dtype,
                                        backend.act_dtype) if head else
-        MtpProposer.bytes_per_block(mtp.config, config.block_size, kv_dtype,
+        MtpProposer.bytes_per_block(mtp, config.block_size, kv_dtype,
                                     backend.act_dtype) if mtp else 0,
         reserve=lambda budget, what: _reserve_states(states, config, model_config, budget, what))
     if model_config.linear_attention is not None and not states:   # explicit num_kv_blocks
@@ -126,7 +127,8 @@ def build(config: EngineConfig, loaded=None, group=None) -> EngineParts:
                   else config.prefix_cache_max_tokens // config.block_size)
     if states:
         block_pool = HybridBlockPool(num_blocks, config.block_size, config.enable_prefix_caching,
-                                     max_cached, states[0].num_slots, states[0].num_snapshots)
+                                     max_cached, states[0].num_slots, states[0].num_snapshots,
+                                     states[0].num_verify_rows)
     else:
         block_pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching,
                                max_cached_blocks=max_cached)
@@ -179,9 +181,8 @@ def build(config: EngineConfig, loaded=None, group=None) -> EngineParts:
         draft_model = MtpProposer(mtp, backend, num_blocks, config.block_size,
                                   config.kv_cache_dtype, model_config.vocab_size)
         runner.aux_capture = draft_model.capture
-        log.info("speculative decoding: the checkpoint's MTP head (layer %d, %s), %d tokens per "
-                 "step, its latent cache and the target's hidden states in %d blocks",
-                 model_config.num_hidden_layers, "MoE" if mtp.sparse else "dense MLP",
+        log.info("speculative decoding: the checkpoint's MTP head (%s), %d tokens per step, its "
+                 "cache and the target's hidden states in %d blocks", mtp.describe(),
                  config.speculative_config.num_speculative_tokens, num_blocks)
     elif config.speculative_config is not None:
         log.info("speculative decoding: %s", config.speculative_config)
@@ -222,6 +223,11 @@ def _load_draft(config: EngineConfig, backend, target_config: ModelConfig, token
         draft_tokenizer = Tokenizer.try_from_pretrained(draft_dir)
     if not draft_config.has_lm_head:
         raise ValueError(f"draft model {spec.model}: it has no lm_head, it cannot propose tokens")
+    if draft_config.linear_attention is not None:
+        raise ValueError(f"draft model {spec.model}: a hybrid linear-attention draft "
+                         f"({draft_config.architecture}) is not supported (its recurrent state "
+                         f"would need state slots and rollback of its own); use a draft with "
+                         f"full attention only")
     if tokenizer is not None and draft_tokenizer is not None:
         if tokenizer.hf.get_vocab() != draft_tokenizer.hf.get_vocab():
             raise ValueError(f"draft model {spec.model}: its tokenizer differs from the target's "
@@ -239,7 +245,8 @@ def _load_eagle3(config: EngineConfig, backend, model, model_config: ModelConfig
     spec = config.speculative_config
     if spec is None or spec.method != "eagle3":
         return None
-    if "capture" not in inspect.signature(model.forward).parameters:
+    if (model_config.linear_attention is not None
+            or "capture" not in inspect.signature(model.forward).parameters):
         raise ValueError(f"EAGLE-3: the target's graph ({model_config.architecture}) cannot "
                          f"hand its hidden states to a head")
     return load_eagle3_head(resolve_model(spec.model), backend, model, model_config,
@@ -261,7 +268,13 @@ def _load_mtp(config: EngineConfig, model, model_config: ModelConfig):
         raise ValueError(f"MTP: the target's architecture ({model_config.architecture}) has no "
                          f"multi-token-prediction head Taper can run; method mtp supports "
                          f"DeepSeek-V3-style MLA checkpoints (DeepseekV3ForCausalLM, "
-                         f"DeepseekV2ForCausalLM, Glm4MoeLiteForCausalLM)")
+                         f"DeepseekV2ForCausalLM, Glm4MoeLiteForCausalLM) and the hybrid "
+                         f"Qwen3-Next and Qwen3.5 families")
+    if model_config.linear_attention is not None:
+        if not kept:
+            raise ValueError("MTP: the checkpoint has no multi-token-prediction head (no mtp.* "
+                             "tensors); use another speculative method")
+        return Qwen3NextMtpHead(model)
     if not kept:
         raise ValueError(f"MTP: the checkpoint has no multi-token-prediction layers (no "
                          f"model.layers.{model_config.num_hidden_layers}.* tensors; its config "
@@ -324,11 +337,8 @@ def capture_cuda_graphs(config: EngineConfig, model, backend, runner: ModelRunne
 
 
 def _check_hybrid(config: EngineConfig) -> EngineConfig:
-    """What a hybrid model's per-sequence recurrent state does not support yet; the config
-    without CUDA graphs (each step's state plan is built on the host)."""
-    if config.speculative_config is not None:
-        raise ValueError("speculative decoding is not supported for hybrid linear-attention "
-                         "models: rejected draft tokens would have advanced the recurrent state")
+    """The config without CUDA graphs for a hybrid model (each step's state plan is built on
+    the host)."""
     if config.backend == "cuda" and config.cuda_graph:
         log.info("CUDA graphs: off for a hybrid linear-attention model (its state rows are "
                  "planned per step on the host)")

@@ -18,6 +18,15 @@ convolution's last inputs and the delta rule's matrices, pyx/gated_delta_net.py)
   cut back to the longest prefix whose last block has a snapshot, and the sequence's slot starts
   from that snapshot. Snapshots are kept in LRU order; taking one when none is free evicts the
   least recently used.
+- **Verify rows.** Speculative decoding scores a decoding sequence's last known token and its k
+  drafts in one step, and the recurrence runs through all of them. So the step also keeps the
+  state after the known rows plus j drafts, j = 0..k-1, in k verify rows (vLLM keeps the
+  per-position states of Mamba and GDN layers the same way); once the drafts are verified with a
+  accepted (a < k), the forward thread copies the state of row a into the slot
+  (ModelRunner.keep_verified_states), exactly the state of decoding only the accepted tokens.
+  The verify rows are reused by every step: a step speculates for at most
+  min(slots, disable_by_batch_size) sequences. A snapshot whose boundary lies past the accepted
+  rows is dropped when the rejected rows are (trim): its state saw rejected drafts.
 
 HybridBlockPool is the BlockPool with this bookkeeping: the scheduler uses it unchanged
 (allocate_slots fails, changing nothing, when no slot is free; free() at a finish or preemption
@@ -50,6 +59,9 @@ class StatePlan:
     saves: list[tuple[int, int, int]] = field(default_factory=list)  # (seq, offset, row)
     asarray: object = None             # the backend's asarray
     lengths: np.ndarray | None = None  # (B,): rows per sequence (from starts)
+    # (seq, seq_id, k, first row): a sequence verifying k drafts keeps its state after its known
+    # rows and j drafts in row first + j (j < k), saved like the snapshots
+    verify: list[tuple[int, int, int, int]] = field(default_factory=list)
 
     def __post_init__(self):
         if self.asarray is None:
@@ -79,13 +91,14 @@ class StatePlan:
 class HybridBlockPool(BlockPool):
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  max_cached_blocks: int | None = None, num_slots: int = 1,
-                 num_snapshots: int = 0):
+                 num_snapshots: int = 0, num_verify_rows: int = 0):
         super().__init__(num_blocks, block_size, enable_prefix_caching,
                          max_cached_blocks=max_cached_blocks)
         if num_slots < 1:
             raise ValueError("a hybrid model needs at least one state slot")
         self.num_slots = num_slots
         self.num_snapshots = num_snapshots if enable_prefix_caching else 0
+        self.num_verify_rows = num_verify_rows       # speculative decoding's (see above)
         self._free_slots = list(range(num_slots - 1, -1, -1))      # pop() gives the lowest
         self._slot_of: dict[int, int] = {}                        # seq_id -> slot
         self._free_snapshot_rows = list(range(num_slots + self.num_snapshots - 1,
@@ -100,8 +113,9 @@ class HybridBlockPool(BlockPool):
 
     @property
     def num_state_rows(self) -> int:
-        """Rows of each linear layer's state arrays: the slots, then the snapshots."""
-        return self.num_slots + self.num_snapshots
+        """Rows of each linear layer's state arrays: the slots, the snapshots, then the verify
+        rows."""
+        return self.num_slots + self.num_snapshots + self.num_verify_rows
 
     @property
     def num_free_slots(self) -> int:
@@ -178,6 +192,20 @@ class HybridBlockPool(BlockPool):
         else:
             del self._pending[seq.seq_id]
 
+    def trim(self, seq, num_tokens: int):
+        """BlockPool's, after a verify step's rejection: the snapshots its step reserved past
+        the accepted rows are given up (they hold a state that saw rejected drafts)."""
+        super().trim(seq, num_tokens)
+        pending = self._pending.get(seq.seq_id)
+        if not pending:
+            return
+        keep = [(b, row) for b, row in pending if b <= seq.num_computed_tokens]
+        self._free_snapshot_rows += [row for b, row in pending if b > seq.num_computed_tokens]
+        if keep:
+            self._pending[seq.seq_id] = keep
+        else:
+            del self._pending[seq.seq_id]
+
     def reset_prefix_cache(self):
         super().reset_prefix_cache()
         self._free_snapshot_rows += list(self.snapshots.values())
@@ -206,7 +234,20 @@ class HybridBlockPool(BlockPool):
                         break
                     self._pending.setdefault(seq.seq_id, []).append((boundary, row))
                     saves.append((i, boundary - start, row))
-        return StatePlan(starts, slots, src_rows, np.array(sched.num_computed) == 0, saves)
+        verify = []
+        row = self.num_slots + self.num_snapshots
+        for i, (seq, n, k) in enumerate(zip(sched.seqs, sched.num_new_tokens,
+                                            sched.num_drafts or [0] * B)):
+            if not k:
+                continue
+            if row + k > self.num_state_rows:
+                raise RuntimeError(f"speculative decoding: {k} drafts of a sequence need verify "
+                                   f"state rows beyond the {self.num_verify_rows} sized at start")
+            saves += [(i, n - k + j, row + j) for j in range(k)]
+            verify.append((i, seq.seq_id, k, row))
+            row += k
+        return StatePlan(starts, slots, src_rows, np.array(sched.num_computed) == 0, saves,
+                         verify=verify)
 
     def _snapshot_boundaries(self, seq, start: int, end: int) -> list[int]:
         """Block boundaries in (start, end] to snapshot: the last one, and the last one before
@@ -239,10 +280,11 @@ class StatePoolSize:
     num_slots: int
     num_snapshots: int
     row_bytes: int
+    num_verify_rows: int = 0
 
     @property
     def total_bytes(self) -> int:
-        return (self.num_slots + self.num_snapshots) * self.row_bytes
+        return (self.num_slots + self.num_snapshots + self.num_verify_rows) * self.row_bytes
 
     @classmethod
     def for_model(cls, config, model_config, budget_bytes: int | None,
@@ -250,13 +292,17 @@ class StatePoolSize:
         """None for a model without linear attention. Slots: --max-num-seqs, else as many as
         half the budget holds (slots and as many snapshots), at most the concurrency cap and
         the step's token budget; snapshots: EngineConfig.state_snapshots, else one per slot
-        (none without prefix caching). budget_bytes None: an explicit KV block count, the states
-        come on top of it."""
+        (none without prefix caching); verify rows (speculative decoding): k for each sequence a
+        step may speculate for. budget_bytes None: an explicit KV block count, the states come
+        on top of it."""
         la = model_config.linear_attention
         if la is None:
             return None
         row_bytes = la.state_floats() * 4
         explicit_snapshots = getattr(config, "state_snapshots", None)
+        spec = getattr(config, "speculative_config", None)
+        k = spec.num_speculative_tokens if spec is not None else 0
+        gate = spec.disable_by_batch_size if spec is not None else None
         if config.max_num_seqs is not None:
             slots = config.max_num_seqs
         else:
@@ -265,17 +311,24 @@ class StatePoolSize:
                 per_slot = row_bytes * (1 if explicit_snapshots is not None
                                         or not config.enable_prefix_caching else 2)
                 fixed = row_bytes * (explicit_snapshots or 0)
+                if gate is None:          # every slot may speculate
+                    per_slot += row_bytes * k
+                else:
+                    fixed += row_bytes * k * gate
                 slots = min(slots, max(1, (budget_bytes // 2 - fixed) // per_slot))
         snapshots = (0 if not config.enable_prefix_caching else
                      explicit_snapshots if explicit_snapshots is not None else slots)
-        size = cls(slots, snapshots, row_bytes)
+        verify = k * (slots if gate is None else min(slots, gate))
+        size = cls(slots, snapshots, row_bytes, verify)
         if budget_bytes is not None and size.total_bytes >= budget_bytes:
             raise ValueError(
-                f"the hybrid model's state ({slots} slots + {snapshots} snapshots of "
-                f"{row_bytes / 2**20:.1f} MiB) does not fit the KV cache budget ({budget_what}); "
-                f"raise the memory or lower --max-num-seqs")
+                f"the hybrid model's state ({slots} slots + {snapshots} snapshots + {verify} "
+                f"speculative verify rows of {row_bytes / 2**20:.1f} MiB) does not fit the KV "
+                f"cache budget ({budget_what}); raise the memory or lower --max-num-seqs")
         return size
 
     def describe(self) -> str:
-        return (f"{self.num_slots} state slots + {self.num_snapshots} prefix snapshots of "
-                f"{self.row_bytes / 2**20:.2f} MiB each ({self.total_bytes / 2**20:.1f} MiB)")
+        verify = (f" + {self.num_verify_rows} speculative verify rows" if self.num_verify_rows
+                  else "")
+        return (f"{self.num_slots} state slots + {self.num_snapshots} prefix snapshots{verify} "
+                f"of {self.row_bytes / 2**20:.2f} MiB each ({self.total_bytes / 2**20:.1f} MiB)")

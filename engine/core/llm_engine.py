@@ -267,6 +267,10 @@ class LLMEngine:
             if sched.has_drafts:
                 start = time.perf_counter()
                 result = self._verify_step(sched, logits, pooled, draft_probs)
+                if batch.state_plan is not None:   # a hybrid model: states of accepted rows
+                    self.runner.keep_verified_states(
+                        batch.state_plan, {seq.seq_id: len(run) for seq, run in
+                                           zip(result[0], result[1])})
                 spec.observe_step(sched, batch.num_tokens,
                                   forward_s + time.perf_counter() - start)
                 return result

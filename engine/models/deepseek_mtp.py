@@ -108,13 +108,25 @@ class DeepseekMtpHead:
     def hidden_size(self) -> int:
         return self.config.hidden_size
 
-    def new_kv_cache(self, num_blocks: int, block_size: int, dtype):
-        """The layer's latent cache (the target's MLA layout: (NB, BS, 1, L + R)), zeroed."""
+    def describe(self) -> str:
+        return (f"layer {self.config.num_hidden_layers}, "
+                f"{'MoE' if self.sparse else 'dense MLP'}")
+
+    def bytes_per_block(self, block_size: int, kv_dtype, act_dtype) -> int:
+        """The latent cache's and the feature pool's bytes for one of the target's blocks: one
+        layer's latent and a hidden row per token."""
+        return block_size * (self.config.mla.latent_dim * np.dtype(kv_dtype).itemsize
+                             + self.config.hidden_size * np.dtype(act_dtype).itemsize)
+
+    def new_kv_caches(self, num_blocks: int, block_size: int, dtype) -> list:
+        """The layer's latent cache (the target's MLA layout: (NB, BS, 1, L + R)), zeroed, given
+        as both K and V."""
         if np.dtype(dtype).itemsize == 1:
             raise ValueError("MTP: an FP8 KV cache is not supported for multi-head latent "
                              "attention yet; use --kv-cache-dtype auto")
         m = self.config.mla
-        return self.xp.zeros((num_blocks, block_size, 1, m.latent_dim), dtype)
+        cache = self.xp.zeros((num_blocks, block_size, 1, m.latent_dim), dtype)
+        return [(cache, cache)]
 
     def fuse(self, states):
         """The first draft step's hidden input: the target's final-norm states as they are."""

@@ -54,6 +54,11 @@ class MoeForCausalLM(LlamaForCausalLM):
         c, m = self.config, self.config.moe
         if not m.sparse_layers[i]:
             return super()._mlp(weights, p, i)
+        return self._moe(weights, p)
+
+    def _moe(self, weights: dict, p: str):
+        """The mixture-of-experts block under layer prefix p."""
+        c, m = self.config, self.config.moe
         block, (gate, up, down) = _names(c)
         q = f"{p}{block}."
         gate_up = [self._fuse(weights, [f"{q}experts.{e}.{gate}.weight",

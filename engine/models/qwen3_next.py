@@ -20,6 +20,7 @@ from engine.models.kv_scales import take_kv_scales
 from engine.models.llama import LlamaForCausalLM, check_weights, expected_shapes, logger
 from engine.models.model_config import ModelConfig
 from engine.models.moe import MoeForCausalLM, moe_shapes
+from engine.models.qwen3_next_mtp import take_mtp_weights
 from engine.models.rotary import build_cos_sin_cache
 from pyx.gated_attention import GatedAttention
 from pyx.gated_delta_net import GatedDeltaNet
@@ -58,18 +59,18 @@ def hybrid_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 def _language_model_only(weights: dict) -> None:
     """In place: a multimodal checkpoint's (Qwen3.5's) language model under the causal LM's
-    names, its vision tower dropped; the multi-token-prediction head (mtp.*) dropped too (the
-    graph does not use it); stacked experts split into the per-expert tensors."""
+    names, its vision tower dropped; stacked experts split into the per-expert tensors (the
+    multi-token-prediction head's, mtp.*, too)."""
     prefix = "model.language_model."
     dropped = 0
     for name in list(weights):
         if name.startswith(prefix):
             weights["model." + name[len(prefix):]] = weights.pop(name)
-        elif name.startswith(("model.visual.", "mtp.")):
+        elif name.startswith("model.visual."):
             del weights[name]
             dropped += 1
     if dropped:
-        logger.info("not loaded: %d vision-tower and multi-token-prediction tensors", dropped)
+        logger.info("not loaded: %d vision-tower tensors", dropped)
     # experts stacked as transformers 5 holds them: gate_up_proj (E, 2I, H), down_proj (E, H, I)
     for name in [n for n in weights if n.endswith(".mlp.experts.gate_up_proj")]:
         base = name[:-len("gate_up_proj")]
@@ -111,6 +112,9 @@ class Qwen3NextForCausalLM(MoeForCausalLM):
     def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray], backend):
         """Takes ownership of `weights` (tensors are popped as they are placed)."""
         _language_model_only(weights)
+        # the MTP head's, for speculative decoding (engine/models/qwen3_next_mtp.py); the
+        # engine's builder drops them when nothing drafts with them
+        self.mtp_weights = take_mtp_weights(weights)
         check_weights(config, weights, self.expected_shapes(config))
         self.config, self.backend, self.xp = config, backend, backend.xp
         self._to_device = backend.asarray
@@ -205,9 +209,22 @@ class Qwen3NextForCausalLM(MoeForCausalLM):
                 caches.append((xp.zeros(shape, kv_dtype), xp.zeros(shape, kv_dtype)))
         return caches
 
-    def forward(self, batch, kv_caches: list, hidden_indices=None):
+    def copy_state_rows(self, caches: list, src: list[int], dst: list[int]) -> None:
+        """Every linear layer's state rows src copied onto rows dst (a verify step's accepted
+        state into its slot: engine/core/hybrid_state.py)."""
+        s = self.backend.asarray(np.asarray(src, np.int64))
+        d = self.backend.asarray(np.asarray(dst, np.int64))
+        for layer, (conv, recurrent) in zip(self.layers, caches):
+            if layer.is_linear:
+                conv[d] = conv[s]
+                recurrent[d] = recurrent[s]
+
+    def forward(self, batch, kv_caches: list, hidden_indices=None, capture=None):
         """LlamaForCausalLM.forward's contract; the batch carries its state plan
-        (ForwardBatch.state_plan) for the linear layers."""
+        (ForwardBatch.state_plan) for the linear layers. `capture`: a FinalCapture only (an MTP
+        head's: every row's final-norm hidden state)."""
+        if capture is not None and not capture.final:
+            raise ValueError("a hybrid model hands only its final-norm hidden states to a head")
         c, b, ws, xp = self.config, self.backend, self.workspace, self.xp
         T = batch.num_tokens
         residual = ws.get("residual", T, c.hidden_size)
@@ -219,10 +236,18 @@ class Qwen3NextForCausalLM(MoeForCausalLM):
         num_logits = len(idx)
         if hidden_indices is not None:
             idx = xp.concatenate([idx, hidden_indices])
-        rows_hidden = xp.ascontiguousarray(hidden[idx])
-        rows_residual = xp.ascontiguousarray(residual[idx])
-        if len(idx):
-            self._final_norm(rows_hidden, rows_residual)
+        if capture is not None:
+            states = xp.empty(hidden.shape, dtype=hidden.dtype)
+            xp.copyto(states, hidden)
+            if T:
+                self._final_norm(states, residual)
+            capture.states = states
+            rows_hidden = xp.ascontiguousarray(states[idx])
+        else:
+            rows_hidden = xp.ascontiguousarray(hidden[idx])
+            rows_residual = xp.ascontiguousarray(residual[idx])
+            if len(idx):
+                self._final_norm(rows_hidden, rows_residual)
         logits = self.logits(rows_hidden[:num_logits])
         if hidden_indices is None:
             return logits

@@ -142,6 +142,20 @@ class ModelRunner:
             batch.lora = self.lora.plan(seqs, query_start_loc)
         return batch
 
+    def keep_verified_states(self, plan, emitted: dict[int, int]) -> None:
+        """A hybrid model after a verify step (engine/core/hybrid_state.py, verify rows): each
+        speculating sequence's state slot takes the state after its accepted drafts. emitted:
+        seq_id -> tokens the step emits for it (its accepted drafts, then the drawn one); a
+        sequence missing there (its request failed) is left alone."""
+        src, dst = [], []
+        for i, seq_id, k, first in plan.verify:
+            n = emitted.get(seq_id)
+            if n is not None and n - 1 < k:
+                src.append(first + n - 1)
+                dst.append(int(plan.slots[i]))
+        if src:
+            self.model.copy_state_rows(self.kv_caches, src, dst)
+
     def copy_blocks(self, pairs: list[tuple[int, int]]):
         """KV block src -> dst in every layer (a beam's fork of a partly filled block); under
         tensor parallel the other ranks copy theirs before the next step."""

@@ -1,6 +1,6 @@
-"""MTP proposals: the target checkpoint's own multi-token-prediction head
-(engine/models/deepseek_mtp.py) drafts from the target's final-norm hidden states, one forward of
-its decoder layer per draft.
+"""MTP proposals: the target checkpoint's own multi-token-prediction head (DeepSeek-V3's,
+engine/models/deepseek_mtp.py; Qwen3-Next's and Qwen3.5's, engine/models/qwen3_next_mtp.py)
+drafts from the target's final-norm hidden states, one forward of its decoder layer per draft.
 
 The bookkeeping is EAGLE-3's (engine/spec/eagle3.py), with the target's final-norm output of p
 (a FinalCapture, every row of every target forward) as the features f(p):
@@ -10,33 +10,35 @@ The bookkeeping is EAGLE-3's (engine/spec/eagle3.py), with the target's final-no
 - `mirror`: after each target forward, the head's row for q - 1 (token at q, f(q - 1), RoPE
   position q - 1) for every batch row at q > 0, K/V only;
 - `propose`: step 0 is the head's row for L - 2 (the last known token, f(L - 2)), step i its row
-  for L - 2 + i (d_i, the previous step's prenorm output).
+  for L - 2 + i (d_i, the previous step's output: DeepSeek's prenorm, Qwen3-Next's normed).
 
-The head's row at position 0 reads a zero embedding (vLLM's masking): the proposer tells the head
-which rows those are from the host's positions. EAGLE-3's one inexactness carries over (a row at
+DeepSeek's head reads a zero embedding at position 0 (vLLM's masking): the proposer tells the
+head which rows those are from the host's positions. On a hybrid target (Qwen3-Next) the pools
+are the same: the head's layer is full attention, and only the target's linear layers keep
+per-sequence state (their rollback: engine/core/hybrid_state.py). EAGLE-3's one inexactness carries over (a row at
 the end of a shared block depends on the next block's first token), in the drafts only.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from engine.models.deepseek_mtp import DeepseekMtpHead
 from engine.models.llama import FinalCapture
 from engine.runner.forward_batch import ForwardBatch
 from engine.spec.eagle3 import Eagle3Proposer
 
 
 class MtpProposer(Eagle3Proposer):
-    def __init__(self, head: DeepseekMtpHead, backend, num_blocks: int, block_size: int,
+    def __init__(self, head, backend, num_blocks: int, block_size: int,
                  kv_cache_dtype: str, target_vocab_size: int):
+        """head: a DeepseekMtpHead or a Qwen3NextMtpHead."""
         self.model = head
         self.model_config = head.config
         self.backend = backend
         self.block_size = block_size
         self.target_vocab_size = target_vocab_size
         self.embed_vocab_size = target_vocab_size
-        cache = head.new_kv_cache(num_blocks, block_size, backend.kv_cache_dtype(kv_cache_dtype))
-        self.kv_caches = [(cache, cache)]
+        self.kv_caches = head.new_kv_caches(num_blocks, block_size,
+                                            backend.kv_cache_dtype(kv_cache_dtype))
         self.features = backend.xp.zeros((num_blocks * block_size, head.hidden_size),
                                          dtype=backend.act_dtype)
         self.capture = FinalCapture()      # the target's runner fills it
@@ -46,11 +48,10 @@ class MtpProposer(Eagle3Proposer):
         self._first_rows = None    # the last _rows_batch's rows at position 0 (host)
 
     @staticmethod
-    def bytes_per_block(model_config, block_size: int, kv_dtype, act_dtype) -> int:
-        """Both pools' bytes for one of the target's blocks: one layer's latent and a hidden
-        row per token."""
-        return block_size * (model_config.mla.latent_dim * np.dtype(kv_dtype).itemsize
-                             + model_config.hidden_size * np.dtype(act_dtype).itemsize)
+    def bytes_per_block(head, block_size: int, kv_dtype, act_dtype) -> int:
+        """Both pools' bytes for one of the target's blocks: the head's K/V (or latent) and a
+        hidden row per token."""
+        return head.bytes_per_block(block_size, kv_dtype, act_dtype)
 
     def _rows_batch(self, batch, block_tables, rows, tokens) -> ForwardBatch:
         self._first_rows = np.flatnonzero(batch.positions[rows] == 1)

@@ -7,7 +7,8 @@ Exercised on the GPU: the gated DeltaNet layer composed of CuPy array operations
 (pyx/gated_delta_net.py: the causal convolution, the chunked gated delta rule with its batched
 triangular solves, the token loop, the bfloat16 widening and rounding through the bits), the
 gated attention's output gate, the state rows carried across chunked prefill and decode steps,
-and a second turn that starts from a prefix-cache state snapshot.
+and a second turn that starts from a prefix-cache state snapshot; speculative decoding with the
+checkpoint's own MTP head, the verify rows' states copied into the slots on the device.
 """
 from __future__ import annotations
 
@@ -60,3 +61,39 @@ def test_second_turn_from_a_snapshot_matches_cpu(checkpoints):
     want = greedy(cpu, [second])[0]
     assert cuda.engine.block_pool.num_snapshot_restores == 1 and got.num_cached_tokens > 0
     compare("second turn", got.token_ids, want.token_ids, cpu_margins(cpu, second, want.token_ids))
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5"])
+def test_speculation_matches_cpu(tmp_path, monkeypatch, arch):
+    """The MTP head (tests/qwen3_next_mtp_heads.py, on tiny-256 targets) on the device in bf16:
+    each verify step keeps the linear layers' per-draft states in verify rows and copies the
+    accepted one into the slot (CuPy fancy indexing), the head drafts from the target's
+    final-norm states with its own K/V. Greedy tokens equal the CPU engine's without
+    speculation up to its near-ties, drafts proposed (and rejected: the random head's); a head
+    that computes the bigram target's next token has most drafts accepted."""
+    import functools
+
+    from checkpoints import tiny256_checkpoint as write
+    from engine.spec.costs import StepCost
+    from qwen3_next_mtp_heads import bigram_mtp_checkpoint, mtp_checkpoint
+    monkeypatch.setattr(StepCost, "min_use", lambda self, rows: 0.0)
+    f32 = functools.partial(write, dtype="float32")
+    prompts = random_prompts(19, (5, 23, 40))
+    spec = {"method": "mtp", "num_speculative_tokens": 3}
+    for name, path in (("random", mtp_checkpoint(tmp_path / "random", arch, checkpoint=f32)),
+                       ("bigram", bigram_mtp_checkpoint(tmp_path / "bigram", arch,
+                                                        checkpoint=f32))):
+        cpu = make_llm(path, "cpu")
+        cuda = make_llm(path, "cuda", speculative_config=spec)
+        got, want = greedy(cuda, prompts), greedy(cpu, prompts)
+        compared = 0
+        for i, (g, w) in enumerate(zip(got, want)):
+            margins = cpu_margins(cpu, prompts[i], w.token_ids)
+            compared += compare(f"{arch} {name} prompt {i}", g.token_ids, w.token_ids, margins)
+        assert compared >= 24, f"only {compared} tokens compared: near-ties everywhere"
+        stats = cuda.engine.speculator.stats
+        assert stats.num_drafts > 0
+        if name == "bigram":
+            assert stats.acceptance_rate > 0.8, stats
+        else:              # rejections: the slots took verify rows' states
+            assert stats.num_accepted_tokens < stats.num_draft_tokens, stats
