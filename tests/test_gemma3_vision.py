@@ -295,3 +295,57 @@ def test_cuda_refuses(ckpt):
     with pytest.raises(ValueError, match="no encoder_attention op"):
         Gemma3ForConditionalGeneration(ModelConfig.from_pretrained(ckpt),
                                        load_safetensors(ckpt, progress=False), Cuda())
+
+
+# ---- the hub's files
+
+# google/gemma-3-4b-it's config.json: text_config relies on Gemma3TextConfig's defaults
+HUB_CONFIG = {
+    "architectures": ["Gemma3ForConditionalGeneration"], "boi_token_index": 255999,
+    "eoi_token_index": 256000, "eos_token_id": [1, 106], "image_token_index": 262144,
+    "mm_tokens_per_image": 256, "model_type": "gemma3", "torch_dtype": "bfloat16",
+    "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+                    "num_hidden_layers": 34, "sliding_window": 1024,
+                    "rope_scaling": {"factor": 8.0, "rope_type": "linear"}},
+    "vision_config": {"hidden_size": 1152, "image_size": 896, "intermediate_size": 4304,
+                      "model_type": "siglip_vision_model", "num_attention_heads": 16,
+                      "num_hidden_layers": 27, "patch_size": 14, "vision_use_head": False}}
+
+
+def test_hub_config_reads_as_transformers():
+    from transformers import Gemma3Config
+    from engine.models.model_config import ModelConfig
+    c = ModelConfig.from_dict(HUB_CONFIG)
+    ref = Gemma3Config(**HUB_CONFIG)
+    t = ref.text_config
+    assert (c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.vocab_size,
+            c.query_pre_attn_scalar, c.rms_norm_eps, c.tie_word_embeddings) == (
+        t.num_attention_heads, t.num_key_value_heads, t.head_dim, t.vocab_size,
+        t.query_pre_attn_scalar, t.rms_norm_eps, t.tie_word_embeddings)
+    assert c.sliding_windows == [t.sliding_window if k == "sliding_attention" else 0
+                                 for k in t.layer_types]
+    assert (c.rope.rope_type, c.rope.factor, c.rope.theta, c.local_rope.theta) == (
+        "linear", 8.0, 1e6, 1e4)
+    v = c.vision
+    assert (v.hidden_size, v.num_layers, v.num_heads, v.image_size, v.patch_size,
+            v.mm_tokens_per_image, v.pool, v.text_hidden_size, v.image_token_id) == (
+        1152, 27, 16, 896, 14, 256, 4, 2560, ref.image_token_id)
+
+
+def test_checkpoint_names():
+    """The hub's files, transformers 5's in-memory names and its saves all map to one set."""
+    from engine.models.gemma3_vl import _checkpoint_names
+    names = {"language_model.model.layers.0.mlp.up_proj.weight":
+             "model.layers.0.mlp.up_proj.weight",
+             "language_model.lm_head.weight": "lm_head.weight",
+             "vision_tower.vision_model.post_layernorm.bias": "vision_tower.post_layernorm.bias",
+             "model.language_model.norm.weight": "model.norm.weight",
+             "model.vision_tower.encoder.layers.0.mlp.fc1.bias":
+                 "vision_tower.encoder.layers.0.mlp.fc1.bias",
+             "model.multi_modal_projector.mm_soft_emb_norm.weight":
+                 "multi_modal_projector.mm_soft_emb_norm.weight",
+             "multi_modal_projector.mm_input_projection_weight":
+                 "multi_modal_projector.mm_input_projection_weight"}
+    weights = dict.fromkeys(names)
+    _checkpoint_names(weights)
+    assert sorted(weights) == sorted(names.values())

@@ -54,6 +54,9 @@ class VisionConfig:
 def text_config_of(arch: str, cfg: dict) -> dict:
     """The language model's config.json keys, as its causal LM's checkpoint would hold them."""
     text = dict(cfg.get("text_config") or {k: v for k, v in cfg.items() if k != "vision_config"})
+    if arch == "Gemma3ForConditionalGeneration":     # the hub's files rely on these defaults
+        from engine.vision.gemma3_config import TEXT_DEFAULTS
+        text = {**TEXT_DEFAULTS, **text}
     for key in ("tie_word_embeddings", "dtype", "torch_dtype"):   # kept at the top level
         if key in cfg and key != "text_config":
             text.setdefault(key, cfg[key])

@@ -13,6 +13,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# Gemma3TextConfig's defaults: the hub's Gemma 3 config.json files leave most of them out of
+# text_config (gemma-3-4b-it names only its sizes, layers, window and rope_scaling).
+TEXT_DEFAULTS = dict(
+    vocab_size=262_208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+    num_attention_heads=8, num_key_value_heads=4, head_dim=256,
+    hidden_activation="gelu_pytorch_tanh", max_position_embeddings=131_072, rms_norm_eps=1e-6,
+    pad_token_id=0, eos_token_id=1, bos_token_id=2, tie_word_embeddings=True,
+    query_pre_attn_scalar=256, sliding_window=4096)
+
 
 @dataclass(slots=True)
 class Gemma3VisionConfig:
@@ -61,7 +70,7 @@ def parse_gemma3_vision_config(arch: str, cfg: dict) -> Gemma3VisionConfig:
     v = cfg.get("vision_config")
     if not isinstance(v, dict):
         raise ValueError(f"{arch}: config.json has no vision_config")
-    text = cfg.get("text_config") or {}
+    text = {**TEXT_DEFAULTS, **(cfg.get("text_config") or {})}
     act = v.get("hidden_act", "gelu_pytorch_tanh")
     if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
         raise ValueError(f"{arch}: vision hidden_act {act!r} is not supported "
@@ -77,7 +86,7 @@ def parse_gemma3_vision_config(arch: str, cfg: dict) -> Gemma3VisionConfig:
         image_size=int(v.get("image_size", 896)), patch_size=int(v.get("patch_size", 14)),
         layer_norm_eps=float(v.get("layer_norm_eps", 1e-6)),
         mm_tokens_per_image=int(cfg.get("mm_tokens_per_image", 256)),
-        text_hidden_size=int(text.get("hidden_size", 2560)),
+        text_hidden_size=int(text["hidden_size"]),
         image_token_id=int(cfg.get("image_token_index", cfg.get("image_token_id", 262144))),
         boi_token_id=int(cfg.get("boi_token_index", cfg.get("boi_token_id", 255999))),
         eoi_token_id=int(cfg.get("eoi_token_index", cfg.get("eoi_token_id", 256000))),
