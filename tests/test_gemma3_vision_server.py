@@ -83,3 +83,12 @@ def test_another_image_changes_the_answer(served, hf):
     other = ask(client, ["Describe", ImageOps.invert(image)]).choices[0].message.content
     assert other != first
     assert other == hf_answer(hf, ["Describe", ImageOps.invert(image)])[0]
+
+
+def test_responses_input_image(served, hf):
+    client = served[1]
+    image = sample_image(40, 30, seed=1)
+    out = client.responses.create(model="g3", max_output_tokens=GEN, temperature=0, input=[
+        {"role": "user", "content": [{"type": "input_text", "text": "Describe"},
+                                     {"type": "input_image", "image_url": data_url(image)}]}])
+    assert out.output_text == hf_answer(hf, ["Describe", image])[0]

@@ -99,18 +99,21 @@ class ImageBlockAttention:
             blocks = tables[s.seq, lo // bs:(s.end - 1) // bs + 1]
             skip = lo - (lo // bs) * bs
             L = s.end - lo
-            keys = k_cache[blocks].reshape(-1, Hkv, D)[skip:skip + L]       # (L, Hkv, D)
-            values = v_cache[blocks].reshape(-1, Hkv, D)[skip:skip + L]
-            qs = q3[s.row:s.row + n].reshape(n, Hkv, group, D)
-            scores = xp.einsum("nhgd,lhd->hgnl", qs, keys) * np.float32(scale)
+            # per KV head, its group's queries (group * n rows) against its keys: batched GEMMs
+            keys = k_cache[blocks].reshape(-1, Hkv, D)[skip:skip + L].transpose(1, 2, 0)
+            values = v_cache[blocks].reshape(-1, Hkv, D)[skip:skip + L].transpose(1, 0, 2)
+            qs = q3[s.row:s.row + n].reshape(n, Hkv, group, D).transpose(1, 2, 0, 3)
+            scores = xp.matmul(qs.reshape(Hkv, group * n, D), keys).reshape(Hkv, group, n, L)
+            scores *= np.float32(scale)
             if softcap > 0:
                 scores = np.float32(softcap) * xp.tanh(scores / np.float32(softcap))
             if sliding_window > 0:         # key j visible to the query at p when j > p - W
                 p = xp.arange(s.first, s.end)[:, None]
                 j = xp.arange(lo, s.end)[None, :]
-                scores = xp.where(j > p - sliding_window, scores, -xp.inf)
+                scores = xp.where(j > p - sliding_window, scores, np.float32(-np.inf))
             scores -= scores.max(axis=-1, keepdims=True)
             weights = xp.exp(scores)
             weights /= weights.sum(axis=-1, keepdims=True)
-            o = xp.einsum("hgnl,lhd->nhgd", weights.astype(np.float32), values)
-            out3[s.row:s.row + n] = o.reshape(n, Hq, D)
+            o = xp.matmul(weights.reshape(Hkv, group * n, L), values)      # (Hkv, group*n, D)
+            out3[s.row:s.row + n] = o.reshape(Hkv, group, n, D).transpose(2, 0, 1, 3).reshape(
+                n, Hq, D)
