@@ -15,6 +15,9 @@ The chat template renders each image part as the model's image placeholder (Qwen
 <|vision_start|><|image_pad|><|vision_end|>); tokenized, each placeholder token is then repeated
 to the image's token count, which is what transformers' processor does to the text before
 tokenizing (the placeholder is a special token, so its neighbours tokenize alike either way).
+Gemma 3's processor writes newlines around each image, which merge with their neighbours when
+tokenized, so its <start_of_image> is expanded in the rendered text instead, before tokenizing
+(text_expander; engine/vision/gemma3_config.py).
 """
 from __future__ import annotations
 
@@ -87,6 +90,7 @@ def text_expander(vision, tok):
     vision.expands_in_text), the function that does so to the rendered template; else None."""
     if not getattr(vision, "expands_in_text", False):
         return None
+
     def token_string(i):
         return tok.convert_ids_to_tokens([i])[0]
     placeholder, full = token_string(vision.boi_token_id), vision.image_text(token_string)
