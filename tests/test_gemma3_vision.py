@@ -349,3 +349,52 @@ def test_checkpoint_names():
     weights = dict.fromkeys(names)
     _checkpoint_names(weights)
     assert sorted(weights) == sorted(names.values())
+
+
+# ---- the overlay against a dense float64 mask
+
+@pytest.mark.parametrize("window, softcap", [(0, 0.0), (5, 0.0), (5, 3.0)])
+def test_overlay_equals_dense_masked_attention(window, softcap):
+    """Image rows recomputed from a paged cache (blocks out of order, GQA 4:2): each query at p
+    in an image [start, end) sees keys (p - W, end) (all of [0, end) without a window), as a
+    dense masked softmax in float64 says; text rows are left alone. One image starts in an
+    earlier step (its first rows are cached, a prefix-cache hit inside it)."""
+    from engine.vision.gemma3_attention import ImageBlockAttention, ImageSpan
+    rng = np.random.default_rng(0)
+    Hq, Hkv, D, bs = 4, 2, 8, 4
+    seq_len, computed = 30, 10                  # rows 10..29 this step
+    images = [(7, 15), (20, 26)]                # the first started before this step
+    blocks = rng.permutation(16)[:8]
+    k_cache = rng.standard_normal((16, bs, Hkv, D)).astype(np.float32)
+    v_cache = rng.standard_normal((16, bs, Hkv, D)).astype(np.float32)
+    T = seq_len - computed
+    q = rng.standard_normal((T, Hq * D)).astype(np.float32)
+    attn = rng.standard_normal((T, Hq * D)).astype(np.float32)
+    before = attn.copy()
+    spans = [ImageSpan(0, max(a, computed) - computed, max(a, computed), e) for a, e in images]
+
+    class Batch:
+        vision = type("V", (), {"spans": spans})()
+        block_tables = blocks[None, :]
+    ImageBlockAttention(np).apply(Batch, q, attn, k_cache, v_cache, 0.3, window, softcap)
+
+    K = k_cache[blocks].reshape(-1, Hkv, D)[:seq_len].astype(np.float64)
+    V = v_cache[blocks].reshape(-1, Hkv, D)[:seq_len].astype(np.float64)
+    image_rows = set()
+    for a, e in images:
+        for p in range(max(a, computed), e):
+            j = np.arange(seq_len)
+            mask = j < e
+            if window:
+                mask &= j > p - window
+            row = p - computed
+            image_rows.add(row)
+            for h in range(Hq):
+                s = K[:, h // 2] @ q[row, h * D:(h + 1) * D].astype(np.float64) * 0.3
+                if softcap:
+                    s = softcap * np.tanh(s / softcap)
+                w = np.exp(np.where(mask, s, -np.inf) - s[mask].max())
+                want = (w / w.sum()) @ V[:, h // 2]
+                np.testing.assert_allclose(attn[row, h * D:(h + 1) * D], want, atol=2e-5)
+    text_rows = [r for r in range(T) if r not in image_rows]
+    assert np.array_equal(attn[text_rows], before[text_rows])
