@@ -245,9 +245,11 @@ def test_images_stay_whole_in_chunks(ckpt, hf, processor, caplog):
     assert "a prefill chunk ends inside image 0" in caplog.text
 
 
-def test_step_too_small_for_an_image(ckpt):
+def test_step_too_small_for_an_image_or_fp8_cache(ckpt):
     with pytest.raises(ValueError, match="an image is 16 tokens"):
         make_engine(ckpt, max_num_batched_tokens=12, max_num_seqs=4)
+    with pytest.raises(ValueError, match="an FP8 KV cache is not supported"):
+        make_engine(ckpt, kv_cache_dtype="fp8")
 
 
 # ---- the prefix cache

@@ -5,6 +5,8 @@ tokens of their image both ways during prefill (engine/vision/gemma3_attention.p
 plain 1D RoPE positions, image tokens counted like text."""
 from __future__ import annotations
 
+import numpy as np
+
 from engine.models.gemma import Gemma3ForCausalLM
 from engine.vision.gemma3_attention import Gemma3VisionRunner, ImageBlockAttention
 from engine.vision.gemma3_encoder import Gemma3VisionEncoder
@@ -48,6 +50,13 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
         attn = super()._attention(weights, p, i)
         attn.mask_overlay = self._image_blocks
         return attn
+
+    def new_kv_caches(self, num_blocks: int, block_size: int, dtype) -> list:
+        if np.dtype(dtype).itemsize == 1:
+            raise ValueError(f"{self.config.architecture}: an FP8 KV cache is not supported: the "
+                             "image tokens' bidirectional attention reads the float cache back "
+                             "(engine/vision/gemma3_attention.py); use --kv-cache-dtype auto")
+        return super().new_kv_caches(num_blocks, block_size, dtype)
 
     @property
     def max_image_rows(self) -> int:
