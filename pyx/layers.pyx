@@ -41,6 +41,10 @@ cdef class Attention:
     # LoRA adapters' deltas on the qkv and output projections: None, or an object whose
     # add(x, out) adds them to the projection's output (engine/lora/slots.py)
     cdef public object lora_qkv, lora_o
+    # None, or an object whose apply(batch, q, attn, k_cache, v_cache, scale, sliding_window,
+    # softcap) rewrites rows of the attention output after the causal paged attention: a mask
+    # the op has not (Gemma 3's bidirectional image tokens, engine/vision/gemma3_attention.py)
+    cdef public object mask_overlay
     cdef readonly int num_heads, num_kv_heads, head_dim, sliding_window
     cdef int q_size, kv_size
     cdef double scale, eps, softcap
@@ -123,6 +127,9 @@ cdef class Attention:
                               k_cache, v_cache, batch.block_tables, batch.seq_lens,
                               batch.query_start_loc, self.scale, self.sliding_window,
                               **self._attention_options())
+        if self.mask_overlay is not None:
+            self.mask_overlay.apply(batch, q, attn, k_cache, v_cache, self.scale,
+                                    self.sliding_window, self.softcap)
         b.linear(attn, self.o_weight, self.o_bias, out)
         if self.lora_o is not None:
             self.lora_o.add(attn, out)

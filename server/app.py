@@ -158,9 +158,9 @@ class ServerState:
     def image_processor(self, engine):
         """The model's image processor settings (preprocessor_config.json), read once."""
         if getattr(self, "_image_processor", None) is None:
-            from engine.vision.config import ImageProcessorConfig
-            self._image_processor = ImageProcessorConfig.from_pretrained(
-                engine.engine.model_dir, engine.model_config.vision)
+            from engine.vision.processors import load_image_processor
+            self._image_processor = load_image_processor(engine.engine.model_dir,
+                                                         engine.model_config.vision)
         return self._image_processor
 
     def ready_engine(self):
@@ -421,6 +421,7 @@ def create_app(engine, settings: ServerSettings) -> Quart:
             return tok.encode_chat(
                 messages, tools=tools, add_generation_prompt=req.add_generation_prompt,
                 chat_template=template, max_chars=tokenizing.max_text_chars(engine),
+                rewrite=media.text_expander(vision, tok) if sources else None,
                 **req.template_kwargs())
         try:
             ids = await tokenizing.run(encode)
@@ -428,7 +429,7 @@ def create_app(engine, settings: ServerSettings) -> Quart:
                 return ids
             images = await media.load_images(sources, settings.media_limits,
                                              state.image_processor(engine))
-            return media.expand_image_tokens(ids, images, vision.image_token_id)
+            return media.expand_image_tokens(ids, images, vision)
         except TextTooLong as e:
             raise tokenizing.too_long(engine, e, param) from None
         except (ValueError, TypeError, KeyError, UnicodeError, jinja2.TemplateError) as e:

@@ -15,6 +15,9 @@ The chat template renders each image part as the model's image placeholder (Qwen
 <|vision_start|><|image_pad|><|vision_end|>); tokenized, each placeholder token is then repeated
 to the image's token count, which is what transformers' processor does to the text before
 tokenizing (the placeholder is a special token, so its neighbours tokenize alike either way).
+Gemma 3's processor writes newlines around each image, which merge with their neighbours when
+tokenized, so its <start_of_image> is expanded in the rendered text instead, before tokenizing
+(text_expander; engine/vision/gemma3_config.py).
 """
 from __future__ import annotations
 
@@ -82,8 +85,31 @@ async def load_images(sources: list[tuple[str, str]], settings: MediaSettings, p
     return images
 
 
-def expand_image_tokens(ids: list[int], images: list, image_token_id: int) -> ImagePrompt:
-    """Each image token of the rendered prompt repeated to its image's token count."""
+def text_expander(vision, tok):
+    """For a model whose processor writes each image's tokens into the prompt text (Gemma 3:
+    vision.expands_in_text), the function that does so to the rendered template; else None."""
+    if not getattr(vision, "expands_in_text", False):
+        return None
+
+    def token_string(i):
+        return tok.convert_ids_to_tokens([i])[0]
+    placeholder, full = token_string(vision.boi_token_id), vision.image_text(token_string)
+    return lambda text: text.replace(placeholder, full)
+
+
+def expand_image_tokens(ids: list[int], images: list, vision) -> ImagePrompt:
+    """Each image token of the rendered prompt repeated to its image's token count (or, where
+    the text was expanded already, each image's run of tokens checked)."""
+    image_token_id = vision.image_token_id
+    if getattr(vision, "expands_in_text", False):
+        runs = sum(1 for i, t in enumerate(ids)
+                   if t == image_token_id and (i == 0 or ids[i - 1] != t))
+        if runs != len(images):
+            raise APIError(f"the chat template placed {runs} images for {len(images)}",
+                           param="messages", code="invalid_messages")
+        out = ImagePrompt(ids)
+        out.images = images
+        return out
     found = sum(1 for t in ids if t == image_token_id)
     if found != len(images):
         raise APIError(f"the chat template placed {found} image tokens for {len(images)} "
@@ -169,7 +195,7 @@ def _fetch(url: str, param: str, settings: MediaSettings) -> bytes:
 def _decode(data: bytes, param: str, settings: MediaSettings, processor):
     from PIL import Image, UnidentifiedImageError
 
-    from engine.vision.preprocess import preprocess_image
+    from engine.vision.processors import preprocess
     try:
         image = Image.open(io.BytesIO(data))
         w, h = image.size
@@ -185,7 +211,7 @@ def _decode(data: bytes, param: str, settings: MediaSettings, processor):
         raise APIError(f"the image could not be decoded: {e}", param=param,
                        code="invalid_image") from None
     try:
-        return preprocess_image(image, processor)
+        return preprocess(image, processor)
     except ValueError as e:       # an aspect ratio the processor refuses
         raise APIError(f"the image cannot be used: {e}", param=param,
                        code="invalid_image") from None

@@ -28,7 +28,7 @@ from engine.sampling.sampler import Sampler
 from engine.sampling.sampling_params import SamplingParams
 from engine.sampling.structured_outputs import StructuredOutputs
 from engine.spec.speculator import Speculator
-from engine.vision.budget import EncoderBudget
+from engine.vision.budget import EncoderBudget, check_whole_image_room
 
 log = logging.getLogger("taper.engine")
 
@@ -75,8 +75,13 @@ class LLMEngine:
         self.scheduler = Scheduler(self.config, self.block_pool, self.max_model_len,
                                    self.speculator)
         if self.runner.vision is not None:   # images: the encoder's work per step
+            # an image's most tokens where chunks must keep images whole (Gemma 3), else 0
+            whole = getattr(self.model, "whole_image_tokens", 0)
             self.scheduler.encoder_budget = EncoderBudget(self.config.max_num_batched_tokens,
-                                                          self.model.max_image_rows)
+                                                          self.model.max_image_rows, bool(whole))
+            if whole:
+                check_whole_image_room(whole, self.config.max_num_batched_tokens,
+                                       self.config.prefill_chunk_size)
         self.outputs = OutputProcessor(self.eos_token_ids, self.max_model_len)
         self.beams = BeamRequests(self)
         self.requests = RequestTable(self.scheduler, self.beams, self.outputs)   # unfinished

@@ -48,7 +48,8 @@ class ModelRunner:
         self.num_forward_calls = 0    # counted for tests and metrics
         self.num_forward_tokens = 0
         # a vision-language model's image rows and encoder (engine/vision/runner.py)
-        self.vision = (VisionRunner(model, backend)
+        # (a model may name its own runner class: Gemma 3's keeps plain positions)
+        self.vision = (getattr(model, "vision_runner", VisionRunner)(model, backend)
                        if getattr(model, "vision_encoder", None) is not None else None)
         self.peers = None             # rank 0 of a tensor-parallel group: a steps.StepSender
         self._block_copies: list[tuple[int, int]] = []   # for the peers, with the next step

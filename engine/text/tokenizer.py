@@ -182,7 +182,7 @@ class Tokenizer:
     def encode_chat(self, messages: list[dict], tools: list[dict] | None = None,
                     enable_thinking: bool | None = None, add_generation_prompt: bool = True,
                     chat_template: str | None = None, max_chars: int | None = None,
-                    **kwargs) -> list[int]:
+                    rewrite=None, **kwargs) -> list[int]:
         """Render and tokenize a conversation; TextTooLong, before tokenizing, when the rendered
         text has more than `max_chars` characters. Special-token strings in the client's text
         (messages, their names and tool calls, tools, template kwargs) tokenize as plain text;
@@ -197,14 +197,22 @@ class Tokenizer:
         One encode over the whole text keeps the template's split structure, so Metaspace
         `prepend_scheme="first"` (only the split at offset 0 gets the "▁" prefix) and per-split
         normalizers behave as in the fast path; only the client's text differs: it is no longer
-        cut at the special-token strings it contains."""
+        cut at the special-token strings it contains.
+
+        rewrite: a function applied to the rendered text before tokenizing (a vision model's
+        image placeholders expanded, server/media.py); the client's special-token strings are
+        escaped by then, so it changes only what the template wrote."""
         client = dict(messages=messages, tools=tools, enable_thinking=enable_thinking, **kwargs)
         render = dict(add_generation_prompt=add_generation_prompt, chat_template=chat_template)
         if self._special_re is None or not _has_match(self._special_re, client):
             text = self.apply_chat_template(**client, **render)
+            if rewrite is not None:
+                text = rewrite(text)
             return self.encode(text, add_special_tokens=False, max_chars=max_chars)
         guard = self.prepare_chat_guard()
         text = self.apply_chat_template(**_map_text(client, guard.escape), **render)
+        if rewrite is not None:
+            text = rewrite(text)
         # markers shorter than the strings they stand for undercount by a few characters: the
         # context check after tokenizing still catches such a text
         _check_length(text, max_chars)

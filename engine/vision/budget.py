@@ -10,14 +10,19 @@ would be passed:
   M-RoPE rows, engine/models/qwen2_5_vl.py).
 The encoder runs once per image, in the step whose chunk first reaches the image (its tokens
 may span several chunks: engine/vision/encoder_cache.py keeps its output meanwhile).
+With whole_images (Gemma 3, whose image tokens attend to each other: engine/vision/
+gemma3_attention.py) a chunk never ends inside an image: it stops before the image, or waits
+for a step with room for the image's remaining tokens.
 """
 from __future__ import annotations
 
 
 class EncoderBudget:
-    def __init__(self, max_encoder_tokens: int, max_image_rows: int):
+    def __init__(self, max_encoder_tokens: int, max_image_rows: int,
+                 whole_images: bool = False):
         self.max_encoder_tokens = max_encoder_tokens
         self.max_image_rows = max_image_rows
+        self.whole_images = whole_images
         self.encoder_tokens = 0     # this step's
         self.image_rows = 0
         self.num_cut = 0            # chunks cut short by either limit (tests, metrics)
@@ -32,6 +37,9 @@ class EncoderBudget:
         for i in mm.overlapping(start, end):
             im = mm.images[i]
             first = max(start, im.offset)
+            if self.whole_images and end < im.end:
+                end = im.offset if im.offset > start else start
+                break
             if i not in mm.budgeted:
                 if self.encoder_tokens and (self.encoder_tokens + im.num_tokens
                                             > self.max_encoder_tokens):
@@ -54,3 +62,13 @@ class EncoderBudget:
         for seq, a, n in zip(out.seqs, out.num_computed, out.num_new_tokens):
             if seq.mm is not None:
                 seq.mm.budgeted.update(seq.mm.overlapping(a, a + n))
+
+
+def check_whole_image_room(image_tokens: int, max_num_batched_tokens: int,
+                           prefill_chunk_size: int) -> None:
+    """A whole_images model's image must fit in one step's chunk, or its prompt never runs."""
+    room = min(max_num_batched_tokens, prefill_chunk_size or max_num_batched_tokens)
+    if image_tokens > room:
+        raise ValueError(f"an image is {image_tokens} tokens, which must be computed in one "
+                         f"step (their attention is bidirectional); a step takes {room} "
+                         "(--max-num-batched-tokens / --prefill-chunk-size)")

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 # Vision-language architecture -> the causal LM whose config rules its language model follows.
 VISION_ARCHITECTURES = {"Qwen2_5_VLForConditionalGeneration": "Qwen2ForCausalLM",
                         "Qwen3VLForConditionalGeneration": "Qwen3ForCausalLM",
-                        "Qwen3VLMoeForConditionalGeneration": "Qwen3MoeForCausalLM"}
+                        "Qwen3VLMoeForConditionalGeneration": "Qwen3MoeForCausalLM",
+                        "Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
 # Qwen3-VL: a ViT with learned position embeddings and DeepStack features, interleaved M-RoPE
 QWEN3_VL = ("Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration")
 # Language-model settings fixed by a family's modeling code rather than read from its config.
@@ -67,6 +68,9 @@ class VisionConfig:
 def text_config_of(arch: str, cfg: dict) -> dict:
     """The language model's config.json keys, as its causal LM's checkpoint would hold them."""
     text = dict(cfg.get("text_config") or {k: v for k, v in cfg.items() if k != "vision_config"})
+    if arch == "Gemma3ForConditionalGeneration":     # the hub's files rely on these defaults
+        from engine.vision.gemma3_config import TEXT_DEFAULTS
+        text = {**TEXT_DEFAULTS, **text}
     for key in ("tie_word_embeddings", "dtype", "torch_dtype"):   # kept at the top level
         if key in cfg and key != "text_config":
             text.setdefault(key, cfg[key])
@@ -84,6 +88,9 @@ def text_config_of(arch: str, cfg: dict) -> dict:
 
 
 def parse_vision_config(arch: str, cfg: dict, head_dim: int) -> VisionConfig:
+    if arch == "Gemma3ForConditionalGeneration":     # a SigLIP tower: settings of its own
+        from engine.vision.gemma3_config import parse_gemma3_vision_config
+        return parse_gemma3_vision_config(arch, cfg)
     v = cfg.get("vision_config")
     if not isinstance(v, dict):
         raise ValueError(f"{arch}: config.json has no vision_config")

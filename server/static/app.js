@@ -1,5 +1,6 @@
 // The chat page: conversations kept in localStorage, settings, the server's status, and one
-// streamed answer at a time with a stop button.
+// streamed answer at a time with a stop button. Images picked with the Image button go with the
+// next message as image_url parts (data URLs), for a vision model.
 import { renderInline, renderMarkdown } from "./markdown.js";
 import { ApiError, apiFetch, splitThink, streamChat } from "./stream.js";
 
@@ -22,6 +23,7 @@ const state = {
               ...load(STORE.settings, {}) },
   apiKey: localStorage.getItem(STORE.apiKey) || "",
   running: null,          // {controller, reply} while an answer streams
+  attachments: [],        // {name, url: a data URL} picked for the next message
   modelNotices: new Map(), // model id -> the one line the server gives about it (the demo's)
   nodes: new WeakMap(),   // message -> its DOM parts
   health: null,
@@ -33,8 +35,13 @@ for (const conv of state.conversations) {
 }
 
 function save() {
-  localStorage.setItem(STORE.conversations, JSON.stringify(state.conversations));
-  localStorage.setItem(STORE.current, JSON.stringify(state.currentId));
+  try {
+    localStorage.setItem(STORE.conversations, JSON.stringify(state.conversations));
+    localStorage.setItem(STORE.current, JSON.stringify(state.currentId));
+  } catch (e) {      // images make conversations large: the browser's quota may be reached
+    notify(`This conversation could not be stored in the browser (${e.name}); delete older ` +
+           "conversations to make room");
+  }
 }
 
 function el(tag, className, text) {
@@ -141,6 +148,7 @@ function updateMessage(msg) {
   if (!parts) return;
   if (msg.role === "user") {
     parts.body.textContent = msg.content;
+    if (msg.images?.length) parts.body.prepend(imageStrip(msg.images));
     return;
   }
   const split = splitThink(msg.content);
@@ -158,6 +166,24 @@ function updateMessage(msg) {
   if (streaming && !split.answer && !thinking) parts.body.append(el("span", "typing", "\u2026"));
   parts.node.classList.toggle("streaming", streaming);
   parts.meta.replaceChildren(...metaText(msg));
+}
+
+function imageStrip(images, onRemove) {
+  const strip = el("div", "images");
+  images.forEach((image, i) => {
+    const figure = strip.appendChild(el("figure", "image"));
+    const img = figure.appendChild(el("img"));
+    img.src = image.url;
+    img.alt = image.name;
+    img.title = image.name;
+    if (onRemove) {
+      const remove = figure.appendChild(el("button", "remove", "\u00d7"));
+      remove.type = "button";
+      remove.setAttribute("aria-label", `Remove ${image.name}`);
+      remove.addEventListener("click", () => onRemove(i));
+    }
+  });
+  return strip;
 }
 
 function metaText(msg) {
@@ -209,7 +235,7 @@ function requestFor(conv) {
     // question whose answer failed is left out with it, so the roles still alternate
     const answer = (msg) => splitThink(msg.content).answer;
     if (m.role === "assistant" ? answer(m) : !(past[i + 1] && !answer(past[i + 1]))) {
-      messages.push({ role: m.role, content: m.role === "assistant" ? answer(m) : m.content });
+      messages.push({ role: m.role, content: m.role === "assistant" ? answer(m) : userContent(m) });
     }
   });
   const request = { messages };
@@ -222,11 +248,61 @@ function requestFor(conv) {
   return request;
 }
 
+// A user message's content: its text, or its images' image_url parts then the text.
+function userContent(msg) {
+  if (!msg.images?.length) return msg.content;
+  const parts = msg.images.map((image) => ({ type: "image_url", image_url: { url: image.url } }));
+  if (msg.content.trim()) parts.push({ type: "text", text: msg.content });
+  return parts;
+}
+
+function renderAttachments() {
+  const box = $("attachments");
+  box.replaceChildren();
+  box.hidden = !state.attachments.length;
+  if (state.attachments.length) {
+    box.append(imageStrip(state.attachments, (i) => {
+      state.attachments.splice(i, 1);
+      renderAttachments();
+    }));
+  }
+}
+
+function readAsDataURL(file) {
+  return new Promise((resolve, reject) => {
+    const reader = new FileReader();
+    reader.onload = () => resolve(reader.result);
+    reader.onerror = () => reject(reader.error);
+    reader.readAsDataURL(file);
+  });
+}
+
+async function attach(files) {
+  for (const file of files) {
+    if (!file.type.startsWith("image/")) {
+      notify(`${file.name} is not an image`);
+      continue;
+    }
+    try {
+      state.attachments.push({ name: file.name, url: await readAsDataURL(file) });
+    } catch (e) {
+      notify(`${file.name} could not be read: ${e.message}`);
+    }
+  }
+  renderAttachments();
+}
+
 async function send(text) {
-  if (state.running || !text.trim()) return;
+  const images = state.attachments;
+  if (state.running || (!text.trim() && !images.length)) return;
   const conv = current() ?? newConversation();
-  if (!conv.messages.length) conv.title = text.trim().split("\n")[0].slice(0, 60);
-  conv.messages.push({ role: "user", content: text });
+  if (!conv.messages.length) {
+    conv.title = (text.trim().split("\n")[0] || images[0].name).slice(0, 60);
+  }
+  conv.messages.push(images.length ? { role: "user", content: text, images }
+                                   : { role: "user", content: text });
+  state.attachments = [];
+  renderAttachments();
   const request = requestFor(conv);
   const reply = { role: "assistant", content: "", reasoning: "", status: "streaming" };
   conv.messages.push(reply);
@@ -393,7 +469,7 @@ function start() {
   $("composer").addEventListener("submit", (e) => {
     e.preventDefault();
     const prompt = $("prompt");
-    if (state.running || !prompt.value.trim()) return;
+    if (state.running || (!prompt.value.trim() && !state.attachments.length)) return;
     const text = prompt.value;
     prompt.value = "";
     send(text);
@@ -405,6 +481,11 @@ function start() {
     }
   });
   $("stop").addEventListener("click", () => state.running?.controller.abort());
+  $("attach").addEventListener("click", () => $("image-file").click());
+  $("image-file").addEventListener("change", async (e) => {
+    await attach([...e.target.files]);
+    e.target.value = "";         // the same file can be picked again
+  });
   $("toggle-settings").addEventListener("click", () =>
     openSettings(!document.body.classList.contains("settings-open")));
   $("close-settings").addEventListener("click", () => openSettings(false));
