@@ -92,7 +92,7 @@ def expand_image_tokens(ids: list[int], images: list, image_token_id: int) -> Im
     it = iter(images)
     for t in ids:
         if t == image_token_id:
-            out.extend([t] * next(it).num_tokens)
+            out.extend(next(it).prompt_tokens(t))
         else:
             out.append(t)
     out.images = images
@@ -169,7 +169,7 @@ def _fetch(url: str, param: str, settings: MediaSettings) -> bytes:
 def _decode(data: bytes, param: str, settings: MediaSettings, processor):
     from PIL import Image, UnidentifiedImageError
 
-    from engine.vision.preprocess import preprocess_image
+    from engine.vision.families import preprocess
     try:
         image = Image.open(io.BytesIO(data))
         w, h = image.size
@@ -185,7 +185,7 @@ def _decode(data: bytes, param: str, settings: MediaSettings, processor):
         raise APIError(f"the image could not be decoded: {e}", param=param,
                        code="invalid_image") from None
     try:
-        return preprocess_image(image, processor)
+        return preprocess(image, processor)
     except ValueError as e:       # an aspect ratio the processor refuses
         raise APIError(f"the image cannot be used: {e}", param=param,
                        code="invalid_image") from None

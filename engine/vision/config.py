@@ -12,7 +12,8 @@ import os
 from dataclasses import dataclass
 
 # Vision-language architecture -> the causal LM whose config rules its language model follows.
-VISION_ARCHITECTURES = {"Qwen2_5_VLForConditionalGeneration": "Qwen2ForCausalLM"}
+VISION_ARCHITECTURES = {"Qwen2_5_VLForConditionalGeneration": "Qwen2ForCausalLM",
+                        "Mistral3ForConditionalGeneration": "MistralForCausalLM"}
 
 # OpenAI CLIP's mean and std: the Qwen2-VL image processor's defaults.
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -69,6 +70,9 @@ def text_config_of(arch: str, cfg: dict) -> dict:
 
 
 def parse_vision_config(arch: str, cfg: dict, head_dim: int) -> VisionConfig:
+    if arch == "Mistral3ForConditionalGeneration":     # Pixtral's tower, plain RoPE
+        from engine.vision.pixtral_config import parse_pixtral_config
+        return parse_pixtral_config(arch, cfg)
     v = cfg.get("vision_config")
     if not isinstance(v, dict):
         raise ValueError(f"{arch}: config.json has no vision_config")

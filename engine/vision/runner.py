@@ -22,7 +22,7 @@ DEFAULT_CACHE_BYTES = 512 * 2**20
 @dataclass(slots=True)
 class VisionBatch:
     rows: np.ndarray              # (K,) int32: the batch rows of image tokens
-    triples: np.ndarray           # (K, 3) int32: their temporal/height/width positions
+    triples: np.ndarray | None    # (K, 3) int32: their temporal/height/width positions (M-RoPE)
     runs: list = field(default_factory=list)   # (PlacedImage, first, end) per run, row order
     embeds: object = None         # (K, hidden) f32 on the backend, set by encode()
 
@@ -54,8 +54,12 @@ class VisionRunner:
                 runs += [(mm.images[i], s, e) for i, s, e in img_runs]
         if rows:
             rows = np.concatenate(rows).astype(np.int32)
-            positions[rows] = self.model.rope_rows + np.arange(len(rows), dtype=np.int32)
-            batch.vision = VisionBatch(rows, np.concatenate(triples).astype(np.int32), runs)
+            if triples[0] is None:      # plain RoPE (Mistral 3): image rows keep their positions
+                triples = None
+            else:
+                positions[rows] = self.model.rope_rows + np.arange(len(rows), dtype=np.int32)
+                triples = np.concatenate(triples).astype(np.int32)
+            batch.vision = VisionBatch(rows, triples, runs)
         batch.positions = positions
 
     def encode(self, batch) -> None:

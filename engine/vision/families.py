@@ -1,0 +1,32 @@
+"""Each vision-language family's image processor and prompt layout, chosen by its vision config:
+Qwen2.5-VL's (engine/vision/preprocess.py, inputs.py: M-RoPE) or Mistral 3's Pixtral
+(pixtral_preprocess.py, pixtral_inputs.py: plain RoPE, rows of image tokens with breaks)."""
+from __future__ import annotations
+
+from engine.vision.config import ImageProcessorConfig
+from engine.vision.inputs import MultimodalPrompt
+from engine.vision.pixtral_config import PixtralProcessorConfig, PixtralVisionConfig
+from engine.vision.pixtral_inputs import PixtralPrompt
+from engine.vision.pixtral_preprocess import preprocess_pixtral
+from engine.vision.preprocess import preprocess_image
+
+
+def image_processor(model_dir: str, vision):
+    """The checkpoint's image processor settings."""
+    if isinstance(vision, PixtralVisionConfig):
+        return PixtralProcessorConfig.from_pretrained(model_dir, vision)
+    return ImageProcessorConfig.from_pretrained(model_dir, vision)
+
+
+def preprocess(image, processor):
+    """A decoded PIL image -> the family's ProcessedImage."""
+    if isinstance(processor, PixtralProcessorConfig):
+        return preprocess_pixtral(image, processor)
+    return preprocess_image(image, processor)
+
+
+def place_images(prompt_ids: list[int], images: list, vision) -> MultimodalPrompt:
+    """The images placed at the prompt's runs of image tokens; ValueError when they differ."""
+    if isinstance(vision, PixtralVisionConfig):
+        return PixtralPrompt.place(prompt_ids, images, vision)
+    return MultimodalPrompt.place(prompt_ids, images, vision)
