@@ -243,3 +243,35 @@ def test_cuda_refuses_the_vision_model(ckpt):
     with pytest.raises(ValueError, match="no gelu and encoder_attention ops"):
         Mistral3ForConditionalGeneration(ModelConfig.from_pretrained(ckpt),
                                          load_safetensors(ckpt, progress=False), Cuda())
+
+
+# ---- through the server
+
+def test_server_matches_hf_generate(ckpt, hf, tmp_path):
+    """A live `python -m server` with the official openai client: one image and two images as
+    data URLs give transformers' greedy text for the prompt PixtralProcessor builds, and count
+    every token of the images' runs in the prompt."""
+    import base64
+
+    from server_fakes import LiveServer, client_for
+    from vision_checkpoint import png_bytes
+    server = LiveServer(tmp_path, ckpt, "--mem", "16", "--served-model-name", "m3")
+    try:
+        client = client_for(server.port)
+        for name, (parts, sizes) in CASES.items():
+            images = [sample_image(*s, seed=i + 5) for i, s in enumerate(sizes)]
+            ids = hf_prompt(hf, parts, images)
+            tokens, trusted = hf_generate(hf, ids, images, n=GEN)
+            assert trusted == GEN, f"{name}: reference near-tie at token {trusted}"
+            it = iter(images)
+            content = [{"type": "image_url", "image_url": {
+                "url": "data:image/png;base64," + base64.b64encode(png_bytes(next(it))).decode()}}
+                if p is None else {"type": "text", "text": p} for p in parts]
+            out = client.chat.completions.create(
+                model="m3", messages=[{"role": "user", "content": content}], max_tokens=GEN,
+                temperature=0, extra_body={"ignore_eos": True})
+            assert out.choices[0].message.content == hf[2].decode(
+                tokens, skip_special_tokens=True), name
+            assert out.usage.prompt_tokens == len(ids), name
+    finally:
+        server.close()
