@@ -155,6 +155,37 @@ def test_encoder_matches_hf(ckpt, hf, processor):
         assert not got[~is_image].any()
 
 
+
+def test_processor_config_layouts_and_errors(ckpt, processor, tmp_path):
+    """transformers 5 saves the image processor's keys inside processor_config.json
+    ("image_processor"); older saves beside it in preprocessor_config.json: both are read. A
+    tokenizer without the break token, or a patch size unlike the tower's, is refused by name."""
+    import json
+    import shutil
+
+    from engine.models.model_config import ModelConfig
+    vision = ModelConfig.from_pretrained(ckpt).vision
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(f"{ckpt}/{name}", tmp_path / name)
+    with open(f"{ckpt}/processor_config.json") as f:
+        proc = json.load(f)
+    with open(f"{ckpt}/preprocessor_config.json") as f:
+        image = json.load(f)
+    nested = tmp_path / "processor_config.json"
+    nested.write_text(json.dumps({**proc, "image_processor": {**image, "size": {
+        "longest_edge": 24}}}))
+    read = image_processor(str(tmp_path), vision)
+    assert read.longest_edge == 24 and processor.longest_edge == 48
+    assert (read.image_token_id, read.image_break_token_id, read.image_end_token_id) == (
+        processor.image_token_id, processor.image_break_token_id, processor.image_end_token_id)
+    nested.write_text(json.dumps({**proc, "image_break_token": "[ROW]"}))
+    with pytest.raises(ValueError, match=r"the tokenizer has no \[ROW\] token"):
+        image_processor(str(tmp_path), vision)
+    nested.write_text(json.dumps({**proc, "patch_size": 8}))
+    with pytest.raises(ValueError, match="patch 8 / merge 2 differ from config.json's"):
+        image_processor(str(tmp_path), vision)
+
+
 # ---- generation against transformers
 
 CASES = {
