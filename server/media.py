@@ -12,9 +12,11 @@ more images than --max-images-per-request, bytes over --max-image-mb or pixels o
 --max-image-pixels, a URL that is not allowed or fails, bytes Pillow cannot decode.
 
 The chat template renders each image part as the model's image placeholder (Qwen2-VL:
-<|vision_start|><|image_pad|><|vision_end|>); tokenized, each placeholder token is then repeated
-to the image's token count, which is what transformers' processor does to the text before
-tokenizing (the placeholder is a special token, so its neighbours tokenize alike either way).
+<|vision_start|><|image_pad|><|vision_end|>, Mistral 3: [IMG]); tokenized, each placeholder token
+is then replaced by the image's run (Qwen2-VL: the placeholder repeated to the image's token
+count; Pixtral: rows of [IMG] each ended by [IMG_BREAK], the last by [IMG_END]), which is what
+transformers' processor does to the text before tokenizing (the placeholder is a special token,
+so its neighbours tokenize alike either way).
 """
 from __future__ import annotations
 
@@ -83,7 +85,7 @@ async def load_images(sources: list[tuple[str, str]], settings: MediaSettings, p
 
 
 def expand_image_tokens(ids: list[int], images: list, image_token_id: int) -> ImagePrompt:
-    """Each image token of the rendered prompt repeated to its image's token count."""
+    """Each image token of the rendered prompt replaced by its image's run of tokens."""
     found = sum(1 for t in ids if t == image_token_id)
     if found != len(images):
         raise APIError(f"the chat template placed {found} image tokens for {len(images)} "

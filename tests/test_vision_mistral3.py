@@ -27,7 +27,8 @@ def ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def hf(ckpt):
-    from transformers import AutoTokenizer, Mistral3ForConditionalGeneration, PixtralImageProcessorPil
+    from transformers import (AutoTokenizer, Mistral3ForConditionalGeneration,
+                              PixtralImageProcessorPil)
     model = Mistral3ForConditionalGeneration.from_pretrained(ckpt, dtype=torch.float32).eval()
     return (model, PixtralImageProcessorPil.from_pretrained(ckpt),
             AutoTokenizer.from_pretrained(ckpt))

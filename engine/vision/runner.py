@@ -3,7 +3,9 @@
 prepare (with the batch arrays, on the engine thread): the rows' positions become M-RoPE
 positions (engine/vision/inputs.py): a text row's one position, which the model's RoPE cache
 holds; an image row gets a row past that cache's positions, which the model fills for this
-step with the cos/sin of its (t, h, w) positions (engine/models/qwen2_5_vl.py). The image rows
+step with the cos/sin of its (t, h, w) positions (engine/models/qwen2_5_vl.py). A plain-RoPE
+family's prompt (engine/vision/pixtral_inputs.py) gives no (t, h, w) positions: its image rows
+keep their own. The image rows
 and the image runs whose embeddings they take go with the batch (VisionBatch).
 encode (on the forward thread, before the forward): each image run's encoder output, from the
 encoder cache or computed there once per image, gathered into the rows' embeddings.
