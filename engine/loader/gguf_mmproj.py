@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.loader.gguf import _tensor, open_reader, read_metadata
+from engine.loader.gguf import _FLOAT_TYPES, _tensor, open_reader, read_metadata
 from engine.loader.safetensors import resolve_dtype
 
 ARCHITECTURE = "Qwen2_5_VLForConditionalGeneration"
@@ -72,6 +72,9 @@ def read_mmproj(path: str, dtype: str = "auto") -> tuple[dict, dict]:
     tensors = {t.name: t for t in reader.tensors}
     weights = {}
     for name, t in tensors.items():
+        if t.tensor_type not in _FLOAT_TYPES:
+            raise ValueError(f"{path}: tensor {name} is {t.tensor_type.name}; Taper reads "
+                             "F32, F16 and BF16 projector files")
         if name.startswith("v.patch_embd.weight"):
             continue
         weights[_hf_name(path, name)] = np.asarray(_tensor(path, t, want))

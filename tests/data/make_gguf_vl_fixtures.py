@@ -86,7 +86,8 @@ def reference(ckpt: str, vc) -> dict:
                 trusted = i
                 break
         out[name] = dict(parts=parts, images=specs, prompt_ids=ids, tokens=tokens,
-                         trusted=trusted, logprobs=logprobs, text=tok.decode(tokens, skip_special_tokens=True))
+                         trusted=trusted, logprobs=logprobs,
+                         text=tok.decode(tokens, skip_special_tokens=True))
     return out
 
 
