@@ -91,6 +91,21 @@ def reference(ckpt: str, vc) -> dict:
     return out
 
 
+def check_projector(ckpt: str, mmproj: str) -> None:
+    """Taper's reading of the projector file holds the source's tower tensor for tensor (the
+    order of the patch embedding's temporal halves, which still images cannot tell apart)."""
+    import numpy as np
+    from safetensors import safe_open
+
+    from engine.loader.gguf_mmproj import read_mmproj
+    _, weights = read_mmproj(mmproj)
+    with safe_open(os.path.join(ckpt, "model.safetensors"), "np") as f:
+        source = {k: f.get_tensor(k) for k in f.keys() if k.startswith("visual.")}
+    assert sorted(weights) == sorted(source), set(weights) ^ set(source)
+    for name, w in source.items():
+        assert np.array_equal(weights[name], w), name
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--llama-cpp", required=True, help="llama.cpp's source tree")
@@ -113,6 +128,7 @@ def main():
             subprocess.run([sys.executable, "-c", code, "--outtype", "f32", "--outfile",
                             os.path.join(OUT_DIR, name), *extra, ckpt], check=True, env=env,
                            cwd=args.llama_cpp)
+        check_projector(ckpt, os.path.join(OUT_DIR, MMPROJ_GGUF))
         source = os.path.join(OUT_DIR, "qwen25vl-source")
         os.makedirs(source, exist_ok=True)
         for name in ("config.json", "tokenizer.json", "tokenizer_config.json",
