@@ -13,6 +13,7 @@ from pyx.kernel_config import KernelConfig
 class EngineConfig:
     model: str                           # a local directory or a Hugging Face hub id
     weight_file: str | None = None       # a GGUF file: a path, or a name in `model` (dir or hub)
+    mmproj: str | None = None            # llama.cpp's vision projector beside a GGUF weight_file
     dtype: str = "auto"                  # auto (the checkpoint's) | f32 | bf16 | f16
     backend: str = "auto"                # auto (CUDA where a device is visible) | cpu | cuda
     device: int = 0                      # the CUDA device index

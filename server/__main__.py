@@ -128,6 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "~/.cache/taper; the random one, with a warning, where it cannot be)")
     m.add_argument("--weight-file", "--f", dest="weight_file", metavar="FILE",
                    help="a GGUF model file: a path, or a file name in --w DIR or --m REPO")
+    m.add_argument("--mmproj", metavar="FILE",
+                   help="llama.cpp's vision projector GGUF (convert_hf_to_gguf.py --mmproj) "
+                        "beside a --weight-file: images in (Qwen2.5-VL)")
     m.add_argument("--dtype", default="auto", choices=["auto", "f32", "bf16", "f16", "float32",
                                                        "bfloat16", "float16"],
                    help="weight/activation dtype (default: the checkpoint's)")
@@ -374,7 +377,8 @@ def engine_config(args):
     if len(devices) == 1:      # the first of the ranks' devices: device, device + 1, ...
         devices = ()
     return EngineConfig(
-        model=model, weight_file=args.weight_file, dtype=args.dtype, backend=backend,
+        model=model, weight_file=args.weight_file, mmproj=args.mmproj, dtype=args.dtype,
+        backend=backend,
         device=args.device_ids[0] if args.device_ids else 0,
         tensor_parallel_size=tensor_parallel, device_ids=devices,
         cuda_graph=not args.disable_cuda_graph,

@@ -158,9 +158,9 @@ class ServerState:
     def image_processor(self, engine):
         """The model's image processor settings (preprocessor_config.json), read once."""
         if getattr(self, "_image_processor", None) is None:
-            from engine.vision.processors import load_image_processor
-            self._image_processor = load_image_processor(engine.engine.model_dir,
-                                                         engine.model_config.vision)
+            from engine.vision.families import image_processor
+            self._image_processor = image_processor(engine.engine.model_dir,
+                                                    engine.model_config.vision)
         return self._image_processor
 
     def ready_engine(self):

@@ -12,12 +12,13 @@ more images than --max-images-per-request, bytes over --max-image-mb or pixels o
 --max-image-pixels, a URL that is not allowed or fails, bytes Pillow cannot decode.
 
 The chat template renders each image part as the model's image placeholder (Qwen2-VL:
-<|vision_start|><|image_pad|><|vision_end|>); tokenized, each placeholder token is then repeated
-to the image's token count, which is what transformers' processor does to the text before
-tokenizing (the placeholder is a special token, so its neighbours tokenize alike either way).
-Gemma 3's processor writes newlines around each image, which merge with their neighbours when
-tokenized, so its <start_of_image> is expanded in the rendered text instead, before tokenizing
-(text_expander; engine/vision/gemma3_config.py).
+<|vision_start|><|image_pad|><|vision_end|>, Mistral 3: [IMG]); tokenized, each placeholder token
+is then replaced by the image's run (Qwen2-VL: the placeholder repeated to the image's token
+count; Pixtral: rows of [IMG] each ended by [IMG_BREAK], the last by [IMG_END]), which is what
+transformers' processor does to the text before tokenizing (the placeholder is a special token,
+so its neighbours tokenize alike either way). Gemma 3's processor writes newlines around each
+image, which merge with their neighbours when tokenized, so its <start_of_image> is expanded in
+the rendered text instead, before tokenizing (text_expander; engine/vision/gemma3_config.py).
 """
 from __future__ import annotations
 
@@ -98,7 +99,7 @@ def text_expander(vision, tok):
 
 
 def expand_image_tokens(ids: list[int], images: list, vision) -> ImagePrompt:
-    """Each image token of the rendered prompt repeated to its image's token count (or, where
+    """Each image token of the rendered prompt replaced by its image's run of tokens (or, where
     the text was expanded already, each image's run of tokens checked)."""
     image_token_id = vision.image_token_id
     if getattr(vision, "expands_in_text", False):
@@ -118,7 +119,7 @@ def expand_image_tokens(ids: list[int], images: list, vision) -> ImagePrompt:
     it = iter(images)
     for t in ids:
         if t == image_token_id:
-            out.extend([t] * next(it).num_tokens)
+            out.extend(next(it).prompt_tokens(t))
         else:
             out.append(t)
     out.images = images
@@ -195,7 +196,7 @@ def _fetch(url: str, param: str, settings: MediaSettings) -> bytes:
 def _decode(data: bytes, param: str, settings: MediaSettings, processor):
     from PIL import Image, UnidentifiedImageError
 
-    from engine.vision.processors import preprocess
+    from engine.vision.families import preprocess
     try:
         image = Image.open(io.BytesIO(data))
         w, h = image.size

@@ -48,8 +48,8 @@ def vision(ckpt):
 
 @pytest.fixture(scope="module")
 def processor(ckpt, vision):
-    from engine.vision.processors import load_image_processor
-    return load_image_processor(ckpt, vision)
+    from engine.vision.families import image_processor
+    return image_processor(ckpt, vision)
 
 
 def make_engine(ckpt, **kw):
@@ -124,14 +124,14 @@ def test_pixels_equal_hf_processor(hf, processor, size, mode):
 def test_processor_refuses_pan_and_scan(ckpt, vision, tmp_path):
     import json
     import shutil
-    from engine.vision.processors import load_image_processor
+    from engine.vision.families import image_processor
     with open(f"{ckpt}/processor_config.json") as f:
         cfg = json.load(f)["image_processor"]
     shutil.copy(f"{ckpt}/config.json", tmp_path)
     with open(tmp_path / "preprocessor_config.json", "w") as f:
         json.dump({**cfg, "do_pan_and_scan": True}, f)
     with pytest.raises(ValueError, match="do_pan_and_scan is on"):
-        load_image_processor(str(tmp_path), vision)
+        image_processor(str(tmp_path), vision)
 
 
 def test_encoder_matches_hf(ckpt, hf, processor, vision):

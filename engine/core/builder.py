@@ -288,9 +288,13 @@ def _load(config: EngineConfig, backend, tensor_parallel=None):
     tensor_parallel: (rank, size, communicator), the rank's share of it."""
     load_args = dict(dtype=config.dtype, yarn_scaling_factor=config.yarn_scaling_factor,
                      isq=config.isq, tensor_parallel=tensor_parallel)
+    if config.mmproj and not config.weight_file:
+        raise ValueError("--mmproj goes with a GGUF --weight-file (the text model it projects "
+                         "into)")
     if config.weight_file:
         path = resolve_gguf(config.model, config.weight_file)
-        model, model_config, tokenizer = load_gguf_model(path, backend, **load_args)
+        model, model_config, tokenizer = load_gguf_model(path, backend, mmproj=config.mmproj,
+                                                         **load_args)
         return model, model_config, os.path.dirname(os.path.abspath(path)), tokenizer, None
     model_dir = resolve_model(config.model)
     pooling_config = read_pooling_config(model_dir)

@@ -22,6 +22,7 @@ from engine.sampling.reasoning_budget import ReasoningBudget
 from engine.sampling.sampling_params import SamplingParams
 from engine.sampling.structured_outputs import GrammarCompiler, StructuredOutputs
 from engine.text.detokenizer import IncrementalDetokenizer
+from engine.vision.families import place_images
 from engine.vision.inputs import MultimodalPrompt
 
 
@@ -214,7 +215,7 @@ class Admission:
         if vision is None:
             raise ValueError(f"this model ({self.model_config.architecture}) is text-only: it "
                              "takes no images")
-        return MultimodalPrompt.place(prompt_token_ids, images, vision)
+        return place_images(prompt_token_ids, images, vision)
 
     def _lora(self, name: str | None):
         """The loaded adapter called `name` (None: the base model); ValueError naming it when

@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 import os
 
-from engine.loader.gguf import read_gguf
+from engine.loader.gguf import open_reader, read_gguf, read_metadata
+from engine.loader.gguf_mmproj import join_vision, read_mmproj
 from engine.loader.isq import quantize_weights
 from engine.loader.quant_formats import convert_quantized
 from engine.loader.safetensors import add_model_prefix, load_safetensors
@@ -28,7 +29,8 @@ def load_model(model_dir: str, backend, dtype: str = "auto",
     weights = load_safetensors(model_dir, dtype=dtype, progress=progress,
                                quantized=bool(model_config.quantization_config),
                                shard=plan and plan.shard)
-    # (a vision-language checkpoint may name no tensor model.*: the hub's Gemma 3 files)
+    # (a vision-language model's classes read their checkpoints' own layouts, which may name no
+    # tensor model.*: the hub's Gemma 3 files, Mistral 3's language_model.model.*)
     if model_config.vision is None and not any(name.startswith("model.") for name in weights):
         # The headless layout (LlamaModel.save_pretrained, and some embedding models that keep a
         # *ForCausalLM config over it): without an lm_head, an untied one cannot generate.
@@ -47,13 +49,18 @@ def load_model(model_dir: str, backend, dtype: str = "auto",
 
 def load_gguf_model(path: str, backend, dtype: str = "auto",
                     yarn_scaling_factor: float | None = None, progress: bool = True,
-                    isq: str | None = None, tensor_parallel=None):
+                    isq: str | None = None, tensor_parallel=None, mmproj: str | None = None):
     """(model, model_config, tokenizer or None) for a GGUF file (its first shard if split);
-    tensor_parallel as load_model's."""
+    tensor_parallel as load_model's; mmproj: llama.cpp's vision projector file, whose tower
+    joins the text model (engine/loader/gguf_mmproj.py)."""
     ckpt = read_gguf(path, dtype=dtype, progress=progress)
-    model_config = ModelConfig.from_dict(ckpt.config, yarn_scaling_factor=yarn_scaling_factor)
+    config, weights = ckpt.config, ckpt.weights
+    if mmproj is not None:
+        vision, vision_weights = read_mmproj(mmproj, dtype)
+        config = join_vision(config, read_metadata(open_reader(path)), vision, path)
+        weights.update(vision_weights)
+    model_config = ModelConfig.from_dict(config, yarn_scaling_factor=yarn_scaling_factor)
     plan = _plan(model_config, tensor_parallel)
-    weights = ckpt.weights
     if plan is not None:        # the tensors are memory-mapped: cut before they are read
         shapes = {n: w.shape for n, w in weights.items()}
         weights = {n: plan.shard(n, w, shapes) for n, w in weights.items()}

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 VISION_ARCHITECTURES = {"Qwen2_5_VLForConditionalGeneration": "Qwen2ForCausalLM",
                         "Qwen3VLForConditionalGeneration": "Qwen3ForCausalLM",
                         "Qwen3VLMoeForConditionalGeneration": "Qwen3MoeForCausalLM",
-                        "Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
+                        "Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",
+                        "Mistral3ForConditionalGeneration": "MistralForCausalLM"}
 # Qwen3-VL: a ViT with learned position embeddings and DeepStack features, interleaved M-RoPE
 QWEN3_VL = ("Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration")
 # Language-model settings fixed by a family's modeling code rather than read from its config.
@@ -91,6 +92,9 @@ def parse_vision_config(arch: str, cfg: dict, head_dim: int) -> VisionConfig:
     if arch == "Gemma3ForConditionalGeneration":     # a SigLIP tower: settings of its own
         from engine.vision.gemma3_config import parse_gemma3_vision_config
         return parse_gemma3_vision_config(arch, cfg)
+    if arch == "Mistral3ForConditionalGeneration":     # Pixtral's tower, plain RoPE
+        from engine.vision.pixtral_config import parse_pixtral_config
+        return parse_pixtral_config(arch, cfg)
     v = cfg.get("vision_config")
     if not isinstance(v, dict):
         raise ValueError(f"{arch}: config.json has no vision_config")

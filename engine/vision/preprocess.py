@@ -25,6 +25,10 @@ class ProcessedImage:
     content_hash: int             # 64 bits of BLAKE2b over the RGB pixels and their size
     size: tuple[int, int]         # (width, height) as decoded
 
+    def prompt_tokens(self, image_token_id: int) -> list[int]:
+        """Its run in the prompt, which replaces the chat template's one image token."""
+        return [image_token_id] * self.num_tokens
+
 
 def smart_resize(height: int, width: int, factor: int, min_pixels: int,
                  max_pixels: int) -> tuple[int, int]:

@@ -3,7 +3,9 @@
 prepare (with the batch arrays, on the engine thread): the rows' positions become M-RoPE
 positions (engine/vision/inputs.py): a text row's one position, which the model's RoPE cache
 holds; an image row gets a row past that cache's positions, which the model fills for this
-step with the cos/sin of its (t, h, w) positions (engine/models/qwen2_5_vl.py). The image rows
+step with the cos/sin of its (t, h, w) positions (engine/models/qwen2_5_vl.py). A plain-RoPE
+family's prompt (engine/vision/pixtral_inputs.py) gives no (t, h, w) positions: its image rows
+keep their own. The image rows
 and the image runs whose embeddings they take go with the batch (VisionBatch).
 encode (on the forward thread, before the forward): each image run's encoder output, from the
 encoder cache or computed there once per image, gathered into the rows' embeddings.
@@ -22,7 +24,7 @@ DEFAULT_CACHE_BYTES = 512 * 2**20
 @dataclass(slots=True)
 class VisionBatch:
     rows: np.ndarray              # (K,) int32: the batch rows of image tokens
-    triples: np.ndarray           # (K, 3) int32: their temporal/height/width positions
+    triples: np.ndarray | None    # (K, 3) int32: their temporal/height/width positions (M-RoPE)
     runs: list = field(default_factory=list)   # (PlacedImage, first, end) per run, row order
     embeds: object = None         # (K, hidden) f32 on the backend, set by encode()
 
@@ -54,8 +56,12 @@ class VisionRunner:
                 runs += [(mm.images[i], s, e) for i, s, e in img_runs]
         if rows:
             rows = np.concatenate(rows).astype(np.int32)
-            positions[rows] = self.model.rope_rows + np.arange(len(rows), dtype=np.int32)
-            batch.vision = VisionBatch(rows, np.concatenate(triples).astype(np.int32), runs)
+            if triples[0] is None:      # plain RoPE (Mistral 3): image rows keep their positions
+                triples = None
+            else:
+                positions[rows] = self.model.rope_rows + np.arange(len(rows), dtype=np.int32)
+                triples = np.concatenate(triples).astype(np.int32)
+            batch.vision = VisionBatch(rows, triples, runs)
         batch.positions = positions
 
     def encode(self, batch) -> None:
