@@ -20,11 +20,16 @@ from engine.models.kv_scales import take_kv_scales
 from engine.models.llama import LlamaForCausalLM, check_weights, expected_shapes, logger
 from engine.models.model_config import ModelConfig
 from engine.models.moe import MoeForCausalLM, moe_shapes
-from engine.models.qwen3_next_mtp import take_mtp_weights
 from engine.models.rotary import build_cos_sin_cache
 from pyx.gated_attention import GatedAttention
 from pyx.gated_delta_net import GatedDeltaNet
 from pyx.layers import Workspace
+
+
+def take_mtp_weights(weights: dict) -> dict:
+    """The checkpoint's mtp.* tensors (the MTP head's: engine/models/qwen3_next_mtp.py), popped
+    from `weights`."""
+    return {n: weights.pop(n) for n in [n for n in weights if n.startswith("mtp.")]}
 
 
 def hybrid_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:

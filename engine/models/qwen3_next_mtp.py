@@ -31,6 +31,7 @@ import logging
 import numpy as np
 
 from engine.models.llama import LlamaForCausalLM, check_weights
+from engine.models.qwen3_next import hybrid_shapes
 from engine.runner.forward_batch import ForwardBatch
 from pyx.layers import Workspace
 
@@ -40,15 +41,9 @@ PREFIX = "mtp."
 LAYER = "mtp.layers.0."
 
 
-def take_mtp_weights(weights: dict) -> dict:
-    """The checkpoint's mtp.* tensors, popped from `weights`."""
-    return {n: weights.pop(n) for n in [n for n in weights if n.startswith(PREFIX)]}
-
-
 def mtp_shapes(c, sparse: bool) -> dict[str, tuple[int, ...]]:
     """Every tensor the head reads, by its stored name: a full-attention decoder layer's (as the
     target's graph names them for a layer after its last, renamed) and the head's own."""
-    from engine.models.qwen3_next import hybrid_shapes
     N, H = c.num_hidden_layers, c.hidden_size
     la = dataclasses.replace(c.linear_attention,
                              layer_types=list(c.linear_attention.layer_types) + ["full_attention"])
