@@ -118,9 +118,9 @@ def test_encoder_attention_bad_shapes_raise(cuda_bf16):
 # ---- the towers and the engine on tiny checkpoints
 
 IMAGE_SIZES = [(40, 56), (23, 17), (48, 48)]
-# The towers' embeddings against the CPU's: 4 blocks of the ops above, so a few times the ops'
-# tolerances.
-TOWER_TOL = {"f32": 1e-3, "bf16": 8e-2}
+# The towers' embeddings against the CPU's. bf16: the CPU backend with each op's activations
+# rounded to bf16 gives 4e-3 to 5e-3 on these images (tests/test_vision_act_dtype.py).
+TOWER_TOL = {"f32": 1e-3, "bf16": 3e-2}
 CASES = {
     "one image": (["What is in this picture?", None, " Describe it."], [(40, 56)]),
     "two images": ([None, "Compare the two images:", None, "which one is brighter?"],
@@ -130,6 +130,15 @@ CASES = {
 # dtype: f32 differs from the CPU by summation order, bf16 by its rounding (test_cuda_model.py).
 TIE = {"f32": 1e-3, "bf16": 0.05}
 GEN = 10
+
+
+def tower_weights(ckpt) -> dict:
+    """The checkpoint's tensors under the names the towers read (visual.*)."""
+    from engine.loader.safetensors import load_safetensors
+    from engine.models.qwen2_5_vl import _checkpoint_names
+    weights = load_safetensors(ckpt, progress=False)
+    _checkpoint_names(weights)
+    return weights
 
 
 @pytest.fixture(scope="module")
@@ -179,13 +188,12 @@ FAMILIES = ["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"]
 def test_tower_matches_cpu(families, make_cuda, cpu, family, dt):
     from vision_checkpoint import sample_image
 
-    from engine.loader.safetensors import load_safetensors
     from engine.models.model_config import ModelConfig
     from engine.vision.preprocess import preprocess_image
     ckpt, _, processor, tower_class = families(family)
     vision = ModelConfig.from_pretrained(ckpt).vision
     cuda = make_cuda(dt)
-    towers = [tower_class(vision, load_safetensors(ckpt, progress=False), b) for b in (cpu, cuda)]
+    towers = [tower_class(vision, tower_weights(ckpt), b) for b in (cpu, cuda)]
     for size in IMAGE_SIZES:
         image = preprocess_image(sample_image(*size, seed=1), processor)
         want = towers[0].encode(image.pixel_values, image.grid_thw)
