@@ -128,7 +128,11 @@ CASES = {
 }
 # Tokens compared up to transformers' first top-two log-prob gap under this, per activation
 # dtype: f32 differs from the CPU by summation order, bf16 by its rounding (test_cuda_model.py).
+# At least MIN_COMPARED of them: the gaps of these prompts, on the CPU, are 0.007 and more, all
+# ten tokens in f32; under 0.05 as early as the second token, so bf16 has no minimum (its
+# numerics are the tower test's and test_cuda_model.py's; here it runs the whole path).
 TIE = {"f32": 1e-3, "bf16": 0.05}
+MIN_COMPARED = {"f32": 6, "bf16": 0}
 GEN = 10
 
 
@@ -225,8 +229,9 @@ def engine_tokens(ckpt, ids, processed, **config):
     from engine.config import EngineConfig
     from engine.core.llm_engine import LLMEngine
     from vision_oracle import run
+    # four sequences at most: few decode graphs to capture
     engine = LLMEngine(EngineConfig(model=ckpt, kv_cache_memory_mb=16, async_scheduling=False,
-                                    max_num_batched_tokens=32, **config))
+                                    max_num_batched_tokens=32, max_num_seqs=4, **config))
     seq = run(engine, ids, processed, n=GEN)
     assert engine.runner.vision.num_encoded == len(processed)   # once each, chunks or not
     return list(seq.output_token_ids)
@@ -252,6 +257,6 @@ def test_greedy_matches_cpu(families, family, case):
         got = engine_tokens(ckpt, ids, processed, backend="cuda", dtype=dt)
         low = np.flatnonzero(margins < TIE[dt])
         n = int(low[0]) if low.size else GEN
-        assert n >= 3, f"{family} {case}: transformers' margins {np.round(margins, 3)}"
+        assert n >= MIN_COMPARED[dt], f"{family} {case}: margins {np.round(margins, 3)}"
         assert got[:n] == cpu[:n], (f"{family} {case} {dt}: cuda {got} vs cpu {cpu}, equal up "
                                     f"to token {n}; margins {np.round(margins, 3).tolist()}")
