@@ -7,8 +7,9 @@ Ops: inputs rounded to the activation dtype (f32, bf16, f16), the CPU op on the 
 f32, tolerances as tests/gpu/test_cuda_ops.py (outputs poisoned with NaN first). GELU also on
 the negative tail, where 1 + erf(x) would cancel to zero; attention over segment layouts a ViT
 makes (one image, many windows with one cut by the image's edge, uneven lengths with an empty
-and a one-row segment, one segment past many key tiles) and the head dims real towers use (64,
-80 = Qwen2.5-VL's 1280 / 16, 128, and 256, the kernel's widest).
+and a one-row segment, one segment past many key tiles, 600 segments of 0 to 3 rows) and the
+head dims real towers use (64, 80 = Qwen2.5-VL's 1280 / 16, 128, and 256, the kernel's widest);
+and at a real image's size in Qwen2.5-VL's heads.
 
 Models: the tower's embeddings (and Qwen3-VL's DeepStack features) on CUDA against the same
 tower on the CPU; greedy tokens of the CUDA engine (f32 and bf16 activations, chunked prefill
@@ -60,6 +61,7 @@ LAYOUTS = {
     "windows": [64] * 9 + [40],                 # Qwen2.5-VL's windows, the last cut by the edge
     "uneven": [1, 17, 0, 64, 3, 130, 33],       # an empty segment and a one-row one among them
     "long": [1100],                             # past many key tiles and query tiles
+    "tiny": [i % 4 for i in range(600)],        # 600 segments of 0 to 3 rows: the tile walk
 }
 
 
@@ -85,6 +87,21 @@ def test_encoder_attention(cuda, cpu, layout, D):
     cuda.encoder_attention(out, to_dev(cuda, q), to_dev(cuda, k), to_dev(cuda, v),
                            to_dev(cuda, cu), scale)
     assert_close(to_host(cuda, out), want, TOL[dt], f"encoder_attention {layout} D={D} {dt}")
+
+
+@pytest.mark.parametrize("layout", ["windows", "whole"])
+def test_encoder_attention_qwen2_5_vl_size(cuda_bf16, cpu, layout):
+    """A 896 x 896 image's 4096 patches in Qwen2.5-VL's heads (16 of 80): its 64 windows of 64
+    rows, and the full-attention blocks' one segment."""
+    rng = np.random.default_rng(7)
+    lengths = [64] * 64 if layout == "windows" else [4096]
+    q, k, v, cu = attention_inputs(rng, lengths, 16, 80, "bf16")
+    want = np.empty(q.shape, np.float32)
+    cpu.encoder_attention(want, *(a.astype(np.float32) for a in (q, k, v)), cu, 80 ** -0.5)
+    out = nan_dev(cuda_bf16, q.shape, ACT["bf16"])
+    cuda_bf16.encoder_attention(out, to_dev(cuda_bf16, q), to_dev(cuda_bf16, k),
+                                to_dev(cuda_bf16, v), to_dev(cuda_bf16, cu), 80 ** -0.5)
+    assert_close(to_host(cuda_bf16, out), want, TOL["bf16"], f"encoder_attention {layout}")
 
 
 def test_encoder_attention_segments_are_separate(cuda_f32, cpu):
