@@ -109,6 +109,24 @@ int taper_cuda_add_bias(void* out,          // (T, N) dtype
                         const float* bias,  // (N,)
                         int64_t T, int64_t N, int dtype, taper_stream_t stream);
 
+/* ---- vision.cu: vision encoders' ops */
+
+/* out = 0.5 x erfc(-x / sqrt(2)), the exact GELU, elementwise; out may be x. */
+int taper_cuda_gelu(const void* x,  // (n,) dtype
+                    void* out,      // (n,) dtype
+                    int64_t n, int dtype, taper_stream_t stream);
+
+/* Bidirectional attention within packed segments: rows [cu_seqlens[s], cu_seqlens[s+1]) attend
+ * to every row of their segment, out = softmax(scale q.k) v per head; no mask, no cache.
+ * cu_seqlens from 0 to N, non-decreasing (not checked on the device); D <= 256. */
+int taper_cuda_encoder_attention(void* out,                   // (N, H, D) dtype
+                                 const void* q,               // (N, H, D) dtype
+                                 const void* k,               // (N, H, D) dtype
+                                 const void* v,               // (N, H, D) dtype
+                                 const int32_t* cu_seqlens,   // (S + 1,)
+                                 int64_t N, int64_t S, int64_t H, int64_t D, float scale,
+                                 int dtype, taper_stream_t stream);
+
 /* ---- kv_cache.cu: cache.flat_slot[slot_mapping[t]] = kv[t]; slot -1 skipped. FP8 stores
  * e4m3(x / scale[h]), round to nearest even, saturated to +-448, NaN kept. */
 

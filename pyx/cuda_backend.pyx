@@ -812,6 +812,38 @@ cdef class CudaBackend(Backend):
                 _fail(op, f"{name} must be (Hkv,)", arrays)
         return TAPER_DT_FP8
 
+    # ---- vision encoders (cuda/vision.cu)
+
+    def gelu(self, x, out):
+        """In the activation dtype, as the other elementwise ops; out may be x."""
+        op, act = "gelu", (self.act_dtype,)
+        arrays = {"x": x, "out": out}
+        self._check(op, arrays, "x", act, 2)
+        self._check(op, arrays, "out", act, 2, True)
+        if out.shape != x.shape:
+            _fail(op, "need x, out (T, N)", arrays)
+        launch_gelu(self._ptr(x), self._ptr(out), x.size, self._act_code, self._sptr())
+
+    def encoder_attention(self, out, q, k, v, cu_seqlens, scale):
+        """q, k, v, out in the activation dtype, head_dim up to 256; cu_seqlens on the device,
+        trusted as the op contract states (checking it would wait for the device)."""
+        op, act = "encoder_attention", (self.act_dtype,)
+        arrays = {"out": out, "q": q, "k": k, "v": v, "cu_seqlens": cu_seqlens}
+        self._check(op, arrays, "out", act, 3, True)
+        for name in ("q", "k", "v"):
+            self._check(op, arrays, name, act, 3)
+        self._check(op, arrays, "cu_seqlens", (_I32,), 1)
+        N, H, D = q.shape
+        if k.shape != q.shape or v.shape != q.shape or out.shape != q.shape:
+            _fail(op, "need out, q, k, v of one shape (N, H, D)", arrays)
+        if cu_seqlens.shape[0] < 1:
+            _fail(op, "cu_seqlens needs at least one entry", arrays)
+        if D > 256:
+            _fail(op, "the kernel takes head_dim <= 256", arrays)
+        launch_encoder_attention(self._ptr(out), self._ptr(q), self._ptr(k), self._ptr(v),
+                                 self._ptr(cu_seqlens), N, cu_seqlens.shape[0] - 1, H, D,
+                                 float(scale), self._act_code, self._sptr())
+
     cdef inline ptr_t _opt_ptr(self, a):
         return 0 if a is None else a.data.ptr
 

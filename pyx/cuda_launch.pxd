@@ -37,6 +37,10 @@ cdef extern from "taper_cuda.h" nogil:
     int taper_cuda_scale(void* x, int64_t n, float s, int dtype, taper_stream_t stream)
     int taper_cuda_add_bias(void* out, const float* bias, int64_t T, int64_t N, int dtype,
                             taper_stream_t stream)
+    int taper_cuda_gelu(const void* x, void* out, int64_t n, int dtype, taper_stream_t stream)
+    int taper_cuda_encoder_attention(void* out, const void* q, const void* k, const void* v,
+                                     const int32_t* cu_seqlens, int64_t N, int64_t S, int64_t H,
+                                     int64_t D, float scale, int dtype, taper_stream_t stream)
     int taper_cuda_reshape_and_cache(const void* k, const void* v, void* k_cache, void* v_cache,
                                      const int32_t* slot_mapping, const float* k_scale,
                                      const float* v_scale, int64_t T, int64_t Hkv, int64_t D,

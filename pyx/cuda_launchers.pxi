@@ -104,6 +104,24 @@ def launch_add_bias(ptr_t out, ptr_t bias, int64_t T, int64_t N, int dtype, ptr_
     _check_status(st, "add_bias", dict(T=T, N=N, dtype=dtype))
 
 
+
+def launch_gelu(ptr_t x, ptr_t out, int64_t n, int dtype, ptr_t stream):
+    cdef int st
+    with nogil:
+        st = taper_cuda_gelu(<const void*>x, <void*>out, n, dtype, <taper_stream_t>stream)
+    _check_status(st, "gelu", dict(n=n, dtype=dtype))
+
+
+def launch_encoder_attention(ptr_t out, ptr_t q, ptr_t k, ptr_t v, ptr_t cu_seqlens, int64_t N,
+                             int64_t S, int64_t H, int64_t D, float scale, int dtype,
+                             ptr_t stream):
+    cdef int st
+    with nogil:
+        st = taper_cuda_encoder_attention(<void*>out, <const void*>q, <const void*>k,
+                                          <const void*>v, <const int32_t*>cu_seqlens, N, S, H, D,
+                                          scale, dtype, <taper_stream_t>stream)
+    _check_status(st, "encoder_attention", dict(N=N, S=S, H=H, D=D, dtype=dtype))
+
 def launch_reshape_and_cache(ptr_t k, ptr_t v, ptr_t k_cache, ptr_t v_cache, ptr_t slot_mapping,
                              ptr_t k_scale, ptr_t v_scale, int64_t T, int64_t Hkv, int64_t D,
                              int64_t NB, int64_t BS, int dtype, int cache_dtype, ptr_t stream):

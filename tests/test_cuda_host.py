@@ -32,6 +32,22 @@ def test_launch_without_device_names_op(cb):
 
 
 @needs_ext
+def test_cuda_backend_has_the_vision_ops(cb):
+    """The vision-language models load on CUDA (engine/models/qwen2_5_vl.py refuses a backend
+    without these ops), and the new launchers fail naming their op without a device."""
+    from engine.models.qwen2_5_vl import missing_ops
+    assert missing_ops(cb.CudaBackend) == []
+    if cb.device_count():
+        return
+    with pytest.raises(cb.CudaError, match=r"^gelu: .*\[n=8, dtype=1\]"):
+        cb.launch_gelu(0, 0, 8, 1, 0)
+    with pytest.raises(cb.CudaError, match=r"^encoder_attention: .*\[N=4, S=1, H=2, D=80"):
+        cb.launch_encoder_attention(0, 0, 0, 0, 0, 4, 1, 2, 80, 0.1, 1, 0)
+    with pytest.raises(cb.CudaError, match=r"^encoder_attention: .*D=512"):   # past the kernel's
+        cb.launch_encoder_attention(0, 0, 0, 0, 0, 4, 1, 2, 512, 0.1, 1, 0)
+
+
+@needs_ext
 def test_sample_fused_launch_checks_and_names_op(cb):
     """The fused sampler's launcher: a missing array is an argument error before any launch,
     and without a device the launch fails naming the op and the sizes."""

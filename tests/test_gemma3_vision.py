@@ -294,7 +294,7 @@ def test_cuda_refuses(ckpt):
 
     class Cuda:
         name = "cuda"
-    with pytest.raises(ValueError, match="no encoder_attention op"):
+    with pytest.raises(ValueError, match="runs on the CPU backend only, not cuda"):
         Gemma3ForConditionalGeneration(ModelConfig.from_pretrained(ckpt),
                                        load_safetensors(ckpt, progress=False), Cuda())
 

@@ -238,14 +238,27 @@ def test_admission_errors(ckpt, hf, processor):
         engine.add_request("y", ids, __import__("engine").SamplingParams(), images=[image] * 2)
 
 
-def test_cuda_refuses_vision_models(ckpt):
-    """The CUDA backend lacks the tower's ops: loading says which."""
+def test_backend_without_vision_ops_is_refused(ckpt):
+    """Loading refuses a backend whose class leaves gelu or encoder_attention to the op table's
+    base class, naming the missing ones; the CPU backend has both (the CUDA one:
+    tests/test_cuda_host.py)."""
     from engine.loader.safetensors import load_safetensors
     from engine.models.model_config import ModelConfig
-    from engine.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
+    from engine.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration, missing_ops
+    from pyx.backend import Backend
+    from pyx.cpu_backend import CpuBackend
 
-    class Cuda:
-        name = "cuda"
-    with pytest.raises(ValueError, match="no gelu and encoder_attention ops"):
-        Qwen2_5_VLForConditionalGeneration(ModelConfig.from_pretrained(ckpt),
-                                           load_safetensors(ckpt, progress=False), Cuda())
+    class Bare(Backend):
+        def __init__(self):
+            Backend.__init__(self, "bare")
+
+    class GeluOnly(Bare):
+        def gelu(self, x, out):
+            pass
+    config = ModelConfig.from_pretrained(ckpt)
+    for backend, message in [(Bare(), "the bare backend has no gelu and encoder_attention ops"),
+                             (GeluOnly(), "has no encoder_attention op, which the vision")]:
+        with pytest.raises(ValueError, match=message):
+            Qwen2_5_VLForConditionalGeneration(config, load_safetensors(ckpt, progress=False),
+                                               backend)
+    assert missing_ops(CpuBackend) == []

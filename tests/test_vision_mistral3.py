@@ -265,14 +265,14 @@ def test_admission_errors(ckpt, hf, processor):
 
 
 def test_cuda_refuses_the_vision_model(ckpt):
-    """The CUDA backend lacks the tower's ops: loading says which."""
+    """The Pixtral tower runs on the CPU only: loading on CUDA says so."""
     from engine.loader.safetensors import load_safetensors
     from engine.models.mistral3 import Mistral3ForConditionalGeneration
     from engine.models.model_config import ModelConfig
 
     class Cuda:
         name = "cuda"
-    with pytest.raises(ValueError, match="no gelu and encoder_attention ops"):
+    with pytest.raises(ValueError, match="runs on the CPU backend only, not cuda"):
         Mistral3ForConditionalGeneration(ModelConfig.from_pretrained(ckpt),
                                          load_safetensors(ckpt, progress=False), Cuda())
 

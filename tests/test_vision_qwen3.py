@@ -309,15 +309,18 @@ def test_bad_vision_configs_are_named(loaded):
             ModelConfig.from_dict(bad)
 
 
-def test_cuda_refuses_qwen3_vl(loaded):
-    """The CUDA backend lacks two of the tower's ops (as for Qwen2.5-VL): loading says which."""
+def test_backend_without_vision_ops_is_refused(loaded):
+    """As for Qwen2.5-VL (tests/test_vision.py): a backend lacking the tower's ops is refused at
+    load, naming them."""
     from engine.loader.safetensors import load_safetensors
     from engine.models.model_config import ModelConfig
     from engine.models.qwen3_vl import Qwen3VLForConditionalGeneration
+    from pyx.backend import Backend
     ckpt, _, _ = loaded("dense")
 
-    class Cuda:
-        name = "cuda"
-    with pytest.raises(ValueError, match="no gelu and encoder_attention ops"):
+    class Bare(Backend):
+        def __init__(self):
+            Backend.__init__(self, "bare")
+    with pytest.raises(ValueError, match="the bare backend has no gelu and encoder_attention ops"):
         Qwen3VLForConditionalGeneration(ModelConfig.from_pretrained(ckpt),
-                                        load_safetensors(ckpt, progress=False), Cuda())
+                                        load_safetensors(ckpt, progress=False), Bare())

@@ -12,7 +12,6 @@ from engine.vision.gemma3_attention import Gemma3VisionRunner, ImageBlockAttenti
 from engine.vision.gemma3_encoder import Gemma3VisionEncoder
 
 # The backend ops the vision tower needs beyond the language model's.
-VISION_OPS = ("encoder_attention",)
 
 # Checkpoint prefixes -> the names this code reads: the hub's files (language_model.model.*,
 # vision_tower.vision_model.*), transformers 5's in-memory names (model.language_model.*, ...)
@@ -38,9 +37,9 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
 
     def __init__(self, config, weights: dict, backend):
         if backend.name != "cpu":
-            raise ValueError(f"{config.architecture}: the {backend.name} backend has no "
-                             f"{' and '.join(VISION_OPS)} op, which the vision tower needs; "
-                             "serve this model with --backend cpu")
+            raise ValueError(f"{config.architecture}: the vision path (the SigLIP tower, the image "
+                             f"attention overlay) runs on the CPU backend only, not "
+                             f"{backend.name}: serve this model with --backend cpu")
         _checkpoint_names(weights)
         self.vision_encoder = Gemma3VisionEncoder(config.vision, weights, backend)
         self._image_blocks = ImageBlockAttention(backend.xp)

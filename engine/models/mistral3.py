@@ -8,7 +8,6 @@ from engine.models.llama import LlamaForCausalLM
 from engine.vision.pixtral_encoder import PixtralVisionEncoder
 
 # The backend ops the vision tower needs beyond the language model's.
-VISION_OPS = ("gelu", "encoder_attention")
 
 
 def _checkpoint_names(weights: dict) -> None:
@@ -31,9 +30,9 @@ class Mistral3ForConditionalGeneration(LlamaForCausalLM):
 
     def __init__(self, config, weights: dict, backend):
         if backend.name != "cpu":
-            raise ValueError(f"{config.architecture}: the {backend.name} backend has no "
-                             f"{' and '.join(VISION_OPS)} ops, which the vision tower needs; "
-                             "serve this model with --backend cpu")
+            raise ValueError(f"{config.architecture}: the vision path (the Pixtral tower) runs on "
+                             f"the CPU backend only, not {backend.name}: serve this model with "
+                             "--backend cpu")
         _checkpoint_names(weights)
         self.vision_encoder = PixtralVisionEncoder(config.vision, weights, backend)
         super().__init__(config, weights, backend)

@@ -12,10 +12,18 @@ from __future__ import annotations
 import numpy as np
 
 from engine.models.llama import LlamaForCausalLM
+from engine.vision import act_arrays
 from engine.vision.qwen2_5_vl_encoder import Qwen25VisionEncoder
+from pyx.backend import Backend
 
 # The backend ops the vision tower needs beyond the language model's.
 VISION_OPS = ("gelu", "encoder_attention")
+
+
+def missing_ops(backend_class, ops=VISION_OPS) -> list[str]:
+    """The ops of `ops` that a backend class leaves to the op table's base class (which raises
+    NotImplementedError) or lacks."""
+    return [op for op in ops if getattr(backend_class, op, None) in (None, getattr(Backend, op))]
 
 
 def _checkpoint_names(weights: dict) -> None:
@@ -48,10 +56,11 @@ class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
     _checkpoint_names = staticmethod(_checkpoint_names)
 
     def __init__(self, config, weights: dict, backend):
-        if backend.name != "cpu":
+        missing = missing_ops(type(backend))
+        if missing:
             raise ValueError(f"{config.architecture}: the {backend.name} backend has no "
-                             f"{' and '.join(VISION_OPS)} ops, which the vision tower needs; "
-                             "serve this model with --backend cpu")
+                             f"{' and '.join(missing)} op{'s' if len(missing) > 1 else ''}, "
+                             "which the vision tower needs; serve this model with --backend cpu")
         self._checkpoint_names(weights)
         self.vision_encoder = self.vision_tower_class(config.vision, weights, backend)
         self._mrope_cache = None
@@ -83,7 +92,7 @@ class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
                              f"{self.rope_rows}")
         rows = self.backend.asarray(vb.rows)
         # (columns past the hidden size are a family's extras: Qwen3-VL's DeepStack features)
-        residual[rows] = vb.embeds[:, :self.config.hidden_size]
+        act_arrays.set_rows(self.xp, residual, rows, vb.embeds[:, :self.config.hidden_size])
         triples = self.backend.asarray(vb.triples.astype(np.int64))      # (K, 3)
         cache = self._mrope_cache
         cache[self.rope_rows:self.rope_rows + K] = cache[triples[:, self._section],

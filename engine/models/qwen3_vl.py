@@ -15,6 +15,7 @@ import numpy as np
 
 from engine.models.moe import MoeForCausalLM
 from engine.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
+from engine.vision import act_arrays
 from engine.vision.qwen3_vl_encoder import Qwen3VisionEncoder
 from pyx.layers import DecoderLayer
 
@@ -25,7 +26,8 @@ class DeepstackDecoderLayer(DecoderLayer):
 
     def __init__(self, backend, *args, first_column: int):
         super().__init__(backend, *args)
-        self.to_backend = backend.asarray    # (DecoderLayer's backend is not visible here)
+        # (DecoderLayer's backend is not visible here)
+        self.to_backend, self.xp = backend.asarray, backend.xp
         self.first_column = first_column
 
     def forward(self, batch, hidden, residual, k_cache, v_cache, ws):
@@ -34,7 +36,8 @@ class DeepstackDecoderLayer(DecoderLayer):
         if vb is not None:
             H = residual.shape[1]
             rows = self.to_backend(vb.rows)
-            residual[rows] += vb.embeds[:, self.first_column:self.first_column + H]
+            act_arrays.add_rows(self.xp, residual, rows,
+                                vb.embeds[:, self.first_column:self.first_column + H])
 
 
 def _stacked_experts(weights: dict) -> None:

@@ -99,15 +99,14 @@ class Qwen25VisionEncoder(VisionTower):
         positions = b.asarray(np.arange(N, dtype=np.int32))
         cu_window, cu_full = b.asarray(cu_window), b.asarray(cu_full)
 
-        embedded = xp.empty((N, E), np.float32)
-        b.linear(b.asarray(np.ascontiguousarray(pixel_values[rows], np.float32)),
-                 self.patch_embed, None, embedded)
+        embedded = xp.empty((N, E), self.act)
+        b.linear(self._patches(pixel_values[rows]), self.patch_embed, None, embedded)
         residual = embedded
-        hidden = xp.empty((N, E), np.float32)
+        hidden = xp.empty((N, E), self.act)
         bufs = self._attention_buffers(N)
-        attn_out = xp.empty((N, E), np.float32)
-        gate_up = xp.empty((N, 2 * c.intermediate_size), np.float32)
-        act = xp.empty((N, c.intermediate_size), np.float32)
+        attn_out = xp.empty((N, E), self.act)
+        gate_up = xp.empty((N, 2 * c.intermediate_size), self.act)
+        act = xp.empty((N, c.intermediate_size), self.act)
         for i, blk in enumerate(self.blocks):
             if i == 0:
                 b.rms_norm(residual, blk["norm1"], NORM_EPS, hidden)
@@ -125,6 +124,6 @@ class Qwen25VisionEncoder(VisionTower):
         b.linear(grouped, self.fc1, self.fc1_bias, fc1)
         gelu = xp.empty_like(fc1)
         b.gelu(fc1, gelu)
-        out = xp.empty((N // unit, c.out_hidden_size), np.float32)
+        out = xp.empty((N // unit, c.out_hidden_size), np.float32)   # linear writes float32 too
         b.linear(gelu, self.fc2, self.fc2_bias, out)
         return out[b.asarray(np.argsort(order))]

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from engine.vision import act_arrays
 from engine.vision.config import VisionConfig
 from engine.vision.tower import VisionTower, vision_position_ids
 
@@ -131,7 +132,7 @@ class Qwen3VisionEncoder(VisionTower):
                 b.gelu(fc1, act)
             else:
                 gated = bufs["gated"][:n]
-                xp.copyto(gated[:, :I], fc1)
+                act_arrays.copy(xp, gated[:, :I], fc1)
                 b.gelu_tanh_and_mul(gated, act)
             b.linear(act, blk["fc2"], blk["fc2_bias"], out[rows])
 
@@ -152,23 +153,25 @@ class Qwen3VisionEncoder(VisionTower):
         cu_frames = b.asarray(np.arange(t + 1, dtype=np.int32) * (h * w))
         rows, weights = position_interpolation([grid], self.side, m)
 
-        residual = xp.empty((N, E), np.float32)
-        b.linear(b.asarray(np.ascontiguousarray(pixel_values, np.float32)), self.patch_embed,
-                 self.patch_embed_bias, residual)
+        # patch embeddings and position rows summed in float32, then rounded to the activations
+        embedded = xp.empty((N, E), np.float32)
+        b.linear(self._patches(pixel_values), self.patch_embed, self.patch_embed_bias, embedded)
         # the four taps' weighted rows summed one tap at a time: an (N, 4, hidden) gather would
         # hold four copies of the image's activations
         rows, weights = b.asarray(rows), b.asarray(weights)
         pos = self.pos_embed[rows[:, 0]] * weights[:, :1]
         for tap in range(1, 4):
             pos += self.pos_embed[rows[:, tap]] * weights[:, tap:tap + 1]
-        residual += pos
-        hidden = xp.empty((N, E), np.float32)
-        attn_out = xp.empty((N, E), np.float32)
+        embedded += pos
+        del pos
+        residual = act_arrays.rounded(xp, embedded, self.act)
+        hidden = xp.empty((N, E), self.act)
+        attn_out = xp.empty((N, E), self.act)
         bufs = self._attention_buffers(N)
         R = min(N, MLP_ROWS)
-        mlp_bufs = dict(fc1=xp.empty((R, I), np.float32), act=xp.empty((R, I), np.float32))
-        if c.hidden_act != "gelu":
-            mlp_bufs["gated"] = xp.ones((R, 2 * I), np.float32)
+        mlp_bufs = dict(fc1=xp.empty((R, I), self.act), act=xp.empty((R, I), self.act))
+        if c.hidden_act != "gelu":     # (made on the host: CuPy cannot fill bfloat16)
+            mlp_bufs["gated"] = b.asarray(np.ones((R, 2 * I), self.act))
         out = xp.empty((N // unit, (1 + len(self.deepstack)) * c.out_hidden_size), np.float32)
         features = {layer: out[:, (j + 1) * c.out_hidden_size:(j + 2) * c.out_hidden_size]
                     for j, layer in enumerate(c.deepstack_visual_indexes)}
@@ -178,7 +181,7 @@ class Qwen3VisionEncoder(VisionTower):
             if layer not in self.deepstack:
                 return
             merger = self.deepstack[layer]
-            grouped = xp.empty((N // unit, unit * E), np.float32)
+            grouped = xp.empty((N // unit, unit * E), self.act)
             b.layer_norm(residual.reshape(N // unit, unit * E), merger["norm"],
                          merger["norm_bias"], NORM_EPS, grouped)
             feature = xp.empty((N // unit, c.out_hidden_size), np.float32)

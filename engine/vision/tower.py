@@ -2,10 +2,16 @@
 engine/vision/qwen3_vl_encoder.py): their tensors taken from the checkpoint with the shapes
 checked, each patch's (row, column) in the processor's patch order, the 2D rotary table those
 positions give, and the attention block (fused biased qkv, rotary, attention within segments,
-output projection)."""
+output projection).
+
+The towers compute in the backend's activation dtype (`act`: float32 on the CPU, the CUDA
+backend's bf16, f16 or f32) and return float32 embeddings; engine/vision/act_arrays.py moves
+their arrays, as CuPy has no bfloat16 kernels."""
 from __future__ import annotations
 
 import numpy as np
+
+from engine.vision import act_arrays
 
 
 def vision_position_ids(grid_thw, merge: int) -> np.ndarray:
@@ -28,6 +34,7 @@ class VisionTower:
     def __init__(self, config, weights: dict, backend, prefix: str):
         self.config = c = config
         self.backend, self.xp = backend, backend.xp
+        self.act = np.dtype(backend.act_dtype)
         self.prefix = prefix
         self._weights = weights
         spatial = c.head_dim // 2
@@ -80,8 +87,12 @@ class VisionTower:
 
     def _attention_buffers(self, N: int) -> dict:
         E, xp = self.config.hidden_size, self.xp
-        return dict(qkv=xp.empty((N, 3 * E), np.float32),
-                    **{n: xp.empty((N, E), np.float32) for n in ("q", "k", "v", "attn")})
+        return dict(qkv=xp.empty((N, 3 * E), self.act),
+                    **{n: xp.empty((N, E), self.act) for n in ("q", "k", "v", "attn")})
+
+    def _patches(self, pixel_values):
+        """A numpy (N, patch_dim) array on the backend in the activation dtype."""
+        return self.backend.asarray(np.ascontiguousarray(pixel_values).astype(self.act))
 
     def _attention(self, blk: dict, x, rope, positions, cu_seqlens, bufs: dict, out) -> None:
         """out = proj(attention(q, k, v)) of x (N, hidden): q, k, v from the block's fused qkv
@@ -91,9 +102,9 @@ class VisionTower:
         N, E, D, H = x.shape[0], c.hidden_size, c.head_dim, c.num_heads
         qkv, q, k, v, attn = (bufs[n] for n in ("qkv", "q", "k", "v", "attn"))
         b.linear(x, blk["qkv"], blk["qkv_bias"], qkv)
-        xp.copyto(q, qkv[:, :E])
-        xp.copyto(k, qkv[:, E:2 * E])
-        xp.copyto(v, qkv[:, 2 * E:])
+        act_arrays.copy(xp, q, qkv[:, :E])
+        act_arrays.copy(xp, k, qkv[:, E:2 * E])
+        act_arrays.copy(xp, v, qkv[:, 2 * E:])
         b.rotary_embedding(positions, q, k, rope, D, True)
         b.encoder_attention(attn.reshape(N, H, D), q.reshape(N, H, D), k.reshape(N, H, D),
                             v.reshape(N, H, D), cu_seqlens, D ** -0.5)
