@@ -36,8 +36,9 @@
 # pytest process each (a CUDA context one file breaks cannot fail another), each writing JUnit
 # XML. A step that cannot run says why in the summary table; nothing is skipped silently. Without
 # a device (this machine, CI) every GPU step reports "not run: no device": a dry run of the
-# scripts end to end. Logs go to $GPU_LOGS (default /tmp/gpu-logs, kept between the suites: figures
-# reads first's verdicts); $OUT (default /tmp/out) gets SUITE-summary.txt and SUITE-logs.tgz.
+# scripts end to end (GPU_DRY_TESTS=1 runs the test steps anyway, each test skipped;
+# GPU_DRY_SPEC=1 the spec step in its CPU form). Logs go to $GPU_LOGS (default /tmp/gpu-logs,
+# kept between the suites: figures reads first's verdicts); $OUT (default /tmp/out) gets SUITE-summary.txt and SUITE-logs.tgz.
 # Exit status 0 when every step that ran passed (throughput and winners never fail it).
 set -o pipefail
 SELF="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"
@@ -302,9 +303,17 @@ else
     SPEC_GRAPHS="off on"
     case ",$WITHOUT," in *",graphs_verify=on,"*) SPEC_GRAPHS="off" ;; esac
     rm -f "$LOGS/spec.json" "$LOGS/spec.txt"
-    # shellcheck disable=SC2086
-    gpu_step run_step spec 60 30 "$PY" -m bench.gpu_spec --batch 1 8 --k 4 --gen-len 128 \
-        --graphs-verify $SPEC_GRAPHS --json "$LOGS/spec.json"
+    # shellcheck disable=SC2206
+    SPEC_ARGS=(--batch 1 8 --k 4 --gen-len 128 --graphs-verify $SPEC_GRAPHS
+               --json "$LOGS/spec.json")
+    if ((DEVICE == 0)) && [ "${GPU_DRY_SPEC:-0}" = 1 ] && selected spec; then
+        # GPU_DRY_SPEC=1: without a device, the step's CPU form (tiny shapes, no graphs) through
+        # the same arguments, files and table: the wiring checked end to end on a CPU
+        run_step spec 60 5 "$PY" -m bench.gpu_spec "${SPEC_ARGS[@]}" --backend cpu --tiny \
+            --gen-len 16
+    else
+        gpu_step run_step spec 60 30 "$PY" -m bench.gpu_spec "${SPEC_ARGS[@]}"
+    fi
     if [ -f "$LOGS/spec.json" ]; then
         "$PY" -m bench.gpu_summary spec "$LOGS" > "$LOGS/spec.txt" 2>&1
         [ "$SPEC_GRAPHS" = off ] && echo "graphs_verify=on not run: its tests did not pass in" \
