@@ -46,6 +46,7 @@ import gc
 import json
 import sys
 import time
+import traceback
 from collections import Counter
 
 import numpy as np
@@ -82,24 +83,27 @@ def counting_weights(xp, config, expected_shapes, seed: int, dtype, agreement: f
     if config.tie_word_embeddings:
         raise ValueError("counting weights need an untied lm_head (its rows are the embedding's "
                          "shifted by one id)")
+    # every operation in float32, then a cast: the one path bench.gpu_throughput's bf16 arrays
+    # take on the device
     rng = xp.random.default_rng(seed)
     weights = {}
     for name, shape in expected_shapes(config).items():
         if len(shape) == 1:
             weights[name] = xp.ones(shape, xp.float32)
         elif name.endswith(("o_proj.weight", "down_proj.weight")):
-            weights[name] = xp.zeros(shape, dtype)
-        elif name != "lm_head.weight":
+            weights[name] = xp.zeros(shape, xp.float32).astype(dtype)
+        elif name not in ("lm_head.weight", "model.embed_tokens.weight"):
             w = rng.standard_normal(shape, dtype=xp.float32)
             w *= std
             weights[name] = w.astype(dtype)
             del w
-    embed = weights["model.embed_tokens.weight"]
-    weights["lm_head.weight"] = xp.roll(embed, 1, axis=0)
+    embed = rng.standard_normal((config.vocab_size, config.hidden_size), dtype=xp.float32)
+    embed *= std
+    weights["lm_head.weight"] = xp.roll(embed, 1, axis=0).astype(dtype)
     if agreement < 1.0:
-        V = config.vocab_size
-        wrong = xp.asarray(np.random.default_rng(seed + 1).random(V) >= agreement)
-        weights["model.embed_tokens.weight"] = xp.where(wrong[:, None], -embed, embed)
+        wrong = xp.asarray(np.random.default_rng(seed + 1).random(config.vocab_size) >= agreement)
+        embed = xp.where(wrong[:, None], -embed, embed)
+    weights["model.embed_tokens.weight"] = embed.astype(dtype)
     return weights
 
 
@@ -189,6 +193,8 @@ def generate(engine, prompts: list, starts: list, gen_len: int, tag: str) -> dic
         if first_at is not None:
             decode_steps += 1
         for out in outs:
+            if out.finish_reason == "error":    # the engine fails the step's requests, not us
+                raise RuntimeError(f"request {out.request_id}: {out.error}")
             tokens[out.request_id] += out.new_token_ids
         if first_at is None and all(tokens.values()):
             first_at = time.perf_counter()
@@ -257,7 +263,8 @@ def run(backend_for, engine_backend: str = "cuda", batches=(1, 8), graphs_verify
     max_len = prompt_len + gen_len + 2 * k + 16
     block_size = 16
     cuda_graph = engine_backend == "cuda"
-    rows, bases = [], {}
+    # rows: json_rows as they come, so that an interrupted run (the step's time limit) keeps them
+    rows, bases = (json_rows if json_rows is not None else []), {}
     for setting in graphs_verify:
         backend = backend_for(setting)
         on_cpu = isinstance(backend, CpuBackend)
@@ -302,29 +309,37 @@ def run(backend_for, engine_backend: str = "cuda", batches=(1, 8), graphs_verify
                 kernels=backend.kernels, speculative_config=spec)
             loaded = (backend, target, target_config) + (
                 ((draft, draft_config),) if method == "draft_model" else ())
-            engine = LLMEngine(config, loaded=loaded)
-            generate(engine, *warm, 16, f"warm-{method}")   # workspaces, cuBLAS, the cost model
-            replays = count_replays(engine)
-            for B in batches:
-                if replays is not None:
-                    replays.clear()
-                r = generate(engine, *measured[B], gen_len, f"{method}-{B}")
-                bound = bandwidth * r["decoded"] / (r["decode_steps"] * target_bytes
-                                                    + r["draft_forwards"] * draft_bytes)
-                row = {"device": device, "method": method, "graphs_verify": setting,
-                       "batch": B, "k": k, "gen_len": gen_len, "prompt_len": prompt_len,
-                       "draft_agreement": draft_agreement, "edit_rate": edit_rate,
-                       "target_bytes_per_step": target_bytes, "draft_bytes_per_step": draft_bytes,
-                       "bandwidth": bandwidth, "bound_tok_s": bound, **r,
-                       "graph_replays": ({str(q): n for q, n in sorted(replays.items())}
-                                         if replays is not None else None)}
-                row["vs_bound"] = row["decode_tok_s"] / bound
-                if method == "none":
-                    bases[B] = row
-                else:
-                    row["vs_none"] = row["decode_tok_s"] / bases[B]["decode_tok_s"]
-                rows.append(row)
-                print(show(row, bases[B] if method != "none" else None), flush=True)
+            common = {"device": device, "method": method, "graphs_verify": setting, "k": k,
+                      "gen_len": gen_len, "prompt_len": prompt_len,
+                      "draft_agreement": draft_agreement, "edit_rate": edit_rate,
+                      "target_bytes_per_step": target_bytes, "draft_bytes_per_step": draft_bytes,
+                      "bandwidth": bandwidth}
+            engine = None
+            try:    # one method failing on the device leaves the others' figures
+                engine = LLMEngine(config, loaded=loaded)
+                generate(engine, *warm, 16, f"warm-{method}")  # workspaces, cuBLAS, the cost model
+                replays = count_replays(engine)
+                for B in batches:
+                    if replays is not None:
+                        replays.clear()
+                    r = generate(engine, *measured[B], gen_len, f"{method}-{B}")
+                    bound = bandwidth * r["decoded"] / (r["decode_steps"] * target_bytes
+                                                        + r["draft_forwards"] * draft_bytes)
+                    row = {**common, "batch": B, "bound_tok_s": bound, **r,
+                           "graph_replays": ({str(q): n for q, n in sorted(replays.items())}
+                                             if replays is not None else None)}
+                    row["vs_bound"] = row["decode_tok_s"] / bound
+                    if method == "none":
+                        bases[B] = row
+                    elif B in bases:
+                        row["vs_none"] = row["decode_tok_s"] / bases[B]["decode_tok_s"]
+                    rows.append(row)
+                    print(show(row, bases.get(B) if method != "none" else None), flush=True)
+            except Exception as e:
+                traceback.print_exc()
+                rows.append({**common, "batch": None, "error": f"{type(e).__name__}: {e}"})
+                print(f"FAILED: {method} graphs_verify {setting}: {rows[-1]['error']}",
+                      flush=True)
             del engine
             gc.collect()
         # the device memory back before the other setting's weights are made
@@ -333,8 +348,6 @@ def run(backend_for, engine_backend: str = "cuda", batches=(1, 8), graphs_verify
         backend.synchronize()
         if not on_cpu:
             xp.get_default_memory_pool().free_all_blocks()
-    if json_rows is not None:
-        json_rows.extend(rows)
     return rows
 
 
@@ -362,20 +375,26 @@ def main(argv=None):
 
         def backend_for(setting):
             return CpuBackend(kernels=f"graphs_verify={setting}")
-        settings = ["off"]          # no graphs on the CPU
+        settings = ["off"]
+        if "on" in args.graphs_verify:
+            print("graphs_verify on: not run on the CPU (no CUDA graphs there)")
     shapes = (dict(target_dict=TINY_TARGET, draft_dict=TINY_DRAFT) if args.tiny else {})
-    rows = []
-    run(backend_for, args.backend, args.batch, settings, args.k, args.gen_len,
-        args.draft_agreement, args.edit_rate, json_rows=rows, **shapes)
+    rows, interrupted = [], False
+    try:
+        run(backend_for, args.backend, args.batch, settings, args.k, args.gen_len,
+            args.draft_agreement, args.edit_rate, json_rows=rows, **shapes)
+    except KeyboardInterrupt:       # gpu_check.sh's timeout sends SIGINT first
+        interrupted = True
+        print(f"FAILED: interrupted after {len(rows)} rows; those are written", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "rows": rows}, f, indent=1)
-    wrong = [r for r in rows if r["expected_tokens"] != r["tokens"]]
+    wrong = [r for r in rows if "error" not in r and r["expected_tokens"] != r["tokens"]]
     for r in wrong:
         print(f"FAILED: B={r['batch']} {r['method']} graphs_verify {r['graphs_verify']}: "
               f"{r['tokens'] - r['expected_tokens']} of {r['tokens']} greedy tokens are not the "
               f"count the weights make")
-    return 1 if wrong else 0
+    return 1 if interrupted or wrong or any("error" in r for r in rows) else 0
 
 
 if __name__ == "__main__":

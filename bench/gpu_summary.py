@@ -181,7 +181,7 @@ def spec(folder: str) -> list[str]:
     with open(os.path.join(folder, "spec.json")) as f:
         rows = json.load(f)["rows"]
     if not rows:
-        raise ValueError(f"{folder}/spec.json has no rows")
+        return ["FAILED: spec.json has no rows (the step ended before its first)"]
     first = rows[0]
     lines = [f"speculative decoding: {first['device']}; target "
              f"{first['target_bytes_per_step'] / 1e9:.2f} GB a step, draft {first['draft_bytes_per_step'] / 1e9:.2f} GB; draft agreement "
@@ -191,9 +191,13 @@ def spec(folder: str) -> list[str]:
              "| acceptance | tokens/verify | graph replays: decode + verify / steps "
              "| greedy tokens as expected |",
              "|---:|---|---|---:|---:|---:|---:|---:|---|---|"]
-    for r in sorted(rows, key=lambda r: (r["batch"], METHOD_ORDER.index(r["method"]),
+    for r in sorted(rows, key=lambda r: (r["batch"] or 0, METHOD_ORDER.index(r["method"]),
                                          r["graphs_verify"])):
         method = r["method"] + (f" k={r['k']}" if r["method"] != "none" else "")
+        if "error" in r:         # the engine failed: no figures, the error instead
+            lines.append(f"| - | {method} | {r['graphs_verify']} | FAILED: "
+                         f"{r['error'][:150]} | | | | | | |")
+            continue
         vs_none = f"{r['vs_none']:.2f}x" if "vs_none" in r else ""
         acc = f"{100 * r['acceptance']:.1f} %" if "acceptance" in r else ""
         tpv = f"{r['tokens_per_verify']:.2f}" if "tokens_per_verify" in r else ""
@@ -204,11 +208,14 @@ def spec(folder: str) -> list[str]:
         lines.append(f"| {r['batch']} | {method} | {setting} | {r['decode_tok_s']:.1f} | {vs_none} | {r['vs_bound']:.2f} "
                      f"({r['bound_tok_s']:.0f}) | {acc} | {tpv} | {graphs} "
                      f"| {r['expected_tokens']}/{r['tokens']} |")
-    wrong = [r for r in rows if r["expected_tokens"] != r["tokens"]]
-    if wrong:
-        lines.append("FAILED: greedy tokens not the expected count in "
-                     + ", ".join(f"B={r['batch']} {r['method']} graphs_verify "
-                                 f"{r['graphs_verify']}" for r in wrong))
+    wrong = [r for r in rows if "error" not in r and r["expected_tokens"] != r["tokens"]]
+    failed = [f"{r['method']} graphs_verify {r['graphs_verify']}" for r in rows if "error" in r]
+    if wrong or failed:
+        lines.append("FAILED: " + "; ".join(
+            (["greedy tokens not the expected count in " + ", ".join(
+                f"B={r['batch']} {r['method']} graphs_verify {r['graphs_verify']}"
+                for r in wrong)] if wrong else [])
+            + (["no figures from " + ", ".join(failed)] if failed else [])))
     return lines
 
 

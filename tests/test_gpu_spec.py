@@ -120,6 +120,18 @@ def test_the_summary_table_reads_the_rows(rows, tmp_path):
     assert gpu_summary.main(["spec", str(tmp_path)]) == 1
     assert gpu_summary.spec(str(tmp_path))[-1] == (
         "FAILED: greedy tokens not the expected count in B=4 ngram graphs_verify off")
+    # an engine that failed on the device: its error in the table, named in the last line
+    bad.append({**{k: rows[0][k] for k in ("device", "k", "gen_len", "draft_agreement")},
+                "method": "draft_model", "graphs_verify": "on", "batch": None,
+                "error": "CudaError: an illegal memory access"})
+    (tmp_path / "spec.json").write_text(json.dumps({"rows": bad}))
+    lines = gpu_summary.spec(str(tmp_path))
+    assert "| - | draft_model k=3 | on | FAILED: CudaError: an illegal memory access |" in (
+        "\n".join(lines))
+    assert lines[-1].endswith("; no figures from draft_model graphs_verify on")
+    # a step stopped before its first row
+    (tmp_path / "spec.json").write_text(json.dumps({"rows": []}))
+    assert gpu_summary.main(["spec", str(tmp_path)]) == 1
 
 
 def test_the_cli_runs_on_the_cpu(tmp_path, capsys):
@@ -130,3 +142,22 @@ def test_the_cli_runs_on_the_cpu(tmp_path, capsys):
     assert [r["method"] for r in rows] == ["none", "ngram", "draft_model"]
     assert all(r["graph_replays"] is None for r in rows)
     assert "B=1 ngram k=4" in capsys.readouterr().out
+
+
+def test_a_failing_method_leaves_the_others_figures(tmp_path, monkeypatch, capsys):
+    """An engine that fails on the device (the draft model's, here) gives an error row and the
+    exit status 1; the rows of the other methods are still measured and written."""
+    from engine.spec.draft_model import DraftModel
+
+    def broken(self, *args, **kwargs):
+        raise RuntimeError("the draft's forward failed")
+    monkeypatch.setattr(DraftModel, "propose", broken)
+    out = tmp_path / "spec.json"
+    assert gpu_spec.main(["--backend", "cpu", "--tiny", "--batch", "1", "--gen-len", "12",
+                          "--json", str(out)]) == 1
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["method"], "error" in r) for r in rows] == [
+        ("none", False), ("ngram", False), ("draft_model", True)]
+    assert rows[2]["error"].endswith("the draft's forward failed")
+    assert rows[1]["expected_tokens"] == rows[1]["tokens"] == 12
+    assert "FAILED: draft_model graphs_verify off" in capsys.readouterr().out
