@@ -161,3 +161,35 @@ def test_a_failing_method_leaves_the_others_figures(tmp_path, monkeypatch, capsy
     assert rows[2]["error"].endswith("the draft's forward failed")
     assert rows[1]["expected_tokens"] == rows[1]["tokens"] == 12
     assert "FAILED: draft_model graphs_verify off" in capsys.readouterr().out
+
+
+def test_a_draft_built_by_the_caller_is_checked():
+    """LLMEngine(loaded=(backend, model, config, (draft, draft config))): the draft of method
+    draft_model only, of the target's vocabulary (there is no tokenizer to compare)."""
+    from engine.config import EngineConfig
+    from engine.core.llm_engine import LLMEngine
+    from engine.models.llama import LlamaForCausalLM
+    from pyx.cpu_backend import CpuBackend
+
+    backend = CpuBackend()
+
+    def model(shape: dict):
+        config = ModelConfig.from_dict(dict(shape))
+        weights = gpu_spec.counting_weights(np, config, expected_shapes, 1, np.float32)
+        return LlamaForCausalLM(config, weights, backend), config
+
+    target, draft = model(gpu_spec.TINY_TARGET), model(gpu_spec.TINY_DRAFT)
+
+    def engine(spec, given):
+        config = EngineConfig(model="t", backend="cpu", num_kv_blocks=16, max_model_len=64,
+                              speculative_config=spec)
+        return LLMEngine(config, loaded=(backend, *target, given))
+
+    with pytest.raises(ValueError, match="a draft model was given, but the speculative "
+                                         "config's method is not draft_model"):
+        engine({"method": "ngram", "num_speculative_tokens": 2}, draft)
+    spec = {"method": "draft_model", "model": "given", "num_speculative_tokens": 2}
+    other = model({**gpu_spec.TINY_DRAFT, "vocab_size": 1024})
+    with pytest.raises(ValueError, match="vocabulary of 1024 ids, the target's has 2048"):
+        engine(spec, other)
+    assert engine(spec, draft).speculator.draft_model.model is draft[0]
