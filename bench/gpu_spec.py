@@ -16,12 +16,13 @@ computed as in any checkpoint of those shapes (dense bf16 kernels take the same 
 values):
   - each layer's o_proj and down_proj are zero, so the residual stream is the token's embedding
     row and the greedy next token a function of the last token; lm_head row v is embedding row
-    v - 1, so that function is t -> t + 1 (the embedding row's product with itself beats any other
-    row's by ~9 standard deviations at 4096 dims): the target counts, whatever the context;
+    v - 1, so that function is t -> t + 1 (at 4096 dims the embedding row's product with itself
+    is ~64 standard deviations of its products with the other rows, whose largest is ~5): the
+    target counts, whatever the context;
   - the draft counts the same way, except from the tokens a fraction 1 - draft_agreement of the
     ids (chosen at random) whose embedding rows are negated: from those it proposes another id.
-    Along the count each draft is then accepted with probability draft_agreement, one after
-    another, the geometric acceptance a real draft's is modelled by;
+    Along the count each draft is then accepted with probability draft_agreement until the
+    first rejection: the geometric model of a real draft's acceptance;
   - each prompt is a run of the count with a fraction edit_rate of its ids replaced by random ones
     (an edited copy of what the output will be: code editing's case), ending with the run's first
     two ids again, so the output repeats the prompt from there and the n-gram lookup finds it
