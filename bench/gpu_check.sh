@@ -24,7 +24,10 @@
 # figures: kernels (bench.kernels on the goals' shapes, defaults and every switch that passed in
 #          first: --without the others), winners (each passing switch against its default),
 #          throughput (8B-shaped bf16 / FP8 / int4 decode at batch 1 and 16 against the
-#          weight-read bound, then again with the passing decode-side switches), serve (the 1B
+#          weight-read bound, then again with the passing decode-side switches), spec
+#          (speculative decoding, bench/gpu_spec.py: n-gram and a 1B-shaped draft model against
+#          no speculation on an 8B-shaped target at batch 1 and 8, graphs_verify off and, when
+#          its tests passed in first, on; its table by bench/gpu_summary.py spec), serve (the 1B
 #          table at concurrency 1, 16, 64, 256 with the TPOT bound), step_profile (host against
 #          device time per step on that 1B checkpoint).
 #
@@ -33,8 +36,9 @@
 # pytest process each (a CUDA context one file breaks cannot fail another), each writing JUnit
 # XML. A step that cannot run says why in the summary table; nothing is skipped silently. Without
 # a device (this machine, CI) every GPU step reports "not run: no device": a dry run of the
-# scripts end to end. Logs go to $GPU_LOGS (default /tmp/gpu-logs, kept between the suites: figures
-# reads first's verdicts); $OUT (default /tmp/out) gets SUITE-summary.txt and SUITE-logs.tgz.
+# scripts end to end (GPU_DRY_TESTS=1 runs the test steps anyway, each test skipped;
+# GPU_DRY_SPEC=1 the spec step in its CPU form). Logs go to $GPU_LOGS (default /tmp/gpu-logs,
+# kept between the suites: figures reads first's verdicts); $OUT (default /tmp/out) gets SUITE-summary.txt and SUITE-logs.tgz.
 # Exit status 0 when every step that ran passed (throughput and winners never fail it).
 set -o pipefail
 SELF="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"
@@ -295,6 +299,26 @@ else
     else
         record throughput_switches "not run: no decode-side switch passed" 0
     fi
+    # speculative decoding (issue 30): verify graphs only where their tests passed in first
+    SPEC_GRAPHS="off on"
+    case ",$WITHOUT," in *",graphs_verify=on,"*) SPEC_GRAPHS="off" ;; esac
+    rm -f "$LOGS/spec.json" "$LOGS/spec.txt"
+    # shellcheck disable=SC2206
+    SPEC_ARGS=(--batch 1 8 --k 4 --gen-len 128 --graphs-verify $SPEC_GRAPHS
+               --json "$LOGS/spec.json")
+    if ((DEVICE == 0)) && [ "${GPU_DRY_SPEC:-0}" = 1 ] && selected spec; then
+        # GPU_DRY_SPEC=1: without a device, the step's CPU form (tiny shapes, no graphs) through
+        # the same arguments, files and table: the wiring checked end to end on a CPU
+        run_step spec 60 5 "$PY" -m bench.gpu_spec "${SPEC_ARGS[@]}" --backend cpu --tiny \
+            --gen-len 16
+    else
+        gpu_step run_step spec 60 30 "$PY" -m bench.gpu_spec "${SPEC_ARGS[@]}"
+    fi
+    if [ -f "$LOGS/spec.json" ]; then
+        "$PY" -m bench.gpu_summary spec "$LOGS" > "$LOGS/spec.txt" 2>&1
+        [ "$SPEC_GRAPHS" = off ] && echo "graphs_verify=on not run: its tests did not pass in" \
+            "first" >> "$LOGS/spec.txt"
+    fi
     SERVE_MODEL=()
     [ -d "$MODEL_1B" ] && SERVE_MODEL=(--model "$MODEL_1B")
     gpu_step run_step serve 100 50 "$PY" -m bench.serve_check --out "$LOGS" "${SERVE_MODEL[@]}" \
@@ -322,6 +346,7 @@ fi
                 | tail -n 40
         done
         [ -s "$LOGS/winners.txt" ] && { echo "-- winners:"; cat "$LOGS/winners.txt"; }
+        [ -s "$LOGS/spec.txt" ] && { echo "-- spec:"; cat "$LOGS/spec.txt"; }
     fi
     if [ -s "$LOGS/serve.log" ]; then
         echo "-- serve:"

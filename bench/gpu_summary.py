@@ -3,6 +3,7 @@
     python -m bench.gpu_summary tests DIR      # DIR/junit-*.xml -> per file, per kernel switch
     python -m bench.gpu_summary without DIR    # the switches whose tests did not all pass
     python -m bench.gpu_summary winners DIR    # DIR/kernels.json: each passing switch vs default
+    python -m bench.gpu_summary spec DIR       # DIR/spec.json (bench.gpu_spec): RESULTS' table
 
 Every kernel behind a KernelConfig switch is known here by the tests that exercise it (SWITCH_TESTS,
 patterns over "file::test[params]"); every other GPU test is on the default path. `tests` writes
@@ -174,9 +175,56 @@ def winners(folder: str) -> dict:
     return result
 
 
+def spec(folder: str) -> list[str]:
+    """bench.gpu_spec's rows as the Markdown table bench/RESULTS.md takes, one line a row, and a
+    line naming the rows whose greedy tokens were not the expected ones."""
+    with open(os.path.join(folder, "spec.json")) as f:
+        rows = json.load(f)["rows"]
+    if not rows:
+        return ["FAILED: spec.json has no rows (the step ended before its first)"]
+    first = rows[0]
+    lines = [f"speculative decoding: {first['device']}; target "
+             f"{first['target_bytes_per_step'] / 1e9:.2f} GB a step, draft {first['draft_bytes_per_step'] / 1e9:.2f} GB; draft agreement "
+             f"{first['draft_agreement']}, prompt edits {first['edit_rate']}; {first['gen_len']} "
+             f"tokens out",
+             "| B | method | graphs_verify | decode tok/s | vs none | vs bound (bound tok/s) "
+             "| acceptance | tokens/verify | graph replays: decode + verify / steps "
+             "| greedy tokens as expected |",
+             "|---:|---|---|---:|---:|---:|---:|---:|---|---|"]
+    for r in sorted(rows, key=lambda r: (r["batch"] or 0, METHOD_ORDER.index(r["method"]),
+                                         r["graphs_verify"])):
+        method = r["method"] + (f" k={r['k']}" if r["method"] != "none" else "")
+        if "error" in r:         # the engine failed: no figures, the error instead
+            lines.append(f"| - | {method} | {r['graphs_verify']} | FAILED: "
+                         f"{r['error'][:150]} | | | | | | |")
+            continue
+        vs_none = f"{r['vs_none']:.2f}x" if "vs_none" in r else ""
+        acc = f"{100 * r['acceptance']:.1f} %" if "acceptance" in r else ""
+        tpv = f"{r['tokens_per_verify']:.2f}" if "tokens_per_verify" in r else ""
+        g = r.get("graph_replays")
+        graphs = (f"{g.get('1', 0)} + {g.get(str(r['k'] + 1), 0)} / {r['decode_steps']}"
+                  if g is not None else "no graphs")
+        setting = r["graphs_verify"] if r["method"] != "none" else ""
+        lines.append(f"| {r['batch']} | {method} | {setting} | {r['decode_tok_s']:.1f} | {vs_none} | {r['vs_bound']:.2f} "
+                     f"({r['bound_tok_s']:.0f}) | {acc} | {tpv} | {graphs} "
+                     f"| {r['expected_tokens']}/{r['tokens']} |")
+    wrong = [r for r in rows if "error" not in r and r["expected_tokens"] != r["tokens"]]
+    failed = [f"{r['method']} graphs_verify {r['graphs_verify']}" for r in rows if "error" in r]
+    if wrong or failed:
+        lines.append("FAILED: " + "; ".join(
+            (["greedy tokens not the expected count in " + ", ".join(
+                f"B={r['batch']} {r['method']} graphs_verify {r['graphs_verify']}"
+                for r in wrong)] if wrong else [])
+            + (["no figures from " + ", ".join(failed)] if failed else [])))
+    return lines
+
+
+METHOD_ORDER = ("none", "ngram", "draft_model")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("action", choices=["tests", "without", "winners"])
+    ap.add_argument("action", choices=["tests", "without", "winners", "spec"])
     ap.add_argument("dir")
     args = ap.parse_args(argv)
     if args.action == "tests":
@@ -185,6 +233,10 @@ def main(argv=None) -> int:
     if args.action == "without":
         print(",".join(not_passed(args.dir)))
         return 0
+    if args.action == "spec":
+        lines = spec(args.dir)
+        print("\n".join(lines))
+        return 1 if lines[-1].startswith("FAILED") else 0
     winners(args.dir)
     return 0
 

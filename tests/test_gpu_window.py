@@ -149,11 +149,34 @@ def test_suites_run_end_to_end_without_a_device(tmp_path, suite):
     steps = summary[summary.index("-- steps"):]
     assert "setup                no device" in steps
     gpu_steps = (["serve", "tests_default", "tests_quant", "tests_switches"] if suite == "first"
-                 else ["kernels", "throughput", "throughput_switches", "serve", "step_profile"])
+                 else ["kernels", "throughput", "throughput_switches", "spec", "serve",
+                       "step_profile"])
     for step in gpu_steps:
         assert f"{step:<20} not run: no device" in steps, steps
     assert "dry run: no device" in steps
     assert (tmp_path / "out" / f"{suite}-logs.tgz").stat().st_size > 0
+
+
+def test_figures_spec_step_runs_its_cpu_form_without_a_device(tmp_path):
+    """GPU_DRY_SPEC=1: the spec step runs bench.gpu_spec with the GPU's arguments plus its CPU
+    form's (tiny shapes), and the summary ends with gpu_summary's table: the step, its files and
+    the table wired together, as the window will run them."""
+    env = {**os.environ, "GPU_SUITE": "figures", "GPU_STEPS": "spec", "GPU_DRY_SPEC": "1",
+           "OUT": str(tmp_path / "out"), "GPU_LOGS": str(tmp_path / "logs"),
+           "PYTHON": sys.executable, "CUDA_VISIBLE_DEVICES": ""}
+    run = subprocess.run(["bash", os.path.join(ROOT, "bench", "gpu_check.sh")], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    summary = (tmp_path / "out" / "figures-summary.txt").read_text()
+    steps = summary[summary.index("-- steps"):]
+    assert f"{'spec':<20} ok" in steps, steps
+    assert f"{'kernels':<20} not run: not in GPU_STEPS" in steps
+    table = summary[summary.index("-- spec:"):summary.index("-- steps")]
+    for row in ("| 1 | none |", "| 1 | ngram k=4 | off |", "| 8 | draft_model k=4 | off |"):
+        assert row in table, table
+    # no verdicts from first here: graphs_verify=on is not trusted, and the table says so
+    assert "graphs_verify=on not run: its tests did not pass in first" in table
+    assert "FAILED" not in table
 
 
 def test_unknown_suite_is_refused(tmp_path):

@@ -55,7 +55,9 @@ class EngineParts:
 
 def build(config: EngineConfig, loaded=None, group=None) -> EngineParts:
     """loaded: (backend, model, model_config) built by the caller (benchmarks that generate
-    weights on the device) instead of loading config.model; there is no tokenizer then.
+    weights on the device) instead of loading config.model; there is no tokenizer then. A fourth
+    item, (draft model, its config), is the draft of method draft_model, instead of loading
+    speculative_config.model (bench/gpu_spec.py makes both on the device).
     Tensor parallel (engine/parallel/launch.py): rank 0 starts the other ranks here, each of
     which builds its share of the engine through this function too, `group` its MpiGroup."""
     tensor_parallel = None
@@ -63,8 +65,10 @@ def build(config: EngineConfig, loaded=None, group=None) -> EngineParts:
         if loaded is not None:
             raise ValueError("tensor parallel: a model built by the caller cannot be split")
         group = group or launch.start_group(config)
+    given_draft = None
     if loaded is not None:
-        backend, model, model_config = loaded
+        backend, model, model_config, *given_draft = loaded
+        given_draft = given_draft[0] if given_draft else None
         model_dir, tokenizer, pooling_config = None, None, None
     elif group is not None:
         with launch.all_ranks(group, "loading the model"):
@@ -83,7 +87,8 @@ def build(config: EngineConfig, loaded=None, group=None) -> EngineParts:
     if tokenizer is not None:
         eos_token_ids |= tokenizer.eos_token_ids
 
-    draft = _load_draft(config, backend, model_config, tokenizer)   # (model, config) or None
+    draft = _load_draft(config, backend, model_config, tokenizer,   # (model, config) or None
+                        given_draft)
     head = _load_eagle3(config, backend, model, model_config)
     # the adapter slots before the KV pool is sized: on a GPU they take device memory
     lora = None
@@ -206,13 +211,21 @@ def build(config: EngineConfig, loaded=None, group=None) -> EngineParts:
                        block_pool, max_model_len, runner, draft_model, lora)
 
 
-def _load_draft(config: EngineConfig, backend, target_config: ModelConfig, tokenizer):
-    """(model, model_config) of the speculative config's draft model, checked against the
-    target: the same tokenizer (token ids mean the same text), else a ValueError naming it."""
+def _load_draft(config: EngineConfig, backend, target_config: ModelConfig, tokenizer,
+                given=None):
+    """(model, model_config) of the speculative config's draft model (or `given`, built by the
+    caller), checked against the target: the same tokenizer (token ids mean the same text), else
+    a ValueError naming it."""
     spec = config.speculative_config
+    if given is not None and (spec is None or spec.method != "draft_model"):
+        raise ValueError("a draft model was given, but the speculative config's method is not "
+                         "draft_model")
     if spec is None or spec.method != "draft_model":
         return None
-    if spec.model.endswith(".gguf"):      # a GGUF file (a quantized copy of the target, say)
+    if given is not None:
+        model, draft_config = given
+        draft_tokenizer = None
+    elif spec.model.endswith(".gguf"):      # a GGUF file (a quantized copy of the target, say)
         model, draft_config, draft_tokenizer = load_gguf_model(
             spec.model, backend, dtype=config.dtype,
             yarn_scaling_factor=config.yarn_scaling_factor)

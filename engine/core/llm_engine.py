@@ -52,7 +52,8 @@ def sampled_seqs(sched: SchedulerOutput) -> list[Sequence]:
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded=None):
         """loaded: (backend, model, model_config) built by the caller (benchmarks that generate
-        weights on the device) instead of loading config.model; there is no tokenizer then."""
+        weights on the device) instead of loading config.model; there is no tokenizer then. A
+        fourth item, (draft model, its config), is method draft_model's draft (core/builder.py)."""
         parts = build(config, loaded)
         self.config = parts.config
         self.backend, self.model, self.model_config = parts.backend, parts.model, parts.model_config

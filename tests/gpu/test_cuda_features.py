@@ -6,6 +6,9 @@ with the feature off, where what is tested is that the feature changes the outpu
                         one forward, rejected rows' KV rolled back): greedy tokens equal the CPU
                         engine's without speculation up to its first near-tie, with drafts
                         accepted;
+  draft model           the target as its own draft on the device (its own KV pool, mirrored
+                        each step; k one-token forwards): greedy tokens equal the CPU engine's
+                        without speculation up to its first near-tie, nearly every draft taken;
   EAGLE-3 head          a random head's drafts (the target's aux hidden states captured in the
                         device forward, the head's K/V and feature pools on the device, d2t):
                         greedy tokens equal the CPU engine's without speculation up to its first
@@ -60,6 +63,30 @@ def test_ngram_speculation_matches_cpu(checkpoints, free_drafts):
     assert stats.num_accepted_tokens > 8, stats
     pool = cuda.engine.block_pool
     assert pool.num_free_blocks == pool.num_blocks        # rolled-back blocks all returned
+
+
+def test_draft_model_speculation_matches_cpu(checkpoints, free_drafts):
+    from engine import SamplingParams
+
+    path = checkpoints("llama")
+    spec = {"method": "draft_model", "model": path, "num_speculative_tokens": 3}
+    prompts = random_prompts(25, (9, 40, 23))     # the CPU's margins trust 84 of the 96 tokens
+    cpu = make_llm(path, "cpu", logprobs_mode="processed")
+    want = cpu.generate(prompts, SamplingParams(**LOOPY, logprobs=2))
+    cuda = make_llm(path, "cuda", speculative_config=spec)
+    got = cuda.generate(prompts, SamplingParams(**LOOPY))
+    compared = 0
+    for i, (g, w) in enumerate(zip(got, want)):
+        top = np.array([lp.top_logprobs[:2] for lp in w.logprobs], np.float64)
+        compared += compare(f"draft_model prompt {i}", g.token_ids, w.token_ids,
+                            top[:, 0] - top[:, 1])
+    assert compared >= 24, f"only {compared} tokens compared: near-ties everywhere"
+    stats = cuda.engine.speculator.stats
+    # the same weights draft as verify; a draft differs only at a near-tie of the two forwards'
+    # bf16 sums (one token at a time against k + 1 rows)
+    assert stats.num_draft_tokens > 24 and stats.acceptance_rate > 0.75, stats
+    pool = cuda.engine.block_pool
+    assert pool.num_free_blocks == pool.num_blocks
 
 
 def test_eagle3_speculation_matches_cpu(checkpoints, free_drafts, tmp_path):
