@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
-import io
 import json
 import os
 import statistics
@@ -51,19 +50,11 @@ from bench.make_checkpoint import CACHE
 from bench.serve_check import start_process
 from bench.throughput import OtherLoad, machine_info, wait_quiet
 
+# the tests' tokenizer maker and sample images (tests/vision_checkpoint.py), as pytest imports it
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+import vision_checkpoint  # noqa: E402
+
 SEED = 20261129
-SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
-           "<|image_pad|>", "<|video_pad|>"]
-# Qwen2-VL's template, less the video branch and the default system prompt
-CHAT_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
-    "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for content in message['content'] %}"
-    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
-    "<|vision_start|><|image_pad|><|vision_end|>"
-    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}"
-    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 QUESTION = "Describe this picture in one sentence."
 PATCH, MERGE = 14, 2
 
@@ -74,23 +65,12 @@ def checkpoint(depth: int, image_size: int, cache: Path = CACHE) -> Path:
     if (d / "model.safetensors").is_file() or (d / "model.safetensors.index.json").is_file():
         return d
     import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import (PreTrainedTokenizerFast, Qwen2_5_VLConfig,
-                              Qwen2_5_VLForConditionalGeneration, Qwen2VLImageProcessorPil)
+    from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration,
+                              Qwen2VLImageProcessorPil)
 
     d.mkdir(parents=True, exist_ok=True)
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    corpus = [QUESTION, "A red square and a blue circle on a white background."] * 50
-    bpe.train_from_iterator(corpus, trainers.BpeTrainer(
-        vocab_size=2048, special_tokens=SPECIAL, show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>",
-                                  pad_token="<|endoftext|>", additional_special_tokens=SPECIAL[1:],
-                                  chat_template=CHAT_TEMPLATE)
-    tok.save_pretrained(str(d))
-    ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIAL}
+    tok = vision_checkpoint.build_tokenizer(d)    # Qwen's vision tokens, Qwen2-VL's template
+    ids = {t: tok.convert_tokens_to_ids(t) for t in vision_checkpoint.SPECIAL}
     config = Qwen2_5_VLConfig(
         text_config=dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                          num_attention_heads=9, num_key_value_heads=3, vocab_size=len(tok),
@@ -115,19 +95,12 @@ def checkpoint(depth: int, image_size: int, cache: Path = CACHE) -> Path:
 
 
 def image(size: int, seed: int):
-    """A PIL image of colour gradients plus noise: every seed gives different pixels."""
-    from PIL import Image
-    rng = np.random.default_rng(seed)
-    y, x = np.mgrid[0:size, 0:size]
-    base = np.stack([x * 255 // (size - 1), y * 255 // (size - 1), (x + y) * 127 // (size - 1)], -1)
-    return Image.fromarray(np.clip(base + rng.integers(-40, 40, base.shape), 0, 255)
-                           .astype(np.uint8), "RGB")
+    """A size x size image of colour gradients plus noise: every seed gives different pixels."""
+    return vision_checkpoint.sample_image(size, size, seed)
 
 
 def data_url(img) -> str:
-    buf = io.BytesIO()
-    img.save(buf, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    return "data:image/png;base64," + base64.b64encode(vision_checkpoint.png_bytes(img)).decode()
 
 
 def quiet(max_s: float) -> None:
