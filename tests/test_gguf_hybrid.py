@@ -62,3 +62,56 @@ def test_unequal_delta_net_head_sizes_are_refused(tmp_path):
     maker.copy_gguf(path_of("qwen3_5-f32"), dst, overrides={"qwen35.ssm.inner_size": 4 * 48})
     with pytest.raises(ValueError, match="value head size 48 .* differs from its key head size"):
         read_gguf(dst, progress=False)
+
+
+def _with_mtp_layer(src: str, dst: str) -> str:
+    """GGUF `src` rewritten as `dst` the way the converter writes a checkpoint with an MTP head:
+    one more block (block_count, nextn_predict_layers, recurrent_layers extended), holding a
+    copy of the last layer's tensors and the blk.N.nextn.* ones."""
+    from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+    reader = GGUFReader(src)
+    arch = reader.fields["general.architecture"].contents()
+    n = int(reader.fields[f"{arch}.block_count"].contents())
+    w = GGUFWriter(dst, arch)
+    for k, f in reader.fields.items():
+        if k.startswith("GGUF.") or k in ("general.architecture", "general.alignment"):
+            continue
+        value = f.contents()
+        if k == f"{arch}.block_count":
+            value = n + 1
+        elif k == f"{arch}.attention.recurrent_layers":
+            value = value + [False]
+        sub = f.types[-1] if f.types[0] == GGUFValueType.ARRAY else None
+        w.add_key_value(k, value, f.types[0], sub_type=sub)
+    w.add_uint32(f"{arch}.nextn_predict_layers", 1)
+    for t in reader.tensors:
+        w.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
+    for t in reader.tensors:
+        if t.name.startswith(f"blk.{n - 1}."):
+            w.add_tensor(t.name.replace(f"blk.{n - 1}.", f"blk.{n}."), t.data,
+                         raw_dtype=t.tensor_type)
+    H = int(reader.fields[f"{arch}.embedding_length"].contents())
+    rng = np.random.default_rng(0)
+    for name, shape in (("eh_proj", (H, 2 * H)), ("enorm", (H,)), ("hnorm", (H,)),
+                        ("shared_head_norm", (H,))):
+        w.add_tensor(f"blk.{n}.nextn.{name}.weight", rng.standard_normal(shape, np.float32),
+                     raw_dtype=GGMLQuantizationType.F32)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
+def test_mtp_layers_are_left_out(tmp_path):
+    """A file with a multi-token-prediction block (as the converter writes Qwen3-Next's release,
+    without --no-mtp) reads as the model without it: the same config and greedy tokens."""
+    from test_gguf import greedy
+    dst = _with_mtp_layer(path_of("qwen3_next-f32"), str(tmp_path / "mtp.gguf"))
+    ck = read_gguf(dst, progress=False)
+    plain = read_gguf(path_of("qwen3_next-f32"), progress=False)
+    assert ck.config == plain.config
+    assert set(ck.weights) == set(plain.weights)
+    ref, n = RECORDED.reference("qwen3_next-f32")
+    prompt = RECORDED.fix["models"]["qwen3_next"]["prompt_ids"]
+    assert greedy(ck.config, ck.weights, prompt, n)[0] == ref["tokens"][:n]

@@ -52,6 +52,7 @@ _OFFSET_NORMS = (".input_layernorm.weight", ".post_attention_layernorm.weight",
                  ".self_attn.q_norm.weight", ".self_attn.k_norm.weight")
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 _SSM_A_RE = re.compile(r"^blk\.(\d+)\.ssm_a$")      # the converter writes it without a suffix
+_BLOCK_RE = re.compile(r"^blk\.(\d+)\.")
 
 
 def config(path: str, meta, tensors: dict, base: dict) -> dict:
@@ -100,7 +101,9 @@ def is_delta_net(name: str) -> bool:
 
 
 def is_nextn(name: str, num_layers: int) -> bool:
-    m = _LAYER_RE.match(name) or _SSM_A_RE.match(name)
+    """Whether GGUF tensor `name` belongs to a multi-token-prediction layer (a block past the
+    model's layers: its decoder tensors and its blk.N.nextn.* ones)."""
+    m = _BLOCK_RE.match(name)
     return m is not None and int(m.group(1)) >= num_layers
 
 
