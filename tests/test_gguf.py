@@ -537,9 +537,13 @@ class PagedRun:
         backend = CpuBackend(kernels=kernels, num_threads=num_threads)
         self.model = get_model_class(mc.architecture)(mc, weights, backend)
         self.block, num_blocks = block, -(-max_tokens // block)
-        shape = self.model.kv_cache_shape(num_blocks + 1, block)
-        self.kv = [(np.zeros(shape, np.float32), np.zeros(shape, np.float32))
-                   for _ in range(self.model.num_layers)]
+        if mc.linear_attention is not None:     # hybrid: the linear layers' state in row 0
+            self.kv = self.model.allocate_caches(num_blocks + 1, block, np.float32, 1)
+        else:
+            shape = self.model.kv_cache_shape(num_blocks + 1, block)
+            self.kv = [(np.zeros(shape, np.float32), np.zeros(shape, np.float32))
+                       for _ in range(self.model.num_layers)]
+        self.hybrid = mc.linear_attention is not None
         self.table = np.arange(num_blocks, 0, -1, dtype=np.int32)[None]     # block 0 unused
         self.seq: list[int] = []
 
@@ -554,6 +558,10 @@ class PagedRun:
             query_start_loc=np.array([0, len(pos)], np.int32),
             seq_lens=np.array([len(self.seq)], np.int32), block_tables=self.table,
             logits_indices=np.array([len(pos) - 1], np.int32))
+        if self.hybrid:
+            from engine.core.hybrid_state import StatePlan
+            batch.state_plan = StatePlan(np.array([0, len(pos)]), np.array([0]), np.array([0]),
+                                         np.array([done == 0]))
         return self.model.forward(batch, self.kv)[0].copy()
 
 

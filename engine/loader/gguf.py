@@ -10,9 +10,10 @@
   Qwen2.5-VL, engine/loader/gguf_mmproj.py), qwen2moe and qwen3moe files Qwen2Moe/Qwen3MoeForCausalLM, and the
   gemma2, gemma3, phi3, glm4 and stablelm files their families (the keys, names and converter
   transforms of each: engine/loader/gguf_dense.py), deepseek2 files DeepseekV2/V3ForCausalLM
-  (engine/loader/gguf_deepseek.py). A llama3 RoPE is stored as the
-  per-frequency factors it produces (tensor rope_freqs), so its parameters are recovered from
-  them.
+  (engine/loader/gguf_deepseek.py), qwen3next, qwen35 and qwen35moe files
+  Qwen3NextForCausalLM and Qwen3_5(Moe)ForCausalLM (engine/loader/gguf_hybrid.py). A llama3
+  RoPE is stored as the per-frequency factors it produces (tensor rope_freqs), so its
+  parameters are recovered from them.
 - weights: Hugging Face names. F32/F16/BF16 tensors are float arrays, views of the mapping unless
   converted (the dtype policy of engine/loader/safetensors.py). Block-quantized tensors stay
   packed as QuantizedWeight (ggml blocks, one row of blocks per output row).
@@ -47,7 +48,7 @@ from gguf import GGMLQuantizationType as QT
 from gguf import GGUFReader, GGUFValueType
 from tqdm import tqdm
 
-from engine.loader import gguf_deepseek, gguf_dense
+from engine.loader import gguf_deepseek, gguf_dense, gguf_hybrid
 from engine.loader.gguf_check import check_layout, read_version
 from engine.loader.safetensors import resolve_dtype, target_dtype
 from engine.text.gguf_tokenizer import build_tokenizer, special_id
@@ -66,9 +67,10 @@ _ARCHS = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", 
           "qwen2vl": ("Qwen2ForCausalLM", "qwen2"),
           "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
           "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"), **gguf_dense.ARCHS,
-          gguf_deepseek.ARCH: ("DeepseekV2ForCausalLM", "deepseek_v2")}
+          gguf_deepseek.ARCH: ("DeepseekV2ForCausalLM", "deepseek_v2"), **gguf_hybrid.ARCHS}
 # Whether llama.cpp's graph renormalises the top-k routing weights (build_moe_ffn's norm_w).
-_MOE_NORM = {"llama": True, "qwen2moe": False, "qwen3moe": True}
+_MOE_NORM = {"llama": True, "qwen2moe": False, "qwen3moe": True, "qwen3next": True,
+             "qwen35moe": True}
 _PERMUTED_QK = ("llama",)       # architectures whose q/k rows the converter interleaves
 
 _FLOAT_TYPES = frozenset({QT.F32, QT.F16, QT.BF16, QT.F64})
@@ -109,7 +111,8 @@ def hf_name(name: str, arch: str = "llama") -> str:
         return f"{_GLOBAL_NAMES[stem]}.{kind}"
     m = _LAYER_RE.match(name)
     if m:
-        names = gguf_dense.LAYER_NAMES.get(arch, {})
+        names = (gguf_hybrid.LAYER_NAMES if arch in gguf_hybrid.ARCHS
+                 else gguf_dense.LAYER_NAMES.get(arch, {}))
         hf = names.get(m.group(2)) or _LAYER_NAMES.get(m.group(2))
         if hf:
             return f"model.layers.{m.group(1)}.{hf}.{m.group(3)}"
@@ -379,6 +382,8 @@ def build_config(path: str, metadata: dict, tensors: dict) -> dict:
         config = gguf_deepseek.config(path, meta, tensors, config)
     elif num_experts:
         config.update(_moe_config(path, meta, tensors, num_layers, num_experts))
+    if arch in gguf_hybrid.ARCHS:
+        config = gguf_hybrid.config(path, meta, tensors, config)
 
     window = int(meta.get("attention.sliding_window") or 0)
     if arch in gguf_dense.ARCHS:
@@ -547,6 +552,13 @@ def read_gguf(path: str, dtype: str = "auto", progress: bool = True) -> GGUFChec
             bar.update(1)
             if name == "rope_freqs.weight" or name in gguf_dense.CONFIG_TENSORS:
                 continue                        # folded into config["rope_scaling"]
+            if arch in gguf_hybrid.ARCHS:
+                if gguf_hybrid.is_nextn(name, config["num_hidden_layers"]):
+                    continue                    # the MTP layers: unused
+                if gguf_hybrid.is_delta_net(name):
+                    weights.update(gguf_hybrid.delta_net_weight(name,
+                                                                gguf_hybrid.float_tensor(t)))
+                    continue
             experts = expert_names(name, num_experts, mixtral) if num_experts else None
             if experts is not None:
                 weights.update(split_experts(owner[name], t, want, experts))
@@ -569,5 +581,7 @@ def read_gguf(path: str, dtype: str = "auto", progress: bool = True) -> GGUFChec
 
     if arch == gguf_deepseek.ARCH:
         gguf_deepseek.join_kv_b(weights)
+    if arch in gguf_hybrid.ARCHS:
+        gguf_hybrid.finish(arch, config, weights)
     tokenizer = build_tokenizer(metadata, path)
     return GGUFCheckpoint(config=config, weights=weights, tokenizer=tokenizer, files=paths)
