@@ -87,6 +87,16 @@ ARCHS = {
                                                       "truncate": False, "rope_theta": 150000.0,
                                                       "original_max_position_embeddings": 64},
                                      tie_word_embeddings=False)),
+    # Llama 4 text: layer 0 RoPE with chunked attention (chunks of 16, under the prompts) and
+    # the L2 q/k norm, a dense MLP of intermediate_size_mlp; layer 1 NoPE, full attention, the
+    # temperature (floor_scale 8, attn_scale 0.5: it grows across the prompts) and the MoE
+    # (interleave_moe_layer_step 2): 4 experts, top-1 by sigmoid on the input, a shared expert
+    "llama4": ("Llama4TextConfig", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=24,
+                                        intermediate_size=64, intermediate_size_mlp=192,
+                                        num_local_experts=4, num_experts_per_tok=1,
+                                        interleave_moe_layer_step=2, no_rope_layers=[1, 0],
+                                        attention_chunk_size=16, floor_scale=8, attn_scale=0.5,
+                                        pad_token_id=0, tie_word_embeddings=False)),
     # mixtures of experts: 4 experts, 2 per token
     "mixtral": ("MixtralConfig", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=24,
                                       num_local_experts=4, num_experts_per_tok=2,

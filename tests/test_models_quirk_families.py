@@ -1,8 +1,9 @@
 """Families that are a quirk file each (issue 29 item 4): Phi-2 (PhiForCausalLM), GLM-4.5/4.6
-(Glm4MoeForCausalLM) and GPT-OSS (GptOssForCausalLM) give transformers' greedy tokens on tiny
-checkpoints written by transformers itself (tests/checkpoints.py), through the whole engine with
-chunked prefill and a prefix-cache hit, and through the model alone (tests/model_cases.py's paged
-harness) with prompt chunks beside the other prompt's decodes (prefill logits too).
+(Glm4MoeForCausalLM), GPT-OSS (GptOssForCausalLM) and Llama 4 text (Llama4ForCausalLM) give
+transformers' greedy tokens on tiny checkpoints written by transformers itself
+(tests/checkpoints.py), through the whole engine with chunked prefill, a prefix-cache hit and
+forced preemption, and through the model alone (tests/model_cases.py's paged harness) with prompt
+chunks beside the other prompt's decodes (prefill logits too).
 
 Each quirk first shows that transformers' own output changes when the quirk is switched off
 (tokens, or the prefill logits far beyond the harness test's tolerance where a tiny model's
@@ -10,6 +11,8 @@ tokens do not move), so the comparisons can fail (DESIGN.md section 6, rung 2). 
 attention sinks are a CPU paged_attention option, checked here against a float64 reference.
 """
 from __future__ import annotations
+
+import random
 
 import numpy as np
 import pytest
@@ -26,6 +29,7 @@ CASES = {
     "phi": (dict(arch="phi", seed=4), None),     # seed 4: continuations that vary
     "glm4_moe": (dict(arch="glm4_moe"), None),
     "gpt_oss": (dict(arch="gpt_oss"), None),
+    "llama4": (dict(arch="llama4"), None),
 }
 
 
@@ -177,6 +181,50 @@ def _gpt_oss_bias_off(*names):
     return switch_off
 
 
+def _llama4_layer_attr(layer, **changes):
+    """Llama 4's attention of one layer with attributes changed (or removed: value None)."""
+    def switch_off(cases, name):
+        model = load_hf(cases.dir(name))
+        attn = model.model.layers[layer].self_attn
+        for k, v in changes.items():
+            if v is None:
+                delattr(attn, k)
+            else:
+                setattr(attn, k, v)
+        return model
+    return switch_off
+
+
+def _llama4_moe(scores_on_output=False, sigmoid=True, shared=True):
+    """transformers' Llama 4 with its MoE changed: the router's sigmoid scores weighting the
+    experts' outputs instead of their inputs, the chosen experts at weight 1 (no sigmoid), or
+    no shared expert."""
+    def switch_off(cases, name):
+        from transformers.models.llama4 import modeling_llama4
+        model = load_hf(cases.dir(name))
+        moe = modeling_llama4.Llama4TextMoe
+        original = moe.forward
+
+        def forward(self, hidden_states):
+            x = hidden_states.reshape(-1, self.hidden_dim)
+            scores, logits = self.router(x)
+            if not sigmoid:
+                scores = (scores > 0).to(scores.dtype)
+            weights = scores.transpose(0, 1).reshape(-1, 1)
+            routed_in = x.repeat(scores.shape[1], 1)
+            if scores_on_output:
+                routed_out = self.experts(routed_in * (weights > 0)) * weights
+            else:
+                routed_out = self.experts(routed_in * weights)
+            out = self.shared_expert(x) if shared else torch.zeros_like(x)
+            out = out + routed_out.reshape(scores.shape[1], -1, x.shape[-1]).sum(dim=0)
+            return out, logits
+        moe.forward = forward
+        model._restore = lambda: setattr(moe, "forward", original)
+        return model
+    return switch_off
+
+
 # quirk -> (the case that has it, transformers' model with the quirk switched off)
 QUIRK_OFF = {
     "phi_parallel_residual": ("phi", _phi_sequential_residual),
@@ -207,6 +255,14 @@ LOGIT_QUIRK_OFF = {
     "phi_mlp_bias": ("phi", _phi_bias_off("mlp.fc")),
     "phi_lm_head_bias": ("phi", _phi_bias_off("lm_head")),
     "phi_gelu_new": ("phi", lambda c, n: hf_with_config(c, n, hidden_act="relu")),
+    "llama4_chunked_attention": ("llama4",
+                                 lambda c, n: hf_with_config(c, n, attention_chunk_size=4096)),
+    "llama4_nope_layer": ("llama4", _llama4_layer_attr(1, use_rope=True)),
+    "llama4_temperature_tuning": ("llama4", _llama4_layer_attr(1, attn_temperature_tuning=False)),
+    "llama4_l2_qk_norm": ("llama4", _llama4_layer_attr(0, qk_norm=None)),
+    "llama4_moe_scores_on_input": ("llama4", _llama4_moe(scores_on_output=True)),
+    "llama4_moe_sigmoid": ("llama4", _llama4_moe(sigmoid=False)),
+    "llama4_moe_shared_expert": ("llama4", _llama4_moe(shared=False)),
 }
 
 
@@ -251,6 +307,25 @@ def test_engine_chunked_prefill_and_prefix_hit_match_hf(cases, name):
     for i, (out, ref) in enumerate(zip(outs + [again], refs)):
         assert_matches(list(out.token_ids), ref, min_trusted=8, label=f"{name} prompt {i}")
     assert again.num_cached_tokens == 40
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_engine_preemption_matches_hf(cases, name):
+    """Six prompts in a pool too small for them: the scheduler preempts and recomputes, with
+    prompt chunks of 16 beside decodes, on shuffled free blocks; every continuation equals
+    transformers'."""
+    from engine import LLM, SamplingParams
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(3, 512, n).tolist() for n in (9, 70, 23, 41, 3, 55)]
+    model = load_hf(cases.dir(name))
+    refs = [hf_greedy(model, p, GEN) for p in prompts]
+    llm = LLM(cases.dir(name), block_size=8, num_kv_blocks=24, prefill_chunk_size=16,
+              max_num_batched_tokens=48, max_num_seqs=8)
+    llm.engine.block_pool.shuffle_free_blocks(random.Random(1))
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=GEN, ignore_eos=True))
+    for i, (out, ref) in enumerate(zip(outs, refs)):
+        assert_matches(list(out.token_ids), ref, min_trusted=4, label=f"{name} prompt {i}")
+    assert llm.engine.scheduler.num_preemptions > 0
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -346,3 +421,35 @@ def test_phi_qk_layernorm_is_refused():
                                "num_attention_heads": 4, "num_hidden_layers": 2,
                                "intermediate_size": 192, "vocab_size": 512,
                                "qk_layernorm": True})
+
+
+def test_llama4_layer_plan_and_refusals(cases):
+    """Llama4TextConfig's defaults for the per-layer plan: every interleave_moe_layer_step-th
+    layer sparse, every no_rope_layer_interval-th NoPE, the RoPE layers chunked; the CUDA
+    backend and a chunk size that is not a multiple of the KV block size are refused by name."""
+    import json
+
+    from engine.models.llama4 import Llama4ForCausalLM
+    from engine.models.model_config import ModelConfig
+    with open(f"{cases.dir('llama4')}/config.json") as f:
+        config = json.load(f)
+    plain = {k: v for k, v in config.items()
+             if k not in ("moe_layers", "no_rope_layers", "layer_types")}
+    c = ModelConfig.from_dict({**plain, "num_hidden_layers": 8})
+    assert c.moe.sparse_layers == [False, True] * 4
+    assert c.family.rope_layers == (True, True, True, False) * 2
+    assert c.family.chunked_layers == c.family.rope_layers
+    assert c.intermediate_size == 192 and c.moe.intermediate_size == 64
+    assert not c.rope.is_neox
+    c = ModelConfig.from_dict(config)
+
+    class Cuda:
+        name = "cuda"
+    with pytest.raises(ValueError, match="the cuda backend is not supported"):
+        Llama4ForCausalLM(c, {}, Cuda())
+    from engine.loader.model_loader import load_model
+    from pyx.cpu_backend import CpuBackend
+    model, _ = load_model(cases.dir("llama4"), CpuBackend(), progress=False)
+    with pytest.raises(ValueError, match="attention_chunk_size 16 is not a multiple of the KV "
+                                         "block size 12"):
+        model.kv_cache_shape(4, 12)

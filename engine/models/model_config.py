@@ -18,6 +18,7 @@ from engine.models.deepseek_config import (GROUPED_MOE_ARCHITECTURES, MLA_ARCHIT
                                            MLA_MODEL_TYPES, GroupedRouting,
                                            MlaConfig, parse_deepseek_moe, parse_mla, rope_is_neox)
 from engine.models.registry import ARCHITECTURES, BASE_MODELS
+from engine.models import family_config
 
 # config.json without `architectures`: its model_type names the graph.
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
@@ -29,7 +30,7 @@ _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                 "mixtral": "MixtralForCausalLM",
                 "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
                 "qwen3_next": "Qwen3NextForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM",
-                "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
+                "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM", "llama4_text": "Llama4ForCausalLM",
                 **MLA_MODEL_TYPES}
 
 # Architectures whose attention applies RMSNorm to each q/k head before RoPE.
@@ -155,6 +156,7 @@ class ModelConfig:
     # are the rank's share, and this a TensorParallel saying of what; None: the whole model.
     tensor_parallel: object = None
     linear_attention: LinearAttentionConfig | None = None  # hybrid models' gated DeltaNet layers
+    family: object = None               # one family's own settings (engine/models/family_config.py)
 
     @property
     def num_kv_layers(self) -> int:
@@ -275,7 +277,7 @@ class ModelConfig:
         return cls(
             architecture=arch, hidden_size=hidden, num_hidden_layers=num_layers,
             num_attention_heads=num_heads, num_key_value_heads=num_kv_heads, head_dim=head_dim,
-            intermediate_size=cfg["intermediate_size"], vocab_size=cfg["vocab_size"],
+            intermediate_size=_dense_intermediate_size(arch, cfg), vocab_size=cfg["vocab_size"],
             rms_norm_eps=float(cfg.get("rms_norm_eps") or cfg.get("layer_norm_eps") or 1e-6),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=qkv_bias, o_bias=o_bias, mlp_bias=mlp_bias,
@@ -296,7 +298,21 @@ class ModelConfig:
             quantization_config=cfg.get("quantization_config"),
             bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos, has_lm_head=has_lm_head,
             moe=parse_moe(arch, cfg, num_layers),
-            linear_attention=parse_linear_attention(arch, cfg, num_layers), mla=mla)
+            linear_attention=parse_linear_attention(arch, cfg, num_layers), mla=mla,
+            family=_family_settings(arch, cfg, num_layers))
+
+
+def _dense_intermediate_size(arch: str, cfg: dict) -> int:
+    """The dense MLP's width (Llama 4's intermediate_size is its experts')."""
+    if arch == "Llama4ForCausalLM":
+        return int(cfg.get("intermediate_size_mlp", 16384))
+    return cfg["intermediate_size"]
+
+
+def _family_settings(arch: str, cfg: dict, num_layers: int):
+    if arch == "Llama4ForCausalLM":
+        return family_config.parse_llama4(cfg, num_layers)
+    return None
 
 
 # Config-class defaults transformers 5 fills in when config.json leaves a key out.
@@ -368,6 +384,14 @@ def parse_moe(arch: str, cfg: dict, num_layers: int) -> MoeConfig | None:
                          True, [True] * num_layers,
                          clamped_swiglu=(float(cfg.get("swiglu_alpha", 1.702)),
                                          float(cfg.get("swiglu_limit", 7.0))))
+    if arch == "Llama4ForCausalLM":
+        # Llama4TextMoe: sigmoid of each token's top-k router logits scales the expert's input;
+        # a shared expert of intermediate_size, ungated; dense layers between (moe_layers).
+        size = int(cfg.get("intermediate_size", 8192))
+        return MoeConfig(int(cfg.get("num_local_experts", 16)),
+                         int(cfg.get("num_experts_per_tok", 1)), size, False,
+                         family_config.llama4_moe_layers(cfg, num_layers),
+                         shared_intermediate_size=size, shared_expert_gate=False)
     if arch == "MixtralForCausalLM":      # softmax, top-k, always renormalised; every layer
         return MoeConfig(int(cfg.get("num_local_experts", 8)), int(cfg.get("num_experts_per_tok", 2)),
                          int(cfg["intermediate_size"]), True, [True] * num_layers)
@@ -470,6 +494,11 @@ def _ropes(arch: str, cfg: dict, head_dim: int, max_pos: int, yarn_scaling_facto
                                               or 150000.0)}
     if arch in ("PhiForCausalLM", "Glm4MoeForCausalLM"):   # their configs: half of it
         cfg = {"partial_rotary_factor": 0.5, **cfg}
+    if arch == "Llama4ForCausalLM":     # rotated as complex pairs (x[2i], x[2i+1])
+        rope = parse_rope({"rope_theta": 500000.0, **cfg}, head_dim, max_pos,
+                          yarn_scaling_factor)
+        rope.is_neox = False
+        return rope, None
     if arch == "Glm4ForCausalLM":
         # Glm4Config: half the head rotates by default, in interleaved pairs (x[2i], x[2i+1]).
         cfg = {"partial_rotary_factor": 0.5, **cfg}

@@ -30,6 +30,7 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "Glm4MoeLiteForCausalLM": ("deepseek", "DeepseekForCausalLM"),
     "Glm4MoeForCausalLM": ("glm4_moe", "Glm4MoeForCausalLM"),
     "GptOssForCausalLM": ("gpt_oss", "GptOssForCausalLM"),
+    "Llama4ForCausalLM": ("llama4", "Llama4ForCausalLM"),
 }
 
 # Headless transformers (embedding checkpoints: tensors without the "model." prefix, no lm_head)
