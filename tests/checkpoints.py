@@ -97,6 +97,12 @@ ARCHS = {
                                         interleave_moe_layer_step=2, no_rope_layers=[1, 0],
                                         attention_chunk_size=16, floor_scale=8, attn_scale=0.5,
                                         pad_token_id=0, tie_word_embeddings=False)),
+    # MiniMax-M2: q/k RMSNorm over all heads, half of each head rotated (rotary_dim), 8 experts
+    # (2 per token) chosen by sigmoid + e_score_correction_bias (randomised), renormalised
+    "minimax_m2": ("MiniMaxM2Config", dict(num_attention_heads=4, num_key_value_heads=2,
+                                           head_dim=24, rotary_dim=12, intermediate_size=64,
+                                           num_local_experts=8, num_experts_per_tok=2,
+                                           pad_token_id=0, tie_word_embeddings=False)),
     # mixtures of experts: 4 experts, 2 per token
     "mixtral": ("MixtralConfig", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=24,
                                       num_local_experts=4, num_experts_per_tok=2,
@@ -318,6 +324,11 @@ ARCHS_256 = {
     "qwen3_moe": ("Qwen3MoeConfig", dict(num_experts=16, num_experts_per_tok=4,
                                          moe_intermediate_size=128, norm_topk_prob=True,
                                          tie_word_embeddings=True)),
+    # MiniMax-M2: q/k RMSNorm over all heads, half of each head rotated, a sigmoid router with
+    # its correction bias over 8 experts of 128 (2 per token)
+    "minimax_m2": ("MiniMaxM2Config", dict(rotary_dim=32, intermediate_size=128,
+                                           num_local_experts=8, num_experts_per_tok=2,
+                                           pad_token_id=0, tie_word_embeddings=False)),
     # StableLM-2 12B's per-head q/k LayerNorm
     "stablelm_qk": ("StableLmConfig", dict(qk_layernorm=True, partial_rotary_factor=0.25,
                                            use_parallel_residual=True, layer_norm_eps=1e-5,

@@ -1,5 +1,6 @@
 """Families that are a quirk file each (issue 29 item 4): Phi-2 (PhiForCausalLM), GLM-4.5/4.6
-(Glm4MoeForCausalLM), GPT-OSS (GptOssForCausalLM) and Llama 4 text (Llama4ForCausalLM) give
+(Glm4MoeForCausalLM), GPT-OSS (GptOssForCausalLM), Llama 4 text (Llama4ForCausalLM) and
+MiniMax-M2 (MiniMaxM2ForCausalLM) give
 transformers' greedy tokens on tiny checkpoints written by transformers itself
 (tests/checkpoints.py), through the whole engine with chunked prefill, a prefix-cache hit and
 forced preemption, and through the model alone (tests/model_cases.py's paged harness) with prompt
@@ -30,6 +31,7 @@ CASES = {
     "glm4_moe": (dict(arch="glm4_moe"), None),
     "gpt_oss": (dict(arch="gpt_oss"), None),
     "llama4": (dict(arch="llama4"), None),
+    "minimax_m2": (dict(arch="minimax_m2"), None),
 }
 
 
@@ -225,6 +227,59 @@ def _llama4_moe(scores_on_output=False, sigmoid=True, shared=True):
     return switch_off
 
 
+class _PerHeadRmsNorm(torch.nn.Module):
+    """An RMSNorm over each head of `head_dim` with the full-width weight's slices, in place of
+    one over all heads."""
+    def __init__(self, norm, head_dim):
+        super().__init__()
+        self.norm, self.head_dim = norm, head_dim
+
+    def forward(self, x):
+        heads = x.reshape(*x.shape[:-1], -1, self.head_dim).float()
+        heads = heads * torch.rsqrt(heads.pow(2).mean(-1, keepdim=True)
+                                    + self.norm.variance_epsilon)
+        return self.norm.weight * heads.reshape(x.shape).to(x.dtype)
+
+
+def _minimax_per_head_qk_norm(cases, name):
+    model = load_hf(cases.dir(name))
+    for layer in model.model.layers:
+        a = layer.self_attn
+        a.q_norm, a.k_norm = _PerHeadRmsNorm(a.q_norm, a.head_dim), _PerHeadRmsNorm(a.k_norm,
+                                                                                    a.head_dim)
+    return model
+
+
+def _minimax_router(scores="sigmoid", renormalise=True):
+    """transformers' MiniMax-M2 with its router's scores softmax, or not renormalised."""
+    def switch_off(cases, name):
+        from transformers.models.minimax_m2 import modeling_minimax_m2
+        model = load_hf(cases.dir(name))
+        router = modeling_minimax_m2.MiniMaxM2TopKRouter
+        original = router.forward
+
+        def forward(self, hidden_states, e_score_correction_bias):
+            logits = torch.nn.functional.linear(hidden_states.reshape(-1, self.hidden_dim),
+                                                self.weight)
+            p = logits.float().sigmoid() if scores == "sigmoid" else logits.float().softmax(-1)
+            _, index = torch.topk(p + e_score_correction_bias, self.top_k, dim=-1)
+            weights = p.gather(1, index)
+            if renormalise:
+                weights = weights / weights.sum(dim=-1, keepdim=True)
+            return logits, weights, index
+        router.forward = forward
+        model._restore = lambda: setattr(router, "forward", original)
+        return model
+    return switch_off
+
+
+def _minimax_correction_bias_off(cases, name):
+    model = load_hf(cases.dir(name))
+    for layer in model.model.layers:
+        layer.mlp.e_score_correction_bias.zero_()
+    return model
+
+
 # quirk -> (the case that has it, transformers' model with the quirk switched off)
 QUIRK_OFF = {
     "phi_parallel_residual": ("phi", _phi_sequential_residual),
@@ -263,6 +318,12 @@ LOGIT_QUIRK_OFF = {
     "llama4_moe_scores_on_input": ("llama4", _llama4_moe(scores_on_output=True)),
     "llama4_moe_sigmoid": ("llama4", _llama4_moe(sigmoid=False)),
     "llama4_moe_shared_expert": ("llama4", _llama4_moe(shared=False)),
+    "minimax_m2_full_width_qk_norm": ("minimax_m2", _minimax_per_head_qk_norm),
+    "minimax_m2_qk_norm": ("minimax_m2", qk_norm_off),
+    "minimax_m2_partial_rotary": ("minimax_m2", _full_rotary),
+    "minimax_m2_sigmoid_router": ("minimax_m2", _minimax_router(scores="softmax")),
+    "minimax_m2_renormalised": ("minimax_m2", _minimax_router(renormalise=False)),
+    "minimax_m2_correction_bias": ("minimax_m2", _minimax_correction_bias_off),
 }
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from engine.models.composed_attention import ComposedAttention, rms_norm_in_place
 from engine.models.llama import LlamaForCausalLM, expected_shapes
 from engine.models.model_config import ModelConfig
 from engine.runner.forward_batch import ForwardBatch
@@ -147,59 +148,33 @@ class ChunkedView:
         return self._view
 
 
-class Llama4Attention:
-    """Fused qkv projection, RoPE (or none), the per-head L2 norm, the NoPE layers' temperature,
-    KV cache write, paged attention (over the chunked view on chunked layers), output
-    projection. Backend ops, as pyx/layers.pyx's Attention, whose steps it follows."""
+class Llama4Attention(ComposedAttention):
+    """Llama 4's steps around RoPE: the L2 norm of each q and k head after it (RoPE layers), the
+    temperature on q (NoPE layers); paged attention over the chunked view (chunked layers)."""
 
-    def __init__(self, backend, qkv_weight, o_weight, cos_sin_cache, num_heads: int,
-                 num_kv_heads: int, head_dim: int, eps: float, is_neox: bool, l2_norm=None,
-                 temperature: tuple[float, float] | None = None, chunks: ChunkedView | None = None):
-        """cos_sin_cache None: a NoPE layer. l2_norm: a (head_dim,) weight of ones (the norm
-        has none) or None. temperature: (attn_scale, floor_scale) or None. chunks: the model's
-        ChunkedView on a chunked layer, None on a full one."""
-        self.backend, self.xp = backend, backend.xp
-        self.qkv_weight, self.o_weight = qkv_weight, o_weight
-        self.cos_sin_cache = cos_sin_cache
-        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
-        self.scale = head_dim ** -0.5
-        self.eps, self.is_neox = eps, is_neox
+    def __init__(self, *args, l2_norm=None, temperature: tuple[float, float] | None = None,
+                 chunks: ChunkedView | None = None):
+        """l2_norm: a (head_dim,) weight of ones (the norm has none) or None. temperature:
+        (attn_scale, floor_scale) or None. chunks: the model's ChunkedView on a chunked layer,
+        None on a full one."""
+        super().__init__(*args)
         self.l2_norm, self.temperature, self.chunks = l2_norm, temperature, chunks
-        self.sliding_window = 0
 
-    def forward(self, batch, x, out, k_cache, v_cache, ws):
-        """x (T, H) -> out (T, H)."""
-        b, xp = self.backend, self.xp
-        T, qs, kvs, D = x.shape[0], self.q_size, self.kv_size, self.head_dim
-        qkv = ws.get("qkv", T, qs + 2 * kvs)
-        b.linear(x, self.qkv_weight, None, qkv)
-        q, k, v = ws.get("q", T, qs), ws.get("k", T, kvs), ws.get("v", T, kvs)
-        xp.copyto(q, qkv[:, :qs])
-        xp.copyto(k, qkv[:, qs:qs + kvs])
-        xp.copyto(v, qkv[:, qs + kvs:])
-        if self.cos_sin_cache is not None:
-            b.rotary_embedding(batch.positions, q, k, self.cos_sin_cache, D, self.is_neox)
+    def _after_rope(self, batch, q, k, ws):
+        b, xp, T, D = self.backend, self.xp, q.shape[0], self.head_dim
         if self.l2_norm is not None:
-            for name, t, heads in (("q", q, self.num_heads), ("k", k, self.num_kv_heads)):
-                rotated = ws.get("rotated_" + name, T, t.shape[1])
-                xp.copyto(rotated, t)
-                b.rms_norm(rotated.reshape(T * heads, D), self.l2_norm, self.eps,
-                           t.reshape(T * heads, D))
+            rms_norm_in_place(b, xp, q, self.l2_norm, self.eps, T * self.num_heads, D, ws, "raw_q")
+            rms_norm_in_place(b, xp, k, self.l2_norm, self.eps, T * self.num_kv_heads, D, ws,
+                              "raw_k")
         if self.temperature is not None:
             attn_scale, floor_scale = self.temperature
             pos = batch.positions.astype(np.float32)
             scales = np.log1p(np.floor((pos + np.float32(1.0)) / np.float32(floor_scale)))
             scales = scales * np.float32(attn_scale) + np.float32(1.0)
             q *= scales.astype(q.dtype)[:, None]
-        view = batch if self.chunks is None else self.chunks.of(batch, k_cache.shape[1])
-        attn = ws.get("attn", T, qs)
-        b.reshape_and_cache(k.reshape(T, self.num_kv_heads, D), v.reshape(T, self.num_kv_heads, D),
-                            k_cache, v_cache, batch.slot_mapping)
-        b.paged_attention(attn.reshape(T, self.num_heads, D), q.reshape(T, self.num_heads, D),
-                          k_cache, v_cache, view.block_tables, view.seq_lens,
-                          view.query_start_loc, self.scale, 0)
-        b.linear(attn, self.o_weight, None, out)
+
+    def _view(self, batch, block_size):
+        return batch if self.chunks is None else self.chunks.of(batch, block_size)
 
 
 class Llama4MoE(MoE):

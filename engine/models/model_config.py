@@ -31,6 +31,7 @@ _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                 "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
                 "qwen3_next": "Qwen3NextForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM",
                 "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM", "llama4_text": "Llama4ForCausalLM",
+                "minimax_m2": "MiniMaxM2ForCausalLM",
                 **MLA_MODEL_TYPES}
 
 # Architectures whose attention applies RMSNorm to each q/k head before RoPE.
@@ -41,7 +42,8 @@ _GEMMA_ARCHS = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 # The configuration classes' head_dim when config.json has none (Qwen3Config and the Gemma
 # configs default to a fixed size, not hidden_size / heads).
 _DEFAULT_HEAD_DIM = {"Qwen3ForCausalLM": 128, "Qwen3MoeForCausalLM": 128, "Gemma2ForCausalLM": 256,
-                     "Gemma3ForCausalLM": 256, "Glm4ForCausalLM": 128, "GptOssForCausalLM": 64}
+                     "Gemma3ForCausalLM": 256, "Glm4ForCausalLM": 128, "GptOssForCausalLM": 64,
+                     "MiniMaxM2ForCausalLM": 128}
 
 # hidden_act / hidden_activation names -> the gated activation op of the MLP.
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh",
@@ -392,6 +394,13 @@ def parse_moe(arch: str, cfg: dict, num_layers: int) -> MoeConfig | None:
                          int(cfg.get("num_experts_per_tok", 1)), size, False,
                          family_config.llama4_moe_layers(cfg, num_layers),
                          shared_intermediate_size=size, shared_expert_gate=False)
+    if arch == "MiniMaxM2ForCausalLM":
+        # MiniMaxM2TopKRouter: sigmoid scores, the choice by score + e_score_correction_bias,
+        # the chosen scores renormalised; no groups, no scaling, every layer sparse.
+        return MoeConfig(int(cfg.get("num_local_experts", 256)),
+                         int(cfg.get("num_experts_per_tok", 8)),
+                         int(cfg.get("intermediate_size", 1536)), True, [True] * num_layers,
+                         grouped=GroupedRouting("sigmoid", "greedy", 1, 1, 1.0, True))
     if arch == "MixtralForCausalLM":      # softmax, top-k, always renormalised; every layer
         return MoeConfig(int(cfg.get("num_local_experts", 8)), int(cfg.get("num_experts_per_tok", 2)),
                          int(cfg["intermediate_size"]), True, [True] * num_layers)
@@ -494,6 +503,11 @@ def _ropes(arch: str, cfg: dict, head_dim: int, max_pos: int, yarn_scaling_facto
                                               or 150000.0)}
     if arch in ("PhiForCausalLM", "Glm4MoeForCausalLM"):   # their configs: half of it
         cfg = {"partial_rotary_factor": 0.5, **cfg}
+    if arch == "MiniMaxM2ForCausalLM":
+        # MiniMaxM2Config: rotary_dim gives the rotated part when partial_rotary_factor is absent
+        cfg = {"rope_theta": 5_000_000.0, **cfg}
+        if cfg.get("rotary_dim") and not cfg.get("partial_rotary_factor"):
+            cfg["partial_rotary_factor"] = cfg["rotary_dim"] / head_dim
     if arch == "Llama4ForCausalLM":     # rotated as complex pairs (x[2i], x[2i+1])
         rope = parse_rope({"rope_theta": 500000.0, **cfg}, head_dim, max_pos,
                           yarn_scaling_factor)

@@ -31,6 +31,7 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "Glm4MoeForCausalLM": ("glm4_moe", "Glm4MoeForCausalLM"),
     "GptOssForCausalLM": ("gpt_oss", "GptOssForCausalLM"),
     "Llama4ForCausalLM": ("llama4", "Llama4ForCausalLM"),
+    "MiniMaxM2ForCausalLM": ("minimax_m2", "MiniMaxM2ForCausalLM"),
 }
 
 # Headless transformers (embedding checkpoints: tensors without the "model." prefix, no lm_head)
