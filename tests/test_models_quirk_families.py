@@ -1,6 +1,6 @@
 """Families that are a quirk file each (issue 29 item 4): Phi-2 (PhiForCausalLM), GLM-4.5/4.6
-(Glm4MoeForCausalLM), GPT-OSS (GptOssForCausalLM), Llama 4 text (Llama4ForCausalLM) and
-MiniMax-M2 (MiniMaxM2ForCausalLM) give
+(Glm4MoeForCausalLM), GPT-OSS (GptOssForCausalLM), Llama 4 text (Llama4ForCausalLM),
+MiniMax-M2 (MiniMaxM2ForCausalLM) and Phi-4-mini's shape of Phi3ForCausalLM give
 transformers' greedy tokens on tiny checkpoints written by transformers itself
 (tests/checkpoints.py), through the whole engine with chunked prefill, a prefix-cache hit and
 forced preemption, and through the model alone (tests/model_cases.py's paged harness) with prompt
@@ -32,6 +32,19 @@ CASES = {
     "gpt_oss": (dict(arch="gpt_oss"), None),
     "llama4": (dict(arch="llama4"), None),
     "minimax_m2": (dict(arch="minimax_m2"), None),
+    # Phi-4-mini's shape of Phi3ForCausalLM (Phi-4 itself is plain Phi-3): three quarters of
+    # each head rotated (18 of 24 dims) with LongRoPE factors for those 9 pairs, tied
+    # embeddings. The original context (128) covers every sequence here: past it transformers'
+    # full recompute rotates every key with the long factors, while a cache (Taper's, or
+    # transformers' own) keeps the short ones for keys computed before, so chunked prefill
+    # could not match the recompute (tests/test_models_families.py checks the long factors)
+    "phi4_mini": (dict(arch="phi3", partial_rotary_factor=0.75, tie_word_embeddings=True,
+                       original_max_position_embeddings=128,
+                       rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                        "partial_rotary_factor": 0.75,
+                                        "short_factor": [1.0 + 0.05 * i for i in range(9)],
+                                        "long_factor": [1.0 + 0.6 * i for i in range(9)]}),
+                  None),
 }
 
 
