@@ -103,6 +103,16 @@ ARCHS = {
                                            head_dim=24, rotary_dim=12, intermediate_size=64,
                                            num_local_experts=8, num_experts_per_tok=2,
                                            pad_token_id=0, tie_word_embeddings=False)),
+    # Gemma 4 text: a sliding layer (heads of 16, 2 KV heads, window 16) then a full one with
+    # heads of 32 and one KV head whose values are its keys (attention_k_eq_v), proportional
+    # RoPE on a quarter of its pairs; q/k/v norms, unscaled scores, layer_scalar (randomised),
+    # a final soft-cap; no per-layer input embeddings
+    "gemma4": ("Gemma4TextConfig", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                        global_head_dim=32, num_global_key_value_heads=1,
+                                        attention_k_eq_v=True, hidden_size_per_layer_input=0,
+                                        sliding_window=16, final_logit_softcapping=10.0,
+                                        layer_types=["sliding_attention", "full_attention"],
+                                        pad_token_id=0, tie_word_embeddings=False)),
     # mixtures of experts: 4 experts, 2 per token
     "mixtral": ("MixtralConfig", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=24,
                                       num_local_experts=4, num_experts_per_tok=2,
@@ -239,8 +249,19 @@ def _gpt_oss_weights(model, seed: int):
                 p.copy_(1.0 + torch.randn(p.shape, generator=gen))
 
 
+def _gemma4_weights(model, seed: int):
+    """Gemma 4's layer_scalar buffers (one at init) ~ U(0.5, 1.5)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed + 10)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.layer_scalar.copy_(0.5 + torch.rand(1, generator=gen))
+
+
 # per architecture: (scale for scale_weights, a further adjustment after it)
-_ADJUST = {"phi": (4.0, _phi_weights), "gpt_oss": (8.0, _gpt_oss_weights)}
+_ADJUST = {"phi": (4.0, _phi_weights), "gpt_oss": (8.0, _gpt_oss_weights),
+           "gemma4": (8.0, _gemma4_weights)}
 
 
 def tiny_checkpoint(directory, arch: str = "llama", dtype: str = "float32", seed: int = 0,

@@ -1,6 +1,7 @@
 """Families that are a quirk file each (issue 29 item 4): Phi-2 (PhiForCausalLM), GLM-4.5/4.6
 (Glm4MoeForCausalLM), GPT-OSS (GptOssForCausalLM), Llama 4 text (Llama4ForCausalLM),
-MiniMax-M2 (MiniMaxM2ForCausalLM) and Phi-4-mini's shape of Phi3ForCausalLM give
+MiniMax-M2 (MiniMaxM2ForCausalLM), Gemma 4 text (Gemma4ForCausalLM) and Phi-4-mini's shape of
+Phi3ForCausalLM give
 transformers' greedy tokens on tiny checkpoints written by transformers itself
 (tests/checkpoints.py), through the whole engine with chunked prefill, a prefix-cache hit and
 forced preemption, and through the model alone (tests/model_cases.py's paged harness) with prompt
@@ -32,6 +33,7 @@ CASES = {
     "gpt_oss": (dict(arch="gpt_oss"), None),
     "llama4": (dict(arch="llama4"), None),
     "minimax_m2": (dict(arch="minimax_m2"), None),
+    "gemma4": (dict(arch="gemma4"), None),
     # Phi-4-mini's shape of Phi3ForCausalLM (Phi-4 itself is plain Phi-3): three quarters of
     # each head rotated (18 of 24 dims) with LongRoPE factors for those 9 pairs, tied
     # embeddings. The original context (128) covers every sequence here: past it transformers'
@@ -293,6 +295,41 @@ def _minimax_correction_bias_off(cases, name):
     return model
 
 
+def _gemma4_attention(**changes):
+    """Gemma 4's attention modules with attributes changed (every layer) to value(module)."""
+    def switch_off(cases, name):
+        model = load_hf(cases.dir(name))
+        for layer in model.model.layers:
+            for k, v in changes.items():
+                setattr(layer.self_attn, k, v(layer.self_attn))
+        return model
+    return switch_off
+
+
+def _gemma4_norms_one_plus_w(cases, name):
+    """Gemma 4's RMSNorms multiplying by 1 + w, as Gemma-2/3's do."""
+    from transformers.models.gemma4 import modeling_gemma4
+    model = load_hf(cases.dir(name))
+    norm = modeling_gemma4.Gemma4RMSNorm
+    original = norm.forward
+
+    def forward(self, x):
+        out = self._norm(x.float())
+        if self.with_scale:
+            out = out * (1.0 + self.weight.float())
+        return out.type_as(x)
+    norm.forward = forward
+    model._restore = lambda: setattr(norm, "forward", original)
+    return model
+
+
+def _gemma4_layer_scalar_off(cases, name):
+    model = load_hf(cases.dir(name))
+    for layer in model.model.layers:
+        layer.layer_scalar.fill_(1.0)
+    return model
+
+
 # quirk -> (the case that has it, transformers' model with the quirk switched off)
 QUIRK_OFF = {
     "phi_parallel_residual": ("phi", _phi_sequential_residual),
@@ -337,6 +374,16 @@ LOGIT_QUIRK_OFF = {
     "minimax_m2_sigmoid_router": ("minimax_m2", _minimax_router(scores="softmax")),
     "minimax_m2_renormalised": ("minimax_m2", _minimax_router(renormalise=False)),
     "minimax_m2_correction_bias": ("minimax_m2", _minimax_correction_bias_off),
+    "gemma4_norm_weight_not_one_plus": ("gemma4", _gemma4_norms_one_plus_w),
+    "gemma4_qk_norm": ("gemma4", qk_norm_off),
+    "gemma4_v_norm": ("gemma4", _gemma4_attention(v_norm=lambda a: torch.nn.Identity())),
+    "gemma4_unscaled_scores": ("gemma4", _gemma4_attention(scaling=lambda a: a.head_dim ** -0.5)),
+    "gemma4_proportional_rope": ("gemma4", lambda c, n: hf_with_rope_parameters(c, n, lambda p: {
+        "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0}})),
+    "gemma4_layer_scalar": ("gemma4", _gemma4_layer_scalar_off),
+    "gemma4_sliding_window": ("gemma4", lambda c, n: hf_with_config(c, n, sliding_window=4096)),
+    "gemma4_final_softcap": ("gemma4",
+                             lambda c, n: hf_with_config(c, n, final_logit_softcapping=None)),
 }
 
 
@@ -527,3 +574,33 @@ def test_llama4_layer_plan_and_refusals(cases):
     with pytest.raises(ValueError, match="attention_chunk_size 16 is not a multiple of the KV "
                                          "block size 12"):
         model.kv_cache_shape(4, 12)
+
+
+def test_gemma4_layer_plan_and_refusals(cases):
+    """Gemma4TextConfig's rules: the full layers' head size and KV heads from per_layer_config
+    or global_head_dim / num_global_key_value_heads, every 6th layer and the last full by
+    default; per-layer input embeddings, KV sharing and the MoE block refused by name; every
+    layer's cache the wider kind's shape (the pool's size per token counts it)."""
+    import json
+
+    from engine.models.model_config import ModelConfig
+    with open(f"{cases.dir('gemma4')}/config.json") as f:
+        config = json.load(f)
+    c = ModelConfig.from_dict(config)
+    assert (c.family.full_head_dim, c.family.full_kv_heads, c.family.k_eq_v) == (32, 1, True)
+    assert c.sliding_windows == [16, 0] and c.final_softcap == 10.0
+    assert c.kv_cache_elements_per_token == 2 * max(2 * 16, 1 * 32)
+    plain = {k: v for k, v in config.items() if k not in ("per_layer_config", "layer_types")}
+    c = ModelConfig.from_dict({**plain, "num_hidden_layers": 7, "global_head_dim": 64,
+                               "num_global_key_value_heads": 2})
+    assert c.family.full_layers == (False,) * 5 + (True, True)
+    assert (c.family.full_head_dim, c.family.full_kv_heads) == (64, 2)
+    assert c.kv_cache_elements_per_token == 2 * 128
+    for key, value, what in [("hidden_size_per_layer_input", 256, "per-layer input"),
+                             ("num_kv_shared_layers", 1, "KV sharing"),
+                             ("enable_moe_block", True, "mixture-of-experts")]:
+        with pytest.raises(ValueError, match=what):
+            ModelConfig.from_dict({**config, key: value})
+    with pytest.raises(ValueError, match="per-layer input"):
+        ModelConfig.from_dict({k: v for k, v in config.items()
+                               if k != "hidden_size_per_layer_input"})   # the class's 256

@@ -25,8 +25,20 @@ class ComposedAttention:
 
     # ---- hooks a family overrides
 
-    def _before_rope(self, batch, q, k, ws):
-        """In place on q (T, q_size) and k (T, kv_size), before RoPE."""
+    def _project(self, x, ws):
+        """(q (T, q_size), k (T, kv_size), v (T, kv_size)), C-contiguous workspace arrays."""
+        xp, T, qs, kvs = self.xp, x.shape[0], self.q_size, self.kv_size
+        qkv = ws.get("qkv", T, qs + 2 * kvs)
+        self.backend.linear(x, self.qkv_weight, None, qkv)
+        q, k, v = ws.get("q", T, qs), ws.get("k", T, kvs), ws.get("v", T, kvs)
+        # the ops take C-contiguous tensors: the fused output is split by copies
+        xp.copyto(q, qkv[:, :qs])
+        xp.copyto(k, qkv[:, qs:qs + kvs])
+        xp.copyto(v, qkv[:, qs + kvs:])
+        return q, k, v
+
+    def _before_rope(self, batch, q, k, v, ws):
+        """In place on q (T, q_size), k and v (T, kv_size), before RoPE."""
 
     def _after_rope(self, batch, q, k, ws):
         """In place on q and k, after RoPE."""
@@ -39,16 +51,10 @@ class ComposedAttention:
 
     def forward(self, batch, x, out, k_cache, v_cache, ws):
         """x (T, H) -> out (T, H)."""
-        b, xp = self.backend, self.xp
-        T, qs, kvs, D = x.shape[0], self.q_size, self.kv_size, self.head_dim
-        qkv = ws.get("qkv", T, qs + 2 * kvs)
-        b.linear(x, self.qkv_weight, None, qkv)
-        q, k, v = ws.get("q", T, qs), ws.get("k", T, kvs), ws.get("v", T, kvs)
-        # the ops take C-contiguous tensors: the fused output is split by copies
-        xp.copyto(q, qkv[:, :qs])
-        xp.copyto(k, qkv[:, qs:qs + kvs])
-        xp.copyto(v, qkv[:, qs + kvs:])
-        self._before_rope(batch, q, k, ws)
+        b = self.backend
+        T, qs, D = x.shape[0], self.q_size, self.head_dim
+        q, k, v = self._project(x, ws)
+        self._before_rope(batch, q, k, v, ws)
         if self.cos_sin_cache is not None:
             b.rotary_embedding(batch.positions, q, k, self.cos_sin_cache, D, self.is_neox)
         self._after_rope(batch, q, k, ws)

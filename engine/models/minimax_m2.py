@@ -51,7 +51,7 @@ class MiniMaxM2Attention(ComposedAttention):
         super().__init__(*args)
         self.q_norm, self.k_norm = q_norm, k_norm
 
-    def _before_rope(self, batch, q, k, ws):
+    def _before_rope(self, batch, q, k, v, ws):
         T = q.shape[0]
         rms_norm_in_place(self.backend, self.xp, q, self.q_norm, self.eps, T, self.q_size, ws,
                           "raw_q")

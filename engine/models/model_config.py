@@ -31,7 +31,7 @@ _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                 "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
                 "qwen3_next": "Qwen3NextForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM",
                 "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM", "llama4_text": "Llama4ForCausalLM",
-                "minimax_m2": "MiniMaxM2ForCausalLM",
+                "minimax_m2": "MiniMaxM2ForCausalLM", "gemma4_text": "Gemma4ForCausalLM",
                 **MLA_MODEL_TYPES}
 
 # Architectures whose attention applies RMSNorm to each q/k head before RoPE.
@@ -43,7 +43,7 @@ _GEMMA_ARCHS = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 # configs default to a fixed size, not hidden_size / heads).
 _DEFAULT_HEAD_DIM = {"Qwen3ForCausalLM": 128, "Qwen3MoeForCausalLM": 128, "Gemma2ForCausalLM": 256,
                      "Gemma3ForCausalLM": 256, "Glm4ForCausalLM": 128, "GptOssForCausalLM": 64,
-                     "MiniMaxM2ForCausalLM": 128}
+                     "MiniMaxM2ForCausalLM": 128, "Gemma4ForCausalLM": 256}
 
 # hidden_act / hidden_activation names -> the gated activation op of the MLP.
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh",
@@ -183,6 +183,8 @@ class ModelConfig:
         """Cached values per token and layer: K and V of every KV head, or MLA's latent."""
         if self.mla is not None:
             return self.mla.latent_dim
+        if isinstance(self.family, family_config.Gemma4Settings):
+            return 2 * self.family.cache_width(self.kv_size)
         return 2 * self.num_key_value_heads * self.head_dim
 
     @classmethod
@@ -291,7 +293,8 @@ class ModelConfig:
             query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar") or head_dim) if gemma
             else None,
             attn_softcap=float(cfg.get("attn_logit_softcapping") or 0.0) if gemma else 0.0,
-            final_softcap=float(cfg.get("final_logit_softcapping") or 0.0) if gemma else 0.0,
+            final_softcap=float(cfg.get("final_logit_softcapping") or 0.0)
+            if gemma or arch == "Gemma4ForCausalLM" else 0.0,
             parallel_residual=arch == "PhiForCausalLM"
             or bool(cfg.get("use_parallel_residual", False)),
             qk_layernorm=arch == "StableLmForCausalLM" and bool(cfg.get("qk_layernorm", False)),
@@ -314,6 +317,10 @@ def _dense_intermediate_size(arch: str, cfg: dict) -> int:
 def _family_settings(arch: str, cfg: dict, num_layers: int):
     if arch == "Llama4ForCausalLM":
         return family_config.parse_llama4(cfg, num_layers)
+    if arch == "Gemma4ForCausalLM":
+        head_dim = cfg.get("head_dim") or _DEFAULT_HEAD_DIM[arch]
+        kv_heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+        return family_config.parse_gemma4(cfg, num_layers, head_dim, kv_heads)
     return None
 
 
@@ -483,6 +490,9 @@ def _sliding_windows(arch: str, cfg: dict, num_layers: int) -> list[int]:
             raise ValueError(f"layer_types has {len(layer_types)} entries for {num_layers} layers")
         window = int(cfg.get("sliding_window") or 128)
         return [window if t == "sliding_attention" else 0 for t in layer_types]
+    if arch == "Gemma4ForCausalLM":     # Gemma4TextConfig: the full layers as parse_gemma4 has them
+        full = family_config.parse_gemma4(cfg, num_layers, 1, 1).full_layers
+        return [0 if f else int(cfg.get("sliding_window") or 512) for f in full]
     if arch == "Phi3ForCausalLM":
         # Phi3Attention passes config.sliding_window to every layer.
         return [int(cfg.get("sliding_window") or 0)] * num_layers
@@ -503,6 +513,10 @@ def _ropes(arch: str, cfg: dict, head_dim: int, max_pos: int, yarn_scaling_facto
                                               or 150000.0)}
     if arch in ("PhiForCausalLM", "Glm4MoeForCausalLM"):   # their configs: half of it
         cfg = {"partial_rotary_factor": 0.5, **cfg}
+    if arch == "Gemma4ForCausalLM":     # the sliding layers' RoPE; gemma4.py builds the full ones'
+        sliding = (cfg.get("rope_parameters") or {}).get("sliding_attention") or {}
+        return parse_rope({"rope_theta": sliding.get("rope_theta", 10_000.0)}, head_dim,
+                          max_pos), None
     if arch == "MiniMaxM2ForCausalLM":
         # MiniMaxM2Config: rotary_dim gives the rotated part when partial_rotary_factor is absent
         cfg = {"rope_theta": 5_000_000.0, **cfg}
