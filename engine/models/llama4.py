@@ -100,6 +100,10 @@ class Llama4ForCausalLM(LlamaForCausalLM):
         return Llama4MoE(self.backend, self._take(weights, f"{q}router.weight"), gate_ups, downs,
                          m.top_k, shared, fused=self.backend.fused_moe)
 
+    def forward(self, batch, kv_caches, *args, **kwargs):
+        self.chunks.forget()        # a batch object may come again with other contents
+        return super().forward(batch, kv_caches, *args, **kwargs)
+
     def kv_cache_shape(self, num_blocks, block_size):
         chunk = self.config.family.attention_chunk_size
         if any(self.config.family.chunked_layers) and chunk % block_size:
@@ -109,13 +113,16 @@ class Llama4ForCausalLM(LlamaForCausalLM):
 
 
 class ChunkedView:
-    """A batch's chunked-attention form (module docstring), made once per batch and shared by
+    """A batch's chunked-attention form (module docstring), made once per forward and shared by
     the chunked layers: each sequence's rows cut where their positions cross a chunk boundary,
     each piece a sequence whose keys start at its chunk: its seq_len counts from the chunk's
     first position, its block table row from the chunk's first block."""
 
     def __init__(self, chunk_size: int):
         self.chunk_size = chunk_size
+        self._batch = self._view = None
+
+    def forget(self) -> None:
         self._batch = self._view = None
 
     def of(self, batch: ForwardBatch, block_size: int) -> ForwardBatch:
