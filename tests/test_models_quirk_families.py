@@ -604,3 +604,28 @@ def test_gemma4_layer_plan_and_refusals(cases):
     with pytest.raises(ValueError, match="per-layer input"):
         ModelConfig.from_dict({k: v for k, v in config.items()
                                if k != "hidden_size_per_layer_input"})   # the class's 256
+
+
+def test_gemma4_multimodal_checkpoint_serves_its_text(tmp_path):
+    """Gemma 4 as released: Gemma4ForConditionalGeneration, the text config under text_config,
+    its tensors under model.language_model. beside a vision tower, tied embeddings. Taper serves
+    the text model (the tower not loaded) with transformers' tokens for a text prompt."""
+    import transformers
+
+    from checkpoints import ARCHS, TINY, scale_weights
+    from engine import LLM, SamplingParams
+    text = {**TINY, **ARCHS["gemma4"][1], "tie_word_embeddings": True}
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=2, num_key_value_heads=2, head_dim=16)
+    torch.manual_seed(0)
+    model = transformers.Gemma4ForConditionalGeneration(
+        transformers.Gemma4Config(text_config=text, vision_config=vision, audio_config=None))
+    scale_weights(model)
+    model.save_pretrained(tmp_path)
+    model.eval()
+    prompts = prompts_for()
+    outs = LLM(str(tmp_path), backend="cpu", num_kv_blocks=32).generate(
+        prompts, SamplingParams(temperature=0, max_tokens=GEN, ignore_eos=True))
+    for i, (prompt, out) in enumerate(zip(prompts, outs)):
+        assert_matches(list(out.token_ids), hf_greedy(model, prompt, GEN), min_trusted=8,
+                       label=f"Gemma4ForConditionalGeneration prompt {i}")

@@ -13,11 +13,15 @@ soft-cap) with
 The per-layer settings are engine/models/family_config.py's Gemma4Settings. Every layer's KV
 cache has the wider layer kind's shape; a narrower layer uses the front of that buffer reshaped
 to its own (NB, BS, Hkv, D), contiguous, so the pool's blocks mean the same in every layer.
-Per-layer input embeddings (the E2B/E4B models), KV sharing across layers and the MoE block are
+Gemma 4 as released (Gemma4ForConditionalGeneration: the text model's tensors under
+model.language_model., beside vision and audio towers) is served for its text, the towers not
+loaded. Per-layer input embeddings (the E2B/E4B models), KV sharing across layers and the MoE block are
 refused by name in ModelConfig; the CUDA backend is refused here (the per-layer cache views and
 head sizes are unverified on its kernels).
 """
 from __future__ import annotations
+
+import logging
 
 import numpy as np
 
@@ -26,6 +30,25 @@ from engine.models.gemma import Gemma2ForCausalLM
 from engine.models.model_config import ModelConfig
 from engine.models.rotary import _cos_sin
 from pyx.layers import SandwichDecoderLayer
+
+logger = logging.getLogger("taper.models")
+
+_TOWERS = ("model.vision_tower.", "model.embed_vision.", "model.audio_tower.",
+           "model.embed_audio.")
+
+
+def _language_model_only(weights: dict) -> None:
+    """In place: a multimodal checkpoint's language model under the causal LM's names, its
+    vision and audio towers dropped."""
+    prefix, dropped = "model.language_model.", 0
+    for name in list(weights):
+        if name.startswith(prefix):
+            weights["model." + name[len(prefix):]] = weights.pop(name)
+        elif name.startswith(_TOWERS):
+            del weights[name]
+            dropped += 1
+    if dropped:
+        logger.info("not loaded: %d vision and audio tower tensors", dropped)
 
 
 def _layer_dims(c: ModelConfig, i: int) -> tuple[int, int]:
@@ -62,6 +85,7 @@ class Gemma4ForCausalLM(Gemma2ForCausalLM):
                              f"on its kernels); use the CPU backend")
         if config.tensor_parallel is not None:
             raise ValueError(f"{config.architecture}: tensor parallel is not supported")
+        _language_model_only(weights)
         s = config.family
         # proportional RoPE over the full layers' whole head (rotate-half pairs j, j + D/2)
         D = s.full_head_dim

@@ -50,6 +50,7 @@ BASE_MODELS: dict[str, str] = {
 TEXT_MODELS: dict[str, str] = {
     "Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
     "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM",
+    "Gemma4ForConditionalGeneration": "Gemma4ForCausalLM",
 }
 
 
