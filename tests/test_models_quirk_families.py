@@ -629,3 +629,28 @@ def test_gemma4_multimodal_checkpoint_serves_its_text(tmp_path):
     for i, (prompt, out) in enumerate(zip(prompts, outs)):
         assert_matches(list(out.token_ids), hf_greedy(model, prompt, GEN), min_trusted=8,
                        label=f"Gemma4ForConditionalGeneration prompt {i}")
+
+
+def test_llama4_multimodal_checkpoint_serves_its_text(tmp_path):
+    """Llama 4 as released: Llama4ForConditionalGeneration, the text config under text_config,
+    its tensors under language_model. beside a vision model and projector. Taper serves the
+    text model (the vision parts not loaded) with transformers' tokens for a text prompt."""
+    import transformers
+
+    from checkpoints import ARCHS, TINY, scale_weights
+    from engine import LLM, SamplingParams
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=2, image_size=32, patch_size=8, vision_output_dim=32,
+                  projector_input_dim=32, projector_output_dim=96)
+    torch.manual_seed(0)
+    model = transformers.Llama4ForConditionalGeneration(transformers.Llama4Config(
+        text_config={**TINY, **ARCHS["llama4"][1]}, vision_config=vision))
+    scale_weights(model)
+    model.save_pretrained(tmp_path)
+    model.eval()
+    prompts = prompts_for()
+    outs = LLM(str(tmp_path), backend="cpu", num_kv_blocks=32, block_size=16).generate(
+        prompts, SamplingParams(temperature=0, max_tokens=GEN, ignore_eos=True))
+    for i, (prompt, out) in enumerate(zip(prompts, outs)):
+        assert_matches(list(out.token_ids), hf_greedy(model, prompt, GEN), min_trusted=8,
+                       label=f"Llama4ForConditionalGeneration prompt {i}")

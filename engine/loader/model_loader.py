@@ -28,7 +28,8 @@ def load_model(model_dir: str, backend, dtype: str = "auto",
     weights = load_safetensors(model_dir, dtype=dtype, progress=progress,
                                quantized=bool(model_config.quantization_config),
                                shard=plan and plan.shard)
-    if not any(name.startswith("model.") for name in weights):
+    # (language_model.: Llama 4's multimodal layout, renamed by its family's file)
+    if not any(name.startswith(("model.", "language_model.")) for name in weights):
         # The headless layout (LlamaModel.save_pretrained, and some embedding models that keep a
         # *ForCausalLM config over it): without an lm_head, an untied one cannot generate.
         weights = add_model_prefix(weights)

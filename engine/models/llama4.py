@@ -13,11 +13,17 @@
 - its mixture of experts (Llama4MoE) on the layers moe_layers (or interleave_moe_layer_step)
   names, a dense MLP of intermediate_size_mlp on the others, all under `feed_forward.`.
 
+Llama 4 as released (Llama4ForConditionalGeneration: the text model's tensors under
+language_model., beside a vision model and its projector) is served for its text, the vision
+parts not loaded.
+
 The settings are engine/models/family_config.py's Llama4Settings. The chunk cutting and the
 temperature are computed on the host, so the family runs on the CPU backend; the CUDA backend is
 refused by name.
 """
 from __future__ import annotations
+
+import logging
 
 import numpy as np
 
@@ -27,6 +33,22 @@ from engine.models.model_config import ModelConfig
 from engine.runner.forward_batch import ForwardBatch
 from pyx.layers import MLP
 from pyx.moe import MoE, _top_k_by_argmax
+
+logger = logging.getLogger("taper.models")
+
+
+def _language_model_only(weights: dict) -> None:
+    """In place: a multimodal checkpoint's language model under the causal LM's names, the
+    vision model and projector dropped."""
+    dropped = 0
+    for name in list(weights):
+        if name.startswith("language_model."):
+            weights[name[len("language_model."):]] = weights.pop(name)
+        elif name.startswith(("vision_model.", "multi_modal_projector.")):
+            del weights[name]
+            dropped += 1
+    if dropped:
+        logger.info("not loaded: %d vision model and projector tensors", dropped)
 
 
 def llama4_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -61,6 +83,7 @@ class Llama4ForCausalLM(LlamaForCausalLM):
                              f"backend is not supported, use the CPU backend")
         if config.tensor_parallel is not None:
             raise ValueError(f"{config.architecture}: tensor parallel is not supported")
+        _language_model_only(weights)
         self.chunks = ChunkedView(config.family.attention_chunk_size)
         super().__init__(config, weights, backend)
 

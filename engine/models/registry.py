@@ -46,11 +46,13 @@ BASE_MODELS: dict[str, str] = {
 
 
 # Multimodal checkpoints served for their text: their config.json nests the language model's
-# under text_config, their tensors under model.language_model. (the vision tower is not loaded).
+# under text_config, their tensors under model.language_model. (the vision tower is not loaded;
+# the family's file renames them).
 TEXT_MODELS: dict[str, str] = {
     "Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
     "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM",
     "Gemma4ForConditionalGeneration": "Gemma4ForCausalLM",
+    "Llama4ForConditionalGeneration": "Llama4ForCausalLM",    # tensors under language_model.
 }
 
 
