@@ -4,7 +4,7 @@ MiniMax-M2 (MiniMaxM2ForCausalLM), Gemma 4 text (Gemma4ForCausalLM) and Phi-4-mi
 Phi3ForCausalLM give
 transformers' greedy tokens on tiny checkpoints written by transformers itself
 (tests/checkpoints.py), through the whole engine with chunked prefill, a prefix-cache hit and
-forced preemption, and through the model alone (tests/model_cases.py's paged harness) with prompt
+forced preemption, through the server (the new families of this file's second half), and through the model alone (tests/model_cases.py's paged harness) with prompt
 chunks beside the other prompt's decodes (prefill logits too).
 
 Each quirk first shows that transformers' own output changes when the quirk is switched off
@@ -654,3 +654,31 @@ def test_llama4_multimodal_checkpoint_serves_its_text(tmp_path):
     for i, (prompt, out) in enumerate(zip(prompts, outs)):
         assert_matches(list(out.token_ids), hf_greedy(model, prompt, GEN), min_trusted=8,
                        label=f"Llama4ForConditionalGeneration prompt {i}")
+
+
+@pytest.mark.parametrize("arch", ["llama4", "minimax_m2", "gemma4"])
+def test_server_completion_matches_transformers(tmp_path, arch):
+    """The checkpoint (vocabulary = the tokenizer's) served by `python -m server`: a greedy
+    completion through the official openai client has transformers' text."""
+    from transformers import AutoTokenizer
+
+    from checkpoints import tiny_checkpoint
+    from server_fakes import LiveServer, client_for
+    from tiny_tokenizers import build_byte_level
+
+    d = tmp_path / arch
+    build_byte_level(d)
+    hf_tok = AutoTokenizer.from_pretrained(str(d))
+    tiny_checkpoint(d, arch=arch, vocab_size=len(hf_tok))
+    whole = [i for i in range(3, len(hf_tok)) if "\ufffd" not in hf_tok.decode([i])]
+    prompt = np.random.default_rng(5).choice(whole, 40).tolist()
+    tokens, trusted, _ = hf_greedy(load_hf(d), prompt, GEN)
+    assert trusted >= 8, f"reference near-tie at token {trusted}"
+    server = LiveServer(tmp_path, str(d), "--mem", "16", "--served-model-name", arch)
+    try:
+        out = client_for(server.port).completions.create(
+            model=arch, prompt=prompt, max_tokens=trusted, temperature=0,
+            extra_body={"ignore_eos": True})
+    finally:
+        server.close()
+    assert out.choices[0].text == hf_tok.decode(tokens[:trusted], skip_special_tokens=True)
