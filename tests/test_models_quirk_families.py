@@ -1,11 +1,11 @@
 """Families that are a quirk file each (issue 29 item 4): Phi-2 (PhiForCausalLM), GLM-4.5/4.6
 (Glm4MoeForCausalLM), GPT-OSS (GptOssForCausalLM), Llama 4 text (Llama4ForCausalLM),
 MiniMax-M2 (MiniMaxM2ForCausalLM), Gemma 4 text (Gemma4ForCausalLM) and Phi-4-mini's shape of
-Phi3ForCausalLM give
-transformers' greedy tokens on tiny checkpoints written by transformers itself
-(tests/checkpoints.py), through the whole engine with chunked prefill, a prefix-cache hit and
-forced preemption, through the server (the new families of this file's second half), and through the model alone (tests/model_cases.py's paged harness) with prompt
-chunks beside the other prompt's decodes (prefill logits too).
+Phi3ForCausalLM give transformers' greedy tokens on tiny checkpoints written by transformers
+itself (tests/checkpoints.py), through the whole engine with chunked prefill, a prefix-cache hit
+and forced preemption, through the server (Llama 4, MiniMax-M2, Gemma 4), and through the model
+alone (tests/model_cases.py's paged harness) with prompt chunks beside the other prompt's
+decodes (prefill logits too).
 
 Each quirk first shows that transformers' own output changes when the quirk is switched off
 (tokens, or the prefill logits far beyond the harness test's tolerance where a tiny model's

@@ -13,11 +13,12 @@ soft-cap) with
 The per-layer settings are engine/models/family_config.py's Gemma4Settings. Every layer's KV
 cache has the wider layer kind's shape; a narrower layer uses the front of that buffer reshaped
 to its own (NB, BS, Hkv, D), contiguous, so the pool's blocks mean the same in every layer.
+
 Gemma 4 as released (Gemma4ForConditionalGeneration: the text model's tensors under
 model.language_model., beside vision and audio towers) is served for its text, the towers not
-loaded. Per-layer input embeddings (the E2B/E4B models), KV sharing across layers and the MoE block are
-refused by name in ModelConfig; the CUDA backend is refused here (the per-layer cache views and
-head sizes are unverified on its kernels).
+loaded. Per-layer input embeddings (the E2B/E4B models), KV sharing across layers and the MoE
+block are refused by name in ModelConfig; the CUDA backend is refused here (the per-layer cache
+views and head sizes are unverified on its kernels).
 """
 from __future__ import annotations
 

@@ -111,7 +111,8 @@ class Llama4ForCausalLM(LlamaForCausalLM):
             return MLP(self.backend, self._fuse(weights, [f"{q}gate_proj.weight",
                                                           f"{q}up_proj.weight"]),
                        None, self._take(weights, f"{q}down_proj.weight"), None)
-        gate_up, down = weights.pop(f"{q}experts.gate_up_proj"), weights.pop(f"{q}experts.down_proj")
+        gate_up = weights.pop(f"{q}experts.gate_up_proj")
+        down = weights.pop(f"{q}experts.down_proj")
         place = self.backend.place_weight
         # stored (E, H, 2I) and (E, I, H), x @ w; the gate is the first half of 2I
         gate_ups = [place(np.ascontiguousarray(gate_up[e].T)) for e in range(m.num_experts)]

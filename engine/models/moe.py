@@ -4,8 +4,9 @@ in place of the MLP on the layers the config makes sparse.
 Only the names differ between the families: Mixtral keeps its experts under
 `block_sparse_moe.experts.{e}.w1/w3/w2` (gate, up, down), the Qwen models under
 `mlp.experts.{e}.gate_proj/up_proj/down_proj`, with Qwen2-MoE's shared expert under
-`mlp.shared_expert.*` and its gate `mlp.shared_expert_gate`. MiniMax-M2 (engine/models/minimax_m2.py)
-keeps Mixtral's names and adds a sigmoid router's `e_score_correction_bias` (MoeConfig.grouped).
+`mlp.shared_expert.*` and its gate `mlp.shared_expert_gate`. MiniMax-M2
+(engine/models/minimax_m2.py) keeps Mixtral's names and adds a sigmoid router's
+`e_score_correction_bias` (MoeConfig.grouped).
 """
 from __future__ import annotations
 
