@@ -604,6 +604,8 @@ def test_gemma4_layer_plan_and_refusals(cases):
     with pytest.raises(ValueError, match="per-layer input"):
         ModelConfig.from_dict({k: v for k, v in config.items()
                                if k != "hidden_size_per_layer_input"})   # the class's 256
+    with pytest.raises(ValueError, match="YaRN scaling factor is not supported"):
+        ModelConfig.from_dict(config, yarn_scaling_factor=2.0)
 
 
 def test_gemma4_multimodal_checkpoint_serves_its_text(tmp_path):

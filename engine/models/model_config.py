@@ -514,6 +514,9 @@ def _ropes(arch: str, cfg: dict, head_dim: int, max_pos: int, yarn_scaling_facto
     if arch in ("PhiForCausalLM", "Glm4MoeForCausalLM"):   # their configs: half of it
         cfg = {"partial_rotary_factor": 0.5, **cfg}
     if arch == "Gemma4ForCausalLM":     # the sliding layers' RoPE; gemma4.py builds the full ones'
+        if yarn_scaling_factor is not None:
+            raise ValueError(f"{arch}: a YaRN scaling factor is not supported (its full layers' "
+                             "RoPE is proportional)")
         sliding = (cfg.get("rope_parameters") or {}).get("sliding_attention") or {}
         return parse_rope({"rope_theta": sliding.get("rope_theta", 10_000.0)}, head_dim,
                           max_pos), None
