@@ -87,6 +87,32 @@ ARCHS = {
                                                       "truncate": False, "rope_theta": 150000.0,
                                                       "original_max_position_embeddings": 64},
                                      tie_word_embeddings=False)),
+    # Llama 4 text: layer 0 RoPE with chunked attention (chunks of 16, under the prompts) and
+    # the L2 q/k norm, a dense MLP of intermediate_size_mlp; layer 1 NoPE, full attention, the
+    # temperature (floor_scale 8, attn_scale 0.5: it grows across the prompts) and the MoE
+    # (interleave_moe_layer_step 2): 4 experts, top-1 by sigmoid on the input, a shared expert
+    "llama4": ("Llama4TextConfig", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=24,
+                                        intermediate_size=64, intermediate_size_mlp=192,
+                                        num_local_experts=4, num_experts_per_tok=1,
+                                        interleave_moe_layer_step=2, no_rope_layers=[1, 0],
+                                        attention_chunk_size=16, floor_scale=8, attn_scale=0.5,
+                                        pad_token_id=0, tie_word_embeddings=False)),
+    # MiniMax-M2: q/k RMSNorm over all heads, half of each head rotated (rotary_dim), 8 experts
+    # (2 per token) chosen by sigmoid + e_score_correction_bias (randomised), renormalised
+    "minimax_m2": ("MiniMaxM2Config", dict(num_attention_heads=4, num_key_value_heads=2,
+                                           head_dim=24, rotary_dim=12, intermediate_size=64,
+                                           num_local_experts=8, num_experts_per_tok=2,
+                                           pad_token_id=0, tie_word_embeddings=False)),
+    # Gemma 4 text: a sliding layer (heads of 16, 2 KV heads, window 16) then a full one with
+    # heads of 32 and one KV head whose values are its keys (attention_k_eq_v), proportional
+    # RoPE on a quarter of its pairs; q/k/v norms, unscaled scores, layer_scalar (randomised),
+    # a final soft-cap; no per-layer input embeddings
+    "gemma4": ("Gemma4TextConfig", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                        global_head_dim=32, num_global_key_value_heads=1,
+                                        attention_k_eq_v=True, hidden_size_per_layer_input=0,
+                                        sliding_window=16, final_logit_softcapping=10.0,
+                                        layer_types=["sliding_attention", "full_attention"],
+                                        pad_token_id=0, tie_word_embeddings=False)),
     # mixtures of experts: 4 experts, 2 per token
     "mixtral": ("MixtralConfig", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=24,
                                       num_local_experts=4, num_experts_per_tok=2,
@@ -223,8 +249,19 @@ def _gpt_oss_weights(model, seed: int):
                 p.copy_(1.0 + torch.randn(p.shape, generator=gen))
 
 
+def _gemma4_weights(model, seed: int):
+    """Gemma 4's layer_scalar buffers (one at init) ~ U(0.5, 1.5)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed + 10)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.layer_scalar.copy_(0.5 + torch.rand(1, generator=gen))
+
+
 # per architecture: (scale for scale_weights, a further adjustment after it)
-_ADJUST = {"phi": (4.0, _phi_weights), "gpt_oss": (8.0, _gpt_oss_weights)}
+_ADJUST = {"phi": (4.0, _phi_weights), "gpt_oss": (8.0, _gpt_oss_weights),
+           "gemma4": (8.0, _gemma4_weights)}
 
 
 def tiny_checkpoint(directory, arch: str = "llama", dtype: str = "float32", seed: int = 0,
@@ -308,6 +345,11 @@ ARCHS_256 = {
     "qwen3_moe": ("Qwen3MoeConfig", dict(num_experts=16, num_experts_per_tok=4,
                                          moe_intermediate_size=128, norm_topk_prob=True,
                                          tie_word_embeddings=True)),
+    # MiniMax-M2: q/k RMSNorm over all heads, half of each head rotated, a sigmoid router with
+    # its correction bias over 8 experts of 128 (2 per token)
+    "minimax_m2": ("MiniMaxM2Config", dict(rotary_dim=32, intermediate_size=128,
+                                           num_local_experts=8, num_experts_per_tok=2,
+                                           pad_token_id=0, tie_word_embeddings=False)),
     # StableLM-2 12B's per-head q/k LayerNorm
     "stablelm_qk": ("StableLmConfig", dict(qk_layernorm=True, partial_rotary_factor=0.25,
                                            use_parallel_residual=True, layer_norm_eps=1e-5,

@@ -1,8 +1,11 @@
 """Families that are a quirk file each (issue 29 item 4): Phi-2 (PhiForCausalLM), GLM-4.5/4.6
-(Glm4MoeForCausalLM) and GPT-OSS (GptOssForCausalLM) give transformers' greedy tokens on tiny
-checkpoints written by transformers itself (tests/checkpoints.py), through the whole engine with
-chunked prefill and a prefix-cache hit, and through the model alone (tests/model_cases.py's paged
-harness) with prompt chunks beside the other prompt's decodes (prefill logits too).
+(Glm4MoeForCausalLM), GPT-OSS (GptOssForCausalLM), Llama 4 text (Llama4ForCausalLM),
+MiniMax-M2 (MiniMaxM2ForCausalLM), Gemma 4 text (Gemma4ForCausalLM) and Phi-4-mini's shape of
+Phi3ForCausalLM give transformers' greedy tokens on tiny checkpoints written by transformers
+itself (tests/checkpoints.py), through the whole engine with chunked prefill, a prefix-cache hit
+and forced preemption, through the server (Llama 4, MiniMax-M2, Gemma 4), and through the model
+alone (tests/model_cases.py's paged harness) with prompt chunks beside the other prompt's
+decodes (prefill logits too).
 
 Each quirk first shows that transformers' own output changes when the quirk is switched off
 (tokens, or the prefill logits far beyond the harness test's tolerance where a tiny model's
@@ -10,6 +13,8 @@ tokens do not move), so the comparisons can fail (DESIGN.md section 6, rung 2). 
 attention sinks are a CPU paged_attention option, checked here against a float64 reference.
 """
 from __future__ import annotations
+
+import random
 
 import numpy as np
 import pytest
@@ -26,6 +31,22 @@ CASES = {
     "phi": (dict(arch="phi", seed=4), None),     # seed 4: continuations that vary
     "glm4_moe": (dict(arch="glm4_moe"), None),
     "gpt_oss": (dict(arch="gpt_oss"), None),
+    "llama4": (dict(arch="llama4"), None),
+    "minimax_m2": (dict(arch="minimax_m2"), None),
+    "gemma4": (dict(arch="gemma4"), None),
+    # Phi-4-mini's shape of Phi3ForCausalLM (Phi-4 itself is plain Phi-3): three quarters of
+    # each head rotated (18 of 24 dims) with LongRoPE factors for those 9 pairs, tied
+    # embeddings. The original context (128) covers every sequence here: past it transformers'
+    # full recompute rotates every key with the long factors, while a cache (Taper's, or
+    # transformers' own) keeps the short ones for keys computed before, so chunked prefill
+    # could not match the recompute (tests/test_models_families.py checks the long factors)
+    "phi4_mini": (dict(arch="phi3", partial_rotary_factor=0.75, tie_word_embeddings=True,
+                       original_max_position_embeddings=128,
+                       rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                        "partial_rotary_factor": 0.75,
+                                        "short_factor": [1.0 + 0.05 * i for i in range(9)],
+                                        "long_factor": [1.0 + 0.6 * i for i in range(9)]}),
+                  None),
 }
 
 
@@ -177,6 +198,138 @@ def _gpt_oss_bias_off(*names):
     return switch_off
 
 
+def _llama4_layer_attr(layer, **changes):
+    """Llama 4's attention of one layer with attributes changed (or removed: value None)."""
+    def switch_off(cases, name):
+        model = load_hf(cases.dir(name))
+        attn = model.model.layers[layer].self_attn
+        for k, v in changes.items():
+            if v is None:
+                delattr(attn, k)
+            else:
+                setattr(attn, k, v)
+        return model
+    return switch_off
+
+
+def _llama4_moe(scores_on_output=False, sigmoid=True, shared=True):
+    """transformers' Llama 4 with its MoE changed: the router's sigmoid scores weighting the
+    experts' outputs instead of their inputs, the chosen experts at weight 1 (no sigmoid), or
+    no shared expert."""
+    def switch_off(cases, name):
+        from transformers.models.llama4 import modeling_llama4
+        model = load_hf(cases.dir(name))
+        moe = modeling_llama4.Llama4TextMoe
+        original = moe.forward
+
+        def forward(self, hidden_states):
+            x = hidden_states.reshape(-1, self.hidden_dim)
+            scores, logits = self.router(x)
+            if not sigmoid:
+                scores = (scores > 0).to(scores.dtype)
+            weights = scores.transpose(0, 1).reshape(-1, 1)
+            routed_in = x.repeat(scores.shape[1], 1)
+            if scores_on_output:
+                routed_out = self.experts(routed_in * (weights > 0)) * weights
+            else:
+                routed_out = self.experts(routed_in * weights)
+            out = self.shared_expert(x) if shared else torch.zeros_like(x)
+            out = out + routed_out.reshape(scores.shape[1], -1, x.shape[-1]).sum(dim=0)
+            return out, logits
+        moe.forward = forward
+        model._restore = lambda: setattr(moe, "forward", original)
+        return model
+    return switch_off
+
+
+class _PerHeadRmsNorm(torch.nn.Module):
+    """An RMSNorm over each head of `head_dim` with the full-width weight's slices, in place of
+    one over all heads."""
+    def __init__(self, norm, head_dim):
+        super().__init__()
+        self.norm, self.head_dim = norm, head_dim
+
+    def forward(self, x):
+        heads = x.reshape(*x.shape[:-1], -1, self.head_dim).float()
+        heads = heads * torch.rsqrt(heads.pow(2).mean(-1, keepdim=True)
+                                    + self.norm.variance_epsilon)
+        return self.norm.weight * heads.reshape(x.shape).to(x.dtype)
+
+
+def _minimax_per_head_qk_norm(cases, name):
+    model = load_hf(cases.dir(name))
+    for layer in model.model.layers:
+        a = layer.self_attn
+        a.q_norm, a.k_norm = _PerHeadRmsNorm(a.q_norm, a.head_dim), _PerHeadRmsNorm(a.k_norm,
+                                                                                    a.head_dim)
+    return model
+
+
+def _minimax_router(scores="sigmoid", renormalise=True):
+    """transformers' MiniMax-M2 with its router's scores softmax, or not renormalised."""
+    def switch_off(cases, name):
+        from transformers.models.minimax_m2 import modeling_minimax_m2
+        model = load_hf(cases.dir(name))
+        router = modeling_minimax_m2.MiniMaxM2TopKRouter
+        original = router.forward
+
+        def forward(self, hidden_states, e_score_correction_bias):
+            logits = torch.nn.functional.linear(hidden_states.reshape(-1, self.hidden_dim),
+                                                self.weight)
+            p = logits.float().sigmoid() if scores == "sigmoid" else logits.float().softmax(-1)
+            _, index = torch.topk(p + e_score_correction_bias, self.top_k, dim=-1)
+            weights = p.gather(1, index)
+            if renormalise:
+                weights = weights / weights.sum(dim=-1, keepdim=True)
+            return logits, weights, index
+        router.forward = forward
+        model._restore = lambda: setattr(router, "forward", original)
+        return model
+    return switch_off
+
+
+def _minimax_correction_bias_off(cases, name):
+    model = load_hf(cases.dir(name))
+    for layer in model.model.layers:
+        layer.mlp.e_score_correction_bias.zero_()
+    return model
+
+
+def _gemma4_attention(**changes):
+    """Gemma 4's attention modules with attributes changed (every layer) to value(module)."""
+    def switch_off(cases, name):
+        model = load_hf(cases.dir(name))
+        for layer in model.model.layers:
+            for k, v in changes.items():
+                setattr(layer.self_attn, k, v(layer.self_attn))
+        return model
+    return switch_off
+
+
+def _gemma4_norms_one_plus_w(cases, name):
+    """Gemma 4's RMSNorms multiplying by 1 + w, as Gemma-2/3's do."""
+    from transformers.models.gemma4 import modeling_gemma4
+    model = load_hf(cases.dir(name))
+    norm = modeling_gemma4.Gemma4RMSNorm
+    original = norm.forward
+
+    def forward(self, x):
+        out = self._norm(x.float())
+        if self.with_scale:
+            out = out * (1.0 + self.weight.float())
+        return out.type_as(x)
+    norm.forward = forward
+    model._restore = lambda: setattr(norm, "forward", original)
+    return model
+
+
+def _gemma4_layer_scalar_off(cases, name):
+    model = load_hf(cases.dir(name))
+    for layer in model.model.layers:
+        layer.layer_scalar.fill_(1.0)
+    return model
+
+
 # quirk -> (the case that has it, transformers' model with the quirk switched off)
 QUIRK_OFF = {
     "phi_parallel_residual": ("phi", _phi_sequential_residual),
@@ -207,6 +360,30 @@ LOGIT_QUIRK_OFF = {
     "phi_mlp_bias": ("phi", _phi_bias_off("mlp.fc")),
     "phi_lm_head_bias": ("phi", _phi_bias_off("lm_head")),
     "phi_gelu_new": ("phi", lambda c, n: hf_with_config(c, n, hidden_act="relu")),
+    "llama4_chunked_attention": ("llama4",
+                                 lambda c, n: hf_with_config(c, n, attention_chunk_size=4096)),
+    "llama4_nope_layer": ("llama4", _llama4_layer_attr(1, use_rope=True)),
+    "llama4_temperature_tuning": ("llama4", _llama4_layer_attr(1, attn_temperature_tuning=False)),
+    "llama4_l2_qk_norm": ("llama4", _llama4_layer_attr(0, qk_norm=None)),
+    "llama4_moe_scores_on_input": ("llama4", _llama4_moe(scores_on_output=True)),
+    "llama4_moe_sigmoid": ("llama4", _llama4_moe(sigmoid=False)),
+    "llama4_moe_shared_expert": ("llama4", _llama4_moe(shared=False)),
+    "minimax_m2_full_width_qk_norm": ("minimax_m2", _minimax_per_head_qk_norm),
+    "minimax_m2_qk_norm": ("minimax_m2", qk_norm_off),
+    "minimax_m2_partial_rotary": ("minimax_m2", _full_rotary),
+    "minimax_m2_sigmoid_router": ("minimax_m2", _minimax_router(scores="softmax")),
+    "minimax_m2_renormalised": ("minimax_m2", _minimax_router(renormalise=False)),
+    "minimax_m2_correction_bias": ("minimax_m2", _minimax_correction_bias_off),
+    "gemma4_norm_weight_not_one_plus": ("gemma4", _gemma4_norms_one_plus_w),
+    "gemma4_qk_norm": ("gemma4", qk_norm_off),
+    "gemma4_v_norm": ("gemma4", _gemma4_attention(v_norm=lambda a: torch.nn.Identity())),
+    "gemma4_unscaled_scores": ("gemma4", _gemma4_attention(scaling=lambda a: a.head_dim ** -0.5)),
+    "gemma4_proportional_rope": ("gemma4", lambda c, n: hf_with_rope_parameters(c, n, lambda p: {
+        "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0}})),
+    "gemma4_layer_scalar": ("gemma4", _gemma4_layer_scalar_off),
+    "gemma4_sliding_window": ("gemma4", lambda c, n: hf_with_config(c, n, sliding_window=4096)),
+    "gemma4_final_softcap": ("gemma4",
+                             lambda c, n: hf_with_config(c, n, final_logit_softcapping=None)),
 }
 
 
@@ -251,6 +428,25 @@ def test_engine_chunked_prefill_and_prefix_hit_match_hf(cases, name):
     for i, (out, ref) in enumerate(zip(outs + [again], refs)):
         assert_matches(list(out.token_ids), ref, min_trusted=8, label=f"{name} prompt {i}")
     assert again.num_cached_tokens == 40
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_engine_preemption_matches_hf(cases, name):
+    """Six prompts in a pool too small for them: the scheduler preempts and recomputes, with
+    prompt chunks of 16 beside decodes, on shuffled free blocks; every continuation equals
+    transformers'."""
+    from engine import LLM, SamplingParams
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(3, 512, n).tolist() for n in (9, 70, 23, 41, 3, 55)]
+    model = load_hf(cases.dir(name))
+    refs = [hf_greedy(model, p, GEN) for p in prompts]
+    llm = LLM(cases.dir(name), block_size=8, num_kv_blocks=24, prefill_chunk_size=16,
+              max_num_batched_tokens=48, max_num_seqs=8)
+    llm.engine.block_pool.shuffle_free_blocks(random.Random(1))
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=GEN, ignore_eos=True))
+    for i, (out, ref) in enumerate(zip(outs, refs)):
+        assert_matches(list(out.token_ids), ref, min_trusted=4, label=f"{name} prompt {i}")
+    assert llm.engine.scheduler.num_preemptions > 0
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -346,3 +542,145 @@ def test_phi_qk_layernorm_is_refused():
                                "num_attention_heads": 4, "num_hidden_layers": 2,
                                "intermediate_size": 192, "vocab_size": 512,
                                "qk_layernorm": True})
+
+
+def test_llama4_layer_plan_and_refusals(cases):
+    """Llama4TextConfig's defaults for the per-layer plan: every interleave_moe_layer_step-th
+    layer sparse, every no_rope_layer_interval-th NoPE, the RoPE layers chunked; the CUDA
+    backend and a chunk size that is not a multiple of the KV block size are refused by name."""
+    import json
+
+    from engine.models.llama4 import Llama4ForCausalLM
+    from engine.models.model_config import ModelConfig
+    with open(f"{cases.dir('llama4')}/config.json") as f:
+        config = json.load(f)
+    plain = {k: v for k, v in config.items()
+             if k not in ("moe_layers", "no_rope_layers", "layer_types")}
+    c = ModelConfig.from_dict({**plain, "num_hidden_layers": 8})
+    assert c.moe.sparse_layers == [False, True] * 4
+    assert c.family.rope_layers == (True, True, True, False) * 2
+    assert c.family.chunked_layers == c.family.rope_layers
+    assert c.intermediate_size == 192 and c.moe.intermediate_size == 64
+    assert not c.rope.is_neox
+    c = ModelConfig.from_dict(config)
+
+    class Cuda:
+        name = "cuda"
+    with pytest.raises(ValueError, match="the cuda backend is not supported"):
+        Llama4ForCausalLM(c, {}, Cuda())
+    from engine.loader.model_loader import load_model
+    from pyx.cpu_backend import CpuBackend
+    model, _ = load_model(cases.dir("llama4"), CpuBackend(), progress=False)
+    with pytest.raises(ValueError, match="attention_chunk_size 16 is not a multiple of the KV "
+                                         "block size 12"):
+        model.kv_cache_shape(4, 12)
+
+
+def test_gemma4_layer_plan_and_refusals(cases):
+    """Gemma4TextConfig's rules: the full layers' head size and KV heads from per_layer_config
+    or global_head_dim / num_global_key_value_heads, every 6th layer and the last full by
+    default; per-layer input embeddings, KV sharing and the MoE block refused by name; every
+    layer's cache the wider kind's shape (the pool's size per token counts it)."""
+    import json
+
+    from engine.models.model_config import ModelConfig
+    with open(f"{cases.dir('gemma4')}/config.json") as f:
+        config = json.load(f)
+    c = ModelConfig.from_dict(config)
+    assert (c.family.full_head_dim, c.family.full_kv_heads, c.family.k_eq_v) == (32, 1, True)
+    assert c.sliding_windows == [16, 0] and c.final_softcap == 10.0
+    assert c.kv_cache_elements_per_token == 2 * max(2 * 16, 1 * 32)
+    plain = {k: v for k, v in config.items() if k not in ("per_layer_config", "layer_types")}
+    c = ModelConfig.from_dict({**plain, "num_hidden_layers": 7, "global_head_dim": 64,
+                               "num_global_key_value_heads": 2})
+    assert c.family.full_layers == (False,) * 5 + (True, True)
+    assert (c.family.full_head_dim, c.family.full_kv_heads) == (64, 2)
+    assert c.kv_cache_elements_per_token == 2 * 128
+    for key, value, what in [("hidden_size_per_layer_input", 256, "per-layer input"),
+                             ("num_kv_shared_layers", 1, "KV sharing"),
+                             ("enable_moe_block", True, "mixture-of-experts")]:
+        with pytest.raises(ValueError, match=what):
+            ModelConfig.from_dict({**config, key: value})
+    with pytest.raises(ValueError, match="per-layer input"):
+        ModelConfig.from_dict({k: v for k, v in config.items()
+                               if k != "hidden_size_per_layer_input"})   # the class's 256
+    with pytest.raises(ValueError, match="YaRN scaling factor is not supported"):
+        ModelConfig.from_dict(config, yarn_scaling_factor=2.0)
+
+
+def test_gemma4_multimodal_checkpoint_serves_its_text(tmp_path):
+    """Gemma 4 as released: Gemma4ForConditionalGeneration, the text config under text_config,
+    its tensors under model.language_model. beside a vision tower, tied embeddings. Taper serves
+    the text model (the tower not loaded) with transformers' tokens for a text prompt."""
+    import transformers
+
+    from checkpoints import ARCHS, TINY, scale_weights
+    from engine import LLM, SamplingParams
+    text = {**TINY, **ARCHS["gemma4"][1], "tie_word_embeddings": True}
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=2, num_key_value_heads=2, head_dim=16)
+    torch.manual_seed(0)
+    model = transformers.Gemma4ForConditionalGeneration(
+        transformers.Gemma4Config(text_config=text, vision_config=vision, audio_config=None))
+    scale_weights(model)
+    model.save_pretrained(tmp_path)
+    model.eval()
+    prompts = prompts_for()
+    outs = LLM(str(tmp_path), backend="cpu", num_kv_blocks=32).generate(
+        prompts, SamplingParams(temperature=0, max_tokens=GEN, ignore_eos=True))
+    for i, (prompt, out) in enumerate(zip(prompts, outs)):
+        assert_matches(list(out.token_ids), hf_greedy(model, prompt, GEN), min_trusted=8,
+                       label=f"Gemma4ForConditionalGeneration prompt {i}")
+
+
+def test_llama4_multimodal_checkpoint_serves_its_text(tmp_path):
+    """Llama 4 as released: Llama4ForConditionalGeneration, the text config under text_config,
+    its tensors under language_model. beside a vision model and projector. Taper serves the
+    text model (the vision parts not loaded) with transformers' tokens for a text prompt."""
+    import transformers
+
+    from checkpoints import ARCHS, TINY, scale_weights
+    from engine import LLM, SamplingParams
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=2, image_size=32, patch_size=8, vision_output_dim=32,
+                  projector_input_dim=32, projector_output_dim=96)
+    torch.manual_seed(0)
+    model = transformers.Llama4ForConditionalGeneration(transformers.Llama4Config(
+        text_config={**TINY, **ARCHS["llama4"][1]}, vision_config=vision))
+    scale_weights(model)
+    model.save_pretrained(tmp_path)
+    model.eval()
+    prompts = prompts_for()
+    outs = LLM(str(tmp_path), backend="cpu", num_kv_blocks=32, block_size=16).generate(
+        prompts, SamplingParams(temperature=0, max_tokens=GEN, ignore_eos=True))
+    for i, (prompt, out) in enumerate(zip(prompts, outs)):
+        assert_matches(list(out.token_ids), hf_greedy(model, prompt, GEN), min_trusted=8,
+                       label=f"Llama4ForConditionalGeneration prompt {i}")
+
+
+@pytest.mark.parametrize("arch", ["llama4", "minimax_m2", "gemma4"])
+def test_server_completion_matches_transformers(tmp_path, arch):
+    """The checkpoint (vocabulary = the tokenizer's) served by `python -m server`: a greedy
+    completion through the official openai client has transformers' text."""
+    from transformers import AutoTokenizer
+
+    from checkpoints import tiny_checkpoint
+    from server_fakes import LiveServer, client_for
+    from tiny_tokenizers import build_byte_level
+
+    d = tmp_path / arch
+    build_byte_level(d)
+    hf_tok = AutoTokenizer.from_pretrained(str(d))
+    tiny_checkpoint(d, arch=arch, vocab_size=len(hf_tok))
+    whole = [i for i in range(3, len(hf_tok)) if "\ufffd" not in hf_tok.decode([i])]
+    prompt = np.random.default_rng(5).choice(whole, 40).tolist()
+    tokens, trusted, _ = hf_greedy(load_hf(d), prompt, GEN)
+    assert trusted >= 8, f"reference near-tie at token {trusted}"
+    server = LiveServer(tmp_path, str(d), "--mem", "16", "--served-model-name", arch)
+    try:
+        out = client_for(server.port).completions.create(
+            model=arch, prompt=prompt, max_tokens=trusted, temperature=0,
+            extra_body={"ignore_eos": True})
+    finally:
+        server.close()
+    assert out.choices[0].text == hf_tok.decode(tokens[:trusted], skip_special_tokens=True)

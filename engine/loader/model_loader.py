@@ -30,8 +30,10 @@ def load_model(model_dir: str, backend, dtype: str = "auto",
                                quantized=bool(model_config.quantization_config),
                                shard=plan and plan.shard)
     # (a vision-language model's classes read their checkpoints' own layouts, which may name no
-    # tensor model.*: the hub's Gemma 3 files, Mistral 3's language_model.model.*)
-    if model_config.vision is None and not any(name.startswith("model.") for name in weights):
+    # tensor model.*: the hub's Gemma 3 files, Mistral 3's language_model.model.*; and
+    # language_model.: Llama 4's multimodal layout, renamed by its family's file)
+    if model_config.vision is None and not any(name.startswith(("model.", "language_model."))
+                                               for name in weights):
         # The headless layout (LlamaModel.save_pretrained, and some embedding models that keep a
         # *ForCausalLM config over it): without an lm_head, an untied one cannot generate.
         weights = add_model_prefix(weights)

@@ -18,6 +18,7 @@ from engine.models.deepseek_config import (GROUPED_MOE_ARCHITECTURES, MLA_ARCHIT
                                            MLA_MODEL_TYPES, GroupedRouting,
                                            MlaConfig, parse_deepseek_moe, parse_mla, rope_is_neox)
 from engine.models.registry import ARCHITECTURES, BASE_MODELS
+from engine.models import family_config
 
 # config.json without `architectures`: its model_type names the graph.
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
@@ -29,7 +30,8 @@ _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                 "mixtral": "MixtralForCausalLM",
                 "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
                 "qwen3_next": "Qwen3NextForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM",
-                "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
+                "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM", "llama4_text": "Llama4ForCausalLM",
+                "minimax_m2": "MiniMaxM2ForCausalLM", "gemma4_text": "Gemma4ForCausalLM",
                 **MLA_MODEL_TYPES}
 
 # Architectures whose attention applies RMSNorm to each q/k head before RoPE.
@@ -40,7 +42,8 @@ _GEMMA_ARCHS = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 # The configuration classes' head_dim when config.json has none (Qwen3Config and the Gemma
 # configs default to a fixed size, not hidden_size / heads).
 _DEFAULT_HEAD_DIM = {"Qwen3ForCausalLM": 128, "Qwen3MoeForCausalLM": 128, "Gemma2ForCausalLM": 256,
-                     "Gemma3ForCausalLM": 256, "Glm4ForCausalLM": 128, "GptOssForCausalLM": 64}
+                     "Gemma3ForCausalLM": 256, "Glm4ForCausalLM": 128, "GptOssForCausalLM": 64,
+                     "MiniMaxM2ForCausalLM": 128, "Gemma4ForCausalLM": 256}
 
 # hidden_act / hidden_activation names -> the gated activation op of the MLP.
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh",
@@ -155,6 +158,7 @@ class ModelConfig:
     # are the rank's share, and this a TensorParallel saying of what; None: the whole model.
     tensor_parallel: object = None
     linear_attention: LinearAttentionConfig | None = None  # hybrid models' gated DeltaNet layers
+    family: object = None               # one family's own settings (engine/models/family_config.py)
 
     @property
     def num_kv_layers(self) -> int:
@@ -179,6 +183,8 @@ class ModelConfig:
         """Cached values per token and layer: K and V of every KV head, or MLA's latent."""
         if self.mla is not None:
             return self.mla.latent_dim
+        if isinstance(self.family, family_config.Gemma4Settings):
+            return 2 * self.family.cache_width(self.kv_size)
         return 2 * self.num_key_value_heads * self.head_dim
 
     @classmethod
@@ -275,7 +281,7 @@ class ModelConfig:
         return cls(
             architecture=arch, hidden_size=hidden, num_hidden_layers=num_layers,
             num_attention_heads=num_heads, num_key_value_heads=num_kv_heads, head_dim=head_dim,
-            intermediate_size=cfg["intermediate_size"], vocab_size=cfg["vocab_size"],
+            intermediate_size=_dense_intermediate_size(arch, cfg), vocab_size=cfg["vocab_size"],
             rms_norm_eps=float(cfg.get("rms_norm_eps") or cfg.get("layer_norm_eps") or 1e-6),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=qkv_bias, o_bias=o_bias, mlp_bias=mlp_bias,
@@ -287,7 +293,8 @@ class ModelConfig:
             query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar") or head_dim) if gemma
             else None,
             attn_softcap=float(cfg.get("attn_logit_softcapping") or 0.0) if gemma else 0.0,
-            final_softcap=float(cfg.get("final_logit_softcapping") or 0.0) if gemma else 0.0,
+            final_softcap=float(cfg.get("final_logit_softcapping") or 0.0)
+            if gemma or arch == "Gemma4ForCausalLM" else 0.0,
             parallel_residual=arch == "PhiForCausalLM"
             or bool(cfg.get("use_parallel_residual", False)),
             qk_layernorm=arch == "StableLmForCausalLM" and bool(cfg.get("qk_layernorm", False)),
@@ -296,7 +303,25 @@ class ModelConfig:
             quantization_config=cfg.get("quantization_config"),
             bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos, has_lm_head=has_lm_head,
             moe=parse_moe(arch, cfg, num_layers),
-            linear_attention=parse_linear_attention(arch, cfg, num_layers), mla=mla)
+            linear_attention=parse_linear_attention(arch, cfg, num_layers), mla=mla,
+            family=_family_settings(arch, cfg, num_layers))
+
+
+def _dense_intermediate_size(arch: str, cfg: dict) -> int:
+    """The dense MLP's width (Llama 4's intermediate_size is its experts')."""
+    if arch == "Llama4ForCausalLM":
+        return int(cfg.get("intermediate_size_mlp", 16384))
+    return cfg["intermediate_size"]
+
+
+def _family_settings(arch: str, cfg: dict, num_layers: int):
+    if arch == "Llama4ForCausalLM":
+        return family_config.parse_llama4(cfg, num_layers)
+    if arch == "Gemma4ForCausalLM":
+        head_dim = cfg.get("head_dim") or _DEFAULT_HEAD_DIM[arch]
+        kv_heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+        return family_config.parse_gemma4(cfg, num_layers, head_dim, kv_heads)
+    return None
 
 
 # Config-class defaults transformers 5 fills in when config.json leaves a key out.
@@ -368,6 +393,21 @@ def parse_moe(arch: str, cfg: dict, num_layers: int) -> MoeConfig | None:
                          True, [True] * num_layers,
                          clamped_swiglu=(float(cfg.get("swiglu_alpha", 1.702)),
                                          float(cfg.get("swiglu_limit", 7.0))))
+    if arch == "Llama4ForCausalLM":
+        # Llama4TextMoe: sigmoid of each token's top-k router logits scales the expert's input;
+        # a shared expert of intermediate_size, ungated; dense layers between (moe_layers).
+        size = int(cfg.get("intermediate_size", 8192))
+        return MoeConfig(int(cfg.get("num_local_experts", 16)),
+                         int(cfg.get("num_experts_per_tok", 1)), size, False,
+                         family_config.llama4_moe_layers(cfg, num_layers),
+                         shared_intermediate_size=size, shared_expert_gate=False)
+    if arch == "MiniMaxM2ForCausalLM":
+        # MiniMaxM2TopKRouter: sigmoid scores, the choice by score + e_score_correction_bias,
+        # the chosen scores renormalised; no groups, no scaling, every layer sparse.
+        return MoeConfig(int(cfg.get("num_local_experts", 256)),
+                         int(cfg.get("num_experts_per_tok", 8)),
+                         int(cfg.get("intermediate_size", 1536)), True, [True] * num_layers,
+                         grouped=GroupedRouting("sigmoid", "greedy", 1, 1, 1.0, True))
     if arch == "MixtralForCausalLM":      # softmax, top-k, always renormalised; every layer
         return MoeConfig(int(cfg.get("num_local_experts", 8)), int(cfg.get("num_experts_per_tok", 2)),
                          int(cfg["intermediate_size"]), True, [True] * num_layers)
@@ -450,6 +490,9 @@ def _sliding_windows(arch: str, cfg: dict, num_layers: int) -> list[int]:
             raise ValueError(f"layer_types has {len(layer_types)} entries for {num_layers} layers")
         window = int(cfg.get("sliding_window") or 128)
         return [window if t == "sliding_attention" else 0 for t in layer_types]
+    if arch == "Gemma4ForCausalLM":     # Gemma4TextConfig: the full layers as parse_gemma4 has them
+        full = family_config.parse_gemma4(cfg, num_layers, 1, 1).full_layers
+        return [0 if f else int(cfg.get("sliding_window") or 512) for f in full]
     if arch == "Phi3ForCausalLM":
         # Phi3Attention passes config.sliding_window to every layer.
         return [int(cfg.get("sliding_window") or 0)] * num_layers
@@ -470,6 +513,23 @@ def _ropes(arch: str, cfg: dict, head_dim: int, max_pos: int, yarn_scaling_facto
                                               or 150000.0)}
     if arch in ("PhiForCausalLM", "Glm4MoeForCausalLM"):   # their configs: half of it
         cfg = {"partial_rotary_factor": 0.5, **cfg}
+    if arch == "Gemma4ForCausalLM":     # the sliding layers' RoPE; gemma4.py builds the full ones'
+        if yarn_scaling_factor is not None:
+            raise ValueError(f"{arch}: a YaRN scaling factor is not supported (its full layers' "
+                             "RoPE is proportional)")
+        sliding = (cfg.get("rope_parameters") or {}).get("sliding_attention") or {}
+        return parse_rope({"rope_theta": sliding.get("rope_theta", 10_000.0)}, head_dim,
+                          max_pos), None
+    if arch == "MiniMaxM2ForCausalLM":
+        # MiniMaxM2Config: rotary_dim gives the rotated part when partial_rotary_factor is absent
+        cfg = {"rope_theta": 5_000_000.0, **cfg}
+        if cfg.get("rotary_dim") and not cfg.get("partial_rotary_factor"):
+            cfg["partial_rotary_factor"] = cfg["rotary_dim"] / head_dim
+    if arch == "Llama4ForCausalLM":     # rotated as complex pairs (x[2i], x[2i+1])
+        rope = parse_rope({"rope_theta": 500000.0, **cfg}, head_dim, max_pos,
+                          yarn_scaling_factor)
+        rope.is_neox = False
+        return rope, None
     if arch == "Glm4ForCausalLM":
         # Glm4Config: half the head rotates by default, in interleaved pairs (x[2i], x[2i+1]).
         cfg = {"partial_rotary_factor": 0.5, **cfg}

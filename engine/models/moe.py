@@ -4,9 +4,13 @@ in place of the MLP on the layers the config makes sparse.
 Only the names differ between the families: Mixtral keeps its experts under
 `block_sparse_moe.experts.{e}.w1/w3/w2` (gate, up, down), the Qwen models under
 `mlp.experts.{e}.gate_proj/up_proj/down_proj`, with Qwen2-MoE's shared expert under
-`mlp.shared_expert.*` and its gate `mlp.shared_expert_gate`.
+`mlp.shared_expert.*` and its gate `mlp.shared_expert_gate`. MiniMax-M2
+(engine/models/minimax_m2.py) keeps Mixtral's names and adds a sigmoid router's
+`e_score_correction_bias` (MoeConfig.grouped).
 """
 from __future__ import annotations
+
+import numpy as np
 
 from engine.models.model_config import ModelConfig
 from engine.models.llama import LlamaForCausalLM, expected_shapes
@@ -16,7 +20,7 @@ from pyx.moe import MoE
 
 def _names(c: ModelConfig) -> tuple[str, tuple[str, str, str]]:
     """(the block's name under the layer, the expert projections' names: gate, up, down)."""
-    if c.architecture == "MixtralForCausalLM":
+    if c.architecture in ("MixtralForCausalLM", "MiniMaxM2ForCausalLM"):
         return "block_sparse_moe", ("w1", "w3", "w2")
     return "mlp", ("gate_proj", "up_proj", "down_proj")
 
@@ -44,6 +48,8 @@ def moe_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[f"{q}shared_expert.up_proj.weight"] = (S, H)
             shapes[f"{q}shared_expert.down_proj.weight"] = (H, S)
             shapes[f"{q}shared_expert_gate.weight"] = (1, H)
+        if m.grouped is not None and m.grouped.correction_bias:
+            shapes[f"{q}e_score_correction_bias"] = (m.num_experts,)
     return shapes
 
 
@@ -73,6 +79,11 @@ class MoeForCausalLM(LlamaForCausalLM):
                                                             f"{s}up_proj.weight"]),
                          None, self._take(weights, f"{s}down_proj.weight"), None)
             shared_gate = self._take(weights, f"{q}shared_expert_gate.weight")
+        bias = None
+        if m.grouped is not None and m.grouped.correction_bias:      # MiniMax-M2's router
+            bias = self.backend.asarray(np.asarray(weights.pop(f"{q}e_score_correction_bias"),
+                                                   dtype=np.float32))
         # kernels moe=fused: grouped GEMMs over stacked experts.
         return MoE(self.backend, self._take(weights, f"{q}gate.weight"), gate_up, downs, m.top_k,
-                   m.normalize, shared, shared_gate, fused=self.backend.fused_moe)
+                   m.normalize, shared, shared_gate, fused=self.backend.fused_moe,
+                   grouped=m.grouped, correction_bias=bias)

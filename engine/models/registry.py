@@ -34,6 +34,9 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "Glm4MoeLiteForCausalLM": ("deepseek", "DeepseekForCausalLM"),
     "Glm4MoeForCausalLM": ("glm4_moe", "Glm4MoeForCausalLM"),
     "GptOssForCausalLM": ("gpt_oss", "GptOssForCausalLM"),
+    "Llama4ForCausalLM": ("llama4", "Llama4ForCausalLM"),
+    "MiniMaxM2ForCausalLM": ("minimax_m2", "MiniMaxM2ForCausalLM"),
+    "Gemma4ForCausalLM": ("gemma4", "Gemma4ForCausalLM"),
 }
 
 # Headless transformers (embedding checkpoints: tensors without the "model." prefix, no lm_head)
@@ -47,10 +50,13 @@ BASE_MODELS: dict[str, str] = {
 
 
 # Multimodal checkpoints served for their text: their config.json nests the language model's
-# under text_config, their tensors under model.language_model. (the vision tower is not loaded).
+# under text_config, their tensors under model.language_model. (the vision tower is not loaded;
+# the family's file renames them).
 TEXT_MODELS: dict[str, str] = {
     "Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
     "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM",
+    "Gemma4ForConditionalGeneration": "Gemma4ForCausalLM",
+    "Llama4ForConditionalGeneration": "Llama4ForCausalLM",    # tensors under language_model.
 }
 
 
