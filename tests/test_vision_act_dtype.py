@@ -1,5 +1,6 @@
-"""The Qwen vision towers in a bfloat16 activation dtype, as the CUDA backend runs them, checked on
-the CPU (the kernels themselves: tests/gpu/test_cuda_vision.py).
+"""The vision towers (Qwen2.5-VL's, Qwen3-VL's, Mistral 3's Pixtral) in a bfloat16 activation
+dtype, as the CUDA backend runs them, checked on the CPU (the kernels themselves:
+tests/gpu/test_cuda_vision.py).
 
 Bf16Ops stands in for the CUDA backend's dtype rules: every activation an op takes or writes is
 bfloat16 (float32 only for linear's out, the RoPE table and vectors), which it asserts; it
@@ -154,3 +155,48 @@ def test_act_arrays_moves():
                           x.astype(BF16).view(np.uint16))
     with pytest.raises(ValueError, match="copy: float32 into bfloat16"):
         act_arrays.copy(np, np.zeros((2, 2), BF16), np.zeros((2, 2), F32))
+
+
+@pytest.fixture(scope="module")
+def mistral3(tmp_path_factory):
+    from mistral3_checkpoint import tiny_mistral3_checkpoint
+
+    from engine.models.model_config import ModelConfig
+    from engine.vision.families import image_processor
+    ckpt = tiny_mistral3_checkpoint(tmp_path_factory.mktemp("mistral3"))
+    vision = ModelConfig.from_pretrained(ckpt).vision
+    return ckpt, vision, image_processor(ckpt, vision)
+
+
+def mistral3_weights(ckpt) -> dict:
+    from engine.loader.safetensors import load_safetensors
+    from engine.models.mistral3 import _checkpoint_names
+    weights = load_safetensors(ckpt, progress=False)
+    _checkpoint_names(weights)
+    return weights
+
+
+@pytest.mark.parametrize("hidden_act", ["silu", "gelu"])
+def test_pixtral_tower_runs_in_bfloat16(mistral3, hidden_act):
+    """Mistral 3's tower and projector in bfloat16 near the float32 ones; the break rows stay
+    zero. gelu: the tiny checkpoint's MLP as a gelu one (the tower's other branch)."""
+    import dataclasses
+
+    from engine.vision.families import preprocess
+    from engine.vision.pixtral_encoder import PixtralVisionEncoder
+    from pyx.cpu_backend import CpuBackend
+    ckpt, vision, processor = mistral3
+    vision = dataclasses.replace(vision, hidden_act=hidden_act)
+    ops = Bf16Ops()
+    f32 = PixtralVisionEncoder(vision, mistral3_weights(ckpt), CpuBackend())
+    bf16 = PixtralVisionEncoder(vision, mistral3_weights(ckpt), ops)
+    for size in [(40, 56), (23, 17)]:
+        image = preprocess(sample_image(*size, seed=1), processor)
+        want = f32.encode(image.pixel_values, image.grid_thw)
+        got = bf16.encode(image.pixel_values, image.grid_thw)
+        assert got.dtype == F32 and got.shape == want.shape
+        assert not got[~want.any(1)].any()
+        err = np.linalg.norm(got - want) / np.linalg.norm(want)
+        assert 1e-4 < err < TOWER_TOL, f"pixtral {hidden_act} {size}: relative error {err:.3g}"
+    assert {"gelu", "encoder_attention"} <= ops.calls
+
