@@ -287,16 +287,30 @@ def test_prefix_cache_keys_hold_the_image(ckpt, hf, processor):
     assert changed_seq.output_token_ids[:trusted] == tokens[:trusted]
 
 
-def test_cuda_refuses(ckpt):
+def test_backend_without_tower_ops_is_refused(ckpt):
+    """Loading refuses a backend whose class leaves an op the SigLIP tower needs to the op
+    table's base class, naming the missing ones (CUDA has them: tests/test_cuda_host.py; the
+    tower and overlay on CUDA: tests/gpu/test_cuda_vision.py)."""
     from engine.loader.safetensors import load_safetensors
     from engine.models.gemma3_vl import Gemma3ForConditionalGeneration
     from engine.models.model_config import ModelConfig
+    from pyx.backend import Backend
 
-    class Cuda:
-        name = "cuda"
-    with pytest.raises(ValueError, match="runs on the CPU backend only, not cuda"):
-        Gemma3ForConditionalGeneration(ModelConfig.from_pretrained(ckpt),
-                                       load_safetensors(ckpt, progress=False), Cuda())
+    class Bare(Backend):
+        def __init__(self):
+            Backend.__init__(self, "bare")
+
+    class NoLayerNorm(Bare):
+        def encoder_attention(self, out, q, k, v, cu_seqlens, scale):
+            pass
+    config = ModelConfig.from_pretrained(ckpt)
+    for backend, message in [
+            (Bare(), "the bare backend has no encoder_attention and layer_norm and "
+                     "fused_add_layer_norm ops"),
+            (NoLayerNorm(), "has no layer_norm and fused_add_layer_norm ops, which the SigLIP")]:
+        with pytest.raises(ValueError, match=message):
+            Gemma3ForConditionalGeneration(config, load_safetensors(ckpt, progress=False),
+                                           backend)
 
 
 # ---- the hub's files

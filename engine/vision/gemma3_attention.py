@@ -14,6 +14,12 @@ are never split across prefill chunks (engine/vision/budget.py's whole_images; a
 hit may end inside an image, whose cached tokens were computed with the whole image, so the
 chunk then starts inside it and runs to its end).
 
+The overlay is written over the array module (NumPy, or CuPy on CUDA: cuBLAS batched GEMMs and
+elementwise kernels) and computes in float32 whatever the cache's and activations' dtype
+(bf16 rows widened through their bits, the output rounded back), so one code serves both
+backends; the paged op gives no softmax statistics to merge a second key range into, and a
+query's sliding window (p - W, end) is not the causal window of any one position.
+
 Gemma3VisionRunner is the vision runner for such a model: positions stay plain (no M-RoPE);
 it records each image run of the step (its batch rows, first position and the image's end) for
 the overlay, and the rows whose embeddings the vision tower gives.
@@ -24,7 +30,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from engine.vision import act_arrays
 from engine.vision.runner import VisionRunner
+from pyx.gated_delta_net import as_float32, store
 
 
 @dataclass(slots=True)
@@ -93,6 +101,8 @@ class ImageBlockAttention:
         q3 = q.reshape(T, Hq, D)
         out3 = attn.reshape(T, Hq, D)
         tables = batch.block_tables
+        # rows gathered through their bits (CuPy has no bfloat16 kernels), computed in float32
+        k_bits, v_bits = act_arrays.bits(k_cache), act_arrays.bits(v_cache)
         for s in vb.spans:
             n = s.end - s.first
             lo = max(0, s.first - sliding_window + 1) if sliding_window > 0 else 0
@@ -100,9 +110,12 @@ class ImageBlockAttention:
             skip = lo - (lo // bs) * bs
             L = s.end - lo
             # per KV head, its group's queries (group * n rows) against its keys: batched GEMMs
-            keys = k_cache[blocks].reshape(-1, Hkv, D)[skip:skip + L].transpose(1, 2, 0)
-            values = v_cache[blocks].reshape(-1, Hkv, D)[skip:skip + L].transpose(1, 0, 2)
-            qs = q3[s.row:s.row + n].reshape(n, Hkv, group, D).transpose(1, 2, 0, 3)
+            keys = as_float32(k_bits[blocks].view(k_cache.dtype), xp).reshape(-1, Hkv, D)[
+                skip:skip + L].transpose(1, 2, 0)
+            values = as_float32(v_bits[blocks].view(v_cache.dtype), xp).reshape(-1, Hkv, D)[
+                skip:skip + L].transpose(1, 0, 2)
+            qs = as_float32(q3[s.row:s.row + n], xp).reshape(n, Hkv, group, D).transpose(
+                1, 2, 0, 3)
             scores = xp.matmul(qs.reshape(Hkv, group * n, D), keys).reshape(Hkv, group, n, L)
             scores *= np.float32(scale)
             if softcap > 0:
@@ -115,5 +128,5 @@ class ImageBlockAttention:
             weights = xp.exp(scores)
             weights /= weights.sum(axis=-1, keepdims=True)
             o = xp.matmul(weights.reshape(Hkv, group * n, L), values)      # (Hkv, group*n, D)
-            out3[s.row:s.row + n] = o.reshape(Hkv, group, n, D).transpose(2, 0, 1, 3).reshape(
-                n, Hq, D)
+            rows = o.reshape(Hkv, group, n, D).transpose(2, 0, 1, 3).reshape(n, Hq, D)
+            store(out3[s.row:s.row + n], rows, xp)
