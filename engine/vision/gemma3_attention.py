@@ -114,8 +114,8 @@ class ImageBlockAttention:
                 skip:skip + L].transpose(1, 2, 0)
             values = as_float32(v_bits[blocks].view(v_cache.dtype), xp).reshape(-1, Hkv, D)[
                 skip:skip + L].transpose(1, 0, 2)
-            qs = as_float32(q3[s.row:s.row + n], xp).reshape(n, Hkv, group, D).transpose(
-                1, 2, 0, 3)
+            qs = as_float32(act_arrays.contiguous(xp, q3[s.row:s.row + n]), xp).reshape(
+                n, Hkv, group, D).transpose(1, 2, 0, 3)
             scores = xp.matmul(qs.reshape(Hkv, group * n, D), keys).reshape(Hkv, group, n, L)
             scores *= np.float32(scale)
             if softcap > 0:

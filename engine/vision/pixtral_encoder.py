@@ -152,7 +152,8 @@ class PixtralVisionEncoder:
                 # no fused erf-GELU-and-mul op: GELU, then the product in float32
                 act_arrays.copy(xp, gate, gate_up[:, :I])
                 b.gelu(gate, act)
-                store(act, as_float32(act, xp) * as_float32(gate_up[:, I:], xp), xp)
+                up = as_float32(act_arrays.contiguous(xp, gate_up[:, I:]), xp)
+                store(act, as_float32(act, xp) * up, xp)
             b.linear(act, layer["down"], None, hidden)
         # the last layer's output, through the projector's norm
         b.fused_add_rms_norm(hidden, residual, self.norm, c.projector_eps)
