@@ -369,12 +369,15 @@ def test_checkpoint_names():
 
 # ---- the overlay against a dense float64 mask
 
-@pytest.mark.parametrize("window, softcap", [(0, 0.0), (5, 0.0), (5, 3.0)])
-def test_overlay_equals_dense_masked_attention(window, softcap):
+@pytest.mark.parametrize("window, softcap, paged", [(0, 0.0, False), (5, 0.0, False),
+                                                    (5, 3.0, False), (0, 0.0, True),
+                                                    (0, 3.0, True), (5, 3.0, True)])
+def test_overlay_equals_dense_masked_attention(window, softcap, paged):
     """Image rows recomputed from a paged cache (blocks out of order, GQA 4:2): each query at p
     in an image [start, end) sees keys (p - W, end) (all of [0, end) without a window), as a
     dense masked softmax in float64 says; text rows are left alone. One image starts in an
-    earlier step (its first rows are cached, a prefix-cache hit inside it)."""
+    earlier step (its first rows are cached, a prefix-cache hit inside it). paged: with a
+    backend's paged op taking the full-attention layers (as on CUDA), here the CPU's."""
     from engine.vision.gemma3_attention import ImageBlockAttention, ImageSpan
     rng = np.random.default_rng(0)
     Hq, Hkv, D, bs = 4, 2, 8, 4
@@ -391,8 +394,10 @@ def test_overlay_equals_dense_masked_attention(window, softcap):
 
     class Batch:
         vision = type("V", (), {"spans": spans})()
-        block_tables = blocks[None, :]
-    ImageBlockAttention(np).apply(Batch, q, attn, k_cache, v_cache, 0.3, window, softcap)
+        block_tables = blocks[None, :].astype(np.int32)
+    from pyx.cpu_backend import CpuBackend
+    overlay = ImageBlockAttention(np, CpuBackend() if paged else None)
+    overlay.apply(Batch, q, attn, k_cache, v_cache, 0.3, window, softcap)
 
     K = k_cache[blocks].reshape(-1, Hkv, D)[:seq_len].astype(np.float64)
     V = v_cache[blocks].reshape(-1, Hkv, D)[:seq_len].astype(np.float64)

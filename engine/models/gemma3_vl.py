@@ -46,7 +46,9 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
                              "which the SigLIP tower needs; serve this model with --backend cpu")
         _checkpoint_names(weights)
         self.vision_encoder = Gemma3VisionEncoder(config.vision, weights, backend)
-        self._image_blocks = ImageBlockAttention(backend.xp)
+        # the CPU keeps its float32 overlay on every layer (engine/vision/gemma3_attention.py)
+        self._image_blocks = ImageBlockAttention(
+            backend.xp, paged_backend=None if backend.name == "cpu" else backend)
         super().__init__(config, weights, backend)
 
     def _attention(self, weights: dict, p: str, i: int):

@@ -419,11 +419,14 @@ def test_siglip_tower_matches_cpu(gemma3, make_cuda, cpu, dt):
         assert_close(got, want, TOWER_TOL[dt], f"siglip tower {dt} image {size}")
 
 
-@pytest.mark.parametrize("window, softcap", [(0, 0.0), (5, 0.0), (5, 3.0)])
-def test_image_overlay_matches_cpu(cuda, window, softcap):
+@pytest.mark.parametrize("paged", [True, False])
+@pytest.mark.parametrize("window, softcap", [(0, 0.0), (0, 3.0), (5, 0.0), (5, 3.0)])
+def test_image_overlay_matches_cpu(cuda, window, softcap, paged):
     """The overlay over a device cache and activations in the backend's dtype (blocks out of
-    order, GQA 4:2, an image begun in an earlier step) against the same overlay in NumPy on
-    the float32 values; text rows untouched."""
+    order, GQA 4:2, an image begun in an earlier step) against the float32 overlay in NumPy on
+    the same values (itself against a dense mask: tests/test_gemma3_vision.py); text rows
+    untouched. paged: the full-attention layers through the paged op, as the model runs them
+    on CUDA."""
     from engine.vision.gemma3_attention import ImageBlockAttention, ImageSpan
     dt = dtype_name(cuda)
     rng = np.random.default_rng(0)
@@ -440,8 +443,9 @@ def test_image_overlay_matches_cpu(cuda, window, softcap):
     ImageBlockAttention(np).apply(batch(tables), q.astype(np.float32), want,
                                   *(c.astype(np.float32) for c in caches), 0.125, window, softcap)
     got = to_dev(cuda, attn)
-    ImageBlockAttention(cuda.xp).apply(batch(to_dev(cuda, tables)), to_dev(cuda, q), got,
-                                       *(to_dev(cuda, c) for c in caches), 0.125, window, softcap)
+    overlay = ImageBlockAttention(cuda.xp, cuda if paged else None)
+    overlay.apply(batch(to_dev(cuda, tables)), to_dev(cuda, q), got,
+                  *(to_dev(cuda, c) for c in caches), 0.125, window, softcap)
     got = to_host(cuda, got)
     image_rows, text_rows = np.r_[0:15, 20:40], np.r_[15:20]
     assert_close(got[image_rows], want[image_rows], TOL[dt], f"overlay {dt} W={window}")
