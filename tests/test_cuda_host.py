@@ -35,8 +35,10 @@ def test_launch_without_device_names_op(cb):
 def test_cuda_backend_has_the_vision_ops(cb):
     """The vision-language models load on CUDA (engine/models/qwen2_5_vl.py refuses a backend
     without these ops), and the new launchers fail naming their op without a device."""
+    from engine.models.gemma3_vl import TOWER_OPS
     from engine.models.qwen2_5_vl import missing_ops
     assert missing_ops(cb.CudaBackend) == []
+    assert missing_ops(cb.CudaBackend, TOWER_OPS) == []      # Gemma 3's SigLIP tower
     if cb.device_count():
         return
     with pytest.raises(cb.CudaError, match=r"^gelu: .*\[n=8, dtype=1\]"):

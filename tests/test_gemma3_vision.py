@@ -287,16 +287,30 @@ def test_prefix_cache_keys_hold_the_image(ckpt, hf, processor):
     assert changed_seq.output_token_ids[:trusted] == tokens[:trusted]
 
 
-def test_cuda_refuses(ckpt):
+def test_backend_without_tower_ops_is_refused(ckpt):
+    """Loading refuses a backend whose class leaves an op the SigLIP tower needs to the op
+    table's base class, naming the missing ones (CUDA has them: tests/test_cuda_host.py; the
+    tower and overlay on CUDA: tests/gpu/test_cuda_vision.py)."""
     from engine.loader.safetensors import load_safetensors
     from engine.models.gemma3_vl import Gemma3ForConditionalGeneration
     from engine.models.model_config import ModelConfig
+    from pyx.backend import Backend
 
-    class Cuda:
-        name = "cuda"
-    with pytest.raises(ValueError, match="runs on the CPU backend only, not cuda"):
-        Gemma3ForConditionalGeneration(ModelConfig.from_pretrained(ckpt),
-                                       load_safetensors(ckpt, progress=False), Cuda())
+    class Bare(Backend):
+        def __init__(self):
+            Backend.__init__(self, "bare")
+
+    class NoLayerNorm(Bare):
+        def encoder_attention(self, out, q, k, v, cu_seqlens, scale):
+            pass
+    config = ModelConfig.from_pretrained(ckpt)
+    for backend, message in [
+            (Bare(), "the bare backend has no encoder_attention and layer_norm and "
+                     "fused_add_layer_norm ops"),
+            (NoLayerNorm(), "has no layer_norm and fused_add_layer_norm ops, which the SigLIP")]:
+        with pytest.raises(ValueError, match=message):
+            Gemma3ForConditionalGeneration(config, load_safetensors(ckpt, progress=False),
+                                           backend)
 
 
 # ---- the hub's files
@@ -355,12 +369,15 @@ def test_checkpoint_names():
 
 # ---- the overlay against a dense float64 mask
 
-@pytest.mark.parametrize("window, softcap", [(0, 0.0), (5, 0.0), (5, 3.0)])
-def test_overlay_equals_dense_masked_attention(window, softcap):
+@pytest.mark.parametrize("window, softcap, paged", [(0, 0.0, False), (5, 0.0, False),
+                                                    (5, 3.0, False), (0, 0.0, True),
+                                                    (0, 3.0, True), (5, 3.0, True)])
+def test_overlay_equals_dense_masked_attention(window, softcap, paged):
     """Image rows recomputed from a paged cache (blocks out of order, GQA 4:2): each query at p
     in an image [start, end) sees keys (p - W, end) (all of [0, end) without a window), as a
     dense masked softmax in float64 says; text rows are left alone. One image starts in an
-    earlier step (its first rows are cached, a prefix-cache hit inside it)."""
+    earlier step (its first rows are cached, a prefix-cache hit inside it). paged: with a
+    backend's paged op taking the full-attention layers (as on CUDA), here the CPU's."""
     from engine.vision.gemma3_attention import ImageBlockAttention, ImageSpan
     rng = np.random.default_rng(0)
     Hq, Hkv, D, bs = 4, 2, 8, 4
@@ -377,8 +394,10 @@ def test_overlay_equals_dense_masked_attention(window, softcap):
 
     class Batch:
         vision = type("V", (), {"spans": spans})()
-        block_tables = blocks[None, :]
-    ImageBlockAttention(np).apply(Batch, q, attn, k_cache, v_cache, 0.3, window, softcap)
+        block_tables = blocks[None, :].astype(np.int32)
+    from pyx.cpu_backend import CpuBackend
+    overlay = ImageBlockAttention(np, CpuBackend() if paged else None)
+    overlay.apply(Batch, q, attn, k_cache, v_cache, 0.3, window, softcap)
 
     K = k_cache[blocks].reshape(-1, Hkv, D)[:seq_len].astype(np.float64)
     V = v_cache[blocks].reshape(-1, Hkv, D)[:seq_len].astype(np.float64)

@@ -1,5 +1,6 @@
-"""The Qwen vision towers in a bfloat16 activation dtype, as the CUDA backend runs them, checked on
-the CPU (the kernels themselves: tests/gpu/test_cuda_vision.py).
+"""The vision towers (Qwen2.5-VL's, Qwen3-VL's, Mistral 3's Pixtral) in a bfloat16 activation
+dtype, as the CUDA backend runs them, checked on the CPU (the kernels themselves:
+tests/gpu/test_cuda_vision.py).
 
 Bf16Ops stands in for the CUDA backend's dtype rules: every activation an op takes or writes is
 bfloat16 (float32 only for linear's out, the RoPE table and vectors), which it asserts; it
@@ -41,9 +42,30 @@ FLOAT32_ALLOWED = {("linear", "out"), ("rotary_embedding", "cos_sin_cache")}
 TOWER_TOL = 3e-2       # as tests/gpu/test_cuda_vision.py's bf16 towers (measured here: 5e-3)
 
 
+class StrictNumpy:
+    """NumPy as CuPy treats bfloat16: no function of it computes on, copies or casts a bfloat16
+    array (ascontiguousarray of one already contiguous returns it, as CuPy does, with no
+    kernel; empty_like allocates only). Arrays move through their bits instead
+(engine/vision/act_arrays.py). Methods and operators of the arrays are not watched."""
+
+    def __getattr__(self, name):
+        f = getattr(np, name)
+        if not callable(f) or isinstance(f, type):
+            return f
+
+        def call(*args, **kwargs):
+            for a in list(args) + list(kwargs.values()):
+                if isinstance(a, np.ndarray) and a.dtype == BF16 and name != "empty_like" and not (
+                        name == "ascontiguousarray" and a.flags.c_contiguous):
+                    raise AssertionError(f"xp.{name} on a bfloat16 array {a.shape}: CuPy has "
+                                         "no kernel for it")
+            return f(*args, **kwargs)
+        return call
+
+
 class Bf16Ops:
     name = "bf16-sim"
-    xp = np
+    xp = StrictNumpy()
     act_dtype = BF16
 
     def __init__(self):
@@ -154,3 +176,116 @@ def test_act_arrays_moves():
                           x.astype(BF16).view(np.uint16))
     with pytest.raises(ValueError, match="copy: float32 into bfloat16"):
         act_arrays.copy(np, np.zeros((2, 2), BF16), np.zeros((2, 2), F32))
+
+
+@pytest.fixture(scope="module")
+def mistral3(tmp_path_factory):
+    from mistral3_checkpoint import tiny_mistral3_checkpoint
+
+    from engine.models.model_config import ModelConfig
+    from engine.vision.families import image_processor
+    ckpt = tiny_mistral3_checkpoint(tmp_path_factory.mktemp("mistral3"))
+    vision = ModelConfig.from_pretrained(ckpt).vision
+    return ckpt, vision, image_processor(ckpt, vision)
+
+
+def mistral3_weights(ckpt) -> dict:
+    from engine.loader.safetensors import load_safetensors
+    from engine.models.mistral3 import _checkpoint_names
+    weights = load_safetensors(ckpt, progress=False)
+    _checkpoint_names(weights)
+    return weights
+
+
+@pytest.mark.parametrize("hidden_act", ["silu", "gelu"])
+def test_pixtral_tower_runs_in_bfloat16(mistral3, hidden_act):
+    """Mistral 3's tower and projector in bfloat16 near the float32 ones; the break rows stay
+    zero. gelu: the tiny checkpoint's MLP as a gelu one (the tower's other branch)."""
+    import dataclasses
+
+    from engine.vision.families import preprocess
+    from engine.vision.pixtral_encoder import PixtralVisionEncoder
+    from pyx.cpu_backend import CpuBackend
+    ckpt, vision, processor = mistral3
+    vision = dataclasses.replace(vision, hidden_act=hidden_act)
+    ops = Bf16Ops()
+    f32 = PixtralVisionEncoder(vision, mistral3_weights(ckpt), CpuBackend())
+    bf16 = PixtralVisionEncoder(vision, mistral3_weights(ckpt), ops)
+    for size in [(40, 56), (23, 17)]:
+        image = preprocess(sample_image(*size, seed=1), processor)
+        want = f32.encode(image.pixel_values, image.grid_thw)
+        got = bf16.encode(image.pixel_values, image.grid_thw)
+        assert got.dtype == F32 and got.shape == want.shape
+        assert not got[~want.any(1)].any()
+        err = np.linalg.norm(got - want) / np.linalg.norm(want)
+        assert 1e-4 < err < TOWER_TOL, f"pixtral {hidden_act} {size}: relative error {err:.3g}"
+    assert {"gelu", "encoder_attention"} <= ops.calls
+
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory):
+    from gemma3_vision_checkpoint import tiny_gemma3_vision_checkpoint
+
+    from engine.models.model_config import ModelConfig
+    from engine.vision.families import image_processor
+    ckpt = tiny_gemma3_vision_checkpoint(tmp_path_factory.mktemp("gemma3v"))
+    vision = ModelConfig.from_pretrained(ckpt).vision
+    return ckpt, vision, image_processor(ckpt, vision)
+
+
+def gemma3_weights(ckpt) -> dict:
+    from engine.loader.safetensors import load_safetensors
+    from engine.models.gemma3_vl import _checkpoint_names
+    weights = load_safetensors(ckpt, progress=False)
+    _checkpoint_names(weights)
+    return weights
+
+
+def test_siglip_tower_runs_in_bfloat16(gemma3):
+    """Gemma 3's SigLIP tower and projector in bfloat16 near the float32 ones."""
+    from engine.vision.gemma3_encoder import Gemma3VisionEncoder
+    from pyx.cpu_backend import CpuBackend
+    ckpt, vision, processor = gemma3
+    ops = Bf16Ops()
+    f32 = Gemma3VisionEncoder(vision, gemma3_weights(ckpt), CpuBackend())
+    bf16 = Gemma3VisionEncoder(vision, gemma3_weights(ckpt), ops)
+    for size in [(40, 30), (23, 17)]:
+        pixels = processor.preprocess(sample_image(*size, seed=1)).pixel_values
+        want = f32.encode(pixels, (1, 4, 4))
+        got = bf16.encode(pixels, (1, 4, 4))
+        assert got.dtype == F32 and got.shape == want.shape
+        err = np.linalg.norm(got - want) / np.linalg.norm(want)
+        assert 1e-4 < err < TOWER_TOL, f"siglip {size}: relative error {err:.3g}"
+    assert {"layer_norm", "fused_add_layer_norm", "gelu_tanh_and_mul",
+            "encoder_attention"} <= ops.calls
+
+
+@pytest.mark.parametrize("window", [0, 5])
+def test_image_overlay_in_bfloat16(window):
+    """Gemma 3's image-attention overlay on a bfloat16 cache and activations (as CUDA runs it):
+    its image rows are the float32 overlay's on the same values, rounded to bfloat16 (the
+    float32 overlay against a dense mask: tests/test_gemma3_vision.py); the text rows
+    untouched."""
+    from engine.vision.gemma3_attention import ImageBlockAttention, ImageSpan
+    rng = np.random.default_rng(0)
+    Hq, Hkv, D, bs, T = 4, 2, 8, 4, 20
+    caches = [rng.standard_normal((16, bs, Hkv, D)).astype(BF16) for _ in range(2)]
+    q = rng.standard_normal((T, Hq * D)).astype(BF16)
+    attn = rng.standard_normal((T, Hq * D)).astype(BF16)
+
+    class Batch:
+        vision = type("V", (), {"spans": [ImageSpan(0, 0, 10, 15), ImageSpan(0, 10, 20, 26)]})()
+        block_tables = rng.permutation(16)[None, :8]
+    want = attn.astype(F32)
+    ImageBlockAttention(np).apply(Batch, q.astype(F32), want, *(c.astype(F32) for c in caches),
+                                  0.3, window, 0.0)
+    got = attn.copy()
+    ImageBlockAttention(StrictNumpy()).apply(Batch, q, got, *caches, 0.3, window, 0.0)
+    assert got.dtype == BF16
+    image_rows = np.r_[0:5, 10:16]
+    text_rows = np.r_[5:10, 16:20]
+    assert np.array_equal(got[text_rows].view(np.uint16), attn[text_rows].view(np.uint16))
+    assert not np.array_equal(got[image_rows], attn[image_rows]), "no image row rewritten"
+    assert np.array_equal(got[image_rows].view(np.uint16),
+                          want[image_rows].astype(BF16).view(np.uint16))

@@ -264,17 +264,28 @@ def test_admission_errors(ckpt, hf, processor):
         engine.add_request("z", ids, __import__("engine").SamplingParams(), images=[small])
 
 
-def test_cuda_refuses_the_vision_model(ckpt):
-    """The Pixtral tower runs on the CPU only: loading on CUDA says so."""
+def test_backend_without_vision_ops_is_refused(ckpt):
+    """Loading refuses a backend whose class leaves gelu or encoder_attention to the op table's
+    base class, naming the missing ones (CUDA has both: tests/test_cuda_host.py; the tower on
+    CUDA: tests/gpu/test_cuda_vision.py)."""
     from engine.loader.safetensors import load_safetensors
     from engine.models.mistral3 import Mistral3ForConditionalGeneration
     from engine.models.model_config import ModelConfig
+    from pyx.backend import Backend
 
-    class Cuda:
-        name = "cuda"
-    with pytest.raises(ValueError, match="runs on the CPU backend only, not cuda"):
-        Mistral3ForConditionalGeneration(ModelConfig.from_pretrained(ckpt),
-                                         load_safetensors(ckpt, progress=False), Cuda())
+    class Bare(Backend):
+        def __init__(self):
+            Backend.__init__(self, "bare")
+
+    class GeluOnly(Bare):
+        def gelu(self, x, out):
+            pass
+    config = ModelConfig.from_pretrained(ckpt)
+    for backend, message in [(Bare(), "the bare backend has no gelu and encoder_attention ops"),
+                             (GeluOnly(), "has no encoder_attention op, which the Pixtral")]:
+        with pytest.raises(ValueError, match=message):
+            Mistral3ForConditionalGeneration(config, load_safetensors(ckpt, progress=False),
+                                             backend)
 
 
 # ---- through the server

@@ -8,10 +8,13 @@ from __future__ import annotations
 import numpy as np
 
 from engine.models.gemma import Gemma3ForCausalLM
+from engine.models.qwen2_5_vl import missing_ops
+from engine.vision import act_arrays
 from engine.vision.gemma3_attention import Gemma3VisionRunner, ImageBlockAttention
 from engine.vision.gemma3_encoder import Gemma3VisionEncoder
 
-# The backend ops the vision tower needs beyond the language model's.
+# The backend ops the SigLIP tower needs beyond the language model's.
+TOWER_OPS = ("encoder_attention", "layer_norm", "fused_add_layer_norm")
 
 # Checkpoint prefixes -> the names this code reads: the hub's files (language_model.model.*,
 # vision_tower.vision_model.*), transformers 5's in-memory names (model.language_model.*, ...)
@@ -36,13 +39,16 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
     vision_runner = Gemma3VisionRunner
 
     def __init__(self, config, weights: dict, backend):
-        if backend.name != "cpu":
-            raise ValueError(f"{config.architecture}: the vision path (the SigLIP tower, the image "
-                             f"attention overlay) runs on the CPU backend only, not "
-                             f"{backend.name}: serve this model with --backend cpu")
+        missing = missing_ops(type(backend), TOWER_OPS)
+        if missing:
+            raise ValueError(f"{config.architecture}: the {backend.name} backend has no "
+                             f"{' and '.join(missing)} op{'s' if len(missing) > 1 else ''}, "
+                             "which the SigLIP tower needs; serve this model with --backend cpu")
         _checkpoint_names(weights)
         self.vision_encoder = Gemma3VisionEncoder(config.vision, weights, backend)
-        self._image_blocks = ImageBlockAttention(backend.xp)
+        # the CPU keeps its float32 overlay on every layer (engine/vision/gemma3_attention.py)
+        self._image_blocks = ImageBlockAttention(
+            backend.xp, paged_backend=None if backend.name == "cpu" else backend)
         super().__init__(config, weights, backend)
 
     def _attention(self, weights: dict, p: str, i: int):
@@ -68,4 +74,5 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
         return self.config.vision.mm_tokens_per_image
 
     def _merge_inputs(self, batch, residual):
-        residual[self.backend.asarray(batch.vision.rows)] = batch.vision.embeds
+        act_arrays.set_rows(self.xp, residual, self.backend.asarray(batch.vision.rows),
+                            batch.vision.embeds)

@@ -5,9 +5,9 @@ replace the [IMG] tokens' embeddings; an image's [IMG_BREAK]s and [IMG_END] keep
 from __future__ import annotations
 
 from engine.models.llama import LlamaForCausalLM
+from engine.models.qwen2_5_vl import missing_ops
+from engine.vision import act_arrays
 from engine.vision.pixtral_encoder import PixtralVisionEncoder
-
-# The backend ops the vision tower needs beyond the language model's.
 
 
 def _checkpoint_names(weights: dict) -> None:
@@ -29,10 +29,11 @@ class Mistral3ForConditionalGeneration(LlamaForCausalLM):
     max_image_rows = 2 ** 62
 
     def __init__(self, config, weights: dict, backend):
-        if backend.name != "cpu":
-            raise ValueError(f"{config.architecture}: the vision path (the Pixtral tower) runs on "
-                             f"the CPU backend only, not {backend.name}: serve this model with "
-                             "--backend cpu")
+        missing = missing_ops(type(backend))
+        if missing:
+            raise ValueError(f"{config.architecture}: the {backend.name} backend has no "
+                             f"{' and '.join(missing)} op{'s' if len(missing) > 1 else ''}, "
+                             "which the Pixtral tower needs; serve this model with --backend cpu")
         _checkpoint_names(weights)
         self.vision_encoder = PixtralVisionEncoder(config.vision, weights, backend)
         super().__init__(config, weights, backend)
@@ -41,4 +42,4 @@ class Mistral3ForConditionalGeneration(LlamaForCausalLM):
         vb = batch.vision
         rows = self.backend.asarray(vb.rows)
         keep = batch.token_ids[rows] == self.config.vision.image_token_id
-        residual[rows[keep]] = vb.embeds[keep]
+        act_arrays.set_rows(self.xp, residual, rows[keep], vb.embeds[keep])

@@ -27,6 +27,11 @@ def copy(xp, dst, src) -> None:
     xp.copyto(bits(dst), bits(src))
 
 
+def contiguous(xp, a):
+    """A C-contiguous copy of `a` (any strides), in its dtype."""
+    return xp.ascontiguousarray(bits(a)).view(a.dtype)
+
+
 def rounded(xp, x, dtype):
     """x (float32) as a new array of `dtype`, or x itself where it is that dtype already."""
     if x.dtype == dtype:

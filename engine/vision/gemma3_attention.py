@@ -14,6 +14,16 @@ are never split across prefill chunks (engine/vision/budget.py's whole_images; a
 hit may end inside an image, whose cached tokens were computed with the whole image, so the
 chunk then starts inside it and runs to its end).
 
+The overlay is written over the array module (NumPy, or CuPy on CUDA: cuBLAS batched GEMMs and
+elementwise kernels) and computes in float32 whatever the cache's and activations' dtype
+(bf16 rows widened through their bits, the output rounded back), so one code serves both
+backends. On CUDA the full-attention layers take the paged op instead (memory bounded at any
+context length): each image row as a one-row sequence ending at the image's end sees keys
+[0, end), the image's mask. A sliding layer's keys (p - W, end) are not the causal window of any
+one position, and the paged op gives no softmax statistics to merge a second key range into:
+those rows stay on the float32 path, over at most W + the image's length keys. The CPU keeps
+the float32 path for every layer (its outputs unchanged).
+
 Gemma3VisionRunner is the vision runner for such a model: positions stay plain (no M-RoPE);
 it records each image run of the step (its batch rows, first position and the image's end) for
 the overlay, and the rows whose embeddings the vision tower gives.
@@ -24,7 +34,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from engine.vision import act_arrays
 from engine.vision.runner import VisionRunner
+from pyx.gated_delta_net import as_float32, store
 
 
 @dataclass(slots=True)
@@ -72,8 +84,11 @@ class Gemma3VisionRunner(VisionRunner):
 class ImageBlockAttention:
     """The overlay (module docstring), shared by the model's attention layers."""
 
-    def __init__(self, xp):
+    def __init__(self, xp, paged_backend=None):
+        """paged_backend: a backend whose paged attention op takes the full-attention layers'
+        image rows (None: every layer in float32 over xp)."""
         self.xp = xp
+        self.paged = paged_backend
 
     def apply(self, batch, q, attn, k_cache, v_cache, scale: float, sliding_window: int,
               softcap: float) -> None:
@@ -93,6 +108,12 @@ class ImageBlockAttention:
         q3 = q.reshape(T, Hq, D)
         out3 = attn.reshape(T, Hq, D)
         tables = batch.block_tables
+        if sliding_window <= 0 and self.paged is not None:
+            for s in vb.spans:
+                self._paged_rows(tables, s, q3, out3, k_cache, v_cache, scale, softcap)
+            return
+        # rows gathered through their bits (CuPy has no bfloat16 kernels), computed in float32
+        k_bits, v_bits = act_arrays.bits(k_cache), act_arrays.bits(v_cache)
         for s in vb.spans:
             n = s.end - s.first
             lo = max(0, s.first - sliding_window + 1) if sliding_window > 0 else 0
@@ -100,9 +121,12 @@ class ImageBlockAttention:
             skip = lo - (lo // bs) * bs
             L = s.end - lo
             # per KV head, its group's queries (group * n rows) against its keys: batched GEMMs
-            keys = k_cache[blocks].reshape(-1, Hkv, D)[skip:skip + L].transpose(1, 2, 0)
-            values = v_cache[blocks].reshape(-1, Hkv, D)[skip:skip + L].transpose(1, 0, 2)
-            qs = q3[s.row:s.row + n].reshape(n, Hkv, group, D).transpose(1, 2, 0, 3)
+            keys = as_float32(k_bits[blocks].view(k_cache.dtype), xp).reshape(-1, Hkv, D)[
+                skip:skip + L].transpose(1, 2, 0)
+            values = as_float32(v_bits[blocks].view(v_cache.dtype), xp).reshape(-1, Hkv, D)[
+                skip:skip + L].transpose(1, 0, 2)
+            qs = as_float32(act_arrays.contiguous(xp, q3[s.row:s.row + n]), xp).reshape(
+                n, Hkv, group, D).transpose(1, 2, 0, 3)
             scores = xp.matmul(qs.reshape(Hkv, group * n, D), keys).reshape(Hkv, group, n, L)
             scores *= np.float32(scale)
             if softcap > 0:
@@ -115,5 +139,18 @@ class ImageBlockAttention:
             weights = xp.exp(scores)
             weights /= weights.sum(axis=-1, keepdims=True)
             o = xp.matmul(weights.reshape(Hkv, group * n, L), values)      # (Hkv, group*n, D)
-            out3[s.row:s.row + n] = o.reshape(Hkv, group, n, D).transpose(2, 0, 1, 3).reshape(
-                n, Hq, D)
+            rows = o.reshape(Hkv, group, n, D).transpose(2, 0, 1, 3).reshape(n, Hq, D)
+            store(out3[s.row:s.row + n], rows, xp)
+
+    def _paged_rows(self, tables, s, q3, out3, k_cache, v_cache, scale, softcap) -> None:
+        """A full-attention layer's image rows through the paged op: each query row as a
+        one-row sequence ending at the image's end, so its causal keys are [0, end)."""
+        xp, n = self.xp, s.end - s.first
+        rows = slice(s.row, s.row + n)
+        out = xp.empty((n,) + out3.shape[1:], out3.dtype)
+        self.paged.paged_attention(
+            out, act_arrays.contiguous(xp, q3[rows]), k_cache, v_cache,
+            xp.ascontiguousarray(xp.repeat(tables[s.seq:s.seq + 1], n, axis=0)),
+            xp.full((n,), s.end, np.int32), xp.arange(n + 1, dtype=np.int32), scale, 0,
+            softcap=softcap)
+        act_arrays.copy(xp, out3[rows], out)

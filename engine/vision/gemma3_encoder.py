@@ -10,12 +10,17 @@ language-model embeddings (transformers' SiglipVisionModel + Gemma3MultiModalPro
   projector: the patch grid average-pooled in pool x pool squares to mm_tokens_per_image
     tokens (row-major), Gemma's RMSNorm (x (1 + w), the soft-embedding norm, with the tower's
     layer_norm_eps), then x @ mm_input_projection_weight (vision hidden, text hidden).
+The tower computes in the backend's activation dtype (float32 on the CPU; bf16, f16 or f32 on
+CUDA; the residual stream in it too, as the fused add-and-norm op keeps it) and returns float32
+rows; engine/vision/act_arrays.py moves its arrays (CuPy has no bfloat16 kernels).
 """
 from __future__ import annotations
 
 import numpy as np
 
+from engine.vision import act_arrays
 from engine.vision.gemma3_config import Gemma3VisionConfig
+from pyx.gated_delta_net import as_float32
 
 
 class Gemma3VisionEncoder:
@@ -24,6 +29,7 @@ class Gemma3VisionEncoder:
         tensors from `weights`."""
         self.config = c = config
         self.backend, self.xp = backend, backend.xp
+        self.act = np.dtype(backend.act_dtype)
         self._weights = weights
         E, I, P = c.hidden_size, c.intermediate_size, c.patch_size
         p = "vision_tower.embeddings."
@@ -93,43 +99,49 @@ class Gemma3VisionEncoder:
         if pixel_values.shape != (N, c.num_channels * c.patch_size ** 2):
             raise ValueError(f"pixel values of shape {list(pixel_values.shape)}; the tower takes "
                              f"{N} patches of {c.num_channels * c.patch_size ** 2} values")
-        x = xp.empty((N, E), np.float32)
-        b.linear(b.asarray(np.ascontiguousarray(pixel_values, np.float32)), self.patch_embed,
-                 self.patch_bias, x)
-        x += self.positions
-        h = xp.empty((N, E), np.float32)
-        qkv = xp.empty((N, 3 * E), np.float32)
-        q, k, v = (xp.empty((N, E), np.float32) for _ in range(3))
-        attn = xp.empty((N, E), np.float32)
-        out = xp.empty((N, E), np.float32)
-        up = xp.empty((N, 2 * I), np.float32)
-        up[:, I:] = 1.0           # gelu_tanh(g) * 1: the GeGLU op as a plain tanh GELU
-        act = xp.empty((N, I), np.float32)
+        act_dt = self.act
+        embedded = xp.empty((N, E), np.float32)      # the position embedding added in float32
+        b.linear(b.asarray(np.ascontiguousarray(pixel_values).astype(act_dt)), self.patch_embed,
+                 self.patch_bias, embedded)
+        embedded += self.positions
+        x = act_arrays.rounded(xp, embedded, act_dt)   # the residual stream
+        h = xp.empty((N, E), act_dt)
+        qkv = xp.empty((N, 3 * E), act_dt)
+        q, k, v = (xp.empty((N, E), act_dt) for _ in range(3))
+        attn = xp.empty((N, E), act_dt)
+        out = xp.empty((N, E), act_dt)
+        up = xp.empty((N, 2 * I), act_dt)
+        # gelu_tanh(g) * 1: the GeGLU op as a plain tanh GELU
+        act_arrays.copy(xp, up[:, I:], act_arrays.rounded(xp, xp.ones((N, I), np.float32), act_dt))
+        gate = xp.empty((N, I), act_dt)
+        act = xp.empty((N, I), act_dt)
         whole = b.asarray(np.array([0, N], np.int32))
         eps = c.layer_norm_eps
-        for layer in self.layers:
-            b.layer_norm(x, layer["ln1"], layer["ln1_bias"], eps, h)
+        b.layer_norm(x, self.layers[0]["ln1"], self.layers[0]["ln1_bias"], eps, h)
+        for i, layer in enumerate(self.layers):
             b.linear(h, layer["qkv"], layer["qkv_bias"], qkv)
-            xp.copyto(q, qkv[:, :E])
-            xp.copyto(k, qkv[:, E:2 * E])
-            xp.copyto(v, qkv[:, 2 * E:])
+            act_arrays.copy(xp, q, qkv[:, :E])
+            act_arrays.copy(xp, k, qkv[:, E:2 * E])
+            act_arrays.copy(xp, v, qkv[:, 2 * E:])
             b.encoder_attention(attn.reshape(N, H, D), q.reshape(N, H, D), k.reshape(N, H, D),
                                 v.reshape(N, H, D), whole, D ** -0.5)
             b.linear(attn, layer["out"], layer["out_bias"], out)
-            x += out
-            b.layer_norm(x, layer["ln2"], layer["ln2_bias"], eps, h)
-            gate = xp.empty((N, I), np.float32)
-            b.linear(h, layer["fc1"], layer["fc1_bias"], gate)
-            xp.copyto(up[:, :I], gate)
+            # x += out; out = LayerNorm2(x)
+            b.fused_add_layer_norm(out, x, layer["ln2"], layer["ln2_bias"], eps)
+            b.linear(out, layer["fc1"], layer["fc1_bias"], gate)
+            act_arrays.copy(xp, up[:, :I], gate)
             b.gelu_tanh_and_mul(up, act)
-            b.linear(act, layer["fc2"], layer["fc2_bias"], out)
-            x += out
-        b.layer_norm(x, self.post_ln, self.post_ln_bias, eps, h)
+            b.linear(act, layer["fc2"], layer["fc2_bias"], h)
+            # x += the MLP's output; h = the next layer's LayerNorm1 (the post LayerNorm last)
+            nxt = self.layers[i + 1] if i + 1 < len(self.layers) else None
+            b.fused_add_layer_norm(h, x, nxt["ln1"] if nxt else self.post_ln,
+                                   nxt["ln1_bias"] if nxt else self.post_ln_bias, eps)
         side, k = c.tokens_per_side, c.pool
-        pooled = xp.ascontiguousarray(h.reshape(side, k, side, k, E).mean(
-            axis=(1, 3), dtype=np.float32).reshape(side * side, E))
+        pooled = act_arrays.rounded(xp, xp.ascontiguousarray(
+            as_float32(h, xp).reshape(side, k, side, k, E).mean(
+                axis=(1, 3), dtype=np.float32).reshape(side * side, E)), act_dt)
         normed = xp.empty_like(pooled)
         b.rms_norm(pooled, self.soft_norm, eps, normed)
-        embeds = xp.empty((side * side, c.text_hidden_size), np.float32)
+        embeds = xp.empty((side * side, c.text_hidden_size), np.float32)   # linear writes f32
         b.linear(normed, self.projection, None, embeds)
         return embeds

@@ -16,12 +16,17 @@ The graph (transformers' PixtralVisionModel and Mistral3MultiModalProjector):
 The output holds a row for each token of the image's run in the prompt: the rows of merged
 patches, each followed by a zero row where the prompt has its [IMG_BREAK] (or [IMG_END]); the
 model writes only the [IMG] rows (engine/models/mistral3.py).
+The tower computes in the backend's activation dtype (float32 on the CPU; bf16, f16 or f32 on
+CUDA) and returns float32 rows; engine/vision/act_arrays.py moves its arrays (CuPy has no
+bfloat16 kernels).
 """
 from __future__ import annotations
 
 import numpy as np
 
+from engine.vision import act_arrays
 from engine.vision.pixtral_config import PixtralVisionConfig
+from pyx.gated_delta_net import as_float32, store
 
 NORM_EPS = 1e-5      # the tower's RMSNorms (fixed in transformers' modeling code)
 
@@ -32,6 +37,7 @@ class PixtralVisionEncoder:
         tensors from `weights`."""
         self.config = c = config
         self.backend, self.xp = backend, backend.xp
+        self.act = np.dtype(backend.act_dtype)
         self._weights = weights
         E, I, T, m = c.hidden_size, c.intermediate_size, c.text_hidden_size, c.spatial_merge_size
         conv = np.asarray(self._pop("vision_tower.patch_conv.weight"))
@@ -110,18 +116,20 @@ class PixtralVisionEncoder:
         positions = b.asarray(np.arange(N, dtype=np.int32))
         cu = b.asarray(np.array([0, N], np.int32))
 
-        embedded = xp.empty((N, E), np.float32)
-        b.linear(b.asarray(np.ascontiguousarray(pixel_values, np.float32)), self.patch_embed,
+        act_dt = self.act
+        embedded = xp.empty((N, E), act_dt)
+        b.linear(b.asarray(np.ascontiguousarray(pixel_values).astype(act_dt)), self.patch_embed,
                  None, embedded)
-        residual = xp.empty((N, E), np.float32)
+        residual = xp.empty((N, E), act_dt)
         b.rms_norm(embedded, self.ln_pre, NORM_EPS, residual)
-        hidden = xp.empty((N, E), np.float32)
-        qkv = xp.empty((N, 3 * E), np.float32)
-        q, k, v = (xp.empty((N, E), np.float32) for _ in range(3))
-        attn = xp.empty((N, E), np.float32)
-        attn_out = xp.empty((N, E), np.float32)
-        gate_up = xp.empty((N, 2 * I), np.float32)
-        act = xp.empty((N, I), np.float32)
+        hidden = xp.empty((N, E), act_dt)
+        qkv = xp.empty((N, 3 * E), act_dt)
+        q, k, v = (xp.empty((N, E), act_dt) for _ in range(3))
+        attn = xp.empty((N, E), act_dt)
+        attn_out = xp.empty((N, E), act_dt)
+        gate_up = xp.empty((N, 2 * I), act_dt)
+        act = xp.empty((N, I), act_dt)
+        gate = xp.empty((N, I), act_dt) if c.hidden_act != "silu" else None
         D, H = c.head_dim, c.num_heads
         for i, layer in enumerate(self.layers):
             if i == 0:
@@ -129,9 +137,9 @@ class PixtralVisionEncoder:
             else:
                 b.fused_add_rms_norm(hidden, residual, layer["attention_norm"], NORM_EPS)
             b.linear(hidden, layer["qkv"], None, qkv)
-            xp.copyto(q, qkv[:, :E])
-            xp.copyto(k, qkv[:, E:2 * E])
-            xp.copyto(v, qkv[:, 2 * E:])
+            act_arrays.copy(xp, q, qkv[:, :E])
+            act_arrays.copy(xp, k, qkv[:, E:2 * E])
+            act_arrays.copy(xp, v, qkv[:, 2 * E:])
             b.rotary_embedding(positions, q, k, rope, D, True)
             b.encoder_attention(attn.reshape(N, H, D), q.reshape(N, H, D), k.reshape(N, H, D),
                                 v.reshape(N, H, D), cu, D ** -0.5)
@@ -141,22 +149,25 @@ class PixtralVisionEncoder:
             if c.hidden_act == "silu":
                 b.silu_and_mul(gate_up, act)
             else:
-                b.gelu(xp.ascontiguousarray(gate_up[:, :I]), act)
-                act *= gate_up[:, I:]
+                # no fused erf-GELU-and-mul op: GELU, then the product in float32
+                act_arrays.copy(xp, gate, gate_up[:, :I])
+                b.gelu(gate, act)
+                up = as_float32(act_arrays.contiguous(xp, gate_up[:, I:]), xp)
+                store(act, as_float32(act, xp) * up, xp)
             b.linear(act, layer["down"], None, hidden)
         # the last layer's output, through the projector's norm
         b.fused_add_rms_norm(hidden, residual, self.norm, c.projector_eps)
         R, C = gh // m, gw // m
-        squares = xp.ascontiguousarray(
-            hidden.reshape(R, m, C, m, E).transpose(0, 2, 1, 3, 4).reshape(R * C, m * m * E))
-        merged = xp.empty((R * C, E), np.float32)
+        squares = act_arrays.contiguous(
+            xp, hidden.reshape(R, m, C, m, E).transpose(0, 2, 1, 3, 4)).reshape(R * C, m * m * E)
+        merged = xp.empty((R * C, E), act_dt)
         b.linear(squares, self.merging, None, merged)
         T = c.text_hidden_size
-        x1 = xp.empty((R * C, T), np.float32)
+        x1 = xp.empty((R * C, T), act_dt)
         b.linear(merged, self.linear_1, self.bias_1, x1)
         g = xp.empty_like(x1)
         b.gelu(x1, g)
-        features = xp.empty((R * C, T), np.float32)
+        features = xp.empty((R * C, T), np.float32)     # linear writes float32 too
         b.linear(g, self.linear_2, self.bias_2, features)
         out = xp.zeros((R, C + 1, T), np.float32)
         out[:, :C] = features.reshape(R, C, T)

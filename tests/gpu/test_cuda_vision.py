@@ -1,7 +1,9 @@
 """Vision encoders on CUDA (issue 33): the gelu and encoder_attention ops (cuda/vision.cu) against
-the CPU backend's (pyx/cpu_vision.py), and tiny Qwen2.5-VL and Qwen3-VL checkpoints
-(tests/vision_checkpoint.py, tests/qwen3_vl_checkpoint.py) whose vision towers and greedy tokens
-on CUDA equal the CPU's for messages with images.
+the CPU backend's (pyx/cpu_vision.py), and tiny Qwen2.5-VL, Qwen3-VL, Mistral 3 and Gemma 3
+checkpoints (tests/vision_checkpoint.py, tests/qwen3_vl_checkpoint.py,
+tests/mistral3_checkpoint.py, tests/gemma3_vision_checkpoint.py) whose vision towers and greedy
+tokens on CUDA equal the CPU's for messages with images; Gemma 3's image-attention overlay
+(engine/vision/gemma3_attention.py) on device arrays against the same overlay in NumPy.
 
 Ops: inputs rounded to the activation dtype (f32, bf16, f16), the CPU op on the same values in
 f32, tolerances as tests/gpu/test_cuda_ops.py (outputs poisoned with NaN first). GELU also on
@@ -276,4 +278,212 @@ def test_greedy_matches_cpu(families, family, case):
         n = int(low[0]) if low.size else GEN
         assert n >= MIN_COMPARED[dt], f"{family} {case}: margins {np.round(margins, 3)}"
         assert got[:n] == cpu[:n], (f"{family} {case} {dt}: cuda {got} vs cpu {cpu}, equal up "
+                                    f"to token {n}; margins {np.round(margins, 3).tolist()}")
+
+
+# ---- Mistral 3: the Pixtral tower and projector, plain RoPE in the language model
+
+@pytest.fixture(scope="module")
+def mistral3(tmp_path_factory):
+    """(checkpoint, (transformers model, image processor, tokenizer), our processor)."""
+    torch = pytest.importorskip("torch")
+    import transformers
+    from mistral3_checkpoint import tiny_mistral3_checkpoint
+
+    from engine.models.model_config import ModelConfig
+    from engine.vision.families import image_processor
+    ckpt = tiny_mistral3_checkpoint(tmp_path_factory.mktemp("mistral3"))
+    hf = (transformers.Mistral3ForConditionalGeneration.from_pretrained(
+              ckpt, dtype=torch.float32).eval(),
+          transformers.PixtralImageProcessorPil.from_pretrained(ckpt),
+          transformers.AutoTokenizer.from_pretrained(ckpt))
+    return ckpt, hf, image_processor(ckpt, ModelConfig.from_pretrained(ckpt).vision)
+
+
+def mistral3_weights(ckpt) -> dict:
+    from engine.loader.safetensors import load_safetensors
+    from engine.models.mistral3 import _checkpoint_names
+    weights = load_safetensors(ckpt, progress=False)
+    _checkpoint_names(weights)
+    return weights
+
+
+@pytest.mark.parametrize("hidden_act", ["silu", "gelu"])
+@pytest.mark.parametrize("dt", ["f32", "bf16"])
+def test_pixtral_tower_matches_cpu(mistral3, make_cuda, cpu, dt, hidden_act):
+    """The tower's rows (break rows zero) on CUDA against the CPU's; gelu: the tiny checkpoint's
+    MLP run as a gelu one (the tower's other branch)."""
+    import dataclasses
+
+    from vision_checkpoint import sample_image
+
+    from engine.models.model_config import ModelConfig
+    from engine.vision.families import preprocess
+    from engine.vision.pixtral_encoder import PixtralVisionEncoder
+    ckpt, _, processor = mistral3
+    vision = dataclasses.replace(ModelConfig.from_pretrained(ckpt).vision, hidden_act=hidden_act)
+    cuda = make_cuda(dt)
+    towers = [PixtralVisionEncoder(vision, mistral3_weights(ckpt), b) for b in (cpu, cuda)]
+    for size in IMAGE_SIZES:
+        image = preprocess(sample_image(*size, seed=1), processor)
+        want = towers[0].encode(image.pixel_values, image.grid_thw)
+        got = to_host(cuda, towers[1].encode(image.pixel_values, image.grid_thw))
+        assert got.dtype == np.float32 and got.shape == want.shape
+        assert not got[~want.any(1)].any(), "a break row is not zero"
+        assert_close(got, want, TOWER_TOL[dt], f"pixtral tower {hidden_act} {dt} image {size}")
+
+
+def mistral3_margins(hf, ids, images, n: int = GEN):
+    """transformers' greedy tokens and each step's top-two log-prob gap."""
+    import torch
+    from test_vision_mistral3 import hf_pixels
+    input_ids = torch.tensor([ids])
+    out = hf_pixels(hf, images)
+    with torch.no_grad():
+        g = hf[0].generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
+                           pixel_values=out["pixel_values"], image_sizes=out["image_sizes"],
+                           max_new_tokens=n, do_sample=False, output_scores=True,
+                           return_dict_in_generate=True)
+    margins = []
+    for s in g.scores:
+        top2 = torch.log_softmax(s[0].double(), -1).topk(2).values
+        margins.append(float(top2[0] - top2[1]))
+    return g.sequences[0, len(ids):].tolist(), np.array(margins)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_mistral3_greedy_matches_cpu(mistral3, case):
+    from test_vision_mistral3 import prompt_ids
+    from vision_checkpoint import sample_image
+
+    from engine.vision.families import preprocess
+    ckpt, hf, processor = mistral3
+    parts, sizes = CASES[case]
+    images = [sample_image(*s, seed=i + 5) for i, s in enumerate(sizes)]
+    processed = [preprocess(im, processor) for im in images]
+    ids = prompt_ids(hf, parts, processed)
+    reference, margins = mistral3_margins(hf, ids, images)
+    cpu = engine_tokens(ckpt, ids, processed, backend="cpu")
+    trusted = int(np.argmax(margins < 1e-4)) if (margins < 1e-4).any() else GEN
+    assert cpu[:trusted] == reference[:trusted], "the CPU engine parts from transformers"
+    for dt in ("f32", "bf16"):
+        got = engine_tokens(ckpt, ids, processed, backend="cuda", dtype=dt)
+        low = np.flatnonzero(margins < TIE[dt])
+        n = int(low[0]) if low.size else GEN
+        assert n >= MIN_COMPARED[dt], f"mistral3 {case}: margins {np.round(margins, 3)}"
+        assert got[:n] == cpu[:n], (f"mistral3 {case} {dt}: cuda {got} vs cpu {cpu}, equal up "
+                                    f"to token {n}; margins {np.round(margins, 3).tolist()}")
+
+
+# ---- Gemma 3: the SigLIP tower and projector, the image tokens' bidirectional overlay
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory):
+    """(checkpoint, (transformers model, processor), our processor)."""
+    torch = pytest.importorskip("torch")
+    import transformers
+    from gemma3_vision_checkpoint import tiny_gemma3_vision_checkpoint
+
+    from engine.models.model_config import ModelConfig
+    from engine.vision.families import image_processor
+    ckpt = tiny_gemma3_vision_checkpoint(tmp_path_factory.mktemp("gemma3v"))
+    hf = (transformers.Gemma3ForConditionalGeneration.from_pretrained(
+              ckpt, dtype=torch.float32).eval(),
+          transformers.AutoProcessor.from_pretrained(ckpt))
+    return ckpt, hf, image_processor(ckpt, ModelConfig.from_pretrained(ckpt).vision)
+
+
+def gemma3_weights(ckpt) -> dict:
+    from engine.loader.safetensors import load_safetensors
+    from engine.models.gemma3_vl import _checkpoint_names
+    weights = load_safetensors(ckpt, progress=False)
+    _checkpoint_names(weights)
+    return weights
+
+
+@pytest.mark.parametrize("dt", ["f32", "bf16"])
+def test_siglip_tower_matches_cpu(gemma3, make_cuda, cpu, dt):
+    from vision_checkpoint import sample_image
+
+    from engine.models.model_config import ModelConfig
+    from engine.vision.gemma3_encoder import Gemma3VisionEncoder
+    ckpt, _, processor = gemma3
+    vision = ModelConfig.from_pretrained(ckpt).vision
+    cuda = make_cuda(dt)
+    towers = [Gemma3VisionEncoder(vision, gemma3_weights(ckpt), b) for b in (cpu, cuda)]
+    for size in IMAGE_SIZES:
+        pixels = processor.preprocess(sample_image(*size, seed=1)).pixel_values
+        want = towers[0].encode(pixels, (1, 4, 4))
+        got = to_host(cuda, towers[1].encode(pixels, (1, 4, 4)))
+        assert got.dtype == np.float32 and got.shape == want.shape
+        assert_close(got, want, TOWER_TOL[dt], f"siglip tower {dt} image {size}")
+
+
+@pytest.mark.parametrize("paged", [True, False])
+@pytest.mark.parametrize("window, softcap", [(0, 0.0), (0, 3.0), (5, 0.0), (5, 3.0)])
+def test_image_overlay_matches_cpu(cuda, window, softcap, paged):
+    """The overlay over a device cache and activations in the backend's dtype (blocks out of
+    order, GQA 4:2, an image begun in an earlier step) against the float32 overlay in NumPy on
+    the same values (itself against a dense mask: tests/test_gemma3_vision.py); text rows
+    untouched. paged: the full-attention layers through the paged op, as the model runs them
+    on CUDA."""
+    from engine.vision.gemma3_attention import ImageBlockAttention, ImageSpan
+    dt = dtype_name(cuda)
+    rng = np.random.default_rng(0)
+    Hq, Hkv, D, bs, T = 4, 2, 64, 16, 40
+    caches = [rand(rng, (16, bs, Hkv, D), dt) for _ in range(2)]
+    q, attn = rand(rng, (T, Hq * D), dt), rand(rng, (T, Hq * D), dt)
+    tables = rng.permutation(16).astype(np.int32)[None, :8]
+    spans = [ImageSpan(0, 0, 60, 75), ImageSpan(0, 20, 80, 100)]
+
+    def batch(block_tables):
+        return type("B", (), {"vision": type("V", (), {"spans": spans})(),
+                              "block_tables": block_tables})
+    want = attn.astype(np.float32)
+    ImageBlockAttention(np).apply(batch(tables), q.astype(np.float32), want,
+                                  *(c.astype(np.float32) for c in caches), 0.125, window, softcap)
+    got = to_dev(cuda, attn)
+    overlay = ImageBlockAttention(cuda.xp, cuda if paged else None)
+    overlay.apply(batch(to_dev(cuda, tables)), to_dev(cuda, q), got,
+                  *(to_dev(cuda, c) for c in caches), 0.125, window, softcap)
+    got = to_host(cuda, got)
+    image_rows, text_rows = np.r_[0:15, 20:40], np.r_[15:20]
+    assert_close(got[image_rows], want[image_rows], TOL[dt], f"overlay {dt} W={window}")
+    assert np.array_equal(got[text_rows].view(np.uint8), attn[text_rows].view(np.uint8))
+
+
+def gemma3_margins(hf, parts, images, n: int = GEN):
+    """transformers' greedy tokens, each step's top-two log-prob gap, and the prompt's ids."""
+    import torch
+    from test_gemma3_vision import hf_inputs
+    inputs = dict(hf_inputs(hf, parts, images))
+    with torch.no_grad():
+        g = hf[0].generate(**inputs, max_new_tokens=n, do_sample=False, output_scores=True,
+                           return_dict_in_generate=True)
+    ids = inputs["input_ids"][0].tolist()
+    margins = []
+    for s in g.scores:
+        top2 = torch.log_softmax(s[0].double(), -1).topk(2).values
+        margins.append(float(top2[0] - top2[1]))
+    return g.sequences[0, len(ids):].tolist(), np.array(margins), ids
+
+
+@pytest.mark.parametrize("case", ["one image", "two images"])
+def test_gemma3_greedy_matches_cpu(gemma3, case):
+    """Chunks of 32 tokens (an image is never cut: each 16-token image finishes in its
+    chunk), the overlay on every step that holds image rows, decodes through CUDA graphs."""
+    from test_gemma3_vision import case as gemma3_case
+    ckpt, hf, processor = gemma3
+    parts, images = gemma3_case(case)
+    reference, margins, ids = gemma3_margins(hf, parts, images)
+    processed = [processor.preprocess(im) for im in images]
+    cpu = engine_tokens(ckpt, ids, processed, backend="cpu")
+    trusted = int(np.argmax(margins < 1e-4)) if (margins < 1e-4).any() else GEN
+    assert cpu[:trusted] == reference[:trusted], "the CPU engine parts from transformers"
+    for dt in ("f32", "bf16"):
+        got = engine_tokens(ckpt, ids, processed, backend="cuda", dtype=dt)
+        low = np.flatnonzero(margins < TIE[dt])
+        n = int(low[0]) if low.size else GEN
+        assert n >= MIN_COMPARED[dt], f"gemma3 {case}: margins {np.round(margins, 3)}"
+        assert got[:n] == cpu[:n], (f"gemma3 {case} {dt}: cuda {got} vs cpu {cpu}, equal up "
                                     f"to token {n}; margins {np.round(margins, 3).tolist()}")
