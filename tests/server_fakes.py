@@ -120,7 +120,7 @@ class FakeTokenizer:
         return [1] * add_special_tokens + list(text.encode())
 
     def encode_chat(self, messages, tools=None, add_generation_prompt=True, chat_template=None,
-                    max_chars: int | None = None, **template_kwargs) -> list[int]:
+                    max_chars: int | None = None, rewrite=None, **template_kwargs) -> list[int]:
         self.last_messages, self.last_chat_template = messages, chat_template
         self.last_tools = tools
         self.last_template_kwargs = template_kwargs
@@ -128,6 +128,7 @@ class FakeTokenizer:
             raise ValueError("Conversations must not start with an assistant message")
         text = "".join(f"<{m['role']}>{m['content']}" for m in messages)
         text += "<assistant>" if add_generation_prompt else ""
+        text = rewrite(text) if rewrite else text
         check_length(text, max_chars)
         return list(text.encode())
 
