@@ -19,6 +19,11 @@ class EngineConfig:
     # Tensor parallel (engine/parallel/): the model split across this many processes, rank 0 this
     # one; on CUDA rank r uses device_ids[r] (default: device + r).
     tensor_parallel_size: int = 1
+    # Pipeline parallel (engine/parallel/pipeline.py): the layers split into this many stages,
+    # each stage tensor_parallel_size processes; a step's sequences run through the stages in
+    # pipeline_micro_batches micro-batches (0: twice the stages).
+    pipeline_parallel_size: int = 1
+    pipeline_micro_batches: int = 0
     device_ids: tuple[int, ...] = ()
     cuda_graph: bool = True              # capture decode steps in CUDA graphs (CUDA backend)
     block_size: int = 16                 # tokens per KV block, a power of two in [8, 128]
@@ -52,6 +57,11 @@ class EngineConfig:
     # fields; None: off.
     lora: LoraConfig | None = None
 
+    @property
+    def world_size(self) -> int:
+        """The processes (ranks) the model is split across."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
     def __post_init__(self):
         self.kernels = KernelConfig.parse(self.kernels)
         if isinstance(self.lora, dict):
@@ -69,9 +79,15 @@ class EngineConfig:
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be at least 1, got "
                              f"{self.tensor_parallel_size}")
-        if self.device_ids and len(self.device_ids) != self.tensor_parallel_size:
+        if self.pipeline_parallel_size < 1:
+            raise ValueError(f"pipeline_parallel_size must be at least 1, got "
+                             f"{self.pipeline_parallel_size}")
+        if self.pipeline_micro_batches < 0:
+            raise ValueError("pipeline_micro_batches must be >= 0 (0: twice the stages)")
+        if self.device_ids and len(self.device_ids) != self.world_size:
             raise ValueError(f"device_ids {list(self.device_ids)} name {len(self.device_ids)} "
-                             f"devices for tensor_parallel_size {self.tensor_parallel_size}")
+                             f"devices for tensor_parallel_size {self.tensor_parallel_size} x "
+                             f"pipeline_parallel_size {self.pipeline_parallel_size}")
         if self.dtype not in ("auto", "f32", "bf16", "f16", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, f32, bf16 or f16, got {self.dtype!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens"):

@@ -54,6 +54,7 @@ class MpiGroup:
         self.parent_pid = parent_pid       # a worker's rank 0 process, watched while idle
         self._header = np.zeros(1, np.int64)
         self.closed = False
+        self._splits = []           # communicators split from `tensors`, left with the group
 
     @classmethod
     def spawn(cls, world_size: int) -> "MpiGroup":
@@ -136,11 +137,20 @@ class MpiGroup:
     def tensor_communicator(self) -> "MpiCommunicator":
         return MpiCommunicator(self.tensors)
 
+    def split(self, color: int, key: int):
+        """An mpi4py communicator of the ranks that give the same color, ranked by key (every
+        rank calls it: a tensor-parallel group within a pipeline stage, a stage's chain)."""
+        sub = self.tensors.Split(color, key)
+        self._splits.append(sub)
+        return sub
+
     def close(self) -> None:
         """Leaves the group, every rank together (rank 0 sends the workers their stop first:
         engine/parallel/steps.py); connected processes would wait for each other at exit."""
         if not self.closed:
             self.closed = True
+            for sub in self._splits:
+                sub.Disconnect()
             self.tensors.Disconnect()
             self.comm.Disconnect()
 
@@ -173,3 +183,31 @@ class MpiCommunicator(Communicator):
 
     def all_min(self, value: int) -> int:
         return int(self.comm.allreduce(int(value), op=self.MPI.MIN))
+
+    # Point to point. A send copies x (the caller's buffer is a reused workspace) and returns;
+    # the copies are kept until flush. A recv polls, sleeping briefly between tests: MPICH's
+    # blocking receive spins, which would take the core the stage before it computes on.
+
+    _pending: list | None = None
+
+    def send(self, x, peer: int) -> None:
+        if self._pending is None:
+            self._pending = []
+        copy = np.array(x, order="C", copy=True)
+        self._pending.append((self.comm.Isend(copy, dest=peer), copy))
+
+    def recv(self, x, peer: int) -> None:
+        _wait(self.comm.Irecv(x, source=peer))
+
+    def flush(self) -> None:
+        for request, _ in self._pending or ():
+            _wait(request)
+        self._pending = []
+
+
+def _wait(request) -> None:
+    start = time.monotonic()
+    while not request.Test():
+        waited = time.monotonic() - start
+        if waited > 2e-4:
+            time.sleep(min(0.002, waited / 20))
