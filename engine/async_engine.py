@@ -93,8 +93,10 @@ class _Stream:
 
 class AsyncEngine:
     def __init__(self, config: EngineConfig, stream_buffer: int = STREAM_BUFFER,
-                 stall_timeout: float = STALL_TIMEOUT):
-        self.engine = LLMEngine(config)
+                 stall_timeout: float = STALL_TIMEOUT, engine=None):
+        """engine: what the engine thread runs in place of an LLMEngine of config (data
+        parallel's RoutedEngine: engine/parallel/data_parallel.py)."""
+        self.engine = engine if engine is not None else LLMEngine(config)
         self.tokenizer = self.engine.tokenizer
         if self.tokenizer is not None and self.tokenizer.has_chat_template:
             self.tokenizer.prepare_chat_guard()   # at load, not on the event loop's first chat

@@ -24,6 +24,9 @@ class EngineConfig:
     # pipeline_micro_batches micro-batches (0: twice the stages).
     pipeline_parallel_size: int = 1
     pipeline_micro_batches: int = 0
+    # Data parallel (engine/parallel/data_parallel.py, the API server only): this many engine
+    # replicas, each a process with the whole model (split as the sizes above say).
+    data_parallel_size: int = 1
     device_ids: tuple[int, ...] = ()
     cuda_graph: bool = True              # capture decode steps in CUDA graphs (CUDA backend)
     block_size: int = 16                 # tokens per KV block, a power of two in [8, 128]
@@ -82,6 +85,9 @@ class EngineConfig:
         if self.pipeline_parallel_size < 1:
             raise ValueError(f"pipeline_parallel_size must be at least 1, got "
                              f"{self.pipeline_parallel_size}")
+        if self.data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be at least 1, got "
+                             f"{self.data_parallel_size}")
         if self.pipeline_micro_batches < 0:
             raise ValueError("pipeline_micro_batches must be >= 0 (0: twice the stages)")
         if self.device_ids and len(self.device_ids) != self.world_size:

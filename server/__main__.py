@@ -155,6 +155,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="split the model's layers into N stages, each on its own processes "
                         "(times --tensor-parallel-size), a step's sequences flowing through "
                         "them in micro-batches; needs mpi4py and the mpich wheel as well")
+    e.add_argument("--data-parallel-size", "--dp", dest="data_parallel_size", type=int,
+                   metavar="N", default=1,
+                   help="run N engine replicas (processes, each with the whole model, split as "
+                        "the sizes above say) behind this server, each request routed to the "
+                        "replica with the most free KV cache or the one that saw its prompt's "
+                        "prefix")
     e.add_argument("--disable-cuda-graph", action="store_true",
                    help="run decode without CUDA graphs")
     e.add_argument("--block-size", type=int, metavar="N", default=16, help="tokens per KV-cache block (8-128)")
@@ -270,6 +276,10 @@ def check_args(args) -> str | None:
         return "--tensor-parallel-size must be at least 1"
     if args.pipeline_parallel_size < 1:
         return "--pipeline-parallel-size must be at least 1"
+    if args.data_parallel_size < 1:
+        return "--data-parallel-size must be at least 1"
+    if args.data_parallel_size > 1 and args.enable_lora:
+        return "--data-parallel-size with --enable-lora is not yet supported"
     if (args.device_ids and args.tensor_parallel_size is not None
             and len(args.device_ids) not in (1, args.tensor_parallel_size
                                              * args.pipeline_parallel_size)):
@@ -388,6 +398,7 @@ def engine_config(args):
         device=args.device_ids[0] if args.device_ids else 0,
         tensor_parallel_size=tensor_parallel, device_ids=devices,
         pipeline_parallel_size=args.pipeline_parallel_size,
+        data_parallel_size=args.data_parallel_size,
         cuda_graph=not args.disable_cuda_graph,
         block_size=args.block_size, kv_cache_memory_mb=args.kvcache_mem,
         kv_fraction=args.kv_fraction, kv_cache_dtype=args.kvcache_dtype,
@@ -540,8 +551,12 @@ class Server:
     def _load(self, loop):
         from engine.async_engine import AsyncEngine
         try:
-            engine = AsyncEngine(self.config)
-            if self.args.profile_steps > 0:
+            if self.config.data_parallel_size > 1:
+                from engine.parallel.data_parallel import DataParallelAsyncEngine
+                engine = DataParallelAsyncEngine(self.config)
+            else:
+                engine = AsyncEngine(self.config)
+            if self.args.profile_steps > 0 and self.config.data_parallel_size == 1:
                 from engine.core.step_profile import StepProfile
                 StepProfile.attach(engine.engine, log_every=self.args.profile_steps)
         except Exception as e:        # no such model, corrupt, unsupported, too big...: exit 1
