@@ -118,6 +118,9 @@ class AsyncEngine:
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="taper-engine", daemon=True)
         self._thread.start()
+        peers = getattr(getattr(self.engine, "runner", None), "peers", None)
+        if peers is not None:       # a tensor/pipeline-parallel worker that dies fails them all
+            peers.on_death = self._fail_open_requests
 
     @property
     def is_running(self) -> bool:
@@ -202,6 +205,14 @@ class AsyncEngine:
         self._thread.join(timeout=30)
         if not self._thread.is_alive():
             self.engine.shutdown()
+
+    def _fail_open_requests(self, message: str) -> None:
+        """Every open request ends with `message` (from another thread: the engine thread may
+        be stuck in a collective with a dead rank); the engine takes no more."""
+        self._closed = True
+        self.error = RuntimeError(message)
+        for request_id in list(self._streams):
+            self._deliver(request_id, RuntimeError(message))
 
     # ---- engine thread
 
