@@ -6,7 +6,8 @@ stage, a step's sequences flowing through the stages in micro-batches.
   family tests) and the single-process engine's, whose logprobs they equal within float
   tolerance: dense (Llama with tied embeddings, Qwen3, Gemma-2's sandwich norms and soft-caps)
   and MoE (Mixtral), with chunked prefill so that steps hold several sequences' chunks; 2 x 2
-  (tensor parallel within each of 2 stages, 4 processes); q8_0 GGUFs (Qwen2, Phi-3).
+  (tensor parallel within each of 2 stages, 4 processes); q8_0 GGUFs (Qwen2, Phi-3); a GPTQ
+  int4 checkpoint; n-gram speculation's verify steps.
 - Beam search's KV block copies, embeddings (pooled rows' hidden states) and prompt logprobs
   cross the stages and come back to rank 0 in the batch's order.
 - Micro-batches: whole sequences, about equal in tokens; rows put back in the batch's order.
@@ -83,6 +84,35 @@ def test_greedy_tokens_match_hf_and_one_process(cases, name, pp, tp):
 def test_gguf_stages(fixture):
     kwargs = dict(weight_file=os.path.join(DATA, f"{fixture}.gguf"))
     assert_same_as_one_process(greedy(DATA, **kwargs), greedy(DATA, 2, **kwargs), fixture)
+
+
+def test_gptq_int4_stages(tmp_path):
+    """An int4 (GPTQ) checkpoint: each stage reads its layers' packed words, groups and zeros."""
+    from test_int4_formats import CHECKPOINT, write_gptq_awq
+    floats = tiny_checkpoint(str(tmp_path / "f32"), "llama", **CHECKPOINT)
+    write_gptq_awq(floats, str(tmp_path / "q"), "gptq", sym=True, g=32)
+    model = str(tmp_path / "q")
+    assert_same_as_one_process(greedy(model), greedy(model, 2), "gptq int4")
+
+
+def test_ngram_speculation_verifies_across_stages(cases):
+    """Verify steps score several rows of a sequence; the last stage's logits come back to rank
+    0 in the batch's order, so speculation accepts what one process accepts."""
+    from engine import LLM, SamplingParams
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
+            "prompt_lookup_max": 3}
+    outs = []
+    for pp in (1, 2):
+        llm = LLM(cases.dir("llama"), pipeline_parallel_size=pp, num_kv_blocks=64,
+                  speculative_config=spec)
+        try:
+            outs.append([list(o.token_ids) for o in llm.generate(prompts_for(), SamplingParams(
+                temperature=0, max_tokens=32, ignore_eos=True, repetition_penalty=0.2))])
+            accepted = llm.engine.stats().spec_num_accepted_tokens
+        finally:
+            llm.engine.shutdown()
+    assert outs[1] == outs[0]
+    assert accepted > 0
 
 
 def other_paths(model: str, pp: int):
