@@ -27,6 +27,9 @@ class EngineConfig:
     # Data parallel (engine/parallel/data_parallel.py, the API server only): this many engine
     # replicas, each a process with the whole model (split as the sizes above say).
     data_parallel_size: int = 1
+    # How the ranks above start: "mp" processes MPI spawns on this machine, "ray" Ray actors
+    # placed over a Ray cluster (engine/parallel/ray_executor.py).
+    distributed_executor: str = "mp"
     device_ids: tuple[int, ...] = ()
     cuda_graph: bool = True              # capture decode steps in CUDA graphs (CUDA backend)
     block_size: int = 16                 # tokens per KV block, a power of two in [8, 128]
@@ -85,6 +88,9 @@ class EngineConfig:
         if self.pipeline_parallel_size < 1:
             raise ValueError(f"pipeline_parallel_size must be at least 1, got "
                              f"{self.pipeline_parallel_size}")
+        if self.distributed_executor not in ("mp", "ray"):
+            raise ValueError(f"distributed_executor must be mp or ray, got "
+                             f"{self.distributed_executor!r}")
         if self.data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be at least 1, got "
                              f"{self.data_parallel_size}")

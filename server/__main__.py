@@ -155,6 +155,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="split the model's layers into N stages, each on its own processes "
                         "(times --tensor-parallel-size), a step's sequences flowing through "
                         "them in micro-batches; needs mpi4py and the mpich wheel as well")
+    e.add_argument("--distributed-executor", dest="distributed_executor", default="mp",
+                   choices=("mp", "ray"),
+                   help="how tensor/pipeline-parallel ranks start: mp, processes on this machine "
+                        "(MPI spawn); ray, Ray actors over a Ray cluster (ray start --head here, "
+                        "ray start --address on the others; pip install 'taper[ray]')")
     e.add_argument("--data-parallel-size", "--dp", dest="data_parallel_size", type=int,
                    metavar="N", default=1,
                    help="run N engine replicas (processes, each with the whole model, split as "
@@ -399,6 +404,7 @@ def engine_config(args):
         tensor_parallel_size=tensor_parallel, device_ids=devices,
         pipeline_parallel_size=args.pipeline_parallel_size,
         data_parallel_size=args.data_parallel_size,
+        distributed_executor=args.distributed_executor,
         cuda_graph=not args.disable_cuda_graph,
         block_size=args.block_size, kv_cache_memory_mb=args.kvcache_mem,
         kv_fraction=args.kv_fraction, kv_cache_dtype=args.kvcache_dtype,

@@ -150,8 +150,8 @@ def build(config: EngineConfig, loaded=None, group=None) -> EngineParts:
     runner.lora = lora
     if group is not None:
         pids = group.allgather(os.getpid())
-        sender = (StepSender(group, pids[1:], kind=launch.kind(config)) if group.rank == 0
-                  else None)
+        sender = (StepSender(group, pids[1:], kind=launch.kind(config),
+                             watch=getattr(group, "watch", None)) if group.rank == 0 else None)
         runner.join_tensor_parallel(sender)
         if pipeline is not None:
             runner.pipeline = PipelineRunner(model.config.pipeline, config.pipeline_micro_batches

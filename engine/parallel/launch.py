@@ -68,7 +68,11 @@ def start_group(config):
     check_supported(config)
     check_model(config)
     log.info("%s: starting %d worker processes", sizes(config), config.world_size - 1)
-    group = MpiGroup.spawn(config.world_size)
+    if config.distributed_executor == "ray":
+        from engine.parallel import ray_executor
+        group = ray_executor.start_group(config)
+    else:
+        group = MpiGroup.spawn(config.world_size)
     group.send(config)
     return group
 

@@ -61,22 +61,26 @@ class StepSender:
     ends rank 0's process with exit status 1: a clear error and an exit, never a hang."""
 
     def __init__(self, group, worker_pids: list[int] | None = None, check_every: float = 0.5,
-                 kind: str = "tensor parallel", grace: float = 2.0):
+                 kind: str = "tensor parallel", grace: float = 2.0, watch=None):
+        """watch: (description, is alive) of each worker that is not a process of this machine
+        (a Ray actor's); else each worker's pid is watched."""
         self.group = group
         self.stopped = False
         self.worker_pids = worker_pids or []
         self.kind, self.grace = kind, grace
         self.on_death = None        # called with the message, from the watchdog's thread
-        if self.worker_pids:
+        self.watch = watch or [(f"pid {pid}", lambda pid=pid: _alive(pid))
+                               for pid in self.worker_pids]
+        if self.watch:
             threading.Thread(target=self._watch, args=(check_every,), daemon=True,
                              name="taper-tp-watchdog").start()
 
     def _watch(self, every: float) -> None:
         while not self.stopped:
             time.sleep(every)
-            for rank, pid in enumerate(self.worker_pids, start=1):
-                if not self.stopped and not _alive(pid):
-                    message = (f"{self.kind} rank {rank} (pid {pid}) has died; the model "
+            for rank, (what, alive) in enumerate(self.watch, start=1):
+                if not self.stopped and not alive():
+                    message = (f"{self.kind} rank {rank} ({what}) has died; the model "
                                f"cannot run without it: exiting")
                     log.critical("%s", message)
                     if self.on_death is not None:
