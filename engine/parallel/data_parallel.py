@@ -31,6 +31,7 @@ from engine.parallel import replica as replica_process
 log = logging.getLogger("taper.parallel")
 
 WAIT_S = 0.01                 # a step's wait for replies, before the loop looks at commands
+IDLE_WAIT_S = 0.02            # the same with no open request (loads and deaths still come)
 PREFIX_BLOCKS = 64            # the longest prompt prefix remembered, in KV blocks
 REMEMBERED_PREFIXES = 1 << 16
 
@@ -218,14 +219,16 @@ class RoutedEngine:
             self._send(r, ("pause" if paused else "resume", request_id))
 
     def has_work(self) -> bool:
-        return bool(self.requests) or bool(self._failed)
+        """Always while a replica lives: AsyncEngine's thread then keeps taking the replicas'
+        loads (/metrics and routing read them) and noticing deaths between requests too."""
+        return bool(self.alive) or bool(self._failed)
 
     def step(self) -> list:
         """The outputs the replicas have sent (waiting up to WAIT_S for some), and an error for
         each open request of a replica that has died."""
         out, self._failed = self._failed, []
         by_conn = {r.conn: r for r in self.alive}
-        for conn in wait(list(by_conn), timeout=WAIT_S):
+        for conn in wait(list(by_conn), timeout=WAIT_S if self.requests else IDLE_WAIT_S):
             r = by_conn[conn]
             try:
                 while r.alive and conn.poll():
