@@ -93,8 +93,10 @@ class _Stream:
 
 class AsyncEngine:
     def __init__(self, config: EngineConfig, stream_buffer: int = STREAM_BUFFER,
-                 stall_timeout: float = STALL_TIMEOUT):
-        self.engine = LLMEngine(config)
+                 stall_timeout: float = STALL_TIMEOUT, engine=None):
+        """engine: what the engine thread runs in place of an LLMEngine of config (data
+        parallel's RoutedEngine: engine/parallel/data_parallel.py)."""
+        self.engine = engine if engine is not None else LLMEngine(config)
         self.tokenizer = self.engine.tokenizer
         if self.tokenizer is not None and self.tokenizer.has_chat_template:
             self.tokenizer.prepare_chat_guard()   # at load, not on the event loop's first chat
@@ -116,6 +118,9 @@ class AsyncEngine:
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="taper-engine", daemon=True)
         self._thread.start()
+        peers = getattr(getattr(self.engine, "runner", None), "peers", None)
+        if peers is not None:       # a tensor/pipeline-parallel worker that dies fails them all
+            peers.on_death = self._fail_open_requests
 
     @property
     def is_running(self) -> bool:
@@ -200,6 +205,14 @@ class AsyncEngine:
         self._thread.join(timeout=30)
         if not self._thread.is_alive():
             self.engine.shutdown()
+
+    def _fail_open_requests(self, message: str) -> None:
+        """Every open request ends with `message` (from another thread: the engine thread may
+        be stuck in a collective with a dead rank); the engine takes no more."""
+        self._closed = True
+        self.error = RuntimeError(message)
+        for request_id in list(self._streams):
+            self._deliver(request_id, RuntimeError(message))
 
     # ---- engine thread
 

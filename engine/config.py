@@ -20,6 +20,17 @@ class EngineConfig:
     # Tensor parallel (engine/parallel/): the model split across this many processes, rank 0 this
     # one; on CUDA rank r uses device_ids[r] (default: device + r).
     tensor_parallel_size: int = 1
+    # Pipeline parallel (engine/parallel/pipeline.py): the layers split into this many stages,
+    # each stage tensor_parallel_size processes; a step's sequences run through the stages in
+    # pipeline_micro_batches micro-batches (0: twice the stages).
+    pipeline_parallel_size: int = 1
+    pipeline_micro_batches: int = 0
+    # Data parallel (engine/parallel/data_parallel.py, the API server only): this many engine
+    # replicas, each a process with the whole model (split as the sizes above say).
+    data_parallel_size: int = 1
+    # How the ranks above start: "mp" processes MPI spawns on this machine, "ray" Ray actors
+    # placed over a Ray cluster (engine/parallel/ray_executor.py).
+    distributed_executor: str = "mp"
     device_ids: tuple[int, ...] = ()
     cuda_graph: bool = True              # capture decode steps in CUDA graphs (CUDA backend)
     block_size: int = 16                 # tokens per KV block, a power of two in [8, 128]
@@ -53,6 +64,11 @@ class EngineConfig:
     # fields; None: off.
     lora: LoraConfig | None = None
 
+    @property
+    def world_size(self) -> int:
+        """The processes (ranks) the model is split across."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
     def __post_init__(self):
         self.kernels = KernelConfig.parse(self.kernels)
         if isinstance(self.lora, dict):
@@ -70,9 +86,21 @@ class EngineConfig:
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be at least 1, got "
                              f"{self.tensor_parallel_size}")
-        if self.device_ids and len(self.device_ids) != self.tensor_parallel_size:
+        if self.pipeline_parallel_size < 1:
+            raise ValueError(f"pipeline_parallel_size must be at least 1, got "
+                             f"{self.pipeline_parallel_size}")
+        if self.distributed_executor not in ("mp", "ray"):
+            raise ValueError(f"distributed_executor must be mp or ray, got "
+                             f"{self.distributed_executor!r}")
+        if self.data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be at least 1, got "
+                             f"{self.data_parallel_size}")
+        if self.pipeline_micro_batches < 0:
+            raise ValueError("pipeline_micro_batches must be >= 0 (0: twice the stages)")
+        if self.device_ids and len(self.device_ids) != self.world_size:
             raise ValueError(f"device_ids {list(self.device_ids)} name {len(self.device_ids)} "
-                             f"devices for tensor_parallel_size {self.tensor_parallel_size}")
+                             f"devices for tensor_parallel_size {self.tensor_parallel_size} x "
+                             f"pipeline_parallel_size {self.pipeline_parallel_size}")
         if self.dtype not in ("auto", "f32", "bf16", "f16", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, f32, bf16 or f16, got {self.dtype!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens"):

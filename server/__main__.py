@@ -153,6 +153,22 @@ def build_parser() -> argparse.ArgumentParser:
                    help="split the model across N processes (Megatron-style tensor parallel; "
                         "on the CPU each takes a share of the cores, on GPUs one device each): "
                         "needs mpi4py and the mpich wheel (pip install 'taper[mpi]')")
+    e.add_argument("--pipeline-parallel-size", "--pp", dest="pipeline_parallel_size", type=int,
+                   metavar="N", default=1,
+                   help="split the model's layers into N stages, each on its own processes "
+                        "(times --tensor-parallel-size), a step's sequences flowing through "
+                        "them in micro-batches; needs mpi4py and the mpich wheel as well")
+    e.add_argument("--distributed-executor", dest="distributed_executor", default="mp",
+                   choices=("mp", "ray"),
+                   help="how tensor/pipeline-parallel ranks start: mp, processes on this machine "
+                        "(MPI spawn); ray, Ray actors over a Ray cluster (ray start --head here, "
+                        "ray start --address on the others; pip install 'taper[ray]')")
+    e.add_argument("--data-parallel-size", "--dp", dest="data_parallel_size", type=int,
+                   metavar="N", default=1,
+                   help="run N engine replicas (processes, each with the whole model, split as "
+                        "the sizes above say) behind this server, each request routed to the "
+                        "replica with the most free KV cache or the one that saw its prompt's "
+                        "prefix")
     e.add_argument("--disable-cuda-graph", action="store_true",
                    help="run decode without CUDA graphs")
     e.add_argument("--block-size", type=int, metavar="N", default=16, help="tokens per KV-cache block (8-128)")
@@ -266,10 +282,18 @@ def check_args(args) -> str | None:
         return "--device-ids: a device is named twice"
     if args.tensor_parallel_size is not None and args.tensor_parallel_size < 1:
         return "--tensor-parallel-size must be at least 1"
+    if args.pipeline_parallel_size < 1:
+        return "--pipeline-parallel-size must be at least 1"
+    if args.data_parallel_size < 1:
+        return "--data-parallel-size must be at least 1"
+    if args.data_parallel_size > 1 and args.enable_lora:
+        return "--data-parallel-size with --enable-lora is not yet supported"
     if (args.device_ids and args.tensor_parallel_size is not None
-            and len(args.device_ids) not in (1, args.tensor_parallel_size)):
+            and len(args.device_ids) not in (1, args.tensor_parallel_size
+                                             * args.pipeline_parallel_size)):
         return (f"--device-ids names {len(args.device_ids)} devices for --tensor-parallel-size "
-                f"{args.tensor_parallel_size}")
+                f"{args.tensor_parallel_size} x --pipeline-parallel-size "
+                f"{args.pipeline_parallel_size}")
     for name in ("max_queued_requests", "max_gen_tokens"):
         value = getattr(args, name)
         if value is not None and value < 1:
@@ -372,7 +396,8 @@ def engine_config(args):
     if args.batch_invariant and backend != "cpu":
         raise ValueError("--batch-invariant: batch-invariant kernels exist on the CPU backend "
                          "only (add --cpu); the CUDA kernels' reduction order depends on the batch")
-    tensor_parallel = args.tensor_parallel_size or max(1, len(args.device_ids or ()))
+    tensor_parallel = args.tensor_parallel_size or max(
+        1, len(args.device_ids or ()) // args.pipeline_parallel_size)
     devices = tuple(args.device_ids or ())
     if len(devices) == 1:      # the first of the ranks' devices: device, device + 1, ...
         devices = ()
@@ -381,6 +406,9 @@ def engine_config(args):
         backend=backend,
         device=args.device_ids[0] if args.device_ids else 0,
         tensor_parallel_size=tensor_parallel, device_ids=devices,
+        pipeline_parallel_size=args.pipeline_parallel_size,
+        data_parallel_size=args.data_parallel_size,
+        distributed_executor=args.distributed_executor,
         cuda_graph=not args.disable_cuda_graph,
         block_size=args.block_size, kv_cache_memory_mb=args.kvcache_mem,
         kv_fraction=args.kv_fraction, kv_cache_dtype=args.kvcache_dtype,
@@ -533,8 +561,12 @@ class Server:
     def _load(self, loop):
         from engine.async_engine import AsyncEngine
         try:
-            engine = AsyncEngine(self.config)
-            if self.args.profile_steps > 0:
+            if self.config.data_parallel_size > 1:
+                from engine.parallel.data_parallel import DataParallelAsyncEngine
+                engine = DataParallelAsyncEngine(self.config)
+            else:
+                engine = AsyncEngine(self.config)
+            if self.args.profile_steps > 0 and self.config.data_parallel_size == 1:
                 from engine.core.step_profile import StepProfile
                 StepProfile.attach(engine.engine, log_every=self.args.profile_steps)
         except Exception as e:        # no such model, corrupt, unsupported, too big...: exit 1

@@ -169,7 +169,11 @@ class ServerState:
         return self.engine
 
     def engine_stats(self):
-        return None if self.engine is None else self.engine.stats()
+        """The engine's stats, or data-parallel replicas' each by replica."""
+        if self.engine is None:
+            return None
+        by_replica = getattr(self.engine, "stats_by_replica", None)
+        return by_replica() if by_replica is not None else self.engine.stats()
 
 
 def taper_version() -> str:

@@ -29,43 +29,56 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
 
 
 class _EngineCollector:
-    """Gauges and counters read from the engine at scrape time (nothing while it loads)."""
+    """Gauges and counters read from the engine at scrape time (nothing while it loads). Data
+    parallel's stats come by replica: each metric then has a sample per replica, labelled."""
 
-    def __init__(self, stats: Callable[[], EngineStats | None], model_name: str):
+    def __init__(self, stats: Callable[[], EngineStats | dict[int, EngineStats] | None],
+                 model_name: str):
         self.stats, self.model_name = stats, model_name
 
     def collect(self):
         s = self.stats()
         if s is None:
             return
-        label = ["model_name"], [self.model_name]
+        if not isinstance(s, dict):
+            yield from self._collect([(["model_name"], [self.model_name], s)])
+            return
+        yield from self._collect([(["model_name", "replica"], [self.model_name, str(i)], one)
+                                  for i, one in sorted(s.items())])
+
+    def _collect(self, samples):
+        """samples: (label names, label values, EngineStats) of each engine."""
+        names = samples[0][0] if samples else ["model_name"]
 
         def gauge(name, doc, value):
-            g = GaugeMetricFamily(PREFIX + name, doc, labels=label[0])
-            g.add_metric(label[1], value)
+            g = GaugeMetricFamily(PREFIX + name, doc, labels=names)
+            for _, values, s in samples:
+                g.add_metric(values, value(s))
             return g
 
         def counter(name, doc, value):
-            c = CounterMetricFamily(PREFIX + name, doc, labels=label[0])
-            c.add_metric(label[1], value)
+            c = CounterMetricFamily(PREFIX + name, doc, labels=names)
+            for _, values, s in samples:
+                c.add_metric(values, value(s))
             return c
 
         yield gauge("num_requests_running", "Requests in the running batch.",
-                    s.num_requests_running)
-        yield gauge("num_requests_waiting", "Requests waiting to run.", s.num_requests_waiting)
+                    lambda s: s.num_requests_running)
+        yield gauge("num_requests_waiting", "Requests waiting to run.",
+                    lambda s: s.num_requests_waiting)
         yield gauge("kv_cache_usage_perc", "KV-cache usage: 1 means every block is held.",
-                    s.kv_cache_usage)
+                    lambda s: s.kv_cache_usage)
         yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                      s.prefix_cache_queries)
+                      lambda s: s.prefix_cache_queries)
         yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.",
-                      s.prefix_cache_hits)
+                      lambda s: s.prefix_cache_hits)
         yield counter("num_preemptions", "Preemptions (a request's KV cache freed to recompute).",
-                      s.num_preemptions)
+                      lambda s: s.num_preemptions)
         yield counter("prompt_tokens", "Prompt tokens of requests that produced a token.",
-                      s.prompt_tokens)
-        yield counter("generation_tokens", "Generated tokens.", s.generation_tokens)
-        if s.spec_method is not None:
-            yield from _spec_decode_metrics(s, self.model_name)
+                      lambda s: s.prompt_tokens)
+        yield counter("generation_tokens", "Generated tokens.", lambda s: s.generation_tokens)
+        if len(samples) == 1 and samples[0][2].spec_method is not None:
+            yield from _spec_decode_metrics(samples[0][2], self.model_name)
 
 
 def _spec_decode_metrics(s: EngineStats, model_name: str):

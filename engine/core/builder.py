@@ -22,6 +22,7 @@ from engine.models.deepseek_mtp import DeepseekMtpHead
 from engine.models.model_config import ModelConfig
 from engine.models.qwen3_next_mtp import Qwen3NextMtpHead
 from engine.parallel import launch
+from engine.parallel.pipeline import PipelineRunner, stage_layers
 from engine.parallel.steps import StepSender
 from engine.runner import cuda_memory
 from engine.runner.backends import make_backend
@@ -59,11 +60,13 @@ def build(config: EngineConfig, loaded=None, group=None) -> EngineParts:
     item, (draft model, its config), is the draft of method draft_model, instead of loading
     speculative_config.model (bench/gpu_spec.py makes both on the device).
     Tensor parallel (engine/parallel/launch.py): rank 0 starts the other ranks here, each of
-    which builds its share of the engine through this function too, `group` its MpiGroup."""
-    tensor_parallel = None
-    if config.tensor_parallel_size > 1:
+    which builds its share of the engine through this function too, `group` its MpiGroup;
+    pipeline parallel (engine/parallel/pipeline.py) the same way, each rank its stage."""
+    tensor_parallel = pipeline = None
+    if config.world_size > 1:
         if loaded is not None:
-            raise ValueError("tensor parallel: a model built by the caller cannot be split")
+            raise ValueError(f"{launch.kind(config)}: a model built by the caller cannot be "
+                             f"split")
         group = group or launch.start_group(config)
     given_draft = None
     if loaded is not None:
@@ -73,9 +76,9 @@ def build(config: EngineConfig, loaded=None, group=None) -> EngineParts:
     elif group is not None:
         with launch.all_ranks(group, "loading the model"):
             backend = make_backend(config, group.rank)
-            tensor_parallel = (group.rank, group.size, launch.communicator(group, backend))
+            tensor_parallel, pipeline = launch.communicators(group, backend, config)
             model, model_config, model_dir, tokenizer, pooling_config = _load(
-                config, backend, tensor_parallel)
+                config, backend, tensor_parallel, pipeline)
         if group.rank != 0:
             tokenizer = None
     else:
@@ -126,8 +129,8 @@ def build(config: EngineConfig, loaded=None, group=None) -> EngineParts:
         reserve=lambda budget, what: _reserve_states(states, config, model_config, budget, what))
     if model_config.linear_attention is not None and not states:   # explicit num_kv_blocks
         states.append(StatePoolSize.for_model(config, model_config, None))
-    if tensor_parallel is not None:       # every rank's pool has the smallest one's blocks
-        num_blocks = tensor_parallel[2].all_min(num_blocks)
+    if group is not None:       # every rank's pool has the smallest one's blocks
+        num_blocks = min(group.allgather(num_blocks))
     max_cached = (None if config.prefix_cache_max_tokens is None
                   else config.prefix_cache_max_tokens // config.block_size)
     if states:
@@ -154,12 +157,21 @@ def build(config: EngineConfig, loaded=None, group=None) -> EngineParts:
     runner.lora = lora
     if group is not None:
         pids = group.allgather(os.getpid())
-        sender = StepSender(group, pids[1:]) if group.rank == 0 else None
+        sender = (StepSender(group, pids[1:], kind=launch.kind(config),
+                             watch=getattr(group, "watch", None)) if group.rank == 0 else None)
         runner.join_tensor_parallel(sender)
+        if pipeline is not None:
+            runner.pipeline = PipelineRunner(model.config.pipeline, config.pipeline_micro_batches
+                                             or 2 * config.pipeline_parallel_size)
         if sender is not None:
             launch.stop_at_exit(sender)
-            log.info("tensor parallel %d: rank 0 schedules and samples, every rank holds its "
-                     "share of the weights and %d KV blocks", group.size, num_blocks)
+            log.info("%s: rank 0 schedules and samples, every rank holds its share of the "
+                     "weights and %d KV blocks", launch.sizes(config), num_blocks)
+            if pipeline is not None:
+                log.info("pipeline parallel: stages of layers %s, %d micro-batches a step",
+                         stage_layers(model_config.num_hidden_layers,
+                                      config.pipeline_parallel_size),
+                         runner.pipeline.num_micro_batches)
     log.info("KV cache: %d blocks of %d tokens; max model length %d", num_blocks,
              config.block_size, max_model_len)
     if states:
@@ -200,6 +212,9 @@ def build(config: EngineConfig, loaded=None, group=None) -> EngineParts:
         if config.cuda_graph and runner.aux_capture is not None:
             log.info("CUDA graphs: not captured (an EAGLE-3 or MTP head reads every step's "
                      "hidden states, which the decode graphs do not hand over)")
+        elif config.cuda_graph and pipeline is not None:
+            log.info("CUDA graphs: not captured (a pipeline stage's step is its micro-batches, "
+                     "each waiting on the stage before)")
         elif config.cuda_graph:
             if group is None:
                 capture_cuda_graphs(config, model, backend, runner, max_model_len)
@@ -296,11 +311,12 @@ def _load_mtp(config: EngineConfig, model, model_config: ModelConfig):
     return DeepseekMtpHead(model)
 
 
-def _load(config: EngineConfig, backend, tensor_parallel=None):
+def _load(config: EngineConfig, backend, tensor_parallel=None, pipeline=None):
     """(model, model_config, model_dir, tokenizer, pooling config) of config.model;
-    tensor_parallel: (rank, size, communicator), the rank's share of it."""
+    tensor_parallel: (rank, size, communicator), the rank's share of it; pipeline: (stage,
+    stages, tensor-parallel rank, communicator), the rank's stage of it."""
     load_args = dict(dtype=config.dtype, yarn_scaling_factor=config.yarn_scaling_factor,
-                     isq=config.isq, tensor_parallel=tensor_parallel)
+                     isq=config.isq, tensor_parallel=tensor_parallel, pipeline=pipeline)
     if config.mmproj and not config.weight_file:
         raise ValueError("--mmproj goes with a GGUF --weight-file (the text model it projects "
                          "into)")

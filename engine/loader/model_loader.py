@@ -13,22 +13,25 @@ from engine.loader.safetensors import add_model_prefix, load_safetensors
 from engine.models.llama_eagle3 import Eagle3Config, Eagle3Head, normalize_names
 from engine.models.model_config import ModelConfig
 from engine.models.registry import get_model_class
+from engine.parallel.pipeline import PipelineStage
 from engine.parallel.sharding import ShardPlan, check_isq_split
 
 
 def load_model(model_dir: str, backend, dtype: str = "auto",
                yarn_scaling_factor: float | None = None, progress: bool = True,
-               isq: str | None = None, tensor_parallel=None):
+               isq: str | None = None, tensor_parallel=None, pipeline=None):
     """(model, model_config) for a local checkpoint directory; `isq` quantizes its projection
     matrices at load (engine/loader/isq.py). tensor_parallel: (rank, size, communicator): the
     rank's share of the model is read and built (engine/parallel/sharding.py); the config
-    returned is the whole model's."""
+    returned is the whole model's. pipeline: (stage, stages, tensor-parallel rank,
+    communicator): only the stage's layers are read and built (engine/parallel/pipeline.py)."""
     model_config = ModelConfig.from_pretrained(model_dir, yarn_scaling_factor=yarn_scaling_factor)
     model_class = get_model_class(model_config.architecture)
     plan = _plan(model_config, tensor_parallel)
+    stage = _stage(model_config, pipeline)
     weights = load_safetensors(model_dir, dtype=dtype, progress=progress,
                                quantized=bool(model_config.quantization_config),
-                               shard=plan and plan.shard)
+                               shard=_shard_hook(plan, stage))
     # (a vision-language model's classes read their checkpoints' own layouts, which may name no
     # tensor model.*: the hub's Gemma 3 files, Mistral 3's language_model.model.*; and
     # language_model.: Llama 4's multimodal layout, renamed by its family's file)
@@ -37,24 +40,28 @@ def load_model(model_dir: str, backend, dtype: str = "auto",
         # The headless layout (LlamaModel.save_pretrained, and some embedding models that keep a
         # *ForCausalLM config over it): without an lm_head, an untied one cannot generate.
         weights = add_model_prefix(weights)
-        if "lm_head.weight" not in weights and not model_config.tie_word_embeddings:
+        if ("lm_head.weight" not in weights and not model_config.tie_word_embeddings
+                and (stage is None or stage.last)):
             model_config.has_lm_head = False
+    if stage is not None:
+        weights = stage.take(weights)
     if model_config.quantization_config:
         convert_quantized(weights, model_config.quantization_config)
     if isq:
         if plan is not None:
             check_isq_split(plan, weights, isq)
         quantize_weights(weights, isq, progress=progress)
-    model = model_class(_local(model_config, plan, tensor_parallel), weights, backend)
+    model = model_class(_local(model_config, plan, tensor_parallel, stage), weights, backend)
     return model, model_config
 
 
 def load_gguf_model(path: str, backend, dtype: str = "auto",
                     yarn_scaling_factor: float | None = None, progress: bool = True,
-                    isq: str | None = None, tensor_parallel=None, mmproj: str | None = None):
+                    isq: str | None = None, tensor_parallel=None, pipeline=None,
+                    mmproj: str | None = None):
     """(model, model_config, tokenizer or None) for a GGUF file (its first shard if split);
-    tensor_parallel as load_model's; mmproj: llama.cpp's vision projector file, whose tower
-    joins the text model (engine/loader/gguf_mmproj.py)."""
+    tensor_parallel and pipeline as load_model's; mmproj: llama.cpp's vision projector file,
+    whose tower joins the text model (engine/loader/gguf_mmproj.py)."""
     ckpt = read_gguf(path, dtype=dtype, progress=progress)
     config, weights = ckpt.config, ckpt.weights
     if mmproj is not None:
@@ -63,15 +70,19 @@ def load_gguf_model(path: str, backend, dtype: str = "auto",
         weights.update(vision_weights)
     model_config = ModelConfig.from_dict(config, yarn_scaling_factor=yarn_scaling_factor)
     plan = _plan(model_config, tensor_parallel)
-    if plan is not None:        # the tensors are memory-mapped: cut before they are read
+    stage = _stage(model_config, pipeline)
+    hook = _shard_hook(plan, stage)
+    if hook is not None:        # the tensors are memory-mapped: cut before they are read
         shapes = {n: w.shape for n, w in weights.items()}
-        weights = {n: plan.shard(n, w, shapes) for n, w in weights.items()}
+        weights = {n: s for n, w in weights.items() if (s := hook(n, w, shapes)) is not None}
+    if stage is not None:
+        weights = stage.take(weights)
     if isq:
         if plan is not None:
             check_isq_split(plan, weights, isq)
         quantize_weights(weights, isq, progress=progress)
     model = get_model_class(model_config.architecture)(
-        _local(model_config, plan, tensor_parallel), weights, backend)
+        _local(model_config, plan, tensor_parallel, stage), weights, backend)
     return model, model_config, ckpt.tokenizer
 
 
@@ -82,9 +93,30 @@ def _plan(model_config: ModelConfig, tensor_parallel) -> ShardPlan | None:
     return ShardPlan(model_config, rank, size)
 
 
-def _local(model_config: ModelConfig, plan: ShardPlan | None, tensor_parallel) -> ModelConfig:
+def _stage(model_config: ModelConfig, pipeline) -> PipelineStage | None:
+    if pipeline is None:
+        return None
+    stage, num_stages, tp_rank, comm = pipeline
+    return PipelineStage.of(model_config, stage, num_stages, tp_rank, comm)
+
+
+def _shard_hook(plan: ShardPlan | None, stage: PipelineStage | None):
+    """load_safetensors' shard: the rank's cut of its stage's tensors, None for the others."""
+    if stage is None:
+        return plan and plan.shard
+
+    def hook(name, tensor, shapes):
+        if stage.tensor_name(name) is None:
+            return None
+        return tensor if plan is None else plan.shard(name, tensor, shapes)
+    return hook
+
+
+def _local(model_config: ModelConfig, plan: ShardPlan | None, tensor_parallel,
+           stage: PipelineStage | None = None) -> ModelConfig:
     """The config the rank's model is built with."""
-    return model_config if plan is None else plan.local_config(tensor_parallel[2])
+    local = model_config if plan is None else plan.local_config(tensor_parallel[2])
+    return local if stage is None else stage.local_config(local)
 
 
 def load_eagle3_head(head_dir: str, backend, target, target_config: ModelConfig,

@@ -191,7 +191,8 @@ def load_safetensors(model_dir: str, dtype="auto", progress: bool = True,
     `quantized` checkpoint (GPTQ, AWQ, compressed-tensors, FP8) the F8 codes and the quantization
     scales stay as stored, for engine/loader/quant_formats.py to take. shard(name, tensor, whole
     shapes by name): a tensor-parallel rank's part of each memory-mapped tensor
-    (engine/parallel/sharding.py), cut before anything is read or converted."""
+    (engine/parallel/sharding.py), cut before anything is read or converted, or None for a
+    tensor of another pipeline stage."""
     want = resolve_dtype(dtype)
 
     def target(name, arr):
@@ -213,9 +214,10 @@ def load_safetensors(model_dir: str, dtype="auto", progress: bool = True,
             if name in owner:
                 raise CheckpointError(f"tensor {name} appears in both {owner[name]} and {path}")
             owner[name] = path
-    if shard is not None:
+    if shard is not None:       # (None: a tensor the rank does not hold at all)
         shapes = {n: a.shape for tensors in opened.values() for n, a in tensors.items()}
-        opened = {path: {n: shard(n, a, shapes) for n, a in tensors.items()}
+        opened = {path: {n: s for n, a in tensors.items()
+                         if (s := shard(n, a, shapes)) is not None}
                   for path, tensors in opened.items()}
 
     needed = sum(a.size * target(n, a).itemsize

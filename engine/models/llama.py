@@ -98,7 +98,10 @@ class LlamaForCausalLM:
     def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray], backend):
         """Takes ownership of `weights` (tensors are popped as they are placed)."""
         # Under tensor parallel, config is the rank's share (engine/parallel/sharding.py).
-        check_weights(config, weights, self.expected_shapes(config))
+        shapes = self.expected_shapes(config)
+        if config.pipeline is not None:     # a stage holds the ends it runs (pipeline.py)
+            shapes = {n: s for n, s in shapes.items() if config.pipeline.holds_end(n)}
+        check_weights(config, weights, shapes)
         self.config = config
         self.backend = backend
         self.xp = backend.xp
@@ -129,17 +132,25 @@ class LlamaForCausalLM:
         """The embedding, the final norm and the LM head, after the layers took theirs; what is
         left unused is named in a warning, and the dict emptied."""
         c = self.config
-        if c.tensor_parallel is not None:
-            weights["model.embed_tokens.weight"] = tensor_parallel.with_zero_row(
-                weights["model.embed_tokens.weight"])
-        self.embed_tokens = self._take(weights, "model.embed_tokens.weight")
-        self.norm = self._norm(weights, "model.norm.weight")
-        if not c.has_lm_head:            # a headless transformer (LlamaModel, ...): embeddings only
+        stage = c.pipeline
+        if stage is not None and not stage.holds_end("model.embed_tokens.weight"):
+            self.embed_tokens = None        # a middle stage (engine/parallel/pipeline.py)
+        else:
+            if c.tensor_parallel is not None:
+                weights["model.embed_tokens.weight"] = tensor_parallel.with_zero_row(
+                    weights["model.embed_tokens.weight"])
+            self.embed_tokens = self._take(weights, "model.embed_tokens.weight")
+        if stage is not None and not stage.last:
+            self.norm = self.lm_head = None
+        elif not c.has_lm_head:            # a headless transformer (LlamaModel, ...): embeddings only
+            self.norm = self._norm(weights, "model.norm.weight")
             self.lm_head = None
         elif c.tie_word_embeddings:
+            self.norm = self._norm(weights, "model.norm.weight")
             weights.pop("lm_head.weight", None)
             self.lm_head = self.embed_tokens
         else:
+            self.norm = self._norm(weights, "model.norm.weight")
             self.lm_head = self._take(weights, "lm_head.weight")
         unused = [n for n in weights if not n.endswith("rotary_emb.inv_freq")]
         if unused:
@@ -273,11 +284,15 @@ class LlamaForCausalLM:
         T = batch.num_tokens
         residual = ws.get("residual", T, c.hidden_size)
         hidden = ws.get("hidden", T, c.hidden_size)
-        tensor_parallel.embed(b, c, batch.token_ids, self.embed_tokens, residual)
-        if self.embed_scale is not None:
-            b.scale(residual, self.embed_scale)
-        if batch.vision is not None:       # image embeddings at the image tokens
-            self._merge_inputs(batch, residual)
+        stage = c.pipeline
+        if stage is None or stage.first:
+            tensor_parallel.embed(b, c, batch.token_ids, self.embed_tokens, residual)
+            if self.embed_scale is not None:
+                b.scale(residual, self.embed_scale)
+            if batch.vision is not None:       # image embeddings at the image tokens
+                self._merge_inputs(batch, residual)
+        else:           # the stream from the stage before (engine/parallel/pipeline.py)
+            stage.receive_stream(residual)
         if c.rope.rope_type == "longrope":
             batch = dataclasses.replace(batch, positions=longrope_positions(
                 self.xp, batch.positions, batch.query_start_loc, batch.seq_lens,
@@ -287,6 +302,11 @@ class LlamaForCausalLM:
         else:
             capture.states = self._run_layers_capturing(batch, hidden, residual, kv_caches,
                                                         capture.layers)
+        if stage is not None and not stage.last:
+            # the add the next stage's first layer would make (it normalizes what it receives)
+            b.fused_add_rms_norm(hidden, residual, self._ones(), c.rms_norm_eps)
+            stage.send_stream(residual)
+            return None
         # Only the sampled (and pooled) rows go through the final norm, the sampled ones through
         # the lm_head; every row with a FinalCapture (an MTP head reads them all).
         idx = batch.logits_indices
@@ -330,12 +350,18 @@ class LlamaForCausalLM:
             total, part = ws.get("aux_total", T, H), ws.get("aux_part", T, H)
             xp.copyto(total, residual)
             xp.copyto(part, hidden)
-            if self._unit_norm is None:
-                self._unit_norm = b.place_weight(np.ones(H, np.float32))
-            b.fused_add_rms_norm(part, total, self._unit_norm, self.config.rms_norm_eps)
+            b.fused_add_rms_norm(part, total, self._ones(), self.config.rms_norm_eps)
             xp.copyto(states[:, j * H:(j + 1) * H], total)
         run_layers(self.layers[start:], batch, hidden, residual, kv_caches[start:], ws)
         return states
+
+    def _ones(self):
+        """A norm weight of ones: the op table has no plain add, a fused add-and-norm's sum is
+        one (its normalized output unused)."""
+        if self._unit_norm is None:
+            self._unit_norm = self.backend.place_weight(np.ones(self.config.hidden_size,
+                                                                np.float32))
+        return self._unit_norm
 
     def logits(self, rows_hidden):
         """Logits (len(rows_hidden), vocab) float32 of final-norm hidden rows, a new array."""

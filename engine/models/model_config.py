@@ -157,6 +157,9 @@ class ModelConfig:
     # A tensor-parallel rank's config (engine/parallel/sharding.py): heads, sizes and vocab_size
     # are the rank's share, and this a TensorParallel saying of what; None: the whole model.
     tensor_parallel: object = None
+    # A pipeline stage's config (engine/parallel/pipeline.py): its layers, renumbered from 0, and
+    # this a PipelineStage saying which; None: every layer.
+    pipeline: object = None
     linear_attention: LinearAttentionConfig | None = None  # hybrid models' gated DeltaNet layers
     family: object = None               # one family's own settings (engine/models/family_config.py)
 

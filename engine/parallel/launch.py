@@ -19,13 +19,27 @@ class WorkerStop(Exception):
     """A worker's start-up failed somewhere (rank 0 reports it): the worker exits."""
 
 
+def kind(config) -> str:
+    """How the model is split, for messages: tensor parallel, pipeline parallel, or both."""
+    tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
+    if pp == 1:
+        return "tensor parallel"
+    return "pipeline parallel" if tp == 1 else "tensor and pipeline parallel"
+
+
+def sizes(config) -> str:
+    """"tensor parallel 2", "pipeline parallel 2", "tensor and pipeline parallel 2 x 2"."""
+    tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
+    return f"{kind(config)} {tp if pp == 1 else pp if tp == 1 else f'{tp} x {pp}'}"
+
+
 def check_supported(config) -> None:
-    """What tensor parallel does not split yet, refused before any worker starts."""
+    """What tensor and pipeline parallel do not split yet, refused before any worker starts."""
     spec = config.speculative_config
     if spec is not None and spec.method in ("draft_model", "eagle3", "mtp"):
         what = {"draft_model": "a draft model", "eagle3": "an EAGLE-3 head",
                 "mtp": "an MTP head"}[spec.method]
-        raise ValueError(f"tensor parallel: speculative decoding with {what} is not yet "
+        raise ValueError(f"{kind(config)}: speculative decoding with {what} is not yet "
                          f"supported (n-gram speculation is)")
     if config.backend not in ("cpu", "cuda"):
         raise ValueError(f"tensor parallel: unknown backend {config.backend!r}")
@@ -38,9 +52,14 @@ def check_model(config) -> None:
         return
     from engine.loader.hub import resolve_model
     from engine.models.model_config import ModelConfig
+    from engine.parallel.pipeline import check_model as check_stages, stage_layers
     from engine.parallel.sharding import ShardPlan
-    ShardPlan(ModelConfig.from_pretrained(resolve_model(config.model)), 0,
-              config.tensor_parallel_size)
+    model_config = ModelConfig.from_pretrained(resolve_model(config.model))
+    if config.tensor_parallel_size > 1:
+        ShardPlan(model_config, 0, config.tensor_parallel_size)
+    if config.pipeline_parallel_size > 1:
+        check_stages(model_config)
+        stage_layers(model_config.num_hidden_layers, config.pipeline_parallel_size)
 
 
 def start_group(config):
@@ -48,9 +67,12 @@ def start_group(config):
     from engine.parallel.mpi import MpiGroup
     check_supported(config)
     check_model(config)
-    log.info("tensor parallel %d: starting %d worker processes", config.tensor_parallel_size,
-             config.tensor_parallel_size - 1)
-    group = MpiGroup.spawn(config.tensor_parallel_size)
+    log.info("%s: starting %d worker processes", sizes(config), config.world_size - 1)
+    if config.distributed_executor == "ray":
+        from engine.parallel import ray_executor
+        group = ray_executor.start_group(config)
+    else:
+        group = MpiGroup.spawn(config.world_size)
     group.send(config)
     return group
 
@@ -61,6 +83,33 @@ def communicator(group, backend):
         from engine.parallel.nccl import NcclCommunicator
         return NcclCommunicator(group, backend)
     return group.tensor_communicator()
+
+
+def communicators(group, backend, config):
+    """The loader's (tensor_parallel, pipeline) of this rank: (rank, size, communicator) within
+    its stage or None, and (stage, stages, tensor-parallel rank, communicator along its chain of
+    stages) or None. Ranks are numbered stage by stage (engine/parallel/pipeline.py)."""
+    tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
+    if pp == 1:
+        return (group.rank, group.size, communicator(group, backend)), None
+    stage, tp_rank = divmod(group.rank, tp)
+    # every rank makes both splits, in this order (each is a collective of the whole group)
+    within_stage = group.split(stage, tp_rank)
+    along_stages = group.split(tp_rank, stage)
+    tensor_parallel = None
+    if tp > 1:
+        tensor_parallel = (tp_rank, tp, split_communicator(group, within_stage, backend))
+    return tensor_parallel, (stage, pp, tp_rank, split_communicator(group, along_stages,
+                                                                      backend))
+
+
+def split_communicator(group, sub, backend):
+    """A communicator over the ranks of `sub` (an mpi4py communicator split from the group)."""
+    if getattr(backend, "xp", None) is not None and backend.xp.__name__ == "cupy":
+        from engine.parallel.nccl import NcclCommunicator
+        return NcclCommunicator(group, backend, sub)
+    from engine.parallel.mpi import MpiCommunicator
+    return MpiCommunicator(sub)
 
 
 @contextmanager
@@ -81,7 +130,7 @@ def all_ranks(group, stage: str):
     if error is not None:
         raise error
     rank, message = failed[0]
-    raise RuntimeError(f"tensor parallel rank {rank} failed while {stage}: {message}")
+    raise RuntimeError(f"rank {rank} of {group.size} failed while {stage}: {message}")
 
 
 def stop_at_exit(sender) -> None:

@@ -54,6 +54,11 @@ class MpiGroup:
         self.parent_pid = parent_pid       # a worker's rank 0 process, watched while idle
         self._header = np.zeros(1, np.int64)
         self.closed = False
+        self._splits = []           # communicators split from `tensors`, left with the group
+        # Workers started elsewhere (Ray: engine/parallel/ray_executor.py): rank 0's
+        # (description, is alive) of each, and what releases them once the group is closed.
+        self.watch = None
+        self.cleanup = []
 
     @classmethod
     def spawn(cls, world_size: int) -> "MpiGroup":
@@ -83,6 +88,45 @@ class MpiGroup:
         comm = inter.Merge(high=False)
         inter.Disconnect()
         group = cls(comm)          # (the same collectives, in the same order, as from_parent)
+        group.comm.bcast(os.getpid(), root=0)
+        return group
+
+    @classmethod
+    def accept(cls, world_size: int, start_workers) -> "MpiGroup":
+        """Rank 0 of workers started elsewhere (Ray actors: engine/parallel/ray_executor.py):
+        opens an MPI port, calls start_workers(port) (each worker then connects with its rank:
+        `connect`), and takes them in one at a time, the group so far accepting each."""
+        MPI = import_mpi()
+        port = MPI.Open_port()
+        start_workers(port)
+        comm = MPI.COMM_SELF.Dup()
+        for _ in range(world_size - 1):
+            comm = _take_one(MPI, comm, port)
+        MPI.Close_port(port)
+        return cls._ranked(comm, 0)
+
+    @classmethod
+    def connect(cls, port: str, rank: int, world_size: int, watch_pid: int) -> "MpiGroup":
+        """A worker started elsewhere: joins rank 0's group through its port as `rank`, watching
+        watch_pid (its actor's process) while idle as a spawned worker watches rank 0. (An
+        mpiexec must have started this process: MPICH's connect from a singleton fails.)"""
+        MPI = import_mpi()
+        inter = MPI.COMM_SELF.Connect(port)
+        comm = inter.Merge(high=True)
+        inter.Disconnect()
+        while comm.Get_size() < world_size:         # the group takes in the later workers
+            comm = _take_one(MPI, comm, port)
+        group = cls._ranked(comm, rank)
+        group.parent_pid = watch_pid
+        return group
+
+    @classmethod
+    def _ranked(cls, comm, rank: int) -> "MpiGroup":
+        """The joined group with its ranks as the workers were told (they joined in any order);
+        the same collectives as spawn's and from_parent's)."""
+        ordered = comm.Split(0, rank)
+        comm.Disconnect()
+        group = cls(ordered)
         group.comm.bcast(os.getpid(), root=0)
         return group
 
@@ -136,13 +180,33 @@ class MpiGroup:
     def tensor_communicator(self) -> "MpiCommunicator":
         return MpiCommunicator(self.tensors)
 
+    def split(self, color: int, key: int):
+        """An mpi4py communicator of the ranks that give the same color, ranked by key (every
+        rank calls it: a tensor-parallel group within a pipeline stage, a stage's chain)."""
+        sub = self.tensors.Split(color, key)
+        self._splits.append(sub)
+        return sub
+
     def close(self) -> None:
         """Leaves the group, every rank together (rank 0 sends the workers their stop first:
         engine/parallel/steps.py); connected processes would wait for each other at exit."""
         if not self.closed:
             self.closed = True
+            for sub in self._splits:
+                sub.Disconnect()
             self.tensors.Disconnect()
             self.comm.Disconnect()
+            for release in self.cleanup:
+                release()
+
+
+def _take_one(MPI, comm, port: str):
+    """The group (every member calling) accepts the next worker's connection and merges."""
+    inter = comm.Accept(port, root=0)
+    merged = inter.Merge(high=False)
+    inter.Disconnect()
+    comm.Disconnect()       # (not Free: connected processes stay so until disconnected)
+    return merged
 
 
 def _alive(pid: int) -> bool:
@@ -173,3 +237,31 @@ class MpiCommunicator(Communicator):
 
     def all_min(self, value: int) -> int:
         return int(self.comm.allreduce(int(value), op=self.MPI.MIN))
+
+    # Point to point. A send copies x (the caller's buffer is a reused workspace) and returns;
+    # the copies are kept until flush. A recv polls, sleeping briefly between tests: MPICH's
+    # blocking receive spins, which would take the core the stage before it computes on.
+
+    _pending: list | None = None
+
+    def send(self, x, peer: int) -> None:
+        if self._pending is None:
+            self._pending = []
+        copy = np.array(x, order="C", copy=True)
+        self._pending.append((self.comm.Isend(copy, dest=peer), copy))
+
+    def recv(self, x, peer: int) -> None:
+        _wait(self.comm.Irecv(x, source=peer))
+
+    def flush(self) -> None:
+        for request, _ in self._pending or ():
+            _wait(request)
+        self._pending = []
+
+
+def _wait(request) -> None:
+    start = time.monotonic()
+    while not request.Test():
+        waited = time.monotonic() - start
+        if waited > 2e-4:
+            time.sleep(min(0.002, waited / 20))

@@ -43,17 +43,26 @@ def nccl_dtype(nccl, dtype) -> int:
 
 
 class NcclCommunicator(Communicator):
-    def __init__(self, group, backend):
+    """Over the whole group, or over `sub` (an mpi4py communicator split from it: a pipeline
+    stage's tensor-parallel ranks, or one chain of stages), whose MPI ranks carry the unique
+    id and the start-up's small agreements."""
+
+    def __init__(self, group, backend, sub=None):
         nccl = self.nccl = import_nccl()
         self.backend = backend
-        self.rank, self.world_size = group.rank, group.size
-        uid = nccl.get_unique_id() if group.rank == 0 else None
-        if group.rank == 0:
-            group.send(uid)
+        self.sub = sub
+        if sub is None:
+            self.rank, self.world_size = group.rank, group.size
+            uid = nccl.get_unique_id() if group.rank == 0 else None
+            if group.rank == 0:
+                group.send(uid)
+            else:
+                uid = group.receive()
         else:
-            uid = group.receive()
+            self.rank, self.world_size = sub.Get_rank(), sub.Get_size()
+            uid = sub.bcast(nccl.get_unique_id() if self.rank == 0 else None, root=0)
         backend.bind_thread()               # NCCL binds the communicator to the current device
-        self.comm = nccl.NcclCommunicator(group.size, uid, group.rank)
+        self.comm = nccl.NcclCommunicator(self.world_size, uid, self.rank)
         # the start-up's small agreements (a pool size) travel on the MPI group
         self.group = group
 
@@ -73,7 +82,22 @@ class NcclCommunicator(Communicator):
         return out
 
     def all_min(self, value: int) -> int:
+        if self.sub is not None:
+            return min(self.sub.allgather(int(value)))
         return min(self.group.allgather(int(value)))
+
+    # Point to point, queued on the backend's stream: kernels after a send wait for it there,
+    # so the caller's buffer may be reused at once, and flush has nothing to wait for.
+
+    def send(self, x, peer: int) -> None:
+        x = self.backend.xp.ascontiguousarray(x)
+        self.comm.send(x.data.ptr, x.size, nccl_dtype(self.nccl, x.dtype), peer, self._stream)
+
+    def recv(self, x, peer: int) -> None:
+        self.comm.recv(x.data.ptr, x.size, nccl_dtype(self.nccl, x.dtype), peer, self._stream)
+
+    def flush(self) -> None:
+        pass
 
     def close(self) -> None:
         self.comm.destroy()

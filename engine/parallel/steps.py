@@ -56,24 +56,39 @@ class StepSender:
 
     A worker that dies leaves rank 0 waiting in its next collective for good (MPI has no
     timeout), so a watchdog thread checks the workers' processes twice a second and, when one is
-    gone, says so and ends rank 0's process with exit status 1: a clear error and an exit, never
-    a hang (the server's open requests lose their connections)."""
+    gone, says so, hands the message to `on_death` (the server's engine fails its open requests
+    with it: engine/async_engine.py), gives their error responses `grace` seconds to go out, and
+    ends rank 0's process with exit status 1: a clear error and an exit, never a hang."""
 
-    def __init__(self, group, worker_pids: list[int] | None = None, check_every: float = 0.5):
+    def __init__(self, group, worker_pids: list[int] | None = None, check_every: float = 0.5,
+                 kind: str = "tensor parallel", grace: float = 2.0, watch=None):
+        """watch: (description, is alive) of each worker that is not a process of this machine
+        (a Ray actor's); else each worker's pid is watched."""
         self.group = group
         self.stopped = False
         self.worker_pids = worker_pids or []
-        if self.worker_pids:
+        self.kind, self.grace = kind, grace
+        self.on_death = None        # called with the message, from the watchdog's thread
+        self.watch = watch or [(f"pid {pid}", lambda pid=pid: _alive(pid))
+                               for pid in self.worker_pids]
+        if self.watch:
             threading.Thread(target=self._watch, args=(check_every,), daemon=True,
                              name="taper-tp-watchdog").start()
 
     def _watch(self, every: float) -> None:
         while not self.stopped:
             time.sleep(every)
-            for rank, pid in enumerate(self.worker_pids, start=1):
-                if not self.stopped and not _alive(pid):
-                    log.critical("tensor parallel rank %d (pid %d) has died; the model cannot "
-                                 "run without it: exiting", rank, pid)
+            for rank, (what, alive) in enumerate(self.watch, start=1):
+                if not self.stopped and not alive():
+                    message = (f"{self.kind} rank {rank} ({what}) has died; the model "
+                               f"cannot run without it: exiting")
+                    log.critical("%s", message)
+                    if self.on_death is not None:
+                        try:
+                            self.on_death(message)
+                            time.sleep(self.grace)
+                        except Exception:       # the exit below matters more
+                            log.exception("failing the open requests")
                     logging.shutdown()
                     os._exit(1)
 

@@ -1,5 +1,6 @@
 """`python -m engine.parallel.worker`: a tensor-parallel rank other than 0, started by rank 0's
-MPI spawn (engine/parallel/mpi.py), never by hand. It receives rank 0's EngineConfig, builds its
+MPI spawn (engine/parallel/mpi.py), or by a Ray actor with `--connect PORT --rank R --world-size
+N` (engine/parallel/ray_executor.py), never by hand. It receives rank 0's EngineConfig, builds its
 share of the engine (engine/core/builder.py: the same start-up as rank 0's, in step with it),
 then runs each step rank 0 sends until rank 0 stops it (engine/parallel/steps.py).
 
@@ -22,7 +23,12 @@ def main() -> int:
     from engine.parallel.mpi import MpiGroup
     from engine.parallel.steps import serve_steps
 
-    group = MpiGroup.from_parent()
+    if "--connect" in sys.argv:     # a Ray actor's rank (engine/parallel/ray_executor.py)
+        args = dict(zip(sys.argv[1::2], sys.argv[2::2]))
+        group = MpiGroup.connect(args["--connect"], int(args["--rank"]),
+                                 int(args["--world-size"]), int(args["--watch-pid"]))
+    else:
+        group = MpiGroup.from_parent()
     logging.basicConfig(level=logging.WARNING,
                         format=f"%(asctime)s %(levelname)s rank {group.rank} %(name)s: "
                                "%(message)s")

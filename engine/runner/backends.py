@@ -33,9 +33,9 @@ def make_backend(config, rank: int = 0):
     if config.backend == "cpu":
         from pyx.cpu_backend import CpuBackend
         num_threads = None
-        if config.tensor_parallel_size > 1 and not cpu_threads.user_num_threads():
+        if config.world_size > 1 and not cpu_threads.user_num_threads():
             # the ranks split the CPUs (a fixed count: one rank is no other's contention)
-            num_threads = max(1, cpu_threads.usable_cpus()[0] // config.tensor_parallel_size)
+            num_threads = max(1, cpu_threads.usable_cpus()[0] // config.world_size)
         backend = CpuBackend(batch_invariant=config.batch_invariant, kernels=config.kernels,
                              num_threads=num_threads)
         log.info("CPU backend: %s", cpu_threads.describe(backend.num_threads,

@@ -52,6 +52,7 @@ class ModelRunner:
         self.vision = (getattr(model, "vision_runner", VisionRunner)(model, backend)
                        if getattr(model, "vision_encoder", None) is not None else None)
         self.peers = None             # rank 0 of a tensor-parallel group: a steps.StepSender
+        self.pipeline = None          # a pipeline stage's rank: an engine.parallel.PipelineRunner
         self._block_copies: list[tuple[int, int]] = []   # for the peers, with the next step
 
     def join_tensor_parallel(self, peers=None) -> None:
@@ -261,6 +262,8 @@ class ModelRunner:
             self.lora.end()
 
     def _forward(self, inputs: StepInputs, capture: dict):
+        if self.pipeline is not None:       # the rank's stage over the step's micro-batches
+            return self.pipeline.forward(self, inputs)
         batch = inputs.batch
         if inputs.hidden_rows is None:
             if (not capture and self.graph_runner is not None

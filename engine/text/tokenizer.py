@@ -75,6 +75,17 @@ class Tokenizer:
         self._guard_lock = threading.Lock()
         self._max_chars_per_token: int | None | bool = False     # False: not computed yet
 
+    def __getstate__(self):
+        """Pickled (a data-parallel replica hands its tokenizer to the API server) without the
+        chat guard, rebuilt on first use, and its lock."""
+        state = dict(self.__dict__)
+        state["_guard"], state["_guard_lock"] = None, None
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._guard_lock = threading.Lock()
+
     @classmethod
     def from_pretrained(cls, path: str, local_files_only: bool = True, **kwargs) -> "Tokenizer":
         """Load from a local directory (or an already cached hub id); never reaches the network
