@@ -11,9 +11,9 @@ import tomllib
 from test_import_graph import ROOT, cython_imported_names, imported_names, module_files
 
 OWN = {"engine", "pyx", "server"}
-# Imported only by optional features, declared in extras: the CUDA backend (cuda12/cuda13) and
-# tensor parallel across processes (mpi).
-EXTRAS_ONLY = {"cupy", "cupy_backends", "mpi4py"}
+# Imported only by optional features, declared in extras: the CUDA backend (cuda12/cuda13),
+# tensor parallel across processes (mpi) and the Ray executor (ray).
+EXTRAS_ONLY = {"cupy", "cupy_backends", "mpi4py", "ray"}
 # Cython's compile-time cimports, not modules loaded at run time.
 CYTHON_CIMPORTS = {"cython", "libc", "libcpp", "cpython", "posix"}
 

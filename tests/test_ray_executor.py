@@ -26,10 +26,11 @@ def cluster():
     ray = pytest.importorskip("ray")
     from ray.cluster_utils import Cluster
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
-    c.add_node(num_cpus=1)
+    worker = c.add_node(num_cpus=1)
     ray.init(address=c.address, log_to_driver=False)
     try:
-        yield ray
+        # (the driver may attach to either node's raylet: the nodes are told apart by id)
+        yield c.head_node.node_id, worker.node_id
     finally:
         ray.shutdown()
         c.shutdown()
@@ -63,7 +64,7 @@ def greedy(model, **kwargs):
 
 
 def test_pipeline_stages_on_two_nodes_match_one_process(cluster, llama):
-    ray = cluster
+    head, second = cluster
     before = ray_workers()
     one = greedy(llama)
     two = greedy(llama, pipeline_parallel_size=2, distributed_executor="ray")
@@ -71,7 +72,7 @@ def test_pipeline_stages_on_two_nodes_match_one_process(cluster, llama):
     for a, b in zip(one[1], two[1]):
         np.testing.assert_allclose(b, a, rtol=0, atol=2e-4)
     (worker_node,) = two[2]
-    assert worker_node[0] != ray.get_runtime_context().get_node_id()   # the other "node"
+    assert worker_node[0] == second != head    # the rank with the CPU: the other "node"
     deadline = time.time() + 15
     while ray_workers() - before and time.time() < deadline:
         time.sleep(0.2)
