@@ -346,3 +346,13 @@ def test_head_targets_replay_graphs_with_their_hidden_states(head_targets, monke
     assert engine.speculator.stats.num_drafts > 0
     verify_replays = sum(q == 3 for q, _ in replayed)
     assert verify_replays > 3 and backend.replays == len(replayed)
+
+
+def test_head_targets_capture_no_graphs_under_graphs_verify_off(head_targets):
+    """Until a GPU window has checked the graphs' hand-over, EAGLE-3 and MTP targets run every
+    step eagerly unless graphs_verify=on."""
+    directory, spec = head_targets["mtp"]
+    backend = CpuAsCuda()
+    engine = engine_for(directory, backend, num_kv_blocks=64, cuda_graph=True,
+                        speculative_config=spec)
+    assert engine.runner.graph_runner is None and backend.captures == 0

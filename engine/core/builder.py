@@ -199,7 +199,12 @@ def build(config: EngineConfig, loaded=None, group=None) -> EngineParts:
                                                             kv_dtype),
                              max_model_len, config.max_num_seqs)
         backend.max_context = max_model_len
-        if config.cuda_graph:
+        if (config.cuda_graph and runner.aux_capture is not None
+                and backend.kernels.graphs_verify != "on"):
+            log.info("CUDA graphs: not captured (an EAGLE-3 or MTP head reads every step's "
+                     "hidden states; --kernels graphs_verify=on captures graphs that hand them "
+                     "over)")
+        elif config.cuda_graph:
             if group is None:
                 capture_cuda_graphs(config, model, backend, runner, max_model_len)
             else:
