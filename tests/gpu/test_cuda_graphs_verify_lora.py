@@ -9,12 +9,15 @@ graphs_verify=on; engine/runner/cuda_graph.py), on the GPU:
   baked in at capture);
 - the graph runner on a bf16 tiny-256 Llama with random LoRA slots: decode and verify steps
   (k = 2) with and without adapter rows replayed against the eager forward, logits within bf16
-  rounding (the CPU's version of this check: tests/test_cuda_graph_verify_lora.py);
+  rounding (the CPU's version of this check: tests/test_cuda_graph_verify_lora.py); the same
+  with an EAGLE-3 or MTP head's capture, the hidden states each replay hands over against the
+  eager forward's;
 - the engine, bf16 tiny-256 Llama: a batch mixing the base model and two peft adapters with
   graphs_lora=on replays graphs on steps with adapter rows, and n-gram speculation (k = 2) with
   graphs_verify=on replays the verify graphs; greedy tokens equal the CPU engine's up to its
   first near-tie (test_cuda_model.py's rule) and the emitted tokens' logprobs equal the eager
-  CUDA path's (graphs off for those steps).
+  CUDA path's (graphs off for those steps); EAGLE-3 (tiny-256 Llama) and MTP (DeepSeek-V3 tiny)
+  with graphs_verify=on replay verify graphs, tokens and drafts as on the eager CUDA path.
 
 bench/gpu_check.sh runs this file in the first suite's switches step; bench/gpu_summary.py
 credits its tests to the two switches (the runner's test to graphs_verify)."""
