@@ -346,6 +346,7 @@ def test_head_targets_replay_graphs_with_their_hidden_states(head_targets, monke
     assert engine.speculator.stats.num_drafts > 0
     verify_replays = sum(q == 3 for q, _ in replayed)
     assert verify_replays > 3 and backend.replays == len(replayed)
+    assert any(q == 1 for q, _ in replayed)       # the last token, with no room for drafts: a decode graph
 
 
 def test_head_targets_capture_no_graphs_under_graphs_verify_off(head_targets):
