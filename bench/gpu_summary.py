@@ -35,7 +35,8 @@ SWITCH_TESTS = {
     "moe=fused": r"^test_cuda_moe\.py::",
     "graphs_lora=on": r"^test_cuda_graphs_verify_lora\.py::test_(lora_linear_slots|adapter_rows)",
     # the runner's replay test covers both (verify graphs over adapter slots): credited here
-    "graphs_verify=on": r"^test_cuda_graphs_verify_lora\.py::test_(verify_steps|runner_replays)",
+    "graphs_verify=on": (r"^test_cuda_graphs_verify_lora\.py::"
+                         r"test_(verify_steps|runner_replays|runner_hands_over|head_targets)"),
 }
 NOISE = 0.03    # two timings of one kernel differ by about this much
 

@@ -282,3 +282,78 @@ def test_adapter_rows_replay_graphs_under_graphs_lora(model_dir, adapters, graph
         assert with_adapters > 0
     else:
         assert with_adapters == 0 and replayed      # base-only decode steps still replay
+
+
+# ---- graphs over an EAGLE-3 or MTP target (the head reads every step's hidden states)
+
+@pytest.fixture(scope="module")
+def head_targets(tmp_path_factory):
+    """{method: (target directory, speculative config)}: an 8-layer Llama with a random EAGLE-3
+    head (aux layers 2, 4, 5), a tiny DeepSeek-V3 with its random MTP layer. Random heads: their
+    drafts depend on the target's hidden states, so states handed over wrong change them."""
+    from checkpoints import tiny_checkpoint
+    from eagle3_heads import HEAD, draft_vocab, random_weights, write_head
+    from mtp_heads import mtp_checkpoint
+    root = tmp_path_factory.mktemp("heads")
+    head = write_head(root / "head", random_weights(HEAD), draft_vocab(512, 384, seed=1))
+    return {"eagle3": (tiny_checkpoint(root / "llama8", "llama", num_hidden_layers=8),
+                       {"method": "eagle3", "model": str(head), "num_speculative_tokens": 2}),
+            "mtp": (mtp_checkpoint(root / "deepseek"),
+                    {"method": "mtp", "num_speculative_tokens": 2})}
+
+
+def drafts_proposed(engine) -> list:
+    """Every step's drafts, recorded from now on."""
+    spec, proposed = engine.speculator, []
+    draft = spec.draft
+
+    def draft_and_record(runner, sched, batch, structured):
+        probs = draft(runner, sched, batch, structured)
+        proposed.append([list(d) for d in sched.drafts])
+        return probs
+    spec.draft = draft_and_record
+    return proposed
+
+
+@pytest.mark.parametrize("method", ["eagle3", "mtp"])
+def test_head_targets_replay_graphs_with_their_hidden_states(head_targets, monkeypatch, method):
+    """EAGLE-3 and MTP (k = 2) on the engine's CUDA path under graphs_verify=on: decode and
+    verify steps replay graphs that hand the head the rows' hidden states, so the head drafts
+    exactly what it drafts on the eager CUDA path, and the tokens are the CPU engine's without
+    speculation."""
+    from engine.spec.adaptive import SpecState
+    # every sequence drafts k every step, however few a random head gets accepted
+    monkeypatch.setattr(SpecState, "num_drafts_wanted", lambda self, k, min_use, step: k)
+    directory, spec = head_targets[method]
+    rng = np.random.default_rng(8)
+    prompts = [rng.integers(3, 500, n).tolist() for n in (6, 21, 13)]
+    params = [SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)] * len(prompts)
+    want = generate(engine_for(directory, CpuBackend(), num_kv_blocks=64), prompts, params)
+    eager = engine_for(directory, CpuAsCuda(), num_kv_blocks=64, cuda_graph=False,
+                       speculative_config=spec)
+    eager_drafts = drafts_proposed(eager)
+    assert generate(eager, prompts, params) == want
+    backend = CpuAsCuda(kernels="graphs_verify=on")
+    engine = engine_for(directory, backend, num_kv_blocks=64, cuda_graph=True,
+                        speculative_config=spec)
+    graphs = engine.runner.graph_runner
+    assert graphs.hidden_capture is engine.runner.aux_capture is not None
+    assert graphs.query_lens == [1, 3]
+    replayed = query_lens_replayed(engine)
+    got_drafts = drafts_proposed(engine)
+    assert generate(engine, prompts, params) == want
+    assert got_drafts == eager_drafts and any(any(d) for d in got_drafts)
+    assert engine.speculator.stats.num_drafts > 0
+    verify_replays = sum(q == 3 for q, _ in replayed)
+    assert verify_replays > 3 and backend.replays == len(replayed)
+    assert any(q == 1 for q, _ in replayed)       # the last token, with no room for drafts: a decode graph
+
+
+def test_head_targets_capture_no_graphs_under_graphs_verify_off(head_targets):
+    """Until a GPU window has checked the graphs' hand-over, EAGLE-3 and MTP targets run every
+    step eagerly unless graphs_verify=on."""
+    directory, spec = head_targets["mtp"]
+    backend = CpuAsCuda()
+    engine = engine_for(directory, backend, num_kv_blocks=64, cuda_graph=True,
+                        speculative_config=spec)
+    assert engine.runner.graph_runner is None and backend.captures == 0

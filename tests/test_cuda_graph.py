@@ -195,6 +195,9 @@ def test_estimate_graph_memory_bytes():
     cfg = types.SimpleNamespace(vocab_size=512, hidden_size=96, intermediate_size=192)
     per_row = 2 * 512 + 18 * 96 + 3 * 192
     assert estimate_graph_memory_bytes(12, 5, cfg) == fixed + 4 * per_row * 12
+    # an EAGLE-3 head's 3 aux layers a row, twice (the forward's states and the static copy)
+    assert (estimate_graph_memory_bytes(12, 5, cfg, capture_width=3 * 96)
+            == fixed + 4 * (per_row + 2 * 3 * 96) * 12)
 
 
 # ---- the runner, against a fake backend

@@ -14,6 +14,7 @@ from engine.loader.model_loader import load_model
 from engine.lora.adapter import LoraPart
 from engine.lora.manager import LoraBatch
 from engine.lora.slots import LoraStep, attach
+from engine.models.llama import AuxCapture, FinalCapture
 from engine.runner.cuda_graph import (CudaGraphRunner, bucket_for, input_layout,
                                       pad_decode_inputs, uniform_query_len)
 from engine.runner.device_block_tables import DeviceBlockTables
@@ -163,9 +164,9 @@ def setup(tmp_path):
     fake = FakeGraphBackend()
     tables = DeviceBlockTables(fake, eager.block_tables)
 
-    def graphs(query_lens=(1, K + 1), lora=True):
+    def graphs(query_lens=(1, K + 1), lora=True, capture=None):
         return CudaGraphRunner(model, fake, graphed.kv_caches, MAX_SEQS, MAX_BLOCKS, tables,
-                               query_lens, step if lora else None)
+                               query_lens, step if lora else None, capture)
     return types.SimpleNamespace(model=model, eager=eager, graphed=graphed, seqs=seqs, step=step,
                                  backend=fake, tables=tables, graphs=graphs, rng=rng)
 
@@ -312,3 +313,40 @@ def test_lora_linear_slots_equals_lora_linear():
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
     assert (got[slot_of_row < 0] == out[slot_of_row < 0]).all()
     assert not np.allclose(got[slot_of_row >= 0], out[slot_of_row >= 0])
+
+
+@pytest.mark.parametrize("kind", ["aux", "final"])
+def test_replay_hands_over_the_captured_hidden_states(setup, kind):
+    """Graphs captured with a speculative head's capture (EAGLE-3's aux states, an MTP head's
+    final-norm states) hand it, after each decode and verify replay, the eager forward's states:
+    same shape, same rows, from the static buffer (the forward's own array is a pool
+    temporary, dropped inside the graph)."""
+    def new():
+        return AuxCapture((0, 1)) if kind == "aux" else FinalCapture()
+    capture, eager_capture = new(), new()
+    runner = setup.graphs(lora=False, capture=capture)
+    runner.capture()
+    assert capture.states is None
+    width = 2 * 96 if kind == "aux" else 96
+    assert runner._states.shape == (MAX_SEQS * (K + 1), width)
+    for step, k, _ in STEPS:
+        group = [setup.seqs[i] for i in step]
+        sched = (schedule(group, [1] * len(group)) if k is None else
+                 verify_schedule(group, [setup.rng.integers(3, 500, k).tolist() for _ in group]))
+        q = 1 if k is None else k + 1
+        batch = setup.eager.prepare(sched)
+        setup.tables.apply(setup.eager.block_tables.take_update())
+        assert runner.can_run(batch), step
+        want = setup.model.forward(batch, setup.eager.kv_caches, capture=eager_capture)
+        got = runner.run(batch)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=str(step))
+        assert capture.states.shape == eager_capture.states.shape == (len(step) * q, width)
+        np.testing.assert_allclose(capture.states, eager_capture.states, rtol=1e-5, atol=1e-5,
+                                   err_msg=str(step))
+        capture.states = None       # as the proposer's mirror takes them
+        for i, seq in enumerate(group):
+            if k is not None:
+                for t in sched.drafts[i]:
+                    seq.append_token(int(t))
+            seq.num_computed_tokens += q
+            seq.append_token(int(np.argmax(want[(i + 1) * q - 1])))

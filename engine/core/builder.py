@@ -126,7 +126,9 @@ def build(config: EngineConfig, loaded=None, group=None) -> EngineParts:
                                        backend.act_dtype) if head else
         MtpProposer.bytes_per_block(mtp, config.block_size, kv_dtype,
                                     backend.act_dtype) if mtp else 0,
-        reserve=lambda budget, what: _reserve_states(states, config, model_config, budget, what))
+        reserve=lambda budget, what: _reserve_states(states, config, model_config, budget, what),
+        capture_width=(len(head.aux_layers) * model_config.hidden_size if head else
+                       model_config.hidden_size if mtp else 0))
     if model_config.linear_attention is not None and not states:   # explicit num_kv_blocks
         states.append(StatePoolSize.for_model(config, model_config, None))
     if group is not None:       # every rank's pool has the smallest one's blocks
@@ -209,9 +211,11 @@ def build(config: EngineConfig, loaded=None, group=None) -> EngineParts:
                                                             kv_dtype),
                              max_model_len, config.max_num_seqs)
         backend.max_context = max_model_len
-        if config.cuda_graph and runner.aux_capture is not None:
+        if (config.cuda_graph and runner.aux_capture is not None
+                and backend.kernels.graphs_verify != "on"):
             log.info("CUDA graphs: not captured (an EAGLE-3 or MTP head reads every step's "
-                     "hidden states, which the decode graphs do not hand over)")
+                     "hidden states; --kernels graphs_verify=on captures graphs that hand them "
+                     "over)")
         elif config.cuda_graph and pipeline is not None:
             log.info("CUDA graphs: not captured (a pipeline stage's step is its micro-batches, "
                      "each waiting on the stage before)")
@@ -337,11 +341,10 @@ def _load(config: EngineConfig, backend, tensor_parallel=None, pipeline=None):
 
 def graph_query_lens(config: EngineConfig, backend) -> tuple[int, ...]:
     """The tokens per sequence CUDA graphs are captured for: 1 (decode), and k + 1 for the
-    verify steps of n-gram or draft-model speculation under --kernels graphs_verify=on (an
-    EAGLE-3 or MTP head reads every step's hidden states: no graphs at all)."""
+    verify steps of speculation under --kernels graphs_verify=on (an EAGLE-3 or MTP head's
+    hidden states come out of the graphs with the logits)."""
     spec = config.speculative_config
-    if (spec is None or backend.kernels.graphs_verify != "on"
-            or spec.method not in ("ngram", "draft_model")):
+    if spec is None or backend.kernels.graphs_verify != "on":
         return (1,)
     return (1, spec.num_speculative_tokens + 1)
 
@@ -359,7 +362,7 @@ def capture_cuda_graphs(config: EngineConfig, model, backend, runner: ModelRunne
                   if runner.state_pool is None and runner.vision is None else (1,))
     graphs = CudaGraphRunner(model, backend, runner.kv_caches, config.max_num_seqs,
                              -(-max_model_len // config.block_size), runner.device_block_tables,
-                             query_lens, lora_step)
+                             query_lens, lora_step, runner.aux_capture)
     start = time.monotonic()
     graphs.capture()
     runner.graph_runner = graphs
@@ -392,7 +395,7 @@ def _reserve_states(states: list, config: EngineConfig, model_config: ModelConfi
 
 def _num_kv_blocks(config: EngineConfig, backend, model_config: ModelConfig, kv_dtype,
                    draft_config: ModelConfig | None = None, extra_per_block: int = 0,
-                   reserve=None) -> int:
+                   reserve=None, capture_width: int = 0) -> int:
     """Blocks in the KV budget: --mem MB, else --kv-fraction of the memory left after loading
     the weights (on a GPU: after activations and CUDA graphs too), else 1 GiB on the CPU. A
     draft model's pool has as many blocks as the target's: a block costs both (an EAGLE-3
@@ -409,7 +412,7 @@ def _num_kv_blocks(config: EngineConfig, backend, model_config: ModelConfig, kv_
             reserved = estimate_graph_memory_bytes(   # max_num_seqs unknown yet: the cap
                 config.max_num_seqs or MAX_NUM_SEQS_CAP,
                 -(-model_config.max_model_len // config.block_size), model_config,
-                graph_query_lens(config, backend), config.lora is not None)
+                graph_query_lens(config, backend), config.lora is not None, capture_width)
         budget, what = cuda_memory.kv_budget_bytes(free, reserved, config.kv_fraction,
                                                    config.kv_cache_memory_mb)
     elif config.kv_cache_memory_mb is not None:

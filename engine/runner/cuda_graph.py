@@ -66,6 +66,12 @@ life, and nobody else may reuse it while the graph could still write it:
   logits into one static (max_num_seqs, vocab) buffer; `run` returns a view of its first B rows,
   valid until the next step (the engine samples from it first). The copy is B * vocab floats,
   about a microsecond at batch 1. (A model forward with an `out=` for the logits would remove it.)
+- Hidden states for a speculative head (`hidden_capture`: EAGLE-3's AuxCapture, an MTP head's
+  FinalCapture, engine/models/llama.py): the captured forward fills the capture with the rows'
+  hidden states, a pool temporary like its logits, so every graph also copies them into one
+  static (max rows, width) buffer, and `run` hands the proposer a view of its first B * q rows
+  as `capture.states`, the shape and rows the eager forward sets. Plain decode steps replay
+  such graphs too: the head reads every step's states.
 - Reserving it: the engine sizes the KV pool AFTER subtracting `estimate_graph_memory_bytes(...)`
   (a conservative estimate, since the graphs bake in the pool's pointers and so are captured
   after it exists); `capture` then measures the private pool (`graph_memory_bytes`) so the log
@@ -224,7 +230,8 @@ def pad_decode_inputs(batch: ForwardBatch, size: int, max_blocks: int, zero_row:
 
 
 def estimate_graph_memory_bytes(max_num_seqs: int, max_blocks_per_seq: int,
-                                model_config=None, query_lens=(1,), lora: bool = False) -> int:
+                                model_config=None, query_lens=(1,), lora: bool = False,
+                                capture_width: int = 0) -> int:
     """Device memory to reserve for the decode graphs before the KV pool is sized: a conservative
     16 MiB per captured graph (graph exec objects, cuBLAS and attention scratch), the static
     inputs, the device block table reserved at capture (max_num_seqs + 1 rows of
@@ -234,8 +241,10 @@ def estimate_graph_memory_bytes(max_num_seqs: int, max_blocks_per_seq: int,
     floats a row), and the graphs' activation workspace with the gathered rows (bounded by
     18 * hidden + 3 * intermediate floats a row, which covers q_size <= 2 * hidden).
     query_lens: the tokens per sequence graphs are captured for (1: decode; k + 1: verify
-    steps); lora: they cover adapter rows. An estimate: `CudaGraphRunner.capture` measures the
-    real figure (graph_memory_bytes) and the engine logs both."""
+    steps); lora: they cover adapter rows; capture_width: the hidden-state columns a
+    speculative head reads from every row (EAGLE-3: hidden times its aux layers; MTP: hidden),
+    held twice (the forward's own and the static copy). An estimate: `CudaGraphRunner.capture`
+    measures the real figure (graph_memory_bytes) and the engine logs both."""
     sizes = capture_sizes(max_num_seqs)
     max_q = max(query_lens)
     _, n = input_layout(max_num_seqs, max_q, lora)
@@ -243,7 +252,7 @@ def estimate_graph_memory_bytes(max_num_seqs: int, max_blocks_per_seq: int,
     total = len(sizes) * len(query_lens) * GRAPH_OVERHEAD_BYTES + 4 * (n + tables)
     if model_config is not None:
         per_row = (2 * model_config.vocab_size + 18 * model_config.hidden_size
-                   + 3 * model_config.intermediate_size)
+                   + 3 * model_config.intermediate_size + 2 * capture_width)
         total += 4 * per_row * max_num_seqs * max_q
     return total
 
@@ -252,9 +261,9 @@ def estimate_graph_memory_bytes(max_num_seqs: int, max_blocks_per_seq: int,
 
 class _Bucket:
     __slots__ = ("size", "query_len", "num_ints", "host", "batch", "lora_slots", "logits",
-                 "graph")
+                 "states", "graph")
 
-    def __init__(self, size, query_len, num_ints, host, batch, lora_slots, logits):
+    def __init__(self, size, query_len, num_ints, host, batch, lora_slots, logits, states):
         self.size = size
         self.query_len = query_len
         self.num_ints = num_ints   # int32 elements copied to the device per step
@@ -262,6 +271,7 @@ class _Bucket:
         self.batch = batch         # ForwardBatch of views of the static device buffer
         self.lora_slots = lora_slots   # (size * query_len,) view of it, or None without LoRA
         self.logits = logits       # (size * query_len, V) view of the static logits
+        self.states = states       # (size * query_len, width) view of the static hidden states
         self.graph = None
 
 
@@ -290,13 +300,18 @@ class CudaGraphRunner:
     projections read on the device during capture (Backend.lora_linear_slots), so one graph
     serves any mix of adapters and base rows; the adapters' weights stay in their fixed slots.
 
+    capture (kept as `hidden_capture`): an AuxCapture (EAGLE-3) or FinalCapture (MTP) that every
+    forward fills with the rows' hidden states for a speculative head (ModelRunner.aux_capture),
+    or None; `run` then sets its `states` to the replayed rows', a view of a static buffer valid
+    until the next run.
+
     Usage: capture() once after the KV caches exist; then per step, once the batch's
     block-table update is applied (ModelRunner.execute does it), if can_run(batch):
     logits = run(batch). `batch` is the host batch (ModelRunner.prepare's NumPy arrays).
     """
 
     def __init__(self, model, backend, kv_caches, max_num_seqs: int, max_blocks_per_seq: int,
-                 block_tables, query_lens=(1,), lora_step=None):
+                 block_tables, query_lens=(1,), lora_step=None, capture=None):
         if max_blocks_per_seq < 1:
             raise ValueError(f"max_blocks_per_seq must be >= 1, got {max_blocks_per_seq}")
         if block_tables is None:
@@ -312,6 +327,7 @@ class CudaGraphRunner:
         self.sizes = capture_sizes(max_num_seqs)
         self.query_lens = sorted(set(query_lens))
         self.lora_step = lora_step
+        self.hidden_capture = capture
         self.buckets: dict[tuple[int, int], _Bucket] = {}    # by (size, query_len)
         self.graph_memory_bytes = 0          # the private pool after capture
         self.device_memory_bytes = None      # free device memory before - after the capture
@@ -320,6 +336,7 @@ class CudaGraphRunner:
         self._host = None                    # pinned int32 staging buffer
         self._device = None                  # static int32 input buffer
         self._logits = None                  # static (max_num_seqs * max query_len, V) output
+        self._states = None                  # ... and (those rows, width) hidden states
         self._workspace = None               # the graphs' own activation workspace
         self._table = None                   # the device block table the graphs gather from
         self._zero_row = None                # ... and its all-zero row, the padding rows' row
@@ -379,12 +396,18 @@ class CudaGraphRunner:
         b.copy_to_device_async(self._device[:n], self._host[:n])
         if self._logits is None:                                  # the largest bucket: learn V
             first = self._forward(self._inputs(batch), lora_slots)
-            self._logits = xp.empty((self.max_num_seqs * max(self.query_lens), first.shape[1]),
-                                    first.dtype)
+            rows = self.max_num_seqs * max(self.query_lens)
+            self._logits = xp.empty((rows, first.shape[1]), first.dtype)
+            if self.hidden_capture is not None:
+                states, self.hidden_capture.states = self.hidden_capture.states, None
+                self._states = xp.empty((rows, states.shape[1]), states.dtype)
+                del states
             del first
-        bucket = _Bucket(size, query_len, n, host, batch, lora_slots,
-                         self._logits[:size * query_len])
-        step = functools.partial(self._step, bucket.batch, bucket.lora_slots, bucket.logits)
+        T = size * query_len
+        bucket = _Bucket(size, query_len, n, host, batch, lora_slots, self._logits[:T],
+                         None if self._states is None else self._states[:T])
+        step = functools.partial(self._step, bucket.batch, bucket.lora_slots, bucket.logits,
+                                 bucket.states)
         # Warm-up, eagerly: grows the workspace and the pool to this size, loads cuBLAS and
         # compiles CuPy's kernels, none of which may happen during capture.
         step()
@@ -403,7 +426,9 @@ class CudaGraphRunner:
         if self._workspace is not None:
             self.model.workspace = self._workspace
         try:
-            return self.model.forward(batch, self.kv_caches)
+            if self.hidden_capture is None:
+                return self.model.forward(batch, self.kv_caches)
+            return self.model.forward(batch, self.kv_caches, capture=self.hidden_capture)
         finally:
             if self._workspace is not None:
                 self.model.workspace = eager
@@ -417,11 +442,15 @@ class CudaGraphRunner:
         return ForwardBatch(batch.token_ids, batch.positions, batch.slot_mapping,
                             batch.query_start_loc, batch.seq_lens, tables, batch.logits_indices)
 
-    def _step(self, batch: ForwardBatch, lora_slots, out) -> None:
+    def _step(self, batch: ForwardBatch, lora_slots, out, states_out) -> None:
         """What a graph holds: the gather of its rows' block tables, the forward, its logits
-        copied to the static output (the forward's own array and the gathered tables are pool
-        temporaries)."""
-        self.backend.xp.copyto(out, self._forward(self._inputs(batch), lora_slots))
+        (and the captured hidden states) copied to the static outputs (the forward's own arrays
+        and the gathered tables are pool temporaries, so the capture drops its reference)."""
+        xp = self.backend.xp
+        xp.copyto(out, self._forward(self._inputs(batch), lora_slots))
+        if states_out is not None:
+            xp.copyto(states_out, self.hidden_capture.states)
+            self.hidden_capture.states = None
 
     # ---- replay
 
@@ -457,7 +486,7 @@ class CudaGraphRunner:
     def run(self, batch: ForwardBatch):
         """Logits (T, V) of a batch of q tokens for every sequence (T = q B), by replaying its
         bucket's graph: a view of the static output, valid until the next run (the caller
-        consumes it before the next step). With adapter rows (batch.lora), their slots must
+        consumes it before the next step); with a `capture`, its states (T, width) likewise. With adapter rows (batch.lora), their slots must
         hold their adapters (LoraManager.begin) before the launch.
 
         The pinned staging buffer is rewritten here while the previous step's copy could still be
@@ -485,4 +514,6 @@ class CudaGraphRunner:
         self.backend.copy_to_device_async(self._device[:n], self._host[:n])
         bucket.graph.launch()
         self.num_replays += 1
+        if self.hidden_capture is not None:
+            self.hidden_capture.states = bucket.states[:B * q]
         return bucket.logits[:B * q]

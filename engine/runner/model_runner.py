@@ -42,7 +42,8 @@ class ModelRunner:
                                     if backend.xp is not np else None)
         self.graph_runner = None      # a CudaGraphRunner once decode graphs are captured
         # EAGLE-3 (engine/spec/eagle3.py): an AuxCapture every forward fills with the target's
-        # aux hidden states (the decode graphs do not: such steps run eagerly)
+        # aux hidden states; MTP (engine/spec/mtp.py): a FinalCapture (graphs fill it only
+        # where captured with it: CudaGraphRunner.hidden_capture)
         self.aux_capture = None
         self.lora = None              # an engine.lora.manager.LoraManager (--enable-lora)
         self.num_forward_calls = 0    # counted for tests and metrics
@@ -266,7 +267,8 @@ class ModelRunner:
             return self.pipeline.forward(self, inputs)
         batch = inputs.batch
         if inputs.hidden_rows is None:
-            if (not capture and self.graph_runner is not None
+            if (self.graph_runner is not None
+                    and self.graph_runner.hidden_capture is capture.get("capture")
                     and self.graph_runner.can_run(batch)):
                 return self.graph_runner.run(batch), None, None
             return (self.model.forward(self.to_device(batch), self.kv_caches, **capture), None,

@@ -9,12 +9,15 @@ graphs_verify=on; engine/runner/cuda_graph.py), on the GPU:
   baked in at capture);
 - the graph runner on a bf16 tiny-256 Llama with random LoRA slots: decode and verify steps
   (k = 2) with and without adapter rows replayed against the eager forward, logits within bf16
-  rounding (the CPU's version of this check: tests/test_cuda_graph_verify_lora.py);
+  rounding (the CPU's version of this check: tests/test_cuda_graph_verify_lora.py); the same
+  with an EAGLE-3 or MTP head's capture, the hidden states each replay hands over against the
+  eager forward's;
 - the engine, bf16 tiny-256 Llama: a batch mixing the base model and two peft adapters with
   graphs_lora=on replays graphs on steps with adapter rows, and n-gram speculation (k = 2) with
   graphs_verify=on replays the verify graphs; greedy tokens equal the CPU engine's up to its
   first near-tie (test_cuda_model.py's rule) and the emitted tokens' logprobs equal the eager
-  CUDA path's (graphs off for those steps).
+  CUDA path's (graphs off for those steps); EAGLE-3 (tiny-256 Llama) and MTP (DeepSeek-V3 tiny)
+  with graphs_verify=on replay verify graphs, tokens and drafts as on the eager CUDA path.
 
 bench/gpu_check.sh runs this file in the first suite's switches step; bench/gpu_summary.py
 credits its tests to the two switches (the runner's test to graphs_verify)."""
@@ -108,14 +111,17 @@ def test_lora_linear_slots_replays_in_a_graph(make_cuda, dtype):
 
 # ---- the graph runner against the eager forward
 
-def replay_against_eager(backend, checkpoint_dir, rel_tol, lora_scale=0.05):
+def replay_against_eager(backend, checkpoint_dir, rel_tol, lora_scale=0.05, new_capture=None):
     """tests/test_cuda_graph_verify_lora.py's replay check on `backend` (one with graph capture:
     CudaBackend here): eight prefilled sequences, then decode and verify steps with and without
     adapter rows (STEPS), each run eagerly (adapter rows by lora_linear's segments, as
     ModelRunner runs them) and by replaying the runner's graph on a copy of the KV cache;
     returns how many steps' logits were compared. The logits must agree within rel_tol of the
     largest eager logit (tol) and pick the same token wherever the eager top-two margin is over
-    4 tol. lora_scale: the adapters' random A and B entries' scale."""
+    4 tol. lora_scale: the adapters' random A and B entries' scale. new_capture: makes a
+    speculative head's capture (AuxCapture, FinalCapture): the graphs are captured with one,
+    and the states each replay hands over must agree with the eager forward's, within rel_tol
+    of their largest."""
     from engine.loader.model_loader import load_model
     from engine.runner.cuda_graph import CudaGraphRunner
     from engine.runner.model_runner import ModelRunner
@@ -146,8 +152,11 @@ def replay_against_eager(backend, checkpoint_dir, rel_tol, lora_scale=0.05):
         backend.xp.copyto(kb, ka)
         backend.xp.copyto(vb, va)
     # one device table for both: the graphs gather the rows the eager batches gather
+    capture = eager_capture = None
+    if new_capture is not None:
+        capture, eager_capture = new_capture(), new_capture()
     graphs = CudaGraphRunner(model, backend, graphed.kv_caches, 8, max_blocks,
-                             eager.device_block_tables, (1, K + 1), step)
+                             eager.device_block_tables, (1, K + 1), step, capture)
     graphs.capture()
     compared = 0
     for members, k, slots in STEPS:
@@ -164,11 +173,20 @@ def replay_against_eager(backend, checkpoint_dir, rel_tol, lora_scale=0.05):
             step.rows = backend.asarray(batch.lora.rows)
             step.seg_offsets, step.seg_slots = batch.lora.seg_offsets, batch.lora.seg_slots
         try:
-            want = host(model.forward(dev, eager.kv_caches))
+            want = host(model.forward(dev, eager.kv_caches, **(
+                {} if eager_capture is None else {"capture": eager_capture})))
         finally:
             step.rows = None
         got = host(graphs.run(batch))
         backend.synchronize()
+        if capture is not None:
+            got_states, want_states = host(capture.states), host(eager_capture.states)
+            assert got_states.shape == want_states.shape == (len(members) * q,
+                                                             want_states.shape[1])
+            np.testing.assert_allclose(got_states, want_states, rtol=0,
+                                       atol=rel_tol * np.abs(want_states).max(),
+                                       err_msg=f"states {members}")
+            capture.states = eager_capture.states = None
         assert got.shape == want.shape == (len(members) * q, want.shape[1])
         assert np.isfinite(got).all(), members
         tol = rel_tol * np.abs(want).max()
@@ -193,6 +211,18 @@ def test_runner_replays_verify_and_adapter_steps_like_eager(make_cuda, tmp_path)
     from checkpoints import tiny256_checkpoint
     path = tiny256_checkpoint(str(tmp_path / "llama"), "llama", dtype="bfloat16")
     assert replay_against_eager(make_cuda("bf16"), path, rel_tol=0.03) == 8
+
+
+@pytest.mark.parametrize("kind", ["aux", "final"])
+def test_runner_hands_over_the_heads_hidden_states(make_cuda, tmp_path, kind):
+    """The same replay with an EAGLE-3 head's AuxCapture (the residual streams entering layers
+    0 and 1) or an MTP head's FinalCapture (every row's final-norm state): the states each
+    decode and verify replay hands over equal the eager forward's within bf16 rounding."""
+    from checkpoints import tiny256_checkpoint
+    from engine.models.llama import AuxCapture, FinalCapture
+    path = tiny256_checkpoint(str(tmp_path / "llama"), "llama", dtype="bfloat16")
+    new = (lambda: AuxCapture((0, 1))) if kind == "aux" else FinalCapture
+    assert replay_against_eager(make_cuda("bf16"), path, rel_tol=0.03, new_capture=new) == 8
 
 
 # ---- the engine
@@ -286,3 +316,71 @@ def test_verify_steps_replay_graphs_under_graphs_verify(monkeypatch, tmp_path):
         same += compare_logprobs(f"prompt {i}", g, e)
     assert sum(q == 3 for q, _ in seen) > 0, "no verify step replayed a graph"
     assert compared >= 24 and same >= 24, (compared, same)
+
+
+def drafts_of(llm) -> list:
+    """Every step's drafts (one list per sequence), recorded from now on."""
+    spec, proposed = llm.engine.speculator, []
+    draft = spec.draft
+
+    def draft_and_record(runner, sched, batch, structured):
+        probs = draft(runner, sched, batch, structured)
+        proposed.append([list(d) for d in sched.drafts])
+        return probs
+    spec.draft = draft_and_record
+    return proposed
+
+
+@pytest.mark.parametrize("method", ["eagle3", "mtp"])
+def test_head_targets_replay_graphs_under_graphs_verify(monkeypatch, tmp_path, method):
+    """EAGLE-3 (bf16 tiny-256 Llama, a random head over layers 0 and 1) and MTP (DeepSeek-V3
+    tiny, its random MTP layer: the verify graphs' attention is MLA's) with k = 2 drafts every
+    step under graphs_verify=on: decode and verify steps replay graphs that hand the head the
+    hidden states; greedy tokens equal the eager CUDA path's up to its near-ties (that path
+    against the CPU: test_cuda_features.py, test_cuda_mla.py), and the heads draft what they
+    draft there (bf16 near-ties of the head's argmax aside).
+    tests/test_cuda_engine_wiring.py is the CPU's version (exact there)."""
+    from checkpoints import tiny256_checkpoint
+    from engine import LLM, SamplingParams
+    from engine.spec.adaptive import SpecState
+
+    monkeypatch.setattr(SpecState, "num_drafts_wanted", lambda self, k, min_use, step: k)
+    if method == "eagle3":
+        from eagle3_heads import HEAD, draft_vocab, random_weights, write_head
+        path = tiny256_checkpoint(str(tmp_path / "llama"), "llama", dtype="bfloat16")
+        cfg = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=64)
+        head = write_head(tmp_path / "head", random_weights({**HEAD, **cfg}, num_aux=2),
+                          draft_vocab(512, 384, seed=1), eagle_aux_hidden_state_layer_ids=[0, 1],
+                          **cfg)
+        spec = {"method": "eagle3", "model": head, "num_speculative_tokens": 2}
+    else:
+        from mtp_heads import mtp_checkpoint
+        path = mtp_checkpoint(tmp_path / "deepseek")
+        spec = {"method": "mtp", "num_speculative_tokens": 2}
+
+    def llm(backend, **config):
+        return LLM(path, backend=backend, dtype="bf16", num_kv_blocks=256, max_num_seqs=8,
+                   **config)
+    graphed = llm("cuda", cuda_graph=True, kernels="graphs_verify=on", speculative_config=spec)
+    # margins of the penalized logits, as sampled
+    eager = llm("cuda", cuda_graph=False, speculative_config=spec, logprobs_mode="processed")
+    graphs = graphed.engine.runner.graph_runner
+    assert graphs.query_lens == [1, 3] and graphs.hidden_capture is not None
+    seen = replays(graphed)
+    graphed_drafts, eager_drafts = drafts_of(graphed), drafts_of(eager)
+    prompts = random_prompts(21, (9, 30, 17))
+    # repetition_penalty < 1 widens the random model's margins
+    loopy = dict(temperature=0.0, max_tokens=24, ignore_eos=True, repetition_penalty=0.2)
+    got = graphed.generate(prompts, SamplingParams(**loopy))
+    want = eager.generate(prompts, SamplingParams(**loopy, logprobs=2))
+    compared = 0
+    for i, (g, w) in enumerate(zip(got, want)):
+        top = np.array([lp.top_logprobs[:2] for lp in w.logprobs], np.float64)
+        compared += compare(f"{method} prompt {i}", g.token_ids, w.token_ids,
+                            top[:, 0] - top[:, 1])
+    assert compared >= 24, f"only {compared} tokens compared: near-ties everywhere"
+    assert sum(q == 3 for q, _ in seen) > 3, "too few verify steps replayed a graph"
+    steps = min(len(graphed_drafts), len(eager_drafts))
+    same = sum(a == b for a, b in zip(graphed_drafts, eager_drafts))
+    assert steps >= 8 and same >= 0.8 * steps, (same, steps, graphed_drafts, eager_drafts)
