@@ -1,6 +1,7 @@
 """llama.cpp's multimodal projector files (`--mmproj FILE`, general.architecture "clip") beside a
 text GGUF: the vision tower's config and tensors under Hugging Face's names, joined to the text
-model's (engine/loader/model_loader.py load_gguf_model).
+model's (engine/loader/model_loader.py load_gguf_model). The projector type picks the family:
+Qwen2.5-VL's here, Gemma 3's in engine/loader/gguf_mmproj_gemma3.py.
 
 Qwen2.5-VL (clip.projector_type qwen2.5vl_merger), as convert_hf_to_gguf.py --mmproj writes it
 and llama.cpp's clip.cpp reads it back:
@@ -21,12 +22,14 @@ from __future__ import annotations
 
 import numpy as np
 
+from engine.loader import gguf_mmproj_gemma3 as gemma3
 from engine.loader.gguf import _FLOAT_TYPES, _tensor, open_reader, read_metadata
 from engine.loader.safetensors import resolve_dtype
 
 ARCHITECTURE = "Qwen2_5_VLForConditionalGeneration"
 WINDOW_SIZE = 112        # clip.cpp's attn_window_size default (not in the file)
-_PROJECTORS = {"qwen2.5vl_merger"}
+# clip.projector_type -> the family it serves (the text GGUF it goes with)
+_PROJECTORS = {"qwen2.5vl_merger": "Qwen2.5-VL (qwen2vl)", "gemma3": "Gemma 3 (gemma3)"}
 _LAYER_NAMES = {"ln1": "norm1", "ln2": "norm2", "attn_out": "attn.proj",
                 "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
 _GLOBAL_NAMES = {"v.post_ln": "merger.ln_q", "mm.0": "merger.mlp.0", "mm.2": "merger.mlp.2"}
@@ -35,8 +38,8 @@ _TOKENS = {"image_token_id": "<|image_pad|>", "vision_start_token_id": "<|vision
 
 
 def read_mmproj(path: str, dtype: str = "auto") -> tuple[dict, dict]:
-    """(vision_config as config.json holds it, tensors under visual.* names) of an mmproj file;
-    ValueError naming what it cannot serve."""
+    """(vision_config as config.json holds it plus its "projector_type", tensors under the Hugging
+    Face names) of an mmproj file; ValueError naming what it cannot serve."""
     reader = open_reader(path)
     meta = read_metadata(reader)
     if meta.get("general.architecture") != "clip" or not meta.get("clip.has_vision_encoder"):
@@ -46,13 +49,19 @@ def read_mmproj(path: str, dtype: str = "auto") -> tuple[dict, dict]:
     projector = meta.get("clip.projector_type")
     if projector not in _PROJECTORS:
         raise ValueError(f"{path}: projector type {projector!r} is not supported (supported: "
-                         f"{', '.join(sorted(_PROJECTORS))}: Qwen2.5-VL)")
+                         + ", ".join(f"{k}: {v}" for k, v in _PROJECTORS.items()) + ")")
 
     def need(key):
         if meta.get(f"clip.vision.{key}") is None:
             raise ValueError(f"{path}: metadata key clip.vision.{key} is missing")
         return meta[f"clip.vision.{key}"]
 
+    want = resolve_dtype(dtype)
+    if projector == "gemma3":
+        vision = gemma3.vision_config(path, meta, need)
+        weights = gemma3.hf_weights(path, {t.name: _float_tensor(path, t, want)
+                                           for t in reader.tensors})
+        return {**vision, "projector_type": projector}, weights
     depth = int(need("block_count"))
     pattern = int(meta.get("clip.vision.n_wa_pattern") or 0)
     vision = {
@@ -64,20 +73,17 @@ def read_mmproj(path: str, dtype: str = "auto") -> tuple[dict, dict]:
         "out_hidden_size": int(need("projection_dim")),
         "fullatt_block_indexes": [i for i in range(depth) if pattern and (i + 1) % pattern == 0],
         "hidden_act": "silu" if meta.get("clip.use_silu") else "gelu",
+        "projector_type": projector,
     }
     eps = meta.get("clip.vision.attention.layer_norm_epsilon")
     if eps is not None and not np.isclose(float(eps), 1e-6):
         raise ValueError(f"{path}: vision layer_norm_epsilon {eps}; Qwen2.5-VL's tower uses 1e-6")
-    want = resolve_dtype(dtype)
     tensors = {t.name: t for t in reader.tensors}
     weights = {}
     for name, t in tensors.items():
-        if t.tensor_type not in _FLOAT_TYPES:
-            raise ValueError(f"{path}: tensor {name} is {t.tensor_type.name}; Taper reads "
-                             "F32, F16 and BF16 projector files")
         if name.startswith("v.patch_embd.weight"):
             continue
-        weights[_hf_name(path, name)] = np.asarray(_tensor(path, t, want))
+        weights[_hf_name(path, name)] = _float_tensor(path, t, want)
     halves = [tensors.get("v.patch_embd.weight"), tensors.get("v.patch_embd.weight.1")]
     if any(h is None for h in halves):
         raise ValueError(f"{path}: v.patch_embd.weight and v.patch_embd.weight.1 (the two "
@@ -92,6 +98,13 @@ def read_mmproj(path: str, dtype: str = "auto") -> tuple[dict, dict]:
                 raise ValueError(f"{path}: block {i} lacks attn_q/k/v.{kind}")
             weights[f"{p}qkv.{kind}"] = np.concatenate(parts)
     return vision, weights
+
+
+def _float_tensor(path: str, t, want) -> np.ndarray:
+    if t.tensor_type not in _FLOAT_TYPES:
+        raise ValueError(f"{path}: tensor {t.name} is {t.tensor_type.name}; Taper reads "
+                         "F32, F16 and BF16 projector files")
+    return np.asarray(_tensor(path, t, want))
 
 
 def _hf_name(path: str, name: str) -> str:
@@ -109,7 +122,11 @@ def _hf_name(path: str, name: str) -> str:
 
 
 def join_vision(config: dict, text_meta: dict, vision: dict, path: str) -> dict:
-    """The text GGUF's config (a qwen2vl file) as Qwen2.5-VL's, with the projector's tower."""
+    """The text GGUF's config as its vision-language family's, with the projector's tower;
+    ValueError when the text file is not the projector's family."""
+    vision = dict(vision)
+    if vision.pop("projector_type") == "gemma3":
+        return gemma3.join(config, text_meta, vision, path)
     sections = text_meta.get("qwen2vl.rope.dimension_sections")
     if text_meta.get("general.architecture") != "qwen2vl" or sections is None:
         raise ValueError(f"{path}: --mmproj with a Qwen2.5-VL projector needs a qwen2vl text "
