@@ -6,8 +6,8 @@
 - config: a config.json-style dict for ModelConfig.from_dict, from the `{arch}.*` metadata. llama
   files are LlamaForCausalLM (MistralForCausalLM when they carry a sliding window, and
   MixtralForCausalLM when they carry `llama.expert_count`), qwen2 and qwen3 files
-  Qwen2/Qwen3ForCausalLM (qwen2vl files too, Qwen2-VL's language model: with a --mmproj file
-  Qwen2.5-VL, engine/loader/gguf_mmproj.py), qwen2moe and qwen3moe files Qwen2Moe/Qwen3MoeForCausalLM, and the
+  Qwen2/Qwen3ForCausalLM (qwen2vl and qwen3vl files too, the VL models' language models: with a
+  --mmproj file Qwen2.5-VL and Qwen3-VL, engine/loader/gguf_mmproj.py), qwen2moe and qwen3moe files Qwen2Moe/Qwen3MoeForCausalLM, and the
   gemma2, gemma3, phi3, glm4 and stablelm files their families (the keys, names and converter
   transforms of each: engine/loader/gguf_dense.py), deepseek2 files DeepseekV2/V3ForCausalLM
   (engine/loader/gguf_deepseek.py). A llama3 RoPE is stored as the
@@ -64,6 +64,8 @@ _ARCHS = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", 
           # Qwen2-VL / 2.5-VL's language model: text positions make M-RoPE plain RoPE (with
           # --mmproj, Qwen2.5-VL: engine/loader/gguf_mmproj.py)
           "qwen2vl": ("Qwen2ForCausalLM", "qwen2"),
+          # Qwen3-VL's language model likewise (with --mmproj: engine/loader/gguf_mmproj_qwen3vl.py)
+          "qwen3vl": ("Qwen3ForCausalLM", "qwen3"),
           "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
           "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"), **gguf_dense.ARCHS,
           gguf_deepseek.ARCH: ("DeepseekV2ForCausalLM", "deepseek_v2")}
