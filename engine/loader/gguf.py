@@ -66,12 +66,15 @@ _ARCHS = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", 
           "qwen2vl": ("Qwen2ForCausalLM", "qwen2"),
           # Qwen3-VL's language model likewise (with --mmproj: engine/loader/gguf_mmproj_qwen3vl.py)
           "qwen3vl": ("Qwen3ForCausalLM", "qwen3"),
+          # Mistral 3's language model (Mistral Small 3.1: with --mmproj,
+          # engine/loader/gguf_mmproj_pixtral.py); llama's layout, q/k permuted
+          "mistral3": ("MistralForCausalLM", "mistral"),
           "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
           "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"), **gguf_dense.ARCHS,
           gguf_deepseek.ARCH: ("DeepseekV2ForCausalLM", "deepseek_v2")}
 # Whether llama.cpp's graph renormalises the top-k routing weights (build_moe_ffn's norm_w).
 _MOE_NORM = {"llama": True, "qwen2moe": False, "qwen3moe": True}
-_PERMUTED_QK = ("llama",)       # architectures whose q/k rows the converter interleaves
+_PERMUTED_QK = ("llama", "mistral3")       # architectures whose q/k rows the converter interleaves
 
 _FLOAT_TYPES = frozenset({QT.F32, QT.F16, QT.BF16, QT.F64})
 
@@ -336,6 +339,11 @@ def build_config(path: str, metadata: dict, tensors: dict) -> dict:
         raise ValueError(f"{path}: unsupported GGUF architecture {arch!r}; "
                          f"supported: {', '.join(_ARCHS)}")
     meta = _Meta(path, metadata, arch)
+    if arch == "mistral3" and (meta.get("attention.temperature_scale") is not None
+                               or meta.get("rope.scaling.yarn_log_multiplier") is not None):
+        raise ValueError(f"{path}: a mistral3 file with YaRN's log multiplier or an attention "
+                         "temperature scale (Ministral 3) is not supported; Mistral Small 3.x "
+                         "files are")
     architecture, model_type = _ARCHS[arch]
     hidden = int(meta.require("embedding_length"))
     num_layers = int(meta.require("block_count"))

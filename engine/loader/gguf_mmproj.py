@@ -2,7 +2,7 @@
 text GGUF: the vision tower's config and tensors under Hugging Face's names, joined to the text
 model's (engine/loader/model_loader.py load_gguf_model). The projector type picks the family:
 Qwen2.5-VL's here, Gemma 3's in engine/loader/gguf_mmproj_gemma3.py, Qwen3-VL's in
-engine/loader/gguf_mmproj_qwen3vl.py.
+engine/loader/gguf_mmproj_qwen3vl.py, Mistral 3's (Pixtral) in engine/loader/gguf_mmproj_pixtral.py.
 
 Qwen2.5-VL (clip.projector_type qwen2.5vl_merger), as convert_hf_to_gguf.py --mmproj writes it
 and llama.cpp's clip.cpp reads it back:
@@ -24,6 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 from engine.loader import gguf_mmproj_gemma3 as gemma3
+from engine.loader import gguf_mmproj_pixtral as pixtral
 from engine.loader import gguf_mmproj_qwen3vl as qwen3vl
 from engine.loader.gguf import _FLOAT_TYPES, _tensor, open_reader, read_metadata
 from engine.loader.safetensors import resolve_dtype
@@ -32,7 +33,7 @@ ARCHITECTURE = "Qwen2_5_VLForConditionalGeneration"
 WINDOW_SIZE = 112        # clip.cpp's attn_window_size default (not in the file)
 # clip.projector_type -> the family it serves (the text GGUF it goes with)
 _PROJECTORS = {"qwen2.5vl_merger": "Qwen2.5-VL (qwen2vl)", "gemma3": "Gemma 3 (gemma3)",
-               "qwen3vl_merger": "Qwen3-VL (qwen3vl)"}
+               "qwen3vl_merger": "Qwen3-VL (qwen3vl)", "pixtral": "Mistral 3 (mistral3)"}
 _LAYER_NAMES = {"ln1": "norm1", "ln2": "norm2", "attn_out": "attn.proj",
                 "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
 _GLOBAL_NAMES = {"v.post_ln": "merger.ln_q", "mm.0": "merger.mlp.0", "mm.2": "merger.mlp.2"}
@@ -65,6 +66,12 @@ def read_mmproj(path: str, dtype: str = "auto") -> tuple[dict, dict]:
         weights = gemma3.hf_weights(path, {t.name: _float_tensor(path, t, want)
                                            for t in reader.tensors})
         return {**vision, "projector_type": projector}, weights
+    if projector == "pixtral":
+        vision = pixtral.vision_config(path, meta, need)
+        arrays = {t.name: _float_tensor(path, t, want) for t in reader.tensors}
+        weights = pixtral.hf_weights(path, arrays, vision["num_attention_heads"])
+        return {**vision, "projector_type": projector,
+                "projector_bias": "mm.1.bias" in arrays}, weights
     if projector == "qwen3vl_merger":
         arrays = {t.name: _float_tensor(path, t, want) for t in reader.tensors}
         positions = arrays.get("v.position_embd.weight")
@@ -140,6 +147,9 @@ def join_vision(config: dict, text_meta: dict, vision: dict, path: str) -> dict:
     projector = vision.pop("projector_type")
     if projector == "gemma3":
         return gemma3.join(config, text_meta, vision, path)
+    if projector == "pixtral":
+        bias = vision.pop("projector_bias")
+        return pixtral.join(config, text_meta, vision, path, bias)
     if projector == "qwen3vl_merger":
         return qwen3vl.join(config, text_meta, vision, path)
     sections = text_meta.get("qwen2vl.rope.dimension_sections")
