@@ -14,8 +14,9 @@ and llama.cpp's clip.cpp reads it back:
 - the file holds no window size and no merge size: clip.cpp's 112 pixels and 2 (or
   clip.vision.spatial_merge_size); the full-attention blocks are every n_wa_pattern-th
   (clip.vision.n_wa_pattern: blocks n-1, 2n-1, ...);
-- nothing of the image processor's pixel limits: Qwen2-VL's defaults serve (a
-  preprocessor_config.json beside the text GGUF overrides them, engine/vision/config.py).
+- of the image processor only the mean and std (clip.vision.image_mean/std, which serve): the
+  pixel limits are Qwen2-VL's defaults (a preprocessor_config.json beside the text GGUF
+  overrides all of them, engine/vision/config.py).
 The image tokens' ids are the text file's vocabulary's <|image_pad|>, <|vision_start|>,
 <|vision_end|>.
 """
@@ -72,6 +73,10 @@ def read_mmproj(path: str, dtype: str = "auto") -> tuple[dict, dict]:
         weights = pixtral.hf_weights(path, arrays, vision["num_attention_heads"])
         return {**vision, "projector_type": projector,
                 "projector_bias": "mm.1.bias" in arrays}, weights
+    # the normalisation the converter read from the source's image processor (Qwen2-VL's
+    # defaults hold the rest: engine/vision/config.py ImageProcessorConfig)
+    stats = {k: [float(x) for x in meta[f"clip.vision.{k}"]] for k in ("image_mean", "image_std")
+             if meta.get(f"clip.vision.{k}") is not None}
     if projector == "qwen3vl_merger":
         arrays = {t.name: _float_tensor(path, t, want) for t in reader.tensors}
         positions = arrays.get("v.position_embd.weight")
@@ -80,7 +85,7 @@ def read_mmproj(path: str, dtype: str = "auto") -> tuple[dict, dict]:
                              "is missing")
         vision = qwen3vl.vision_config(path, meta, need, positions.shape[0])
         weights = qwen3vl.hf_weights(path, arrays, vision["deepstack_visual_indexes"])
-        return {**vision, "projector_type": projector}, weights
+        return {**vision, **stats, "projector_type": projector}, weights
     depth = int(need("block_count"))
     pattern = int(meta.get("clip.vision.n_wa_pattern") or 0)
     vision = {
@@ -92,7 +97,7 @@ def read_mmproj(path: str, dtype: str = "auto") -> tuple[dict, dict]:
         "out_hidden_size": int(need("projection_dim")),
         "fullatt_block_indexes": [i for i in range(depth) if pattern and (i + 1) % pattern == 0],
         "hidden_act": "silu" if meta.get("clip.use_silu") else "gelu",
-        "projector_type": projector,
+        "projector_type": projector, **stats,
     }
     eps = meta.get("clip.vision.attention.layer_norm_epsilon")
     if eps is not None and not np.isclose(float(eps), 1e-6):

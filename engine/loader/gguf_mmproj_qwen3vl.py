@@ -11,6 +11,8 @@
   rule), not the tower's: Qwen3-VL's LayerNorms use 1e-6 whatever it says (as transformers);
 - the activation is GELU with the tanh approximation (clip.use_gelu; Qwen3-VL's default
   gelu_pytorch_tanh).
+The image processor: the file's mean and std, Qwen2-VL's default pixel limits (the file holds
+none; a preprocessor_config.json beside the text GGUF overrides both).
 The text file is a qwen3vl model: Qwen3's graph with `qwen3vl.rope.dimension_sections` (the
 interleaved M-RoPE sections, a fourth 0 padding them) and `n_deepstack_layers` (checked against
 the projector's). The image tokens' ids are the vocabulary's <|image_pad|>, <|vision_start|>,

@@ -6,9 +6,9 @@ own converter (the llama.cpp tree as tests/data/make_gguf_vl_fixtures.py fetches
 
 transformers writes the tiny random dense Qwen3-VL of tests/qwen3_vl_checkpoint.py (DeepStack
 from blocks 0 and 2, a 4 x 4 learned position grid, interleaved M-RoPE); its image processor is
-replaced by Qwen2VLImageProcessorPil's defaults (CLIP's mean and std, the default pixel limits),
-which Taper serves beside a GGUF without a preprocessor_config.json (the converter reads the
-mean and std from it). convert_hf_to_gguf.py turns it into a qwen3vl text GGUF and, with
+replaced by Qwen2VLImageProcessorPil's default pixel limits with Qwen3-VL's mean and std (0.5),
+which Taper serves beside a GGUF without a preprocessor_config.json: the limits are its
+defaults, the mean and std the projector file's (the converter reads them from this config). convert_hf_to_gguf.py turns it into a qwen3vl text GGUF and, with
 --mmproj, a clip projector GGUF (projector type qwen3vl_merger), both F32 (the source's weights
 exactly). transformers' greedy tokens on the source, for make_gguf_vl_fixtures.py's prompts
 (one, two and a larger image of tests/vision_checkpoint.py's sample_image), go to
@@ -28,6 +28,8 @@ OUT_DIR = os.path.join(HERE, "gguf")
 FIXTURES_JSON = os.path.join(OUT_DIR, "qwen3vl_fixtures.json")
 TEXT_GGUF = "qwen3vl-f32.gguf"
 MMPROJ_GGUF = "qwen3vl-mmproj-f32.gguf"
+PROCESSOR = dict(patch_size=4, merge_size=2, temporal_patch_size=2, image_mean=[0.5] * 3,
+                 image_std=[0.5] * 3)
 
 
 def reference(ckpt: str, vc, cases: dict, gen: int, tie: float) -> dict:
@@ -36,7 +38,7 @@ def reference(ckpt: str, vc, cases: dict, gen: int, tie: float) -> dict:
                               Qwen3VLForConditionalGeneration)
     model = Qwen3VLForConditionalGeneration.from_pretrained(ckpt, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(ckpt)
-    ip = Qwen2VLImageProcessorPil(patch_size=4, merge_size=2, temporal_patch_size=2)
+    ip = Qwen2VLImageProcessorPil(**PROCESSOR)
     out = {}
     for name, (parts, specs) in cases.items():
         images = [vc.sample_image(w, h, seed=s) for w, h, s in specs]
@@ -99,8 +101,7 @@ def main():
     from transformers import Qwen2VLImageProcessorPil
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = tiny_qwen3_vl_checkpoint(os.path.join(tmp, "ckpt"))
-        Qwen2VLImageProcessorPil(patch_size=4, merge_size=2, temporal_patch_size=2
-                                 ).save_pretrained(ckpt)
+        Qwen2VLImageProcessorPil(**PROCESSOR).save_pretrained(ckpt)
         env = dict(os.environ)
         env.pop("NO_LOCAL_GGUF", None)
         for name, extra in ((TEXT_GGUF, []), (MMPROJ_GGUF, ["--mmproj"])):
