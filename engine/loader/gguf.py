@@ -7,7 +7,7 @@
   files are LlamaForCausalLM (MistralForCausalLM when they carry a sliding window, and
   MixtralForCausalLM when they carry `llama.expert_count`), qwen2 and qwen3 files
   Qwen2/Qwen3ForCausalLM (qwen2vl and qwen3vl files too, the VL models' language models: with a
-  --mmproj file Qwen2.5-VL and Qwen3-VL, engine/loader/gguf_mmproj.py), qwen2moe and qwen3moe files Qwen2Moe/Qwen3MoeForCausalLM, and the
+  --mmproj file Qwen2.5-VL and Qwen3-VL, engine/loader/gguf_mmproj.py; qwen3vlmoe as qwen3moe), qwen2moe and qwen3moe files Qwen2Moe/Qwen3MoeForCausalLM, and the
   gemma2, gemma3, phi3, glm4 and stablelm files their families (the keys, names and converter
   transforms of each: engine/loader/gguf_dense.py), deepseek2 files DeepseekV2/V3ForCausalLM
   (engine/loader/gguf_deepseek.py). A llama3 RoPE is stored as the
@@ -66,6 +66,7 @@ _ARCHS = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", 
           "qwen2vl": ("Qwen2ForCausalLM", "qwen2"),
           # Qwen3-VL's language model likewise (with --mmproj: engine/loader/gguf_mmproj_qwen3vl.py)
           "qwen3vl": ("Qwen3ForCausalLM", "qwen3"),
+          "qwen3vlmoe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
           # Mistral 3's language model (Mistral Small 3.1: with --mmproj,
           # engine/loader/gguf_mmproj_pixtral.py); llama's layout, q/k permuted
           "mistral3": ("MistralForCausalLM", "mistral"),
@@ -73,7 +74,7 @@ _ARCHS = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", 
           "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"), **gguf_dense.ARCHS,
           gguf_deepseek.ARCH: ("DeepseekV2ForCausalLM", "deepseek_v2")}
 # Whether llama.cpp's graph renormalises the top-k routing weights (build_moe_ffn's norm_w).
-_MOE_NORM = {"llama": True, "qwen2moe": False, "qwen3moe": True}
+_MOE_NORM = {"llama": True, "qwen2moe": False, "qwen3moe": True, "qwen3vlmoe": True}
 _PERMUTED_QK = ("llama", "mistral3")       # architectures whose q/k rows the converter interleaves
 
 _FLOAT_TYPES = frozenset({QT.F32, QT.F16, QT.BF16, QT.F64})
@@ -464,7 +465,7 @@ def _moe_config(path: str, meta: _Meta, tensors: dict, num_layers: int,
         (i for i, s in enumerate(sparse) if s), 0))
     shared_ff = int(meta.get("expert_shared_feed_forward_length") or
                     (shared.shape[0] if shared is not None else 0))
-    if arch == "qwen3moe" and shared_ff:
+    if arch in ("qwen3moe", "qwen3vlmoe") and shared_ff:
         raise ValueError(f"{path}: qwen3moe with a shared expert is not supported")
     return {"num_experts": num_experts, "num_experts_per_tok": top_k,
             "moe_intermediate_size": moe_ff, "shared_expert_intermediate_size": shared_ff,

@@ -13,7 +13,7 @@
   gelu_pytorch_tanh).
 The image processor: the file's mean and std, Qwen2-VL's default pixel limits (the file holds
 none; a preprocessor_config.json beside the text GGUF overrides both).
-The text file is a qwen3vl model: Qwen3's graph with `qwen3vl.rope.dimension_sections` (the
+The text file is a qwen3vl model (qwen3vlmoe: Qwen3-VL-MoE's, Qwen3-MoE's graph likewise): Qwen3's graph with `qwen3vl.rope.dimension_sections` (the
 interleaved M-RoPE sections, a fourth 0 padding them) and `n_deepstack_layers` (checked against
 the projector's). The image tokens' ids are the vocabulary's <|image_pad|>, <|vision_start|>,
 <|vision_end|>.
@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import numpy as np
 
-ARCHITECTURE = "Qwen3VLForConditionalGeneration"
+# text GGUF architecture -> the vision-language architecture it joins
+ARCHITECTURES = {"qwen3vl": "Qwen3VLForConditionalGeneration",
+                 "qwen3vlmoe": "Qwen3VLMoeForConditionalGeneration"}
 _LAYER_NAMES = {"ln1": "norm1", "ln2": "norm2", "attn_qkv": "attn.qkv", "attn_out": "attn.proj",
                 "ffn_up": "mlp.linear_fc1", "ffn_down": "mlp.linear_fc2"}
 _MERGER_NAMES = {"norm": "norm", "fc1": "linear_fc1", "fc2": "linear_fc2"}
@@ -83,13 +85,13 @@ def hf_weights(path: str, arrays: dict, deepstack: list[int]) -> dict:
 
 
 def join(config: dict, text_meta: dict, vision: dict, path: str) -> dict:
-    """The text GGUF's config (a qwen3vl file) as Qwen3-VL's, with the projector's tower."""
-    sections = text_meta.get("qwen3vl.rope.dimension_sections")
-    if text_meta.get("general.architecture") != "qwen3vl" or sections is None:
+    """The text GGUF's config (a qwen3vl or qwen3vlmoe file) as Qwen3-VL's, with the projector's tower."""
+    arch = text_meta.get("general.architecture")
+    sections = text_meta.get(f"{arch}.rope.dimension_sections")
+    if arch not in ARCHITECTURES or sections is None:
         raise ValueError(f"{path}: --mmproj with a Qwen3-VL projector needs a qwen3vl text GGUF "
-                         f"with rope.dimension_sections (this one is "
-                         f"{text_meta.get('general.architecture')!r})")
-    layers = text_meta.get("qwen3vl.n_deepstack_layers")
+                         f"(or qwen3vlmoe) with rope.dimension_sections (this one is {arch!r})")
+    layers = text_meta.get(f"{arch}.n_deepstack_layers")
     if layers is not None and int(layers) != len(vision["deepstack_visual_indexes"]):
         raise ValueError(f"{path}: n_deepstack_layers {layers}, the projector has "
                          f"{len(vision['deepstack_visual_indexes'])} DeepStack mergers")
@@ -104,5 +106,5 @@ def join(config: dict, text_meta: dict, vision: dict, path: str) -> dict:
                          f"{path}'s hidden size ({config['hidden_size']})")
     rope = {"rope_type": "mrope", "mrope_section": [int(s) for s in sections][:3],
             "mrope_interleaved": True}
-    return {**config, "architectures": [ARCHITECTURE], "rope_scaling": rope,
+    return {**config, "architectures": [ARCHITECTURES[arch]], "rope_scaling": rope,
             "vision_config": vision, **ids}

@@ -5,14 +5,16 @@ own converter (the llama.cpp tree as tests/data/make_gguf_vl_fixtures.py fetches
         --llama-cpp /tmp/lcp/llama_cpp_python-0.3.36/vendor/llama.cpp
 
 transformers writes the tiny random dense Qwen3-VL of tests/qwen3_vl_checkpoint.py (DeepStack
-from blocks 0 and 2, a 4 x 4 learned position grid, interleaved M-RoPE); its image processor is
+from blocks 0 and 2, a 4 x 4 learned position grid, interleaved M-RoPE), and its MoE sibling with
+experts in every layer (llama.cpp's qwen3vlmoe has no dense layers; the experts in the hub's
+layout, which the converter reads); each one's image processor is
 replaced by Qwen2VLImageProcessorPil's default pixel limits with Qwen3-VL's mean and std (0.5),
 which Taper serves beside a GGUF without a preprocessor_config.json: the limits are its
-defaults, the mean and std the projector file's (the converter reads them from this config). convert_hf_to_gguf.py turns it into a qwen3vl text GGUF and, with
+defaults, the mean and std the projector file's (the converter reads them from this config). convert_hf_to_gguf.py turns it into a qwen3vl (qwen3vlmoe) text GGUF and, with
 --mmproj, a clip projector GGUF (projector type qwen3vl_merger), both F32 (the source's weights
 exactly). transformers' greedy tokens on the source, for make_gguf_vl_fixtures.py's prompts
 (one, two and a larger image of tests/vision_checkpoint.py's sample_image), go to
-qwen3vl_fixtures.json with their logprobs and the prompt ids.
+qwen3vl_fixtures.json (qwen3vlmoe_fixtures.json) with their logprobs and the prompt ids.
 """
 from __future__ import annotations
 
@@ -25,18 +27,21 @@ import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 OUT_DIR = os.path.join(HERE, "gguf")
-FIXTURES_JSON = os.path.join(OUT_DIR, "qwen3vl_fixtures.json")
-TEXT_GGUF = "qwen3vl-f32.gguf"
-MMPROJ_GGUF = "qwen3vl-mmproj-f32.gguf"
+# variant -> (checkpoint maker's keywords, the files' stem): the dense model and the MoE one
+# with experts in every layer (llama.cpp's qwen3vlmoe graph has no dense layers)
+VARIANTS = {"dense": (dict(), "qwen3vl"),
+            "moe": (dict(moe=True, text_overrides=dict(mlp_only_layers=[])), "qwen3vlmoe")}
 PROCESSOR = dict(patch_size=4, merge_size=2, temporal_patch_size=2, image_mean=[0.5] * 3,
                  image_std=[0.5] * 3)
 
 
-def reference(ckpt: str, vc, cases: dict, gen: int, tie: float) -> dict:
+def reference(ckpt: str, vc, cases: dict, gen: int, tie: float, moe: bool) -> dict:
     import torch
     from transformers import (AutoTokenizer, Qwen2VLImageProcessorPil,
-                              Qwen3VLForConditionalGeneration)
-    model = Qwen3VLForConditionalGeneration.from_pretrained(ckpt, dtype=torch.float32).eval()
+                              Qwen3VLForConditionalGeneration,
+                              Qwen3VLMoeForConditionalGeneration)
+    model_class = Qwen3VLMoeForConditionalGeneration if moe else Qwen3VLForConditionalGeneration
+    model = model_class.from_pretrained(ckpt, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(ckpt)
     ip = Qwen2VLImageProcessorPil(**PROCESSOR)
     out = {}
@@ -97,20 +102,26 @@ def main():
     import vision_checkpoint as vc
     from make_gguf_fixtures import CONVERT_WRAPPER
     from make_gguf_vl_fixtures import CASES, GEN, TIE
-    from qwen3_vl_checkpoint import tiny_qwen3_vl_checkpoint
+    from qwen3_vl_checkpoint import tiny_qwen3_vl_checkpoint, to_hub_expert_layout
     from transformers import Qwen2VLImageProcessorPil
-    with tempfile.TemporaryDirectory() as tmp:
-        ckpt = tiny_qwen3_vl_checkpoint(os.path.join(tmp, "ckpt"))
-        Qwen2VLImageProcessorPil(**PROCESSOR).save_pretrained(ckpt)
-        env = dict(os.environ)
-        env.pop("NO_LOCAL_GGUF", None)
-        for name, extra in ((TEXT_GGUF, []), (MMPROJ_GGUF, ["--mmproj"])):
-            subprocess.run([sys.executable, "-c", CONVERT_WRAPPER.format(src=args.llama_cpp),
-                            "--outtype", "f32", "--outfile", os.path.join(OUT_DIR, name),
-                            *extra, ckpt], check=True, env=env, cwd=args.llama_cpp)
-        check_projector(ckpt, os.path.join(OUT_DIR, MMPROJ_GGUF))
-        with open(FIXTURES_JSON, "w") as f:
-            json.dump(reference(ckpt, vc, CASES, GEN, TIE), f, indent=1)
+    for kwargs, stem in VARIANTS.values():
+        with tempfile.TemporaryDirectory() as tmp:
+            ckpt = tiny_qwen3_vl_checkpoint(os.path.join(tmp, "ckpt"), **kwargs)
+            Qwen2VLImageProcessorPil(**PROCESSOR).save_pretrained(ckpt)
+            if kwargs.get("moe"):       # the converter reads the hub's expert layout
+                to_hub_expert_layout(ckpt)
+            env = dict(os.environ)
+            env.pop("NO_LOCAL_GGUF", None)
+            mmproj = os.path.join(OUT_DIR, f"{stem}-mmproj-f32.gguf")
+            for out, extra in ((os.path.join(OUT_DIR, f"{stem}-f32.gguf"), []),
+                               (mmproj, ["--mmproj"])):
+                subprocess.run([sys.executable, "-c", CONVERT_WRAPPER.format(src=args.llama_cpp),
+                                "--outtype", "f32", "--outfile", out, *extra, ckpt], check=True,
+                               env=env, cwd=args.llama_cpp)
+            check_projector(ckpt, mmproj)
+            with open(os.path.join(OUT_DIR, f"{stem}_fixtures.json"), "w") as f:
+                json.dump(reference(ckpt, vc, CASES, GEN, TIE, bool(kwargs.get("moe"))), f,
+                          indent=1)
 
 
 if __name__ == "__main__":
