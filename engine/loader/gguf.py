@@ -7,7 +7,9 @@
   files are LlamaForCausalLM (MistralForCausalLM when they carry a sliding window, and
   MixtralForCausalLM when they carry `llama.expert_count`), qwen2 and qwen3 files
   Qwen2/Qwen3ForCausalLM (qwen2vl and qwen3vl files too, the VL models' language models: with a
-  --mmproj file Qwen2.5-VL and Qwen3-VL, engine/loader/gguf_mmproj.py; qwen3vlmoe as qwen3moe), qwen2moe and qwen3moe files Qwen2Moe/Qwen3MoeForCausalLM, and the
+  --mmproj file Qwen2.5-VL and Qwen3-VL, engine/loader/gguf_mmproj.py; qwen3vlmoe as qwen3moe),
+  qwen2moe and qwen3moe files Qwen2Moe/Qwen3MoeForCausalLM, mistral3 files MistralForCausalLM
+  (Mistral 3's language model), and the
   gemma2, gemma3, phi3, glm4 and stablelm files their families (the keys, names and converter
   transforms of each: engine/loader/gguf_dense.py), deepseek2 files DeepseekV2/V3ForCausalLM
   (engine/loader/gguf_deepseek.py). A llama3 RoPE is stored as the

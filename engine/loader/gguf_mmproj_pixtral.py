@@ -68,7 +68,8 @@ def hf_weights(path: str, arrays: dict, num_heads: int) -> dict:
         elif len(parts) == 4 and parts[:2] == ["v", "blk"] and parts[3] in _LAYER_NAMES:
             if parts[3] in ("attn_q", "attn_k"):
                 w = unpermute_rows(w, num_heads)
-            weights[f"vision_tower.transformer.layers.{parts[2]}.{_LAYER_NAMES[parts[3]]}.{kind}"] = w
+            layer = f"vision_tower.transformer.layers.{parts[2]}"
+            weights[f"{layer}.{_LAYER_NAMES[parts[3]]}.{kind}"] = w
         else:
             raise ValueError(f"{path}: tensor {name} is not one Taper knows in a Pixtral "
                              "projector")

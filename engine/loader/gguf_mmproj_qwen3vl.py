@@ -13,10 +13,10 @@
   gelu_pytorch_tanh).
 The image processor: the file's mean and std, Qwen2-VL's default pixel limits (the file holds
 none; a preprocessor_config.json beside the text GGUF overrides both).
-The text file is a qwen3vl model (qwen3vlmoe: Qwen3-VL-MoE's, Qwen3-MoE's graph likewise): Qwen3's graph with `qwen3vl.rope.dimension_sections` (the
-interleaved M-RoPE sections, a fourth 0 padding them) and `n_deepstack_layers` (checked against
-the projector's). The image tokens' ids are the vocabulary's <|image_pad|>, <|vision_start|>,
-<|vision_end|>.
+The text file is a qwen3vl model (qwen3vlmoe: Qwen3-VL-MoE's, Qwen3-MoE's graph likewise):
+Qwen3's graph with `qwen3vl.rope.dimension_sections` (the interleaved M-RoPE sections, a fourth
+0 padding them) and `n_deepstack_layers` (checked against the projector's). The image tokens'
+ids are the vocabulary's <|image_pad|>, <|vision_start|>, <|vision_end|>.
 """
 from __future__ import annotations
 
@@ -85,7 +85,8 @@ def hf_weights(path: str, arrays: dict, deepstack: list[int]) -> dict:
 
 
 def join(config: dict, text_meta: dict, vision: dict, path: str) -> dict:
-    """The text GGUF's config (a qwen3vl or qwen3vlmoe file) as Qwen3-VL's, with the projector's tower."""
+    """The text GGUF's config (a qwen3vl or qwen3vlmoe file) as Qwen3-VL's (-MoE's), with the
+    projector's tower."""
     arch = text_meta.get("general.architecture")
     sections = text_meta.get(f"{arch}.rope.dimension_sections")
     if arch not in ARCHITECTURES or sections is None:

@@ -11,9 +11,9 @@ tower, projector biases); convert_hf_to_gguf.py turns it into a mistral3 text GG
 q/k permuted as the converter does). transformers' greedy tokens on the source, for prompts with
 one and two images of tests/vision_checkpoint.py's sample_image, go to mistral3vl_fixtures.json
 with their logprobs, the prompt ids (PixtralProcessor's: each [IMG] expanded to the image's
-rows) and the sha256 of each source tower tensor; the images are preprocessed as PixtralImageProcessorPil's defaults (longest edge 1024,
-CLIP's mean and std), which Taper serves beside a GGUF: the projector file holds no processor
-settings but the mean and std.
+rows) and the sha256 of each source tower tensor; the images are preprocessed as
+PixtralImageProcessorPil's defaults (longest edge 1024, CLIP's mean and std), which Taper
+serves beside a GGUF: the projector file holds no processor settings but the mean and std.
 """
 from __future__ import annotations
 

@@ -7,14 +7,15 @@ own converter (the llama.cpp tree as tests/data/make_gguf_vl_fixtures.py fetches
 transformers writes the tiny random dense Qwen3-VL of tests/qwen3_vl_checkpoint.py (DeepStack
 from blocks 0 and 2, a 4 x 4 learned position grid, interleaved M-RoPE), and its MoE sibling with
 experts in every layer (llama.cpp's qwen3vlmoe has no dense layers; the experts in the hub's
-layout, which the converter reads); each one's image processor is
-replaced by Qwen2VLImageProcessorPil's default pixel limits with Qwen3-VL's mean and std (0.5),
-which Taper serves beside a GGUF without a preprocessor_config.json: the limits are its
-defaults, the mean and std the projector file's (the converter reads them from this config). convert_hf_to_gguf.py turns it into a qwen3vl (qwen3vlmoe) text GGUF and, with
---mmproj, a clip projector GGUF (projector type qwen3vl_merger), both F32 (the source's weights
-exactly). transformers' greedy tokens on the source, for make_gguf_vl_fixtures.py's prompts
-(one, two and a larger image of tests/vision_checkpoint.py's sample_image), go to
-qwen3vl_fixtures.json (qwen3vlmoe_fixtures.json) with their logprobs and the prompt ids.
+layout, which the converter reads); each one's image processor is replaced by
+Qwen2VLImageProcessorPil's default pixel limits with Qwen3-VL's mean and std (0.5), which Taper
+serves beside a GGUF without a preprocessor_config.json: the limits are its defaults, the mean
+and std the projector file's (the converter reads them from this config).
+convert_hf_to_gguf.py turns it into a qwen3vl (qwen3vlmoe) text GGUF and, with --mmproj, a
+clip projector GGUF (projector type qwen3vl_merger), both F32 (the source's weights exactly).
+transformers' greedy tokens on the source, for make_gguf_vl_fixtures.py's prompts (one, two and
+a larger image of tests/vision_checkpoint.py's sample_image), go to qwen3vl_fixtures.json
+(qwen3vlmoe_fixtures.json) with their logprobs and the prompt ids.
 """
 from __future__ import annotations
 
