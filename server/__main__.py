@@ -130,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a GGUF model file: a path, or a file name in --w DIR or --m REPO")
     m.add_argument("--mmproj", metavar="FILE",
                    help="llama.cpp's vision projector GGUF (convert_hf_to_gguf.py --mmproj) "
-                        "beside a --weight-file: images in (Qwen2.5-VL)")
+                        "beside a --weight-file: images in (Qwen2.5-VL, Qwen3-VL, Gemma 3, Mistral 3)")
     m.add_argument("--dtype", default="auto", choices=["auto", "f32", "bf16", "f16", "float32",
                                                        "bfloat16", "float16"],
                    help="weight/activation dtype (default: the checkpoint's)")

@@ -39,14 +39,19 @@ PROCESSOR = dict(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}, do_pan_and_sc
                  image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5])
 
 
-def build_tokenizer(path):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+def build_tokenizer(path, split: str | None = None):
+    """split: a regex splitting the text before the byte-level BPE, as Qwen2's tokenizer does
+    (the GGUF fixtures: llama.cpp's vocabularies split by a regex)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     # no pre-tokenizer split at newlines: runs of them merge into one token, as Gemma's do, so
     # the "\n\n" around an image merges with its neighbours only when expanded in the text
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    if split is not None:
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Split(Regex(split), behavior="isolated"), tok.pre_tokenizer])
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIAL, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
@@ -60,7 +65,10 @@ def build_tokenizer(path):
     return hf
 
 
-def tiny_gemma3_vision_checkpoint(directory, seed: int = 0, scale: float = 4.0) -> str:
+def tiny_gemma3_vision_checkpoint(directory, seed: int = 0, scale: float = 4.0,
+                                  text: dict | None = None, split: str | None = None) -> str:
+    """text: text_config entries in place of the defaults below; split: build_tokenizer's (both
+    for the GGUF fixtures, tests/data/make_gguf_gemma3_vl_fixtures.py)."""
     import torch
     from transformers import (Gemma3Config, Gemma3ForConditionalGeneration,
                               Gemma3ImageProcessorPil, Gemma3Processor)
@@ -68,10 +76,10 @@ def tiny_gemma3_vision_checkpoint(directory, seed: int = 0, scale: float = 4.0) 
     from checkpoints import scale_weights
 
     directory = str(directory)
-    tok = build_tokenizer(directory)
+    tok = build_tokenizer(directory, split)
     ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIAL}
     config = Gemma3Config(
-        text_config=dict(
+        text_config={**dict(
             hidden_size=96, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=24, query_pre_attn_scalar=24, sliding_window=8,
             layer_types=["sliding_attention", "full_attention"], vocab_size=len(tok),
@@ -80,6 +88,7 @@ def tiny_gemma3_vision_checkpoint(directory, seed: int = 0, scale: float = 4.0) 
             rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
                              "sliding_attention": {"rope_type": "default",
                                                    "rope_theta": 1e4}}),
+            **(text or {})},
         vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                            num_attention_heads=2, image_size=IMAGE_SIZE, patch_size=4,
                            layer_norm_eps=1e-6, vision_use_head=False),

@@ -20,7 +20,9 @@ PROCESSOR = dict(size={"shortest_edge": 64, "longest_edge": 48 * 48}, patch_size
 
 
 def tiny_qwen3_vl_checkpoint(directory, moe: bool = False, seed: int = 0,
-                             scale: float = 4.0) -> str:
+                             scale: float = 4.0, text_overrides: dict | None = None) -> str:
+    """text_overrides: text_config entries in place of the ones below (the GGUF fixtures:
+    llama.cpp's qwen3vlmoe has experts in every layer)."""
     import torch
     from transformers import (Qwen2VLImageProcessorPil, Qwen3VLConfig,
                               Qwen3VLForConditionalGeneration, Qwen3VLMoeConfig,
@@ -38,6 +40,7 @@ def tiny_qwen3_vl_checkpoint(directory, moe: bool = False, seed: int = 0,
     if moe:
         text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                     mlp_only_layers=[1])
+    text.update(text_overrides or {})
     config_class, model_class = ((Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration) if moe
                                  else (Qwen3VLConfig, Qwen3VLForConditionalGeneration))
     config = config_class(

@@ -6,8 +6,10 @@
 - config: a config.json-style dict for ModelConfig.from_dict, from the `{arch}.*` metadata. llama
   files are LlamaForCausalLM (MistralForCausalLM when they carry a sliding window, and
   MixtralForCausalLM when they carry `llama.expert_count`), qwen2 and qwen3 files
-  Qwen2/Qwen3ForCausalLM (qwen2vl files too, Qwen2-VL's language model: with a --mmproj file
-  Qwen2.5-VL, engine/loader/gguf_mmproj.py), qwen2moe and qwen3moe files Qwen2Moe/Qwen3MoeForCausalLM, and the
+  Qwen2/Qwen3ForCausalLM (qwen2vl and qwen3vl files too, the VL models' language models: with a
+  --mmproj file Qwen2.5-VL and Qwen3-VL, engine/loader/gguf_mmproj.py; qwen3vlmoe as qwen3moe),
+  qwen2moe and qwen3moe files Qwen2Moe/Qwen3MoeForCausalLM, mistral3 files MistralForCausalLM
+  (Mistral 3's language model), and the
   gemma2, gemma3, phi3, glm4 and stablelm files their families (the keys, names and converter
   transforms of each: engine/loader/gguf_dense.py), deepseek2 files DeepseekV2/V3ForCausalLM
   (engine/loader/gguf_deepseek.py), qwen3next, qwen35 and qwen35moe files
@@ -65,13 +67,19 @@ _ARCHS = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", 
           # Qwen2-VL / 2.5-VL's language model: text positions make M-RoPE plain RoPE (with
           # --mmproj, Qwen2.5-VL: engine/loader/gguf_mmproj.py)
           "qwen2vl": ("Qwen2ForCausalLM", "qwen2"),
+          # Qwen3-VL's language model likewise (with --mmproj: engine/loader/gguf_mmproj_qwen3vl.py)
+          "qwen3vl": ("Qwen3ForCausalLM", "qwen3"),
+          "qwen3vlmoe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
+          # Mistral 3's language model (Mistral Small 3.1: with --mmproj,
+          # engine/loader/gguf_mmproj_pixtral.py); llama's layout, q/k permuted
+          "mistral3": ("MistralForCausalLM", "mistral"),
           "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
           "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"), **gguf_dense.ARCHS,
           gguf_deepseek.ARCH: ("DeepseekV2ForCausalLM", "deepseek_v2"), **gguf_hybrid.ARCHS}
 # Whether llama.cpp's graph renormalises the top-k routing weights (build_moe_ffn's norm_w).
 _MOE_NORM = {"llama": True, "qwen2moe": False, "qwen3moe": True, "qwen3next": True,
-             "qwen35moe": True}
-_PERMUTED_QK = ("llama",)       # architectures whose q/k rows the converter interleaves
+             "qwen35moe": True, "qwen3vlmoe": True}
+_PERMUTED_QK = ("llama", "mistral3")    # architectures whose q/k rows the converter interleaves
 
 _FLOAT_TYPES = frozenset({QT.F32, QT.F16, QT.BF16, QT.F64})
 
@@ -337,6 +345,11 @@ def build_config(path: str, metadata: dict, tensors: dict) -> dict:
         raise ValueError(f"{path}: unsupported GGUF architecture {arch!r}; "
                          f"supported: {', '.join(_ARCHS)}")
     meta = _Meta(path, metadata, arch)
+    if arch == "mistral3" and (meta.get("attention.temperature_scale") is not None
+                               or meta.get("rope.scaling.yarn_log_multiplier") is not None):
+        raise ValueError(f"{path}: a mistral3 file with YaRN's log multiplier or an attention "
+                         "temperature scale (Ministral 3) is not supported; Mistral Small 3.x "
+                         "files are")
     architecture, model_type = _ARCHS[arch]
     hidden = int(meta.require("embedding_length"))
     num_layers = int(meta.require("block_count"))
@@ -459,7 +472,7 @@ def _moe_config(path: str, meta: _Meta, tensors: dict, num_layers: int,
         (i for i, s in enumerate(sparse) if s), 0))
     shared_ff = int(meta.get("expert_shared_feed_forward_length") or
                     (shared.shape[0] if shared is not None else 0))
-    if arch == "qwen3moe" and shared_ff:
+    if arch in ("qwen3moe", "qwen3vlmoe") and shared_ff:
         raise ValueError(f"{path}: qwen3moe with a shared expert is not supported")
     return {"num_experts": num_experts, "num_experts_per_tok": top_k,
             "moe_intermediate_size": moe_ff, "shared_expert_intermediate_size": shared_ff,

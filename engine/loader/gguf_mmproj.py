@@ -1,6 +1,8 @@
 """llama.cpp's multimodal projector files (`--mmproj FILE`, general.architecture "clip") beside a
 text GGUF: the vision tower's config and tensors under Hugging Face's names, joined to the text
-model's (engine/loader/model_loader.py load_gguf_model).
+model's (engine/loader/model_loader.py load_gguf_model). The projector type picks the family:
+Qwen2.5-VL's here, Gemma 3's in engine/loader/gguf_mmproj_gemma3.py, Qwen3-VL's in
+engine/loader/gguf_mmproj_qwen3vl.py, Mistral 3's (Pixtral) in engine/loader/gguf_mmproj_pixtral.py.
 
 Qwen2.5-VL (clip.projector_type qwen2.5vl_merger), as convert_hf_to_gguf.py --mmproj writes it
 and llama.cpp's clip.cpp reads it back:
@@ -12,8 +14,9 @@ and llama.cpp's clip.cpp reads it back:
 - the file holds no window size and no merge size: clip.cpp's 112 pixels and 2 (or
   clip.vision.spatial_merge_size); the full-attention blocks are every n_wa_pattern-th
   (clip.vision.n_wa_pattern: blocks n-1, 2n-1, ...);
-- nothing of the image processor's pixel limits: Qwen2-VL's defaults serve (a
-  preprocessor_config.json beside the text GGUF overrides them, engine/vision/config.py).
+- of the image processor only the mean and std (clip.vision.image_mean/std, which serve): the
+  pixel limits are Qwen2-VL's defaults (a preprocessor_config.json beside the text GGUF
+  overrides all of them, engine/vision/config.py).
 The image tokens' ids are the text file's vocabulary's <|image_pad|>, <|vision_start|>,
 <|vision_end|>.
 """
@@ -21,12 +24,17 @@ from __future__ import annotations
 
 import numpy as np
 
+from engine.loader import gguf_mmproj_gemma3 as gemma3
+from engine.loader import gguf_mmproj_pixtral as pixtral
+from engine.loader import gguf_mmproj_qwen3vl as qwen3vl
 from engine.loader.gguf import _FLOAT_TYPES, _tensor, open_reader, read_metadata
 from engine.loader.safetensors import resolve_dtype
 
 ARCHITECTURE = "Qwen2_5_VLForConditionalGeneration"
 WINDOW_SIZE = 112        # clip.cpp's attn_window_size default (not in the file)
-_PROJECTORS = {"qwen2.5vl_merger"}
+# clip.projector_type -> the family it serves (the text GGUF it goes with)
+_PROJECTORS = {"qwen2.5vl_merger": "Qwen2.5-VL (qwen2vl)", "gemma3": "Gemma 3 (gemma3)",
+               "qwen3vl_merger": "Qwen3-VL (qwen3vl)", "pixtral": "Mistral 3 (mistral3)"}
 _LAYER_NAMES = {"ln1": "norm1", "ln2": "norm2", "attn_out": "attn.proj",
                 "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
 _GLOBAL_NAMES = {"v.post_ln": "merger.ln_q", "mm.0": "merger.mlp.0", "mm.2": "merger.mlp.2"}
@@ -35,8 +43,8 @@ _TOKENS = {"image_token_id": "<|image_pad|>", "vision_start_token_id": "<|vision
 
 
 def read_mmproj(path: str, dtype: str = "auto") -> tuple[dict, dict]:
-    """(vision_config as config.json holds it, tensors under visual.* names) of an mmproj file;
-    ValueError naming what it cannot serve."""
+    """(vision_config as config.json holds it plus its "projector_type", tensors under the Hugging
+    Face names) of an mmproj file; ValueError naming what it cannot serve."""
     reader = open_reader(path)
     meta = read_metadata(reader)
     if meta.get("general.architecture") != "clip" or not meta.get("clip.has_vision_encoder"):
@@ -46,13 +54,38 @@ def read_mmproj(path: str, dtype: str = "auto") -> tuple[dict, dict]:
     projector = meta.get("clip.projector_type")
     if projector not in _PROJECTORS:
         raise ValueError(f"{path}: projector type {projector!r} is not supported (supported: "
-                         f"{', '.join(sorted(_PROJECTORS))}: Qwen2.5-VL)")
+                         + ", ".join(f"{k}: {v}" for k, v in _PROJECTORS.items()) + ")")
 
     def need(key):
         if meta.get(f"clip.vision.{key}") is None:
             raise ValueError(f"{path}: metadata key clip.vision.{key} is missing")
         return meta[f"clip.vision.{key}"]
 
+    want = resolve_dtype(dtype)
+    if projector == "gemma3":
+        vision = gemma3.vision_config(path, meta, need)
+        weights = gemma3.hf_weights(path, {t.name: _float_tensor(path, t, want)
+                                           for t in reader.tensors})
+        return {**vision, "projector_type": projector}, weights
+    if projector == "pixtral":
+        vision = pixtral.vision_config(path, meta, need)
+        arrays = {t.name: _float_tensor(path, t, want) for t in reader.tensors}
+        weights = pixtral.hf_weights(path, arrays, vision["num_attention_heads"])
+        return {**vision, "projector_type": projector,
+                "projector_bias": "mm.1.bias" in arrays}, weights
+    # the normalisation the converter read from the source's image processor (Qwen2-VL's
+    # defaults hold the rest: engine/vision/config.py ImageProcessorConfig)
+    stats = {k: [float(x) for x in meta[f"clip.vision.{k}"]] for k in ("image_mean", "image_std")
+             if meta.get(f"clip.vision.{k}") is not None}
+    if projector == "qwen3vl_merger":
+        arrays = {t.name: _float_tensor(path, t, want) for t in reader.tensors}
+        positions = arrays.get("v.position_embd.weight")
+        if positions is None:
+            raise ValueError(f"{path}: v.position_embd.weight (Qwen3-VL's learned position grid) "
+                             "is missing")
+        vision = qwen3vl.vision_config(path, meta, need, positions.shape[0])
+        weights = qwen3vl.hf_weights(path, arrays, vision["deepstack_visual_indexes"])
+        return {**vision, **stats, "projector_type": projector}, weights
     depth = int(need("block_count"))
     pattern = int(meta.get("clip.vision.n_wa_pattern") or 0)
     vision = {
@@ -64,20 +97,17 @@ def read_mmproj(path: str, dtype: str = "auto") -> tuple[dict, dict]:
         "out_hidden_size": int(need("projection_dim")),
         "fullatt_block_indexes": [i for i in range(depth) if pattern and (i + 1) % pattern == 0],
         "hidden_act": "silu" if meta.get("clip.use_silu") else "gelu",
+        "projector_type": projector, **stats,
     }
     eps = meta.get("clip.vision.attention.layer_norm_epsilon")
     if eps is not None and not np.isclose(float(eps), 1e-6):
         raise ValueError(f"{path}: vision layer_norm_epsilon {eps}; Qwen2.5-VL's tower uses 1e-6")
-    want = resolve_dtype(dtype)
     tensors = {t.name: t for t in reader.tensors}
     weights = {}
     for name, t in tensors.items():
-        if t.tensor_type not in _FLOAT_TYPES:
-            raise ValueError(f"{path}: tensor {name} is {t.tensor_type.name}; Taper reads "
-                             "F32, F16 and BF16 projector files")
         if name.startswith("v.patch_embd.weight"):
             continue
-        weights[_hf_name(path, name)] = np.asarray(_tensor(path, t, want))
+        weights[_hf_name(path, name)] = _float_tensor(path, t, want)
     halves = [tensors.get("v.patch_embd.weight"), tensors.get("v.patch_embd.weight.1")]
     if any(h is None for h in halves):
         raise ValueError(f"{path}: v.patch_embd.weight and v.patch_embd.weight.1 (the two "
@@ -92,6 +122,13 @@ def read_mmproj(path: str, dtype: str = "auto") -> tuple[dict, dict]:
                 raise ValueError(f"{path}: block {i} lacks attn_q/k/v.{kind}")
             weights[f"{p}qkv.{kind}"] = np.concatenate(parts)
     return vision, weights
+
+
+def _float_tensor(path: str, t, want) -> np.ndarray:
+    if t.tensor_type not in _FLOAT_TYPES:
+        raise ValueError(f"{path}: tensor {t.name} is {t.tensor_type.name}; Taper reads "
+                         "F32, F16 and BF16 projector files")
+    return np.asarray(_tensor(path, t, want))
 
 
 def _hf_name(path: str, name: str) -> str:
@@ -109,7 +146,17 @@ def _hf_name(path: str, name: str) -> str:
 
 
 def join_vision(config: dict, text_meta: dict, vision: dict, path: str) -> dict:
-    """The text GGUF's config (a qwen2vl file) as Qwen2.5-VL's, with the projector's tower."""
+    """The text GGUF's config as its vision-language family's, with the projector's tower;
+    ValueError when the text file is not the projector's family."""
+    vision = dict(vision)
+    projector = vision.pop("projector_type")
+    if projector == "gemma3":
+        return gemma3.join(config, text_meta, vision, path)
+    if projector == "pixtral":
+        bias = vision.pop("projector_bias")
+        return pixtral.join(config, text_meta, vision, path, bias)
+    if projector == "qwen3vl_merger":
+        return qwen3vl.join(config, text_meta, vision, path)
     sections = text_meta.get("qwen2vl.rope.dimension_sections")
     if text_meta.get("general.architecture") != "qwen2vl" or sections is None:
         raise ValueError(f"{path}: --mmproj with a Qwen2.5-VL projector needs a qwen2vl text "

@@ -55,6 +55,10 @@ class VisionConfig:
     mrope_interleaved: bool = False
     num_position_embeddings: int = 0     # Qwen3-VL: the learned position grid (side^2 rows)
     deepstack_visual_indexes: tuple[int, ...] = ()   # Qwen3-VL: blocks feeding the first layers
+    # the image processor's mean and std where the model's files name them outside a
+    # preprocessor_config.json (a llama.cpp projector file: engine/loader/gguf_mmproj.py)
+    image_mean: tuple[float, ...] | None = None
+    image_std: tuple[float, ...] | None = None
 
     @property
     def head_dim(self) -> int:
@@ -122,6 +126,9 @@ def parse_vision_config(arch: str, cfg: dict, head_dim: int) -> VisionConfig:
         vision_start_token_id=int(cfg.get("vision_start_token_id", 151652)),
         vision_end_token_id=int(cfg.get("vision_end_token_id", 151653)),
         mrope_section=section)
+    for name in ("image_mean", "image_std"):
+        if v.get(name) is not None:
+            setattr(config, name, tuple(float(x) for x in v[name]))
     if arch in QWEN3_VL:
         _qwen3_vl_settings(config, v)
     elif config.hidden_act != "silu":
@@ -198,12 +205,14 @@ class ImageProcessorConfig:
     @classmethod
     def from_pretrained(cls, model_dir: str, vision: VisionConfig) -> "ImageProcessorConfig":
         """The checkpoint's preprocessor_config.json; without one, the defaults with the vision
-        tower's patch and merge sizes."""
+        tower's patch and merge sizes (and its config's mean and std, where it names them)."""
         path = os.path.join(model_dir, "preprocessor_config.json")
         if not os.path.isfile(path):
             c = cls()
             c.patch_size, c.merge_size = vision.patch_size, vision.spatial_merge_size
             c.temporal_patch_size = vision.temporal_patch_size
+            c.image_mean = vision.image_mean or c.image_mean
+            c.image_std = vision.image_std or c.image_std
             return c
         with open(path) as f:
             c = cls.from_dict(json.load(f))

@@ -31,6 +31,10 @@ class PixtralVisionConfig:
     projector_act: str = "gelu"
     rope_theta: float = 10000.0
     image_token_id: int = 10
+    # [IMG_BREAK] and [IMG_END]'s ids where the config names them (a GGUF's vocabulary, beside
+    # which no tokenizer files sit: engine/loader/gguf_mmproj_pixtral.py); else the tokenizer's
+    image_break_token_id: int | None = None
+    image_end_token_id: int | None = None
 
     @property
     def head_dim(self) -> int:
@@ -60,7 +64,9 @@ def parse_pixtral_config(arch: str, cfg: dict) -> PixtralVisionConfig:
         hidden_act=v.get("hidden_act", "gelu"),
         projector_act=cfg.get("projector_hidden_act", "gelu"),
         rope_theta=float(rope.get("rope_theta") or v.get("rope_theta") or 10000.0),
-        image_token_id=int(cfg.get("image_token_index", cfg.get("image_token_id", 10))))
+        image_token_id=int(cfg.get("image_token_index", cfg.get("image_token_id", 10))),
+        image_break_token_id=cfg.get("image_break_token_id"),
+        image_end_token_id=cfg.get("image_end_token_id"))
     layer = cfg.get("vision_feature_layer", -1)
     if layer not in (-1, config.num_layers):
         raise ValueError(f"{arch}: vision_feature_layer {layer!r} is not supported (the last "
@@ -137,7 +143,10 @@ class PixtralProcessorConfig:
                              f"({vision.patch_size} / {vision.spatial_merge_size})")
         names = [proc.get("image_token", "[IMG]"), proc.get("image_break_token", "[IMG_BREAK]"),
                  proc.get("image_end_token", "[IMG_END]")]
-        ids = _special_token_ids(model_dir, names)
+        if vision.image_break_token_id is not None and vision.image_end_token_id is not None:
+            ids = [vision.image_token_id, vision.image_break_token_id, vision.image_end_token_id]
+        else:
+            ids = _special_token_ids(model_dir, names)
         c.image_token_id, c.image_break_token_id, c.image_end_token_id = ids
         if c.image_token_id != vision.image_token_id:
             raise ValueError(f"{model_dir}: the tokenizer's {names[0]} is {c.image_token_id}, "
