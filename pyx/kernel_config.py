@@ -67,6 +67,11 @@ CHOICES: dict[str, Choice] = {
                             "run eagerly"),
     "cpu_isa": Choice(("auto", "scalar", "avx2", "avx512"), ("cpu",),
                       "CPU kernels' ISA path (auto: the best this CPU runs)"),
+    "quant_prefill": Choice(("int8", "f32"), ("cpu",),
+                            "quantized K-type (Q2_K..Q6_K) matmuls beyond the decode rows on "
+                            "AVX-512: int8 x int8 on the Q8_K activations (pyx/quant_gemm.c, the "
+                            "decode loop's results bit for bit, act_split honoured), or float32 "
+                            "panels of the dequantized weight times the float32 activations"),
     "act_split": Choice(("qkv", "off", "on"), ("cpu",),
                         "ggml decode matmuls: each activation row written as two 8-bit rows "
                         "(~250x closer to exact, twice the integer work) in the attention's qkv "
@@ -118,6 +123,7 @@ class KernelConfig:
     graphs_verify: str = _default("graphs_verify")
     cpu_isa: str = _default("cpu_isa")
     act_split: str = _default("act_split")
+    quant_prefill: str = _default("quant_prefill")
     # (key, where it was set) for the keys given explicitly: parse() records them; the start-up
     # log reads them. Not part of the value: two configs with the same choices are equal.
     sources: tuple[tuple[str, str], ...] = field(default=(), compare=False, repr=False)
