@@ -67,16 +67,17 @@ CHOICES: dict[str, Choice] = {
                             "run eagerly"),
     "cpu_isa": Choice(("auto", "scalar", "avx2", "avx512"), ("cpu",),
                       "CPU kernels' ISA path (auto: the best this CPU runs)"),
-    "quant_prefill": Choice(("int8", "f32"), ("cpu",),
-                            "quantized K-type (Q2_K..Q6_K) matmuls beyond the decode rows on "
-                            "AVX-512: int8 x int8 on the Q8_K activations (pyx/quant_gemm.c, the "
-                            "decode loop's results bit for bit, act_split honoured), or float32 "
-                            "panels of the dequantized weight times the float32 activations"),
     "act_split": Choice(("qkv", "off", "on"), ("cpu",),
                         "ggml decode matmuls: each activation row written as two 8-bit rows "
                         "(~250x closer to exact, twice the integer work) in the attention's qkv "
                         "projection only, whose rounding the attention scores amplify most; in "
                         "none (rounded to 8 bits once, exactly as llama.cpp); or in all"),
+    "quant_prefill": Choice(("int8", "f32"), ("cpu",),
+                            "K-type (Q2_K..Q6_K) matmuls of 4 or more token rows (33 for Q2_K, "
+                            "Q3_K) on AVX-512: int8 x int8 on the Q8_K activations "
+                            "(pyx/quant_gemm.c: the decode loop's results bit for bit, act_split "
+                            "honoured), or as before: that loop, then float32 dequantized weights "
+                            "times the float32 activations"),
 }
 
 # The environment variables these keys replace, and the `--kernels` item for each.
