@@ -8,7 +8,8 @@ against llama.cpp on the same file, as ratios in one run.
 Per file, batch 1: one random prompt of --prompt-len tokens (fixed seed, ids below the file's
 vocabulary), greedy, 2 tokens generated; prefill tok/s = prompt tokens / the time of the steps
 that compute the prompt (bench.throughput.taper_run; llama.cpp: one eval of the prompt,
-bench.throughput.llama_cpp_greedy_run). Best of --reps, each engine warmed up first. Taper and
+bench.throughput.llama_cpp_greedy_run). Best of --reps, each engine warmed up first, Taper's
+two paths in turns. Taper and
 llama.cpp use the same thread count (--threads, default OMP_NUM_THREADS or the cores). Only the
 K-type tensors (Q2_K..Q6_K) take the int8 path; the file's type counts are printed, since a
 model whose hidden size is no multiple of 256 keeps most of its matmuls in legacy types. On a
@@ -40,21 +41,26 @@ def file_info(path: str) -> tuple[int, str]:
     return vocab, ", ".join(f"{k} x{v}" for k, v in counts.most_common())
 
 
-def bench_taper(path: str, prompt: list[int], reps: int, quiet_s: float, prefill: str) -> dict:
+def bench_taper(path: str, prompt: list[int], reps: int, quiet_s: float) -> dict:
+    """Both paths loaded at once and run in turns (f32, int8, f32, ...), so that a shared
+    machine's load drifts over both alike."""
     from engine import LLM
-    llm = LLM(os.path.dirname(path), weight_file=os.path.basename(path),
-              kernels=f"quant_prefill={prefill}",
-              max_num_batched_tokens=max(2048, len(prompt)), enable_prefix_caching=False)
-    taper_run(llm, [prompt[:16]], 2)                                     # warm-up
-    best = None
+    llms = {p: LLM(os.path.dirname(path), weight_file=os.path.basename(path),
+                   kernels=f"quant_prefill={p}",
+                   max_num_batched_tokens=max(2048, len(prompt)), enable_prefix_caching=False)
+            for p in ("f32", "int8")}
+    for llm in llms.values():
+        taper_run(llm, [prompt[:16]], 2)                                 # warm-up
+    best = dict.fromkeys(llms)
     for _ in range(reps):
-        if quiet_s:
-            wait_quiet(quiet_s)
-        cur = taper_run(llm, [prompt], 2)
-        print(f"  taper quant_prefill={prefill}: {cur['prefill_tok_s']:.1f} tok/s "
-              f"[others: {100 * cur['other_load']:.0f}% CPU]", flush=True)
-        best = keep_best(best, cur)
-    del llm
+        for p, llm in llms.items():
+            if quiet_s:
+                wait_quiet(quiet_s)
+            cur = taper_run(llm, [prompt], 2)
+            print(f"  taper quant_prefill={p}: {cur['prefill_tok_s']:.1f} tok/s "
+                  f"[others: {100 * cur['other_load']:.0f}% CPU]", flush=True)
+            best[p] = keep_best(best[p], cur)
+    del llms
     gc.collect()
     return best
 
@@ -102,8 +108,7 @@ def main(argv=None):
         prompt = np.random.default_rng(SEED).integers(0, vocab, args.prompt_len).tolist()
         print(f"{os.path.basename(path)} ({types}), prompt {args.prompt_len}, "
               f"{args.threads} threads:", flush=True)
-        r = {p: bench_taper(path, prompt, args.reps, args.wait_quiet, p)
-             for p in ("f32", "int8")}
+        r = bench_taper(path, prompt, args.reps, args.wait_quiet)
         if llama:
             r["llama"] = bench_llama(path, prompt, args.reps, args.wait_quiet, args.threads)
         tok = {k: v["prefill_tok_s"] for k, v in r.items()}

@@ -68,9 +68,9 @@ typedef taper_block_q8_K bq8_K;
 
 /* One NR x MR tile over all nb super-blocks: res[n * MR + r] = vec_dot(W[n], X[r]).
    w[n]: row n's unpacked blocks; x[r]: activation row r's Q8_K blocks. */
-#define TILE(TARGET, name, reduce, DOT_ACC)                                                     \
+#define TILE(TARGET, name, reduce, DOT_ACC, min_in_isum)                                        \
     TARGET static void name(const taper_k_unpacked *const *w, const bq8_K *const *x,           \
-                            int64_t nb, int min_in_isum, float *res) {                          \
+                            int64_t nb, float *res) {                                           \
         __m512 accf = _mm512_setzero_ps();                                                      \
         for (int64_t i = 0; i < nb; i++) {                                                      \
             __m512i acc[NR * MR];                                                               \
@@ -127,8 +127,11 @@ REDUCE16(BW_TARGET, reduce16_bw)
 REDUCE16(VNNI_TARGET, reduce16_vnni)
 REDUCE16_256(BW_TARGET, reduce16_bw_256)
 REDUCE16_256(VNNI_TARGET, reduce16_vnni_256)
-TILE(BW_TARGET, tile_bw, reduce16_bw, DOT_ACC_BW)
-TILE(VNNI_TARGET, tile_vnni, reduce16_vnni, DOT_ACC_VNNI)
+/* one body per min_in_isum value: no branch in the block loop */
+TILE(BW_TARGET, tile_bw, reduce16_bw, DOT_ACC_BW, 0)
+TILE(BW_TARGET, tile_bw_signed, reduce16_bw, DOT_ACC_BW, 1)
+TILE(VNNI_TARGET, tile_vnni, reduce16_vnni, DOT_ACC_VNNI, 0)
+TILE(VNNI_TARGET, tile_vnni_signed, reduce16_vnni, DOT_ACC_VNNI, 1)
 
 int taper_k_gemm_int8(const taper_quant_traits *t, int vnni, const void *xq, int parts,
                       const void *w, const float *bias, float *out, int64_t T, int64_t K,
@@ -170,8 +173,8 @@ int taper_k_gemm_int8(const taper_quant_traits *t, int vnni, const void *xq, int
                     for (int n = 0; n < NR; n++)
                         wr[n] = buf + (nn + n < rows ? nn + n : rows - 1) * nb;
                     float res[NR * MR];
-                    if (vnni) tile_vnni(wr, xr, nb, t->min_in_isum, res);
-                    else tile_bw(wr, xr, nb, t->min_in_isum, res);
+                    if (vnni) (t->min_in_isum ? tile_vnni_signed : tile_vnni)(wr, xr, nb, res);
+                    else (t->min_in_isum ? tile_bw_signed : tile_bw)(wr, xr, nb, res);
                     for (int n = 0; n < NR && nn + n < rows; n++) {
                         const int64_t col = n0 + nn + n;
                         const float b = bias ? bias[col] : 0.0f;
