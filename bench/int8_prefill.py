@@ -4,6 +4,11 @@ against llama.cpp on the same file, as ratios in one run.
 
     python -m bench.int8_prefill FILE.gguf [FILE.gguf ...] [--prompt-len 256] [--reps 3]
         [--threads N] [--llama-site DIR] [--wait-quiet S] [--json out.json]
+    python -m bench.int8_prefill --linear [--threads N] [--prompt-len T]
+
+--linear times the op alone instead: CpuBackend.linear on random Q4_K / Q6_K weights of
+SmolLM2-135M's ffn_down shape (576 x 1536) and a Llama-8B-like square one (4096 x 4096), T rows,
+quant_prefill=f32 and int8 in turns, best of 7 each.
 
 Per file, batch 1: one random prompt of --prompt-len tokens (fixed seed, ids below the file's
 vocabulary), greedy, 2 tokens generated; prefill tok/s = prompt tokens / the time of the steps
@@ -84,9 +89,35 @@ def bench_llama(path: str, prompt: list[int], reps: int, quiet_s: float, threads
     return best
 
 
+def linear_probe(T: int, threads: int) -> None:
+    import time
+    from gguf import GGMLQuantizationType as QT
+    from pyx.cpu_backend import CpuBackend, quantize
+    from pyx.weights.ggml import QuantizedWeight
+    rng = np.random.default_rng(SEED)
+    for qt in (QT.Q4_K, QT.Q6_K):
+        for N, K in ((576, 1536), (4096, 4096)):
+            w = QuantizedWeight.of(qt, quantize(qt, rng.standard_normal((N, K)).astype(np.float32)), K)
+            x = rng.standard_normal((T, K)).astype(np.float32)
+            out = np.zeros((T, N), np.float32)
+            backends = {p: CpuBackend(num_threads=threads, kernels=f"quant_prefill={p}")
+                        for p in ("f32", "int8")}
+            best = dict.fromkeys(backends, float("inf"))
+            for _ in range(7):
+                for p, be in backends.items():
+                    t = time.perf_counter()
+                    be.linear(x, w, None, out)
+                    best[p] = min(best[p], time.perf_counter() - t)
+            print(f"  {qt.name} {N}x{K} T={T}, {threads} threads: f32 panels "
+                  f"{1e3 * best['f32']:.2f} ms, int8 {1e3 * best['int8']:.2f} ms "
+                  f"({best['f32'] / best['int8']:.2f}x, {2 * N * K * T / best['int8'] / 1e9:.0f} "
+                  f"GOP/s)", flush=True)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("files", nargs="+", help="GGUF files")
+    ap.add_argument("files", nargs="*", help="GGUF files")
+    ap.add_argument("--linear", action="store_true", help="time the op alone (above)")
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int,
@@ -99,6 +130,11 @@ def main(argv=None):
     # Taper's count (a user's OMP_NUM_THREADS stays fixed, pyx/cpu_threads.py), set before the
     # engine loads; llama.cpp gets the same as n_threads
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    if args.linear:
+        linear_probe(args.prompt_len, args.threads)
+        return
+    if not args.files:
+        ap.error("give GGUF files, or --linear")
     if args.llama_site:
         sys.path.append(args.llama_site)
     llama = importlib.util.find_spec("llama_cpp") is not None
