@@ -96,8 +96,9 @@ cdef extern from "quant_kernels.h" nogil:
                        int nthreads)
     int taper_quant_linear(int isa, int type, const float* x, const void* w, const float* bias,
                            float* out, int64_t T, int64_t K, int64_t N, int64_t ldo,
-                           int batch_invariant, int act_split, int nthreads)
+                           int batch_invariant, int act_split, int prefill_int8, int nthreads)
     int taper_quant_gemv_max_t(int isa, int type)
+    int taper_quant_prefill_int8(int isa, int type)
 
 
 cdef extern from "lora_kernels.h" nogil:
@@ -129,6 +130,12 @@ def quant_gemv_max_t(int qtype, str isa):
     through float32 panels of the weight and the dense GEMM, with float32 activations
     (pyx/quant_kernels.c)."""
     return taper_quant_gemv_max_t(ISA_NAMES[isa], qtype)
+
+
+def quant_prefill_int8(int qtype, str isa):
+    """The token rows from which kernels quant_prefill=int8 multiplies this type in int8 on this
+    ISA path (pyx/quant_gemm.c), the vec_dot loop's results; 0 where it never does."""
+    return taper_quant_prefill_int8(ISA_NAMES[isa], qtype)
 
 
 def isa_supported(str isa):
@@ -352,13 +359,14 @@ cdef class CpuBackend(Backend):
     is chunked (README: Batch invariance); it costs prefill speed (bench/RESULTS.md).
     kernels: a pyx.kernel_config.KernelConfig (or its string / dict form); this backend reads
     cpu_isa, act_split (which ggml decode matmuls write each activation row as two 8-bit rows
-    instead of rounding it once: the attention's qkv projection by default, every one, or none)
-    and moe.
+    instead of rounding it once: the attention's qkv projection by default, every one, or none),
+    quant_prefill (K-type prefill in int8 or through float32 panels) and moe.
     """
     cdef int _isa
     cdef int _nthreads
     cdef readonly bint act_split     # kernels act_split=on: every quantized matmul
     cdef readonly bint act_split_qkv  # act_split=qkv or on: the weights placed with role "qkv"
+    cdef readonly bint prefill_int8  # kernels quant_prefill=int8: K-type prefill in int8
     cdef readonly object governor   # cpu_threads.ThreadGovernor, or None: the count is fixed
 
     def __init__(self, isa=None, num_threads=None, batch_invariant=False, kernels=None):
@@ -368,6 +376,7 @@ cdef class CpuBackend(Backend):
         self.batch_invariant = batch_invariant
         self.act_split = self.kernels.act_split == "on"
         self.act_split_qkv = self.kernels.act_split in ("on", "qkv")
+        self.prefill_int8 = self.kernels.quant_prefill == "int8"
         if isa is None and self.kernels.cpu_isa != "auto":
             isa = self.kernels.cpu_isa
         if isa is None:
@@ -601,7 +610,8 @@ cdef class CpuBackend(Backend):
             wp = _ptr(blocks)
             with nogil:
                 st = taper_quant_linear(isa, qtype, xp, wp, bp + col if bp != NULL else NULL,
-                                        outp + col, T, K, n, N, inv, split, nt)
+                                        outp + col, T, K, n, N, inv, split,
+                                        self.prefill_int8, nt)
             _status(st, op, arrays)
             col += n
 

@@ -72,6 +72,12 @@ CHOICES: dict[str, Choice] = {
                         "(~250x closer to exact, twice the integer work) in the attention's qkv "
                         "projection only, whose rounding the attention scores amplify most; in "
                         "none (rounded to 8 bits once, exactly as llama.cpp); or in all"),
+    "quant_prefill": Choice(("int8", "f32"), ("cpu",),
+                            "K-type (Q2_K..Q6_K) matmuls of 4 or more token rows (33 for Q2_K, "
+                            "Q3_K) on AVX-512: int8 x int8 on the Q8_K activations "
+                            "(pyx/quant_gemm.c: the decode loop's results bit for bit, act_split "
+                            "honoured), or as before: that loop, then float32 dequantized weights "
+                            "times the float32 activations"),
 }
 
 # The environment variables these keys replace, and the `--kernels` item for each.
@@ -118,6 +124,7 @@ class KernelConfig:
     graphs_verify: str = _default("graphs_verify")
     cpu_isa: str = _default("cpu_isa")
     act_split: str = _default("act_split")
+    quant_prefill: str = _default("quant_prefill")
     # (key, where it was set) for the keys given explicitly: parse() records them; the start-up
     # log reads them. Not part of the value: two configs with the same choices are equal.
     sources: tuple[tuple[str, str], ...] = field(default=(), compare=False, repr=False)

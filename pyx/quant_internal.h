@@ -20,6 +20,19 @@ typedef float (*taper_vec_dot_fn)(int isa, int64_t n, const void *w, const void 
 typedef float (*taper_vec_dot2_fn)(int isa, int64_t n, const void *w, const void *xq,
                                    const void *xq2);
 
+/* One K super-block unpacked for the int8 prefill GEMM (quant_gemm.c), once per weight row and
+ * reused by every token row: u the levels as unsigned bytes in element order; sc the group scale
+ * of elements 2k and 2k+1 (maddubs' int16 output layout, so one load per 64 elements); mn the
+ * coefficient of the activation's bsums[g] per group of 16: the minimum (summs, times dmin) or,
+ * for the signed types (min_in_isum), minus the level offset times the scale (added to isum). */
+typedef struct {
+    uint8_t u[TAPER_QK_K];
+    int16_t sc[TAPER_QK_K / 2];
+    int16_t mn[16];
+    float d, dmin;
+} taper_k_unpacked;
+typedef void (*taper_k_unpack_fn)(const void *block, taper_k_unpacked *out);
+
 typedef struct {
     int type;
     int block_size;          /* elements per block */
@@ -30,7 +43,18 @@ typedef struct {
     taper_vec_dot_fn vec_dot;  /* NULL for the activation-only types (Q8_1, Q8_K) */
     taper_vec_dot2_fn vec_dot2;  /* NULL where none is fused: two vec_dot calls instead */
     taper_dequant_isa_fn dequantize_simd;  /* NULL where the reference is all there is */
+    taper_k_unpack_fn k_unpack;  /* K types: the int8 GEMM's unpacker; NULL for the others */
+    int min_in_isum;             /* k_unpack's mn belongs to isum (Q3_K, Q6_K), else to summs */
+    int int8_min_t;              /* token rows from which the int8 GEMM beats the vec_dot loop */
 } taper_quant_traits;
+
+/* The int8 x int8 prefill GEMM for the K types (quant_gemm.c): out[r, n] = sum over the rows of
+ * xq[r] (one Q8_K row, or two, hi and lo, under act_split) of vec_dot(W[n], row) + bias[n],
+ * bit-identical to the vec_dot loop. xq: T * parts rows of x_row bytes, the lo rows after the
+ * hi ones (as taper_quant_linear lays them out). vnni: use AVX512_VNNI's vpdpwssd. */
+int taper_k_gemm_int8(const taper_quant_traits *t, int vnni, const void *xq, int parts,
+                      const void *w, const float *bias, float *out, int64_t T, int64_t K,
+                      int64_t N, int64_t ldo, int nthreads);
 
 /* Each file fills the entries of its types; quant_kernels.c looks them up by type id. */
 const taper_quant_traits *taper_legacy_traits(int type);  /* quant_legacy.c, NULL if not its */

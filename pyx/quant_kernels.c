@@ -9,6 +9,9 @@
  * so results differ from the decode path's by that rounding (they are closer to x @ W.T).
  * act_split (the CPU backend's kernels act_split=on) makes the loop nearly as exact, at twice its
  * integer work: each activation row becomes two 8-bit rows (quantize_act_split).
+ * With prefill_int8 (kernels quant_prefill=int8, the default) the K types on AVX-512 leave the
+ * loop and the float32 paths from int8_min_t rows (4, or 33 for Q2_K/Q3_K) for the int8 GEMM of
+ * quant_gemm.c, which takes the same quantized rows and returns the loop's bits.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -221,9 +224,14 @@ int taper_quant_gemv_max_t(int isa, int type) {
 /* batch_invariant: every T takes the panel path with the invariant dense GEMM, so a row's bits
  * do not depend on T (the vec_dot loop rounds the activations to Q8 and sums per block: its
  * results differ from the panels', and the switch between the two depends on T). */
+int taper_quant_prefill_int8(int isa, int type) {
+    const taper_quant_traits *t = traits(type);
+    return t && t->k_unpack && isa == TAPER_ISA_AVX512 ? t->int8_min_t : 0;
+}
+
 int taper_quant_linear(int isa, int type, const float *x, const void *w, const float *bias,
                        float *out, int64_t T, int64_t K, int64_t N, int64_t ldo,
-                       int batch_invariant, int act_split, int nthreads) {
+                       int batch_invariant, int act_split, int prefill_int8, int nthreads) {
     const taper_quant_traits *t = traits(type);
     if (!t || !t->vec_dot || K % t->block_size || ldo < N || T < 0 || N < 0) return TAPER_ERR_ARG;
     const taper_quant_traits *a = traits(t->vec_dot_type);
@@ -231,7 +239,11 @@ int taper_quant_linear(int isa, int type, const float *x, const void *w, const f
     if (!taper_cpu_isa_supported(isa)) return TAPER_ERR_ISA;
     if (T == 0 || N == 0) return TAPER_OK;
     const int nt = nthreads > 0 ? nthreads : 1;
-    if ((T > taper_quant_gemv_max_t(isa, type) || batch_invariant) && t->dequantize)
+    /* the int8 GEMM takes over from the float32 paths, from the same T; the vec_dot loop's
+       results are its bits, so the switch at that T changes nothing but the speed */
+    const int int8 = prefill_int8 && !batch_invariant && taper_quant_prefill_int8(isa, type) &&
+                     T >= t->int8_min_t;
+    if (!int8 && (T > taper_quant_gemv_max_t(isa, type) || batch_invariant) && t->dequantize)
         return T <= QUANT_GEMV_MAX_T && !batch_invariant
             ? quant_linear_chunks(isa, t, x, w, bias, out, T, K, N, ldo, nt)
             : quant_linear_panels(isa, t, x, w, bias, out, T, K, N, ldo, batch_invariant, nt);
@@ -255,6 +267,14 @@ int taper_quant_linear(int isa, int type, const float *x, const void *w, const f
             else
                 a->quantize(x + r * K, xq + r * x_row, K);
         }
+    }
+    int status = TAPER_OK;
+    if (int8)
+        status = taper_k_gemm_int8(t, __builtin_cpu_supports("avx512vnni"), xq, parts, w, bias,
+                                   out, T, K, N, ldo, nt);
+    else {
+    #pragma omp parallel num_threads(nt)
+    {
         /* guided: each thread streams long runs of consecutive rows (which the hardware
            prefetcher follows, and few scheduling atomics), shrinking to 16 rows at the end to
            balance the threads. dynamic,16 interleaved the threads' 16-row chunks and streamed
@@ -277,9 +297,10 @@ int taper_quant_linear(int isa, int type, const float *x, const void *w, const f
             }
         }
     }
+    }
     free(res);
     free(xq);
-    return TAPER_OK;
+    return status;
 }
 
 /* ---- half <-> float, exact and without F16C */

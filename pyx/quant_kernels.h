@@ -110,9 +110,14 @@ int taper_quantize(int type, const float *src /* (rows, k) */, void *dst, int64_
  * the decode path writes each activation row as two 8-bit rows, the value and its rounding
  * residual (~250x closer to x @ W.T, twice the integer work); 0 rounds it once, as ggml. */
 int taper_quant_gemv_max_t(int isa, int type);
+/* prefill_int8 != 0: from taper_quant_prefill_int8(isa, type) token rows (0: never; the K types
+ * on AVX-512 have it), the Q8_K-quantized activations (act_split honoured) are multiplied with
+ * the weights in int8 tiles (quant_gemm.c) instead of the vec_dot loop or the float32 paths:
+ * the vec_dot loop's results, bit for bit, at prefill speed. batch_invariant wins over it. */
+int taper_quant_prefill_int8(int isa, int type);
 int taper_quant_linear(int isa, int type, const float *x /* (T, K) */,
                        const void *w /* (N, K/B blocks) */, const float *bias /* (N) or NULL */,
                        float *out /* (T, ldo) */, int64_t T, int64_t K, int64_t N, int64_t ldo,
-                       int batch_invariant, int act_split, int nthreads);
+                       int batch_invariant, int act_split, int prefill_int8, int nthreads);
 
 #endif

@@ -250,7 +250,13 @@ def test_linear_row_is_invariant_in_every_format(isa):
     # Switched off, the SIMD paths change kernels with T in every format; the scalar path's float
     # and fp8 loops are the same for every T (invariant already), its ggml and int4 ones are not.
     scalar_off = ["q8_0", "q4_k", "int4"]
-    assert differs_off == (scalar_off if isa == "scalar" else [n for n, _ in weights(rng)])
+    expected = scalar_off if isa == "scalar" else [n for n, _ in weights(rng)]
+    # On AVX-512 the K types' int8 prefill (kernels quant_prefill=int8, the default) gives the
+    # vec_dot loop's bits at every T (tests/test_quant_gemm.py): q4_k's row is invariant there
+    # without the switch.
+    if isa == "avx512":
+        expected.remove("q4_k")
+    assert differs_off == expected
 
 
 def test_fp8_kv_cache_attention_is_invariant():

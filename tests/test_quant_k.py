@@ -168,11 +168,13 @@ def q8_K_bound(x, w, parts=1):
 
 
 def run_linear(isa, name, blocks, k, x, bias=None, parts=1):
-    """parts=2: a backend built with kernels act_split=on."""
+    """parts=2: a backend built with kernels act_split=on. quant_prefill=f32: beyond
+    quant_gemv_max_t rows these tests hold the float32 panels; the int8 prefill that replaces
+    them by default on AVX-512 gives the Q8_K loop's bits (tests/test_quant_gemm.py)."""
     w = QuantizedWeight.of(WEIGHT_TYPES[name], blocks, k)
     out = np.full((x.shape[0], blocks.shape[0]), np.nan, np.float32)
-    CpuBackend(isa=isa, kernels={"act_split": "on" if parts == 2 else "off"}).linear(x, w, bias,
-                                                                                   out)
+    kernels = {"act_split": "on" if parts == 2 else "off", "quant_prefill": "f32"}
+    CpuBackend(isa=isa, kernels=kernels).linear(x, w, bias, out)
     return out
 
 
