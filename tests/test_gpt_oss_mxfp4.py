@@ -202,3 +202,13 @@ def test_malformed_blocks_and_scales_are_named(weights, message):
     from engine.loader.quant_formats import convert_quantized
     with pytest.raises(ValueError, match=message):
         convert_quantized(dict(weights), RELEASED_QUANTIZATION)
+
+
+def test_memory_shortfall_is_named(monkeypatch):
+    """The packed bytes passed the loader's check; the dequantized experts are checked again."""
+    from engine.loader import quant_mxfp4
+    monkeypatch.setattr(quant_mxfp4, "mem_available_bytes", lambda: 1000)
+    with pytest.raises(MemoryError, match="MXFP4 experts needs 0.00 GB"):
+        quant_mxfp4.convert_mxfp4(_pair(), RELEASED_QUANTIZATION)
+    monkeypatch.setattr(quant_mxfp4, "mem_available_bytes", lambda: 6144)   # 2*8*96 f32: fits
+    quant_mxfp4.convert_mxfp4(_pair(), RELEASED_QUANTIZATION)
