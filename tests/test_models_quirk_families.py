@@ -505,15 +505,14 @@ def test_paged_attention_sinks_match_reference(isa, nt, window, seqs):
         be.paged_attention(out, q, kc, vc, tables, seq_lens, qsl, 0.3, window, sinks=sinks[:3])
 
 
-def test_gpt_oss_refuses_mxfp4_and_cuda(cases):
+def test_gpt_oss_refuses_cuda(cases):
+    """(MXFP4 checkpoints load: tests/test_gpt_oss_mxfp4.py.)"""
     import json
 
     from engine.models.gpt_oss import GptOssForCausalLM
     from engine.models.model_config import ModelConfig
     with open(f"{cases.dir('gpt_oss')}/config.json") as f:
         config = json.load(f)
-    with pytest.raises(ValueError, match="MXFP4"):
-        ModelConfig.from_dict({**config, "quantization_config": {"quant_method": "mxfp4"}})
 
     class Cuda:
         name = "cuda"

@@ -13,6 +13,7 @@ from engine.loader.quant_compressed import convert_compressed_tensors
 from engine.loader.quant_fp8 import convert_fp8_block
 from engine.loader.quant_int4 import convert_gptq_awq
 from engine.loader.quant_marlin import convert_marlin
+from engine.loader.quant_mxfp4 import convert_mxfp4
 
 
 def convert_quantized(weights: dict, quantization_config: dict) -> None:
@@ -25,7 +26,9 @@ def convert_quantized(weights: dict, quantization_config: dict) -> None:
         convert_marlin(weights, quantization_config)
     elif method == "fp8":
         convert_fp8_block(weights, quantization_config)
+    elif method == "mxfp4":     # dequantized: GPT-OSS's experts in the checkpoint's float dtype
+        convert_mxfp4(weights, quantization_config)
     else:
         raise ValueError(f"quantization_config.quant_method {method!r} is not supported; "
-                         "supported: gptq, awq, compressed-tensors, fp8, marlin (and GGUF files, "
-                         "--isq)")
+                         "supported: gptq, awq, compressed-tensors, fp8, marlin, mxfp4 (and GGUF "
+                         "files, --isq)")

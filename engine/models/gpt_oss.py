@@ -11,8 +11,8 @@
   clamped SwiGLU: gate = min(gate, limit), up = clip(up, -limit, limit),
   out = (up + 1) * gate * sigmoid(alpha * gate).
 
-MXFP4 checkpoints (quant_method "mxfp4", the released ones) are refused by name in ModelConfig;
-a bf16 dequantized copy loads.
+MXFP4 checkpoints (quant_method "mxfp4", the released ones) have their experts dequantized at
+load to the checkpoint's float dtype (engine/loader/quant_mxfp4.py), then read as a float one.
 """
 from __future__ import annotations
 

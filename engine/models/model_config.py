@@ -261,10 +261,6 @@ class ModelConfig:
             qkv_bias, o_bias = bool(cfg.get("attention_bias", False)), False
         elif arch == "GptOssForCausalLM":   # attention_bias (default on) covers o_proj too
             qkv_bias = o_bias = bool(cfg.get("attention_bias", True))
-            if (cfg.get("quantization_config") or {}).get("quant_method") == "mxfp4":
-                raise ValueError(f"{arch}: MXFP4 expert weights (quant_method mxfp4) are not "
-                                 "supported; use a checkpoint dequantized to bf16 (transformers' "
-                                 "Mxfp4Config(dequantize=True))")
         elif arch == "PhiForCausalLM":      # biases on q/k/v and dense, always
             qkv_bias = o_bias = True
             if cfg.get("qk_layernorm"):
