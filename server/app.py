@@ -415,24 +415,24 @@ def create_app(engine, settings: ServerSettings) -> Quart:
                            code="no_chat_template")
 
         vision = getattr(engine.model_config, "vision", None)
-        sources = []
 
-        def encode():        # the messages too are read off the event loop: there may be many
-            messages, found = media.take_images(req.template_messages(), vision)
-            sources.extend(found)
+        def encode(messages, images):  # off the event loop: there may be many messages
             if state.tool_parser is not None:
                 messages = template_call_ids(messages, state.tool_parser.id_style)
             return tok.encode_chat(
                 messages, tools=tools, add_generation_prompt=req.add_generation_prompt,
                 chat_template=template, max_chars=tokenizing.max_text_chars(engine),
-                rewrite=media.text_expander(vision, tok) if sources else None,
+                rewrite=media.text_expander(vision, tok, images) if images else None,
                 **req.template_kwargs())
         try:
-            ids = await tokenizing.run(encode)
+            messages, sources = await tokenizing.run(
+                lambda: media.take_images(req.template_messages(), vision))
             if not sources:
-                return ids
+                return await tokenizing.run(encode, messages, [])
+            # the images first: Gemma 3's pan-and-scan crops change the prompt's text
             images = await media.load_images(sources, settings.media_limits,
                                              state.image_processor(engine))
+            ids = await tokenizing.run(encode, messages, images)
             return media.expand_image_tokens(ids, images, vision)
         except TextTooLong as e:
             raise tokenizing.too_long(engine, e, param) from None

@@ -86,22 +86,39 @@ async def load_images(sources: list[tuple[str, str]], settings: MediaSettings, p
     return images
 
 
-def text_expander(vision, tok):
+def text_expander(vision, tok, images: list | None = None):
     """For a model whose processor writes each image's tokens into the prompt text (Gemma 3:
-    vision.expands_in_text), the function that does so to the rendered template; else None."""
+    vision.expands_in_text), the function that does so to the rendered template; else None.
+    images: the request's, in order, for the text of their pan-and-scan crops."""
     if not getattr(vision, "expands_in_text", False):
         return None
 
     def token_string(i):
         return tok.convert_ids_to_tokens([i])[0]
-    placeholder, full = token_string(vision.boi_token_id), vision.image_text(token_string)
-    return lambda text: text.replace(placeholder, full)
+    placeholder = token_string(vision.boi_token_id)
+    crops = [len(_views(im)) - 1 for im in images or []]
+
+    def expand(text: str) -> str:
+        pieces = text.split(placeholder)
+        out = [pieces[0]]
+        for i, piece in enumerate(pieces[1:]):
+            # more placeholders than images: expand_image_tokens refuses the prompt
+            out += [vision.image_text(token_string, crops[i] if i < len(crops) else 0), piece]
+        return "".join(out)
+    return expand
+
+
+def _views(image) -> list:
+    """The images the model encodes for one of the request's (Gemma 3's pan-and-scan crops
+    follow their image: PanAndScanImage)."""
+    return getattr(image, "views", None) or [image]
 
 
 def expand_image_tokens(ids: list[int], images: list, vision) -> ImagePrompt:
     """Each image token of the rendered prompt replaced by its image's run of tokens (or, where
     the text was expanded already, each image's run of tokens checked)."""
     image_token_id = vision.image_token_id
+    images = [view for im in images for view in _views(im)]
     if getattr(vision, "expands_in_text", False):
         runs = sum(1 for i, t in enumerate(ids)
                    if t == image_token_id and (i == 0 or ids[i - 1] != t))

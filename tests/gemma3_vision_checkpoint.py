@@ -66,9 +66,11 @@ def build_tokenizer(path, split: str | None = None):
 
 
 def tiny_gemma3_vision_checkpoint(directory, seed: int = 0, scale: float = 4.0,
-                                  text: dict | None = None, split: str | None = None) -> str:
+                                  text: dict | None = None, split: str | None = None,
+                                  processor: dict | None = None) -> str:
     """text: text_config entries in place of the defaults below; split: build_tokenizer's (both
-    for the GGUF fixtures, tests/data/make_gguf_gemma3_vl_fixtures.py)."""
+    for the GGUF fixtures, tests/data/make_gguf_gemma3_vl_fixtures.py); processor: image
+    processor settings in place of PROCESSOR's (pan-and-scan)."""
     import torch
     from transformers import (Gemma3Config, Gemma3ForConditionalGeneration,
                               Gemma3ImageProcessorPil, Gemma3Processor)
@@ -103,7 +105,8 @@ def tiny_gemma3_vision_checkpoint(directory, seed: int = 0, scale: float = 4.0,
         gen = torch.Generator().manual_seed(seed + 1)
         w.copy_(0.3 * torch.randn(w.shape, generator=gen))
     model.save_pretrained(directory)
-    Gemma3Processor(image_processor=Gemma3ImageProcessorPil(**PROCESSOR), tokenizer=tok,
+    image_processor = Gemma3ImageProcessorPil(**{**PROCESSOR, **(processor or {})})
+    Gemma3Processor(image_processor=image_processor, tokenizer=tok,
                     image_seq_length=TOKENS_PER_IMAGE,
                     chat_template=CHAT_TEMPLATE).save_pretrained(directory)
     return directory

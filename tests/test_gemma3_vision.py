@@ -121,19 +121,6 @@ def test_pixels_equal_hf_processor(hf, processor, size, mode):
     assert mine.num_tokens == 16 and mine.grid_thw == (1, 4, 4)
 
 
-def test_processor_refuses_pan_and_scan(ckpt, vision, tmp_path):
-    import json
-    import shutil
-    from engine.vision.families import image_processor
-    with open(f"{ckpt}/processor_config.json") as f:
-        cfg = json.load(f)["image_processor"]
-    shutil.copy(f"{ckpt}/config.json", tmp_path)
-    with open(tmp_path / "preprocessor_config.json", "w") as f:
-        json.dump({**cfg, "do_pan_and_scan": True}, f)
-    with pytest.raises(ValueError, match="do_pan_and_scan is on"):
-        image_processor(str(tmp_path), vision)
-
-
 def test_encoder_matches_hf(ckpt, hf, processor, vision):
     from engine.loader.safetensors import load_safetensors
     from engine.models.gemma3_vl import _checkpoint_names

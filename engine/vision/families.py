@@ -23,7 +23,8 @@ def image_processor(model_dir: str, vision):
 
 
 def preprocess(image, processor):
-    """A decoded PIL image -> the family's ProcessedImage."""
+    """A decoded PIL image -> the family's ProcessedImage (Gemma 3 with pan-and-scan on: a
+    PanAndScanImage, the image's and its crops')."""
     if isinstance(processor, PixtralProcessorConfig):
         return preprocess_pixtral(image, processor)
     if isinstance(processor, Gemma3ImageProcessor):

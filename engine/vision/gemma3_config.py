@@ -7,7 +7,9 @@ of tokens (grid_thw (1, side, side), one token per cell: spatial_merge_size 1 fo
 engine/vision/inputs.py). The prompt holds an image as the processor's text writes it:
 "\\n\\n<start_of_image>" + <image_soft_token> x mm_tokens_per_image + "<end_of_image>\\n\\n" in
 place of the template's <start_of_image>; expanded in the text (the newlines merge with their
-neighbours' when tokenized), before tokenizing (`image_text`).
+neighbours' when tokenized), before tokenizing (`image_text`). With pan-and-scan crops the
+processor writes "Here is the original image " + that + " and here are some crops to help you
+see better " + that for each crop, joined by spaces; each crop is an image of its own.
 """
 from __future__ import annotations
 
@@ -59,11 +61,16 @@ class Gemma3VisionConfig:
         """The projector's average-pooling kernel (and stride), in patches."""
         return self.patches_per_side // self.tokens_per_side
 
-    def image_text(self, token_string) -> str:
-        """The text one image stands for in the prompt; token_string(id) -> the token's text."""
-        return ("\n\n" + token_string(self.boi_token_id)
-                + token_string(self.image_token_id) * self.mm_tokens_per_image
-                + token_string(self.eoi_token_id) + "\n\n")
+    def image_text(self, token_string, num_crops: int = 0) -> str:
+        """The text one image (and its pan-and-scan crops) stands for in the prompt, as
+        transformers' Gemma3Processor writes it; token_string(id) -> the token's text."""
+        one = ("\n\n" + token_string(self.boi_token_id)
+               + token_string(self.image_token_id) * self.mm_tokens_per_image
+               + token_string(self.eoi_token_id) + "\n\n")
+        if not num_crops:
+            return one
+        return (f"Here is the original image {one} and here are some crops to help you see "
+                "better " + " ".join([one] * num_crops))
 
 
 def parse_gemma3_vision_config(arch: str, cfg: dict) -> Gemma3VisionConfig:

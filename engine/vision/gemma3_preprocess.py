@@ -2,13 +2,20 @@
 pixels are the same bits: RGB (transparency composited on white), a resize with Pillow to the
 fixed size (no aspect kept, BILINEAR by default), values x rescale_factor in float64 then
 float32, (x - mean) / std in float32, then the SigLIP patches (row-major, each patch's channels
-x patch x patch values, the patch embedding Conv2d's kernel order). Pan-and-scan (extra crops of
-a wide image) is off, as in transformers by default; a preprocessor config that turns it on is
-refused.
+x patch x patch values, the patch embedding Conv2d's kernel order).
+
+Pan-and-scan (off by default, as in transformers; on where the processor config sets
+do_pan_and_scan): an image whose aspect ratio reaches pan_and_scan_min_ratio_to_activate is also
+cut into 2 to pan_and_scan_max_num_crops equal crops along its long side (none under
+pan_and_scan_min_crop_size pixels a side), each resized and encoded as an image of its own after
+the original (PanAndScanImage); the prompt text then holds the original's and each crop's
+tokens (Gemma3VisionConfig.image_text).
 """
 from __future__ import annotations
 
+import itertools
 import json
+import math
 import os
 from dataclasses import dataclass
 
@@ -18,6 +25,17 @@ from engine.vision.gemma3_config import Gemma3VisionConfig
 from engine.vision.preprocess import ProcessedImage, content_hash, to_rgb
 
 IMAGENET_STANDARD = (0.5, 0.5, 0.5)       # Gemma3ImageProcessor's mean and std
+
+
+@dataclass(slots=True)
+class PanAndScanImage:
+    """One image of the request with pan-and-scan on: its views, the original first, then its
+    crops (none where the image is not wide or tall enough), each a ProcessedImage."""
+    views: list[ProcessedImage]
+
+    @property
+    def num_crops(self) -> int:
+        return len(self.views) - 1
 
 
 @dataclass(slots=True)
@@ -35,12 +53,14 @@ class Gemma3ImageProcessor:
     do_rescale: bool = True
     do_normalize: bool = True
     do_convert_rgb: bool = True
+    # Gemma3Processor's defaults (preprocessor_config.json leaves them null)
+    do_pan_and_scan: bool = False
+    pan_and_scan_min_crop_size: int = 256
+    pan_and_scan_max_num_crops: int = 4
+    pan_and_scan_min_ratio_to_activate: float = 1.2
 
     @classmethod
     def from_dict(cls, d: dict, vision: Gemma3VisionConfig, where: str) -> "Gemma3ImageProcessor":
-        if d.get("do_pan_and_scan"):
-            raise ValueError(f"{where}: do_pan_and_scan is on; Taper serves Gemma 3 without "
-                             "pan-and-scan crops (transformers' default)")
         size = d.get("size") or {}
         c = cls(int(size.get("height", vision.image_size)),
                 int(size.get("width", vision.image_size)), vision.patch_size,
@@ -54,9 +74,21 @@ class Gemma3ImageProcessor:
             c.rescale_factor = float(d["rescale_factor"])
         if d.get("resample") is not None:
             c.resample = int(d["resample"])
-        for name in ("do_resize", "do_rescale", "do_normalize", "do_convert_rgb"):
+        for name in ("do_resize", "do_rescale", "do_normalize", "do_convert_rgb",
+                     "do_pan_and_scan"):
             if d.get(name) is not None:
                 setattr(c, name, bool(d[name]))
+        for name, kind in (("pan_and_scan_min_crop_size", int),
+                           ("pan_and_scan_max_num_crops", int),
+                           ("pan_and_scan_min_ratio_to_activate", float)):
+            if d.get(name) is not None:
+                setattr(c, name, kind(d[name]))
+        if c.do_pan_and_scan and (c.pan_and_scan_min_crop_size < 1
+                                  or c.pan_and_scan_max_num_crops < 2):
+            raise ValueError(f"{where}: pan-and-scan needs pan_and_scan_min_crop_size >= 1 and "
+                             f"pan_and_scan_max_num_crops >= 2, got "
+                             f"{c.pan_and_scan_min_crop_size} and "
+                             f"{c.pan_and_scan_max_num_crops}")
         if (c.height, c.width) != (vision.image_size, vision.image_size):
             raise ValueError(f"{where}: images resized to {c.width}x{c.height}, the vision "
                              f"tower takes {vision.image_size}x{vision.image_size}")
@@ -79,11 +111,35 @@ class Gemma3ImageProcessor:
                     return cls.from_dict(d, vision, path)
         return cls.from_dict({}, vision, model_dir)
 
-    def preprocess(self, image) -> ProcessedImage:
-        """A decoded PIL image -> the tower's patches (module docstring)."""
+    def preprocess(self, image) -> ProcessedImage | PanAndScanImage:
+        """A decoded PIL image -> the tower's patches (module docstring); with pan-and-scan on,
+        those of the image and of each of its crops."""
         if not self.do_convert_rgb and image.mode != "RGB":
             raise ValueError(f"image mode {image.mode}: this model's processor takes RGB only")
         rgb = to_rgb(image) if self.do_convert_rgb else image
+        if not self.do_pan_and_scan:
+            return self._view(rgb)
+        return PanAndScanImage([self._view(rgb)]
+                               + [self._view(rgb.crop(box)) for box in self.crop_boxes(*rgb.size)])
+
+    def crop_boxes(self, width: int, height: int) -> list[tuple[int, int, int, int]]:
+        """Pan-and-scan's crops of a width x height image as PIL boxes (left, top, right,
+        bottom), in transformers' order (row by row); the last one along the long side stops at
+        the image's edge, as a numpy slice does."""
+        long, short = max(width, height), min(width, height)
+        if long / short < self.pan_and_scan_min_ratio_to_activate:
+            return []
+        n = int(math.floor(long / short + 0.5))          # half rounds up
+        n = min(int(math.floor(long / self.pan_and_scan_min_crop_size)), n)
+        n = min(self.pan_and_scan_max_num_crops, max(2, n))
+        nw, nh = (n, 1) if width >= height else (1, n)
+        cw, ch = int(math.ceil(width / nw)), int(math.ceil(height / nh))
+        if min(cw, ch) < self.pan_and_scan_min_crop_size:
+            return []
+        return [(x, y, min(x + cw, width), min(y + ch, height))
+                for y, x in itertools.product(range(0, ch * nh, ch), range(0, cw * nw, cw))]
+
+    def _view(self, rgb) -> ProcessedImage:
         size = rgb.size
         digest = content_hash(np.asarray(rgb))
         if self.do_resize:
