@@ -16,7 +16,8 @@ pytest.importorskip("PIL")
 from gemma3_vision_checkpoint import tiny_gemma3_vision_checkpoint  # noqa: E402
 from vision_checkpoint import sample_image  # noqa: E402
 from vision_oracle import (  # noqa: E402
-    BareBackend, greedy_with_trust, make_engine, messages, one_pixel_changed, run)
+    BareBackend, check_backends_refused, greedy_with_trust, make_engine, messages,
+    one_pixel_changed, run)
 
 GEN = 12
 
@@ -258,21 +259,15 @@ def test_backend_without_tower_ops_is_refused(ckpt):
     """Loading refuses a backend whose class leaves an op the SigLIP tower needs to the op
     table's base class, naming the missing ones (CUDA has them: tests/test_cuda_host.py; the
     tower and overlay on CUDA: tests/gpu/test_cuda_vision.py)."""
-    from engine.loader.safetensors import load_safetensors
     from engine.models.gemma3_vl import Gemma3ForConditionalGeneration
-    from engine.models.model_config import ModelConfig
 
     class NoLayerNorm(BareBackend):
         def encoder_attention(self, out, q, k, v, cu_seqlens, scale):
             pass
-    config = ModelConfig.from_pretrained(ckpt)
-    for backend, message in [
-            (BareBackend(), "the bare backend has no encoder_attention and layer_norm and "
-                     "fused_add_layer_norm ops"),
-            (NoLayerNorm(), "has no layer_norm and fused_add_layer_norm ops, which the SigLIP")]:
-        with pytest.raises(ValueError, match=message):
-            Gemma3ForConditionalGeneration(config, load_safetensors(ckpt, progress=False),
-                                           backend)
+    check_backends_refused(Gemma3ForConditionalGeneration, ckpt, [
+        (BareBackend(), "the bare backend has no encoder_attention and layer_norm and "
+                        "fused_add_layer_norm ops"),
+        (NoLayerNorm(), "has no layer_norm and fused_add_layer_norm ops, which the SigLIP")])
 
 
 # ---- the hub's files

@@ -14,8 +14,9 @@ pytest.importorskip("PIL")
 
 from vision_checkpoint import sample_image, tiny_vl_checkpoint  # noqa: E402
 from vision_oracle import (  # noqa: E402
-    CASES, GEN, BareBackend, case_images, check_greedy_case, check_mrope_positions,
-    check_prefix_cache_keys, hf_generate, make_engine, one_pixel_changed, prompt_ids, run)
+    CASES, GEN, BareBackend, GeluOnlyBackend, case_images, check_backends_refused,
+    check_greedy_case, check_mrope_positions, check_prefix_cache_keys, hf_generate, make_engine,
+    one_pixel_changed, prompt_ids, run)
 
 from engine.vision.config import ImageProcessorConfig  # noqa: E402
 from engine.vision.preprocess import preprocess_image  # noqa: E402
@@ -196,18 +197,9 @@ def test_backend_without_vision_ops_is_refused(ckpt):
     """Loading refuses a backend whose class leaves gelu or encoder_attention to the op table's
     base class, naming the missing ones; the CPU backend has both (the CUDA one:
     tests/test_cuda_host.py)."""
-    from engine.loader.safetensors import load_safetensors
-    from engine.models.model_config import ModelConfig
     from engine.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration, missing_ops
     from pyx.cpu_backend import CpuBackend
-
-    class GeluOnly(BareBackend):
-        def gelu(self, x, out):
-            pass
-    config = ModelConfig.from_pretrained(ckpt)
-    for backend, message in [(BareBackend(), "the bare backend has no gelu and encoder_attention ops"),
-                             (GeluOnly(), "has no encoder_attention op, which the vision")]:
-        with pytest.raises(ValueError, match=message):
-            Qwen2_5_VLForConditionalGeneration(config, load_safetensors(ckpt, progress=False),
-                                               backend)
+    check_backends_refused(Qwen2_5_VLForConditionalGeneration, ckpt, [
+        (BareBackend(), "the bare backend has no gelu and encoder_attention ops"),
+        (GeluOnlyBackend(), "has no encoder_attention op, which the vision")])
     assert missing_ops(CpuBackend) == []

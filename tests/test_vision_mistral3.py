@@ -13,8 +13,8 @@ pytest.importorskip("PIL")
 from mistral3_checkpoint import MERGE, PATCH, tiny_mistral3_checkpoint  # noqa: E402
 from vision_checkpoint import sample_image  # noqa: E402
 from vision_oracle import (  # noqa: E402
-    CASES, GEN, BareBackend, case_images, check_prefix_cache_keys, greedy_with_trust,
-    make_engine, messages, one_pixel_changed, run)
+    CASES, GEN, BareBackend, GeluOnlyBackend, case_images, check_backends_refused,
+    check_prefix_cache_keys, greedy_with_trust, make_engine, messages, one_pixel_changed, run)
 
 from engine.vision.families import image_processor, preprocess  # noqa: E402
 
@@ -219,19 +219,10 @@ def test_backend_without_vision_ops_is_refused(ckpt):
     """Loading refuses a backend whose class leaves gelu or encoder_attention to the op table's
     base class, naming the missing ones (CUDA has both: tests/test_cuda_host.py; the tower on
     CUDA: tests/gpu/test_cuda_vision.py)."""
-    from engine.loader.safetensors import load_safetensors
     from engine.models.mistral3 import Mistral3ForConditionalGeneration
-    from engine.models.model_config import ModelConfig
-
-    class GeluOnly(BareBackend):
-        def gelu(self, x, out):
-            pass
-    config = ModelConfig.from_pretrained(ckpt)
-    for backend, message in [(BareBackend(), "the bare backend has no gelu and encoder_attention ops"),
-                             (GeluOnly(), "has no encoder_attention op, which the Pixtral")]:
-        with pytest.raises(ValueError, match=message):
-            Mistral3ForConditionalGeneration(config, load_safetensors(ckpt, progress=False),
-                                             backend)
+    check_backends_refused(Mistral3ForConditionalGeneration, ckpt, [
+        (BareBackend(), "the bare backend has no gelu and encoder_attention ops"),
+        (GeluOnlyBackend(), "has no encoder_attention op, which the Pixtral")])
 
 
 # ---- through the server

@@ -15,8 +15,9 @@ pytest.importorskip("PIL")
 from qwen3_vl_checkpoint import tiny_qwen3_vl_checkpoint, to_hub_expert_layout  # noqa: E402
 from vision_checkpoint import sample_image  # noqa: E402
 from vision_oracle import (  # noqa: E402
-    CASES, BareBackend, case_images, check_greedy_case, check_mrope_positions,
-    check_prefix_cache_keys, hf_generate, make_engine, one_pixel_changed, prompt_ids, run)
+    CASES, BareBackend, case_images, check_backends_refused, check_greedy_case,
+    check_mrope_positions, check_prefix_cache_keys, hf_generate, make_engine, one_pixel_changed,
+    prompt_ids, run)
 
 from engine.vision.config import ImageProcessorConfig  # noqa: E402
 from engine.vision.preprocess import preprocess_image  # noqa: E402
@@ -268,10 +269,7 @@ def test_bad_vision_configs_are_named(loaded):
 def test_backend_without_vision_ops_is_refused(loaded):
     """As for Qwen2.5-VL (tests/test_vision.py): a backend lacking the tower's ops is refused at
     load, naming them."""
-    from engine.loader.safetensors import load_safetensors
-    from engine.models.model_config import ModelConfig
     from engine.models.qwen3_vl import Qwen3VLForConditionalGeneration
     ckpt, _, _ = loaded("dense")
-    with pytest.raises(ValueError, match="the bare backend has no gelu and encoder_attention ops"):
-        Qwen3VLForConditionalGeneration(ModelConfig.from_pretrained(ckpt),
-                                        load_safetensors(ckpt, progress=False), BareBackend())
+    check_backends_refused(Qwen3VLForConditionalGeneration, ckpt, [
+        (BareBackend(), "the bare backend has no gelu and encoder_attention ops")])

@@ -44,6 +44,26 @@ class BareBackend(Backend):
         Backend.__init__(self, "bare")
 
 
+class GeluOnlyBackend(BareBackend):
+    """A bare backend with gelu of its own: the towers that also need encoder_attention refuse
+    it."""
+    def gelu(self, x, out):
+        pass
+
+
+def check_backends_refused(model_class, ckpt, refusals: list) -> None:
+    """Building model_class from the checkpoint on each (backend, message)'s backend raises a
+    ValueError matching message."""
+    import pytest
+
+    from engine.loader.safetensors import load_safetensors
+    from engine.models.model_config import ModelConfig
+    config = ModelConfig.from_pretrained(ckpt)
+    for backend, message in refusals:
+        with pytest.raises(ValueError, match=message):
+            model_class(config, load_safetensors(ckpt, progress=False), backend)
+
+
 def make_engine(ckpt, **kw):
     from engine.config import EngineConfig
     from engine.core.llm_engine import LLMEngine
