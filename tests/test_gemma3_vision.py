@@ -15,9 +15,11 @@ pytest.importorskip("PIL")
 
 from gemma3_vision_checkpoint import tiny_gemma3_vision_checkpoint  # noqa: E402
 from vision_checkpoint import sample_image  # noqa: E402
+from vision_oracle import (  # noqa: E402
+    BareBackend, check_backends_refused, greedy_with_trust, make_engine, messages,
+    one_pixel_changed, run)
 
 GEN = 12
-TIE = 1e-4
 
 # (message parts: text, or None for an image; image sizes)
 CASES = {
@@ -52,18 +54,6 @@ def processor(ckpt, vision):
     return image_processor(ckpt, vision)
 
 
-def make_engine(ckpt, **kw):
-    from engine.config import EngineConfig
-    from engine.core.llm_engine import LLMEngine
-    return LLMEngine(EngineConfig(model=ckpt, backend="cpu", kv_cache_memory_mb=16,
-                                  async_scheduling=False, **kw))
-
-
-def messages(parts):
-    content = [{"type": "image"} if p is None else {"type": "text", "text": p} for p in parts]
-    return [{"role": "user", "content": content}]
-
-
 def hf_inputs(hf, parts, images):
     """transformers' processor outputs for one user message: the text expanded, pixel values,
     token_type_ids."""
@@ -77,31 +67,12 @@ def case(name):
     return parts, [sample_image(*s, seed=seed) for s, seed in zip(sizes, SEEDS[name])]
 
 
-@torch.no_grad()
 def hf_generate(hf, inputs, n: int = GEN, bidirectional: bool = True):
     """transformers' greedy tokens and how many are trusted (top-two gap over TIE)."""
     inputs = dict(inputs)
     if not bidirectional:
         inputs.pop("token_type_ids")
-    g = hf[0].generate(**inputs, max_new_tokens=n, do_sample=False, output_scores=True,
-                       return_dict_in_generate=True)
-    tokens = g.sequences[0, inputs["input_ids"].shape[1]:].tolist()
-    trusted = n
-    for i, s in enumerate(g.scores):
-        top2 = torch.log_softmax(s[0].double(), -1).topk(2).values
-        if float(top2[0] - top2[1]) < TIE:
-            trusted = i
-            break
-    return tokens, trusted
-
-
-def run(engine, ids, images, n: int = GEN, request_id: str = "r"):
-    from engine.sampling.sampling_params import SamplingParams
-    seq = engine.add_request(request_id, ids, SamplingParams(max_tokens=n, temperature=0,
-                                                             ignore_eos=True), images=images)
-    while engine.has_unfinished():
-        engine.step()
-    return seq
+    return greedy_with_trust(hf[0], n, **inputs)
 
 
 # ---- preprocessing, the prompt and the vision tower
@@ -177,7 +148,7 @@ def test_greedy_matches_hf_generate(ckpt, hf, processor, name, budget):
     assert trusted >= 8, f"reference near-tie at token {trusted}"
     ids, processed = engine_prompt(hf, processor, parts, images)
     engine = make_engine(ckpt, max_num_batched_tokens=budget)
-    seq = run(engine, ids, processed)
+    seq = run(engine, ids, processed, GEN)
     assert seq.output_token_ids[:trusted] == tokens[:trusted]
     assert engine.runner.vision.num_encoded == len(images)
     if budget < len(ids):
@@ -205,7 +176,7 @@ def test_bidirectional_overlay_is_what_matches(ckpt, hf, processor, name, monkey
     ids, processed = engine_prompt(hf, processor, parts, images)
     engine = make_engine(ckpt)
     monkeypatch.setattr(engine.model._image_blocks, "apply", lambda *args: None)
-    seq = run(engine, ids, processed)
+    seq = run(engine, ids, processed, GEN)
     causal, trusted = hf_generate(hf, inputs, bidirectional=False)
     assert seq.output_token_ids[:trusted] == causal[:trusted]
     assert seq.output_token_ids != hf_generate(hf, inputs)[0]
@@ -227,7 +198,7 @@ def test_images_stay_whole_in_chunks(ckpt, hf, processor, caplog):
     assert seq.num_computed_tokens >= image.end
     engine = make_engine(ckpt, max_num_batched_tokens=20)
     engine.scheduler.encoder_budget.whole_images = False
-    seq = run(engine, ids, processed)
+    seq = run(engine, ids, processed, GEN)
     assert seq.is_finished and seq.output_token_ids == []
     assert "a prefill chunk ends inside image 0" in caplog.text
 
@@ -246,29 +217,26 @@ def test_prefix_cache_keys_hold_the_image(ckpt, hf, processor):
     image and other text after it: a hit that ends inside the image, whose remaining tokens
     still see the whole image (transformers' tokens); one pixel changed: no block past the
     image's first is shared, and the tokens are transformers'."""
-    from PIL import Image
     parts, images = case("one image")
-    changed = np.asarray(images[0]).copy()
-    changed[10, 10] = 255 - changed[10, 10]
-    other = Image.fromarray(changed)
+    other = one_pixel_changed(images[0])
     ids, a = engine_prompt(hf, processor, parts, images)
     b = [processor.preprocess(images[0])]
     c = [processor.preprocess(other)]
     assert a[0].content_hash == b[0].content_hash != c[0].content_hash
     engine = make_engine(ckpt)
-    first = run(engine, ids, a, request_id="a")
-    again = run(engine, ids, b, request_id="b")
+    first = run(engine, ids, a, GEN, request_id="a")
+    again = run(engine, ids, b, GEN, request_id="b")
     image = first.mm.images[0]
     bs = engine.block_pool.block_size
     assert again.num_cached_tokens == (len(ids) - 1) // bs * bs > image.offset
     assert again.output_token_ids == first.output_token_ids
     longer = parts + ["Then say which one is brighter."]
     ids2, d = engine_prompt(hf, processor, longer, images)
-    inside = run(engine, ids2, d, request_id="d")
+    inside = run(engine, ids2, d, GEN, request_id="d")
     assert image.offset < inside.num_cached_tokens < image.end
     tokens, trusted = hf_generate(hf, hf_inputs(hf, longer, images))
     assert trusted >= 8 and inside.output_token_ids[:trusted] == tokens[:trusted]
-    changed_seq = run(engine, ids, c, request_id="c")
+    changed_seq = run(engine, ids, c, GEN, request_id="c")
     assert changed_seq.num_cached_tokens == image.offset // bs * bs
     tokens, trusted = hf_generate(hf, hf_inputs(hf, parts, [other]))
     assert changed_seq.output_token_ids[:trusted] == tokens[:trusted]
@@ -278,26 +246,15 @@ def test_backend_without_tower_ops_is_refused(ckpt):
     """Loading refuses a backend whose class leaves an op the SigLIP tower needs to the op
     table's base class, naming the missing ones (CUDA has them: tests/test_cuda_host.py; the
     tower and overlay on CUDA: tests/gpu/test_cuda_vision.py)."""
-    from engine.loader.safetensors import load_safetensors
     from engine.models.gemma3_vl import Gemma3ForConditionalGeneration
-    from engine.models.model_config import ModelConfig
-    from pyx.backend import Backend
 
-    class Bare(Backend):
-        def __init__(self):
-            Backend.__init__(self, "bare")
-
-    class NoLayerNorm(Bare):
+    class NoLayerNorm(BareBackend):
         def encoder_attention(self, out, q, k, v, cu_seqlens, scale):
             pass
-    config = ModelConfig.from_pretrained(ckpt)
-    for backend, message in [
-            (Bare(), "the bare backend has no encoder_attention and layer_norm and "
-                     "fused_add_layer_norm ops"),
-            (NoLayerNorm(), "has no layer_norm and fused_add_layer_norm ops, which the SigLIP")]:
-        with pytest.raises(ValueError, match=message):
-            Gemma3ForConditionalGeneration(config, load_safetensors(ckpt, progress=False),
-                                           backend)
+    check_backends_refused(Gemma3ForConditionalGeneration, ckpt, [
+        (BareBackend(), "the bare backend has no encoder_attention and layer_norm and "
+                        "fused_add_layer_norm ops"),
+        (NoLayerNorm(), "has no layer_norm and fused_add_layer_norm ops, which the SigLIP")])
 
 
 # ---- the hub's files

@@ -5,79 +5,32 @@ prompts with one and two images, through the engine and through a live server; f
 go together are refused by name."""
 from __future__ import annotations
 
-import base64
-import json
 import os
 
-import numpy as np
 import pytest
 
 pytest.importorskip("PIL")
 
-from server_fakes import LiveServer, client_for  # noqa: E402
-from vision_checkpoint import png_bytes, sample_image  # noqa: E402
+from gguf_mmproj_cases import (  # noqa: E402
+    DATA, check_engine_case, check_server_cases, load_fixtures, make_engine)
 
-DATA = os.path.join(os.path.dirname(__file__), "data", "gguf")
 TEXT = os.path.join(DATA, "qwen25vl-f32.gguf")
 MMPROJ = os.path.join(DATA, "qwen25vl-mmproj-f32.gguf")
-with open(os.path.join(DATA, "qwen25vl_fixtures.json")) as f:
-    FIXTURES = json.load(f)
-
-
-def make_engine(**kw):
-    from engine.config import EngineConfig
-    from engine.core.llm_engine import LLMEngine
-    return LLMEngine(EngineConfig(model=DATA, weight_file=TEXT, mmproj=MMPROJ, backend="cpu",
-                                  kv_cache_memory_mb=16, async_scheduling=False, **kw))
-
-
-def images_of(case: dict) -> list:
-    return [sample_image(w, h, seed=s) for w, h, s in case["images"]]
+FIXTURES = load_fixtures("qwen25vl")
 
 
 @pytest.mark.parametrize("name", list(FIXTURES))
 def test_engine_matches_transformers(name):
     """The projector's tower and the text file's M-RoPE language model: transformers' tokens
     (up to its first near-tie), with chunked prefill cutting the images' runs."""
-    from engine.sampling.sampling_params import SamplingParams
-    from engine.vision.families import image_processor, preprocess
-    case = FIXTURES[name]
-    engine = make_engine(max_num_batched_tokens=32)
-    processor = image_processor(DATA, engine.model_config.vision)
-    processed = [preprocess(im, processor) for im in images_of(case)]
-    seq = engine.add_request("r", case["prompt_ids"], SamplingParams(
-        max_tokens=len(case["tokens"]), temperature=0, ignore_eos=True), images=processed)
-    while engine.has_unfinished():
-        engine.step()
-    assert case["trusted"] >= 6
-    assert seq.output_token_ids[:case["trusted"]] == case["tokens"][:case["trusted"]]
-    assert engine.runner.vision.num_encoded == len(processed)
+    check_engine_case(make_engine(TEXT, MMPROJ, max_num_batched_tokens=32), FIXTURES[name])
 
 
 def test_server_with_mmproj_matches_transformers(tmp_path):
     """`--weight-file` and `--mmproj`: the GGUF's own tokenizer and chat template build the
     prompt transformers' processor built, and the answer is transformers' text, each token's
     logprob transformers' (1e-3: these move with every weight of the tower)."""
-    server = LiveServer(tmp_path, DATA, "--f", os.path.basename(TEXT), "--mmproj", MMPROJ,
-                        "--mem", "16", "--served-model-name", "vl")
-    try:
-        client = client_for(server.port)
-        for name, case in FIXTURES.items():
-            it = iter(images_of(case))
-            content = [{"type": "image_url", "image_url": {"url": "data:image/png;base64,"
-                        + base64.b64encode(png_bytes(next(it))).decode()}}
-                       if p is None else {"type": "text", "text": p} for p in case["parts"]]
-            out = client.chat.completions.create(
-                model="vl", messages=[{"role": "user", "content": content}],
-                max_tokens=len(case["tokens"]), temperature=0, logprobs=True,
-                extra_body={"ignore_eos": True})
-            assert out.usage.prompt_tokens == len(case["prompt_ids"]), name
-            assert case["trusted"] == len(case["tokens"])
-            assert out.choices[0].message.content == case["text"], name
-            got = [e.logprob for e in out.choices[0].logprobs.content]
-            assert np.allclose(got, case["logprobs"], atol=1e-3), (name, got, case["logprobs"])
-    finally:
-        server.close()
+    check_server_cases(tmp_path, TEXT, MMPROJ, "vl", FIXTURES, check_text=True)
 
 
 def test_mismatched_files_are_refused():

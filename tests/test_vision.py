@@ -13,7 +13,10 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("PIL")
 
 from vision_checkpoint import sample_image, tiny_vl_checkpoint  # noqa: E402
-from vision_oracle import GEN, hf_generate, make_engine, prompt_ids, run  # noqa: E402
+from vision_oracle import (  # noqa: E402
+    CASES, GEN, BareBackend, GeluOnlyBackend, case_images, check_backends_refused,
+    check_greedy_case, check_mrope_positions, check_prefix_cache_keys, hf_generate, make_engine,
+    one_pixel_changed, prompt_ids, run)
 
 from engine.vision.config import ImageProcessorConfig  # noqa: E402
 from engine.vision.preprocess import preprocess_image  # noqa: E402
@@ -74,28 +77,11 @@ def test_encoder_matches_hf(ckpt, hf, processor):
 
 # ---- generation against transformers
 
-CASES = {
-    "one image": (["What is in this picture?", None, " Describe it."], [(40, 56)]),
-    "two images": ([None, "Compare the two images:", None, "which one is brighter?"],
-                   [(23, 31), (48, 40)]),
-}
-
-
 @pytest.mark.parametrize("name", list(CASES))
 def test_greedy_matches_hf_generate(ckpt, hf, processor, name):
     """Chunked prefill (chunks of 32 tokens cut the images' runs), then decodes: transformers'
     tokens up to its first near-tie."""
-    parts, sizes = CASES[name]
-    images = [sample_image(*s, seed=i + 5) for i, s in enumerate(sizes)]
-    processed = [preprocess_image(im, processor) for im in images]
-    ids = prompt_ids(hf, parts, processed)
-    tokens, trusted = hf_generate(hf, ids, images)
-    assert trusted >= 6, f"reference near-tie at token {trusted}"
-    engine = make_engine(ckpt, max_num_batched_tokens=32)
-    seq = run(engine, ids, processed)
-    assert seq.output_token_ids[:trusted] == tokens[:trusted]
-    # each image encoded once, though chunks of 32 split its tokens (the encoder cache)
-    assert engine.runner.vision.num_encoded == len(images)
+    check_greedy_case(ckpt, hf, lambda im: preprocess_image(im, processor), name)
 
 
 def test_images_and_mrope_change_the_tokens(ckpt, hf, processor):
@@ -124,24 +110,9 @@ def test_images_and_mrope_change_the_tokens(ckpt, hf, processor):
 
 
 def test_mrope_positions_equal_get_rope_index(ckpt, hf, processor):
-    from engine.models.model_config import ModelConfig
-    from engine.vision.inputs import MultimodalPrompt
     parts, sizes = CASES["two images"]
-    images = [sample_image(*s, seed=i) for i, s in enumerate(sizes)]
-    processed = [preprocess_image(im, processor) for im in images]
-    ids = prompt_ids(hf, parts, processed)
-    model = hf[0]
-    input_ids = torch.tensor([ids])
-    grid = torch.tensor([p.grid_thw for p in processed])
-    ref, delta = model.model.get_rope_index(
-        input_ids, mm_token_type_ids=(input_ids == model.config.image_token_id).int(),
-        image_grid_thw=grid)
-    mm = MultimodalPrompt.place(ids, processed, ModelConfig.from_pretrained(ckpt).vision)
-    pos, rows, triples, _ = mm.rope_positions(0, len(ids))
-    full = np.repeat(pos[:, None], 3, 1)
-    full[rows] = triples
-    assert np.array_equal(full.T, ref[:, 0].numpy())
-    assert mm.rope_delta == int(delta[0, 0])
+    processed = [preprocess_image(im, processor) for im in case_images(sizes, first_seed=0)]
+    mm, pos, full = check_mrope_positions(ckpt, hf, processed, prompt_ids(hf, parts, processed))
     # a chunk's positions are the same rows of the whole prompt's
     pos2, rows2, triples2, _ = mm.rope_positions(7, 40)
     assert np.array_equal(pos2, pos[7:47]) and np.array_equal(triples2, full[7:47][rows2])
@@ -155,28 +126,13 @@ def test_prefix_cache_keys_hold_the_image(ckpt, hf, processor):
     image's first block, and its tokens are its own (transformers' for that image)."""
     parts, sizes = CASES["one image"]
     image = sample_image(*sizes[0], seed=5)
-    changed = np.asarray(image).copy()
-    changed[10, 10] = 255 - changed[10, 10]
-    from PIL import Image
-    other = Image.fromarray(changed)
+    other = one_pixel_changed(image)
     a = [preprocess_image(image, processor)]
     b = [preprocess_image(image, processor)]        # decoded again: the same content
     c = [preprocess_image(other, processor)]
     assert a[0].content_hash == b[0].content_hash != c[0].content_hash
     ids = prompt_ids(hf, parts, a)
-    engine = make_engine(ckpt)
-    first = run(engine, ids, a, request_id="a")
-    again = run(engine, ids, b, request_id="b")
-    image_start = ids.index(hf[0].config.image_token_id)
-    bs = engine.block_pool.block_size
-    assert again.num_cached_tokens == (len(ids) - 1) // bs * bs > image_start
-    assert again.output_token_ids == first.output_token_ids
-    assert engine.runner.vision.num_encoded == 1        # b computed no image token
-    changed_seq = run(engine, ids, c, request_id="c")
-    assert changed_seq.num_cached_tokens == image_start // bs * bs
-    assert engine.runner.vision.num_encoded == 2
-    tokens, trusted = hf_generate(hf, ids, [other])
-    assert changed_seq.output_token_ids[:trusted] == tokens[:trusted]
+    check_prefix_cache_keys(ckpt, hf, ids, a, b, c, hf_generate(hf, ids, [other]))
 
 
 def test_encoder_cache_serves_repeated_images(ckpt, hf, processor):
@@ -209,8 +165,7 @@ def test_encoder_budget_per_step(ckpt, hf, processor):
     """With an encoder budget below two images, a prompt with two images encodes them in two
     steps: the chunk stops before the second image; the tokens are unchanged."""
     parts, sizes = CASES["two images"]
-    images = [sample_image(*s, seed=i + 5) for i, s in enumerate(sizes)]
-    processed = [preprocess_image(im, processor) for im in images]
+    processed = [preprocess_image(im, processor) for im in case_images(sizes)]
     ids = prompt_ids(hf, parts, processed)
     free = run(make_engine(ckpt, max_num_batched_tokens=256), ids, processed)
     engine = make_engine(ckpt, max_num_batched_tokens=256)
@@ -242,23 +197,9 @@ def test_backend_without_vision_ops_is_refused(ckpt):
     """Loading refuses a backend whose class leaves gelu or encoder_attention to the op table's
     base class, naming the missing ones; the CPU backend has both (the CUDA one:
     tests/test_cuda_host.py)."""
-    from engine.loader.safetensors import load_safetensors
-    from engine.models.model_config import ModelConfig
     from engine.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration, missing_ops
-    from pyx.backend import Backend
     from pyx.cpu_backend import CpuBackend
-
-    class Bare(Backend):
-        def __init__(self):
-            Backend.__init__(self, "bare")
-
-    class GeluOnly(Bare):
-        def gelu(self, x, out):
-            pass
-    config = ModelConfig.from_pretrained(ckpt)
-    for backend, message in [(Bare(), "the bare backend has no gelu and encoder_attention ops"),
-                             (GeluOnly(), "has no encoder_attention op, which the vision")]:
-        with pytest.raises(ValueError, match=message):
-            Qwen2_5_VLForConditionalGeneration(config, load_safetensors(ckpt, progress=False),
-                                               backend)
+    check_backends_refused(Qwen2_5_VLForConditionalGeneration, ckpt, [
+        (BareBackend(), "the bare backend has no gelu and encoder_attention ops"),
+        (GeluOnlyBackend(), "has no encoder_attention op, which the vision")])
     assert missing_ops(CpuBackend) == []

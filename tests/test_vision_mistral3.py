@@ -12,11 +12,12 @@ pytest.importorskip("PIL")
 
 from mistral3_checkpoint import MERGE, PATCH, tiny_mistral3_checkpoint  # noqa: E402
 from vision_checkpoint import sample_image  # noqa: E402
+from vision_oracle import (  # noqa: E402
+    CASES, GEN, BareBackend, GeluOnlyBackend, case_images, check_backends_refused,
+    check_prefix_cache_keys, greedy_with_trust, make_engine, messages, one_pixel_changed, run)
 
 from engine.vision.families import image_processor, preprocess  # noqa: E402
 
-GEN = 10
-TIE = 1e-4
 UNIT = PATCH * MERGE         # PixtralProcessor's patch size for the image processor
 
 
@@ -49,8 +50,7 @@ def hf_prompt(hf, parts: list, images: list) -> list[int]:
     """One user message's prompt as PixtralProcessor builds it: each [IMG] replaced by the
     image's rows of [IMG]s, each row ended by [IMG_BREAK], the last by [IMG_END]."""
     tok = hf[2]
-    content = [{"type": "image"} if p is None else {"type": "text", "text": p} for p in parts]
-    text = tok.apply_chat_template([{"role": "user", "content": content}], tokenize=False)
+    text = tok.apply_chat_template(messages(parts), tokenize=False)
     sizes = iter(hf_pixels(hf, images)["image_sizes"].tolist()) if images else iter(())
     pieces = text.split("[IMG]")
     out = pieces[0]
@@ -65,8 +65,7 @@ def prompt_ids(hf, parts: list, processed: list) -> list[int]:
     """The same prompt as the server builds it: the template's [IMG]s replaced by each
     processed image's run."""
     tok = hf[2]
-    content = [{"type": "image"} if p is None else {"type": "text", "text": p} for p in parts]
-    text = tok.apply_chat_template([{"role": "user", "content": content}], tokenize=False)
+    text = tok.apply_chat_template(messages(parts), tokenize=False)
     image_id = tok.convert_tokens_to_ids("[IMG]")
     out, it = [], iter(processed)
     for t in tok(text, add_special_tokens=False)["input_ids"]:
@@ -74,42 +73,15 @@ def prompt_ids(hf, parts: list, processed: list) -> list[int]:
     return out
 
 
-@torch.no_grad()
 def hf_generate(hf, ids: list[int], images: list, n: int = GEN):
     """transformers' greedy tokens and how many are trusted (top-two gap over TIE)."""
-    model = hf[0]
     input_ids = torch.tensor([ids])
     kwargs = {}
     if images:
         out = hf_pixels(hf, images)
         kwargs = dict(pixel_values=out["pixel_values"], image_sizes=out["image_sizes"])
-    g = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
-                       max_new_tokens=n, do_sample=False, output_scores=True,
-                       return_dict_in_generate=True, **kwargs)
-    tokens = g.sequences[0, len(ids):].tolist()
-    trusted = n
-    for i, s in enumerate(g.scores):
-        top2 = torch.log_softmax(s[0].double(), -1).topk(2).values
-        if float(top2[0] - top2[1]) < TIE:
-            trusted = i
-            break
-    return tokens, trusted
-
-
-def make_engine(ckpt, **kw):
-    from engine.config import EngineConfig
-    from engine.core.llm_engine import LLMEngine
-    return LLMEngine(EngineConfig(model=ckpt, backend="cpu", kv_cache_memory_mb=16,
-                                  async_scheduling=False, **kw))
-
-
-def run(engine, ids, images, n: int = GEN, request_id: str = "r"):
-    from engine.sampling.sampling_params import SamplingParams
-    seq = engine.add_request(request_id, ids, SamplingParams(max_tokens=n, temperature=0,
-                                                             ignore_eos=True), images=images)
-    while engine.has_unfinished():
-        engine.step()
-    return seq
+    return greedy_with_trust(hf[0], n, input_ids=input_ids,
+                             attention_mask=torch.ones_like(input_ids), **kwargs)
 
 
 # ---- preprocessing and the vision side
@@ -189,12 +161,6 @@ def test_processor_config_layouts_and_errors(ckpt, processor, tmp_path):
 
 # ---- generation against transformers
 
-CASES = {
-    "one image": (["What is in this picture?", None, " Describe it."], [(40, 56)]),
-    "two images": ([None, "Compare the two images:", None, "which one is brighter?"],
-                   [(23, 31), (48, 40)]),
-}
-
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_greedy_matches_hf_generate(ckpt, hf, processor, name):
@@ -203,7 +169,7 @@ def test_greedy_matches_hf_generate(ckpt, hf, processor, name):
     image's embeddings are what the check compares)."""
     from PIL import ImageOps
     parts, sizes = CASES[name]
-    images = [sample_image(*s, seed=i + 5) for i, s in enumerate(sizes)]
+    images = case_images(sizes)
     processed = [preprocess(im, processor) for im in images]
     ids = prompt_ids(hf, parts, processed)
     assert ids == hf_prompt(hf, parts, images)
@@ -224,31 +190,16 @@ def test_prefix_cache_keys_hold_the_image(ckpt, hf, processor):
     """Same image and text: the second request's prompt blocks come from the cache; a
     different image (one pixel changed) with the same text: no block is shared past the
     image's first block, and its tokens are its own (transformers' for that image)."""
-    from PIL import Image
     parts, sizes = CASES["one image"]
     image = sample_image(*sizes[0], seed=5)
-    changed = np.asarray(image).copy()
-    changed[10, 10] = 255 - changed[10, 10]
-    other = Image.fromarray(changed)
+    other = one_pixel_changed(image)
     a = [preprocess(image, processor)]
     b = [preprocess(image, processor)]        # decoded again: the same content
     c = [preprocess(other, processor)]
     assert a[0].content_hash == b[0].content_hash != c[0].content_hash
     ids = prompt_ids(hf, parts, a)
     assert prompt_ids(hf, parts, c) == ids      # the same tokens: only the key tells them apart
-    engine = make_engine(ckpt)
-    first = run(engine, ids, a, request_id="a")
-    again = run(engine, ids, b, request_id="b")
-    image_start = ids.index(hf[0].config.image_token_id)
-    bs = engine.block_pool.block_size
-    assert again.num_cached_tokens == (len(ids) - 1) // bs * bs > image_start
-    assert again.output_token_ids == first.output_token_ids
-    assert engine.runner.vision.num_encoded == 1        # b computed no image token
-    changed_seq = run(engine, ids, c, request_id="c")
-    assert changed_seq.num_cached_tokens == image_start // bs * bs
-    assert engine.runner.vision.num_encoded == 2
-    tokens, trusted = hf_generate(hf, ids, [other])
-    assert changed_seq.output_token_ids[:trusted] == tokens[:trusted]
+    check_prefix_cache_keys(ckpt, hf, ids, a, b, c, hf_generate(hf, ids, [other]))
 
 
 def test_admission_errors(ckpt, hf, processor):
@@ -268,24 +219,10 @@ def test_backend_without_vision_ops_is_refused(ckpt):
     """Loading refuses a backend whose class leaves gelu or encoder_attention to the op table's
     base class, naming the missing ones (CUDA has both: tests/test_cuda_host.py; the tower on
     CUDA: tests/gpu/test_cuda_vision.py)."""
-    from engine.loader.safetensors import load_safetensors
     from engine.models.mistral3 import Mistral3ForConditionalGeneration
-    from engine.models.model_config import ModelConfig
-    from pyx.backend import Backend
-
-    class Bare(Backend):
-        def __init__(self):
-            Backend.__init__(self, "bare")
-
-    class GeluOnly(Bare):
-        def gelu(self, x, out):
-            pass
-    config = ModelConfig.from_pretrained(ckpt)
-    for backend, message in [(Bare(), "the bare backend has no gelu and encoder_attention ops"),
-                             (GeluOnly(), "has no encoder_attention op, which the Pixtral")]:
-        with pytest.raises(ValueError, match=message):
-            Mistral3ForConditionalGeneration(config, load_safetensors(ckpt, progress=False),
-                                             backend)
+    check_backends_refused(Mistral3ForConditionalGeneration, ckpt, [
+        (BareBackend(), "the bare backend has no gelu and encoder_attention ops"),
+        (GeluOnlyBackend(), "has no encoder_attention op, which the Pixtral")])
 
 
 # ---- through the server
@@ -302,7 +239,7 @@ def test_server_matches_hf_generate(ckpt, hf, tmp_path):
     try:
         client = client_for(server.port)
         for name, (parts, sizes) in CASES.items():
-            images = [sample_image(*s, seed=i + 5) for i, s in enumerate(sizes)]
+            images = case_images(sizes)
             ids = hf_prompt(hf, parts, images)
             tokens, trusted = hf_generate(hf, ids, images, n=GEN)
             assert trusted == GEN, f"{name}: reference near-tie at token {trusted}"

@@ -14,17 +14,13 @@ pytest.importorskip("PIL")
 
 from qwen3_vl_checkpoint import tiny_qwen3_vl_checkpoint, to_hub_expert_layout  # noqa: E402
 from vision_checkpoint import sample_image  # noqa: E402
-from vision_oracle import hf_generate, make_engine, prompt_ids, run  # noqa: E402
+from vision_oracle import (  # noqa: E402
+    CASES, BareBackend, case_images, check_backends_refused, check_greedy_case,
+    check_mrope_positions, check_prefix_cache_keys, hf_generate, make_engine, one_pixel_changed,
+    prompt_ids, run)
 
 from engine.vision.config import ImageProcessorConfig  # noqa: E402
 from engine.vision.preprocess import preprocess_image  # noqa: E402
-
-
-CASES = {
-    "one image": (["What is in this picture?", None, " Describe it."], [(40, 56)]),
-    "two images": ([None, "Compare the two images:", None, "which one is brighter?"],
-                   [(23, 31), (48, 40)]),
-}
 
 
 def _hf_classes(moe: bool):
@@ -128,16 +124,7 @@ def test_greedy_matches_hf_generate(loaded, kind, name):
     """Chunked prefill (chunks of 32 tokens cut the images' runs), then decodes: transformers'
     tokens up to its first near-tie; each image encoded once."""
     ckpt, hf, processor = loaded(kind)
-    parts, sizes = CASES[name]
-    images = [sample_image(*s, seed=i + 5) for i, s in enumerate(sizes)]
-    processed = [preprocess_image(im, processor) for im in images]
-    ids = prompt_ids(hf, parts, processed)
-    tokens, trusted = hf_generate(hf, ids, images)
-    assert trusted >= 6, f"reference near-tie at token {trusted}"
-    engine = make_engine(ckpt, max_num_batched_tokens=32)
-    seq = run(engine, ids, processed)
-    assert seq.output_token_ids[:trusted] == tokens[:trusted]
-    assert engine.runner.vision.num_encoded == len(images)
+    check_greedy_case(ckpt, hf, lambda im: preprocess_image(im, processor), name)
 
 
 def _last_logits(hf, ids, image, **kw):
@@ -189,25 +176,10 @@ def test_mrope_sections_are_interleaved_as_transformers(loaded):
 
 
 def test_mrope_positions_equal_get_rope_index(loaded):
-    from engine.models.model_config import ModelConfig
-    from engine.vision.inputs import MultimodalPrompt
     ckpt, hf, processor = loaded("dense")
     parts, sizes = CASES["two images"]
-    images = [sample_image(*s, seed=i) for i, s in enumerate(sizes)]
-    processed = [preprocess_image(im, processor) for im in images]
-    ids = prompt_ids(hf, parts, processed)
-    model = hf[0]
-    input_ids = torch.tensor([ids])
-    grid = torch.tensor([p.grid_thw for p in processed])
-    ref, delta = model.model.get_rope_index(
-        input_ids, mm_token_type_ids=(input_ids == model.config.image_token_id).int(),
-        image_grid_thw=grid)
-    mm = MultimodalPrompt.place(ids, processed, ModelConfig.from_pretrained(ckpt).vision)
-    pos, rows, triples, _ = mm.rope_positions(0, len(ids))
-    full = np.repeat(pos[:, None], 3, 1)
-    full[rows] = triples
-    assert np.array_equal(full.T, ref[:, 0].numpy())
-    assert mm.rope_delta == int(delta[0, 0])
+    processed = [preprocess_image(im, processor) for im in case_images(sizes, first_seed=0)]
+    check_mrope_positions(ckpt, hf, processed, prompt_ids(hf, parts, processed))
 
 
 # ---- caches
@@ -216,30 +188,15 @@ def test_prefix_cache_keys_hold_the_image(loaded):
     """Same image and text: the second request's prompt blocks come from the cache; one pixel
     changed: nothing past the image's first block is shared, and the tokens are
     transformers' for that image."""
-    from PIL import Image
     ckpt, hf, processor = loaded("dense")
     parts, sizes = CASES["one image"]
     image = sample_image(*sizes[0], seed=5)
-    changed = np.asarray(image).copy()
-    changed[10, 10] = 255 - changed[10, 10]
-    other = Image.fromarray(changed)
+    other = one_pixel_changed(image)
     a = [preprocess_image(image, processor)]
     b = [preprocess_image(image, processor)]
     c = [preprocess_image(other, processor)]
     ids = prompt_ids(hf, parts, a)
-    engine = make_engine(ckpt)
-    first = run(engine, ids, a, request_id="a")
-    again = run(engine, ids, b, request_id="b")
-    image_start = ids.index(hf[0].config.image_token_id)
-    bs = engine.block_pool.block_size
-    assert again.num_cached_tokens == (len(ids) - 1) // bs * bs > image_start
-    assert again.output_token_ids == first.output_token_ids
-    assert engine.runner.vision.num_encoded == 1
-    changed_seq = run(engine, ids, c, request_id="c")
-    assert changed_seq.num_cached_tokens == image_start // bs * bs
-    assert engine.runner.vision.num_encoded == 2
-    tokens, trusted = hf_generate(hf, ids, [other])
-    assert changed_seq.output_token_ids[:trusted] == tokens[:trusted]
+    check_prefix_cache_keys(ckpt, hf, ids, a, b, c, hf_generate(hf, ids, [other]))
 
 
 # ---- MoE experts
@@ -312,15 +269,7 @@ def test_bad_vision_configs_are_named(loaded):
 def test_backend_without_vision_ops_is_refused(loaded):
     """As for Qwen2.5-VL (tests/test_vision.py): a backend lacking the tower's ops is refused at
     load, naming them."""
-    from engine.loader.safetensors import load_safetensors
-    from engine.models.model_config import ModelConfig
     from engine.models.qwen3_vl import Qwen3VLForConditionalGeneration
-    from pyx.backend import Backend
     ckpt, _, _ = loaded("dense")
-
-    class Bare(Backend):
-        def __init__(self):
-            Backend.__init__(self, "bare")
-    with pytest.raises(ValueError, match="the bare backend has no gelu and encoder_attention ops"):
-        Qwen3VLForConditionalGeneration(ModelConfig.from_pretrained(ckpt),
-                                        load_safetensors(ckpt, progress=False), Bare())
+    check_backends_refused(Qwen3VLForConditionalGeneration, ckpt, [
+        (BareBackend(), "the bare backend has no gelu and encoder_attention ops")])
