@@ -132,13 +132,23 @@ def route_grouped(logits, top_k: int, normalize: bool, routing, bias=None, xp=np
 class MoE:
     def __init__(self, backend, router, experts_gate_up: list, experts_down: list, top_k: int,
                  normalize: bool, shared=None, shared_gate=None, fused: bool = False,
-                 grouped=None, correction_bias=None):
+                 grouped=None, correction_bias=None, activation: str = "silu",
+                 expert_scale=None):
         """router (E, H); experts_gate_up[e] (2I, H) and experts_down[e] (H, I), placed weights;
         shared: an MLP-like object with forward(x, out, ws) (the shared expert) and shared_gate
         (1, H), or None (added ungated). fused: the grouped-GEMM path (the experts are stacked
         here). grouped: DeepSeekMoE's GroupedRouting, routed by route_grouped with
-        correction_bias (E,) f32 or None; None: route's softmax top-k."""
+        correction_bias (E,) f32 or None; None: route's softmax top-k. activation: the experts'
+        gate, "silu" (SwiGLU) or "gelu_tanh" (GeGLU, Gemma 4). expert_scale (E,) f32 or None:
+        each chosen expert's weight multiplied by its own scale after routing (Gemma 4's
+        per_expert_scale)."""
         self.backend = backend
+        if activation not in ("silu", "gelu_tanh"):
+            raise ValueError(f"MoE: unknown activation {activation!r}, expected silu or "
+                             f"gelu_tanh")
+        self.act_and_mul = (backend.silu_and_mul if activation == "silu" else
+                            backend.gelu_tanh_and_mul)
+        self.expert_scale = expert_scale
         self.grouped, self.correction_bias = grouped, correction_bias
         self.xp = backend.xp
         self.router = router
@@ -157,17 +167,8 @@ class MoE:
         """x (T, H) -> out (T, H)."""
         b, xp = self.backend, self.xp
         T, H = x.shape
-        logits = ws.get("router_logits", T, self.num_experts)
-        b.linear(x, self.router, None, logits)
-        if self.grouped is not None:
-            ids, weights = route_grouped(logits, self.top_k, self.normalize, self.grouped,
-                                         self.correction_bias, xp)
-        else:
-            ids, weights = route(logits, self.top_k, self.normalize, xp, graph_safe=self.fused)
-        if self.fused:
-            self._experts_fused(x, ids, weights, out, ws)
-        else:
-            self._experts_one_by_one(x, ids, weights, out, ws)
+        ids, weights = self.select(x, ws)
+        self.run_experts(x, ids, weights, out, ws)
         if self.shared is not None:
             shared_out = ws.get("moe_shared", T, H)
             self.shared.forward(x, shared_out, ws)
@@ -179,6 +180,27 @@ class MoE:
             g = gate.astype(xp.float32)
             shared_out *= (1.0 / (1.0 + xp.exp(-g))).astype(shared_out.dtype)
             out += shared_out
+
+    def select(self, x, ws):
+        """The router on x (T, H) -> (expert ids (T, top_k) int64, their weights (T, top_k))."""
+        xp = self.xp
+        logits = ws.get("router_logits", x.shape[0], self.num_experts)
+        self.backend.linear(x, self.router, None, logits)
+        if self.grouped is not None:
+            ids, weights = route_grouped(logits, self.top_k, self.normalize, self.grouped,
+                                         self.correction_bias, xp)
+        else:
+            ids, weights = route(logits, self.top_k, self.normalize, xp, graph_safe=self.fused)
+        if self.expert_scale is not None:
+            weights = weights * self.expert_scale[ids]
+        return ids, weights
+
+    def run_experts(self, x, ids, weights, out, ws):
+        """out (T, H) = the chosen experts' outputs on x (T, H), weighted and summed."""
+        if self.fused:
+            self._experts_fused(x, ids, weights, out, ws)
+        else:
+            self._experts_one_by_one(x, ids, weights, out, ws)
 
     def _experts_fused(self, x, ids, weights, out, ws):
         """The grouped-GEMM path: no host round trip, a fixed number of launches."""
@@ -199,7 +221,7 @@ class MoE:
         y = ws.get("moe_pairs", P, H)
         align = (sorted_ids, block_expert, num_padded)
         b.moe_grouped_linear(x, self.gate_up, *align, k, block_m, gate_up)
-        b.silu_and_mul(gate_up, act)
+        self.act_and_mul(gate_up, act)
         b.moe_grouped_linear(act, self.down, *align, 1, block_m, y)
         b.moe_combine(y, weights, ids, E, out)
 
@@ -221,7 +243,7 @@ class MoE:
             gate_up = ws.get("moe_gate_up", end - start, 2 * I)
             act = ws.get("moe_act", end - start, I)
             b.linear(x_sorted[start:end], self.gate_up[e], None, gate_up)
-            b.silu_and_mul(gate_up, act)
+            self.act_and_mul(gate_up, act)
             b.linear(act, self.down[e], None, y_sorted[start:end])
             start = end
 

@@ -250,13 +250,20 @@ def _gpt_oss_weights(model, seed: int):
 
 
 def _gemma4_weights(model, seed: int):
-    """Gemma 4's layer_scalar buffers (one at init) ~ U(0.5, 1.5)."""
+    """Gemma 4's layer_scalar buffers (one at init) ~ U(0.5, 1.5); with the MoE block, the
+    router's scale (ones at init, then x scale) ~ 8 U(0.5, 1.5) per dimension, so that the router
+    logits spread well beyond near-ties, and per_expert_scale ~ U(0.5, 1.5)."""
     import torch
 
     gen = torch.Generator().manual_seed(seed + 10)
     with torch.no_grad():
         for layer in model.model.layers:
             layer.layer_scalar.copy_(0.5 + torch.rand(1, generator=gen))
+            if getattr(layer, "enable_moe_block", False):
+                r = layer.router
+                r.scale.copy_(8.0 * (0.5 + torch.rand(r.scale.shape, generator=gen)))
+                r.per_expert_scale.copy_(0.5 + torch.rand(r.per_expert_scale.shape,
+                                                          generator=gen))
 
 
 # per architecture: (scale for scale_weights, a further adjustment after it)

@@ -1,11 +1,12 @@
 """Families that are a quirk file each (issue 29 item 4): Phi-2 (PhiForCausalLM), GLM-4.5/4.6
 (Glm4MoeForCausalLM), GPT-OSS (GptOssForCausalLM), Llama 4 text (Llama4ForCausalLM),
-MiniMax-M2 (MiniMaxM2ForCausalLM), Gemma 4 text (Gemma4ForCausalLM) and Phi-4-mini's shape of
-Phi3ForCausalLM give transformers' greedy tokens on tiny checkpoints written by transformers
-itself (tests/checkpoints.py), through the whole engine with chunked prefill, a prefix-cache hit
-and forced preemption, through the server (Llama 4, MiniMax-M2, Gemma 4), and through the model
-alone (tests/model_cases.py's paged harness) with prompt chunks beside the other prompt's
-decodes (prefill logits too).
+MiniMax-M2 (MiniMaxM2ForCausalLM), Gemma 4 text (Gemma4ForCausalLM, dense and with the
+26B-A4B's mixture of experts beside the MLP, that one on the fused expert path too) and
+Phi-4-mini's shape of Phi3ForCausalLM give transformers' greedy tokens on tiny checkpoints
+written by transformers itself (tests/checkpoints.py), through the whole engine with chunked
+prefill, a prefix-cache hit and forced preemption, through the server (Llama 4, MiniMax-M2,
+Gemma 4), and through the model alone (tests/model_cases.py's paged harness) with prompt chunks
+beside the other prompt's decodes (prefill logits too).
 
 Each quirk first shows that transformers' own output changes when the quirk is switched off
 (tokens, or the prefill logits far beyond the harness test's tolerance where a tiny model's
@@ -34,6 +35,9 @@ CASES = {
     "llama4": (dict(arch="llama4"), None),
     "minimax_m2": (dict(arch="minimax_m2"), None),
     "gemma4": (dict(arch="gemma4"), None),
+    # Gemma 4 26B-A4B's shape: 4 experts (2 per token) beside every layer's dense MLP
+    "gemma4_moe": (dict(arch="gemma4", enable_moe_block=True, num_experts=4, top_k_experts=2,
+                        moe_intermediate_size=32), None),
     # Phi-4-mini's shape of Phi3ForCausalLM (Phi-4 itself is plain Phi-3): three quarters of
     # each head rotated (18 of 24 dims) with LongRoPE factors for those 9 pairs, tied
     # embeddings. The original context (128) covers every sequence here: past it transformers'
@@ -330,6 +334,23 @@ def _gemma4_layer_scalar_off(cases, name):
     return model
 
 
+def _gemma4_moe(change):
+    """Gemma 4's MoE layers with change(layer) applied to every one (a part of the block
+    ignored)."""
+    def switch_off(cases, name):
+        model = load_hf(cases.dir(name))
+        with torch.no_grad():
+            for layer in model.model.layers:
+                change(layer)
+        return model
+    return switch_off
+
+
+def _gemma4_experts_on_mlp_input(layer):
+    """The experts reading the dense MLP's input (pre_feedforward_layernorm), not their own."""
+    layer.pre_feedforward_layernorm_2.weight.copy_(layer.pre_feedforward_layernorm.weight)
+
+
 # quirk -> (the case that has it, transformers' model with the quirk switched off)
 QUIRK_OFF = {
     "phi_parallel_residual": ("phi", _phi_sequential_residual),
@@ -356,6 +377,14 @@ QUIRK_OFF = {
 
 # Quirks whose switch moves the logits but not every prompt's tokens (shown by the logits).
 LOGIT_QUIRK_OFF = {
+    "gemma4_moe_block": ("gemma4_moe", _gemma4_moe(lambda l: setattr(l, "enable_moe_block",
+                                                                     False))),
+    "gemma4_moe_per_expert_scale": ("gemma4_moe",
+                                    _gemma4_moe(lambda l: l.router.per_expert_scale.fill_(1.0))),
+    "gemma4_moe_router_scale": ("gemma4_moe", _gemma4_moe(lambda l: l.router.scale.fill_(1.0))),
+    "gemma4_moe_experts_pre_norm": ("gemma4_moe", _gemma4_moe(_gemma4_experts_on_mlp_input)),
+    "gemma4_moe_experts_gelu": ("gemma4_moe", _gemma4_moe(lambda l: setattr(
+        l.experts, "act_fn", torch.nn.SiLU()))),
     "phi_dense_bias": ("phi", _phi_bias_off("self_attn.dense")),
     "phi_mlp_bias": ("phi", _phi_bias_off("mlp.fc")),
     "phi_lm_head_bias": ("phi", _phi_bias_off("lm_head")),
@@ -578,8 +607,9 @@ def test_llama4_layer_plan_and_refusals(cases):
 def test_gemma4_layer_plan_and_refusals(cases):
     """Gemma4TextConfig's rules: the full layers' head size and KV heads from per_layer_config
     or global_head_dim / num_global_key_value_heads, every 6th layer and the last full by
-    default; per-layer input embeddings, KV sharing and the MoE block refused by name; every
-    layer's cache the wider kind's shape (the pool's size per token counts it)."""
+    default; per-layer input embeddings and KV sharing refused by name; the MoE block on every
+    layer with enable_moe_block; every layer's cache the wider kind's shape (the pool's size per
+    token counts it)."""
     import json
 
     from engine.models.model_config import ModelConfig
@@ -596,15 +626,26 @@ def test_gemma4_layer_plan_and_refusals(cases):
     assert (c.family.full_head_dim, c.family.full_kv_heads) == (64, 2)
     assert c.kv_cache_elements_per_token == 2 * 128
     for key, value, what in [("hidden_size_per_layer_input", 256, "per-layer input"),
-                             ("num_kv_shared_layers", 1, "KV sharing"),
-                             ("enable_moe_block", True, "mixture-of-experts")]:
+                             ("num_kv_shared_layers", 1, "KV sharing")]:
         with pytest.raises(ValueError, match=what):
             ModelConfig.from_dict({**config, key: value})
     with pytest.raises(ValueError, match="per-layer input"):
         ModelConfig.from_dict({k: v for k, v in config.items()
                                if k != "hidden_size_per_layer_input"})   # the class's 256
+    assert c.moe is None
+    m = ModelConfig.from_dict({**config, "enable_moe_block": True, "num_experts": 8,
+                               "top_k_experts": 3, "moe_intermediate_size": 24}).moe
+    assert (m.num_experts, m.top_k, m.intermediate_size, m.normalize) == (8, 3, 24, True)
+    assert m.sparse_layers == [True, True] and m.shared_intermediate_size == 0
     with pytest.raises(ValueError, match="YaRN scaling factor is not supported"):
         ModelConfig.from_dict(config, yarn_scaling_factor=2.0)
+
+
+def test_gemma4_moe_fused_experts_match_hf(cases):
+    """Gemma 4's experts on the grouped-GEMM path (kernels moe=fused) give transformers'
+    logits and tokens too."""
+    from pyx.cpu_backend import CpuBackend
+    assert_model_forward_matches(cases, CpuBackend(kernels="moe=fused"), "gemma4_moe", chunk=9)
 
 
 def test_gemma4_multimodal_checkpoint_serves_its_text(tmp_path):

@@ -78,7 +78,6 @@ class Gemma4Settings:
 _GEMMA4_UNSUPPORTED = {
     "hidden_size_per_layer_input": "per-layer input embeddings",
     "num_kv_shared_layers": "KV sharing across layers",
-    "enable_moe_block": "the mixture-of-experts block",
     "use_bidirectional_attention": "bidirectional attention",
     "attention_bias": "attention biases",
 }

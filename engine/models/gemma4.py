@@ -8,7 +8,13 @@ soft-cap) with
   num_global_key_value_heads), their values equal to their keys before the norms when
   attention_k_eq_v (no v_proj), and their proportional RoPE: the first partial_rotary_factor of
   each head's rotate-half pairs turn at frequencies theta ** (-2j / head_dim), the others not;
-- layer_scalar: each layer's output stream multiplied by a scalar of its own.
+- layer_scalar: each layer's output stream multiplied by a scalar of its own;
+- with enable_moe_block (26B-A4B), a mixture of experts beside every layer's dense MLP
+  (Gemma4FeedForward): both read the stream after attention, each through its own pre-norm, each
+  output post-normed, their sum post-normed again (post_feedforward_layernorm). The router
+  normalizes the stream (no weight), scales it by scale / sqrt(hidden), takes the softmax top-k
+  renormalized, then multiplies each chosen expert's weight by its per_expert_scale; the experts
+  are GeGLU, stored stacked (experts.gate_up_proj (E, 2I, H), gate rows first; down_proj).
 
 The per-layer settings are engine/models/family_config.py's Gemma4Settings. Every layer's KV
 cache has the wider layer kind's shape; a narrower layer uses the front of that buffer reshaped
@@ -16,9 +22,9 @@ to its own (NB, BS, Hkv, D), contiguous, so the pool's blocks mean the same in e
 
 Gemma 4 as released (Gemma4ForConditionalGeneration: the text model's tensors under
 model.language_model., beside vision and audio towers) is served for its text, the towers not
-loaded. Per-layer input embeddings (the E2B/E4B models), KV sharing across layers and the MoE
-block are refused by name in ModelConfig; the CUDA backend is refused here (the per-layer cache
-views and head sizes are unverified on its kernels).
+loaded. Per-layer input embeddings (the E2B/E4B models) and KV sharing across layers are refused
+by name in ModelConfig; the CUDA backend is refused here (the per-layer cache views and head
+sizes are unverified on its kernels).
 """
 from __future__ import annotations
 
@@ -31,6 +37,7 @@ from engine.models.gemma import Gemma2ForCausalLM
 from engine.models.model_config import ModelConfig
 from engine.models.rotary import _cos_sin
 from pyx.layers import SandwichDecoderLayer
+from pyx.moe import MoE
 
 logger = logging.getLogger("taper.models")
 
@@ -72,6 +79,15 @@ def gemma4_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
                        f"{p}layer_scalar": (1,)})
         if c.family.full_layers[i] and c.family.k_eq_v:
             del shapes[f"{a}v_proj.weight"]
+        if c.moe is not None:
+            E, I = c.moe.num_experts, c.moe.intermediate_size
+            shapes.update({f"{p}router.proj.weight": (E, H), f"{p}router.scale": (H,),
+                           f"{p}router.per_expert_scale": (E,),
+                           f"{p}experts.gate_up_proj": (E, 2 * I, H),
+                           f"{p}experts.down_proj": (E, H, I)})
+            for norm in ("pre_feedforward_layernorm_2", "post_feedforward_layernorm_1",
+                         "post_feedforward_layernorm_2"):
+                shapes[f"{p}{norm}.weight"] = (H,)
     return shapes
 
 
@@ -114,10 +130,36 @@ class Gemma4ForCausalLM(Gemma2ForCausalLM):
             v_norm=self.backend.place_weight(np.ones(D, np.float32)), k_eq_v=k_eq_v,
             sliding_window=c.sliding_windows[i])
 
+    def _mlp(self, weights, p, i):
+        if self.config.moe is None:
+            return super()._mlp(weights, p, i)
+        c, m, b = self.config, self.config.moe, self.backend
+
+        def f32(name):
+            return np.asarray(weights.pop(name), dtype=np.float32)
+        gate_up = weights.pop(f"{p}experts.gate_up_proj")        # (E, 2I, H), gate rows first
+        down = weights.pop(f"{p}experts.down_proj")              # (E, H, I)
+        router_scale = f32(f"{p}router.scale") * np.float32(c.hidden_size ** -0.5)
+        experts = MoE(b, self._take(weights, f"{p}router.proj.weight"),
+                      [b.place_weight(np.ascontiguousarray(w)) for w in gate_up],
+                      [b.place_weight(np.ascontiguousarray(w)) for w in down], m.top_k,
+                      m.normalize, fused=b.fused_moe, activation="gelu_tanh",
+                      expert_scale=b.asarray(f32(f"{p}router.per_expert_scale")))
+        return Gemma4FeedForward(
+            b, super()._mlp(weights, p, i), experts,
+            self._norm(weights, f"{p}pre_feedforward_layernorm.weight"),
+            self._norm(weights, f"{p}pre_feedforward_layernorm_2.weight"),
+            b.place_weight(router_scale),
+            self._norm(weights, f"{p}post_feedforward_layernorm_1.weight"),
+            self._norm(weights, f"{p}post_feedforward_layernorm_2.weight"), c.rms_norm_eps)
+
     def _layer(self, weights, p, i, attn, mlp):
-        norms = [self._norm(weights, f"{p}{n}.weight") for n in (
-            "input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
-            "post_feedforward_layernorm")]
+        names = ["input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                 "post_feedforward_layernorm"]
+        if self.config.moe is not None:     # Gemma4FeedForward took it; it reads the unit norm
+            names[2] = None
+        ones = self.backend.place_weight(np.ones(self.config.hidden_size, np.float32))
+        norms = [ones if n is None else self._norm(weights, f"{p}{n}.weight") for n in names]
         scalar = float(np.asarray(weights.pop(f"{p}layer_scalar"), dtype=np.float32)[0])
         return ScaledSandwichDecoderLayer(self.backend, attn, mlp, *norms,
                                           self.config.rms_norm_eps, i == 0, scalar=scalar)
@@ -183,3 +225,34 @@ class ScaledSandwichDecoderLayer(SandwichDecoderLayer):
         if self.scalar != 1.0:
             self.ops.scale(hidden, self.scalar)
             self.ops.scale(residual, self.scalar)
+
+
+class Gemma4FeedForward:
+    """Gemma 4's dense MLP and mixture of experts side by side (module docstring). The layer's
+    pre-MLP norm has weight one, so `x` arrives as the stream after attention divided by its RMS:
+    each branch's pre-norm (and the router's scale) is that times its own weight, as
+    transformers' RMSNorms compute it."""
+
+    def __init__(self, backend, mlp, experts: MoE, pre_norm, pre_norm_2, router_scale,
+                 post_norm_1, post_norm_2, eps: float):
+        self.backend, self.xp = backend, backend.xp
+        self.mlp, self.experts = mlp, experts
+        self.pre_norm, self.pre_norm_2, self.router_scale = pre_norm, pre_norm_2, router_scale
+        self.post_norm_1, self.post_norm_2 = post_norm_1, post_norm_2
+        self.eps = eps
+
+    def forward(self, x, out, ws):
+        """x (T, H): the stream after attention, RMS-normalized without a weight -> out (T, H)."""
+        b, xp, (T, H) = self.backend, self.xp, x.shape
+        branch_in = ws.get("gemma4_ffn_in", T, H)
+        branch_out = ws.get("gemma4_ffn_out", T, H)
+        normed = ws.get("gemma4_ffn_normed", T, H)
+        xp.multiply(x, self.pre_norm, out=branch_in)
+        self.mlp.forward(branch_in, branch_out, ws)
+        b.rms_norm(branch_out, self.post_norm_1, self.eps, out)
+        xp.multiply(x, self.router_scale, out=branch_in)
+        ids, weights = self.experts.select(branch_in, ws)
+        xp.multiply(x, self.pre_norm_2, out=branch_in)
+        self.experts.run_experts(branch_in, ids, weights, branch_out, ws)
+        b.rms_norm(branch_out, self.post_norm_2, self.eps, normed)
+        out += normed

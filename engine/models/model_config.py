@@ -407,6 +407,13 @@ def parse_moe(arch: str, cfg: dict, num_layers: int) -> MoeConfig | None:
                          int(cfg.get("num_experts_per_tok", 8)),
                          int(cfg.get("intermediate_size", 1536)), True, [True] * num_layers,
                          grouped=GroupedRouting("sigmoid", "greedy", 1, 1, 1.0, True))
+    if arch == "Gemma4ForCausalLM":
+        # Gemma4TextRouter: softmax, top-k renormalised (then per_expert_scale, gemma4.py); with
+        # enable_moe_block every layer has the experts beside its dense MLP
+        if not cfg.get("enable_moe_block"):
+            return None
+        return MoeConfig(int(cfg["num_experts"]), int(cfg["top_k_experts"]),
+                         int(cfg["moe_intermediate_size"]), True, [True] * num_layers)
     if arch == "MixtralForCausalLM":      # softmax, top-k, always renormalised; every layer
         return MoeConfig(int(cfg.get("num_local_experts", 8)), int(cfg.get("num_experts_per_tok", 2)),
                          int(cfg["intermediate_size"]), True, [True] * num_layers)
