@@ -45,17 +45,18 @@ with one launch. A graph replays fixed work on fixed addresses, so:
 - **Uneven verify steps** (the same switch): a decode-only step whose sequences verify between 0
   and k drafts (n-gram misses, the adaptive policy turning a sequence down, a plain decode in the
   step) replays the (size, k + 1) graph too, each sequence's rows padded at its end to k + 1
-  (`spread_rows`). The filler rows are never sampled: `run` hands back only the real rows'
-  logits (and hidden states), in the eager layout, so the rejection sampler sees exactly the
-  eager step. (Verifying filler drafts as a deterministic proposer's would be exact in
-  distribution too, but it would need KV slots for them, would draw more random numbers, so a
-  seeded request would change, and accepted filler would change greedy output's timing; dropping
-  them changes nothing.) They cannot change a real row either: they come after every real row
-  of their sequence (causal attention: no real row reads them), write no KV (slot -1), repeat
-  the sequence's last real token and position (an in-range rotary position), and rows never mix
-  in a forward. Their context runs k - n past the sequence's, so a sequence padded past the
-  graphs' block-table width (max_blocks_per_seq * block_size tokens) runs the step eagerly.
-  Steps with prompt chunks (a chunk samples only its last row) stay eager.
+  (`spread_rows`). The filler rows are never sampled: `run` hands back only the real rows' logits
+  (and hidden states), in the eager layout, so the rejection sampler sees exactly the eager step:
+  greedy tokens, seeded draws and logprobs as eager. (Verifying filler drafts as a deterministic
+  proposer's, one-hot draft distribution, would be exact in distribution too, but it needs KV
+  slots the scheduler never allocated for them, draws random numbers for their rows, so a seeded
+  request's tokens would change, and changes the acceptance counters and the adaptive policy;
+  dropping them changes nothing.) They cannot change a real row either: they come after every real
+  row of their sequence (causal attention: no real row reads them), write no KV (slot -1), repeat
+  the sequence's last real token and position (an in-range rotary position), and rows never mix in
+  a forward. Their context runs past the sequence's by their number, so a sequence padded past the
+  graphs' block-table width (max_blocks_per_seq * block_size tokens) runs the step eagerly. Steps
+  with prompt chunks (a chunk samples only its last row) stay eager.
 - **LoRA adapter rows** (graphs_lora=on): each bucket's static inputs end with a slot per row
   (lora_slots, -1 for the base model and the padding), which the projections read on the device
   during capture (Backend.lora_linear_slots; on CUDA the shrink and expand kernels of
@@ -542,8 +543,9 @@ class CudaGraphRunner:
 
     def _uneven(self, batch: ForwardBatch) -> np.ndarray | None:
         """Each sequence's rows when the batch is a decode-only step of verify rows no graph was
-        captured for (uneven, or all fewer than k + 1) that the verify graph takes padded: none past it, no filler row's context past the graphs'
-        block tables (max_context); else None."""
+        captured for (uneven, or all fewer than k + 1) that the verify graph takes padded: no
+        sequence past k + 1 rows, no filler row's context past the graphs' block tables
+        (max_context); else None."""
         if self.pad_query_len is None:
             return None
         counts = verify_row_counts(batch, self.pad_query_len)
