@@ -246,6 +246,64 @@ def test_verify_steps_replay_graphs_under_graphs_verify(model_dir, monkeypatch, 
         assert verify_replays == 0 and replayed       # decode steps still replay
 
 
+def uneven_prompts_and_params(sampled: bool):
+    """Prompts whose outputs the n-gram lookup matches only in part: two fall into loops (long
+    matches), one loops on a short motif, one is random (misses, then rejections the adaptive
+    policy answers with fewer drafts and pauses). Sampled: seeded, temperature 0.8."""
+    rng = np.random.default_rng(7)
+    motif = rng.integers(3, 500, 5).tolist()
+    prompts = [motif * 3 + rng.integers(3, 500, 4).tolist(), rng.integers(3, 500, 13).tolist(),
+               motif[:2] * 4, rng.integers(3, 500, 6).tolist() * 2]
+    if sampled:
+        return prompts, [SamplingParams(temperature=0.8, seed=11 + i, max_tokens=30,
+                                        ignore_eos=True) for i in range(len(prompts))]
+    return prompts, [SamplingParams(max_tokens=30, **LOOPY), SamplingParams(
+        temperature=0, max_tokens=30, ignore_eos=True)] * 2
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_uneven_verify_steps_replay_padded_graphs(model_dir, monkeypatch, sampled):
+    """n-gram speculation (k = 3) whose sequences verify different draft counts in one step
+    (lookup misses, the adaptive policy turning sequences down, plain decodes beside verifies):
+    under graphs_verify=on those steps replay the (size, 4) graphs, each sequence's rows padded,
+    and the tokens equal the eager CUDA path's (graphs_verify=off) exactly, greedy and seeded
+    sampling alike, and greedy equals the CPU engine without speculation."""
+    from engine.spec.adaptive import SpecState
+    from engine.spec.costs import StepCost
+    # a fixed worth threshold in place of the measured one: the same plans on every machine,
+    # strict enough that the sequences whose drafts fail are turned down and paused
+    monkeypatch.setattr(StepCost, "min_use", lambda self, rows: 0.5)
+    wanted, want_drafts = [], SpecState.num_drafts_wanted
+
+    def record(self, k, min_use, step):
+        wanted.append(want_drafts(self, k, min_use, step))
+        return wanted[-1]
+    monkeypatch.setattr(SpecState, "num_drafts_wanted", record)
+    spec = dict(NGRAM, num_speculative_tokens=3)
+    prompts, params = uneven_prompts_and_params(sampled)
+    eager = generate(engine_for(model_dir, CpuAsCuda(kernels="graphs_verify=off"),
+                                num_kv_blocks=64, cuda_graph=True, speculative_config=spec),
+                     prompts, params)
+    if not sampled:                     # adaptive turned some sequences down
+        assert 0 in wanted and any(0 < n < 3 for n in wanted)
+    engine = engine_for(model_dir, CpuAsCuda(kernels="graphs_verify=on"), num_kv_blocks=64,
+                        cuda_graph=True, speculative_config=spec)
+    graphs, rows = engine.runner.graph_runner, []
+    run_graph = graphs.run
+
+    def run_and_record(batch):
+        rows.append(np.diff(batch.query_start_loc).tolist())
+        return run_graph(batch)
+    graphs.run = run_and_record
+    assert generate(engine, prompts, params) == eager
+    uneven = [r for r in rows if len(set(r)) > 1]
+    assert graphs.num_padded_replays >= len(uneven) > 0
+    assert any(1 in r for r in uneven) and any(2 in r or 3 in r for r in uneven)
+    if not sampled:
+        assert eager == generate(engine_for(model_dir, CpuBackend(), num_kv_blocks=64), prompts,
+                                 params)
+
+
 @pytest.fixture(scope="module")
 def adapters(model_dir, tmp_path_factory):
     pytest.importorskip("peft", reason="peft writes the adapters")

@@ -16,7 +16,8 @@ from engine.lora.manager import LoraBatch
 from engine.lora.slots import LoraStep, attach
 from engine.models.llama import AuxCapture, FinalCapture
 from engine.runner.cuda_graph import (CudaGraphRunner, bucket_for, input_layout,
-                                      pad_decode_inputs, uniform_query_len)
+                                      pad_decode_inputs, spread_rows, uniform_query_len,
+                                      verify_row_counts)
 from engine.runner.device_block_tables import DeviceBlockTables
 from engine.runner.model_runner import ModelRunner
 from pyx.cpu_backend import CpuBackend
@@ -104,6 +105,25 @@ def test_pad_verify_inputs(runner4):
     assert layout["lora_slots"] == (112, (12,)) and n == 124
 
 
+def test_uneven_verify_rows_spread_to_the_verify_shape(runner4):
+    a, b = two_decodes()
+    batch = runner4.prepare(verify_schedule([a, b], [[7], []]))    # 2 rows, then a decode
+    counts = verify_row_counts(batch, 3)
+    assert counts.tolist() == [2, 1]
+    assert verify_row_counts(batch, 1) is None        # a sequence past the verify graph
+    fresh = make_seq(range(300, 303), 0, [9])         # a prompt chunk samples its last row only
+    assert verify_row_counts(runner4.prepare(schedule([fresh], [3])), 3) is None
+    tokens, positions, slots, seq_lens, real = spread_rows(batch, counts, 3)
+    # a: 109 at 9 (slot 29), draft 7 at 10 (slot 30), one filler; b: 205 at 5 (slot 17), two
+    # fillers; each filler repeats its sequence's last token and position and writes nothing,
+    # and the context grows by the fillers so that the real rows keep their positions
+    assert tokens.tolist() == [109, 7, 7, 205, 205, 205]
+    assert positions.tolist() == [9, 10, 10, 5, 5, 5]
+    assert slots.tolist() == [29, 30, -1, 17, -1, -1]
+    assert seq_lens.tolist() == [12, 8] and batch.seq_lens.tolist() == [11, 6]
+    assert real.tolist() == [0, 1, 3]
+
+
 def test_write_slot_of_rows_inverts_the_segments():
     batch = lora_batch([2, -1, 0, 2, 1], [1, 3, 2, 1, 2])
     out = np.full(12, 55, I32)
@@ -164,9 +184,9 @@ def setup(tmp_path):
     fake = FakeGraphBackend()
     tables = DeviceBlockTables(fake, eager.block_tables)
 
-    def graphs(query_lens=(1, K + 1), lora=True, capture=None):
+    def graphs(query_lens=(1, K + 1), lora=True, capture=None, block_size=None):
         return CudaGraphRunner(model, fake, graphed.kv_caches, MAX_SEQS, MAX_BLOCKS, tables,
-                               query_lens, step if lora else None, capture)
+                               query_lens, step if lora else None, capture, block_size)
     return types.SimpleNamespace(model=model, eager=eager, graphed=graphed, seqs=seqs, step=step,
                                  backend=fake, tables=tables, graphs=graphs, rng=rng)
 
@@ -271,6 +291,10 @@ def test_what_each_runner_may_run(setup):
     assert plain.can_run(decode) and not plain.can_run(verify)
     assert both.can_run(decode) and both.can_run(verify)
     assert not both.can_run(uneven) and not both.can_run(longer)     # 3 + 2 rows; 4 rows
+    padding = setup.graphs(block_size=BLOCK_SIZE)      # uneven rows padded to the verify graph
+    padding.capture()
+    assert padding.can_run(uneven) and not padding.can_run(longer)
+    assert not setup.graphs(query_lens=(1,), block_size=BLOCK_SIZE).pad_query_len
     with_lora = setup.eager.prepare(verify_schedule([a, b], [[5, 6], [7, 8]]))
     with_lora.lora = lora_batch([0, -1], 3)
     assert both.can_run(with_lora) and not plain.can_run(with_lora)
@@ -313,6 +337,71 @@ def test_lora_linear_slots_equals_lora_linear():
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
     assert (got[slot_of_row < 0] == out[slot_of_row < 0]).all()
     assert not np.allclose(got[slot_of_row >= 0], out[slot_of_row >= 0])
+
+
+UNEVEN = [  # (sequences, drafts per sequence, slot per sequence or None)
+    ([0, 1], [2, 0], [0, -1]),
+    ([2, 3, 4], [1, 2, 0], None),
+    ([0, 3, 5, 6, 7], [0, 1, 0, 2, 1], [1, 0, -1, 0, 1]),
+    (list(range(8)), [1, 0, 2, 0, 1, 2, 0, 0], None),
+    ([1, 4], [1, 1], [-1, 1]),       # even, but 2 rows each: no graph of its own
+]
+
+
+@pytest.mark.parametrize("kind", [None, "final"])
+def test_uneven_verify_steps_replay_padded(setup, kind):
+    """Decode-only steps whose sequences verify 0 to K drafts replay the (size, K + 1) graphs,
+    padded: the logits (and a head's hidden states) of the batch's own rows equal the eager
+    forward's, in its layout, and the KV written equals the eager step's (the filler rows write
+    nothing)."""
+    capture, eager_capture = (FinalCapture(), FinalCapture()) if kind else (None, None)
+    runner = setup.graphs(lora=kind is None, capture=capture, block_size=BLOCK_SIZE)
+    runner.capture()
+    for step, ks, slots in UNEVEN:
+        group = [setup.seqs[i] for i in step]
+        sched = verify_schedule(group, [setup.rng.integers(3, 500, k).tolist() for k in ks])
+        batch = setup.eager.prepare(sched)
+        rows = [k + 1 for k in ks]
+        if slots is not None and kind is None:
+            batch.lora = lora_batch(slots, rows)
+        setup.tables.apply(setup.eager.block_tables.take_update())
+        assert uniform_query_len(batch) not in runner.query_lens and runner.can_run(batch), step
+        if kind is None:
+            want = eager_forward(setup, batch)
+        else:
+            want = setup.model.forward(batch, setup.eager.kv_caches, capture=eager_capture)
+        del setup.backend.events[:]
+        got = runner.run(batch)
+        size = bucket_for(len(step), runner.sizes)
+        assert setup.backend.events[-1] == ("launch", runner.buckets[size, K + 1].graph)
+        assert got.shape == want.shape == (sum(rows), 512)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=str(step))
+        if kind is not None:
+            np.testing.assert_allclose(capture.states, eager_capture.states, rtol=1e-5,
+                                       atol=1e-5, err_msg=str(step))
+            capture.states = None
+        for (ka, va), (kb, vb) in zip(setup.eager.kv_caches, setup.graphed.kv_caches):
+            np.testing.assert_allclose(kb, ka, rtol=1e-5, atol=1e-6, equal_nan=True)
+            np.testing.assert_allclose(vb, va, rtol=1e-5, atol=1e-6, equal_nan=True)
+        ends = np.cumsum(rows)
+        for i, seq in enumerate(group):     # every draft accepted, then the next token
+            for t in sched.drafts[i]:
+                seq.append_token(int(t))
+            seq.num_computed_tokens += rows[i]
+            seq.append_token(int(np.argmax(want[ends[i] - 1])))
+    assert runner.num_replays == runner.num_padded_replays == len(UNEVEN)
+
+
+def test_uneven_steps_past_the_tables_run_eagerly(setup):
+    """A filler row's context must stay inside the graphs' block tables (MAX_BLOCKS blocks)."""
+    runner = setup.graphs(lora=False, block_size=BLOCK_SIZE)
+    runner.capture()
+    seq = setup.seqs[3]                       # 22 tokens: its table holds 6 blocks, 48 tokens
+    seq.token_ids += [7] * (MAX_BLOCKS * BLOCK_SIZE - 1 - len(seq.token_ids))
+    seq.num_computed_tokens = len(seq.token_ids) - 1
+    ok = setup.eager.prepare(verify_schedule([setup.seqs[0], seq], [[5, 6], []]))
+    setup.tables.apply(setup.eager.block_tables.take_update())
+    assert ok.seq_lens[1] == MAX_BLOCKS * BLOCK_SIZE - 1 and not runner.can_run(ok)
 
 
 @pytest.mark.parametrize("kind", ["aux", "final"])

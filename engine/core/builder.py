@@ -362,7 +362,7 @@ def capture_cuda_graphs(config: EngineConfig, model, backend, runner: ModelRunne
                   if runner.state_pool is None and runner.vision is None else (1,))
     graphs = CudaGraphRunner(model, backend, runner.kv_caches, config.max_num_seqs,
                              -(-max_model_len // config.block_size), runner.device_block_tables,
-                             query_lens, lora_step, runner.aux_capture)
+                             query_lens, lora_step, runner.aux_capture, config.block_size)
     start = time.monotonic()
     graphs.capture()
     runner.graph_runner = graphs

@@ -42,6 +42,21 @@ with one launch. A graph replays fixed work on fixed addresses, so:
   alone (no host-side tile list). A step replays such a graph only when every sequence verifies
   exactly k drafts, every row sampled (`uniform_query_len`); padding sequences have k + 1 rows at
   positions 0..k, context k + 1, slot -1.
+- **Uneven verify steps** (the same switch): a decode-only step whose sequences verify between 0
+  and k drafts (n-gram misses, the adaptive policy turning a sequence down, a plain decode in the
+  step) replays the (size, k + 1) graph too, each sequence's rows padded at its end to k + 1
+  (`spread_rows`). The filler rows are never sampled: `run` hands back only the real rows' logits
+  (and hidden states), in the eager layout, so the rejection sampler sees exactly the eager step:
+  greedy tokens, seeded draws and logprobs as eager. (Verifying filler drafts as a deterministic
+  proposer's, one-hot draft distribution, would be exact in distribution too, but it needs KV
+  slots the scheduler never allocated for them, draws random numbers for their rows, so a seeded
+  request's tokens would change, and changes the acceptance counters and the adaptive policy;
+  dropping them changes nothing.) They cannot change a real row either: they come after every real
+  row of their sequence (causal attention: no real row reads them), write no KV (slot -1), repeat
+  the sequence's last real token and position (an in-range rotary position), and rows never mix in
+  a forward. Their context runs past the sequence's by their number, so a sequence padded past the
+  graphs' block-table width (max_blocks_per_seq * block_size tokens) runs the step eagerly. Steps
+  with prompt chunks (a chunk samples only its last row) stay eager.
 - **LoRA adapter rows** (graphs_lora=on): each bucket's static inputs end with a slot per row
   (lora_slots, -1 for the base model and the padding), which the projections read on the device
   during capture (Backend.lora_linear_slots; on CUDA the shrink and expand kernels of
@@ -136,6 +151,41 @@ def uniform_query_len(batch: ForwardBatch) -> int | None:
     return q
 
 
+def verify_row_counts(batch: ForwardBatch, max_query_len: int) -> np.ndarray | None:
+    """Each sequence's rows when every sequence computes 1 to max_query_len rows, every row
+    sampled in order (a decode-only step, some sequences verifying drafts); else None (a prompt
+    chunk samples only its last row). Host arrays."""
+    B, T = batch.num_seqs, batch.num_tokens
+    if B == 0 or len(batch.logits_indices) != T:
+        return None
+    counts = np.diff(np.asarray(batch.query_start_loc))
+    if (len(counts) != B or counts.min() < 1 or counts.max() > max_query_len
+            or not np.array_equal(batch.logits_indices, np.arange(T))):
+        return None
+    return counts
+
+
+def spread_rows(batch: ForwardBatch, counts: np.ndarray, query_len: int):
+    """A decode-only step of uneven rows laid out as query_len rows a sequence: (token_ids,
+    positions, slot_mapping, seq_lens, real) for the first B * query_len rows of a verify graph,
+    real being where the batch's own rows land. Each sequence's filler rows follow its real ones,
+    repeat its last token and position and write no KV (-1); its context grows by their number,
+    so the attention's causal diagonal (p = seq_len - (q_len - i)) still puts every real row at
+    its own position."""
+    B, q = batch.num_seqs, query_len
+    starts = np.asarray(batch.query_start_loc[:B], np.int64)
+    real = (np.repeat(np.arange(B) * q - starts, counts) + np.arange(batch.num_tokens))
+    last = starts + counts - 1                    # each sequence's last real row in the batch
+    spread = {name: np.repeat(np.asarray(getattr(batch, name))[last], q).astype(np.int32)
+              for name in ("token_ids", "positions")}
+    for name in spread:
+        spread[name][real] = getattr(batch, name)
+    slots = np.full(B * q, -1, np.int32)
+    slots[real] = batch.slot_mapping
+    seq_lens = (np.asarray(batch.seq_lens) + (q - counts)).astype(np.int32)
+    return spread["token_ids"], spread["positions"], slots, seq_lens, real.astype(np.int32)
+
+
 def is_pure_decode(batch: ForwardBatch) -> bool:
     """Every sequence computes exactly one token (T == B) and samples it. Host arrays."""
     return uniform_query_len(batch) == 1
@@ -164,8 +214,9 @@ def _views(buffer, layout: dict) -> dict:
             for name, (off, shape) in layout.items()}
 
 
-def _check_fits(batch: ForwardBatch, size: int, query_len: int, max_blocks: int) -> None:
-    if uniform_query_len(batch) != query_len:
+def _check_fits(batch: ForwardBatch, size: int, query_len: int, max_blocks: int,
+                uneven: bool = False) -> None:
+    if not uneven and uniform_query_len(batch) != query_len:
         what = ("a pure decode batch" if query_len == 1 else
                 f"a verify batch of {query_len} tokens for every sequence, all sampled")
         raise ValueError(f"not {what} ({batch.num_tokens} tokens for {batch.num_seqs} "
@@ -183,17 +234,21 @@ def _check_fits(batch: ForwardBatch, size: int, query_len: int, max_blocks: int)
 
 
 def _write_inputs(views: dict, size: int, query_len: int, zero_row: int,
-                  batch: ForwardBatch | None = None):
+                  batch: ForwardBatch | None = None, spread=None):
     """Every element of a bucket's static inputs: the batch's rows, then padding rows (all
     padding when batch is None). A padding sequence has query_len rows at positions 0, 1, ...
     that write no KV slot (-1) and attend to the first keys of block 0 (its context is its own
     query_len rows, in the device table's zero row); their output rows are dropped. In graphs
     that cover LoRA, each row's adapter slot: -1 (the base model) but for the batch's adapter
-    rows."""
+    rows. spread: `spread_rows`'s layout of a batch of uneven rows."""
     B = 0 if batch is None else batch.num_seqs
     q = query_len
     T = B * q
-    if B:
+    if spread is not None:
+        (views["token_ids"][:T], views["positions"][:T], views["slot_mapping"][:T],
+         views["seq_lens"][:B], _) = spread
+        views["block_table_rows"][:B] = batch.block_table_rows
+    elif B:
         views["token_ids"][:T] = batch.token_ids
         views["positions"][:T] = batch.positions
         views["slot_mapping"][:T] = batch.slot_mapping
@@ -210,7 +265,12 @@ def _write_inputs(views: dict, size: int, query_len: int, zero_row: int,
         lora_slots = views["lora_slots"]
         lora_slots[:] = -1
         if batch is not None and batch.lora is not None:
-            batch.lora.write_slot_of_rows(lora_slots)
+            if spread is None:
+                batch.lora.write_slot_of_rows(lora_slots)
+            else:                   # the real rows' slots; the filler rows' output is dropped
+                own = np.full(batch.num_tokens, -1, np.int32)
+                batch.lora.write_slot_of_rows(own)
+                lora_slots[spread[4]] = own
 
 
 def pad_decode_inputs(batch: ForwardBatch, size: int, max_blocks: int, zero_row: int,
@@ -280,6 +340,7 @@ class CudaGraphRunner:
 
     The backend provides (CudaBackend on the GPU; a NumPy fake in tests/test_cuda_graph.py):
       xp                           the array module of device arrays (cupy)
+      asarray(a)                   a host array on the device (the real rows of a padded step)
       new_graph_pool()             a private device memory pool, with total_bytes()
       use_graph_pool(pool)         context manager: device allocations inside come from pool
       capture_graph(fn)            calls fn() under stream capture on backend.stream and returns
@@ -304,6 +365,8 @@ class CudaGraphRunner:
     forward fills with the rows' hidden states for a speculative head (ModelRunner.aux_capture),
     or None; `run` then sets its `states` to the replayed rows', a view of a static buffer valid
     until the next run.
+    block_size: the KV cache's; given, a decode-only step of uneven verify rows (0 to k drafts a
+    sequence) replays the verify graph, its rows padded (`spread_rows`).
 
     Usage: capture() once after the KV caches exist; then per step, once the batch's
     block-table update is applied (ModelRunner.execute does it), if can_run(batch):
@@ -311,7 +374,8 @@ class CudaGraphRunner:
     """
 
     def __init__(self, model, backend, kv_caches, max_num_seqs: int, max_blocks_per_seq: int,
-                 block_tables, query_lens=(1,), lora_step=None, capture=None):
+                 block_tables, query_lens=(1,), lora_step=None, capture=None,
+                 block_size: int | None = None):
         if max_blocks_per_seq < 1:
             raise ValueError(f"max_blocks_per_seq must be >= 1, got {max_blocks_per_seq}")
         if block_tables is None:
@@ -328,6 +392,12 @@ class CudaGraphRunner:
         self.query_lens = sorted(set(query_lens))
         self.lora_step = lora_step
         self.hidden_capture = capture
+        # uneven verify steps pad to the verify graph (none without one, or without the block
+        # size that bounds how far the filler rows' context may run)
+        self.pad_query_len = (max(self.query_lens) if max(self.query_lens) > 1
+                              and block_size is not None else None)
+        self.max_context = None if block_size is None else max_blocks_per_seq * block_size
+        self.num_padded_replays = 0
         self.buckets: dict[tuple[int, int], _Bucket] = {}    # by (size, query_len)
         self.graph_memory_bytes = 0          # the private pool after capture
         self.device_memory_bytes = None      # free device memory before - after the capture
@@ -462,12 +532,27 @@ class CudaGraphRunner:
         if not self.captured or batch.block_table_rows is None:
             return False
         q = uniform_query_len(batch)
+        if q not in self.query_lens and self._uneven(batch) is not None:
+            q = self.pad_query_len
         return (q in self.query_lens
                 and (q == 1 or (batch.state_plan is None and batch.vision is None))
                 and (batch.lora is None or self.covers_lora)
                 and bucket_for(batch.num_seqs, self.sizes) is not None
                 and batch.block_table_width <= self.max_blocks_per_seq
                 and self._table_unmoved())
+
+    def _uneven(self, batch: ForwardBatch) -> np.ndarray | None:
+        """Each sequence's rows when the batch is a decode-only step of verify rows no graph was
+        captured for (uneven, or all fewer than k + 1) that the verify graph takes padded: no
+        sequence past k + 1 rows, no filler row's context past the graphs' block tables
+        (max_context); else None."""
+        if self.pad_query_len is None:
+            return None
+        counts = verify_row_counts(batch, self.pad_query_len)
+        if counts is None:
+            return None
+        padded = np.asarray(batch.seq_lens) + (self.pad_query_len - counts)
+        return counts if int(padded.max()) <= self.max_context else None
 
     def _table_unmoved(self) -> bool:
         """The device block table is still the one the graphs gather from. It is reserved for
@@ -500,20 +585,31 @@ class CudaGraphRunner:
         if size is None:
             raise ValueError(f"{B} sequences: the decode graphs hold 1 to {self.max_num_seqs}")
         q = uniform_query_len(batch)
+        counts = None if q in self.query_lens else self._uneven(batch)
+        if counts is not None:
+            q = self.pad_query_len
         if q not in self.query_lens:
             q = self.query_lens[0]      # _check_fits names what the batch is not
-        _check_fits(batch, size, q, self.max_blocks_per_seq)
+        _check_fits(batch, size, q, self.max_blocks_per_seq, uneven=counts is not None)
         if batch.lora is not None and not self.covers_lora:
             raise ValueError("the batch has LoRA adapter rows: these graphs were captured "
                              "without adapters (KernelConfig graphs_lora=off)")
         if not self._table_unmoved():
             raise RuntimeError("the device block table moved after capture: run eagerly")
         bucket = self.buckets[size, q]
-        _write_inputs(bucket.host, size, q, self._zero_row, batch)
+        spread = None if counts is None else spread_rows(batch, counts, q)
+        _write_inputs(bucket.host, size, q, self._zero_row, batch, spread)
         n = bucket.num_ints
         self.backend.copy_to_device_async(self._device[:n], self._host[:n])
         bucket.graph.launch()
         self.num_replays += 1
+        if spread is None:
+            if self.hidden_capture is not None:
+                self.hidden_capture.states = bucket.states[:B * q]
+            return bucket.logits[:B * q]
+        # only the real rows, in the eager layout: the filler rows are never sampled
+        self.num_padded_replays += 1
+        real = self.backend.asarray(spread[4])
         if self.hidden_capture is not None:
-            self.hidden_capture.states = bucket.states[:B * q]
-        return bucket.logits[:B * q]
+            self.hidden_capture.states = bucket.states[real]
+        return bucket.logits[real]

@@ -17,7 +17,10 @@ graphs_verify=on; engine/runner/cuda_graph.py), on the GPU:
   graphs_verify=on replays the verify graphs; greedy tokens equal the CPU engine's up to its
   first near-tie (test_cuda_model.py's rule) and the emitted tokens' logprobs equal the eager
   CUDA path's (graphs off for those steps); EAGLE-3 (tiny-256 Llama) and MTP (DeepSeek-V3 tiny)
-  with graphs_verify=on replay verify graphs, tokens and drafts as on the eager CUDA path.
+  with graphs_verify=on replay verify graphs, tokens and drafts as on the eager CUDA path;
+- uneven verify steps (0 to k drafts a sequence) replayed on the (size, k + 1) graphs padded:
+  the runner against the eager forward, and the engine (n-gram, k = 3, adaptive) against the
+  eager CUDA path.
 
 bench/gpu_check.sh runs this file in the first suite's switches step; bench/gpu_summary.py
 credits its tests to the two switches (the runner's test to graphs_verify)."""
@@ -111,7 +114,8 @@ def test_lora_linear_slots_replays_in_a_graph(make_cuda, dtype):
 
 # ---- the graph runner against the eager forward
 
-def replay_against_eager(backend, checkpoint_dir, rel_tol, lora_scale=0.05, new_capture=None):
+def replay_against_eager(backend, checkpoint_dir, rel_tol, lora_scale=0.05, new_capture=None,
+                         uneven=False):
     """tests/test_cuda_graph_verify_lora.py's replay check on `backend` (one with graph capture:
     CudaBackend here): eight prefilled sequences, then decode and verify steps with and without
     adapter rows (STEPS), each run eagerly (adapter rows by lora_linear's segments, as
@@ -121,12 +125,13 @@ def replay_against_eager(backend, checkpoint_dir, rel_tol, lora_scale=0.05, new_
     4 tol. lora_scale: the adapters' random A and B entries' scale. new_capture: makes a
     speculative head's capture (AuxCapture, FinalCapture): the graphs are captured with one,
     and the states each replay hands over must agree with the eager forward's, within rel_tol
-    of their largest."""
+    of their largest. uneven: the steps are decode-only steps of 0 to K drafts a sequence
+    (UNEVEN), which the runner (given the block size) replays on its (size, K + 1) graphs, padded."""
     from engine.loader.model_loader import load_model
     from engine.runner.cuda_graph import CudaGraphRunner
     from engine.runner.model_runner import ModelRunner
     from test_cuda_graph import make_seq, schedule
-    from test_cuda_graph_verify_lora import (K, STEPS, lora_batch, random_adapters,
+    from test_cuda_graph_verify_lora import (K, STEPS, UNEVEN, lora_batch, random_adapters,
                                              verify_schedule)
 
     def host(a):
@@ -156,17 +161,21 @@ def replay_against_eager(backend, checkpoint_dir, rel_tol, lora_scale=0.05, new_
     if new_capture is not None:
         capture, eager_capture = new_capture(), new_capture()
     graphs = CudaGraphRunner(model, backend, graphed.kv_caches, 8, max_blocks,
-                             eager.device_block_tables, (1, K + 1), step, capture)
+                             eager.device_block_tables, (1, K + 1), step, capture,
+                             block_size if uneven else None)
     graphs.capture()
     compared = 0
-    for members, k, slots in STEPS:
+    steps = UNEVEN if uneven else [(m, None if k is None else [k] * len(m), s)
+                                   for m, k, s in STEPS]
+    for members, ks, slots in steps:
         group = [seqs[i] for i in members]
-        sched = (schedule(group, [1] * len(group)) if k is None else
-                 verify_schedule(group, [rng.integers(3, 500, k).tolist() for _ in group]))
-        q = 1 if k is None else k + 1
+        sched = (schedule(group, [1] * len(group)) if ks is None else
+                 verify_schedule(group, [rng.integers(3, 500, k).tolist() for k in ks]))
+        rows = [1] * len(group) if ks is None else [k + 1 for k in ks]
+        ends = np.cumsum(rows)
         batch = eager.prepare(sched)
         if slots is not None:
-            batch.lora = lora_batch(slots, q)
+            batch.lora = lora_batch(slots, rows)
         dev = eager.to_device(batch)        # applies the table's update for both
         assert graphs.can_run(batch), members
         if batch.lora is not None:
@@ -181,13 +190,12 @@ def replay_against_eager(backend, checkpoint_dir, rel_tol, lora_scale=0.05, new_
         backend.synchronize()
         if capture is not None:
             got_states, want_states = host(capture.states), host(eager_capture.states)
-            assert got_states.shape == want_states.shape == (len(members) * q,
-                                                             want_states.shape[1])
+            assert got_states.shape == want_states.shape == (sum(rows), want_states.shape[1])
             np.testing.assert_allclose(got_states, want_states, rtol=0,
                                        atol=rel_tol * np.abs(want_states).max(),
                                        err_msg=f"states {members}")
             capture.states = eager_capture.states = None
-        assert got.shape == want.shape == (len(members) * q, want.shape[1])
+        assert got.shape == want.shape == (sum(rows), want.shape[1])
         assert np.isfinite(got).all(), members
         tol = rel_tol * np.abs(want).max()
         np.testing.assert_allclose(got, want, rtol=0, atol=tol, err_msg=str(members))
@@ -195,12 +203,13 @@ def replay_against_eager(backend, checkpoint_dir, rel_tol, lora_scale=0.05, new_
         clear = top2[:, 1] - top2[:, 0] > 4 * tol
         assert (got.argmax(1)[clear] == want.argmax(1)[clear]).all(), members
         for i, seq in enumerate(group):     # every draft accepted, then the next token
-            for t in (sched.drafts[i] if k is not None else []):
+            for t in (sched.drafts[i] if ks is not None else []):
                 seq.append_token(int(t))
-            seq.num_computed_tokens += q
-            seq.append_token(int(np.argmax(want[(i + 1) * q - 1])))
+            seq.num_computed_tokens += rows[i]
+            seq.append_token(int(np.argmax(want[ends[i] - 1])))
         compared += 1
-    assert graphs.num_replays == len(STEPS)
+    assert graphs.num_replays == len(steps)
+    assert graphs.num_padded_replays == (len(steps) if uneven else 0)
     return compared
 
 
@@ -211,6 +220,19 @@ def test_runner_replays_verify_and_adapter_steps_like_eager(make_cuda, tmp_path)
     from checkpoints import tiny256_checkpoint
     path = tiny256_checkpoint(str(tmp_path / "llama"), "llama", dtype="bfloat16")
     assert replay_against_eager(make_cuda("bf16"), path, rel_tol=0.03) == 8
+
+
+@pytest.mark.parametrize("kind", [None, "final"])
+def test_runner_replays_uneven_verify_steps_padded(make_cuda, tmp_path, kind):
+    """Decode-only steps whose sequences verify 0 to K drafts (some with adapter rows; with an
+    MTP head's FinalCapture, its states too) replayed on the (size, K + 1) graphs, each
+    sequence's rows padded with filler rows that write no KV and are never handed back: the
+    real rows' logits (and states) against the eager forward's within bf16 rounding."""
+    from checkpoints import tiny256_checkpoint
+    from engine.models.llama import FinalCapture
+    path = tiny256_checkpoint(str(tmp_path / "llama"), "llama", dtype="bfloat16")
+    assert replay_against_eager(make_cuda("bf16"), path, rel_tol=0.03, uneven=True,
+                                new_capture=FinalCapture if kind else None) == 5
 
 
 @pytest.mark.parametrize("kind", ["aux", "final"])
@@ -316,6 +338,47 @@ def test_verify_steps_replay_graphs_under_graphs_verify(monkeypatch, tmp_path):
         same += compare_logprobs(f"prompt {i}", g, e)
     assert sum(q == 3 for q, _ in seen) > 0, "no verify step replayed a graph"
     assert compared >= 24 and same >= 24, (compared, same)
+
+
+def test_uneven_verify_steps_replay_padded_graphs(monkeypatch, tmp_path):
+    """n-gram speculation (k = 3) where sequences verify different draft counts in one step
+    (lookup misses, the adaptive policy turning sequences down, plain decodes beside verifies):
+    under graphs_verify=on those steps replay the (size, 4) graphs padded; greedy tokens equal
+    the eager CUDA path's up to its near-ties, and the emitted tokens' logprobs equal it.
+    tests/test_cuda_engine_wiring.py is the CPU's version (exact there)."""
+    from checkpoints import tiny256_checkpoint
+    from engine import LLM, SamplingParams
+    from engine.spec.costs import StepCost
+
+    # a fixed worth threshold: sequences whose drafts fail are turned down and paused
+    monkeypatch.setattr(StepCost, "min_use", lambda self, rows: 0.5)
+    path = tiny256_checkpoint(str(tmp_path / "llama"), "llama", dtype="bfloat16")
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+            "prompt_lookup_max": 3}
+
+    def llm(**config):      # logprobs (and margins) of the penalized logits, as sampled
+        return LLM(path, backend="cuda", dtype="bf16", num_kv_blocks=256, max_num_seqs=8,
+                   speculative_config=spec, logprobs_mode="processed", **config)
+    graphed = llm(cuda_graph=True, kernels="graphs_verify=on")
+    eager = llm(cuda_graph=False)
+    graphs = graphed.engine.runner.graph_runner
+    assert graphs.query_lens == [1, 4] and graphs.pad_query_len == 4
+    rng = np.random.default_rng(7)
+    motif = rng.integers(3, 500, 5).tolist()
+    prompts = [motif * 3 + rng.integers(3, 500, 4).tolist(), rng.integers(3, 500, 13).tolist(),
+               motif[:2] * 4, rng.integers(3, 500, 6).tolist() * 2]
+    loopy = dict(temperature=0.0, max_tokens=32, ignore_eos=True, repetition_penalty=0.2)
+    plain = dict(temperature=0.0, max_tokens=32, ignore_eos=True)
+    params = [SamplingParams(**loopy, logprobs=2), SamplingParams(**plain, logprobs=2)] * 2
+    got = graphed.generate(prompts, params)
+    want = eager.generate(prompts, params)
+    compared = same = 0
+    for i, (g, w) in enumerate(zip(got, want)):
+        top = np.array([lp.top_logprobs[:2] for lp in w.logprobs], np.float64)
+        compared += compare(f"prompt {i}", g.token_ids, w.token_ids, top[:, 0] - top[:, 1])
+        same += compare_logprobs(f"prompt {i}", g, w)
+    assert graphs.num_padded_replays > 3, "too few uneven verify steps replayed a graph"
+    assert compared >= 32 and same >= 32, (compared, same)
 
 
 def drafts_of(llm) -> list:
