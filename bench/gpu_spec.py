@@ -31,9 +31,9 @@ The expected output is known (the count from the prompt's last id): every row ch
 tokens against it, speculation or not.
 
 Rows, per batch size B: none (no speculation: the decode graphs), ngram and draft_model with
-num_speculative_tokens k, each under graphs_verify off and on (a verify step replays a graph only
-when every sequence verifies exactly k drafts; `graphs` counts the replays of decode and verify
-graphs over the decode steps). The backends differ in graphs_verify, which a backend reads once,
+num_speculative_tokens k, each under graphs_verify off and on (a decode-only verify step replays
+the k + 1 graph, sequences with fewer drafts padded with filler rows; `graphs` counts the replays
+of decode and verify graphs over the decode steps). The backends differ in graphs_verify, which a backend reads once,
 so the weights are made once per setting. Decode tok/s = tokens after each sequence's first / the
 time after the step that gave every sequence its first. `bound`: the same steps at the copy
 bandwidth measured in the run (decode steps x the target's weight bytes, plus the draft forwards x
@@ -168,7 +168,8 @@ def count_replays(engine) -> Counter | None:
     replay = graphs.run
 
     def counted(batch):
-        counts[uniform_query_len(batch)] += 1
+        q = uniform_query_len(batch)       # None: uneven drafts, padded into the verify graph
+        counts[graphs.pad_query_len if q is None else q] += 1
         return replay(batch)
     graphs.run = counted
     return counts
