@@ -29,7 +29,7 @@ import pytest
 from checkpoints import edit_config, tiny_checkpoint
 from hf_oracle import assert_matches
 from model_cases import GEN, Cases, prompts_for
-from test_tensor_parallel import CASES, worker_pids
+from test_tensor_parallel import CASES, live_server_streams_a_chat, worker_pids
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -269,30 +269,4 @@ def test_server_pp_flag_is_checked():
 # ---- the live server
 
 def test_live_server_streams_a_chat(tmp_path):
-    from server.demo_model import write_demo_checkpoint
-    from server_fakes import LiveServer, client_for
-    demo = write_demo_checkpoint(str(tmp_path / "demo"))
-    before = worker_pids()
-    one = LiveServer(tmp_path, demo, "--mem", "64", "--served-model-name", "demo")
-    try:
-        messages = [{"role": "user", "content": "Say something about pipelines."}]
-        want = client_for(one.port).chat.completions.create(
-            model="demo", messages=messages, max_tokens=12, temperature=0)
-    finally:
-        one.close()
-    server = LiveServer(tmp_path, demo, "--mem", "64", "--served-model-name", "demo",
-                        "--pipeline-parallel-size", "2")
-    try:
-        assert len(worker_pids() - before) == 1
-        stream = client_for(server.port).chat.completions.create(
-            model="demo", messages=messages, max_tokens=12, temperature=0, stream=True)
-        text = "".join(chunk.choices[0].delta.content or "" for chunk in stream
-                       if chunk.choices)
-        assert text == want.choices[0].message.content
-        assert "pipeline parallel 2: rank 0 schedules and samples" in server.log()
-    finally:
-        server.close()
-    deadline = time.time() + 10
-    while worker_pids() - before and time.time() < deadline:
-        time.sleep(0.2)
-    assert not worker_pids() - before, "a worker outlived its killed rank 0"
+    live_server_streams_a_chat(tmp_path, "--pipeline-parallel-size", "pipeline")

@@ -182,7 +182,9 @@ def test_mpi4py_missing(tmp_path, monkeypatch):
 
 # ---- the live server
 
-def test_live_server_streams_a_chat(tmp_path):
+def live_server_streams_a_chat(tmp_path, parallel_flag: str, kind: str) -> None:
+    """The demo checkpoint served with `parallel_flag 2` (rank 0 and one worker process) streams
+    the one-process server's greedy chat answer, and the worker exits when rank 0 is killed."""
     from server.demo_model import write_demo_checkpoint
     from server_fakes import LiveServer, client_for
     demo = write_demo_checkpoint(str(tmp_path / "demo"))
@@ -195,7 +197,7 @@ def test_live_server_streams_a_chat(tmp_path):
     finally:
         one.close()
     server = LiveServer(tmp_path, demo, "--mem", "64", "--served-model-name", "demo",
-                        "--tensor-parallel-size", "2")
+                        parallel_flag, "2")
     try:
         assert len(worker_pids() - before) == 1
         stream = client_for(server.port).chat.completions.create(
@@ -203,13 +205,17 @@ def test_live_server_streams_a_chat(tmp_path):
         text = "".join(chunk.choices[0].delta.content or "" for chunk in stream
                        if chunk.choices)
         assert text == want.choices[0].message.content
-        assert "tensor parallel 2: rank 0 schedules and samples" in server.log()
+        assert f"{kind} parallel 2: rank 0 schedules and samples" in server.log()
     finally:
         server.close()             # SIGKILL: the worker sees rank 0 gone and exits
     deadline = time.time() + 10
     while worker_pids() - before and time.time() < deadline:
         time.sleep(0.2)
     assert not worker_pids() - before, "a worker outlived its killed rank 0"
+
+
+def test_live_server_streams_a_chat(tmp_path):
+    live_server_streams_a_chat(tmp_path, "--tensor-parallel-size", "tensor")
 
 
 def test_nccl_missing_is_named(monkeypatch):
