@@ -158,6 +158,18 @@ def split_experts(path: str, t, want: np.dtype | None, names: list[list[str]]) -
     return out
 
 
+def vocab_ids(meta: dict, tokens: dict[str, str], path: str) -> dict[str, int]:
+    """{key: id} of each named token in a GGUF's vocabulary (tokenizer.ggml.tokens); a token
+    the vocabulary lacks is a ValueError naming it."""
+    vocab = meta.get("tokenizer.ggml.tokens") or []
+    ids = {}
+    for key, token in tokens.items():
+        if token not in vocab:
+            raise ValueError(f"{path}: the vocabulary has no {token} token")
+        ids[key] = vocab.index(token)
+    return ids
+
+
 def unpermute_rows(w, num_heads: int):
     """Undo convert_hf_to_gguf.py's LlamaModel.permute along axis 0 (rows, or rows of blocks)."""
     n = w.shape[0]

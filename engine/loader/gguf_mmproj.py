@@ -27,7 +27,7 @@ import numpy as np
 from engine.loader import gguf_mmproj_gemma3 as gemma3
 from engine.loader import gguf_mmproj_pixtral as pixtral
 from engine.loader import gguf_mmproj_qwen3vl as qwen3vl
-from engine.loader.gguf import _FLOAT_TYPES, _tensor, open_reader, read_metadata
+from engine.loader.gguf import _FLOAT_TYPES, _tensor, open_reader, read_metadata, vocab_ids
 from engine.loader.safetensors import resolve_dtype
 
 ARCHITECTURE = "Qwen2_5_VLForConditionalGeneration"
@@ -162,12 +162,7 @@ def join_vision(config: dict, text_meta: dict, vision: dict, path: str) -> dict:
         raise ValueError(f"{path}: --mmproj with a Qwen2.5-VL projector needs a qwen2vl text "
                          f"GGUF with rope.dimension_sections (this one is "
                          f"{text_meta.get('general.architecture')!r})")
-    tokens = text_meta.get("tokenizer.ggml.tokens") or []
-    ids = {}
-    for key, token in _TOKENS.items():
-        if token not in tokens:
-            raise ValueError(f"{path}: the vocabulary has no {token} token")
-        ids[key] = tokens.index(token)
+    ids = vocab_ids(text_meta, _TOKENS, path)
     if vision["out_hidden_size"] != config["hidden_size"]:
         raise ValueError(f"the projector's output ({vision['out_hidden_size']}) differs from "
                          f"{path}'s hidden size ({config['hidden_size']})")

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from engine.loader.gguf import vocab_ids
+
 ARCHITECTURE = "Gemma3ForConditionalGeneration"
 DEFAULT_SCALE = 4          # clip.cpp's proj_scale_factor for gemma3 when the file has none
 _LAYER_NAMES = {"ln1": "layer_norm1", "ln2": "layer_norm2", "attn_q": "self_attn.q_proj",
@@ -79,12 +81,7 @@ def join(config: dict, text_meta: dict, vision: dict, path: str) -> dict:
     if text_meta.get("general.architecture") != "gemma3":
         raise ValueError(f"{path}: --mmproj with a Gemma 3 projector needs a gemma3 text GGUF "
                          f"(this one is {text_meta.get('general.architecture')!r})")
-    tokens = text_meta.get("tokenizer.ggml.tokens") or []
-    ids = {}
-    for key, token in _TOKENS.items():
-        if token not in tokens:
-            raise ValueError(f"{path}: the vocabulary has no {token} token")
-        ids[key] = tokens.index(token)
+    ids = vocab_ids(text_meta, _TOKENS, path)
     vision = dict(vision)
     out, tokens_per_image = vision.pop("out_hidden_size"), vision.pop("mm_tokens_per_image")
     if out != config["hidden_size"]:

@@ -17,7 +17,7 @@ std) unless a processor_config.json / preprocessor_config.json sits beside it.
 """
 from __future__ import annotations
 
-from engine.loader.gguf import unpermute_rows
+from engine.loader.gguf import unpermute_rows, vocab_ids
 
 ARCHITECTURE = "Mistral3ForConditionalGeneration"
 ROPE_THETA = 10000.0
@@ -81,12 +81,7 @@ def join(config: dict, text_meta: dict, vision: dict, path: str, projector_bias:
     if text_meta.get("general.architecture") != "mistral3":
         raise ValueError(f"{path}: --mmproj with a Pixtral projector needs a mistral3 text GGUF "
                          f"(this one is {text_meta.get('general.architecture')!r})")
-    tokens = text_meta.get("tokenizer.ggml.tokens") or []
-    ids = {}
-    for key, token in _TOKENS.items():
-        if token not in tokens:
-            raise ValueError(f"{path}: the vocabulary has no {token} token")
-        ids[key] = tokens.index(token)
+    ids = vocab_ids(text_meta, _TOKENS, path)
     vision = dict(vision)
     out, merge = vision.pop("out_hidden_size"), vision.pop("spatial_merge_size")
     if out != config["hidden_size"]:

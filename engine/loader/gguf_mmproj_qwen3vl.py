@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from engine.loader.gguf import vocab_ids
+
 # text GGUF architecture -> the vision-language architecture it joins
 ARCHITECTURES = {"qwen3vl": "Qwen3VLForConditionalGeneration",
                  "qwen3vlmoe": "Qwen3VLMoeForConditionalGeneration"}
@@ -96,12 +98,7 @@ def join(config: dict, text_meta: dict, vision: dict, path: str) -> dict:
     if layers is not None and int(layers) != len(vision["deepstack_visual_indexes"]):
         raise ValueError(f"{path}: n_deepstack_layers {layers}, the projector has "
                          f"{len(vision['deepstack_visual_indexes'])} DeepStack mergers")
-    tokens = text_meta.get("tokenizer.ggml.tokens") or []
-    ids = {}
-    for key, token in _TOKENS.items():
-        if token not in tokens:
-            raise ValueError(f"{path}: the vocabulary has no {token} token")
-        ids[key] = tokens.index(token)
+    ids = vocab_ids(text_meta, _TOKENS, path)
     if vision["out_hidden_size"] != config["hidden_size"]:
         raise ValueError(f"the projector's output ({vision['out_hidden_size']}) differs from "
                          f"{path}'s hidden size ({config['hidden_size']})")
