@@ -69,17 +69,20 @@ def register_responses(app: Quart, *, read_request, check_queue, fit_context, ch
                         param=param, code="response_not_found")
 
     async def stored(response_id: str, param: str | None = None) -> StoredResponse:
-        entry = await asyncio.to_thread(store.get, response_id)
-        if entry is not None:
-            return entry
+        # The running ones first: a run is stored before it leaves `runs`, so one that is not
+        # running now is in the store (unless evicted); looking in the store first would miss a
+        # run that ends, is stored and leaves `runs` while the store lookup waits on its thread.
         running = background.runs.get(response_id)
-        if running is None:
+        if running is not None:
+            if param == "previous_response_id":
+                raise APIError(f"Response '{response_id}' is still "
+                               f"{running.response['status']}: continue it once it has ended",
+                               param=param, code="response_in_progress")
+            return StoredResponse(running.snapshot(), running.input_items, [])
+        entry = await asyncio.to_thread(store.get, response_id)
+        if entry is None:
             raise not_found(response_id, param)
-        if param == "previous_response_id":
-            raise APIError(f"Response '{response_id}' is still {running.response['status']}: "
-                           "continue it once it has ended", param=param,
-                           code="response_in_progress")
-        return StoredResponse(running.snapshot(), running.input_items, [])
+        return entry
 
     @app.post("/v1/responses")
     async def create_response():

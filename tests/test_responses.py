@@ -569,6 +569,25 @@ def poll(client, response_id: str, until: set[str], seen: set[str]):
         time.sleep(0.02)
 
 
+def test_a_background_response_ending_during_a_lookup_is_found(slow, monkeypatch):
+    """The run ends, is stored and leaves the running ones while GET's store lookup waits on
+    its thread: the lookup must still find it (CI once answered 404 here)."""
+    server, engine = slow
+    store = server.app.taper_responses
+    lookup = store.get
+
+    def slow_get(response_id):
+        entry = lookup(response_id)
+        time.sleep(0.5)         # the 5-token run (20 ms a token) ends meanwhile
+        return entry
+    monkeypatch.setattr(store, "get", slow_get)
+    client = client_for(server.port)
+    queued = client.responses.create(model="fake-model", input="Hi", background=True,
+                                     max_output_tokens=5)
+    done = poll(client, queued.id, {"completed", "incomplete"}, set())
+    assert done.output_text == fake_text(5)
+
+
 def test_background_responses_are_polled_and_cancelled(slow):
     server, engine = slow
     client = client_for(server.port)
