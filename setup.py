@@ -76,6 +76,7 @@ def cpu_extensions():
         Extension("pyx.layers", ["pyx/layers.pyx"], **common),
         Extension("pyx.int4", ["pyx/int4.pyx", "pyx/int4_kernels.c"], **common),
         Extension("pyx.fp8", ["pyx/fp8.pyx", "pyx/fp8_kernels.c"], **common),
+        Extension("pyx.mxfp4", ["pyx/mxfp4.pyx", "pyx/mxfp4_kernels.c"], **common),
     ]
 
 

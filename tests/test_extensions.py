@@ -19,7 +19,7 @@ import sys
 import pytest
 
 EXTENSIONS = ["pyx.backend", "pyx.cpu_backend", "pyx.layers", "pyx.int4", "pyx.fp8",
-              "pyx.cuda_backend"]
+              "pyx.mxfp4", "pyx.cuda_backend"]
 
 
 def built(name: str) -> str | None:

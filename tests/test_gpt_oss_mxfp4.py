@@ -136,6 +136,27 @@ def test_dequantize_equals_transformers_on_every_code(dtype):
     np.testing.assert_array_equal(got.astype(np.float32), want)
 
 
+def test_kernel_threads_and_nan_scale_keep_transformers_values():
+    """Odd shapes split over threads give the single-thread values, and E8M0's NaN scale (255)
+    is 2**128 as transformers' ldexp reads it (0.5 * 2**128 finite, a zero code zero, not
+    the NaN of 0 * inf)."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from pyx.mxfp4 import dequantize
+    rng = np.random.default_rng(1)
+    blocks = rng.integers(0, 256, (5, 37, 3, 16), dtype=np.uint8)
+    scales = rng.integers(110, 140, (5, 37, 3), dtype=np.uint8)
+    scales[1, 2, 0], blocks[1, 2, 0, 0] = 255, 0x10      # codes 0 and 1 under the NaN scale
+    want = convert_moe_packed_tensors(torch.from_numpy(blocks), torch.from_numpy(scales),
+                                      dtype=torch.float32).numpy()
+    one = dequantize(blocks, scales, np.float32, num_threads=1)
+    np.testing.assert_array_equal(one, want)
+    np.testing.assert_array_equal(dequantize(blocks, scales, np.float32, num_threads=3), one)
+    assert (one[1, 0, 2], one[1, 1, 2]) == (0, 2.0 ** 127)
+    with pytest.raises(ValueError, match="int8"):
+        dequantize(blocks, scales, np.int8, "experts.down_proj")
+
+
 def test_wrong_nibble_order_or_scale_bias_moves_transformers_logits(cases):
     """The checkpoint read with its nibbles swapped, or each exponent one too large (a bias of
     126), moves transformers' prefill logits far past the harness test's tolerance, so a Taper
