@@ -6,7 +6,9 @@ machine (ray.cluster_utils.Cluster), one CPU on each node, so the replicas land 
 - concurrent requests spread over both replicas and give a single-replica server's greedy outputs;
 - the replica on the other "node" killed mid-stream fails only its request, with an error naming
   it, while the other stream completes and new requests are served;
-- the actors do not outlive the server.
+- the actors do not outlive the server;
+- replicas of tensor parallel 2 start their worker ranks in their own placement groups and give
+  one process's greedy tokens.
 
 A cluster too small for the replicas is a clear start-up error. Ray is the `ray` extra; without
 it the tests are skipped.
@@ -35,7 +37,7 @@ def cluster():
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
     worker = c.add_node(num_cpus=1)
     try:
-        yield c.address, c.head_node.node_id, worker.node_id
+        yield c.address, c.head_node.node_id, worker.node_id, c
     finally:
         if ray.is_initialized():
             ray.shutdown()
@@ -56,7 +58,7 @@ def placed(server) -> dict[int, tuple[str, int]]:
 
 def test_replicas_on_two_nodes_serve_like_one_and_a_killed_one_fails_only_its_requests(
         tmp_path, cluster, demo):
-    address, head, second = cluster
+    address, head, second, _ = cluster
     one = LiveServer(tmp_path, demo, "--mem", "64", "--served-model-name", "demo")
     try:
         want = [chat(one.port, p) for p in PROMPTS]
@@ -123,3 +125,41 @@ def test_a_cluster_too_small_for_the_replicas_is_a_clear_error(tmp_path, cluster
         server.close()
     assert ("--distributed-executor ray: 3 data-parallel replicas of 1 rank need 3 CPUs in the "
             "Ray cluster, which has 2 (2 nodes)") in server.log()
+
+
+def test_tensor_parallel_replicas_place_their_ranks_in_their_own_groups(cluster, monkeypatch,
+                                                                         tmp_path):
+    """Two replicas of tensor parallel 2 (4 ranks on 4 CPUs: a third node with 2 added), each
+    replica's worker taking its replica's placement group's second bundle: the same greedy
+    tokens as one process."""
+    from checkpoints import tiny_checkpoint
+    from model_cases import GEN, prompts_for
+    from engine import LLM, SamplingParams
+    from engine.config import EngineConfig
+    from engine.parallel.data_parallel import RoutedEngine
+    c_address, c = cluster[0], cluster[3]
+    c.add_node(num_cpus=2)
+    model = tiny_checkpoint(str(tmp_path / "llama"), arch="llama")
+    params = SamplingParams(temperature=0, max_tokens=GEN, ignore_eos=True)
+    llm = LLM(model, num_kv_blocks=64)
+    try:
+        want = [list(o.token_ids) for o in llm.generate(prompts_for(), params)]
+    finally:
+        llm.engine.shutdown()
+    monkeypatch.setenv("RAY_ADDRESS", c_address)
+    config = EngineConfig(model=model, num_kv_blocks=64, tensor_parallel_size=2,
+                          data_parallel_size=2, distributed_executor="ray")
+    engine = RoutedEngine(config, 2)
+    try:
+        for i, prompt in enumerate(prompts_for()):
+            engine.add_request(str(i), prompt, params)
+        got, deadline = {}, time.time() + 120
+        while len(got) < len(want):
+            assert time.time() < deadline, "the replicas did not finish"
+            for o in engine.step():
+                assert not isinstance(o, Exception), o
+                if o.finished:
+                    got[int(o.request_id)] = list(o.token_ids)
+        assert [got[i] for i in range(len(want))] == want
+    finally:
+        engine.shutdown()
