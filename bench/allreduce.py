@@ -175,7 +175,8 @@ def main() -> None:
         [root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]),
         "OMP_NUM_THREADS": "1"}
     subprocess.run(["mpiexec", "-n", "2", sys.executable, "-m", "bench.allreduce", "--rank",
-                    "--iters", str(args.iters), "--blocks", str(args.blocks), "--hidden", *map(str, args.hidden)],
+                    "--iters", str(args.iters), "--blocks", str(args.blocks),
+                    "--hidden", *map(str, args.hidden)],
                    check=True, env=env, cwd=root)
     print(f"after the collectives: {load()}")
     if args.collectives_only:

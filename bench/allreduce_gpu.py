@@ -71,7 +71,7 @@ def main() -> None:
     print("|---|---:|---:|---:|---:|---:|---:|")
     for hidden in args.hidden:
         for rows in DECODE_ROWS + PREFILL_ROWS:
-            x = cp.ones((rows, hidden), dtype=backend.act_dtype)
+            x = cp.ones((rows, hidden), dtype=cp.float32).astype(backend.act_dtype)
             kind = nccl_dtype(nccl, x.dtype)
             stream = backend.stream.ptr
             mine = lambda: taper.all_reduce(x)                                # noqa: E731

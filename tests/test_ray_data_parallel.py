@@ -130,8 +130,10 @@ def test_a_cluster_too_small_for_the_replicas_is_a_clear_error(tmp_path, cluster
 def test_tensor_parallel_replicas_place_their_ranks_in_their_own_groups(cluster, monkeypatch,
                                                                          tmp_path):
     """Two replicas of tensor parallel 2 (4 ranks on 4 CPUs: a third node with 2 added), each
-    replica's worker taking its replica's placement group's second bundle: the same greedy
-    tokens as one process."""
+    replica's worker taking its replica's placement group's second bundle (a worker placed
+    outside its replica's group would find no free CPU: the two groups hold all 4, and the
+    replica would fail to start): the same greedy tokens as one process. Runs last: it grows
+    the module's cluster."""
     from checkpoints import tiny_checkpoint
     from model_cases import GEN, prompts_for
     from engine import LLM, SamplingParams
