@@ -29,7 +29,8 @@
 #          no speculation on an 8B-shaped target at batch 1 and 8, graphs_verify off and, when
 #          its tests passed in first, on; its table by bench/gpu_summary.py spec), serve (the 1B
 #          table at concurrency 1, 16, 64, 256 with the TPOT bound), step_profile (host against
-#          device time per step on that 1B checkpoint).
+#          device time per step on that 1B checkpoint), allreduce (bench/allreduce_gpu.py: Taper's
+#          NCCL all-reduce against CuPy's own call, decode and prefill sizes, in what is left).
 #
 # Each step runs under `timeout` with its cap, clamped to what is left of the suite's budget, and
 # is skipped when that is under its minimum; the test steps run their files side by side, one
@@ -332,6 +333,9 @@ else
     else
         record step_profile "not run: no 1B checkpoint (serve did not make it)" 0
     fi
+    # the all-reduce's fixed cost through Taper's NCCL communicator against CuPy's own call
+    # (issue 28; a world of one rank on one device), in what the suite has left
+    gpu_step run_step allreduce 25 10 "$PY" -m bench.allreduce_gpu --hidden 4096 8192
 fi
 
 # ---- the summary, most important last: the figures, the verdicts, the steps
@@ -339,7 +343,7 @@ fi
     echo
     echo "================ gpu_check $SUITE: $(cat "$LOGS/build.txt" 2>/dev/null) ================"
     if [ "$SUITE" = figures ]; then
-        for log in kernels throughput throughput_switches step_profile; do
+        for log in kernels throughput throughput_switches step_profile allreduce; do
             [ -s "$LOGS/$log.log" ] || continue
             echo "-- $log:"
             grep -E '^(== |device|weights| *(bf16|fp8|int4) B=|  |\| *[0-9])' "$LOGS/$log.log" \

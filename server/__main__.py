@@ -160,9 +160,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "them in micro-batches; needs mpi4py and the mpich wheel as well")
     e.add_argument("--distributed-executor", dest="distributed_executor", default="mp",
                    choices=("mp", "ray"),
-                   help="how tensor/pipeline-parallel ranks start: mp, processes on this machine "
-                        "(MPI spawn); ray, Ray actors over a Ray cluster (ray start --head here, "
-                        "ray start --address on the others; pip install 'taper[ray]')")
+                   help="how tensor/pipeline-parallel ranks and data-parallel replicas start: "
+                        "mp, processes on this machine (MPI spawn); ray, Ray actors over a Ray "
+                        "cluster (ray start --head here, ray start --address on the others; "
+                        "pip install 'taper[ray]')")
     e.add_argument("--data-parallel-size", "--dp", dest="data_parallel_size", type=int,
                    metavar="N", default=1,
                    help="run N engine replicas (processes, each with the whole model, split as "

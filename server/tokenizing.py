@@ -42,7 +42,9 @@ async def run(fn, *args, **kwargs):
 
 def max_text_chars(engine) -> int | None:
     """The most characters a prompt for this engine can have; None: the tokenizer gives no
-    such bound."""
+    such bound, or the model has no tokenizer (its prompts are token ids)."""
+    if engine.tokenizer is None:
+        return None
     return engine.tokenizer.max_text_chars(engine.max_model_len)
 
 

@@ -180,6 +180,10 @@ def test_generative_model_pools_its_last_token(tmp_path):
         np.testing.assert_allclose([d.embedding for d in resp.data], want, atol=1e-4, rtol=0)
         status, body = post_json(server.port, "/v1/embeddings", {"input": "text"})
         assert_error(status, body, 400, "input", "no_tokenizer")
+        # and it generates from token ids (the text-length check has no tokenizer to ask)
+        status, body = post_json(server.port, "/v1/completions",
+                                 {"prompt": prompts[0], "max_tokens": 3, "ignore_eos": True})
+        assert status == 200 and body["usage"]["completion_tokens"] == 3, body
         server.proc.send_signal(signal.SIGTERM)     # exits 0, having served without torch
         assert server.proc.wait(timeout=30) == 0, server.log()
         assert "TAPER_TORCH_IMPORTED=False" in server.log()

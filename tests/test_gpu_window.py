@@ -150,7 +150,7 @@ def test_suites_run_end_to_end_without_a_device(tmp_path, suite):
     assert "setup                no device" in steps
     gpu_steps = (["serve", "tests_default", "tests_quant", "tests_switches"] if suite == "first"
                  else ["kernels", "throughput", "throughput_switches", "spec", "serve",
-                       "step_profile"])
+                       "step_profile", "allreduce"])
     for step in gpu_steps:
         assert f"{step:<20} not run: no device" in steps, steps
     assert "dry run: no device" in steps

@@ -11,6 +11,7 @@ stage, a step's sequences flowing through the stages in micro-batches.
 - Beam search's KV block copies, embeddings (pooled rows' hidden states) and prompt logprobs
   cross the stages and come back to rank 0 in the batch's order.
 - Micro-batches: whole sequences, about equal in tokens; rows put back in the batch's order.
+- TAPER_PIPELINE_PROFILE: each stage's step records (span, time waiting on the other stage).
 - A rank reads only its stage: tracemalloc's peak while stage 0 of 2 loads a checkpoint whose
   layers are nearly all of it stays near half of them.
 - Clear errors: more stages than layers, a family not split into stages.
@@ -208,6 +209,49 @@ def test_stages_overlap_over_micro_batches(cases, monkeypatch):
     first_step = events[:8]
     assert [e[0] for e in first_step] == ["forward", "send"] * 4, events[:8]
     assert [e[1] for e in first_step] == [12] * 8
+
+
+PROFILED_RUN = """
+import sys
+from engine import LLM, SamplingParams
+llm = LLM(sys.argv[1], pipeline_parallel_size=2, num_kv_blocks=64, pipeline_micro_batches=2)
+try:
+    llm.generate([[5, 6, 7, 8, 9, 10], [11, 12, 13, 14]],
+                 SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    llm.generate([[15, 16]], SamplingParams(temperature=0, max_tokens=1))   # flushes the last
+finally:
+    llm.engine.shutdown()
+"""
+
+
+def test_stage_profile_records_every_step_on_every_stage(cases, tmp_path):
+    """TAPER_PIPELINE_PROFILE (engine/parallel/pipeline_profile.py, what bench/pipeline_bubble.py
+    reads): a line per step on each stage, the waits inside the step's span. In a process of its
+    own: MPI fixes the workers' environment at the first spawn of the test session's."""
+    import glob
+    import json
+    import subprocess
+    import sys
+    prefix = str(tmp_path / "pp")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    subprocess.run([sys.executable, "-c", PROFILED_RUN, cases.dir("llama")], check=True,
+                   cwd=root, env={**os.environ, "TAPER_PIPELINE_PROFILE": prefix}, timeout=240)
+    files = sorted(glob.glob(prefix + ".*.jsonl"))
+    assert [os.path.basename(f) for f in files] == ["pp.stage0.tp0.jsonl", "pp.stage1.tp0.jsonl"]
+    steps = []
+    for stage, path in enumerate(files):
+        with open(path) as f:
+            mine = [json.loads(line) for line in f]
+        # the 2-prompt generation: its prefill (10 tokens, 2 micro-batches), 2 decode steps of 2
+        # sequences; the last generation's step is written before the shutdown reaches the rank
+        assert [(r["tokens"], r["micro_batches"]) for r in mine[:3]] == [(10, 2), (2, 2), (2, 2)]
+        assert all(r["stage"] == stage and 0 <= r["waited"] <= r["end"] - r["start"]
+                   for r in mine)
+        steps.append(mine)
+    # the same steps on both stages, overlapping in time; stage 1 waits for stage 0's stream
+    for a, b in zip(steps[0][:3], steps[1][:3]):
+        assert a["start"] < b["end"] and b["start"] < a["end"]
+        assert b["waited"] > 0
 
 
 # ---- each rank reads only its stage

@@ -11,6 +11,9 @@ has fewer free KV blocks than the prompt needs; any other request goes to the re
 most free KV blocks. Free blocks are the replica's last count, less the blocks of the prompts
 sent to it after that count (each Load says how many of the router's adds it had taken).
 
+Across machines (`--distributed-executor ray`): the replicas are Ray actors placed over a Ray
+cluster (engine/parallel/ray_replicas.py), each connected to the router over TCP.
+
 Faults: a replica that dies fails its open requests with an error naming it (their streams end
 with it; a stream that had started gets an error event), and the others keep serving; with
 every replica gone the engine reports itself not running (the server's /health says so).
@@ -134,7 +137,11 @@ class RoutedEngine:
             threads = max(1, cpu_threads.usable_cpus()[0] // (num_replicas * config.world_size))
         ctx = multiprocessing.get_context("spawn")
         self.replicas: list[Replica] = []
-        for index in range(num_replicas):
+        if config.distributed_executor == "ray":       # actors over a Ray cluster
+            from engine.parallel.ray_replicas import start_replicas
+            self.replicas = [Replica(index, process, conn) for index, (process, conn)
+                             in enumerate(start_replicas(replica_config, num_replicas))]
+        for index in range(num_replicas - len(self.replicas)):
             mine, theirs = ctx.Pipe()
             if config.backend == "cuda" and not config.device_ids:
                 # each replica its own devices: replica i's ranks after replica i - 1's
@@ -284,6 +291,8 @@ class RoutedEngine:
         r.process.join(1.0)
         code = r.process.exitcode
         how = "was killed" if code is not None and code < 0 else f"exited with code {code}"
+        if hasattr(r.process, "ended"):                 # a Ray actor's
+            how = r.process.ended()
         message = (f"data-parallel {r} {how}; its requests failed "
                    f"({len(self.alive)} of {len(self.replicas)} replicas serve on)")
         log.error("%s (%d open requests)", message, len(r.requests))
@@ -325,6 +334,8 @@ class RoutedEngine:
             if r.process.is_alive():
                 r.process.terminate()
                 r.process.join(5)
+            if hasattr(r.process, "release"):              # a Ray actor's placement
+                r.process.release()
             r.alive = False
 
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from engine.parallel.pipeline_profile import StageProfile
 from engine.runner.forward_batch import ForwardBatch
 
 # Families whose graphs are built by LlamaForCausalLM's layer loop and forward (the stage's
@@ -199,12 +200,23 @@ class PipelineRunner:
     def __init__(self, stage: PipelineStage, num_micro_batches: int):
         self.stage = stage
         self.num_micro_batches = num_micro_batches
+        # off unless TAPER_PIPELINE_PROFILE is set (engine/parallel/pipeline_profile.py)
+        self.profile = StageProfile.from_environment(stage)
 
     def forward(self, runner, inputs):
+        if self.profile is None:
+            return self._forward(runner, inputs)
+        self.profile.begin()
+        out = self._forward(runner, inputs)
+        self.profile.end(self.last_micro_batches, inputs.batch.num_tokens)
+        return out
+
+    def _forward(self, runner, inputs):
         stage, model, be = self.stage, runner.model, runner.backend
         xp = be.xp
         batch, hidden_rows = inputs.batch, inputs.hidden_rows
         pieces = micro_batches(batch, hidden_rows, self.num_micro_batches)
+        self.last_micro_batches = len(pieces)
         logits, hidden = [], []
         for piece, rows, _, _ in pieces:
             out = model.forward(runner.to_device(piece), runner.kv_caches,

@@ -42,7 +42,7 @@ def import_ray():
     return ray
 
 
-def _join_cluster(ray) -> None:
+def join_cluster(ray) -> None:
     if ray.is_initialized():
         return
     address = os.environ.get("RAY_ADDRESS", "auto")
@@ -60,20 +60,31 @@ def start_group(config):
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
     from engine.parallel.mpi import MpiGroup
-    _join_cluster(ray)
+    join_cluster(ray)
     workers = config.world_size - 1
     kind = "GPU" if config.backend == "cuda" else "CPU"
-    have = ray.cluster_resources().get(kind, 0)
-    if have < workers:
-        raise RuntimeError(f"--distributed-executor ray: {workers} worker ranks need {workers} "
-                           f"{kind}s in the Ray cluster, which has {have:g} "
-                           f"({len(ray.nodes())} nodes)")
-    group_of_bundles = placement_group([{kind: 1}] * workers, strategy="PACK")
-    ready, _ = ray.wait([group_of_bundles.ready()], timeout=120)
-    if not ready:
-        remove_placement_group(group_of_bundles)
-        raise RuntimeError(f"--distributed-executor ray: the cluster could not place {workers} "
-                           f"bundles of one {kind} within 120 s")
+    # A data-parallel replica's rank 0 is an actor in a group with a bundle for each of its
+    # ranks (engine/parallel/ray_replicas.py): its workers take the bundles after its own.
+    current = ray.util.get_current_placement_group()
+    if current is not None and len(current.bundle_specs) == config.world_size:
+        group_of_bundles, first_bundle, own_group = current, 1, False
+    else:
+        have = ray.cluster_resources().get(kind, 0)
+        if have < workers:
+            raise RuntimeError(f"--distributed-executor ray: {workers} worker ranks need "
+                               f"{workers} {kind}s in the Ray cluster, which has {have:g} "
+                               f"({len(ray.nodes())} nodes)")
+        group_of_bundles = placement_group([{kind: 1}] * workers, strategy="PACK")
+        first_bundle, own_group = 0, True
+        ready, _ = ray.wait([group_of_bundles.ready()], timeout=120)
+        if not ready:
+            remove_placement_group(group_of_bundles)
+            raise RuntimeError(f"--distributed-executor ray: the cluster could not place "
+                               f"{workers} bundles of one {kind} within 120 s")
+
+    def remove_group():
+        if own_group:
+            remove_placement_group(group_of_bundles)
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     pythonpath = os.pathsep.join(dict.fromkeys(
         [root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
@@ -82,8 +93,8 @@ def start_group(config):
     actors = [actor_class.options(
         num_cpus=1 if kind == "CPU" else 0, num_gpus=1 if kind == "GPU" else 0,
         runtime_env={"env_vars": {"PYTHONPATH": pythonpath}},
-        scheduling_strategy=PlacementGroupSchedulingStrategy(group_of_bundles, i)).remote()
-              for i in range(workers)]
+        scheduling_strategy=PlacementGroupSchedulingStrategy(group_of_bundles, first_bundle + i))
+              .remote() for i in range(workers)]
     # (asked before the runs: an actor answers one call at a time, and a run lasts)
     nodes = ray.get([actor.node.remote() for actor in actors])
     runs = []
@@ -102,7 +113,7 @@ def start_group(config):
         joined.set()
         for actor in actors:
             ray.kill(actor)
-        remove_placement_group(group_of_bundles)
+        remove_group()
         raise
     for rank, node in enumerate(nodes, start=1):
         log.info("rank %d: a Ray actor on node %s (%s)", rank, node[0][:12], node[1])
@@ -116,7 +127,7 @@ def start_group(config):
         ray.wait(runs, num_returns=len(runs), timeout=10)
         for actor in actors:
             ray.kill(actor)
-        remove_placement_group(group_of_bundles)
+        remove_group()
 
     group.cleanup.append(release)
     return group
