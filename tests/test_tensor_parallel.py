@@ -35,6 +35,7 @@ from model_cases import GEN, Cases, prompts_for
 pytestmark = pytest.mark.timeout(300)
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "gguf")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CASES = {"llama": (dict(arch="llama"), None), "qwen3": (dict(arch="qwen3"), None),
          "gemma2": (dict(arch="gemma2"), None), "mixtral": (dict(arch="mixtral"), None)}
 
@@ -45,9 +46,22 @@ def cases(tmp_path_factory):
 
 
 def worker_pids() -> set[int]:
+    """The MPI workers of this checkout: their PYTHONPATH starts with the tree rank 0 imported
+    Taper from (engine/parallel/mpi.py puts it first), so the workers of other checkouts' tests
+    on the same machine are not counted."""
     out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
-    return {int(line.split()[0]) for line in out.splitlines()
+    pids = {int(line.split()[0]) for line in out.splitlines()
             if "engine.parallel.worker" in line and "ps -eo" not in line}
+    return {pid for pid in pids if _python_path_root(pid) == REPO}
+
+
+def _python_path_root(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            environ = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+    except OSError:             # gone, or another user's
+        return None
+    return environ.get(b"PYTHONPATH", b"").decode().split(os.pathsep)[0] or None
 
 
 def greedy(model, tp: int, **kwargs):
