@@ -22,7 +22,8 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     # Pipeline parallel (engine/parallel/pipeline.py): the layers split into this many stages,
     # each stage tensor_parallel_size processes; a step's sequences run through the stages in
-    # pipeline_micro_batches micro-batches (0: twice the stages).
+    # pipeline_micro_batches micro-batches (0: twice the stages where the step has 64 tokens
+    # a micro-batch, fewer where it has not: engine/parallel/pipeline.py says why).
     pipeline_parallel_size: int = 1
     pipeline_micro_batches: int = 0
     # Data parallel (engine/parallel/data_parallel.py, the API server only): this many engine
@@ -96,7 +97,7 @@ class EngineConfig:
             raise ValueError(f"data_parallel_size must be at least 1, got "
                              f"{self.data_parallel_size}")
         if self.pipeline_micro_batches < 0:
-            raise ValueError("pipeline_micro_batches must be >= 0 (0: twice the stages)")
+            raise ValueError("pipeline_micro_batches must be >= 0 (0: automatic)")
         if self.device_ids and len(self.device_ids) != self.world_size:
             raise ValueError(f"device_ids {list(self.device_ids)} name {len(self.device_ids)} "
                              f"devices for tensor_parallel_size {self.tensor_parallel_size} x "

@@ -120,7 +120,7 @@ def other_paths(model: str, pp: int):
     """Beam search, embeddings and prompt logprobs through one engine (as the tensor-parallel
     test's), with several requests in a step so that micro-batches cut them."""
     from engine import LLM, SamplingParams
-    llm = LLM(model, pipeline_parallel_size=pp, num_kv_blocks=64)
+    llm = LLM(model, pipeline_parallel_size=pp, num_kv_blocks=64, pipeline_micro_batches=4)
     try:
         prompts = prompts_for()
         beams = llm.generate([prompts[1]], SamplingParams(use_beam_search=True, n=3,
@@ -176,6 +176,16 @@ def test_micro_batches_cut_whole_sequences_and_keep_the_order():
                             [p[3] for p in pieces], len(pooled))
     np.testing.assert_array_equal(hidden[:, 0], pooled)
     assert micro_batches(batch, None, 1)[0][0] is batch
+
+
+def test_automatic_micro_batches_leave_small_steps_whole():
+    """Automatic micro-batches: twice the stages for a long prefill, none for a decode step of a
+    few sequences (each micro-batch re-reads the stage's weights); a set count is kept."""
+    from engine.parallel.pipeline import PipelineRunner, PipelineStage
+    stage = PipelineStage(0, 2, 0, 4, 0, 256, 64, False, None)
+    auto, four = PipelineRunner(stage, 0), PipelineRunner(stage, 4)
+    assert [auto.micro_batch_count(t) for t in (8, 64, 130, 512, 4096)] == [1, 1, 2, 4, 4]
+    assert four.micro_batch_count(8) == 4
 
 
 def test_stages_overlap_over_micro_batches(cases, monkeypatch):

@@ -163,8 +163,7 @@ def build(config: EngineConfig, loaded=None, group=None) -> EngineParts:
                              watch=getattr(group, "watch", None)) if group.rank == 0 else None)
         runner.join_tensor_parallel(sender)
         if pipeline is not None:
-            runner.pipeline = PipelineRunner(model.config.pipeline, config.pipeline_micro_batches
-                                             or 2 * config.pipeline_parallel_size)
+            runner.pipeline = PipelineRunner(model.config.pipeline, config.pipeline_micro_batches)
         if sender is not None:
             launch.stop_at_exit(sender)
             log.info("%s: rank 0 schedules and samples, every rank holds its share of the "

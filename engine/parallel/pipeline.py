@@ -193,15 +193,29 @@ def in_batch_order(xp, parts: list, positions: list, n: int):
     return out
 
 
+# Automatic micro-batches (pipeline_micro_batches 0) carry at least this many tokens each. A
+# smaller micro-batch is bound by reading its stage's weights, which every micro-batch reads
+# again: a decode step of 8 sequences cut in 4 took 268 ms against 101 ms uncut (PP 2 on the
+# CPU, bench/pipeline_bubble.py, RESULTS "Pipeline parallel"), while 512-token prefills gain.
+MIN_AUTO_MICRO_BATCH_TOKENS = 64
+
+
 class PipelineRunner:
     """A rank's part of each step: its stage over the step's micro-batches (module docstring).
-    forward returns what ModelRunner._forward does on rank 0, (None, None, None) elsewhere."""
+    forward returns what ModelRunner._forward does on rank 0, (None, None, None) elsewhere.
+    num_micro_batches 0 is automatic: twice the stages, fewer where a step has too few tokens to
+    cut (MIN_AUTO_MICRO_BATCH_TOKENS); a positive count is taken as it is."""
 
     def __init__(self, stage: PipelineStage, num_micro_batches: int):
         self.stage = stage
         self.num_micro_batches = num_micro_batches
         # off unless TAPER_PIPELINE_PROFILE is set (engine/parallel/pipeline_profile.py)
         self.profile = StageProfile.from_environment(stage)
+
+    def micro_batch_count(self, num_tokens: int) -> int:
+        if self.num_micro_batches:
+            return self.num_micro_batches
+        return max(1, min(2 * self.stage.num_stages, num_tokens // MIN_AUTO_MICRO_BATCH_TOKENS))
 
     def forward(self, runner, inputs):
         if self.profile is None:
@@ -215,7 +229,7 @@ class PipelineRunner:
         stage, model, be = self.stage, runner.model, runner.backend
         xp = be.xp
         batch, hidden_rows = inputs.batch, inputs.hidden_rows
-        pieces = micro_batches(batch, hidden_rows, self.num_micro_batches)
+        pieces = micro_batches(batch, hidden_rows, self.micro_batch_count(batch.num_tokens))
         self.last_micro_batches = len(pieces)
         logits, hidden = [], []
         for piece, rows, _, _ in pieces:
