@@ -31,6 +31,10 @@ class StepInputs:
     hidden_rows: np.ndarray | None = None  # rows whose final hidden states are pooled
     score_rows: np.ndarray | None = None   # of those, the rows put through the LM head
     block_copies: list = field(default_factory=list)   # (src, dst) KV blocks, before the step
+    # The CUDA graph bucket (size, query_len) each micro-batch replays (one for tensor parallel
+    # alone), as rank 0 chose it, or None: the step runs eagerly on every rank
+    # (CudaGraphRunner.choose: the graphs hold the collectives, so the ranks must agree).
+    graphs: tuple | None = None
 
 
 class HostArrays:
