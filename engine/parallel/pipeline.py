@@ -285,6 +285,8 @@ class PipelineRunner:
                 if inputs.score_rows is not None:
                     scores = model.logits(xp.ascontiguousarray(
                         hidden[be.asarray(inputs.score_rows)]))
+            if stage.first and stage.tp_rank == 0:      # a pipeline of one stage (a check on
+                return logits, hidden if hidden_rows is not None else None, scores  # one GPU)
             if stage.tp_rank == 0:
                 for x in (logits, hidden if hidden_rows is not None else None, scores):
                     if x is not None and len(x):

@@ -6,7 +6,9 @@ the table's changes since the previous step (a BlockTableUpdate: a few ids a ste
 tables; every rank keeps its own copy of the table and applies the changes in step order (the
 DeviceBlockTables of engine/runner/device_block_tables.py, over host arrays on the CPU). Also:
 the rows a step pools for embeddings and scores through the LM head (each collective rank 0 runs,
-the others run too), and KV block copies of beam forks made since the previous step.
+the others run too), KV block copies of beam forks made since the previous step, and the CUDA
+graph bucket rank 0 chose for each micro-batch (the others replay the same: the graphs hold the
+collectives, engine/runner/cuda_graph.py).
 
 Sampling, scheduling and everything above stay on rank 0: the others see forward passes only.
 """

@@ -64,6 +64,17 @@ with one launch. A graph replays fixed work on fixed addresses, so:
   by LoraManager.begin before the launch, so one graph per bucket serves any mix of adapters and
   base rows. Without it a step with adapter rows runs eagerly (`can_run`).
 
+- **Tensor- and pipeline-parallel ranks** (KernelConfig graphs_parallel=on): every rank captures
+  the same buckets in the same order (the builder checks), its NCCL all-reduces and all-gather
+  captured inside (NCCL supports capture on the capturing stream). The collectives of a replay
+  must match the other ranks' in count and size, so the ranks never choose for themselves: rank 0
+  chooses (`choose`) and sends the bucket with the step (StepInputs.graphs), every rank replays
+  that one (`run(batch, key)`), and a rank that cannot (its device table moved) runs the bucket's
+  padded rows eagerly, which calls the same collectives with the same sizes. A pipeline stage
+  captures its own layers; the residual stream is received into the graph's input rows before
+  the replay and sent from its output rows after it (engine/parallel/pipeline.py,
+  DeferredHandOver, says why around rather than inside), one replay per micro-batch.
+
 Memory. Everything a graph touches must stay allocated, at the same address, for the graph's
 life, and nobody else may reuse it while the graph could still write it:
 - Allocations made during warm-up and capture (the forward's temporaries: gathered rows, the
