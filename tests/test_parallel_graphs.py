@@ -87,12 +87,13 @@ def test_a_rank_that_cannot_replay_runs_the_padded_bucket_in_step(model, tmp_pat
     assert one["replays"] == 0 and one["fallbacks"] == wanted
 
 
-def test_decode_steps_send_the_new_blocks_not_the_table(model, tmp_path):
+@pytest.mark.parametrize("split", [dict(tp=2), dict(pp=2)], ids=["tensor", "pipeline"])
+def test_decode_steps_send_the_new_blocks_not_the_table(model, tmp_path, split):
     """Two sequences decode from 5 to 565 tokens in blocks of 8: past 64 blocks the table
     widens from 64 to 128 columns, while every decode step's message holds a few ints of the
     table (a whole 64 x 128 table would be 32 KiB)."""
-    zero, _ = ranks(model, tmp_path, "long", tp=2, graphs="off", block_size=8,
-                    num_kv_blocks=160, prompts=PROMPTS[:2], max_tokens=560)
+    zero, _ = ranks(model, tmp_path, "long", graphs="off", block_size=8, num_kv_blocks=160,
+                    prompts=PROMPTS[:2], max_tokens=560, **split)
     sent = zero["sent"]
     decode = [s for s in sent if s["tokens"] == s["seqs"]]
     assert len(decode) >= 550
@@ -105,3 +106,23 @@ def test_decode_steps_send_the_new_blocks_not_the_table(model, tmp_path):
     assert sum(s["entries"] for s in decode) <= 2 * 2 * (560 // 8 + 1)
     sizes = [s["bytes"] for s in decode]
     assert max(sizes) - min(sizes) <= 64, (min(sizes), max(sizes))
+
+
+def test_ranks_that_captured_other_buckets_stop():
+    from types import SimpleNamespace
+    from engine.parallel.launch import check_same_buckets
+
+    class Group:
+        rank = 1
+
+        def __init__(self, *every):
+            self.every = every
+
+        def allgather(self, mine):
+            return [list(b) for b in self.every]
+
+    mine = SimpleNamespace(buckets={(1, 1): None, (2, 1): None})
+    check_same_buckets(Group([(1, 1), (2, 1)], [(1, 1), (2, 1)]), mine)
+    with pytest.raises(ValueError, match=r"rank 1 captured CUDA graphs for buckets \[\(1, 1\), "
+                                         r"\(2, 1\)\], rank 0 for \[\(1, 1\)\]"):
+        check_same_buckets(Group([(1, 1)], [(1, 1), (2, 1)]), mine)
