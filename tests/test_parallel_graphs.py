@@ -12,6 +12,9 @@ replays between the processes, as NCCL's would on GPUs).
   same sizes as its peers' replays, so the step neither hangs nor fails, and the tokens are the
   same. (Were it to run its batch's own rows, or choose for itself, its all-reduce or receive
   would not match rank 0's and the group would fail or hang: the subprocess's timeout.)
+- A pipeline stage's graph holds its layers only: no capture sends or receives, a replay
+  receives the stream into the graph's input rows before the launch and sends its output rows
+  after it (one process, tests/test_cuda_graph.py's fake backend, the neighbour recorded).
 - A decode step's message carries the block table's changes, not the table: its block-table
   entries stay within the step's new blocks, and its size stays flat while the context grows
   past the table's width and the table widens (a resize sends the new shape, not the table).
@@ -23,6 +26,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from checkpoints import tiny_checkpoint
@@ -126,3 +130,73 @@ def test_ranks_that_captured_other_buckets_stop():
     with pytest.raises(ValueError, match=r"rank 1 captured CUDA graphs for buckets \[\(1, 1\), "
                                          r"\(2, 1\)\], rank 0 for \[\(1, 1\)\]"):
         check_same_buckets(Group([(1, 1)], [(1, 1), (2, 1)]), mine)
+
+
+# ---- a stage's graph and its hand-over, in one process (tests/test_cuda_graph.py's fake backend)
+
+class Neighbour:
+    """A stage's communicator: sends and receives go into the fake backend's event list (so
+    their order against the copies, captures and launches shows); a receive fills its array
+    with the first rows of `incoming`."""
+
+    def __init__(self, events, incoming=None):
+        self.events, self.incoming, self.sent = events, incoming, []
+
+    def send(self, x, peer: int) -> None:
+        self.events.append(("send", peer, x.shape))
+        self.sent.append(np.array(x))
+
+    def recv(self, x, peer: int) -> None:
+        self.events.append(("recv", peer, x.shape))
+        x[...] = self.incoming[:len(x)]
+
+    def flush(self) -> None:
+        pass
+
+
+def test_a_stage_hands_its_stream_over_around_its_graph(tmp_path):
+    """Two stages of the tiny Llama (a layer each) with graphs: no capture sends or receives
+    (each stage captures alone); a replay of bucket 4 for 3 sequences is copy, launch, send on
+    the first stage and copy, receive, launch on the second, the whole bucket's rows handed over
+    (its padding rows included, as its peer's graph expects), the real rows the eager stage's,
+    and the second stage's logits the eager ones."""
+    from engine.loader.model_loader import load_model
+    from engine.runner.cuda_graph import CudaGraphRunner
+    from engine.runner.device_block_tables import DeviceBlockTables
+    from engine.runner.model_runner import ModelRunner
+    from pyx.cpu_backend import CpuBackend
+    from test_cuda_graph import FakeGraphBackend, make_seq, schedule
+
+    directory = tiny_checkpoint(str(tmp_path / "m"), "llama")
+    seqs = [make_seq([7 + i], 0, [i + 1]) for i in range(3)]       # one token each, decoding
+    incoming, results = None, []
+    for stage in (0, 1):
+        backend = FakeGraphBackend()
+        comm = Neighbour(backend.events, incoming)
+        model, config = load_model(directory, CpuBackend(), progress=False,
+                                   pipeline=(stage, 2, 0, comm))
+        eager = ModelRunner(model, config, CpuBackend(), 8, num_blocks=8)
+        graphed = ModelRunner(model, config, CpuBackend(), 8, num_blocks=8)
+        tables = DeviceBlockTables(backend, eager.block_tables)
+        graphs = CudaGraphRunner(model, backend, graphed.kv_caches, 4, 4, tables)
+        graphs.capture()
+        assert not [e for e in backend.events if e[0] in ("send", "recv")]
+        batch = eager.prepare(schedule(seqs, [1, 1, 1]))
+        tables.apply(eager.block_tables.take_update())
+        want = model.forward(batch, eager.kv_caches)
+        del backend.events[:]
+        got = graphs.run(batch, graphs.choose(batch))
+        assert graphs.choose(batch) == (4, 1)
+        kinds = [e[0] for e in backend.events]
+        if stage == 0:
+            assert kinds == ["copy", "launch", "send"] and got is None and want is None
+            assert backend.events[-1][1:] == (1, (4, config.hidden_size))
+            eager_sent, sent = comm.sent
+            np.testing.assert_allclose(sent[:3], eager_sent, rtol=1e-6, atol=1e-6)
+            incoming = sent
+        else:
+            assert kinds == ["copy", "recv", "launch"]
+            assert backend.events[1][1:] == (0, (4, config.hidden_size))
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+        results.append(kinds)
+    assert results[1] != results[0]
