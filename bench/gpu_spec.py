@@ -167,10 +167,10 @@ def count_replays(engine) -> Counter | None:
     counts = Counter()
     replay = graphs.run
 
-    def counted(batch):
+    def counted(batch, key=None):
         q = uniform_query_len(batch)       # None: uneven drafts, padded into the verify graph
         counts[graphs.pad_query_len if q is None else q] += 1
-        return replay(batch)
+        return replay(batch, key)
     graphs.run = counted
     return counts
 

@@ -37,6 +37,7 @@ SWITCH_TESTS = {
     # the runner's replay test covers both (verify graphs over adapter slots): credited here
     "graphs_verify=on": (r"^test_cuda_graphs_verify_lora\.py::"
                          r"test_(verify_steps|runner_replays|runner_hands_over|head_targets)"),
+    "graphs_parallel=on": r"^test_cuda_(tensor|pipeline)_parallel\.py::test_graphs_parallel_",
 }
 NOISE = 0.03    # two timings of one kernel differ by about this much
 

@@ -65,6 +65,11 @@ CHOICES: dict[str, Choice] = {
                             "CUDA graphs over speculative decoding's verify steps (k + 1 tokens "
                             "for every sequence, n-gram and draft-model methods), or such steps "
                             "run eagerly"),
+    "graphs_parallel": Choice(("off", "on"), ("cuda",),
+                              "CUDA graphs on tensor- and pipeline-parallel ranks (each rank's "
+                              "NCCL all-reduces inside its graphs, each stage's graphs around "
+                              "the hand-over of its stream, rank 0 naming the bucket every rank "
+                              "replays), or such ranks run every step eagerly"),
     "cpu_isa": Choice(("auto", "scalar", "avx2", "avx512"), ("cpu",),
                       "CPU kernels' ISA path (auto: the best this CPU runs)"),
     "act_split": Choice(("qkv", "off", "on"), ("cpu",),
@@ -122,6 +127,7 @@ class KernelConfig:
     moe: str = _default("moe")
     graphs_lora: str = _default("graphs_lora")
     graphs_verify: str = _default("graphs_verify")
+    graphs_parallel: str = _default("graphs_parallel")
     cpu_isa: str = _default("cpu_isa")
     act_split: str = _default("act_split")
     quant_prefill: str = _default("quant_prefill")

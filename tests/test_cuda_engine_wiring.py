@@ -51,8 +51,8 @@ class _Graph:
 class CpuAsCuda(CpuBackend):
     xp = numpy_as_cupy()
 
-    def __init__(self, kernels=None):
-        super().__init__(kernels=kernels)
+    def __init__(self, kernels=None, num_threads=None):
+        super().__init__(kernels=kernels, num_threads=num_threads)
         self.replays = 0
         self.captures = 0
         self.max_context = 0
@@ -201,9 +201,9 @@ def query_lens_replayed(engine) -> list:
     graphs = engine.runner.graph_runner
     replayed, run_graph = [], graphs.run
 
-    def run_and_record(batch):
+    def run_and_record(batch, key=None):
         replayed.append((uniform_query_len(batch), batch.lora is not None))
-        return run_graph(batch)
+        return run_graph(batch, key)
     graphs.run = run_and_record
     return replayed
 
@@ -291,9 +291,9 @@ def test_uneven_verify_steps_replay_padded_graphs(model_dir, monkeypatch, sample
     graphs, rows = engine.runner.graph_runner, []
     run_graph = graphs.run
 
-    def run_and_record(batch):
+    def run_and_record(batch, key=None):
         rows.append(np.diff(batch.query_start_loc).tolist())
-        return run_graph(batch)
+        return run_graph(batch, key)
     graphs.run = run_and_record
     assert generate(engine, prompts, params) == eager
     uneven = [r for r in rows if len(set(r)) > 1]

@@ -225,7 +225,7 @@ class FakeGraphBackend:
         self.capturing = False
         self.pool = None
         self.free = 1 << 30
-        self.xp = types.SimpleNamespace(empty=self._empty, copyto=np.copyto)
+        self.xp = types.SimpleNamespace(empty=self._empty, zeros=np.zeros, copyto=np.copyto)
 
     @staticmethod
     def asarray(a):

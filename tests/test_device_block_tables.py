@@ -83,11 +83,14 @@ def test_updates_are_exactly_the_changes():
     assert c.trimmed_to is None and tables.table[1].tolist() == [8, 9, 0, 0]
     u = tables.take_update()
     assert (u.num_cleared, u.packed.tolist()) == (0, [5, 6, 5, 0, 0, 9])
-    # widening the table: the next update is all of it (a's row reused)
+    # widening the table: the update carries its new shape, never the whole table, then the
+    # changes at the new width (a's row reused: zeroed, written)
     a.is_finished = True
     tables.rows_for([FakeSeq(3, [1, 2, 3, 4, 5])])
     u = tables.take_update()
-    assert u.shape == (2, 8) and u.table.tolist() == [[1, 2, 3, 4, 5, 0, 0, 0], [8, 9] + [0] * 6]
+    assert u.shape == (2, 8) and u.table is None
+    assert (u.num_cleared, u.packed.tolist()) == (1, [0, 0, 1, 2, 3, 4, 1, 2, 3, 4, 5])
+    assert tables.table.tolist() == [[1, 2, 3, 4, 5, 0, 0, 0], [8, 9] + [0] * 6]
     with pytest.raises(RuntimeError, match="record_updates"):
         BlockTables().take_update()
 

@@ -18,8 +18,8 @@ from pyx.kernel_config import CHOICES, REMOVED_VARIABLES, RETIRED_VARIABLES, ret
 # The defaults: on a GPU the kernels that won the last GPU window; on the CPU the fastest path,
 # with exact activations in the quantized qkv projection (issue 32: act_split=qkv).
 DEFAULTS = ("prefill=fa3,decode=split,marlin=simple,fp8=dequant,fp8_gemv=off,"
-            "sampling=simple,moe=simple,graphs_lora=off,graphs_verify=off,cpu_isa=auto,"
-            "act_split=qkv,quant_prefill=int8")
+            "sampling=simple,moe=simple,graphs_lora=off,graphs_verify=off,graphs_parallel=off,"
+            "cpu_isa=auto,act_split=qkv,quant_prefill=int8")
 
 
 # ---- the value
@@ -47,8 +47,8 @@ def test_parse_string_dict_and_instance():
 
 @pytest.mark.parametrize("spec,message", [
     ("prefil=fa2", r"^--kernels: unknown key 'prefil'; the keys are prefill, decode, marlin, fp8, "
-                   r"fp8_gemv, sampling, moe, graphs_lora, graphs_verify, cpu_isa, act_split, "
-                   r"quant_prefill$"),
+                   r"fp8_gemv, sampling, moe, graphs_lora, graphs_verify, graphs_parallel, "
+                   r"cpu_isa, act_split, quant_prefill$"),
     ("prefill=fa9", r"^--kernels: prefill='fa9' is not a choice; prefill takes fa3 \| fa2 \| "
                     r"simple \(default fa3\)$"),
     ("decode=split,fp8_gemv=1", r"^--kernels: fp8_gemv='1' is not a choice; fp8_gemv takes off \| "
@@ -90,7 +90,7 @@ def test_sources_and_the_start_up_line():
     assert line == ("prefill=fa2 (--kernels), decode=split (default), marlin=simple (default), "
                     "fp8=dequant (default), fp8_gemv=off (default), sampling=simple (default), "
                     "moe=simple (default), graphs_lora=off (default), "
-                    "graphs_verify=off (default)")
+                    "graphs_verify=off (default), graphs_parallel=off (default)")
     assert unused == ["act_split=off (--kernels)"]
     line, unused = k.describe("cpu")
     assert line == ("moe=simple (default), cpu_isa=auto (default), act_split=off (--kernels), "

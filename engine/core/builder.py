@@ -215,15 +215,17 @@ def build(config: EngineConfig, loaded=None, group=None) -> EngineParts:
             log.info("CUDA graphs: not captured (an EAGLE-3 or MTP head reads every step's "
                      "hidden states; --kernels graphs_verify=on captures graphs that hand them "
                      "over)")
-        elif config.cuda_graph and pipeline is not None:
-            log.info("CUDA graphs: not captured (a pipeline stage's step is its micro-batches, "
-                     "each waiting on the stage before)")
+        elif config.cuda_graph and group is not None and not graphs_on_ranks(backend):
+            log.info("CUDA graphs: not captured on %s ranks (--kernels graphs_parallel=on "
+                     "captures them, the collectives inside)", launch.kind(config))
         elif config.cuda_graph:
             if group is None:
                 capture_cuda_graphs(config, model, backend, runner, max_model_len)
             else:
                 with launch.all_ranks(group, "capturing CUDA graphs"):
                     capture_cuda_graphs(config, model, backend, runner, max_model_len)
+                with launch.all_ranks(group, "comparing the CUDA graphs' buckets"):
+                    launch.check_same_buckets(group, runner.graph_runner)
     return EngineParts(config, backend, model, model_config, model_dir, tokenizer,
                        pooling_config or default_pooling_config(model_dir), eos_token_ids,
                        block_pool, max_model_len, runner, draft_model, lora)
@@ -338,6 +340,12 @@ def _load(config: EngineConfig, backend, tensor_parallel=None, pipeline=None):
             pooling_config)
 
 
+def graphs_on_ranks(backend) -> bool:
+    """Whether tensor- and pipeline-parallel ranks capture CUDA graphs (--kernels
+    graphs_parallel=on; off until a GPU window has run tests/gpu's checks of it)."""
+    return backend.kernels.graphs_parallel == "on"
+
+
 def graph_query_lens(config: EngineConfig, backend) -> tuple[int, ...]:
     """The tokens per sequence CUDA graphs are captured for: 1 (decode), and k + 1 for the
     verify steps of speculation under --kernels graphs_verify=on (an EAGLE-3 or MTP head's
@@ -407,7 +415,7 @@ def _num_kv_blocks(config: EngineConfig, backend, model_config: ModelConfig, kv_
         backend.xp.get_default_memory_pool().free_all_blocks()
         free, _ = backend.memory_info()
         reserved = 0
-        if config.cuda_graph:
+        if config.cuda_graph and (config.world_size == 1 or graphs_on_ranks(backend)):
             reserved = estimate_graph_memory_bytes(   # max_num_seqs unknown yet: the cap
                 config.max_num_seqs or MAX_NUM_SEQS_CAP,
                 -(-model_config.max_model_len // config.block_size), model_config,

@@ -112,6 +112,16 @@ def split_communicator(group, sub, backend):
     return MpiCommunicator(sub)
 
 
+def check_same_buckets(group, graphs) -> None:
+    """Every rank captured the same CUDA graph buckets (each replays the one rank 0 names, its
+    collectives matching the other ranks'); else a ValueError naming the rank that differs."""
+    mine = sorted(graphs.buckets)
+    for rank, theirs in enumerate(group.allgather(mine)):
+        if theirs != mine:
+            raise ValueError(f"rank {group.rank} captured CUDA graphs for buckets {mine}, rank "
+                             f"{rank} for {theirs}: the ranks must capture the same")
+
+
 @contextmanager
 def all_ranks(group, stage: str):
     """Runs a start-up stage on every rank; if it failed anywhere, every rank stops."""

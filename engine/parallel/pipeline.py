@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -84,6 +85,8 @@ class PipelineStage:
     hidden_size: int
     tied: bool                          # the LM head is the embedding (the last stage holds it)
     comm: object = dataclasses.field(compare=False, repr=False)   # its rank: the stage
+    # while CUDA graphs of the stage are captured: the DeferredHandOver the boundary records in
+    _deferred: list = dataclasses.field(default_factory=list, compare=False, repr=False)
 
     @property
     def first(self) -> bool:
@@ -141,10 +144,46 @@ class PipelineStage:
 
     def receive_stream(self, residual) -> None:
         """The residual stream entering the stage's first layer, from the stage before."""
+        if self._deferred:
+            self._deferred[-1].receive(residual)
+            return
         self.comm.recv(residual, self.stage - 1)
 
     def send_stream(self, residual) -> None:
+        if self._deferred:
+            self._deferred[-1].sent = residual
+            return
         self.comm.send(residual, self.stage + 1)
+
+    @contextmanager
+    def hand_over_deferred(self, zero: bool):
+        """Inside: the boundary records the arrays it would receive into and send from, and
+        neither receives nor sends (a stage's CUDA graph holds its layers; the replay receives
+        before it and sends after it: engine/runner/cuda_graph.py)."""
+        hand_over = DeferredHandOver(zero)
+        self._deferred.append(hand_over)
+        try:
+            yield hand_over
+        finally:
+            self._deferred.pop()
+
+
+class DeferredHandOver:
+    """The residual arrays a stage's forward received into and sent from while its graph was
+    captured. Around the graph rather than inside it: the stage's graph then holds only its own
+    work, so the stages capture independently (no capture's warm-up waits on a peer's), and the
+    replay's receive writes straight into the graph's input rows, its send reads the graph's
+    output rows (no copy either way), two launches beside the hundreds in the graph. (vLLM
+    hands its intermediate tensors over around its graphs too.)"""
+
+    def __init__(self, zero: bool):
+        self.zero = zero            # the eager warm-up computes on zeros, not a stale stream
+        self.received = self.sent = None
+
+    def receive(self, residual) -> None:
+        self.received = residual
+        if self.zero:
+            residual.fill(0)
 
 
 def micro_batches(batch: ForwardBatch, hidden_rows, count: int):
@@ -217,6 +256,14 @@ class PipelineRunner:
             return self.num_micro_batches
         return max(1, min(2 * self.stage.num_stages, num_tokens // MIN_AUTO_MICRO_BATCH_TOKENS))
 
+    def plan(self, graphs, inputs) -> tuple | None:
+        """Rank 0: the CUDA graph bucket each micro-batch of the step replays (None: that one
+        runs eagerly), or None when none does; every rank follows it (StepInputs.graphs)."""
+        pieces = micro_batches(inputs.batch, inputs.hidden_rows,
+                               self.micro_batch_count(inputs.batch.num_tokens))
+        keys = tuple(graphs.choose(piece) for piece, _, _, _ in pieces)
+        return keys if any(key is not None for key in keys) else None
+
     def forward(self, runner, inputs):
         if self.profile is None:
             return self._forward(runner, inputs)
@@ -231,8 +278,22 @@ class PipelineRunner:
         batch, hidden_rows = inputs.batch, inputs.hidden_rows
         pieces = micro_batches(batch, hidden_rows, self.micro_batch_count(batch.num_tokens))
         self.last_micro_batches = len(pieces)
+        plan = inputs.graphs or (None,) * len(pieces)
+        if len(plan) != len(pieces):
+            raise RuntimeError(f"rank 0 planned graphs for {len(plan)} micro-batches, this "
+                               f"rank cut the step into {len(pieces)}")
+        if inputs.graphs is not None and runner.graph_runner is None:
+            raise RuntimeError("rank 0 replays CUDA graphs for this step, but this rank "
+                               "captured none")
         logits, hidden = [], []
-        for piece, rows, _, _ in pieces:
+        for (piece, rows, _, _), key in zip(pieces, plan):
+            if key is not None:     # this stage's graph, the stream handed over around it
+                out = runner.graph_runner.run(piece, key)
+                if out is not None:     # a view of the graphs' static logits: the next
+                    out = out.copy()    # micro-batch's replay rewrites them
+                if stage.last:
+                    logits.append(out)
+                continue
             out = model.forward(runner.to_device(piece), runner.kv_caches,
                                 hidden_indices=None if rows is None else be.asarray(rows))
             if stage.last:
@@ -251,6 +312,8 @@ class PipelineRunner:
                 if inputs.score_rows is not None:
                     scores = model.logits(xp.ascontiguousarray(
                         hidden[be.asarray(inputs.score_rows)]))
+            if stage.first and stage.tp_rank == 0:      # a pipeline of one stage (a check on
+                return logits, hidden if hidden_rows is not None else None, scores  # one GPU)
             if stage.tp_rank == 0:
                 for x in (logits, hidden if hidden_rows is not None else None, scores):
                     if x is not None and len(x):

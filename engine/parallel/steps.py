@@ -6,7 +6,9 @@ the table's changes since the previous step (a BlockTableUpdate: a few ids a ste
 tables; every rank keeps its own copy of the table and applies the changes in step order (the
 DeviceBlockTables of engine/runner/device_block_tables.py, over host arrays on the CPU). Also:
 the rows a step pools for embeddings and scores through the LM head (each collective rank 0 runs,
-the others run too), and KV block copies of beam forks made since the previous step.
+the others run too), KV block copies of beam forks made since the previous step, and the CUDA
+graph bucket rank 0 chose for each micro-batch (the others replay the same: the graphs hold the
+collectives, engine/runner/cuda_graph.py).
 
 Sampling, scheduling and everything above stay on rank 0: the others see forward passes only.
 """
@@ -31,6 +33,10 @@ class StepInputs:
     hidden_rows: np.ndarray | None = None  # rows whose final hidden states are pooled
     score_rows: np.ndarray | None = None   # of those, the rows put through the LM head
     block_copies: list = field(default_factory=list)   # (src, dst) KV blocks, before the step
+    # The CUDA graph bucket (size, query_len) each micro-batch replays (one for tensor parallel
+    # alone), as rank 0 chose it, or None: the step runs eagerly on every rank
+    # (CudaGraphRunner.choose: the graphs hold the collectives, so the ranks must agree).
+    graphs: tuple | None = None
 
 
 class HostArrays:

@@ -64,6 +64,17 @@ with one launch. A graph replays fixed work on fixed addresses, so:
   by LoraManager.begin before the launch, so one graph per bucket serves any mix of adapters and
   base rows. Without it a step with adapter rows runs eagerly (`can_run`).
 
+- **Tensor- and pipeline-parallel ranks** (KernelConfig graphs_parallel=on): every rank captures
+  the same buckets in the same order (the builder checks), its NCCL all-reduces and all-gather
+  captured inside (NCCL supports capture on the capturing stream). The collectives of a replay
+  must match the other ranks' in count and size, so the ranks never choose for themselves: rank 0
+  chooses (`choose`) and sends the bucket with the step (StepInputs.graphs), every rank replays
+  that one (`run(batch, key)`), and a rank that cannot (its device table moved) runs the bucket's
+  padded rows eagerly, which calls the same collectives with the same sizes. A pipeline stage
+  captures its own layers; the residual stream is received into the graph's input rows before
+  the replay and sent from its output rows after it (engine/parallel/pipeline.py,
+  DeferredHandOver, says why around rather than inside), one replay per micro-batch.
+
 Memory. Everything a graph touches must stay allocated, at the same address, for the graph's
 life, and nobody else may reuse it while the graph could still write it:
 - Allocations made during warm-up and capture (the forward's temporaries: gathered rows, the
@@ -99,6 +110,7 @@ bookkeeping is tested on the CPU with a fake backend whose "graph" replays the c
 from __future__ import annotations
 
 import bisect
+import contextlib
 import functools
 import logging
 
@@ -321,7 +333,7 @@ def estimate_graph_memory_bytes(max_num_seqs: int, max_blocks_per_seq: int,
 
 class _Bucket:
     __slots__ = ("size", "query_len", "num_ints", "host", "batch", "lora_slots", "logits",
-                 "states", "graph")
+                 "states", "graph", "stream_in", "stream_out")
 
     def __init__(self, size, query_len, num_ints, host, batch, lora_slots, logits, states):
         self.size = size
@@ -333,6 +345,10 @@ class _Bucket:
         self.logits = logits       # (size * query_len, V) view of the static logits
         self.states = states       # (size * query_len, width) view of the static hidden states
         self.graph = None
+        # a pipeline stage's residual stream: received into before a replay (None on the first
+        # stage), sent on from after it (None on the last); views of the graphs' workspace
+        self.stream_in = None
+        self.stream_out = None
 
 
 class CudaGraphRunner:
@@ -398,6 +414,10 @@ class CudaGraphRunner:
                               and block_size is not None else None)
         self.max_context = None if block_size is None else max_blocks_per_seq * block_size
         self.num_padded_replays = 0
+        # a pipeline stage's model (engine/parallel/pipeline.py): its graphs hold its layers,
+        # the residual stream handed over around each replay
+        self.stage = getattr(getattr(model, "config", None), "pipeline", None)
+        self.num_eager_fallbacks = 0         # steps rank 0 named a bucket this rank ran eagerly
         self.buckets: dict[tuple[int, int], _Bucket] = {}    # by (size, query_len)
         self.graph_memory_bytes = 0          # the private pool after capture
         self.device_memory_bytes = None      # free device memory before - after the capture
@@ -410,6 +430,7 @@ class CudaGraphRunner:
         self._workspace = None               # the graphs' own activation workspace
         self._table = None                   # the device block table the graphs gather from
         self._zero_row = None                # ... and its all-zero row, the padding rows' row
+        self._outputs_known = False          # the largest bucket's forward gave the outputs' shapes
         self._warned_table = False
 
     @property
@@ -464,27 +485,41 @@ class CudaGraphRunner:
                              **device)
         _write_inputs(host, size, query_len, self._zero_row)     # a dummy batch: all padding
         b.copy_to_device_async(self._device[:n], self._host[:n])
-        if self._logits is None:                                  # the largest bucket: learn V
-            first = self._forward(self._inputs(batch), lora_slots)
+        if not self._outputs_known:                               # the largest bucket: learn V
+            self._outputs_known = True
+            with self._hand_over_deferred(zero=True):
+                first = self._forward(self._inputs(batch), lora_slots)
             rows = self.max_num_seqs * max(self.query_lens)
-            self._logits = xp.empty((rows, first.shape[1]), first.dtype)
+            if first is not None:   # (a stage before the last has none: it sends its stream on)
+                self._logits = xp.empty((rows, first.shape[1]), first.dtype)
             if self.hidden_capture is not None:
                 states, self.hidden_capture.states = self.hidden_capture.states, None
                 self._states = xp.empty((rows, states.shape[1]), states.dtype)
                 del states
             del first
         T = size * query_len
-        bucket = _Bucket(size, query_len, n, host, batch, lora_slots, self._logits[:T],
+        bucket = _Bucket(size, query_len, n, host, batch, lora_slots,
+                         None if self._logits is None else self._logits[:T],
                          None if self._states is None else self._states[:T])
-        step = functools.partial(self._step, bucket.batch, bucket.lora_slots, bucket.logits,
-                                 bucket.states)
         # Warm-up, eagerly: grows the workspace and the pool to this size, loads cuBLAS and
         # compiles CuPy's kernels, none of which may happen during capture.
-        step()
-        bucket.graph = b.capture_graph(step)
+        self._step(bucket, True)
+        bucket.graph = b.capture_graph(functools.partial(self._step, bucket, False))
         # The next bucket rewrites the pinned buffer: this bucket's copy must have landed.
         b.synchronize()
         self.buckets[size, query_len] = bucket
+
+    @contextlib.contextmanager
+    def _hand_over_deferred(self, zero: bool):
+        """On a pipeline stage: the forward's receive and send of the residual stream recorded
+        instead of made (the replay makes them around the graph: `run`); zero: the received
+        array is zeroed (the eager warm-up, which must not compute on a stale stream), never
+        inside a capture (the graph would zero what the replay received). Elsewhere nothing."""
+        if self.stage is None:
+            yield None
+            return
+        with self.stage.hand_over_deferred(zero) as hand_over:
+            yield hand_over
 
     def _forward(self, batch: ForwardBatch, lora_slots=None):
         """The model's forward on the graphs' own workspace (the eager one may grow later and
@@ -512,14 +547,20 @@ class CudaGraphRunner:
         return ForwardBatch(batch.token_ids, batch.positions, batch.slot_mapping,
                             batch.query_start_loc, batch.seq_lens, tables, batch.logits_indices)
 
-    def _step(self, batch: ForwardBatch, lora_slots, out, states_out) -> None:
+    def _step(self, bucket: _Bucket, warm_up: bool) -> None:
         """What a graph holds: the gather of its rows' block tables, the forward, its logits
         (and the captured hidden states) copied to the static outputs (the forward's own arrays
-        and the gathered tables are pool temporaries, so the capture drops its reference)."""
+        and the gathered tables are pool temporaries, so the capture drops its reference). On a
+        pipeline stage, the arrays its stream arrives in and leaves from, kept by the bucket."""
         xp = self.backend.xp
-        xp.copyto(out, self._forward(self._inputs(batch), lora_slots))
-        if states_out is not None:
-            xp.copyto(states_out, self.hidden_capture.states)
+        with self._hand_over_deferred(zero=warm_up) as hand_over:
+            rows = self._forward(self._inputs(bucket.batch), bucket.lora_slots)
+        if hand_over is not None:
+            bucket.stream_in, bucket.stream_out = hand_over.received, hand_over.sent
+        if bucket.logits is not None:
+            xp.copyto(bucket.logits, rows)
+        if bucket.states is not None:
+            xp.copyto(bucket.states, self.hidden_capture.states)
             self.hidden_capture.states = None
 
     # ---- replay
@@ -564,15 +605,35 @@ class CudaGraphRunner:
         if not self._warned_table:
             self._warned_table = True
             log.warning("the device block table was reallocated after the decode graphs were "
-                        "captured (%s -> %s): decode runs without CUDA graphs from now on",
+                        "captured (%s -> %s): decode runs without CUDA graphs from now on (on a "
+                        "rank other than 0, the padded rows of rank 0's bucket)",
                         self._table.shape, self.block_tables.table.shape)
         return False
 
-    def run(self, batch: ForwardBatch):
+    def choose(self, batch: ForwardBatch) -> tuple[int, int] | None:
+        """The bucket (size, query_len) whose graph runs `batch`, or None: it runs eagerly.
+        Under tensor and pipeline parallel the rank that prepared the step (rank 0) chooses and
+        every rank replays what it chose (engine/parallel/steps.py, StepInputs.graphs): the
+        graphs hold the collectives, which every rank must call with the same sizes in the same
+        order."""
+        if not self.can_run(batch):
+            return None
+        q = uniform_query_len(batch)
+        if q not in self.query_lens:
+            q = self.pad_query_len
+        return bucket_for(batch.num_seqs, self.sizes), q
+
+    def run(self, batch: ForwardBatch, key: tuple[int, int] | None = None):
         """Logits (T, V) of a batch of q tokens for every sequence (T = q B), by replaying its
         bucket's graph: a view of the static output, valid until the next run (the caller
         consumes it before the next step); with a `capture`, its states (T, width) likewise. With adapter rows (batch.lora), their slots must
-        hold their adapters (LoraManager.begin) before the launch.
+        hold their adapters (LoraManager.begin) before the launch. A pipeline stage before the
+        last returns None (its stream went on to the next stage).
+
+        key: the bucket rank 0 chose (`choose`) for a tensor- or pipeline-parallel step. A rank
+        that cannot replay it (its device table moved) runs the bucket's padded rows eagerly
+        instead: the same collectives, of the same sizes, as its peers' graphs (a step of the
+        batch's own rows would call them with other sizes, and the group would hang or fail).
 
         The pinned staging buffer is rewritten here while the previous step's copy could still be
         queued; that is safe because the engine waits for every step's results (it reads the
@@ -581,35 +642,73 @@ class CudaGraphRunner:
         if not self.captured:
             raise RuntimeError("CudaGraphRunner.run before capture()")
         B = batch.num_seqs
-        size = bucket_for(B, self.sizes) if B else None
-        if size is None:
-            raise ValueError(f"{B} sequences: the decode graphs hold 1 to {self.max_num_seqs}")
-        q = uniform_query_len(batch)
-        counts = None if q in self.query_lens else self._uneven(batch)
-        if counts is not None:
-            q = self.pad_query_len
-        if q not in self.query_lens:
-            q = self.query_lens[0]      # _check_fits names what the batch is not
+        if key is None:
+            size = bucket_for(B, self.sizes) if B else None
+            if size is None:
+                raise ValueError(f"{B} sequences: the decode graphs hold 1 to "
+                                 f"{self.max_num_seqs}")
+            q = uniform_query_len(batch)
+            counts = None if q in self.query_lens else self._uneven(batch)
+            if counts is not None:
+                q = self.pad_query_len
+            if q not in self.query_lens:
+                q = self.query_lens[0]      # _check_fits names what the batch is not
+        else:
+            if tuple(key) not in self.buckets:
+                raise ValueError(f"bucket {tuple(key)} was not captured on this rank (its "
+                                 f"buckets: {sorted(self.buckets)})")
+            size, q = key
+            counts = None if uniform_query_len(batch) == q else self._uneven(batch)
         _check_fits(batch, size, q, self.max_blocks_per_seq, uneven=counts is not None)
         if batch.lora is not None and not self.covers_lora:
             raise ValueError("the batch has LoRA adapter rows: these graphs were captured "
                              "without adapters (KernelConfig graphs_lora=off)")
-        if not self._table_unmoved():
+        replay = self._table_unmoved()
+        if not replay and key is None:
             raise RuntimeError("the device block table moved after capture: run eagerly")
         bucket = self.buckets[size, q]
         spread = None if counts is None else spread_rows(batch, counts, q)
         _write_inputs(bucket.host, size, q, self._zero_row, batch, spread)
         n = bucket.num_ints
         self.backend.copy_to_device_async(self._device[:n], self._host[:n])
-        bucket.graph.launch()
-        self.num_replays += 1
+        if replay:
+            if bucket.stream_in is not None:
+                self.stage.receive_stream(bucket.stream_in)
+            bucket.graph.launch()
+            if bucket.stream_out is not None:
+                self.stage.send_stream(bucket.stream_out)
+            self.num_replays += 1
+            logits, states = bucket.logits, bucket.states
+        else:
+            logits, states = self._run_padded_eagerly(bucket)
+        if logits is None:
+            return None
         if spread is None:
             if self.hidden_capture is not None:
-                self.hidden_capture.states = bucket.states[:B * q]
-            return bucket.logits[:B * q]
+                self.hidden_capture.states = states[:B * q]
+            return logits[:B * q]
         # only the real rows, in the eager layout: the filler rows are never sampled
         self.num_padded_replays += 1
         real = self.backend.asarray(spread[4])
         if self.hidden_capture is not None:
-            self.hidden_capture.states = bucket.states[real]
-        return bucket.logits[real]
+            self.hidden_capture.states = states[real]
+        return logits[real]
+
+    def _run_padded_eagerly(self, bucket: _Bucket):
+        """The bucket's static inputs (just written) through the forward without its graph, the
+        block tables gathered from the device table as it is now: (logits or None, states or
+        None), new arrays."""
+        self.num_eager_fallbacks += 1
+        if self.num_eager_fallbacks == 1:
+            log.warning("this rank cannot replay the decode graph rank 0 chose; it runs the "
+                        "graph's padded rows eagerly, in step with the other ranks")
+        static = bucket.batch
+        tables = self.block_tables.table[static.block_table_rows, :self.max_blocks_per_seq]
+        batch = ForwardBatch(static.token_ids, static.positions, static.slot_mapping,
+                             static.query_start_loc, static.seq_lens, tables,
+                             static.logits_indices)
+        logits = self._forward(batch, bucket.lora_slots)
+        states = None
+        if self.hidden_capture is not None:
+            states, self.hidden_capture.states = self.hidden_capture.states, None
+        return logits, states

@@ -8,8 +8,10 @@ decode step changes a few entries (a sequence gains a block every 16 tokens). He
 holds the same (rows, width) int32 table; each step applies the host's BlockTableUpdate with one
 small host-to-device copy (rows zeroed, flat indices, ids) and two device ops (zero the rows,
 scatter the ids), and the forward gathers its rows on the device (`gather`, or inside a decode
-graph). The table is reallocated, from a copy of the whole host table, only when the host table
-changes shape (more rows, wider), which a table reserved at its final size never does.
+graph). The table is reallocated only when the host table changes shape (more rows, wider),
+which a table reserved at its final size never does; the update then carries the new shape, not
+the table: the device grows its own copy (so a rank of a tensor-parallel engine, which keeps
+its own table from rank 0's updates, receives O(new blocks) a step, never O(table)).
 
 One row past the host's rows is always zero: a decode graph's padding rows point at it, so they
 read block 0 as they did when the padding was written into the copied table.
@@ -69,8 +71,7 @@ class DeviceBlockTables:
             self.num_reallocations += 1
             return
         if (self.table.shape[0] - 1, self.table.shape[1]) != update.shape:
-            raise ValueError(f"an update of a {update.shape} table for a device table of "
-                             f"{self.table.shape}: updates were lost or reordered")
+            self._grow(*update.shape)
         n = len(update.packed)
         if n == 0:
             return
@@ -85,6 +86,20 @@ class DeviceBlockTables:
             self.table[self._staged[:c]] = 0
         if w:
             self.table.reshape(-1)[self._staged[c:c + w]] = self._staged[c + w:c + 2 * w]
+
+    def _grow(self, rows: int, width: int) -> None:
+        """The table at the host's new shape: its entries kept where they are, the new ones
+        (and the zero row, now last) zero; a device-side copy."""
+        old_rows, old_width = self.table.shape[0] - 1, self.table.shape[1]
+        if rows < old_rows or width < old_width:
+            raise ValueError(f"an update of a {(rows, width)} table for a device table of "
+                             f"{self.table.shape}: updates were lost or reordered")
+        if (rows + 1) * width >= 2**31:
+            raise ValueError(f"a {rows} x {width} block table needs 64-bit flat indices")
+        grown = self.backend.xp.zeros((rows + 1, width), np.int32)
+        grown[:old_rows, :old_width] = self.table[:old_rows]
+        self.table = grown
+        self.num_reallocations += 1
 
     def gather(self, rows, width: int):
         """(B, width) block tables of a batch: rows (B,) int32 on the device; a device op."""

@@ -12,8 +12,11 @@ reserved for them never grows. Rows are padded with 0 past a sequence's blocks, 
 ForwardBatch.block_tables is.
 
 With `record_updates`, the table also records what changed, for a device copy of it
-(engine/runner/device_block_tables.py): `take_update()` returns the changes since the previous call,
-the rows zeroed and the entries written, or the whole table after it was resized.
+(engine/runner/device_block_tables.py) and for the other ranks of a tensor- or pipeline-parallel
+engine (engine/parallel/steps.py): `take_update()` returns the changes since the previous call,
+the table's shape after them (a copy that is smaller grows to it first, keeping its entries: a
+resize moves no entry), the rows zeroed and the entries written; the whole table only as the
+first update after recording starts (a copy made then starts from it).
 """
 from __future__ import annotations
 
@@ -25,8 +28,9 @@ import numpy as np
 @dataclass(slots=True)
 class BlockTableUpdate:
     """The changes to a block table since the previous update, applied in this order: `table`
-    (when not None, a copy of the whole table, which changed shape: everything else is empty),
-    then the rows zeroed, then the entries written. `packed` is one int32 array, so the device
+    (when not None, a copy of the whole table: the first update after recording started;
+    everything else is empty), else growing to `shape` (new entries zero, the others kept where
+    they were) when the copy is smaller, then the rows zeroed, then the entries written. `packed` is one int32 array, so the device
     gets it in one copy: the C zeroed rows, the N flat indices (row * width + column), the N ids."""
     shape: tuple[int, int]     # the table's (rows, width) after this update
     table: np.ndarray | None   # (rows, width) int32, a copy, or None
@@ -45,7 +49,7 @@ class BlockTables:
         self.entries: dict[int, list] = {}
         self.free_rows = list(range(num_rows - 1, -1, -1))
         self.record_updates = record_updates
-        # Changes not yet taken: the table was resized (the next update is all of it), rows
+        # Changes not yet taken: recording started (the next update is all of it), rows
         # zeroed, and row -> [(first column, ids)] written after any zeroing of that row.
         self._resized = True
         self._cleared: set[int] = set()
@@ -137,12 +141,11 @@ class BlockTables:
         return self.free_rows.pop()
 
     def _resize(self, num_rows: int, width: int) -> None:
-        """Rows past the old ones are free and given out first-to-last, after those free now."""
+        """Rows past the old ones are free and given out first-to-last, after those free now.
+        Every entry keeps its row and column, so the changes not yet taken stay valid, and the
+        update carries the new shape only (a copy grows the same way)."""
         old_rows, old_width = self.table.shape
         table = np.zeros((num_rows, width), np.int32)
         table[:old_rows, :old_width] = self.table
         self.table = table
         self.free_rows = list(range(num_rows - 1, old_rows - 1, -1)) + self.free_rows
-        self._resized = True
-        self._cleared.clear()
-        self._written.clear()

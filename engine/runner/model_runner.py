@@ -221,6 +221,7 @@ class ModelRunner:
             if scored:
                 score_rows = np.array([r for r, _ in scored], np.int64)
         inputs = StepInputs(batch, hidden_rows, score_rows, self._block_copies)
+        inputs.graphs = self.graph_plan(inputs)
         self._block_copies = []
         if self.peers is not None:      # before the block table's update is applied and dropped
             self.peers.send(inputs)
@@ -263,15 +264,30 @@ class ModelRunner:
         finally:
             self.lora.end()
 
+    def graph_plan(self, inputs: StepInputs) -> tuple | None:
+        """The captured CUDA graphs the step replays: a bucket for each micro-batch (one without
+        pipeline parallel; None where one runs eagerly), or None. Chosen here, where the step is
+        prepared (rank 0), and sent with it: every rank replays the same buckets in the same
+        order, since the graphs hold the collectives (engine/parallel/steps.py)."""
+        graphs = self.graph_runner
+        if (graphs is None or inputs.hidden_rows is not None
+                or graphs.hidden_capture is not self.aux_capture):
+            return None
+        if self.pipeline is not None:
+            return self.pipeline.plan(graphs, inputs)
+        key = graphs.choose(inputs.batch)
+        return None if key is None else (key,)
+
     def _forward(self, inputs: StepInputs, capture: dict):
         if self.pipeline is not None:       # the rank's stage over the step's micro-batches
             return self.pipeline.forward(self, inputs)
         batch = inputs.batch
         if inputs.hidden_rows is None:
-            if (self.graph_runner is not None
-                    and self.graph_runner.hidden_capture is capture.get("capture")
-                    and self.graph_runner.can_run(batch)):
-                return self.graph_runner.run(batch), None, None
+            if inputs.graphs is not None:       # the bucket rank 0 chose (graph_plan)
+                if self.graph_runner is None:
+                    raise RuntimeError("rank 0 replays a CUDA graph for this step, but this "
+                                       "rank captured none")
+                return self.graph_runner.run(batch, inputs.graphs[0]), None, None
             return (self.model.forward(self.to_device(batch), self.kv_caches, **capture), None,
                     None)
         be = self.backend

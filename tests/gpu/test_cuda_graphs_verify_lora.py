@@ -256,9 +256,9 @@ def replays(llm):
     graphs = llm.engine.runner.graph_runner
     seen, run_graph = [], graphs.run
 
-    def run_and_record(batch):
+    def run_and_record(batch, key=None):
         seen.append((uniform_query_len(batch), batch.lora is not None))
-        return run_graph(batch)
+        return run_graph(batch, key)
     graphs.run = run_and_record
     return seen
 

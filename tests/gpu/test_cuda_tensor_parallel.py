@@ -3,9 +3,11 @@ backend's stream.
 
   one device   a group of one rank through the NCCL communicator: the split graph (row-parallel
                attention and MLP with their all-reduces, the vocab-parallel embedding's zero
-               row and the LM head's all-gather) gives the plain engine's greedy tokens, decode
-               graphs captured with the collectives inside; the collectives alone in bf16, also
-               replayed from a captured graph.
+               row and the LM head's all-gather) gives the plain engine's greedy tokens; with
+               --kernels graphs_parallel=on its decode steps replay graphs captured with the
+               collectives inside, the bucket rank 0 chose (StepInputs.graphs), and give the
+               eager rank's tokens; the collectives alone in bf16, also replayed from a
+               captured graph.
   two devices  tensor_parallel_size 2 against one device (skipped with fewer than 2 GPUs:
                pending a machine with several).
 
@@ -16,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from test_cuda_model import checkpoints, greedy, make_llm, random_prompts  # noqa: F401
+from test_cuda_model import GEN, checkpoints, greedy, make_llm, random_prompts  # noqa: F401
 
 
 class OneRank:
@@ -53,19 +55,40 @@ def test_nccl_collectives_of_one_rank():
     assert comm.all_min(7) == 7
 
 
-def test_split_graph_of_one_rank_matches_plain_engine(checkpoints, monkeypatch):
+def one_rank_llm(path, monkeypatch, **config):
+    """An engine built as a group of one rank (the split graph, its NCCL communicator)."""
     import engine.core.llm_engine as llm_engine
     from engine.core.builder import build
+    monkeypatch.setattr(llm_engine, "build",
+                        lambda config, loaded=None: build(config, loaded, group=OneRank()))
+    return make_llm(path, "cuda", **config)
+
+
+def test_split_graph_of_one_rank_matches_plain_engine(checkpoints, monkeypatch):
     path = checkpoints("llama")
     prompts = random_prompts(3, (40, 17, 70))
     plain = [list(o.token_ids) for o in greedy(make_llm(path, "cuda"), prompts)]
-    monkeypatch.setattr(llm_engine, "build",
-                        lambda config, loaded=None: build(config, loaded, group=OneRank()))
-    llm = make_llm(path, "cuda")
+    llm = one_rank_llm(path, monkeypatch)
     assert llm.engine.model.config.tensor_parallel is not None      # the split graph ran
-    assert llm.engine.runner.graph_runner is not None                # with decode graphs
+    assert llm.engine.runner.graph_runner is None       # graphs_parallel=off: eager ranks
     split = [list(o.token_ids) for o in greedy(llm, prompts)]
     assert split == plain
+
+
+def test_graphs_parallel_replays_with_the_collectives_inside(checkpoints, monkeypatch):
+    """graphs_parallel=on: four sequences decode through the bucket-4 graph (the same kernels
+    on the same shapes as the eager rank: the same tokens), all-reduces and all-gather replayed
+    from it; every decode step replayed, none run eagerly in its place."""
+    path = checkpoints("llama")
+    prompts = random_prompts(4, (40, 17, 70, 9))
+    eager_llm = one_rank_llm(path, monkeypatch)
+    eager = [list(o.token_ids) for o in greedy(eager_llm, prompts)]
+    llm = one_rank_llm(path, monkeypatch, kernels="graphs_parallel=on")
+    graphs = llm.engine.runner.graph_runner
+    assert graphs is not None and graphs.sizes == [1, 2, 4, 8]
+    got = [list(o.token_ids) for o in greedy(llm, prompts)]
+    assert got == eager
+    assert graphs.num_replays >= GEN - 2 and graphs.num_eager_fallbacks == 0
 
 
 def test_two_devices_match_one(checkpoints):
