@@ -13,6 +13,12 @@ choices; default: one row with every default). Each round runs one greedy genera
 llama.cpp; decode tok/s = tokens after the first / time of those steps. The machine is shared: each figure prints the CPU share
 other processes used while it ran, and the summary keeps the best round of each engine and the
 ratio of the medians.
+
+    python -m bench.decode_vs_llamacpp --linear [--threads 1] [--dtype f32 bf16] [--batch 1 16]
+
+times Taper's `linear` alone on SmolLM2-135M's matrix shapes (random weights, rotated over copies
+so that ~300 MB pass per timing and caches do not flatter them) in each kernels gemv_prefetch
+variant, the variants alternated, best of 4: weight GB/s and GFLOP/s.
 """
 from __future__ import annotations
 
@@ -37,10 +43,15 @@ def main(argv=None):
     ap.add_argument("--kernels", nargs="+", default=[""], metavar="KEY=VALUE,...",
                     help="Taper's kernel choices, as the server's --kernels: one row each")
     ap.add_argument("--no-llama", action="store_true")
+    ap.add_argument("--linear", action="store_true",
+                    help="time the linear op alone per gemv_prefetch variant (module docstring)")
+    ap.add_argument("--batch", nargs="+", type=int, default=[1], help="token rows for --linear")
     ap.add_argument("--llama-site", default="/tmp/lcpvenv/lib/python3.11/site-packages",
                     help="site-packages holding llama_cpp (llama-cpp-python)")
     args = ap.parse_args(argv)
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    if args.linear:
+        return linear_variants(args.dtype, args.batch)
     if not args.no_llama and args.llama_site not in sys.path:
         sys.path.append(args.llama_site)
 
@@ -100,6 +111,39 @@ def main(argv=None):
             if l and name != "llama.cpp":
                 line += f", / llama.cpp (medians) {np.median(t) / np.median(l):.3f}x"
             print(line)
+    print(f"load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+
+
+# SmolLM2-135M's matrices (N, K): the fused qkv and gate+up projections as Taper runs them
+SHAPES = {"qkv": (960, 576), "o_proj": (576, 576), "gate+up": (3072, 576), "down": (576, 1536),
+          "lm_head": (49152, 576)}
+
+
+def linear_variants(dtypes, batches):
+    import ml_dtypes
+    from pyx.cpu_backend import CpuBackend
+    from pyx.kernel_config import CHOICES
+    print(f"load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    backends = {v: CpuBackend(kernels=f"gemv_prefetch={v}") for v in CHOICES["gemv_prefetch"].values}
+    rng = np.random.default_rng(0)
+    for name, (n, k) in SHAPES.items():
+        w32 = 0.02 * rng.standard_normal((n, k), dtype=np.float32)
+        for dt in dtypes:
+            w = w32 if dt == "f32" else w32.astype(ml_dtypes.bfloat16)
+            ws = [w] + [w.copy() for _ in range(int(3e8 // w.nbytes))]
+            for t in batches:
+                x = rng.standard_normal((t, k), dtype=np.float32)
+                out = np.empty((t, n), np.float32)
+                best = dict.fromkeys(backends, float("inf"))
+                for _ in range(4):
+                    for v, b in backends.items():
+                        t0 = time.perf_counter()
+                        for wi in ws:
+                            b.linear(x, wi, None, out)
+                        best[v] = min(best[v], (time.perf_counter() - t0) / len(ws))
+                print(f"  {name:8s} {n:5d}x{k:<5d} {dt:4s} T={t:<3d} " + "  ".join(
+                    f"{v} {w.nbytes / s / 1e9:5.1f} GB/s {2 * t * n * k / s / 1e9:5.1f} GFLOP/s"
+                    for v, s in best.items()), flush=True)
     print(f"load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 
