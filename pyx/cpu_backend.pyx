@@ -41,6 +41,10 @@ cdef extern from "cpu_kernels.h" nogil:
     int taper_linear_ex(int isa, const float* x, const void* weight, int dtype, const float* bias,
                         float* out, int64_t T, int64_t K, int64_t N, int batch_invariant,
                         int nthreads)
+    int TAPER_PREFETCH_AUTO, TAPER_PREFETCH_L1, TAPER_PREFETCH_L2
+    int taper_linear_pf(int isa, const float* x, const void* weight, int dtype, const float* bias,
+                        float* out, int64_t T, int64_t K, int64_t N, int batch_invariant,
+                        int prefetch, int nthreads)
     int taper_rms_norm(const float* x, const float* weight, float eps, float* out, int64_t T,
                        int64_t H, int nthreads)
     int taper_fused_add_rms_norm(float* x, float* residual, const float* weight, float eps,
@@ -367,6 +371,7 @@ cdef class CpuBackend(Backend):
     cdef readonly bint act_split     # kernels act_split=on: every quantized matmul
     cdef readonly bint act_split_qkv  # act_split=qkv or on: the weights placed with role "qkv"
     cdef readonly bint prefill_int8  # kernels quant_prefill=int8: K-type prefill in int8
+    cdef int _prefetch               # kernels gemv_prefetch: TAPER_PREFETCH_*
     cdef readonly object governor   # cpu_threads.ThreadGovernor, or None: the count is fixed
 
     def __init__(self, isa=None, num_threads=None, batch_invariant=False, kernels=None):
@@ -377,6 +382,8 @@ cdef class CpuBackend(Backend):
         self.act_split = self.kernels.act_split == "on"
         self.act_split_qkv = self.kernels.act_split in ("on", "qkv")
         self.prefill_int8 = self.kernels.quant_prefill == "int8"
+        self._prefetch = {"auto": TAPER_PREFETCH_AUTO, "l1": TAPER_PREFETCH_L1,
+                          "l2": TAPER_PREFETCH_L2}[self.kernels.gemv_prefetch]
         if isa is None and self.kernels.cpu_isa != "auto":
             isa = self.kernels.cpu_isa
         if isa is None:
@@ -503,12 +510,12 @@ cdef class CpuBackend(Backend):
                 _fail(op, "bias must be (N,)", arrays)
             bp = <const float*>_ptr(bias)
         cdef int dt = _wdtype(weight), isa = self._isa, nt = self._nthreads, st
-        cdef int inv = self.batch_invariant
+        cdef int inv = self.batch_invariant, pf = self._prefetch
         cdef const float* xp = <const float*>_ptr(x)
         cdef const void* wp = _ptr(weight)
         cdef float* outp = <float*>_ptr(out)
         with nogil:
-            st = taper_linear_ex(isa, xp, wp, dt, bp, outp, T, K, N, inv, nt)
+            st = taper_linear_pf(isa, xp, wp, dt, bp, outp, T, K, N, inv, pf, nt)
         _status(st, op, arrays)
 
     def lora_linear(self, x, lora_a, lora_b, ranks, parts, rows, seg_offsets, seg_slots, out):

@@ -19,6 +19,7 @@
 #include <omp.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #define MIN(a, b) ((a) < (b) ? (a) : (b))
 #define MAX(a, b) ((a) > (b) ? (a) : (b))
@@ -521,8 +522,14 @@ AVX512_TARGET static void avx512_pack(const void* w, int dtype, int64_t K, int64
  *   so T <= 16 reads the weights exactly once. K is cut into chunks so that one token block's x
  *   chunk stays in L1; for each (row block, K chunk) the token blocks run innermost, re-reading
  *   the W block from L2. Partial sums of later chunks are added into out.
- * - Software prefetch: while on a tile, the same K position of the next tile's rows (every line:
- *   without it bf16 GEMV streams at ~23 GB/s and f32 T=16 runs ~1.6x slower).
+ * - Software prefetch: while on a tile, the same K position of a later tile's rows (every line:
+ *   without it bf16 GEMV streams at ~23 GB/s and f32 T=16 runs ~1.6x slower). Where (kernels
+ *   gemv_prefetch, sk_prefetch_l2): the next tile into L1 (as on the 48 KiB-L1 SPR VM), or the
+ *   tile after it into L2 where a tile and the next one would take over half the L1 (read at
+ *   start-up): on this 32 KiB-L1 Zen 4 the L1 prefetch of SmolLM2-135M's 8-row f32 tiles (18 KiB
+ *   at K = 576) evicted the lines it had fetched before their use, and batch-1 GEMV ran at
+ *   0.5-0.7x the L2 prefetch's speed on every shape, bf16 too (bench/RESULTS.md, "Batch-1 decode
+ *   on a 32 KiB L1").
  * - Batched decode (SK_TILE_MIN_T <= T <= SMALLM_MAX_T, not batch-invariant): one tile shape,
  *   4 rows x 4 tokens, T padded to a multiple of 4, and every token tile of a row group runs
  *   before the next group. A tile loads 8 vectors (4 rows' weights, 4 tokens' x) per 32 FMAs,
@@ -536,6 +543,24 @@ AVX512_TARGET static void avx512_pack(const void* w, int dtype, int64_t K, int64
 #define SK_MAXNT 16
 #define SK_TILE_MIN_T 8
 #define SK_TILE_KC 4096
+
+/* The L1 data cache's bytes, read once (glibc asks the CPU; 32 KiB where the OS does not say). */
+static int64_t l1d_bytes(void) {
+    static int64_t bytes = 0;  // a benign race: every thread computes the same value
+    if (!bytes) {
+        long v = sysconf(_SC_LEVEL1_DCACHE_SIZE);
+        bytes = v > 0 ? v : 32768;
+    }
+    return bytes;
+}
+
+/* Whether sk_block prefetches two tiles ahead into L2 rather than the next tile into L1: auto
+ * picks L2 where a tile of R rows of the K chunk and the one prefetched would take over half the
+ * L1 (the lines fetched would be evicted by the tile in use before their turn). */
+static int sk_prefetch_l2(int prefetch, int R, int64_t kc, int es) {
+    if (prefetch != TAPER_PREFETCH_AUTO) return prefetch == TAPER_PREFETCH_L2;
+    return 2 * (int64_t)R * kc * es > l1d_bytes() / 2;
+}
 
 AVX512_TARGET INLINE void sk_wload(const void* w, const int DT, int64_t off, int masked, __mmask32 m,
                                    __m512* a, __m512* b) {
@@ -582,9 +607,11 @@ AVX512_TARGET INLINE void sk_block(const float* xd, int64_t Kp,  // (Tp, Kp) pre
                                    float* out,                   // (T, N)
                                    int64_t K, int64_t N, int64_t n0, int64_t n1, int64_t t0,
                                    int64_t ntiles, int64_t T,
-                                   int64_t k0, int64_t k1, const int R, const int NT) {
+                                   int64_t k0, int64_t k1, const int R, const int NT, int prefetch) {
     const int es = DT == TAPER_F32 ? 4 : 2;
     const int first = k0 == 0;
+    const int l2 = sk_prefetch_l2(prefetch, R, k1 - k0, es);
+    const int64_t ahead = (l2 ? 2 : 1) * (int64_t)R;  // rows between a tile and the one it fetches
     const int64_t kfull = k0 + ((k1 - k0) & ~(int64_t)31);
     const __mmask32 tail = (__mmask32)((1ull << ((k1 - kfull) & 31)) - 1);
     for (int64_t g = n0; g < n1; g += R)
@@ -595,7 +622,7 @@ AVX512_TARGET INLINE void sk_block(const float* xd, int64_t Kp,  // (Tp, Kp) pre
 #pragma GCC unroll 8
         for (int r = 0; r < R; r++) {
             ro[r] = MIN(g + r, n1 - 1) * K;          // duplicate the last row if short
-            po[r] = MIN(g + R + r, N - 1) * K;       // prefetch: next tile's rows
+            po[r] = MIN(g + ahead + r, N - 1) * K;   // prefetch: a later tile's rows
         }
         __m512 acc[8][16];
 #pragma GCC unroll 8
@@ -607,9 +634,16 @@ AVX512_TARGET INLINE void sk_block(const float* xd, int64_t Kp,  // (Tp, Kp) pre
             __m512 wa[8], wb[8];
 #pragma GCC unroll 8
             for (int r = 0; r < R; r++) sk_wload(w, DT, ro[r] + k, 0, 0, &wa[r], &wb[r]);
-            for (int r = (int)tile; r < R; r += (int)ntiles) {
-                _mm_prefetch((const char*)w + (po[r] + k) * es, _MM_HINT_T0);
-                if (DT == TAPER_F32) _mm_prefetch((const char*)w + (po[r] + k) * es + 64, _MM_HINT_T0);
+            if (l2) {
+                for (int r = (int)tile; r < R; r += (int)ntiles) {
+                    _mm_prefetch((const char*)w + (po[r] + k) * es, _MM_HINT_T1);
+                    if (DT == TAPER_F32) _mm_prefetch((const char*)w + (po[r] + k) * es + 64, _MM_HINT_T1);
+                }
+            } else {
+                for (int r = (int)tile; r < R; r += (int)ntiles) {
+                    _mm_prefetch((const char*)w + (po[r] + k) * es, _MM_HINT_T0);
+                    if (DT == TAPER_F32) _mm_prefetch((const char*)w + (po[r] + k) * es + 64, _MM_HINT_T0);
+                }
             }
 #pragma GCC unroll 16
             for (int j = 0; j < NT; j++) {
@@ -659,7 +693,7 @@ AVX512_TARGET INLINE void sk_block(const float* xd, int64_t Kp,  // (Tp, Kp) pre
 }
 
 #define SK_CASE(DT, NT, R) \
-    case NT: sk_block(xd, Kp, w, DT, bias, out, K, N, n0, n1, t0, 1, T, k0, k1, R, NT); break;
+    case NT: sk_block(xd, Kp, w, DT, bias, out, K, N, n0, n1, t0, 1, T, k0, k1, R, NT, prefetch); break;
 #define SK_DISPATCH(DT)                                                                              \
     switch (nt) {                                                                                    \
         SK_CASE(DT, 1, 8) SK_CASE(DT, 2, 4) SK_CASE(DT, 3, 4) SK_CASE(DT, 4, 4) SK_CASE(DT, 5, 2)   \
@@ -696,11 +730,11 @@ AVX512_TARGET static float* sk_prepare_x(const float* x, int dtype, int64_t T, i
     return xd;
 }
 
-#define SK_TILED(DT) sk_block(xd, Kp, w, DT, bias, out, K, N, n0, n1, 0, Tp / 4, T, k0, k1, 4, 4)
+#define SK_TILED(DT) sk_block(xd, Kp, w, DT, bias, out, K, N, n0, n1, 0, Tp / 4, T, k0, k1, 4, 4, prefetch)
 
 AVX512_TARGET static int avx512_smallm(const float* x, const void* w, int dtype, const float* bias,
                                        float* out, int64_t T, int64_t K, int64_t N,
-                                       int fixed_chunks, int nthreads) {
+                                       int fixed_chunks, int prefetch, int nthreads) {
     const int64_t Kp = (K + 31) & ~(int64_t)31;
     // Batched decode: 4 x 4 tiles over every token, T padded to a multiple of 4 (see SK_TILE_MIN_T).
     const int tiled = !fixed_chunks && T >= SK_TILE_MIN_T;
@@ -781,7 +815,17 @@ int taper_linear_ex(int isa,
                     const float* bias,   // (N,) or NULL
                     float* out,          // (T, N)
                     int64_t T, int64_t K, int64_t N, int batch_invariant, int nthreads) {
+    return taper_linear_pf(isa, x, weight, dtype, bias, out, T, K, N, batch_invariant,
+                           TAPER_PREFETCH_AUTO, nthreads);
+}
+
+/* taper_linear_ex with the AVX-512 small-M kernel's software prefetch chosen (kernels
+ * gemv_prefetch: TAPER_PREFETCH_AUTO, _L1, _L2; see sk_prefetch_l2). The sums do not depend on it. */
+int taper_linear_pf(int isa, const float* x, const void* weight, int dtype, const float* bias,
+                    float* out, int64_t T, int64_t K, int64_t N, int batch_invariant, int prefetch,
+                    int nthreads) {
     if (!taper_cpu_isa_supported(isa)) return TAPER_ERR_ISA;
+    if (prefetch < TAPER_PREFETCH_AUTO || prefetch > TAPER_PREFETCH_L2) return TAPER_ERR_ARG;
     if (T == 0 || N == 0) return TAPER_OK;
     if (K == 0) {
         for (int64_t t = 0; t < T; t++)
@@ -790,7 +834,7 @@ int taper_linear_ex(int isa,
     }
     if (batch_invariant) {
         if (isa == TAPER_ISA_AVX512)
-            return avx512_smallm(x, weight, dtype, bias, out, T, K, N, 1, nthreads);
+            return avx512_smallm(x, weight, dtype, bias, out, T, K, N, 1, prefetch, nthreads);
         if (isa == TAPER_ISA_AVX2)
             return gemm_packed(avx2_micro1, avx2_pack, AVX2_MR, AVX2_NR, x, weight, dtype, bias, out, T, K, N, nthreads);
         return linear_scalar(x, weight, dtype, bias, out, T, K, N, nthreads);
@@ -798,7 +842,7 @@ int taper_linear_ex(int isa,
     switch (isa) {
         case TAPER_ISA_AVX512:
             if (T <= SMALLM_MAX_T)
-                return avx512_smallm(x, weight, dtype, bias, out, T, K, N, 0, nthreads);
+                return avx512_smallm(x, weight, dtype, bias, out, T, K, N, 0, prefetch, nthreads);
             return gemm_packed(avx512_micro, avx512_pack, AVX512_MR, AVX512_NR, x, weight, dtype, bias, out, T, K, N, nthreads);
         case TAPER_ISA_AVX2:
             if (T <= GEMV_MAX_T) { avx2_gemv(x, weight, dtype, bias, out, T, K, N, nthreads); return TAPER_OK; }

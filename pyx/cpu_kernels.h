@@ -54,6 +54,15 @@ int taper_linear_ex(int isa,
                     float* out,           // (T, N)
                     int64_t T, int64_t K, int64_t N, int batch_invariant, int nthreads);
 
+/* The AVX-512 small-M kernel's software prefetch (kernels gemv_prefetch): auto (from the L1 size),
+ * the next tile into L1, or two tiles ahead into L2. */
+enum { TAPER_PREFETCH_AUTO = 0, TAPER_PREFETCH_L1 = 1, TAPER_PREFETCH_L2 = 2 };
+
+/* taper_linear_ex with the prefetch chosen; the results do not depend on it. */
+int taper_linear_pf(int isa, const float* x, const void* weight, int dtype, const float* bias,
+                    float* out, int64_t T, int64_t K, int64_t N, int batch_invariant, int prefetch,
+                    int nthreads);
+
 int taper_rms_norm(const float* x,       // (T, H)
                    const float* weight,  // (H,)
                    float eps,

@@ -83,6 +83,12 @@ CHOICES: dict[str, Choice] = {
                             "(pyx/quant_gemm.c: the decode loop's results bit for bit, act_split "
                             "honoured), or as before: that loop, then float32 dequantized weights "
                             "times the float32 activations"),
+    "gemv_prefetch": Choice(("auto", "l1", "l2"), ("cpu",),
+                            "float weights' small-M linear (decode, AVX-512): software prefetch "
+                            "of the next tile into L1, or two tiles ahead into L2; auto picks L2 "
+                            "where a tile and the next would take over half the L1 (its size read "
+                            "at start-up; pyx/cpu_kernels.c sk_prefetch_l2). Outputs do not depend "
+                            "on it"),
 }
 
 # The environment variables these keys replace, and the `--kernels` item for each.
@@ -131,6 +137,7 @@ class KernelConfig:
     cpu_isa: str = _default("cpu_isa")
     act_split: str = _default("act_split")
     quant_prefill: str = _default("quant_prefill")
+    gemv_prefetch: str = _default("gemv_prefetch")
     # (key, where it was set) for the keys given explicitly: parse() records them; the start-up
     # log reads them. Not part of the value: two configs with the same choices are equal.
     sources: tuple[tuple[str, str], ...] = field(default=(), compare=False, repr=False)

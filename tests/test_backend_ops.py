@@ -115,6 +115,24 @@ def test_linear_single_thread_matches(isa):
     np.testing.assert_allclose(out, ref.linear(x, w), rtol=RTOL, atol=1e-3)
 
 
+@pytest.mark.parametrize("wdt", list(WDTYPES))
+@pytest.mark.parametrize("T,K,N", [(1, 100, 45), (1, 1000, 70), (3, 576, 50), (16, 1600, 40)])
+def test_linear_gemv_prefetch_variants(wdt, T, K, N):
+    """kernels gemv_prefetch (the small-M kernel's prefetch into L1 or L2): each variant, on
+    tiles either side of auto's L1 threshold, gives the oracle's result and auto's bits."""
+    if not isa_supported("avx512"):
+        pytest.skip("the prefetch variants are the AVX-512 small-M kernel's")
+    rng = np.random.default_rng(K + N)
+    x = rng.standard_normal((T, K)).astype(np.float32)
+    w = (rng.standard_normal((N, K)) / np.sqrt(K)).astype(WDTYPES[wdt])
+    outs = {}
+    for pf in ("auto", "l1", "l2"):
+        outs[pf] = np.full((T, N), np.nan, np.float32)
+        CpuBackend(isa="avx512", kernels=f"gemv_prefetch={pf}").linear(x, w, None, outs[pf])
+        np.testing.assert_allclose(outs[pf], ref.linear(x, w), rtol=RTOL, atol=ATOL)
+        np.testing.assert_array_equal(outs[pf], outs["auto"])
+
+
 def test_linear_rejects_bad_shapes(be):
     x = np.zeros((2, 8), np.float32)
     with pytest.raises(ValueError, match=r"linear.*weight \(4, 7\)"):

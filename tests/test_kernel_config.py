@@ -19,7 +19,7 @@ from pyx.kernel_config import CHOICES, REMOVED_VARIABLES, RETIRED_VARIABLES, ret
 # with exact activations in the quantized qkv projection (issue 32: act_split=qkv).
 DEFAULTS = ("prefill=fa3,decode=split,marlin=simple,fp8=dequant,fp8_gemv=off,"
             "sampling=simple,moe=simple,graphs_lora=off,graphs_verify=off,graphs_parallel=off,"
-            "cpu_isa=auto,act_split=qkv,quant_prefill=int8")
+            "cpu_isa=auto,act_split=qkv,quant_prefill=int8,gemv_prefetch=auto")
 
 
 # ---- the value
@@ -48,7 +48,7 @@ def test_parse_string_dict_and_instance():
 @pytest.mark.parametrize("spec,message", [
     ("prefil=fa2", r"^--kernels: unknown key 'prefil'; the keys are prefill, decode, marlin, fp8, "
                    r"fp8_gemv, sampling, moe, graphs_lora, graphs_verify, graphs_parallel, "
-                   r"cpu_isa, act_split, quant_prefill$"),
+                   r"cpu_isa, act_split, quant_prefill, gemv_prefetch$"),
     ("prefill=fa9", r"^--kernels: prefill='fa9' is not a choice; prefill takes fa3 \| fa2 \| "
                     r"simple \(default fa3\)$"),
     ("decode=split,fp8_gemv=1", r"^--kernels: fp8_gemv='1' is not a choice; fp8_gemv takes off \| "
@@ -94,7 +94,7 @@ def test_sources_and_the_start_up_line():
     assert unused == ["act_split=off (--kernels)"]
     line, unused = k.describe("cpu")
     assert line == ("moe=simple (default), cpu_isa=auto (default), act_split=off (--kernels), "
-                    "quant_prefill=int8 (default)")
+                    "quant_prefill=int8 (default), gemv_prefetch=auto (default)")
     assert unused == ["prefill=fa2 (--kernels)"]
 
 
