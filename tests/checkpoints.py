@@ -377,6 +377,14 @@ ARCHS_256 = {
     "minimax_m2": ("MiniMaxM2Config", dict(rotary_dim=32, intermediate_size=128,
                                            num_local_experts=8, num_experts_per_tok=2,
                                            pad_token_id=0, tie_word_embeddings=False)),
+    # Gemma 4 E2B's shape (heads of 64 sliding, 128 full, one KV head): per-layer input
+    # embeddings of 64, the last 3 of 6 layers KV-shared with double-wide MLPs
+    "gemma4_e2b": ("Gemma4TextConfig", dict(
+        num_hidden_layers=6, num_key_value_heads=1, global_head_dim=128, attention_k_eq_v=False,
+        hidden_size_per_layer_input=64, vocab_size_per_layer_input=512, num_kv_shared_layers=3,
+        use_double_wide_mlp=True, sliding_window=16, final_logit_softcapping=10.0,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
+        pad_token_id=0, tie_word_embeddings=False)),
     # StableLM-2 12B's per-head q/k LayerNorm
     "stablelm_qk": ("StableLmConfig", dict(qk_layernorm=True, partial_rotary_factor=0.25,
                                            use_parallel_residual=True, layer_norm_eps=1e-5,

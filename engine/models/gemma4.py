@@ -245,7 +245,7 @@ class Gemma4ForCausalLM(Gemma2ForCausalLM):
                 self.config.rms_norm_eps)
         return ScaledSandwichDecoderLayer(self.backend, attn, mlp, *norms,
                                           self.config.rms_norm_eps, i == 0, scalar=scalar,
-                                          per_layer=per_layer)
+                                          per_layer=per_layer, unit_norm=ones)
 
     def new_kv_caches(self, num_blocks, block_size, dtype):
         """Caches for the layers that own one; a KV-shared layer's entry is its source's."""
@@ -343,18 +343,21 @@ class ScaledSandwichDecoderLayer(SandwichDecoderLayer):
     """SandwichDecoderLayer whose output stream, residual + this layer's MLP output, is
     multiplied by `scalar` (Gemma 4's layer_scalar): both parts are, as the stream is their sum
     until the next layer's fused add. With `per_layer` (a PerLayerInputGate) the stream first
-    gets that block's output: the sum is made, and the block's output is the part left to add."""
+    gets that block's output: the sum is made, and the block's output is the part left to add.
+    unit_norm: a norm weight of ones (the op table has no plain add: a fused add-and-norm's sum
+    is one, its normalized output unused)."""
 
     def __init__(self, backend, attention, mlp, input_norm, post_attn_norm, pre_mlp_norm,
-                 post_mlp_norm, eps, first, scalar: float, per_layer=None):
+                 post_mlp_norm, eps, first, scalar: float, per_layer=None, unit_norm=None):
         super().__init__(backend, attention, mlp, input_norm, post_attn_norm, pre_mlp_norm,
                          post_mlp_norm, eps, first)
         self.ops, self.scalar, self.per_layer = backend, scalar, per_layer
+        self.unit_norm, self.eps_value = unit_norm, eps
 
     def forward(self, batch, hidden, residual, k_cache, v_cache, ws):
         super().forward(batch, hidden, residual, k_cache, v_cache, ws)
         if self.per_layer is not None:
-            self.ops.xp.add(residual, hidden, out=residual)
+            self.ops.fused_add_rms_norm(hidden, residual, self.unit_norm, self.eps_value)
             self.per_layer.forward(residual, hidden, ws)
         if self.scalar != 1.0:
             self.ops.scale(hidden, self.scalar)

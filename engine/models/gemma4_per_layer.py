@@ -37,11 +37,13 @@ class PerLayerInputs:
         self.num_layers, self.size, self.hidden_size, self.eps = num_layers, size, hidden_size, eps
         # the multipliers in the activation dtype, as transformers rounds its to the weights'
         self.table_scale = float(np.asarray(math.sqrt(size), dtype=backend.act_dtype))
+        # the op table has no plain add: a fused add-and-norm's sum is one (its norm unused)
+        self.unit_norm = backend.place_weight(np.ones(size, np.float32))
         self.rows = None
 
     def compute(self, token_ids, ws) -> None:
         """Sets `rows` (T, L * P) for token_ids (T,), in workspace buffers."""
-        b, xp = self.backend, self.xp
+        b = self.backend
         T, width = token_ids.shape[0], self.num_layers * self.size
         embeds = ws.get("ple_embeds", T, self.hidden_size)
         b.embedding(token_ids, self.embed_tokens, embeds)
@@ -56,7 +58,9 @@ class PerLayerInputs:
         identity = ws.get("ple_identity", T, width)
         b.embedding(token_ids, self.table, identity)
         b.scale(identity, self.table_scale)
-        xp.add(rows, identity, out=rows)
+        b.fused_add_rms_norm(identity.reshape(T * self.num_layers, self.size),
+                             rows.reshape(T * self.num_layers, self.size), self.unit_norm,
+                             self.eps)
         b.scale(rows, 2.0 ** -0.5)
         self.rows = rows
 
