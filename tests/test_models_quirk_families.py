@@ -746,6 +746,51 @@ def test_gemma4_kv_pool_holds_only_unshared_layers(cases, name):
         llm.engine.block_pool.num_blocks * ModelRunner.kv_bytes_per_block(config, 16)
 
 
+def test_gemma4_kv_shared_layers_run_only_the_rows_read(cases):
+    """The KV-shared layers write no cache, so they run on the rows whose outputs are read: a
+    40-token prompt in chunks of 16 passes 16, 16 and 8 rows through the unshared layers and
+    only its last row (then each decode row) through the shared ones, with transformers'
+    tokens."""
+    from engine import LLM, SamplingParams
+    llm = LLM(cases.dir("gemma4_e2b"), block_size=8, num_kv_blocks=48, prefill_chunk_size=16,
+              max_num_batched_tokens=16)
+    model = llm.engine.runner.model
+    seen = {"unshared": [], "shared": []}
+    for layer, shared in ((model.layers[0], False), (model.layers[-1], True)):
+        attention, forward = layer.attention, layer.attention.forward
+
+        def spy(batch, x, out, k_cache, v_cache, ws, forward=forward, shared=shared):
+            seen["shared" if shared else "unshared"].append(x.shape[0])
+            return forward(batch, x, out, k_cache, v_cache, ws)
+        attention.forward = spy
+    prompt = prompts_for()[0][:40]
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    assert seen == {"unshared": [16, 16, 8, 1, 1], "shared": [1, 1, 1]}
+    ref = hf_greedy(load_hf(cases.dir("gemma4_e2b")), prompt, 3)
+    assert_matches(list(out[0].token_ids), ref, min_trusted=3, label="gemma4_e2b")
+
+
+def test_gemma4_kv_shared_row_skipping_keeps_prompt_logprobs(cases):
+    """Prompt logprobs (rows read from the first prompt position on, beside sampled rows of
+    other sequences) are those of the forward that runs every row through the shared layers."""
+    from engine import LLM, SamplingParams
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, prompt_logprobs=2)
+    prompts = [prompts_for()[0][:40], prompts_for()[1]]
+
+    def run(skip):
+        llm = LLM(cases.dir("gemma4_e2b"), block_size=8, num_kv_blocks=48,
+                  prefill_chunk_size=16, max_num_batched_tokens=24)
+        if not skip:
+            llm.engine.runner.model._rows_read = lambda batch, hidden_indices: None
+        return llm.generate(prompts, params)
+    for got, want in zip(run(True), run(False)):
+        assert got.token_ids == want.token_ids
+        g = [p.top_logprobs for p in got.prompt_logprobs[1:]]
+        w = [p.top_logprobs for p in want.prompt_logprobs[1:]]
+        assert len(g) == len(prompts[0 if len(g) == 39 else 1]) - 1
+        np.testing.assert_allclose(g, w, rtol=0, atol=1e-4)
+
+
 def test_gemma4_moe_fused_experts_match_hf(cases):
     """Gemma 4's experts on the grouped-GEMM path (kernels moe=fused) give transformers'
     logits and tokens too."""

@@ -39,6 +39,7 @@ unverified on its kernels).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import numpy as np
@@ -48,7 +49,8 @@ from engine.models.gemma import Gemma2ForCausalLM
 from engine.models.gemma4_per_layer import PerLayerInputGate, PerLayerInputs
 from engine.models.model_config import ModelConfig
 from engine.models.rotary import _cos_sin
-from pyx.layers import SandwichDecoderLayer
+from engine.parallel import layers as tensor_parallel
+from pyx.layers import SandwichDecoderLayer, run_layers
 from pyx.moe import MoE
 
 logger = logging.getLogger("taper.models")
@@ -257,11 +259,89 @@ class Gemma4ForCausalLM(Gemma2ForCausalLM):
     def forward(self, batch, kv_caches, hidden_indices=None, capture=None):
         """LlamaForCausalLM.forward with each KV-shared layer given its source's cache (whatever
         the list holds at a shared layer's place) and the step's per-layer inputs computed
-        first."""
-        kv_caches = [kv_caches[src] for src in self.config.family.kv_sources]
+        first. The KV-shared layers (the last ones) write no cache, so they run only on the
+        rows whose outputs are read: each sequence's rows from its first sampled (or pooled)
+        row on, as transformers slices them (_maybe_slice_kv_shared_inputs); a prompt chunk
+        that samples nothing skips them."""
+        s = self.config.family
+        kv_caches = [kv_caches[src] for src in s.kv_sources]
         if self.per_layer_inputs is not None:
             self.per_layer_inputs.compute(batch.token_ids, self.workspace)
-        return super().forward(batch, kv_caches, hidden_indices, capture)
+        rows = None
+        if any(s.kv_shared) and capture is None and batch.vision is None:
+            rows = self._rows_read(batch, hidden_indices)
+        if rows is None:
+            return super().forward(batch, kv_caches, hidden_indices, capture)
+        return self._forward_read_rows(batch, kv_caches, hidden_indices, rows)
+
+    def _rows_read(self, batch, hidden_indices):
+        """(kept rows, their sequences' row offsets, logits_indices and hidden_indices among
+        them), host arrays; None where every row is read."""
+        to_host = self.backend.to_host
+        qsl = np.asarray(to_host(batch.query_start_loc), np.int64)
+        read = [np.asarray(to_host(batch.logits_indices), np.int64)]
+        if hidden_indices is not None:
+            read.append(np.asarray(to_host(hidden_indices), np.int64))
+        read = np.unique(np.concatenate(read))
+        # each sequence's first read row, or its end where it has none
+        j = np.searchsorted(read, qsl[:-1])
+        first = read[np.minimum(j, len(read) - 1)] if len(read) else qsl[1:]
+        starts = np.where((j < len(read)) & (first < qsl[1:]), first, qsl[1:])
+        counts = qsl[1:] - starts
+        if counts.sum() == qsl[-1]:
+            return None
+        kept = np.concatenate([np.arange(a, b) for a, b in zip(starts, qsl[1:])]
+                              + [np.zeros(0, np.int64)])
+        kept_qsl = np.zeros(len(qsl), np.int32)
+        np.cumsum(counts, out=kept_qsl[1:])
+
+        def among_kept(idx):
+            return np.searchsorted(kept, np.asarray(to_host(idx), np.int64))
+        return (kept, kept_qsl, among_kept(batch.logits_indices),
+                None if hidden_indices is None else among_kept(hidden_indices))
+
+    def _forward_read_rows(self, batch, kv_caches, hidden_indices, rows):
+        """LlamaForCausalLM.forward's steps for a model that is one stage and has no images,
+        with the KV-shared layers on the rows `rows` keeps (_rows_read)."""
+        c, b, xp, ws = self.config, self.backend, self.xp, self.workspace
+        kept, kept_qsl, logits_rows, hidden_rows = rows
+        T, K, H = batch.num_tokens, len(kept), c.hidden_size
+        first_shared = c.family.kv_shared.index(True)
+        residual, hidden = ws.get("residual", T, H), ws.get("hidden", T, H)
+        tensor_parallel.embed(b, c, batch.token_ids, self.embed_tokens, residual)
+        if self.embed_scale is not None:
+            b.scale(residual, self.embed_scale)
+        run_layers(self.layers[:first_shared], batch, hidden, residual,
+                   kv_caches[:first_shared], ws)
+        on_device = self.backend.asarray
+        kept_d = on_device(kept.astype(np.int32))
+        kept_hidden, kept_residual = ws.get("kept_hidden", K, H), ws.get("kept_residual", K, H)
+        xp.take(hidden, kept_d, axis=0, out=kept_hidden)
+        xp.take(residual, kept_d, axis=0, out=kept_residual)
+        inputs = self.per_layer_inputs
+        if inputs is not None:
+            kept_inputs = ws.get("ple_kept_rows", K, inputs.rows.shape[1])
+            xp.take(inputs.rows, kept_d, axis=0, out=kept_inputs)
+            inputs.rows = kept_inputs
+        kept_batch = dataclasses.replace(
+            batch, token_ids=xp.take(batch.token_ids, kept_d), positions=xp.take(
+                batch.positions, kept_d), slot_mapping=xp.take(batch.slot_mapping, kept_d),
+            query_start_loc=on_device(kept_qsl),
+            logits_indices=on_device(logits_rows.astype(np.int32)))
+        if K:
+            run_layers(self.layers[first_shared:], kept_batch, kept_hidden, kept_residual,
+                       kv_caches[first_shared:], ws)
+        idx = on_device(logits_rows)
+        if hidden_rows is not None:
+            idx = xp.concatenate([idx, on_device(hidden_rows)])
+        rows_hidden = xp.ascontiguousarray(kept_hidden[idx])
+        rows_residual = xp.ascontiguousarray(kept_residual[idx])
+        if len(idx):
+            self._final_norm(rows_hidden, rows_residual)
+        logits = self.logits(rows_hidden[:len(logits_rows)])
+        if hidden_indices is None:
+            return logits
+        return logits, rows_hidden[len(logits_rows):]
 
     def kv_cache_shape(self, num_blocks, block_size):
         """The wider layer kind's (module docstring)."""
