@@ -268,7 +268,12 @@ class Gemma4ForCausalLM(Gemma2ForCausalLM):
         if self.per_layer_inputs is not None:
             self.per_layer_inputs.compute(batch.token_ids, self.workspace)
         rows = None
-        if any(s.kv_shared) and capture is None and batch.vision is None:
+        num_read = len(batch.logits_indices) + (0 if hidden_indices is None else
+                                                len(hidden_indices))
+        # (a decode step reads every row: no look at the indices, which on a device would wait
+        # for them, and could not inside a CUDA graph's capture)
+        if (any(s.kv_shared) and capture is None and batch.vision is None
+                and num_read < batch.num_tokens):
             rows = self._rows_read(batch, hidden_indices)
         if rows is None:
             return super().forward(batch, kv_caches, hidden_indices, capture)
