@@ -29,8 +29,9 @@ The E2B/E4B models add
   before them (kv_sources), which that layer wrote earlier in the same step. The pool allocates
   caches for the other layers only (ModelConfig.num_kv_layers, so the bytes per token shrink);
   the list of caches the graph runs over names the source's cache for a shared layer, so prefix
-  caching, chunked prefill and preemption see the blocks every layer reads. Under
-  use_double_wide_mlp the shared layers' MLPs are twice as wide.
+  caching, chunked prefill and preemption see the blocks every layer reads. Writing no cache,
+  the shared layers run only on the rows whose outputs are read (Gemma4ForCausalLM.forward).
+  Under use_double_wide_mlp their MLPs are twice as wide.
 
 Gemma 4 as released (Gemma4ForConditionalGeneration: the text model's tensors under
 model.language_model., beside vision and audio towers) is served for its text, the towers not
