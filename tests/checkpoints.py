@@ -113,6 +113,25 @@ ARCHS = {
                                         sliding_window=16, final_logit_softcapping=10.0,
                                         layer_types=["sliding_attention", "full_attention"],
                                         pad_token_id=0, tie_word_embeddings=False)),
+    # Gemma 4 E2B's shape: one KV head, per-layer input embeddings (16 per layer), the last 3
+    # of 6 layers KV-shared (sliding, sliding, full: reading layers 1 and 2's caches) with
+    # double-wide MLPs; no attention_k_eq_v
+    "gemma4_e2b": ("Gemma4TextConfig", dict(
+        num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=1, head_dim=16,
+        global_head_dim=32, attention_k_eq_v=False, hidden_size_per_layer_input=16,
+        vocab_size_per_layer_input=512, num_kv_shared_layers=3, use_double_wide_mlp=True,
+        sliding_window=16, final_logit_softcapping=10.0,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
+        pad_token_id=0, tie_word_embeddings=False)),
+    # Gemma 4 E4B's shape: two KV heads, per-layer input embeddings, five sliding layers to a
+    # full one, the last 2 KV-shared (reading layers 3 and 1's caches), MLPs of one width
+    "gemma4_e4b": ("Gemma4TextConfig", dict(
+        num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        global_head_dim=32, attention_k_eq_v=False, hidden_size_per_layer_input=16,
+        vocab_size_per_layer_input=512, num_kv_shared_layers=2, use_double_wide_mlp=False,
+        sliding_window=16, final_logit_softcapping=10.0,
+        layer_types=["sliding_attention", "full_attention"] + ["sliding_attention"] * 3
+        + ["full_attention"], pad_token_id=0, tie_word_embeddings=False)),
     # mixtures of experts: 4 experts, 2 per token
     "mixtral": ("MixtralConfig", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=24,
                                       num_local_experts=4, num_experts_per_tok=2,
@@ -268,7 +287,8 @@ def _gemma4_weights(model, seed: int):
 
 # per architecture: (scale for scale_weights, a further adjustment after it)
 _ADJUST = {"phi": (4.0, _phi_weights), "gpt_oss": (8.0, _gpt_oss_weights),
-           "gemma4": (8.0, _gemma4_weights)}
+           "gemma4": (8.0, _gemma4_weights), "gemma4_e2b": (8.0, _gemma4_weights),
+           "gemma4_e4b": (8.0, _gemma4_weights)}
 
 
 def tiny_checkpoint(directory, arch: str = "llama", dtype: str = "float32", seed: int = 0,
@@ -357,6 +377,14 @@ ARCHS_256 = {
     "minimax_m2": ("MiniMaxM2Config", dict(rotary_dim=32, intermediate_size=128,
                                            num_local_experts=8, num_experts_per_tok=2,
                                            pad_token_id=0, tie_word_embeddings=False)),
+    # Gemma 4 E2B's shape (heads of 64 sliding, 128 full, one KV head): per-layer input
+    # embeddings of 64, the last 3 of 6 layers KV-shared with double-wide MLPs
+    "gemma4_e2b": ("Gemma4TextConfig", dict(
+        num_hidden_layers=6, num_key_value_heads=1, global_head_dim=128, attention_k_eq_v=False,
+        hidden_size_per_layer_input=64, vocab_size_per_layer_input=512, num_kv_shared_layers=3,
+        use_double_wide_mlp=True, sliding_window=16, final_logit_softcapping=10.0,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
+        pad_token_id=0, tie_word_embeddings=False)),
     # StableLM-2 12B's per-head q/k LayerNorm
     "stablelm_qk": ("StableLmConfig", dict(qk_layernorm=True, partial_rotary_factor=0.25,
                                            use_parallel_residual=True, layer_norm_eps=1e-5,

@@ -1,7 +1,8 @@
 """Families that are a quirk file each (issue 29 item 4): Phi-2 (PhiForCausalLM), GLM-4.5/4.6
 (Glm4MoeForCausalLM), GPT-OSS (GptOssForCausalLM), Llama 4 text (Llama4ForCausalLM),
-MiniMax-M2 (MiniMaxM2ForCausalLM), Gemma 4 text (Gemma4ForCausalLM, dense and with the
-26B-A4B's mixture of experts beside the MLP, that one on the fused expert path too) and
+MiniMax-M2 (MiniMaxM2ForCausalLM), Gemma 4 text (Gemma4ForCausalLM, dense, with the
+26B-A4B's mixture of experts beside the MLP, that one on the fused expert path too, and in the
+E2B and E4B shapes: per-layer input embeddings and KV sharing across layers) and
 Phi-4-mini's shape of Phi3ForCausalLM give transformers' greedy tokens on tiny checkpoints
 written by transformers itself (tests/checkpoints.py), through the whole engine with chunked
 prefill, a prefix-cache hit and forced preemption, through the server (Llama 4, MiniMax-M2,
@@ -38,6 +39,10 @@ CASES = {
     # Gemma 4 26B-A4B's shape: 4 experts (2 per token) beside every layer's dense MLP
     "gemma4_moe": (dict(arch="gemma4", enable_moe_block=True, num_experts=4, top_k_experts=2,
                         moe_intermediate_size=32), None),
+    # Gemma 4 E2B's and E4B's shapes (tests/checkpoints.py): per-layer input embeddings, the
+    # last layers KV-shared (E2B's with double-wide MLPs)
+    "gemma4_e2b": (dict(arch="gemma4_e2b"), None),
+    "gemma4_e4b": (dict(arch="gemma4_e4b"), None),
     # Phi-4-mini's shape of Phi3ForCausalLM (Phi-4 itself is plain Phi-3): three quarters of
     # each head rotated (18 of 24 dims) with LongRoPE factors for those 9 pairs, tied
     # embeddings. The original context (128) covers every sequence here: past it transformers'
@@ -351,6 +356,41 @@ def _gemma4_experts_on_mlp_input(layer):
     layer.pre_feedforward_layernorm_2.weight.copy_(layer.pre_feedforward_layernorm.weight)
 
 
+def _gemma4_model(change):
+    """transformers' Gemma 4 (the E-shapes) with change(model.model) applied."""
+    def switch_off(cases, name):
+        model = load_hf(cases.dir(name))
+        with torch.no_grad():
+            change(model.model)
+        return model
+    return switch_off
+
+
+def _gemma4_ple_activation_off(text_model):
+    for layer in text_model.layers:
+        layer.act_fn = torch.nn.Identity()
+
+
+def _gemma4_kv_from_first_of_kind(text_model):
+    """The KV-shared layers reading the first layer of their kind's K/V, not the last one's
+    before them (the layer that stores it: Gemma4TextAttention.store_full_length_kv)."""
+    first_shared = text_model.first_kv_shared_layer_idx
+    firsts = {}
+    for layer in text_model.layers[:first_shared]:
+        a = layer.self_attn
+        firsts.setdefault(a.layer_type, a)
+        a.store_full_length_kv = False
+    for a in firsts.values():
+        a.store_full_length_kv = True
+
+
+def _gemma4_single_wide_shared_mlps(text_model):
+    """The KV-shared layers' double-wide MLPs with their second half of units silenced."""
+    for layer in text_model.layers[text_model.first_kv_shared_layer_idx:]:
+        down = layer.mlp.down_proj.weight
+        down[:, down.shape[1] // 2:] = 0.0
+
+
 # quirk -> (the case that has it, transformers' model with the quirk switched off)
 QUIRK_OFF = {
     "phi_parallel_residual": ("phi", _phi_sequential_residual),
@@ -413,6 +453,19 @@ LOGIT_QUIRK_OFF = {
     "gemma4_sliding_window": ("gemma4", lambda c, n: hf_with_config(c, n, sliding_window=4096)),
     "gemma4_final_softcap": ("gemma4",
                              lambda c, n: hf_with_config(c, n, final_logit_softcapping=None)),
+    # the E2B/E4B shapes' per-layer input embeddings: the whole block, its two parts, the
+    # gate's GELU (their common 1/sqrt(2) is not felt: post_per_layer_input_norm undoes it);
+    # KV sharing's source layer; the shared layers' wide MLPs
+    "gemma4_ple_block": ("gemma4_e2b", _gemma4_model(
+        lambda m: [layer.per_layer_projection.weight.zero_() for layer in m.layers])),
+    "gemma4_ple_token_embeddings": ("gemma4_e2b", _gemma4_model(
+        lambda m: m.embed_tokens_per_layer.weight.zero_())),
+    "gemma4_ple_context_projection": ("gemma4_e4b", _gemma4_model(
+        lambda m: m.per_layer_model_projection.weight.zero_())),
+    "gemma4_ple_gate_activation": ("gemma4_e4b", _gemma4_model(_gemma4_ple_activation_off)),
+    "gemma4_kv_sharing_source_e2b": ("gemma4_e2b", _gemma4_model(_gemma4_kv_from_first_of_kind)),
+    "gemma4_kv_sharing_source_e4b": ("gemma4_e4b", _gemma4_model(_gemma4_kv_from_first_of_kind)),
+    "gemma4_double_wide_mlp": ("gemma4_e2b", _gemma4_model(_gemma4_single_wide_shared_mlps)),
 }
 
 
@@ -607,9 +660,8 @@ def test_llama4_layer_plan_and_refusals(cases):
 def test_gemma4_layer_plan_and_refusals(cases):
     """Gemma4TextConfig's rules: the full layers' head size and KV heads from per_layer_config
     or global_head_dim / num_global_key_value_heads, every 6th layer and the last full by
-    default; per-layer input embeddings and KV sharing refused by name; the MoE block on every
-    layer with enable_moe_block; every layer's cache the wider kind's shape (the pool's size per
-    token counts it)."""
+    default; the MoE block on every layer with enable_moe_block; every layer's cache the wider
+    kind's shape (the pool's size per token counts it)."""
     import json
 
     from engine.models.model_config import ModelConfig
@@ -625,13 +677,11 @@ def test_gemma4_layer_plan_and_refusals(cases):
     assert c.family.full_layers == (False,) * 5 + (True, True)
     assert (c.family.full_head_dim, c.family.full_kv_heads) == (64, 2)
     assert c.kv_cache_elements_per_token == 2 * 128
-    for key, value, what in [("hidden_size_per_layer_input", 256, "per-layer input"),
-                             ("num_kv_shared_layers", 1, "KV sharing")]:
-        with pytest.raises(ValueError, match=what):
-            ModelConfig.from_dict({**config, key: value})
-    with pytest.raises(ValueError, match="per-layer input"):
-        ModelConfig.from_dict({k: v for k, v in config.items()
-                               if k != "hidden_size_per_layer_input"})   # the class's 256
+    assert c.family.per_layer_input_size == 0 and not any(c.family.kv_shared)
+    assert c.num_kv_layers == 7
+    absent = ModelConfig.from_dict({k: v for k, v in config.items()
+                                    if k != "hidden_size_per_layer_input"})
+    assert absent.family.per_layer_input_size == 256      # the config class's default
     assert c.moe is None
     m = ModelConfig.from_dict({**config, "enable_moe_block": True, "num_experts": 8,
                                "top_k_experts": 3, "moe_intermediate_size": 24}).moe
@@ -639,6 +689,106 @@ def test_gemma4_layer_plan_and_refusals(cases):
     assert m.sparse_layers == [True, True] and m.shared_intermediate_size == 0
     with pytest.raises(ValueError, match="YaRN scaling factor is not supported"):
         ModelConfig.from_dict(config, yarn_scaling_factor=2.0)
+
+
+def test_gemma4_e_shapes_layer_plan(cases):
+    """Gemma4TextConfig.kv_sharing_modes' rule: the last num_kv_shared_layers layers read the
+    cache of the last layer of their kind before them; E2B's 35 layers (4 sliding to a full one,
+    20 shared) read layers 13 and 14; the pool's layers are the others. A shared kind with no
+    layer of its kind before it, too many shared layers, and a per-layer vocabulary smaller than
+    the vocabulary are refused by name."""
+    import json
+
+    from engine.models.model_config import ModelConfig
+    with open(f"{cases.dir('gemma4_e2b')}/config.json") as f:
+        config = json.load(f)
+    c = ModelConfig.from_dict(config)
+    s = c.family
+    assert s.kv_sources == (0, 1, 2, 1, 1, 2) and s.kv_shared == (False,) * 3 + (True,) * 3
+    assert s.per_layer_input_size == 16 and s.per_layer_vocab_size == 512 and s.double_wide_mlp
+    assert c.num_kv_layers == 3 and c.kv_cache_elements_per_token == 2 * 32
+    e2b = {**config, "num_hidden_layers": 35, "num_kv_shared_layers": 20,
+           "layer_types": (["sliding_attention"] * 4 + ["full_attention"]) * 7,
+           "per_layer_config": None}
+    s = ModelConfig.from_dict(e2b).family
+    assert s.kv_sources == tuple(range(15)) + tuple(14 if (i + 1) % 5 == 0 else 13
+                                                    for i in range(15, 35))
+    with pytest.raises(ValueError, match="a shared full-attention layer has no full-attention "
+                                         "layer before"):
+        ModelConfig.from_dict({**config, "num_kv_shared_layers": 4})
+    with pytest.raises(ValueError, match="num_kv_shared_layers 6: between 0 and"):
+        ModelConfig.from_dict({**config, "num_kv_shared_layers": 6})
+    with pytest.raises(ValueError, match="vocab_size_per_layer_input 256 is smaller than "
+                                         "vocab_size 512"):
+        ModelConfig.from_dict({**config, "vocab_size_per_layer_input": 256})
+
+
+@pytest.mark.parametrize("name", ["gemma4_e2b", "gemma4_e4b"])
+def test_gemma4_kv_pool_holds_only_unshared_layers(cases, name):
+    """The KV pool's bytes per block count the layers that own a cache (3 of E2B-shaped 6, 4 of
+    E4B-shaped 6), so the same --mem budget holds that many more blocks; each KV-shared layer's
+    cache is its source layer's arrays (it writes none of its own)."""
+    from engine import LLM
+    from engine.runner.model_runner import ModelRunner
+    llm = LLM(cases.dir(name), block_size=16, kv_cache_memory_mb=1)
+    config, runner = llm.engine.model_config, llm.engine.runner
+    s = config.family
+    own = s.kv_shared.count(False)
+    width = s.cache_width(config.kv_size)      # values per token in one layer's K (or V)
+    assert ModelRunner.kv_bytes_per_block(config, 16) == 16 * 2 * width * 4 * own
+    assert llm.engine.block_pool.num_blocks == 2**20 // (16 * 2 * width * 4 * own)
+    caches = runner.kv_caches
+    assert len(caches) == config.num_hidden_layers
+    assert len({id(k) for k, _ in caches}) == own
+    for i, src in enumerate(s.kv_sources):
+        assert caches[i] is caches[src]
+    assert sum(k.nbytes + v.nbytes for k, v in {id(kv[0]): kv for kv in caches}.values()) == \
+        llm.engine.block_pool.num_blocks * ModelRunner.kv_bytes_per_block(config, 16)
+
+
+def test_gemma4_kv_shared_layers_run_only_the_rows_read(cases):
+    """The KV-shared layers write no cache, so they run on the rows whose outputs are read: a
+    40-token prompt in chunks of 16 passes 16, 16 and 8 rows through the unshared layers and
+    only its last row (then each decode row) through the shared ones, with transformers'
+    tokens."""
+    from engine import LLM, SamplingParams
+    llm = LLM(cases.dir("gemma4_e2b"), block_size=8, num_kv_blocks=48, prefill_chunk_size=16,
+              max_num_batched_tokens=16)
+    model = llm.engine.runner.model
+    seen = {"unshared": [], "shared": []}
+    for layer, shared in ((model.layers[0], False), (model.layers[-1], True)):
+        attention, forward = layer.attention, layer.attention.forward
+
+        def spy(batch, x, out, k_cache, v_cache, ws, forward=forward, shared=shared):
+            seen["shared" if shared else "unshared"].append(x.shape[0])
+            return forward(batch, x, out, k_cache, v_cache, ws)
+        attention.forward = spy
+    prompt = prompts_for()[0][:40]
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    assert seen == {"unshared": [16, 16, 8, 1, 1], "shared": [1, 1, 1]}
+    ref = hf_greedy(load_hf(cases.dir("gemma4_e2b")), prompt, 3)
+    assert_matches(list(out[0].token_ids), ref, min_trusted=3, label="gemma4_e2b")
+
+
+def test_gemma4_kv_shared_row_skipping_keeps_prompt_logprobs(cases):
+    """Prompt logprobs (rows read from the first prompt position on, beside sampled rows of
+    other sequences) are those of the forward that runs every row through the shared layers."""
+    from engine import LLM, SamplingParams
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, prompt_logprobs=2)
+    prompts = [prompts_for()[0][:40], prompts_for()[1]]
+
+    def run(skip):
+        llm = LLM(cases.dir("gemma4_e2b"), block_size=8, num_kv_blocks=48,
+                  prefill_chunk_size=16, max_num_batched_tokens=24)
+        if not skip:
+            llm.engine.runner.model._rows_read = lambda batch, hidden_indices: None
+        return llm.generate(prompts, params)
+    for got, want in zip(run(True), run(False)):
+        assert got.token_ids == want.token_ids
+        g = [p.top_logprobs for p in got.prompt_logprobs[1:]]
+        w = [p.top_logprobs for p in want.prompt_logprobs[1:]]
+        assert len(g) == len(prompts[0 if len(g) == 39 else 1]) - 1
+        np.testing.assert_allclose(g, w, rtol=0, atol=1e-4)
 
 
 def test_gemma4_moe_fused_experts_match_hf(cases):
@@ -698,7 +848,7 @@ def test_llama4_multimodal_checkpoint_serves_its_text(tmp_path):
                        label=f"Llama4ForConditionalGeneration prompt {i}")
 
 
-@pytest.mark.parametrize("arch", ["llama4", "minimax_m2", "gemma4"])
+@pytest.mark.parametrize("arch", ["llama4", "minimax_m2", "gemma4", "gemma4_e2b"])
 def test_server_completion_matches_transformers(tmp_path, arch):
     """The checkpoint (vocabulary = the tokenizer's) served by `python -m server`: a greedy
     completion through the official openai client has transformers' text."""

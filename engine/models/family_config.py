@@ -58,7 +58,10 @@ class Gemma4Settings:
     full layers' own head size and KV heads (per_layer_config: global_head_dim,
     num_global_key_value_heads), their values equal to their keys when attention_k_eq_v (no
     v_proj), and their proportional RoPE (the first partial_rotary_factor of each head's pairs
-    rotate at frequencies over the whole head, the rest not at all)."""
+    rotate at frequencies over the whole head, the rest not at all). The E2B/E4B models add
+    per-layer input embeddings (hidden_size_per_layer_input) and KV sharing
+    (num_kv_shared_layers: the last layers attend over the cache an earlier layer of their kind
+    wrote, with MLPs twice as wide under use_double_wide_mlp)."""
     full_layers: tuple[bool, ...]
     full_head_dim: int
     full_kv_heads: int
@@ -67,6 +70,22 @@ class Gemma4Settings:
     full_theta: float
     full_rotary_factor: float           # the proportional RoPE's partial_rotary_factor
     full_rope_factor: float             # its frequency divisor (rope_parameters factor)
+    per_layer_input_size: int = 0       # hidden_size_per_layer_input; 0: no per-layer inputs
+    per_layer_vocab_size: int = 0       # vocab_size_per_layer_input: embed_tokens_per_layer's rows
+    # per layer, the layer whose K/V cache it reads: itself, or for a KV-shared layer the last
+    # layer of its kind before the shared ones (Gemma4TextConfig.kv_sharing_modes' "store" layer)
+    kv_sources: tuple[int, ...] = ()
+    double_wide_mlp: bool = False       # the KV-shared layers' MLPs are 2 * intermediate_size
+
+    @property
+    def kv_shared(self) -> tuple[bool, ...]:
+        """Per layer: it reads another layer's cache and has none of its own."""
+        return tuple(src != i for i, src in enumerate(self.kv_sources))
+
+    @property
+    def num_cache_layers(self) -> int:
+        """Layers that own a K/V cache in the pool."""
+        return self.kv_shared.count(False)
 
     def cache_width(self, sliding_kv_size: int) -> int:
         """Values per token in one layer's K (or V) cache: the wider of the two layer kinds
@@ -76,8 +95,6 @@ class Gemma4Settings:
 
 # Gemma4TextConfig features the Gemma 4 file does not implement: refused by name.
 _GEMMA4_UNSUPPORTED = {
-    "hidden_size_per_layer_input": "per-layer input embeddings",
-    "num_kv_shared_layers": "KV sharing across layers",
     "use_bidirectional_attention": "bidirectional attention",
     "attention_bias": "attention biases",
 }
@@ -86,11 +103,10 @@ _GEMMA4_UNSUPPORTED = {
 def parse_gemma4(cfg: dict, num_layers: int, head_dim: int, num_kv_heads: int) -> Gemma4Settings:
     """Gemma4TextConfig.__post_init__'s rules: absent layer_types make every 6th layer full and
     the last one full; the full layers' head size and KV heads from per_layer_config, else
-    global_head_dim (512) and, with attention_k_eq_v, num_global_key_value_heads."""
-    # hidden_size_per_layer_input defaults to 256 in the config class
-    present = {**{"hidden_size_per_layer_input": 256}, **cfg}
+    global_head_dim (512) and, with attention_k_eq_v, num_global_key_value_heads; the KV-shared
+    layers and their sources as kv_sharing_modes has them."""
     for key, what in _GEMMA4_UNSUPPORTED.items():
-        if present.get(key):
+        if cfg.get(key):
             raise ValueError(f"Gemma4ForCausalLM: {what} ({key}) is not supported")
     types = list(cfg.get("layer_types") or ["sliding_attention" if (i + 1) % 6 else
                                             "full_attention" for i in range(num_layers)])
@@ -130,8 +146,36 @@ def parse_gemma4(cfg: dict, num_layers: int, head_dim: int, num_kv_heads: int) -
         raise ValueError("rope_parameters['sliding_attention']: only the default RoPE is "
                          "supported")
     proportional = full_rope.get("rope_type") == "proportional"
+    # hidden_size_per_layer_input defaults to 256 in the config class (None or 0: none)
+    per_layer = int(cfg.get("hidden_size_per_layer_input", 256) or 0)
+    per_layer_vocab = int(cfg.get("vocab_size_per_layer_input", 262_144))
+    if per_layer:
+        vocab = cfg.get("vocab_size", 262_144)
+        if per_layer_vocab < vocab:
+            raise ValueError(f"Gemma4ForCausalLM: vocab_size_per_layer_input {per_layer_vocab} "
+                             f"is smaller than vocab_size {vocab}: the ids past it have no "
+                             "per-layer input embedding")
     return Gemma4Settings(
         full, full_head_dim, full_kv_heads, k_eq_v, float(sliding.get("rope_theta", 10_000.0)),
         float(full_rope.get("rope_theta", 1_000_000.0)),
         float(full_rope.get("partial_rotary_factor", 1.0)) if proportional else 1.0,
-        float(full_rope.get("factor", 1.0)) if proportional else 1.0)
+        float(full_rope.get("factor", 1.0)) if proportional else 1.0, per_layer, per_layer_vocab,
+        _gemma4_kv_sources(full, int(cfg.get("num_kv_shared_layers") or 0)),
+        bool(cfg.get("use_double_wide_mlp", False)))
+
+
+def _gemma4_kv_sources(full: tuple[bool, ...], num_shared: int) -> tuple[int, ...]:
+    """Gemma4TextConfig.kv_sharing_modes: the last num_shared layers reuse the cache of the last
+    layer of their kind (sliding or full) before them."""
+    n = len(full)
+    first_shared = n - num_shared
+    if num_shared < 0 or first_shared < 1:
+        raise ValueError(f"num_kv_shared_layers {num_shared}: between 0 and num_hidden_layers - 1 "
+                         f"({n - 1}) layers may share another layer's KV cache")
+    last_of_kind = {full[i]: i for i in range(first_shared)}
+    missing = {full[i] for i in range(first_shared, n)} - set(last_of_kind)
+    if missing:
+        kind = "full" if missing.pop() else "sliding"
+        raise ValueError(f"num_kv_shared_layers {num_shared}: a shared {kind}-attention layer "
+                         f"has no {kind}-attention layer before the shared ones to read from")
+    return tuple(i if i < first_shared else last_of_kind[full[i]] for i in range(n))

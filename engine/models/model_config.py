@@ -165,7 +165,10 @@ class ModelConfig:
 
     @property
     def num_kv_layers(self) -> int:
-        """Layers with a paged K/V cache (a hybrid model's full-attention layers)."""
+        """Layers with a paged K/V cache (a hybrid model's full-attention layers; Gemma 4's
+        layers that do not read another layer's cache)."""
+        if isinstance(self.family, family_config.Gemma4Settings):
+            return self.family.num_cache_layers
         if self.linear_attention is None:
             return self.num_hidden_layers
         return self.linear_attention.layer_types.count("full_attention")

@@ -1,0 +1,92 @@
+"""Gemma 4's per-layer input embeddings (the E2B/E4B models, hidden_size_per_layer_input P):
+transformers' Gemma4TextModel.get_per_layer_inputs / project_per_layer_inputs and the per-layer
+block at the end of each Gemma4TextDecoderLayer.
+
+Once per forward, every token gets L vectors of P values, one per layer:
+
+    context = RMSNorm_P(per_layer_model_projection(embeds) / sqrt(hidden))    (T, L, P)
+    identity = embed_tokens_per_layer[token] * sqrt(P)                       (T, L * P)
+    inputs = (context + identity) / sqrt(2)
+
+where embeds is the model's scaled input embedding. After its MLP, layer i adds to the stream h
+
+    post_per_layer_input_norm(per_layer_projection(gelu_tanh(per_layer_input_gate(h)) * inputs_i))
+
+(then layer_scalar scales the stream, engine/models/gemma4.py).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+
+class PerLayerInputs:
+    """The step's (T, L * P) per-layer inputs, computed before the layers run and read by each
+    layer's PerLayerInputGate (layer i: columns i * P to (i + 1) * P)."""
+
+    def __init__(self, backend, embed_tokens, embed_scale: float | None, table, projection,
+                 projection_norm, num_layers: int, size: int, hidden_size: int, eps: float):
+        """embed_tokens, embed_scale: the model's input embedding and its multiplier (None: 1);
+        table (vocab_size_per_layer_input, L * P): embed_tokens_per_layer; projection
+        (L * P, hidden): per_layer_model_projection; projection_norm (P,):
+        per_layer_projection_norm's weight (Gemma 4's norms multiply by w)."""
+        self.backend, self.xp = backend, backend.xp
+        self.embed_tokens, self.embed_scale = embed_tokens, embed_scale
+        self.table, self.projection, self.projection_norm = table, projection, projection_norm
+        self.num_layers, self.size, self.hidden_size, self.eps = num_layers, size, hidden_size, eps
+        # the multipliers in the activation dtype, as transformers rounds its to the weights'
+        self.table_scale = float(np.asarray(math.sqrt(size), dtype=backend.act_dtype))
+        # the op table has no plain add: a fused add-and-norm's sum is one (its norm unused)
+        self.unit_norm = backend.place_weight(np.ones(size, np.float32))
+        self.rows = None
+
+    def compute(self, token_ids, ws) -> None:
+        """Sets `rows` (T, L * P) for token_ids (T,), in workspace buffers."""
+        b = self.backend
+        T, width = token_ids.shape[0], self.num_layers * self.size
+        embeds = ws.get("ple_embeds", T, self.hidden_size)
+        b.embedding(token_ids, self.embed_tokens, embeds)
+        if self.embed_scale is not None:
+            b.scale(embeds, self.embed_scale)
+        context = ws.get("ple_context", T, width)
+        b.linear(embeds, self.projection, None, context)
+        b.scale(context, self.hidden_size ** -0.5)
+        rows = ws.get("ple_rows", T, width)
+        b.rms_norm(context.reshape(T * self.num_layers, self.size), self.projection_norm,
+                   self.eps, rows.reshape(T * self.num_layers, self.size))
+        identity = ws.get("ple_identity", T, width)
+        b.embedding(token_ids, self.table, identity)
+        b.scale(identity, self.table_scale)
+        b.fused_add_rms_norm(identity.reshape(T * self.num_layers, self.size),
+                             rows.reshape(T * self.num_layers, self.size), self.unit_norm,
+                             self.eps)
+        b.scale(rows, 2.0 ** -0.5)
+        self.rows = rows
+
+
+class PerLayerInputGate:
+    """Layer i's block over the stream after its MLP (module docstring)."""
+
+    def __init__(self, backend, inputs: PerLayerInputs, layer: int, gate, projection,
+                 post_norm, eps: float):
+        """gate (P, hidden): per_layer_input_gate; projection (hidden, P): per_layer_projection;
+        post_norm (hidden,): post_per_layer_input_norm's weight."""
+        self.backend, self.xp = backend, backend.xp
+        self.inputs, self.layer = inputs, layer
+        self.gate, self.projection, self.post_norm, self.eps = gate, projection, post_norm, eps
+
+    def forward(self, stream, out, ws) -> None:
+        """stream (T, hidden) -> out (T, hidden), the block's output (not yet added)."""
+        b, xp, P = self.backend, self.xp, self.inputs.size
+        T = stream.shape[0]
+        # gelu_tanh_and_mul takes gate and multiplier side by side in one (T, 2P) array
+        gate_and_input = ws.get("ple_gate_and_input", T, 2 * P)
+        gate = ws.get("ple_gate", T, P)
+        b.linear(stream, self.gate, None, gate)
+        xp.copyto(gate_and_input[:, :P], gate)
+        xp.copyto(gate_and_input[:, P:], self.inputs.rows[:, self.layer * P:(self.layer + 1) * P])
+        b.gelu_tanh_and_mul(gate_and_input, gate)
+        projected = ws.get("ple_projected", T, stream.shape[1])
+        b.linear(gate, self.projection, None, projected)
+        b.rms_norm(projected, self.post_norm, self.eps, out)
