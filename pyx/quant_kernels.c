@@ -226,7 +226,10 @@ int taper_quant_gemv_max_t(int isa, int type) {
  * results differ from the panels', and the switch between the two depends on T). */
 int taper_quant_prefill_int8(int isa, int type) {
     const taper_quant_traits *t = traits(type);
-    return t && t->k_unpack && isa == TAPER_ISA_AVX512 ? t->int8_min_t : 0;
+    if (!t || isa != TAPER_ISA_AVX512) return 0;
+    if (t->k_unpack) return t->int8_min_t;
+    /* the legacy GEMM multiplies with vpdpbusd (quant_gemm_legacy.c) */
+    return t->legacy_unpack && __builtin_cpu_supports("avx512vnni") ? t->int8_min_t : 0;
 }
 
 int taper_quant_linear(int isa, int type, const float *x, const void *w, const float *bias,
@@ -270,8 +273,10 @@ int taper_quant_linear(int isa, int type, const float *x, const void *w, const f
     }
     int status = TAPER_OK;
     if (int8)
-        status = taper_k_gemm_int8(t, __builtin_cpu_supports("avx512vnni"), xq, parts, w, bias,
-                                   out, T, K, N, ldo, nt);
+        status = t->k_unpack
+            ? taper_k_gemm_int8(t, __builtin_cpu_supports("avx512vnni"), xq, parts, w, bias, out,
+                                T, K, N, ldo, nt)
+            : taper_legacy_gemm_int8(t, xq, parts, w, bias, out, T, K, N, ldo, nt);
     else {
     #pragma omp parallel num_threads(nt)
     {

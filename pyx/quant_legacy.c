@@ -547,6 +547,43 @@ AVX512_TARGET INLINE float avx512_dot(const int t, int64_t nb, const uint8_t *w,
 }
 
 // ----------------------------------------------------------------------------
+// ---- unpacker for the int8 prefill GEMM (quant_gemm_legacy.c): avx512_codes' bytes, so the
+// GEMM's integer sums are avx512_dot's
+
+AVX512_TARGET INLINE void legacy_unpack(const int t, const uint8_t *w, int64_t nb,
+                                        taper_legacy_unpacked *o, float *d, float *m, int stride) {
+    const int ws = w_size(t);
+    const __m512i ones8 = _mm512_set1_epi8(1), ones16 = _mm512_set1_epi16(1);
+    for (int64_t i = 0; i < nb; i += 2, o++) {
+        const uint8_t *a = w + i * ws;
+        const __m512i q = i + 1 < nb ? avx512_codes(t, a, a + ws)
+                                     : _mm512_zextsi256_si512(avx2_codes(t, a));
+        const __m512i sum4 = _mm512_madd_epi16(_mm512_maddubs_epi16(ones8, q), ones16);
+        _mm512_storeu_si512(o->q, q);
+        _mm512_storeu_si512(o->c, _mm512_sub_epi32(_mm512_setzero_si512(),
+                                                   _mm512_slli_epi32(sum4, 7)));
+    }
+    for (int64_t i = 0; i < nb; i++) {
+        taper_half h[2];
+        memcpy(h, w + i * ws, has_min(t) ? 4 : 2);   /* d, then m for the _1 types */
+        d[i * stride] = h2f(h[0]);
+        if (has_min(t)) m[i * stride] = h2f(h[1]);
+    }
+}
+
+#define LEGACY_UNPACK(name, T)                                                                \
+    AVX512_TARGET static void legacy_unpack_##name(const void *row, int64_t nb,               \
+                                                   taper_legacy_unpacked *o, float *d,        \
+                                                   float *m, int stride) {                    \
+        legacy_unpack(T, row, nb, o, d, m, stride);                                           \
+    }
+LEGACY_UNPACK(q4_0, TAPER_Q4_0)
+LEGACY_UNPACK(q4_1, TAPER_Q4_1)
+LEGACY_UNPACK(q5_0, TAPER_Q5_0)
+LEGACY_UNPACK(q5_1, TAPER_Q5_1)
+LEGACY_UNPACK(q8_0, TAPER_Q8_0)
+
+// ----------------------------------------------------------------------------
 // ---- dispatch and traits
 
 /* vec_dot entry per type: the caller (taper_quant_linear) has checked that `isa` is supported */
@@ -574,17 +611,25 @@ VEC_DOT(q5_0, TAPER_Q5_0, bq8_0)
 VEC_DOT(q5_1, TAPER_Q5_1, bq8_1)
 VEC_DOT(q8_0, TAPER_Q8_0, bq8_0)
 
+/* int8_min_t: token rows from which the int8 GEMM replaces the vec_dot loop and the float32
+   paths (see the measurements in quant_gemm_legacy.c). */
+#define INT8_MIN_T_Q4_0 2
+#define INT8_MIN_T_Q4_1 2
+#define INT8_MIN_T_Q5_0 2
+#define INT8_MIN_T_Q5_1 2
+#define INT8_MIN_T_Q8_0 2
+
 static const taper_quant_traits LEGACY_TRAITS[] = {
     {TAPER_Q4_0, QK, sizeof(bq4_0), TAPER_Q8_0, dequantize_q4_0, quantize_q4_0, vec_dot_q4_0,
-     NULL, dequantize_q4_0_simd},
+     NULL, dequantize_q4_0_simd, NULL, 0, INT8_MIN_T_Q4_0, legacy_unpack_q4_0},
     {TAPER_Q4_1, QK, sizeof(bq4_1), TAPER_Q8_1, dequantize_q4_1, quantize_q4_1, vec_dot_q4_1,
-     NULL, dequantize_q4_1_simd},
+     NULL, dequantize_q4_1_simd, NULL, 0, INT8_MIN_T_Q4_1, legacy_unpack_q4_1},
     {TAPER_Q5_0, QK, sizeof(bq5_0), TAPER_Q8_0, dequantize_q5_0, quantize_q5_0, vec_dot_q5_0,
-     NULL, dequantize_q5_0_simd},
+     NULL, dequantize_q5_0_simd, NULL, 0, INT8_MIN_T_Q5_0, legacy_unpack_q5_0},
     {TAPER_Q5_1, QK, sizeof(bq5_1), TAPER_Q8_1, dequantize_q5_1, quantize_q5_1, vec_dot_q5_1,
-     NULL, dequantize_q5_1_simd},
+     NULL, dequantize_q5_1_simd, NULL, 0, INT8_MIN_T_Q5_1, legacy_unpack_q5_1},
     {TAPER_Q8_0, QK, sizeof(bq8_0), TAPER_Q8_0, dequantize_q8_0, quantize_q8_0, vec_dot_q8_0,
-     NULL, dequantize_q8_0_simd},
+     NULL, dequantize_q8_0_simd, NULL, 0, INT8_MIN_T_Q8_0, legacy_unpack_q8_0},
     /* activation-only: quantized per matmul, never a weight */
     {TAPER_Q8_1, QK, sizeof(bq8_1), TAPER_Q8_1, dequantize_q8_1, quantize_q8_1, NULL},
 };
