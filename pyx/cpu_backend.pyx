@@ -360,13 +360,13 @@ cdef class CpuBackend(Backend):
     kernels: a pyx.kernel_config.KernelConfig (or its string / dict form); this backend reads
     cpu_isa, act_split (which ggml decode matmuls write each activation row as two 8-bit rows
     instead of rounding it once: the attention's qkv projection by default, every one, or none),
-    quant_prefill (K-type prefill in int8 or through float32 panels) and moe.
+    quant_prefill (K- and legacy-type prefill in int8 or through float32 panels) and moe.
     """
     cdef int _isa
     cdef int _nthreads
     cdef readonly bint act_split     # kernels act_split=on: every quantized matmul
     cdef readonly bint act_split_qkv  # act_split=qkv or on: the weights placed with role "qkv"
-    cdef readonly bint prefill_int8  # kernels quant_prefill=int8: K-type prefill in int8
+    cdef readonly bint prefill_int8  # kernels quant_prefill=int8: K/legacy-type prefill in int8
     cdef readonly object governor   # cpu_threads.ThreadGovernor, or None: the count is fixed
 
     def __init__(self, isa=None, num_threads=None, batch_invariant=False, kernels=None):

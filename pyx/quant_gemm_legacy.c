@@ -128,6 +128,26 @@ VNNI_TARGET static void tile_min(const taper_legacy_unpacked *const *w, const ui
     tile_body(w, x, dw, mw, dx, sx, nb, res, 1);
 }
 
+/* The activation tile's d (and Q8_1's s) per block, transposed: [(ti * nb + i) * MR + j] for
+   tile row j (part j % parts of token ti * tok + j / parts; rows past T repeat the last one,
+   their results are not stored). F16C's conversion is exact, as taper_half_to_float. */
+VNNI_TARGET static void tile_scales(const uint8_t *xq, int64_t ti, int64_t tok, int parts,
+                                    int64_t T, int64_t nb, int64_t xs, int with_min, float *xd,
+                                    float *xsum) {
+    for (int j = 0; j < MR; j++) {
+        int64_t tr = ti * tok + j / parts;
+        if (tr >= T) tr = T - 1;
+        const uint8_t *row = xq + ((j % parts) * T + tr) * nb * xs;
+        for (int64_t i = 0; i < nb; i++) {
+            uint32_t h;
+            memcpy(&h, row + i * xs, 4);   /* d, then s (Q8_1) or the first two qs (Q8_0) */
+            const __m128 ds = _mm_cvtph_ps(_mm_cvtsi32_si128((int)h));
+            xd[(ti * nb + i) * MR + j] = _mm_cvtss_f32(ds);
+            xsum[(ti * nb + i) * MR + j] = with_min ? _mm_cvtss_f32(_mm_movehdup_ps(ds)) : 0.0f;
+        }
+    }
+}
+
 int taper_legacy_gemm_int8(const taper_quant_traits *t, const void *xq, int parts, const void *w,
                            const float *bias, float *out, int64_t T, int64_t K, int64_t N,
                            int64_t ldo, int nthreads) {
@@ -158,21 +178,9 @@ int taper_legacy_gemm_int8(const taper_quant_traits *t, const void *xq, int part
             for (int k = 0; k < QK; k++) dst[QK * i + k] = src[i * xs + k] ^ 0x80;
         if (nb & 1) memset(dst + QK * nb, 0x80, QK);
     }
-    /* tile row j: part j % parts of token t0 + j / parts; rows past T repeat the last one
-       (their results are not stored) */
     #pragma omp parallel for schedule(static) num_threads(nt)
     for (int64_t ti = 0; ti < tiles; ti++)
-        for (int j = 0; j < MR; j++) {
-            int64_t tr = ti * tok + j / parts;
-            if (tr >= T) tr = T - 1;
-            const uint8_t *row = (const uint8_t *)xq + ((j % parts) * T + tr) * nb * xs;
-            for (int64_t i = 0; i < nb; i++) {
-                taper_half h[2];
-                memcpy(h, row + i * xs, with_min ? 4 : 2);
-                xd[(ti * nb + i) * MR + j] = taper_half_to_float(h[0]);
-                xsum[(ti * nb + i) * MR + j] = with_min ? taper_half_to_float(h[1]) : 0.0f;
-            }
-        }
+        tile_scales(xq, ti, tok, parts, T, nb, xs, with_min, xd, xsum);
     int status = TAPER_OK;
     #pragma omp parallel num_threads(nt)
     {

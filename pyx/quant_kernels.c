@@ -11,7 +11,8 @@
  * integer work: each activation row becomes two 8-bit rows (quantize_act_split).
  * With prefill_int8 (kernels quant_prefill=int8, the default) the K types on AVX-512 leave the
  * loop and the float32 paths from int8_min_t rows (4, or 33 for Q2_K/Q3_K) for the int8 GEMM of
- * quant_gemm.c, which takes the same quantized rows and returns the loop's bits.
+ * quant_gemm.c, which takes the same quantized rows and returns the loop's bits; the legacy types
+ * on AVX512_VNNI from 3 rows for quant_gemm_legacy.c's, likewise.
  */
 #include <stdlib.h>
 #include <string.h>
