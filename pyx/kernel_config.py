@@ -75,7 +75,7 @@ CHOICES: dict[str, Choice] = {
     "quant_prefill": Choice(("int8", "f32"), ("cpu",),
                             "K-type (Q2_K..Q6_K) matmuls of 4 or more token rows (33 for Q2_K, "
                             "Q3_K) on AVX-512, and legacy-type (Q4_0..Q8_0) ones of 3 or more on "
-                            "AVX512_VNNI: int8 x int8 on the Q8_K / Q8_0 / Q8_1 activations "
+                            "AVX512_VNNI (3-4 under act_split's two rows): int8 x int8 on the Q8_K / Q8_0 / Q8_1 activations "
                             "(pyx/quant_gemm.c, quant_gemm_legacy.c: the decode loop's results "
                             "bit for bit, act_split honoured), or as before: that loop, then "
                             "float32 dequantized weights times the float32 activations"),

@@ -10,7 +10,8 @@ always the vec_dot loop). Shapes are odd on purpose: T and N not multiples of th
 of the weight panel (16), K of one to nine super-blocks, a bias, and a fused weight whose parts
 write column slices (ldo > N).
 
-The legacy types (Q4_0 .. Q8_0, from int8_min_t rows on AVX512_VNNI) quantize the activations to
+The legacy types (Q4_0 .. Q8_0, from int8_min_t rows on AVX512_VNNI; with act_split's two rows
+only up to quant_gemv_max_t, the loop's range) quantize the activations to
 Q8_0 / Q8_1 and must equal the AVX-512 vec_dot loop bit for bit: its float order (8 FMA lanes per
 block, even and odd blocks apart, one reduction) is not the scalar body's, so the reference is
 that loop, one row per call with quant_prefill=f32 (T = 1 never leaves it). K is any multiple of
@@ -20,7 +21,8 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
 
-from pyx.cpu_backend import CpuBackend, isa_supported, quant_prefill_int8, quantize
+from pyx.cpu_backend import (CpuBackend, isa_supported, quant_gemv_max_t, quant_prefill_int8,
+                              quantize)
 from pyx.weights.ggml import QuantizedWeight
 
 TYPES = {"q2_K": QT.Q2_K, "q3_K": QT.Q3_K, "q4_K": QT.Q4_K, "q5_K": QT.Q5_K, "q6_K": QT.Q6_K}
@@ -100,17 +102,24 @@ def avx512_rows(w, x, bias=None, act_split="off"):
                            for t in range(x.shape[0])])
 
 
-@pytest.mark.parametrize("name", list(LEGACY))
-@pytest.mark.parametrize("T,K,N", [(0, 32, 5), (37, 96, 67), (9, 864, 18), (70, 2304, 33)])
-@pytest.mark.parametrize("act_split", ["off", "on"])
-def test_legacy_int8_prefill_equals_avx512_vec_dot(name, T, K, N, act_split):
-    """T = 0 stands for the type's smallest int8 T."""
-    qtype = LEGACY[name]
+def legacy_min_t(qtype):
     min_t = quant_prefill_int8(int(qtype), "avx512")
     if not min_t:
         pytest.skip("the legacy int8 prefill needs AVX512_VNNI")
+    return min_t
+
+
+@pytest.mark.parametrize("name", list(LEGACY))
+@pytest.mark.parametrize("T,K,N,act_split", [
+    (0, 32, 5, "off"), (37, 96, 67, "off"), (9, 864, 18, "off"), (70, 2304, 33, "off"),
+    (0, 32, 5, "on"), (0, 96, 67, "on"), (4, 864, 18, "on"), (4, 2304, 33, "on")])
+def test_legacy_int8_prefill_equals_avx512_vec_dot(name, T, K, N, act_split):
+    """T = 0 stands for the type's smallest int8 T; act_split=on only up to the loop's range."""
+    qtype = LEGACY[name]
+    min_t = legacy_min_t(qtype)
     T = T or min_t
     assert T >= min_t
+    assert act_split == "off" or T <= quant_gemv_max_t(int(qtype), "avx512")
     w, x, bias = case(qtype, T, K, N, seed=T + K + N + int(qtype))
     ref = avx512_rows(w, x, bias, act_split)
     out = linear(w, x, bias, act_split=act_split)
@@ -120,10 +129,22 @@ def test_legacy_int8_prefill_equals_avx512_vec_dot(name, T, K, N, act_split):
                           f"max {np.abs(out - ref).max():.3g}")
 
 
+@pytest.mark.parametrize("name", ["q8_0", "q4_1"])
+def test_legacy_two_rows_beyond_the_loop_keep_the_float32_paths(name):
+    """act_split=on past quant_gemv_max_t: the float32 chunks (T = 5) and panels (T = 40) with
+    the exact activations, as quant_prefill=f32, not the loop's bits."""
+    qtype = LEGACY[name]
+    legacy_min_t(qtype)
+    for T in (quant_gemv_max_t(int(qtype), "avx512") + 1, 40):
+        w, x, bias = case(qtype, T, 864, 37, seed=T)
+        out = linear(w, x, bias, act_split="on")
+        assert np.array_equal(out, linear(w, x, bias, act_split="on", quant_prefill="f32"))
+        assert not np.array_equal(out, avx512_rows(w, x, bias, "on"))
+
+
 def test_legacy_fused_parts_write_their_columns():
     """Q8_0 and Q5_1 (activations Q8_0 and Q8_1) stacked along N, each part with ldo = 23."""
-    if not quant_prefill_int8(int(QT.Q5_1), "avx512"):
-        pytest.skip("the legacy int8 prefill needs AVX512_VNNI")
+    legacy_min_t(QT.Q5_1)
     rng = np.random.default_rng(4)
     T, K = 19, 160
     a = quantize(QT.Q8_0, rng.standard_normal((14, K)).astype(np.float32))
