@@ -366,7 +366,7 @@ cdef class CpuBackend(Backend):
     cdef int _nthreads
     cdef readonly bint act_split     # kernels act_split=on: every quantized matmul
     cdef readonly bint act_split_qkv  # act_split=qkv or on: the weights placed with role "qkv"
-    cdef readonly bint prefill_int8  # kernels quant_prefill=int8: K/legacy-type prefill in int8
+    cdef readonly int prefill_int8  # quant_prefill: 0 f32, 1 int8, 2 int8_all (quant_kernels.h)
     cdef readonly object governor   # cpu_threads.ThreadGovernor, or None: the count is fixed
 
     def __init__(self, isa=None, num_threads=None, batch_invariant=False, kernels=None):
@@ -376,7 +376,7 @@ cdef class CpuBackend(Backend):
         self.batch_invariant = batch_invariant
         self.act_split = self.kernels.act_split == "on"
         self.act_split_qkv = self.kernels.act_split in ("on", "qkv")
-        self.prefill_int8 = self.kernels.quant_prefill == "int8"
+        self.prefill_int8 = ("f32", "int8", "int8_all").index(self.kernels.quant_prefill)
         if isa is None and self.kernels.cpu_isa != "auto":
             isa = self.kernels.cpu_isa
         if isa is None:

@@ -12,7 +12,8 @@
  * With prefill_int8 (kernels quant_prefill=int8, the default) the K types on AVX-512 leave the
  * loop and the float32 paths from int8_min_t rows (4, or 33 for Q2_K/Q3_K) for the int8 GEMM of
  * quant_gemm.c, which takes the same quantized rows and returns the loop's bits; the legacy types
- * on AVX512_VNNI from 3 rows for quant_gemm_legacy.c's, likewise (under act_split up to 4 rows).
+ * on AVX512_VNNI from 3 rows for quant_gemm_legacy.c's, likewise, up to 4 rows (the loop's
+ * range: the results do not change), and beyond under TAPER_PREFILL_INT8_ALL.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -245,14 +246,16 @@ int taper_quant_linear(int isa, int type, const float *x, const void *w, const f
     const int nt = nthreads > 0 ? nthreads : 1;
     /* the int8 GEMM takes over from the float32 paths, from the same T; the vec_dot loop's
        results are its bits, so the switch at that T changes nothing but the speed */
-    /* The legacy types with act_split's two activation rows take it only where the loop would
-       run (T <= 4 on AVX-512): beyond, the float32 paths multiply the exact activations at no
-       extra cost, while int8 does its work twice (one Zen 4 core, SmolLM2 shapes: int8 1.6-2.5x
-       the two-row loop at T = 3, 4; 0.6-1.0x the float32 chunks at T = 5-16, 0.4-0.7x the
-       panels at T = 32-256). The K types' float32 paths pay a dearer dequantization. */
+    /* The legacy types beyond the loop's range (T > 4 on AVX-512) only under
+       TAPER_PREFILL_INT8_ALL (quant_kernels.h), and then not with act_split's two rows: the
+       float32 paths multiply the exact activations at no extra cost, while int8 does its work
+       twice (one Zen 4 core, SmolLM2 shapes: int8 1.6-2.5x the two-row loop at T = 3, 4;
+       0.6-1.0x the float32 chunks at T = 5-16, 0.4-0.7x the panels at T = 32-256). The K
+       types' float32 paths pay a dearer dequantization. */
     const int int8 = prefill_int8 && !batch_invariant && taper_quant_prefill_int8(isa, type) &&
                      T >= t->int8_min_t &&
-                     (t->k_unpack || !act_split || T <= taper_quant_gemv_max_t(isa, type));
+                     (t->k_unpack || T <= taper_quant_gemv_max_t(isa, type) ||
+                      (prefill_int8 == TAPER_PREFILL_INT8_ALL && !act_split));
     if (!int8 && (T > taper_quant_gemv_max_t(isa, type) || batch_invariant) && t->dequantize)
         return T <= QUANT_GEMV_MAX_T && !batch_invariant
             ? quant_linear_chunks(isa, t, x, w, bias, out, T, K, N, ldo, nt)

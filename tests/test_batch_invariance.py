@@ -236,9 +236,7 @@ def linear_row_differs(backend, weight, x) -> list[int]:
 
 @pytest.mark.parametrize("isa", ["avx512", "avx2", "scalar"])
 def test_linear_row_is_invariant_in_every_format(isa):
-    from gguf import GGMLQuantizationType as QT
-
-    from pyx.cpu_backend import CpuBackend, isa_supported, quant_prefill_int8
+    from pyx.cpu_backend import CpuBackend, isa_supported
     if not isa_supported(isa):
         pytest.skip(f"this CPU has no {isa}")
     rng = np.random.default_rng(5)
@@ -255,11 +253,9 @@ def test_linear_row_is_invariant_in_every_format(isa):
     expected = scalar_off if isa == "scalar" else [n for n, _ in weights(rng)]
     # On AVX-512 the K types' int8 prefill (kernels quant_prefill=int8, the default) gives the
     # vec_dot loop's bits at every T (tests/test_quant_gemm.py): q4_k's row is invariant there
-    # without the switch, and q8_0's where the legacy types' int8 prefill runs (AVX512_VNNI).
+    # without the switch (q8_0's takes int8 only at every T under quant_prefill=int8_all).
     if isa == "avx512":
         expected.remove("q4_k")
-        if quant_prefill_int8(int(QT.Q8_0), "avx512"):
-            expected.remove("q8_0")
     assert differs_off == expected
 
 

@@ -10,8 +10,9 @@ always the vec_dot loop). Shapes are odd on purpose: T and N not multiples of th
 of the weight panel (16), K of one to nine super-blocks, a bias, and a fused weight whose parts
 write column slices (ldo > N).
 
-The legacy types (Q4_0 .. Q8_0, from int8_min_t rows on AVX512_VNNI; with act_split's two rows
-only up to quant_gemv_max_t, the loop's range) quantize the activations to
+The legacy types (Q4_0 .. Q8_0, from int8_min_t rows on AVX512_VNNI; by default and with
+act_split's two rows only up to quant_gemv_max_t, the loop's range; at every T under
+quant_prefill=int8_all) quantize the activations to
 Q8_0 / Q8_1 and must equal the AVX-512 vec_dot loop bit for bit: its float order (8 FMA lanes per
 block, even and odd blocks apart, one reduction) is not the scalar body's, so the reference is
 that loop, one row per call with quant_prefill=f32 (T = 1 never leaves it). K is any multiple of
@@ -122,7 +123,7 @@ def test_legacy_int8_prefill_equals_avx512_vec_dot(name, T, K, N, act_split):
     assert act_split == "off" or T <= quant_gemv_max_t(int(qtype), "avx512")
     w, x, bias = case(qtype, T, K, N, seed=T + K + N + int(qtype))
     ref = avx512_rows(w, x, bias, act_split)
-    out = linear(w, x, bias, act_split=act_split)
+    out = linear(w, x, bias, act_split=act_split, quant_prefill="int8_all")
     assert np.isfinite(out).all()
     bad = np.argwhere(out != ref)
     assert not len(bad), (f"{len(bad)} of {out.size} differ, first {bad[:3].tolist()}, "
@@ -130,16 +131,24 @@ def test_legacy_int8_prefill_equals_avx512_vec_dot(name, T, K, N, act_split):
 
 
 @pytest.mark.parametrize("name", ["q8_0", "q4_1"])
-def test_legacy_two_rows_beyond_the_loop_keep_the_float32_paths(name):
-    """act_split=on past quant_gemv_max_t: the float32 chunks (T = 5) and panels (T = 40) with
-    the exact activations, as quant_prefill=f32, not the loop's bits."""
+@pytest.mark.parametrize("prefill,act_split", [("int8", "off"), ("int8", "on"),
+                                               ("int8_all", "on")])
+def test_legacy_beyond_the_loop_keep_the_float32_paths(name, prefill, act_split):
+    """Past quant_gemv_max_t, by default (quant_prefill=int8) and with act_split's two rows: the
+    float32 chunks (T = 5) and panels (T = 40) with the float32 activations, as
+    quant_prefill=f32, not the loop's bits; up to it (T = 4) the int8 GEMM, the loop's bits."""
     qtype = LEGACY[name]
     legacy_min_t(qtype)
-    for T in (quant_gemv_max_t(int(qtype), "avx512") + 1, 40):
+    max_t = quant_gemv_max_t(int(qtype), "avx512")
+    for T in (max_t, max_t + 1, 40):
         w, x, bias = case(qtype, T, 864, 37, seed=T)
-        out = linear(w, x, bias, act_split="on")
-        assert np.array_equal(out, linear(w, x, bias, act_split="on", quant_prefill="f32"))
-        assert not np.array_equal(out, avx512_rows(w, x, bias, "on"))
+        out = linear(w, x, bias, act_split=act_split, quant_prefill=prefill)
+        loop = avx512_rows(w, x, bias, act_split)
+        if T <= max_t:
+            assert np.array_equal(out, loop)
+            continue
+        assert np.array_equal(out, linear(w, x, bias, act_split=act_split, quant_prefill="f32"))
+        assert not np.array_equal(out, loop)
 
 
 def test_legacy_fused_parts_write_their_columns():
@@ -153,4 +162,4 @@ def test_legacy_fused_parts_write_their_columns():
                                 QuantizedWeight.of(QT.Q5_1, b, K)])
     x = rng.standard_normal((T, K)).astype(np.float32)
     bias = rng.standard_normal(23).astype(np.float32)
-    assert np.array_equal(linear(w, x, bias), avx512_rows(w, x, bias))
+    assert np.array_equal(linear(w, x, bias, quant_prefill="int8_all"), avx512_rows(w, x, bias))

@@ -236,9 +236,9 @@ def emulated_linear(x, blocks, qtype, k, parts=1):
 
 def run_linear(isa, qtype, x, blocks, k, bias, parts=1):
     """parts=2: a backend built with kernels act_split=on. quant_prefill=f32: these tests hold
-    the vec_dot loop and the float32 chunks and panels; the int8 prefill that replaces them by
-    default from 3 rows on AVX512_VNNI gives the AVX-512 loop's bits
-    (tests/test_quant_gemm.py)."""
+    the vec_dot loop and the float32 chunks and panels; the int8 prefill that replaces the loop
+    at 3-4 rows on AVX512_VNNI (and everything from 3 rows under quant_prefill=int8_all) gives
+    the AVX-512 loop's bits (tests/test_quant_gemm.py)."""
     out = np.full((x.shape[0], blocks.shape[0]), np.nan, np.float32)
     backend = CpuBackend(isa=isa, num_threads=2,
                          kernels={"act_split": "on" if parts == 2 else "off",
