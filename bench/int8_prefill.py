@@ -1,12 +1,12 @@
 """Quantized prefill on one GGUF file: Taper's int8 prefill (kernels quant_prefill=int8, the
-default: pyx/quant_gemm.c) against its float32 panels (quant_prefill=f32, the path before) and
+default, and int8_all: pyx/quant_gemm.c, pyx/quant_gemm_legacy.c) against its float32 panels (quant_prefill=f32, the path before) and
 against llama.cpp on the same file, as ratios in one run.
 
     python -m bench.int8_prefill FILE.gguf [FILE.gguf ...] [--prompt-len 256] [--reps 3]
         [--threads N] [--llama-site DIR] [--wait-quiet S] [--json out.json]
     python -m bench.int8_prefill --linear [--threads N] [--prompt-len T]
 
---linear times the op alone instead: CpuBackend.linear on random Q4_K / Q6_K weights of
+--linear times the op alone instead: CpuBackend.linear on random Q4_K / Q6_K / Q8_0 / Q4_0 weights of
 SmolLM2-135M's ffn_down shape (576 x 1536) and a Llama-8B-like square one (4096 x 4096), T rows,
 quant_prefill=f32 and int8 in turns, best of 7 each.
 
@@ -15,10 +15,10 @@ vocabulary), greedy, 2 tokens generated; prefill tok/s = prompt tokens / the tim
 that compute the prompt (bench.throughput.taper_run; llama.cpp: one eval of the prompt,
 bench.throughput.llama_cpp_greedy_run). Best of --reps, each engine warmed up first, Taper's
 two paths in turns. Taper and
-llama.cpp use the same thread count (--threads, default OMP_NUM_THREADS or the cores). Only the
-K-type tensors (Q2_K..Q6_K) take the int8 path; the file's type counts are printed, since a
-model whose hidden size is no multiple of 256 keeps most of its matmuls in legacy types. On a
-shared machine each figure prints the CPU share other processes used meanwhile.
+llama.cpp use the same thread count (--threads, default OMP_NUM_THREADS or the cores). The K
+types (Q2_K..Q6_K) and the legacy types (Q4_0..Q8_0, with AVX512_VNNI; beyond 4 rows under
+quant_prefill=int8_all, which the int8 column runs) take the int8 path, the IQ types not; the file's type counts are printed. On a shared machine each figure prints the CPU
+share other processes used meanwhile.
 """
 from __future__ import annotations
 
@@ -48,10 +48,11 @@ def file_info(path: str) -> tuple[int, str]:
 
 def bench_taper(path: str, prompt: list[int], reps: int, quiet_s: float) -> dict:
     """Both paths loaded at once and run in turns (f32, int8, f32, ...), so that a shared
-    machine's load drifts over both alike."""
+    machine's load drifts over both alike. "int8" is quant_prefill=int8_all: the legacy types'
+    int8 at every T (the default int8 keeps them in float32 beyond 4 rows)."""
     from engine import LLM
     llms = {p: LLM(os.path.dirname(path), weight_file=os.path.basename(path),
-                   kernels=f"quant_prefill={p}",
+                   kernels=f"quant_prefill={p}_all" if p == "int8" else f"quant_prefill={p}",
                    max_num_batched_tokens=max(2048, len(prompt)), enable_prefix_caching=False)
             for p in ("f32", "int8")}
     for llm in llms.values():
@@ -95,12 +96,13 @@ def linear_probe(T: int, threads: int) -> None:
     from pyx.cpu_backend import CpuBackend, quantize
     from pyx.weights.ggml import QuantizedWeight
     rng = np.random.default_rng(SEED)
-    for qt in (QT.Q4_K, QT.Q6_K):
+    for qt in (QT.Q4_K, QT.Q6_K, QT.Q8_0, QT.Q4_0):
         for N, K in ((576, 1536), (4096, 4096)):
             w = QuantizedWeight.of(qt, quantize(qt, rng.standard_normal((N, K)).astype(np.float32)), K)
             x = rng.standard_normal((T, K)).astype(np.float32)
             out = np.zeros((T, N), np.float32)
-            backends = {p: CpuBackend(num_threads=threads, kernels=f"quant_prefill={p}")
+            backends = {p: CpuBackend(num_threads=threads, kernels=f"quant_prefill={p}_all"
+                                      if p == "int8" else f"quant_prefill={p}")
                         for p in ("f32", "int8")}
             best = dict.fromkeys(backends, float("inf"))
             for _ in range(7):

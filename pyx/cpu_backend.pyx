@@ -364,13 +364,13 @@ cdef class CpuBackend(Backend):
     kernels: a pyx.kernel_config.KernelConfig (or its string / dict form); this backend reads
     cpu_isa, act_split (which ggml decode matmuls write each activation row as two 8-bit rows
     instead of rounding it once: the attention's qkv projection by default, every one, or none),
-    quant_prefill (K-type prefill in int8 or through float32 panels) and moe.
+    quant_prefill (K- and legacy-type prefill in int8 or through float32 panels) and moe.
     """
     cdef int _isa
     cdef int _nthreads
     cdef readonly bint act_split     # kernels act_split=on: every quantized matmul
     cdef readonly bint act_split_qkv  # act_split=qkv or on: the weights placed with role "qkv"
-    cdef readonly bint prefill_int8  # kernels quant_prefill=int8: K-type prefill in int8
+    cdef readonly int prefill_int8  # quant_prefill: 0 f32, 1 int8, 2 int8_all (quant_kernels.h)
     cdef int _prefetch               # kernels gemv_prefetch: TAPER_PREFETCH_*
     cdef readonly object governor   # cpu_threads.ThreadGovernor, or None: the count is fixed
 
@@ -381,7 +381,7 @@ cdef class CpuBackend(Backend):
         self.batch_invariant = batch_invariant
         self.act_split = self.kernels.act_split == "on"
         self.act_split_qkv = self.kernels.act_split in ("on", "qkv")
-        self.prefill_int8 = self.kernels.quant_prefill == "int8"
+        self.prefill_int8 = ("f32", "int8", "int8_all").index(self.kernels.quant_prefill)
         self._prefetch = {"auto": TAPER_PREFETCH_AUTO, "l1": TAPER_PREFETCH_L1,
                           "l2": TAPER_PREFETCH_L2}[self.kernels.gemv_prefetch]
         if isa is None and self.kernels.cpu_isa != "auto":

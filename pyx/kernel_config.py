@@ -77,12 +77,17 @@ CHOICES: dict[str, Choice] = {
                         "(~250x closer to exact, twice the integer work) in the attention's qkv "
                         "projection only, whose rounding the attention scores amplify most; in "
                         "none (rounded to 8 bits once, exactly as llama.cpp); or in all"),
-    "quant_prefill": Choice(("int8", "f32"), ("cpu",),
+    "quant_prefill": Choice(("int8", "int8_all", "f32"), ("cpu",),
                             "K-type (Q2_K..Q6_K) matmuls of 4 or more token rows (33 for Q2_K, "
                             "Q3_K) on AVX-512: int8 x int8 on the Q8_K activations "
                             "(pyx/quant_gemm.c: the decode loop's results bit for bit, act_split "
-                            "honoured), or as before: that loop, then float32 dequantized weights "
-                            "times the float32 activations"),
+                            "honoured), and legacy-type (Q4_0..Q8_0) ones of 3-4 rows on "
+                            "AVX512_VNNI (quant_gemm_legacy.c, in the loop's place: its results); "
+                            "int8_all: the legacy types from 3 rows at every T too (beyond 4 "
+                            "rows their activations are then rounded to Q8 as the decode loop "
+                            "rounds them, not float32; act_split's two rows keep float32 there); "
+                            "f32: as before, that loop, then float32 dequantized weights times "
+                            "the float32 activations"),
     "gemv_prefetch": Choice(("auto", "l1", "l2"), ("cpu",),
                             "float weights' small-M linear (decode, AVX-512): software prefetch "
                             "of the next tile into L1, or two tiles ahead into L2; auto picks L2 "

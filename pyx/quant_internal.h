@@ -33,6 +33,20 @@ typedef struct {
 } taper_k_unpacked;
 typedef void (*taper_k_unpack_fn)(const void *block, taper_k_unpacked *out);
 
+/* Two legacy blocks (64 elements) of one weight row unpacked for the int8 prefill GEMM
+ * (quant_gemm_legacy.c): q the codes as signed bytes in element order (as vec_dot's, the _1
+ * types' unsigned codes included), c = -128 times the sum of each 4 consecutive codes, which
+ * takes back the 128 added to the activations to make them vpdpbusd's unsigned operand. A row's
+ * odd last block fills the low half. */
+typedef struct {
+    int8_t q[64];
+    int32_t c[16];
+} taper_legacy_unpacked;
+/* One weight row of nb blocks -> (nb + 1) / 2 chunks in out; block i's d (and the _1 types' m,
+ * else m is not written) to d[i * stride], m[i * stride]. */
+typedef void (*taper_legacy_unpack_fn)(const void *row, int64_t nb, taper_legacy_unpacked *out,
+                                       float *d, float *m, int stride);
+
 typedef struct {
     int type;
     int block_size;          /* elements per block */
@@ -46,6 +60,7 @@ typedef struct {
     taper_k_unpack_fn k_unpack;  /* K types: the int8 GEMM's unpacker; NULL for the others */
     int min_in_isum;             /* k_unpack's mn belongs to isum (Q3_K, Q6_K), else to summs */
     int int8_min_t;              /* token rows from which the int8 GEMM beats the vec_dot loop */
+    taper_legacy_unpack_fn legacy_unpack;  /* legacy types: the int8 GEMM's unpacker */
 } taper_quant_traits;
 
 /* The int8 x int8 prefill GEMM for the K types (quant_gemm.c): out[r, n] = sum over the rows of
@@ -55,6 +70,12 @@ typedef struct {
 int taper_k_gemm_int8(const taper_quant_traits *t, int vnni, const void *xq, int parts,
                       const void *w, const float *bias, float *out, int64_t T, int64_t K,
                       int64_t N, int64_t ldo, int nthreads);
+
+/* The same for the legacy types (quant_gemm_legacy.c, AVX512_VNNI only): xq holds Q8_0 or Q8_1
+ * rows (the type's vec_dot_type), bit-identical to the AVX-512 vec_dot loop. */
+int taper_legacy_gemm_int8(const taper_quant_traits *t, const void *xq, int parts, const void *w,
+                           const float *bias, float *out, int64_t T, int64_t K, int64_t N,
+                           int64_t ldo, int nthreads);
 
 /* Each file fills the entries of its types; quant_kernels.c looks them up by type id. */
 const taper_quant_traits *taper_legacy_traits(int type);  /* quant_legacy.c, NULL if not its */

@@ -11,7 +11,9 @@
  * integer work: each activation row becomes two 8-bit rows (quantize_act_split).
  * With prefill_int8 (kernels quant_prefill=int8, the default) the K types on AVX-512 leave the
  * loop and the float32 paths from int8_min_t rows (4, or 33 for Q2_K/Q3_K) for the int8 GEMM of
- * quant_gemm.c, which takes the same quantized rows and returns the loop's bits.
+ * quant_gemm.c, which takes the same quantized rows and returns the loop's bits; the legacy types
+ * on AVX512_VNNI from 3 rows for quant_gemm_legacy.c's, likewise, up to 4 rows (the loop's
+ * range: the results do not change), and beyond under TAPER_PREFILL_INT8_ALL.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -226,7 +228,10 @@ int taper_quant_gemv_max_t(int isa, int type) {
  * results differ from the panels', and the switch between the two depends on T). */
 int taper_quant_prefill_int8(int isa, int type) {
     const taper_quant_traits *t = traits(type);
-    return t && t->k_unpack && isa == TAPER_ISA_AVX512 ? t->int8_min_t : 0;
+    if (!t || isa != TAPER_ISA_AVX512) return 0;
+    if (t->k_unpack) return t->int8_min_t;
+    /* the legacy GEMM multiplies with vpdpbusd (quant_gemm_legacy.c) */
+    return t->legacy_unpack && __builtin_cpu_supports("avx512vnni") ? t->int8_min_t : 0;
 }
 
 int taper_quant_linear(int isa, int type, const float *x, const void *w, const float *bias,
@@ -241,8 +246,16 @@ int taper_quant_linear(int isa, int type, const float *x, const void *w, const f
     const int nt = nthreads > 0 ? nthreads : 1;
     /* the int8 GEMM takes over from the float32 paths, from the same T; the vec_dot loop's
        results are its bits, so the switch at that T changes nothing but the speed */
+    /* The legacy types beyond the loop's range (T > 4 on AVX-512) only under
+       TAPER_PREFILL_INT8_ALL (quant_kernels.h), and then not with act_split's two rows: the
+       float32 paths multiply the exact activations at no extra cost, while int8 does its work
+       twice (one Zen 4 core, SmolLM2 shapes: int8 1.6-2.5x the two-row loop at T = 3, 4;
+       0.6-1.0x the float32 chunks at T = 5-16, 0.4-0.7x the panels at T = 32-256). The K
+       types' float32 paths pay a dearer dequantization. */
     const int int8 = prefill_int8 && !batch_invariant && taper_quant_prefill_int8(isa, type) &&
-                     T >= t->int8_min_t;
+                     T >= t->int8_min_t &&
+                     (t->k_unpack || T <= taper_quant_gemv_max_t(isa, type) ||
+                      (prefill_int8 == TAPER_PREFILL_INT8_ALL && !act_split));
     if (!int8 && (T > taper_quant_gemv_max_t(isa, type) || batch_invariant) && t->dequantize)
         return T <= QUANT_GEMV_MAX_T && !batch_invariant
             ? quant_linear_chunks(isa, t, x, w, bias, out, T, K, N, ldo, nt)
@@ -270,8 +283,10 @@ int taper_quant_linear(int isa, int type, const float *x, const void *w, const f
     }
     int status = TAPER_OK;
     if (int8)
-        status = taper_k_gemm_int8(t, __builtin_cpu_supports("avx512vnni"), xq, parts, w, bias,
-                                   out, T, K, N, ldo, nt);
+        status = t->k_unpack
+            ? taper_k_gemm_int8(t, __builtin_cpu_supports("avx512vnni"), xq, parts, w, bias, out,
+                                T, K, N, ldo, nt)
+            : taper_legacy_gemm_int8(t, xq, parts, w, bias, out, T, K, N, ldo, nt);
     else {
     #pragma omp parallel num_threads(nt)
     {

@@ -113,7 +113,13 @@ int taper_quant_gemv_max_t(int isa, int type);
 /* prefill_int8 != 0: from taper_quant_prefill_int8(isa, type) token rows (0: never; the K types
  * on AVX-512 have it), the Q8_K-quantized activations (act_split honoured) are multiplied with
  * the weights in int8 tiles (quant_gemm.c) instead of the vec_dot loop or the float32 paths:
- * the vec_dot loop's results, bit for bit, at prefill speed. batch_invariant wins over it. */
+ * the vec_dot loop's results, bit for bit, at prefill speed. batch_invariant wins over it.
+ * The legacy types (AVX512_VNNI, quant_gemm_legacy.c) take it from 3 rows only up to
+ * taper_quant_gemv_max_t (in the loop's place) unless prefill_int8 == TAPER_PREFILL_INT8_ALL,
+ * which puts their one-row matmuls there at every T: their activations are then rounded to Q8
+ * beyond 4 rows, as the loop's, rather than multiplied in float32 (farther from the file's
+ * weights: the hybrid Q8_0 fixtures' first logits 0.03 -> 0.21 from the float reference). */
+#define TAPER_PREFILL_INT8_ALL 2
 int taper_quant_prefill_int8(int isa, int type);
 int taper_quant_linear(int isa, int type, const float *x /* (T, K) */,
                        const void *w /* (N, K/B blocks) */, const float *bias /* (N) or NULL */,

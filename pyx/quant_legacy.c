@@ -547,6 +547,43 @@ AVX512_TARGET INLINE float avx512_dot(const int t, int64_t nb, const uint8_t *w,
 }
 
 // ----------------------------------------------------------------------------
+// ---- unpacker for the int8 prefill GEMM (quant_gemm_legacy.c): avx512_codes' bytes, so the
+// GEMM's integer sums are avx512_dot's
+
+AVX512_TARGET INLINE void legacy_unpack(const int t, const uint8_t *w, int64_t nb,
+                                        taper_legacy_unpacked *o, float *d, float *m, int stride) {
+    const int ws = w_size(t);
+    const __m512i ones8 = _mm512_set1_epi8(1), ones16 = _mm512_set1_epi16(1);
+    for (int64_t i = 0; i < nb; i += 2, o++) {
+        const uint8_t *a = w + i * ws;
+        const __m512i q = i + 1 < nb ? avx512_codes(t, a, a + ws)
+                                     : _mm512_zextsi256_si512(avx2_codes(t, a));
+        const __m512i sum4 = _mm512_madd_epi16(_mm512_maddubs_epi16(ones8, q), ones16);
+        _mm512_storeu_si512(o->q, q);
+        _mm512_storeu_si512(o->c, _mm512_sub_epi32(_mm512_setzero_si512(),
+                                                   _mm512_slli_epi32(sum4, 7)));
+    }
+    for (int64_t i = 0; i < nb; i++) {
+        /* d, then m for the _1 types; F16C's conversion is exact, as h2f */
+        const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128((int)scale_word(has_min(t), w + i * ws)));
+        d[i * stride] = _mm_cvtss_f32(dm);
+        if (has_min(t)) m[i * stride] = _mm_cvtss_f32(_mm_movehdup_ps(dm));
+    }
+}
+
+#define LEGACY_UNPACK(name, T)                                                                \
+    AVX512_TARGET static void legacy_unpack_##name(const void *row, int64_t nb,               \
+                                                   taper_legacy_unpacked *o, float *d,        \
+                                                   float *m, int stride) {                    \
+        legacy_unpack(T, row, nb, o, d, m, stride);                                           \
+    }
+LEGACY_UNPACK(q4_0, TAPER_Q4_0)
+LEGACY_UNPACK(q4_1, TAPER_Q4_1)
+LEGACY_UNPACK(q5_0, TAPER_Q5_0)
+LEGACY_UNPACK(q5_1, TAPER_Q5_1)
+LEGACY_UNPACK(q8_0, TAPER_Q8_0)
+
+// ----------------------------------------------------------------------------
 // ---- dispatch and traits
 
 /* vec_dot entry per type: the caller (taper_quant_linear) has checked that `isa` is supported */
@@ -574,17 +611,28 @@ VEC_DOT(q5_0, TAPER_Q5_0, bq8_0)
 VEC_DOT(q5_1, TAPER_Q5_1, bq8_1)
 VEC_DOT(q8_0, TAPER_Q8_0, bq8_0)
 
+/* int8_min_t: token rows from which the int8 GEMM (quant_gemm_legacy.c) replaces the vec_dot
+   loop (T <= 4) and the float32 chunks / panels (T > 4). One Zen 4 core, shared machine,
+   SmolLM2-135M's 1536x576 and 576x1536, loop or float32 / int8: T=2 0.87-0.93x for Q4_1 / Q5_1,
+   1.06-1.09x Q4_0; T=3 1.25-1.57x (all five, Q8_0 and Q5_0 1.02-1.22x before the scales went
+   through F16C); T=4 1.6-2.0x; T=5-33 1.01-1.48x; T=64 1.09-1.40x. So 3 for all of them. */
+#define INT8_MIN_T_Q4_0 3
+#define INT8_MIN_T_Q4_1 3
+#define INT8_MIN_T_Q5_0 3
+#define INT8_MIN_T_Q5_1 3
+#define INT8_MIN_T_Q8_0 3
+
 static const taper_quant_traits LEGACY_TRAITS[] = {
     {TAPER_Q4_0, QK, sizeof(bq4_0), TAPER_Q8_0, dequantize_q4_0, quantize_q4_0, vec_dot_q4_0,
-     NULL, dequantize_q4_0_simd},
+     NULL, dequantize_q4_0_simd, NULL, 0, INT8_MIN_T_Q4_0, legacy_unpack_q4_0},
     {TAPER_Q4_1, QK, sizeof(bq4_1), TAPER_Q8_1, dequantize_q4_1, quantize_q4_1, vec_dot_q4_1,
-     NULL, dequantize_q4_1_simd},
+     NULL, dequantize_q4_1_simd, NULL, 0, INT8_MIN_T_Q4_1, legacy_unpack_q4_1},
     {TAPER_Q5_0, QK, sizeof(bq5_0), TAPER_Q8_0, dequantize_q5_0, quantize_q5_0, vec_dot_q5_0,
-     NULL, dequantize_q5_0_simd},
+     NULL, dequantize_q5_0_simd, NULL, 0, INT8_MIN_T_Q5_0, legacy_unpack_q5_0},
     {TAPER_Q5_1, QK, sizeof(bq5_1), TAPER_Q8_1, dequantize_q5_1, quantize_q5_1, vec_dot_q5_1,
-     NULL, dequantize_q5_1_simd},
+     NULL, dequantize_q5_1_simd, NULL, 0, INT8_MIN_T_Q5_1, legacy_unpack_q5_1},
     {TAPER_Q8_0, QK, sizeof(bq8_0), TAPER_Q8_0, dequantize_q8_0, quantize_q8_0, vec_dot_q8_0,
-     NULL, dequantize_q8_0_simd},
+     NULL, dequantize_q8_0_simd, NULL, 0, INT8_MIN_T_Q8_0, legacy_unpack_q8_0},
     /* activation-only: quantized per matmul, never a weight */
     {TAPER_Q8_1, QK, sizeof(bq8_1), TAPER_Q8_1, dequantize_q8_1, quantize_q8_1, NULL},
 };

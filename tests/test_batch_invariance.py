@@ -253,7 +253,7 @@ def test_linear_row_is_invariant_in_every_format(isa):
     expected = scalar_off if isa == "scalar" else [n for n, _ in weights(rng)]
     # On AVX-512 the K types' int8 prefill (kernels quant_prefill=int8, the default) gives the
     # vec_dot loop's bits at every T (tests/test_quant_gemm.py): q4_k's row is invariant there
-    # without the switch.
+    # without the switch (q8_0's takes int8 only at every T under quant_prefill=int8_all).
     if isa == "avx512":
         expected.remove("q4_k")
     assert differs_off == expected

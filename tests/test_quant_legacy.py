@@ -27,6 +27,7 @@ ISAS = [i for i in ("scalar", "avx2", "avx512") if isa_supported(i)]
 QK = 32
 ACCUM_RTOL = 2e-6   # float32 accumulation over <= 24 blocks, relative to the sum of |terms|;
 #                     measured <= 4e-8
+F32_PREFILL = {"quant_prefill": "f32"}   # as run_linear (below)
 PANEL_T = 33   # past every type's and ISA's quant_gemv_max_t: the float32 panel + GEMM path
 
 
@@ -234,10 +235,14 @@ def emulated_linear(x, blocks, qtype, k, parts=1):
 
 
 def run_linear(isa, qtype, x, blocks, k, bias, parts=1):
-    """parts=2: a backend built with kernels act_split=on."""
+    """parts=2: a backend built with kernels act_split=on. quant_prefill=f32: these tests hold
+    the vec_dot loop and the float32 chunks and panels; the int8 prefill that replaces the loop
+    at 3-4 rows on AVX512_VNNI (and everything from 3 rows under quant_prefill=int8_all) gives
+    the AVX-512 loop's bits (tests/test_quant_gemm.py)."""
     out = np.full((x.shape[0], blocks.shape[0]), np.nan, np.float32)
     backend = CpuBackend(isa=isa, num_threads=2,
-                         kernels={"act_split": "on" if parts == 2 else "off"})
+                         kernels={"act_split": "on" if parts == 2 else "off",
+                                  "quant_prefill": "f32"})
     backend.linear(x, QuantizedWeight.of(int(qtype), blocks, k), bias, out)
     return out
 
@@ -311,7 +316,7 @@ def test_linear_panel_path_every_isa(qtype, T, K, N):
         err = np.abs(out - exact)
         assert np.all(err <= tol), f"{isa}: max err/tol {np.max(err / tol):.3g}"
         wide = np.full((T, N + 5), np.nan, np.float32)
-        CpuBackend(isa=isa).linear(x, fused, np.concatenate([bias, np.zeros(5, np.float32)]),
+        CpuBackend(isa=isa, kernels=F32_PREFILL).linear(x, fused, np.concatenate([bias, np.zeros(5, np.float32)]),
                                    wide)
         assert np.all(np.abs(wide[:, :N] - exact) <= tol), f"{isa}: fused part"
         assert np.isfinite(wide).all()
@@ -334,7 +339,7 @@ def test_linear_batched_decode_chunks_every_isa(qtype):
         out = run_linear(isa, qtype, x, blocks, K, bias)
         check_linear(out, x, blocks, qtype, K, bias, isa)
         wide = np.full((T, N + 3), np.nan, np.float32)
-        CpuBackend(isa=isa).linear(x, fused, np.concatenate([np.zeros(3, np.float32), bias]),
+        CpuBackend(isa=isa, kernels=F32_PREFILL).linear(x, fused, np.concatenate([np.zeros(3, np.float32), bias]),
                                    wide)
         np.testing.assert_array_equal(wide[:, 3:], out, err_msg=isa)
 
