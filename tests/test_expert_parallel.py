@@ -165,14 +165,18 @@ def expert_numbers(names) -> set[int]:
     return {e for n in names if (e := expert_of(n)) is not None}
 
 
-def test_a_rank_reads_only_its_experts_from_safetensors(cases, monkeypatch):
+def test_a_rank_reads_only_its_experts_from_safetensors(cases, monkeypatch, caplog):
+    import logging
     from engine.loader.model_loader import load_model
     from engine.parallel.communicator import SingleProcess
     from pyx.cpu_backend import CpuBackend
     from safetensors.numpy import load_file
     seen = tensors_given_to_the_model(monkeypatch)
+    caplog.set_level(logging.INFO, logger="taper.parallel")
     model, _ = load_model(cases.dir("mixtral"), CpuBackend(num_threads=1), progress=False,
                           tensor_parallel=(1, 2, SingleProcess()), expert_parallel=True)
+    assert ("expert parallel 2: rank 0 holds experts 0-1, rank 1 holds experts 2-3 (of 4); "
+            "this rank (1) reads only its own") in caplog.text
     assert expert_numbers(seen) == {2, 3}
     stored = load_file(os.path.join(cases.dir("mixtral"), "model.safetensors"))
     for name, shape in seen.items():
