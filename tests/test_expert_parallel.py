@@ -11,8 +11,9 @@ the shared expert stay split within the ranks.
   sigmoid-gated shared expert split within the ranks) and Qwen3-MoE (a dense first layer); q8_0
   GGUFs (Qwen3-MoE with 8 experts, Qwen2-MoE); with pipeline parallel (2 stages x 2 ranks).
 - A rank reads only its experts: the tensors handed to the model are its experts' alone (and
-  the whole of each), from safetensors and from a GGUF's stacked expert tensors; tracemalloc's
-  peak while a rank of 2 loads a checkpoint whose experts are nearly all of it stays near half.
+  the whole of each), from safetensors and from a GGUF's stacked expert tensors, an FP8 expert's
+  block scales with it; tracemalloc's peak while a rank of 2 loads a checkpoint whose experts
+  are nearly all of it stays near half. --isq q8_0 and int4 (Marlin) quantize whole experts.
 - An expert count the ranks do not divide is refused, naming the numbers; the server's flag
   reaches the engine config.
 """
@@ -142,6 +143,19 @@ def test_with_pipeline_parallel(cases):
     assert_same_as_one_process(greedy(cases.dir("mixtral"))[0], split, "mixtral pp2 ep2")
 
 
+@pytest.mark.parametrize("isq", ["q8_0", "marlin"])
+def test_isq_quantizes_whole_experts(tmp_path_factory, isq):
+    """--isq q8_0 and int4 (Marlin's layout) on each rank's whole experts, as one process
+    quantizes them (exact activations: see test_tensor_parallel.test_isq_quantizes_each_share)."""
+    from checkpoints import tiny256_checkpoint
+    model = tiny256_checkpoint(str(tmp_path_factory.mktemp("ep_isq") / "m"), arch="mixtral",
+                               dtype="float32")
+    how = dict(isq=isq, kernels="act_split=on")
+    split, held = greedy(model, 2, enable_expert_parallel=True, **how)
+    assert held == {(0, 4, 8)}
+    assert_same_as_one_process(greedy(model, **how)[0], split, f"isq {isq}")
+
+
 # ---- each rank reads only its experts
 
 def tensors_given_to_the_model(monkeypatch):
@@ -202,6 +216,24 @@ def test_a_rank_reads_only_its_experts_from_a_gguf(monkeypatch):
     assert expert_numbers(seen) == {4, 5, 6, 7}
     assert all((b.first_expert, b.num_held, b.num_experts) == (4, 4, 8)
                for b in moe_blocks(model))
+
+
+def test_fp8_block_scales_go_with_their_experts(tmp_path):
+    """An FP8 checkpoint's weight_scale_inv of an expert is whole on the expert's rank (not cut
+    in scale blocks as a slice of the intermediate size would be) and absent elsewhere."""
+    from engine.models.model_config import ModelConfig
+    from engine.parallel.sharding import ShardPlan
+    tiny_checkpoint(str(tmp_path / "m"), arch="mixtral")
+    config = ModelConfig.from_pretrained(str(tmp_path / "m"))
+    config.quantization_config = {"quant_method": "fp8", "weight_block_size": [32, 32]}
+    name = "model.layers.0.block_sparse_moe.experts.3.w1.weight"
+    scales = np.arange(6 * 3, dtype=np.float32).reshape(6, 3)     # (192 / 32, 96 / 32)
+    shapes = {name: (192, 96), name + "_scale_inv": scales.shape}
+    plans = [ShardPlan(config, r, 2, expert_parallel=True) for r in range(2)]
+    assert plans[0].shard(name + "_scale_inv", scales, shapes) is None
+    assert plans[1].shard(name + "_scale_inv", scales, shapes) is scales
+    within = ShardPlan(config, 1, 2).shard(name + "_scale_inv", scales, shapes)
+    np.testing.assert_array_equal(within, scales[3:])      # (tensor parallel alone: its rows)
 
 
 def test_a_rank_holds_about_half_the_experts(tmp_path):

@@ -65,8 +65,8 @@ def load_gguf_model(path: str, backend, dtype: str = "auto",
                     isq: str | None = None, tensor_parallel=None, pipeline=None,
                     mmproj: str | None = None, expert_parallel: bool = False):
     """(model, model_config, tokenizer or None) for a GGUF file (its first shard if split);
-    tensor_parallel, pipeline and expert_parallel as load_model's; mmproj: llama.cpp's vision projector file,
-    whose tower joins the text model (engine/loader/gguf_mmproj.py)."""
+    tensor_parallel, pipeline and expert_parallel as load_model's; mmproj: llama.cpp's vision
+    projector file, whose tower joins the text model (engine/loader/gguf_mmproj.py)."""
     ckpt = read_gguf(path, dtype=dtype, progress=progress)
     config, weights = ckpt.config, ckpt.weights
     if mmproj is not None:
