@@ -8,8 +8,8 @@ the shared expert stay split within the ranks.
   whole block's output, on the one-expert-at-a-time and the fused (grouped GEMM) paths.
 - Greedy tokens with tensor_parallel_size 2 and expert parallel equal transformers' (up to a
   near-tie) and the single process's, logprobs within float tolerance: Mixtral, Qwen2-MoE (its
-  sigmoid-gated shared expert split within the ranks) and Qwen3-MoE (a dense first layer); q8_0
-  GGUFs (Qwen3-MoE with 8 experts, Qwen2-MoE); with pipeline parallel (2 stages x 2 ranks).
+  sigmoid-gated shared expert split within the ranks), Qwen3-MoE (a dense first layer) and
+  GLM-4.5 (DeepSeek-V3's grouped sigmoid router; tensor parallel alone as well); q8_0 GGUFs (Qwen3-MoE with 8 experts, Qwen2-MoE); with pipeline parallel (2 stages x 2 ranks).
 - A rank reads only its experts: the tensors handed to the model are its experts' alone (and
   the whole of each), from safetensors and from a GGUF's stacked expert tensors, an FP8 expert's
   block scales with it; tracemalloc's peak while a rank of 2 loads a checkpoint whose experts
@@ -36,7 +36,8 @@ DATA = os.path.join(os.path.dirname(__file__), "data", "gguf")
 # Qwen2-MoE's tiny case has 3 query heads, which 2 ranks cannot split: 4 here.
 CASES = {"mixtral": (dict(arch="mixtral"), None), "qwen3_moe": (dict(arch="qwen3_moe"), None),
          "qwen2_moe": (dict(arch="qwen2_moe", num_attention_heads=4, num_key_value_heads=2),
-                       None)}
+                       None),
+         "glm4_moe": (dict(arch="glm4_moe"), None)}
 
 
 @pytest.fixture(scope="module")
@@ -126,6 +127,20 @@ def test_greedy_tokens_match_hf_and_one_process(cases, name):
     one, _ = greedy(cases.dir(name))
     assert_same_as_one_process(one, split, f"{name} ep2")
     assert not worker_pids() - before
+
+
+def test_glm4_moe_splits_within_and_across_ranks(cases):
+    """GLM-4.5's DeepSeek-V3 block (grouped sigmoid routing with a correction bias, an ungated
+    shared expert, a dense first layer): 8 experts split within the ranks (tensor parallel) and
+    across them (expert parallel), both the single process's and transformers' tokens."""
+    one, _ = greedy(cases.dir("glm4_moe"))
+    for expert_parallel, held in ((False, (0, 8, 8)), (True, (0, 4, 8))):
+        split, rank0 = greedy(cases.dir("glm4_moe"), 2, enable_expert_parallel=expert_parallel)
+        assert rank0 == {held}
+        label = f"glm4_moe {'ep' if expert_parallel else 'tp'}2"
+        for i, (tokens, ref) in enumerate(zip(split[0], cases.ref("glm4_moe"))):
+            assert_matches(tokens, ref, min_trusted=8, label=f"{label} prompt {i}")
+        assert_same_as_one_process(one, split, label)
 
 
 @pytest.mark.parametrize("fixture,experts", [("qwen3_moe-q8_0", 8), ("qwen2_moe-q8_0", 4)])

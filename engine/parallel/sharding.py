@@ -92,7 +92,7 @@ def even(n: int, rank: int, size: int, what: str) -> tuple[int, int]:
 
 
 # Families whose weights this plan does not know (issue 29 item 4's quirk files).
-NOT_SPLIT = ("PhiForCausalLM", "Glm4MoeForCausalLM", "GptOssForCausalLM")
+NOT_SPLIT = ("PhiForCausalLM", "GptOssForCausalLM")
 
 
 class ShardPlan:
