@@ -10,7 +10,10 @@ it from a lazily read tensor so that a rank reads only its part.
     down_proj                             row-parallel: the same slice of its input columns
     experts.{e}.* under expert parallel   whole, on the rank holding expert e (E / ranks
       (--enable-expert-parallel)          contiguous experts each), absent from the others; the
-                                          shared expert stays split within as above
+                                          shared expert stays split within as above; GPT-OSS's
+                                          stacked experts.gate_up_proj/down_proj (E first, and
+                                          their biases, MXFP4 blocks and scales) the rank's rows
+    self_attn.sinks (GPT-OSS)             the rank's heads' sinks
     embed_tokens, lm_head                 vocab-parallel: each rank ceil(V / ranks) rows, the
                                           last rank's padded with zero rows
     row-parallel biases                   rank 0's is the checkpoint's, the others zero (the
@@ -77,6 +80,9 @@ _VOCAB = re.compile(r"^(model\.)?embed_tokens\.weight$|^lm_head\.weight$")
 _KV_SCALES = tuple(f".{name}" for pair in KV_SCALE_NAMES for name in pair)
 # One routed expert's tensors (weights, FP8 scales, biases); not `shared_experts.` (DeepSeek's).
 _EXPERT = re.compile(r"\.experts\.(\d+)\.")
+# Every expert's tensor stacked along the first axis (GPT-OSS's; MXFP4's blocks and scales).
+_STACKED_EXPERTS = re.compile(r"\.mlp\.experts\.(gate_up_proj|down_proj)(_bias|_blocks|_scales)?$")
+_SINKS = re.compile(r"\.self_attn\.sinks$")
 
 
 def expert_of(name: str) -> int | None:
@@ -92,7 +98,10 @@ def even(n: int, rank: int, size: int, what: str) -> tuple[int, int]:
 
 
 # Families whose weights this plan does not know (issue 29 item 4's quirk files).
-NOT_SPLIT = ("PhiForCausalLM", "GptOssForCausalLM")
+NOT_SPLIT = ("PhiForCausalLM",)
+# Families whose experts split only across ranks, whole (their stacked, interleaved gate/up is
+# not cut within), and the quantization methods their checkpoints use on those experts alone.
+EXPERTS_ACROSS_ONLY = {"GptOssForCausalLM": "mxfp4"}
 
 
 class ShardPlan:
@@ -113,6 +122,9 @@ class ShardPlan:
                                  "ranks")
         if arch in NOT_SPLIT:     # their tensors' names and cuts are not in this plan
             raise ValueError(f"tensor parallel: {arch} is not yet split across ranks")
+        if arch in EXPERTS_ACROSS_ONLY and not expert_parallel:
+            raise ValueError(f"tensor parallel: {arch}'s experts split across ranks only, "
+                             f"whole: add --enable-expert-parallel")
         if c.qk_layernorm:
             raise ValueError(f"tensor parallel: {arch} with per-head q/k LayerNorm (qk_layernorm) "
                              "is not yet split across ranks")
@@ -138,7 +150,8 @@ class ShardPlan:
                  f"{arch}'s shared expert intermediate size")
         q = c.quantization_config
         method = q.get("quant_method") if q else None
-        if method is not None and method not in SPLITTABLE_QUANT:
+        experts_only = self.expert_parallel and EXPERTS_ACROSS_ONLY.get(arch) == method
+        if method is not None and method not in SPLITTABLE_QUANT and not experts_only:
             raise ValueError(f"tensor parallel: {method} checkpoints cannot be split across ranks "
                              f"yet (splittable: unquantized safetensors, fp8 with block scales, "
                              f"GGUF, --isq)")
@@ -190,6 +203,10 @@ class ShardPlan:
         c, r, n = self.config, self.rank, self.size
         if self.experts is not None and expert_of(name) is not None:
             return None
+        if self.experts is not None and _STACKED_EXPERTS.search(name):
+            return Cut(0, (self.experts,))
+        if _SINKS.search(name):
+            return Cut(0, ((r * self.heads, (r + 1) * self.heads),))
         if _VOCAB.match(name):
             start = min(r * self.vocab_share, shape[0])
             stop = min(start + self.vocab_share, shape[0])
