@@ -10,7 +10,8 @@ the shared expert stay split within the ranks.
   near-tie) and the single process's, logprobs within float tolerance: Mixtral, Qwen2-MoE (its
   sigmoid-gated shared expert split within the ranks), Qwen3-MoE (a dense first layer) and
   GLM-4.5 (DeepSeek-V3's grouped sigmoid router; tensor parallel alone as well), GPT-OSS
-  (stacked experts and sinks; float and MXFP4; expert parallel only); q8_0 GGUFs (Qwen3-MoE with 8 experts, Qwen2-MoE); with pipeline parallel (2 stages x 2 ranks).
+  (stacked experts and sinks; float and MXFP4) and Llama 4 (stacked experts, its own attention),
+  these two expert parallel only; q8_0 GGUFs (Qwen3-MoE with 8 experts, Qwen2-MoE); with pipeline parallel (2 stages x 2 ranks).
 - A rank reads only its experts: the tensors handed to the model are its experts' alone (and
   the whole of each), from safetensors and from a GGUF's stacked expert tensors, an FP8 expert's
   block scales with it; tracemalloc's peak while a rank of 2 loads a checkpoint whose experts
@@ -38,7 +39,8 @@ DATA = os.path.join(os.path.dirname(__file__), "data", "gguf")
 CASES = {"mixtral": (dict(arch="mixtral"), None), "qwen3_moe": (dict(arch="qwen3_moe"), None),
          "qwen2_moe": (dict(arch="qwen2_moe", num_attention_heads=4, num_key_value_heads=2),
                        None),
-         "glm4_moe": (dict(arch="glm4_moe"), None), "gpt_oss": (dict(arch="gpt_oss"), None)}
+         "glm4_moe": (dict(arch="glm4_moe"), None), "gpt_oss": (dict(arch="gpt_oss"), None),
+         "llama4": (dict(arch="llama4"), None)}
 
 
 @pytest.fixture(scope="module")
@@ -144,24 +146,31 @@ def test_glm4_moe_splits_within_and_across_ranks(cases):
         assert_same_as_one_process(one, split, label)
 
 
-def test_gpt_oss_experts_split_across_ranks_only(cases, tmp_path):
-    """GPT-OSS (stacked experts with biases, attention sinks per head): expert parallel 2 gives
-    transformers' and the single process's tokens, as float and as MXFP4 (the released
-    checkpoints' experts, each rank dequantizing its own); tensor parallel alone is refused."""
+@pytest.mark.parametrize("name,arch", [("gpt_oss", "GptOssForCausalLM"),
+                                       ("llama4", "Llama4ForCausalLM")])
+def test_stacked_experts_split_across_ranks_only(cases, name, arch):
+    """GPT-OSS (attention sinks per head, experts with biases) and Llama 4 (its own attention
+    all-reduced, top-1 sigmoid on the experts' input, a shared expert) store every expert of a
+    layer in one tensor: each rank reads its rows; tensor parallel alone is refused."""
     from engine import LLM
+    split, held = greedy(cases.dir(name), 2, enable_expert_parallel=True)
+    assert held == {(0, 2, 4)}
+    for i, (tokens, ref) in enumerate(zip(split[0], cases.ref(name))):
+        assert_matches(tokens, ref, min_trusted=8, label=f"{name} ep2 prompt {i}")
+    assert_same_as_one_process(greedy(cases.dir(name))[0], split, f"{name} ep2")
+    with pytest.raises(ValueError, match=f"tensor parallel: {arch}'s experts split across ranks "
+                                         f"only, whole: add --enable-expert-parallel"):
+        LLM(cases.dir(name), tensor_parallel_size=2)
+
+
+def test_gpt_oss_mxfp4_experts_split_across_ranks(cases, tmp_path):
+    """The released checkpoints' layout: each rank dequantizes its own experts' MXFP4 blocks
+    (the file's reference against transformers: tests/test_gpt_oss_mxfp4.py)."""
     from test_gpt_oss_mxfp4 import write_mxfp4
     mxfp4 = write_mxfp4(cases.dir("gpt_oss"), str(tmp_path / "mxfp4"))
-    for model in (cases.dir("gpt_oss"), mxfp4):
-        split, held = greedy(model, 2, enable_expert_parallel=True)
-        assert held == {(0, 2, 4)}
-        if model != mxfp4:          # (the MXFP4 file's reference: tests/test_gpt_oss_mxfp4.py)
-            for i, (tokens, ref) in enumerate(zip(split[0], cases.ref("gpt_oss"))):
-                assert_matches(tokens, ref, min_trusted=8, label=f"gpt_oss ep2 prompt {i}")
-        assert_same_as_one_process(greedy(model)[0], split, f"gpt_oss ep2 {model}")
-    with pytest.raises(ValueError, match="tensor parallel: GptOssForCausalLM's experts split "
-                                         "across ranks only, whole: add "
-                                         "--enable-expert-parallel"):
-        LLM(cases.dir("gpt_oss"), tensor_parallel_size=2)
+    split, held = greedy(mxfp4, 2, enable_expert_parallel=True)
+    assert held == {(0, 2, 4)}
+    assert_same_as_one_process(greedy(mxfp4)[0], split, "gpt_oss mxfp4 ep2")
 
 
 @pytest.mark.parametrize("fixture,experts", [("qwen3_moe-q8_0", 8), ("qwen2_moe-q8_0", 4)])

@@ -11,8 +11,8 @@ it from a lazily read tensor so that a rank reads only its part.
     experts.{e}.* under expert parallel   whole, on the rank holding expert e (E / ranks
       (--enable-expert-parallel)          contiguous experts each), absent from the others; the
                                           shared expert stays split within as above; GPT-OSS's
-                                          stacked experts.gate_up_proj/down_proj (E first, and
-                                          their biases, MXFP4 blocks and scales) the rank's rows
+                                          and Llama 4's stacked experts.gate_up_proj/down_proj
+                                          (E first; biases, MXFP4 blocks and scales) its rows
     self_attn.sinks (GPT-OSS)             the rank's heads' sinks
     embed_tokens, lm_head                 vocab-parallel: each rank ceil(V / ranks) rows, the
                                           last rank's padded with zero rows
@@ -76,12 +76,14 @@ _UP = re.compile(r"\.(gate_proj|up_proj|w1|w3)\.(weight|bias)$")
 _GATE_UP = re.compile(r"\.gate_up_proj\.(weight|bias)$")
 _DOWN = re.compile(r"\.(down_proj|w2)\.weight$")
 _ROW_BIAS = re.compile(r"\.(o_proj|down_proj|w2)\.bias$")
-_VOCAB = re.compile(r"^(model\.)?embed_tokens\.weight$|^lm_head\.weight$")
+# (language_model.: Llama 4's multimodal layout, renamed by its family's file after the cut)
+_VOCAB = re.compile(r"^(language_model\.)?((model\.)?embed_tokens|lm_head)\.weight$")
 _KV_SCALES = tuple(f".{name}" for pair in KV_SCALE_NAMES for name in pair)
 # One routed expert's tensors (weights, FP8 scales, biases); not `shared_experts.` (DeepSeek's).
 _EXPERT = re.compile(r"\.experts\.(\d+)\.")
 # Every expert's tensor stacked along the first axis (GPT-OSS's; MXFP4's blocks and scales).
-_STACKED_EXPERTS = re.compile(r"\.mlp\.experts\.(gate_up_proj|down_proj)(_bias|_blocks|_scales)?$")
+_STACKED_EXPERTS = re.compile(
+    r"\.(mlp|feed_forward)\.experts\.(gate_up_proj|down_proj)(_bias|_blocks|_scales)?$")
 _SINKS = re.compile(r"\.self_attn\.sinks$")
 
 
@@ -101,7 +103,7 @@ def even(n: int, rank: int, size: int, what: str) -> tuple[int, int]:
 NOT_SPLIT = ("PhiForCausalLM",)
 # Families whose experts split only across ranks, whole (their stacked, interleaved gate/up is
 # not cut within), and the quantization methods their checkpoints use on those experts alone.
-EXPERTS_ACROSS_ONLY = {"GptOssForCausalLM": "mxfp4"}
+EXPERTS_ACROSS_ONLY = {"GptOssForCausalLM": "mxfp4", "Llama4ForCausalLM": None}
 
 
 class ShardPlan:
