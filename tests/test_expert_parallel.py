@@ -8,10 +8,11 @@ the shared expert stay split within the ranks.
   whole block's output, on the one-expert-at-a-time and the fused (grouped GEMM) paths.
 - Greedy tokens with tensor_parallel_size 2 and expert parallel equal transformers' (up to a
   near-tie) and the single process's, logprobs within float tolerance: Mixtral, Qwen2-MoE (its
-  sigmoid-gated shared expert split within the ranks), Qwen3-MoE (a dense first layer) and
-  GLM-4.5 (DeepSeek-V3's grouped sigmoid router; tensor parallel alone as well), GPT-OSS
-  (stacked experts and sinks; float and MXFP4) and Llama 4 (stacked experts, its own attention),
-  these two expert parallel only; q8_0 GGUFs (Qwen3-MoE with 8 experts, Qwen2-MoE); with pipeline parallel (2 stages x 2 ranks).
+  sigmoid-gated shared expert split within the ranks), Qwen3-MoE (a dense first layer), GLM-4.5
+  (DeepSeek-V3's grouped sigmoid router; tensor parallel alone as well), GPT-OSS (stacked
+  experts and sinks; float and MXFP4) and Llama 4 (stacked experts, its own attention), these
+  two expert parallel only; q8_0 GGUFs (Qwen3-MoE with 8 experts, Qwen2-MoE); with pipeline
+  parallel (2 stages x 2 ranks).
 - A rank reads only its experts: the tensors handed to the model are its experts' alone (and
   the whole of each), from safetensors and from a GGUF's stacked expert tensors, an FP8 expert's
   block scales with it; tracemalloc's peak while a rank of 2 loads a checkpoint whose experts
