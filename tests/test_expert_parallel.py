@@ -9,9 +9,9 @@ the shared expert stay split within the ranks.
 - Greedy tokens with tensor_parallel_size 2 and expert parallel equal transformers' (up to a
   near-tie) and the single process's, logprobs within float tolerance: Mixtral, Qwen2-MoE (its
   sigmoid-gated shared expert split within the ranks), Qwen3-MoE (a dense first layer), GLM-4.5
-  (DeepSeek-V3's grouped sigmoid router; tensor parallel alone as well), GPT-OSS (stacked
-  experts and sinks; float and MXFP4) and Llama 4 (stacked experts, its own attention), these
-  two expert parallel only; q8_0 GGUFs (Qwen3-MoE with 8 experts, Qwen2-MoE); with pipeline
+  (DeepSeek-V3's grouped sigmoid router) and MiniMax-M2 (q/k norms over all heads) with tensor
+  parallel alone as well, GPT-OSS (stacked experts and sinks; float and MXFP4) and Llama 4
+  (stacked experts, its own attention), these two expert parallel only; q8_0 GGUFs (Qwen3-MoE with 8 experts, Qwen2-MoE); with pipeline
   parallel (2 stages x 2 ranks).
 - A rank reads only its experts: the tensors handed to the model are its experts' alone (and
   the whole of each), from safetensors and from a GGUF's stacked expert tensors, an FP8 expert's
@@ -41,7 +41,7 @@ CASES = {"mixtral": (dict(arch="mixtral"), None), "qwen3_moe": (dict(arch="qwen3
          "qwen2_moe": (dict(arch="qwen2_moe", num_attention_heads=4, num_key_value_heads=2),
                        None),
          "glm4_moe": (dict(arch="glm4_moe"), None), "gpt_oss": (dict(arch="gpt_oss"), None),
-         "llama4": (dict(arch="llama4"), None)}
+         "llama4": (dict(arch="llama4"), None), "minimax_m2": (dict(arch="minimax_m2"), None)}
 
 
 @pytest.fixture(scope="module")
@@ -133,16 +133,18 @@ def test_greedy_tokens_match_hf_and_one_process(cases, name):
     assert not worker_pids() - before
 
 
-def test_glm4_moe_splits_within_and_across_ranks(cases):
+@pytest.mark.parametrize("name", ["glm4_moe", "minimax_m2"])
+def test_splits_within_and_across_ranks(cases, name):
     """GLM-4.5's DeepSeek-V3 block (grouped sigmoid routing with a correction bias, an ungated
-    shared expert, a dense first layer): 8 experts split within the ranks (tensor parallel) and
-    across them (expert parallel), both the single process's and transformers' tokens."""
-    one, _ = greedy(cases.dir("glm4_moe"))
+    shared expert, a dense first layer) and MiniMax-M2 (q/k RMSNorm over all heads: its mean
+    square all-reduced): 8 experts split within the ranks (tensor parallel) and across them
+    (expert parallel), both the single process's and transformers' tokens."""
+    one, _ = greedy(cases.dir(name))
     for expert_parallel, held in ((False, (0, 8, 8)), (True, (0, 4, 8))):
-        split, rank0 = greedy(cases.dir("glm4_moe"), 2, enable_expert_parallel=expert_parallel)
+        split, rank0 = greedy(cases.dir(name), 2, enable_expert_parallel=expert_parallel)
         assert rank0 == {held}
-        label = f"glm4_moe {'ep' if expert_parallel else 'tp'}2"
-        for i, (tokens, ref) in enumerate(zip(split[0], cases.ref("glm4_moe"))):
+        label = f"{name} {'ep' if expert_parallel else 'tp'}2"
+        for i, (tokens, ref) in enumerate(zip(split[0], cases.ref(name))):
             assert_matches(tokens, ref, min_trusted=8, label=f"{label} prompt {i}")
         assert_same_as_one_process(one, split, label)
 

@@ -14,6 +14,8 @@ it from a lazily read tensor so that a rank reads only its part.
                                           and Llama 4's stacked experts.gate_up_proj/down_proj
                                           (E first; biases, MXFP4 blocks and scales) its rows
     self_attn.sinks (GPT-OSS)             the rank's heads' sinks
+    q_norm/k_norm over all heads          the rank's heads' part (MiniMax-M2: the norm's mean
+                                          square is all-reduced, engine/models/minimax_m2.py)
     embed_tokens, lm_head                 vocab-parallel: each rank ceil(V / ranks) rows, the
                                           last rank's padded with zero rows
     row-parallel biases                   rank 0's is the checkpoint's, the others zero (the
@@ -85,6 +87,9 @@ _EXPERT = re.compile(r"\.experts\.(\d+)\.")
 _STACKED_EXPERTS = re.compile(
     r"\.(mlp|feed_forward)\.experts\.(gate_up_proj|down_proj)(_bias|_blocks|_scales)?$")
 _SINKS = re.compile(r"\.self_attn\.sinks$")
+# q/k norms over all heads at once (MiniMax-M2's; Qwen3's per-head ones are one head wide)
+_Q_NORM = re.compile(r"\.self_attn\.q_norm\.weight$")
+_K_NORM = re.compile(r"\.self_attn\.k_norm\.weight$")
 
 
 def expert_of(name: str) -> int | None:
@@ -209,6 +214,10 @@ class ShardPlan:
             return Cut(0, (self.experts,))
         if _SINKS.search(name):
             return Cut(0, ((r * self.heads, (r + 1) * self.heads),))
+        if _Q_NORM.search(name) and shape == (c.q_size,) and c.q_size > c.head_dim:
+            return Cut(0, (self.q_rows(),))
+        if _K_NORM.search(name) and shape == (c.kv_size,) and c.kv_size > c.head_dim:
+            return Cut(0, (self.kv_rows(),))
         if _VOCAB.match(name):
             start = min(r * self.vocab_share, shape[0])
             stop = min(start + self.vocab_share, shape[0])
