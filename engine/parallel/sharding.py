@@ -6,7 +6,7 @@ it from a lazily read tensor so that a rank reads only its part.
                                           replicated on the ranks whose query heads read it
     o_proj                                row-parallel: the input columns of the rank's heads
     gate/up (GLM-4's and Phi-3's fused    column-parallel: each rank a slice of the intermediate
-      gate_up_proj, every expert's)       size (MoE experts are split within, not across ranks)
+      gate_up_proj, every expert's)       size (MoE experts split within the ranks by default)
     down_proj                             row-parallel: the same slice of its input columns
     experts.{e}.* under expert parallel   whole, on the rank holding expert e (E / ranks
       (--enable-expert-parallel)          contiguous experts each), absent from the others; the
