@@ -20,6 +20,9 @@ class EngineConfig:
     # Tensor parallel (engine/parallel/): the model split across this many processes, rank 0 this
     # one; on CUDA rank r uses device_ids[r] (default: device + r).
     tensor_parallel_size: int = 1
+    # Expert parallel (vLLM's --enable-expert-parallel): a MoE model's tensor-parallel ranks each
+    # hold E / tensor_parallel_size whole experts instead of a slice of every expert.
+    enable_expert_parallel: bool = False
     # Pipeline parallel (engine/parallel/pipeline.py): the layers split into this many stages,
     # each stage tensor_parallel_size processes; a step's sequences run through the stages in
     # pipeline_micro_batches micro-batches (0: twice the stages where the step has 64 tokens

@@ -23,6 +23,11 @@ silu_and_mul, then down in one launch; moe_combine sums each token's top_k rows 
 The experts' weights are stacked once at load (backend.stack_experts). The CPU backend implements
 those ops as the reference (each expert through its own `linear`).
 
+Expert parallel: a rank holds experts [first_expert, first_expert + len(experts)) of the router's
+num_experts. It routes every token as one process would, then runs only the pairs routed to its
+experts (the others are unrouted: moe_align leaves them out, moe_combine adds nothing for them);
+its output is its share of the weighted sum, completed by the all-reduce after the block.
+
 Like pyx/layers.pyx, no device code: backend ops and the array API NumPy and CuPy share.
 """
 from __future__ import annotations
@@ -133,7 +138,7 @@ class MoE:
     def __init__(self, backend, router, experts_gate_up: list, experts_down: list, top_k: int,
                  normalize: bool, shared=None, shared_gate=None, fused: bool = False,
                  grouped=None, correction_bias=None, activation: str = "silu",
-                 expert_scale=None):
+                 expert_scale=None, first_expert: int = 0, num_experts: int | None = None):
         """router (E, H); experts_gate_up[e] (2I, H) and experts_down[e] (H, I), placed weights;
         shared: an MLP-like object with forward(x, out, ws) (the shared expert) and shared_gate
         (1, H), or None (added ungated). fused: the grouped-GEMM path (the experts are stacked
@@ -141,7 +146,8 @@ class MoE:
         correction_bias (E,) f32 or None; None: route's softmax top-k. activation: the experts'
         gate, "silu" (SwiGLU) or "gelu_tanh" (GeGLU, Gemma 4). expert_scale (E,) f32 or None:
         each chosen expert's weight multiplied by its own scale after routing (Gemma 4's
-        per_expert_scale)."""
+        per_expert_scale). first_expert, num_experts: the experts given are [first_expert, ...)
+        of the router's num_experts (expert parallel; default: all of them)."""
         self.backend = backend
         if activation not in ("silu", "gelu_tanh"):
             raise ValueError(f"MoE: unknown activation {activation!r}, expected silu or "
@@ -152,7 +158,12 @@ class MoE:
         self.grouped, self.correction_bias = grouped, correction_bias
         self.xp = backend.xp
         self.router = router
-        self.num_experts = len(experts_gate_up)
+        self.num_held = len(experts_gate_up)
+        self.num_experts = num_experts or self.num_held
+        self.first_expert = first_expert
+        if not 0 <= first_expert <= self.num_experts - self.num_held:
+            raise ValueError(f"MoE: experts [{first_expert}, {first_expert + self.num_held}) "
+                             f"are not among the router's {self.num_experts}")
         self.top_k, self.normalize = top_k, normalize
         self.intermediate_size = experts_gate_up[0].shape[0] // 2
         self.shared, self.shared_gate = shared, shared_gate
@@ -196,7 +207,10 @@ class MoE:
         return ids, weights
 
     def run_experts(self, x, ids, weights, out, ws):
-        """out (T, H) = the chosen experts' outputs on x (T, H), weighted and summed."""
+        """out (T, H) = the chosen experts' outputs on x (T, H), weighted and summed (of the
+        held experts only: ids of the others fall outside [0, num_held) once shifted)."""
+        if self.first_expert:
+            ids = ids - self.first_expert
         if self.fused:
             self._experts_fused(x, ids, weights, out, ws)
         else:
@@ -206,7 +220,7 @@ class MoE:
         """The grouped-GEMM path: no host round trip, a fixed number of launches."""
         b, xp = self.backend, self.xp
         T, H = x.shape
-        k, I, E = self.top_k, self.intermediate_size, self.num_experts
+        k, I, E = self.top_k, self.intermediate_size, self.num_held
         P = T * k
         block_m = moe_block_m(P, E)
         capacity = moe_align_capacity(P, E, block_m)
@@ -231,14 +245,20 @@ class MoE:
         k, I = self.top_k, self.intermediate_size
 
         # (token, expert) pairs, sorted by expert; a stable sort keeps token order per expert.
+        # Pairs of experts another rank holds sort last (as expert num_held) and add zero.
+        E = self.num_held
         flat = ids.reshape(-1)
+        if E < self.num_experts:
+            flat = xp.where((flat >= 0) & (flat < E), flat, E)
         order = xp.argsort(flat, kind="stable")
-        counts = np.asarray(b.to_host(xp.bincount(flat, minlength=self.num_experts)))
+        counts = np.asarray(b.to_host(xp.bincount(flat, minlength=E + 1)))
+        held = int(counts[:E].sum())
         x_sorted = ws.get("moe_x", T * k, H)
-        xp.take(x, order // k, axis=0, out=x_sorted)
+        xp.take(x, order[:held] // k, axis=0, out=x_sorted[:held])
         y_sorted = ws.get("moe_y", T * k, H)
+        y_sorted[held:] = 0
         start = 0
-        for e in np.flatnonzero(counts):
+        for e in np.flatnonzero(counts[:E]):
             end = start + int(counts[e])
             gate_up = ws.get("moe_gate_up", end - start, 2 * I)
             act = ws.get("moe_act", end - start, I)

@@ -153,6 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="split the model across N processes (Megatron-style tensor parallel; "
                         "on the CPU each takes a share of the cores, on GPUs one device each): "
                         "needs mpi4py and the mpich wheel (pip install 'taper[mpi]')")
+    e.add_argument("--enable-expert-parallel", action="store_true",
+                   help="a MoE model's tensor-parallel ranks each hold E / N whole experts "
+                        "(expert parallel) instead of a slice of every expert")
     e.add_argument("--pipeline-parallel-size", "--pp", dest="pipeline_parallel_size", type=int,
                    metavar="N", default=1,
                    help="split the model's layers into N stages, each on its own processes "
@@ -407,6 +410,7 @@ def engine_config(args):
         backend=backend,
         device=args.device_ids[0] if args.device_ids else 0,
         tensor_parallel_size=tensor_parallel, device_ids=devices,
+        enable_expert_parallel=args.enable_expert_parallel,
         pipeline_parallel_size=args.pipeline_parallel_size,
         data_parallel_size=args.data_parallel_size,
         distributed_executor=args.distributed_executor,

@@ -321,7 +321,8 @@ def _load(config: EngineConfig, backend, tensor_parallel=None, pipeline=None):
     tensor_parallel: (rank, size, communicator), the rank's share of it; pipeline: (stage,
     stages, tensor-parallel rank, communicator), the rank's stage of it."""
     load_args = dict(dtype=config.dtype, yarn_scaling_factor=config.yarn_scaling_factor,
-                     isq=config.isq, tensor_parallel=tensor_parallel, pipeline=pipeline)
+                     isq=config.isq, tensor_parallel=tensor_parallel, pipeline=pipeline,
+                     expert_parallel=config.enable_expert_parallel)
     if config.mmproj and not config.weight_file:
         raise ValueError("--mmproj goes with a GGUF --weight-file (the text model it projects "
                          "into)")

@@ -3,6 +3,7 @@ formats converted, --isq applied, and the model graph built on a backend."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 
 from engine.loader.gguf import open_reader, read_gguf, read_metadata
@@ -16,18 +17,22 @@ from engine.models.registry import get_model_class
 from engine.parallel.pipeline import PipelineStage
 from engine.parallel.sharding import ShardPlan, check_isq_split
 
+log = logging.getLogger("taper.parallel")
+
 
 def load_model(model_dir: str, backend, dtype: str = "auto",
                yarn_scaling_factor: float | None = None, progress: bool = True,
-               isq: str | None = None, tensor_parallel=None, pipeline=None):
+               isq: str | None = None, tensor_parallel=None, pipeline=None,
+               expert_parallel: bool = False):
     """(model, model_config) for a local checkpoint directory; `isq` quantizes its projection
     matrices at load (engine/loader/isq.py). tensor_parallel: (rank, size, communicator): the
     rank's share of the model is read and built (engine/parallel/sharding.py); the config
     returned is the whole model's. pipeline: (stage, stages, tensor-parallel rank,
-    communicator): only the stage's layers are read and built (engine/parallel/pipeline.py)."""
+    communicator): only the stage's layers are read and built (engine/parallel/pipeline.py).
+    expert_parallel: the tensor-parallel ranks hold whole experts, E / size each."""
     model_config = ModelConfig.from_pretrained(model_dir, yarn_scaling_factor=yarn_scaling_factor)
     model_class = get_model_class(model_config.architecture)
-    plan = _plan(model_config, tensor_parallel)
+    plan = _plan(model_config, tensor_parallel, expert_parallel)
     stage = _stage(model_config, pipeline)
     weights = load_safetensors(model_dir, dtype=dtype, progress=progress,
                                quantized=bool(model_config.quantization_config),
@@ -58,10 +63,10 @@ def load_model(model_dir: str, backend, dtype: str = "auto",
 def load_gguf_model(path: str, backend, dtype: str = "auto",
                     yarn_scaling_factor: float | None = None, progress: bool = True,
                     isq: str | None = None, tensor_parallel=None, pipeline=None,
-                    mmproj: str | None = None):
+                    mmproj: str | None = None, expert_parallel: bool = False):
     """(model, model_config, tokenizer or None) for a GGUF file (its first shard if split);
-    tensor_parallel and pipeline as load_model's; mmproj: llama.cpp's vision projector file,
-    whose tower joins the text model (engine/loader/gguf_mmproj.py)."""
+    tensor_parallel, pipeline and expert_parallel as load_model's; mmproj: llama.cpp's vision
+    projector file, whose tower joins the text model (engine/loader/gguf_mmproj.py)."""
     ckpt = read_gguf(path, dtype=dtype, progress=progress)
     config, weights = ckpt.config, ckpt.weights
     if mmproj is not None:
@@ -69,7 +74,7 @@ def load_gguf_model(path: str, backend, dtype: str = "auto",
         config = join_vision(config, read_metadata(open_reader(path)), vision, path)
         weights.update(vision_weights)
     model_config = ModelConfig.from_dict(config, yarn_scaling_factor=yarn_scaling_factor)
-    plan = _plan(model_config, tensor_parallel)
+    plan = _plan(model_config, tensor_parallel, expert_parallel)
     stage = _stage(model_config, pipeline)
     hook = _shard_hook(plan, stage)
     if hook is not None:        # the tensors are memory-mapped: cut before they are read
@@ -86,11 +91,15 @@ def load_gguf_model(path: str, backend, dtype: str = "auto",
     return model, model_config, ckpt.tokenizer
 
 
-def _plan(model_config: ModelConfig, tensor_parallel) -> ShardPlan | None:
+def _plan(model_config: ModelConfig, tensor_parallel, expert_parallel: bool = False
+          ) -> ShardPlan | None:
     if tensor_parallel is None:        # (a group of one is still split: the GPU suite's check)
         return None
     rank, size, _ = tensor_parallel
-    return ShardPlan(model_config, rank, size)
+    plan = ShardPlan(model_config, rank, size, expert_parallel)
+    if plan.experts is not None:
+        log.info("%s; this rank (%d) reads only its own", plan.expert_map(), rank)
+    return plan
 
 
 def _stage(model_config: ModelConfig, pipeline) -> PipelineStage | None:

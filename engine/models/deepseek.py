@@ -17,6 +17,7 @@ import numpy as np
 
 from engine.models.llama import LlamaForCausalLM
 from engine.models.model_config import ModelConfig
+from engine.models.moe import held_experts
 from pyx.layers import MLP
 from pyx.mla import MlaAttention, split_kv_b
 from pyx.moe import MoE
@@ -127,11 +128,11 @@ class DeepseekForCausalLM(LlamaForCausalLM):
         """The DeepSeekMoE block of layer prefix p."""
         e = self.config.moe
         q = f"{p}mlp."
+        held = held_experts(self.config)     # (expert parallel: GLM-4.5's rank's experts)
         gate_up = [self._fuse(weights, [f"{q}experts.{x}.gate_proj.weight",
                                         f"{q}experts.{x}.up_proj.weight"])
-                   for x in range(e.num_experts)]
-        downs = [self._take(weights, f"{q}experts.{x}.down_proj.weight")
-                 for x in range(e.num_experts)]
+                   for x in held]
+        downs = [self._take(weights, f"{q}experts.{x}.down_proj.weight") for x in held]
         shared = None
         if e.shared_intermediate_size:
             s = f"{q}shared_experts."
@@ -144,7 +145,7 @@ class DeepseekForCausalLM(LlamaForCausalLM):
                 weights.pop(f"{q}gate.e_score_correction_bias"), dtype=np.float32))
         return MoE(self.backend, self._take(weights, f"{q}gate.weight"), gate_up, downs, e.top_k,
                    e.normalize, shared, None, fused=self.backend.fused_moe, grouped=e.grouped,
-                   correction_bias=bias)
+                   correction_bias=bias, first_expert=held.start, num_experts=e.num_experts)
 
     def new_kv_caches(self, num_blocks: int, block_size: int, dtype) -> list:
         """One latent cache per layer (kv_cache_shape: (NB, BS, 1, L + R)), given as both the

@@ -10,6 +10,7 @@ from __future__ import annotations
 from engine.models.deepseek import DeepseekForCausalLM
 from engine.models.llama import LlamaForCausalLM, expected_shapes
 from engine.models.model_config import ModelConfig
+from engine.models.moe import held_experts
 
 
 def glm4_moe_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -24,7 +25,7 @@ def glm4_moe_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
             del shapes[f"{p}{name}.weight"]
         shapes[f"{p}gate.weight"] = (e.num_experts, H)
         shapes[f"{p}gate.e_score_correction_bias"] = (e.num_experts,)
-        for x in range(e.num_experts):
+        for x in held_experts(c):
             q = f"{p}experts.{x}."
             shapes.update({f"{q}gate_proj.weight": (I, H), f"{q}up_proj.weight": (I, H),
                            f"{q}down_proj.weight": (H, I)})

@@ -13,6 +13,9 @@
 
 MXFP4 checkpoints (quant_method "mxfp4", the released ones) have their experts dequantized at
 load to the checkpoint's float dtype (engine/loader/quant_mxfp4.py), then read as a float one.
+
+Split across ranks (engine/parallel/sharding.py) only with expert parallel: each rank holds its
+heads (and their sinks) and E / ranks whole experts, whose stacked rows are all it reads.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ import numpy as np
 
 from engine.models.llama import LlamaForCausalLM, expected_shapes
 from engine.models.model_config import ModelConfig
+from engine.models.moe import held_experts
 from pyx.moe import _top_k_by_argmax
 
 
@@ -27,6 +31,7 @@ def gpt_oss_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
     shapes = expected_shapes(c)
     m, H = c.moe, c.hidden_size
     E, I = m.num_experts, m.intermediate_size
+    held = len(held_experts(c))         # the stacked experts' rows this rank holds
     for i in range(c.num_hidden_layers):
         p = f"model.layers.{i}."
         for name in ("gate_proj", "up_proj", "down_proj"):
@@ -34,8 +39,9 @@ def gpt_oss_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes[f"{p}self_attn.sinks"] = (c.num_attention_heads,)
         shapes[f"{p}mlp.router.weight"], shapes[f"{p}mlp.router.bias"] = (E, H), (E,)
         q = f"{p}mlp.experts."
-        shapes[f"{q}gate_up_proj"], shapes[f"{q}gate_up_proj_bias"] = (E, H, 2 * I), (E, 2 * I)
-        shapes[f"{q}down_proj"], shapes[f"{q}down_proj_bias"] = (E, I, H), (E, H)
+        shapes[f"{q}gate_up_proj"], shapes[f"{q}gate_up_proj_bias"] = (held, H, 2 * I), (held,
+                                                                                       2 * I)
+        shapes[f"{q}down_proj"], shapes[f"{q}down_proj_bias"] = (held, I, H), (held, H)
     return shapes
 
 
@@ -70,7 +76,9 @@ class GptOssForCausalLM(LlamaForCausalLM):
         router_bias = np.asarray(weights.pop(f"{p}mlp.router.bias"), dtype=np.float32)
         alpha, limit = self.config.moe.clamped_swiglu
         return GptOssMoE(self.backend, self._take(weights, f"{p}mlp.router.weight"),
-                         place(router_bias), experts, self.config.moe.top_k, alpha, limit)
+                         place(router_bias), experts, self.config.moe.top_k, alpha, limit,
+                         first_expert=held_experts(self.config).start,
+                         num_experts=self.config.moe.num_experts)
 
 
 def _float(weights: dict, name: str) -> np.ndarray:
@@ -86,10 +94,13 @@ class GptOssMoE:
     linear per projection, as pyx/moe.py's reference path."""
 
     def __init__(self, backend, router, router_bias, experts: list, top_k: int, alpha: float,
-                 limit: float):
+                 limit: float, first_expert: int = 0, num_experts: int | None = None):
         """router (E, H), router_bias (E,) f32; experts[e] = (gate_up (2I, H) with the gate's
-        rows first, its bias (2I,), down (H, I), its bias (H,)), placed weights."""
+        rows first, its bias (2I,), down (H, I), its bias (H,)), placed weights; under expert
+        parallel experts [first_expert, ...) of the router's num_experts (pyx/moe.py's MoE)."""
         self.backend, self.xp = backend, backend.xp
+        self.first_expert, self.num_held = first_expert, len(experts)
+        self.num_experts = num_experts or len(experts)
         self.router, self.router_bias = router, router_bias
         self.experts, self.top_k = experts, top_k
         self.alpha, self.limit = alpha, limit
@@ -118,18 +129,24 @@ class GptOssMoE:
         b, xp = self.backend, self.xp
         T, H = x.shape
         k, I = self.top_k, self.intermediate_size
-        logits = ws.get("router_logits", T, len(self.experts))
+        logits = ws.get("router_logits", T, self.num_experts)
         b.linear(x, self.router, self.router_bias, logits)
         ids, weights = self.route(logits)
-        # (token, expert) pairs sorted by expert; a stable sort keeps token order per expert
-        flat = ids.reshape(-1)
+        # (token, expert) pairs sorted by expert; a stable sort keeps token order per expert.
+        # Pairs of experts another rank holds sort last (as expert E) and add zero.
+        E = self.num_held
+        flat = ids.reshape(-1) - self.first_expert
+        if E < self.num_experts:
+            flat = xp.where((flat >= 0) & (flat < E), flat, E)
         order = xp.argsort(flat, kind="stable")
-        counts = np.asarray(b.to_host(xp.bincount(flat, minlength=len(self.experts))))
+        counts = np.asarray(b.to_host(xp.bincount(flat, minlength=E + 1)))
+        held = int(counts[:E].sum())
         x_sorted = ws.get("moe_x", T * k, H)
-        xp.take(x, order // k, axis=0, out=x_sorted)
+        xp.take(x, order[:held] // k, axis=0, out=x_sorted[:held])
         y_sorted = ws.get("moe_y", T * k, H)
+        y_sorted[held:] = 0
         start = 0
-        for e in np.flatnonzero(counts):
+        for e in np.flatnonzero(counts[:E]):
             end = start + int(counts[e])
             gate_up_w, gate_up_b, down_w, down_b = self.experts[e]
             gate_up = ws.get("moe_gate_up", end - start, 2 * I)

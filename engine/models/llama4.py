@@ -17,6 +17,10 @@ Llama 4 as released (Llama4ForConditionalGeneration: the text model's tensors un
 language_model., beside a vision model and its projector) is served for its text, the vision
 parts not loaded.
 
+Split across ranks (engine/parallel/sharding.py) only with expert parallel: each rank its heads
+(its attention's output all-reduced) and E / ranks whole experts, the rows of the stacked
+experts it holds.
+
 The settings are engine/models/family_config.py's Llama4Settings. The chunk cutting and the
 temperature are computed on the host, so the family runs on the CPU backend; the CUDA backend is
 refused by name.
@@ -30,6 +34,8 @@ import numpy as np
 from engine.models.composed_attention import ComposedAttention, rms_norm_in_place
 from engine.models.llama import LlamaForCausalLM, expected_shapes
 from engine.models.model_config import ModelConfig
+from engine.models.moe import held_experts
+from engine.parallel import layers as tensor_parallel
 from engine.runner.forward_batch import ForwardBatch
 from pyx.layers import MLP
 from pyx.moe import MoE, _top_k_by_argmax
@@ -64,9 +70,10 @@ def llama4_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
             del shapes[f"{p}feed_forward.{name}.weight"]
         q = f"{p}feed_forward."
         E, I, S = m.num_experts, m.intermediate_size, m.shared_intermediate_size
+        held = len(held_experts(c))       # the stacked experts' rows this rank holds
         shapes[f"{q}router.weight"] = (E, H)
-        shapes[f"{q}experts.gate_up_proj"] = (E, H, 2 * I)
-        shapes[f"{q}experts.down_proj"] = (E, I, H)
+        shapes[f"{q}experts.gate_up_proj"] = (held, H, 2 * I)
+        shapes[f"{q}experts.down_proj"] = (held, I, H)
         shapes.update({f"{q}shared_expert.gate_proj.weight": (S, H),
                        f"{q}shared_expert.up_proj.weight": (S, H),
                        f"{q}shared_expert.down_proj.weight": (H, S)})
@@ -81,8 +88,6 @@ class Llama4ForCausalLM(LlamaForCausalLM):
             raise ValueError(f"{config.architecture}: chunked attention and the attention "
                              f"temperature are composed on the host; the {backend.name} "
                              f"backend is not supported, use the CPU backend")
-        if config.tensor_parallel is not None:
-            raise ValueError(f"{config.architecture}: tensor parallel is not supported")
         _language_model_only(weights)
         self.chunks = ChunkedView(config.family.attention_chunk_size)
         super().__init__(config, weights, backend)
@@ -90,14 +95,14 @@ class Llama4ForCausalLM(LlamaForCausalLM):
     def _attention(self, weights, p, i):
         c, s = self.config, self.config.family
         ones = self.backend.place_weight(np.ones(c.head_dim, np.float32))
-        return Llama4Attention(
+        return tensor_parallel.all_reduced_attention(Llama4Attention(
             self.backend, self._qkv(weights, p)[0],
             self._take(weights, f"{p}self_attn.o_proj.weight"),
             self.cos_sin_cache if s.rope_layers[i] else None, c.num_attention_heads,
             c.num_key_value_heads, c.head_dim, c.rms_norm_eps, c.rope.is_neox,
             l2_norm=ones if s.qk_l2_norm and s.rope_layers[i] else None,
             temperature=None if s.rope_layers[i] else s.temperature,
-            chunks=self.chunks if s.chunked_layers[i] else None)
+            chunks=self.chunks if s.chunked_layers[i] else None), c)
 
     def _qkv(self, weights, p):
         if self.config.qkv_bias:
@@ -115,14 +120,15 @@ class Llama4ForCausalLM(LlamaForCausalLM):
         down = weights.pop(f"{q}experts.down_proj")
         place = self.backend.place_weight
         # stored (E, H, 2I) and (E, I, H), x @ w; the gate is the first half of 2I
-        gate_ups = [place(np.ascontiguousarray(gate_up[e].T)) for e in range(m.num_experts)]
-        downs = [place(np.ascontiguousarray(down[e].T)) for e in range(m.num_experts)]
+        gate_ups = [place(np.ascontiguousarray(w.T)) for w in gate_up]
+        downs = [place(np.ascontiguousarray(w.T)) for w in down]
         s = f"{q}shared_expert."
         shared = MLP(self.backend, self._fuse(weights, [f"{s}gate_proj.weight",
                                                         f"{s}up_proj.weight"]),
                      None, self._take(weights, f"{s}down_proj.weight"), None)
         return Llama4MoE(self.backend, self._take(weights, f"{q}router.weight"), gate_ups, downs,
-                         m.top_k, shared, fused=self.backend.fused_moe)
+                         m.top_k, shared, fused=self.backend.fused_moe,
+                         first_expert=held_experts(self.config).start, num_experts=m.num_experts)
 
     def forward(self, batch, kv_caches, *args, **kwargs):
         self.chunks.forget()        # a batch object may come again with other contents
@@ -215,9 +221,9 @@ class Llama4MoE(MoE):
     expert with weight 1."""
 
     def __init__(self, backend, router, experts_gate_up, experts_down, top_k, shared,
-                 fused=False):
+                 fused=False, first_expert=0, num_experts=None):
         super().__init__(backend, router, experts_gate_up, experts_down, 1, False, shared,
-                         None, fused)
+                         None, fused, first_expert=first_expert, num_experts=num_experts)
         self.route_k = top_k
 
     def forward(self, x, out, ws):
@@ -235,10 +241,7 @@ class Llama4MoE(MoE):
         pairs_out = ws.get("llama4_moe_out", T * k, H)
         ones = xp.ones((T * k, 1), xp.float32)
         pair_ids = xp.ascontiguousarray(ids.reshape(T * k, 1))
-        if self.fused:
-            self._experts_fused(pairs_in, pair_ids, ones, pairs_out, ws)
-        else:
-            self._experts_one_by_one(pairs_in, pair_ids, ones, pairs_out, ws)
+        self.run_experts(pairs_in, pair_ids, ones, pairs_out, ws)
         pairs_out.reshape(T, k, H).sum(axis=1, out=out)
         shared_out = ws.get("moe_shared", T, H)
         self.shared.forward(x, shared_out, ws)

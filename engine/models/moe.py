@@ -7,6 +7,10 @@ Only the names differ between the families: Mixtral keeps its experts under
 `mlp.shared_expert.*` and its gate `mlp.shared_expert_gate`. MiniMax-M2
 (engine/models/minimax_m2.py) keeps Mixtral's names and adds a sigmoid router's
 `e_score_correction_bias` (MoeConfig.grouped).
+
+Under expert parallel (engine/parallel/sharding.py) a rank holds experts [start, stop) whole: the
+router stays whole (every rank routes every token the same way) and the block's output is the
+rank's experts' share of the weighted sum, which the all-reduce after it completes.
 """
 from __future__ import annotations
 
@@ -25,6 +29,12 @@ def _names(c: ModelConfig) -> tuple[str, tuple[str, str, str]]:
     return "mlp", ("gate_proj", "up_proj", "down_proj")
 
 
+def held_experts(c: ModelConfig) -> range:
+    """The routed experts this rank holds: all of them, unless experts are split across ranks."""
+    tp = c.tensor_parallel
+    return range(*tp.experts) if tp is not None and tp.experts else range(c.moe.num_experts)
+
+
 def moe_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
     shapes = expected_shapes(c)
     m = c.moe
@@ -38,7 +48,7 @@ def moe_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
             del shapes[f"{p}mlp.{name}.weight"]
         q = f"{p}{block}."
         shapes[f"{q}gate.weight"] = (m.num_experts, H)
-        for e in range(m.num_experts):
+        for e in held_experts(c):
             shapes[f"{q}experts.{e}.{gate}.weight"] = (m.intermediate_size, H)
             shapes[f"{q}experts.{e}.{up}.weight"] = (m.intermediate_size, H)
             shapes[f"{q}experts.{e}.{down}.weight"] = (H, m.intermediate_size)
@@ -67,11 +77,11 @@ class MoeForCausalLM(LlamaForCausalLM):
         c, m = self.config, self.config.moe
         block, (gate, up, down) = _names(c)
         q = f"{p}{block}."
+        held = held_experts(c)
         gate_up = [self._fuse(weights, [f"{q}experts.{e}.{gate}.weight",
                                         f"{q}experts.{e}.{up}.weight"])
-                   for e in range(m.num_experts)]
-        downs = [self._take(weights, f"{q}experts.{e}.{down}.weight")
-                 for e in range(m.num_experts)]
+                   for e in held]
+        downs = [self._take(weights, f"{q}experts.{e}.{down}.weight") for e in held]
         shared = shared_gate = None
         if m.shared_intermediate_size:
             s = f"{q}shared_expert."
@@ -86,4 +96,5 @@ class MoeForCausalLM(LlamaForCausalLM):
         # kernels moe=fused: grouped GEMMs over stacked experts.
         return MoE(self.backend, self._take(weights, f"{q}gate.weight"), gate_up, downs, m.top_k,
                    m.normalize, shared, shared_gate, fused=self.backend.fused_moe,
-                   grouped=m.grouped, correction_bias=bias)
+                   grouped=m.grouped, correction_bias=bias, first_expert=held.start,
+                   num_experts=m.num_experts)

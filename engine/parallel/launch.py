@@ -56,7 +56,7 @@ def check_model(config) -> None:
     from engine.parallel.sharding import ShardPlan
     model_config = ModelConfig.from_pretrained(resolve_model(config.model))
     if config.tensor_parallel_size > 1:
-        ShardPlan(model_config, 0, config.tensor_parallel_size)
+        ShardPlan(model_config, 0, config.tensor_parallel_size, config.enable_expert_parallel)
     if config.pipeline_parallel_size > 1:
         check_stages(model_config)
         stage_layers(model_config.num_hidden_layers, config.pipeline_parallel_size)

@@ -45,6 +45,26 @@ class AllReduced:
         return getattr(self.block, name)
 
 
+class AllReducedAttention:
+    """An attention layer of the family's own (ComposedAttention) over the rank's heads, its
+    output all-reduced across the ranks."""
+
+    def __init__(self, attention, comm):
+        self.attention, self.comm = attention, comm
+
+    def forward(self, batch, x, out, k_cache, v_cache, ws):
+        self.attention.forward(batch, x, out, k_cache, v_cache, ws)
+        self.comm.all_reduce(out)
+
+    def __getattr__(self, name):
+        return getattr(self.attention, name)
+
+
+def all_reduced_attention(attention, config):
+    tp = config.tensor_parallel
+    return attention if tp is None else AllReducedAttention(attention, tp.comm)
+
+
 def attention_class(config):
     """Attention, or RowParallelAttention bound to the rank's communicator."""
     tp = config.tensor_parallel

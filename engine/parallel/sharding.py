@@ -6,8 +6,16 @@ it from a lazily read tensor so that a rank reads only its part.
                                           replicated on the ranks whose query heads read it
     o_proj                                row-parallel: the input columns of the rank's heads
     gate/up (GLM-4's and Phi-3's fused    column-parallel: each rank a slice of the intermediate
-      gate_up_proj, every expert's)       size (MoE experts are split within, not across ranks)
+      gate_up_proj, every expert's)       size (MoE experts split within the ranks by default)
     down_proj                             row-parallel: the same slice of its input columns
+    experts.{e}.* under expert parallel   whole, on the rank holding expert e (E / ranks
+      (--enable-expert-parallel)          contiguous experts each), absent from the others; the
+                                          shared expert stays split within as above; GPT-OSS's
+                                          and Llama 4's stacked experts.gate_up_proj/down_proj
+                                          (E first; biases, MXFP4 blocks and scales) its rows
+    self_attn.sinks (GPT-OSS)             the rank's heads' sinks
+    q_norm/k_norm over all heads          the rank's heads' part (MiniMax-M2: the norm's mean
+                                          square is all-reduced, engine/models/minimax_m2.py)
     embed_tokens, lm_head                 vocab-parallel: each rank ceil(V / ranks) rows, the
                                           last rank's padded with zero rows
     row-parallel biases                   rank 0's is the checkpoint's, the others zero (the
@@ -43,6 +51,9 @@ class TensorParallel:
     vocab_size: int
     vocab_start: int
     comm: object = dataclasses.field(compare=False, repr=False)
+    # Expert parallel: the experts [start, stop) this rank holds whole (None: every expert, each
+    # split within the ranks).
+    experts: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -67,8 +78,24 @@ _UP = re.compile(r"\.(gate_proj|up_proj|w1|w3)\.(weight|bias)$")
 _GATE_UP = re.compile(r"\.gate_up_proj\.(weight|bias)$")
 _DOWN = re.compile(r"\.(down_proj|w2)\.weight$")
 _ROW_BIAS = re.compile(r"\.(o_proj|down_proj|w2)\.bias$")
-_VOCAB = re.compile(r"^(model\.)?embed_tokens\.weight$|^lm_head\.weight$")
+# (language_model.: Llama 4's multimodal layout, renamed by its family's file after the cut)
+_VOCAB = re.compile(r"^(language_model\.)?((model\.)?embed_tokens|lm_head)\.weight$")
 _KV_SCALES = tuple(f".{name}" for pair in KV_SCALE_NAMES for name in pair)
+# One routed expert's tensors (weights, FP8 scales, biases); not `shared_experts.` (DeepSeek's).
+_EXPERT = re.compile(r"\.experts\.(\d+)\.")
+# Every expert's tensor stacked along the first axis (GPT-OSS's; MXFP4's blocks and scales).
+_STACKED_EXPERTS = re.compile(
+    r"\.(mlp|feed_forward)\.experts\.(gate_up_proj|down_proj)(_bias|_blocks|_scales)?$")
+_SINKS = re.compile(r"\.self_attn\.sinks$")
+# q/k norms over all heads at once (MiniMax-M2's; Qwen3's per-head ones are one head wide)
+_Q_NORM = re.compile(r"\.self_attn\.q_norm\.weight$")
+_K_NORM = re.compile(r"\.self_attn\.k_norm\.weight$")
+
+
+def expert_of(name: str) -> int | None:
+    """The routed expert a checkpoint tensor belongs to, or None."""
+    m = _EXPERT.search(name)
+    return int(m.group(1)) if m else None
 
 
 def even(n: int, rank: int, size: int, what: str) -> tuple[int, int]:
@@ -78,15 +105,20 @@ def even(n: int, rank: int, size: int, what: str) -> tuple[int, int]:
 
 
 # Families whose weights this plan does not know (issue 29 item 4's quirk files).
-NOT_SPLIT = ("PhiForCausalLM", "Glm4MoeForCausalLM", "GptOssForCausalLM")
+NOT_SPLIT = ("PhiForCausalLM",)
+# Families whose experts split only across ranks, whole (their stacked, interleaved gate/up is
+# not cut within), and the quantization methods their checkpoints use on those experts alone.
+EXPERTS_ACROSS_ONLY = {"GptOssForCausalLM": "mxfp4", "Llama4ForCausalLM": None}
 
 
 class ShardPlan:
     """The cut of every tensor for one rank of `size`, checked against the config first (a
-    model that cannot be split stops before anything is read)."""
+    model that cannot be split stops before anything is read). expert_parallel: MoE experts
+    split across the ranks, whole (vLLM's --enable-expert-parallel), instead of within them."""
 
-    def __init__(self, config: ModelConfig, rank: int, size: int):
+    def __init__(self, config: ModelConfig, rank: int, size: int, expert_parallel: bool = False):
         self.config, self.rank, self.size = config, rank, size
+        self.expert_parallel = expert_parallel and config.moe is not None
         c = config
         arch = c.architecture
         for field, what in (("mla", "multi-head latent attention"),
@@ -97,6 +129,9 @@ class ShardPlan:
                                  "ranks")
         if arch in NOT_SPLIT:     # their tensors' names and cuts are not in this plan
             raise ValueError(f"tensor parallel: {arch} is not yet split across ranks")
+        if arch in EXPERTS_ACROSS_ONLY and not expert_parallel:
+            raise ValueError(f"tensor parallel: {arch}'s experts split across ranks only, "
+                             f"whole: add --enable-expert-parallel")
         if c.qk_layernorm:
             raise ValueError(f"tensor parallel: {arch} with per-head q/k LayerNorm (qk_layernorm) "
                              "is not yet split across ranks")
@@ -108,14 +143,22 @@ class ShardPlan:
             raise ValueError(f"tensor parallel {size}: {arch} has {hkv} KV heads; a split needs "
                              f"their number to divide or be divisible by {size}")
         even(c.intermediate_size, 0, size, f"{arch}'s intermediate_size")
-        if c.moe is not None:
+        self.experts = None
+        if self.expert_parallel:
+            E = c.moe.num_experts
+            if E % size:
+                raise ValueError(f"expert parallel {size}: {arch} has {E} experts, not "
+                                 f"divisible by {size} (each rank holds E / {size} whole experts)")
+            self.experts = (rank * E // size, (rank + 1) * E // size)
+        elif c.moe is not None:
             even(c.moe.intermediate_size, 0, size, f"{arch}'s expert intermediate size")
-            if c.moe.shared_intermediate_size:
-                even(c.moe.shared_intermediate_size, 0, size,
-                     f"{arch}'s shared expert intermediate size")
+        if c.moe is not None and c.moe.shared_intermediate_size:
+            even(c.moe.shared_intermediate_size, 0, size,
+                 f"{arch}'s shared expert intermediate size")
         q = c.quantization_config
         method = q.get("quant_method") if q else None
-        if method is not None and method not in SPLITTABLE_QUANT:
+        experts_only = self.expert_parallel and EXPERTS_ACROSS_ONLY.get(arch) == method
+        if method is not None and method not in SPLITTABLE_QUANT and not experts_only:
             raise ValueError(f"tensor parallel: {method} checkpoints cannot be split across ranks "
                              f"yet (splittable: unquantized safetensors, fp8 with block scales, "
                              f"GGUF, --isq)")
@@ -131,13 +174,20 @@ class ShardPlan:
         """The config the rank's model is built with (TensorParallel says what it is a share of)."""
         c, n = self.config, self.size
         moe = c.moe and dataclasses.replace(
-            c.moe, intermediate_size=c.moe.intermediate_size // n,
+            c.moe, intermediate_size=c.moe.intermediate_size // (1 if self.experts else n),
             shared_intermediate_size=c.moe.shared_intermediate_size // n)
         return dataclasses.replace(
             c, num_attention_heads=self.heads, num_key_value_heads=self.kv_heads,
             intermediate_size=c.intermediate_size // n, vocab_size=self.vocab_share, moe=moe,
             tensor_parallel=TensorParallel(self.rank, n, c.vocab_size,
-                                           self.rank * self.vocab_share, comm))
+                                           self.rank * self.vocab_share, comm, self.experts))
+
+    def expert_map(self) -> str:
+        """Which experts each rank holds, for the start-up log."""
+        E, n = self.config.moe.num_experts, self.size
+        return (f"expert parallel {n}: " + ", ".join(
+            f"rank {r} holds experts {r * E // n}-{(r + 1) * E // n - 1}" for r in range(n))
+            + f" (of {E})")
 
     def q_rows(self) -> tuple[int, int]:
         d = self.config.head_dim
@@ -155,8 +205,19 @@ class ShardPlan:
     # ---- the cut of each tensor
 
     def cut(self, name: str, shape: tuple[int, ...]):
-        """A Cut, ZERO_UNLESS_RANK0, or None (the whole tensor: replicated)."""
+        """A Cut, ZERO_UNLESS_RANK0, or None (the whole tensor: replicated, or under expert
+        parallel one of the rank's experts)."""
         c, r, n = self.config, self.rank, self.size
+        if self.experts is not None and expert_of(name) is not None:
+            return None
+        if self.experts is not None and _STACKED_EXPERTS.search(name):
+            return Cut(0, (self.experts,))
+        if _SINKS.search(name):
+            return Cut(0, ((r * self.heads, (r + 1) * self.heads),))
+        if _Q_NORM.search(name) and shape == (c.q_size,) and c.q_size > c.head_dim:
+            return Cut(0, (self.q_rows(),))
+        if _K_NORM.search(name) and shape == (c.kv_size,) and c.kv_size > c.head_dim:
+            return Cut(0, (self.kv_rows(),))
         if _VOCAB.match(name):
             start = min(r * self.vocab_share, shape[0])
             stop = min(start + self.vocab_share, shape[0])
@@ -188,7 +249,9 @@ class ShardPlan:
     def shard(self, name: str, tensor, shapes: dict | None = None):
         """The rank's part of `tensor` (module docstring: a view where one range is cut).
         shapes: every tensor's whole shape by name (an FP8 block-scale tensor is cut as the
-        weight it scales is)."""
+        weight it scales is). None: a tensor the rank does not hold (another rank's expert)."""
+        if self.experts is not None and (e := expert_of(name)) is not None:
+            return tensor if self.experts[0] <= e < self.experts[1] else None
         if name.endswith(".weight_scale_inv") and self.fp8_block is not None:
             return self._shard_block_scales(name, tensor, shapes[name.removesuffix("_scale_inv")])
         cut = self.cut(name, tuple(tensor.shape))
@@ -270,6 +333,8 @@ def check_isq_split(plan: ShardPlan, weights: dict, isq: str) -> None:
         if not isinstance(w, np.ndarray) or w.ndim != 2 or not (_O.search(name) or
                                                                _DOWN.search(name)):
             continue
+        if plan.experts is not None and expert_of(name) is not None:
+            continue            # a whole expert: quantized as one process would
         k = w.shape[1]
         if check_isq(isq) == MARLIN:
             whole, share = marlin_group(k * plan.size), marlin_group(k)

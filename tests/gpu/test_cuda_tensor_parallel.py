@@ -10,6 +10,11 @@ backend's stream.
                captured graph.
   two devices  tensor_parallel_size 2 against one device (skipped with fewer than 2 GPUs:
                pending a machine with several).
+  expert       the fused MoE block's shares of two ranks holding [0, E/2) and [E/2, E) add up
+  parallel     to the whole block's output on the device (the other rank's pairs unrouted in
+               moe_align and moe_combine); a Mixtral-shaped model with enable_expert_parallel in
+               a group of one through the NCCL communicator gives the plain engine's tokens,
+               with decode graphs.
 
 NCCL comes from the nvidia-nccl wheel beside CuPy; without it these tests fail naming it.
 """
@@ -105,3 +110,51 @@ def test_two_devices_match_one(checkpoints):
         llm.engine.shutdown()
     for a, b in zip(one, two):         # bf16 sums in another order: the first tokens agree
         assert a[:8] == b[:8], (a, b)
+
+
+def test_expert_parallel_shares_add_up_on_the_device():
+    from conftest import cuda_backend
+    from pyx.layers import Workspace
+    from pyx.moe import MoE
+    b = cuda_backend("bf16")
+    rng = np.random.default_rng(3)
+    H, I, E, k, T = 256, 128, 16, 4, 40
+
+    def r(*shape):
+        return (rng.standard_normal(shape) * 0.08).astype(np.float32)
+    router, gate_up, down = r(E, H), [r(2 * I, H) for _ in range(E)], [r(H, I) for _ in range(E)]
+    x = b.asarray((rng.standard_normal((T, H)) * 2).astype(b.act_dtype))
+
+    def block_output(first, held):
+        place = b.place_weight
+        block = MoE(b, place(router), [place(w) for w in gate_up[first:first + held]],
+                    [place(w) for w in down[first:first + held]], k, True, fused=True,
+                    first_expert=first, num_experts=E)
+        out = b.xp.full((T, H), np.nan, b.act_dtype)      # an unwritten row fails
+        block.forward(x, out, Workspace(b.xp, b.act_dtype))
+        return b.to_host(out).astype(np.float32)
+    whole = block_output(0, E)
+    shares = block_output(0, E // 2) + block_output(E // 2, E // 2)
+    assert np.isfinite(shares).all()
+    err = np.linalg.norm(shares - whole) / np.linalg.norm(whole)
+    assert err < 1e-2, err          # each share rounded to bf16 once more than the whole
+
+
+def test_expert_parallel_of_one_rank_matches_plain_engine(monkeypatch, tmp_path):
+    import engine.core.llm_engine as llm_engine
+    from checkpoints import tiny256_checkpoint
+    from engine.core.builder import build
+    from pyx.moe import MoE
+    path = tiny256_checkpoint(str(tmp_path / "mixtral"), arch="mixtral", dtype="bfloat16")
+    prompts = random_prompts(4, (40, 17, 70))
+    plain = [list(o.token_ids) for o in greedy(make_llm(path, "cuda", kernels="moe=fused"),
+                                                prompts)]
+    monkeypatch.setattr(llm_engine, "build",
+                        lambda config, loaded=None: build(config, loaded, group=OneRank()))
+    llm = make_llm(path, "cuda", kernels="moe=fused", enable_expert_parallel=True)
+    assert llm.engine.model.config.tensor_parallel.experts == (0, 8)   # the split graph ran
+    blocks = [layer.mlp.block for layer in llm.engine.model.layers]
+    assert all(isinstance(m, MoE) and m.fused for m in blocks)
+    assert llm.engine.runner.graph_runner is not None
+    split = [list(o.token_ids) for o in greedy(llm, prompts)]
+    assert split == plain
