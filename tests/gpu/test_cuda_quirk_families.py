@@ -102,7 +102,7 @@ def test_sinks_match_reference_and_cpu(cuda, cpu, batch, window):
 
 
 def _tol(b):
-    return TOL[b.act_dtype.name]
+    return TOL[np.dtype(b.act_dtype).name]
 
 
 @pytest.mark.parametrize("batch", sorted(BATCHES))
