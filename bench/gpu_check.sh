@@ -262,7 +262,9 @@ if [ "$SUITE" = first ]; then
     gpu_step test_step tests_default 160 30 test_cuda_ops.py test_cuda_model.py \
         test_cuda_logprobs.py test_cuda_families.py test_cuda_block_tables.py test_cuda_mla.py \
         test_cuda_features.py test_cuda_tensor_parallel.py test_cuda_pipeline_parallel.py \
-        test_cuda_hybrid.py test_cuda_lora.py test_cuda_vision.py test_cuda_quirk_families.py
+        test_cuda_hybrid.py test_cuda_lora.py test_cuda_vision.py \
+        "test_cuda_quirk_families.py:ops:not family and not minimax" \
+        "test_cuda_quirk_families.py:models:family or minimax"
     # the quantized GEMMs' host work (quantizing, repacking 8B-sized weights) in two processes
     gpu_step test_step tests_quant 180 40 test_cuda_gguf.py test_cuda_marlin.py test_cuda_fp8.py \
         "test_cuda_quant_gemm.py:gguf:q4_ or q8_ or q6_" "test_cuda_quant_gemm.py:int4_fp8:int4 or fp8" \

@@ -5,7 +5,11 @@
 //     gelu(approximate='tanh');
 //   softcap: x = cap * tanh(x / cap), in place (Gemma-2 logit soft-capping, F32 logits too);
 //   scale: x = x * s, in place (Gemma's embedding times sqrt(hidden));
-//   add_bias: out[t, n] += bias[n], in place.
+//   add_bias: out[t, n] += bias[n], in place;
+//   clamped_swiglu (GPT-OSS's experts): g = min(x[t, i], limit), u = clip(x[t, I + i], -limit,
+//     limit), out[t, i] = (u + 1) * g / (1 + expf(-alpha g)): the gate first, as silu_and_mul
+//     (the model file puts its interleaved gate/up columns in that order at load). One element a
+//     thread: the simple form, no packs.
 //
 // Grid-stride loops over 16-byte packs (8 bf16/f16 or 4 f32 per load and store) when the row
 // length is a multiple of the pack and the pointers are 16-byte aligned (the launcher checks the
@@ -158,6 +162,28 @@ void launch_add_bias(void* out, const float* bias, int64_t T_, int64_t Nc, cudaS
         add_bias_kernel<T, 1><<<row_grid(T_, Nc), kThreads, 0, s>>>((T*)out, bias, T_, Nc);
 }
 
+template <typename T>
+__global__ void clamped_swiglu_kernel(const T* __restrict__ x,  // (T, 2I)
+                                      T* __restrict__ out,      // (T, I)
+                                      int64_t T_, int64_t I, float alpha, float limit) {
+    const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+    for (int64_t e = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; e < T_ * I; e += stride) {
+        const int64_t t = e / I, i = e - t * I;
+        const float g = fminf(taper::to_float(x[t * 2 * I + i]), limit);
+        const float u = fminf(fmaxf(taper::to_float(x[t * 2 * I + I + i]), -limit), limit);
+        out[e] = taper::from_float<T>((u + 1.0f) * (g / (1.0f + expf(-alpha * g))));
+    }
+}
+
+template <typename T>
+void launch_clamped_swiglu(const void* x, void* out, int64_t T_, int64_t I, float alpha,
+                           float limit, cudaStream_t s) {
+    int64_t blocks = taper::ceil_div(T_ * I, kThreads);
+    if (blocks > (1 << 20)) blocks = 1 << 20;  // the grid-stride loop covers the rest
+    clamped_swiglu_kernel<T><<<(unsigned)blocks, kThreads, 0, s>>>((const T*)x, (T*)out, T_, I,
+                                                                   alpha, limit);
+}
+
 // Rows of up to 2^31 elements keep the x grid within its limit.
 bool bad_rows(int64_t T, int64_t n) { return T < 0 || n < 0 || n > INT32_MAX; }
 
@@ -210,5 +236,19 @@ extern "C" int taper_cuda_add_bias(void* out,          // (T, N) dtype
     if (T == 0 || N == 0) return TAPER_CUDA_OK;
     TAPER_DISPATCH_DTYPE(dtype, scalar_t,
                          launch_add_bias<scalar_t>(out, bias, T, N, (cudaStream_t)stream));
+    return taper::launch_status();
+}
+
+// limit must be positive (GPT-OSS's swiglu_limit, 7.0) and alpha finite.
+extern "C" int taper_cuda_clamped_swiglu(const void* x,  // (T, 2I) dtype
+                                         void* out,      // (T, I) dtype
+                                         int64_t T, int64_t I, float alpha, float limit,
+                                         int dtype, taper_stream_t stream) {
+    if (bad_rows(T, I) || !(limit > 0.f) || !isfinite(alpha) || !isfinite(limit))
+        return TAPER_CUDA_ERR_ARG;
+    if (T == 0 || I == 0) return TAPER_CUDA_OK;
+    TAPER_DISPATCH_DTYPE(dtype, scalar_t,
+                         launch_clamped_swiglu<scalar_t>(x, out, T, I, alpha, limit,
+                                                         (cudaStream_t)stream));
     return taper::launch_status();
 }

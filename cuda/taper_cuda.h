@@ -95,6 +95,12 @@ int taper_cuda_silu_and_mul(const void* x,  // (T, 2I) dtype
 int taper_cuda_gelu_tanh_and_mul(const void* x,  // (T, 2I) dtype
                                  void* out,      // (T, I) dtype
                                  int64_t T, int64_t I, int dtype, taper_stream_t stream);
+/* GPT-OSS's clamped SwiGLU: g = min(x[:, :I], limit), u = clip(x[:, I:], -limit, limit),
+ * out = (u + 1) * g * sigmoid(alpha * g). limit > 0, alpha finite. */
+int taper_cuda_clamped_swiglu(const void* x,  // (T, 2I) dtype
+                              void* out,      // (T, I) dtype
+                              int64_t T, int64_t I, float alpha, float limit, int dtype,
+                              taper_stream_t stream);
 
 /* In place x = cap * tanh(x / cap) (Gemma-2 logit soft-capping); dtype may be F32 (logits). */
 int taper_cuda_softcap(void* x,  // (n,) dtype
@@ -195,6 +201,27 @@ int taper_cuda_paged_attention_prefill(void* out,                      // (T, Hq
                                        int64_t NB, int64_t BS, int64_t MB, float scale,
                                        int64_t sliding_window, float softcap, int dtype,
                                        int cache_dtype, int variant, taper_stream_t stream);
+
+/* The simple kernel (variant 0 above) over any batch, decode rows included, with the masks and
+ * widths the tuned kernels lack: sinks (Hq,) or NULL, GPT-OSS's attention sinks (each row's
+ * softmax denominator gains exp(sinks[h] - max score)); attention_chunk > 0, Llama 4's chunked
+ * attention (a row at position p attends no key before p / attention_chunk * attention_chunk);
+ * D a multiple of 8 up to 512. sliding_window, softcap and FP8 caches as variant 0. */
+int taper_cuda_paged_attention_masked(void* out,                      // (T, Hq, D) dtype
+                                      const void* q,                  // (T, Hq, D) dtype
+                                      const void* k_cache,            // (NB, BS, Hkv, D)
+                                      const void* v_cache,            // (NB, BS, Hkv, D)
+                                      const float* k_scale,           // (Hkv,) FP8, else NULL
+                                      const float* v_scale,           // (Hkv,) FP8, else NULL
+                                      const int32_t* block_tables,    // (B, MB)
+                                      const int32_t* seq_lens,        // (B,)
+                                      const int32_t* query_start_loc, // (B+1,)
+                                      const float* sinks,             // (Hq,) or NULL
+                                      int64_t T, int64_t B, int64_t Hq, int64_t Hkv, int64_t D,
+                                      int64_t NB, int64_t BS, int64_t MB, float scale,
+                                      int64_t sliding_window, int64_t attention_chunk,
+                                      float softcap, int dtype, int cache_dtype,
+                                      taper_stream_t stream);
 
 /* ---- mla_decode.cu: decode attention over multi-head latent attention's cache: one query row
  * per sequence, every query head reads the one cached head (D <= 1024), the value is a row's

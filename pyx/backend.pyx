@@ -214,6 +214,13 @@ cdef class Backend:
         x (T, 2I) f32; out (T, I) f32."""
         raise NotImplementedError
 
+    def clamped_swiglu(self, x, out, alpha, limit):
+        """GPT-OSS's experts' activation, gate first as silu_and_mul: g = min(x[:, :I], limit),
+        u = clip(x[:, I:], -limit, limit), out = (u + 1) * g * sigmoid(alpha * g), in float32.
+        x (T, 2I) f32; out (T, I) f32; alpha finite, limit finite and > 0 (ValueError
+        otherwise)."""
+        raise NotImplementedError
+
     def gelu(self, x, out):
         """out = x * Phi(x) = 0.5 * x * (1 + erf(x / sqrt(2))), the exact GELU (torch.nn.GELU(),
         vision encoders' projectors). x, out (T, N) f32."""
@@ -284,7 +291,7 @@ cdef class Backend:
 
     def paged_attention(self, out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                         scale, sliding_window, k_scale=None, v_scale=None, softcap=0.0,
-                        sinks=None):
+                        sinks=None, attention_chunk=0):
         """Causal attention for a mixed prefill/decode batch over the paged KV cache.
         Sequence b owns query rows [query_start_loc[b], query_start_loc[b+1]); those are its last
         q_len tokens, so row i sits at position p = seq_lens[b] - (query_start_loc[b+1] - i).
@@ -298,9 +305,14 @@ cdef class Backend:
         softcap > 0 (Gemma-2): each scaled score s = scale * q.k becomes softcap * tanh(s / softcap)
         before the causal mask and the softmax; 0 = off, and then the results are bit-identical
         to the op without the option. A negative or non-finite softcap is a ValueError.
-        sinks (Hq,) f32 (GPT-OSS's attention sinks; the CPU backend only): query head h's softmax
-        takes one more logit, sinks[h], with no value, so each row's weights are
-        exp(s_j) / (sum_j exp(s_j) + exp(sinks[h])); None = off."""
+        sinks (Hq,) f32 (GPT-OSS's attention sinks): query head h's softmax takes one more
+        logit, sinks[h], with no value, so each row's weights are
+        exp(s_j) / (sum_j exp(s_j) + exp(sinks[h])); None = off.
+        attention_chunk > 0 (Llama 4's chunked attention): row i at position p also attends no
+        key j < p // attention_chunk * attention_chunk; 0 = off. The CPU backend needs it to be
+        a multiple of BS (pyx/chunked_attention.py). A negative or non-integer value is a
+        ValueError. Backends other than these two may lack sinks and attention_chunk: callers
+        pass them only when set."""
         raise NotImplementedError
 
     def mla_decode_attention(self, out, q, cache, block_tables, seq_lens, scale):

@@ -18,6 +18,8 @@ from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t
 
 from pyx.backend cimport Backend, describe_arrays as _desc, fail as _fail
 from pyx import cpu_int4, cpu_moe, cpu_sampling, cpu_threads, cpu_vision
+from pyx.attention_dispatch import check_masks
+from pyx.chunked_attention import chunked_batch
 from pyx.fp8 import fp8_linear
 from pyx.moe import StackedExperts
 from pyx.weights.fp8 import Fp8Weight
@@ -749,6 +751,22 @@ cdef class CpuBackend(Backend):
     def gelu_tanh_and_mul(self, x, out):
         self._gated("gelu_tanh_and_mul", x, out, taper_gelu_tanh_and_mul)
 
+    def clamped_swiglu(self, x, out, alpha, limit):
+        """NumPy, in float32 (GPT-OSS's experts: the reference of cuda/activation.cu's)."""
+        op = "clamped_swiglu"
+        arrays = {"x": x, "out": out, "alpha": alpha, "limit": limit}
+        _check(op, arrays, "x", (_F32,), 2)
+        _check(op, arrays, "out", (_F32,), 2, True)
+        I = out.shape[1]
+        if x.shape[1] != 2 * I or out.shape[0] != x.shape[0]:
+            _fail(op, "need x (T, 2I), out (T, I)", arrays)
+        if not (math.isfinite(alpha) and math.isfinite(limit) and limit > 0):
+            _fail(op, "need a finite alpha and a finite limit > 0", arrays)
+        gate = np.minimum(x[:, :I], np.float32(limit))
+        up = np.clip(x[:, I:], np.float32(-limit), np.float32(limit))
+        glu = gate / (np.float32(1.0) + np.exp(np.float32(-alpha) * gate))
+        np.multiply(up + np.float32(1.0), glu, out=out)
+
     # ---- vision encoders (pyx/cpu_vision.py)
 
     def gelu(self, x, out):
@@ -868,7 +886,13 @@ cdef class CpuBackend(Backend):
 
     def paged_attention(self, out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                         scale, sliding_window, k_scale=None, v_scale=None, softcap=0.0,
-                        sinks=None):
+                        sinks=None, attention_chunk=0):
+        if attention_chunk:     # pyx/chunked_attention.py: the batch cut into pieces
+            chunk = check_masks("paged_attention", sinks, attention_chunk, q.shape[1], 0)
+            tables, lens, starts = chunked_batch(block_tables, seq_lens, query_start_loc, chunk,
+                                                 k_cache.shape[1])
+            return self.paged_attention(out, q, k_cache, v_cache, tables, lens, starts, scale,
+                                        sliding_window, k_scale, v_scale, softcap, sinks)
         if k_scale is not None or v_scale is not None or getattr(k_cache, "dtype", None) == _U8:
             return self._paged_attention_fp8(out, q, k_cache, v_cache, block_tables, seq_lens,
                                              query_start_loc, scale, sliding_window, k_scale,

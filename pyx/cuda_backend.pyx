@@ -33,7 +33,7 @@ from libc.stdint cimport INT32_MAX, int32_t, int64_t, uint64_t
 
 from pyx.backend cimport Backend, describe_arrays as _desc, fail as _fail
 from pyx.cuda_launch cimport *
-from pyx import cpu_moe
+from pyx import attention_dispatch, cpu_moe
 from pyx.decode_splits import decode_num_splits
 from pyx.moe import StackedExperts
 from pyx.weights.fp8 import Fp8Weight
@@ -707,6 +707,15 @@ cdef class CudaBackend(Backend):
     def gelu_tanh_and_mul(self, x, out):
         self._gated("gelu_tanh_and_mul", x, out, launch_gelu_tanh_and_mul)
 
+    def clamped_swiglu(self, x, out, alpha, limit):
+        """cuda/activation.cu's kernel (GPT-OSS's experts)."""
+        op = "clamped_swiglu"
+        arrays = {"x": x, "out": out, "alpha": alpha, "limit": limit}
+        if not (math.isfinite(alpha) and math.isfinite(limit) and limit > 0):
+            _fail(op, "need a finite alpha and a finite limit > 0", arrays)
+        self._gated(op, x, out, lambda xp_, op_, T, I, code, st: launch_clamped_swiglu(
+            xp_, op_, T, I, alpha, limit, code, st))
+
     def softcap(self, x, cap):
         op = "softcap"
         arrays = {"x": x, "cap": cap}
@@ -867,13 +876,17 @@ cdef class CudaBackend(Backend):
                                  self._sptr())
 
     def paged_attention(self, out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                        scale, sliding_window, k_scale=None, v_scale=None, softcap=0.0):
-        """Decode batches (one query row per sequence, T == B) take the decode kernel, anything
-        else the prefill kernel, which handles mixed batches."""
+                        scale, sliding_window, k_scale=None, v_scale=None, softcap=0.0,
+                        sinks=None, attention_chunk=0):
+        """pyx/attention_dispatch.py picks the kernel: sinks, a chunk or a head over 256 take the
+        masked (simple) kernel for any batch; else decode batches (one query row per sequence,
+        T == B) the decode kernel, anything else the prefill kernel, which handles mixed
+        batches."""
         op, act = "paged_attention", (self.act_dtype,)
         arrays = {"out": out, "q": q, "k_cache": k_cache, "v_cache": v_cache,
                   "block_tables": block_tables, "seq_lens": seq_lens,
-                  "query_start_loc": query_start_loc, "k_scale": k_scale, "v_scale": v_scale}
+                  "query_start_loc": query_start_loc, "k_scale": k_scale, "v_scale": v_scale,
+                  "sinks": sinks}
         self._check(op, arrays, "out", act, 3, True)
         self._check(op, arrays, "q", act, 3)
         self._check(op, arrays, "block_tables", (_I32,), 2)
@@ -894,8 +907,19 @@ cdef class CudaBackend(Backend):
             _fail(op, f"sliding_window must be >= 0, got {sliding_window}", arrays)
         if softcap < 0:
             _fail(op, f"softcap must be >= 0, got {softcap}", arrays)
+        chunk = attention_dispatch.check_masks(op, sinks, attention_chunk, Hq, D)
+        if sinks is not None:
+            self._check(op, arrays, "sinks", (_F32,), 1)
+        kernel = attention_dispatch.attention_kernel(T, B, D, sinks, chunk)
         ks, vs = self._opt_ptr(k_scale), self._opt_ptr(v_scale)
-        if T == B:
+        if kernel == "masked":
+            launch_paged_attention_masked(
+                self._ptr(out), self._ptr(q), self._ptr(k_cache), self._ptr(v_cache), ks, vs,
+                self._ptr(block_tables), self._ptr(seq_lens), self._ptr(query_start_loc),
+                self._opt_ptr(sinks), T, B, Hq, Hkv, D, NB, BS, MB, scale, sw, chunk, softcap,
+                self._act_code, cache_code, self._sptr())
+            return
+        if kernel == "decode":
             fp8 = cache_code == TAPER_DT_FP8
             splits = self.decode_split_count(B, Hq, Hkv, D, BS, MB, fp8)
             ws_bytes = decode_workspace_bytes(B, Hq, D, splits)

@@ -33,6 +33,8 @@ cdef extern from "taper_cuda.h" nogil:
                                 taper_stream_t stream)
     int taper_cuda_gelu_tanh_and_mul(const void* x, void* out, int64_t T, int64_t I, int dtype,
                                      taper_stream_t stream)
+    int taper_cuda_clamped_swiglu(const void* x, void* out, int64_t T, int64_t I, float alpha,
+                                  float limit, int dtype, taper_stream_t stream)
     int taper_cuda_softcap(void* x, int64_t n, float cap, int dtype, taper_stream_t stream)
     int taper_cuda_scale(void* x, int64_t n, float s, int dtype, taper_stream_t stream)
     int taper_cuda_add_bias(void* out, const float* bias, int64_t T, int64_t N, int dtype,
@@ -67,6 +69,16 @@ cdef extern from "taper_cuda.h" nogil:
                                            int64_t BS, int64_t MB, float scale,
                                            int64_t sliding_window, float softcap, int dtype,
                                            int cache_dtype, int variant, taper_stream_t stream)
+    int taper_cuda_paged_attention_masked(void* out, const void* q, const void* k_cache,
+                                          const void* v_cache, const float* k_scale,
+                                          const float* v_scale, const int32_t* block_tables,
+                                          const int32_t* seq_lens,
+                                          const int32_t* query_start_loc, const float* sinks,
+                                          int64_t T, int64_t B, int64_t Hq, int64_t Hkv,
+                                          int64_t D, int64_t NB, int64_t BS, int64_t MB,
+                                          float scale, int64_t sliding_window,
+                                          int64_t attention_chunk, float softcap, int dtype,
+                                          int cache_dtype, taper_stream_t stream)
     int taper_cuda_mla_decode_attention(void* out, const void* q, const void* cache,
                                         const int32_t* block_tables, const int32_t* seq_lens,
                                         int64_t B, int64_t Hq, int64_t D, int64_t Dv, int64_t NB,

@@ -82,6 +82,15 @@ def launch_gelu_tanh_and_mul(ptr_t x, ptr_t out, int64_t T, int64_t I, int dtype
     _check_status(st, "gelu_tanh_and_mul", dict(T=T, I=I, dtype=dtype))
 
 
+def launch_clamped_swiglu(ptr_t x, ptr_t out, int64_t T, int64_t I, float alpha, float limit,
+                          int dtype, ptr_t stream):
+    cdef int st
+    with nogil:
+        st = taper_cuda_clamped_swiglu(<const void*>x, <void*>out, T, I, alpha, limit, dtype,
+                                       <taper_stream_t>stream)
+    _check_status(st, "clamped_swiglu", dict(T=T, I=I, alpha=alpha, limit=limit, dtype=dtype))
+
+
 def launch_softcap(ptr_t x, int64_t n, float cap, int dtype, ptr_t stream):
     cdef int st
     with nogil:
@@ -189,6 +198,27 @@ def launch_paged_attention_prefill(ptr_t out, ptr_t q, ptr_t k_cache, ptr_t v_ca
     _check_status(st, "paged_attention (prefill)",
                   dict(T=T, B=B, Hq=Hq, Hkv=Hkv, D=D, NB=NB, BS=BS, MB=MB, dtype=dtype,
                        cache_dtype=cache_dtype, variant=variant))
+
+
+def launch_paged_attention_masked(ptr_t out, ptr_t q, ptr_t k_cache, ptr_t v_cache,
+                                  ptr_t k_scale, ptr_t v_scale, ptr_t block_tables,
+                                  ptr_t seq_lens, ptr_t query_start_loc, ptr_t sinks, int64_t T,
+                                  int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t NB,
+                                  int64_t BS, int64_t MB, float scale, int64_t sliding_window,
+                                  int64_t attention_chunk, float softcap, int dtype,
+                                  int cache_dtype, ptr_t stream):
+    cdef int st
+    with nogil:
+        st = taper_cuda_paged_attention_masked(
+            <void*>out, <const void*>q, <const void*>k_cache, <const void*>v_cache,
+            <const float*>k_scale, <const float*>v_scale, <const int32_t*>block_tables,
+            <const int32_t*>seq_lens, <const int32_t*>query_start_loc, <const float*>sinks, T, B,
+            Hq, Hkv, D, NB, BS, MB, scale, sliding_window, attention_chunk, softcap, dtype,
+            cache_dtype, <taper_stream_t>stream)
+    _check_status(st, "paged_attention (masked)",
+                  dict(T=T, B=B, Hq=Hq, Hkv=Hkv, D=D, NB=NB, BS=BS, MB=MB, dtype=dtype,
+                       cache_dtype=cache_dtype, sinks=sinks != 0,
+                       attention_chunk=attention_chunk))
 
 
 def launch_mla_decode_attention(ptr_t out, ptr_t q, ptr_t cache, ptr_t block_tables,

@@ -59,7 +59,7 @@ cdef class Attention:
         (None: head_dim ** -0.5); softcap > 0 caps the scaled scores (Gemma-2). qk_layernorm:
         q_norm and k_norm are lists of per-head (D,) LayerNorm weights, not one RMSNorm weight.
         sinks (Hq,) f32: GPT-OSS's attention sinks, a logit per head in every row's softmax
-        (paged_attention's sinks; only the CPU backend has them); None: none."""
+        (paged_attention's sinks; on CUDA the masked kernel); None: none."""
         self.backend = backend
         self.xp = backend.xp
         self.qkv_weight, self.qkv_bias = qkv_weight, qkv_bias

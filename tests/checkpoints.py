@@ -391,6 +391,37 @@ ARCHS_256 = {
                                            tie_word_embeddings=False)),
 }
 
+# the quirk families of issue 29 item 4 on CUDA (tests/gpu/test_cuda_quirk_families.py), their
+# tiny checkpoints' quirks (tests/checkpoints.py ARCHS) at head_dim 64. GPT-OSS: sinks, a sliding
+# layer (window 16) then a full one, 4 experts of 128 (2 per token) with biases, the clamped
+# SwiGLU at limit 2; Llama 4: a chunked RoPE layer (chunks of 16) with the L2 q/k norm and a dense
+# MLP, then a NoPE layer with the temperature and the MoE (4 experts, top-1, a shared expert);
+# Gemma 4: a sliding layer (window 16) then a full one with Gemma 4's released head of 512 (over
+# the tuned CUDA kernels' 256) and one KV head whose values are its keys; its MoE form too.
+_GEMMA4_256 = dict(head_dim=64, global_head_dim=512, num_global_key_value_heads=1,
+                   attention_k_eq_v=True, hidden_size_per_layer_input=0, sliding_window=16,
+                   final_logit_softcapping=10.0,
+                   layer_types=["sliding_attention", "full_attention"], pad_token_id=0,
+                   tie_word_embeddings=False)
+ARCHS_256.update({
+    "gpt_oss": ("GptOssConfig", dict(intermediate_size=128, num_local_experts=4,
+                                     num_experts_per_tok=2, sliding_window=16, swiglu_limit=2.0,
+                                     layer_types=["sliding_attention", "full_attention"],
+                                     rope_parameters={"rope_type": "yarn", "factor": 4.0,
+                                                      "beta_fast": 32.0, "beta_slow": 1.0,
+                                                      "truncate": False, "rope_theta": 150000.0,
+                                                      "original_max_position_embeddings": 64},
+                                     tie_word_embeddings=False)),
+    "llama4": ("Llama4TextConfig", dict(intermediate_size=128, intermediate_size_mlp=768,
+                                        num_local_experts=4, num_experts_per_tok=1,
+                                        interleave_moe_layer_step=2, no_rope_layers=[1, 0],
+                                        attention_chunk_size=16, floor_scale=8, attn_scale=0.5,
+                                        pad_token_id=0, tie_word_embeddings=False)),
+    "gemma4": ("Gemma4TextConfig", _GEMMA4_256),
+    "gemma4_moe": ("Gemma4TextConfig", dict(_GEMMA4_256, enable_moe_block=True, num_experts=4,
+                                            top_k_experts=2, moe_intermediate_size=64)),
+})
+
 # hybrid linear attention at head_dim 64 (a compiled CUDA head size): 4 layers, 2 key heads of
 # 32 serving 4 value heads of 32
 _LINEAR_256 = dict(num_hidden_layers=4, linear_num_key_heads=2, linear_num_value_heads=4,
@@ -434,6 +465,9 @@ def tiny256_checkpoint(directory, arch: str = "llama", dtype: str = "bfloat16", 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(tiny256_config(arch, **overrides))
     scale_weights(model, scale=scale, seed=seed, embed_std=embed_std)
+    family = arch.split("_moe")[0] if arch.startswith("gemma4") else arch
+    if family in _ADJUST:       # the family's quirk weights (sinks, biases, layer scalars)
+        _ADJUST[family][1](model, seed)
     with torch.no_grad():
         model.model.norm.weight.mul_(final_norm_scale)
     if dtype == "bfloat16":

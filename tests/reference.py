@@ -134,10 +134,12 @@ def reshape_and_cache(k, v, k_cache, v_cache, slot_mapping):
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-                    sliding_window, softcap=0.0):
+                    sliding_window, softcap=0.0, sinks=None, attention_chunk=0):
     """Dense per-sequence attention: gather the sequence's K/V through its block table, build the
     causal (and sliding-window) mask explicitly, softmax in float64. softcap > 0: the scaled
-    scores s become softcap * tanh(s / softcap) first (Gemma-2)."""
+    scores s become softcap * tanh(s / softcap) first (Gemma-2). sinks (Hq,): one more logit per
+    head in each row's softmax, with no value (GPT-OSS). attention_chunk > 0: a row at position p
+    sees no key before p // attention_chunk * attention_chunk (Llama 4)."""
     T, Hq, D = q.shape
     NB, BS, Hkv, _ = k_cache.shape
     kf = to_f64(k_cache).reshape(NB * BS, Hkv, D)
@@ -157,16 +159,20 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
         mask = j[None, :] <= pos[:, None]
         if sliding_window:
             mask &= j[None, :] >= pos[:, None] - sliding_window + 1
+        if attention_chunk:
+            mask &= j[None, :] >= pos[:, None] // attention_chunk * attention_chunk
         for h in range(Hq):
             g = h // group
             scores = to_f64(q[s0:s1, h]) @ K[:, g].T * scale  # (q_len, S)
             if softcap > 0:
                 scores = softcap * np.tanh(scores / softcap)
             scores = np.where(mask, scores, -np.inf)
+            if sinks is not None:
+                scores = np.concatenate([scores, np.full((s1 - s0, 1), float(sinks[h]))], axis=1)
             scores -= scores.max(axis=1, keepdims=True)
             p = np.exp(scores)
             p /= p.sum(axis=1, keepdims=True)
-            out[s0:s1, h] = p @ V[:, g]
+            out[s0:s1, h] = p[:, :S] @ V[:, g]
     return out
 
 

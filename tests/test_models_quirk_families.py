@@ -12,7 +12,8 @@ beside the other prompt's decodes (prefill logits too).
 Each quirk first shows that transformers' own output changes when the quirk is switched off
 (tokens, or the prefill logits far beyond the harness test's tolerance where a tiny model's
 tokens do not move), so the comparisons can fail (DESIGN.md section 6, rung 2). GPT-OSS's
-attention sinks are a CPU paged_attention option, checked here against a float64 reference.
+attention sinks are a paged_attention option, checked here against a float64 reference (and
+Llama 4's attention_chunk in tests/test_attention_masks.py).
 """
 from __future__ import annotations
 
@@ -587,19 +588,33 @@ def test_paged_attention_sinks_match_reference(isa, nt, window, seqs):
         be.paged_attention(out, q, kc, vc, tables, seq_lens, qsl, 0.3, window, sinks=sinks[:3])
 
 
-def test_gpt_oss_refuses_cuda(cases):
-    """(MXFP4 checkpoints load: tests/test_gpt_oss_mxfp4.py.)"""
-    import json
+class _NamedCuda:
+    """The CPU backend under the CUDA backend's name: what a model file decides by the backend's
+    name (a refusal) shows here, while every op still runs on the CPU."""
+    name = "cuda"
 
-    from engine.models.gpt_oss import GptOssForCausalLM
-    from engine.models.model_config import ModelConfig
-    with open(f"{cases.dir('gpt_oss')}/config.json") as f:
-        config = json.load(f)
+    def __init__(self, cpu):
+        self._cpu = cpu
 
-    class Cuda:
-        name = "cuda"
-    with pytest.raises(ValueError, match="attention sinks are not implemented in the cuda"):
-        GptOssForCausalLM(ModelConfig.from_dict(config), {}, Cuda())
+    def __getattr__(self, attr):
+        return getattr(self._cpu, attr)
+
+
+@pytest.mark.parametrize("name", ["gpt_oss", "llama4", "gemma4", "gemma4_moe"])
+def test_families_build_on_a_backend_named_cuda(cases, backend, name):
+    """GPT-OSS, Llama 4 and Gemma 4 no longer refuse the CUDA backend by name (their kernels there:
+    tests/gpu/test_cuda_quirk_families.py), and nothing in their files branches on it: the
+    harness gives transformers' logits and tokens."""
+    assert_model_forward_matches(cases, _NamedCuda(backend), name, chunk=9)
+
+
+@pytest.mark.parametrize("name", ["gpt_oss", "llama4"])
+def test_fused_experts_match_hf(cases, name):
+    """GPT-OSS's experts (with their biases and the clamped SwiGLU) and Llama 4's on the
+    grouped-GEMM path (kernels moe=fused, the CPU's reference ops): the path CUDA graphs
+    capture."""
+    from pyx.cpu_backend import CpuBackend
+    assert_model_forward_matches(cases, CpuBackend(kernels="moe=fused"), name, chunk=9)
 
 
 def test_phi_gelu_new_is_the_tanh_form(backend):
@@ -627,11 +642,11 @@ def test_phi_qk_layernorm_is_refused():
 
 def test_llama4_layer_plan_and_refusals(cases):
     """Llama4TextConfig's defaults for the per-layer plan: every interleave_moe_layer_step-th
-    layer sparse, every no_rope_layer_interval-th NoPE, the RoPE layers chunked; the CUDA
-    backend and a chunk size that is not a multiple of the KV block size are refused by name."""
+    layer sparse, every no_rope_layer_interval-th NoPE, the RoPE layers chunked; a chunk size
+    that is not a multiple of the KV block size is refused by name (the CPU op cuts the batch at
+    block boundaries)."""
     import json
 
-    from engine.models.llama4 import Llama4ForCausalLM
     from engine.models.model_config import ModelConfig
     with open(f"{cases.dir('llama4')}/config.json") as f:
         config = json.load(f)
@@ -643,12 +658,6 @@ def test_llama4_layer_plan_and_refusals(cases):
     assert c.family.chunked_layers == c.family.rope_layers
     assert c.intermediate_size == 192 and c.moe.intermediate_size == 64
     assert not c.rope.is_neox
-    c = ModelConfig.from_dict(config)
-
-    class Cuda:
-        name = "cuda"
-    with pytest.raises(ValueError, match="the cuda backend is not supported"):
-        Llama4ForCausalLM(c, {}, Cuda())
     from engine.loader.model_loader import load_model
     from pyx.cpu_backend import CpuBackend
     model, _ = load_model(cases.dir("llama4"), CpuBackend(), progress=False)

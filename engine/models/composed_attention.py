@@ -1,10 +1,10 @@
 """Attention written over the backend's ops in Python, for families whose attention needs a step
 that pyx/layers.pyx's compiled Attention lacks (Llama 4's NoPE layers, temperature and chunked
-view; MiniMax-M2's q/k norm over all heads). The steps are Attention's: the fused qkv
-projection, the q/k split, the family's steps around RoPE (hooks), the KV cache write, paged
-attention over the batch (or a view of it), the output projection. No bias, no FP8 cache, no
-LoRA slots (engine/lora/slots.py hooks only the compiled Attention and refuses adapters
-otherwise).
+attention; MiniMax-M2's q/k norm over all heads; Gemma 4's v norm and per-layer head sizes). The
+steps are Attention's: the fused qkv projection, the q/k split, the family's steps around RoPE
+(hooks), the KV cache write, paged attention over the batch, the output projection. No bias, no
+FP8 cache, no LoRA slots (engine/lora/slots.py hooks only the compiled Attention and refuses
+adapters otherwise).
 """
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ class ComposedAttention:
         self.scale = head_dim ** -0.5 if scale is None else scale
         self.eps, self.is_neox = eps, is_neox
         self.sliding_window = 0
+        self.attention_chunk = 0        # paged_attention's (Llama 4's chunked layers)
 
     # ---- hooks a family overrides
 
@@ -43,10 +44,6 @@ class ComposedAttention:
     def _after_rope(self, batch, q, k, ws):
         """In place on q and k, after RoPE."""
 
-    def _view(self, batch, block_size: int):
-        """The batch paged attention reads (its tables, lengths and row offsets)."""
-        return batch
-
     # ----
 
     def forward(self, batch, x, out, k_cache, v_cache, ws):
@@ -58,13 +55,14 @@ class ComposedAttention:
         if self.cos_sin_cache is not None:
             b.rotary_embedding(batch.positions, q, k, self.cos_sin_cache, D, self.is_neox)
         self._after_rope(batch, q, k, ws)
-        view = self._view(batch, k_cache.shape[1])
         attn = ws.get("attn", T, qs)
         b.reshape_and_cache(k.reshape(T, self.num_kv_heads, D), v.reshape(T, self.num_kv_heads, D),
                             k_cache, v_cache, batch.slot_mapping)
+        # attention_chunk only when set: the op's other callers keep its plain signature
+        chunk = {"attention_chunk": self.attention_chunk} if self.attention_chunk else {}
         b.paged_attention(attn.reshape(T, self.num_heads, D), q.reshape(T, self.num_heads, D),
-                          k_cache, v_cache, view.block_tables, view.seq_lens,
-                          view.query_start_loc, self.scale, self.sliding_window)
+                          k_cache, v_cache, batch.block_tables, batch.seq_lens,
+                          batch.query_start_loc, self.scale, self.sliding_window, **chunk)
         b.linear(attn, self.o_weight, None, out)
 
 

@@ -1,15 +1,17 @@
 """GPT-OSS (GptOssForCausalLM): the Llama graph with
 
 - attention sinks: a learned logit per query head (`self_attn.sinks`) joins every row's softmax
-  with no value, so a head can give little weight to all of its keys (paged_attention's `sinks`,
-  the CPU backend's; the CUDA kernels do not have them, so the CUDA backend refuses the family);
+  with no value, so a head can give little weight to all of its keys (paged_attention's `sinks`;
+  on CUDA the masked attention kernel, pyx/attention_dispatch.py);
 - sliding-window layers alternating with full ones (`layer_types`), biases on q/k/v and o_proj,
   YaRN RoPE without truncation (config flags, ModelConfig);
 - a mixture of experts on every layer (GptOssMoE below): a router with a bias, the softmax over
   each token's top-k router logits, experts with biases whose gate/up projection is stored
   stacked and transposed, (E, H, 2I), gate and up interleaved column by column, and GPT-OSS's
   clamped SwiGLU: gate = min(gate, limit), up = clip(up, -limit, limit),
-  out = (up + 1) * gate * sigmoid(alpha * gate).
+  out = (up + 1) * gate * sigmoid(alpha * gate) (the backend's clamped_swiglu op). With kernels
+  moe=fused the experts take pyx/moe.py's grouped-GEMM ops (no host round trip, so CUDA graphs
+  capture the decode step), their biases added per (token, expert) pair by a gather.
 
 MXFP4 checkpoints (quant_method "mxfp4", the released ones) have their experts dequantized at
 load to the checkpoint's float dtype (engine/loader/quant_mxfp4.py), then read as a float one.
@@ -24,7 +26,7 @@ import numpy as np
 from engine.models.llama import LlamaForCausalLM, expected_shapes
 from engine.models.model_config import ModelConfig
 from engine.models.moe import held_experts
-from pyx.moe import _top_k_by_argmax
+from pyx.moe import _top_k_by_argmax, moe_align_capacity, moe_block_m
 
 
 def gpt_oss_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -47,12 +49,6 @@ def gpt_oss_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 class GptOssForCausalLM(LlamaForCausalLM):
     expected_shapes = staticmethod(gpt_oss_shapes)
-
-    def __init__(self, config: ModelConfig, weights: dict, backend):
-        if backend.name != "cpu":
-            raise ValueError(f"{config.architecture}: attention sinks are not implemented in the "
-                             f"{backend.name} backend's paged attention; use the CPU backend")
-        super().__init__(config, weights, backend)
 
     def _attention_extras(self, weights, p, i):
         sinks = np.asarray(weights.pop(f"{p}self_attn.sinks"), dtype=np.float32)
@@ -78,7 +74,7 @@ class GptOssForCausalLM(LlamaForCausalLM):
         return GptOssMoE(self.backend, self._take(weights, f"{p}mlp.router.weight"),
                          place(router_bias), experts, self.config.moe.top_k, alpha, limit,
                          first_expert=held_experts(self.config).start,
-                         num_experts=self.config.moe.num_experts)
+                         num_experts=self.config.moe.num_experts, fused=self.backend.fused_moe)
 
 
 def _float(weights: dict, name: str) -> np.ndarray:
@@ -91,20 +87,33 @@ def _float(weights: dict, name: str) -> np.ndarray:
 
 class GptOssMoE:
     """GPT-OSS's expert block (module docstring): each expert on the tokens routed to it, one
-    linear per projection, as pyx/moe.py's reference path."""
+    linear per projection, as pyx/moe.py's reference path; or, fused, the grouped-GEMM ops."""
 
     def __init__(self, backend, router, router_bias, experts: list, top_k: int, alpha: float,
-                 limit: float, first_expert: int = 0, num_experts: int | None = None):
+                 limit: float, first_expert: int = 0, num_experts: int | None = None,
+                 fused: bool = False):
         """router (E, H), router_bias (E,) f32; experts[e] = (gate_up (2I, H) with the gate's
         rows first, its bias (2I,), down (H, I), its bias (H,)), placed weights; under expert
-        parallel experts [first_expert, ...) of the router's num_experts (pyx/moe.py's MoE)."""
+        parallel experts [first_expert, ...) of the router's num_experts (pyx/moe.py's MoE).
+        fused: the experts' weights stacked for moe_grouped_linear (replacing the per-expert
+        ones) and their biases as (E, 2I) and (E, H) float32 tables."""
         self.backend, self.xp = backend, backend.xp
         self.first_expert, self.num_held = first_expert, len(experts)
         self.num_experts = num_experts or len(experts)
         self.router, self.router_bias = router, router_bias
-        self.experts, self.top_k = experts, top_k
+        self.top_k = top_k
         self.alpha, self.limit = alpha, limit
         self.intermediate_size = experts[0][0].shape[0] // 2
+        self.fused = fused
+        if fused:
+            xp = self.xp
+            self.gate_up = backend.stack_experts([e[0] for e in experts])
+            self.down = backend.stack_experts([e[2] for e in experts])
+            self.gate_up_bias = xp.stack([e[1] for e in experts])
+            self.down_bias = xp.stack([e[3] for e in experts])
+            self.experts = None
+        else:
+            self.experts = experts
 
     def route(self, logits):
         """(expert ids (T, top_k) int64, weights (T, top_k) f32): the top_k logits' softmax."""
@@ -116,14 +125,6 @@ class GptOssMoE:
         weights /= weights.sum(axis=1, keepdims=True)
         return ids, weights
 
-    def clamped_swiglu(self, gate_up, out):
-        """out (n, I) = (clip(up) + 1) * min(gate, limit) * sigmoid(alpha * min(gate, limit))."""
-        xp, I = self.xp, self.intermediate_size
-        gate = xp.minimum(gate_up[:, :I], self.limit)
-        up = xp.clip(gate_up[:, I:], -self.limit, self.limit)
-        glu = gate / (1.0 + xp.exp(-self.alpha * gate))
-        xp.multiply(up + 1.0, glu, out=out)
-
     def forward(self, x, out, ws):
         """x (T, H) -> out (T, H)."""
         b, xp = self.backend, self.xp
@@ -132,10 +133,14 @@ class GptOssMoE:
         logits = ws.get("router_logits", T, self.num_experts)
         b.linear(x, self.router, self.router_bias, logits)
         ids, weights = self.route(logits)
+        # ids of the held experts from 0; the others fall outside [0, num_held)
+        flat = ids.reshape(-1) - self.first_expert
+        if self.fused:
+            self._experts_fused(x, flat.reshape(ids.shape), weights, out, ws)
+            return
         # (token, expert) pairs sorted by expert; a stable sort keeps token order per expert.
         # Pairs of experts another rank holds sort last (as expert E) and add zero.
         E = self.num_held
-        flat = ids.reshape(-1) - self.first_expert
         if E < self.num_experts:
             flat = xp.where((flat >= 0) & (flat < E), flat, E)
         order = xp.argsort(flat, kind="stable")
@@ -152,7 +157,7 @@ class GptOssMoE:
             gate_up = ws.get("moe_gate_up", end - start, 2 * I)
             act = ws.get("moe_act", end - start, I)
             b.linear(x_sorted[start:end], gate_up_w, gate_up_b, gate_up)
-            self.clamped_swiglu(gate_up, act)
+            b.clamped_swiglu(gate_up, act, self.alpha, self.limit)
             b.linear(act, down_w, down_b, y_sorted[start:end])
             start = end
         y = ws.get("moe_pairs", T * k, H)
@@ -160,3 +165,32 @@ class GptOssMoE:
         y3 = y.reshape(T, k, H)
         xp.multiply(y3, weights.astype(y.dtype)[:, :, None], out=y3)
         y3.sum(axis=1, out=out)
+
+    def _experts_fused(self, x, ids, weights, out, ws):
+        """pyx/moe.py MoE._experts_fused's steps with the biases: each pair's gate_up and down
+        rows (pair order) plus its expert's bias row, then the weighted sum per token. ids are
+        the held experts' from 0; pairs of others (outside [0, E)) are unrouted: moe_align
+        leaves them out, moe_combine adds nothing for them, and their bias rows are any."""
+        b, xp = self.backend, self.xp
+        T, H = x.shape
+        k, I, E = self.top_k, self.intermediate_size, self.num_held
+        P = T * k
+        block_m = moe_block_m(P, E)
+        capacity = moe_align_capacity(P, E, block_m)
+        sorted_ids = xp.empty(capacity, xp.int32)
+        block_expert = xp.empty(capacity // block_m, xp.int32)
+        offsets = xp.empty(E + 1, xp.int32)
+        num_padded = xp.empty(1, xp.int32)
+        ids = xp.ascontiguousarray(ids)
+        b.moe_align(ids, E, block_m, sorted_ids, block_expert, offsets, num_padded)
+        align = (sorted_ids, block_expert, num_padded)
+        pair_expert = xp.clip(ids.reshape(-1), 0, E - 1)
+        gate_up = ws.get("moe_gate_up", P, 2 * I)
+        b.moe_grouped_linear(x, self.gate_up, *align, k, block_m, gate_up)
+        gate_up += self.gate_up_bias[pair_expert]
+        act = ws.get("moe_act", P, I)
+        b.clamped_swiglu(gate_up, act, self.alpha, self.limit)
+        y = ws.get("moe_pairs", P, H)
+        b.moe_grouped_linear(act, self.down, *align, 1, block_m, y)
+        y += self.down_bias[pair_expert]
+        b.moe_combine(y, weights, ids, E, out)

@@ -2,10 +2,9 @@
 
 - NoPE layers: the layers no_rope_layers marks 0 rotate nothing;
 - chunked local attention on the layers layer_types calls chunked (the RoPE layers by default): a
-  query sees the keys of its own attention_chunk_size-aligned chunk, up to itself. Composed from
-  the paged attention op (ChunkedView): each sequence's rows are cut at the chunk boundaries and
-  each piece attends as a sequence of its own whose block table starts at its chunk's first
-  block, so the chunk size must be a multiple of the KV block size;
+  query sees the keys of its own attention_chunk_size-aligned chunk, up to itself: the paged
+  attention op's attention_chunk (a mask in the CUDA kernel; on the CPU the batch cut into
+  pieces, pyx/chunked_attention.py, so the chunk size must be a multiple of the KV block size);
 - an L2 norm (RMSNorm without a weight) on every q and k head after RoPE, on the RoPE layers
   (use_qk_norm);
 - attention temperature tuning on the NoPE layers: q *= 1 + attn_scale * log1p(floor((position
@@ -21,9 +20,9 @@ Split across ranks (engine/parallel/sharding.py) only with expert parallel: each
 (its attention's output all-reduced) and E / ranks whole experts, the rows of the stacked
 experts it holds.
 
-The settings are engine/models/family_config.py's Llama4Settings. The chunk cutting and the
-temperature are computed on the host, so the family runs on the CPU backend; the CUDA backend is
-refused by name.
+The settings are engine/models/family_config.py's Llama4Settings. The temperature is computed
+from the batch's positions with the backend's array module, on the device on CUDA (so a decode
+step captures in a CUDA graph).
 """
 from __future__ import annotations
 
@@ -36,7 +35,6 @@ from engine.models.llama import LlamaForCausalLM, expected_shapes
 from engine.models.model_config import ModelConfig
 from engine.models.moe import held_experts
 from engine.parallel import layers as tensor_parallel
-from engine.runner.forward_batch import ForwardBatch
 from pyx.layers import MLP
 from pyx.moe import MoE, _top_k_by_argmax
 
@@ -84,12 +82,7 @@ class Llama4ForCausalLM(LlamaForCausalLM):
     expected_shapes = staticmethod(llama4_shapes)
 
     def __init__(self, config: ModelConfig, weights: dict, backend):
-        if backend.name != "cpu":
-            raise ValueError(f"{config.architecture}: chunked attention and the attention "
-                             f"temperature are composed on the host; the {backend.name} "
-                             f"backend is not supported, use the CPU backend")
         _language_model_only(weights)
-        self.chunks = ChunkedView(config.family.attention_chunk_size)
         super().__init__(config, weights, backend)
 
     def _attention(self, weights, p, i):
@@ -102,7 +95,7 @@ class Llama4ForCausalLM(LlamaForCausalLM):
             c.num_key_value_heads, c.head_dim, c.rms_norm_eps, c.rope.is_neox,
             l2_norm=ones if s.qk_l2_norm and s.rope_layers[i] else None,
             temperature=None if s.rope_layers[i] else s.temperature,
-            chunks=self.chunks if s.chunked_layers[i] else None), c)
+            attention_chunk=s.attention_chunk_size if s.chunked_layers[i] else 0), c)
 
     def _qkv(self, weights, p):
         if self.config.qkv_bias:
@@ -130,10 +123,6 @@ class Llama4ForCausalLM(LlamaForCausalLM):
                          m.top_k, shared, fused=self.backend.fused_moe,
                          first_expert=held_experts(self.config).start, num_experts=m.num_experts)
 
-    def forward(self, batch, kv_caches, *args, **kwargs):
-        self.chunks.forget()        # a batch object may come again with other contents
-        return super().forward(batch, kv_caches, *args, **kwargs)
-
     def kv_cache_shape(self, num_blocks, block_size):
         chunk = self.config.family.attention_chunk_size
         if any(self.config.family.chunked_layers) and chunk % block_size:
@@ -142,60 +131,18 @@ class Llama4ForCausalLM(LlamaForCausalLM):
         return super().kv_cache_shape(num_blocks, block_size)
 
 
-class ChunkedView:
-    """A batch's chunked-attention form (module docstring), made once per forward and shared by
-    the chunked layers: each sequence's rows cut where their positions cross a chunk boundary,
-    each piece a sequence whose keys start at its chunk: its seq_len counts from the chunk's
-    first position, its block table row from the chunk's first block."""
-
-    def __init__(self, chunk_size: int):
-        self.chunk_size = chunk_size
-        self._batch = self._view = None
-
-    def forget(self) -> None:
-        self._batch = self._view = None
-
-    def of(self, batch: ForwardBatch, block_size: int) -> ForwardBatch:
-        if batch is self._batch:
-            return self._view
-        C = self.chunk_size
-        qsl = np.asarray(batch.query_start_loc)
-        lens = np.asarray(batch.seq_lens)
-        tables = np.asarray(batch.block_tables)
-        starts, seq_lens, rows = [0], [], []
-        for b in range(len(lens)):
-            s0, s1, S = int(qsl[b]), int(qsl[b + 1]), int(lens[b])
-            first = S - (s1 - s0)                   # the position of the row s0
-            pos = first
-            while pos < S:
-                chunk_start = pos // C * C
-                end = min(S, chunk_start + C)       # positions [pos, end) in this piece
-                starts.append(starts[-1] + end - pos)
-                seq_lens.append(end - chunk_start)
-                rows.append(tables[b, chunk_start // block_size:])
-                pos = end
-        width = max([len(r) for r in rows], default=1)
-        block_tables = np.zeros((len(rows), max(width, 1)), np.int32)
-        for j, r in enumerate(rows):
-            block_tables[j, :len(r)] = r
-        self._view = ForwardBatch(batch.token_ids, batch.positions, batch.slot_mapping,
-                                  np.asarray(starts, np.int32), np.asarray(seq_lens, np.int32),
-                                  block_tables, batch.logits_indices)
-        self._batch = batch
-        return self._view
-
-
 class Llama4Attention(ComposedAttention):
     """Llama 4's steps around RoPE: the L2 norm of each q and k head after it (RoPE layers), the
-    temperature on q (NoPE layers); paged attention over the chunked view (chunked layers)."""
+    temperature on q (NoPE layers); paged attention with attention_chunk (chunked layers)."""
 
     def __init__(self, *args, l2_norm=None, temperature: tuple[float, float] | None = None,
-                 chunks: ChunkedView | None = None):
+                 attention_chunk: int = 0):
         """l2_norm: a (head_dim,) weight of ones (the norm has none) or None. temperature:
-        (attn_scale, floor_scale) or None. chunks: the model's ChunkedView on a chunked layer,
-        None on a full one."""
+        (attn_scale, floor_scale) or None. attention_chunk: the chunk size on a chunked layer,
+        0 on a full one."""
         super().__init__(*args)
-        self.l2_norm, self.temperature, self.chunks = l2_norm, temperature, chunks
+        self.l2_norm, self.temperature = l2_norm, temperature
+        self.attention_chunk = attention_chunk
 
     def _after_rope(self, batch, q, k, ws):
         b, xp, T, D = self.backend, self.xp, q.shape[0], self.head_dim
@@ -204,14 +151,12 @@ class Llama4Attention(ComposedAttention):
             rms_norm_in_place(b, xp, k, self.l2_norm, self.eps, T * self.num_kv_heads, D, ws,
                               "raw_k")
         if self.temperature is not None:
+            # in float32, the product rounded once to q's dtype, as transformers does
             attn_scale, floor_scale = self.temperature
-            pos = batch.positions.astype(np.float32)
-            scales = np.log1p(np.floor((pos + np.float32(1.0)) / np.float32(floor_scale)))
+            pos = batch.positions.astype(xp.float32)
+            scales = xp.log1p(xp.floor((pos + np.float32(1.0)) / np.float32(floor_scale)))
             scales = scales * np.float32(attn_scale) + np.float32(1.0)
-            q *= scales.astype(q.dtype)[:, None]
-
-    def _view(self, batch, block_size):
-        return batch if self.chunks is None else self.chunks.of(batch, block_size)
+            q[...] = (q.astype(xp.float32) * scales[:, None]).astype(q.dtype)
 
 
 class Llama4MoE(MoE):
