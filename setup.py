@@ -72,7 +72,7 @@ def cpu_extensions():
         Extension("pyx.cpu_backend", ["pyx/cpu_backend.pyx", "pyx/cpu_kernels.c",
                                       "pyx/quant_kernels.c", "pyx/quant_legacy.c",
                                       "pyx/quant_k.c", "pyx/quant_gemm.c",
-                                      "pyx/lora_kernels.c"], **common),
+                                      "pyx/lora_kernels.c", "pyx/moe_kernels.c"], **common),
         Extension("pyx.layers", ["pyx/layers.pyx"], **common),
         Extension("pyx.int4", ["pyx/int4.pyx", "pyx/int4_kernels.c"], **common),
         Extension("pyx.fp8", ["pyx/fp8.pyx", "pyx/fp8_kernels.c"], **common),

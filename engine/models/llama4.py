@@ -235,10 +235,7 @@ class Llama4MoE(MoE):
         pairs_out = ws.get("llama4_moe_out", T * k, H)
         ones = xp.ones((T * k, 1), xp.float32)
         pair_ids = xp.ascontiguousarray(ids.reshape(T * k, 1))
-        if self.fused:
-            self._experts_fused(pairs_in, pair_ids, ones, pairs_out, ws)
-        else:
-            self._experts_one_by_one(pairs_in, pair_ids, ones, pairs_out, ws)
+        self.run_experts(pairs_in, pair_ids, ones, pairs_out, ws)
         pairs_out.reshape(T, k, H).sum(axis=1, out=out)
         shared_out = ws.get("moe_shared", T, H)
         self.shared.forward(x, shared_out, ws)
