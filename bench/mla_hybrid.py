@@ -344,7 +344,9 @@ def main(argv=None):
             old, new = row["taper_moe_loop"], row["taper"]
             print(f"  {name}: moe_experts / loop over experts: prefill "
                   f"{new['prefill_tok_s'] / old['prefill_tok_s']:.2f}x, decode "
-                  f"{new['decode_tok_s'] / old['decode_tok_s']:.2f}x; greedy tokens agree for "
+                  f"{new['decode_tok_s'] / old['decode_tok_s']:.2f}x, decode CPU per token "
+                  f"{old['decode_cpu_ms'] / new['decode_cpu_ms']:.2f}x ({new['decode_cpu_ms']:.1f} "
+                  f"vs {old['decode_cpu_ms']:.1f} ms); greedy tokens agree for "
                   f"{same_prefix(new['tokens'], old['tokens'])} of {len(new['tokens'])}",
                   flush=True)
         if llama:
@@ -366,7 +368,9 @@ def main(argv=None):
                   f"{ll['prefill_tok_s']:.0f} tok/s), decode "
                   f"{t['decode_tok_s'] / ll['decode_tok_s']:.2f}x ({t['decode_tok_s']:.1f} vs "
                   f"{ll['decode_tok_s']:.1f} tok/s; llama.cpp threads {ll['prefill_threads']} / "
-                  f"{ll['decode_threads']}); greedy tokens agree for {agree} of "
+                  f"{ll['decode_threads']}), decode CPU per token "
+                  f"{ll['decode_cpu_ms'] / t['decode_cpu_ms']:.2f}x ({t['decode_cpu_ms']:.1f} vs "
+                  f"{ll['decode_cpu_ms']:.1f} ms); greedy tokens agree for {agree} of "
                   f"{len(t['tokens'])}", flush=True)
             row["tokens_agree"] = agree
         result["speed"][name] = row

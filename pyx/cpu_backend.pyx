@@ -641,8 +641,22 @@ cdef class CpuBackend(Backend):
         if (weight.shape[0] != x.shape[0] or weight.shape[2] != x.shape[2]
                 or out.shape != (x.shape[0], x.shape[1], weight.shape[1])):
             _fail(op, "need x (G, T, K), weight (G, N, K), out (G, T, N)", arrays)
-        for g in range(x.shape[0]):     # each group through linear's kernel
-            self.linear(x[g], weight[g], None, out[g])
+        # each group through linear's kernel, the loop in C: MLA's decode calls this twice per
+        # layer with a group per head, and a Python loop of linear calls cost more than the math
+        cdef int64_t G = x.shape[0], T = x.shape[1], K = x.shape[2], N = weight.shape[1], g
+        cdef int dt = _wdtype(weight), isa = self._isa, nt = self._nthreads, st = TAPER_OK
+        cdef int inv = self.batch_invariant
+        cdef int64_t wstride = N * K * weight.dtype.itemsize
+        cdef const float* xp = <const float*>_ptr(x)
+        cdef const char* wp = <const char*>_ptr(weight)
+        cdef float* outp = <float*>_ptr(out)
+        with nogil:
+            for g in range(G):
+                st = taper_linear_ex(isa, xp + g * T * K, wp + g * wstride, dt, NULL,
+                                     outp + g * T * N, T, K, N, inv, nt)
+                if st != TAPER_OK:
+                    break
+        _status(st, op, arrays)
 
     def rms_norm(self, x, weight, eps, out):
         op = "rms_norm"
