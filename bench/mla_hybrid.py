@@ -2,7 +2,7 @@
 beside llama.cpp on the same weights, in one run.
 
     python -m bench.mla_hybrid [--llama-site DIR] [--llama-cpp SRC] [--prompt-len 128]
-        [--gen-len 32] [--reps 2] [--turns 5] [--json out.json]
+        [--gen-len 32] [--reps 2] [--turns 5] [--moe-loop] [--speed-only] [--json out.json]
 
 Models (random weights from transformers, written once under bench/.cache/mla_hybrid/):
   deepseek_v2_lite  DeepSeek-V2-Lite's architecture at 1/8 of its width: hidden 256, 16 heads,
@@ -32,7 +32,9 @@ Figures:
    llama.cpp with n_threads 1 and the cores (--llama-threads), the faster kept per phase (on a
    shared machine OpenMP's spinning threads lose most when another process takes a core); the
    ratios Taper / llama.cpp and how many greedy tokens
-   the two agree on.
+   the two agree on. --moe-loop: Taper a second time with its MoE blocks on the loop over
+   experts (one linear per expert from Python, the path before the one-call moe_experts kernel),
+   for the old/new ratio in the same run.
 2. KV bytes per token, read from each engine's pool (the runner's kv_caches: bytes / pool
    tokens): DeepSeek's latent cache against the plain-MHA model, and what DeepSeek's K/V would
    take up-projected (heads x (qk_nope + qk_rope + v)); Qwen3-Next's full-attention K/V per token
@@ -160,16 +162,30 @@ def random_prompt(length: int, vocab: int, seed: int) -> list[int]:
 
 # ---- 1. decode and prefill against llama.cpp
 
-def taper_speed(gguf: Path, vocab: int, prompt_len: int, gen_len: int, reps: int) -> dict:
+def loop_over_experts(llm) -> int:
+    """Puts every MoE block of the engine on the loop over experts (pyx/moe.py's
+    _experts_one_by_one, what the CPU ran before moe_experts); returns how many."""
+    from pyx.moe import MoE
+    blocks = [o for o in gc.get_objects() if isinstance(o, MoE) and o.one_call]
+    for b in blocks:
+        b.one_call, b.gate_up, b.down = False, b.gate_up.experts, b.down.experts
+    return len(blocks)
+
+
+def taper_speed(gguf: Path, vocab: int, prompt_len: int, gen_len: int, reps: int,
+                moe_loop: bool = False) -> dict:
     from engine import LLM
     llm = LLM(str(gguf.parent), weight_file=gguf.name, backend="cpu", max_num_seqs=2,
               kv_cache_memory_mb=128,
               max_num_batched_tokens=max(1024, prompt_len), enable_prefix_caching=False)
+    label = "taper"
+    if moe_loop:
+        label = f"taper, loop over experts ({loop_over_experts(llm)} blocks)"
     taper_run(llm, [random_prompt(16, vocab, SEED + 99)], 4)              # warm-up
     best = None
     for r in range(reps):
         cur = taper_run(llm, [random_prompt(prompt_len, vocab, SEED + r)], gen_len)
-        print(describe(f"taper     {gguf.stem}", cur), flush=True)
+        print(describe(f"{label} {gguf.stem}", cur), flush=True)
         best = keep_best(best, cur)
     del llm
     gc.collect()
@@ -302,6 +318,9 @@ def main(argv=None):
     ap.add_argument("--llama-threads", nargs="+", type=int, default=None,
                     help="llama.cpp n_threads to try, the best kept per phase (default: 1 and "
                          "the number of cores)")
+    ap.add_argument("--moe-loop", action="store_true",
+                    help="figure 1 also times Taper on the loop over experts (the old path)")
+    ap.add_argument("--speed-only", action="store_true", help="figure 1 only")
     ap.add_argument("--json", help="also write the results to this file")
     args = ap.parse_args(argv)
     if args.llama_site:
@@ -319,6 +338,17 @@ def main(argv=None):
         vocab = MODELS[name][1]["vocab_size"]
         gguf = make_gguf(name, args.llama_cpp)
         row = {"taper": taper_speed(gguf, vocab, args.prompt_len, args.gen_len, args.reps)}
+        if args.moe_loop:
+            row["taper_moe_loop"] = taper_speed(gguf, vocab, args.prompt_len, args.gen_len,
+                                                args.reps, moe_loop=True)
+            old, new = row["taper_moe_loop"], row["taper"]
+            print(f"  {name}: moe_experts / loop over experts: prefill "
+                  f"{new['prefill_tok_s'] / old['prefill_tok_s']:.2f}x, decode "
+                  f"{new['decode_tok_s'] / old['decode_tok_s']:.2f}x, decode CPU per token "
+                  f"{old['decode_cpu_ms'] / new['decode_cpu_ms']:.2f}x ({new['decode_cpu_ms']:.1f} "
+                  f"vs {old['decode_cpu_ms']:.1f} ms); greedy tokens agree for "
+                  f"{same_prefix(new['tokens'], old['tokens'])} of {len(new['tokens'])}",
+                  flush=True)
         if llama:
             row["llama"] = None
             for th in args.llama_threads or sorted({1, cores}):
@@ -338,10 +368,15 @@ def main(argv=None):
                   f"{ll['prefill_tok_s']:.0f} tok/s), decode "
                   f"{t['decode_tok_s'] / ll['decode_tok_s']:.2f}x ({t['decode_tok_s']:.1f} vs "
                   f"{ll['decode_tok_s']:.1f} tok/s; llama.cpp threads {ll['prefill_threads']} / "
-                  f"{ll['decode_threads']}); greedy tokens agree for {agree} of "
+                  f"{ll['decode_threads']}), decode CPU per token "
+                  f"{ll['decode_cpu_ms'] / t['decode_cpu_ms']:.2f}x ({t['decode_cpu_ms']:.1f} vs "
+                  f"{ll['decode_cpu_ms']:.1f} ms); greedy tokens agree for {agree} of "
                   f"{len(t['tokens'])}", flush=True)
             row["tokens_agree"] = agree
         result["speed"][name] = row
+    if args.speed_only:
+        finish(result, args.json)
+        return
 
     print("2. KV bytes per token (the engine's pools, f32):", flush=True)
     kv = {name: pool_bytes_per_token(make_checkpoint(name))
@@ -369,10 +404,14 @@ def main(argv=None):
         f"{k} {1e3 * v['ttft_s']:.1f} ms ({v['ttft_s'] / base:.2f}x)" for k, v in last.items())
         + f"; replies identical across the three: {mt['same_tokens']}", flush=True)
     result["multi_turn"] = mt
+    finish(result, args.json)
+
+
+def finish(result: dict, json_path: str | None):
     result["loadavg_end"] = os.getloadavg()
     print(f"load average at the end {result['loadavg_end']}", flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
+    if json_path:
+        with open(json_path, "w") as f:
             json.dump(result, f, indent=1, default=str)
 
 

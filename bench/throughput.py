@@ -258,18 +258,22 @@ def keep_best(best: dict | None, cur: dict) -> dict:
     share of every run is kept."""
     if best is None:
         return dict(cur, other_load=[cur["other_load"]])
+    least_cpu = min(best.get("decode_cpu_ms", np.inf), cur.get("decode_cpu_ms", np.inf))
     for phase in ("prefill", "decode"):
         if cur[f"{phase}_tok_s"] > best[f"{phase}_tok_s"]:
             best.update({k: v for k, v in cur.items() if k.startswith(phase)})
+    if np.isfinite(least_cpu):       # the least CPU per token of the runs
+        best["decode_cpu_ms"] = least_cpu
     best["other_load"].append(cur["other_load"])
     return best
 
 
 def describe(name: str, m: dict) -> str:
     steps = f"{m['prefill_steps']} step, " if "prefill_steps" in m else ""
+    cpu = f", {m['decode_cpu_ms']:.1f} ms CPU/token" if "decode_cpu_ms" in m else ""
     return (f"  {name}: prefill {m['prefill_tok_s']:8.1f} tok/s ({steps}{m['prefill_s']:.2f}s)  "
             f"decode {m['decode_tok_s']:7.2f} tok/s ({m['decode_step_ms']:.1f} ms/step, p50 "
-            f"{m['decode_p50_tok_s']:.2f} tok/s)  [others: {100 * m['other_load']:.0f}% CPU]")
+            f"{m['decode_p50_tok_s']:.2f} tok/s{cpu})  [others: {100 * m['other_load']:.0f}% CPU]")
 
 
 def linear_probe(dtypes, batches) -> list[dict]:
@@ -364,15 +368,15 @@ def taper_run(llm, prompts: list[list[int]], gen_len: int) -> dict:
         eng.add_request(rid, p, params)
     prompt_tokens = sum(len(p) for p in prompts)
     start_fwd = eng.runner.num_forward_tokens
-    prefill_s = decode_s = 0.0
+    prefill_s = decode_s = decode_cpu_s = 0.0
     prefill_steps = decode_steps = generated = decode_tokens = 0
     finished, step_ms = {}, []
     load = OtherLoad()
     while eng.has_unfinished():
         in_prefill = eng.runner.num_forward_tokens - start_fwd < prompt_tokens
-        t = time.perf_counter()
+        t, cpu = time.perf_counter(), time.process_time()
         outs = eng.step()
-        dt = time.perf_counter() - t
+        dt, dcpu = time.perf_counter() - t, time.process_time() - cpu
         n_new = sum(len(o.new_token_ids) for o in outs)
         generated += n_new
         if in_prefill:
@@ -380,6 +384,7 @@ def taper_run(llm, prompts: list[list[int]], gen_len: int) -> dict:
             prefill_steps += 1
         else:
             decode_s += dt
+            decode_cpu_s += dcpu
             decode_steps += 1
             step_ms.append(1e3 * dt)
             decode_tokens += n_new
@@ -396,6 +401,9 @@ def taper_run(llm, prompts: list[list[int]], gen_len: int) -> dict:
             "decode_tok_s": (decode_tokens + extra) / decode_s if decode_s else float("nan"),
             "decode_s": decode_s, "decode_steps": decode_steps,
             "decode_step_ms": 1e3 * decode_s / max(decode_steps, 1),
+            # the process's CPU time (every thread) per decoded token: on a shared machine the
+            # work an engine does, which other processes' load does not stretch as it does wall
+            "decode_cpu_ms": 1e3 * decode_cpu_s / max(decode_tokens + extra, 1),
             "decode_p50_tok_s": len(prompts) / (np.median(step_ms) / 1e3) if step_ms else 0.0,
             "tokens": list(finished[ids[0]].token_ids), "other_load": load.fraction()}
 
@@ -448,16 +456,17 @@ def llama_cpp_greedy_run(llm, prompt: list[int], n_gen: int) -> dict:
     t0 = time.perf_counter()
     llm.eval(prompt)
     tokens = [greedy()]
-    t1 = time.perf_counter()
+    t1, cpu1 = time.perf_counter(), time.process_time()
     step_ms = []
     for _ in range(n_gen - 1):
         ts = time.perf_counter()
         llm.eval([tokens[-1]])
         tokens.append(greedy())
         step_ms.append(1e3 * (time.perf_counter() - ts))
-    t2 = time.perf_counter()
+    t2, cpu2 = time.perf_counter(), time.process_time()
     return {"prefill_tok_s": len(prompt) / (t1 - t0), "prefill_s": t1 - t0,
             "decode_tok_s": (n_gen - 1) / (t2 - t1), "decode_s": t2 - t1,
+            "decode_cpu_ms": 1e3 * (cpu2 - cpu1) / (n_gen - 1),
             "decode_step_ms": 1e3 * (t2 - t1) / (n_gen - 1),
             "decode_p50_tok_s": 1e3 / np.median(step_ms), "tokens": tokens,
             "other_load": load.fraction()}

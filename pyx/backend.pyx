@@ -21,6 +21,8 @@ the MoE block) is written once and never probes for one with getattr:
              only; always False on CUDA).
   fused_moe  MoE blocks built on it stack their experts for moe_align / moe_grouped_linear /
              moe_combine instead of one linear per expert (kernels moe=fused).
+  moe_experts_op   MoE blocks not on the fused path stack their experts and run them with one
+             moe_experts call per layer (CPU), instead of one linear per expert (CUDA).
   fused_sampling   the sampler calls sample_fused (CUDA, kernels sampling=fused; always False on
              the CPU, which has no sample_fused).
 The weight formats `linear`, `embedding` and `place_weight` take besides float arrays are the
@@ -48,6 +50,8 @@ cdef fail(str op, str msg, dict arrays):
 
 
 cdef class Backend:
+    moe_experts_op = False
+
     def __init__(self, name, kernels=None):
         """kernels: a KernelConfig, or what KernelConfig.parse takes (None: every default)."""
         self.name = name
@@ -267,6 +271,16 @@ cdef class Backend:
         y (T * top_k, H) f32; topk_weights (T, top_k) f32; topk_ids (T, top_k) int64;
         out (T, H) f32."""
         raise NotImplementedError
+
+    def moe_experts(self, x, gate_up, down, topk_ids, topk_weights, activation, out):
+        """A MoE layer's routed experts: out[t] = sum over slots j, in order, of
+        topk_weights[t, j] * down[e] @ act(gate_up[e] @ x[t]) with e = topk_ids[t, j] and
+        act(g) = f(g[:I]) * g[I:], f silu ("silu") or gelu_tanh ("gelu_tanh"); slots whose id
+        lies outside [0, E) add nothing. Each expert's matmuls are `linear` on its pairs' tokens
+        in pair order, so the numbers are those of one linear per expert. x (T, H) f32;
+        gate_up, down stack_experts' stacks (E, 2I, H) and (E, H, I); topk_ids (T, top_k)
+        int64; topk_weights (T, top_k) f32; out (T, H) f32. The backends with moe_experts_op."""
+        raise NotImplementedError(f"the {self.name} backend has no moe_experts op")
 
     def softcap(self, x, cap):
         """In place x = cap * tanh(x / cap) (Gemma-2 soft-capping of final logits).

@@ -115,6 +115,18 @@ cdef extern from "lora_kernels.h" nogil:
                           int64_t G, int nthreads)
 
 
+cdef extern from "moe_kernels.h" nogil:
+    int TAPER_MOE_SILU, TAPER_MOE_GELU_TANH
+    ctypedef struct taper_moe_part:
+        pass
+    int taper_moe_experts(int isa, const float* x, const int64_t* topk_ids,
+                          const float* topk_weights, const taper_moe_part* gate_up,
+                          const int64_t* gate_up_start, const taper_moe_part* down,
+                          const int64_t* down_start, int activation, float* out, int64_t T,
+                          int64_t H, int64_t inter, int64_t top_k, int64_t E,
+                          int batch_invariant, int prefill_int8, int nthreads)
+
+
 ctypedef int (*gated_kernel)(int isa, const float* x, float* out, int64_t T, int64_t inter,
                              int nthreads) noexcept nogil
 
@@ -274,6 +286,10 @@ def _weight_dtypes():
 
 _WDT = _weight_dtypes()
 _LORA_DT = [d for d in _WDT if d.name in ("float32", "bfloat16")]   # lora_linear's slots
+# moe_kernels.h's taper_moe_part, one record per piece of an expert's weight
+_MOE_PART = np.dtype([("data", np.uintp), ("rows", np.int64), ("dtype", np.int32),
+                      ("qtype", np.int32), ("act_split", np.int32), ("pad_", np.int32)])
+assert _MOE_PART.itemsize == 32
 
 
 cdef _check_fp8_cache(str op, dict arrays, int64_t Hkv, int64_t D, bint writable):
@@ -375,6 +391,7 @@ cdef class CpuBackend(Backend):
     cdef readonly int prefill_int8  # quant_prefill: 0 f32, 1 int8, 2 int8_all (quant_kernels.h)
     cdef int _prefetch               # kernels gemv_prefetch: TAPER_PREFETCH_*
     cdef readonly object governor   # cpu_threads.ThreadGovernor, or None: the count is fixed
+    moe_experts_op = True            # MoE blocks run their experts in one moe_experts call
 
     def __init__(self, isa=None, num_threads=None, batch_invariant=False, kernels=None):
         Backend.__init__(self, "cpu", kernels)
@@ -633,8 +650,22 @@ cdef class CpuBackend(Backend):
         if (weight.shape[0] != x.shape[0] or weight.shape[2] != x.shape[2]
                 or out.shape != (x.shape[0], x.shape[1], weight.shape[1])):
             _fail(op, "need x (G, T, K), weight (G, N, K), out (G, T, N)", arrays)
-        for g in range(x.shape[0]):     # each group through linear's kernel
-            self.linear(x[g], weight[g], None, out[g])
+        # each group through linear's kernel, the loop in C: MLA's decode calls this twice per
+        # layer with a group per head, and a Python loop of linear calls cost more than the math
+        cdef int64_t G = x.shape[0], T = x.shape[1], K = x.shape[2], N = weight.shape[1], g
+        cdef int dt = _wdtype(weight), isa = self._isa, nt = self._nthreads, st = TAPER_OK
+        cdef int inv = self.batch_invariant
+        cdef int64_t wstride = N * K * weight.dtype.itemsize
+        cdef const float* xp = <const float*>_ptr(x)
+        cdef const char* wp = <const char*>_ptr(weight)
+        cdef float* outp = <float*>_ptr(out)
+        with nogil:
+            for g in range(G):
+                st = taper_linear_ex(isa, xp + g * T * K, wp + g * wstride, dt, NULL,
+                                     outp + g * T * N, T, K, N, inv, nt)
+                if st != TAPER_OK:
+                    break
+        _status(st, op, arrays)
 
     def rms_norm(self, x, weight, eps, out):
         op = "rms_norm"
@@ -795,8 +826,66 @@ cdef class CpuBackend(Backend):
     # ---- fused MoE (pyx/cpu_moe.py: the reference of cuda/moe.cu)
 
     def stack_experts(self, weights):
+        """The list, and in `data` moe_experts' part table (parts, starts: expert e's weight is
+        parts[starts[e]:starts[e + 1]], pointers into the listed arrays) where every expert is a
+        float array or ggml blocks; None where one is not (FP8, int4: moe_experts runs those
+        expert by expert through linear)."""
         w0 = weights[0]
-        return StackedExperts((len(weights), w0.shape[0], w0.shape[1]), list(weights))
+        shape = (len(weights), w0.shape[0], w0.shape[1])
+        for w in weights:
+            if tuple(w.shape) != shape[1:]:
+                raise ValueError(f"stack_experts: experts of shapes {tuple(w0.shape)} and "
+                                 f"{tuple(w.shape)}; every expert must have the first's")
+        return StackedExperts(shape, list(weights), self._moe_part_table(weights))
+
+    def _moe_part_table(self, weights):
+        rows, starts = [], [0]
+        for w in weights:
+            if isinstance(w, QuantizedWeight):
+                split = int(self.act_split or w.exact_activations)
+                for qtype, blocks in w.quant_parts:
+                    if blocks.shape[1] != _row_bytes(qtype, w.k) or not blocks.flags.c_contiguous:
+                        raise ValueError(f"stack_experts: a quant part of type {qtype} has rows "
+                                         f"of {blocks.shape[1]} bytes")
+                    rows.append((blocks.ctypes.data, blocks.shape[0], -1, qtype, split, 0))
+            elif (isinstance(w, np.ndarray) and w.ndim == 2 and _wdtype(w) >= 0
+                  and w.flags.c_contiguous):
+                rows.append((w.ctypes.data, w.shape[0], _wdtype(w), 0, 0, 0))
+            else:
+                return None
+            starts.append(len(rows))
+        return np.array(rows, _MOE_PART), np.array(starts, np.int64)
+
+    def moe_experts(self, x, gate_up, down, topk_ids, topk_weights, activation, out):
+        op = "moe_experts"
+        cdef int64_t T, H, I, k, E
+        T, H, I, k, E = cpu_moe.check_experts(op, x, gate_up, down, topk_ids, topk_weights,
+                                              activation, out)
+        if gate_up.data is None or down.data is None:
+            return cpu_moe.moe_experts(self, x, gate_up, down, topk_ids, topk_weights,
+                                       activation, out)
+        arrays = {"x": x, "topk_ids": topk_ids, "topk_weights": topk_weights, "out": out}
+        cdef cnp.ndarray gparts = gate_up.data[0], gstarts = gate_up.data[1]
+        cdef cnp.ndarray dparts = down.data[0], dstarts = down.data[1]
+        if gstarts.shape[0] != E + 1 or dstarts.shape[0] != E + 1:
+            _fail(op, "gate_up and down must be stack_experts' stacks of E experts", arrays)
+        cdef int act = TAPER_MOE_SILU if activation == "silu" else TAPER_MOE_GELU_TANH
+        cdef int isa = self._isa, nt = self._nthreads, inv = self.batch_invariant
+        cdef int i8 = self.prefill_int8, st
+        cdef const float* xp = <const float*>_ptr(x)
+        cdef const int64_t* ip = <const int64_t*>_ptr(topk_ids)
+        cdef const float* wp = <const float*>_ptr(topk_weights)
+        cdef const taper_moe_part* gp = <const taper_moe_part*>_ptr(gparts)
+        cdef const int64_t* gs = <const int64_t*>_ptr(gstarts)
+        cdef const taper_moe_part* dp = <const taper_moe_part*>_ptr(dparts)
+        cdef const int64_t* ds = <const int64_t*>_ptr(dstarts)
+        cdef float* outp = <float*>_ptr(out)
+        with nogil:
+            st = taper_moe_experts(isa, xp, ip, wp, gp, gs, dp, ds, act, outp, T, H, I, k, E,
+                                   inv, i8, nt)
+        if st == TAPER_ERR_ARG:
+            _fail(op, "an expert's weight parts do not cover its rows", arrays)
+        _status(st, op, arrays)
 
     def moe_align(self, topk_ids, num_experts, block_m, sorted_ids, block_expert, expert_offsets,
                   num_padded):

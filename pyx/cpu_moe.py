@@ -1,5 +1,7 @@
 """The CPU backend's fused-MoE ops (pyx/backend.pyx moe_align, moe_grouped_linear, moe_combine):
-NumPy code, the reference the CUDA kernels of cuda/moe.cu are tested against.
+NumPy code, the reference the CUDA kernels of cuda/moe.cu are tested against; and moe_experts
+expert by expert through the backend's ops, for the expert formats the one-call kernel
+(pyx/moe_kernels.c) does not read (FP8, int4) and as that kernel's reference.
 
 moe_align keeps pair order inside each expert's run (a stable sort), so its output is exact;
 moe_grouped_linear runs each expert's routed rows through the backend's own `linear`, so every
@@ -147,3 +149,48 @@ def moe_combine(y, topk_weights, topk_ids, num_experts, out):
     out[:] = 0
     for j in range(k):   # in slot order, as the kernel sums
         out += w[:, j:j + 1] * np.where(routed[:, j:j + 1], y3[:, j], np.float32(0))
+
+
+def check_experts(op, x, gate_up, down, topk_ids, topk_weights, activation, out):
+    """Shapes of moe_experts; returns (T, H, I, top_k, E)."""
+    arrays = {"x": x, "topk_ids": topk_ids, "topk_weights": topk_weights, "out": out}
+    for name, dtype in (("x", _F32), ("topk_ids", _I64), ("topk_weights", _F32), ("out", _F32)):
+        a = arrays[name]
+        if (not isinstance(a, np.ndarray) or a.ndim != 2 or a.dtype != dtype
+                or not a.flags.c_contiguous):
+            _fail(op, f"{name} must be a C-contiguous 2-D {dtype} array", arrays)
+    if not out.flags.writeable or np.may_share_memory(x, out):
+        _fail(op, "out must be writable and apart from x", arrays)
+    if activation not in ("silu", "gelu_tanh"):
+        _fail(op, f"activation must be silu or gelu_tanh, got {activation!r}", arrays)
+    E, two_i, H = gate_up.shape
+    if two_i % 2 or down.shape != (E, H, two_i // 2):
+        _fail(op, f"need gate_up (E, 2I, H) and down (E, H, I) stacks, got {gate_up.shape} and "
+                  f"{down.shape}", arrays)
+    T, k = topk_ids.shape
+    if x.shape != (T, H) or out.shape != (T, H) or topk_weights.shape != (T, k):
+        _fail(op, f"need x and out (T, {H}), topk_ids and topk_weights (T, top_k)", arrays)
+    return T, H, two_i // 2, k, E
+
+
+def moe_experts(backend, x, gate_up, down, topk_ids, topk_weights, activation, out):
+    """out[t] = sum over slots j, in order, of topk_weights[t, j] * down[e] @ act(gate_up[e] @ x[t])
+    for e = topk_ids[t, j] (ids outside [0, E) add nothing): each expert once, on its pairs'
+    tokens in pair order, through backend.linear and the activation op."""
+    T, H, I, k, E = check_experts("moe_experts", x, gate_up, down, topk_ids, topk_weights,
+                                  activation, out)
+    act = backend.silu_and_mul if activation == "silu" else backend.gelu_tanh_and_mul
+    flat = topk_ids.reshape(-1)
+    routed = np.flatnonzero((flat >= 0) & (flat < E))
+    pairs = routed[np.argsort(flat[routed], kind="stable")]   # by expert, pair order kept
+    y = np.zeros((T * k, H), np.float32)
+    for e in np.unique(flat[pairs]):
+        rows = pairs[flat[pairs] == e]
+        g = np.empty((rows.size, 2 * I), np.float32)
+        a = np.empty((rows.size, I), np.float32)
+        backend.linear(np.ascontiguousarray(x[rows // k]), gate_up.experts[e], None, g)
+        act(g, a)
+        tmp = np.empty((rows.size, H), np.float32)
+        backend.linear(a, down.experts[e], None, tmp)
+        y[rows] = tmp
+    moe_combine(y, topk_weights, topk_ids, E, out)

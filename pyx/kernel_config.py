@@ -55,7 +55,8 @@ CHOICES: dict[str, Choice] = {
     "sampling": Choice(("simple", "fused"), ("cuda",),
                        "sampling: op by op, or penalties, filters and the draw in one launch"),
     "moe": Choice(("simple", "fused"), ("cuda", "cpu"),
-                  "MoE experts: one linear per expert, or moe_align and grouped GEMMs over "
+                  "MoE experts: one linear per expert (on the CPU every expert of a layer in "
+                  "one moe_experts call, the same numbers), or moe_align and grouped GEMMs over "
                   "stacked experts"),
     "graphs_lora": Choice(("off", "on"), ("cuda",),
                           "CUDA graphs over steps with LoRA adapter rows: the rows' adapter "

@@ -16,6 +16,10 @@ contiguous run of rows goes through its two projections, and the results are put
 order and summed per token with their weights. The projections are the backend's `linear`, so
 every weight format (float, ggml blocks, int4, FP8) works for experts as for dense layers.
 
+On a backend with moe_experts_op (the CPU) those steps are one backend call, moe_experts: every
+expert of the layer, the activation and the weighted sum in one C kernel (pyx/moe_kernels.c), the
+same numbers as the loop over experts, which the CUDA backend runs on its simple path.
+
 The fused path (`fused`, the backend's fused_moe: kernels moe=fused) takes the same steps with no
 per-expert loop and no host round trip: moe_align sorts the pairs by expert on the device, padded
 to the grouped GEMM's M tile; moe_grouped_linear runs gate_up for every expert in one launch, then
@@ -39,10 +43,12 @@ import numpy as np
 
 @dataclass(slots=True)
 class StackedExperts:
-    """E experts' weights of one projection, each (N, K), as one moe_grouped_linear operand.
-    `experts`: the placed weights one by one (the CPU reference runs each through linear);
-    `data`: the CUDA backend's stack, (E, N, K) in the activation dtype or, for Q8_0 experts
-    (`qtype` 8), (E, N, K / 32 * 34) bytes of ggml blocks; `qtype` 0 means the activation dtype."""
+    """E experts' weights of one projection, each (N, K), as one moe_grouped_linear or
+    moe_experts operand. `experts`: the placed weights one by one (the CPU reference runs each
+    through linear); `data`: the CUDA backend's stack, (E, N, K) in the activation dtype or, for
+    Q8_0 experts (`qtype` 8), (E, N, K / 32 * 34) bytes of ggml blocks; `qtype` 0 means the
+    activation dtype. On the CPU `data` is moe_experts' table of the weights' parts, or None
+    (CpuBackend.stack_experts)."""
     shape: tuple[int, int, int]
     experts: list | None = None
     data: object = None
@@ -152,6 +158,7 @@ class MoE:
         if activation not in ("silu", "gelu_tanh"):
             raise ValueError(f"MoE: unknown activation {activation!r}, expected silu or "
                              f"gelu_tanh")
+        self.activation = activation
         self.act_and_mul = (backend.silu_and_mul if activation == "silu" else
                             backend.gelu_tanh_and_mul)
         self.expert_scale = expert_scale
@@ -168,7 +175,8 @@ class MoE:
         self.intermediate_size = experts_gate_up[0].shape[0] // 2
         self.shared, self.shared_gate = shared, shared_gate
         self.fused = fused
-        if fused:   # the stacks replace the per-expert weights (no second copy kept)
+        self.one_call = not fused and backend.moe_experts_op   # CPU: moe_experts
+        if fused or self.one_call:   # the stacks replace the per-expert weights (no copy kept)
             self.gate_up = backend.stack_experts(experts_gate_up)
             self.down = backend.stack_experts(experts_down)
         else:
@@ -213,6 +221,12 @@ class MoE:
             ids = ids - self.first_expert
         if self.fused:
             self._experts_fused(x, ids, weights, out, ws)
+        elif self.one_call:
+            xp = self.xp
+            self.backend.moe_experts(xp.ascontiguousarray(x), self.gate_up, self.down,
+                                     xp.ascontiguousarray(ids, dtype=xp.int64),
+                                     xp.ascontiguousarray(weights, dtype=xp.float32),
+                                     self.activation, out)
         else:
             self._experts_one_by_one(x, ids, weights, out, ws)
 

@@ -113,6 +113,21 @@ def gelu_tanh_and_mul(x):
     return gelu_tanh(x[:, :inter]) * x[:, inter:]
 
 
+def moe_experts(x, gate_up, down, topk_ids, topk_weights, activation):
+    """gate_up, down: lists of each expert's (2I, H) and (H, I) float weights (dequantized by the
+    caller); a slot whose id lies outside [0, E) adds nothing."""
+    x, E = to_f64(x), len(gate_up)
+    act = silu_and_mul if activation == "silu" else gelu_tanh_and_mul
+    out = np.zeros(x.shape)
+    for t in range(x.shape[0]):
+        for j in range(topk_ids.shape[1]):
+            e = int(topk_ids[t, j])
+            if 0 <= e < E:
+                a = act(x[t:t + 1] @ to_f64(gate_up[e]).T)
+                out[t] += float(topk_weights[t, j]) * (a @ to_f64(down[e]).T)[0]
+    return out
+
+
 def softcap(x, cap):
     return cap * np.tanh(to_f64(x) / cap)
 

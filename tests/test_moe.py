@@ -125,12 +125,15 @@ def test_routing_picks_the_top_k_by_probability():
 
 
 def test_experts_run_only_on_their_tokens():
-    """A decode step (one token) computes top_k experts, not all of them."""
+    """A decode step (one token) computes top_k experts, not all of them (the loop over experts
+    that a backend without moe_experts runs; tests/test_moe_experts.py checks the CPU's kernel)."""
     backend = CpuBackend()
     rng = np.random.default_rng(0)
     calls = []
 
     class Counting:
+        moe_experts_op = False
+
         def __init__(self, inner):
             self.inner, self.xp = inner, np
 
