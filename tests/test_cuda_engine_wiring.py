@@ -141,6 +141,20 @@ def test_decode_replays_graphs_and_matches_the_cpu_engine(model_dir):
     assert backend.replays == runner.num_replays > 0
 
 
+@pytest.mark.parametrize("moe", ["simple", "fused"])
+def test_moe_models_capture_graphs_only_on_the_fused_path(tmp_path, moe):
+    """moe=simple reads each step's expert counts on the host, which a captured graph would
+    replay from its capture: such a model decodes eagerly; moe=fused captures (and matches)."""
+    from checkpoints import tiny_checkpoint
+    path = tiny_checkpoint(str(tmp_path / "mixtral"), arch="mixtral")
+    want = run(engine_for(path, CpuBackend(), num_kv_blocks=64), PROMPTS[:3])
+    backend = CpuAsCuda(kernels=f"moe={moe}")
+    engine = engine_for(path, backend, num_kv_blocks=64, cuda_graph=True)
+    assert (engine.runner.graph_runner is not None) == (moe == "fused")
+    assert run(engine, PROMPTS[:3]) == want
+    assert (backend.replays > 0) == (moe == "fused")
+
+
 def test_eager_cuda_path_matches_too(model_dir):
     want = run(engine_for(model_dir, CpuBackend(), num_kv_blocks=64), PROMPTS[:2])
     backend = CpuAsCuda()
@@ -387,11 +401,12 @@ def test_head_targets_replay_graphs_with_their_hidden_states(head_targets, monke
     prompts = [rng.integers(3, 500, n).tolist() for n in (6, 21, 13)]
     params = [SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)] * len(prompts)
     want = generate(engine_for(directory, CpuBackend(), num_kv_blocks=64), prompts, params)
-    eager = engine_for(directory, CpuAsCuda(), num_kv_blocks=64, cuda_graph=False,
-                       speculative_config=spec)
+    # (DeepSeek-V3's experts take the fused path: moe=simple decodes without graphs)
+    eager = engine_for(directory, CpuAsCuda(kernels="moe=fused"), num_kv_blocks=64,
+                       cuda_graph=False, speculative_config=spec)
     eager_drafts = drafts_proposed(eager)
     assert generate(eager, prompts, params) == want
-    backend = CpuAsCuda(kernels="graphs_verify=on")
+    backend = CpuAsCuda(kernels="graphs_verify=on,moe=fused")
     engine = engine_for(directory, backend, num_kv_blocks=64, cuda_graph=True,
                         speculative_config=spec)
     graphs = engine.runner.graph_runner
@@ -411,7 +426,7 @@ def test_head_targets_capture_no_graphs_under_graphs_verify_off(head_targets):
     """Until a GPU window has checked the graphs' hand-over, EAGLE-3 and MTP targets run every
     step eagerly unless graphs_verify=on."""
     directory, spec = head_targets["mtp"]
-    backend = CpuAsCuda()
+    backend = CpuAsCuda(kernels="moe=fused")
     engine = engine_for(directory, backend, num_kv_blocks=64, cuda_graph=True,
                         speculative_config=spec)
     assert engine.runner.graph_runner is None and backend.captures == 0

@@ -117,7 +117,12 @@ def build(config: EngineConfig, loaded=None, group=None) -> EngineParts:
                                     config.max_num_seqs or MAX_NUM_SEQS_CAP, config.block_size)
     states = []     # a hybrid model's StatePoolSize, carved out of the KV budget
     if model_config.linear_attention is not None:
-        config = _check_hybrid(config)
+        config = _without_graphs(config, "a hybrid linear-attention model (its state rows are "
+                                 "planned per step on the host)")
+    if model_config.moe is not None and not backend.fused_moe:
+        config = _without_graphs(config, "a MoE model on the moe=simple path (each step's "
+                                 "expert counts are read on the host); --kernels moe=fused "
+                                 "captures them")
     # KV heads per block: the rank's under tensor parallel (its model's config)
     num_blocks = config.num_kv_blocks or _num_kv_blocks(
         config, backend, getattr(model, "config", model_config), kv_dtype,
@@ -380,12 +385,11 @@ def capture_cuda_graphs(config: EngineConfig, model, backend, runner: ModelRunne
              time.monotonic() - start, graphs.graph_memory_bytes / 2**20)
 
 
-def _check_hybrid(config: EngineConfig) -> EngineConfig:
-    """The config without CUDA graphs for a hybrid model (each step's state plan is built on
-    the host)."""
+def _without_graphs(config: EngineConfig, why: str) -> EngineConfig:
+    """The config without CUDA graphs, for a model whose steps are planned on the host (a
+    graph would replay the plan of the step it captured)."""
     if config.backend == "cuda" and config.cuda_graph:
-        log.info("CUDA graphs: off for a hybrid linear-attention model (its state rows are "
-                 "planned per step on the host)")
+        log.info("CUDA graphs: off for %s", why)
         config = dataclasses.replace(config, cuda_graph=False)
     return config
 

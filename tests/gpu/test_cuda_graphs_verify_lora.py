@@ -425,9 +425,12 @@ def test_head_targets_replay_graphs_under_graphs_verify(monkeypatch, tmp_path, m
     def llm(backend, **config):
         return LLM(path, backend=backend, dtype="bf16", num_kv_blocks=256, max_num_seqs=8,
                    **config)
-    graphed = llm("cuda", cuda_graph=True, kernels="graphs_verify=on", speculative_config=spec)
+    # DeepSeek-V3's experts take the fused path (moe=simple decodes without graphs)
+    graphed = llm("cuda", cuda_graph=True, kernels="graphs_verify=on,moe=fused",
+                  speculative_config=spec)
     # margins of the penalized logits, as sampled
-    eager = llm("cuda", cuda_graph=False, speculative_config=spec, logprobs_mode="processed")
+    eager = llm("cuda", cuda_graph=False, speculative_config=spec, logprobs_mode="processed",
+                kernels="moe=fused")
     graphs = graphed.engine.runner.graph_runner
     assert graphs.query_lens == [1, 3] and graphs.hidden_capture is not None
     seen = replays(graphed)
