@@ -249,7 +249,7 @@ def test_a_rank_reads_only_its_experts_from_safetensors(cases, monkeypatch, capl
     assert blocks and all((b.first_expert, b.num_held, b.num_experts) == (2, 2, 4)
                           for b in blocks)
     w1 = stored["model.layers.0.block_sparse_moe.experts.2.w1.weight"]
-    np.testing.assert_array_equal(np.asarray(blocks[0].gate_up[0])[:w1.shape[0]], w1)
+    np.testing.assert_array_equal(np.asarray(blocks[0].gate_up.experts[0])[:w1.shape[0]], w1)
 
 
 def test_a_rank_reads_only_its_experts_from_a_gguf(monkeypatch):
