@@ -9,13 +9,15 @@ them (expert parallel), the shared experts within.
   float tolerance, at tensor parallel 2 and expert parallel 2: a DeepSeek-V2-Lite-shaped tiny
   checkpoint (one q_proj, two shared experts, softmax routing) and a V3-shaped one (q_lora_rank,
   sigmoid grouped routing with a correction bias, YaRN), with chunked prefill so that prompts
-  take the plain path over several steps and decode the absorbed one.
+  take the plain path over several steps and decode the absorbed one; GLM-4.7-Flash's as well.
+- llama.cpp's q8_0 deepseek2 GGUFs of both shapes: the single process's tokens and logprobs.
 - The cut: each rank's rows of q_b_proj / kv_b_proj and columns of o_proj are its heads' alone,
   the latent projections whole.
 """
 from __future__ import annotations
 
-import numpy as np
+import os
+
 import pytest
 
 from hf_oracle import assert_matches
@@ -26,8 +28,10 @@ from test_tensor_parallel import assert_same_as_one_process, worker_pids
 
 pytestmark = pytest.mark.timeout(300)
 
+DATA = os.path.join(os.path.dirname(__file__), "data", "gguf")
 CASES = {"deepseek_v2_lite": (dict(arch="deepseek_v2_lite"), None),
-         "deepseek_v3": (dict(arch="deepseek_v3"), None)}
+         "deepseek_v3": (dict(arch="deepseek_v3"), None),
+         "glm4_moe_lite": (dict(arch="glm4_moe_lite"), None)}
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +39,7 @@ def cases(tmp_path_factory):
     return Cases(str(tmp_path_factory.mktemp("tp_mla")), CASES)
 
 
-@pytest.mark.parametrize("name", ["deepseek_v2_lite", "deepseek_v3"])
+@pytest.mark.parametrize("name", ["deepseek_v2_lite", "deepseek_v3", "glm4_moe_lite"])
 def test_splits_within_and_across_ranks(cases, name):
     """8 routed experts: within the ranks (rank 0 holds all 8, each a slice) and across them
     (rank 0 holds experts 0-3 whole)."""
@@ -49,6 +53,22 @@ def test_splits_within_and_across_ranks(cases, name):
             assert_matches(tokens, ref, min_trusted=8, label=f"{label} prompt {i}")
         assert_same_as_one_process(one, split, label)
     wait_for_workers_gone(before)
+
+
+@pytest.mark.parametrize("stem", ["deepseek_v2_lite-q8_0", "deepseek_v3-q8_0"])
+def test_gguf_splits_by_head_and_expert(stem):
+    """llama.cpp's deepseek2 files (tests/test_gguf_mla.py): q8_0 rows cut by head, o_proj's
+    columns along whole 32-element blocks, the stacked experts' rows; the per-head
+    attn_k_b / attn_v_b joined into kv_b_proj before the cut. Exact activations
+    (act_split=on): the default rounds a q8_0 matmul's 8-bit activations, and the ranks'
+    partial sums, added in another order than one process's, can round one the other way
+    (a logprob moved 1.1e-3 with the tokens the same)."""
+    kwargs = dict(weight_file=os.path.join(DATA, f"{stem}.gguf"), kernels="act_split=on")
+    one, _ = greedy(DATA, **kwargs)
+    for expert_parallel, held in ((False, (0, 8, 8)), (True, (0, 4, 8))):
+        split, rank0 = greedy(DATA, 2, enable_expert_parallel=expert_parallel, **kwargs)
+        assert rank0 == {held}
+        assert_same_as_one_process(one, split, f"{stem} {'ep' if expert_parallel else 'tp'}2")
 
 
 def test_each_rank_holds_its_heads(cases):
