@@ -6,8 +6,9 @@ to its own cache), and DeepSeekMoE's experts split within the ranks (tensor para
 them (expert parallel), the shared experts within.
 
 - Greedy tokens equal transformers' (up to a near-tie) and the single process's, logprobs within
-  float tolerance, at tensor parallel 2 and expert parallel 2: a DeepSeek-V2-Lite-shaped tiny
-  checkpoint (one q_proj, two shared experts, softmax routing) and a V3-shaped one (q_lora_rank,
+  float tolerance, at tensor parallel 2 and expert parallel 2 (and 4, one head per rank): a
+  DeepSeek-V2-Lite-shaped tiny checkpoint (one q_proj, two shared experts, softmax routing) and a
+  V3-shaped one (q_lora_rank,
   sigmoid grouped routing with a correction bias, YaRN), with chunked prefill so that prompts
   take the plain path over several steps and decode the absorbed one; GLM-4.7-Flash's as well.
 - llama.cpp's q8_0 deepseek2 GGUFs of both shapes: the single process's tokens and logprobs.
@@ -39,16 +40,17 @@ def cases(tmp_path_factory):
     return Cases(str(tmp_path_factory.mktemp("tp_mla")), CASES)
 
 
-@pytest.mark.parametrize("name", ["deepseek_v2_lite", "deepseek_v3", "glm4_moe_lite"])
-def test_splits_within_and_across_ranks(cases, name):
+@pytest.mark.parametrize("name,ranks", [("deepseek_v2_lite", 2), ("deepseek_v3", 2),
+                                        ("glm4_moe_lite", 2), ("deepseek_v3", 4)])
+def test_splits_within_and_across_ranks(cases, name, ranks):
     """8 routed experts: within the ranks (rank 0 holds all 8, each a slice) and across them
-    (rank 0 holds experts 0-3 whole)."""
+    (rank 0 holds experts 0 to 8 / ranks - 1 whole). 4 ranks: one attention head each."""
     before = worker_pids()
     one, _ = greedy(cases.dir(name))
-    for expert_parallel, held in ((False, (0, 8, 8)), (True, (0, 4, 8))):
-        split, rank0 = greedy(cases.dir(name), 2, enable_expert_parallel=expert_parallel)
+    for expert_parallel, held in ((False, (0, 8, 8)), (True, (0, 8 // ranks, 8))):
+        split, rank0 = greedy(cases.dir(name), ranks, enable_expert_parallel=expert_parallel)
         assert rank0 == {held}
-        label = f"{name} {'ep' if expert_parallel else 'tp'}2"
+        label = f"{name} {'ep' if expert_parallel else 'tp'}{ranks}"
         for i, (tokens, ref) in enumerate(zip(split[0], cases.ref(name))):
             assert_matches(tokens, ref, min_trusted=8, label=f"{label} prompt {i}")
         assert_same_as_one_process(one, split, label)
