@@ -261,8 +261,9 @@ if [ "$SUITE" = first ]; then
     # (W3 ran the first six files in 32 s; the seven since, untimed, get the rest of the cap)
     gpu_step test_step tests_default 160 30 test_cuda_ops.py test_cuda_model.py \
         test_cuda_logprobs.py test_cuda_families.py test_cuda_block_tables.py test_cuda_mla.py \
-        test_cuda_features.py test_cuda_tensor_parallel.py test_cuda_pipeline_parallel.py \
-        test_cuda_hybrid.py test_cuda_lora.py test_cuda_vision.py test_cuda_gemma4_e_shapes.py \
+        test_cuda_features.py test_cuda_tensor_parallel.py test_cuda_tensor_parallel_mla.py \
+        test_cuda_pipeline_parallel.py test_cuda_hybrid.py test_cuda_lora.py test_cuda_vision.py \
+        test_cuda_gemma4_e_shapes.py \
         "test_cuda_quirk_families.py:ops:not family and not minimax" \
         "test_cuda_quirk_families.py:models:family or minimax"
     # the quantized GEMMs' host work (quantizing, repacking 8B-sized weights) in two processes

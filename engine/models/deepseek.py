@@ -18,6 +18,7 @@ import numpy as np
 from engine.models.llama import LlamaForCausalLM
 from engine.models.model_config import ModelConfig
 from engine.models.moe import held_experts
+from engine.parallel import layers as tensor_parallel
 from pyx.layers import MLP
 from pyx.mla import MlaAttention, split_kv_b
 from pyx.moe import MoE
@@ -63,7 +64,7 @@ def deepseek_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes[f"{p}mlp.gate.weight"] = (e.num_experts, H)
         if e.grouped.correction_bias:
             shapes[f"{p}mlp.gate.e_score_correction_bias"] = (e.num_experts,)
-        for x in range(e.num_experts):
+        for x in held_experts(c):      # (expert parallel: the rank's experts)
             q = f"{p}mlp.experts.{x}."
             shapes.update({f"{q}gate_proj.weight": (I, H), f"{q}up_proj.weight": (I, H),
                            f"{q}down_proj.weight": (H, I)})
@@ -106,13 +107,14 @@ class DeepseekForCausalLM(LlamaForCausalLM):
             raise ValueError(f"{a}kv_b_proj.weight: a {type(kv_b).__name__}; MLA splits it per "
                              f"head and needs it in float")
         uk_t, uv = split_kv_b(kv_b, c.num_attention_heads, m.qk_nope_head_dim, m.v_head_dim)
-        return MlaAttention(
+        # (tensor parallel: the rank's heads, o_proj's partial sum all-reduced)
+        return tensor_parallel.all_reduced_attention(MlaAttention(
             self.backend, m, c.num_attention_heads, a_weight, a_bias, q_a_norm, q_b, q_proj,
             self._norm(weights, f"{a}kv_a_layernorm.weight"),
             self.backend.place_weight(np.ascontiguousarray(kv_b)),
             self._stack(uk_t), self._stack(uv), self._take(weights, f"{a}o_proj.weight"),
             self._take(weights, f"{a}o_proj.bias") if bias else None,
-            self._rope_cache(i), c.rope.is_neox, c.rms_norm_eps)
+            self._rope_cache(i), c.rope.is_neox, c.rms_norm_eps), c)
 
     def _stack(self, w: np.ndarray):
         """A (G, N, K) weight stack placed as the backend places a matrix (its dtype, device)."""

@@ -13,6 +13,7 @@ it from a lazily read tensor so that a rank reads only its part.
                                           shared expert stays split within as above; GPT-OSS's
                                           and Llama 4's stacked experts.gate_up_proj/down_proj
                                           (E first; biases, MXFP4 blocks and scales) its rows
+    multi-head latent attention           by head: engine/parallel/sharding_mla.py
     self_attn.sinks (GPT-OSS)             the rank's heads' sinks
     q_norm/k_norm over all heads          the rank's heads' part (MiniMax-M2: the norm's mean
                                           square is all-reduced, engine/models/minimax_m2.py)
@@ -39,6 +40,7 @@ import numpy as np
 
 from engine.models.kv_scales import KV_SCALE_NAMES
 from engine.models.model_config import ModelConfig
+from engine.parallel.sharding_mla import mla_cut
 
 
 @dataclass(frozen=True)
@@ -121,8 +123,7 @@ class ShardPlan:
         self.expert_parallel = expert_parallel and config.moe is not None
         c = config
         arch = c.architecture
-        for field, what in (("mla", "multi-head latent attention"),
-                            ("linear_attention", "hybrid linear attention"),
+        for field, what in (("linear_attention", "hybrid linear attention"),
                             ("vision", "a vision tower")):
             if getattr(c, field, None) is not None:
                 raise ValueError(f"tensor parallel: {arch} ({what}) is not yet split across "
@@ -212,6 +213,8 @@ class ShardPlan:
             return None
         if self.experts is not None and _STACKED_EXPERTS.search(name):
             return Cut(0, (self.experts,))
+        if c.mla is not None and (by_head := mla_cut(name, c.mla, self.heads, r)) is not None:
+            return by_head
         if _SINKS.search(name):
             return Cut(0, ((r * self.heads, (r + 1) * self.heads),))
         if _Q_NORM.search(name) and shape == (c.q_size,) and c.q_size > c.head_dim:
