@@ -39,6 +39,7 @@ import numpy as np
 
 from engine.models.kv_scales import KV_SCALE_NAMES
 from engine.models.model_config import ModelConfig
+from engine.parallel import linear_attention_shards
 
 
 @dataclass(frozen=True)
@@ -122,7 +123,6 @@ class ShardPlan:
         c = config
         arch = c.architecture
         for field, what in (("mla", "multi-head latent attention"),
-                            ("linear_attention", "hybrid linear attention"),
                             ("vision", "a vision tower")):
             if getattr(c, field, None) is not None:
                 raise ValueError(f"tensor parallel: {arch} ({what}) is not yet split across "
@@ -143,6 +143,8 @@ class ShardPlan:
             raise ValueError(f"tensor parallel {size}: {arch} has {hkv} KV heads; a split needs "
                              f"their number to divide or be divisible by {size}")
         even(c.intermediate_size, 0, size, f"{arch}'s intermediate_size")
+        if c.linear_attention is not None:
+            linear_attention_shards.check(c, size)
         self.experts = None
         if self.expert_parallel:
             E = c.moe.num_experts
@@ -179,6 +181,8 @@ class ShardPlan:
         return dataclasses.replace(
             c, num_attention_heads=self.heads, num_key_value_heads=self.kv_heads,
             intermediate_size=c.intermediate_size // n, vocab_size=self.vocab_share, moe=moe,
+            linear_attention=c.linear_attention and linear_attention_shards.local(
+                c.linear_attention, n),
             tensor_parallel=TensorParallel(self.rank, n, c.vocab_size,
                                            self.rank * self.vocab_share, comm, self.experts))
 
@@ -210,6 +214,9 @@ class ShardPlan:
         c, r, n = self.config, self.rank, self.size
         if self.experts is not None and expert_of(name) is not None:
             return None
+        if c.linear_attention is not None and (
+                hybrid := linear_attention_shards.cut(self, name, shape)) is not None:
+            return hybrid
         if self.experts is not None and _STACKED_EXPERTS.search(name):
             return Cut(0, (self.experts,))
         if _SINKS.search(name):

@@ -246,6 +246,8 @@ class ModelRunner:
         rows' hidden states or None, the scored rows' logits or None)."""
         batch = inputs.batch
         self._apply_table_update(batch)   # the table's changes, before anything reads it
+        if batch.state_plan is not None:  # (as rank 0 sent it: its index arrays on the host)
+            batch.state_plan.asarray = self.backend.asarray
         self.backend.adapt_threads()    # CPU: fewer threads while other processes compete
         self.num_forward_calls += 1
         self.num_forward_tokens += batch.num_tokens
