@@ -6,8 +6,11 @@ full attention's heads with their output gates, the MoE experts within the ranks
 - Greedy tokens at tensor parallel 2 equal transformers' (hf_oracle's near-tie rule) and the
   single process's, whose logprobs they equal within float tolerance; Qwen3-Next under expert
   parallel too.
+- GGUF (tests/data/gguf: a q8_0 Qwen3-Next, an f32 Qwen3.5) splits the same way and gives the
+  single process's tokens.
 - A later turn's prefix-cache hit restores the DeltaNet state snapshot on every rank (each rank
   its heads') and gives the single process's tokens.
+- n-gram speculation: each rank keeps its verified state rows (copied with the next step).
 - A rank holds its heads' state only: a state row's floats are half the whole model's.
 - Key heads not divisible by the ranks: a clear error.
 """
@@ -19,7 +22,7 @@ import pytest
 from checkpoints import edit_config, tiny_checkpoint
 from hf_oracle import assert_matches
 from model_cases import Cases
-from test_tensor_parallel import assert_same_as_one_process, greedy
+from test_tensor_parallel import DATA, assert_same_as_one_process, greedy
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -40,6 +43,15 @@ def test_greedy_tokens_match_hf_and_one_process(cases, name, expert_parallel):
     for i, (tokens, ref) in enumerate(zip(split[0], cases.ref(name))):
         assert_matches(tokens, ref, min_trusted=8, label=f"{label} prompt {i}")
     assert_same_as_one_process(greedy(cases.dir(name), 1), split, label)
+
+
+@pytest.mark.parametrize("fixture", ["qwen3_next-q8_0", "qwen3_5-f32"])
+def test_gguf_splits_the_same_way(fixture):
+    """With exact activations (act_split=on): the ranks' partial sums add in another order, and
+    a last-bit difference can round a later 8-bit activation the other way (test_tensor_parallel's
+    isq test)."""
+    kwargs = dict(weight_file=f"{DATA}/{fixture}.gguf", kernels="act_split=on")
+    assert_same_as_one_process(greedy(DATA, 1, **kwargs), greedy(DATA, 2, **kwargs), fixture)
 
 
 def conversation(model: str, tp: int):
@@ -79,7 +91,8 @@ def test_a_rank_holds_its_heads_state(cases, name):
     assert share.config.linear_attention.state_floats() * 2 == la.state_floats()
     for a, b in zip(whole.layers, share.layers):
         if a.is_linear:
-            (conv, recurrent), (conv2, recurrent2) = a.mixer.state_shapes(3), b.mixer.state_shapes(3)
+            (conv, recurrent) = a.mixer.state_shapes(3)
+            (conv2, recurrent2) = b.mixer.state_shapes(3)
             assert conv2 == (3, la.conv_kernel - 1, la.conv_dim // 2)
             assert recurrent2 == (3, la.num_v_heads // 2, la.head_k_dim, la.head_v_dim)
             assert recurrent[1] == la.num_v_heads and conv[2] == la.conv_dim
@@ -110,3 +123,27 @@ def test_state_slots_cost_a_ranks_bytes(cases):
     row = la.state_floats() * 4
     assert state_slots(cases.dir("qwen3_next"), 1) == 2**19 // (2 * row)
     assert state_slots(cases.dir("qwen3_next"), 2) == 2**19 // row
+
+
+def test_ngram_speculation_keeps_each_ranks_verified_state(cases):
+    """A verify step's accepted state goes back to each sequence's slot on every rank (the
+    other ranks copy theirs with the next step): the tokens without speculation, with drafts
+    rejected."""
+    from engine import LLM, SamplingParams
+    rng = np.random.default_rng(5)
+    loop = rng.integers(3, 500, 7).tolist()
+    prompts = [loop * 4, rng.integers(3, 500, 33).tolist(), rng.integers(3, 500, 17).tolist()]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+    outs = {}
+    for tp, how in ((1, {}), (2, dict(speculative_config=spec))):
+        llm = LLM(cases.dir("qwen3_next"), tensor_parallel_size=tp, num_kv_blocks=64, **how)
+        try:
+            outs[tp] = [list(o.token_ids) for o in llm.generate(prompts, params)]
+            if tp == 2:
+                stats = llm.engine.speculator.stats
+                assert stats.num_drafts > 2, stats
+                assert stats.num_accepted_tokens < stats.num_draft_tokens, stats
+        finally:
+            llm.engine.shutdown()
+    assert outs[2] == outs[1]

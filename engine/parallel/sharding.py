@@ -18,6 +18,9 @@ it from a lazily read tensor so that a rank reads only its part.
                                           square is all-reduced, engine/models/minimax_m2.py)
     embed_tokens, lm_head                 vocab-parallel: each rank ceil(V / ranks) rows, the
                                           last rank's padded with zero rows
+    linear_attn.* and the gated q_proj    the hybrid families' DeltaNet heads with their state,
+      (Qwen3-Next, Qwen3.5)               the gated attention's heads with their gates:
+                                          engine/parallel/linear_attention_shards.py
     row-parallel biases                   rank 0's is the checkpoint's, the others zero (the
                                           all-reduce after the projection adds it once)
     everything else (norms, routers)      replicated
