@@ -8,6 +8,7 @@ full attention's heads with their output gates, the MoE experts within the ranks
   parallel too.
 - GGUF (tests/data/gguf: a q8_0 Qwen3-Next, an f32 Qwen3.5) splits the same way and gives the
   single process's tokens.
+- Qwen3.5-MoE's experts stacked (transformers 5's layout) split the same way, within or across.
 - A later turn's prefix-cache hit restores the DeltaNet state snapshot on every rank (each rank
   its heads') and gives the single process's tokens.
 - n-gram speculation: each rank keeps its verified state rows (copied with the next step).
@@ -52,6 +53,40 @@ def test_gguf_splits_the_same_way(fixture):
     isq test)."""
     kwargs = dict(weight_file=f"{DATA}/{fixture}.gguf", kernels="act_split=on")
     assert_same_as_one_process(greedy(DATA, 1, **kwargs), greedy(DATA, 2, **kwargs), fixture)
+
+
+def stacked_experts_copy(src: str, dst: str) -> str:
+    """src's checkpoint with each layer's experts stacked as transformers 5 holds them
+    (mlp.experts.gate_up_proj (E, 2I, H), mlp.experts.down_proj (E, H, I))."""
+    import glob
+    import re
+    import shutil
+    from safetensors.numpy import load_file, save_file
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.safetensors*"))
+    weights = {}
+    for f in glob.glob(f"{src}/*.safetensors"):
+        weights.update(load_file(f))
+    experts = {}
+    for name in [n for n in weights if re.search(r"\.mlp\.experts\.\d+\.", n)]:
+        base, e, proj = re.match(r"(.*\.mlp\.experts)\.(\d+)\.(\w+)\.weight$", name).groups()
+        experts.setdefault(base, {}).setdefault(int(e), {})[proj] = weights.pop(name)
+    for base, by_expert in experts.items():
+        order = [by_expert[e] for e in sorted(by_expert)]
+        weights[f"{base}.gate_up_proj"] = np.stack(
+            [np.concatenate([x["gate_proj"], x["up_proj"]]) for x in order])
+        weights[f"{base}.down_proj"] = np.stack([x["down_proj"] for x in order])
+    save_file(weights, f"{dst}/model.safetensors")
+    return dst
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_stacked_experts_split(cases, tmp_path, expert_parallel):
+    """Qwen3.5-MoE with its experts stacked: each rank's slice of every expert (or its experts
+    whole) gives the per-expert checkpoint's tokens."""
+    stacked = stacked_experts_copy(cases.dir("qwen3_5_moe"), str(tmp_path / "stacked"))
+    how = dict(enable_expert_parallel=True) if expert_parallel else {}
+    assert_same_as_one_process(greedy(cases.dir("qwen3_5_moe"), 1), greedy(stacked, 2, **how),
+                               f"stacked experts{' ep' if expert_parallel else ''}")
 
 
 def conversation(model: str, tp: int):

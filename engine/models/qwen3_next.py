@@ -63,10 +63,11 @@ def hybrid_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _language_model_only(weights: dict) -> None:
+def _language_model_only(weights: dict, first_expert: int = 0) -> None:
     """In place: a multimodal checkpoint's (Qwen3.5's) language model under the causal LM's
     names, its vision tower dropped; stacked experts split into the per-expert tensors (the
-    multi-token-prediction head's, mtp.*, too)."""
+    multi-token-prediction head's, mtp.*, too), numbered from first_expert (under expert
+    parallel the rank's stack holds experts first_expert onwards)."""
     prefix = "model.language_model."
     dropped = 0
     for name in list(weights):
@@ -83,9 +84,9 @@ def _language_model_only(weights: dict) -> None:
         gate_up, down = weights.pop(name), weights.pop(base + "down_proj")
         inter = gate_up.shape[1] // 2
         for e in range(gate_up.shape[0]):
-            weights[f"{base}{e}.gate_proj.weight"] = gate_up[e, :inter]
-            weights[f"{base}{e}.up_proj.weight"] = gate_up[e, inter:]
-            weights[f"{base}{e}.down_proj.weight"] = down[e]
+            weights[f"{base}{first_expert + e}.gate_proj.weight"] = gate_up[e, :inter]
+            weights[f"{base}{first_expert + e}.up_proj.weight"] = gate_up[e, inter:]
+            weights[f"{base}{first_expert + e}.down_proj.weight"] = down[e]
 
 
 class HybridDecoderLayer:
@@ -118,7 +119,8 @@ class Qwen3NextForCausalLM(MoeForCausalLM):
 
     def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray], backend):
         """Takes ownership of `weights` (tensors are popped as they are placed)."""
-        _language_model_only(weights)
+        tp = config.tensor_parallel
+        _language_model_only(weights, tp.experts[0] if tp is not None and tp.experts else 0)
         # the MTP head's, for speculative decoding (engine/models/qwen3_next_mtp.py); the
         # engine's builder drops them when nothing drafts with them
         self.mtp_weights = take_mtp_weights(weights)

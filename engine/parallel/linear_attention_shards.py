@@ -12,6 +12,9 @@ share of the gated DeltaNet's key heads and of the value heads they serve, with 
     norm.weight                           replicated (one head wide, shared by the heads)
     gated attention's q_proj              each head's query then its gate: the rank's heads'
                                           (2 head_dim rows each)
+    stacked experts (Qwen3.5-MoE as       every expert's intermediate slice (gate_up_proj's
+      transformers 5 holds them)          rows of both halves, down_proj's columns), or under
+                                          expert parallel the rank's experts whole
 
 Everything else (the full-attention K/V heads, o_proj, MLPs and experts, the vocabulary) is cut as
 for every family (engine/parallel/sharding.py). The rank's model then runs its heads alone: the
@@ -26,6 +29,9 @@ import re
 _LINEAR = re.compile(r"\.linear_attn\.(in_proj_qkvz|in_proj_ba|in_proj_qkv|in_proj_z|in_proj_b|"
                      r"in_proj_a|conv1d|out_proj)\.weight$|\.linear_attn\.(A_log|dt_bias)$")
 _GATED_Q = re.compile(r"\.self_attn\.q_proj\.(weight|bias)$")
+# Qwen3.5-MoE's experts stacked as transformers 5 holds them: gate_up_proj (E, 2I, H), down_proj
+# (E, H, I); under expert parallel the general plan gives the rank its experts' rows instead
+_STACKED = re.compile(r"\.mlp\.experts\.(gate_up_proj|down_proj)$")
 
 
 def check(config, size: int) -> None:
@@ -51,6 +57,13 @@ def cut(plan, name: str, shape: tuple[int, ...]):
     if _GATED_Q.search(name) and shape[0] == 2 * c.q_size:
         a, b = plan.q_rows()
         return Cut(0, ((2 * a, 2 * b),))
+    if (stacked := _STACKED.search(name)) and plan.experts is None:
+        from engine.parallel.sharding import even
+        if stacked.group(1) == "gate_up_proj":          # every expert's gate rows, then up rows
+            half = shape[1] // 2
+            a, b = even(half, r, n, f"{name}'s halves")
+            return Cut(1, ((a, b), (half + a, half + b)))
+        return Cut(2, (even(shape[2], r, n, name),))
     m = _LINEAR.search(name)
     if m is None:
         return None
