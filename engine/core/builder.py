@@ -131,13 +131,20 @@ def build(config: EngineConfig, loaded=None, group=None) -> EngineParts:
                                        backend.act_dtype) if head else
         MtpProposer.bytes_per_block(mtp, config.block_size, kv_dtype,
                                     backend.act_dtype) if mtp else 0,
-        reserve=lambda budget, what: _reserve_states(states, config, model_config, budget, what),
+        # a hybrid model's state rows: the rank's heads' under tensor parallel
+        reserve=lambda budget, what: _reserve_states(
+            states, config, getattr(model, "config", model_config), budget, what),
         capture_width=(len(head.aux_layers) * model_config.hidden_size if head else
                        model_config.hidden_size if mtp else 0))
     if model_config.linear_attention is not None and not states:   # explicit num_kv_blocks
-        states.append(StatePoolSize.for_model(config, model_config, None))
+        states.append(StatePoolSize.for_model(config, getattr(model, "config", model_config),
+                                              None))
     if group is not None:       # every rank's pool has the smallest one's blocks
         num_blocks = min(group.allgather(num_blocks))
+        if states:              # and state rows (rank 0's plan indexes them on every rank)
+            states[0] = dataclasses.replace(
+                states[0], num_slots=min(group.allgather(states[0].num_slots)),
+                num_snapshots=min(group.allgather(states[0].num_snapshots)))
     max_cached = (None if config.prefix_cache_max_tokens is None
                   else config.prefix_cache_max_tokens // config.block_size)
     if states:

@@ -68,6 +68,12 @@ class StatePlan:
             self.asarray = np.asarray
         self.lengths = np.diff(self.starts)
 
+    def __reduce__(self):
+        """Sent to the other tensor-parallel ranks without rank 0's asarray (a backend's method):
+        each rank's runner sets its own (ModelRunner.run)."""
+        return StatePlan, (self.starts, self.slots, self.src_rows, self.fresh, self.saves, None,
+                           None, self.verify)
+
     @property
     def num_seqs(self) -> int:
         return len(self.slots)

@@ -21,6 +21,7 @@ from engine.models.llama import LlamaForCausalLM, check_weights, expected_shapes
 from engine.models.model_config import ModelConfig
 from engine.models.moe import MoeForCausalLM, moe_shapes
 from engine.models.rotary import build_cos_sin_cache
+from engine.parallel import layers as tensor_parallel
 from pyx.gated_attention import GatedAttention
 from pyx.gated_delta_net import GatedDeltaNet
 from pyx.layers import Workspace
@@ -62,10 +63,11 @@ def hybrid_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _language_model_only(weights: dict) -> None:
+def _language_model_only(weights: dict, first_expert: int = 0) -> None:
     """In place: a multimodal checkpoint's (Qwen3.5's) language model under the causal LM's
     names, its vision tower dropped; stacked experts split into the per-expert tensors (the
-    multi-token-prediction head's, mtp.*, too)."""
+    multi-token-prediction head's, mtp.*, too), numbered from first_expert (under expert
+    parallel the rank's stack holds experts first_expert onwards)."""
     prefix = "model.language_model."
     dropped = 0
     for name in list(weights):
@@ -82,9 +84,9 @@ def _language_model_only(weights: dict) -> None:
         gate_up, down = weights.pop(name), weights.pop(base + "down_proj")
         inter = gate_up.shape[1] // 2
         for e in range(gate_up.shape[0]):
-            weights[f"{base}{e}.gate_proj.weight"] = gate_up[e, :inter]
-            weights[f"{base}{e}.up_proj.weight"] = gate_up[e, inter:]
-            weights[f"{base}{e}.down_proj.weight"] = down[e]
+            weights[f"{base}{first_expert + e}.gate_proj.weight"] = gate_up[e, :inter]
+            weights[f"{base}{first_expert + e}.up_proj.weight"] = gate_up[e, inter:]
+            weights[f"{base}{first_expert + e}.down_proj.weight"] = down[e]
 
 
 class HybridDecoderLayer:
@@ -92,11 +94,12 @@ class HybridDecoderLayer:
     (pyx/layers.pyx): `hidden` enters holding the previous block's MLP output and leaves holding
     this one's; `residual` holds the running sum."""
 
-    def __init__(self, backend, mixer, mlp, input_norm, post_norm, eps: float, first: bool):
+    def __init__(self, backend, mixer, mlp, input_norm, post_norm, eps: float, first: bool,
+                 is_linear: bool):
         self.backend, self.mixer, self.mlp = backend, mixer, mlp
         self.input_norm, self.post_norm = input_norm, post_norm
         self.eps, self.first = eps, first
-        self.is_linear = isinstance(mixer, GatedDeltaNet)
+        self.is_linear = is_linear
 
     def forward(self, batch, hidden, residual, caches, ws):
         b = self.backend
@@ -116,7 +119,8 @@ class Qwen3NextForCausalLM(MoeForCausalLM):
 
     def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray], backend):
         """Takes ownership of `weights` (tensors are popped as they are placed)."""
-        _language_model_only(weights)
+        tp = config.tensor_parallel
+        _language_model_only(weights, tp.experts[0] if tp is not None and tp.experts else 0)
         # the MTP head's, for speculative decoding (engine/models/qwen3_next_mtp.py); the
         # engine's builder drops them when nothing drafts with them
         self.mtp_weights = take_mtp_weights(weights)
@@ -134,11 +138,13 @@ class Qwen3NextForCausalLM(MoeForCausalLM):
             p = f"model.layers.{i}."
             mixer = (self._gated_attention(weights, p, i) if kind == "full_attention"
                      else self._delta_net(weights, p))
+            # under tensor parallel o_proj / out_proj and down_proj are row-parallel
             self.layers.append(HybridDecoderLayer(
-                backend, mixer, self._mlp(weights, p, i),
+                backend, tensor_parallel.all_reduced_attention(mixer, c),
+                tensor_parallel.all_reduced(self._mlp(weights, p, i), c),
                 self._norm(weights, f"{p}input_layernorm.weight"),
                 self._norm(weights, f"{p}post_attention_layernorm.weight"), c.rms_norm_eps,
-                i == 0))
+                i == 0, kind != "full_attention"))
         self._take_ends(weights)
 
     # ---- the layers
@@ -234,7 +240,7 @@ class Qwen3NextForCausalLM(MoeForCausalLM):
         T = batch.num_tokens
         residual = ws.get("residual", T, c.hidden_size)
         hidden = ws.get("hidden", T, c.hidden_size)
-        b.embedding(batch.token_ids, self.embed_tokens, residual)
+        tensor_parallel.embed(b, c, batch.token_ids, self.embed_tokens, residual)
         for layer, caches in zip(self.layers, kv_caches):
             layer.forward(batch, hidden, residual, caches, ws)
         idx = batch.logits_indices

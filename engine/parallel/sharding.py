@@ -19,6 +19,9 @@ it from a lazily read tensor so that a rank reads only its part.
                                           square is all-reduced, engine/models/minimax_m2.py)
     embed_tokens, lm_head                 vocab-parallel: each rank ceil(V / ranks) rows, the
                                           last rank's padded with zero rows
+    linear_attn.* and the gated q_proj    the hybrid families' DeltaNet heads with their state,
+      (Qwen3-Next, Qwen3.5)               the gated attention's heads with their gates:
+                                          engine/parallel/linear_attention_shards.py
     row-parallel biases                   rank 0's is the checkpoint's, the others zero (the
                                           all-reduce after the projection adds it once)
     everything else (norms, routers)      replicated
@@ -40,6 +43,7 @@ import numpy as np
 
 from engine.models.kv_scales import KV_SCALE_NAMES
 from engine.models.model_config import ModelConfig
+from engine.parallel import linear_attention_shards
 from engine.parallel.sharding_mla import mla_cut
 
 
@@ -123,7 +127,7 @@ class ShardPlan:
         self.expert_parallel = expert_parallel and config.moe is not None
         c = config
         arch = c.architecture
-        for field, what in (("linear_attention", "hybrid linear attention"),
+        for field, what in (("vision", "a vision tower"),):
                             ("vision", "a vision tower")):
             if getattr(c, field, None) is not None:
                 raise ValueError(f"tensor parallel: {arch} ({what}) is not yet split across "
@@ -144,6 +148,8 @@ class ShardPlan:
             raise ValueError(f"tensor parallel {size}: {arch} has {hkv} KV heads; a split needs "
                              f"their number to divide or be divisible by {size}")
         even(c.intermediate_size, 0, size, f"{arch}'s intermediate_size")
+        if c.linear_attention is not None:
+            linear_attention_shards.check(c, size)
         self.experts = None
         if self.expert_parallel:
             E = c.moe.num_experts
@@ -180,6 +186,8 @@ class ShardPlan:
         return dataclasses.replace(
             c, num_attention_heads=self.heads, num_key_value_heads=self.kv_heads,
             intermediate_size=c.intermediate_size // n, vocab_size=self.vocab_share, moe=moe,
+            linear_attention=c.linear_attention and linear_attention_shards.local(
+                c.linear_attention, n),
             tensor_parallel=TensorParallel(self.rank, n, c.vocab_size,
                                            self.rank * self.vocab_share, comm, self.experts))
 
@@ -211,6 +219,9 @@ class ShardPlan:
         c, r, n = self.config, self.rank, self.size
         if self.experts is not None and expert_of(name) is not None:
             return None
+        if c.linear_attention is not None and (
+                hybrid := linear_attention_shards.cut(self, name, shape)) is not None:
+            return hybrid
         if self.experts is not None and _STACKED_EXPERTS.search(name):
             return Cut(0, (self.experts,))
         if c.mla is not None and (by_head := mla_cut(name, c.mla, self.heads, r)) is not None:

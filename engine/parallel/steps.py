@@ -6,9 +6,10 @@ the table's changes since the previous step (a BlockTableUpdate: a few ids a ste
 tables; every rank keeps its own copy of the table and applies the changes in step order (the
 DeviceBlockTables of engine/runner/device_block_tables.py, over host arrays on the CPU). Also:
 the rows a step pools for embeddings and scores through the LM head (each collective rank 0 runs,
-the others run too), KV block copies of beam forks made since the previous step, and the CUDA
-graph bucket rank 0 chose for each micro-batch (the others replay the same: the graphs hold the
-collectives, engine/runner/cuda_graph.py).
+the others run too), KV block copies of beam forks made since the previous step, a hybrid
+model's state rows copied after a verify step (each slot takes the state after its accepted
+drafts), and the CUDA graph bucket rank 0 chose for each micro-batch (the others replay the same:
+the graphs hold the collectives, engine/runner/cuda_graph.py).
 
 Sampling, scheduling and everything above stay on rank 0: the others see forward passes only.
 """
@@ -37,6 +38,9 @@ class StepInputs:
     # alone), as rank 0 chose it, or None: the step runs eagerly on every rank
     # (CudaGraphRunner.choose: the graphs hold the collectives, so the ranks must agree).
     graphs: tuple | None = None
+    # A hybrid model's verified state rows (src, dst) copied after the previous (verify) step
+    # (ModelRunner.keep_verified_states), before this one.
+    state_copies: list = field(default_factory=list)
 
 
 class HostArrays:
@@ -119,6 +123,8 @@ def serve_steps(runner, group) -> int:
                      steps)
             return steps
         runner.copy_blocks(message.block_copies)
+        for src, dst in message.state_copies:
+            runner.model.copy_state_rows(runner.kv_caches, src, dst)
         runner.run(message)
         steps += 1
 

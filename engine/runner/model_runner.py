@@ -55,6 +55,7 @@ class ModelRunner:
         self.peers = None             # rank 0 of a tensor-parallel group: a steps.StepSender
         self.pipeline = None          # a pipeline stage's rank: an engine.parallel.PipelineRunner
         self._block_copies: list[tuple[int, int]] = []   # for the peers, with the next step
+        self._state_copies: list[tuple[list, list]] = []  # (src rows, dst rows): the same
 
     def join_tensor_parallel(self, peers=None) -> None:
         """A rank of a tensor-parallel group (engine/parallel/steps.py), before its first step:
@@ -158,6 +159,8 @@ class ModelRunner:
                 dst.append(int(plan.slots[i]))
         if src:
             self.model.copy_state_rows(self.kv_caches, src, dst)
+            if self.peers is not None:     # the other ranks copy theirs before the next step
+                self._state_copies.append((src, dst))
 
     def copy_blocks(self, pairs: list[tuple[int, int]]):
         """KV block src -> dst in every layer (a beam's fork of a partly filled block); under
@@ -220,9 +223,10 @@ class ModelRunner:
             scored = self.scored_rows(pooled)
             if scored:
                 score_rows = np.array([r for r, _ in scored], np.int64)
-        inputs = StepInputs(batch, hidden_rows, score_rows, self._block_copies)
+        inputs = StepInputs(batch, hidden_rows, score_rows, self._block_copies,
+                            state_copies=self._state_copies)
         inputs.graphs = self.graph_plan(inputs)
-        self._block_copies = []
+        self._block_copies, self._state_copies = [], []
         if self.peers is not None:      # before the block table's update is applied and dropped
             self.peers.send(inputs)
         logits, hidden, score_logits = self.run(inputs)
@@ -246,6 +250,8 @@ class ModelRunner:
         rows' hidden states or None, the scored rows' logits or None)."""
         batch = inputs.batch
         self._apply_table_update(batch)   # the table's changes, before anything reads it
+        if batch.state_plan is not None:  # (as rank 0 sent it: its index arrays on the host)
+            batch.state_plan.asarray = self.backend.asarray
         self.backend.adapt_threads()    # CPU: fewer threads while other processes compete
         self.num_forward_calls += 1
         self.num_forward_tokens += batch.num_tokens

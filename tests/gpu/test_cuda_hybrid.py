@@ -97,3 +97,22 @@ def test_speculation_matches_cpu(tmp_path, monkeypatch, arch):
             assert stats.acceptance_rate > 0.8, stats
         else:              # rejections: the slots took verify rows' states
             assert stats.num_accepted_tokens < stats.num_draft_tokens, stats
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5"])
+def test_split_graph_of_one_rank_matches_plain_engine(checkpoints, monkeypatch, arch):
+    """Tensor parallel's hybrid split on the device (engine/parallel/linear_attention_shards.py)
+    in a group of one rank through the NCCL communicator: the DeltaNet's out_proj, the gated
+    attention's o_proj and the MLPs all-reduced, the state plan set on the rank's runner; the
+    plain CUDA engine's tokens, with chunked prefill and a second turn from a snapshot."""
+    from test_cuda_tensor_parallel import one_rank_llm
+    path = checkpoints(arch)
+    prompts = random_prompts(5, (40, 17, 70))
+    plain_llm = make_llm(path, "cuda", max_num_batched_tokens=48)
+    plain = [list(o.token_ids) for o in greedy(plain_llm, prompts)]
+    llm = one_rank_llm(path, monkeypatch, max_num_batched_tokens=48)
+    assert llm.engine.model.config.tensor_parallel is not None      # the split graph ran
+    assert [list(o.token_ids) for o in greedy(llm, prompts)] == plain
+    second = prompts[2] + plain[2] + random_prompts(6, (9,))[0]
+    assert greedy(llm, [second])[0].token_ids == greedy(plain_llm, [second])[0].token_ids
+    assert llm.engine.block_pool.num_snapshot_restores == 1
