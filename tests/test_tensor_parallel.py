@@ -8,11 +8,13 @@ the vocabulary.
   embeddings and GQA, Qwen3 with q/k norm, Gemma-2's sandwich norms and soft-caps) and MoE
   (Mixtral, experts split within), with chunked prefill so that block tables grow over steps;
   Llama on 4 ranks replicates its 2 KV heads. A q8_0 GGUF (Qwen2; Phi-3 with fused qkv and
-  gate_up) and --isq q8_0 split along whole blocks and give the single process's tokens.
+  gate_up) and --isq q8_0 split along whole blocks and give the single process's tokens; so do
+  GPTQ (groups of 128) and AWQ (per channel) int4 checkpoints.
 - A rank reads only its share: tracemalloc's peak while rank 0 of 2 loads a checkpoint whose
   embedding is nearly all of it stays near half of that embedding.
-- Clear errors: heads not divisible, formats that cannot be split (a GPTQ checkpoint, a Q4_K
-  GGUF whose row-parallel shares are not whole blocks, --isq blocks), mpi4py missing.
+- Clear errors: heads not divisible, formats that cannot be split (a compressed-tensors
+  checkpoint, a Q4_K GGUF or a GPTQ checkpoint whose row-parallel shares are not whole blocks or
+  groups, an act-order g_idx, --isq blocks), mpi4py missing.
 - The live server with --tensor-parallel-size 2 streams a chat through the official openai client,
   and its worker does not outlive it, even killed.
 """
@@ -150,13 +152,66 @@ def test_heads_not_divisible(tmp_path):
         LLM(str(tmp_path / "m"), tensor_parallel_size=2)
 
 
-def test_gptq_cannot_be_split(tmp_path):
+def test_compressed_tensors_cannot_be_split(tmp_path):
     from engine import LLM
     tiny_checkpoint(str(tmp_path / "m"), arch="llama")
     edit_config(str(tmp_path / "m"), lambda c: {**c, "quantization_config": {
-        "quant_method": "gptq", "bits": 4, "group_size": 32}})
-    with pytest.raises(ValueError, match="gptq checkpoints cannot be split across ranks"):
+        "quant_method": "compressed-tensors"}})
+    with pytest.raises(ValueError, match="compressed-tensors checkpoints cannot be split across "
+                                         "ranks"):
         LLM(str(tmp_path / "m"), tensor_parallel_size=2)
+
+
+# ---- GPTQ / AWQ int4 (tests/test_int4_formats.py's packers and tiny-256 checkpoint)
+
+@pytest.fixture(scope="module")
+def int4_float_dir(tmp_path_factory):
+    from test_int4_formats import CHECKPOINT
+    return tiny_checkpoint(tmp_path_factory.mktemp("int4f32"), "llama", **CHECKPOINT)
+
+
+@pytest.mark.parametrize("case", ["gptq-v1-asym-g128", "awq-channel"])
+def test_gptq_awq_split_along_whole_groups(int4_float_dir, tmp_path, case):
+    """q/k/v and gate/up cut along output columns (whole 8-code words of qzeros and AWQ's
+    qweight), o_proj (128 of 256 input rows) and down_proj (384 of 768) along whole 128-row
+    groups, or the one group per row replicated (per channel)."""
+    from test_int4_formats import GPTQ_AWQ_CASES, write_gptq_awq
+    qdir, _ = write_gptq_awq(int4_float_dir, tmp_path / case, *GPTQ_AWQ_CASES[case])
+    assert_same_as_one_process(greedy(qdir, 1), greedy(qdir, 2), case)
+
+
+def int4_rank0(qdir):
+    from engine.loader.model_loader import load_model
+    from engine.parallel.communicator import SingleProcess
+    from pyx.cpu_backend import CpuBackend
+    return load_model(qdir, CpuBackend(num_threads=1), progress=False,
+                      tensor_parallel=(0, 2, SingleProcess()))
+
+
+def test_gptq_row_shares_must_be_whole_groups(int4_float_dir, tmp_path):
+    """Groups of 256 along K: down_proj's share of 384 input rows (of 768) is 1.5 groups (the
+    first tensor the loader meets; o_proj's 128 would be half of one)."""
+    from test_int4_formats import write_gptq_awq
+    qdir, _ = write_gptq_awq(int4_float_dir, tmp_path / "g256", "gptq", False, 256)
+    with pytest.raises(ValueError, match=r"tensor parallel 2: model\.layers\.0\.mlp\."
+                                         r"down_proj\.(qweight|qzeros|scales|g_idx): the rank's "
+                                         r"input columns \[0, 384\) are not whole 256-element "
+                                         r"quantization groups"):
+        int4_rank0(qdir)
+
+
+def test_gptq_act_order_g_idx_cannot_be_cut(int4_float_dir, tmp_path):
+    from safetensors.numpy import load_file, save_file
+    from test_int4_formats import write_gptq_awq
+    qdir, _ = write_gptq_awq(int4_float_dir, tmp_path / "actorder", "gptq", False, 128)
+    path = os.path.join(qdir, "model.safetensors")
+    tensors = load_file(path)
+    name = "model.layers.0.mlp.down_proj.g_idx"
+    tensors[name] = np.ascontiguousarray(tensors[name][::-1])     # groups out of order
+    save_file(tensors, path)
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.down_proj\.g_idx is an "
+                                         r"act-order g_idx .* its input rows cannot be cut"):
+        int4_rank0(qdir)
 
 
 def test_q4_k_shares_must_be_whole_blocks():

@@ -26,8 +26,9 @@ A tensor arrives as the loader has it: a memory-mapped array (safetensors, a GGU
 or a QuantizedWeight over memory-mapped ggml blocks. A cut along one range is a view, read when
 the model copies it into place; pieces of fused tensors and padding are copied at once. Either
 way only the rank's bytes are read, and no rank holds a whole tensor. Quantized tensors are cut
-along whole blocks (ggml's 32 or 256 elements along K, FP8's scale blocks), else the load stops
-naming the format and the tensor.
+along whole blocks (ggml's 32 or 256 elements along K, FP8's scale blocks, GPTQ/AWQ's groups and
+8-code words: engine/parallel/sharding_int4.py), else the load stops naming the format and the
+tensor.
 """
 from __future__ import annotations
 
@@ -68,7 +69,7 @@ class Cut:
 ZERO_UNLESS_RANK0 = "zero unless rank 0"
 
 # Quantization methods whose tensors can be cut (others stop the load, named).
-SPLITTABLE_QUANT = ("fp8",)
+SPLITTABLE_QUANT = ("fp8", "gptq", "awq")
 
 _Q = re.compile(r"\.self_attn\.q_proj\.(weight|bias)$")
 _KV = re.compile(r"\.self_attn\.[kv]_proj\.(weight|bias)$")
@@ -161,9 +162,12 @@ class ShardPlan:
         if method is not None and method not in SPLITTABLE_QUANT and not experts_only:
             raise ValueError(f"tensor parallel: {method} checkpoints cannot be split across ranks "
                              f"yet (splittable: unquantized safetensors, fp8 with block scales, "
-                             f"GGUF, --isq)")
+                             f"gptq, awq, GGUF, --isq)")
         self.fp8_block = tuple(q["weight_block_size"]) if method == "fp8" and q.get(
             "weight_block_size") else None
+        # GPTQ/AWQ: (method, group size), cut by engine/parallel/sharding_int4.py
+        self.int4 = (method, q.get("group_size", q.get("q_group_size"))) if method in (
+            "gptq", "awq") else None
         self.heads = c.num_attention_heads // size
         self.kv_heads = hkv // size if hkv % size == 0 else 1
         self.vocab_share = -(-c.vocab_size // size)
@@ -254,6 +258,9 @@ class ShardPlan:
             return tensor if self.experts[0] <= e < self.experts[1] else None
         if name.endswith(".weight_scale_inv") and self.fp8_block is not None:
             return self._shard_block_scales(name, tensor, shapes[name.removesuffix("_scale_inv")])
+        if self.int4 is not None and name.endswith((".qweight", ".qzeros", ".scales", ".g_idx")):
+            from engine.parallel.sharding_int4 import shard_int4
+            return shard_int4(self, name, tensor, shapes, *self.int4)
         cut = self.cut(name, tuple(tensor.shape))
         if cut is None:
             return tensor
