@@ -5,7 +5,9 @@ the vocabulary.
 - Greedy tokens with tensor_parallel_size 2 equal transformers' (up to a near-tie, as the family
   tests) and the single-process engine's, whose logprobs they equal within float tolerance (the
   row-parallel sums add the ranks' partial products in another order). Dense (Llama with tied
-  embeddings and GQA, Qwen3 with q/k norm, Gemma-2's sandwich norms and soft-caps) and MoE
+  embeddings and GQA, Qwen3 with q/k norm, Gemma-2's sandwich norms and soft-caps, Phi-2's
+  parallel residual, dense biases and biased LM head, StableLM's per-head q/k LayerNorms, also
+  on 4 ranks with its 2 KV heads replicated) and MoE
   (Mixtral, experts split within), with chunked prefill so that block tables grow over steps;
   Llama on 4 ranks replicates its 2 KV heads. A q8_0 GGUF (Qwen2; Phi-3 with fused qkv and
   gate_up) and --isq q8_0 split along whole blocks and give the single process's tokens; so do
@@ -39,7 +41,13 @@ pytestmark = pytest.mark.timeout(300)
 DATA = os.path.join(os.path.dirname(__file__), "data", "gguf")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CASES = {"llama": (dict(arch="llama"), None), "qwen3": (dict(arch="qwen3"), None),
-         "gemma2": (dict(arch="gemma2"), None), "mixtral": (dict(arch="mixtral"), None)}
+         "gemma2": (dict(arch="gemma2"), None), "mixtral": (dict(arch="mixtral"), None),
+         # Phi-2: partial rotary, parallel attention + MLP, dense biases (o_proj's `dense`, fc1,
+         # fc2, a biased vocab-parallel lm_head), LayerNorm
+         "phi": (dict(arch="phi", seed=4), None),
+         # StableLM-2 12B's per-head q/k LayerNorms (qk_layernorm), held with their heads
+         "stablelm_qk": (dict(arch="stablelm", qk_layernorm=True, use_parallel_residual=True,
+                              use_qkv_bias=False), None)}
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +97,8 @@ def assert_same_as_one_process(one, split, label):
 
 
 @pytest.mark.parametrize("name,tp", [("llama", 2), ("qwen3", 2), ("gemma2", 2), ("mixtral", 2),
-                                     ("llama", 4)])
+                                     ("llama", 4), ("phi", 2), ("stablelm_qk", 2),
+                                     ("stablelm_qk", 4)])
 def test_greedy_tokens_match_hf_and_one_process(cases, name, tp):
     before = worker_pids()
     split = greedy(cases.dir(name), tp)
