@@ -7,8 +7,10 @@ the vocabulary.
   row-parallel sums add the ranks' partial products in another order). Dense (Llama with tied
   embeddings and GQA, Qwen3 with q/k norm, Gemma-2's sandwich norms and soft-caps, Phi-2's
   parallel residual, dense biases and biased LM head, StableLM's per-head q/k LayerNorms, also
-  on 4 ranks with its 2 KV heads replicated) and MoE
-  (Mixtral, experts split within), with chunked prefill so that block tables grow over steps;
+  on 4 ranks with its 2 KV heads replicated, Gemma 4's per-layer head sizes with a replicated
+  full-layer KV head) and MoE (Gemma 4 26B-A4B's GeGLU experts beside the dense MLP, each branch
+  all-reduced before its post-norm; Mixtral, experts split within), with chunked prefill so that
+  block tables grow over steps;
   Llama on 4 ranks replicates its 2 KV heads. A q8_0 GGUF (Qwen2; Phi-3 with fused qkv and
   gate_up) and --isq q8_0 split along whole blocks and give the single process's tokens; so do
   GPTQ (groups of 128) and AWQ (per channel) int4 checkpoints.
@@ -47,7 +49,13 @@ CASES = {"llama": (dict(arch="llama"), None), "qwen3": (dict(arch="qwen3"), None
          "phi": (dict(arch="phi", seed=4), None),
          # StableLM-2 12B's per-head q/k LayerNorms (qk_layernorm), held with their heads
          "stablelm_qk": (dict(arch="stablelm", qk_layernorm=True, use_parallel_residual=True,
-                              use_qkv_bias=False), None)}
+                              use_qkv_bias=False), None),
+         # Gemma 4 26B-A4B's shape: GeGLU experts (router scale, per-expert scales) beside each
+         # layer's dense MLP, both post-normed; full layers with their own head size and one KV
+         # head (replicated), values equal to keys
+         "gemma4": (dict(arch="gemma4"), None),
+         "gemma4_moe": (dict(arch="gemma4", enable_moe_block=True, num_experts=4,
+                             top_k_experts=2, moe_intermediate_size=32), None)}
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +106,8 @@ def assert_same_as_one_process(one, split, label):
 
 @pytest.mark.parametrize("name,tp", [("llama", 2), ("qwen3", 2), ("gemma2", 2), ("mixtral", 2),
                                      ("llama", 4), ("phi", 2), ("stablelm_qk", 2),
-                                     ("stablelm_qk", 4)])
+                                     ("stablelm_qk", 4), ("gemma4", 2),
+                                     ("gemma4_moe", 2)])
 def test_greedy_tokens_match_hf_and_one_process(cases, name, tp):
     before = worker_pids()
     split = greedy(cases.dir(name), tp)
@@ -246,6 +255,17 @@ def test_isq_shares_must_be_whole_blocks(tmp_path):
     with pytest.raises(ValueError, match=r"--isq q8_0: model\.layers\.0\.self_attn\.o_proj\.weight"
                                          r"'s share of 48 columns \(of 96\) is not whole"):
         load_model(str(tmp_path / "m"), CpuBackend(num_threads=1), progress=False, isq="q8_0",
+                   tensor_parallel=(0, 2, SingleProcess()))
+
+
+def test_gemma4_per_layer_inputs_not_split(tmp_path):
+    from engine.loader.model_loader import load_model
+    from engine.parallel.communicator import SingleProcess
+    from pyx.cpu_backend import CpuBackend
+    tiny_checkpoint(str(tmp_path / "m"), arch="gemma4_e2b")
+    with pytest.raises(ValueError, match=r"Gemma4ForCausalLM with per-layer input embeddings or "
+                                         r"KV sharing \(Gemma 4 E2B/E4B\) is not yet split"):
+        load_model(str(tmp_path / "m"), CpuBackend(num_threads=1), progress=False,
                    tensor_parallel=(0, 2, SingleProcess()))
 
 

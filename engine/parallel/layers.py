@@ -74,8 +74,12 @@ def attention_class(config):
 
 
 def all_reduced(block, config):
+    """block's output all-reduced; a block that reduces its own branches (Gemma 4's dense MLP and
+    experts, each post-normed) says so with `all_reduced_inside`."""
     tp = config.tensor_parallel
-    return block if tp is None else AllReduced(block, tp.comm)
+    if tp is None or getattr(block, "all_reduced_inside", False):
+        return block
+    return AllReduced(block, tp.comm)
 
 
 def with_zero_row(w):

@@ -176,6 +176,11 @@ class ShardPlan:
         self.heads = c.num_attention_heads // size
         self.kv_heads = hkv // size if hkv % size == 0 else 1
         self.vocab_share = -(-c.vocab_size // size)
+        self.gemma4 = None
+        if arch == "Gemma4ForCausalLM":     # per-layer head sizes, stacked GeGLU experts
+            from engine.parallel import sharding_gemma4
+            sharding_gemma4.check(self)
+            self.gemma4 = sharding_gemma4
 
     # ---- the rank's sizes
 
@@ -185,6 +190,8 @@ class ShardPlan:
         moe = c.moe and dataclasses.replace(
             c.moe, intermediate_size=c.moe.intermediate_size // (1 if self.experts else n),
             shared_intermediate_size=c.moe.shared_intermediate_size // n)
+        if self.gemma4 is not None:
+            c = dataclasses.replace(c, family=self.gemma4.local_family(self, c.family))
         return dataclasses.replace(
             c, num_attention_heads=self.heads, num_key_value_heads=self.kv_heads,
             intermediate_size=c.intermediate_size // n, vocab_size=self.vocab_share, moe=moe,
@@ -218,6 +225,9 @@ class ShardPlan:
         """A Cut, ZERO_UNLESS_RANK0, or None (the whole tensor: replicated, or under expert
         parallel one of the rank's experts)."""
         c, r, n = self.config, self.rank, self.size
+        if self.gemma4 is not None and (
+                family_cut := self.gemma4.cut(self, name, shape)) is not NotImplemented:
+            return family_cut
         if self.experts is not None and expert_of(name) is not None:
             return None
         if self.experts is not None and _STACKED_EXPERTS.search(name):
