@@ -5,14 +5,20 @@ the vocabulary.
 - Greedy tokens with tensor_parallel_size 2 equal transformers' (up to a near-tie, as the family
   tests) and the single-process engine's, whose logprobs they equal within float tolerance (the
   row-parallel sums add the ranks' partial products in another order). Dense (Llama with tied
-  embeddings and GQA, Qwen3 with q/k norm, Gemma-2's sandwich norms and soft-caps) and MoE
-  (Mixtral, experts split within), with chunked prefill so that block tables grow over steps;
+  embeddings and GQA, Qwen3 with q/k norm, Gemma-2's sandwich norms and soft-caps, Phi-2's
+  parallel residual, dense biases and biased LM head, StableLM's per-head q/k LayerNorms, also
+  on 4 ranks with its 2 KV heads replicated, Gemma 4's per-layer head sizes with a replicated
+  full-layer KV head) and MoE (Gemma 4 26B-A4B's GeGLU experts beside the dense MLP, each branch
+  all-reduced before its post-norm; Mixtral, experts split within), with chunked prefill so that
+  block tables grow over steps;
   Llama on 4 ranks replicates its 2 KV heads. A q8_0 GGUF (Qwen2; Phi-3 with fused qkv and
-  gate_up) and --isq q8_0 split along whole blocks and give the single process's tokens.
+  gate_up) and --isq q8_0 split along whole blocks and give the single process's tokens; so do
+  GPTQ (groups of 128) and AWQ (per channel) int4 checkpoints.
 - A rank reads only its share: tracemalloc's peak while rank 0 of 2 loads a checkpoint whose
   embedding is nearly all of it stays near half of that embedding.
-- Clear errors: heads not divisible, formats that cannot be split (a GPTQ checkpoint, a Q4_K
-  GGUF whose row-parallel shares are not whole blocks, --isq blocks), mpi4py missing.
+- Clear errors: heads not divisible, formats that cannot be split (a compressed-tensors
+  checkpoint, a Q4_K GGUF or a GPTQ checkpoint whose row-parallel shares are not whole blocks or
+  groups, an act-order g_idx, --isq blocks), mpi4py missing.
 - The live server with --tensor-parallel-size 2 streams a chat through the official openai client,
   and its worker does not outlive it, even killed.
 """
@@ -37,7 +43,19 @@ pytestmark = pytest.mark.timeout(300)
 DATA = os.path.join(os.path.dirname(__file__), "data", "gguf")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CASES = {"llama": (dict(arch="llama"), None), "qwen3": (dict(arch="qwen3"), None),
-         "gemma2": (dict(arch="gemma2"), None), "mixtral": (dict(arch="mixtral"), None)}
+         "gemma2": (dict(arch="gemma2"), None), "mixtral": (dict(arch="mixtral"), None),
+         # Phi-2: partial rotary, parallel attention + MLP, dense biases (o_proj's `dense`, fc1,
+         # fc2, a biased vocab-parallel lm_head), LayerNorm
+         "phi": (dict(arch="phi", seed=4), None),
+         # StableLM-2 12B's per-head q/k LayerNorms (qk_layernorm), held with their heads
+         "stablelm_qk": (dict(arch="stablelm", qk_layernorm=True, use_parallel_residual=True,
+                              use_qkv_bias=False), None),
+         # Gemma 4 26B-A4B's shape: GeGLU experts (router scale, per-expert scales) beside each
+         # layer's dense MLP, both post-normed; full layers with their own head size and one KV
+         # head (replicated), values equal to keys
+         "gemma4": (dict(arch="gemma4"), None),
+         "gemma4_moe": (dict(arch="gemma4", enable_moe_block=True, num_experts=4,
+                             top_k_experts=2, moe_intermediate_size=32), None)}
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +105,9 @@ def assert_same_as_one_process(one, split, label):
 
 
 @pytest.mark.parametrize("name,tp", [("llama", 2), ("qwen3", 2), ("gemma2", 2), ("mixtral", 2),
-                                     ("llama", 4)])
+                                     ("llama", 4), ("phi", 2), ("stablelm_qk", 2),
+                                     ("stablelm_qk", 4), ("gemma4", 2),
+                                     ("gemma4_moe", 2)])
 def test_greedy_tokens_match_hf_and_one_process(cases, name, tp):
     before = worker_pids()
     split = greedy(cases.dir(name), tp)
@@ -150,13 +170,66 @@ def test_heads_not_divisible(tmp_path):
         LLM(str(tmp_path / "m"), tensor_parallel_size=2)
 
 
-def test_gptq_cannot_be_split(tmp_path):
+def test_compressed_tensors_cannot_be_split(tmp_path):
     from engine import LLM
     tiny_checkpoint(str(tmp_path / "m"), arch="llama")
     edit_config(str(tmp_path / "m"), lambda c: {**c, "quantization_config": {
-        "quant_method": "gptq", "bits": 4, "group_size": 32}})
-    with pytest.raises(ValueError, match="gptq checkpoints cannot be split across ranks"):
+        "quant_method": "compressed-tensors"}})
+    with pytest.raises(ValueError, match="compressed-tensors checkpoints cannot be split across "
+                                         "ranks"):
         LLM(str(tmp_path / "m"), tensor_parallel_size=2)
+
+
+# ---- GPTQ / AWQ int4 (tests/test_int4_formats.py's packers and tiny-256 checkpoint)
+
+@pytest.fixture(scope="module")
+def int4_float_dir(tmp_path_factory):
+    from test_int4_formats import CHECKPOINT
+    return tiny_checkpoint(tmp_path_factory.mktemp("int4f32"), "llama", **CHECKPOINT)
+
+
+@pytest.mark.parametrize("case", ["gptq-v1-asym-g128", "awq-channel"])
+def test_gptq_awq_split_along_whole_groups(int4_float_dir, tmp_path, case):
+    """q/k/v and gate/up cut along output columns (whole 8-code words of qzeros and AWQ's
+    qweight), o_proj (128 of 256 input rows) and down_proj (384 of 768) along whole 128-row
+    groups, or the one group per row replicated (per channel)."""
+    from test_int4_formats import GPTQ_AWQ_CASES, write_gptq_awq
+    qdir, _ = write_gptq_awq(int4_float_dir, tmp_path / case, *GPTQ_AWQ_CASES[case])
+    assert_same_as_one_process(greedy(qdir, 1), greedy(qdir, 2), case)
+
+
+def int4_rank0(qdir):
+    from engine.loader.model_loader import load_model
+    from engine.parallel.communicator import SingleProcess
+    from pyx.cpu_backend import CpuBackend
+    return load_model(qdir, CpuBackend(num_threads=1), progress=False,
+                      tensor_parallel=(0, 2, SingleProcess()))
+
+
+def test_gptq_row_shares_must_be_whole_groups(int4_float_dir, tmp_path):
+    """Groups of 256 along K: down_proj's share of 384 input rows (of 768) is 1.5 groups (the
+    first tensor the loader meets; o_proj's 128 would be half of one)."""
+    from test_int4_formats import write_gptq_awq
+    qdir, _ = write_gptq_awq(int4_float_dir, tmp_path / "g256", "gptq", False, 256)
+    with pytest.raises(ValueError, match=r"tensor parallel 2: model\.layers\.0\.mlp\."
+                                         r"down_proj\.(qweight|qzeros|scales|g_idx): the rank's "
+                                         r"input columns \[0, 384\) are not whole 256-element "
+                                         r"quantization groups"):
+        int4_rank0(qdir)
+
+
+def test_gptq_act_order_g_idx_cannot_be_cut(int4_float_dir, tmp_path):
+    from safetensors.numpy import load_file, save_file
+    from test_int4_formats import write_gptq_awq
+    qdir, _ = write_gptq_awq(int4_float_dir, tmp_path / "actorder", "gptq", False, 128)
+    path = os.path.join(qdir, "model.safetensors")
+    tensors = load_file(path)
+    name = "model.layers.0.mlp.down_proj.g_idx"
+    tensors[name] = np.ascontiguousarray(tensors[name][::-1])     # groups out of order
+    save_file(tensors, path)
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.down_proj\.g_idx is an "
+                                         r"act-order g_idx .* its input rows cannot be cut"):
+        int4_rank0(qdir)
 
 
 def test_q4_k_shares_must_be_whole_blocks():
@@ -182,6 +255,17 @@ def test_isq_shares_must_be_whole_blocks(tmp_path):
     with pytest.raises(ValueError, match=r"--isq q8_0: model\.layers\.0\.self_attn\.o_proj\.weight"
                                          r"'s share of 48 columns \(of 96\) is not whole"):
         load_model(str(tmp_path / "m"), CpuBackend(num_threads=1), progress=False, isq="q8_0",
+                   tensor_parallel=(0, 2, SingleProcess()))
+
+
+def test_gemma4_per_layer_inputs_not_split(tmp_path):
+    from engine.loader.model_loader import load_model
+    from engine.parallel.communicator import SingleProcess
+    from pyx.cpu_backend import CpuBackend
+    tiny_checkpoint(str(tmp_path / "m"), arch="gemma4_e2b")
+    with pytest.raises(ValueError, match=r"Gemma4ForCausalLM with per-layer input embeddings or "
+                                         r"KV sharing \(Gemma 4 E2B/E4B\) is not yet split"):
+        load_model(str(tmp_path / "m"), CpuBackend(num_threads=1), progress=False,
                    tensor_parallel=(0, 2, SingleProcess()))
 
 

@@ -128,8 +128,6 @@ class Gemma4ForCausalLM(Gemma2ForCausalLM):
     expected_shapes = staticmethod(gemma4_shapes)
 
     def __init__(self, config: ModelConfig, weights: dict, backend):
-        if config.tensor_parallel is not None:
-            raise ValueError(f"{config.architecture}: tensor parallel is not supported")
         s = config.family
         if config.pipeline is not None and (s.per_layer_input_size or any(s.kv_shared)):
             raise ValueError(f"{config.architecture}: pipeline parallel is not supported with "
@@ -191,7 +189,7 @@ class Gemma4ForCausalLM(Gemma2ForCausalLM):
         k_eq_v = s.full_layers[i] and s.k_eq_v
         names = [f"{a}q_proj.weight", f"{a}k_proj.weight"] + ([] if k_eq_v else
                                                                [f"{a}v_proj.weight"])
-        return Gemma4Attention(
+        return tensor_parallel.all_reduced_attention(Gemma4Attention(
             self.backend, self._fuse(weights, names, role="qkv"),
             self._take(weights, f"{a}o_proj.weight"),
             self._full_cache if s.full_layers[i] else self.cos_sin_cache,
@@ -199,7 +197,7 @@ class Gemma4ForCausalLM(Gemma2ForCausalLM):
             q_norm=self._norm(weights, f"{a}q_norm.weight"),
             k_norm=self._norm(weights, f"{a}k_norm.weight"),
             v_norm=self.backend.place_weight(np.ones(D, np.float32)), k_eq_v=k_eq_v,
-            sliding_window=c.sliding_windows[i])
+            sliding_window=c.sliding_windows[i]), c)
 
     def _mlp(self, weights, p, i):
         if self.config.moe is None:
@@ -216,13 +214,15 @@ class Gemma4ForCausalLM(Gemma2ForCausalLM):
                       [b.place_weight(np.ascontiguousarray(w)) for w in down], m.top_k,
                       m.normalize, fused=b.fused_moe, activation="gelu_tanh",
                       expert_scale=b.asarray(f32(f"{p}router.per_expert_scale")))
+        # (under tensor parallel each branch is all-reduced before its post-norm)
         return Gemma4FeedForward(
-            b, super()._mlp(weights, p, i), experts,
+            b, tensor_parallel.all_reduced(super()._mlp(weights, p, i), c), experts,
             self._norm(weights, f"{p}pre_feedforward_layernorm.weight"),
             self._norm(weights, f"{p}pre_feedforward_layernorm_2.weight"),
             b.place_weight(router_scale),
             self._norm(weights, f"{p}post_feedforward_layernorm_1.weight"),
-            self._norm(weights, f"{p}post_feedforward_layernorm_2.weight"), c.rms_norm_eps)
+            self._norm(weights, f"{p}post_feedforward_layernorm_2.weight"), c.rms_norm_eps,
+            None if c.tensor_parallel is None else c.tensor_parallel.comm)
 
     def _layer(self, weights, p, i, attn, mlp):
         names = ["input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
@@ -452,13 +452,17 @@ class Gemma4FeedForward:
     each branch's pre-norm (and the router's scale) is that times its own weight, as
     transformers' RMSNorms compute it."""
 
+    # (tensor parallel: the dense MLP comes all-reduced, the experts' sum is all-reduced here)
+    all_reduced_inside = True
+
     def __init__(self, backend, mlp, experts: MoE, pre_norm, pre_norm_2, router_scale,
-                 post_norm_1, post_norm_2, eps: float):
+                 post_norm_1, post_norm_2, eps: float, comm=None):
         self.backend, self.xp = backend, backend.xp
         self.mlp, self.experts = mlp, experts
         self.pre_norm, self.pre_norm_2, self.router_scale = pre_norm, pre_norm_2, router_scale
         self.post_norm_1, self.post_norm_2 = post_norm_1, post_norm_2
         self.eps = eps
+        self.comm = comm
 
     def forward(self, x, out, ws):
         """x (T, H): the stream after attention, RMS-normalized without a weight -> out (T, H)."""
@@ -473,5 +477,7 @@ class Gemma4FeedForward:
         ids, weights = self.experts.select(branch_in, ws)
         xp.multiply(x, self.pre_norm_2, out=branch_in)
         self.experts.run_experts(branch_in, ids, weights, branch_out, ws)
+        if self.comm is not None:
+            self.comm.all_reduce(branch_out)
         b.rms_norm(branch_out, self.post_norm_2, self.eps, normed)
         out += normed

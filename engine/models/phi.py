@@ -10,10 +10,9 @@ multiplies it by a block of ones that stays in place between steps: an exact com
 """
 from __future__ import annotations
 
-import numpy as np
-
 from engine.models.model_config import ModelConfig
 from engine.models.stablelm import StableLmForCausalLM
+from engine.parallel import layers as tensor_parallel
 
 
 class PhiForCausalLM(StableLmForCausalLM):
@@ -52,15 +51,18 @@ class PhiForCausalLM(StableLmForCausalLM):
     def _norm(self, weights, name):
         # Only the final norm comes here (as in StableLM), just before the lm_head is taken: the
         # head's bias is taken alongside.
+        if self.config.tensor_parallel is not None and self.config.tie_word_embeddings:
+            # the tied head is the embedding share with its zero row: a zero bias for that row
+            weights["lm_head.bias"] = tensor_parallel.with_zero_row(weights["lm_head.bias"])
         self.lm_head_bias = self._take(weights, "lm_head.bias")
         return super()._norm(weights, "model.final_layernorm.weight")
 
     def logits(self, rows_hidden):
         if not len(rows_hidden):
             return super().logits(rows_hidden)
-        out = self.xp.empty((len(rows_hidden), self.config.vocab_size), dtype=np.float32)
-        self.backend.linear(rows_hidden, self.lm_head, self.lm_head_bias, out)
-        return out
+        # (under tensor parallel the rank's vocabulary share of the head and its bias, gathered)
+        return tensor_parallel.logits(self.backend, self.config, rows_hidden, self.lm_head,
+                                      self.lm_head_bias)
 
 
 class GeluTanh:

@@ -24,8 +24,8 @@ class StableLmForCausalLM(LlamaForCausalLM):
         shapes.update({f"{n}.bias": (c.hidden_size,) for n in norms})
         if c.qk_layernorm:
             for i in range(c.num_hidden_layers):
-                for name, heads in _qk_heads(c):
-                    for h in range(heads):
+                for name, first, heads in _qk_heads(c):
+                    for h in range(first, first + heads):
                         shapes[f"model.layers.{i}.self_attn.{name}.norms.{h}.weight"] = \
                             (c.head_dim,)
         return shapes
@@ -34,7 +34,8 @@ class StableLmForCausalLM(LlamaForCausalLM):
         if not self.config.qk_layernorm:
             return None, None
         return tuple([self._take(weights, f"{p}self_attn.{name}.norms.{h}.weight")
-                      for h in range(heads)] for name, heads in _qk_heads(self.config))
+                      for h in range(first, first + heads)]
+                     for name, first, heads in _qk_heads(self.config))
 
     def _layer(self, weights, p, i, attn, mlp):
         c = self.config
@@ -57,4 +58,10 @@ class StableLmForCausalLM(LlamaForCausalLM):
 
 
 def _qk_heads(c: ModelConfig) -> tuple:
-    return ("q_layernorm", c.num_attention_heads), ("k_layernorm", c.num_key_value_heads)
+    """(name, first head, heads) of the q and k norms; under tensor parallel the rank's heads,
+    named by their index in the whole model (engine/parallel/sharding.py)."""
+    tp = c.tensor_parallel
+    q_first, kv_first = (0, 0) if tp is None else (tp.rank * c.num_attention_heads,
+                                                    tp.kv_head_start)
+    return (("q_layernorm", q_first, c.num_attention_heads),
+            ("k_layernorm", kv_first, c.num_key_value_heads))

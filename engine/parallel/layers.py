@@ -74,8 +74,12 @@ def attention_class(config):
 
 
 def all_reduced(block, config):
+    """block's output all-reduced; a block that reduces its own branches (Gemma 4's dense MLP and
+    experts, each post-normed) says so with `all_reduced_inside`."""
     tp = config.tensor_parallel
-    return block if tp is None else AllReduced(block, tp.comm)
+    if tp is None or getattr(block, "all_reduced_inside", False):
+        return block
+    return AllReduced(block, tp.comm)
 
 
 def with_zero_row(w):
@@ -108,14 +112,15 @@ def embed(backend, config, token_ids, table, out) -> None:
     tp.comm.all_reduce(out)
 
 
-def logits(backend, config, rows_hidden, lm_head):
+def logits(backend, config, rows_hidden, lm_head, bias=None):
     """(len(rows_hidden), vocab) float32 logits, a new array: the rank's share through its head
-    rows (a tied head's zero row gives a column that is dropped), then all of them gathered."""
+    rows (a tied head's zero row gives a column that is dropped) and its share of the head's
+    bias (Phi-2's), then all of them gathered."""
     tp = config.tensor_parallel
     xp = backend.xp
     n = len(rows_hidden)
     local = xp.empty((n, lm_head.shape[0]), dtype=np.float32)
-    backend.linear(rows_hidden, lm_head, None, local)
+    backend.linear(rows_hidden, lm_head, bias, local)
     if tp is None:
         return local
     share = config.vocab_size

@@ -4,10 +4,11 @@ it from a lazily read tensor so that a rank reads only its part.
     q/k/v (and Phi-3's fused qkv_proj)   column-parallel: each rank its query heads and their KV
                                           heads; with fewer KV heads than ranks, a KV head is
                                           replicated on the ranks whose query heads read it
-    o_proj                                row-parallel: the input columns of the rank's heads
+    o_proj (Phi-2's dense)                row-parallel: the input columns of the rank's heads
     gate/up (GLM-4's and Phi-3's fused    column-parallel: each rank a slice of the intermediate
-      gate_up_proj, every expert's)       size (MoE experts split within the ranks by default)
-    down_proj                             row-parallel: the same slice of its input columns
+      gate_up_proj, every expert's,       size (MoE experts split within the ranks by default)
+      Phi-2's fc1)
+    down_proj (Phi-2's fc2)               row-parallel: the same slice of its input columns
     experts.{e}.* under expert parallel   whole, on the rank holding expert e (E / ranks
       (--enable-expert-parallel)          contiguous experts each), absent from the others; the
                                           shared expert stays split within as above; GPT-OSS's
@@ -17,7 +18,9 @@ it from a lazily read tensor so that a rank reads only its part.
     self_attn.sinks (GPT-OSS)             the rank's heads' sinks
     q_norm/k_norm over all heads          the rank's heads' part (MiniMax-M2: the norm's mean
                                           square is all-reduced, engine/models/minimax_m2.py)
-    embed_tokens, lm_head                 vocab-parallel: each rank ceil(V / ranks) rows, the
+    q/k_layernorm.norms.{h} (StableLM)    the rank's heads' norms, named by the whole model's
+                                          head index (engine/models/stablelm.py)
+    embed_tokens, lm_head (and its bias)  vocab-parallel: each rank ceil(V / ranks) rows, the
                                           last rank's padded with zero rows
     linear_attn.* and the gated q_proj    the hybrid families' DeltaNet heads with their state,
       (Qwen3-Next, Qwen3.5)               the gated attention's heads with their gates:
@@ -30,8 +33,9 @@ A tensor arrives as the loader has it: a memory-mapped array (safetensors, a GGU
 or a QuantizedWeight over memory-mapped ggml blocks. A cut along one range is a view, read when
 the model copies it into place; pieces of fused tensors and padding are copied at once. Either
 way only the rank's bytes are read, and no rank holds a whole tensor. Quantized tensors are cut
-along whole blocks (ggml's 32 or 256 elements along K, FP8's scale blocks), else the load stops
-naming the format and the tensor.
+along whole blocks (ggml's 32 or 256 elements along K, FP8's scale blocks, GPTQ/AWQ's groups and
+8-code words: engine/parallel/sharding_int4.py), else the load stops naming the format and the
+tensor.
 """
 from __future__ import annotations
 
@@ -60,6 +64,9 @@ class TensorParallel:
     # Expert parallel: the experts [start, stop) this rank holds whole (None: every expert, each
     # split within the ranks).
     experts: tuple[int, int] | None = None
+    # The whole model's index of the rank's first KV head (its first query head's is
+    # rank * heads): StableLM's per-head q/k norms are named by it.
+    kv_head_start: int = 0
 
 
 @dataclass(frozen=True)
@@ -74,18 +81,18 @@ class Cut:
 ZERO_UNLESS_RANK0 = "zero unless rank 0"
 
 # Quantization methods whose tensors can be cut (others stop the load, named).
-SPLITTABLE_QUANT = ("fp8",)
+SPLITTABLE_QUANT = ("fp8", "gptq", "awq")
 
 _Q = re.compile(r"\.self_attn\.q_proj\.(weight|bias)$")
 _KV = re.compile(r"\.self_attn\.[kv]_proj\.(weight|bias)$")
 _QKV = re.compile(r"\.self_attn\.qkv_proj\.(weight|bias)$")
-_O = re.compile(r"\.self_attn\.o_proj\.weight$")
-_UP = re.compile(r"\.(gate_proj|up_proj|w1|w3)\.(weight|bias)$")
+_O = re.compile(r"\.self_attn\.(o_proj|dense)\.weight$")        # (dense: Phi-2's)
+_UP = re.compile(r"\.(gate_proj|up_proj|w1|w3|mlp\.fc1)\.(weight|bias)$")
 _GATE_UP = re.compile(r"\.gate_up_proj\.(weight|bias)$")
-_DOWN = re.compile(r"\.(down_proj|w2)\.weight$")
-_ROW_BIAS = re.compile(r"\.(o_proj|down_proj|w2)\.bias$")
+_DOWN = re.compile(r"\.(down_proj|w2|mlp\.fc2)\.weight$")
+_ROW_BIAS = re.compile(r"\.(o_proj|down_proj|w2|self_attn\.dense|mlp\.fc2)\.bias$")
 # (language_model.: Llama 4's multimodal layout, renamed by its family's file after the cut)
-_VOCAB = re.compile(r"^(language_model\.)?((model\.)?embed_tokens|lm_head)\.weight$")
+_VOCAB = re.compile(r"^(language_model\.)?((model\.)?embed_tokens\.weight|lm_head\.(weight|bias))$")
 _KV_SCALES = tuple(f".{name}" for pair in KV_SCALE_NAMES for name in pair)
 # One routed expert's tensors (weights, FP8 scales, biases); not `shared_experts.` (DeepSeek's).
 _EXPERT = re.compile(r"\.experts\.(\d+)\.")
@@ -96,6 +103,8 @@ _SINKS = re.compile(r"\.self_attn\.sinks$")
 # q/k norms over all heads at once (MiniMax-M2's; Qwen3's per-head ones are one head wide)
 _Q_NORM = re.compile(r"\.self_attn\.q_norm\.weight$")
 _K_NORM = re.compile(r"\.self_attn\.k_norm\.weight$")
+# StableLM's per-head q/k LayerNorms, one tensor per head (held by the ranks holding the head)
+_HEAD_NORM = re.compile(r"\.self_attn\.([qk])_layernorm\.norms\.(\d+)\.weight$")
 
 
 def expert_of(name: str) -> int | None:
@@ -111,7 +120,7 @@ def even(n: int, rank: int, size: int, what: str) -> tuple[int, int]:
 
 
 # Families whose weights this plan does not know (issue 29 item 4's quirk files).
-NOT_SPLIT = ("PhiForCausalLM",)
+NOT_SPLIT = ()
 # Families whose experts split only across ranks, whole (their stacked, interleaved gate/up is
 # not cut within), and the quantization methods their checkpoints use on those experts alone.
 EXPERTS_ACROSS_ONLY = {"GptOssForCausalLM": "mxfp4", "Llama4ForCausalLM": None}
@@ -137,9 +146,6 @@ class ShardPlan:
         if arch in EXPERTS_ACROSS_ONLY and not expert_parallel:
             raise ValueError(f"tensor parallel: {arch}'s experts split across ranks only, "
                              f"whole: add --enable-expert-parallel")
-        if c.qk_layernorm:
-            raise ValueError(f"tensor parallel: {arch} with per-head q/k LayerNorm (qk_layernorm) "
-                             "is not yet split across ranks")
         if c.num_attention_heads % size:
             raise ValueError(f"tensor parallel {size}: {arch} has {c.num_attention_heads} "
                              f"attention heads, not divisible by {size}")
@@ -168,12 +174,20 @@ class ShardPlan:
         if method is not None and method not in SPLITTABLE_QUANT and not experts_only:
             raise ValueError(f"tensor parallel: {method} checkpoints cannot be split across ranks "
                              f"yet (splittable: unquantized safetensors, fp8 with block scales, "
-                             f"GGUF, --isq)")
+                             f"gptq, awq, GGUF, --isq)")
         self.fp8_block = tuple(q["weight_block_size"]) if method == "fp8" and q.get(
             "weight_block_size") else None
+        # GPTQ/AWQ: (method, group size), cut by engine/parallel/sharding_int4.py
+        self.int4 = (method, q.get("group_size", q.get("q_group_size"))) if method in (
+            "gptq", "awq") else None
         self.heads = c.num_attention_heads // size
         self.kv_heads = hkv // size if hkv % size == 0 else 1
         self.vocab_share = -(-c.vocab_size // size)
+        self.gemma4 = None
+        if arch == "Gemma4ForCausalLM":     # per-layer head sizes, stacked GeGLU experts
+            from engine.parallel import sharding_gemma4
+            sharding_gemma4.check(self)
+            self.gemma4 = sharding_gemma4
 
     # ---- the rank's sizes
 
@@ -183,13 +197,16 @@ class ShardPlan:
         moe = c.moe and dataclasses.replace(
             c.moe, intermediate_size=c.moe.intermediate_size // (1 if self.experts else n),
             shared_intermediate_size=c.moe.shared_intermediate_size // n)
+        if self.gemma4 is not None:
+            c = dataclasses.replace(c, family=self.gemma4.local_family(self, c.family))
         return dataclasses.replace(
             c, num_attention_heads=self.heads, num_key_value_heads=self.kv_heads,
             intermediate_size=c.intermediate_size // n, vocab_size=self.vocab_share, moe=moe,
             linear_attention=c.linear_attention and linear_attention_shards.local(
                 c.linear_attention, n),
             tensor_parallel=TensorParallel(self.rank, n, c.vocab_size,
-                                           self.rank * self.vocab_share, comm, self.experts))
+                                           self.rank * self.vocab_share, comm, self.experts,
+                                           self.kv_head_range()[0]))
 
     def expert_map(self) -> str:
         """Which experts each rank holds, for the start-up log."""
@@ -217,6 +234,9 @@ class ShardPlan:
         """A Cut, ZERO_UNLESS_RANK0, or None (the whole tensor: replicated, or under expert
         parallel one of the rank's experts)."""
         c, r, n = self.config, self.rank, self.size
+        if self.gemma4 is not None and (
+                family_cut := self.gemma4.cut(self, name, shape)) is not NotImplemented:
+            return family_cut
         if self.experts is not None and expert_of(name) is not None:
             return None
         if c.linear_attention is not None and (
@@ -266,8 +286,15 @@ class ShardPlan:
         weight it scales is). None: a tensor the rank does not hold (another rank's expert)."""
         if self.experts is not None and (e := expert_of(name)) is not None:
             return tensor if self.experts[0] <= e < self.experts[1] else None
+        if m := _HEAD_NORM.search(name):
+            a, b = (self.kv_head_range() if m.group(1) == "k" else
+                    (self.rank * self.heads, (self.rank + 1) * self.heads))
+            return tensor if a <= int(m.group(2)) < b else None
         if name.endswith(".weight_scale_inv") and self.fp8_block is not None:
             return self._shard_block_scales(name, tensor, shapes[name.removesuffix("_scale_inv")])
+        if self.int4 is not None and name.endswith((".qweight", ".qzeros", ".scales", ".g_idx")):
+            from engine.parallel.sharding_int4 import shard_int4
+            return shard_int4(self, name, tensor, shapes, *self.int4)
         cut = self.cut(name, tuple(tensor.shape))
         if cut is None:
             return tensor
