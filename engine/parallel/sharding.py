@@ -136,11 +136,9 @@ class ShardPlan:
         self.expert_parallel = expert_parallel and config.moe is not None
         c = config
         arch = c.architecture
-        for field, what in (("vision", "a vision tower"),):
-                            ("vision", "a vision tower")):
-            if getattr(c, field, None) is not None:
-                raise ValueError(f"tensor parallel: {arch} ({what}) is not yet split across "
-                                 "ranks")
+        if c.vision is not None:
+            raise ValueError(f"tensor parallel: {arch} (a vision tower) is not yet split across "
+                             "ranks")
         if arch in NOT_SPLIT:     # their tensors' names and cuts are not in this plan
             raise ValueError(f"tensor parallel: {arch} is not yet split across ranks")
         if arch in EXPERTS_ACROSS_ONLY and not expert_parallel:
