@@ -119,8 +119,6 @@ def even(n: int, rank: int, size: int, what: str) -> tuple[int, int]:
     return rank * n // size, (rank + 1) * n // size
 
 
-# Families whose weights this plan does not know (issue 29 item 4's quirk files).
-NOT_SPLIT = ()
 # Families whose experts split only across ranks, whole (their stacked, interleaved gate/up is
 # not cut within), and the quantization methods their checkpoints use on those experts alone.
 EXPERTS_ACROSS_ONLY = {"GptOssForCausalLM": "mxfp4", "Llama4ForCausalLM": None}
@@ -139,8 +137,6 @@ class ShardPlan:
         if c.vision is not None:
             raise ValueError(f"tensor parallel: {arch} (a vision tower) is not yet split across "
                              "ranks")
-        if arch in NOT_SPLIT:     # their tensors' names and cuts are not in this plan
-            raise ValueError(f"tensor parallel: {arch} is not yet split across ranks")
         if arch in EXPERTS_ACROSS_ONLY and not expert_parallel:
             raise ValueError(f"tensor parallel: {arch}'s experts split across ranks only, "
                              f"whole: add --enable-expert-parallel")
