@@ -21,6 +21,8 @@ it from a lazily read tensor so that a rank reads only its part.
                                           last rank's padded with zero rows
     row-parallel biases                   rank 0's is the checkpoint's, the others zero (the
                                           all-reduce after the projection adds it once)
+    a vision tower and its projector      whole on rank 0, absent from the others:
+                                          engine/parallel/sharding_vision.py
     everything else (norms, routers)      replicated
 
 A tensor arrives as the loader has it: a memory-mapped array (safetensors, a GGUF's float tensors)
@@ -41,6 +43,7 @@ import numpy as np
 from engine.models.kv_scales import KV_SCALE_NAMES
 from engine.models.model_config import ModelConfig
 from engine.parallel.sharding_mla import mla_cut
+from engine.parallel.sharding_vision import check_vision_split, tower_share
 
 
 @dataclass(frozen=True)
@@ -123,11 +126,12 @@ class ShardPlan:
         self.expert_parallel = expert_parallel and config.moe is not None
         c = config
         arch = c.architecture
-        for field, what in (("linear_attention", "hybrid linear attention"),
-                            ("vision", "a vision tower")):
+        for field, what in (("linear_attention", "hybrid linear attention"),):
             if getattr(c, field, None) is not None:
                 raise ValueError(f"tensor parallel: {arch} ({what}) is not yet split across "
                                  "ranks")
+        if c.vision is not None:        # the tower whole on rank 0 (sharding_vision.py)
+            check_vision_split(arch)
         if arch in NOT_SPLIT:     # their tensors' names and cuts are not in this plan
             raise ValueError(f"tensor parallel: {arch} is not yet split across ranks")
         if arch in EXPERTS_ACROSS_ONLY and not expert_parallel:
@@ -252,7 +256,11 @@ class ShardPlan:
     def shard(self, name: str, tensor, shapes: dict | None = None):
         """The rank's part of `tensor` (module docstring: a view where one range is cut).
         shapes: every tensor's whole shape by name (an FP8 block-scale tensor is cut as the
-        weight it scales is). None: a tensor the rank does not hold (another rank's expert)."""
+        weight it scales is). None: a tensor the rank does not hold (another rank's expert, a
+        vision tower's off rank 0)."""
+        if self.config.vision is not None and (
+                held := tower_share(name, tensor, self.rank)) is not False:
+            return held
         if self.experts is not None and (e := expert_of(name)) is not None:
             return tensor if self.experts[0] <= e < self.experts[1] else None
         if name.endswith(".weight_scale_inv") and self.fp8_block is not None:

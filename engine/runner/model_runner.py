@@ -224,7 +224,7 @@ class ModelRunner:
         inputs.graphs = self.graph_plan(inputs)
         self._block_copies = []
         if self.peers is not None:      # before the block table's update is applied and dropped
-            self.peers.send(inputs)
+            self.peers.send(inputs if self.vision is None else self.vision.for_peers(inputs))
         logits, hidden, score_logits = self.run(inputs)
         if not pooled:
             return logits, []
