@@ -17,29 +17,45 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("PIL")
 pytest.importorskip("mpi4py")
 
+from qwen3_vl_checkpoint import tiny_qwen3_vl_checkpoint  # noqa: E402
 from vision_checkpoint import tiny_vl_checkpoint  # noqa: E402
 from vision_oracle import CASES, GEN, case_images, hf_generate, make_engine, prompt_ids, run  # noqa: E402,E501
 
 pytestmark = pytest.mark.timeout(300)
 
-# M-RoPE over 24-wide heads: 12 frequencies in sections of 4 (t, h, w)
-TEXT = dict(num_attention_heads=4, num_key_value_heads=2,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                             "mrope_section": [4, 4, 4]})
+# Each family's tiny checkpoint with 4 query and 2 KV heads, and transformers' class.
+def _qwen2_5_vl(directory):
+    from transformers import Qwen2_5_VLForConditionalGeneration
+    # M-RoPE over 24-wide heads: 12 frequencies in sections of 4 (t, h, w)
+    text = dict(num_attention_heads=4, num_key_value_heads=2,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                 "mrope_section": [4, 4, 4]})
+    return tiny_vl_checkpoint(directory, text=text), Qwen2_5_VLForConditionalGeneration
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return tiny_vl_checkpoint(tmp_path_factory.mktemp("qwen25vl_tp"), text=TEXT)
+def _qwen3_vl(directory, moe: bool = False):
+    import transformers
+    ckpt = tiny_qwen3_vl_checkpoint(directory, moe=moe, text_overrides=dict(
+        num_attention_heads=4, num_key_value_heads=2))
+    return ckpt, (transformers.Qwen3VLMoeForConditionalGeneration if moe
+                  else transformers.Qwen3VLForConditionalGeneration)
 
 
-@pytest.fixture(scope="module")
-def hf(ckpt):
-    from transformers import (AutoTokenizer, Qwen2_5_VLForConditionalGeneration,
-                              Qwen2VLImageProcessorPil)
-    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(ckpt, dtype=torch.float32).eval()
-    return (model, Qwen2VLImageProcessorPil.from_pretrained(ckpt),
-            AutoTokenizer.from_pretrained(ckpt))
+FAMILIES = {"qwen2.5-vl": _qwen2_5_vl, "qwen3-vl": _qwen3_vl}
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def loaded(request, tmp_path_factory):
+    """(checkpoint, (transformers model, image processor, tokenizer), our processor)."""
+    from transformers import AutoTokenizer, Qwen2VLImageProcessorPil
+
+    from engine.models.model_config import ModelConfig
+    from engine.vision.config import ImageProcessorConfig
+    ckpt, hf_class = FAMILIES[request.param](tmp_path_factory.mktemp(request.param))
+    model = hf_class.from_pretrained(ckpt, dtype=torch.float32).eval()
+    hf = model, Qwen2VLImageProcessorPil.from_pretrained(ckpt), AutoTokenizer.from_pretrained(ckpt)
+    return ckpt, hf, ImageProcessorConfig.from_pretrained(
+        ckpt, ModelConfig.from_pretrained(ckpt).vision)
 
 
 def greedy(ckpt, ids, processed, tp: int):
@@ -52,11 +68,9 @@ def greedy(ckpt, ids, processed, tp: int):
         engine.shutdown()
 
 
-def test_greedy_tokens_equal_one_process_and_hf(ckpt, hf):
-    from engine.models.model_config import ModelConfig
-    from engine.vision.config import ImageProcessorConfig
+def test_greedy_tokens_equal_one_process_and_hf(loaded):
     from engine.vision.preprocess import preprocess_image
-    processor = ImageProcessorConfig.from_pretrained(ckpt, ModelConfig.from_pretrained(ckpt).vision)
+    ckpt, hf, processor = loaded
     parts, sizes = CASES["one image"]
     images = case_images(sizes)
     processed = [preprocess_image(im, processor) for im in images]
@@ -70,23 +84,27 @@ def test_greedy_tokens_equal_one_process_and_hf(ckpt, hf):
     assert split[1] == 1 and len(split[0]) == GEN
 
 
-def test_rank_1_holds_no_tower_tensor(ckpt):
+def test_rank_1_holds_no_tower_tensor(loaded):
+    ckpt = loaded[0]
     from engine.loader.safetensors import load_safetensors
     from engine.models.model_config import ModelConfig
     from engine.parallel.sharding import ShardPlan
     config = ModelConfig.from_pretrained(ckpt)
     weights = load_safetensors(ckpt, progress=False)
-    tower = [n for n in weights if n.startswith("visual.")]
-    assert "visual.blocks.0.mlp.gate_proj.weight" in tower     # a name the LM's split would cut
+    tower = [n for n in weights if n.startswith(("visual.", "model.visual."))]
+    # a name the LM's split would cut
+    assert {"visual.blocks.0.mlp.gate_proj.weight", "model.visual.blocks.0.mlp.linear_fc1.weight",
+            "visual.blocks.0.mlp.linear_fc1.weight"} & set(tower)
     rank0, rank1 = ShardPlan(config, 0, 2), ShardPlan(config, 1, 2)
     for name in tower:
         assert rank1.shard(name, weights[name]) is None
         assert rank0.shard(name, weights[name]) is weights[name]
-    q = "model.layers.0.self_attn.q_proj.weight"
+    q = next(n for n in weights if n.endswith("layers.0.self_attn.q_proj.weight"))
     assert rank1.shard(q, weights[q]).shape[0] == weights[q].shape[0] // 2
 
 
-def test_families_not_yet_split_are_named(ckpt):
+def test_families_not_yet_split_are_named(loaded):
+    ckpt = loaded[0]
     import dataclasses
     from engine.models.model_config import ModelConfig
     from engine.parallel.sharding import ShardPlan

@@ -83,8 +83,10 @@ _UP = re.compile(r"\.(gate_proj|up_proj|w1|w3)\.(weight|bias)$")
 _GATE_UP = re.compile(r"\.gate_up_proj\.(weight|bias)$")
 _DOWN = re.compile(r"\.(down_proj|w2)\.weight$")
 _ROW_BIAS = re.compile(r"\.(o_proj|down_proj|w2)\.bias$")
-# (language_model.: Llama 4's multimodal layout, renamed by its family's file after the cut)
-_VOCAB = re.compile(r"^(language_model\.)?((model\.)?embed_tokens|lm_head)\.weight$")
+# (language_model.: Llama 4's multimodal layout, model.language_model.: Qwen3-VL's, renamed by
+# their families' files after the cut)
+_VOCAB = re.compile(
+    r"^(language_model\.|model\.language_model\.)?((model\.)?embed_tokens|lm_head)\.weight$")
 _KV_SCALES = tuple(f".{name}" for pair in KV_SCALE_NAMES for name in pair)
 # One routed expert's tensors (weights, FP8 scales, biases); not `shared_experts.` (DeepSeek's).
 _EXPERT = re.compile(r"\.experts\.(\d+)\.")
