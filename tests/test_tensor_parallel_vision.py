@@ -11,6 +11,7 @@ image embeddings and the image rows' M-RoPE positions reach rank 1 with each ste
   language model reads of an image yet stop the load, named."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -41,7 +42,8 @@ def _qwen3_vl(directory, moe: bool = False):
                   else transformers.Qwen3VLForConditionalGeneration)
 
 
-FAMILIES = {"qwen2.5-vl": _qwen2_5_vl, "qwen3-vl": _qwen3_vl}
+FAMILIES = {"qwen2.5-vl": _qwen2_5_vl, "qwen3-vl": _qwen3_vl,
+            "qwen3-vl-moe": lambda directory: _qwen3_vl(directory, moe=True)}
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -113,3 +115,33 @@ def test_families_not_yet_split_are_named(loaded):
     with pytest.raises(ValueError, match="Gemma3ForConditionalGeneration .a vision tower. is "
                                          "not yet split"):
         ShardPlan(config, 0, 2)
+
+
+def test_stacked_experts_cut_in_both_layouts(tmp_path):
+    """Qwen3-VL-MoE's stacked experts: a rank's slice of every expert's gate, up and down, the
+    same whether the file holds transformers 5's layout or the hub's (transposed); under expert
+    parallel, whole experts."""
+    from engine.models.model_config import ModelConfig
+    from engine.parallel.sharding import ShardPlan
+    ckpt, _ = _qwen3_vl(tmp_path, moe=True)
+    config = ModelConfig.from_pretrained(ckpt)
+    E, H, I = config.moe.num_experts, config.hidden_size, config.moe.intermediate_size
+    rng = np.random.default_rng(0)
+    gate_up = rng.standard_normal((E, 2 * I, H)).astype(np.float32)     # transformers 5's
+    down = rng.standard_normal((E, H, I)).astype(np.float32)
+    p = "model.language_model.layers.0.mlp.experts."
+    for rank in range(2):
+        plan = ShardPlan(config, rank, 2)
+        a, b = rank * I // 2, (rank + 1) * I // 2
+        want_gate_up = np.concatenate([gate_up[:, a:b], gate_up[:, I + a:I + b]], 1)
+        np.testing.assert_array_equal(plan.shard(p + "gate_up_proj", gate_up), want_gate_up)
+        np.testing.assert_array_equal(plan.shard(p + "down_proj", down), down[:, :, a:b])
+        hub = plan.shard(p + "gate_up_proj", np.ascontiguousarray(gate_up.transpose(0, 2, 1)))
+        np.testing.assert_array_equal(hub, want_gate_up.transpose(0, 2, 1))
+        hub = plan.shard(p + "down_proj", np.ascontiguousarray(down.transpose(0, 2, 1)))
+        np.testing.assert_array_equal(hub, down[:, :, a:b].transpose(0, 2, 1))
+        ep = ShardPlan(config, rank, 2, expert_parallel=True)
+        held = slice(rank * E // 2, (rank + 1) * E // 2)
+        np.testing.assert_array_equal(ep.shard(p + "gate_up_proj", gate_up), gate_up[held])
+    with pytest.raises(ValueError, match="not a stack of experts"):
+        ShardPlan(config, 0, 2).shard(p + "down_proj", down[:, :, :I - 1])

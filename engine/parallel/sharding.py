@@ -43,7 +43,7 @@ import numpy as np
 from engine.models.kv_scales import KV_SCALE_NAMES
 from engine.models.model_config import ModelConfig
 from engine.parallel.sharding_mla import mla_cut
-from engine.parallel.sharding_vision import check_vision_split, tower_share
+from engine.parallel.sharding_vision import check_vision_split, stacked_expert_cut, tower_share
 
 
 @dataclass(frozen=True)
@@ -221,6 +221,9 @@ class ShardPlan:
             return Cut(0, (self.experts,))
         if c.mla is not None and (by_head := mla_cut(name, c.mla, self.heads, r)) is not None:
             return by_head
+        if c.vision is not None and c.moe is not None and (
+                stacked := stacked_expert_cut(name, shape, c, r, n)) is not None:
+            return Cut(stacked[0], stacked[1])
         if _SINKS.search(name):
             return Cut(0, ((r * self.heads, (r + 1) * self.heads),))
         if _Q_NORM.search(name) and shape == (c.q_size,) and c.q_size > c.head_dim:
