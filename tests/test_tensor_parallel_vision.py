@@ -1,12 +1,14 @@
-"""Tensor parallel for a vision-language model on the CPU (issue 28 item 1): a tiny Qwen2.5-VL
-(tests/vision_checkpoint.py, with 4 query and 2 KV heads so that 2 ranks split them) on 2 MPI
-ranks. The language model splits as Qwen2's does; the vision tower runs on rank 0 alone, and its
-image embeddings and the image rows' M-RoPE positions reach rank 1 with each step
-(engine/parallel/sharding_vision.py).
+"""Tensor parallel for vision-language models on the CPU (issue 28 item 1): tiny Qwen2.5-VL and
+Qwen3-VL checkpoints (tests/vision_checkpoint.py, qwen3_vl_checkpoint.py, with 4 query and 2 KV
+heads so that 2 ranks split them) on 2 MPI ranks. The language model splits as its text family
+does; the vision tower runs on rank 0 alone, and its image embeddings and the image rows' M-RoPE
+positions reach rank 1 with each step (engine/parallel/sharding_vision.py).
 
 - Greedy tokens for a prompt with one image, through chunked prefill (chunks of 32 tokens cut the
   image's run) and decodes, equal the single process's and transformers' (up to its first
-  near-tie); the image is encoded once, on rank 0.
+  near-tie); the image is encoded once, on rank 0. Qwen2.5-VL, Qwen3-VL (its DeepStack features
+  travel as extra columns of the embeddings) and Qwen3-VL-MoE (stacked experts split within the
+  ranks, and whole under expert parallel).
 - Rank 1 reads none of the tower's tensors; families whose steps do not carry what their
   language model reads of an image yet stop the load, named."""
 from __future__ import annotations
@@ -60,9 +62,9 @@ def loaded(request, tmp_path_factory):
         ckpt, ModelConfig.from_pretrained(ckpt).vision)
 
 
-def greedy(ckpt, ids, processed, tp: int):
+def greedy(ckpt, ids, processed, tp: int, **kw):
     """(token ids, images encoded on rank 0), the engine shut down after."""
-    engine = make_engine(ckpt, max_num_batched_tokens=32, tensor_parallel_size=tp)
+    engine = make_engine(ckpt, max_num_batched_tokens=32, tensor_parallel_size=tp, **kw)
     try:
         seq = run(engine, ids, processed)
         return list(seq.output_token_ids), engine.runner.vision.num_encoded
@@ -84,6 +86,9 @@ def test_greedy_tokens_equal_one_process_and_hf(loaded):
     assert split[0][:trusted] == tokens[:trusted]
     assert split[0] == one[0], f"one process {one[0]}, tensor parallel {split[0]}"
     assert split[1] == 1 and len(split[0]) == GEN
+    if "Moe" in hf[0].config.architectures[0]:      # each rank its own whole experts
+        experts = greedy(ckpt, ids, processed, 2, enable_expert_parallel=True)
+        assert experts[0] == one[0], f"one process {one[0]}, expert parallel {experts[0]}"
 
 
 def test_rank_1_holds_no_tower_tensor(loaded):
