@@ -62,11 +62,11 @@ def loaded(request, tmp_path_factory):
         ckpt, ModelConfig.from_pretrained(ckpt).vision)
 
 
-def greedy(ckpt, ids, processed, tp: int, **kw):
-    """(token ids, images encoded on rank 0), the engine shut down after."""
+def greedy(ckpt, ids, processed, tp: int, n: int = GEN, **kw):
+    """(n token ids, images encoded on rank 0), the engine shut down after."""
     engine = make_engine(ckpt, max_num_batched_tokens=32, tensor_parallel_size=tp, **kw)
     try:
-        seq = run(engine, ids, processed)
+        seq = run(engine, ids, processed, n)
         return list(seq.output_token_ids), engine.runner.vision.num_encoded
     finally:
         engine.shutdown()
@@ -89,6 +89,30 @@ def test_greedy_tokens_equal_one_process_and_hf(loaded):
     if "Moe" in hf[0].config.architectures[0]:      # each rank its own whole experts
         experts = greedy(ckpt, ids, processed, 2, enable_expert_parallel=True)
         assert experts[0] == one[0], f"one process {one[0]}, expert parallel {experts[0]}"
+
+
+def test_gemma3_image_spans_reach_rank_1(tmp_path):
+    """Gemma 3 (4 query, 2 KV heads): its image tokens attend to each other both ways, over the
+    image spans the step carries; tokens at TP 2 equal one process's and transformers'
+    (whose tokens differ without that mask: tests/test_gemma3_vision.py)."""
+    from gemma3_vision_checkpoint import tiny_gemma3_vision_checkpoint
+    from test_gemma3_vision import GEN as GEMMA_GEN, case, engine_prompt, hf_generate, hf_inputs
+    from transformers import AutoProcessor, Gemma3ForConditionalGeneration
+
+    from engine.models.model_config import ModelConfig
+    from engine.vision.families import image_processor
+    ckpt = tiny_gemma3_vision_checkpoint(tmp_path)
+    hf = (Gemma3ForConditionalGeneration.from_pretrained(ckpt, dtype=torch.float32).eval(),
+          AutoProcessor.from_pretrained(ckpt))
+    processor = image_processor(ckpt, ModelConfig.from_pretrained(ckpt).vision)
+    parts, images = case("one image")
+    tokens, trusted = hf_generate(hf, hf_inputs(hf, parts, images))
+    assert trusted >= 8, f"reference near-tie at token {trusted}"
+    ids, processed = engine_prompt(hf, processor, parts, images)
+    split, one = (greedy(ckpt, ids, processed, tp, GEMMA_GEN) for tp in (2, 1))
+    assert split[0][:trusted] == tokens[:trusted]
+    assert split[0] == one[0], f"one process {one[0]}, tensor parallel {split[0]}"
+    assert split[1] == 1 and len(split[0]) == GEMMA_GEN
 
 
 def test_rank_1_holds_no_tower_tensor(loaded):
@@ -116,8 +140,8 @@ def test_families_not_yet_split_are_named(loaded):
     from engine.models.model_config import ModelConfig
     from engine.parallel.sharding import ShardPlan
     config = dataclasses.replace(ModelConfig.from_pretrained(ckpt),
-                                 architecture="Gemma3ForConditionalGeneration")
-    with pytest.raises(ValueError, match="Gemma3ForConditionalGeneration .a vision tower. is "
+                                 architecture="Mistral3ForConditionalGeneration")
+    with pytest.raises(ValueError, match="Mistral3ForConditionalGeneration .a vision tower. is "
                                          "not yet split"):
         ShardPlan(config, 0, 2)
 

@@ -75,8 +75,9 @@ class VisionRunner:
             return inputs
         self.encode(inputs.batch)
         embeds = np.asarray(self.backend.to_host(vb.embeds))
-        batch = dataclasses.replace(inputs.batch, vision=VisionBatch(vb.rows, vb.triples, [],
-                                                                     embeds))
+        # (a family's own batch kind keeps its fields: Gemma 3's image spans)
+        batch = dataclasses.replace(inputs.batch,
+                                    vision=dataclasses.replace(vb, runs=[], embeds=embeds))
         return dataclasses.replace(inputs, batch=batch)
 
     def encode(self, batch) -> None:
