@@ -9,8 +9,10 @@ positions reach rank 1 with each step (engine/parallel/sharding_vision.py).
   near-tie); the image is encoded once, on rank 0. Qwen2.5-VL, Qwen3-VL (its DeepStack features
   travel as extra columns of the embeddings) and Qwen3-VL-MoE (stacked experts split within the
   ranks, and whole under expert parallel).
-- Rank 1 reads none of the tower's tensors; families whose steps do not carry what their
-  language model reads of an image yet stop the load, named."""
+- Gemma 3: the image spans of its bidirectional overlay reach rank 1; Mistral 3: its image runs'
+  [IMG_BREAK]/[IMG_END] rows keep their own embeddings.
+- Rank 1 reads none of the tower's tensors; a vision family not known to carry what its
+  language model reads of an image stops the load, named."""
 from __future__ import annotations
 
 import numpy as np
@@ -64,7 +66,7 @@ def loaded(request, tmp_path_factory):
 
 def greedy(ckpt, ids, processed, tp: int, n: int = GEN, **kw):
     """(n token ids, images encoded on rank 0), the engine shut down after."""
-    engine = make_engine(ckpt, max_num_batched_tokens=32, tensor_parallel_size=tp, **kw)
+    engine = make_engine(ckpt, tensor_parallel_size=tp, **{"max_num_batched_tokens": 32, **kw})
     try:
         seq = run(engine, ids, processed, n)
         return list(seq.output_token_ids), engine.runner.vision.num_encoded
@@ -115,6 +117,35 @@ def test_gemma3_image_spans_reach_rank_1(tmp_path):
     assert split[1] == 1 and len(split[0]) == GEMMA_GEN
 
 
+def test_mistral3_image_breaks_keep_their_embeddings(tmp_path):
+    """Mistral 3 (Pixtral's tower, 6 query and 2 KV heads): an image's rows include its
+    [IMG_BREAK]s and [IMG_END], which keep their own embeddings (the token ids the step
+    carries); tokens at TP 2, in chunks of 16 that cut the image, equal one process's and
+    transformers'."""
+    from mistral3_checkpoint import tiny_mistral3_checkpoint
+    from test_vision_mistral3 import CASES as MISTRAL_CASES, hf_generate as mistral_generate
+    from test_vision_mistral3 import prompt_ids as mistral_prompt
+    from transformers import (AutoTokenizer, Mistral3ForConditionalGeneration,
+                              PixtralImageProcessorPil)
+
+    from engine.models.model_config import ModelConfig
+    from engine.vision.families import image_processor, preprocess
+    ckpt = tiny_mistral3_checkpoint(tmp_path)
+    hf = (Mistral3ForConditionalGeneration.from_pretrained(ckpt, dtype=torch.float32).eval(),
+          PixtralImageProcessorPil.from_pretrained(ckpt), AutoTokenizer.from_pretrained(ckpt))
+    processor = image_processor(ckpt, ModelConfig.from_pretrained(ckpt).vision)
+    parts, sizes = MISTRAL_CASES["one image"]
+    images = case_images(sizes)
+    processed = [preprocess(im, processor) for im in images]
+    ids = mistral_prompt(hf, parts, processed)
+    tokens, trusted = mistral_generate(hf, ids, images)
+    assert trusted >= 6, f"reference near-tie at token {trusted}"
+    split, one = (greedy(ckpt, ids, processed, tp, max_num_batched_tokens=16) for tp in (2, 1))
+    assert split[0][:trusted] == tokens[:trusted]
+    assert split[0] == one[0], f"one process {one[0]}, tensor parallel {split[0]}"
+    assert split[1] == 1
+
+
 def test_rank_1_holds_no_tower_tensor(loaded):
     ckpt = loaded[0]
     from engine.loader.safetensors import load_safetensors
@@ -140,8 +171,8 @@ def test_families_not_yet_split_are_named(loaded):
     from engine.models.model_config import ModelConfig
     from engine.parallel.sharding import ShardPlan
     config = dataclasses.replace(ModelConfig.from_pretrained(ckpt),
-                                 architecture="Mistral3ForConditionalGeneration")
-    with pytest.raises(ValueError, match="Mistral3ForConditionalGeneration .a vision tower. is "
+                                 architecture="NewVLForConditionalGeneration")
+    with pytest.raises(ValueError, match="NewVLForConditionalGeneration .a vision tower. is "
                                          "not yet split"):
         ShardPlan(config, 0, 2)
 

@@ -11,7 +11,8 @@ import re
 # The families whose steps carry everything their language model reads of an image (the rows,
 # the embeddings, M-RoPE's (t, h, w) positions); the others stop the load, named.
 SPLIT_VISION = ("Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration",
-                "Qwen3VLMoeForConditionalGeneration", "Gemma3ForConditionalGeneration")
+                "Qwen3VLMoeForConditionalGeneration", "Gemma3ForConditionalGeneration",
+                "Mistral3ForConditionalGeneration")
 
 # The tower's and its projector's tensors, as the checkpoints name them.
 _TOWER = re.compile(r"^(model\.)?(visual|vision_tower|multi_modal_projector)\.")
