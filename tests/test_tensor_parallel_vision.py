@@ -11,6 +11,8 @@ positions reach rank 1 with each step (engine/parallel/sharding_vision.py).
   ranks, and whole under expert parallel).
 - Gemma 3: the image spans of its bidirectional overlay reach rank 1; Mistral 3: its image runs'
   [IMG_BREAK]/[IMG_END] rows keep their own embeddings.
+- GGUF text files with their projector files (Gemma 3, Mistral 3) at TP 2 give transformers'
+  recorded tokens.
 - Rank 1 reads none of the tower's tensors; a vision family not known to carry what its
   language model reads of an image stops the load, named."""
 from __future__ import annotations
@@ -144,6 +146,24 @@ def test_mistral3_image_breaks_keep_their_embeddings(tmp_path):
     assert split[0][:trusted] == tokens[:trusted]
     assert split[0] == one[0], f"one process {one[0]}, tensor parallel {split[0]}"
     assert split[1] == 1
+
+
+@pytest.mark.parametrize("family", ["gemma3", "mistral3"])
+def test_gguf_with_its_projector_file(family):
+    """A GGUF text file with llama.cpp's projector file (--mmproj; its tower tensors named as the
+    checkpoints' are, engine/loader/gguf_mmproj*.py): the recorded transformers tokens of each
+    fixture case at TP 2 (the Qwen fixtures have 3 heads, which 2 ranks cannot split)."""
+    import importlib
+
+    from gguf_mmproj_cases import check_engine_case, make_engine
+    files = importlib.import_module(f"test_gguf_mmproj_{family}")
+    for case in files.FIXTURES.values():      # (an engine each: it counts the images encoded)
+        engine = make_engine(files.TEXT, files.MMPROJ, max_num_batched_tokens=20,
+                             tensor_parallel_size=2)
+        try:
+            check_engine_case(engine, case)
+        finally:
+            engine.shutdown()
 
 
 def test_rank_1_holds_no_tower_tensor(loaded):
