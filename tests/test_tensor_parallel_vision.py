@@ -26,7 +26,7 @@ pytest.importorskip("mpi4py")
 
 from qwen3_vl_checkpoint import tiny_qwen3_vl_checkpoint  # noqa: E402
 from vision_checkpoint import tiny_vl_checkpoint  # noqa: E402
-from vision_oracle import CASES, GEN, case_images, hf_generate, make_engine, prompt_ids, run  # noqa: E402,E501
+from vision_oracle import CASES, GEN, case_images, hf_generate, prompt_ids, run  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -67,8 +67,13 @@ def loaded(request, tmp_path_factory):
 
 
 def greedy(ckpt, ids, processed, tp: int, n: int = GEN, **kw):
-    """(n token ids, images encoded on rank 0), the engine shut down after."""
-    engine = make_engine(ckpt, tensor_parallel_size=tp, **{"max_num_batched_tokens": 32, **kw})
+    """(n token ids, images encoded on rank 0), the engine shut down after; kw: EngineConfig's
+    (the CPU backend and chunks of 32 tokens unless given)."""
+    from engine.config import EngineConfig
+    from engine.core.llm_engine import LLMEngine
+    engine = LLMEngine(EngineConfig(**{**dict(model=ckpt, backend="cpu", kv_cache_memory_mb=16,
+                                              async_scheduling=False, max_num_batched_tokens=32,
+                                              tensor_parallel_size=tp), **kw}))
     try:
         seq = run(engine, ids, processed, n)
         return list(seq.output_token_ids), engine.runner.vision.num_encoded

@@ -251,6 +251,8 @@ class ModelRunner:
         self.num_forward_tokens += batch.num_tokens
         if self.vision is not None:     # the step's images through the encoder (or its cache)
             self.vision.encode(batch)
+        elif batch.vision is not None:  # a tensor-parallel rank past 0: rank 0's embeddings
+            batch.vision.embeds = self.backend.asarray(batch.vision.embeds)
         # an EAGLE-3 head's features: the target's hidden states at its layers, every row
         capture = {} if self.aux_capture is None else {"capture": self.aux_capture}
         if batch.lora is None:
