@@ -188,6 +188,12 @@ def test_rank_1_holds_no_tower_tensor(loaded):
         assert rank0.shard(name, weights[name]) is weights[name]
     q = next(n for n in weights if n.endswith("layers.0.self_attn.q_proj.weight"))
     assert rank1.shard(q, weights[q]).shape[0] == weights[q].shape[0] // 2
+    # --isq's check of row-parallel shares passes over the tower (rank 0 quantizes it whole)
+    from engine.parallel.sharding import check_isq_split
+    odd = np.zeros((32, 48), np.float32)      # 48 columns: not whole q8_0 blocks as a share
+    check_isq_split(rank0, {"visual.blocks.0.mlp.down_proj.weight": odd}, "q8_0")
+    with pytest.raises(ValueError, match="not whole quantization blocks"):
+        check_isq_split(rank0, {"model.layers.0.mlp.down_proj.weight": odd}, "q8_0")
 
 
 def test_families_not_yet_split_are_named(loaded):

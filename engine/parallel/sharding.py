@@ -43,7 +43,7 @@ import numpy as np
 from engine.models.kv_scales import KV_SCALE_NAMES
 from engine.models.model_config import ModelConfig
 from engine.parallel.sharding_mla import mla_cut
-from engine.parallel.sharding_vision import check_vision_split, stacked_expert_cut, tower_share
+from engine.parallel.sharding_vision import check_vision_split, is_tower_tensor, stacked_expert_cut
 
 
 @dataclass(frozen=True)
@@ -263,9 +263,8 @@ class ShardPlan:
         shapes: every tensor's whole shape by name (an FP8 block-scale tensor is cut as the
         weight it scales is). None: a tensor the rank does not hold (another rank's expert, a
         vision tower's off rank 0)."""
-        if self.config.vision is not None and (
-                held := tower_share(name, tensor, self.rank)) is not False:
-            return held
+        if self.config.vision is not None and is_tower_tensor(name):
+            return tensor if self.rank == 0 else None
         if self.experts is not None and (e := expert_of(name)) is not None:
             return tensor if self.experts[0] <= e < self.experts[1] else None
         if name.endswith(".weight_scale_inv") and self.fp8_block is not None:
@@ -349,8 +348,9 @@ def check_isq_split(plan: ShardPlan, weights: dict, isq: str) -> None:
         if not isinstance(w, np.ndarray) or w.ndim != 2 or not (_O.search(name) or
                                                                _DOWN.search(name)):
             continue
-        if plan.experts is not None and expert_of(name) is not None:
-            continue            # a whole expert: quantized as one process would
+        if (plan.experts is not None and expert_of(name) is not None
+                or plan.config.vision is not None and is_tower_tensor(name)):
+            continue            # a whole expert or tower tensor: as one process has it
         k = w.shape[1]
         if check_isq(isq) == MARLIN:
             whole, share = marlin_group(k * plan.size), marlin_group(k)

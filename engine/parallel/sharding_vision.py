@@ -24,11 +24,9 @@ def check_vision_split(arch: str) -> None:
                          f"(split: {', '.join(SPLIT_VISION)})")
 
 
-def tower_share(name: str, tensor, rank: int):
-    """A tower tensor whole on rank 0 and absent (None) elsewhere; `False` for other tensors."""
-    if not _TOWER.match(name):
-        return False
-    return tensor if rank == 0 else None
+def is_tower_tensor(name: str) -> bool:
+    """A vision tower's or its projector's tensor: rank 0's whole, absent from the others."""
+    return _TOWER.match(name) is not None
 
 
 # Qwen3-VL-MoE's experts stacked in one tensor per layer (engine/models/qwen3_vl.py splits them
