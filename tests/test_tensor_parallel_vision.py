@@ -13,6 +13,8 @@ positions reach rank 1 with each step (engine/parallel/sharding_vision.py).
   [IMG_BREAK]/[IMG_END] rows keep their own embeddings.
 - GGUF text files with their projector files (Gemma 3, Mistral 3) at TP 2 give transformers'
   recorded tokens.
+- The live server at --tensor-parallel-size 2 answers a chat with an image with transformers'
+  text.
 - Rank 1 reads none of the tower's tensors; a vision family not known to carry what its
   language model reads of an image stops the load, named."""
 from __future__ import annotations
@@ -236,3 +238,23 @@ def test_stacked_experts_cut_in_both_layouts(tmp_path):
         np.testing.assert_array_equal(ep.shard(p + "gate_up_proj", gate_up), gate_up[held])
     with pytest.raises(ValueError, match="not a stack of experts"):
         ShardPlan(config, 0, 2).shard(p + "down_proj", down[:, :, :I - 1])
+
+
+def test_live_server_answers_an_image_at_tp2(tmp_path):
+    """`python -m server --tensor-parallel-size 2` on the Qwen2.5-VL checkpoint: a chat with an
+    image (a data URL) through the official openai client gives transformers' text."""
+    from server_fakes import LiveServer, client_for
+    from test_vision_server import chat, data_url, hf_tokens, user
+    from vision_checkpoint import sample_image
+    ckpt, _ = _qwen2_5_vl(tmp_path / "ckpt")
+    image = sample_image(40, 56, seed=5)
+    text, prompt_len = hf_tokens(ckpt, image, "What is this?", " Describe it.")
+    server = LiveServer(tmp_path, ckpt, "--mem", "16", "--served-model-name", "vl",
+                        "--tensor-parallel-size", "2")
+    try:
+        out = chat(client_for(server.port), user("What is this?", (data_url(image),),
+                                                 " Describe it."))
+    finally:
+        server.close()
+    assert out.choices[0].message.content == text
+    assert out.usage.prompt_tokens == prompt_len
