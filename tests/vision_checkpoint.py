@@ -53,7 +53,9 @@ def build_tokenizer(path):
     return hf
 
 
-def tiny_vl_checkpoint(directory, seed: int = 0, scale: float = 4.0, **vision) -> str:
+def tiny_vl_checkpoint(directory, seed: int = 0, scale: float = 4.0, text: dict | None = None,
+                       **vision) -> str:
+    """text: text_config entries that replace the defaults below (vision: vision_config's)."""
     import torch
     from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration,
                               Qwen2VLImageProcessorPil)
@@ -67,7 +69,7 @@ def tiny_vl_checkpoint(directory, seed: int = 0, scale: float = 4.0, **vision) -
                          max_position_embeddings=1024, rms_norm_eps=1e-5,
                          bos_token_id=None, eos_token_id=ids["<|im_end|>"],
                          rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                                          "mrope_section": [4, 6, 6]}),
+                                          "mrope_section": [4, 6, 6]}) | (text or {}),
         vision_config={**dict(depth=4, hidden_size=32, intermediate_size=64, num_heads=2,
                               patch_size=4, spatial_merge_size=2, temporal_patch_size=2,
                               window_size=16, out_hidden_size=96, fullatt_block_indexes=[1, 3]),

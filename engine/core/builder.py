@@ -377,9 +377,10 @@ def capture_cuda_graphs(config: EngineConfig, model, backend, runner: ModelRunne
     lora_step = (runner.lora.step if runner.lora is not None
                  and backend.kernels.graphs_lora == "on" else None)
     # a hybrid model's state rows and a vision model's images are planned per step, which a
-    # verify graph does not take: their verify steps run eagerly
-    query_lens = (graph_query_lens(config, backend)
-                  if runner.state_pool is None and runner.vision is None else (1,))
+    # verify graph does not take: their verify steps run eagerly (the model's config, not the
+    # runner's vision: tensor parallel ranks past 0 hold no tower, and capture what rank 0 does)
+    query_lens = (graph_query_lens(config, backend) if runner.state_pool is None
+                  and getattr(model.config, "vision", None) is None else (1,))
     graphs = CudaGraphRunner(model, backend, runner.kv_caches, config.max_num_seqs,
                              -(-max_model_len // config.block_size), runner.device_block_tables,
                              query_lens, lora_step, runner.aux_capture, config.block_size)

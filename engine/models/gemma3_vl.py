@@ -45,7 +45,11 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
                              f"{' and '.join(missing)} op{'s' if len(missing) > 1 else ''}, "
                              "which the SigLIP tower needs; serve this model with --backend cpu")
         _checkpoint_names(weights)
-        self.vision_encoder = Gemma3VisionEncoder(config.vision, weights, backend)
+        # under tensor parallel the tower is rank 0's alone: the others read its embeddings
+        # from each step's inputs (engine/parallel/sharding_vision.py)
+        tp = config.tensor_parallel
+        self.vision_encoder = (None if tp is not None and tp.rank else
+                               Gemma3VisionEncoder(config.vision, weights, backend))
         # the CPU keeps its float32 overlay on every layer (engine/vision/gemma3_attention.py)
         self._image_blocks = ImageBlockAttention(
             backend.xp, paged_backend=None if backend.name == "cpu" else backend)

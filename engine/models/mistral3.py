@@ -35,7 +35,11 @@ class Mistral3ForConditionalGeneration(LlamaForCausalLM):
                              f"{' and '.join(missing)} op{'s' if len(missing) > 1 else ''}, "
                              "which the Pixtral tower needs; serve this model with --backend cpu")
         _checkpoint_names(weights)
-        self.vision_encoder = PixtralVisionEncoder(config.vision, weights, backend)
+        # under tensor parallel the tower is rank 0's alone: the others read its embeddings
+        # from each step's inputs (engine/parallel/sharding_vision.py)
+        tp = config.tensor_parallel
+        self.vision_encoder = (None if tp is not None and tp.rank else
+                               PixtralVisionEncoder(config.vision, weights, backend))
         super().__init__(config, weights, backend)
 
     def _merge_inputs(self, batch, residual):

@@ -62,7 +62,11 @@ class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
                              f"{' and '.join(missing)} op{'s' if len(missing) > 1 else ''}, "
                              "which the vision tower needs; serve this model with --backend cpu")
         self._checkpoint_names(weights)
-        self.vision_encoder = self.vision_tower_class(config.vision, weights, backend)
+        # under tensor parallel the tower is rank 0's alone: the others read its embeddings
+        # from each step's inputs (engine/parallel/sharding_vision.py)
+        tp = config.tensor_parallel
+        self.vision_encoder = (None if tp is not None and tp.rank else
+                               self.vision_tower_class(config.vision, weights, backend))
         self._mrope_cache = None
         super().__init__(config, weights, backend)
         section = mrope_sections(config.vision)                          # (rot_dim / 2,)

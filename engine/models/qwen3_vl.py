@@ -40,12 +40,13 @@ class DeepstackDecoderLayer(DecoderLayer):
                                 vb.embeds[:, self.first_column:self.first_column + H])
 
 
-def _stacked_experts(weights: dict) -> None:
+def _stacked_experts(weights: dict, first: int = 0) -> None:
     """In place: each layer's stacked experts (mlp.experts.gate_up_proj, down_proj) as the
     per-expert tensors engine/models/moe.py reads. The hub's files hold gate_up (E, H, 2I) and
     down (E, I, H); transformers 5 saves its own layout, (E, 2I, H) and (E, H, I); as its
     loader (Transpose with check_dims), the in-memory layout is taken as is when the shapes
-    allow both."""
+    allow both. first: the first stacked expert's number (under expert parallel a rank holds
+    experts first.. only, engine/parallel/sharding.py)."""
     for name in [n for n in weights if n.endswith(".mlp.experts.gate_up_proj")]:
         base = name[:-len("gate_up_proj")]
         gate_up, down = weights.pop(name), weights.pop(base + "down_proj")
@@ -64,9 +65,9 @@ def _stacked_experts(weights: dict) -> None:
             raise ValueError(f"{name} {list(gate_up.shape)} does not match {base}down_proj "
                              f"{list(down.shape)}")
         for e in range(E):
-            weights[f"{base}{e}.gate_proj.weight"] = gate_up[e, :inter]
-            weights[f"{base}{e}.up_proj.weight"] = gate_up[e, inter:]
-            weights[f"{base}{e}.down_proj.weight"] = down[e]
+            weights[f"{base}{first + e}.gate_proj.weight"] = gate_up[e, :inter]
+            weights[f"{base}{first + e}.up_proj.weight"] = gate_up[e, inter:]
+            weights[f"{base}{first + e}.down_proj.weight"] = down[e]
 
 
 class Qwen3VLForConditionalGeneration(Qwen2_5_VLForConditionalGeneration):
@@ -85,8 +86,12 @@ class Qwen3VLForConditionalGeneration(Qwen2_5_VLForConditionalGeneration):
 class Qwen3VLMoeForConditionalGeneration(Qwen3VLForConditionalGeneration, MoeForCausalLM):
     """The same with Qwen3-MoE's sparse layers (engine/models/moe.py)."""
 
-    @staticmethod
-    def _checkpoint_names(weights: dict) -> None:
+    def __init__(self, config, weights: dict, backend):
+        tp = config.tensor_parallel
+        self._first_expert = tp.experts[0] if tp is not None and tp.experts else 0
+        super().__init__(config, weights, backend)
+
+    def _checkpoint_names(self, weights: dict) -> None:
         Qwen2_5_VLForConditionalGeneration._checkpoint_names(weights)
-        _stacked_experts(weights)
+        _stacked_experts(weights, self._first_expert)
 

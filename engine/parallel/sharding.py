@@ -27,6 +27,8 @@ it from a lazily read tensor so that a rank reads only its part.
                                           engine/parallel/linear_attention_shards.py
     row-parallel biases                   rank 0's is the checkpoint's, the others zero (the
                                           all-reduce after the projection adds it once)
+    a vision tower and its projector      whole on rank 0, absent from the others:
+                                          engine/parallel/sharding_vision.py
     everything else (norms, routers)      replicated
 
 A tensor arrives as the loader has it: a memory-mapped array (safetensors, a GGUF's float tensors)
@@ -49,6 +51,7 @@ from engine.models.kv_scales import KV_SCALE_NAMES
 from engine.models.model_config import ModelConfig
 from engine.parallel import linear_attention_shards
 from engine.parallel.sharding_mla import mla_cut
+from engine.parallel.sharding_vision import check_vision_split, is_tower_tensor, stacked_expert_cut
 
 
 @dataclass(frozen=True)
@@ -91,8 +94,10 @@ _UP = re.compile(r"\.(gate_proj|up_proj|w1|w3|mlp\.fc1)\.(weight|bias)$")
 _GATE_UP = re.compile(r"\.gate_up_proj\.(weight|bias)$")
 _DOWN = re.compile(r"\.(down_proj|w2|mlp\.fc2)\.weight$")
 _ROW_BIAS = re.compile(r"\.(o_proj|down_proj|w2|self_attn\.dense|mlp\.fc2)\.bias$")
-# (language_model.: Llama 4's multimodal layout, renamed by its family's file after the cut)
-_VOCAB = re.compile(r"^(language_model\.)?((model\.)?embed_tokens\.weight|lm_head\.(weight|bias))$")
+# (language_model.: Llama 4's multimodal layout, model.language_model.: Qwen3-VL's, renamed by
+# their families' files after the cut)
+_VOCAB = re.compile(r"^(language_model\.|model\.language_model\.)?"
+                    r"((model\.)?embed_tokens\.weight|lm_head\.(weight|bias))$")
 _KV_SCALES = tuple(f".{name}" for pair in KV_SCALE_NAMES for name in pair)
 # One routed expert's tensors (weights, FP8 scales, biases); not `shared_experts.` (DeepSeek's).
 _EXPERT = re.compile(r"\.experts\.(\d+)\.")
@@ -134,9 +139,8 @@ class ShardPlan:
         self.expert_parallel = expert_parallel and config.moe is not None
         c = config
         arch = c.architecture
-        if c.vision is not None:
-            raise ValueError(f"tensor parallel: {arch} (a vision tower) is not yet split across "
-                             "ranks")
+        if c.vision is not None:        # the tower whole on rank 0 (sharding_vision.py)
+            check_vision_split(arch)
         if arch in EXPERTS_ACROSS_ONLY and not expert_parallel:
             raise ValueError(f"tensor parallel: {arch}'s experts split across ranks only, "
                              f"whole: add --enable-expert-parallel")
@@ -240,6 +244,9 @@ class ShardPlan:
             return Cut(0, (self.experts,))
         if c.mla is not None and (by_head := mla_cut(name, c.mla, self.heads, r)) is not None:
             return by_head
+        if c.vision is not None and c.moe is not None and (
+                stacked := stacked_expert_cut(name, shape, c, r, n)) is not None:
+            return Cut(stacked[0], stacked[1])
         if _SINKS.search(name):
             return Cut(0, ((r * self.heads, (r + 1) * self.heads),))
         if _Q_NORM.search(name) and shape == (c.q_size,) and c.q_size > c.head_dim:
@@ -277,7 +284,10 @@ class ShardPlan:
     def shard(self, name: str, tensor, shapes: dict | None = None):
         """The rank's part of `tensor` (module docstring: a view where one range is cut).
         shapes: every tensor's whole shape by name (an FP8 block-scale tensor is cut as the
-        weight it scales is). None: a tensor the rank does not hold (another rank's expert)."""
+        weight it scales is). None: a tensor the rank does not hold (another rank's expert, a
+        vision tower's off rank 0)."""
+        if self.config.vision is not None and is_tower_tensor(name):
+            return tensor if self.rank == 0 else None
         if self.experts is not None and (e := expert_of(name)) is not None:
             return tensor if self.experts[0] <= e < self.experts[1] else None
         if m := _HEAD_NORM.search(name):
@@ -368,8 +378,9 @@ def check_isq_split(plan: ShardPlan, weights: dict, isq: str) -> None:
         if not isinstance(w, np.ndarray) or w.ndim != 2 or not (_O.search(name) or
                                                                _DOWN.search(name)):
             continue
-        if plan.experts is not None and expert_of(name) is not None:
-            continue            # a whole expert: quantized as one process would
+        if (plan.experts is not None and expert_of(name) is not None
+                or plan.config.vision is not None and is_tower_tensor(name)):
+            continue            # a whole expert or tower tensor: as one process has it
         k = w.shape[1]
         if check_isq(isq) == MARLIN:
             whole, share = marlin_group(k * plan.size), marlin_group(k)

@@ -228,7 +228,7 @@ class ModelRunner:
         inputs.graphs = self.graph_plan(inputs)
         self._block_copies, self._state_copies = [], []
         if self.peers is not None:      # before the block table's update is applied and dropped
-            self.peers.send(inputs)
+            self.peers.send(inputs if self.vision is None else self.vision.for_peers(inputs))
         logits, hidden, score_logits = self.run(inputs)
         if not pooled:
             return logits, []
@@ -257,6 +257,8 @@ class ModelRunner:
         self.num_forward_tokens += batch.num_tokens
         if self.vision is not None:     # the step's images through the encoder (or its cache)
             self.vision.encode(batch)
+        elif batch.vision is not None:  # a tensor-parallel rank past 0: rank 0's embeddings
+            batch.vision.embeds = self.backend.asarray(batch.vision.embeds)
         # an EAGLE-3 head's features: the target's hidden states at its layers, every row
         capture = {} if self.aux_capture is None else {"capture": self.aux_capture}
         if batch.lora is None:

@@ -12,6 +12,7 @@ encoder cache or computed there once per image, gathered into the rows' embeddin
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -64,10 +65,25 @@ class VisionRunner:
             batch.vision = VisionBatch(rows, triples, runs)
         batch.positions = positions
 
+    def for_peers(self, inputs):
+        """Rank 0 of a tensor-parallel group: the step's inputs as the other ranks get them
+        (engine/parallel/sharding_vision.py: they hold no tower). The images encoded here, once,
+        and their embeddings sent on the host in place of the images' pixels; the other fields
+        are the batch's own."""
+        vb = inputs.batch.vision
+        if vb is None:
+            return inputs
+        self.encode(inputs.batch)
+        embeds = np.asarray(self.backend.to_host(vb.embeds))
+        # (a family's own batch kind keeps its fields: Gemma 3's image spans)
+        batch = dataclasses.replace(inputs.batch,
+                                    vision=dataclasses.replace(vb, runs=[], embeds=embeds))
+        return dataclasses.replace(inputs, batch=batch)
+
     def encode(self, batch) -> None:
         """batch.vision.embeds from the encoder cache, encoding each missing image once."""
         vb = batch.vision
-        if vb is None:
+        if vb is None or vb.embeds is not None:     # (rank 0 encoded them before sending)
             return
         needed = {im.image.content_hash for im, _, _ in vb.runs}
         parts = []
