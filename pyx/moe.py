@@ -69,6 +69,22 @@ def moe_block_m(P: int, E: int) -> int:
     return 64 if P >= 64 * E else 16
 
 
+def align_pairs(backend, ids, num_experts: int):
+    """moe_align of the (token, expert) pairs in ids (T, k), contiguous: ((sorted_ids,
+    block_expert, num_padded), block_m), what moe_grouped_linear takes. Ids outside
+    [0, num_experts) are unrouted (left out)."""
+    xp = backend.xp
+    P, E = ids.size, num_experts
+    block_m = moe_block_m(P, E)
+    capacity = moe_align_capacity(P, E, block_m)
+    sorted_ids = xp.empty(capacity, xp.int32)
+    block_expert = xp.empty(capacity // block_m, xp.int32)
+    offsets = xp.empty(E + 1, xp.int32)
+    num_padded = xp.empty(1, xp.int32)
+    backend.moe_align(ids, E, block_m, sorted_ids, block_expert, offsets, num_padded)
+    return (sorted_ids, block_expert, num_padded), block_m
+
+
 def route(logits, top_k: int, normalize: bool, xp=np, graph_safe: bool = False):
     """logits (T, E) -> (expert ids (T, top_k) int64, weights (T, top_k) float32): the top_k
     experts of each token by softmax probability (their order within a row is unspecified).
@@ -236,18 +252,11 @@ class MoE:
         T, H = x.shape
         k, I, E = self.top_k, self.intermediate_size, self.num_held
         P = T * k
-        block_m = moe_block_m(P, E)
-        capacity = moe_align_capacity(P, E, block_m)
-        sorted_ids = xp.empty(capacity, xp.int32)
-        block_expert = xp.empty(capacity // block_m, xp.int32)
-        offsets = xp.empty(E + 1, xp.int32)
-        num_padded = xp.empty(1, xp.int32)
         ids = xp.ascontiguousarray(ids)
-        b.moe_align(ids, E, block_m, sorted_ids, block_expert, offsets, num_padded)
+        align, block_m = align_pairs(b, ids, E)
         gate_up = ws.get("moe_gate_up", P, 2 * I)
         act = ws.get("moe_act", P, I)
         y = ws.get("moe_pairs", P, H)
-        align = (sorted_ids, block_expert, num_padded)
         b.moe_grouped_linear(x, self.gate_up, *align, k, block_m, gate_up)
         self.act_and_mul(gate_up, act)
         b.moe_grouped_linear(act, self.down, *align, 1, block_m, y)

@@ -26,7 +26,7 @@ import numpy as np
 from engine.models.llama import LlamaForCausalLM, expected_shapes
 from engine.models.model_config import ModelConfig
 from engine.models.moe import held_experts
-from pyx.moe import _top_k_by_argmax, moe_align_capacity, moe_block_m
+from pyx.moe import _top_k_by_argmax, align_pairs
 
 
 def gpt_oss_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -175,15 +175,8 @@ class GptOssMoE:
         T, H = x.shape
         k, I, E = self.top_k, self.intermediate_size, self.num_held
         P = T * k
-        block_m = moe_block_m(P, E)
-        capacity = moe_align_capacity(P, E, block_m)
-        sorted_ids = xp.empty(capacity, xp.int32)
-        block_expert = xp.empty(capacity // block_m, xp.int32)
-        offsets = xp.empty(E + 1, xp.int32)
-        num_padded = xp.empty(1, xp.int32)
         ids = xp.ascontiguousarray(ids)
-        b.moe_align(ids, E, block_m, sorted_ids, block_expert, offsets, num_padded)
-        align = (sorted_ids, block_expert, num_padded)
+        align, block_m = align_pairs(b, ids, E)
         pair_expert = xp.clip(ids.reshape(-1), 0, E - 1)
         gate_up = ws.get("moe_gate_up", P, 2 * I)
         b.moe_grouped_linear(x, self.gate_up, *align, k, block_m, gate_up)
