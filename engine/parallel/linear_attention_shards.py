@@ -26,6 +26,8 @@ from __future__ import annotations
 import dataclasses
 import re
 
+from engine.parallel.cuts import Cut, even
+
 _LINEAR = re.compile(r"\.linear_attn\.(in_proj_qkvz|in_proj_ba|in_proj_qkv|in_proj_z|in_proj_b|"
                      r"in_proj_a|conv1d|out_proj)\.weight$|\.linear_attn\.(A_log|dt_bias)$")
 _GATED_Q = re.compile(r"\.self_attn\.q_proj\.(weight|bias)$")
@@ -52,13 +54,11 @@ def local(linear_attention, size: int):
 def cut(plan, name: str, shape: tuple[int, ...]):
     """The Cut of a hybrid family's own tensor (see the module docstring), or None for a tensor
     the general plan cuts."""
-    from engine.parallel.sharding import Cut
     c, r, n = plan.config, plan.rank, plan.size
     if _GATED_Q.search(name) and shape[0] == 2 * c.q_size:
         a, b = plan.q_rows()
         return Cut(0, ((2 * a, 2 * b),))
     if (stacked := _STACKED.search(name)) and plan.experts is None:
-        from engine.parallel.sharding import even
         if stacked.group(1) == "gate_up_proj":          # every expert's gate rows, then up rows
             half = shape[1] // 2
             a, b = even(half, r, n, f"{name}'s halves")

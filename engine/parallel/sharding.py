@@ -50,6 +50,7 @@ import numpy as np
 from engine.models.kv_scales import KV_SCALE_NAMES
 from engine.models.model_config import ModelConfig
 from engine.parallel import linear_attention_shards
+from engine.parallel.cuts import Cut, cut_array, even
 from engine.parallel.sharding_mla import mla_cut
 from engine.parallel.sharding_vision import check_vision_split, is_tower_tensor, stacked_expert_cut
 
@@ -70,15 +71,6 @@ class TensorParallel:
     # The whole model's index of the rank's first KV head (its first query head's is
     # rank * heads): StableLM's per-head q/k norms are named by it.
     kv_head_start: int = 0
-
-
-@dataclass(frozen=True)
-class Cut:
-    """The pieces [start, stop) of `axis` a rank holds, concatenated in order; `pad_to`: zero
-    entries appended along the axis up to that length (the vocabulary's last share)."""
-    axis: int
-    ranges: tuple[tuple[int, int], ...]
-    pad_to: int = 0
 
 
 ZERO_UNLESS_RANK0 = "zero unless rank 0"
@@ -117,11 +109,6 @@ def expert_of(name: str) -> int | None:
     m = _EXPERT.search(name)
     return int(m.group(1)) if m else None
 
-
-def even(n: int, rank: int, size: int, what: str) -> tuple[int, int]:
-    if n % size:
-        raise ValueError(f"tensor parallel {size}: {what} ({n}) is not divisible by {size}")
-    return rank * n // size, (rank + 1) * n // size
 
 
 # Families whose experts split only across ranks, whole (their stacked, interleaved gate/up is
@@ -325,21 +312,6 @@ class ShardPlan:
                                  f"whole {block}-element scale blocks")
             ranges.append((a // block, b // block))
         return cut_array(scales, Cut(cut.axis, tuple(ranges)))
-
-
-def cut_array(x: np.ndarray, cut: Cut) -> np.ndarray:
-    def piece(a, b):
-        index = [slice(None)] * x.ndim
-        index[cut.axis] = slice(a, b)
-        return x[tuple(index)]
-
-    pieces = [piece(a, b) for a, b in cut.ranges]
-    held = sum(b - a for a, b in cut.ranges)
-    if cut.pad_to > held:
-        shape = list(x.shape)
-        shape[cut.axis] = cut.pad_to - held
-        pieces.append(np.zeros(shape, x.dtype))
-    return pieces[0] if len(pieces) == 1 else np.concatenate(pieces, axis=cut.axis)
 
 
 def ggml_block(qtype: int) -> tuple[int, int]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from engine.parallel.sharding import Cut
+from engine.parallel.cuts import Cut
 
 ARCHITECTURE = "Gemma4ForCausalLM"
 

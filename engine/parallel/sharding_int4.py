@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.parallel.sharding import Cut, cut_array
+from engine.parallel.cuts import Cut, cut_array
 
 SUFFIXES = (".qweight", ".qzeros", ".scales", ".g_idx")
 METHODS = ("gptq", "awq")

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import re
 
+from engine.parallel.cuts import Cut
+
 _Q_UP = re.compile(r"\.self_attn\.(q_b_proj|q_proj)\.weight$")
 _KV_UP = re.compile(r"\.self_attn\.kv_b_proj\.weight$")
 _O = re.compile(r"\.self_attn\.o_proj\.weight$")
@@ -23,7 +25,6 @@ _O = re.compile(r"\.self_attn\.o_proj\.weight$")
 def mla_cut(name: str, mla, heads: int, rank: int):
     """The Cut of an MLA attention tensor for the rank holding `heads` heads from rank * heads on,
     or None when `name` is not one that splits by head (the caller's rules then apply)."""
-    from engine.parallel.sharding import Cut
 
     def by_head(per_head: int, axis: int):
         return Cut(axis, ((rank * heads * per_head, (rank + 1) * heads * per_head),))
