@@ -30,9 +30,9 @@ import pytest
 
 from checkpoints import tiny_checkpoint
 from hf_oracle import assert_matches
-from model_cases import GEN, Cases, prompts_for
-from test_pipeline_parallel import wait_for_workers_gone
-from test_tensor_parallel import assert_same_as_one_process, worker_pids
+from model_cases import Cases
+import test_tensor_parallel as tensor_parallel
+from test_tensor_parallel import assert_same_as_one_process, wait_for_workers_gone, worker_pids
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -60,17 +60,9 @@ def moe_blocks(model):
 def greedy(model, tp: int = 1, pp: int = 1, **kwargs):
     """(token ids, logprobs) of each prompt and the experts (first, held, all) of rank 0's MoE
     blocks; the engine shut down after."""
-    from engine import LLM, SamplingParams
-    llm = LLM(model, tensor_parallel_size=tp, pipeline_parallel_size=pp, num_kv_blocks=64,
-              max_num_batched_tokens=32, **kwargs)
-    try:
-        held = {(b.first_expert, b.num_held, b.num_experts) for b in moe_blocks(llm.engine.model)}
-        outs = llm.generate(prompts_for(), SamplingParams(temperature=0, max_tokens=GEN,
-                                                          ignore_eos=True, logprobs=0))
-    finally:
-        llm.engine.shutdown()
-    return ([list(o.token_ids) for o in outs],
-            [np.array([lp.logprob for lp in o.logprobs]) for o in outs]), held
+    return tensor_parallel.greedy(
+        model, tp, pipeline_parallel_size=pp, **kwargs,
+        inspect=lambda m: {(b.first_expert, b.num_held, b.num_experts) for b in moe_blocks(m)})
 
 
 # ---- the block

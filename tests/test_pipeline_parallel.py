@@ -21,16 +21,17 @@ stage, a step's sequences flowing through the stages in micro-batches.
 from __future__ import annotations
 
 import os
-import time
 import tracemalloc
 
 import numpy as np
 import pytest
 
-from checkpoints import edit_config, tiny_checkpoint
+from checkpoints import tiny_checkpoint
 from hf_oracle import assert_matches
-from model_cases import GEN, Cases, prompts_for
-from test_tensor_parallel import CASES, live_server_streams_a_chat, worker_pids
+from model_cases import Cases, prompts_for
+import test_tensor_parallel as tensor_parallel
+from test_tensor_parallel import (CASES, assert_same_as_one_process, live_server_streams_a_chat,
+                                  wait_for_workers_gone, worker_pids)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -43,31 +44,7 @@ def cases(tmp_path_factory):
 
 
 def greedy(model, pp: int = 1, tp: int = 1, **kwargs):
-    """(token ids, logprobs) of each prompt, the engine shut down (its workers stopped) after."""
-    from engine import LLM, SamplingParams
-    llm = LLM(model, pipeline_parallel_size=pp, tensor_parallel_size=tp, num_kv_blocks=64,
-              max_num_batched_tokens=32, **kwargs)
-    try:
-        outs = llm.generate(prompts_for(), SamplingParams(temperature=0, max_tokens=GEN,
-                                                          ignore_eos=True, logprobs=0))
-    finally:
-        llm.engine.shutdown()
-    return ([list(o.token_ids) for o in outs],
-            [np.array([lp.logprob for lp in o.logprobs]) for o in outs])
-
-
-def assert_same_as_one_process(one, split, label):
-    for i, (a, b) in enumerate(zip(one[0], split[0])):
-        assert a == b, f"{label} prompt {i}: one process {a}, split {b}"
-    for a, b in zip(one[1], split[1]):
-        np.testing.assert_allclose(b, a, rtol=0, atol=2e-4)
-
-
-def wait_for_workers_gone(before: set[int]) -> None:
-    deadline = time.time() + 10        # shutdown stopped the workers
-    while worker_pids() - before and time.time() < deadline:
-        time.sleep(0.1)
-    assert not worker_pids() - before
+    return tensor_parallel.greedy(model, tp, pipeline_parallel_size=pp, **kwargs)
 
 
 @pytest.mark.parametrize("name,pp,tp", [("llama", 2, 1), ("qwen3", 2, 1), ("gemma2", 2, 1),

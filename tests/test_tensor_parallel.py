@@ -24,7 +24,6 @@ the vocabulary.
 """
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -82,26 +81,38 @@ def _python_path_root(pid: int) -> str | None:
     return environ.get(b"PYTHONPATH", b"").decode().split(os.pathsep)[0] or None
 
 
-def greedy(model, tp: int, **kwargs):
-    """(token ids, logprobs) of each prompt, the engine shut down (its workers stopped) after."""
+def greedy(model, tp: int = 1, inspect=None, **kwargs):
+    """(token ids, logprobs) of each prompt, the engine shut down (its workers stopped) after;
+    with `inspect`, (that, inspect(rank 0's model)). kwargs: more EngineConfig, e.g.
+    pipeline_parallel_size."""
     from engine import LLM, SamplingParams
     llm = LLM(model, tensor_parallel_size=tp, num_kv_blocks=64, max_num_batched_tokens=32,
               **kwargs)
     try:
+        seen = inspect(llm.engine.model) if inspect else None
         outs = llm.generate(prompts_for(), SamplingParams(temperature=0, max_tokens=GEN,
                                                           ignore_eos=True, logprobs=0))
     finally:
         llm.engine.shutdown()
-    return ([list(o.token_ids) for o in outs],
-            [np.array([lp.logprob for lp in o.logprobs]) for o in outs])
+    result = ([list(o.token_ids) for o in outs],
+              [np.array([lp.logprob for lp in o.logprobs]) for o in outs])
+    return (result, seen) if inspect else result
 
 
 def assert_same_as_one_process(one, split, label):
     """Tokens equal; logprobs within float tolerance of the single process's."""
     for i, (a, b) in enumerate(zip(one[0], split[0])):
-        assert a == b, f"{label} prompt {i}: one process {a}, tensor parallel {b}"
+        assert a == b, f"{label} prompt {i}: one process {a}, split {b}"
     for a, b in zip(one[1], split[1]):
         np.testing.assert_allclose(b, a, rtol=0, atol=2e-4)
+
+
+def wait_for_workers_gone(before: set[int], message: str = "") -> None:
+    """The workers started since `before` exit within 10 s (shutdown, or rank 0 killed)."""
+    deadline = time.time() + 10
+    while worker_pids() - before and time.time() < deadline:
+        time.sleep(0.1)
+    assert not worker_pids() - before, message
 
 
 @pytest.mark.parametrize("name,tp", [("llama", 2), ("qwen3", 2), ("gemma2", 2), ("mixtral", 2),
@@ -114,10 +125,7 @@ def test_greedy_tokens_match_hf_and_one_process(cases, name, tp):
     for i, (tokens, ref) in enumerate(zip(split[0], cases.ref(name))):
         assert_matches(tokens, ref, min_trusted=8, label=f"{name} tp{tp} prompt {i}")
     assert_same_as_one_process(greedy(cases.dir(name), 1), split, f"{name} tp{tp}")
-    deadline = time.time() + 10        # shutdown stopped the workers
-    while worker_pids() - before and time.time() < deadline:
-        time.sleep(0.1)
-    assert not worker_pids() - before
+    wait_for_workers_gone(before)
 
 
 @pytest.mark.parametrize("fixture", ["qwen2-q8_0", "phi3-q8_0"])
@@ -306,10 +314,7 @@ def live_server_streams_a_chat(tmp_path, parallel_flag: str, kind: str) -> None:
         assert f"{kind} parallel 2: rank 0 schedules and samples" in server.log()
     finally:
         server.close()             # SIGKILL: the worker sees rank 0 gone and exits
-    deadline = time.time() + 10
-    while worker_pids() - before and time.time() < deadline:
-        time.sleep(0.2)
-    assert not worker_pids() - before, "a worker outlived its killed rank 0"
+    wait_for_workers_gone(before, "a worker outlived its killed rank 0")
 
 
 def test_live_server_streams_a_chat(tmp_path):

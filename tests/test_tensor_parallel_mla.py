@@ -24,8 +24,7 @@ import pytest
 from hf_oracle import assert_matches
 from model_cases import Cases
 from test_expert_parallel import greedy
-from test_pipeline_parallel import wait_for_workers_gone
-from test_tensor_parallel import assert_same_as_one_process, worker_pids
+from test_tensor_parallel import assert_same_as_one_process, wait_for_workers_gone, worker_pids
 
 pytestmark = pytest.mark.timeout(300)
 
