@@ -37,9 +37,18 @@ from engine.runner.forward_batch import ForwardBatch
 # Families whose graphs are built by LlamaForCausalLM's layer loop and forward (the stage's
 # renumbered layers and the boundary hand-over), checked with pipeline parallel.
 STAGED_ARCHITECTURES = (
-    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-    "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM", "Glm4ForCausalLM",
-    "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
+    "Phi3ForCausalLM",
+    "Glm4ForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM",
+)
 
 _LAYER = re.compile(r"^((?:model\.)?layers\.)(\d+)\.(.*)$")
 _EMBED = ("model.embed_tokens.weight", "embed_tokens.weight")
