@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.parallel.pipeline_profile import StageProfile
+from engine.parallel.stage_families import stage_family
 from engine.runner.forward_batch import ForwardBatch
 
 # Families whose graphs are built by LlamaForCausalLM's layer loop and forward (the stage's
@@ -48,11 +49,21 @@ STAGED_ARCHITECTURES = (
     "MixtralForCausalLM",
     "Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM",
+    "StableLmForCausalLM",
+    "PhiForCausalLM",
+    "GptOssForCausalLM",
+    "Llama4ForCausalLM",
+    "MiniMaxM2ForCausalLM",
 )
 
-_LAYER = re.compile(r"^((?:model\.)?layers\.)(\d+)\.(.*)$")
+# (language_model.: Llama 4's multimodal layout, engine/models/llama4.py)
+_LAYER = re.compile(r"^((?:language_model\.)?(?:model\.)?layers\.)(\d+)\.(.*)$")
 _EMBED = ("model.embed_tokens.weight", "embed_tokens.weight")
 _HEAD = ("model.norm.weight", "norm.weight", "lm_head.weight")
+# the LayerNorm families' biases (StableLM's model.norm, Phi-2's final_layernorm) and Phi-2's
+# biased head: the last stage's too
+_HEAD += ("model.norm.bias", "model.final_layernorm.weight", "model.final_layernorm.bias",
+          "lm_head.bias")
 
 
 def stage_layers(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
@@ -135,6 +146,7 @@ class PipelineStage:
     def holds_end(self, name: str) -> bool:
         """Whether the stage's model holds an end tensor (the embedding, final norm, LM head)
         the whole model's would."""
+        name = name.removeprefix("language_model.")
         if name in _EMBED:
             return self.first or (self.last and self.tied)
         if name in _HEAD:
@@ -147,7 +159,7 @@ class PipelineStage:
         moe = c.moe and dataclasses.replace(c.moe, sparse_layers=c.moe.sparse_layers[a:b])
         return dataclasses.replace(c, num_hidden_layers=b - a,
                                    sliding_windows=c.sliding_windows[a:b], moe=moe,
-                                   pipeline=self)
+                                   family=stage_family(c.family, a, b), pipeline=self)
 
     # ---- the boundary
 
