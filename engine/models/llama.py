@@ -303,7 +303,9 @@ class LlamaForCausalLM:
             capture.states = self._run_layers_capturing(batch, hidden, residual, kv_caches,
                                                         capture.layers)
         if stage is not None and not stage.last:
-            # the add the next stage's first layer would make (it normalizes what it receives)
+            # the add the next stage's first layer would make (it normalizes what it receives,
+            # with its own norm: a LayerNorm family's too, as only the stored sum is sent; the
+            # RMS norm written into `hidden` is discarded)
             b.fused_add_rms_norm(hidden, residual, self._ones(), c.rms_norm_eps)
             stage.send_stream(residual)
             return None

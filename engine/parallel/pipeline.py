@@ -154,7 +154,8 @@ class PipelineStage:
         return True
 
     def local_config(self, c):
-        """The stage's model config: its layers, renumbered from 0."""
+        """The stage's model config: its layers, renumbered from 0, with their per-layer
+        settings (sliding windows, MoE layers, a family's own: stage_families.py)."""
         a, b = self.first_layer, self.end_layer
         moe = c.moe and dataclasses.replace(c.moe, sparse_layers=c.moe.sparse_layers[a:b])
         return dataclasses.replace(c, num_hidden_layers=b - a,
