@@ -8,8 +8,8 @@ single process's, whose logprobs they equal within float tolerance.
   (parallel attention + MLP, dense biases, its own final_layernorm and a biased lm_head): the
   residual stream crossing the boundary is LayerNorm's, and the final norm's bias and the head's
   bias are the last stage's alone.
-- GPT-OSS (sinks, a sliding layer then a full one: one a stage, stacked experts with biases),
-  MiniMax-M2 (q/k RMSNorm over all heads, a sigmoid router).
+- GPT-OSS (sinks, a sliding layer then a full one: one a stage, stacked experts with biases;
+  float and MXFP4), MiniMax-M2 (q/k RMSNorm over all heads, a sigmoid router).
 - Llama 4 with 6 layers: every 4th NoPE (layer 3, the second stage's first), chunked attention
   on the RoPE layers, MoE on the odd layers; the stage holding layers 3-5 must read those
   layers' entries (NoPE, chunked, MoE of layer 3 first), not entries 0-2.
@@ -79,6 +79,14 @@ def test_expert_parallel_stages(cases):
     split, held = expert_parallel.greedy(cases.dir("gpt_oss"), 2, 2, enable_expert_parallel=True)
     assert held == {(0, 2, 4)}
     assert_same_as_one_process(greedy(cases.dir("gpt_oss")), split, "gpt_oss pp2 ep2")
+
+
+def test_gpt_oss_mxfp4_stages(cases, tmp_path):
+    """The released checkpoints' layout: each stage dequantizes its own layer's MXFP4 expert
+    blocks (the file's reference against transformers: tests/test_gpt_oss_mxfp4.py)."""
+    from test_gpt_oss_mxfp4 import write_mxfp4
+    mxfp4 = write_mxfp4(cases.dir("gpt_oss"), str(tmp_path / "mxfp4"))
+    assert_same_as_one_process(greedy(mxfp4), greedy(mxfp4, 2), "gpt_oss mxfp4 pp2")
 
 
 def test_a_stage_reads_only_its_own_ends(cases, caplog):
