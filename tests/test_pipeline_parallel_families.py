@@ -13,7 +13,8 @@ single process's, whose logprobs they equal within float tolerance.
 - Llama 4 with 6 layers: every 4th NoPE (layer 3, the second stage's first), chunked attention
   on the RoPE layers, MoE on the odd layers; the stage holding layers 3-5 must read those
   layers' entries (NoPE, chunked, MoE of layer 3 first), not entries 0-2.
-- Phi-2 at 2 stages x 2 tensor-parallel ranks; GPT-OSS at 2 stages x 2 expert-parallel ranks.
+- Phi-2 at 2 stages x 2 tensor-parallel ranks; GPT-OSS and Llama 4 at 2 stages x 2
+  expert-parallel ranks.
 - A stage reads its own ends: Phi-2's final_layernorm and lm_head bias only on the last stage.
 """
 from __future__ import annotations
@@ -73,12 +74,13 @@ def test_llama4_stage_reads_its_layers_settings(cases):
     assert local.moe.sparse_layers == [True, False, True]
 
 
-def test_expert_parallel_stages(cases):
-    """GPT-OSS at 2 stages of 2 expert-parallel ranks (4 processes): each rank holds 2 of the 4
-    stacked experts of its stage's layer."""
-    split, held = expert_parallel.greedy(cases.dir("gpt_oss"), 2, 2, enable_expert_parallel=True)
+@pytest.mark.parametrize("name", ["gpt_oss", "llama4_6"])
+def test_expert_parallel_stages(cases, name):
+    """2 stages of 2 expert-parallel ranks (4 processes): each rank holds 2 of the 4 stacked
+    experts of its stage's MoE layers (GPT-OSS: every layer; Llama 4: the odd ones)."""
+    split, held = expert_parallel.greedy(cases.dir(name), 2, 2, enable_expert_parallel=True)
     assert held == {(0, 2, 4)}
-    assert_same_as_one_process(greedy(cases.dir("gpt_oss")), split, "gpt_oss pp2 ep2")
+    assert_same_as_one_process(greedy(cases.dir(name)), split, f"{name} pp2 ep2")
 
 
 def test_gpt_oss_mxfp4_stages(cases, tmp_path):
