@@ -12,7 +12,8 @@ single process's, whose logprobs they equal within float tolerance.
   float and MXFP4), MiniMax-M2 (q/k RMSNorm over all heads, a sigmoid router).
 - Llama 4 with 6 layers: every 4th NoPE (layer 3, the second stage's first), chunked attention
   on the RoPE layers, MoE on the odd layers; the stage holding layers 3-5 must read those
-  layers' entries (NoPE, chunked, MoE of layer 3 first), not entries 0-2.
+  layers' entries (NoPE, chunked, MoE of layer 3 first), not entries 0-2. Llama 4 as released
+  (its text model's tensors under language_model.): each stage reads its layers there too.
 - Phi-2 at 2 stages x 2 tensor-parallel ranks; GPT-OSS and Llama 4 at 2 stages x 2
   expert-parallel ranks.
 - A stage reads its own ends: Phi-2's final_layernorm and lm_head bias only on the last stage.
