@@ -2,8 +2,9 @@
 channel strategies, symmetric and with zero points) and Taper's Marlin-format checkpoints
 (engine/parallel/sharding_compressed.py, sharding_marlin.py), on the CPU (MPI).
 
-- Each rank's share, cut from the file before conversion, dequantizes to exactly the slice of the
-  whole layer that the float weight's cut would give (every projection, both ranks of 2).
+- Each rank's share, cut from the file before conversion (views of the mapped file), dequantizes
+  to exactly the slice of the whole layer that the float weight's cut would give (every
+  projection, both ranks of 2).
 - Greedy tokens with tensor_parallel_size 2 and with pipeline_parallel_size 2 equal the single
   process's (logprobs within float tolerance), and tensor parallel's equal transformers' on the
   dequantized weights (the oracle of tests/test_int4_formats.py, on its prompt) up to the
@@ -80,16 +81,28 @@ def checkpoints(tmp_path_factory):
     return Checkpoints(str(tmp_path_factory.mktemp("tp_int4")))
 
 
-def rank_weights(qdir: str, rank: int | None, size: int = 2) -> dict:
-    """The converted weights rank `rank` of `size` loads (None: one process's)."""
+# The int4 tensors of a layer (compressed-tensors', Marlin's) whose share is a view of the file;
+# weight_shape/marlin_shape are rewritten, and g_idx renumbered (a copy of K int32s).
+VIEWS = (".weight_packed", ".weight_scale", ".weight_zero_point", ".marlin_qweight", ".scales",
+         ".marlin_zeros")
+
+
+def rank_weights(qdir: str, rank: int | None, size: int = 2, cuts: list | None = None) -> dict:
+    """The converted weights rank `rank` of `size` loads (None: one process's); `cuts` gets
+    (name, the file's tensor, the rank's share) of each int4 tensor."""
     from engine.loader.quant_formats import convert_quantized
     from engine.loader.safetensors import load_safetensors
     from engine.models.model_config import ModelConfig
     from engine.parallel.sharding import ShardPlan
     config = ModelConfig.from_pretrained(qdir)
     plan = None if rank is None else ShardPlan(config, rank, size)
-    weights = load_safetensors(qdir, quantized=True, progress=False,
-                               shard=plan and plan.shard)
+
+    def shard(name, tensor, shapes):
+        part = plan.shard(name, tensor, shapes)
+        if cuts is not None and name.endswith(VIEWS):
+            cuts.append((name, tensor, part))
+        return part
+    weights = load_safetensors(qdir, quantized=True, progress=False, shard=plan and shard)
     convert_quantized(weights, config.quantization_config)
     return weights
 
@@ -105,7 +118,16 @@ def test_each_share_is_the_whole_layers_slice(checkpoints, case):
     projections = [n for n in whole if PROJ.fullmatch(n)]
     assert len(projections) == 14
     for rank in range(2):
-        share = rank_weights(qdir, rank)
+        cuts = []
+        share = rank_weights(qdir, rank, cuts=cuts)
+        # each rank reads only its share: the cut tensors are views of the mapped file, every
+        # layer's codes half of the file's
+        assert len(cuts) >= 14 * 2
+        for name, stored, part in cuts:
+            assert np.shares_memory(part, stored), name
+        codes = [(stored, part) for name, stored, part in cuts
+                 if name.endswith((".weight_packed", ".marlin_qweight"))]
+        assert len(codes) == 14 and all(2 * p.size == s.size for s, p in codes)
         plan = ShardPlan(config, rank, 2)
         for name in projections:
             w = whole[name].dequantize()
