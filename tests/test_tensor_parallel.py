@@ -16,9 +16,10 @@ the vocabulary.
   GPTQ (groups of 128) and AWQ (per channel) int4 checkpoints.
 - A rank reads only its share: tracemalloc's peak while rank 0 of 2 loads a checkpoint whose
   embedding is nearly all of it stays near half of that embedding.
-- Clear errors: heads not divisible, formats that cannot be split (a compressed-tensors
-  checkpoint, a Q4_K GGUF or a GPTQ checkpoint whose row-parallel shares are not whole blocks or
-  groups, an act-order g_idx, --isq blocks), mpi4py missing.
+- Clear errors: heads not divisible, formats that cannot be split (a Q4_K GGUF or a GPTQ
+  checkpoint whose row-parallel shares are not whole blocks or groups, an act-order g_idx, --isq
+  blocks), mpi4py missing. (compressed-tensors int4 and Marlin-format checkpoints:
+  tests/test_tensor_parallel_int4_formats.py)
 - The live server with --tensor-parallel-size 2 streams a chat through the official openai client,
   and its worker does not outlive it, even killed.
 """
@@ -33,7 +34,7 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from checkpoints import edit_config, tiny256_checkpoint, tiny_checkpoint
+from checkpoints import tiny256_checkpoint, tiny_checkpoint
 from hf_oracle import assert_matches
 from model_cases import GEN, Cases, prompts_for
 
@@ -81,16 +82,16 @@ def _python_path_root(pid: int) -> str | None:
     return environ.get(b"PYTHONPATH", b"").decode().split(os.pathsep)[0] or None
 
 
-def greedy(model, tp: int = 1, inspect=None, **kwargs):
-    """(token ids, logprobs) of each prompt, the engine shut down (its workers stopped) after;
-    with `inspect`, (that, inspect(rank 0's model)). kwargs: more EngineConfig, e.g.
-    pipeline_parallel_size."""
+def greedy(model, tp: int = 1, inspect=None, prompts=None, **kwargs):
+    """(token ids, logprobs) of each prompt (prompts_for()'s unless given), the engine shut down
+    (its workers stopped) after; with `inspect`, (that, inspect(rank 0's model)). kwargs: more
+    EngineConfig, e.g. pipeline_parallel_size."""
     from engine import LLM, SamplingParams
     llm = LLM(model, tensor_parallel_size=tp, num_kv_blocks=64, max_num_batched_tokens=32,
               **kwargs)
     try:
         seen = inspect(llm.engine.model) if inspect else None
-        outs = llm.generate(prompts_for(), SamplingParams(temperature=0, max_tokens=GEN,
+        outs = llm.generate(prompts or prompts_for(), SamplingParams(temperature=0, max_tokens=GEN,
                                                           ignore_eos=True, logprobs=0))
     finally:
         llm.engine.shutdown()
@@ -175,16 +176,6 @@ def test_heads_not_divisible(tmp_path):
     from engine import LLM
     tiny_checkpoint(str(tmp_path / "m"), arch="qwen2")        # 3 query heads
     with pytest.raises(ValueError, match="has 3 attention heads, not divisible by 2"):
-        LLM(str(tmp_path / "m"), tensor_parallel_size=2)
-
-
-def test_compressed_tensors_cannot_be_split(tmp_path):
-    from engine import LLM
-    tiny_checkpoint(str(tmp_path / "m"), arch="llama")
-    edit_config(str(tmp_path / "m"), lambda c: {**c, "quantization_config": {
-        "quant_method": "compressed-tensors"}})
-    with pytest.raises(ValueError, match="compressed-tensors checkpoints cannot be split across "
-                                         "ranks"):
         LLM(str(tmp_path / "m"), tensor_parallel_size=2)
 
 

@@ -36,8 +36,9 @@ or a QuantizedWeight over memory-mapped ggml blocks. A cut along one range is a 
 the model copies it into place; pieces of fused tensors and padding are copied at once. Either
 way only the rank's bytes are read, and no rank holds a whole tensor. Quantized tensors are cut
 along whole blocks (ggml's 32 or 256 elements along K, FP8's scale blocks, GPTQ/AWQ's groups and
-8-code words: engine/parallel/sharding_int4.py), else the load stops naming the format and the
-tensor.
+8-code words: engine/parallel/sharding_int4.py; compressed-tensors' int4 alike:
+sharding_compressed.py; Marlin-format checkpoints along their 16 x 64 tiles: sharding_marlin.py),
+else the load stops naming the format and the tensor.
 """
 from __future__ import annotations
 
@@ -76,7 +77,7 @@ class TensorParallel:
 ZERO_UNLESS_RANK0 = "zero unless rank 0"
 
 # Quantization methods whose tensors can be cut (others stop the load, named).
-SPLITTABLE_QUANT = ("fp8", "gptq", "awq")
+SPLITTABLE_QUANT = ("fp8", "gptq", "awq", "compressed-tensors", "marlin")
 
 _Q = re.compile(r"\.self_attn\.q_proj\.(weight|bias)$")
 _KV = re.compile(r"\.self_attn\.[kv]_proj\.(weight|bias)$")
@@ -159,12 +160,21 @@ class ShardPlan:
         if method is not None and method not in SPLITTABLE_QUANT and not experts_only:
             raise ValueError(f"tensor parallel: {method} checkpoints cannot be split across ranks "
                              f"yet (splittable: unquantized safetensors, fp8 with block scales, "
-                             f"gptq, awq, GGUF, --isq)")
+                             f"gptq, awq, compressed-tensors int4, marlin, GGUF, --isq)")
         self.fp8_block = tuple(q["weight_block_size"]) if method == "fp8" and q.get(
             "weight_block_size") else None
         # GPTQ/AWQ: (method, group size), cut by engine/parallel/sharding_int4.py
         self.int4 = (method, q.get("group_size", q.get("q_group_size"))) if method in (
             "gptq", "awq") else None
+        # compressed-tensors int4 and Marlin-format layers: cut by their own modules
+        self.packed_int4 = None
+        if method == "compressed-tensors":
+            from engine.parallel import sharding_compressed
+            sharding_compressed.check(q)
+            self.packed_int4 = sharding_compressed
+        elif method == "marlin":
+            from engine.parallel import sharding_marlin
+            self.packed_int4 = sharding_marlin
         self.heads = c.num_attention_heads // size
         self.kv_heads = hkv // size if hkv % size == 0 else 1
         self.vocab_share = -(-c.vocab_size // size)
@@ -286,6 +296,9 @@ class ShardPlan:
         if self.int4 is not None and name.endswith((".qweight", ".qzeros", ".scales", ".g_idx")):
             from engine.parallel.sharding_int4 import shard_int4
             return shard_int4(self, name, tensor, shapes, *self.int4)
+        if self.packed_int4 is not None and (
+                part := self.packed_int4.shard(self, name, tensor, shapes)) is not NotImplemented:
+            return part
         cut = self.cut(name, tuple(tensor.shape))
         if cut is None:
             return tensor

@@ -50,7 +50,7 @@ def shard_int4(plan, name: str, tensor, shapes: dict, method: str, group_size: i
                     group_size == -1)
 
 
-def _whole(plan, name, cut: Cut, unit: int, what: str, axis: int) -> Cut:
+def whole_units(plan, name, cut: Cut, unit: int, what: str, axis: int) -> Cut:
     """cut's ranges in units of `unit` elements, along `axis` of the stored tensor."""
     ranges = []
     for a, b in cut.ranges:
@@ -67,7 +67,7 @@ def _rows(plan, name, tensor, suffix, method, cut: Cut):
     if suffix == "g_idx":
         return tensor
     if suffix == "qzeros" or (method == "awq" and suffix == "qweight"):
-        return cut_array(tensor, _whole(plan, name, cut, 8, "words (8 codes each)", 1))
+        return cut_array(tensor, whole_units(plan, name, cut, 8, "words (8 codes each)", 1))
     return cut_array(tensor, Cut(1, cut.ranges))
 
 
@@ -75,15 +75,20 @@ def _columns(plan, name, tensor, suffix, method, cut: Cut, g: int, per_channel: 
     """Row-parallel (one range of K): the rank's input columns, in whole quantization groups."""
     ((a, b),) = cut.ranges
     if not per_channel:
-        groups = _whole(plan, name, cut, g, "quantization groups", 0)
+        groups = whole_units(plan, name, cut, g, "quantization groups", 0)
     if suffix == "qweight":
         if method == "gptq":
-            return cut_array(tensor, _whole(plan, name, cut, 8, "words (8 codes each)", 0))
+            return cut_array(tensor, whole_units(plan, name, cut, 8, "words (8 codes each)", 0))
         return cut_array(tensor, Cut(0, cut.ranges))
     if suffix in ("scales", "qzeros"):
         return tensor if per_channel else cut_array(tensor, groups)
-    # g_idx: only in order (k // G) does each column's group stay with its column's share
-    got = np.asarray(tensor[a:b])
+    return in_order_g_idx(plan, name, tensor, a, b, g)
+
+
+def in_order_g_idx(plan, name: str, g_idx, a: int, b: int, g: int) -> np.ndarray:
+    """A g_idx's input columns [a, b), renumbered from the share's first group: only in order
+    (k // G) does each column's group stay with its column's share."""
+    got = np.asarray(g_idx[a:b])
     if not np.array_equal(got, np.arange(a, b) // g):
         raise ValueError(f"tensor parallel {plan.size}: {name} is an act-order g_idx (groups not "
                          f"in order k // group_size), so its input rows cannot be cut across "
