@@ -71,7 +71,11 @@ def test_greedy_tokens_equal_one_process_and_hf(loaded):
 
 
 def test_gemma3_image_spans_reach_the_later_stage(tmp_path):
-    ckpt, ids, processed, tokens, trusted, n = gemma3_case(tmp_path)
+    """4 layers, so that the later stage's first one (a sliding layer) computes the image rows'
+    keys and values with their bidirectional attention: an overlay on the last layer alone
+    changes no logits."""
+    ckpt, ids, processed, tokens, trusted, n = gemma3_case(tmp_path, text=dict(
+        num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2))
     one = greedy(ckpt, ids, processed, 1, n)
     split = greedy(ckpt, ids, processed, 1, n, pipeline_parallel_size=2)
     assert_same(tokens, trusted, split, one, n, "pipeline parallel 2")

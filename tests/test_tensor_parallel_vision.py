@@ -126,16 +126,17 @@ def test_gemma3_image_spans_reach_rank_1(tmp_path):
     assert split[1] == 1 and len(split[0]) == n
 
 
-def gemma3_case(tmp_path):
+def gemma3_case(tmp_path, text: dict | None = None):
     """(checkpoint, prompt ids, processed images, transformers' tokens, how many are trusted,
-    how many to generate) of Gemma 3's one-image case."""
+    how many to generate) of Gemma 3's one-image case; text: the checkpoint's text_config
+    entries in place of its defaults."""
     from gemma3_vision_checkpoint import tiny_gemma3_vision_checkpoint
     from test_gemma3_vision import GEN as GEMMA_GEN, case, engine_prompt, hf_generate, hf_inputs
     from transformers import AutoProcessor, Gemma3ForConditionalGeneration
 
     from engine.models.model_config import ModelConfig
     from engine.vision.families import image_processor
-    ckpt = tiny_gemma3_vision_checkpoint(tmp_path)
+    ckpt = tiny_gemma3_vision_checkpoint(tmp_path, text=text)
     hf = (Gemma3ForConditionalGeneration.from_pretrained(ckpt, dtype=torch.float32).eval(),
           AutoProcessor.from_pretrained(ckpt))
     processor = image_processor(ckpt, ModelConfig.from_pretrained(ckpt).vision)
