@@ -12,6 +12,8 @@ later stage with each step (engine/parallel/stages_vision.py).
 - Gemma 3's GGUF with its projector file at PP 2 gives transformers' recorded tokens.
 - The later stage builds no tower and reads none of its tensors; the language model's layers are
   renumbered under the checkpoints' model.language_model. / language_model.model. prefixes.
+- A step with image rows runs as one micro-batch; a vision family not known to be staged is
+  refused by name.
 """
 from __future__ import annotations
 
@@ -109,9 +111,9 @@ def test_later_stage_builds_no_tower_and_renumbers_its_layers(tmp_path):
     from engine.loader.model_loader import load_model
     from engine.loader.safetensors import load_safetensors
     from engine.models.model_config import ModelConfig
+    from engine.models.qwen3_vl import DeepstackDecoderLayer
     from engine.parallel.pipeline import PipelineStage
     from pyx.cpu_backend import CpuBackend
-    from engine.models.qwen3_vl import DeepstackDecoderLayer
     ckpt, _ = _qwen3_vl(tmp_path)
     config = ModelConfig.from_pretrained(ckpt)
     H = config.hidden_size
@@ -149,3 +151,19 @@ def test_vision_families_not_yet_staged_are_named(loaded):
     with pytest.raises(ValueError, match="Gemma3ForCausalLM's vision tower is not yet split "
                                          "into stages"):
         pipeline.check_model(config)
+
+
+def test_a_step_with_image_rows_is_not_cut():
+    """Its image rows' M-RoPE cache rows and Gemma 3's spans are numbered over the whole step:
+    it runs as one micro-batch (the batch itself, its image rows with it)."""
+    from engine.parallel.pipeline import micro_batches
+    from engine.runner.forward_batch import ForwardBatch
+    from engine.vision.runner import VisionBatch
+    qsl = np.array([0, 80, 160], np.int32)
+    batch = ForwardBatch(np.zeros(160, np.int32), np.arange(160, dtype=np.int32),
+                         np.arange(160, dtype=np.int32), qsl, np.array([80, 80], np.int32),
+                         None, qsl[1:] - 1, np.arange(2, dtype=np.int32), 4)
+    assert len(micro_batches(batch, None, 2)) == 2
+    batch.vision = VisionBatch(np.arange(90, 100, dtype=np.int32), np.zeros((10, 3), np.int32))
+    ((piece, _, _, _),) = micro_batches(batch, None, 2)
+    assert piece is batch
