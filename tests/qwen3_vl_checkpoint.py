@@ -20,9 +20,10 @@ PROCESSOR = dict(size={"shortest_edge": 64, "longest_edge": 48 * 48}, patch_size
 
 
 def tiny_qwen3_vl_checkpoint(directory, moe: bool = False, seed: int = 0,
-                             scale: float = 4.0, text_overrides: dict | None = None) -> str:
+                             scale: float = 4.0, text_overrides: dict | None = None,
+                             vision_overrides: dict | None = None) -> str:
     """text_overrides: text_config entries in place of the ones below (the GGUF fixtures:
-    llama.cpp's qwen3vlmoe has experts in every layer)."""
+    llama.cpp's qwen3vlmoe has experts in every layer); vision_overrides: vision_config's."""
     import torch
     from transformers import (Qwen2VLImageProcessorPil, Qwen3VLConfig,
                               Qwen3VLForConditionalGeneration, Qwen3VLMoeConfig,
@@ -43,12 +44,13 @@ def tiny_qwen3_vl_checkpoint(directory, moe: bool = False, seed: int = 0,
     text.update(text_overrides or {})
     config_class, model_class = ((Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration) if moe
                                  else (Qwen3VLConfig, Qwen3VLForConditionalGeneration))
+    vision = dict(depth=4, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4,
+                  spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=96,
+                  num_position_embeddings=16, deepstack_visual_indexes=[0, 2])
+    vision.update(vision_overrides or {})
     config = config_class(
         text_config=text,
-        vision_config=dict(depth=4, hidden_size=32, intermediate_size=64, num_heads=2,
-                           patch_size=4, spatial_merge_size=2, temporal_patch_size=2,
-                           out_hidden_size=96, num_position_embeddings=16,
-                           deepstack_visual_indexes=[0, 2]),
+        vision_config=vision,
         image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
         tie_word_embeddings=False)

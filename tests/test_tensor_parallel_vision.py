@@ -57,11 +57,15 @@ FAMILIES = {"qwen2.5-vl": _qwen2_5_vl, "qwen3-vl": _qwen3_vl,
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def loaded(request, tmp_path_factory):
     """(checkpoint, (transformers model, image processor, tokenizer), our processor)."""
+    return load_qwen(*FAMILIES[request.param](tmp_path_factory.mktemp(request.param)))
+
+
+def load_qwen(ckpt, hf_class):
+    """A Qwen-VL checkpoint as `loaded` gives it."""
     from transformers import AutoTokenizer, Qwen2VLImageProcessorPil
 
     from engine.models.model_config import ModelConfig
     from engine.vision.config import ImageProcessorConfig
-    ckpt, hf_class = FAMILIES[request.param](tmp_path_factory.mktemp(request.param))
     model = hf_class.from_pretrained(ckpt, dtype=torch.float32).eval()
     hf = model, Qwen2VLImageProcessorPil.from_pretrained(ckpt), AutoTokenizer.from_pretrained(ckpt)
     return ckpt, hf, ImageProcessorConfig.from_pretrained(
@@ -69,29 +73,38 @@ def loaded(request, tmp_path_factory):
 
 
 def greedy(ckpt, ids, processed, tp: int, n: int = GEN, **kw):
-    """(n token ids, images encoded on rank 0), the engine shut down after; kw: EngineConfig's
-    (the CPU backend and chunks of 32 tokens unless given)."""
+    """(n token ids, images encoded on rank 0, the tokens' logprobs), the engine shut down
+    after; kw: EngineConfig's (the CPU backend and chunks of 32 tokens unless given)."""
     from engine.config import EngineConfig
     from engine.core.llm_engine import LLMEngine
     engine = LLMEngine(EngineConfig(**{**dict(model=ckpt, backend="cpu", kv_cache_memory_mb=16,
                                               async_scheduling=False, max_num_batched_tokens=32,
                                               tensor_parallel_size=tp), **kw}))
     try:
-        seq = run(engine, ids, processed, n)
-        return list(seq.output_token_ids), engine.runner.vision.num_encoded
+        logprobs = []
+        seq = run(engine, ids, processed, n, logprobs=logprobs)
+        return list(seq.output_token_ids), engine.runner.vision.num_encoded, np.array(logprobs)
     finally:
         engine.shutdown()
 
 
-def test_greedy_tokens_equal_one_process_and_hf(loaded):
+def qwen_case(loaded):
+    """(prompt ids, processed images, transformers' tokens, how many of them are trusted) of
+    the one-image case."""
     from engine.vision.preprocess import preprocess_image
-    ckpt, hf, processor = loaded
+    _, hf, processor = loaded
     parts, sizes = CASES["one image"]
     images = case_images(sizes)
     processed = [preprocess_image(im, processor) for im in images]
     ids = prompt_ids(hf, parts, processed)
     tokens, trusted = hf_generate(hf, ids, images)
     assert trusted >= 6, f"reference near-tie at token {trusted}"
+    return ids, processed, tokens, trusted
+
+
+def test_greedy_tokens_equal_one_process_and_hf(loaded):
+    ckpt, hf, _ = loaded
+    ids, processed, tokens, trusted = qwen_case(loaded)
     split = greedy(ckpt, ids, processed, 2)
     one = greedy(ckpt, ids, processed, 1)
     assert split[0][:trusted] == tokens[:trusted]
@@ -106,13 +119,24 @@ def test_gemma3_image_spans_reach_rank_1(tmp_path):
     """Gemma 3 (4 query, 2 KV heads): its image tokens attend to each other both ways, over the
     image spans the step carries; tokens at TP 2 equal one process's and transformers'
     (whose tokens differ without that mask: tests/test_gemma3_vision.py)."""
+    ckpt, ids, processed, tokens, trusted, n = gemma3_case(tmp_path)
+    split, one = (greedy(ckpt, ids, processed, tp, n) for tp in (2, 1))
+    assert split[0][:trusted] == tokens[:trusted]
+    assert split[0] == one[0], f"one process {one[0]}, tensor parallel {split[0]}"
+    assert split[1] == 1 and len(split[0]) == n
+
+
+def gemma3_case(tmp_path, text: dict | None = None):
+    """(checkpoint, prompt ids, processed images, transformers' tokens, how many are trusted,
+    how many to generate) of Gemma 3's one-image case; text: the checkpoint's text_config
+    entries in place of its defaults."""
     from gemma3_vision_checkpoint import tiny_gemma3_vision_checkpoint
     from test_gemma3_vision import GEN as GEMMA_GEN, case, engine_prompt, hf_generate, hf_inputs
     from transformers import AutoProcessor, Gemma3ForConditionalGeneration
 
     from engine.models.model_config import ModelConfig
     from engine.vision.families import image_processor
-    ckpt = tiny_gemma3_vision_checkpoint(tmp_path)
+    ckpt = tiny_gemma3_vision_checkpoint(tmp_path, text=text)
     hf = (Gemma3ForConditionalGeneration.from_pretrained(ckpt, dtype=torch.float32).eval(),
           AutoProcessor.from_pretrained(ckpt))
     processor = image_processor(ckpt, ModelConfig.from_pretrained(ckpt).vision)
@@ -120,10 +144,7 @@ def test_gemma3_image_spans_reach_rank_1(tmp_path):
     tokens, trusted = hf_generate(hf, hf_inputs(hf, parts, images))
     assert trusted >= 8, f"reference near-tie at token {trusted}"
     ids, processed = engine_prompt(hf, processor, parts, images)
-    split, one = (greedy(ckpt, ids, processed, tp, GEMMA_GEN) for tp in (2, 1))
-    assert split[0][:trusted] == tokens[:trusted]
-    assert split[0] == one[0], f"one process {one[0]}, tensor parallel {split[0]}"
-    assert split[1] == 1 and len(split[0]) == GEMMA_GEN
+    return ckpt, ids, processed, tokens, trusted, GEMMA_GEN
 
 
 def test_mistral3_image_breaks_keep_their_embeddings(tmp_path):
@@ -131,6 +152,16 @@ def test_mistral3_image_breaks_keep_their_embeddings(tmp_path):
     [IMG_BREAK]s and [IMG_END], which keep their own embeddings (the token ids the step
     carries); tokens at TP 2, in chunks of 16 that cut the image, equal one process's and
     transformers'."""
+    ckpt, ids, processed, tokens, trusted = mistral3_case(tmp_path)
+    split, one = (greedy(ckpt, ids, processed, tp, max_num_batched_tokens=16) for tp in (2, 1))
+    assert split[0][:trusted] == tokens[:trusted]
+    assert split[0] == one[0], f"one process {one[0]}, tensor parallel {split[0]}"
+    assert split[1] == 1
+
+
+def mistral3_case(tmp_path):
+    """(checkpoint, prompt ids, processed images, transformers' tokens, how many are trusted)
+    of Mistral 3's one-image case."""
     from mistral3_checkpoint import tiny_mistral3_checkpoint
     from test_vision_mistral3 import CASES as MISTRAL_CASES, hf_generate as mistral_generate
     from test_vision_mistral3 import prompt_ids as mistral_prompt
@@ -149,10 +180,7 @@ def test_mistral3_image_breaks_keep_their_embeddings(tmp_path):
     ids = mistral_prompt(hf, parts, processed)
     tokens, trusted = mistral_generate(hf, ids, images)
     assert trusted >= 6, f"reference near-tie at token {trusted}"
-    split, one = (greedy(ckpt, ids, processed, tp, max_num_batched_tokens=16) for tp in (2, 1))
-    assert split[0][:trusted] == tokens[:trusted]
-    assert split[0] == one[0], f"one process {one[0]}, tensor parallel {split[0]}"
-    assert split[1] == 1
+    return ckpt, ids, processed, tokens, trusted
 
 
 @pytest.mark.parametrize("family", ["gemma3", "mistral3"])

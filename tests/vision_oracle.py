@@ -115,13 +115,17 @@ def greedy_with_trust(model, n: int, **inputs):
     return tokens, trusted
 
 
-def run(engine, ids, images, n: int = GEN, request_id: str = "r"):
-    """The engine's sequence for the prompt, greedy, n tokens."""
+def run(engine, ids, images, n: int = GEN, request_id: str = "r", logprobs: list | None = None):
+    """The engine's sequence for the prompt, greedy, n tokens; `logprobs`, a list, gets each
+    token's logprob."""
     from engine.sampling.sampling_params import SamplingParams
-    seq = engine.add_request(request_id, ids, SamplingParams(max_tokens=n, temperature=0,
-                                                             ignore_eos=True), images=images)
+    seq = engine.add_request(request_id, ids, SamplingParams(
+        max_tokens=n, temperature=0, ignore_eos=True,
+        logprobs=None if logprobs is None else 0), images=images)
     while engine.has_unfinished():
-        engine.step()
+        for out in engine.step():
+            if logprobs is not None:
+                logprobs += [lp.logprob for lp in out.logprobs or ()]
     return seq
 
 

@@ -9,6 +9,7 @@ import numpy as np
 
 from engine.models.gemma import Gemma3ForCausalLM
 from engine.models.qwen2_5_vl import missing_ops
+from engine.parallel.stages_vision import holds_tower
 from engine.vision import act_arrays
 from engine.vision.gemma3_attention import Gemma3VisionRunner, ImageBlockAttention
 from engine.vision.gemma3_encoder import Gemma3VisionEncoder
@@ -45,11 +46,11 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
                              f"{' and '.join(missing)} op{'s' if len(missing) > 1 else ''}, "
                              "which the SigLIP tower needs; serve this model with --backend cpu")
         _checkpoint_names(weights)
-        # under tensor parallel the tower is rank 0's alone: the others read its embeddings
-        # from each step's inputs (engine/parallel/sharding_vision.py)
-        tp = config.tensor_parallel
-        self.vision_encoder = (None if tp is not None and tp.rank else
-                               Gemma3VisionEncoder(config.vision, weights, backend))
+        # the tower is rank 0's alone (under tensor parallel, and the first stage's under
+        # pipeline parallel): the others read its embeddings from each step's inputs
+        # (engine/parallel/sharding_vision.py, stages_vision.py)
+        self.vision_encoder = (Gemma3VisionEncoder(config.vision, weights, backend)
+                               if holds_tower(config) else None)
         # the CPU keeps its float32 overlay on every layer (engine/vision/gemma3_attention.py)
         self._image_blocks = ImageBlockAttention(
             backend.xp, paged_backend=None if backend.name == "cpu" else backend)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from engine.models.llama import LlamaForCausalLM
 from engine.models.qwen2_5_vl import missing_ops
+from engine.parallel.stages_vision import holds_tower
 from engine.vision import act_arrays
 from engine.vision.pixtral_encoder import PixtralVisionEncoder
 
@@ -35,11 +36,11 @@ class Mistral3ForConditionalGeneration(LlamaForCausalLM):
                              f"{' and '.join(missing)} op{'s' if len(missing) > 1 else ''}, "
                              "which the Pixtral tower needs; serve this model with --backend cpu")
         _checkpoint_names(weights)
-        # under tensor parallel the tower is rank 0's alone: the others read its embeddings
-        # from each step's inputs (engine/parallel/sharding_vision.py)
-        tp = config.tensor_parallel
-        self.vision_encoder = (None if tp is not None and tp.rank else
-                               PixtralVisionEncoder(config.vision, weights, backend))
+        # the tower is rank 0's alone (under tensor parallel, and the first stage's under
+        # pipeline parallel): the others read its embeddings from each step's inputs
+        # (engine/parallel/sharding_vision.py, stages_vision.py)
+        self.vision_encoder = (PixtralVisionEncoder(config.vision, weights, backend)
+                               if holds_tower(config) else None)
         super().__init__(config, weights, backend)
 
     def _merge_inputs(self, batch, residual):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from engine.models.llama import LlamaForCausalLM
+from engine.parallel.stages_vision import holds_tower
 from engine.vision import act_arrays
 from engine.vision.qwen2_5_vl_encoder import Qwen25VisionEncoder
 from pyx.backend import Backend
@@ -62,11 +63,11 @@ class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
                              f"{' and '.join(missing)} op{'s' if len(missing) > 1 else ''}, "
                              "which the vision tower needs; serve this model with --backend cpu")
         self._checkpoint_names(weights)
-        # under tensor parallel the tower is rank 0's alone: the others read its embeddings
-        # from each step's inputs (engine/parallel/sharding_vision.py)
-        tp = config.tensor_parallel
-        self.vision_encoder = (None if tp is not None and tp.rank else
-                               self.vision_tower_class(config.vision, weights, backend))
+        # the tower is rank 0's alone (under tensor parallel, and the first stage's under
+        # pipeline parallel): the others read its embeddings from each step's inputs
+        # (engine/parallel/sharding_vision.py, stages_vision.py)
+        self.vision_encoder = (self.vision_tower_class(config.vision, weights, backend)
+                               if holds_tower(config) else None)
         self._mrope_cache = None
         super().__init__(config, weights, backend)
         section = mrope_sections(config.vision)                          # (rot_dim / 2,)
@@ -88,15 +89,27 @@ class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
         """Image tokens one step can hold (their gathered RoPE rows)."""
         return self.rope_rows
 
+    def forward(self, batch, kv_caches: list, *args, **kwargs):
+        stage = self.config.pipeline
+        if stage is not None and not stage.first and batch.vision is not None:
+            # a later pipeline stage: the step's image rows rotate by the M-RoPE cache rows
+            # the first stage's merge fills on its rank (engine/parallel/stages_vision.py)
+            self._fill_mrope_rows(batch.vision)
+        return super().forward(batch, kv_caches, *args, **kwargs)
+
     def _merge_inputs(self, batch, residual):
         vb = batch.vision
+        rows = self.backend.asarray(vb.rows)
+        # (columns past the hidden size are a family's extras: Qwen3-VL's DeepStack features)
+        act_arrays.set_rows(self.xp, residual, rows, vb.embeds[:, :self.config.hidden_size])
+        self._fill_mrope_rows(vb)
+
+    def _fill_mrope_rows(self, vb) -> None:
+        """The step's image rows' cos/sin, each gathered from its (t, h, w) positions' rows."""
         K = len(vb.rows)
         if K > self.rope_rows:
             raise ValueError(f"{K} image tokens in one step; the RoPE cache has room for "
                              f"{self.rope_rows}")
-        rows = self.backend.asarray(vb.rows)
-        # (columns past the hidden size are a family's extras: Qwen3-VL's DeepStack features)
-        act_arrays.set_rows(self.xp, residual, rows, vb.embeds[:, :self.config.hidden_size])
         triples = self.backend.asarray(vb.triples.astype(np.int64))      # (K, 3)
         cache = self._mrope_cache
         cache[self.rope_rows:self.rope_rows + K] = cache[triples[:, self._section],

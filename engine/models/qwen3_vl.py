@@ -75,12 +75,15 @@ class Qwen3VLForConditionalGeneration(Qwen2_5_VLForConditionalGeneration):
 
     def _layer(self, weights: dict, p: str, i: int, attn, mlp):
         c = self.config
-        if i >= len(c.vision.deepstack_visual_indexes):
+        # i counts from a pipeline stage's first layer; the DeepStack features go by the
+        # layer's place in the whole model (engine/parallel/stages_vision.py)
+        layer = i + (c.pipeline.first_layer if c.pipeline is not None else 0)
+        if layer >= len(c.vision.deepstack_visual_indexes):
             return super()._layer(weights, p, i, attn, mlp)
         return DeepstackDecoderLayer(
             self.backend, attn, mlp, self._norm(weights, f"{p}input_layernorm.weight"),
             self._norm(weights, f"{p}post_attention_layernorm.weight"), c.rms_norm_eps, i == 0,
-            first_column=(i + 1) * c.hidden_size)
+            first_column=(layer + 1) * c.hidden_size)
 
 
 class Qwen3VLMoeForConditionalGeneration(Qwen3VLForConditionalGeneration, MoeForCausalLM):

@@ -33,6 +33,8 @@ import numpy as np
 
 from engine.parallel.pipeline_profile import StageProfile
 from engine.parallel.stage_families import stage_family
+from engine.parallel.sharding_vision import SPLIT_VISION, is_tower_tensor
+from engine.parallel.stages_vision import text_model_name
 from engine.runner.forward_batch import ForwardBatch
 
 # Families whose graphs are built by LlamaForCausalLM's layer loop and forward (the stage's
@@ -54,10 +56,16 @@ STAGED_ARCHITECTURES = (
     "GptOssForCausalLM",
     "Llama4ForCausalLM",
     "MiniMaxM2ForCausalLM",
+    "Qwen2_5_VLForConditionalGeneration",
+    "Qwen3VLForConditionalGeneration",
+    "Qwen3VLMoeForConditionalGeneration",
+    "Gemma3ForConditionalGeneration",
+    "Mistral3ForConditionalGeneration",
 )
 
-# (language_model.: Llama 4's multimodal layout, engine/models/llama4.py)
-_LAYER = re.compile(r"^((?:language_model\.)?(?:model\.)?layers\.)(\d+)\.(.*)$")
+# (a vision-language checkpoint's language model under model.language_model. or
+# language_model.model.: engine/parallel/stages_vision.py)
+_LAYER = re.compile(r"^((?:model\.)?(?:language_model\.)?(?:model\.)?layers\.)(\d+)\.(.*)$")
 _EMBED = ("model.embed_tokens.weight", "embed_tokens.weight")
 _HEAD = ("model.norm.weight", "norm.weight", "lm_head.weight")
 # the LayerNorm families' biases (StableLM's model.norm, Phi-2's final_layernorm) and Phi-2's
@@ -87,9 +95,9 @@ def check_model(model_config) -> None:
     if c.architecture not in STAGED_ARCHITECTURES:
         raise ValueError(f"pipeline parallel: {c.architecture} is not yet split into stages "
                          f"(supported: {', '.join(STAGED_ARCHITECTURES)})")
-    if c.vision is not None:
-        raise ValueError("pipeline parallel: vision-language models are not yet split into "
-                         "stages")
+    if c.vision is not None and c.architecture not in SPLIT_VISION:
+        raise ValueError(f"pipeline parallel: {c.architecture}'s vision tower is not yet split "
+                         f"into stages")
 
 
 @dataclass(frozen=True)
@@ -126,6 +134,8 @@ class PipelineStage:
     def tensor_name(self, name: str) -> str | None:
         """The stage's name for a checkpoint tensor (its layers renumbered from 0), or None when
         it is another stage's."""
+        if is_tower_tensor(name):       # the first stage's (engine/parallel/stages_vision.py)
+            return name if self.first else None
         m = _LAYER.match(name)
         if m:
             i = int(m.group(2))
@@ -146,7 +156,7 @@ class PipelineStage:
     def holds_end(self, name: str) -> bool:
         """Whether the stage's model holds an end tensor (the embedding, final norm, LM head)
         the whole model's would."""
-        name = name.removeprefix("language_model.")
+        name = text_model_name(name)
         if name in _EMBED:
             return self.first or (self.last and self.tied)
         if name in _HEAD:
@@ -213,7 +223,9 @@ def micro_batches(batch: ForwardBatch, hidden_rows, count: int):
     tokens: a list of (micro-batch, its pooled rows or None, its logits rows' and pooled rows'
     positions in the whole batch's)."""
     B, T = batch.num_seqs, batch.num_tokens
-    if count <= 1 or B <= 1:
+    # a step with image rows runs whole: its rows' M-RoPE cache rows, Gemma 3's image spans are
+    # numbered over the whole batch (engine/parallel/stages_vision.py)
+    if count <= 1 or B <= 1 or batch.vision is not None:
         return [(batch, hidden_rows, None, None)]
     qsl = np.asarray(batch.query_start_loc)
     # the sequence boundary nearest each even token cut, kept increasing and non-empty
