@@ -48,6 +48,10 @@ STAGED_ARCHITECTURES = (
     "MixtralForCausalLM",
     "Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM",
+    "DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM",
+    "Glm4MoeLiteForCausalLM",
+    "Glm4MoeForCausalLM",
 )
 
 _LAYER = re.compile(r"^((?:model\.)?layers\.)(\d+)\.(.*)$")

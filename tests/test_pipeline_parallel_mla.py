@@ -1,0 +1,103 @@
+"""Pipeline parallel for the DeepSeek families (issue 28: DeepSeek-V2/V3 and GLM-4.7-Flash with
+multi-head latent attention, GLM-4.5's Glm4MoeForCausalLM with DeepSeekMoE behind Llama's
+attention): each stage builds its layers renumbered from 0 with the per-layer MoE plan sliced to
+them (a dense first layer on stage 0, MoE on stage 1), its own latent KV caches, and none of the
+multi-token-prediction layers stored past the decoder's.
+
+- Greedy tokens at pipeline parallel 2 equal transformers' (up to a near-tie) and the single
+  process's, logprobs within float tolerance: V2-Lite-, V3- and GLM-4.7-Flash-shaped tiny
+  checkpoints and GLM-4.5's; V3 at 2 stages x 2 tensor-parallel ranks (4 processes); llama.cpp's
+  q8_0 deepseek2 GGUF.
+- A stage's model: its layers (dense or MoE as the whole model's), one latent cache per layer,
+  the MTP layer taken by no stage; MTP speculation with pipeline parallel refused by name.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from hf_oracle import assert_matches
+from model_cases import Cases
+from test_pipeline_parallel import greedy
+from test_tensor_parallel import assert_same_as_one_process, wait_for_workers_gone, worker_pids
+
+pytestmark = pytest.mark.timeout(300)
+
+DATA = os.path.join(os.path.dirname(__file__), "data", "gguf")
+CASES = {"deepseek_v2_lite": (dict(arch="deepseek_v2_lite"), None),
+         "deepseek_v3": (dict(arch="deepseek_v3"), None),
+         "glm4_moe_lite": (dict(arch="glm4_moe_lite"), None),
+         "glm4_moe": (dict(arch="glm4_moe"), None)}
+
+
+@pytest.fixture(scope="module")
+def cases(tmp_path_factory):
+    return Cases(str(tmp_path_factory.mktemp("pp_mla")), CASES)
+
+
+def stage_layers(model):
+    """Rank 0's stage: its layers, each 'moe' or 'dense'."""
+    return ["moe" if hasattr(layer.mlp, "num_experts") else "dense" for layer in model.layers]
+
+
+@pytest.mark.parametrize("name,pp,tp", [("deepseek_v2_lite", 2, 1), ("deepseek_v3", 2, 1),
+                                        ("glm4_moe_lite", 2, 1), ("glm4_moe", 2, 1),
+                                        ("deepseek_v3", 2, 2)])
+def test_greedy_tokens_match_hf_and_one_process(cases, name, pp, tp):
+    before = worker_pids()
+    split, rank0 = greedy(cases.dir(name), pp, tp, inspect=stage_layers)
+    assert rank0 == ["dense"]           # stage 0 of 2: layer 0, the dense one
+    label = f"{name} pp{pp} tp{tp}"
+    for i, (tokens, ref) in enumerate(zip(split[0], cases.ref(name))):
+        assert_matches(tokens, ref, min_trusted=8, label=f"{label} prompt {i}")
+    assert_same_as_one_process(greedy(cases.dir(name)), split, label)
+    wait_for_workers_gone(before)
+
+
+def test_gguf_stages():
+    """llama.cpp's q8_0 deepseek2 file (tests/test_gguf_mla.py): each stage its blk.N tensors,
+    attn_k_b / attn_v_b joined into its layers' kv_b_proj."""
+    kwargs = dict(weight_file=os.path.join(DATA, "deepseek_v3-q8_0.gguf"))
+    assert_same_as_one_process(greedy(DATA, **kwargs), greedy(DATA, 2, **kwargs),
+                               "deepseek_v3-q8_0 pp2")
+
+
+def test_each_stage_builds_its_layers_and_caches_and_no_mtp_layer(tmp_path):
+    """A V3 checkpoint with an MTP layer (model.layers.2 of a 2-layer decoder): stage 0 holds
+    layer 0 (dense) and the embedding, stage 1 layer 1 (MoE, renumbered 0), the norm and the LM
+    head; neither takes layer 2 as a layer or keeps its tensors; each makes one latent cache
+    (kv_lora_rank + qk_rope_head_dim = 48 values a token) per layer it holds."""
+    from mtp_heads import mtp_checkpoint
+    from engine.loader.model_loader import load_model
+    from engine.parallel.communicator import SingleProcess
+    from pyx.cpu_backend import CpuBackend
+    d = mtp_checkpoint(str(tmp_path / "v3"))
+    backend = CpuBackend(num_threads=1)
+    kinds = []
+    for stage in range(2):
+        model, config = load_model(d, backend, progress=False,
+                                   pipeline=(stage, 2, 0, SingleProcess()))
+        assert config.num_hidden_layers == 2 and len(model.layers) == 1
+        assert model.mtp_weights == {}
+        assert (model.embed_tokens is not None) == (stage == 0)
+        assert (model.lm_head is not None) == (stage == 1)
+        ((k, v),) = model.new_kv_caches(4, 16, np.float32)
+        assert k is v and k.shape == (4, 16, 1, 48)
+        kinds += stage_layers(model)
+    assert kinds == ["dense", "moe"]
+    whole, _ = load_model(d, backend, progress=False)
+    assert len(whole.layers) == 2 and whole.mtp_weights      # (kept for MTP speculation)
+
+
+def test_mtp_speculation_is_refused_by_name():
+    from engine.config import EngineConfig
+    from engine.parallel.launch import check_supported
+    from engine.spec.config import SpeculativeConfig
+    config = EngineConfig(model="x", pipeline_parallel_size=2,
+                          speculative_config=SpeculativeConfig(method="mtp",
+                                                               num_speculative_tokens=1))
+    with pytest.raises(ValueError, match="pipeline parallel: speculative decoding with an MTP "
+                                         "head is not yet supported"):
+        check_supported(config)
