@@ -101,3 +101,64 @@ def test_mtp_speculation_is_refused_by_name():
     with pytest.raises(ValueError, match="pipeline parallel: speculative decoding with an MTP "
                                          "head is not yet supported"):
         check_supported(config)
+
+
+# ---- a GGUF's kv_b_proj: each rank reads only its heads' and its layers' rows
+
+def kv_b_bytes_read(monkeypatch, **split):
+    """(bytes of attn_k_b / attn_v_b the load dequantized, each layer's kv_b_proj as built, the
+    file's attn_k_b / attn_v_b bytes) for deepseek_v3-q8_0 loaded as `split` says."""
+    from gguf import GGUFReader
+    from engine.loader import gguf_deepseek
+    from engine.loader.model_loader import load_gguf_model
+    from engine.models import deepseek
+    from pyx.cpu_backend import CpuBackend
+    path = os.path.join(DATA, "deepseek_v3-q8_0.gguf")
+    read = []
+    real = gguf_deepseek.quants.dequantize
+
+    def dequantize(data, qtype):
+        read.append(data.nbytes)
+        return real(data, qtype)
+
+    monkeypatch.setattr(gguf_deepseek.quants, "dequantize", dequantize)
+    built = []
+    real_split = deepseek.split_kv_b
+
+    def split_kv_b(kv_b, *args):
+        built.append(np.array(kv_b))
+        return real_split(kv_b, *args)
+
+    monkeypatch.setattr(deepseek, "split_kv_b", split_kv_b)
+    load_gguf_model(path, CpuBackend(num_threads=1), progress=False, **split)
+    whole = sum(t.n_bytes for t in GGUFReader(path).tensors
+                if t.name.endswith(("attn_k_b.weight", "attn_v_b.weight")))
+    return sum(read), built, whole
+
+
+def test_a_gguf_rank_reads_only_its_heads_of_kv_b(monkeypatch):
+    """Tensor parallel 2: rank r dequantizes heads [2r, 2r + 2) of 4 of each layer's attn_k_b /
+    attn_v_b (half the bytes) and builds kv_b_proj from exactly the whole one's rows of those
+    heads; a pipeline stage of 2 reads its layer's (half), both together a quarter."""
+    from engine.parallel.communicator import SingleProcess
+    from engine.parallel.cuts import cut_array
+    from engine.parallel.sharding import ShardPlan
+    from engine.models.model_config import ModelConfig
+    from engine.loader.gguf import read_gguf
+    n, whole_kv_b, total = kv_b_bytes_read(monkeypatch)
+    assert n == total and len(whole_kv_b) == 2
+    config = ModelConfig.from_dict(read_gguf(os.path.join(DATA, "deepseek_v3-q8_0.gguf"),
+                                             progress=False).config)
+    for r in range(2):
+        n, kv_b, _ = kv_b_bytes_read(monkeypatch, tensor_parallel=(r, 2, SingleProcess()))
+        assert n == total // 2
+        name = "model.layers.0.self_attn.kv_b_proj.weight"
+        cut = ShardPlan(config, r, 2).cut(name, whole_kv_b[0].shape)
+        for mine, whole in zip(kv_b, whole_kv_b):
+            np.testing.assert_array_equal(mine, cut_array(whole, cut))
+    n, kv_b, _ = kv_b_bytes_read(monkeypatch, pipeline=(1, 2, 0, SingleProcess()))
+    assert n == total // 2 and len(kv_b) == 1
+    np.testing.assert_array_equal(kv_b[0], whole_kv_b[1])
+    n, _, _ = kv_b_bytes_read(monkeypatch, tensor_parallel=(1, 2, SingleProcess()),
+                              pipeline=(0, 2, 1, SingleProcess()))
+    assert n == total // 4

@@ -6,7 +6,10 @@ What the converter changes, put back here:
 - kv_b_proj is split per head into attn_k_b (Hq, L, N: each head's key part, transposed) and
   attn_v_b (Hq, V, L); the two are joined again into kv_b_proj (Hq * (N + V), L), in float
   (MLA splits it per head itself; a quantized pair is dequantized). Old files' unsplit attn_kv_b
-  is kv_b_proj as it is.
+  is kv_b_proj as it is. The engine's loader takes the joined kv_b_proj deferred (KvB): a
+  tensor-parallel rank's cut by head (engine/parallel/sharding_mla.py) and a pipeline stage's
+  choice of layers are made before anything is read, so each rank dequantizes only its heads'
+  slices of its layers' attn_k_b / attn_v_b from the memory-mapped file.
 - The cache layout is written as MQA: head_count_kv 1, key_length L + R, value_length L; the
   per-head sizes are key_length_mla (N + R) and value_length_mla (V), the rotary part
   rope.dimension_count (R).
@@ -108,8 +111,8 @@ def config(path: str, meta, tensors: dict, base: dict) -> dict:
 
 def hf_weights(name: str, weight) -> dict:
     """{Hugging Face name: value} of GGUF tensor `name` (not the merged experts, which
-    engine/loader/gguf.py splits); attn_k_b / attn_v_b under provisional names that
-    join_kv_b turns into kv_b_proj."""
+    engine/loader/gguf.py splits); attn_k_b / attn_v_b (given as the file's tensors, unread)
+    under provisional names that join_kv_b turns into kv_b_proj."""
     if name in _GLOBAL_NAMES:
         return {_GLOBAL_NAMES[name]: weight}
     m = _NEXTN_RE.match(name)
@@ -131,11 +134,17 @@ def hf_weights(name: str, weight) -> dict:
     return {f"{p}{_LAYER_NAMES[kind]}.{suffix}": weight}
 
 
-def wants_float(name: str) -> bool:
-    """Whether GGUF tensor `name` is read dequantized to float32 (kv_b_proj's parts: MLA splits
-    it per head; 3-D, which no block-quantized weight type of Taper's is)."""
+def is_kv_b_part(name: str) -> bool:
+    """Whether GGUF tensor `name` is attn_k_b or attn_v_b, which join_kv_b reads (per head)."""
     m = _LAYER_RE.match(name)
-    return m is not None and m.group(2) in (*_KV_B_PARTS, "attn_kv_b")
+    return m is not None and m.group(2) in _KV_B_PARTS
+
+
+def wants_float(name: str) -> bool:
+    """Whether GGUF tensor `name` is read dequantized to float32 (an old file's unsplit
+    attn_kv_b: MLA splits it per head)."""
+    m = _LAYER_RE.match(name)
+    return m is not None and m.group(2) == "attn_kv_b"
 
 
 def float_tensor(t) -> np.ndarray:
@@ -144,17 +153,74 @@ def float_tensor(t) -> np.ndarray:
     return data.reshape([int(d) for d in reversed(t.shape.tolist())])
 
 
-def join_kv_b(weights: dict) -> None:
-    """In place: each layer's attn_k_b (Hq, L, N) and attn_v_b (Hq, V, L) as kv_b_proj
-    (Hq * (N + V), L), float32."""
+def _dims(t) -> tuple[int, ...]:
+    return tuple(int(d) for d in reversed(t.shape.tolist()))
+
+
+class KvB:
+    """One layer's kv_b_proj (Hq * (N + V), L) in float32, or the rows of heads [h0, h1) of it,
+    not yet read: read() dequantizes those heads' slices of attn_k_b (Hq, L, N) and attn_v_b
+    (Hq, V, L) from the file (each head's slice is whole rows of the file's tensor, blocks and
+    all) and joins them, head h's rows its key part transposed, then its value part."""
+
+    def __init__(self, name: str, k_b, v_b, heads: tuple[int, int] | None = None):
+        (Hq, L, N), (Hv, V, Lv) = _dims(k_b), _dims(v_b)
+        if len(k_b.shape) != 3 or len(v_b.shape) != 3 or (Hq, L) != (Hv, Lv):
+            raise ValueError(f"GGUF: {name} {(Hq, L, N)} and attn_v_b {(Hv, V, Lv)} are not "
+                             f"(heads, kv_lora_rank, nope) and (heads, v, kv_lora_rank)")
+        self.name, self.k_b, self.v_b = name, k_b, v_b
+        self.per_head = N + V
+        self.heads = heads or (0, Hq)
+        h0, h1 = self.heads
+        self.shape = ((h1 - h0) * self.per_head, L)
+        self.dtype = np.dtype(np.float32)
+
+    @property
+    def ndim(self) -> int:
+        return 2
+
+    def take_cut(self, cut) -> "KvB":
+        """The rows of a tensor-parallel Cut (engine/parallel/cuts.py) along whole heads, still
+        unread."""
+        a, b = cut.ranges[0]
+        if (cut.axis != 0 or len(cut.ranges) != 1 or cut.pad_to or a % self.per_head
+                or b % self.per_head or b > self.shape[0]):
+            raise ValueError(f"tensor parallel: {self.name} (kv_b_proj) is cut along whole "
+                             f"heads of {self.per_head} rows; got {cut}")
+        h0 = self.heads[0]
+        return KvB(self.name, self.k_b, self.v_b,
+                   (h0 + a // self.per_head, h0 + b // self.per_head))
+
+    def read(self) -> np.ndarray:
+        h0, h1 = self.heads
+        (_, L, N), (_, V, _) = _dims(self.k_b), _dims(self.v_b)
+        k_b = np.asarray(quants.dequantize(self.k_b.data[h0:h1], self.k_b.tensor_type),
+                         np.float32).reshape(h1 - h0, L, N)
+        v_b = np.asarray(quants.dequantize(self.v_b.data[h0:h1], self.v_b.tensor_type),
+                         np.float32).reshape(h1 - h0, V, L)
+        return np.ascontiguousarray(
+            np.concatenate([k_b.transpose(0, 2, 1), v_b], axis=1).reshape(-1, L))
+
+    def __array__(self, dtype=None, copy=None):
+        out = self.read()
+        return out if dtype is None else out.astype(dtype)
+
+
+def join_kv_b(weights: dict, deferred: bool = False) -> None:
+    """In place: each layer's attn_k_b (Hq, L, N) and attn_v_b (Hq, V, L) (the file's tensors)
+    as kv_b_proj (Hq * (N + V), L), float32; deferred: as a KvB, read when read_deferred is
+    called (after the rank's cut)."""
     for name in [n for n in weights if n.endswith(".self_attn.attn_k_b")]:
         stem = name.removesuffix("attn_k_b")
         k_b, v_b = weights.pop(name), weights.pop(f"{stem}attn_v_b", None)
         if v_b is None:
             raise ValueError(f"GGUF: {name} has no attn_v_b beside it")
-        k_b, v_b = (np.asarray(w, np.float32) for w in (k_b, v_b))
-        if k_b.ndim != 3 or v_b.ndim != 3 or k_b.shape[:2] != (v_b.shape[0], v_b.shape[2]):
-            raise ValueError(f"GGUF: {name} {k_b.shape} and attn_v_b {v_b.shape} are not "
-                             f"(heads, kv_lora_rank, nope) and (heads, v, kv_lora_rank)")
-        weights[f"{stem}kv_b_proj.weight"] = np.ascontiguousarray(
-            np.concatenate([k_b.transpose(0, 2, 1), v_b], axis=1).reshape(-1, k_b.shape[1]))
+        kv_b = KvB(name, k_b, v_b)
+        weights[f"{stem}kv_b_proj.weight"] = kv_b if deferred else kv_b.read()
+
+
+def read_deferred(weights: dict) -> None:
+    """In place: every deferred kv_b_proj (KvB) read, as float32."""
+    for name, w in weights.items():
+        if isinstance(w, KvB):
+            weights[name] = w.read()
