@@ -10,6 +10,9 @@ multi-token-prediction layers stored past the decoder's.
   q8_0 deepseek2 GGUF.
 - A stage's model: its layers (dense or MoE as the whole model's), one latent cache per layer,
   the MTP layer taken by no stage; MTP speculation with pipeline parallel refused by name.
+- A deepseek2 GGUF's kv_b_proj (engine/loader/gguf_deepseek.py's KvB): a tensor-parallel rank
+  dequantizes only its heads' slices of attn_k_b / attn_v_b, a stage only its layers' (the
+  bytes counted), and builds the whole kv_b_proj's rows of them.
 """
 from __future__ import annotations
 
