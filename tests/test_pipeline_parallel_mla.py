@@ -12,7 +12,8 @@ multi-token-prediction layers stored past the decoder's.
   the MTP layer taken by no stage; MTP speculation with pipeline parallel refused by name.
 - A deepseek2 GGUF's kv_b_proj (engine/loader/gguf_deepseek.py's KvB): a tensor-parallel rank
   dequantizes only its heads' slices of attn_k_b / attn_v_b, a stage only its layers' (the
-  bytes counted), and builds the whole kv_b_proj's rows of them.
+  bytes counted), and builds the whole kv_b_proj's rows of them; an older file's unsplit
+  attn_kv_b is read by its rank's rows alike, and 2 ranks give one process's tokens.
 """
 from __future__ import annotations
 
@@ -108,15 +109,18 @@ def test_mtp_speculation_is_refused_by_name():
 
 # ---- a GGUF's kv_b_proj: each rank reads only its heads' and its layers' rows
 
-def kv_b_bytes_read(monkeypatch, **split):
-    """(bytes of attn_k_b / attn_v_b the load dequantized, each layer's kv_b_proj as built, the
-    file's attn_k_b / attn_v_b bytes) for deepseek_v3-q8_0 loaded as `split` says."""
+V3 = os.path.join(DATA, "deepseek_v3-q8_0.gguf")
+KV_B = ("attn_k_b.weight", "attn_v_b.weight", "attn_kv_b.weight")
+
+
+def kv_b_bytes_read(monkeypatch, path=V3, **split):
+    """(bytes of attn_k_b / attn_v_b (or attn_kv_b) the load dequantized, each layer's
+    kv_b_proj as built, the file's bytes of them) for GGUF `path` loaded as `split` says."""
     from gguf import GGUFReader
     from engine.loader import gguf_deepseek
     from engine.loader.model_loader import load_gguf_model
     from engine.models import deepseek
     from pyx.cpu_backend import CpuBackend
-    path = os.path.join(DATA, "deepseek_v3-q8_0.gguf")
     read = []
     real = gguf_deepseek.quants.dequantize
 
@@ -134,9 +138,38 @@ def kv_b_bytes_read(monkeypatch, **split):
 
     monkeypatch.setattr(deepseek, "split_kv_b", split_kv_b)
     load_gguf_model(path, CpuBackend(num_threads=1), progress=False, **split)
-    whole = sum(t.n_bytes for t in GGUFReader(path).tensors
-                if t.name.endswith(("attn_k_b.weight", "attn_v_b.weight")))
+    whole = sum(t.n_bytes for t in GGUFReader(path).tensors if t.name.endswith(KV_B))
     return sum(read), built, whole
+
+
+def unsplit_kv_b_file(path: str) -> str:
+    """deepseek_v3-q8_0 as an older converter wrote it: each layer's attn_k_b / attn_v_b
+    joined into one q8_0 attn_kv_b (Hq * (N + V), L) (the rest as it is)."""
+    from gguf import GGMLQuantizationType as Q, GGUFReader, GGUFValueType, GGUFWriter, quants
+    from engine.loader.gguf import read_gguf
+    joined = read_gguf(V3, progress=False).weights
+    reader = GGUFReader(V3)
+    w = GGUFWriter(path, reader.fields["general.architecture"].contents())
+    for k, f in reader.fields.items():
+        if k.startswith("GGUF.") or k in ("general.architecture", "general.alignment"):
+            continue
+        sub = f.types[-1] if f.types[0] == GGUFValueType.ARRAY else None
+        w.add_key_value(k, f.contents(), f.types[0], sub_type=sub)
+    for t in reader.tensors:
+        if t.name.endswith("attn_v_b.weight"):
+            continue
+        if t.name.endswith("attn_k_b.weight"):
+            layer = t.name.split(".")[1]
+            kv_b = joined[f"model.layers.{layer}.self_attn.kv_b_proj.weight"]
+            w.add_tensor(f"blk.{layer}.attn_kv_b.weight", quants.quantize(kv_b, Q.Q8_0),
+                         raw_dtype=Q.Q8_0)
+            continue
+        w.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
 
 
 def test_a_gguf_rank_reads_only_its_heads_of_kv_b(monkeypatch):
@@ -165,3 +198,23 @@ def test_a_gguf_rank_reads_only_its_heads_of_kv_b(monkeypatch):
     n, _, _ = kv_b_bytes_read(monkeypatch, tensor_parallel=(1, 2, SingleProcess()),
                               pipeline=(0, 2, 1, SingleProcess()))
     assert n == total // 4
+
+
+def test_an_unsplit_attn_kv_b_is_read_by_rows(monkeypatch, tmp_path):
+    """An older file's unsplit attn_kv_b: a rank of 2 dequantizes half its rows (whole heads)
+    and builds the whole one's rows of them; 2 ranks give one process's tokens."""
+    from engine.parallel.communicator import SingleProcess
+    from engine.parallel.cuts import Cut, cut_array
+    path = unsplit_kv_b_file(str(tmp_path / "unsplit.gguf"))
+    n, whole_kv_b, total = kv_b_bytes_read(monkeypatch, path)
+    assert n == total and whole_kv_b[0].shape == (256, 64)
+    for r in range(2):
+        n, kv_b, _ = kv_b_bytes_read(monkeypatch, path, tensor_parallel=(r, 2, SingleProcess()))
+        assert n == total // 2
+        for mine, whole in zip(kv_b, whole_kv_b):
+            np.testing.assert_array_equal(mine, cut_array(whole, Cut(0, ((128 * r,
+                                                                          128 * r + 128),))))
+    monkeypatch.undo()
+    kwargs = dict(weight_file=path, kernels="act_split=on")
+    assert_same_as_one_process(greedy(str(tmp_path), **kwargs),
+                               greedy(str(tmp_path), 1, 2, **kwargs), "attn_kv_b tp2")

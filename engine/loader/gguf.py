@@ -592,10 +592,8 @@ def read_gguf(path: str, dtype: str = "auto", progress: bool = True,
                 weights.update(split_experts(owner[name], t, want, experts))
                 continue
             if arch == gguf_deepseek.ARCH:
-                weights.update(gguf_deepseek.hf_weights(
-                    name, t if gguf_deepseek.is_kv_b_part(name)     # (join_kv_b reads them)
-                    else gguf_deepseek.float_tensor(t) if gguf_deepseek.wants_float(name)
-                    else _tensor(owner[name], t, want)))
+                weights.update(gguf_deepseek.hf_weights(name, t if gguf_deepseek.is_kv_b(name)
+                                                        else _tensor(owner[name], t, want)))
                 continue
             weight = _tensor(owner[name], t, want)
             m = _LAYER_RE.match(name)

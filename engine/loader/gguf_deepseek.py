@@ -6,10 +6,10 @@ What the converter changes, put back here:
 - kv_b_proj is split per head into attn_k_b (Hq, L, N: each head's key part, transposed) and
   attn_v_b (Hq, V, L); the two are joined again into kv_b_proj (Hq * (N + V), L), in float
   (MLA splits it per head itself; a quantized pair is dequantized). Old files' unsplit attn_kv_b
-  is kv_b_proj as it is. The engine's loader takes the joined kv_b_proj deferred (KvB): a
+  is kv_b_proj as it is (in float as well). The engine's loader takes the joined kv_b_proj deferred (KvB): a
   tensor-parallel rank's cut by head (engine/parallel/sharding_mla.py) and a pipeline stage's
   choice of layers are made before anything is read, so each rank dequantizes only its heads'
-  slices of its layers' attn_k_b / attn_v_b from the memory-mapped file.
+  slices of its layers' attn_k_b / attn_v_b (or attn_kv_b rows) from the memory-mapped file.
 - The cache layout is written as MQA: head_count_kv 1, key_length L + R, value_length L; the
   per-head sizes are key_length_mla (N + R) and value_length_mla (V), the rotary part
   rope.dimension_count (R).
@@ -33,7 +33,7 @@ from __future__ import annotations
 import re
 
 import numpy as np
-from gguf import quants
+from gguf import ReaderTensor, quants
 
 ARCH = "deepseek2"
 
@@ -134,23 +134,12 @@ def hf_weights(name: str, weight) -> dict:
     return {f"{p}{_LAYER_NAMES[kind]}.{suffix}": weight}
 
 
-def is_kv_b_part(name: str) -> bool:
-    """Whether GGUF tensor `name` is attn_k_b or attn_v_b, which join_kv_b reads (per head)."""
+def is_kv_b(name: str) -> bool:
+    """Whether GGUF tensor `name` is attn_k_b, attn_v_b or an old file's attn_kv_b, handed on
+    as the file's tensor: join_kv_b reads it into kv_b_proj in float32 (MLA splits it per
+    head), or defers that to the rank's cut."""
     m = _LAYER_RE.match(name)
-    return m is not None and m.group(2) in _KV_B_PARTS
-
-
-def wants_float(name: str) -> bool:
-    """Whether GGUF tensor `name` is read dequantized to float32 (an old file's unsplit
-    attn_kv_b: MLA splits it per head)."""
-    m = _LAYER_RE.match(name)
-    return m is not None and m.group(2) == "attn_kv_b"
-
-
-def float_tensor(t) -> np.ndarray:
-    """A GGUF tensor (any type gguf-py reads) as float32 in numpy's dimension order."""
-    data = np.asarray(quants.dequantize(t.data, t.tensor_type), np.float32)
-    return data.reshape([int(d) for d in reversed(t.shape.tolist())])
+    return m is not None and m.group(2) in (*_KV_B_PARTS, "attn_kv_b")
 
 
 def _dims(t) -> tuple[int, ...]:
@@ -158,21 +147,30 @@ def _dims(t) -> tuple[int, ...]:
 
 
 class KvB:
-    """One layer's kv_b_proj (Hq * (N + V), L) in float32, or the rows of heads [h0, h1) of it,
-    not yet read: read() dequantizes those heads' slices of attn_k_b (Hq, L, N) and attn_v_b
-    (Hq, V, L) from the file (each head's slice is whole rows of the file's tensor, blocks and
-    all) and joins them, head h's rows its key part transposed, then its value part."""
+    """One layer's kv_b_proj (Hq * (N + V), L) in float32, or its rows [r0, r1), not yet read.
+    From the per-head pair attn_k_b (Hq, L, N) and attn_v_b (Hq, V, L) (rows along whole
+    heads): read() dequantizes those heads' slices (whole rows of the file's tensors, blocks and
+    all) and joins them, head h's rows its key part transposed, then its value part. From an
+    old file's unsplit attn_kv_b: its rows, dequantized (the blocks run along L)."""
 
-    def __init__(self, name: str, k_b, v_b, heads: tuple[int, int] | None = None):
-        (Hq, L, N), (Hv, V, Lv) = _dims(k_b), _dims(v_b)
-        if len(k_b.shape) != 3 or len(v_b.shape) != 3 or (Hq, L) != (Hv, Lv):
-            raise ValueError(f"GGUF: {name} {(Hq, L, N)} and attn_v_b {(Hv, V, Lv)} are not "
-                             f"(heads, kv_lora_rank, nope) and (heads, v, kv_lora_rank)")
-        self.name, self.k_b, self.v_b = name, k_b, v_b
-        self.per_head = N + V
-        self.heads = heads or (0, Hq)
-        h0, h1 = self.heads
-        self.shape = ((h1 - h0) * self.per_head, L)
+    def __init__(self, name: str, parts: tuple, rows: tuple[int, int] | None = None):
+        self.name, self.parts = name, parts
+        if len(parts) == 2:
+            k_b, v_b = parts
+            if len(k_b.shape) != 3 or len(v_b.shape) != 3:
+                raise ValueError(f"GGUF: {name} {_dims(k_b)} and attn_v_b {_dims(v_b)} are not "
+                                 f"(heads, kv_lora_rank, nope) and (heads, v, kv_lora_rank)")
+            (Hq, L, N), (Hv, V, Lv) = _dims(k_b), _dims(v_b)
+            if (Hq, L) != (Hv, Lv):
+                raise ValueError(f"GGUF: {name} {(Hq, L, N)} and attn_v_b {(Hv, V, Lv)} are not "
+                                 f"(heads, kv_lora_rank, nope) and (heads, v, kv_lora_rank)")
+            self.per_head, self.widths, total = N + V, (N, V), Hq * (N + V)
+        else:
+            (kv_b,) = parts
+            total, L = _dims(kv_b)
+            self.per_head = 1           # (any rows: a cut's are whole heads' anyway)
+        self.rows = rows or (0, total)
+        self.shape = (self.rows[1] - self.rows[0], L)
         self.dtype = np.dtype(np.float32)
 
     @property
@@ -180,43 +178,50 @@ class KvB:
         return 2
 
     def take_cut(self, cut) -> "KvB":
-        """The rows of a tensor-parallel Cut (engine/parallel/cuts.py) along whole heads, still
+        """The rows of a tensor-parallel Cut (engine/parallel/cuts.py), whole heads, still
         unread."""
         a, b = cut.ranges[0]
         if (cut.axis != 0 or len(cut.ranges) != 1 or cut.pad_to or a % self.per_head
                 or b % self.per_head or b > self.shape[0]):
             raise ValueError(f"tensor parallel: {self.name} (kv_b_proj) is cut along whole "
                              f"heads of {self.per_head} rows; got {cut}")
-        h0 = self.heads[0]
-        return KvB(self.name, self.k_b, self.v_b,
-                   (h0 + a // self.per_head, h0 + b // self.per_head))
+        r0 = self.rows[0]
+        return KvB(self.name, self.parts, (r0 + a, r0 + b))
 
     def read(self) -> np.ndarray:
-        h0, h1 = self.heads
-        (_, L, N), (_, V, _) = _dims(self.k_b), _dims(self.v_b)
-        k_b = np.asarray(quants.dequantize(self.k_b.data[h0:h1], self.k_b.tensor_type),
-                         np.float32).reshape(h1 - h0, L, N)
-        v_b = np.asarray(quants.dequantize(self.v_b.data[h0:h1], self.v_b.tensor_type),
-                         np.float32).reshape(h1 - h0, V, L)
+        r0, r1 = self.rows
+        L = self.shape[1]
+        if len(self.parts) == 1:
+            (kv_b,) = self.parts
+            return np.ascontiguousarray(_dequantize(kv_b, r0, r1).reshape(r1 - r0, L))
+        (N, V), (h0, h1) = self.widths, (r0 // self.per_head, r1 // self.per_head)
+        k_b = _dequantize(self.parts[0], h0, h1).reshape(h1 - h0, L, N)
+        v_b = _dequantize(self.parts[1], h0, h1).reshape(h1 - h0, V, L)
         return np.ascontiguousarray(
             np.concatenate([k_b.transpose(0, 2, 1), v_b], axis=1).reshape(-1, L))
 
-    def __array__(self, dtype=None, copy=None):
-        out = self.read()
-        return out if dtype is None else out.astype(dtype)
+
+def _dequantize(t, first: int, end: int) -> np.ndarray:
+    """Entries [first, end) of GGUF tensor t's outermost dimension, float32 (only their bytes
+    are read from the memory-mapped file)."""
+    return np.asarray(quants.dequantize(t.data[first:end], t.tensor_type), np.float32)
 
 
 def join_kv_b(weights: dict, deferred: bool = False) -> None:
-    """In place: each layer's attn_k_b (Hq, L, N) and attn_v_b (Hq, V, L) (the file's tensors)
-    as kv_b_proj (Hq * (N + V), L), float32; deferred: as a KvB, read when read_deferred is
-    called (after the rank's cut)."""
+    """In place: each layer's attn_k_b (Hq, L, N) and attn_v_b (Hq, V, L), or its unsplit
+    attn_kv_b (the file's tensors), as kv_b_proj (Hq * (N + V), L), float32; deferred: as a
+    KvB, read when read_deferred is called (after the rank's cut)."""
     for name in [n for n in weights if n.endswith(".self_attn.attn_k_b")]:
         stem = name.removesuffix("attn_k_b")
         k_b, v_b = weights.pop(name), weights.pop(f"{stem}attn_v_b", None)
         if v_b is None:
             raise ValueError(f"GGUF: {name} has no attn_v_b beside it")
-        kv_b = KvB(name, k_b, v_b)
+        kv_b = KvB(name, (k_b, v_b))
         weights[f"{stem}kv_b_proj.weight"] = kv_b if deferred else kv_b.read()
+    for name in [n for n in weights if n.endswith(".self_attn.kv_b_proj.weight")]:
+        if isinstance(weights[name], ReaderTensor):        # an old file's attn_kv_b
+            kv_b = KvB(name, (weights[name],))
+            weights[name] = kv_b if deferred else kv_b.read()
 
 
 def read_deferred(weights: dict) -> None:
