@@ -30,6 +30,8 @@ from test_tensor_parallel import assert_same_as_one_process, wait_for_workers_go
 pytestmark = pytest.mark.timeout(300)
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "gguf")
+V3 = os.path.join(DATA, "deepseek_v3-q8_0.gguf")
+KV_B = ("attn_k_b.weight", "attn_v_b.weight", "attn_kv_b.weight")
 CASES = {"deepseek_v2_lite": (dict(arch="deepseek_v2_lite"), None),
          "deepseek_v3": (dict(arch="deepseek_v3"), None),
          "glm4_moe_lite": (dict(arch="glm4_moe_lite"), None),
@@ -46,26 +48,33 @@ def stage_layers(model):
     return ["moe" if hasattr(layer.mlp, "num_experts") else "dense" for layer in model.layers]
 
 
-@pytest.mark.parametrize("name,pp,tp", [("deepseek_v2_lite", 2, 1), ("deepseek_v3", 2, 1),
-                                        ("glm4_moe_lite", 2, 1), ("glm4_moe", 2, 1),
-                                        ("deepseek_v3", 2, 2)])
-def test_greedy_tokens_match_hf_and_one_process(cases, name, pp, tp):
+@pytest.mark.parametrize("name,pp,tp,ep", [("deepseek_v2_lite", 2, 1, False),
+                                           ("deepseek_v3", 2, 1, False),
+                                           ("glm4_moe_lite", 2, 1, False),
+                                           ("glm4_moe", 2, 1, False),
+                                           ("deepseek_v3", 2, 2, False),
+                                           ("glm4_moe_lite", 2, 2, True)])
+def test_greedy_tokens_match_hf_and_one_process(cases, name, pp, tp, ep):
+    """(ep: the second stage's experts split across its 2 ranks, 4 each.)"""
     before = worker_pids()
-    split, rank0 = greedy(cases.dir(name), pp, tp, inspect=stage_layers)
+    split, rank0 = greedy(cases.dir(name), pp, tp, inspect=stage_layers,
+                          enable_expert_parallel=ep)
     assert rank0 == ["dense"]           # stage 0 of 2: layer 0, the dense one
-    label = f"{name} pp{pp} tp{tp}"
+    label = f"{name} pp{pp} tp{tp}{' ep' if ep else ''}"
     for i, (tokens, ref) in enumerate(zip(split[0], cases.ref(name))):
         assert_matches(tokens, ref, min_trusted=8, label=f"{label} prompt {i}")
     assert_same_as_one_process(greedy(cases.dir(name)), split, label)
     wait_for_workers_gone(before)
 
 
-def test_gguf_stages():
+@pytest.mark.parametrize("tp", [1, 2])
+def test_gguf_stages(tp):
     """llama.cpp's q8_0 deepseek2 file (tests/test_gguf_mla.py): each stage its blk.N tensors,
-    attn_k_b / attn_v_b joined into its layers' kv_b_proj."""
-    kwargs = dict(weight_file=os.path.join(DATA, "deepseek_v3-q8_0.gguf"))
-    assert_same_as_one_process(greedy(DATA, **kwargs), greedy(DATA, 2, **kwargs),
-                               "deepseek_v3-q8_0 pp2")
+    its heads' slices of attn_k_b / attn_v_b joined into its layers' kv_b_proj. Exact
+    activations (act_split=on), as tests/test_tensor_parallel_mla.py says why."""
+    kwargs = dict(weight_file=V3, kernels="act_split=on")
+    assert_same_as_one_process(greedy(DATA, **kwargs), greedy(DATA, 2, tp, **kwargs),
+                               f"deepseek_v3-q8_0 pp2 tp{tp}")
 
 
 def test_each_stage_builds_its_layers_and_caches_and_no_mtp_layer(tmp_path):
@@ -108,10 +117,6 @@ def test_mtp_speculation_is_refused_by_name():
 
 
 # ---- a GGUF's kv_b_proj: each rank reads only its heads' and its layers' rows
-
-V3 = os.path.join(DATA, "deepseek_v3-q8_0.gguf")
-KV_B = ("attn_k_b.weight", "attn_v_b.weight", "attn_kv_b.weight")
-
 
 def kv_b_bytes_read(monkeypatch, path=V3, **split):
     """(bytes of attn_k_b / attn_v_b (or attn_kv_b) the load dequantized, each layer's
