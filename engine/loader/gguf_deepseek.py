@@ -6,8 +6,8 @@ What the converter changes, put back here:
 - kv_b_proj is split per head into attn_k_b (Hq, L, N: each head's key part, transposed) and
   attn_v_b (Hq, V, L); the two are joined again into kv_b_proj (Hq * (N + V), L), in float
   (MLA splits it per head itself; a quantized pair is dequantized). Old files' unsplit attn_kv_b
-  is kv_b_proj as it is (in float as well). The engine's loader takes the joined kv_b_proj deferred (KvB): a
-  tensor-parallel rank's cut by head (engine/parallel/sharding_mla.py) and a pipeline stage's
+  is kv_b_proj as it is (in float as well). The engine's loader takes kv_b_proj deferred (KvB):
+  a tensor-parallel rank's cut by head (engine/parallel/sharding_mla.py) and a pipeline stage's
   choice of layers are made before anything is read, so each rank dequantizes only its heads'
   slices of its layers' attn_k_b / attn_v_b (or attn_kv_b rows) from the memory-mapped file.
 - The cache layout is written as MQA: head_count_kv 1, key_length L + R, value_length L; the
@@ -112,7 +112,8 @@ def config(path: str, meta, tensors: dict, base: dict) -> dict:
 def hf_weights(name: str, weight) -> dict:
     """{Hugging Face name: value} of GGUF tensor `name` (not the merged experts, which
     engine/loader/gguf.py splits); attn_k_b / attn_v_b (given as the file's tensors, unread)
-    under provisional names that join_kv_b turns into kv_b_proj."""
+    under provisional names that join_kv_b turns into kv_b_proj, as it turns an old file's
+    attn_kv_b (unread as well)."""
     if name in _GLOBAL_NAMES:
         return {_GLOBAL_NAMES[name]: weight}
     m = _NEXTN_RE.match(name)
