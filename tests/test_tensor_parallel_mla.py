@@ -59,8 +59,9 @@ def test_splits_within_and_across_ranks(cases, name, ranks):
 @pytest.mark.parametrize("stem", ["deepseek_v2_lite-q8_0", "deepseek_v3-q8_0"])
 def test_gguf_splits_by_head_and_expert(stem):
     """llama.cpp's deepseek2 files (tests/test_gguf_mla.py): q8_0 rows cut by head, o_proj's
-    columns along whole 32-element blocks, the stacked experts' rows; the per-head
-    attn_k_b / attn_v_b joined into kv_b_proj before the cut. Exact activations
+    columns along whole 32-element blocks, the stacked experts' rows; the rank's heads' slices
+    of the per-head attn_k_b / attn_v_b read and joined into its kv_b_proj rows
+    (tests/test_pipeline_parallel_mla.py counts the bytes). Exact activations
     (act_split=on): the default rounds a q8_0 matmul's 8-bit activations, and the ranks'
     partial sums, added in another order than one process's, can round one the other way
     (a logprob moved 1.1e-3 with the tokens the same)."""

@@ -523,8 +523,11 @@ def _unpermute(weight, num_heads: int):
     return unpermute_rows(weight, num_heads)
 
 
-def read_gguf(path: str, dtype: str = "auto", progress: bool = True) -> GGUFCheckpoint:
-    """Config, weights (Hugging Face names) and tokenizer of a GGUF model (module docstring)."""
+def read_gguf(path: str, dtype: str = "auto", progress: bool = True,
+              deferred: bool = False) -> GGUFCheckpoint:
+    """Config, weights (Hugging Face names) and tokenizer of a GGUF model (module docstring).
+    deferred: deepseek2's kv_b_proj as gguf_deepseek.KvB, read by gguf_deepseek.read_deferred
+    once a rank has cut it (engine/loader/model_loader.py)."""
     want = resolve_dtype(dtype)
     path = os.fspath(path)
     first = open_reader(path)
@@ -589,8 +592,7 @@ def read_gguf(path: str, dtype: str = "auto", progress: bool = True) -> GGUFChec
                 weights.update(split_experts(owner[name], t, want, experts))
                 continue
             if arch == gguf_deepseek.ARCH:
-                weights.update(gguf_deepseek.hf_weights(name, gguf_deepseek.float_tensor(t)
-                                                        if gguf_deepseek.wants_float(name)
+                weights.update(gguf_deepseek.hf_weights(name, t if gguf_deepseek.is_kv_b(name)
                                                         else _tensor(owner[name], t, want)))
                 continue
             weight = _tensor(owner[name], t, want)
@@ -605,7 +607,7 @@ def read_gguf(path: str, dtype: str = "auto", progress: bool = True) -> GGUFChec
             weights.update(gguf_dense.hf_weights(arch, name, hf, weight))
 
     if arch == gguf_deepseek.ARCH:
-        gguf_deepseek.join_kv_b(weights)
+        gguf_deepseek.join_kv_b(weights, deferred)
     if arch in gguf_hybrid.ARCHS:
         gguf_hybrid.finish(arch, config, weights)
     tokenizer = build_tokenizer(metadata, path)

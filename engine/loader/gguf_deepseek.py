@@ -6,7 +6,10 @@ What the converter changes, put back here:
 - kv_b_proj is split per head into attn_k_b (Hq, L, N: each head's key part, transposed) and
   attn_v_b (Hq, V, L); the two are joined again into kv_b_proj (Hq * (N + V), L), in float
   (MLA splits it per head itself; a quantized pair is dequantized). Old files' unsplit attn_kv_b
-  is kv_b_proj as it is.
+  is kv_b_proj as it is (in float as well). The engine's loader takes kv_b_proj deferred (KvB):
+  a tensor-parallel rank's cut by head (engine/parallel/sharding_mla.py) and a pipeline stage's
+  choice of layers are made before anything is read, so each rank dequantizes only its heads'
+  slices of its layers' attn_k_b / attn_v_b (or attn_kv_b rows) from the memory-mapped file.
 - The cache layout is written as MQA: head_count_kv 1, key_length L + R, value_length L; the
   per-head sizes are key_length_mla (N + R) and value_length_mla (V), the rotary part
   rope.dimension_count (R).
@@ -30,7 +33,7 @@ from __future__ import annotations
 import re
 
 import numpy as np
-from gguf import quants
+from gguf import ReaderTensor, quants
 
 ARCH = "deepseek2"
 
@@ -108,8 +111,9 @@ def config(path: str, meta, tensors: dict, base: dict) -> dict:
 
 def hf_weights(name: str, weight) -> dict:
     """{Hugging Face name: value} of GGUF tensor `name` (not the merged experts, which
-    engine/loader/gguf.py splits); attn_k_b / attn_v_b under provisional names that
-    join_kv_b turns into kv_b_proj."""
+    engine/loader/gguf.py splits); attn_k_b / attn_v_b (given as the file's tensors, unread)
+    under provisional names that join_kv_b turns into kv_b_proj, as it turns an old file's
+    attn_kv_b (unread as well)."""
     if name in _GLOBAL_NAMES:
         return {_GLOBAL_NAMES[name]: weight}
     m = _NEXTN_RE.match(name)
@@ -131,30 +135,98 @@ def hf_weights(name: str, weight) -> dict:
     return {f"{p}{_LAYER_NAMES[kind]}.{suffix}": weight}
 
 
-def wants_float(name: str) -> bool:
-    """Whether GGUF tensor `name` is read dequantized to float32 (kv_b_proj's parts: MLA splits
-    it per head; 3-D, which no block-quantized weight type of Taper's is)."""
+def is_kv_b(name: str) -> bool:
+    """Whether GGUF tensor `name` is attn_k_b, attn_v_b or an old file's attn_kv_b, handed on
+    as the file's tensor: join_kv_b reads it into kv_b_proj in float32 (MLA splits it per
+    head), or defers that to the rank's cut."""
     m = _LAYER_RE.match(name)
     return m is not None and m.group(2) in (*_KV_B_PARTS, "attn_kv_b")
 
 
-def float_tensor(t) -> np.ndarray:
-    """A GGUF tensor (any type gguf-py reads) as float32 in numpy's dimension order."""
-    data = np.asarray(quants.dequantize(t.data, t.tensor_type), np.float32)
-    return data.reshape([int(d) for d in reversed(t.shape.tolist())])
+def _dims(t) -> tuple[int, ...]:
+    return tuple(int(d) for d in reversed(t.shape.tolist()))
 
 
-def join_kv_b(weights: dict) -> None:
-    """In place: each layer's attn_k_b (Hq, L, N) and attn_v_b (Hq, V, L) as kv_b_proj
-    (Hq * (N + V), L), float32."""
+class KvB:
+    """One layer's kv_b_proj (Hq * (N + V), L) in float32, or its rows [r0, r1), not yet read.
+    From the per-head pair attn_k_b (Hq, L, N) and attn_v_b (Hq, V, L) (rows along whole
+    heads): read() dequantizes those heads' slices (whole rows of the file's tensors, blocks and
+    all) and joins them, head h's rows its key part transposed, then its value part. From an
+    old file's unsplit attn_kv_b: its rows, dequantized (the blocks run along L)."""
+
+    def __init__(self, name: str, parts: tuple, rows: tuple[int, int] | None = None):
+        self.name, self.parts = name, parts
+        if len(parts) == 2:
+            k_b, v_b = parts
+            if len(k_b.shape) != 3 or len(v_b.shape) != 3:
+                raise ValueError(f"GGUF: {name} {_dims(k_b)} and attn_v_b {_dims(v_b)} are not "
+                                 f"(heads, kv_lora_rank, nope) and (heads, v, kv_lora_rank)")
+            (Hq, L, N), (Hv, V, Lv) = _dims(k_b), _dims(v_b)
+            if (Hq, L) != (Hv, Lv):
+                raise ValueError(f"GGUF: {name} {(Hq, L, N)} and attn_v_b {(Hv, V, Lv)} are not "
+                                 f"(heads, kv_lora_rank, nope) and (heads, v, kv_lora_rank)")
+            self.per_head, self.widths, total = N + V, (N, V), Hq * (N + V)
+        else:
+            (kv_b,) = parts
+            total, L = _dims(kv_b)
+            self.per_head = 1           # (any rows: a cut's are whole heads' anyway)
+        self.rows = rows or (0, total)
+        self.shape = (self.rows[1] - self.rows[0], L)
+        self.dtype = np.dtype(np.float32)
+
+    @property
+    def ndim(self) -> int:
+        return 2
+
+    def take_cut(self, cut) -> "KvB":
+        """The rows of a tensor-parallel Cut (engine/parallel/cuts.py), whole heads, still
+        unread."""
+        a, b = cut.ranges[0]
+        if (cut.axis != 0 or len(cut.ranges) != 1 or cut.pad_to or a % self.per_head
+                or b % self.per_head or b > self.shape[0]):
+            raise ValueError(f"tensor parallel: {self.name} (kv_b_proj) is cut along whole "
+                             f"heads of {self.per_head} rows; got {cut}")
+        r0 = self.rows[0]
+        return KvB(self.name, self.parts, (r0 + a, r0 + b))
+
+    def read(self) -> np.ndarray:
+        r0, r1 = self.rows
+        L = self.shape[1]
+        if len(self.parts) == 1:
+            (kv_b,) = self.parts
+            return np.ascontiguousarray(_dequantize(kv_b, r0, r1).reshape(r1 - r0, L))
+        (N, V), (h0, h1) = self.widths, (r0 // self.per_head, r1 // self.per_head)
+        k_b = _dequantize(self.parts[0], h0, h1).reshape(h1 - h0, L, N)
+        v_b = _dequantize(self.parts[1], h0, h1).reshape(h1 - h0, V, L)
+        return np.ascontiguousarray(
+            np.concatenate([k_b.transpose(0, 2, 1), v_b], axis=1).reshape(-1, L))
+
+
+def _dequantize(t, first: int, end: int) -> np.ndarray:
+    """Entries [first, end) of GGUF tensor t's outermost dimension, float32 (only their bytes
+    are read from the memory-mapped file)."""
+    return np.asarray(quants.dequantize(t.data[first:end], t.tensor_type), np.float32)
+
+
+def join_kv_b(weights: dict, deferred: bool = False) -> None:
+    """In place: each layer's attn_k_b (Hq, L, N) and attn_v_b (Hq, V, L), or its unsplit
+    attn_kv_b (the file's tensors), as kv_b_proj (Hq * (N + V), L), float32; deferred: as a
+    KvB, read when read_deferred is called (after the rank's cut)."""
     for name in [n for n in weights if n.endswith(".self_attn.attn_k_b")]:
         stem = name.removesuffix("attn_k_b")
         k_b, v_b = weights.pop(name), weights.pop(f"{stem}attn_v_b", None)
         if v_b is None:
             raise ValueError(f"GGUF: {name} has no attn_v_b beside it")
-        k_b, v_b = (np.asarray(w, np.float32) for w in (k_b, v_b))
-        if k_b.ndim != 3 or v_b.ndim != 3 or k_b.shape[:2] != (v_b.shape[0], v_b.shape[2]):
-            raise ValueError(f"GGUF: {name} {k_b.shape} and attn_v_b {v_b.shape} are not "
-                             f"(heads, kv_lora_rank, nope) and (heads, v, kv_lora_rank)")
-        weights[f"{stem}kv_b_proj.weight"] = np.ascontiguousarray(
-            np.concatenate([k_b.transpose(0, 2, 1), v_b], axis=1).reshape(-1, k_b.shape[1]))
+        kv_b = KvB(name, (k_b, v_b))
+        weights[f"{stem}kv_b_proj.weight"] = kv_b if deferred else kv_b.read()
+    for name in [n for n in weights if n.endswith(".self_attn.kv_b_proj.weight")]:
+        if isinstance(weights[name], ReaderTensor):        # an old file's attn_kv_b
+            kv_b = KvB(name, (weights[name],))
+            weights[name] = kv_b if deferred else kv_b.read()
+
+
+def read_deferred(weights: dict) -> None:
+    """In place: every deferred kv_b_proj (KvB) read, as float32."""
+    for name, w in weights.items():
+        if isinstance(w, KvB):
+            weights[name] = w.read()

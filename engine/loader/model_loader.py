@@ -7,6 +7,7 @@ import logging
 import os
 
 from engine.loader.gguf import open_reader, read_gguf, read_metadata
+from engine.loader.gguf_deepseek import read_deferred
 from engine.loader.gguf_mmproj import join_vision, read_mmproj
 from engine.loader.isq import quantize_weights
 from engine.loader.quant_formats import convert_quantized
@@ -67,7 +68,7 @@ def load_gguf_model(path: str, backend, dtype: str = "auto",
     """(model, model_config, tokenizer or None) for a GGUF file (its first shard if split);
     tensor_parallel, pipeline and expert_parallel as load_model's; mmproj: llama.cpp's vision
     projector file, whose tower joins the text model (engine/loader/gguf_mmproj.py)."""
-    ckpt = read_gguf(path, dtype=dtype, progress=progress)
+    ckpt = read_gguf(path, dtype=dtype, progress=progress, deferred=True)
     config, weights = ckpt.config, ckpt.weights
     if mmproj is not None:
         vision, vision_weights = read_mmproj(mmproj, dtype)
@@ -82,6 +83,7 @@ def load_gguf_model(path: str, backend, dtype: str = "auto",
         weights = {n: s for n, w in weights.items() if (s := hook(n, w, shapes)) is not None}
     if stage is not None:
         weights = stage.take(weights)
+    read_deferred(weights)      # (deepseek2's kv_b_proj: only the rank's heads and layers)
     if isq:
         if plan is not None:
             check_isq_split(plan, weights, isq)

@@ -61,6 +61,10 @@ STAGED_ARCHITECTURES = (
     "Qwen3VLMoeForConditionalGeneration",
     "Gemma3ForConditionalGeneration",
     "Mistral3ForConditionalGeneration",
+    "DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM",
+    "Glm4MoeLiteForCausalLM",
+    "Glm4MoeForCausalLM",
 )
 
 # (a vision-language checkpoint's language model under model.language_model. or

@@ -308,6 +308,8 @@ class ShardPlan:
             return cut_array(tensor, cut)
         if hasattr(tensor, "quant_parts"):
             return cut_ggml(name, tensor, cut)
+        if hasattr(tensor, "take_cut"):     # read later, its rows only (a GGUF's kv_b_proj)
+            return tensor.take_cut(cut)
         raise ValueError(f"tensor parallel: {name} is a {type(tensor).__name__}, which cannot "
                          "be split across ranks")
 
