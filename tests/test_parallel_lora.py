@@ -3,7 +3,8 @@ base model in one batch give, at tensor parallel 2 and pipeline parallel 2, the 
 process and of transformers with peft's merged weights; a rank's share of an adapter is cut as
 the base weight is (KV heads replicated past their count included); an adapter loaded at run time
 reaches every rank (through the engine, and through a live server's route), and one a rank cannot
-read is an error naming that rank, the engine serving on."""
+read is an error naming that rank, the engine serving on; data-parallel replicas each serve every
+adapter, those given at start and those loaded through the server."""
 from __future__ import annotations
 
 import numpy as np
@@ -19,6 +20,7 @@ from lora_fixtures import merged, write_adapter
 from server_fakes import LiveServer, http_request
 from test_lora import PROMPTS, N, adapters, base, greedy  # noqa: F401 (fixtures)
 from test_lora_server import PROMPT, complete, demo  # noqa: F401 (fixture)
+from test_data_parallel import concurrently, generation_tokens_by_replica
 from test_tensor_parallel import wait_for_workers_gone, worker_pids
 
 pytestmark = pytest.mark.timeout(600)
@@ -119,16 +121,28 @@ def test_runtime_load_reaches_every_rank_and_a_rank_that_cannot_read_is_named(
     wait_for_workers_gone(before)
 
 
-def test_adapter_loaded_through_the_server_at_tensor_parallel_2(demo, tmp_path):
-    path = write_adapter(load_hf(demo), tmp_path / "beta", seed=2, r=4, lora_alpha=8,
-                         use_rslora=True, target_modules=["q_proj", "k_proj", "o_proj",
-                                                          "up_proj", "down_proj"])
+@pytest.fixture(scope="module")
+def demo_adapters(demo, tmp_path_factory):
+    """Two adapters on the demo checkpoint, and the one-process engine's greedy text of each
+    (and of the base, under None)."""
     from engine import SamplingParams
-    llm = LLM(demo, num_kv_blocks=64, lora=dict(modules={"beta": path}, max_lora_rank=8))
-    params = [SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, lora_name=name)
-              for name in ("beta", None)]
-    want, plain = (llm.generate([PROMPT], p)[0].text for p in params)
-    assert want != plain
+    root, hf = tmp_path_factory.mktemp("demo_adapters"), load_hf(demo)
+    paths = {"beta": write_adapter(hf, root / "beta", seed=2, r=4, lora_alpha=8,
+                                   use_rslora=True, target_modules=[
+                                       "q_proj", "k_proj", "o_proj", "up_proj", "down_proj"]),
+             "delta": write_adapter(hf, root / "delta", seed=5, r=8, lora_alpha=16,
+                                    target_modules=["v_proj", "gate_proj"])}
+    llm = LLM(demo, num_kv_blocks=64, lora=dict(modules=paths, max_loras=2, max_lora_rank=8))
+    texts = {name: llm.generate([PROMPT], SamplingParams(
+        temperature=0, max_tokens=10, ignore_eos=True, lora_name=name))[0].text
+        for name in (None, "beta", "delta")}
+    assert len(set(texts.values())) == 3
+    return paths, texts
+
+
+def test_adapter_loaded_through_the_server_at_tensor_parallel_2(demo, demo_adapters, tmp_path):
+    paths, texts = demo_adapters
+    path, want, plain = paths["beta"], texts["beta"], texts[None]
     before = worker_pids()
     live = LiveServer(tmp_path, demo, "--mem", "64", "--served-model-name", "demo",
                       "--tensor-parallel-size", "2", "--enable-lora", "--max-lora-rank", "8",
@@ -142,3 +156,31 @@ def test_adapter_loaded_through_the_server_at_tensor_parallel_2(demo, tmp_path):
     finally:
         live.close()
     wait_for_workers_gone(before)
+
+
+def test_data_parallel_replicas_each_serve_every_adapter(demo, demo_adapters, tmp_path):
+    """delta given at start, beta loaded through the route: requests for either (and the base),
+    spread over both replicas, give the one-process engine's text; a load no replica can read is
+    a 400 naming a replica, and the others keep what they had."""
+    paths, texts = demo_adapters
+    live = LiveServer(tmp_path, demo, "--mem", "64", "--served-model-name", "demo",
+                      "--data-parallel-size", "2", "--enable-lora", "--lora-modules",
+                      f"delta={paths['delta']}", "--max-loras", "2", "--max-lora-rank", "8",
+                      "--allow-runtime-lora-updating")
+    try:
+        status, _, body = http_request(live.port, "POST", "/v1/load_lora_adapter",
+                                       {"lora_name": "beta", "lora_path": paths["beta"]})
+        assert status == 200, body
+        names = ["beta", "delta", "demo"] * 3
+        got = concurrently(lambda name: complete(live.port, name), [(n,) for n in names])
+        assert got == [texts[None if n == "demo" else n] for n in names]
+        assert set(generation_tokens_by_replica(live.port)) == {"0", "1"}
+        status, _, body = http_request(live.port, "POST", "/v1/load_lora_adapter",
+                                       {"lora_name": "gone", "lora_path": str(tmp_path / "x")})
+        assert status == 400 and b"data-parallel replica" in body and b"no such" in body
+        status, _, body = http_request(live.port, "POST", "/v1/unload_lora_adapter",
+                                       {"lora_name": "beta"})
+        assert status == 200, body
+        assert complete(live.port, "delta") == texts["delta"]
+    finally:
+        live.close()
