@@ -9,12 +9,12 @@ the rows a step pools for embeddings and scores through the LM head (each collec
 the others run too), KV block copies of beam forks made since the previous step, a hybrid
 model's state rows copied after a verify step (each slot takes the state after its accepted
 drafts), and the CUDA graph bucket rank 0 chose for each micro-batch (the others replay the same:
-the graphs hold the collectives, engine/runner/cuda_graph.py). LoRA adapters (engine/lora/manager.py):
-the step's rows grouped by slot with the adapters' ids, so every rank writes the same slots at the
-same step, and the ids of adapters rank 0 has dropped since; an adapter loaded on rank 0 is a
-message of its own (LoraLoad: its name, path and id), which every rank answers once it has read its
-share, so a load returns only when every rank holds the adapter and a rank that cannot read it is
-an error naming the rank, not a hang.
+the graphs hold the collectives, engine/runner/cuda_graph.py). LoRA adapters
+(engine/lora/manager.py): the step's rows grouped by slot with the adapters' ids, so every rank
+writes the same slots at the same step, and the ids of adapters rank 0 has dropped since; an
+adapter loaded on rank 0 is a message of its own (LoraLoad: its name, path and id), which every
+rank answers once it has read its share, so a load returns only when every rank holds the adapter
+and a rank that cannot read it is an error naming the rank, not a hang.
 
 Sampling, scheduling and everything above stay on rank 0: the others see forward passes only.
 """
