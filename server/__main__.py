@@ -290,8 +290,6 @@ def check_args(args) -> str | None:
         return "--pipeline-parallel-size must be at least 1"
     if args.data_parallel_size < 1:
         return "--data-parallel-size must be at least 1"
-    if args.data_parallel_size > 1 and args.enable_lora:
-        return "--data-parallel-size with --enable-lora is not yet supported"
     if (args.device_ids and args.tensor_parallel_size is not None
             and len(args.device_ids) not in (1, args.tensor_parallel_size
                                              * args.pipeline_parallel_size)):

@@ -18,6 +18,7 @@ from engine.loader.hub import resolve_gguf, resolve_model
 from engine.loader.model_loader import load_eagle3_head, load_gguf_model, load_model
 from engine.loader.safetensors import mem_available_bytes
 from engine.lora.manager import LoraManager
+from engine.lora.shards import AdapterShard
 from engine.models.deepseek_mtp import DeepseekMtpHead
 from engine.models.model_config import ModelConfig
 from engine.models.qwen3_next_mtp import Qwen3NextMtpHead
@@ -96,10 +97,7 @@ def build(config: EngineConfig, loaded=None, group=None) -> EngineParts:
     # the adapter slots before the KV pool is sized: on a GPU they take device memory
     lora = None
     if config.lora is not None:
-        if group is not None:
-            raise ValueError("LoRA adapters with tensor parallel are not yet supported (the "
-                             "slots would need the projections' shards)")
-        lora = LoraManager(config.lora, model, model_config, backend, config.dtype)
+        lora = _lora_manager(config, model, model_config, backend, group)
         log.info("LoRA: %d slots of rank %d in %s (%.0f MiB), %d adapters loaded",
                  config.lora.max_loras, config.lora.max_lora_rank, lora.dtype.name,
                  lora.slot_bytes / 2**20, len(lora.adapters()))
@@ -176,6 +174,8 @@ def build(config: EngineConfig, loaded=None, group=None) -> EngineParts:
         runner.join_tensor_parallel(sender)
         if pipeline is not None:
             runner.pipeline = PipelineRunner(model.config.pipeline, config.pipeline_micro_batches)
+        if lora is not None:        # rank 0's adapter loads reach every rank
+            lora.peers = sender
         if sender is not None:
             launch.stop_at_exit(sender)
             log.info("%s: rank 0 schedules and samples, every rank holds its share of the "
@@ -241,6 +241,21 @@ def build(config: EngineConfig, loaded=None, group=None) -> EngineParts:
     return EngineParts(config, backend, model, model_config, model_dir, tokenizer,
                        pooling_config or default_pooling_config(model_dir), eos_token_ids,
                        block_pool, max_model_len, runner, draft_model, lora)
+
+
+def _lora_manager(config: EngineConfig, model, model_config: ModelConfig, backend, group):
+    """The LoRA slots and start-up adapters; on a split engine every rank's, each holding its
+    share (engine/lora/shards.py), the adapters under rank 0's ids."""
+    if group is None:
+        return LoraManager(config.lora, model, model_config, backend, config.dtype)
+    lora = None
+    with launch.all_ranks(group, "loading the LoRA adapters"):
+        shard = AdapterShard.of(model.config, model_config, config.enable_expert_parallel)
+        lora = LoraManager(config.lora, model, model_config, backend, config.dtype, shard)
+    ids = group.allgather(lora.ids())[0]
+    if group.rank != 0:
+        lora.take_ids(ids)
+    return lora
 
 
 def _load_draft(config: EngineConfig, backend, target_config: ModelConfig, tokenizer,

@@ -72,7 +72,7 @@ class LoraPart:
         return self.a.shape[0]
 
 
-@dataclass(slots=True, eq=False)
+@dataclass(slots=True, eq=False, weakref_slot=True)
 class LoraAdapter:
     name: str
     path: str
@@ -106,11 +106,13 @@ def pattern_value(patterns: dict, key: str, default):
 
 
 def read_adapter(name: str, path: str, model_config: ModelConfig, max_rank: int,
-                 projections: dict[int, set[str]]) -> LoraAdapter:
+                 projections: dict[int, set[str]], shard=None) -> LoraAdapter:
     """The adapter in directory `path`, checked against the base model: every tensor's shape,
     its rank (at most max_rank), and that the base graph has the projection it targets
     (projections: layer -> the projections its graph can add a delta to; a mixture-of-experts
-    layer has no dense MLP)."""
+    layer has no dense MLP). shard: a split engine's rank (engine/lora/shards.py AdapterShard)
+    keeps its share only, checked as the whole adapter first; its layers and projections are
+    then the rank's."""
     def fail(problem: str):
         raise LoraError(f"LoRA adapter {name!r} ({path}): {problem}")
 
@@ -175,19 +177,24 @@ def read_adapter(name: str, path: str, model_config: ModelConfig, max_rank: int,
         if r > max_rank:
             fail(f"{where} has rank {r}, above --max-lora-rank {max_rank}")
         projection, part = MODULES[module]
-        if projection not in projections.get(layer, ()):
-            fail(f"{where}: layer {layer} of this base model has no {projection} projection "
-                 "that takes LoRA adapters (a mixture of experts, latent or linear attention)")
         r_config = pattern_value(config.get("rank_pattern"), where, r_default)
         if r_config != r:
             fail(f"{where} has rank {r}, but adapter_config.json gives it r = {r_config}")
+        local = layer if shard is None else shard.layer(layer)
+        if local is None:           # another pipeline stage's layer
+            continue
+        if projection not in projections.get(local, ()):
+            fail(f"{where}: layer {layer} of this base model has no {projection} projection "
+                 "that takes LoRA adapters (a mixture of experts, latent or linear attention)")
         alpha = pattern_value(config.get("alpha_pattern"), where, alpha_default)
         scaling = alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
+        if shard is not None:
+            a, b = shard.cut(layer, module, a, b)
         bt = (np.asarray(b, np.float64).T * scaling).astype(np.float32)
-        adapter.deltas.setdefault((layer, projection), []).append(
+        adapter.deltas.setdefault((local, projection), []).append(
             LoraPart(part, np.ascontiguousarray(a, dtype=np.float32), np.ascontiguousarray(bt)))
         adapter.rank = max(adapter.rank, r)
-    if not adapter.deltas:
+    if not pairs:
         fail(f"{WEIGHTS_FILE} holds no LoRA weights")
     return adapter
 

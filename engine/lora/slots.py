@@ -90,12 +90,16 @@ def attach(model, model_config, backend, step: LoraStep, num_slots: int, max_ran
     """Slots for every projection of every layer, hooked into the model's layers; returns them by
     (layer, projection). Only the graph's own attention (pyx.layers.Attention) and dense MLP
     take them: a mixture of experts, latent attention (MLA) or a linear-attention layer does not,
-    and an adapter for one is refused (adapter.py)."""
+    and an adapter for one is refused (adapter.py). model_config: the model's own (a split
+    engine's rank: its heads, its slice of the intermediate size, its stage's layers)."""
     c = model_config
     H, I = c.hidden_size, c.intermediate_size
     out = {}
     for i, layer in enumerate(model.layers):
         attention, mlp = getattr(layer, "attention", None), getattr(layer, "mlp", None)
+        # tensor parallel: the MLP over the rank's slice inside its all-reduce (its delta a
+        # partial sum, added before the reduce like the base projection's)
+        mlp = getattr(mlp, "block", mlp)
 
         def projection(in_features, part_sizes):
             return LoraProjection(backend, step, num_slots, max_rank, in_features, part_sizes,

@@ -24,12 +24,14 @@ import dataclasses
 import logging
 import multiprocessing
 import pickle
+import threading
 from collections import OrderedDict
 from multiprocessing.connection import wait
 
 from engine.async_engine import AsyncEngine
 from engine.core.stats import EngineStats
 from engine.parallel import replica as replica_process
+from engine.parallel.replica_lora import ReplicaAdapters
 
 log = logging.getLogger("taper.parallel")
 
@@ -66,9 +68,16 @@ class Replica:
         self.adds_sent = 0
         self.unseen = {}                 # add number -> blocks of adds its last Load predates
         self.requests: set[str] = set()
+        # the engine thread sends requests, the server's threads LoRA loads (replica_lora.py)
+        self.lock = threading.Lock()
 
     def send(self, command) -> None:
-        self.conn.send(command)
+        with self.lock:
+            self.conn.send(command)
+
+    def send_bytes(self, payload: bytes) -> None:
+        with self.lock:
+            self.conn.send_bytes(payload)
 
     def free_blocks(self) -> int:
         counted = self.load.free_kv_blocks if self.load else self.info.num_kv_blocks
@@ -165,7 +174,8 @@ class RoutedEngine:
         self.tokenizer, self.model_config = info.tokenizer, info.model_config
         self.max_model_len, self.pooling, self.model_dir = (info.max_model_len, info.pooling,
                                                             info.model_dir)
-        self.lora = None
+        self.lora = (ReplicaAdapters(self, info.lora_adapters)
+                     if config.lora is not None else None)
         self.router = Router(info.block_size)
         self.requests: dict[str, Replica] = {}       # open requests' replicas
         self._choices_left: dict[str, int] = {}
@@ -205,7 +215,7 @@ class RoutedEngine:
             raise ValueError(f"this request cannot be sent to a data-parallel replica: {e}") \
                 from None
         try:
-            r.conn.send_bytes(payload)
+            r.send_bytes(payload)
         except OSError:
             self._died(r)
             raise RuntimeError(f"data-parallel {r} has died") from None
@@ -258,6 +268,8 @@ class RoutedEngine:
                     self._choice_finished(o.request_id)
         elif kind == "load":
             r.loaded(message[1])
+        elif kind == "lora_loaded":
+            self.lora.answered(r.index, *message[1:])
         elif kind == "refused":
             request_id, text = message[1:]
             out.append(RequestRefused(request_id, text))
@@ -284,6 +296,14 @@ class RoutedEngine:
         except OSError:
             self._died(r)
 
+    def send_to(self, r: Replica, command) -> None:
+        """From any thread: a dead replica's pipe is left to the engine thread to notice."""
+        try:
+            r.send(command)
+        except OSError:
+            if self.lora is not None:
+                self.lora.replica_died(r.index)
+
     def _died(self, r: Replica) -> None:
         if not r.alive:
             return
@@ -296,6 +316,8 @@ class RoutedEngine:
         message = (f"data-parallel {r} {how}; its requests failed "
                    f"({len(self.alive)} of {len(self.replicas)} replicas serve on)")
         log.error("%s (%d open requests)", message, len(r.requests))
+        if self.lora is not None:
+            self.lora.replica_died(r.index)
         for request_id in list(r.requests):
             self._failed.append(ReplicaFailed(request_id, message))
             self._forget(request_id)

@@ -324,7 +324,12 @@ class PipelineRunner:
             raise RuntimeError("rank 0 replays CUDA graphs for this step, but this rank "
                                "captured none")
         logits, hidden = [], []
+        start = 0       # the micro-batch's first row in the step
         for (piece, rows, _, _), key in zip(pieces, plan):
+            if batch.lora is not None:      # its LoRA rows (the slots hold the step's adapters)
+                piece.lora = batch.lora.between(start, start + piece.num_tokens)
+                runner.lora.use(piece.lora)
+            start += piece.num_tokens
             if key is not None:     # this stage's graph, the stream handed over around it
                 out = runner.graph_runner.run(piece, key)
                 if out is not None:     # a view of the graphs' static logits: the next

@@ -3,9 +3,11 @@ a process of its own, fed by the API server's router (engine/parallel/data_paral
 multiprocessing pipe.
 
 The router sends ("add", request_id, prompt, params, images), ("abort", request_id),
-("pause"|"resume", request_id) and ("stop",). The replica sends back ("ready", ReplicaInfo) once
+("pause"|"resume", request_id), ("lora_load", token, name, path) and ("lora_unload", name)
+(engine/parallel/replica_lora.py) and ("stop",). The replica sends back ("ready", ReplicaInfo) once
 built (or ("failed", message)), then ("outputs", [RequestOutput...]) after each step,
-("refused", request_id, message) for a request its engine refused, and a Load after every round of
+("refused", request_id, message) for a request its engine refused, ("lora_loaded", token,
+problem or None) for a LoRA load, and a Load after every round of
 commands and steps: what the router weighs (free KV blocks, and how many of its adds the replica
 had taken when it counted them) and the engine's stats for /metrics.
 
@@ -32,6 +34,7 @@ class ReplicaInfo:
     model_dir: str | None
     block_size: int
     num_kv_blocks: int
+    lora_adapters: list         # (name, path) of the LoRA adapters loaded at start
 
 
 @dataclass(slots=True)
@@ -58,7 +61,9 @@ def main(conn, config, index: int, num_threads: int | None) -> None:
         return
     conn.send(("ready", ReplicaInfo(engine.tokenizer, engine.model_config, engine.max_model_len,
                                     engine.pooling, engine.model_dir, config.block_size,
-                                    engine.block_pool.num_blocks)))
+                                    engine.block_pool.num_blocks,
+                                    [(a.name, a.path) for a in engine.lora.adapters()]
+                                    if engine.lora is not None else [])))
     try:
         serve(conn, engine)
     except (EOFError, BrokenPipeError, ConnectionResetError):
@@ -69,6 +74,7 @@ def main(conn, config, index: int, num_threads: int | None) -> None:
 
 def serve(conn, engine) -> None:
     from engine.core.outputs import RequestOutput
+    from engine.parallel.replica_lora import serve_command
     adds = 0
     while True:
         # wait for commands while idle; between steps take what has arrived
@@ -93,6 +99,10 @@ def serve(conn, engine) -> None:
                     conn.send(("outputs", ended))
             elif kind in ("pause", "resume"):
                 engine.pause(command[1], kind == "pause")
+            elif kind in ("lora_load", "lora_unload"):
+                answer = serve_command(engine, command)
+                if answer is not None:
+                    conn.send(answer)
             timeout = 0
         if engine.has_work():
             outputs = engine.step()

@@ -9,7 +9,12 @@ the rows a step pools for embeddings and scores through the LM head (each collec
 the others run too), KV block copies of beam forks made since the previous step, a hybrid
 model's state rows copied after a verify step (each slot takes the state after its accepted
 drafts), and the CUDA graph bucket rank 0 chose for each micro-batch (the others replay the same:
-the graphs hold the collectives, engine/runner/cuda_graph.py).
+the graphs hold the collectives, engine/runner/cuda_graph.py). LoRA adapters
+(engine/lora/manager.py): the step's rows grouped by slot with the adapters' ids, so every rank
+writes the same slots at the same step, and the ids of adapters rank 0 has dropped since; an
+adapter loaded on rank 0 is a message of its own (LoraLoad: its name, path and id), which every
+rank answers once it has read its share, so a load returns only when every rank holds the adapter
+and a rank that cannot read it is an error naming the rank, not a hang.
 
 Sampling, scheduling and everything above stay on rank 0: the others see forward passes only.
 """
@@ -41,6 +46,16 @@ class StepInputs:
     # A hybrid model's verified state rows (src, dst) copied after the previous (verify) step
     # (ModelRunner.keep_verified_states), before this one.
     state_copies: list = field(default_factory=list)
+    # ids of the LoRA adapters rank 0 no longer holds (engine/lora/manager.py), before this step
+    lora_retired: list = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class LoraLoad:
+    """Rank 0 has loaded a LoRA adapter: every rank reads its share and answers."""
+    name: str
+    path: str
+    id: int
 
 
 class HostArrays:
@@ -76,6 +91,9 @@ class StepSender:
         (a Ray actor's); else each worker's pid is watched."""
         self.group = group
         self.stopped = False
+        # the steps (engine thread) and LoRA loads (the server's threads) take turns on the
+        # channel: its messages reach every rank in one order
+        self._lock = threading.Lock()
         self.worker_pids = worker_pids or []
         self.kind, self.grace = kind, grace
         self.on_death = None        # called with the message, from the watchdog's thread
@@ -103,14 +121,30 @@ class StepSender:
                     os._exit(1)
 
     def send(self, inputs: StepInputs) -> None:
-        self.group.send(inputs)
+        with self._lock:
+            self.group.send(inputs)
+
+    def load_lora(self, name: str, path: str, adapter_id: int) -> None:
+        """Every other rank reads its share of the adapter rank 0 has read; a LoraError naming
+        the first rank that could not."""
+        from engine.lora.adapter import LoraError
+        with self._lock:
+            if self.stopped:
+                raise LoraError(f"LoRA adapter {name!r}: the engine has stopped")
+            self.group.send(LoraLoad(name, path, adapter_id))
+            answers = self.group.allgather(None)
+        for rank, problem in enumerate(answers):
+            if problem is not None:
+                raise LoraError(f"LoRA adapter {name!r} ({path}): {self.kind} rank {rank} "
+                                f"could not read its share: {problem}")
 
     def stop(self) -> None:
         """The workers leave their loop and exit; the group is closed."""
-        if not self.stopped:
-            self.stopped = True
-            self.group.send(STOP)
-            self.group.close()
+        with self._lock:
+            if not self.stopped:
+                self.stopped = True
+                self.group.send(STOP)
+                self.group.close()
 
 
 def serve_steps(runner, group) -> int:
@@ -122,11 +156,26 @@ def serve_steps(runner, group) -> int:
             log.info("tensor parallel rank %d: stopped by rank 0 after %d steps", group.rank,
                      steps)
             return steps
+        if isinstance(message, LoraLoad):
+            group.allgather(_load_lora(runner.lora, message))
+            continue
+        if message.lora_retired:
+            runner.lora.drop(message.lora_retired)
         runner.copy_blocks(message.block_copies)
         for src, dst in message.state_copies:
             runner.model.copy_state_rows(runner.kv_caches, src, dst)
         runner.run(message)
         steps += 1
+
+
+def _load_lora(manager, message: LoraLoad) -> str | None:
+    """This rank's share of the adapter read; what went wrong, or None."""
+    try:
+        manager.load_for_rank0(message.name, message.path, message.id)
+    except Exception as e:      # answered to rank 0, which reports it
+        log.error("LoRA adapter %s: %s", message.name, e)
+        return f"{type(e).__name__}: {e}"
+    return None
 
 
 def _alive(pid: int) -> bool:

@@ -228,7 +228,8 @@ class ModelRunner:
         inputs.graphs = self.graph_plan(inputs)
         self._block_copies, self._state_copies = [], []
         if self.peers is not None:      # before the block table's update is applied and dropped
-            self.peers.send(inputs if self.vision is None else self.vision.for_peers(inputs))
+            sent = inputs if self.vision is None else self.vision.for_peers(inputs)
+            self.peers.send(sent if self.lora is None else self.lora.for_peers(sent))
         logits, hidden, score_logits = self.run(inputs)
         if not pooled:
             return logits, []
