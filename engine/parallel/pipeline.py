@@ -48,11 +48,18 @@ STAGED_ARCHITECTURES = (
     "MixtralForCausalLM",
     "Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM",
+    # the hybrid linear-attention families' own forward (engine/models/qwen3_next.py): each
+    # stage holds its linear layers' state rows, indexed by rank 0's plan
+    "Qwen3NextForCausalLM",
+    "Qwen3_5ForCausalLM",
+    "Qwen3_5MoeForCausalLM",
 )
 
-_LAYER = re.compile(r"^((?:model\.)?layers\.)(\d+)\.(.*)$")
-_EMBED = ("model.embed_tokens.weight", "embed_tokens.weight")
-_HEAD = ("model.norm.weight", "norm.weight", "lm_head.weight")
+# (model.language_model.: Qwen3.5's multimodal layout, renamed by its family's file)
+_LAYER = re.compile(r"^((?:model\.(?:language_model\.)?)?layers\.)(\d+)\.(.*)$")
+_EMBED = ("model.embed_tokens.weight", "embed_tokens.weight",
+          "model.language_model.embed_tokens.weight")
+_HEAD = ("model.norm.weight", "norm.weight", "lm_head.weight", "model.language_model.norm.weight")
 
 
 def stage_layers(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
@@ -134,10 +141,11 @@ class PipelineStage:
 
     def holds_end(self, name: str) -> bool:
         """Whether the stage's model holds an end tensor (the embedding, final norm, LM head)
-        the whole model's would."""
+        the whole model's would. An MTP head's (mtp.*: Qwen3-Next's, Qwen3.5's) goes with the
+        last stage, whose final hidden states it reads."""
         if name in _EMBED:
             return self.first or (self.last and self.tied)
-        if name in _HEAD:
+        if name in _HEAD or name.startswith("mtp."):
             return self.last
         return True
 
@@ -145,9 +153,11 @@ class PipelineStage:
         """The stage's model config: its layers, renumbered from 0."""
         a, b = self.first_layer, self.end_layer
         moe = c.moe and dataclasses.replace(c.moe, sparse_layers=c.moe.sparse_layers[a:b])
+        la = c.linear_attention and dataclasses.replace(
+            c.linear_attention, layer_types=c.linear_attention.layer_types[a:b])
         return dataclasses.replace(c, num_hidden_layers=b - a,
                                    sliding_windows=c.sliding_windows[a:b], moe=moe,
-                                   pipeline=self)
+                                   linear_attention=la, pipeline=self)
 
     # ---- the boundary
 
@@ -226,6 +236,8 @@ def micro_batches(batch: ForwardBatch, hidden_rows, count: int):
             (logits_at[mine] - t0).astype(np.int32),
             None if batch.block_table_rows is None else batch.block_table_rows[s0:s1],
             batch.block_table_width)
+        if batch.state_plan is not None:        # a hybrid model's state rows: its sequences'
+            piece.state_plan = batch.state_plan.of_sequences(s0, s1)
         pieces.append((piece, rows, mine, pooled))
     return pieces
 
