@@ -89,14 +89,15 @@ def test_stacked_experts_split(cases, tmp_path, expert_parallel):
                                f"stacked experts{' ep' if expert_parallel else ''}")
 
 
-def conversation(model: str, tp: int):
+def conversation(model: str, tp: int = 1, **kwargs):
     """Two turns, the second's prompt the first's with its answer and new tokens: (the turns'
-    tokens, the second's cached tokens, the snapshot restores)."""
+    tokens, the second's cached tokens, the snapshot restores). kwargs: more EngineConfig (the
+    pipeline-parallel tests')."""
     from engine import LLM, SamplingParams
     rng = np.random.default_rng(7)
     prompt = rng.integers(3, 512, 40).tolist()
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    llm = LLM(model, tensor_parallel_size=tp, num_kv_blocks=64)
+    llm = LLM(model, tensor_parallel_size=tp, num_kv_blocks=64, **kwargs)
     try:
         first = list(llm.generate([prompt], params)[0].token_ids)
         second = llm.generate([prompt + first + rng.integers(3, 512, 9).tolist()], params)[0]
@@ -160,25 +161,32 @@ def test_state_slots_cost_a_ranks_bytes(cases):
     assert state_slots(cases.dir("qwen3_next"), 2) == 2**19 // row
 
 
-def test_ngram_speculation_keeps_each_ranks_verified_state(cases):
-    """A verify step's accepted state goes back to each sequence's slot on every rank (the
-    other ranks copy theirs with the next step): the tokens without speculation, with drafts
-    rejected."""
+def ngram_tokens(model: str, speculate: bool, tp: int = 1, **kwargs):
+    """Greedy tokens of three prompts (one repeating a loop, so that n-gram drafts are found),
+    with or without n-gram speculation; a speculating run's drafts must include rejected ones.
+    kwargs: more EngineConfig (the pipeline-parallel tests')."""
     from engine import LLM, SamplingParams
     rng = np.random.default_rng(5)
     loop = rng.integers(3, 500, 7).tolist()
     prompts = [loop * 4, rng.integers(3, 500, 33).tolist(), rng.integers(3, 500, 17).tolist()]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
-    outs = {}
-    for tp, how in ((1, {}), (2, dict(speculative_config=spec))):
-        llm = LLM(cases.dir("qwen3_next"), tensor_parallel_size=tp, num_kv_blocks=64, **how)
-        try:
-            outs[tp] = [list(o.token_ids) for o in llm.generate(prompts, params)]
-            if tp == 2:
-                stats = llm.engine.speculator.stats
-                assert stats.num_drafts > 2, stats
-                assert stats.num_accepted_tokens < stats.num_draft_tokens, stats
-        finally:
-            llm.engine.shutdown()
-    assert outs[2] == outs[1]
+    how = dict(speculative_config=spec) if speculate else {}
+    llm = LLM(model, tensor_parallel_size=tp, num_kv_blocks=64, **how, **kwargs)
+    try:
+        tokens = [list(o.token_ids) for o in llm.generate(prompts, params)]
+        if speculate:
+            stats = llm.engine.speculator.stats
+            assert stats.num_drafts > 2, stats
+            assert stats.num_accepted_tokens < stats.num_draft_tokens, stats
+        return tokens
+    finally:
+        llm.engine.shutdown()
+
+
+def test_ngram_speculation_keeps_each_ranks_verified_state(cases):
+    """A verify step's accepted state goes back to each sequence's slot on every rank (the
+    other ranks copy theirs with the next step): the tokens without speculation, with drafts
+    rejected."""
+    model = cases.dir("qwen3_next")
+    assert ngram_tokens(model, True, 2) == ngram_tokens(model, False)

@@ -142,7 +142,8 @@ def build(config: EngineConfig, loaded=None, group=None) -> EngineParts:
         if states:              # and state rows (rank 0's plan indexes them on every rank)
             states[0] = dataclasses.replace(
                 states[0], num_slots=min(group.allgather(states[0].num_slots)),
-                num_snapshots=min(group.allgather(states[0].num_snapshots)))
+                num_snapshots=min(group.allgather(states[0].num_snapshots)),
+                num_verify_rows=min(group.allgather(states[0].num_verify_rows)))
     max_cached = (None if config.prefix_cache_max_tokens is None
                   else config.prefix_cache_max_tokens // config.block_size)
     if states:
@@ -463,7 +464,9 @@ def _num_kv_blocks(config: EngineConfig, backend, model_config: ModelConfig, kv_
         budget, what = 1024 * 2**20, "the default 1024 MB"
     if reserve is not None:         # a hybrid model's state rows come out of the budget first
         budget -= reserve(budget, what)
-    num_blocks = budget // per_block
+    # (per_block 0: a pipeline stage without KV-cache layers, a hybrid model's linear ones; the
+    # other stages' blocks bound the pool, every rank taking the fewest)
+    num_blocks = budget // max(per_block, 1)
     if num_blocks < 1:
         raise ValueError(f"the KV cache budget ({what}) holds no block")
     return num_blocks

@@ -86,6 +86,16 @@ class StatePlan:
     def seq_of_row(self) -> np.ndarray:
         return np.repeat(np.arange(self.num_seqs), self.lengths)
 
+    def of_sequences(self, first: int, end: int) -> "StatePlan":
+        """The plan of sequences [first, end) alone, renumbered from 0 (a pipeline stage's
+        micro-batch of them: engine/parallel/pipeline.py); the same state rows."""
+        return StatePlan(
+            self.starts[first:end + 1] - self.starts[first], self.slots[first:end],
+            self.src_rows[first:end], self.fresh[first:end],
+            [(i - first, offset, row) for i, offset, row in self.saves if first <= i < end],
+            self.asarray,
+            verify=[(i - first, *rest) for i, *rest in self.verify if first <= i < end])
+
     def saves_by_offset(self) -> dict[int, list[tuple[int, int]]]:
         """offset -> [(sequence, snapshot row)]: the state after `offset` of its rows."""
         out: dict[int, list[tuple[int, int]]] = {}
@@ -313,7 +323,9 @@ class StatePoolSize:
             slots = config.max_num_seqs
         else:
             slots = min(MAX_NUM_SEQS_CAP, config.max_num_batched_tokens)
-            if budget_bytes is not None:
+            # (row_bytes 0: a pipeline stage without linear layers; the other stages' rows
+            # bound the slots, every rank taking the fewest)
+            if budget_bytes is not None and row_bytes:
                 per_slot = row_bytes * (1 if explicit_snapshots is not None
                                         or not config.enable_prefix_caching else 2)
                 fixed = row_bytes * (explicit_snapshots or 0)

@@ -10,7 +10,9 @@ in_proj_qkvz / in_proj_ba grouped per key head; Qwen3.5 as in_proj_qkv, in_proj_
 in_proj_a. Both are placed as one matrix whose output is [q k v z b a], each in head order.
 
 Only the full-attention layers have a paged K/V cache; the linear layers keep per-sequence state
-rows (engine/core/hybrid_state.py), which `allocate_caches` makes.
+rows (engine/core/hybrid_state.py), which `allocate_caches` makes. A pipeline stage's model
+(engine/parallel/pipeline.py) holds its layers' caches and state rows only, under the slot
+numbers of rank 0's plan; its layer_types are the stage's.
 """
 from __future__ import annotations
 
@@ -124,7 +126,10 @@ class Qwen3NextForCausalLM(MoeForCausalLM):
         # the MTP head's, for speculative decoding (engine/models/qwen3_next_mtp.py); the
         # engine's builder drops them when nothing drafts with them
         self.mtp_weights = take_mtp_weights(weights)
-        check_weights(config, weights, self.expected_shapes(config))
+        shapes = self.expected_shapes(config)
+        if config.pipeline is not None:     # a stage holds the ends it runs (pipeline.py)
+            shapes = {n: s for n, s in shapes.items() if config.pipeline.holds_end(n)}
+        check_weights(config, weights, shapes)
         self.config, self.backend, self.xp = config, backend, backend.xp
         self._to_device = backend.asarray
         c = config
@@ -132,6 +137,7 @@ class Qwen3NextForCausalLM(MoeForCausalLM):
             build_cos_sin_cache(c.rope, c.max_position_embeddings, c.max_model_len))
         self.workspace = Workspace(self.xp, backend.act_dtype)
         self.embed_scale = None
+        self._unit_norm = None        # (a pipeline stage's hand-over: LlamaForCausalLM._ones)
         self.kv_scales_from_checkpoint = False
         self.layers = []
         for i, kind in enumerate(c.linear_attention.layer_types):
@@ -240,9 +246,18 @@ class Qwen3NextForCausalLM(MoeForCausalLM):
         T = batch.num_tokens
         residual = ws.get("residual", T, c.hidden_size)
         hidden = ws.get("hidden", T, c.hidden_size)
-        tensor_parallel.embed(b, c, batch.token_ids, self.embed_tokens, residual)
+        stage = c.pipeline
+        if stage is None or stage.first:
+            tensor_parallel.embed(b, c, batch.token_ids, self.embed_tokens, residual)
+        else:           # the stream from the stage before (engine/parallel/pipeline.py)
+            stage.receive_stream(residual)
         for layer, caches in zip(self.layers, kv_caches):
             layer.forward(batch, hidden, residual, caches, ws)
+        if stage is not None and not stage.last:
+            # the add the next stage's first layer would make (it normalizes what it receives)
+            b.fused_add_rms_norm(hidden, residual, self._ones(), c.rms_norm_eps)
+            stage.send_stream(residual)
+            return None
         idx = batch.logits_indices
         num_logits = len(idx)
         if hidden_indices is not None:

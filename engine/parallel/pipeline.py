@@ -65,6 +65,11 @@ STAGED_ARCHITECTURES = (
     "DeepseekV3ForCausalLM",
     "Glm4MoeLiteForCausalLM",
     "Glm4MoeForCausalLM",
+    # the hybrid linear-attention families' own forward (engine/models/qwen3_next.py): each
+    # stage holds its linear layers' state rows, indexed by rank 0's plan
+    "Qwen3NextForCausalLM",
+    "Qwen3_5ForCausalLM",
+    "Qwen3_5MoeForCausalLM",
 )
 
 # (a vision-language checkpoint's language model under model.language_model. or
@@ -159,11 +164,12 @@ class PipelineStage:
 
     def holds_end(self, name: str) -> bool:
         """Whether the stage's model holds an end tensor (the embedding, final norm, LM head)
-        the whole model's would."""
+        the whole model's would. An MTP head's (mtp.*: Qwen3-Next's, Qwen3.5's) goes with the
+        last stage, whose final hidden states it reads."""
         name = text_model_name(name)
         if name in _EMBED:
             return self.first or (self.last and self.tied)
-        if name in _HEAD:
+        if name in _HEAD or name.startswith("mtp."):
             return self.last
         return True
 
@@ -172,9 +178,12 @@ class PipelineStage:
         settings (sliding windows, MoE layers, a family's own: stage_families.py)."""
         a, b = self.first_layer, self.end_layer
         moe = c.moe and dataclasses.replace(c.moe, sparse_layers=c.moe.sparse_layers[a:b])
+        la = c.linear_attention and dataclasses.replace(
+            c.linear_attention, layer_types=c.linear_attention.layer_types[a:b])
         return dataclasses.replace(c, num_hidden_layers=b - a,
                                    sliding_windows=c.sliding_windows[a:b], moe=moe,
-                                   family=stage_family(c.family, a, b), pipeline=self)
+                                   linear_attention=la, family=stage_family(c.family, a, b),
+                                   pipeline=self)
 
     # ---- the boundary
 
@@ -255,6 +264,8 @@ def micro_batches(batch: ForwardBatch, hidden_rows, count: int):
             (logits_at[mine] - t0).astype(np.int32),
             None if batch.block_table_rows is None else batch.block_table_rows[s0:s1],
             batch.block_table_width)
+        if batch.state_plan is not None:        # a hybrid model's state rows: its sequences'
+            piece.state_plan = batch.state_plan.of_sequences(s0, s1)
         pieces.append((piece, rows, mine, pooled))
     return pieces
 
