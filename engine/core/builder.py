@@ -90,8 +90,14 @@ def build(config: EngineConfig, loaded=None, group=None) -> EngineParts:
     if tokenizer is not None:
         eos_token_ids |= tokenizer.eos_token_ids
 
-    draft = _load_draft(config, backend, model_config, tokenizer,   # (model, config) or None
-                        given_draft)
+    # (model, config) or None. Under tensor or pipeline parallel the draft is small: rank 0
+    # holds it whole beside the scheduler (its KV pool too) and proposes; every rank verifies.
+    if group is None:
+        draft = _load_draft(config, backend, model_config, tokenizer, given_draft)
+    else:
+        with launch.all_ranks(group, "loading the draft model"):
+            draft = (_load_draft(config, backend, model_config, tokenizer)
+                     if group.rank == 0 else None)
     head = _load_eagle3(config, backend, model, model_config)
     # the adapter slots before the KV pool is sized: on a GPU they take device memory
     lora = None
