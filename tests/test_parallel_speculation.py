@@ -7,7 +7,14 @@
   target as its own draft accepts every draft; a nearby draft (the target's layers with noise)
   about half of them, the same ones as in one process. (The draft reads the block tables before rank 0
   sends the step to the other ranks: the tables' changes must still reach them.)
-- EAGLE-3 and MTP heads stay refused by name.
+- An MTP head (DeepSeek-V3's layer, Qwen3-Next's mtp.*) under tensor parallel 2, sharded as the
+  target is and run in lockstep on every rank (engine/parallel/draft_steps.py): greedy tokens equal
+  the one-process engine's without speculation and transformers', acceptance counts equal one
+  process's with the head: a head that computes the target's next token (tests/mtp_heads.py's
+  bigram) accepts every draft through the target's vocab-parallel embedding and LM head; the same
+  with noise in its MLP some of them, DeepSeek's reading its own embedding and shared_head.head
+  (replicated whole).
+- EAGLE-3, and an MTP head under pipeline parallel, stay refused by name.
 """
 from __future__ import annotations
 
@@ -16,7 +23,7 @@ import shutil
 import numpy as np
 import pytest
 
-from hf_oracle import assert_matches
+from hf_oracle import assert_matches, hf_greedy, load_hf
 from model_cases import GEN, prompts_for
 from test_spec_decode_draft import draft_config, free_drafts  # noqa: F401 (a fixture)
 from test_tensor_parallel import (assert_same_as_one_process, cases, wait_for_workers_gone,  # noqa: F401
@@ -100,3 +107,89 @@ def test_draft_model(cases, nearby, plain, one_process, draft, tp, pp):
     else:
         assert 0 < accepted < proposed, label
     wait_for_workers_gone(before)
+
+
+# ---- MTP heads under tensor parallel 2
+
+def noisy_copy(src: str, dst: str, prefix: str, own_ends: str | None = None) -> str:
+    """src with noise (30% of each matrix's spread) in the MLP tensors under `prefix`; with
+    own_ends (DeepSeek's MTP layer prefix), the head also given its own copies of the target's
+    embedding and LM head (embed_tokens, shared_head.head: replicated whole under tensor
+    parallel)."""
+    from mtp_heads import load, save
+    shutil.copytree(src, dst)
+    weights = load(dst)
+    rng = np.random.default_rng(3)
+    for name, w in weights.items():
+        if name.startswith(prefix) and w.ndim == 2:
+            weights[name] = (w + 0.3 * w.std() * rng.standard_normal(w.shape)).astype(w.dtype)
+    if own_ends:
+        weights[own_ends + "embed_tokens.weight"] = weights["model.embed_tokens.weight"].copy()
+        weights[own_ends + "shared_head.head.weight"] = weights["lm_head.weight"].copy()
+    save(dst, weights)
+    return dst
+
+
+@pytest.fixture(scope="module")
+def mtp_targets(tmp_path_factory):
+    """(family, head) -> the checkpoint, made on first use."""
+    import mtp_heads
+    import qwen3_next_mtp_heads
+    made = {}
+
+    def get(family, head):
+        if (family, head) not in made:
+            d = str(tmp_path_factory.mktemp(f"{family}_{head}"))
+            if head == "bigram":
+                module = mtp_heads if family == "deepseek" else qwen3_next_mtp_heads
+                made[family, head] = module.bigram_mtp_checkpoint(d)
+            elif family == "deepseek":
+                N = mtp_heads.config(get(family, "bigram"))["num_hidden_layers"]
+                made[family, head] = noisy_copy(get(family, "bigram"), f"{d}/noisy",
+                                                f"model.layers.{N}.mlp.", f"model.layers.{N}.")
+            else:
+                made[family, head] = noisy_copy(get(family, "bigram"), f"{d}/noisy",
+                                                "mtp.layers.0.mlp.")
+        return made[family, head]
+    return get
+
+
+@pytest.mark.parametrize("family", ["deepseek", "qwen3_next"])
+@pytest.mark.parametrize("head", ["bigram", "noisy"])
+def test_mtp_head(mtp_targets, family, head):
+    before = worker_pids()
+    target = mtp_targets(family, head)
+    plain, _ = run(target)
+    hf = load_hf(target)
+    for i, (tokens, prompt) in enumerate(zip(plain[0], prompts_for())):
+        assert_matches(tokens[:GEN], hf_greedy(hf, prompt, GEN), min_trusted=8,
+                       label=f"{family} one process prompt {i}")
+    spec = {"method": "mtp", "num_speculative_tokens": 3}
+    one_out, one_counts = run(target, speculative_config=spec)
+    split_out, split_counts = run(target, 2, speculative_config=spec)
+    label = f"{family} MTP head {head}, tensor parallel 2"
+    assert_same_as_one_process(plain, one_out, f"one process, {label}")
+    assert_same_as_one_process(plain, split_out, label)
+    assert split_counts == one_counts, label
+    drafts, proposed, accepted = split_counts
+    assert drafts > 0
+    if head == "bigram":
+        assert accepted == proposed, label
+    else:
+        assert 0 < accepted < proposed, label
+    wait_for_workers_gone(before)
+
+
+@pytest.mark.parametrize("method,pp,what", [("eagle3", 1, "an EAGLE-3 head"),
+                                            ("mtp", 2, "an MTP head")])
+def test_what_is_not_split_is_refused_by_name(method, pp, what):
+    from engine.config import EngineConfig
+    from engine.parallel.launch import check_supported
+    spec = {"method": method, "num_speculative_tokens": 2}
+    if method == "eagle3":
+        spec["model"] = "a head's directory"
+    config = EngineConfig(model="unused", tensor_parallel_size=3 - pp, pipeline_parallel_size=pp,
+                          speculative_config=spec)
+    with pytest.raises(ValueError, match=f"speculative decoding with {what} is not yet "
+                                         f"supported"):
+        check_supported(config)

@@ -217,6 +217,9 @@ def build(config: EngineConfig, loaded=None, group=None) -> EngineParts:
         draft_model = MtpProposer(mtp, backend, num_blocks, config.block_size,
                                   config.kv_cache_dtype, model_config.vocab_size)
         runner.aux_capture = draft_model.capture
+        # tensor parallel: every rank holds its shard of the head; rank 0 sends the drafting
+        # forwards (engine/parallel/draft_steps.py), the others run them (worker.py)
+        draft_model.peers = runner.peers
         log.info("speculative decoding: the checkpoint's MTP head (%s), %d tokens per step, its "
                  "cache and the target's hidden states in %d blocks", mtp.describe(),
                  config.speculative_config.num_speculative_tokens, num_blocks)

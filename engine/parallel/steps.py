@@ -113,11 +113,17 @@ class StepSender:
             self.group.close()
 
 
-def serve_steps(runner, group) -> int:
-    """A worker rank's loop: run each step rank 0 sends until its stop; returns the steps run."""
+def serve_steps(runner, group, drafts=None) -> int:
+    """A worker rank's loop: run each step rank 0 sends until its stop; returns the steps run.
+    drafts: an MTP head's PeerDrafts (engine/parallel/draft_steps.py), which runs rank 0's
+    drafting forwards and mirrors each step."""
+    from engine.parallel.draft_steps import DraftStep
     steps = 0
     while True:
         message = group.receive()
+        if isinstance(message, DraftStep):
+            drafts.run(message)
+            continue
         if message == STOP:
             log.info("tensor parallel rank %d: stopped by rank 0 after %d steps", group.rank,
                      steps)
@@ -126,6 +132,8 @@ def serve_steps(runner, group) -> int:
         for src, dst in message.state_copies:
             runner.model.copy_state_rows(runner.kv_caches, src, dst)
         runner.run(message)
+        if drafts is not None:
+            drafts.mirror(message.batch)
         steps += 1
 
 
