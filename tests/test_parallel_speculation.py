@@ -14,7 +14,11 @@
   bigram) accepts every draft through the target's vocab-parallel embedding and LM head; the same
   with noise in its MLP some of them, DeepSeek's reading its own embedding and shared_head.head
   (replicated whole).
-- EAGLE-3, and an MTP head under pipeline parallel, stay refused by name.
+- An EAGLE-3 head under tensor parallel 2, whole on rank 0 (as a draft model), reading the
+  target's aux hidden states there and its embedding gathered whole from the ranks' shares: the
+  same checks, with tests/test_spec_decode_eagle3.py's head that predicts its bigram target
+  (every draft accepted) and that head made to read the target's features a little (some).
+- EAGLE-3 and MTP heads under pipeline parallel stay refused by name.
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ import pytest
 from hf_oracle import assert_matches, hf_greedy, load_hf
 from model_cases import GEN, prompts_for
 from test_spec_decode_draft import draft_config, free_drafts  # noqa: F401 (a fixture)
+from test_spec_decode_eagle3 import copy_head  # noqa: F401 (a fixture)
 from test_tensor_parallel import (assert_same_as_one_process, cases, wait_for_workers_gone,  # noqa: F401
                                   worker_pids)
 
@@ -154,42 +159,78 @@ def mtp_targets(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("family", ["deepseek", "qwen3_next"])
-@pytest.mark.parametrize("head", ["bigram", "noisy"])
-def test_mtp_head(mtp_targets, family, head):
+def assert_tensor_parallel_speculates_as_one_process(target, spec, every_draft: bool, label):
+    """Greedy tokens at tensor parallel 2 with `spec` equal the one-process engine's without it
+    (and transformers'), and the acceptance counts one process's with it: every draft accepted,
+    or some but not all."""
     before = worker_pids()
-    target = mtp_targets(family, head)
     plain, _ = run(target)
     hf = load_hf(target)
     for i, (tokens, prompt) in enumerate(zip(plain[0], prompts_for())):
         assert_matches(tokens[:GEN], hf_greedy(hf, prompt, GEN), min_trusted=8,
-                       label=f"{family} one process prompt {i}")
-    spec = {"method": "mtp", "num_speculative_tokens": 3}
+                       label=f"{label}: one process prompt {i}")
     one_out, one_counts = run(target, speculative_config=spec)
     split_out, split_counts = run(target, 2, speculative_config=spec)
-    label = f"{family} MTP head {head}, tensor parallel 2"
+    label = f"{label}, tensor parallel 2"
     assert_same_as_one_process(plain, one_out, f"one process, {label}")
     assert_same_as_one_process(plain, split_out, label)
     assert split_counts == one_counts, label
     drafts, proposed, accepted = split_counts
     assert drafts > 0
-    if head == "bigram":
+    if every_draft:
         assert accepted == proposed, label
     else:
         assert 0 < accepted < proposed, label
     wait_for_workers_gone(before)
 
 
-@pytest.mark.parametrize("method,pp,what", [("eagle3", 1, "an EAGLE-3 head"),
-                                            ("mtp", 2, "an MTP head")])
-def test_what_is_not_split_is_refused_by_name(method, pp, what):
+@pytest.mark.parametrize("family", ["deepseek", "qwen3_next"])
+@pytest.mark.parametrize("head", ["bigram", "noisy"])
+def test_mtp_head(mtp_targets, family, head):
+    assert_tensor_parallel_speculates_as_one_process(
+        mtp_targets(family, head), {"method": "mtp", "num_speculative_tokens": 3},
+        head == "bigram", f"{family} MTP head {head}")
+
+
+# ---- EAGLE-3 under tensor parallel 2
+
+@pytest.fixture(scope="module")
+def noisy_eagle3_head(copy_head, tmp_path_factory):
+    """tests/test_spec_decode_eagle3.py's head that predicts its bigram target, made to read the
+    target's features a little (a random fc, hidden_norm 0.03): some drafts change with them."""
+    from safetensors.numpy import load_file, save_file
+    d = str(tmp_path_factory.mktemp("eagle3") / "noisy")
+    shutil.copytree(copy_head[1], d)
+    path = f"{d}/model.safetensors"
+    weights = load_file(path)
+    H = weights["fc.weight"].shape[0]
+    rng = np.random.default_rng(3)
+    weights["fc.weight"] = (rng.standard_normal(weights["fc.weight"].shape)
+                            / np.sqrt(weights["fc.weight"].shape[1])).astype(np.float32)
+    weights["midlayer.hidden_norm.weight"] = np.full(H, 0.03, np.float32)
+    save_file(weights, path, metadata={"format": "pt"})
+    return d
+
+
+@pytest.mark.parametrize("head", ["bigram", "noisy"])
+def test_eagle3_head(copy_head, noisy_eagle3_head, head):
+    """The head whole on rank 0, its features the target's aux hidden states there, the target's
+    embedding gathered whole from the ranks' shares."""
+    target, bigram_head = copy_head
+    spec = {"method": "eagle3", "model": bigram_head if head == "bigram" else noisy_eagle3_head,
+            "num_speculative_tokens": 3}
+    assert_tensor_parallel_speculates_as_one_process(target, spec, head == "bigram",
+                                                     f"EAGLE-3 head {head}")
+
+
+@pytest.mark.parametrize("method,what", [("eagle3", "an EAGLE-3 head"), ("mtp", "an MTP head")])
+def test_heads_under_pipeline_parallel_are_refused_by_name(method, what):
     from engine.config import EngineConfig
     from engine.parallel.launch import check_supported
     spec = {"method": method, "num_speculative_tokens": 2}
     if method == "eagle3":
         spec["model"] = "a head's directory"
-    config = EngineConfig(model="unused", tensor_parallel_size=3 - pp, pipeline_parallel_size=pp,
-                          speculative_config=spec)
+    config = EngineConfig(model="unused", pipeline_parallel_size=2, speculative_config=spec)
     with pytest.raises(ValueError, match=f"speculative decoding with {what} is not yet "
                                          f"supported"):
         check_supported(config)
