@@ -11,7 +11,9 @@ model's state rows copied after a verify step (each slot takes the state after i
 drafts), and the CUDA graph bucket rank 0 chose for each micro-batch (the others replay the same:
 the graphs hold the collectives, engine/runner/cuda_graph.py).
 
-Sampling, scheduling and everything above stay on rank 0: the others see forward passes only.
+Sampling, scheduling and everything above stay on rank 0: the others see forward passes only
+(and, with an MTP head, its drafting forwards: a DraftStep before each, engine/parallel/
+draft_steps.py). A draft model or an EAGLE-3 head runs on rank 0 alone.
 """
 from __future__ import annotations
 
