@@ -1,12 +1,13 @@
 """Speculative decoding under tensor and pipeline parallel on the CPU backend (issue 28).
 
 - A draft model (method draft_model) runs whole on rank 0 beside the scheduler, its KV pool there
-  too, and proposes; the target's verify steps run on every rank. With tensor parallel 2 and
-  with pipeline parallel 2 the greedy tokens equal the one-process engine's without speculation
-  and transformers', and the acceptance counts equal one process's with the same draft: the
-  target as its own draft accepts every draft; a nearby draft (the target's layers with noise)
-  about half of them, the same ones as in one process. (The draft reads the block tables before rank 0
-  sends the step to the other ranks: the tables' changes must still reach them.)
+  too, and proposes; the target's verify steps run on every rank. With tensor parallel 2,
+  pipeline parallel 2 and both (4 processes) the greedy tokens equal the one-process engine's
+  without speculation and transformers', and the acceptance counts equal one process's with the
+  same draft: the target as its own draft accepts every draft; a nearby draft (the target's
+  layers with noise) about half of them, the same ones as in one process. (The draft reads the
+  block tables before rank 0 sends the step to the other ranks: the tables' changes must still
+  reach them.)
 - An MTP head (DeepSeek-V3's layer, Qwen3-Next's mtp.*) under tensor parallel 2, sharded as the
   target is and run in lockstep on every rank (engine/parallel/draft_steps.py): greedy tokens equal
   the one-process engine's without speculation and transformers', acceptance counts equal one
@@ -93,7 +94,7 @@ def one_process(cases, nearby):
     return get
 
 
-@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2), (2, 2)])
 @pytest.mark.parametrize("draft", ["itself", "nearby"])
 def test_draft_model(cases, nearby, plain, one_process, draft, tp, pp):
     before = worker_pids()
