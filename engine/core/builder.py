@@ -23,6 +23,7 @@ from engine.models.deepseek_mtp import DeepseekMtpHead
 from engine.models.model_config import ModelConfig
 from engine.models.qwen3_next_mtp import Qwen3NextMtpHead
 from engine.parallel import launch
+from engine.parallel import layers as tensor_parallel_layers
 from engine.parallel.pipeline import PipelineRunner, stage_layers
 from engine.parallel.steps import StepSender
 from engine.runner import cuda_memory
@@ -91,9 +92,19 @@ def build(config: EngineConfig, loaded=None, group=None) -> EngineParts:
     if tokenizer is not None:
         eos_token_ids |= tokenizer.eos_token_ids
 
-    draft = _load_draft(config, backend, model_config, tokenizer,   # (model, config) or None
-                        given_draft)
-    head = _load_eagle3(config, backend, model, model_config)
+    # (model, config) or None. Under tensor or pipeline parallel the draft is small: rank 0
+    # holds it whole beside the scheduler (its KV pool too) and proposes; every rank verifies.
+    if group is None:
+        draft = _load_draft(config, backend, model_config, tokenizer, given_draft)
+    else:
+        with launch.all_ranks(group, "loading the draft model"):
+            draft = (_load_draft(config, backend, model_config, tokenizer)
+                     if group.rank == 0 else None)
+    if group is None:
+        head = _load_eagle3(config, backend, model, model_config)
+    else:
+        with launch.all_ranks(group, "loading the EAGLE-3 head"):
+            head = _load_eagle3(config, backend, model, model_config, group)
     # the adapter slots before the KV pool is sized: on a GPU they take device memory
     lora = None
     if config.lora is not None:
@@ -212,6 +223,9 @@ def build(config: EngineConfig, loaded=None, group=None) -> EngineParts:
         draft_model = MtpProposer(mtp, backend, num_blocks, config.block_size,
                                   config.kv_cache_dtype, model_config.vocab_size)
         runner.aux_capture = draft_model.capture
+        # tensor parallel: every rank holds its shard of the head; rank 0 sends the drafting
+        # forwards (engine/parallel/draft_steps.py), the others run them (worker.py)
+        draft_model.peers = runner.peers
         log.info("speculative decoding: the checkpoint's MTP head (%s), %d tokens per step, its "
                  "cache and the target's hidden states in %d blocks", mtp.describe(),
                  config.speculative_config.num_speculative_tokens, num_blocks)
@@ -301,8 +315,11 @@ def _load_draft(config: EngineConfig, backend, target_config: ModelConfig, token
     return model, draft_config
 
 
-def _load_eagle3(config: EngineConfig, backend, model, model_config: ModelConfig):
-    """The speculative config's EAGLE-3 head, or None."""
+def _load_eagle3(config: EngineConfig, backend, model, model_config: ModelConfig, group=None):
+    """The speculative config's EAGLE-3 head, or None. Under tensor parallel the head (one small
+    layer) runs whole on rank 0 beside the scheduler, as a draft model does, reading the target's
+    hidden states there (whole on every rank after the all-reduces); one without an embedding of
+    its own reads the target's, gathered whole from the ranks' vocabulary shares."""
     spec = config.speculative_config
     if spec is None or spec.method != "eagle3":
         return None
@@ -310,8 +327,14 @@ def _load_eagle3(config: EngineConfig, backend, model, model_config: ModelConfig
             or "capture" not in inspect.signature(model.forward).parameters):
         raise ValueError(f"EAGLE-3: the target's graph ({model_config.architecture}) cannot "
                          f"hand its hidden states to a head")
+    if group is None:
+        return load_eagle3_head(resolve_model(spec.model), backend, model, model_config,
+                                dtype=config.dtype)
+    embed = tensor_parallel_layers.whole_vocab_rows(model.config, model.embed_tokens)
+    if group.rank != 0:
+        return None
     return load_eagle3_head(resolve_model(spec.model), backend, model, model_config,
-                            dtype=config.dtype)
+                            dtype=config.dtype, target_embed=embed)
 
 
 def _load_mtp(config: EngineConfig, model, model_config: ModelConfig):

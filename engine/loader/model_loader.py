@@ -130,10 +130,16 @@ def _local(model_config: ModelConfig, plan: ShardPlan | None, tensor_parallel,
     return local if stage is None else stage.local_config(local)
 
 
+TARGETS = object()      # load_eagle3_head's target_embed: the target model's own table
+
+
 def load_eagle3_head(head_dir: str, backend, target, target_config: ModelConfig,
-                     dtype: str = "auto", progress: bool = True) -> Eagle3Head:
+                     dtype: str = "auto", progress: bool = True,
+                     target_embed=TARGETS) -> Eagle3Head:
     """The EAGLE-3 head in head_dir, drafting for `target` (its model and config): its config
-    and tensors checked against the target's, its embedding the target's when it has none."""
+    and tensors checked against the target's, its embedding the target's when it has none
+    (target_embed: that embedding whole where the target holds a tensor-parallel share of it,
+    or None where it is not available whole; by default the target's own)."""
     path = os.path.join(head_dir, "config.json")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no config.json in {head_dir}")
@@ -162,7 +168,8 @@ def load_eagle3_head(head_dir: str, backend, target, target_config: ModelConfig,
     try:
         return Eagle3Head(config, weights, backend,
                           config.aux_layers_for(target_config.num_hidden_layers),
-                          target.embed_tokens, target_config.vocab_size,
+                          target.embed_tokens if target_embed is TARGETS else target_embed,
+                          target_config.vocab_size,
                           target_config.max_model_len)
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None

@@ -34,6 +34,7 @@ import numpy as np
 
 from engine.models.deepseek import deepseek_shapes
 from engine.models.llama import LlamaForCausalLM, check_weights
+from engine.parallel import layers as tensor_parallel
 from engine.runner.forward_batch import ForwardBatch
 from pyx.layers import Workspace
 
@@ -74,7 +75,12 @@ class DeepseekMtpHead:
         own = {n: weights.pop(n) for n in list(weights) if n.startswith(p)}
         sparse = f"{p}mlp.gate.weight" in own
         check_weights(c, own, mtp_layer_shapes(c, sparse))
-        V, H = c.vocab_size, c.hidden_size
+        # the whole vocabulary: under tensor parallel the head's own embedding and head are
+        # replicated whole, the target's are the rank's vocab-parallel shares
+        V = c.vocab_size if c.tensor_parallel is None else c.tensor_parallel.vocab_size
+        H = c.hidden_size
+        self.own_embed = p + "embed_tokens.weight" in own
+        self.own_head = p + "shared_head.head.weight" in own
         for name in ("embed_tokens.weight", "shared_head.head.weight"):
             w = own.get(p + name)
             if w is not None and tuple(w.shape) != (V, H):
@@ -92,8 +98,8 @@ class DeepseekMtpHead:
         self.eh_proj = target._take(own, p + "eh_proj.weight")
         self.norm = target._norm(own, p + "shared_head.norm.weight")
         self.attention = target._attention(own, p, N)
-        self.mlp = (target._moe(own, p) if sparse
-                    else LlamaForCausalLM._mlp(target, own, p, N))
+        self.mlp = tensor_parallel.all_reduced(  # (the attention is all-reduced already)
+            target._moe(own, p) if sparse else LlamaForCausalLM._mlp(target, own, p, N), c)
         self.input_norm = target._norm(own, p + "input_layernorm.weight")
         self.post_norm = target._norm(own, p + "post_attention_layernorm.weight")
         self.sparse = sparse
@@ -141,7 +147,10 @@ class DeepseekMtpHead:
         c, b, xp, ws = self.config, self.backend, self.xp, self.workspace
         T, H, eps = batch.num_tokens, c.hidden_size, c.rms_norm_eps
         embeds = ws.get("mtp_embeds", T, H)
-        b.embedding(batch.token_ids, self.embed_tokens, embeds)
+        if self.own_embed:
+            b.embedding(batch.token_ids, self.embed_tokens, embeds)
+        else:
+            tensor_parallel.embed(b, c, batch.token_ids, self.embed_tokens, embeds)
         if first_rows is not None and len(first_rows):
             # zeroed by allocation, not by a scalar fill (bf16 device arrays)
             embeds[b.asarray(np.asarray(first_rows, np.int64))] = xp.zeros(
@@ -168,8 +177,13 @@ class DeepseekMtpHead:
         return final, residual
 
     def logits(self, rows_hidden):
-        """Logits (len(rows_hidden), vocab) float32 of final-norm rows."""
-        out = self.xp.empty((len(rows_hidden), self.config.vocab_size), dtype=np.float32)
-        if len(rows_hidden):
-            self.backend.linear(rows_hidden, self.lm_head, None, out)
-        return out
+        """Logits (len(rows_hidden), vocab) float32 of final-norm rows (under tensor parallel
+        the target's head's shares gathered)."""
+        c = self.config
+        if self.own_head or not len(rows_hidden):
+            V = c.vocab_size if c.tensor_parallel is None else c.tensor_parallel.vocab_size
+            out = self.xp.empty((len(rows_hidden), V), dtype=np.float32)
+            if len(rows_hidden):
+                self.backend.linear(rows_hidden, self.lm_head, None, out)
+            return out
+        return tensor_parallel.logits(self.backend, c, rows_hidden, self.lm_head)

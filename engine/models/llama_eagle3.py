@@ -204,6 +204,10 @@ class Eagle3Head:
         weights.pop("t2d", None)
         embed = weights.pop("embed_tokens.weight", None)
         if embed is None:
+            if target_embed is None:
+                raise ValueError("it has no embed_tokens, and the target's embedding is not "
+                                 "available whole (a quantized embedding split by tensor "
+                                 "parallel)")
             self.embed_tokens = target_embed
             self.embed_vocab_size = target_vocab_size
         else:

@@ -32,6 +32,7 @@ import numpy as np
 
 from engine.models.llama import LlamaForCausalLM, check_weights
 from engine.models.qwen3_next import hybrid_shapes
+from engine.parallel import layers as tensor_parallel
 from engine.runner.forward_batch import ForwardBatch
 from pyx.layers import Workspace
 
@@ -88,9 +89,13 @@ class Qwen3NextMtpHead:
         self.norm_hidden = target._norm(own, f"{PREFIX}pre_fc_norm_hidden.weight")
         self.fc = target._take(own, f"{PREFIX}fc.weight")
         self.norm = target._norm(own, f"{PREFIX}norm.weight")
-        self.attention = target._gated_attention(own, LAYER, N)
-        self.mlp = (target._moe(own, LAYER) if sparse
-                    else LlamaForCausalLM._mlp(target, own, LAYER, N))
+        # under tensor parallel the rank's heads and MLP share, each all-reduced (as the
+        # target's layers are)
+        self.attention = tensor_parallel.all_reduced_attention(
+            target._gated_attention(own, LAYER, N), c)
+        self.mlp = tensor_parallel.all_reduced(
+            target._moe(own, LAYER) if sparse else LlamaForCausalLM._mlp(target, own, LAYER, N),
+            c)
         self.input_norm = target._norm(own, f"{LAYER}input_layernorm.weight")
         self.post_norm = target._norm(own, f"{LAYER}post_attention_layernorm.weight")
         self.sparse = sparse
@@ -132,7 +137,7 @@ class Qwen3NextMtpHead:
         c, b, xp, ws = self.config, self.backend, self.xp, self.workspace
         T, H, eps = batch.num_tokens, c.hidden_size, c.rms_norm_eps
         embeds = ws.get("mtp_embeds", T, H)
-        b.embedding(batch.token_ids, self.embed_tokens, embeds)
+        tensor_parallel.embed(b, c, batch.token_ids, self.embed_tokens, embeds)
         normed = ws.get("mtp_normed", T, H)
         x = ws.get("mtp_x", T, 2 * H)
         b.rms_norm(embeds, self.norm_embedding, eps, normed)
@@ -155,8 +160,10 @@ class Qwen3NextMtpHead:
         return final, final
 
     def logits(self, rows_hidden):
-        """Logits (len(rows_hidden), vocab) float32 of the head's output rows."""
-        out = self.xp.empty((len(rows_hidden), self.config.vocab_size), dtype=np.float32)
-        if len(rows_hidden):
-            self.backend.linear(rows_hidden, self.lm_head, None, out)
-        return out
+        """Logits (len(rows_hidden), vocab) float32 of the head's output rows (under tensor
+        parallel the target's head's shares gathered)."""
+        c = self.config
+        if not len(rows_hidden):
+            V = c.vocab_size if c.tensor_parallel is None else c.tensor_parallel.vocab_size
+            return self.xp.empty((0, V), dtype=np.float32)
+        return tensor_parallel.logits(self.backend, c, rows_hidden, self.lm_head)

@@ -36,11 +36,12 @@ def sizes(config) -> str:
 def check_supported(config) -> None:
     """What tensor and pipeline parallel do not split yet, refused before any worker starts."""
     spec = config.speculative_config
-    if spec is not None and spec.method in ("draft_model", "eagle3", "mtp"):
-        what = {"draft_model": "a draft model", "eagle3": "an EAGLE-3 head",
-                "mtp": "an MTP head"}[spec.method]
+    method = spec.method if spec is not None else None
+    if method in ("eagle3", "mtp") and config.pipeline_parallel_size > 1:
+        what = {"eagle3": "an EAGLE-3 head", "mtp": "an MTP head"}[method]
         raise ValueError(f"{kind(config)}: speculative decoding with {what} is not yet "
-                         f"supported (n-gram speculation is)")
+                         f"supported (n-gram speculation and a draft model are; {what} under "
+                         f"tensor parallel alone)")
     if config.backend not in ("cpu", "cuda"):
         raise ValueError(f"tensor parallel: unknown backend {config.backend!r}")
 

@@ -127,3 +127,18 @@ def logits(backend, config, rows_hidden, lm_head, bias=None):
     gathered = tp.comm.all_gather(xp.ascontiguousarray(local[:, :share]))  # (ranks, n, share)
     whole = gathered.transpose(1, 0, 2).reshape(n, tp.size * share)
     return xp.ascontiguousarray(whole[:, :tp.vocab_size])
+
+
+def whole_vocab_rows(config, table):
+    """The whole vocabulary's rows (V, H) of a vocab-parallel float table (every rank's share, the
+    zero row dropped), gathered onto every rank (a collective), or None for a quantized table:
+    for a part that runs whole on rank 0 and reads the target's embedding (an EAGLE-3 head)."""
+    tp = config.tensor_parallel
+    if tp is None:
+        return table
+    if getattr(table, "ndim", None) != 2 or hasattr(table, "quant_parts"):
+        return None         # (the same on every rank: none of them gathers)
+    share = config.vocab_size
+    gathered = tp.comm.all_gather(table[:share])          # (ranks, share, H)
+    whole = gathered.reshape(tp.size * share, gathered.shape[-1])[:tp.vocab_size]
+    return whole.copy()

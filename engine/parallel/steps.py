@@ -16,7 +16,9 @@ adapter loaded on rank 0 is a message of its own (LoraLoad: its name, path and i
 rank answers once it has read its share, so a load returns only when every rank holds the adapter
 and a rank that cannot read it is an error naming the rank, not a hang.
 
-Sampling, scheduling and everything above stay on rank 0: the others see forward passes only.
+Sampling, scheduling and everything above stay on rank 0: the others see forward passes only
+(and, with an MTP head, its drafting forwards: a DraftStep before each, engine/parallel/
+draft_steps.py). A draft model or an EAGLE-3 head runs on rank 0 alone.
 """
 from __future__ import annotations
 
@@ -147,11 +149,17 @@ class StepSender:
                 self.group.close()
 
 
-def serve_steps(runner, group) -> int:
-    """A worker rank's loop: run each step rank 0 sends until its stop; returns the steps run."""
+def serve_steps(runner, group, drafts=None) -> int:
+    """A worker rank's loop: run each step rank 0 sends until its stop; returns the steps run.
+    drafts: an MTP head's PeerDrafts (engine/parallel/draft_steps.py), which runs rank 0's
+    drafting forwards and mirrors each step."""
+    from engine.parallel.draft_steps import DraftStep
     steps = 0
     while True:
         message = group.receive()
+        if isinstance(message, DraftStep):
+            drafts.run(message)
+            continue
         if message == STOP:
             log.info("tensor parallel rank %d: stopped by rank 0 after %d steps", group.rank,
                      steps)
@@ -165,6 +173,8 @@ def serve_steps(runner, group) -> int:
         for src, dst in message.state_copies:
             runner.model.copy_state_rows(runner.kv_caches, src, dst)
         runner.run(message)
+        if drafts is not None:
+            drafts.mirror(message.batch)
         steps += 1
 
 

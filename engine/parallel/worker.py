@@ -37,7 +37,11 @@ def main() -> int:
         parts = build(config, group=group)
     except WorkerStop:          # rank 0 says what failed
         return 1
-    serve_steps(parts.runner, group)
+    drafts = None
+    if parts.draft is not None:     # an MTP head's shard: it drafts and mirrors with rank 0
+        from engine.parallel.draft_steps import PeerDrafts
+        drafts = PeerDrafts(parts.runner, parts.draft)
+    serve_steps(parts.runner, group, drafts)
     group.close()
     return 0
 

@@ -56,6 +56,7 @@ class ModelRunner:
         self.pipeline = None          # a pipeline stage's rank: an engine.parallel.PipelineRunner
         self._block_copies: list[tuple[int, int]] = []   # for the peers, with the next step
         self._state_copies: list[tuple[list, list]] = []  # (src rows, dst rows): the same
+        self._applied_update = None   # rank 0 of a group: the last table update applied
 
     def join_tensor_parallel(self, peers=None) -> None:
         """A rank of a tensor-parallel group (engine/parallel/steps.py), before its first step:
@@ -199,10 +200,18 @@ class ModelRunner:
 
     def _apply_table_update(self, batch: ForwardBatch) -> None:
         """The device table's changes recorded with this batch, applied once (a speculative
-        step's draft model reads the tables before the target's forward)."""
-        if self.device_block_tables is not None and batch.block_table_update is not None:
-            self.device_block_tables.apply(batch.block_table_update)
+        step's draft model reads the tables before the target's forward). Rank 0 of a
+        tensor- or pipeline-parallel group keeps them on the batch, which it sends to the other
+        ranks only after the draft has read the tables."""
+        update = batch.block_table_update
+        if (self.device_block_tables is None or update is None
+                or update is self._applied_update):
+            return
+        self.device_block_tables.apply(update)
+        if self.peers is None:
             batch.block_table_update = None
+        else:
+            self._applied_update = update
 
     def execute(self, sched: SchedulerOutput, batch: ForwardBatch | None = None):
         """One forward call; returns the logits (S + P, V) of the S sequences that sample this

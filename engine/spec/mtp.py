@@ -17,12 +17,17 @@ head which rows those are from the host's positions. On a hybrid target (Qwen3-N
 are the same: the head's layer is full attention, and only the target's linear layers keep
 per-sequence state (their rollback: engine/core/hybrid_state.py). EAGLE-3's one inexactness carries over (a row at
 the end of a shared block depends on the next block's first token), in the drafts only.
+
+Under tensor parallel the head is sharded as the target is and every rank runs its forwards in
+lockstep: rank 0 sends each drafting forward's rows and tokens first (`peers`), the other ranks
+mirror each step themselves (engine/parallel/draft_steps.py says why, and not rank 0 alone).
 """
 from __future__ import annotations
 
 import numpy as np
 
 from engine.models.llama import FinalCapture
+from engine.parallel.draft_steps import DraftStep
 from engine.runner.forward_batch import ForwardBatch
 from engine.spec.eagle3 import Eagle3Proposer
 
@@ -46,12 +51,21 @@ class MtpProposer(Eagle3Proposer):
         self._hidden = None
         self._hidden_row = {}
         self._first_rows = None    # the last _rows_batch's rows at position 0 (host)
+        self.peers = None          # rank 0 under tensor parallel: a steps.StepSender
 
     @staticmethod
     def bytes_per_block(head, block_size: int, kv_dtype, act_dtype) -> int:
         """Both pools' bytes for one of the target's blocks: the head's K/V (or latent) and a
         hidden row per token."""
         return head.bytes_per_block(block_size, kv_dtype, act_dtype)
+
+    def _step_logits(self, batch, block_tables, plans, live, rows, tokens, step: int):
+        if self.peers is not None:      # the other ranks run this forward on their shards
+            self.peers.send(DraftStep(step, list(live), rows, tokens,
+                                      batch if step == 0 else None))
+            if step == 0:   # the tables' changes reached them with it (and are applied here)
+                batch.block_table_update = None
+        return super()._step_logits(batch, block_tables, plans, live, rows, tokens, step)
 
     def _rows_batch(self, batch, block_tables, rows, tokens) -> ForwardBatch:
         self._first_rows = np.flatnonzero(batch.positions[rows] == 1)
