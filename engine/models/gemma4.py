@@ -85,9 +85,10 @@ def gemma4_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
     shapes = Gemma2ForCausalLM.expected_shapes(c)
     s, H, Hq, L = c.family, c.hidden_size, c.num_attention_heads, c.num_hidden_layers
     P = s.per_layer_input_size
-    if P:
+    if P:       # (under tensor parallel: the rank's rows, gemma4_per_layer.py)
+        ranks = 1 if c.tensor_parallel is None else c.tensor_parallel.size
         shapes.update({"model.embed_tokens_per_layer.weight": (s.per_layer_vocab_size, L * P),
-                       "model.per_layer_model_projection.weight": (L * P, H),
+                       "model.per_layer_model_projection.weight": (L * P // ranks, H),
                        "model.per_layer_projection_norm.weight": (P,)})
     for i in range(L):
         p = f"model.layers.{i}."
@@ -157,35 +158,40 @@ class Gemma4ForCausalLM(Gemma2ForCausalLM):
                         per_layer * c.num_hidden_layers)
 
     def _take_ends(self, weights):
-        inputs = self.per_layer_inputs
+        inputs, c = self.per_layer_inputs, self.config
         if inputs is not None:
-            inputs.table = self._take(weights, "model.embed_tokens_per_layer.weight")
+            name = "model.embed_tokens_per_layer.weight"
+            if c.tensor_parallel is not None:       # vocab-parallel, as the embedding
+                weights[name] = tensor_parallel.with_zero_row(weights[name])
+            inputs.table = self._take(weights, name)
         super()._take_ends(weights)
         if inputs is not None:
-            inputs.embed_tokens = self.embed_tokens
+            inputs.embed = lambda ids, out: tensor_parallel.embed(self.backend, c, ids,
+                                                                  self.embed_tokens, out)
 
     def _per_layer_inputs(self, weights) -> PerLayerInputs:
         """The step's per-layer inputs, made with the first layer (their table and the input
         embedding are filled in by _take_ends, after the layers)."""
         c = self.config
         return PerLayerInputs(
-            self.backend, None, self.embed_scale, None,
+            self.backend, self.embed_scale, None,
             self._take(weights, "model.per_layer_model_projection.weight"),
             self._norm(weights, "model.per_layer_projection_norm.weight"), c.num_hidden_layers,
-            c.family.per_layer_input_size, c.hidden_size, c.rms_norm_eps)
+            c.family.per_layer_input_size, c.hidden_size, c.rms_norm_eps, c.tensor_parallel,
+            c.family.per_layer_vocab_size)
 
     def _attention(self, weights, p, i):
         c, s = self.config, self.config.family
         kv_heads, D = _layer_dims(c, i)
         a = f"{p}self_attn."
         if s.kv_shared[i]:
-            return Gemma4SharedKVAttention(
+            return tensor_parallel.all_reduced_attention(Gemma4SharedKVAttention(
                 self.backend, self._take(weights, f"{a}q_proj.weight"),
                 self._take(weights, f"{a}o_proj.weight"),
                 self._full_cache if s.full_layers[i] else self.cos_sin_cache,
                 c.num_attention_heads, kv_heads, D, c.rms_norm_eps, True, 1.0,
                 q_norm=self._norm(weights, f"{a}q_norm.weight"),
-                sliding_window=c.sliding_windows[i])
+                sliding_window=c.sliding_windows[i]), c)
         k_eq_v = s.full_layers[i] and s.k_eq_v
         names = [f"{a}q_proj.weight", f"{a}k_proj.weight"] + ([] if k_eq_v else
                                                                [f"{a}v_proj.weight"])
