@@ -49,6 +49,7 @@ from engine.models.composed_attention import ComposedAttention, rms_norm_in_plac
 from engine.models.gemma import Gemma2ForCausalLM
 from engine.models.gemma4_per_layer import PerLayerInputGate, PerLayerInputs
 from engine.models.model_config import ModelConfig
+from engine.models.moe import held_experts
 from engine.models.rotary import _cos_sin
 from engine.parallel import layers as tensor_parallel
 from pyx.layers import SandwichDecoderLayer, run_layers
@@ -112,12 +113,12 @@ def gemma4_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes.update({f"{p}per_layer_input_gate.weight": (P, H),
                            f"{p}per_layer_projection.weight": (H, P),
                            f"{p}post_per_layer_input_norm.weight": (H,)})
-        if c.moe is not None:
-            E, I = c.moe.num_experts, c.moe.intermediate_size
+        if c.moe is not None:       # (under expert parallel: the rank's experts)
+            E, I, held = c.moe.num_experts, c.moe.intermediate_size, len(held_experts(c))
             shapes.update({f"{p}router.proj.weight": (E, H), f"{p}router.scale": (H,),
                            f"{p}router.per_expert_scale": (E,),
-                           f"{p}experts.gate_up_proj": (E, 2 * I, H),
-                           f"{p}experts.down_proj": (E, H, I)})
+                           f"{p}experts.gate_up_proj": (held, 2 * I, H),
+                           f"{p}experts.down_proj": (held, H, I)})
             for norm in ("pre_feedforward_layernorm_2", "post_feedforward_layernorm_1",
                          "post_feedforward_layernorm_2"):
                 shapes[f"{p}{norm}.weight"] = (H,)
@@ -219,8 +220,11 @@ class Gemma4ForCausalLM(Gemma2ForCausalLM):
                       [b.place_weight(np.ascontiguousarray(w)) for w in gate_up],
                       [b.place_weight(np.ascontiguousarray(w)) for w in down], m.top_k,
                       m.normalize, fused=b.fused_moe, activation="gelu_tanh",
-                      expert_scale=b.asarray(f32(f"{p}router.per_expert_scale")))
-        # (under tensor parallel each branch is all-reduced before its post-norm)
+                      expert_scale=b.asarray(f32(f"{p}router.per_expert_scale")),
+                      first_expert=held_experts(c).start, num_experts=m.num_experts)
+        # (under tensor parallel each branch is all-reduced before its post-norm: the dense
+        # MLP's partial sums, and the experts' sums over the rank's slice of each expert or,
+        # under expert parallel, over its whole experts)
         return Gemma4FeedForward(
             b, tensor_parallel.all_reduced(super()._mlp(weights, p, i), c), experts,
             self._norm(weights, f"{p}pre_feedforward_layernorm.weight"),

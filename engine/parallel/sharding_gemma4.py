@@ -6,7 +6,9 @@ of engine/parallel/sharding.py:
                             replicated on the ranks whose query heads read it)
   q/k/v_norm                one head wide: whole on every rank
   experts.gate_up_proj      (E, 2I, H), gate rows first: each expert's rows of the rank's slice of
-                            I, gate and up; experts.down_proj (E, H, I) the same slice of I
+                            I, gate and up; experts.down_proj (E, H, I) the same slice of I;
+                            under expert parallel both the rank's E / ranks experts, whole
+                            (the dense MLP beside them still split within the ranks)
   router.*                  whole (every rank routes the same whole stream)
   embed_tokens_per_layer    (E2B/E4B) vocab-parallel as the embedding: ceil(V / ranks) rows,
                             the last share padded with zero rows
@@ -14,8 +16,6 @@ of engine/parallel/sharding.py:
   per-layer gates, projections and norms  whole (engine/models/gemma4_per_layer.py)
   KV-shared layers          q/o_proj as any layer's; they read their source layer's cache, which
                             on each rank holds the KV heads of that rank's query heads
-
-Expert parallel is refused by name.
 """
 from __future__ import annotations
 
@@ -41,9 +41,6 @@ def check(plan) -> None:
     if s.per_layer_input_size:
         even(c.num_hidden_layers * s.per_layer_input_size, 0, n,
              f"{ARCHITECTURE}'s per-layer inputs (layers x hidden_size_per_layer_input)")
-    if plan.expert_parallel:
-        raise ValueError(f"expert parallel: {ARCHITECTURE}'s stacked experts are not yet held "
-                         "whole across ranks; drop --enable-expert-parallel to split them within")
     if s.full_kv_heads % n and n % s.full_kv_heads:
         raise ValueError(f"tensor parallel {n}: {ARCHITECTURE}'s full layers have "
                          f"{s.full_kv_heads} KV heads; a split needs their number to divide or be "
@@ -88,6 +85,8 @@ def cut(plan, name: str, shape: tuple[int, ...]):
             return Cut(1, (q,))
         return Cut(0, (_kv_rows(plan, hkv, d),))
     if m := _EXPERTS.search(name):
+        if plan.experts is not None:
+            return Cut(0, (plan.experts,))
         if m.group(1) == "gate_up_proj":
             half = shape[1] // 2
             a, b = r * half // plan.size, (r + 1) * half // plan.size
