@@ -35,7 +35,8 @@ The E2B/E4B models add
 
 Gemma 4 as released (Gemma4ForConditionalGeneration: the text model's tensors under
 model.language_model., beside vision and audio towers) is served for its text, the towers not
-loaded. On CUDA the full layers' wider heads (512 in the released models) take the masked
+loaded. Across processes: engine/parallel/sharding_gemma4.py (tensor and expert parallel) and
+stages_gemma4.py (pipeline stages). On CUDA the full layers' wider heads (512 in the released models) take the masked
 attention kernel (pyx/attention_dispatch.py: the tuned ones stop at 256).
 """
 from __future__ import annotations
@@ -51,7 +52,7 @@ from engine.models.gemma4_per_layer import PerLayerInputGate, PerLayerInputs
 from engine.models.model_config import ModelConfig
 from engine.models.moe import held_experts
 from engine.models.rotary import _cos_sin
-from engine.parallel import layers as tensor_parallel
+from engine.parallel import layers as tensor_parallel, stages_gemma4
 from pyx.layers import SandwichDecoderLayer, run_layers
 from pyx.moe import MoE
 
@@ -131,11 +132,11 @@ class Gemma4ForCausalLM(Gemma2ForCausalLM):
 
     def __init__(self, config: ModelConfig, weights: dict, backend):
         s = config.family
-        if config.pipeline is not None and (s.per_layer_input_size or any(s.kv_shared)):
-            raise ValueError(f"{config.architecture}: pipeline parallel is not supported with "
-                             "per-layer input embeddings or KV sharing (every stage would need "
-                             "the inputs of its layers and the caches they read)")
         _language_model_only(weights)
+        if config.pipeline is not None and s.per_layer_input_size:
+            stages_gemma4.take_per_layer_inputs(
+                weights, config.pipeline, s,
+                1 if config.tensor_parallel is None else config.tensor_parallel.size)
         for i, shared in enumerate(s.kv_shared):
             for name in ("k_proj", "v_proj", "k_norm"):     # unused where a checkpoint has them
                 if shared:
@@ -269,7 +270,8 @@ class Gemma4ForCausalLM(Gemma2ForCausalLM):
         first. The KV-shared layers (the last ones) write no cache, so they run only on the
         rows whose outputs are read: each sequence's rows from its first sampled (or pooled)
         row on, as transformers slices them (_maybe_slice_kv_shared_inputs); a prompt chunk
-        that samples nothing skips them."""
+        that samples nothing skips them. A pipeline stage runs them on every row (what they
+        compute for the rows read is the same)."""
         s = self.config.family
         kv_caches = [kv_caches[src] for src in s.kv_sources]
         if self.per_layer_inputs is not None:
@@ -280,7 +282,7 @@ class Gemma4ForCausalLM(Gemma2ForCausalLM):
         # (a decode step reads every row: no look at the indices, which on a device would wait
         # for them, and could not inside a CUDA graph's capture)
         if (any(s.kv_shared) and capture is None and batch.vision is None
-                and num_read < batch.num_tokens):
+                and self.config.pipeline is None and num_read < batch.num_tokens):
             rows = self._rows_read(batch, hidden_indices)
         if rows is None:
             return super().forward(batch, kv_caches, hidden_indices, capture)

@@ -17,7 +17,8 @@ where embeds is the model's scaled input embedding. After its MLP, layer i adds 
 Under tensor parallel (as vLLM splits Gemma 3n's): embed_tokens_per_layer is vocab-parallel (each
 rank its share of the rows, the lookups all-reduced: a sum of one row and zeros, exact),
 per_layer_model_projection column-parallel with its output gathered (each rank whole output
-columns, exact); each rank then holds the whole (T, L * P) inputs. The layers' gates and
+columns, exact: the rank's P / ranks of each layer's P, engine/parallel/sharding_gemma4.py); each
+rank then holds the whole (T, L * P) inputs. The layers' gates and
 projections are whole on every rank (they act on the whole, all-reduced stream).
 """
 from __future__ import annotations
@@ -66,11 +67,13 @@ class PerLayerInputs:
         tp = self.tensor_parallel
         if tp is None:
             b.linear(embeds, self.projection, None, context)
-        else:       # the rank's output columns, gathered in rank order
-            share = ws.get("ple_context_share", T, width // tp.size)
+        else:       # the rank's part of each layer's P columns, gathered in rank order
+            n, L = tp.size, self.num_layers
+            share = ws.get("ple_context_share", T, width // n)
             b.linear(embeds, self.projection, None, share)
-            gathered = tp.comm.all_gather(share)                  # (ranks, T, width / ranks)
-            self.xp.copyto(context, gathered.transpose(1, 0, 2).reshape(T, width))
+            gathered = tp.comm.all_gather(share).reshape(n, T, L, self.size // n)
+            self.xp.copyto(context.reshape(T, L, n, self.size // n),
+                           gathered.transpose(1, 2, 0, 3))
         b.scale(context, self.hidden_size ** -0.5)
         rows = ws.get("ple_rows", T, width)
         b.rms_norm(context.reshape(T * self.num_layers, self.size), self.projection_norm,

@@ -48,11 +48,14 @@ STAGED_ARCHITECTURES = (
     "MixtralForCausalLM",
     "Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM",
+    "Gemma4ForCausalLM",
 )
 
-_LAYER = re.compile(r"^((?:model\.)?layers\.)(\d+)\.(.*)$")
-_EMBED = ("model.embed_tokens.weight", "embed_tokens.weight")
-_HEAD = ("model.norm.weight", "norm.weight", "lm_head.weight")
+# (model.language_model.: a multimodal checkpoint's text model, Gemma 4 as released)
+_LAYER = re.compile(r"^((?:model\.)?(?:language_model\.)?layers\.)(\d+)\.(.*)$")
+_EMBED = ("model.embed_tokens.weight", "embed_tokens.weight",
+          "model.language_model.embed_tokens.weight")
+_HEAD = ("model.norm.weight", "norm.weight", "lm_head.weight", "model.language_model.norm.weight")
 
 
 def stage_layers(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
@@ -68,6 +71,22 @@ def stage_layers(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
         bounds.append((start, end))
         start = end
     return bounds
+
+
+def _family_stages(model_config):
+    """A family's own stage cut and per-layer settings (engine/parallel/stages_<family>.py), or
+    None."""
+    if model_config.architecture == "Gemma4ForCausalLM":
+        from engine.parallel import stages_gemma4
+        return stages_gemma4
+    return None
+
+
+def model_stage_layers(model_config, num_stages: int) -> list[tuple[int, int]]:
+    """stage_layers, or the family's own cut."""
+    bounds = stage_layers(model_config.num_hidden_layers, num_stages)
+    family = _family_stages(model_config)
+    return bounds if family is None else family.stage_layers(model_config, bounds)
 
 
 def check_model(model_config) -> None:
@@ -94,6 +113,8 @@ class PipelineStage:
     hidden_size: int
     tied: bool                          # the LM head is the embedding (the last stage holds it)
     comm: object = dataclasses.field(compare=False, repr=False)   # its rank: the stage
+    # every stage holds the input embedding (Gemma 4's per-layer inputs read it on each stage)
+    embedding_everywhere: bool = False
     # while CUDA graphs of the stage are captured: the DeferredHandOver the boundary records in
     _deferred: list = dataclasses.field(default_factory=list, compare=False, repr=False)
 
@@ -108,9 +129,12 @@ class PipelineStage:
     @classmethod
     def of(cls, model_config, stage: int, num_stages: int, tp_rank: int, comm):
         check_model(model_config)
-        first, end = stage_layers(model_config.num_hidden_layers, num_stages)[stage]
+        first, end = model_stage_layers(model_config, num_stages)[stage]
+        family = _family_stages(model_config)
         return cls(stage, num_stages, first, end, tp_rank, model_config.vocab_size,
-                   model_config.hidden_size, model_config.tie_word_embeddings, comm)
+                   model_config.hidden_size, model_config.tie_word_embeddings, comm,
+                   embedding_everywhere=family is not None and family.needs_embedding(
+                       model_config))
 
     def tensor_name(self, name: str) -> str | None:
         """The stage's name for a checkpoint tensor (its layers renumbered from 0), or None when
@@ -136,7 +160,7 @@ class PipelineStage:
         """Whether the stage's model holds an end tensor (the embedding, final norm, LM head)
         the whole model's would."""
         if name in _EMBED:
-            return self.first or (self.last and self.tied)
+            return self.first or self.embedding_everywhere or (self.last and self.tied)
         if name in _HEAD:
             return self.last
         return True
@@ -145,8 +169,11 @@ class PipelineStage:
         """The stage's model config: its layers, renumbered from 0."""
         a, b = self.first_layer, self.end_layer
         moe = c.moe and dataclasses.replace(c.moe, sparse_layers=c.moe.sparse_layers[a:b])
+        family = _family_stages(c)
         return dataclasses.replace(c, num_hidden_layers=b - a,
                                    sliding_windows=c.sliding_windows[a:b], moe=moe,
+                                   family=c.family if family is None else family.local_family(
+                                       c.family, a, b),
                                    pipeline=self)
 
     # ---- the boundary

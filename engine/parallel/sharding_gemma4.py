@@ -12,7 +12,9 @@ of engine/parallel/sharding.py:
   router.*                  whole (every rank routes the same whole stream)
   embed_tokens_per_layer    (E2B/E4B) vocab-parallel as the embedding: ceil(V / ranks) rows,
                             the last share padded with zero rows
-  per_layer_model_projection  column-parallel: L * P / ranks rows (its output gathered)
+  per_layer_model_projection  (L * P, H) column-parallel, by layer: the rank's P / ranks rows of
+                            each layer's P (its output gathered), so that a pipeline stage's
+                            layers' rows are a contiguous part of the rank's
   per-layer gates, projections and norms  whole (engine/models/gemma4_per_layer.py)
   KV-shared layers          q/o_proj as any layer's; they read their source layer's cache, which
                             on each rank holds the KV heads of that rank's query heads
@@ -39,8 +41,7 @@ def check(plan) -> None:
     """Stops what this split does not cover, before anything is read."""
     c, s, n = plan.config, plan.config.family, plan.size
     if s.per_layer_input_size:
-        even(c.num_hidden_layers * s.per_layer_input_size, 0, n,
-             f"{ARCHITECTURE}'s per-layer inputs (layers x hidden_size_per_layer_input)")
+        even(s.per_layer_input_size, 0, n, f"{ARCHITECTURE}'s hidden_size_per_layer_input")
     if s.full_kv_heads % n and n % s.full_kv_heads:
         raise ValueError(f"tensor parallel {n}: {ARCHITECTURE}'s full layers have "
                          f"{s.full_kv_heads} KV heads; a split needs their number to divide or be "
@@ -72,7 +73,9 @@ def cut(plan, name: str, shape: tuple[int, ...]):
         start = min(r * share, shape[0])
         return Cut(0, ((start, min(start + share, shape[0])),), pad_to=share)
     if name.endswith(_PER_LAYER_PROJECTION):
-        return Cut(0, (even(shape[0], r, plan.size, name),))
+        P = s.per_layer_input_size
+        a, b = even(P, r, plan.size, name)
+        return Cut(0, tuple((i * P + a, i * P + b) for i in range(shape[0] // P)))
     if m := _ATTENTION.search(name):
         full = s.full_layers[int(m.group(1))]
         hkv, d = (s.full_kv_heads, s.full_head_dim) if full else (c.num_key_value_heads,
