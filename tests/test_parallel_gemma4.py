@@ -16,7 +16,8 @@ holds several sequences' chunks and the KV-shared layers run on the rows read:
   stage), the MoE, E2B's and E4B's shapes, whose KV-shared layers sit on the stage of the layers
   whose caches they read (stage 0 holds layer 0 alone) and whose per-layer inputs each stage
   computes from its columns of the tables (engine/parallel/stages_gemma4.py); E4B's with tensor
-  parallel within each stage too (4 processes); Gemma 4 as released (model.language_model.*
+  parallel within each stage too (4 processes), the MoE with expert parallel within each stage;
+  Gemma 4 as released (model.language_model.*
   beside a vision tower, tied embeddings).
 - The stage cut of 35 layers (four sliding to a full one, E2B's), the last 20 KV-shared reading
   layers 13 and 14, and of 42, the last 18 reading 23 and 19; a cut that cannot keep them
@@ -81,14 +82,15 @@ def stage_layers_held(model):
     return len(model.layers)
 
 
-@pytest.mark.parametrize("name,tp,layers", [("gemma4", 1, 1), ("gemma4_moe", 1, 1),
-                                            ("gemma4_e2b", 1, 1), ("gemma4_e4b", 1, 1),
-                                            ("gemma4_e4b", 2, 1)])
-def test_pipeline_parallel(cases, name, tp, layers):
+@pytest.mark.parametrize("name,tp,ep,layers", [
+    ("gemma4", 1, False, 1), ("gemma4_moe", 1, False, 1), ("gemma4_moe", 2, True, 1),
+    ("gemma4_e2b", 1, False, 1), ("gemma4_e4b", 1, False, 1), ("gemma4_e4b", 2, False, 1)])
+def test_pipeline_parallel(cases, name, tp, ep, layers):
     """layers: the layers stage 0 holds (E2B/E4B: layer 0 alone, the others reading or writing
-    the shared caches on stage 1)."""
-    seen = check_split(cases, name, f"pp2 tp{tp}", tp=tp, pipeline_parallel_size=2,
-                       inspect=stage_layers_held)
+    the shared caches on stage 1). tp 2: tensor parallel within each stage (4 processes); ep:
+    with expert parallel."""
+    seen = check_split(cases, name, f"pp2 tp{tp} ep {ep}", tp=tp, pipeline_parallel_size=2,
+                       enable_expert_parallel=ep, inspect=stage_layers_held)
     assert seen == layers
 
 
