@@ -4,7 +4,8 @@ under pipeline parallel.
 
 Greedy tokens equal transformers' (up to a near-tie, as the family tests) and the single-process
 engine's, whose logprobs they equal within float tolerance, with chunked prefill so that a step
-holds several sequences' chunks and the KV-shared layers run on the rows read:
+holds several sequences' chunks (and, but for a pipeline stage, the KV-shared layers run on the
+rows read alone):
 
 - tensor parallel 2: E2B's shape (one KV head, replicated on both ranks; double-wide MLPs on the
   shared layers) and E4B's (two sliding KV heads, one per rank: each rank's shared layers read
@@ -17,8 +18,7 @@ holds several sequences' chunks and the KV-shared layers run on the rows read:
   whose caches they read (stage 0 holds layer 0 alone) and whose per-layer inputs each stage
   computes from its columns of the tables (engine/parallel/stages_gemma4.py); E4B's with tensor
   parallel within each stage too (4 processes), the MoE with expert parallel within each stage;
-  Gemma 4 as released (model.language_model.*
-  beside a vision tower, tied embeddings).
+  Gemma 4 as released (model.language_model.* beside a vision tower, tied embeddings).
 - The stage cut of 35 layers (four sliding to a full one, E2B's), the last 20 KV-shared reading
   layers 13 and 14, and of 42, the last 18 reading 23 and 19; a cut that cannot keep them
   together refused.

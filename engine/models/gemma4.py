@@ -36,8 +36,8 @@ The E2B/E4B models add
 Gemma 4 as released (Gemma4ForConditionalGeneration: the text model's tensors under
 model.language_model., beside vision and audio towers) is served for its text, the towers not
 loaded. Across processes: engine/parallel/sharding_gemma4.py (tensor and expert parallel) and
-stages_gemma4.py (pipeline stages). On CUDA the full layers' wider heads (512 in the released models) take the masked
-attention kernel (pyx/attention_dispatch.py: the tuned ones stop at 256).
+stages_gemma4.py (pipeline stages). On CUDA the full layers' wider heads (512 in the released
+models) take the masked attention kernel (pyx/attention_dispatch.py: the tuned ones stop at 256).
 """
 from __future__ import annotations
 

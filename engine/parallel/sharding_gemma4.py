@@ -39,7 +39,7 @@ _EXPERTS = re.compile(r"\.layers\.\d+\.experts\.(gate_up_proj|down_proj)$")
 
 def check(plan) -> None:
     """Stops what this split does not cover, before anything is read."""
-    c, s, n = plan.config, plan.config.family, plan.size
+    s, n = plan.config.family, plan.size
     if s.per_layer_input_size:
         even(s.per_layer_input_size, 0, n, f"{ARCHITECTURE}'s hidden_size_per_layer_input")
     if s.full_kv_heads % n and n % s.full_kv_heads:
