@@ -257,17 +257,6 @@ def test_isq_shares_must_be_whole_blocks(tmp_path):
                    tensor_parallel=(0, 2, SingleProcess()))
 
 
-def test_gemma4_per_layer_inputs_not_split(tmp_path):
-    from engine.loader.model_loader import load_model
-    from engine.parallel.communicator import SingleProcess
-    from pyx.cpu_backend import CpuBackend
-    tiny_checkpoint(str(tmp_path / "m"), arch="gemma4_e2b")
-    with pytest.raises(ValueError, match=r"Gemma4ForCausalLM with per-layer input embeddings or "
-                                         r"KV sharing \(Gemma 4 E2B/E4B\) is not yet split"):
-        load_model(str(tmp_path / "m"), CpuBackend(num_threads=1), progress=False,
-                   tensor_parallel=(0, 2, SingleProcess()))
-
-
 def test_mpi4py_missing(tmp_path, monkeypatch):
     from engine import LLM
     tiny_checkpoint(str(tmp_path / "m"), arch="llama")

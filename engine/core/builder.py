@@ -24,7 +24,7 @@ from engine.models.model_config import ModelConfig
 from engine.models.qwen3_next_mtp import Qwen3NextMtpHead
 from engine.parallel import launch
 from engine.parallel import layers as tensor_parallel_layers
-from engine.parallel.pipeline import PipelineRunner, stage_layers
+from engine.parallel.pipeline import PipelineRunner, model_stage_layers
 from engine.parallel.steps import StepSender
 from engine.runner import cuda_memory
 from engine.runner.backends import make_backend
@@ -194,8 +194,7 @@ def build(config: EngineConfig, loaded=None, group=None) -> EngineParts:
                      "weights and %d KV blocks", launch.sizes(config), num_blocks)
             if pipeline is not None:
                 log.info("pipeline parallel: stages of layers %s, %d micro-batches a step",
-                         stage_layers(model_config.num_hidden_layers,
-                                      config.pipeline_parallel_size),
+                         model_stage_layers(model_config, config.pipeline_parallel_size),
                          runner.pipeline.num_micro_batches)
     log.info("KV cache: %d blocks of %d tokens; max model length %d", num_blocks,
              config.block_size, max_model_len)

@@ -35,8 +35,9 @@ The E2B/E4B models add
 
 Gemma 4 as released (Gemma4ForConditionalGeneration: the text model's tensors under
 model.language_model., beside vision and audio towers) is served for its text, the towers not
-loaded. On CUDA the full layers' wider heads (512 in the released models) take the masked
-attention kernel (pyx/attention_dispatch.py: the tuned ones stop at 256).
+loaded. Across processes: engine/parallel/sharding_gemma4.py (tensor and expert parallel) and
+stages_gemma4.py (pipeline stages). On CUDA the full layers' wider heads (512 in the released
+models) take the masked attention kernel (pyx/attention_dispatch.py: the tuned ones stop at 256).
 """
 from __future__ import annotations
 
@@ -49,8 +50,9 @@ from engine.models.composed_attention import ComposedAttention, rms_norm_in_plac
 from engine.models.gemma import Gemma2ForCausalLM
 from engine.models.gemma4_per_layer import PerLayerInputGate, PerLayerInputs
 from engine.models.model_config import ModelConfig
+from engine.models.moe import held_experts
 from engine.models.rotary import _cos_sin
-from engine.parallel import layers as tensor_parallel
+from engine.parallel import layers as tensor_parallel, stages_gemma4
 from pyx.layers import SandwichDecoderLayer, run_layers
 from pyx.moe import MoE
 
@@ -85,9 +87,10 @@ def gemma4_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
     shapes = Gemma2ForCausalLM.expected_shapes(c)
     s, H, Hq, L = c.family, c.hidden_size, c.num_attention_heads, c.num_hidden_layers
     P = s.per_layer_input_size
-    if P:
+    if P:       # (under tensor parallel: the rank's rows, gemma4_per_layer.py)
+        ranks = 1 if c.tensor_parallel is None else c.tensor_parallel.size
         shapes.update({"model.embed_tokens_per_layer.weight": (s.per_layer_vocab_size, L * P),
-                       "model.per_layer_model_projection.weight": (L * P, H),
+                       "model.per_layer_model_projection.weight": (L * P // ranks, H),
                        "model.per_layer_projection_norm.weight": (P,)})
     for i in range(L):
         p = f"model.layers.{i}."
@@ -111,12 +114,12 @@ def gemma4_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes.update({f"{p}per_layer_input_gate.weight": (P, H),
                            f"{p}per_layer_projection.weight": (H, P),
                            f"{p}post_per_layer_input_norm.weight": (H,)})
-        if c.moe is not None:
-            E, I = c.moe.num_experts, c.moe.intermediate_size
+        if c.moe is not None:       # (under expert parallel: the rank's experts)
+            E, I, held = c.moe.num_experts, c.moe.intermediate_size, len(held_experts(c))
             shapes.update({f"{p}router.proj.weight": (E, H), f"{p}router.scale": (H,),
                            f"{p}router.per_expert_scale": (E,),
-                           f"{p}experts.gate_up_proj": (E, 2 * I, H),
-                           f"{p}experts.down_proj": (E, H, I)})
+                           f"{p}experts.gate_up_proj": (held, 2 * I, H),
+                           f"{p}experts.down_proj": (held, H, I)})
             for norm in ("pre_feedforward_layernorm_2", "post_feedforward_layernorm_1",
                          "post_feedforward_layernorm_2"):
                 shapes[f"{p}{norm}.weight"] = (H,)
@@ -129,11 +132,11 @@ class Gemma4ForCausalLM(Gemma2ForCausalLM):
 
     def __init__(self, config: ModelConfig, weights: dict, backend):
         s = config.family
-        if config.pipeline is not None and (s.per_layer_input_size or any(s.kv_shared)):
-            raise ValueError(f"{config.architecture}: pipeline parallel is not supported with "
-                             "per-layer input embeddings or KV sharing (every stage would need "
-                             "the inputs of its layers and the caches they read)")
         _language_model_only(weights)
+        if config.pipeline is not None and s.per_layer_input_size:
+            stages_gemma4.take_per_layer_inputs(
+                weights, config.pipeline, s,
+                1 if config.tensor_parallel is None else config.tensor_parallel.size)
         for i, shared in enumerate(s.kv_shared):
             for name in ("k_proj", "v_proj", "k_norm"):     # unused where a checkpoint has them
                 if shared:
@@ -157,35 +160,40 @@ class Gemma4ForCausalLM(Gemma2ForCausalLM):
                         per_layer * c.num_hidden_layers)
 
     def _take_ends(self, weights):
-        inputs = self.per_layer_inputs
+        inputs, c = self.per_layer_inputs, self.config
         if inputs is not None:
-            inputs.table = self._take(weights, "model.embed_tokens_per_layer.weight")
+            name = "model.embed_tokens_per_layer.weight"
+            if c.tensor_parallel is not None:       # vocab-parallel, as the embedding
+                weights[name] = tensor_parallel.with_zero_row(weights[name])
+            inputs.table = self._take(weights, name)
         super()._take_ends(weights)
         if inputs is not None:
-            inputs.embed_tokens = self.embed_tokens
+            inputs.embed = lambda ids, out: tensor_parallel.embed(self.backend, c, ids,
+                                                                  self.embed_tokens, out)
 
     def _per_layer_inputs(self, weights) -> PerLayerInputs:
         """The step's per-layer inputs, made with the first layer (their table and the input
         embedding are filled in by _take_ends, after the layers)."""
         c = self.config
         return PerLayerInputs(
-            self.backend, None, self.embed_scale, None,
+            self.backend, self.embed_scale, None,
             self._take(weights, "model.per_layer_model_projection.weight"),
             self._norm(weights, "model.per_layer_projection_norm.weight"), c.num_hidden_layers,
-            c.family.per_layer_input_size, c.hidden_size, c.rms_norm_eps)
+            c.family.per_layer_input_size, c.hidden_size, c.rms_norm_eps, c.tensor_parallel,
+            c.family.per_layer_vocab_size)
 
     def _attention(self, weights, p, i):
         c, s = self.config, self.config.family
         kv_heads, D = _layer_dims(c, i)
         a = f"{p}self_attn."
         if s.kv_shared[i]:
-            return Gemma4SharedKVAttention(
+            return tensor_parallel.all_reduced_attention(Gemma4SharedKVAttention(
                 self.backend, self._take(weights, f"{a}q_proj.weight"),
                 self._take(weights, f"{a}o_proj.weight"),
                 self._full_cache if s.full_layers[i] else self.cos_sin_cache,
                 c.num_attention_heads, kv_heads, D, c.rms_norm_eps, True, 1.0,
                 q_norm=self._norm(weights, f"{a}q_norm.weight"),
-                sliding_window=c.sliding_windows[i])
+                sliding_window=c.sliding_windows[i]), c)
         k_eq_v = s.full_layers[i] and s.k_eq_v
         names = [f"{a}q_proj.weight", f"{a}k_proj.weight"] + ([] if k_eq_v else
                                                                [f"{a}v_proj.weight"])
@@ -213,8 +221,11 @@ class Gemma4ForCausalLM(Gemma2ForCausalLM):
                       [b.place_weight(np.ascontiguousarray(w)) for w in gate_up],
                       [b.place_weight(np.ascontiguousarray(w)) for w in down], m.top_k,
                       m.normalize, fused=b.fused_moe, activation="gelu_tanh",
-                      expert_scale=b.asarray(f32(f"{p}router.per_expert_scale")))
-        # (under tensor parallel each branch is all-reduced before its post-norm)
+                      expert_scale=b.asarray(f32(f"{p}router.per_expert_scale")),
+                      first_expert=held_experts(c).start, num_experts=m.num_experts)
+        # (under tensor parallel each branch is all-reduced before its post-norm: the dense
+        # MLP's partial sums, and the experts' sums over the rank's slice of each expert or,
+        # under expert parallel, over its whole experts)
         return Gemma4FeedForward(
             b, tensor_parallel.all_reduced(super()._mlp(weights, p, i), c), experts,
             self._norm(weights, f"{p}pre_feedforward_layernorm.weight"),
@@ -259,7 +270,8 @@ class Gemma4ForCausalLM(Gemma2ForCausalLM):
         first. The KV-shared layers (the last ones) write no cache, so they run only on the
         rows whose outputs are read: each sequence's rows from its first sampled (or pooled)
         row on, as transformers slices them (_maybe_slice_kv_shared_inputs); a prompt chunk
-        that samples nothing skips them."""
+        that samples nothing skips them. A pipeline stage runs them on every row (what they
+        compute for the rows read is the same)."""
         s = self.config.family
         kv_caches = [kv_caches[src] for src in s.kv_sources]
         if self.per_layer_inputs is not None:
@@ -270,7 +282,7 @@ class Gemma4ForCausalLM(Gemma2ForCausalLM):
         # (a decode step reads every row: no look at the indices, which on a device would wait
         # for them, and could not inside a CUDA graph's capture)
         if (any(s.kv_shared) and capture is None and batch.vision is None
-                and num_read < batch.num_tokens):
+                and self.config.pipeline is None and num_read < batch.num_tokens):
             rows = self._rows_read(batch, hidden_indices)
         if rows is None:
             return super().forward(batch, kv_caches, hidden_indices, capture)

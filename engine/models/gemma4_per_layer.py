@@ -13,6 +13,13 @@ where embeds is the model's scaled input embedding. After its MLP, layer i adds 
     post_per_layer_input_norm(per_layer_projection(gelu_tanh(per_layer_input_gate(h)) * inputs_i))
 
 (then layer_scalar scales the stream, engine/models/gemma4.py).
+
+Under tensor parallel (as vLLM splits Gemma 3n's): embed_tokens_per_layer is vocab-parallel (each
+rank its share of the rows, the lookups all-reduced: a sum of one row and zeros, exact),
+per_layer_model_projection column-parallel with its output gathered (each rank whole output
+columns, exact: the rank's P / ranks of each layer's P, engine/parallel/sharding_gemma4.py); each
+rank then holds the whole (T, L * P) inputs. The layers' gates and
+projections are whole on every rank (they act on the whole, all-reduced stream).
 """
 from __future__ import annotations
 
@@ -20,21 +27,28 @@ import math
 
 import numpy as np
 
+from engine.parallel.layers import embed_share
+
 
 class PerLayerInputs:
     """The step's (T, L * P) per-layer inputs, computed before the layers run and read by each
     layer's PerLayerInputGate (layer i: columns i * P to (i + 1) * P)."""
 
-    def __init__(self, backend, embed_tokens, embed_scale: float | None, table, projection,
-                 projection_norm, num_layers: int, size: int, hidden_size: int, eps: float):
-        """embed_tokens, embed_scale: the model's input embedding and its multiplier (None: 1);
-        table (vocab_size_per_layer_input, L * P): embed_tokens_per_layer; projection
-        (L * P, hidden): per_layer_model_projection; projection_norm (P,):
-        per_layer_projection_norm's weight (Gemma 4's norms multiply by w)."""
+    def __init__(self, backend, embed_scale: float | None, table, projection, projection_norm,
+                 num_layers: int, size: int, hidden_size: int, eps: float,
+                 tensor_parallel=None, table_share: int = 0):
+        """embed_scale: the model's input embedding multiplier (None: 1); table
+        (vocab_size_per_layer_input, L * P): embed_tokens_per_layer; projection (L * P, hidden):
+        per_layer_model_projection; projection_norm (P,): per_layer_projection_norm's weight
+        (Gemma 4's norms multiply by w). Under tensor_parallel (a TensorParallel) the table is
+        the rank's table_share rows and a zero row, the projection its L * P / ranks rows.
+        `embed` (token ids, out) -> the scaled model's input embedding is set by the model
+        once its embedding is placed."""
         self.backend, self.xp = backend, backend.xp
-        self.embed_tokens, self.embed_scale = embed_tokens, embed_scale
+        self.embed, self.embed_scale = None, embed_scale
         self.table, self.projection, self.projection_norm = table, projection, projection_norm
         self.num_layers, self.size, self.hidden_size, self.eps = num_layers, size, hidden_size, eps
+        self.tensor_parallel, self.table_share = tensor_parallel, table_share
         # the multipliers in the activation dtype, as transformers rounds its to the weights'
         self.table_scale = float(np.asarray(math.sqrt(size), dtype=backend.act_dtype))
         # the op table has no plain add: a fused add-and-norm's sum is one (its norm unused)
@@ -46,17 +60,30 @@ class PerLayerInputs:
         b = self.backend
         T, width = token_ids.shape[0], self.num_layers * self.size
         embeds = ws.get("ple_embeds", T, self.hidden_size)
-        b.embedding(token_ids, self.embed_tokens, embeds)
+        self.embed(token_ids, embeds)
         if self.embed_scale is not None:
             b.scale(embeds, self.embed_scale)
         context = ws.get("ple_context", T, width)
-        b.linear(embeds, self.projection, None, context)
+        tp = self.tensor_parallel
+        if tp is None:
+            b.linear(embeds, self.projection, None, context)
+        else:       # the rank's part of each layer's P columns, gathered in rank order
+            n, L = tp.size, self.num_layers
+            share = ws.get("ple_context_share", T, width // n)
+            b.linear(embeds, self.projection, None, share)
+            gathered = tp.comm.all_gather(share).reshape(n, T, L, self.size // n)
+            self.xp.copyto(context.reshape(T, L, n, self.size // n),
+                           gathered.transpose(1, 2, 0, 3))
         b.scale(context, self.hidden_size ** -0.5)
         rows = ws.get("ple_rows", T, width)
         b.rms_norm(context.reshape(T * self.num_layers, self.size), self.projection_norm,
                    self.eps, rows.reshape(T * self.num_layers, self.size))
         identity = ws.get("ple_identity", T, width)
-        b.embedding(token_ids, self.table, identity)
+        if tp is None:
+            b.embedding(token_ids, self.table, identity)
+        else:
+            embed_share(b, tp.comm, token_ids, self.table, tp.rank * self.table_share,
+                        self.table_share, identity)
         b.scale(identity, self.table_scale)
         b.fused_add_rms_norm(identity.reshape(T * self.num_layers, self.size),
                              rows.reshape(T * self.num_layers, self.size), self.unit_norm,

@@ -53,14 +53,14 @@ def check_model(config) -> None:
         return
     from engine.loader.hub import resolve_model
     from engine.models.model_config import ModelConfig
-    from engine.parallel.pipeline import check_model as check_stages, stage_layers
+    from engine.parallel.pipeline import check_model as check_stages, model_stage_layers
     from engine.parallel.sharding import ShardPlan
     model_config = ModelConfig.from_pretrained(resolve_model(config.model))
     if config.tensor_parallel_size > 1:
         ShardPlan(model_config, 0, config.tensor_parallel_size, config.enable_expert_parallel)
     if config.pipeline_parallel_size > 1:
         check_stages(model_config)
-        stage_layers(model_config.num_hidden_layers, config.pipeline_parallel_size)
+        model_stage_layers(model_config, config.pipeline_parallel_size)
 
 
 def start_group(config):

@@ -105,11 +105,17 @@ def embed(backend, config, token_ids, table, out) -> None:
     if tp is None:
         backend.embedding(token_ids, table, out)
         return
+    embed_share(backend, tp.comm, token_ids, table, tp.vocab_start, config.vocab_size, out)
+
+
+def embed_share(backend, comm, token_ids, table, start: int, share: int, out) -> None:
+    """out (T, width) = the rows of token_ids of a vocab-parallel table: this rank's rows
+    [start, start + share) and a zero row after them (with_zero_row), all-reduced."""
     xp = backend.xp
-    local = token_ids - np.int32(tp.vocab_start)
-    inside = (local >= 0) & (local < config.vocab_size)
-    backend.embedding(xp.where(inside, local, config.vocab_size).astype(np.int32), table, out)
-    tp.comm.all_reduce(out)
+    local = token_ids - np.int32(start)
+    inside = (local >= 0) & (local < share)
+    backend.embedding(xp.where(inside, local, share).astype(np.int32), table, out)
+    comm.all_reduce(out)
 
 
 def logits(backend, config, rows_hidden, lm_head, bias=None):

@@ -70,6 +70,7 @@ STAGED_ARCHITECTURES = (
     "Qwen3NextForCausalLM",
     "Qwen3_5ForCausalLM",
     "Qwen3_5MoeForCausalLM",
+    "Gemma4ForCausalLM",
 )
 
 # (a vision-language checkpoint's language model under model.language_model. or
@@ -98,6 +99,22 @@ def stage_layers(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
     return bounds
 
 
+def _family_stages(model_config):
+    """A family's own stage cut and per-layer settings (engine/parallel/stages_<family>.py), or
+    None."""
+    if model_config.architecture == "Gemma4ForCausalLM":
+        from engine.parallel import stages_gemma4
+        return stages_gemma4
+    return None
+
+
+def model_stage_layers(model_config, num_stages: int) -> list[tuple[int, int]]:
+    """stage_layers, or the family's own cut."""
+    bounds = stage_layers(model_config.num_hidden_layers, num_stages)
+    family = _family_stages(model_config)
+    return bounds if family is None else family.stage_layers(model_config, bounds)
+
+
 def check_model(model_config) -> None:
     """What a stage split cannot carry yet, refused before the load (or at it, for a GGUF)."""
     c = model_config
@@ -122,6 +139,8 @@ class PipelineStage:
     hidden_size: int
     tied: bool                          # the LM head is the embedding (the last stage holds it)
     comm: object = dataclasses.field(compare=False, repr=False)   # its rank: the stage
+    # every stage holds the input embedding (Gemma 4's per-layer inputs read it on each stage)
+    embedding_everywhere: bool = False
     # while CUDA graphs of the stage are captured: the DeferredHandOver the boundary records in
     _deferred: list = dataclasses.field(default_factory=list, compare=False, repr=False)
 
@@ -136,9 +155,12 @@ class PipelineStage:
     @classmethod
     def of(cls, model_config, stage: int, num_stages: int, tp_rank: int, comm):
         check_model(model_config)
-        first, end = stage_layers(model_config.num_hidden_layers, num_stages)[stage]
+        first, end = model_stage_layers(model_config, num_stages)[stage]
+        family = _family_stages(model_config)
         return cls(stage, num_stages, first, end, tp_rank, model_config.vocab_size,
-                   model_config.hidden_size, model_config.tie_word_embeddings, comm)
+                   model_config.hidden_size, model_config.tie_word_embeddings, comm,
+                   embedding_everywhere=family is not None and family.needs_embedding(
+                       model_config))
 
     def tensor_name(self, name: str) -> str | None:
         """The stage's name for a checkpoint tensor (its layers renumbered from 0), or None when
@@ -168,7 +190,7 @@ class PipelineStage:
         last stage, whose final hidden states it reads."""
         name = text_model_name(name)
         if name in _EMBED:
-            return self.first or (self.last and self.tied)
+            return self.first or self.embedding_everywhere or (self.last and self.tied)
         if name in _HEAD or name.startswith("mtp."):
             return self.last
         return True
@@ -180,9 +202,12 @@ class PipelineStage:
         moe = c.moe and dataclasses.replace(c.moe, sparse_layers=c.moe.sparse_layers[a:b])
         la = c.linear_attention and dataclasses.replace(
             c.linear_attention, layer_types=c.linear_attention.layer_types[a:b])
+        stages = _family_stages(c)
+        family = (stage_family(c.family, a, b) if stages is None
+                  else stages.local_family(c.family, a, b))
         return dataclasses.replace(c, num_hidden_layers=b - a,
                                    sliding_windows=c.sliding_windows[a:b], moe=moe,
-                                   linear_attention=la, family=stage_family(c.family, a, b),
+                                   linear_attention=la, family=family,
                                    pipeline=self)
 
     # ---- the boundary

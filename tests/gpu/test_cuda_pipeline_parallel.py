@@ -9,7 +9,9 @@
                stream around the replays is checked between processes on the CPU,
                tests/test_parallel_graphs.py, and on two GPUs below.)
   two devices  pipeline_parallel_size 2 (one stage per device) against one device (skipped
-               with fewer than 2 GPUs: pending a machine with several).
+               with fewer than 2 GPUs: pending a machine with several); Gemma 4 E2B's shape
+               too (the KV-shared layers and their sources on stage 1, each stage computing its
+               layers' per-layer inputs).
 """
 from __future__ import annotations
 
@@ -68,11 +70,14 @@ def test_graphs_parallel_replays_each_micro_batch(checkpoints, monkeypatch):
     assert graphs.num_replays >= 2 * (GEN - 2) and graphs.num_eager_fallbacks == 0
 
 
-def test_two_stages_on_two_devices_match_one(checkpoints):
+@pytest.mark.parametrize("kind", ["llama", "gemma4_e2b"])
+def test_two_stages_on_two_devices_match_one(checkpoints, kind, tmp_path):
     from pyx.cuda_backend import device_count
     if device_count() < 2:
-        pytest.skip("pending a machine with 2+ GPUs: pipeline_parallel_size 2 on two devices")
-    path = checkpoints("llama")
+        pytest.skip(f"pending a machine with 2+ GPUs: {kind} at pipeline_parallel_size 2 on two "
+                    "devices")
+    from test_cuda_tensor_parallel import tp_quant_checkpoint
+    path = checkpoints("llama") if kind == "llama" else tp_quant_checkpoint(kind, tmp_path)
     prompts = random_prompts(5, (40, 17))
     one = [list(o.token_ids) for o in greedy(make_llm(path, "cuda"), prompts)]
     llm = make_llm(path, "cuda", pipeline_parallel_size=2)

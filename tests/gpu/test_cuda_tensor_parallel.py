@@ -10,9 +10,11 @@ backend's stream.
                captured graph.
   two devices  tensor_parallel_size 2 against one device (skipped with fewer than 2 GPUs:
                pending a machine with several).
-  GPTQ, Gemma 4 a GPTQ checkpoint (its cut tensors repacked for Marlin) and Gemma 4's MoE
-  MoE          (each branch all-reduced before its post-norm) in a group of one against the
-               plain engine; on two devices pending a machine with several.
+  GPTQ, Gemma 4 a GPTQ checkpoint (its cut tensors repacked for Marlin), Gemma 4's MoE
+  MoE, E2B     (each branch all-reduced before its post-norm) and E2B's shape (the per-layer
+               table's vocab-parallel lookup, the projection's all-gather, the KV-shared layers'
+               all-reduce) in a group of one against the plain engine; on two devices pending a
+               machine with several.
   expert       the fused MoE block's shares of two ranks holding [0, E/2) and [E/2, E) add up
   parallel     to the whole block's output on the device (the other rank's pairs unrouted in
                moe_align and moe_combine); a Mixtral-shaped model with enable_expert_parallel in
@@ -85,16 +87,16 @@ def test_split_graph_of_one_rank_matches_plain_engine(checkpoints, monkeypatch):
 
 def tp_quant_checkpoint(kind: str, tmp_path) -> str:
     """A GPTQ int4 tiny-256 Llama (groups of 128: its Marlin repack starts from the rank's cut
-    tensors) or a tiny-256 Gemma 4 26B-A4B-shaped MoE."""
+    tensors), a tiny-256 Gemma 4 26B-A4B-shaped MoE or E2B-shaped model."""
     from checkpoints import tiny256_checkpoint, tiny_checkpoint
-    if kind == "gemma4_moe":
-        return tiny256_checkpoint(str(tmp_path / kind), arch="gemma4_moe", dtype="bfloat16")
+    if kind in ("gemma4_moe", "gemma4_e2b"):
+        return tiny256_checkpoint(str(tmp_path / kind), arch=kind, dtype="bfloat16")
     from test_int4_formats import CHECKPOINT, write_gptq_awq
     floats = tiny_checkpoint(str(tmp_path / "f32"), "llama", **CHECKPOINT)
     return write_gptq_awq(floats, tmp_path / kind, "gptq", False, 128)[0]
 
 
-@pytest.mark.parametrize("kind", ["gptq", "gemma4_moe"])
+@pytest.mark.parametrize("kind", ["gptq", "gemma4_moe", "gemma4_e2b"])
 def test_split_gptq_and_gemma4_moe_of_one_rank_match_plain_engine(kind, monkeypatch, tmp_path):
     """GPTQ's cut tensors repacked for Marlin, Gemma 4's per-branch all-reduces through NCCL."""
     path = tp_quant_checkpoint(kind, tmp_path)
@@ -105,7 +107,7 @@ def test_split_gptq_and_gemma4_moe_of_one_rank_match_plain_engine(kind, monkeypa
     assert [list(o.token_ids) for o in greedy(llm, prompts)] == plain
 
 
-@pytest.mark.parametrize("kind", ["gptq", "gemma4_moe"])
+@pytest.mark.parametrize("kind", ["gptq", "gemma4_moe", "gemma4_e2b"])
 def test_two_devices_split_gptq_and_gemma4_moe(kind, tmp_path):
     from pyx.cuda_backend import device_count
     if device_count() < 2:
