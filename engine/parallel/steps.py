@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import threading
 import time
 from dataclasses import dataclass, field
@@ -93,6 +94,8 @@ class StepSender:
         (a Ray actor's); else each worker's pid is watched."""
         self.group = group
         self.stopped = False
+        self.broken = None          # why the group cannot run another step (abandon)
+        self._ending = threading.Lock()
         # the steps (engine thread) and LoRA loads (the server's threads) take turns on the
         # channel: its messages reach every rank in one order
         self._lock = threading.Lock()
@@ -110,20 +113,41 @@ class StepSender:
             time.sleep(every)
             for rank, (what, alive) in enumerate(self.watch, start=1):
                 if not self.stopped and not alive():
-                    message = (f"{self.kind} rank {rank} ({what}) has died; the model "
-                               f"cannot run without it: exiting")
-                    log.critical("%s", message)
-                    if self.on_death is not None:
-                        try:
-                            self.on_death(message)
-                            time.sleep(self.grace)
-                        except Exception:       # the exit below matters more
-                            log.exception("failing the open requests")
-                    logging.shutdown()
-                    os._exit(1)
+                    self._end(f"{self.kind} rank {rank} ({what}) has died; the model cannot run "
+                              f"without it: exiting")
+
+    def abandon(self, problem: str) -> None:
+        """Rank 0's part of a step failed after the step went out: the other ranks wait in a
+        receive or collective of it for good (MPI cannot cancel them), where the next step would
+        meet them with the wrong data, and leaving the group (a collective) would wait on them.
+        So the group ends as when a worker dies: the open requests fail with the problem, the
+        workers are ended and rank 0 exits with status 1. No step is sent meanwhile."""
+        self.broken = (f"{self.kind}: rank 0's forward failed ({problem}); the other ranks "
+                       f"cannot finish the step: exiting")
+        threading.Thread(target=self._end, args=(self.broken,), daemon=True,
+                         name="taper-tp-abandon").start()
+
+    def _end(self, message: str) -> None:
+        with self._ending:      # the watchdog and a failed step may both get here: one ends
+            log.critical("%s", message)
+            if self.on_death is not None:
+                try:
+                    self.on_death(message)
+                    time.sleep(self.grace)
+                except Exception:       # the exit below matters more
+                    log.exception("failing the open requests")
+            for pid in self.worker_pids:    # a worker waiting in a collective never notices
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+            logging.shutdown()
+            os._exit(1)
 
     def send(self, inputs: StepInputs) -> None:
         with self._lock:
+            if self.broken:
+                raise RuntimeError(self.broken)
             self.group.send(inputs)
 
     def load_lora(self, name: str, path: str, adapter_id: int) -> None:
@@ -131,7 +155,7 @@ class StepSender:
         the first rank that could not."""
         from engine.lora.adapter import LoraError
         with self._lock:
-            if self.stopped:
+            if self.stopped or self.broken:
                 raise LoraError(f"LoRA adapter {name!r}: the engine has stopped")
             self.group.send(LoraLoad(name, path, adapter_id))
             answers = self.group.allgather(None)
@@ -143,7 +167,7 @@ class StepSender:
     def stop(self) -> None:
         """The workers leave their loop and exit; the group is closed."""
         with self._lock:
-            if not self.stopped:
+            if not self.stopped and not self.broken:
                 self.stopped = True
                 self.group.send(STOP)
                 self.group.close()
