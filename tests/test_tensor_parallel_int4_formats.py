@@ -11,7 +11,7 @@ channel strategies, symmetric and with zero points) and Taper's Marlin-format ch
   oracle's first near-tie.
 - Clear errors: a row share that is not whole quantization groups (compressed-tensors groups of
   256), a Marlin share that is not whole 64-column tiles, a Marlin layer whose padded N would be
-  cut, a compressed-tensors checkpoint with FP8 (float-quantized) groups.
+  cut, a compressed-tensors format other than int4 and FP8 (int-quantized W8A8).
 
 Checkpoints: tests/test_int4_formats.py's writers (compressed-tensors' own ModelCompressor, the
 GPTQ packer) on its tiny-256 Llama, converted to Marlin by engine/tools/convert_marlin.py.
@@ -164,15 +164,15 @@ def test_compressed_tensors_row_shares_must_be_whole_groups(checkpoints, tmp_pat
         rank_weights(qdir, 0)
 
 
-def test_compressed_tensors_fp8_groups_cannot_be_split(tmp_path):
+def test_other_compressed_tensors_formats_cannot_be_split(tmp_path):
     from engine import LLM
     tiny_checkpoint(str(tmp_path / "m"), arch="llama")
     edit_config(str(tmp_path / "m"), lambda c: {**c, "quantization_config": {
         "quant_method": "compressed-tensors", "config_groups": {"group_0": {
-            "targets": ["Linear"], "format": "float-quantized",
-            "weights": {"num_bits": 8, "type": "float", "strategy": "channel"}}}}})
+            "targets": ["Linear"], "format": "int-quantized",
+            "weights": {"num_bits": 8, "type": "int", "strategy": "channel"}}}}})
     with pytest.raises(ValueError, match="compressed-tensors config group group_0 is "
-                                         "float-quantized; only pack-quantized"):
+                                         "int-quantized; only pack-quantized"):
         LLM(str(tmp_path / "m"), tensor_parallel_size=2)
 
 

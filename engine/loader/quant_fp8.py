@@ -58,7 +58,8 @@ def _pop_scale(weights: dict, name: str, what: str) -> np.ndarray:
     return np.asarray(s, dtype=np.float32)
 
 
-def _block(value, what: str) -> tuple[int, int]:
+def block_shape(value, what: str) -> tuple[int, int]:
+    """[rows, cols] of an FP8 scale block, from a config's list or "128x128"."""
     if isinstance(value, str):  # older compressed-tensors wrote "128x128"
         value = value.lower().split("x")
     try:
@@ -130,7 +131,7 @@ def convert_fp8_block(weights: dict, quantization_config: dict) -> None:
         raise ValueError(f"quantization_config activation_scheme {scheme!r} is not supported "
                          "(dynamic or static)")
     block = qc.get("weight_block_size")
-    block = None if block is None else _block(block, "weight_block_size")
+    block = None if block is None else block_shape(block, "weight_block_size")
     not_convert = list(qc.get("modules_to_not_convert") or []) + list(qc.get("ignored_layers") or [])
     prefixes = _fp8_layers(weights)
     if not prefixes:
@@ -221,7 +222,7 @@ def convert_compressed_fp8(weights: dict, quantization_config: dict, scheme=None
         raise ValueError("compressed-tensors asymmetric FP8 weights are not supported")
     if _get(wargs, "dynamic", False) is True:
         raise ValueError("compressed-tensors dynamic weight quantization is not supported")
-    block = _block(_get(wargs, "block_structure"), "block_structure") if strategy == "block" else None
+    block = block_shape(_get(wargs, "block_structure"), "block_structure") if strategy == "block" else None
     acts = _get(scheme, "input_activations")
     static = False
     if acts:

@@ -160,7 +160,7 @@ class ShardPlan:
         if method is not None and method not in SPLITTABLE_QUANT and not experts_only:
             raise ValueError(f"tensor parallel: {method} checkpoints cannot be split across ranks "
                              f"yet (splittable: unquantized safetensors, fp8 with block scales, "
-                             f"gptq, awq, compressed-tensors int4, marlin, GGUF, --isq)")
+                             f"gptq, awq, compressed-tensors int4 and FP8, marlin, GGUF, --isq)")
         self.fp8_block = tuple(q["weight_block_size"]) if method == "fp8" and q.get(
             "weight_block_size") else None
         # GPTQ/AWQ: (method, group size), cut by engine/parallel/sharding_int4.py
@@ -292,7 +292,9 @@ class ShardPlan:
                     (self.rank * self.heads, (self.rank + 1) * self.heads))
             return tensor if a <= int(m.group(2)) < b else None
         if name.endswith(".weight_scale_inv") and self.fp8_block is not None:
-            return self._shard_block_scales(name, tensor, shapes[name.removesuffix("_scale_inv")])
+            weight = name.removesuffix("_scale_inv")
+            return self.block_scales(name, tensor, self.cut(weight, tuple(shapes[weight])),
+                                     self.fp8_block)
         if self.int4 is not None and name.endswith((".qweight", ".qzeros", ".scales", ".g_idx")):
             from engine.parallel.sharding_int4 import shard_int4
             return shard_int4(self, name, tensor, shapes, *self.int4)
@@ -313,19 +315,18 @@ class ShardPlan:
         raise ValueError(f"tensor parallel: {name} is a {type(tensor).__name__}, which cannot "
                          "be split across ranks")
 
-    def _shard_block_scales(self, name: str, scales, weight_shape):
-        """FP8 block scales (N / bn, K / bk) cut as their weight is, in whole blocks."""
-        cut = self.cut(name.removesuffix("_scale_inv"), tuple(weight_shape))
+    def block_scales(self, name: str, scales, cut, block: tuple[int, int]):
+        """FP8 block scales (N / bn, K / bk) cut as their weight is (`cut`), in whole blocks."""
         if cut is None or cut == ZERO_UNLESS_RANK0:
             return scales
-        block = self.fp8_block[cut.axis]
+        size = block[cut.axis]
         ranges = []
         for a, b in cut.ranges:
-            if a % block or b % block:
+            if a % size or b % size:
                 raise ValueError(f"tensor parallel {self.size}: fp8 {name}: the rank's "
                                  f"{'rows' if cut.axis == 0 else 'columns'} [{a}, {b}) are not "
-                                 f"whole {block}-element scale blocks")
-            ranges.append((a // block, b // block))
+                                 f"whole {size}-element scale blocks")
+            ranges.append((a // size, b // size))
         return cut_array(scales, Cut(cut.axis, tuple(ranges)))
 
 

@@ -15,14 +15,18 @@ The layer is cut as its float (N, K) weight would be (engine/parallel/sharding.p
   weight_shape                  the share's [N, K]
 
 A share that is not whole groups or words, or an act-order g_idx under a row cut, stops the load
-naming the tensor. Only pack-quantized config groups split: a checkpoint with float-quantized
-(FP8) groups is refused by name when the plan is made.
+naming the tensor.
+
+A float-quantized (FP8) layer's e4m3 weight is cut as a float one (sharding.py); its
+weight_scale (and all-zero weight_zero_point) with it: per tensor whole, per channel (N, 1) by
+the rows of a column-parallel layer (whole for a row-parallel one), per block in whole blocks.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from engine.loader.quant_compressed import scheme_for
+from engine.loader.quant_fp8 import block_shape
 from engine.parallel.cuts import Cut, cut_array
 from engine.parallel.sharding_int4 import in_order_g_idx, whole_units
 
@@ -34,21 +38,21 @@ def check(qc: dict) -> None:
     """Refuses, by config group, what this cut does not split."""
     for group, scheme in (qc.get("config_groups") or {}).items():
         fmt = scheme.get("format") or qc.get("format")
-        if fmt != "pack-quantized":
+        if fmt not in ("pack-quantized", "float-quantized"):
             raise ValueError(f"tensor parallel: compressed-tensors config group {group} is "
-                             f"{fmt}; only pack-quantized (int4 W4A16) layers can be split "
-                             f"across ranks yet")
+                             f"{fmt}; only pack-quantized (int4 W4A16) and float-quantized "
+                             f"(FP8) layers can be split across ranks")
 
 
 def shard(plan, name: str, tensor, shapes: dict):
-    """The rank's part of one tensor of a pack-quantized layer, or NotImplemented for a tensor of
-    no such layer (sharding.py cuts it as any other)."""
+    """The rank's part of one tensor of a compressed-tensors layer, or NotImplemented for a
+    tensor of no such layer (sharding.py cuts it as any other)."""
     if not name.endswith(SUFFIXES):
         return NotImplemented
     layer, suffix = name.rsplit(".", 1)
     packed = shapes.get(f"{layer}.weight_packed")
     if packed is None:
-        return NotImplemented
+        return _fp8_scales(plan, name, layer, suffix, tensor, shapes)
     n, k = packed[0], packed[1] * 8
     cut = plan.cut(f"{layer}.weight", (n, k))
     if cut is None:
@@ -79,3 +83,22 @@ def shard(plan, name: str, tensor, shapes: dict):
     if suffix in ("weight_scale", "weight_zero_point"):
         return tensor if per_channel else cut_array(tensor, groups)
     return in_order_g_idx(plan, name, tensor, a, b, g)
+
+
+def _fp8_scales(plan, name: str, layer: str, suffix: str, tensor, shapes: dict):
+    """A float-quantized layer's weight_scale or weight_zero_point, cut as its codes are (module
+    docstring); NotImplemented for any other tensor."""
+    weight = shapes.get(f"{layer}.weight")
+    if suffix not in ("weight_scale", "weight_zero_point") or weight is None:
+        return NotImplemented
+    cut = plan.cut(f"{layer}.weight", tuple(weight))
+    if cut is None or int(np.prod(tensor.shape)) == 1:
+        return tensor
+    if not isinstance(cut, Cut) or cut.pad_to:
+        raise ValueError(f"tensor parallel: compressed-tensors {name}: a quantized embedding or "
+                         "LM head cannot be split across ranks")
+    if tuple(tensor.shape) == (weight[0], 1):
+        return cut_array(tensor, cut) if cut.axis == 0 else tensor
+    args = scheme_for(layer, plan.config.quantization_config["config_groups"])["weights"]
+    return plan.block_scales(name, tensor, cut, block_shape(args.get("block_structure"),
+                                                            "block_structure"))
