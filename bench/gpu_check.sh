@@ -263,8 +263,8 @@ if [ "$SUITE" = first ]; then
         test_cuda_logprobs.py test_cuda_families.py test_cuda_block_tables.py test_cuda_mla.py \
         test_cuda_features.py test_cuda_tensor_parallel.py test_cuda_tensor_parallel_mla.py \
         test_cuda_pipeline_parallel.py test_cuda_hybrid.py test_cuda_lora.py test_cuda_vision.py \
-        test_cuda_gemma4_e_shapes.py \
-        test_cuda_pipeline_parallel_mla.py \
+        test_cuda_gemma4_e_shapes.py test_cuda_pipeline_parallel_mla.py \
+        test_cuda_parallel_speculation.py \
         "test_cuda_quirk_families.py:ops:not family and not minimax" \
         "test_cuda_quirk_families.py:models:family or minimax"
     # the quantized GEMMs' host work (quantizing, repacking 8B-sized weights) in two processes
