@@ -55,8 +55,10 @@ def assert_same(one, split, label):
 
 
 @pytest.mark.parametrize("split", [dict(tensor_parallel_size=2),
-                                   dict(pipeline_parallel_size=2, pipeline_micro_batches=2)],
-                         ids=["tp2", "pp2"])
+                                   dict(pipeline_parallel_size=2, pipeline_micro_batches=2),
+                                   dict(tensor_parallel_size=2, pipeline_parallel_size=2,
+                                        pipeline_micro_batches=2)],
+                         ids=["tp2", "pp2", "pp2xtp2"])
 def test_mixed_batch_matches_one_process_and_peft(base, adapters, one, split):
     before = worker_pids()
     got = mixed_batch(base, adapters, **split)
