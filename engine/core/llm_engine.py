@@ -8,6 +8,7 @@ import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -261,13 +262,16 @@ class LLMEngine:
             if placeholders is not None:
                 placeholders.fill(batch.token_ids, after.future.result())
             spec, draft_probs = self.speculator, None
-            if spec is not None and sched.has_drafts:
-                draft_probs = spec.draft(self.runner, sched, batch, self.admission.structured)
-            start = time.perf_counter()
-            logits, pooled = self.runner.execute(sched, batch)
-            if spec is not None:
-                forward_s = time.perf_counter() - start
-                spec.mirror(self.runner, batch)     # the draft model's K/V of this step
+            # under tensor or pipeline parallel the other ranks take part in these forwards: one
+            # that fails on rank 0 ends the group (StepSender.running)
+            with self.runner.peers.running() if self.runner.peers else nullcontext():
+                if spec is not None and sched.has_drafts:
+                    draft_probs = spec.draft(self.runner, sched, batch, self.admission.structured)
+                start = time.perf_counter()
+                logits, pooled = self.runner.execute(sched, batch)
+                if spec is not None:
+                    forward_s = time.perf_counter() - start
+                    spec.mirror(self.runner, batch)     # the draft model's K/V of this step
             if after is not None:
                 self._await_commit(after)
             if sched.has_drafts:

@@ -27,6 +27,7 @@ import os
 import signal
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -115,6 +116,16 @@ class StepSender:
                 if not self.stopped and not alive():
                     self._end(f"{self.kind} rank {rank} ({what}) has died; the model cannot run "
                               f"without it: exiting")
+
+    @contextmanager
+    def running(self):
+        """Around rank 0's forwards of a step (the draft's, the target's, the head's mirror),
+        which the other ranks run with it: one that raises abandons the group."""
+        try:
+            yield
+        except Exception as e:
+            self.abandon(f"{type(e).__name__}: {e}")
+            raise
 
     def abandon(self, problem: str) -> None:
         """Rank 0's part of a step failed after the step went out: the other ranks wait in a

@@ -239,12 +239,7 @@ class ModelRunner:
         if self.peers is not None:      # before the block table's update is applied and dropped
             sent = inputs if self.vision is None else self.vision.for_peers(inputs)
             self.peers.send(sent if self.lora is None else self.lora.for_peers(sent))
-        try:
-            logits, hidden, score_logits = self.run(inputs)
-        except Exception as e:
-            if self.peers is not None:      # the other ranks are inside this step for good
-                self.peers.abandon(f"{type(e).__name__}: {e}")
-            raise
+        logits, hidden, score_logits = self.run(inputs)
         if not pooled:
             return logits, []
         scores = self.pick_scores(scored, score_logits) if scored else []
