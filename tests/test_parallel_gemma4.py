@@ -27,10 +27,9 @@ from __future__ import annotations
 
 import pytest
 
-from hf_oracle import assert_matches
 from model_cases import Cases
-from test_tensor_parallel import assert_same_as_one_process, greedy, wait_for_workers_gone, \
-    worker_pids
+from test_tensor_parallel import assert_same_as_one_process, check_split, greedy, \
+    wait_for_workers_gone, worker_pids
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -44,21 +43,6 @@ CASES = {"gemma4": (dict(arch="gemma4"), None),
 @pytest.fixture(scope="module")
 def cases(tmp_path_factory):
     return Cases(str(tmp_path_factory.mktemp("gemma4_parallel")), CASES)
-
-
-def check_split(cases, name, label, **split):
-    """The split engine's greedy tokens equal transformers' and the single process's; what
-    `inspect` (of rank 0's model, in split) saw is returned."""
-    before = worker_pids()
-    tokens = greedy(cases.dir(name), **split)
-    seen = None
-    if "inspect" in split:
-        tokens, seen = tokens
-    for i, (got, ref) in enumerate(zip(tokens[0], cases.ref(name))):
-        assert_matches(got, ref, min_trusted=8, label=f"{name} {label} prompt {i}")
-    assert_same_as_one_process(greedy(cases.dir(name)), tokens, f"{name} {label}")
-    wait_for_workers_gone(before)
-    return seen
 
 
 @pytest.mark.parametrize("name", ["gemma4_e2b", "gemma4_e4b"])

@@ -25,8 +25,9 @@ import pytest
 from hf_oracle import assert_matches
 from model_cases import Cases
 import test_expert_parallel as expert_parallel
+from test_pipeline_parallel import greedy
 import test_tensor_parallel as tensor_parallel
-from test_tensor_parallel import assert_same_as_one_process, wait_for_workers_gone, worker_pids
+from test_tensor_parallel import assert_same_as_one_process, check_split
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -45,21 +46,12 @@ def cases(tmp_path_factory):
     return Cases(str(tmp_path_factory.mktemp("pp_families")), CASES)
 
 
-def greedy(model, pp: int = 1, tp: int = 1, **kwargs):
-    return tensor_parallel.greedy(model, tp, pipeline_parallel_size=pp, **kwargs)
-
-
 @pytest.mark.parametrize("name,pp,tp", [("stablelm", 2, 1), ("stablelm_qk", 2, 1),
                                         ("phi", 2, 1), ("gpt_oss", 2, 1),
                                         ("minimax_m2", 2, 1), ("llama4_6", 2, 1),
                                         ("phi", 2, 2)])
 def test_greedy_tokens_match_hf_and_one_process(cases, name, pp, tp):
-    before = worker_pids()
-    split = greedy(cases.dir(name), pp, tp)
-    for i, (tokens, ref) in enumerate(zip(split[0], cases.ref(name))):
-        assert_matches(tokens, ref, min_trusted=8, label=f"{name} pp{pp} tp{tp} prompt {i}")
-    assert_same_as_one_process(greedy(cases.dir(name)), split, f"{name} pp{pp} tp{tp}")
-    wait_for_workers_gone(before)
+    check_split(cases, name, f"pp{pp} tp{tp}", tp=tp, pipeline_parallel_size=pp)
 
 
 def test_llama4_stage_reads_its_layers_settings(cases):
