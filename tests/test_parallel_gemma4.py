@@ -116,18 +116,8 @@ def test_stage_cut_that_cannot_keep_kv_sharing_together_is_refused():
 def test_released_layout_under_pipeline_parallel(tmp_path):
     """Gemma4ForConditionalGeneration's tensors under model.language_model. are renumbered into
     the stages as the text model's (a stage holding every layer, misnumbered, would differ)."""
-    import torch
-    import transformers
-
-    from checkpoints import ARCHS, TINY, scale_weights
-    text = {**TINY, **ARCHS["gemma4_e4b"][1], "tie_word_embeddings": True}
-    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                  num_attention_heads=2, num_key_value_heads=2, head_dim=16)
-    torch.manual_seed(0)
-    model = transformers.Gemma4ForConditionalGeneration(
-        transformers.Gemma4Config(text_config=text, vision_config=vision, audio_config=None))
-    scale_weights(model)
-    model.save_pretrained(tmp_path)
+    from test_models_quirk_families import released_gemma4
+    released_gemma4(tmp_path, "gemma4_e4b")
     before = worker_pids()
     split = greedy(str(tmp_path), pipeline_parallel_size=2)
     assert_same_as_one_process(greedy(str(tmp_path)), split, "released layout pp2")

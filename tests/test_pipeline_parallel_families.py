@@ -105,21 +105,10 @@ def test_llama4_multimodal_layout_stages(tmp_path):
     """Llama 4 as released (Llama4ForConditionalGeneration: the text model's tensors under
     language_model., beside a vision model): each stage reads its layers under that prefix, the
     tokens transformers' and the single process's."""
-    import torch
-    import transformers
-
-    from checkpoints import ARCHS, TINY, scale_weights
     from hf_oracle import hf_greedy
     from model_cases import GEN, prompts_for
-    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                  num_attention_heads=2, image_size=32, patch_size=8, vision_output_dim=32,
-                  projector_input_dim=32, projector_output_dim=96)
-    torch.manual_seed(0)
-    model = transformers.Llama4ForConditionalGeneration(transformers.Llama4Config(
-        text_config={**TINY, **ARCHS["llama4"][1]}, vision_config=vision))
-    scale_weights(model)
-    model.save_pretrained(tmp_path)
-    model.eval()
+    from test_models_quirk_families import released_llama4
+    model = released_llama4(tmp_path)
     split = greedy(str(tmp_path), 2)
     for i, (tokens, prompt) in enumerate(zip(split[0], prompts_for())):
         assert_matches(tokens, hf_greedy(model, prompt, GEN), min_trusted=8,
