@@ -24,9 +24,9 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("PIL")
 pytest.importorskip("mpi4py")
 
-from qwen3_vl_checkpoint import tiny_qwen3_vl_checkpoint  # noqa: E402
 from test_tensor_parallel_vision import (_qwen2_5_vl, gemma3_case, greedy, load_qwen,  # noqa: E402
                                          mistral3_case, qwen_case)
+from test_tensor_parallel_vision import _qwen3_vl as tensor_parallel_qwen3_vl  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -35,13 +35,8 @@ def _qwen3_vl(directory, moe: bool = False):
     """The tiny Qwen3-VL in 4 layers (4 query, 2 KV heads, for PP 2 x TP 2) with 3 DeepStack
     features, into layers 0, 1 and 2: the third on the later stage, before its last layer
     (a feature added after the last layer changes no logits)."""
-    import transformers
-    ckpt = tiny_qwen3_vl_checkpoint(
-        directory, moe=moe, text_overrides=dict(num_hidden_layers=4, num_attention_heads=4,
-                                                num_key_value_heads=2),
-        vision_overrides=dict(deepstack_visual_indexes=[0, 1, 2]))
-    return ckpt, (transformers.Qwen3VLMoeForConditionalGeneration if moe
-                  else transformers.Qwen3VLForConditionalGeneration)
+    return tensor_parallel_qwen3_vl(directory, moe, text=dict(num_hidden_layers=4),
+                                    vision=dict(deepstack_visual_indexes=[0, 1, 2]))
 
 
 FAMILIES = {"qwen2.5-vl": _qwen2_5_vl, "qwen3-vl": _qwen3_vl,

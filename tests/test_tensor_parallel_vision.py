@@ -42,10 +42,12 @@ def _qwen2_5_vl(directory):
     return tiny_vl_checkpoint(directory, text=text), Qwen2_5_VLForConditionalGeneration
 
 
-def _qwen3_vl(directory, moe: bool = False):
+def _qwen3_vl(directory, moe: bool = False, text: dict | None = None,
+              vision: dict | None = None):
+    """text, vision: more text_config and vision_config entries."""
     import transformers
     ckpt = tiny_qwen3_vl_checkpoint(directory, moe=moe, text_overrides=dict(
-        num_attention_heads=4, num_key_value_heads=2))
+        num_attention_heads=4, num_key_value_heads=2, **(text or {})), vision_overrides=vision)
     return ckpt, (transformers.Qwen3VLMoeForConditionalGeneration if moe
                   else transformers.Qwen3VLForConditionalGeneration)
 
