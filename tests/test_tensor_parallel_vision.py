@@ -190,13 +190,18 @@ def test_gguf_with_its_projector_file(family):
     """A GGUF text file with llama.cpp's projector file (--mmproj; its tower tensors named as the
     checkpoints' are, engine/loader/gguf_mmproj*.py): the recorded transformers tokens of each
     fixture case at TP 2 (the Qwen fixtures have 3 heads, which 2 ranks cannot split)."""
+    check_gguf_with_its_projector_file(family, tensor_parallel_size=2)
+
+
+def check_gguf_with_its_projector_file(family: str, **split):
+    """Each fixture case of tests/test_gguf_mmproj_{family}.py gives transformers' recorded
+    tokens through an engine split as `split` (EngineConfig's) says."""
     import importlib
 
     from gguf_mmproj_cases import check_engine_case, make_engine
     files = importlib.import_module(f"test_gguf_mmproj_{family}")
     for case in files.FIXTURES.values():      # (an engine each: it counts the images encoded)
-        engine = make_engine(files.TEXT, files.MMPROJ, max_num_batched_tokens=20,
-                             tensor_parallel_size=2)
+        engine = make_engine(files.TEXT, files.MMPROJ, max_num_batched_tokens=20, **split)
         try:
             check_engine_case(engine, case)
         finally:
