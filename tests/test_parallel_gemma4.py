@@ -28,16 +28,16 @@ from __future__ import annotations
 import pytest
 
 from model_cases import Cases
+import test_tensor_parallel as tensor_parallel
 from test_tensor_parallel import assert_same_as_one_process, check_split, greedy, \
     wait_for_workers_gone, worker_pids
 
 pytestmark = pytest.mark.timeout(300)
 
-CASES = {"gemma4": (dict(arch="gemma4"), None),
+CASES = {"gemma4": tensor_parallel.CASES["gemma4"],
          "gemma4_e2b": (dict(arch="gemma4_e2b"), None),
          "gemma4_e4b": (dict(arch="gemma4_e4b"), None),
-         "gemma4_moe": (dict(arch="gemma4", enable_moe_block=True, num_experts=4,
-                             top_k_experts=2, moe_intermediate_size=32), None)}
+         "gemma4_moe": tensor_parallel.CASES["gemma4_moe"]}
 
 
 @pytest.fixture(scope="module")
