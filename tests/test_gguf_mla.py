@@ -16,9 +16,10 @@ from gguf import GGUFReader, quants
 
 from engine.loader.gguf import read_gguf
 from engine.models.model_config import ModelConfig
-from gguf_fixtures import RecordedFixtures, path_of, source_config
+from gguf_fixtures import HERE, RecordedFixtures, load_script, path_of, source_config
 
 RECORDED = RecordedFixtures("mla_fixtures.json", min_trusted_steps=6)
+maker = load_script(f"{HERE}/data/make_gguf_fixtures.py")
 FILES = RECORDED.files
 
 
@@ -63,31 +64,12 @@ def test_llm_generates_from_an_mla_gguf_file():
     RECORDED.assert_llm_generates("deepseek_v3-q8_0")
 
 
-def _copy_without(src: str, dst: str, key: str) -> str:
-    """GGUF `src` rewritten as `dst` without metadata `key` (tensors as they are)."""
-    from gguf import GGUFValueType, GGUFWriter
-    reader = GGUFReader(src)
-    w = GGUFWriter(dst, reader.fields["general.architecture"].contents())
-    for k, f in reader.fields.items():
-        if k.startswith("GGUF.") or k in ("general.architecture", "general.alignment", key):
-            continue
-        sub = f.types[-1] if f.types[0] == GGUFValueType.ARRAY else None
-        w.add_key_value(k, f.contents(), f.types[0], sub_type=sub)
-    for t in reader.tensors:
-        w.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return dst
-
-
 def test_gating_function_decides_the_router(tmp_path):
     """The V3 file without expert_gating_func reads as llama.cpp reads such a file (softmax:
     DeepSeek-V2's router), and its greedy tokens then leave transformers' V3 reference."""
     from test_gguf import greedy
-    dst = _copy_without(path_of("deepseek_v3-f32"), str(tmp_path / "no_gating.gguf"),
-                        "deepseek2.expert_gating_func")
+    dst = maker.copy_gguf(path_of("deepseek_v3-f32"), str(tmp_path / "no_gating.gguf"),
+                          leave_out=("deepseek2.expert_gating_func",))[0]
     ck = read_gguf(dst, progress=False)
     assert ck.config["architectures"] == ["DeepseekV2ForCausalLM"]
     ref, n = RECORDED.reference("deepseek_v3-f32")

@@ -807,23 +807,48 @@ def test_gemma4_moe_fused_experts_match_hf(cases):
     assert_model_forward_matches(cases, CpuBackend(kernels="moe=fused"), "gemma4_moe", chunk=9)
 
 
-def test_gemma4_multimodal_checkpoint_serves_its_text(tmp_path):
-    """Gemma 4 as released: Gemma4ForConditionalGeneration, the text config under text_config,
-    its tensors under model.language_model. beside a vision tower, tied embeddings. Taper serves
-    the text model (the tower not loaded) with transformers' tokens for a text prompt."""
+def released_gemma4(directory, arch: str = "gemma4"):
+    """A tiny Gemma 4 as released, saved in `directory`: Gemma4ForConditionalGeneration, the
+    text config (tests/checkpoints.py's `arch`) under text_config, its tensors under
+    model.language_model. beside a vision tower, tied embeddings. Returns transformers' model."""
     import transformers
 
     from checkpoints import ARCHS, TINY, scale_weights
-    from engine import LLM, SamplingParams
-    text = {**TINY, **ARCHS["gemma4"][1], "tie_word_embeddings": True}
+    text = {**TINY, **ARCHS[arch][1], "tie_word_embeddings": True}
     vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                   num_attention_heads=2, num_key_value_heads=2, head_dim=16)
     torch.manual_seed(0)
     model = transformers.Gemma4ForConditionalGeneration(
         transformers.Gemma4Config(text_config=text, vision_config=vision, audio_config=None))
     scale_weights(model)
-    model.save_pretrained(tmp_path)
-    model.eval()
+    model.save_pretrained(directory)
+    return model.eval()
+
+
+def released_llama4(directory):
+    """A tiny Llama 4 as released, saved in `directory`: Llama4ForConditionalGeneration, the
+    text config under text_config, its tensors under language_model. beside a vision model and
+    projector. Returns transformers' model."""
+    import transformers
+
+    from checkpoints import ARCHS, TINY, scale_weights
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=2, image_size=32, patch_size=8, vision_output_dim=32,
+                  projector_input_dim=32, projector_output_dim=96)
+    torch.manual_seed(0)
+    model = transformers.Llama4ForConditionalGeneration(transformers.Llama4Config(
+        text_config={**TINY, **ARCHS["llama4"][1]}, vision_config=vision))
+    scale_weights(model)
+    model.save_pretrained(directory)
+    return model.eval()
+
+
+def test_gemma4_multimodal_checkpoint_serves_its_text(tmp_path):
+    """Gemma 4 as released: Gemma4ForConditionalGeneration, the text config under text_config,
+    its tensors under model.language_model. beside a vision tower, tied embeddings. Taper serves
+    the text model (the tower not loaded) with transformers' tokens for a text prompt."""
+    from engine import LLM, SamplingParams
+    model = released_gemma4(tmp_path)
     prompts = prompts_for()
     outs = LLM(str(tmp_path), backend="cpu", num_kv_blocks=32).generate(
         prompts, SamplingParams(temperature=0, max_tokens=GEN, ignore_eos=True))
@@ -836,19 +861,8 @@ def test_llama4_multimodal_checkpoint_serves_its_text(tmp_path):
     """Llama 4 as released: Llama4ForConditionalGeneration, the text config under text_config,
     its tensors under language_model. beside a vision model and projector. Taper serves the
     text model (the vision parts not loaded) with transformers' tokens for a text prompt."""
-    import transformers
-
-    from checkpoints import ARCHS, TINY, scale_weights
     from engine import LLM, SamplingParams
-    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                  num_attention_heads=2, image_size=32, patch_size=8, vision_output_dim=32,
-                  projector_input_dim=32, projector_output_dim=96)
-    torch.manual_seed(0)
-    model = transformers.Llama4ForConditionalGeneration(transformers.Llama4Config(
-        text_config={**TINY, **ARCHS["llama4"][1]}, vision_config=vision))
-    scale_weights(model)
-    model.save_pretrained(tmp_path)
-    model.eval()
+    model = released_llama4(tmp_path)
     prompts = prompts_for()
     outs = LLM(str(tmp_path), backend="cpu", num_kv_blocks=32, block_size=16).generate(
         prompts, SamplingParams(temperature=0, max_tokens=GEN, ignore_eos=True))

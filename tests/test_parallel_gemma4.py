@@ -27,38 +27,22 @@ from __future__ import annotations
 
 import pytest
 
-from hf_oracle import assert_matches
 from model_cases import Cases
-from test_tensor_parallel import assert_same_as_one_process, greedy, wait_for_workers_gone, \
-    worker_pids
+import test_tensor_parallel as tensor_parallel
+from test_tensor_parallel import assert_same_as_one_process, check_split, greedy, \
+    wait_for_workers_gone, worker_pids
 
 pytestmark = pytest.mark.timeout(300)
 
-CASES = {"gemma4": (dict(arch="gemma4"), None),
+CASES = {"gemma4": tensor_parallel.CASES["gemma4"],
          "gemma4_e2b": (dict(arch="gemma4_e2b"), None),
          "gemma4_e4b": (dict(arch="gemma4_e4b"), None),
-         "gemma4_moe": (dict(arch="gemma4", enable_moe_block=True, num_experts=4,
-                             top_k_experts=2, moe_intermediate_size=32), None)}
+         "gemma4_moe": tensor_parallel.CASES["gemma4_moe"]}
 
 
 @pytest.fixture(scope="module")
 def cases(tmp_path_factory):
     return Cases(str(tmp_path_factory.mktemp("gemma4_parallel")), CASES)
-
-
-def check_split(cases, name, label, **split):
-    """The split engine's greedy tokens equal transformers' and the single process's; what
-    `inspect` (of rank 0's model, in split) saw is returned."""
-    before = worker_pids()
-    tokens = greedy(cases.dir(name), **split)
-    seen = None
-    if "inspect" in split:
-        tokens, seen = tokens
-    for i, (got, ref) in enumerate(zip(tokens[0], cases.ref(name))):
-        assert_matches(got, ref, min_trusted=8, label=f"{name} {label} prompt {i}")
-    assert_same_as_one_process(greedy(cases.dir(name)), tokens, f"{name} {label}")
-    wait_for_workers_gone(before)
-    return seen
 
 
 @pytest.mark.parametrize("name", ["gemma4_e2b", "gemma4_e4b"])
@@ -132,18 +116,8 @@ def test_stage_cut_that_cannot_keep_kv_sharing_together_is_refused():
 def test_released_layout_under_pipeline_parallel(tmp_path):
     """Gemma4ForConditionalGeneration's tensors under model.language_model. are renumbered into
     the stages as the text model's (a stage holding every layer, misnumbered, would differ)."""
-    import torch
-    import transformers
-
-    from checkpoints import ARCHS, TINY, scale_weights
-    text = {**TINY, **ARCHS["gemma4_e4b"][1], "tie_word_embeddings": True}
-    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                  num_attention_heads=2, num_key_value_heads=2, head_dim=16)
-    torch.manual_seed(0)
-    model = transformers.Gemma4ForConditionalGeneration(
-        transformers.Gemma4Config(text_config=text, vision_config=vision, audio_config=None))
-    scale_weights(model)
-    model.save_pretrained(tmp_path)
+    from test_models_quirk_families import released_gemma4
+    released_gemma4(tmp_path, "gemma4_e4b")
     before = worker_pids()
     split = greedy(str(tmp_path), pipeline_parallel_size=2)
     assert_same_as_one_process(greedy(str(tmp_path)), split, "released layout pp2")

@@ -100,19 +100,26 @@ def test_draft_model(cases, nearby, plain, one_process, draft, tp, pp):
     before = worker_pids()
     target = cases.dir("llama")
     spec = draft_config(target if draft == "itself" else nearby, k=3)
-    one_out, one_counts = one_process(draft)
-    split_out, split_counts = run(target, tp, pp, spec)
-    label = f"draft {draft}, tensor parallel {tp}, pipeline parallel {pp}"
+    assert_speculates_as_one_process(plain, one_process(draft), run(target, tp, pp, spec),
+                                     draft == "itself",
+                                     f"draft {draft}, tensor parallel {tp}, pipeline parallel {pp}")
+    wait_for_workers_gone(before)
+
+
+def assert_speculates_as_one_process(plain, one, split, every_draft: bool, label):
+    """one, split: run()'s (outputs, counts) with speculation in one process and split. Both
+    give the tokens of `plain` (one process without speculation), and the same acceptance
+    counts: every draft accepted, or some but not all."""
+    (one_out, one_counts), (split_out, split_counts) = one, split
     assert_same_as_one_process(plain, one_out, f"one process, {label}")
     assert_same_as_one_process(plain, split_out, label)
     assert split_counts == one_counts, label
     drafts, proposed, accepted = split_counts
     assert drafts > 0
-    if draft == "itself":
+    if every_draft:
         assert accepted == proposed, label
     else:
         assert 0 < accepted < proposed, label
-    wait_for_workers_gone(before)
 
 
 # ---- MTP heads under tensor parallel 2
@@ -170,18 +177,9 @@ def assert_tensor_parallel_speculates_as_one_process(target, spec, every_draft: 
     for i, (tokens, prompt) in enumerate(zip(plain[0], prompts_for())):
         assert_matches(tokens[:GEN], hf_greedy(hf, prompt, GEN), min_trusted=8,
                        label=f"{label}: one process prompt {i}")
-    one_out, one_counts = run(target, speculative_config=spec)
-    split_out, split_counts = run(target, 2, speculative_config=spec)
-    label = f"{label}, tensor parallel 2"
-    assert_same_as_one_process(plain, one_out, f"one process, {label}")
-    assert_same_as_one_process(plain, split_out, label)
-    assert split_counts == one_counts, label
-    drafts, proposed, accepted = split_counts
-    assert drafts > 0
-    if every_draft:
-        assert accepted == proposed, label
-    else:
-        assert 0 < accepted < proposed, label
+    assert_speculates_as_one_process(plain, run(target, speculative_config=spec),
+                                     run(target, 2, speculative_config=spec), every_draft,
+                                     f"{label}, tensor parallel 2")
     wait_for_workers_gone(before)
 
 

@@ -27,11 +27,10 @@ import numpy as np
 import pytest
 
 from checkpoints import tiny_checkpoint
-from hf_oracle import assert_matches
 from model_cases import Cases, prompts_for
 import test_tensor_parallel as tensor_parallel
-from test_tensor_parallel import (CASES, assert_same_as_one_process, live_server_streams_a_chat,
-                                  wait_for_workers_gone, worker_pids)
+from test_tensor_parallel import (CASES, assert_same_as_one_process, check_split,
+                                  live_server_streams_a_chat)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -50,12 +49,7 @@ def greedy(model, pp: int = 1, tp: int = 1, **kwargs):
 @pytest.mark.parametrize("name,pp,tp", [("llama", 2, 1), ("qwen3", 2, 1), ("gemma2", 2, 1),
                                         ("mixtral", 2, 1), ("llama", 2, 2)])
 def test_greedy_tokens_match_hf_and_one_process(cases, name, pp, tp):
-    before = worker_pids()
-    split = greedy(cases.dir(name), pp, tp)
-    for i, (tokens, ref) in enumerate(zip(split[0], cases.ref(name))):
-        assert_matches(tokens, ref, min_trusted=8, label=f"{name} pp{pp} tp{tp} prompt {i}")
-    assert_same_as_one_process(greedy(cases.dir(name)), split, f"{name} pp{pp} tp{tp}")
-    wait_for_workers_gone(before)
+    check_split(cases, name, f"pp{pp} tp{tp}", tp=tp, pipeline_parallel_size=pp)
 
 
 @pytest.mark.parametrize("fixture", ["qwen2-q8_0", "phi3-q8_0"])

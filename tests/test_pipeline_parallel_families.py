@@ -25,8 +25,9 @@ import pytest
 from hf_oracle import assert_matches
 from model_cases import Cases
 import test_expert_parallel as expert_parallel
+from test_pipeline_parallel import greedy
 import test_tensor_parallel as tensor_parallel
-from test_tensor_parallel import assert_same_as_one_process, wait_for_workers_gone, worker_pids
+from test_tensor_parallel import assert_same_as_one_process, check_split
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -45,21 +46,12 @@ def cases(tmp_path_factory):
     return Cases(str(tmp_path_factory.mktemp("pp_families")), CASES)
 
 
-def greedy(model, pp: int = 1, tp: int = 1, **kwargs):
-    return tensor_parallel.greedy(model, tp, pipeline_parallel_size=pp, **kwargs)
-
-
 @pytest.mark.parametrize("name,pp,tp", [("stablelm", 2, 1), ("stablelm_qk", 2, 1),
                                         ("phi", 2, 1), ("gpt_oss", 2, 1),
                                         ("minimax_m2", 2, 1), ("llama4_6", 2, 1),
                                         ("phi", 2, 2)])
 def test_greedy_tokens_match_hf_and_one_process(cases, name, pp, tp):
-    before = worker_pids()
-    split = greedy(cases.dir(name), pp, tp)
-    for i, (tokens, ref) in enumerate(zip(split[0], cases.ref(name))):
-        assert_matches(tokens, ref, min_trusted=8, label=f"{name} pp{pp} tp{tp} prompt {i}")
-    assert_same_as_one_process(greedy(cases.dir(name)), split, f"{name} pp{pp} tp{tp}")
-    wait_for_workers_gone(before)
+    check_split(cases, name, f"pp{pp} tp{tp}", tp=tp, pipeline_parallel_size=pp)
 
 
 def test_llama4_stage_reads_its_layers_settings(cases):
@@ -113,21 +105,10 @@ def test_llama4_multimodal_layout_stages(tmp_path):
     """Llama 4 as released (Llama4ForConditionalGeneration: the text model's tensors under
     language_model., beside a vision model): each stage reads its layers under that prefix, the
     tokens transformers' and the single process's."""
-    import torch
-    import transformers
-
-    from checkpoints import ARCHS, TINY, scale_weights
     from hf_oracle import hf_greedy
     from model_cases import GEN, prompts_for
-    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                  num_attention_heads=2, image_size=32, patch_size=8, vision_output_dim=32,
-                  projector_input_dim=32, projector_output_dim=96)
-    torch.manual_seed(0)
-    model = transformers.Llama4ForConditionalGeneration(transformers.Llama4Config(
-        text_config={**TINY, **ARCHS["llama4"][1]}, vision_config=vision))
-    scale_weights(model)
-    model.save_pretrained(tmp_path)
-    model.eval()
+    from test_models_quirk_families import released_llama4
+    model = released_llama4(tmp_path)
     split = greedy(str(tmp_path), 2)
     for i, (tokens, prompt) in enumerate(zip(split[0], prompts_for())):
         assert_matches(tokens, hf_greedy(model, prompt, GEN), min_trusted=8,

@@ -27,7 +27,7 @@ from checkpoints import tiny_checkpoint
 from hf_oracle import assert_matches
 from model_cases import Cases
 from test_pipeline_parallel import DATA, greedy
-from test_tensor_parallel import assert_same_as_one_process, wait_for_workers_gone, worker_pids
+from test_tensor_parallel import assert_same_as_one_process, check_split
 from test_tensor_parallel_hybrid import CASES, conversation, ngram_tokens
 
 pytestmark = pytest.mark.timeout(300)
@@ -77,12 +77,7 @@ def long_memory(cases, tmp_path_factory):
 @pytest.mark.parametrize("name,tp", [("qwen3_next", 1), ("qwen3_5", 1), ("qwen3_5_moe", 1),
                                      ("qwen3_next", 2)])
 def test_greedy_tokens_match_hf_and_one_process(cases, name, tp):
-    before = worker_pids()
-    split = greedy(cases.dir(name), 2, tp, **MICRO)
-    for i, (tokens, ref) in enumerate(zip(split[0], cases.ref(name))):
-        assert_matches(tokens, ref, min_trusted=8, label=f"{name} pp2 tp{tp} prompt {i}")
-    assert_same_as_one_process(greedy(cases.dir(name)), split, f"{name} pp2 tp{tp}")
-    wait_for_workers_gone(before)
+    check_split(cases, name, f"pp2 tp{tp}", tp=tp, pipeline_parallel_size=2, **MICRO)
 
 
 def test_multimodal_layout_stages(cases, tmp_path):

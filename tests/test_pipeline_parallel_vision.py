@@ -24,9 +24,10 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("PIL")
 pytest.importorskip("mpi4py")
 
-from qwen3_vl_checkpoint import tiny_qwen3_vl_checkpoint  # noqa: E402
-from test_tensor_parallel_vision import (_qwen2_5_vl, gemma3_case, greedy, load_qwen,  # noqa: E402
-                                         mistral3_case, qwen_case)
+from test_tensor_parallel_vision import (  # noqa: E402
+    _qwen2_5_vl, check_gguf_with_its_projector_file, gemma3_case, greedy, load_qwen, mistral3_case,
+    qwen_case)
+from test_tensor_parallel_vision import _qwen3_vl as tensor_parallel_qwen3_vl  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -35,13 +36,8 @@ def _qwen3_vl(directory, moe: bool = False):
     """The tiny Qwen3-VL in 4 layers (4 query, 2 KV heads, for PP 2 x TP 2) with 3 DeepStack
     features, into layers 0, 1 and 2: the third on the later stage, before its last layer
     (a feature added after the last layer changes no logits)."""
-    import transformers
-    ckpt = tiny_qwen3_vl_checkpoint(
-        directory, moe=moe, text_overrides=dict(num_hidden_layers=4, num_attention_heads=4,
-                                                num_key_value_heads=2),
-        vision_overrides=dict(deepstack_visual_indexes=[0, 1, 2]))
-    return ckpt, (transformers.Qwen3VLMoeForConditionalGeneration if moe
-                  else transformers.Qwen3VLForConditionalGeneration)
+    return tensor_parallel_qwen3_vl(directory, moe, text=dict(num_hidden_layers=4),
+                                    vision=dict(deepstack_visual_indexes=[0, 1, 2]))
 
 
 FAMILIES = {"qwen2.5-vl": _qwen2_5_vl, "qwen3-vl": _qwen3_vl,
@@ -93,15 +89,7 @@ def test_mistral3_image_breaks_keep_their_embeddings(tmp_path):
 def test_gguf_with_its_projector_file():
     """Gemma 3's GGUF text file with llama.cpp's projector file (--mmproj): transformers'
     recorded tokens of each fixture case at PP 2."""
-    import test_gguf_mmproj_gemma3 as files
-    from gguf_mmproj_cases import check_engine_case, make_engine
-    for case in files.FIXTURES.values():      # (an engine each: it counts the images encoded)
-        engine = make_engine(files.TEXT, files.MMPROJ, max_num_batched_tokens=20,
-                             pipeline_parallel_size=2)
-        try:
-            check_engine_case(engine, case)
-        finally:
-            engine.shutdown()
+    check_gguf_with_its_projector_file("gemma3", pipeline_parallel_size=2)
 
 
 def test_later_stage_builds_no_tower_and_renumbers_its_layers(tmp_path):

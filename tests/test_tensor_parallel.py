@@ -121,12 +121,23 @@ def wait_for_workers_gone(before: set[int], message: str = "") -> None:
                                      ("stablelm_qk", 4), ("gemma4", 2),
                                      ("gemma4_moe", 2)])
 def test_greedy_tokens_match_hf_and_one_process(cases, name, tp):
+    check_split(cases, name, f"tp{tp}", tp=tp)
+
+
+def check_split(cases, name, label, **split):
+    """The split engine's greedy tokens (greedy's kwargs: split) equal transformers' and the
+    single process's, and its workers exit after; what `inspect` (of rank 0's model, in split)
+    saw is returned."""
     before = worker_pids()
-    split = greedy(cases.dir(name), tp)
-    for i, (tokens, ref) in enumerate(zip(split[0], cases.ref(name))):
-        assert_matches(tokens, ref, min_trusted=8, label=f"{name} tp{tp} prompt {i}")
-    assert_same_as_one_process(greedy(cases.dir(name), 1), split, f"{name} tp{tp}")
+    tokens = greedy(cases.dir(name), **split)
+    seen = None
+    if "inspect" in split:
+        tokens, seen = tokens
+    for i, (got, ref) in enumerate(zip(tokens[0], cases.ref(name))):
+        assert_matches(got, ref, min_trusted=8, label=f"{name} {label} prompt {i}")
+    assert_same_as_one_process(greedy(cases.dir(name)), tokens, f"{name} {label}")
     wait_for_workers_gone(before)
+    return seen
 
 
 @pytest.mark.parametrize("fixture", ["qwen2-q8_0", "phi3-q8_0"])

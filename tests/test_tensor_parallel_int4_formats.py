@@ -192,26 +192,28 @@ def marlin_tensors(layer: str, n: int, k: int, g: int) -> dict:
             f"{layer}.marlin_shape": np.array([n, k, g], np.int64)}
 
 
+def shard_marlin_mlp(tmp_path, n: int, proj: str, suffix: str):
+    """Rank 0's share of 2 of `suffix` of layer 0's Marlin `proj` (an MLP projection) in a
+    checkpoint with intermediate_size n (groups of 32)."""
+    plan = marlin_plan(tmp_path, intermediate_size=n)
+    layer = f"model.layers.0.mlp.{proj}"
+    tensors = marlin_tensors(layer, n, plan.config.hidden_size, 32)
+    shapes = {name: t.shape for name, t in tensors.items()}
+    return plan.shard(f"{layer}.{suffix}", tensors[f"{layer}.{suffix}"], shapes)
+
+
 def test_marlin_column_shares_must_be_whole_tiles(tmp_path):
     """intermediate_size 704 (11 tiles): gate_proj's share of 352 output rows is 5.5 tiles."""
-    plan = marlin_plan(tmp_path, intermediate_size=704)
-    layer = "model.layers.0.mlp.gate_proj"
-    tensors = marlin_tensors(layer, 704, plan.config.hidden_size, 32)
-    shapes = {n: t.shape for n, t in tensors.items()}
     with pytest.raises(ValueError, match=r"tensor parallel 2: model\.layers\.0\.mlp\.gate_proj\."
                                          r"marlin_qweight: the rank's output rows \[0, 352\) are "
                                          r"not whole 64-element Marlin n tiles"):
-        plan.shard(f"{layer}.marlin_qweight", tensors[f"{layer}.marlin_qweight"], shapes)
+        shard_marlin_mlp(tmp_path, 704, "gate_proj", "marlin_qweight")
 
 
 def test_marlin_padded_n_is_not_cut(tmp_path):
     """N 480 is stored padded to 512: the padded N's halves are whole tiles, the true N's are
     not, and marlin_shape (which holds N) says so."""
-    plan = marlin_plan(tmp_path, intermediate_size=480)
-    layer = "model.layers.0.mlp.up_proj"
-    tensors = marlin_tensors(layer, 480, plan.config.hidden_size, 32)
-    shapes = {n: t.shape for n, t in tensors.items()}
     with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.up_proj\.marlin_shape: N = 480 "
                                          r"is not whole 64-column Marlin tiles \(stored padded to "
                                          r"512\), so its output rows \[\(0, 240\)\] cannot"):
-        plan.shard(f"{layer}.marlin_shape", tensors[f"{layer}.marlin_shape"], shapes)
+        shard_marlin_mlp(tmp_path, 480, "up_proj", "marlin_shape")

@@ -42,10 +42,12 @@ def _qwen2_5_vl(directory):
     return tiny_vl_checkpoint(directory, text=text), Qwen2_5_VLForConditionalGeneration
 
 
-def _qwen3_vl(directory, moe: bool = False):
+def _qwen3_vl(directory, moe: bool = False, text: dict | None = None,
+              vision: dict | None = None):
+    """text, vision: more text_config and vision_config entries."""
     import transformers
     ckpt = tiny_qwen3_vl_checkpoint(directory, moe=moe, text_overrides=dict(
-        num_attention_heads=4, num_key_value_heads=2))
+        num_attention_heads=4, num_key_value_heads=2, **(text or {})), vision_overrides=vision)
     return ckpt, (transformers.Qwen3VLMoeForConditionalGeneration if moe
                   else transformers.Qwen3VLForConditionalGeneration)
 
@@ -188,13 +190,18 @@ def test_gguf_with_its_projector_file(family):
     """A GGUF text file with llama.cpp's projector file (--mmproj; its tower tensors named as the
     checkpoints' are, engine/loader/gguf_mmproj*.py): the recorded transformers tokens of each
     fixture case at TP 2 (the Qwen fixtures have 3 heads, which 2 ranks cannot split)."""
+    check_gguf_with_its_projector_file(family, tensor_parallel_size=2)
+
+
+def check_gguf_with_its_projector_file(family: str, **split):
+    """Each fixture case of tests/test_gguf_mmproj_{family}.py gives transformers' recorded
+    tokens through an engine split as `split` (EngineConfig's) says."""
     import importlib
 
     from gguf_mmproj_cases import check_engine_case, make_engine
     files = importlib.import_module(f"test_gguf_mmproj_{family}")
     for case in files.FIXTURES.values():      # (an engine each: it counts the images encoded)
-        engine = make_engine(files.TEXT, files.MMPROJ, max_num_batched_tokens=20,
-                             tensor_parallel_size=2)
+        engine = make_engine(files.TEXT, files.MMPROJ, max_num_batched_tokens=20, **split)
         try:
             check_engine_case(engine, case)
         finally:

@@ -27,8 +27,8 @@ import numpy as np
 
 from engine.loader.quant_compressed import scheme_for
 from engine.loader.quant_fp8 import block_shape
-from engine.parallel.cuts import Cut, cut_array
-from engine.parallel.sharding_int4 import in_order_g_idx, whole_units
+from engine.parallel.cuts import cut_array
+from engine.parallel.sharding_int4 import check_cut, in_order_g_idx, whole_units
 
 SUFFIXES = (".weight_packed", ".weight_scale", ".weight_zero_point", ".weight_shape",
             ".weight_g_idx")
@@ -57,9 +57,7 @@ def shard(plan, name: str, tensor, shapes: dict):
     cut = plan.cut(f"{layer}.weight", (n, k))
     if cut is None:
         return tensor
-    if not isinstance(cut, Cut) or cut.pad_to:
-        raise ValueError(f"tensor parallel: compressed-tensors {name}: a quantized embedding or "
-                         "LM head cannot be split across ranks")
+    check_cut("compressed-tensors", name, cut)
     held = sum(b - a for a, b in cut.ranges)
     if suffix == "weight_shape":
         return np.array([held, k] if cut.axis == 0 else [n, held], tensor.dtype)
@@ -94,9 +92,7 @@ def _fp8_scales(plan, name: str, layer: str, suffix: str, tensor, shapes: dict):
     cut = plan.cut(f"{layer}.weight", tuple(weight))
     if cut is None or int(np.prod(tensor.shape)) == 1:
         return tensor
-    if not isinstance(cut, Cut) or cut.pad_to:
-        raise ValueError(f"tensor parallel: compressed-tensors {name}: a quantized embedding or "
-                         "LM head cannot be split across ranks")
+    check_cut("compressed-tensors", name, cut)
     if tuple(tensor.shape) == (weight[0], 1):
         return cut_array(tensor, cut) if cut.axis == 0 else tensor
     args = scheme_for(layer, plan.config.quantization_config["config_groups"])["weights"]

@@ -41,13 +41,19 @@ def shard_int4(plan, name: str, tensor, shapes: dict, method: str, group_size: i
     cut = plan.cut(f"{layer}.weight", (n, k))
     if cut is None:
         return tensor
-    if not isinstance(cut, Cut) or cut.pad_to:
-        raise ValueError(f"tensor parallel: {method} {name}: a quantized embedding or LM head "
-                         "cannot be split across ranks")
+    check_cut(method, name, cut)
     if cut.axis == 0:
         return _rows(plan, name, tensor, suffix, method, cut)
     return _columns(plan, name, tensor, suffix, method, cut, k if group_size == -1 else group_size,
                     group_size == -1)
+
+
+def check_cut(fmt: str, name: str, cut) -> None:
+    """A quantized layer's tensors split only along a plain row or column cut: the embedding's
+    and LM head's vocabulary cut (padded, or of another kind) has no quantized form."""
+    if not isinstance(cut, Cut) or cut.pad_to:
+        raise ValueError(f"tensor parallel: {fmt} {name}: a quantized embedding or LM head "
+                         "cannot be split across ranks")
 
 
 def whole_units(plan, name, cut: Cut, unit: int, what: str, axis: int) -> Cut:

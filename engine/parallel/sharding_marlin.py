@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 
 from engine.parallel.cuts import Cut, cut_array
-from engine.parallel.sharding_int4 import whole_units
+from engine.parallel.sharding_int4 import check_cut, whole_units
 from pyx.weights.marlin import TILE_K, TILE_N
 
 SUFFIXES = (".marlin_qweight", ".scales", ".marlin_zeros", ".marlin_shape")
@@ -46,7 +46,7 @@ def shard(plan, name: str, tensor, shapes: dict):
     cut = plan.cut(f"{layer}.weight", (n_padded, k))
     if cut is None:
         return tensor
-    _check_cut(name, cut)
+    check_cut("marlin", name, cut)
     if cut.axis == 0:
         whole_units(plan, name, cut, TILE_N, "Marlin n tiles", 1)     # (a check)
         if suffix == "marlin_qweight":      # 2 words per column: 128 per tile
@@ -69,7 +69,7 @@ def _shape(plan, name: str, shape, k: int, n_padded: int, groups: int) -> np.nda
     cut = plan.cut(name.removesuffix(".marlin_shape") + ".weight", (n, k))
     if cut is None:
         return shape
-    _check_cut(name, cut)
+    check_cut("marlin", name, cut)
     held = sum(b - a for a, b in cut.ranges)
     if cut.axis == 0:
         if n != n_padded:
@@ -87,9 +87,3 @@ def _shape(plan, name: str, shape, k: int, n_padded: int, groups: int) -> np.nda
 
 def _whole_groups(cut: Cut, g: int) -> bool:
     return all(a % g == 0 and b % g == 0 for a, b in cut.ranges)
-
-
-def _check_cut(name: str, cut) -> None:
-    if not isinstance(cut, Cut) or cut.pad_to:
-        raise ValueError(f"tensor parallel: marlin {name}: a quantized embedding or LM head "
-                         "cannot be split across ranks")

@@ -424,11 +424,13 @@ def transformers_greedy_on(model, weights: dict, prompt_ids: list[int], steps: i
 
 
 def copy_gguf(src: str, dst: str, tensor=None, arch: str | None = None, overrides=None,
-              tensors: bool = True, split_max_tensors: int = 0) -> list[str]:
+              tensors: bool = True, split_max_tensors: int = 0,
+              leave_out: tuple[str, ...] = ()) -> list[str]:
     """Rewrite GGUF `src` as `dst` with gguf-py's GGUFWriter: the same metadata (values of the
-    keys in `overrides` replaced), tensors passed through `tensor(reader_tensor) -> (array, ggml
-    type)` or left out, optionally another general.architecture or split into shards. Returns
-    the files written. The tests use it too (it needs no llama_cpp)."""
+    keys in `overrides` replaced, the keys in `leave_out` left out), tensors passed through
+    `tensor(reader_tensor) -> (array, ggml type)` (or (array, ggml type, another name), or None
+    to leave that tensor out) or all left out, optionally another general.architecture or split
+    into shards. Returns the files written. The tests use it too (it needs no llama_cpp)."""
     from pathlib import Path
 
     from gguf import GGUFReader, GGUFValueType, GGUFWriter
@@ -437,14 +439,17 @@ def copy_gguf(src: str, dst: str, tensor=None, arch: str | None = None, override
     w = GGUFWriter(dst, arch or r.fields["general.architecture"].contents(),
                    split_max_tensors=split_max_tensors)
     for key, f in r.fields.items():
-        if key.startswith("GGUF.") or key in ("general.architecture", "general.alignment"):
+        if (key.startswith("GGUF.") or key in ("general.architecture", "general.alignment")
+                or key in leave_out):
             continue
         value = (overrides or {}).get(key, f.contents())
         sub = f.types[-1] if f.types[0] == GGUFValueType.ARRAY else None
         w.add_key_value(key, value, f.types[0], sub_type=sub)
     for t in r.tensors if tensors else []:
-        data, qtype = tensor(t) if tensor else (t.data, t.tensor_type)
-        w.add_tensor(t.name, data, raw_dtype=qtype)
+        out = tensor(t) if tensor else (t.data, t.tensor_type)
+        if out is not None:
+            data, qtype, *name = out
+            w.add_tensor(name[0] if name else t.name, data, raw_dtype=qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 
 from test_cuda_model import checkpoints, greedy, make_llm, random_prompts  # noqa: F401
-from test_cuda_tensor_parallel import one_rank_llm
+from test_cuda_tensor_parallel import need_two_devices, one_rank_llm
 
 
 @pytest.fixture(autouse=True)
@@ -69,9 +69,7 @@ def test_one_rank_speculates_as_the_plain_engine(cases, method, monkeypatch):
 
 @pytest.mark.parametrize("method", ["draft_model", "eagle3", "mtp"])
 def test_two_devices_speculate_as_one(cases, method):
-    from pyx.cuda_backend import device_count
-    if device_count() < 2:
-        pytest.skip(f"pending a machine with 2+ GPUs: {method} at tensor_parallel_size 2")
+    need_two_devices(f"{method} at tensor_parallel_size 2")
     target, spec = cases[method]
     prompts = random_prompts(21, (40, 17))
     one, _ = tokens_and_counts(make_llm(target, "cuda"), prompts)

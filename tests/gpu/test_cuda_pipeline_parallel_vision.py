@@ -16,16 +16,7 @@ pytest.importorskip("mpi4py")
 
 @pytest.mark.parametrize("family", ["qwen2.5-vl", "qwen3-vl"])
 def test_two_stages_on_two_devices_match_the_cpu(tmp_path, family):
-    from pyx.cuda_backend import device_count
-    if device_count() < 2:
-        pytest.skip("pending a machine with 2+ GPUs: pipeline_parallel_size 2 on two devices")
+    from test_cuda_tensor_parallel_vision import assert_two_devices_match_the_cpu
     from test_pipeline_parallel_vision import FAMILIES
-    from test_tensor_parallel_vision import greedy, load_qwen, qwen_case
-    loaded = load_qwen(*FAMILIES[family](tmp_path))
-    ckpt = loaded[0]
-    ids, processed, _, _ = qwen_case(loaded)
-    cpu = greedy(ckpt, ids, processed, 1, backend="cpu")
-    cuda = greedy(ckpt, ids, processed, 1, backend="cuda", dtype="f32",
-                  pipeline_parallel_size=2)
-    assert cuda[1] == 1                     # encoded once, on rank 0
-    assert cuda[0][:6] == cpu[0][:6], f"{family}: cuda pp2 {cuda[0]}, cpu {cpu[0]}"
+    assert_two_devices_match_the_cpu(FAMILIES, family, tmp_path, "pp2",
+                                     pipeline_parallel_size=2)

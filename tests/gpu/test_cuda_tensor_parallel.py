@@ -109,18 +109,29 @@ def test_split_gptq_and_gemma4_moe_of_one_rank_match_plain_engine(kind, monkeypa
 
 @pytest.mark.parametrize("kind", ["gptq", "gemma4_moe", "gemma4_e2b"])
 def test_two_devices_split_gptq_and_gemma4_moe(kind, tmp_path):
+    need_two_devices(f"{kind} at tensor_parallel_size 2")
+    assert_two_devices_match_one(tp_quant_checkpoint(kind, tmp_path), random_prompts(5, (40, 17)),
+                                 tensor_parallel_size=2)
+
+
+def need_two_devices(what: str) -> None:
+    """Skips the test (`what` it runs named) on a machine with fewer than 2 GPUs."""
     from pyx.cuda_backend import device_count
     if device_count() < 2:
-        pytest.skip(f"pending a machine with 2+ GPUs: {kind} at tensor_parallel_size 2")
-    path = tp_quant_checkpoint(kind, tmp_path)
-    prompts = random_prompts(5, (40, 17))
+        pytest.skip(f"pending a machine with 2+ GPUs: {what}")
+
+
+def assert_two_devices_match_one(path, prompts, **split):
+    """The engine split across two devices (split: EngineConfig's, e.g. tensor_parallel_size=2)
+    starts with one device's greedy tokens: bf16 sums in another order (or a pipeline's
+    micro-batches changing the GEMMs' shapes) let only the first tokens agree."""
     one = [list(o.token_ids) for o in greedy(make_llm(path, "cuda"), prompts)]
-    llm = make_llm(path, "cuda", tensor_parallel_size=2)
+    llm = make_llm(path, "cuda", **split)
     try:
         two = [list(o.token_ids) for o in greedy(llm, prompts)]
     finally:
         llm.engine.shutdown()
-    for a, b in zip(one, two):         # bf16 sums in another order: the first tokens agree
+    for a, b in zip(one, two):
         assert a[:8] == b[:8], (a, b)
 
 
@@ -141,19 +152,9 @@ def test_graphs_parallel_replays_with_the_collectives_inside(checkpoints, monkey
 
 
 def test_two_devices_match_one(checkpoints):
-    from pyx.cuda_backend import device_count
-    if device_count() < 2:
-        pytest.skip("pending a machine with 2+ GPUs: tensor_parallel_size 2 on two devices")
-    path = checkpoints("llama")
-    prompts = random_prompts(5, (40, 17))
-    one = [list(o.token_ids) for o in greedy(make_llm(path, "cuda"), prompts)]
-    llm = make_llm(path, "cuda", tensor_parallel_size=2)
-    try:
-        two = [list(o.token_ids) for o in greedy(llm, prompts)]
-    finally:
-        llm.engine.shutdown()
-    for a, b in zip(one, two):         # bf16 sums in another order: the first tokens agree
-        assert a[:8] == b[:8], (a, b)
+    need_two_devices("tensor_parallel_size 2 on two devices")
+    assert_two_devices_match_one(checkpoints("llama"), random_prompts(5, (40, 17)),
+                                 tensor_parallel_size=2)
 
 
 def test_expert_parallel_shares_add_up_on_the_device():

@@ -15,23 +15,22 @@ pytest.importorskip("mpi4py")
 
 @pytest.mark.parametrize("family", ["qwen2.5-vl", "qwen3-vl"])
 def test_two_devices_match_the_cpu(tmp_path, family):
-    from pyx.cuda_backend import device_count
-    if device_count() < 2:
-        pytest.skip("pending a machine with 2+ GPUs: tensor_parallel_size 2 on two devices")
-    from test_tensor_parallel_vision import FAMILIES, greedy
-    from transformers import AutoTokenizer, Qwen2VLImageProcessorPil
-    from vision_oracle import CASES, case_images, prompt_ids
+    from test_tensor_parallel_vision import FAMILIES
+    assert_two_devices_match_the_cpu(FAMILIES, family, tmp_path, "tp2", tp=2)
 
-    from engine.models.model_config import ModelConfig
-    from engine.vision.config import ImageProcessorConfig
-    from engine.vision.preprocess import preprocess_image
-    ckpt, _ = FAMILIES[family](tmp_path)
-    processor = ImageProcessorConfig.from_pretrained(ckpt, ModelConfig.from_pretrained(ckpt).vision)
-    parts, sizes = CASES["one image"]
-    processed = [preprocess_image(im, processor) for im in case_images(sizes)]
-    hf = None, Qwen2VLImageProcessorPil.from_pretrained(ckpt), AutoTokenizer.from_pretrained(ckpt)
-    ids = prompt_ids(hf, parts, processed)
+
+def assert_two_devices_match_the_cpu(families, family, tmp_path, what: str, tp: int = 1,
+                                     **split):
+    """The one-image case of the Qwen-VL checkpoint families[family] writes: greedy tokens at
+    tensor parallel `tp` (and split: EngineConfig's) on two devices, f32 activations, start as
+    the CPU engine's (one process), the image encoded once, on rank 0. what: the split, named."""
+    from test_cuda_tensor_parallel import need_two_devices
+    need_two_devices(f"{family} {what} on two devices")
+    from test_tensor_parallel_vision import greedy, load_qwen, qwen_case
+    loaded = load_qwen(*families[family](tmp_path))
+    ckpt = loaded[0]
+    ids, processed, _, _ = qwen_case(loaded)
     cpu = greedy(ckpt, ids, processed, 1, backend="cpu")
-    cuda = greedy(ckpt, ids, processed, 2, backend="cuda", dtype="f32")
+    cuda = greedy(ckpt, ids, processed, tp, backend="cuda", dtype="f32", **split)
     assert cuda[1] == 1                     # encoded once, on rank 0
-    assert cuda[0][:6] == cpu[0][:6], f"{family}: cuda tp2 {cuda[0]}, cpu {cpu[0]}"
+    assert cuda[0][:6] == cpu[0][:6], f"{family}: cuda {what} {cuda[0]}, cpu {cpu[0]}"
