@@ -23,7 +23,6 @@ import os
 
 import pytest
 
-from checkpoints import tiny_checkpoint
 from hf_oracle import assert_matches
 from model_cases import Cases
 from test_pipeline_parallel import DATA, greedy
