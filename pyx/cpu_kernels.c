@@ -525,7 +525,7 @@ AVX512_TARGET static void avx512_pack(const void* w, int dtype, int64_t K, int64
  * - Software prefetch: while on a tile, the same K position of a later tile's rows (every line:
  *   without it bf16 GEMV streams at ~23 GB/s and f32 T=16 runs ~1.6x slower). Where (kernels
  *   gemv_prefetch, sk_prefetch_l2): the next tile into L1 (as on the 48 KiB-L1 SPR VM), or the
- *   tile after it into L2 where a tile and the next one would take over half the L1 (read at
+ *   tile after it into L2 where a tile and the next one would take over a quarter of the L1 (read at
  *   start-up): on this 32 KiB-L1 Zen 4 the L1 prefetch of SmolLM2-135M's 8-row f32 tiles (18 KiB
  *   at K = 576) evicted the lines it had fetched before their use, and batch-1 GEMV ran at
  *   0.5-0.7x the L2 prefetch's speed on every shape, bf16 too (bench/RESULTS.md, "Batch-1 decode
@@ -555,11 +555,15 @@ static int64_t l1d_bytes(void) {
 }
 
 /* Whether sk_block prefetches two tiles ahead into L2 rather than the next tile into L1: auto
- * picks L2 where a tile of R rows of the K chunk and the one prefetched would take over half the
- * L1 (the lines fetched would be evicted by the tile in use before their turn). */
+ * picks L2 where a tile of R rows of the K chunk and the one prefetched would take over a quarter
+ * of the L1 (the lines fetched would be evicted by the tile in use before their turn, and one
+ * tile ahead is too short a lead for DRAM). The bound was half the L1 until 2026-11-29: on the
+ * 32 KiB-L1 Zen 4 the 8-row f32 tiles at K = 176-256 (DeepSeek-V2-Lite-shaped experts and
+ * projections, 11-16 KiB for two tiles) then prefetched into L1 and streamed a 150 MB weight at
+ * 10.4-10.8 GB/s against 19.9-20.3 with the L2 prefetch (bench/RESULTS.md, MLA / hybrid). */
 static int sk_prefetch_l2(int prefetch, int R, int64_t kc, int es) {
     if (prefetch != TAPER_PREFETCH_AUTO) return prefetch == TAPER_PREFETCH_L2;
-    return 2 * (int64_t)R * kc * es > l1d_bytes() / 2;
+    return 2 * (int64_t)R * kc * es > l1d_bytes() / 4;
 }
 
 AVX512_TARGET INLINE void sk_wload(const void* w, const int DT, int64_t off, int masked, __mmask32 m,
