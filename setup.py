@@ -73,7 +73,7 @@ def cpu_extensions():
                                       "pyx/quant_kernels.c", "pyx/quant_legacy.c",
                                       "pyx/quant_k.c", "pyx/quant_gemm.c",
                                       "pyx/quant_gemm_legacy.c", "pyx/lora_kernels.c",
-                                      "pyx/moe_kernels.c"], **common),
+                                      "pyx/moe_kernels.c", "pyx/mla_kernels.c"], **common),
         Extension("pyx.layers", ["pyx/layers.pyx"], **common),
         Extension("pyx.int4", ["pyx/int4.pyx", "pyx/int4_kernels.c"], **common),
         Extension("pyx.fp8", ["pyx/fp8.pyx", "pyx/fp8_kernels.c"], **common),

@@ -127,6 +127,13 @@ cdef extern from "moe_kernels.h" nogil:
                           int batch_invariant, int prefill_int8, int nthreads)
 
 
+cdef extern from "mla_kernels.h" nogil:
+    int taper_mla_decode_attention(int isa, float* out, const float* q, const float* cache,
+                                   const int32_t* block_tables, const int32_t* seq_lens,
+                                   int64_t B, int64_t Hq, int64_t D, int64_t Dv, int64_t NB,
+                                   int64_t BS, int64_t MB, float scale, int nthreads)
+
+
 ctypedef int (*gated_kernel)(int isa, const float* x, float* out, int64_t T, int64_t inter,
                              int nthreads) noexcept nogil
 
@@ -1016,23 +1023,36 @@ cdef class CpuBackend(Backend):
         _status(st, op, arrays)
 
     def mla_decode_attention(self, out, q, cache, block_tables, seq_lens, scale):
-        """paged_attention with the cache as both K and V (the latent is the value's first Dv
-        values; the rotary part's weighted sum is computed and dropped), one query row each."""
+        """paged_attention's numbers with the cache as both K and V (the latent is the value's
+        first Dv values), one query row each, by its own kernel (pyx/mla_kernels.c: the query
+        heads as vector lanes over each cached row)."""
         op = "mla_decode_attention"
         arrays = {"out": out, "q": q, "cache": cache, "block_tables": block_tables,
                   "seq_lens": seq_lens}
         _check(op, arrays, "out", (_F32,), 3, True)
         _check(op, arrays, "q", (_F32,), 3)
         _check(op, arrays, "cache", (_F32,), 4)
+        _check(op, arrays, "block_tables", (_I32,), 2)
+        _check(op, arrays, "seq_lens", (_I32,), 1)
         B, Hq, D = q.shape
         if (cache.shape[2] != 1 or cache.shape[3] != D or out.shape[:2] != (B, Hq)
-                or out.shape[2] > D or seq_lens.shape[0] != B):
+                or out.shape[2] > D or seq_lens.shape[0] != B
+                or block_tables.shape[0] != B):
             _fail(op, "need out (B, Hq, Dv), q (B, Hq, D), cache (NB, BS, 1, D) with Dv <= D, "
-                      "seq_lens (B,)", arrays)
-        full = np.empty((B, Hq, D), np.float32)
-        self.paged_attention(full, q, cache, cache, block_tables, seq_lens,
-                             np.arange(B + 1, dtype=np.int32), scale, 0)
-        np.copyto(out, full[:, :, :out.shape[2]])
+                      "block_tables (B, MB), seq_lens (B,)", arrays)
+        cdef float* outp = <float*>_ptr(out)
+        cdef const float* qp = <const float*>_ptr(q)
+        cdef const float* cp = <const float*>_ptr(cache)
+        cdef const int32_t* btp = <const int32_t*>_ptr(block_tables)
+        cdef const int32_t* slp = <const int32_t*>_ptr(seq_lens)
+        cdef int64_t nb = B, hq = Hq, d = D, dv = out.shape[2], NB = cache.shape[0]
+        cdef int64_t BS = cache.shape[1], MB = block_tables.shape[1]
+        cdef float sc = scale
+        cdef int nt = self._nthreads, st
+        with nogil:
+            st = taper_mla_decode_attention(self._isa, outp, qp, cp, btp, slp, nb, hq, d, dv, NB,
+                                            BS, MB, sc, nt)
+        _status(st, op, arrays)
 
     # ---- FP8 KV cache (uint8 e4m3 codes, per-KV-head scales): the same ops' fp8 variants
 

@@ -11,6 +11,7 @@
  * OpenMP.
  */
 #include "cpu_kernels.h"
+#include "fast_exp.h"
 #include "fp8_e4m3.h"
 
 #include <float.h>
@@ -863,8 +864,7 @@ int taper_linear_pf(int isa, const float* x, const void* weight, int dtype, cons
 // (AVX-512, AVX2+FMA, baseline SSE2) by ISA_VARIANTS, so `omp simd` loops use the widest vectors
 // without -march=native, and the caller's ISA choice (kernels cpu_isa, CpuBackend(isa=)) picks the
 // variant exactly as it does for `linear` -- which is what lets the tests run every path. libm's expf does not vectorize without -ffast-math,
-// hence fast_expf: Cody-Waite reduction x = n ln2 + r, |r| <= ln2/2, a degree-6 Taylor polynomial
-// (truncation error < 2e-7 relative) and 2^n built in the exponent bits.
+// hence fast_expf (fast_exp.h).
 #define ISA_VARIANTS(name, params, args)                                   \
     AVX512_TARGET static void name##_avx512 params { name##_body args; }   \
     AVX2_TARGET static void name##_avx2 params { name##_body args; }       \
@@ -872,20 +872,6 @@ int taper_linear_pf(int isa, const float* x, const void* weight, int dtype, cons
 #define ISA_PICK(name, isa) \
     ((isa) == TAPER_ISA_AVX512 ? name##_avx512 : (isa) == TAPER_ISA_AVX2 ? name##_avx2 : name##_scalar)
 
-INLINE float fast_expf(float x) {
-    x = x < -87.0f ? -87.0f : x;  // also maps -inf to ~1.6e-38 (never a NaN)
-    x = x > 88.0f ? 88.0f : x;
-    float t = x * 1.44269504f;
-    float n = (t + 12582912.0f) - 12582912.0f;  // round to nearest via the 1.5 * 2^23 trick
-    float r = x - n * 0.693145752f - n * 1.42860677e-06f;
-    float p = 1.0f + r * (1.0f + r * (0.5f + r * (0.166666672f + r * (0.0416666679f +
-              r * (0.00833333377f + r * 0.00138888892f)))));
-    int32_t bits;
-    memcpy(&bits, &p, 4);
-    bits += (int32_t)n << 23;
-    memcpy(&p, &bits, 4);
-    return p;
-}
 
 /* tanh for the row kernels (vectorizes like fast_expf): an odd Taylor polynomial through y^9 for
  * |y| < 0.25 (next term < 1e-8 relative), else (1 - e) / (1 + e) with e = exp(-2|y|) <= 0.61, where
