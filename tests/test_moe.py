@@ -11,7 +11,7 @@ transformers = pytest.importorskip("transformers")
 
 from pyx.cpu_backend import CpuBackend  # noqa: E402
 from pyx.layers import MLP, Workspace  # noqa: E402
-from pyx.moe import MoE, route  # noqa: E402
+from pyx.moe import MoE, _top_k_by_argmax, route  # noqa: E402
 
 H, E, K, T = 32, 8, 2, 11
 
@@ -150,3 +150,20 @@ def test_experts_run_only_on_their_tokens():
     out = np.empty((1, H), np.float32)
     block.forward(rng.normal(size=(1, H)).astype(np.float32), out, Workspace(np))
     assert len(calls) == 1 + 2 * K and all(n == 1 for n in calls)
+
+
+def test_numpy_top_k_equals_the_argmax_passes():
+    """The NumPy top-k (one stable sort) picks the ids the graph-safe argmax passes pick, in
+    their order, ties included (rows of few distinct values tie often)."""
+    rng = np.random.default_rng(5)
+    for trial in range(50):
+        scores = (rng.integers(0, 4, (9, 64)) if trial % 2 else rng.standard_normal((9, 64)))
+        scores = scores.astype(np.float32)
+        ids = np.empty((9, 6), np.int64)
+        left = scores.copy()
+        for j in range(6):
+            ids[:, j] = left.argmax(axis=1)
+            left[np.arange(9), ids[:, j]] = -np.inf
+        got = _top_k_by_argmax(scores.copy(), 6, np)
+        assert got.dtype == np.int64
+        np.testing.assert_array_equal(got, ids)
