@@ -127,6 +127,15 @@ cdef extern from "moe_kernels.h" nogil:
                           int batch_invariant, int prefill_int8, int nthreads)
 
 
+cdef extern from "gated_delta_kernels.h" nogil:
+    int taper_gated_delta_decode(const float* proj, const float* taps, const float* neg_A,
+                                 const float* dt_bias, const float* norm_weight,
+                                 float* conv_state, float* ssm_state, const int64_t* src,
+                                 const int64_t* slot, const uint8_t* fresh, float* core,
+                                 int64_t B, int64_t num_rows, int64_t nk, int64_t nv, int64_t dk,
+                                 int64_t dv, int64_t K, float eps)
+
+
 ctypedef int (*gated_kernel)(int isa, const float* x, float* out, int64_t T, int64_t inter,
                              int nthreads) noexcept nogil
 
@@ -855,6 +864,59 @@ cdef class CpuBackend(Backend):
                 return None
             starts.append(len(rows))
         return np.array(rows, _MOE_PART), np.array(starts, np.int64)
+
+    def gated_delta_decode(self, proj, taps, neg_A, dt_bias, norm_weight, conv_state,
+                           ssm_state, src, slots, fresh, core, int64_t num_k_heads, float eps):
+        """The gated DeltaNet's decode step for B sequences of one token each, between its two
+        projections (gated_delta_kernels.h): proj (B, C + Vd + 2 Hv) -> core (B, Vd); the
+        convolution state (rows, K - 1, C) and recurrent state (rows, Hv, dk, dv) rows src read
+        (fresh: zeros), rows slots written."""
+        op = "gated_delta_decode"
+        arrays = {"proj": proj, "taps": taps, "neg_A": neg_A, "dt_bias": dt_bias,
+                  "norm_weight": norm_weight, "conv_state": conv_state, "ssm_state": ssm_state,
+                  "src": src, "slots": slots, "fresh": fresh, "core": core}
+        for name in ("proj", "taps"):
+            _check(op, arrays, name, (_F32,), 2)
+        for name in ("neg_A", "dt_bias", "norm_weight"):
+            _check(op, arrays, name, (_F32,), 1)
+        _check(op, arrays, "conv_state", (_F32,), 3, True)
+        _check(op, arrays, "ssm_state", (_F32,), 4, True)
+        _check(op, arrays, "src", (_I64,), 1)
+        _check(op, arrays, "slots", (_I64,), 1)
+        _check(op, arrays, "fresh", (_U8,), 1)
+        _check(op, arrays, "core", (_F32,), 2, True)
+        cdef int64_t B = proj.shape[0], rows = ssm_state.shape[0], nv = ssm_state.shape[1]
+        cdef int64_t dk = ssm_state.shape[2], dv = ssm_state.shape[3], K = taps.shape[0]
+        cdef int64_t nk = num_k_heads, C = taps.shape[1]
+        if nk < 1 or nv % nk or C != 2 * nk * dk + nv * dv:
+            _fail(op, f"taps must be (K, 2 * {nk} * dk + Hv * dv) with Hv a multiple of "
+                  f"num_k_heads {nk}", arrays)
+        if (proj.shape[1] != C + nv * dv + 2 * nv or core.shape[0] != B
+                or core.shape[1] != nv * dv):
+            _fail(op, "proj must be (B, C + Hv * dv + 2 * Hv), core (B, Hv * dv)", arrays)
+        if (conv_state.shape[0] != rows or conv_state.shape[1] != K - 1
+                or conv_state.shape[2] != C):
+            _fail(op, "conv_state must be (rows, K - 1, C) beside ssm_state's rows", arrays)
+        if (neg_A.shape[0] != nv or dt_bias.shape[0] != nv or norm_weight.shape[0] != dv
+                or src.shape[0] != B or slots.shape[0] != B or fresh.shape[0] != B):
+            _fail(op, "neg_A, dt_bias must be (Hv,), norm_weight (dv,), src, slots, fresh (B,)",
+                  arrays)
+        cdef const float* pp = <const float*>_ptr(proj)
+        cdef const float* tp = <const float*>_ptr(taps)
+        cdef const float* ap = <const float*>_ptr(neg_A)
+        cdef const float* bp = <const float*>_ptr(dt_bias)
+        cdef const float* np_ = <const float*>_ptr(norm_weight)
+        cdef float* cp = <float*>_ptr(conv_state)
+        cdef float* sp = <float*>_ptr(ssm_state)
+        cdef const int64_t* srcp = <const int64_t*>_ptr(src)
+        cdef const int64_t* slp = <const int64_t*>_ptr(slots)
+        cdef const uint8_t* fp = <const uint8_t*>_ptr(fresh)
+        cdef float* op_ = <float*>_ptr(core)
+        cdef int st
+        with nogil:
+            st = taper_gated_delta_decode(pp, tp, ap, bp, np_, cp, sp, srcp, slp, fp, op_, B, rows,
+                                          nk, nv, dk, dv, K, eps)
+        _status(st, op, arrays)
 
     def moe_experts(self, x, gate_up, down, topk_ids, topk_weights, activation, out):
         op = "moe_experts"

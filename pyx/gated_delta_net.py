@@ -20,7 +20,10 @@ tokens of its chunk, copied into a snapshot row.
 The recurrence runs in transformers' chunked form for a sequence's prefill chunk (a triangular
 solve and matmuls per 64 rows) and token by token, vectorised over the batch's sequences and
 heads, for decodes and short chunks (a decode step is one pass); the convolution is K shifted
-multiply-adds over the batch's rows. Like
+multiply-adds over the batch's rows. A decode step on the CPU (one token per sequence, no
+snapshot) is one call instead, between the two projections: CpuBackend.gated_delta_decode
+(pyx/gated_delta_kernels.c), what the NumPy path computes, its dozens of small array operations
+a layer being most of the step's time there. Like
 pyx/layers.pyx, no device code: backend ops and the array API NumPy and CuPy share.
 """
 from __future__ import annotations
@@ -86,6 +89,8 @@ class GatedDeltaNet:
         self.dt_bias = xp.asarray(np.asarray(dt_bias, f32))
         self.norm_weight = xp.asarray(np.asarray(norm_weight, f32))
         self.eps = float(eps)
+        # the CPU backend's one-call decode step (False: the NumPy path, the reference)
+        self.use_decode_kernel = hasattr(backend, "gated_delta_decode")
 
     def state_shapes(self, num_rows: int) -> tuple[tuple, tuple]:
         """(conv state, recurrent state) array shapes for num_rows rows."""
@@ -105,6 +110,13 @@ class GatedDeltaNet:
         proj = (ws.get("gdn_proj", T, N) if b.act_dtype == np.float32
                 else xp.empty((T, N), xp.float32))
         b.linear(x, self.in_proj, None, proj)
+        if self._one_call_decode(plan, T):
+            core = ws.get("gdn_core", T, Vd)
+            b.gated_delta_decode(proj, self.conv_taps, self.neg_A, self.dt_bias, self.norm_weight,
+                                 conv_state, ssm_state, plan.src_rows, plan.slots,
+                                 plan.fresh.view(np.uint8), core, self.nk, self.eps)
+            b.linear(core, self.out_proj, None, out)
+            return
         mixed = self._conv(proj[:, :C], conv_state, plan)               # (T, C) f32
         z = proj[:, C:C + Vd].reshape(T, Hv, self.dv)
         beta = sigmoid(proj[:, C + Vd:C + Vd + Hv], xp)
@@ -122,6 +134,19 @@ class GatedDeltaNet:
         core = ws.get("gdn_core", T, Vd)
         store(core, o.reshape(T, Vd), xp)
         b.linear(core, self.out_proj, None, out)
+
+    def _one_call_decode(self, plan, T: int) -> bool:
+        """Whether the backend's gated_delta_decode (one C call for everything between the two
+        projections: the NumPy path below costs dozens of small array operations a layer) can
+        take this step: a CPU backend's float32 activations, one token per sequence, no
+        snapshot to take, and no sequence starting from a row another one writes."""
+        if (not self.use_decode_kernel or T != plan.num_seqs or plan.saves
+                or self.backend.act_dtype != np.float32 or plan.lengths.max(initial=0) != 1):
+            return False
+        src, slots = plan.src_rows, plan.slots
+        if src.dtype != np.int64 or slots.dtype != np.int64:
+            return False
+        return bool(np.array_equal(src, slots) or ((src == slots) | ~np.isin(src, slots)).all())
 
     def _conv(self, mixed, conv_state, plan):
         """silu(causal conv1d) of each sequence's rows after its K - 1 earlier inputs (its
