@@ -525,7 +525,7 @@ AVX512_TARGET static void avx512_pack(const void* w, int dtype, int64_t K, int64
  * - Software prefetch: while on a tile, the same K position of a later tile's rows (every line:
  *   without it bf16 GEMV streams at ~23 GB/s and f32 T=16 runs ~1.6x slower). Where (kernels
  *   gemv_prefetch, sk_prefetch_l2): the next tile into L1 (as on the 48 KiB-L1 SPR VM), or the
- *   tile after it into L2 where a tile and the next one would take over half the L1 (read at
+ *   tile after it into L2 where a tile and the next one would take half the L1 or more (read at
  *   start-up): on this 32 KiB-L1 Zen 4 the L1 prefetch of SmolLM2-135M's 8-row f32 tiles (18 KiB
  *   at K = 576) evicted the lines it had fetched before their use, and batch-1 GEMV ran at
  *   0.5-0.7x the L2 prefetch's speed on every shape, bf16 too (bench/RESULTS.md, "Batch-1 decode
@@ -555,11 +555,14 @@ static int64_t l1d_bytes(void) {
 }
 
 /* Whether sk_block prefetches two tiles ahead into L2 rather than the next tile into L1: auto
- * picks L2 where a tile of R rows of the K chunk and the one prefetched would take over half the
- * L1 (the lines fetched would be evicted by the tile in use before their turn). */
+ * picks L2 where a tile of R rows of the K chunk and the one prefetched would take half the L1 or
+ * more (the lines fetched would be evicted by the tile in use before their turn). Half itself
+ * included: f32 at K = 256 (hidden 256: bench/mla_hybrid.py's models) is a pair of 8 KiB tiles
+ * on the 32 KiB-L1 EPYC, and there L2 streamed batch-1 GEMV at 1.7-1.8x L1's speed (bench/RESULTS.md,
+ * MLA / hybrid). */
 static int sk_prefetch_l2(int prefetch, int R, int64_t kc, int es) {
     if (prefetch != TAPER_PREFETCH_AUTO) return prefetch == TAPER_PREFETCH_L2;
-    return 2 * (int64_t)R * kc * es > l1d_bytes() / 2;
+    return 2 * (int64_t)R * kc * es >= l1d_bytes() / 2;
 }
 
 AVX512_TARGET INLINE void sk_wload(const void* w, const int DT, int64_t off, int masked, __mmask32 m,

@@ -92,9 +92,9 @@ CHOICES: dict[str, Choice] = {
     "gemv_prefetch": Choice(("auto", "l1", "l2"), ("cpu",),
                             "float weights' small-M linear (decode, AVX-512): software prefetch "
                             "of the next tile into L1, or two tiles ahead into L2; auto picks L2 "
-                            "where a tile and the next would take over half the L1 (its size read "
-                            "at start-up; pyx/cpu_kernels.c sk_prefetch_l2). Outputs do not depend "
-                            "on it"),
+                            "where a tile and the next would take half the L1 or more (its size "
+                            "read at start-up; pyx/cpu_kernels.c sk_prefetch_l2). Outputs do not "
+                            "depend on it"),
 }
 
 # The environment variables these keys replace, and the `--kernels` item for each.
