@@ -1,6 +1,6 @@
-"""CpuBackend.gated_delta_decode (pyx/gated_delta_kernels.c), the gated DeltaNet's one-call
-decode step, against pyx/gated_delta_net.py's NumPy path (the reference): the same outputs and
-state rows over several decode steps, with fresh sequences, a sequence resuming from another
+"""CpuBackend.gated_delta_conv_decode and gated_delta_recurrent_decode (pyx/gated_delta_kernels.c),
+the gated DeltaNet's decode step, against pyx/gated_delta_net.py's NumPy path (the reference):
+the same bits of outputs and state rows over several decode steps, with fresh sequences, a sequence resuming from another
 row (a snapshot), grouped q/k heads and inputs past softplus's threshold; and the steps it must
 leave to the NumPy path."""
 from __future__ import annotations
@@ -33,7 +33,7 @@ def make_layer(backend, seed=0):
 def run(layer, plans, xs, kernel: bool):
     """The steps (plan, input) from the same random starting state rows; the outputs and the
     final state rows."""
-    layer.use_decode_kernel = kernel
+    layer.use_decode_kernels = kernel
     rng = np.random.default_rng(1)
     conv, ssm = (rng.standard_normal(s).astype(np.float32) for s in layer.state_shapes(ROWS))
     ws, outs = Workspace(np), []
@@ -63,15 +63,17 @@ def test_decode_kernel_equals_numpy_path():
     calls = []
     layer.backend = SimpleNamespace(          # the CPU backend, its kernel calls counted
         linear=cpu.linear, act_dtype=cpu.act_dtype, xp=cpu.xp,
-        gated_delta_decode=lambda *a: (calls.append(1), cpu.gated_delta_decode(*a)))
+        gated_delta_conv_decode=cpu.gated_delta_conv_decode,
+        gated_delta_recurrent_decode=lambda *a: (calls.append(1),
+                                                 cpu.gated_delta_recurrent_decode(*a)))
     ref_out, ref_conv, ref_ssm = run(layer, plans, xs, kernel=False)
     assert not calls
     out, conv, ssm = run(layer, plans, xs, kernel=True)
     assert len(calls) == len(plans)             # every step took the kernel
     for a, b in zip(out, ref_out):
-        np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5)
-    np.testing.assert_allclose(conv, ref_conv, rtol=0, atol=0)
-    np.testing.assert_allclose(ssm, ref_ssm, rtol=2e-5, atol=2e-5)
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(conv, ref_conv)
+    np.testing.assert_array_equal(ssm, ref_ssm)
 
 
 @pytest.mark.parametrize("plan", [
@@ -82,19 +84,26 @@ def test_decode_kernel_equals_numpy_path():
 ], ids=["a prefill chunk", "a snapshot to take", "reads another's slot"])
 def test_steps_left_to_numpy(plan):
     layer = make_layer(CpuBackend())
-    assert layer._one_call_decode(decode_plan([0], [0], [False]), 1)
-    assert not layer._one_call_decode(plan, int(plan.starts[-1]))
+    assert layer._decode_kernels(decode_plan([0], [0], [False]), 1)
+    assert not layer._decode_kernels(plan, int(plan.starts[-1]))
 
 
 def test_bad_shapes_named():
     layer = make_layer(CpuBackend())
     b = CpuBackend()
+    C, Vd = 2 * NK * DK + NV * DV, NV * DV
     conv, ssm = (np.zeros(s, np.float32) for s in layer.state_shapes(ROWS))
-    proj = np.zeros((1, 2 * NK * DK + 2 * NV * DV + 2 * NV), np.float32)
-    core = np.zeros((1, NV * DV), np.float32)
-    args = [layer.conv_taps, layer.neg_A, layer.dt_bias, layer.norm_weight, conv, ssm,
-            np.array([0]), np.array([0]), np.zeros(1, np.uint8), core]
-    with pytest.raises(ValueError, match="gated_delta_decode: proj must be"):
-        b.gated_delta_decode(proj[:, 1:], *args, NK, 1e-6)
+    rows = [np.array([0]), np.array([0]), np.zeros(1, np.uint8)]
+    proj, acc = np.zeros((1, C + Vd + 2 * NV), np.float32), np.zeros((1, C), np.float32)
+    with pytest.raises(ValueError, match="gated_delta_conv_decode: proj must be"):
+        b.gated_delta_conv_decode(proj[:, :C - 1].copy(), layer.conv_taps, conv, *rows, acc)
     with pytest.raises(ValueError, match="index out of range"):
-        b.gated_delta_decode(proj, *args[:6], np.array([ROWS]), *args[7:], NK, 1e-6)
+        b.gated_delta_conv_decode(proj, layer.conv_taps, conv, np.array([ROWS]), *rows[1:], acc)
+    gates = [np.ones((1, NV), np.float32)] * 2 + [np.ones((1, Vd), np.float32)]
+    core = np.zeros((1, Vd), np.float32)
+    with pytest.raises(ValueError, match="gated_delta_recurrent_decode: mixed must be"):
+        b.gated_delta_recurrent_decode(acc[:, 1:].copy(), *gates, layer.norm_weight, ssm, *rows,
+                                       core, NK, 1e-6)
+    with pytest.raises(ValueError, match="index out of range"):
+        b.gated_delta_recurrent_decode(acc, *gates, layer.norm_weight, ssm, rows[0],
+                                       np.array([-1]), rows[2], core, NK, 1e-6)
