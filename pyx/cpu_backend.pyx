@@ -132,6 +132,18 @@ cdef extern from "mla_kernels.h" nogil:
                                    const int32_t* block_tables, const int32_t* seq_lens,
                                    int64_t B, int64_t Hq, int64_t D, int64_t Dv, int64_t NB,
                                    int64_t BS, int64_t MB, float scale, int nthreads)
+cdef extern from "gated_delta_kernels.h" nogil:
+    int taper_gated_delta_conv_decode(const float* proj, int64_t proj_cols, const float* taps,
+                                      float* conv_state, const int64_t* src, const int64_t* slot,
+                                      const uint8_t* fresh, float* acc, int64_t B,
+                                      int64_t num_rows, int64_t C, int64_t K)
+    int taper_gated_delta_recurrent_decode(const float* mixed, const float* decay,
+                                           const float* beta, const float* gate,
+                                           const float* norm_weight, float* ssm_state,
+                                           const int64_t* src, const int64_t* slot,
+                                           const uint8_t* fresh, float* core, int64_t B,
+                                           int64_t num_rows, int64_t nk, int64_t nv, int64_t dk,
+                                           int64_t dv, float eps)
 
 
 ctypedef int (*gated_kernel)(int isa, const float* x, float* out, int64_t T, int64_t inter,
@@ -372,6 +384,15 @@ cdef _status(int st, str op, dict arrays):
     if st == TAPER_ERR_NOMEM:
         raise MemoryError(f"{op}: scratch allocation failed [{_desc(arrays)}]")
     raise RuntimeError(f"{op}: kernel failed with status {st} [{_desc(arrays)}]")
+
+
+cdef _check_rows(str op, dict arrays, int64_t B):
+    """The gated DeltaNet decode calls' int64 src, slots and uint8 fresh, (B,) each."""
+    _check(op, arrays, "src", (_I64,), 1)
+    _check(op, arrays, "slots", (_I64,), 1)
+    _check(op, arrays, "fresh", (_U8,), 1)
+    if arrays["src"].shape[0] != B or arrays["slots"].shape[0] != B or arrays["fresh"].shape[0] != B:
+        _fail(op, f"src, slots and fresh must be ({B},)", arrays)
 
 
 # ---- the backend
@@ -862,6 +883,83 @@ cdef class CpuBackend(Backend):
                 return None
             starts.append(len(rows))
         return np.array(rows, _MOE_PART), np.array(starts, np.int64)
+
+    def gated_delta_conv_decode(self, proj, taps, conv_state, src, slots, fresh, acc):
+        """The gated DeltaNet's causal conv1d for B sequences of one token each, before silu
+        (gated_delta_kernels.h): proj (B, >= C) -> acc (B, C); conv_state (rows, K - 1, C) rows
+        src read (fresh: zeros), rows slots written."""
+        op = "gated_delta_conv_decode"
+        arrays = {"proj": proj, "taps": taps, "conv_state": conv_state, "src": src,
+                  "slots": slots, "fresh": fresh, "acc": acc}
+        _check(op, arrays, "taps", (_F32,), 2)
+        _check(op, arrays, "conv_state", (_F32,), 3, True)
+        _check(op, arrays, "acc", (_F32,), 2, True)
+        cdef int64_t B = acc.shape[0], C = acc.shape[1], K = taps.shape[0]
+        cdef int64_t rows = conv_state.shape[0]
+        _check(op, arrays, "proj", (_F32,), 2)
+        if proj.shape[0] != B or proj.shape[1] < C:
+            _fail(op, "proj must be (B, >= C)", arrays)
+        if taps.shape[1] != C or conv_state.shape[1] != K - 1 or conv_state.shape[2] != C:
+            _fail(op, "taps must be (K, C), conv_state (rows, K - 1, C), acc (B, C)", arrays)
+        _check_rows(op, arrays, B)
+        cdef int64_t pcols = proj.shape[1]
+        cdef const float* pp = <const float*>_ptr(proj)
+        cdef const float* tp = <const float*>_ptr(taps)
+        cdef float* cp = <float*>_ptr(conv_state)
+        cdef const int64_t* srcp = <const int64_t*>_ptr(src)
+        cdef const int64_t* slp = <const int64_t*>_ptr(slots)
+        cdef const uint8_t* fp = <const uint8_t*>_ptr(fresh)
+        cdef float* ap = <float*>_ptr(acc)
+        cdef int st
+        with nogil:
+            st = taper_gated_delta_conv_decode(pp, pcols, tp, cp, srcp, slp, fp, ap, B, rows, C,
+                                               K)
+        _status(st, op, arrays)
+
+    def gated_delta_recurrent_decode(self, mixed, decay, beta, gate, norm_weight, ssm_state,
+                                     src, slots, fresh, core, int64_t num_k_heads, float eps):
+        """The gated DeltaNet's delta rule and gated RMSNorm for B sequences of one token each
+        (gated_delta_kernels.h): mixed (B, C) after silu, decay and beta (B, Hv), gate (B, Hv *
+        dv) silu(z) -> core (B, Hv * dv); the recurrent state (rows, Hv, dk, dv) rows src read
+        (fresh: zeros), rows slots written."""
+        op = "gated_delta_recurrent_decode"
+        arrays = {"mixed": mixed, "decay": decay, "beta": beta, "gate": gate,
+                  "norm_weight": norm_weight, "ssm_state": ssm_state, "src": src, "slots": slots,
+                  "fresh": fresh, "core": core}
+        for name in ("mixed", "decay", "beta", "gate"):
+            _check(op, arrays, name, (_F32,), 2)
+        _check(op, arrays, "norm_weight", (_F32,), 1)
+        _check(op, arrays, "ssm_state", (_F32,), 4, True)
+        _check(op, arrays, "core", (_F32,), 2, True)
+        cdef int64_t B = mixed.shape[0], rows = ssm_state.shape[0], nv = ssm_state.shape[1]
+        cdef int64_t dk = ssm_state.shape[2], dv = ssm_state.shape[3], nk = num_k_heads
+        if nk < 1 or nv % nk or mixed.shape[1] != 2 * nk * dk + nv * dv:
+            _fail(op, f"mixed must be (B, 2 * {nk} * dk + Hv * dv) with Hv a multiple of "
+                  f"num_k_heads {nk}", arrays)
+        for name in ("decay", "beta"):
+            if arrays[name].shape[0] != B or arrays[name].shape[1] != nv:
+                _fail(op, f"{name} must be (B, Hv)", arrays)
+        for name in ("gate", "core"):
+            if arrays[name].shape[0] != B or arrays[name].shape[1] != nv * dv:
+                _fail(op, f"{name} must be (B, Hv * dv)", arrays)
+        if norm_weight.shape[0] != dv:
+            _fail(op, "norm_weight must be (dv,)", arrays)
+        _check_rows(op, arrays, B)
+        cdef const float* mp = <const float*>_ptr(mixed)
+        cdef const float* dp = <const float*>_ptr(decay)
+        cdef const float* bp = <const float*>_ptr(beta)
+        cdef const float* gp = <const float*>_ptr(gate)
+        cdef const float* wp = <const float*>_ptr(norm_weight)
+        cdef float* sp = <float*>_ptr(ssm_state)
+        cdef const int64_t* srcp = <const int64_t*>_ptr(src)
+        cdef const int64_t* slp = <const int64_t*>_ptr(slots)
+        cdef const uint8_t* fp = <const uint8_t*>_ptr(fresh)
+        cdef float* op_ = <float*>_ptr(core)
+        cdef int st
+        with nogil:
+            st = taper_gated_delta_recurrent_decode(mp, dp, bp, gp, wp, sp, srcp, slp, fp, op_, B,
+                                                    rows, nk, nv, dk, dv, eps)
+        _status(st, op, arrays)
 
     def moe_experts(self, x, gate_up, down, topk_ids, topk_weights, activation, out):
         op = "moe_experts"

@@ -20,7 +20,11 @@ tokens of its chunk, copied into a snapshot row.
 The recurrence runs in transformers' chunked form for a sequence's prefill chunk (a triangular
 solve and matmuls per 64 rows) and token by token, vectorised over the batch's sequences and
 heads, for decodes and short chunks (a decode step is one pass); the convolution is K shifted
-multiply-adds over the batch's rows. Like
+multiply-adds over the batch's rows. A decode step on the CPU (one token per sequence, no
+snapshot) runs the convolution and the recurrence as two C calls instead
+(CpuBackend.gated_delta_conv_decode, gated_delta_recurrent_decode: pyx/gated_delta_kernels.c),
+the exponentials between them NumPy's: the NumPy path's bits, without its dozens of small array
+operations a layer (most of the step's time there). Like
 pyx/layers.pyx, no device code: backend ops and the array API NumPy and CuPy share.
 """
 from __future__ import annotations
@@ -86,6 +90,8 @@ class GatedDeltaNet:
         self.dt_bias = xp.asarray(np.asarray(dt_bias, f32))
         self.norm_weight = xp.asarray(np.asarray(norm_weight, f32))
         self.eps = float(eps)
+        # the CPU backend's decode kernels (False: the NumPy path alone)
+        self.use_decode_kernels = hasattr(backend, "gated_delta_recurrent_decode")
 
     def state_shapes(self, num_rows: int) -> tuple[tuple, tuple]:
         """(conv state, recurrent state) array shapes for num_rows rows."""
@@ -105,10 +111,13 @@ class GatedDeltaNet:
         proj = (ws.get("gdn_proj", T, N) if b.act_dtype == np.float32
                 else xp.empty((T, N), xp.float32))
         b.linear(x, self.in_proj, None, proj)
-        mixed = self._conv(proj[:, :C], conv_state, plan)               # (T, C) f32
         z = proj[:, C:C + Vd].reshape(T, Hv, self.dv)
         beta = sigmoid(proj[:, C + Vd:C + Vd + Hv], xp)
         g = self.neg_A * softplus(proj[:, C + Vd + Hv:] + self.dt_bias, xp)
+        if self._decode_kernels(plan, T):
+            self._decode(proj, z, beta, g, conv_state, ssm_state, plan, ws, out)
+            return
+        mixed = self._conv(proj[:, :C], conv_state, plan)               # (T, C) f32
         q = l2norm(mixed[:, :Kd].reshape(T, self.nk, self.dk), xp) * np.float32(self.dk ** -0.5)
         k = l2norm(mixed[:, Kd:2 * Kd].reshape(T, self.nk, self.dk), xp)
         v = mixed[:, 2 * Kd:].reshape(T, Hv, self.dv)
@@ -121,6 +130,36 @@ class GatedDeltaNet:
         o = o * self.norm_weight * (z * sigmoid(z, xp))
         core = ws.get("gdn_core", T, Vd)
         store(core, o.reshape(T, Vd), xp)
+        b.linear(core, self.out_proj, None, out)
+
+    def _decode_kernels(self, plan, T: int) -> bool:
+        """Whether the backend's gated DeltaNet decode kernels (the NumPy path's dozens of small
+        array operations a layer in two C calls, with the same bits) can take this step: a CPU
+        backend's float32 activations, one token per sequence, no snapshot to take, and no
+        sequence starting from a row another one writes."""
+        if (not self.use_decode_kernels or T != plan.num_seqs or plan.saves
+                or self.backend.act_dtype != np.float32 or plan.lengths.max(initial=0) != 1):
+            return False
+        src, slots = plan.src_rows, plan.slots
+        if src.dtype != np.int64 or slots.dtype != np.int64:
+            return False
+        return bool(np.array_equal(src, slots) or ((src == slots) | ~np.isin(src, slots)).all())
+
+    def _decode(self, proj, z, beta, g, conv_state, ssm_state, plan, ws, out):
+        """A decode step's conv, delta rule and gated norm: the C calls do what _conv and
+        _recurrence do between the exponentials, which stay NumPy's (silu, the decay, the
+        output gate), as in forward."""
+        b, T, C, Vd = self.backend, proj.shape[0], self.conv_dim, self.value_dim
+        fresh = np.ascontiguousarray(plan.fresh).view(np.uint8)
+        acc = ws.get("gdn_conv", T, C)
+        b.gated_delta_conv_decode(proj, self.conv_taps, conv_state, plan.src_rows, plan.slots,
+                                  fresh, acc)
+        mixed = acc * sigmoid(acc)
+        gate = (z * sigmoid(z)).reshape(T, Vd)
+        core = ws.get("gdn_core", T, Vd)
+        b.gated_delta_recurrent_decode(mixed, np.exp(g), np.ascontiguousarray(beta), gate,
+                                       self.norm_weight, ssm_state, plan.src_rows, plan.slots,
+                                       fresh, core, self.nk, self.eps)
         b.linear(core, self.out_proj, None, out)
 
     def _conv(self, mixed, conv_state, plan):
