@@ -31,14 +31,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from engine.parallel import stages_gemma4
 from engine.parallel.pipeline_profile import StageProfile
 from engine.parallel.stage_families import stage_family
 from engine.parallel.sharding_vision import SPLIT_VISION, is_tower_tensor
 from engine.parallel.stages_vision import text_model_name
 from engine.runner.forward_batch import ForwardBatch
 
-# Families whose graphs are built by LlamaForCausalLM's layer loop and forward (the stage's
-# renumbered layers and the boundary hand-over), checked with pipeline parallel.
+# Families split into stages (the stage's layers renumbered from 0, the residual stream handed
+# over at the boundary: LlamaForCausalLM's forward, or a family's own that does the same, the
+# hybrid models' and Gemma 4's), each checked with pipeline parallel.
 STAGED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
@@ -65,8 +67,6 @@ STAGED_ARCHITECTURES = (
     "DeepseekV3ForCausalLM",
     "Glm4MoeLiteForCausalLM",
     "Glm4MoeForCausalLM",
-    # the hybrid linear-attention families' own forward (engine/models/qwen3_next.py): each
-    # stage holds its linear layers' state rows, indexed by rank 0's plan
     "Qwen3NextForCausalLM",
     "Qwen3_5ForCausalLM",
     "Qwen3_5MoeForCausalLM",
@@ -100,12 +100,9 @@ def stage_layers(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
 
 
 def _family_stages(model_config):
-    """A family's own stage cut and per-layer settings (engine/parallel/stages_<family>.py), or
-    None."""
-    if model_config.architecture == "Gemma4ForCausalLM":
-        from engine.parallel import stages_gemma4
-        return stages_gemma4
-    return None
+    """A family's own stage cut and whether every stage holds the embedding
+    (engine/parallel/stages_<family>.py), or None."""
+    return stages_gemma4 if model_config.architecture == stages_gemma4.ARCHITECTURE else None
 
 
 def model_stage_layers(model_config, num_stages: int) -> list[tuple[int, int]]:
@@ -202,12 +199,9 @@ class PipelineStage:
         moe = c.moe and dataclasses.replace(c.moe, sparse_layers=c.moe.sparse_layers[a:b])
         la = c.linear_attention and dataclasses.replace(
             c.linear_attention, layer_types=c.linear_attention.layer_types[a:b])
-        stages = _family_stages(c)
-        family = (stage_family(c.family, a, b) if stages is None
-                  else stages.local_family(c.family, a, b))
         return dataclasses.replace(c, num_hidden_layers=b - a,
                                    sliding_windows=c.sliding_windows[a:b], moe=moe,
-                                   linear_attention=la, family=family,
+                                   linear_attention=la, family=stage_family(c.family, a, b),
                                    pipeline=self)
 
     # ---- the boundary
