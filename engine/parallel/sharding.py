@@ -163,18 +163,19 @@ class ShardPlan:
                              f"gptq, awq, compressed-tensors int4 and FP8, marlin, GGUF, --isq)")
         self.fp8_block = tuple(q["weight_block_size"]) if method == "fp8" and q.get(
             "weight_block_size") else None
-        # GPTQ/AWQ: (method, group size), cut by engine/parallel/sharding_int4.py
-        self.int4 = (method, q.get("group_size", q.get("q_group_size"))) if method in (
-            "gptq", "awq") else None
-        # compressed-tensors int4 and Marlin-format layers: cut by their own modules
-        self.packed_int4 = None
-        if method == "compressed-tensors":
+        # the packed layers' own cut (GPTQ/AWQ, compressed-tensors, Marlin-format): a module
+        # whose shard() takes the tensors of its format's layers
+        self.packed = None
+        if method in ("gptq", "awq"):
+            from engine.parallel import sharding_int4
+            self.packed = sharding_int4
+        elif method == "compressed-tensors":
             from engine.parallel import sharding_compressed
             sharding_compressed.check(q)
-            self.packed_int4 = sharding_compressed
+            self.packed = sharding_compressed
         elif method == "marlin":
             from engine.parallel import sharding_marlin
-            self.packed_int4 = sharding_marlin
+            self.packed = sharding_marlin
         self.heads = c.num_attention_heads // size
         self.kv_heads = hkv // size if hkv % size == 0 else 1
         self.vocab_share = -(-c.vocab_size // size)
@@ -295,11 +296,8 @@ class ShardPlan:
             weight = name.removesuffix("_scale_inv")
             return self.block_scales(name, tensor, self.cut(weight, tuple(shapes[weight])),
                                      self.fp8_block)
-        if self.int4 is not None and name.endswith((".qweight", ".qzeros", ".scales", ".g_idx")):
-            from engine.parallel.sharding_int4 import shard_int4
-            return shard_int4(self, name, tensor, shapes, *self.int4)
-        if self.packed_int4 is not None and (
-                part := self.packed_int4.shard(self, name, tensor, shapes)) is not NotImplemented:
+        if self.packed is not None and (
+                part := self.packed.shard(self, name, tensor, shapes)) is not NotImplemented:
             return part
         cut = self.cut(name, tuple(tensor.shape))
         if cut is None:

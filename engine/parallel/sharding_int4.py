@@ -31,8 +31,13 @@ def layer_shape(method: str, qweight_shape) -> tuple[int, int]:
     return (b, a * 8) if method == "gptq" else (b * 8, a)
 
 
-def shard_int4(plan, name: str, tensor, shapes: dict, method: str, group_size: int):
-    """The rank's part of one GPTQ/AWQ tensor `name` (its layer's `.weight` cut by `plan`)."""
+def shard(plan, name: str, tensor, shapes: dict):
+    """The rank's part of one GPTQ/AWQ tensor `name` (its layer's `.weight` cut by `plan`), or
+    NotImplemented for a tensor of no such layer (sharding.py cuts it as any other)."""
+    if not name.endswith(SUFFIXES):
+        return NotImplemented
+    q = plan.config.quantization_config
+    method, group_size = q["quant_method"], q.get("group_size", q.get("q_group_size"))
     layer, suffix = name.rsplit(".", 1)
     qweight = f"{layer}.qweight"
     if qweight not in shapes:
