@@ -119,9 +119,11 @@ class LoraManager:
         if name in self._adapters:
             raise LoraError(f"LoRA adapter {name!r} is already loaded")
         adapter = self._read(name, path)
+        # once rank 0 lets it go (unloaded and no sequence left on it, or a load the other ranks
+        # refused), the others drop their shares with the next step
+        weakref.finalize(adapter, self._retired.append, adapter.id)
         if self.peers is not None:      # every rank reads its share before it is served
             self.peers.load_lora(name, path, adapter.id)
-        weakref.finalize(adapter, self._retired.append, adapter.id)
         with self._lock:
             if name in self._adapters:
                 raise LoraError(f"LoRA adapter {name!r} is already loaded")
