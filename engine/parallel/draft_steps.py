@@ -46,7 +46,6 @@ class PeerDrafts:
         if message.batch is not None:
             self.batch = message.batch
             self.tables = self.runner.to_device(message.batch).block_tables
-            p._hidden, p._hidden_row = None, {}
         # the logits are gathered across the ranks (a collective), then dropped: rank 0 samples
         p._step_logits(self.batch, self.tables, None, message.live, message.rows,
                        message.tokens, message.step)
