@@ -98,10 +98,7 @@ class LlamaForCausalLM:
     def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray], backend):
         """Takes ownership of `weights` (tensors are popped as they are placed)."""
         # Under tensor parallel, config is the rank's share (engine/parallel/sharding.py).
-        shapes = self.expected_shapes(config)
-        if config.pipeline is not None:     # a stage holds the ends it runs (pipeline.py)
-            shapes = {n: s for n, s in shapes.items() if config.pipeline.holds_end(n)}
-        check_weights(config, weights, shapes)
+        check_weights(config, weights, self.held_shapes(config))
         self.config = config
         self.backend = backend
         self.xp = backend.xp
@@ -156,6 +153,22 @@ class LlamaForCausalLM:
         if unused:
             logger.warning("ignoring %d unused checkpoint tensors, e.g. %s", len(unused), unused[0])
         weights.clear()
+
+    def held_shapes(self, config) -> dict:
+        """expected_shapes, less the ends (embedding, final norm, LM head) a pipeline stage does
+        not hold (engine/parallel/pipeline.py)."""
+        shapes = self.expected_shapes(config)
+        if config.pipeline is None:
+            return shapes
+        return {n: s for n, s in shapes.items() if config.pipeline.holds_end(n)}
+
+    def _send_to_next_stage(self, hidden, residual) -> None:
+        """A stage before the last: the add the next stage's first layer would make (it
+        normalizes what it receives, with its own norm: a LayerNorm family's too, as only the
+        stored sum is sent; the RMS norm written into `hidden` is discarded), then the stream
+        sent on."""
+        self.backend.fused_add_rms_norm(hidden, residual, self._ones(), self.config.rms_norm_eps)
+        self.config.pipeline.send_stream(residual)
 
     # ---- hooks a family overrides
 
@@ -303,11 +316,7 @@ class LlamaForCausalLM:
             capture.states = self._run_layers_capturing(batch, hidden, residual, kv_caches,
                                                         capture.layers)
         if stage is not None and not stage.last:
-            # the add the next stage's first layer would make (it normalizes what it receives,
-            # with its own norm: a LayerNorm family's too, as only the stored sum is sent; the
-            # RMS norm written into `hidden` is discarded)
-            b.fused_add_rms_norm(hidden, residual, self._ones(), c.rms_norm_eps)
-            stage.send_stream(residual)
+            self._send_to_next_stage(hidden, residual)
             return None
         # Only the sampled (and pooled) rows go through the final norm, the sampled ones through
         # the lm_head; every row with a FinalCapture (an MTP head reads them all).

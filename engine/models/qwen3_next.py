@@ -126,10 +126,7 @@ class Qwen3NextForCausalLM(MoeForCausalLM):
         # the MTP head's, for speculative decoding (engine/models/qwen3_next_mtp.py); the
         # engine's builder drops them when nothing drafts with them
         self.mtp_weights = take_mtp_weights(weights)
-        shapes = self.expected_shapes(config)
-        if config.pipeline is not None:     # a stage holds the ends it runs (pipeline.py)
-            shapes = {n: s for n, s in shapes.items() if config.pipeline.holds_end(n)}
-        check_weights(config, weights, shapes)
+        check_weights(config, weights, self.held_shapes(config))
         self.config, self.backend, self.xp = config, backend, backend.xp
         self._to_device = backend.asarray
         c = config
@@ -254,9 +251,7 @@ class Qwen3NextForCausalLM(MoeForCausalLM):
         for layer, caches in zip(self.layers, kv_caches):
             layer.forward(batch, hidden, residual, caches, ws)
         if stage is not None and not stage.last:
-            # the add the next stage's first layer would make (it normalizes what it receives)
-            b.fused_add_rms_norm(hidden, residual, self._ones(), c.rms_norm_eps)
-            stage.send_stream(residual)
+            self._send_to_next_stage(hidden, residual)
             return None
         idx = batch.logits_indices
         num_logits = len(idx)
